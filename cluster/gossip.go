@@ -1,0 +1,406 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+)
+
+// MemberStatus is a member's state as seen through gossip.
+type MemberStatus int
+
+// Member states. Failed means the failure detector declared the member dead;
+// Left means it announced a graceful leave.
+const (
+	StatusAlive MemberStatus = iota + 1
+	StatusSuspect
+	StatusFailed
+	StatusLeft
+)
+
+func (s MemberStatus) String() string {
+	switch s {
+	case StatusAlive:
+		return "alive"
+	case StatusSuspect:
+		return "suspect"
+	case StatusFailed:
+		return "failed"
+	case StatusLeft:
+		return "left"
+	}
+	return "unknown"
+}
+
+// Member is one node of the gossip ring.
+type Member struct {
+	Name   string
+	Addr   string // gossip address host:port
+	Status MemberStatus
+	Meta   NodeMeta
+	// Since is when the member entered Status (as observed locally).
+	Since time.Time
+}
+
+// GossipConfig configures the memberlist ring.
+type GossipConfig struct {
+	NodeName      string
+	BindAddr      string // host:port
+	AdvertiseAddr string // host:port; empty = derived by memberlist
+	Meta          NodeMeta
+	Logger        *slog.Logger
+	// Profile selects memberlist timing: "lan" (default) or "local" (fast
+	// failure detection, for tests and single-host clusters).
+	Profile string
+	// DeadNodeReclaimTime lets a node that restarted on a new address take
+	// its name back once the old incarnation has been dead this long.
+	DeadNodeReclaimTime time.Duration
+	// ForgetAfter drops failed and left members from the member list.
+	ForgetAfter time.Duration
+	// SecretKey enables gossip encryption (16, 24 or 32 bytes).
+	SecretKey []byte
+}
+
+// DefaultGossipConfig returns the production defaults.
+func DefaultGossipConfig() GossipConfig {
+	return GossipConfig{
+		BindAddr:            "0.0.0.0:7946",
+		Profile:             "lan",
+		DeadNodeReclaimTime: 10 * time.Second,
+		ForgetAfter:         72 * time.Hour,
+	}
+}
+
+// Validate checks the configuration.
+func (c GossipConfig) Validate() error {
+	var errs []error
+	if c.NodeName == "" {
+		errs = append(errs, errors.New("gossip: node name is required"))
+	}
+	if _, _, err := splitHostPort(c.BindAddr); err != nil {
+		errs = append(errs, fmt.Errorf("gossip: bind address: %w", err))
+	}
+	if c.AdvertiseAddr != "" {
+		if _, _, err := splitHostPort(c.AdvertiseAddr); err != nil {
+			errs = append(errs, fmt.Errorf("gossip: advertise address: %w", err))
+		}
+	}
+	if c.Profile != "lan" && c.Profile != "local" {
+		errs = append(errs, fmt.Errorf("gossip: profile %q: want lan or local", c.Profile))
+	}
+	if c.Meta.ID == "" {
+		errs = append(errs, errors.New("gossip: node meta needs the node id"))
+	}
+	return errors.Join(errs...)
+}
+
+// Gossip is the memberlist ring with a locally tracked view of members,
+// including failed and left ones, which memberlist itself forgets.
+type Gossip struct {
+	cfg    GossipConfig
+	logger *slog.Logger
+	ml     *memberlist.Memberlist
+
+	mu      sync.Mutex
+	members map[string]*Member
+	subs    map[chan struct{}]struct{}
+	meta    []byte
+
+	stopReap chan struct{}
+	reapDone chan struct{}
+}
+
+// NewGossip starts the gossip listener. It does not join anyone.
+func NewGossip(cfg GossipConfig) (*Gossip, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	meta, err := cfg.Meta.encode()
+	if err != nil {
+		return nil, err
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	g := &Gossip{
+		cfg:      cfg,
+		logger:   logger.With("component", "gossip"),
+		members:  make(map[string]*Member),
+		subs:     make(map[chan struct{}]struct{}),
+		meta:     meta,
+		stopReap: make(chan struct{}),
+		reapDone: make(chan struct{}),
+	}
+
+	var mc *memberlist.Config
+	if cfg.Profile == "local" {
+		mc = memberlist.DefaultLocalConfig()
+	} else {
+		mc = memberlist.DefaultLANConfig()
+	}
+	mc.Name = cfg.NodeName
+	host, port, _ := splitHostPort(cfg.BindAddr)
+	mc.BindAddr = host
+	mc.BindPort = port
+	if cfg.AdvertiseAddr != "" {
+		ah, ap, _ := splitHostPort(cfg.AdvertiseAddr)
+		mc.AdvertiseAddr = ah
+		mc.AdvertisePort = ap
+	} else if port != 0 {
+		mc.AdvertisePort = port
+	}
+	mc.Delegate = (*gossipDelegate)(g)
+	mc.Events = (*gossipEvents)(g)
+	mc.DeadNodeReclaimTime = cfg.DeadNodeReclaimTime
+	mc.Logger = log.New(&slogWriter{logger: g.logger}, "", 0)
+	if len(cfg.SecretKey) > 0 {
+		mc.SecretKey = cfg.SecretKey
+	}
+	ml, err := memberlist.Create(mc)
+	if err != nil {
+		return nil, fmt.Errorf("start gossip on %s: %w", cfg.BindAddr, err)
+	}
+	g.ml = ml
+	go g.reapLoop()
+	return g, nil
+}
+
+// LocalAddr is the address other members use to gossip with this node.
+func (g *Gossip) LocalAddr() string {
+	n := g.ml.LocalNode()
+	return net.JoinHostPort(n.Addr.String(), strconv.Itoa(int(n.Port)))
+}
+
+// Join contacts the given gossip addresses; it succeeds if any answers.
+func (g *Gossip) Join(addrs []string) (int, error) {
+	n, err := g.ml.Join(addrs)
+	if n > 0 {
+		g.logger.Info("joined gossip ring", "contacted", n, "addrs", addrs)
+		return n, nil
+	}
+	if err == nil {
+		err = errors.New("no address answered")
+	}
+	return 0, fmt.Errorf("join %v: %w", addrs, err)
+}
+
+// Leave announces a graceful departure and waits up to timeout for it to spread.
+func (g *Gossip) Leave(timeout time.Duration) error {
+	if err := g.ml.Leave(timeout); err != nil {
+		return fmt.Errorf("leave gossip ring: %w", err)
+	}
+	return nil
+}
+
+// Shutdown stops gossiping without announcing a leave.
+func (g *Gossip) Shutdown() error {
+	select {
+	case <-g.stopReap:
+	default:
+		close(g.stopReap)
+		<-g.reapDone
+	}
+	if err := g.ml.Shutdown(); err != nil {
+		return fmt.Errorf("shutdown gossip: %w", err)
+	}
+	return nil
+}
+
+// Members returns every known member, sorted by name. Suspect members are
+// reported from memberlist's live view.
+func (g *Gossip) Members() []Member {
+	live := make(map[string]memberlist.NodeStateType)
+	for _, n := range g.ml.Members() {
+		live[n.Name] = n.State
+	}
+	g.mu.Lock()
+	out := make([]Member, 0, len(g.members))
+	for _, m := range g.members {
+		c := *m
+		if st, ok := live[c.Name]; ok && st == memberlist.StateSuspect && c.Status == StatusAlive {
+			c.Status = StatusSuspect
+		}
+		out = append(out, c)
+	}
+	g.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// MemberByID returns the member whose meta carries the node ID.
+func (g *Gossip) MemberByID(id string) (Member, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var best *Member
+	for _, m := range g.members {
+		if m.Meta.ID != id {
+			continue
+		}
+		// Prefer a live entry when a renamed node left an old one behind.
+		if best == nil || (best.Status != StatusAlive && m.Status == StatusAlive) {
+			best = m
+		}
+	}
+	if best == nil {
+		return Member{}, false
+	}
+	return *best, true
+}
+
+// Subscribe returns a channel that receives a value (coalesced) after every
+// membership change, and a function to stop the subscription.
+func (g *Gossip) Subscribe() (<-chan struct{}, func()) {
+	ch := make(chan struct{}, 1)
+	g.mu.Lock()
+	g.subs[ch] = struct{}{}
+	g.mu.Unlock()
+	return ch, func() {
+		g.mu.Lock()
+		delete(g.subs, ch)
+		g.mu.Unlock()
+	}
+}
+
+func (g *Gossip) notifyLocked() {
+	for ch := range g.subs {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
+	meta, err := decodeMeta(n.Meta)
+	if err != nil {
+		g.logger.Warn("ignoring gossip member with unreadable meta", "member", n.Name, "error", err)
+		return
+	}
+	addr := net.JoinHostPort(n.Addr.String(), strconv.Itoa(int(n.Port)))
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	m, ok := g.members[n.Name]
+	if !ok {
+		m = &Member{Name: n.Name}
+		g.members[n.Name] = m
+	}
+	if m.Status != status {
+		m.Since = time.Now()
+	}
+	m.Addr, m.Status, m.Meta = addr, status, meta
+	g.notifyLocked()
+}
+
+func (g *Gossip) reapLoop() {
+	defer close(g.reapDone)
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-g.stopReap:
+			return
+		case <-t.C:
+			g.reap(time.Now())
+		}
+	}
+}
+
+func (g *Gossip) reap(now time.Time) {
+	if g.cfg.ForgetAfter <= 0 {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for name, m := range g.members {
+		if (m.Status == StatusFailed || m.Status == StatusLeft) && now.Sub(m.Since) > g.cfg.ForgetAfter {
+			delete(g.members, name)
+		}
+	}
+}
+
+// gossipDelegate serves this node's meta. No user messages are exchanged.
+type gossipDelegate Gossip
+
+func (d *gossipDelegate) NodeMeta(limit int) []byte {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.meta) > limit {
+		return nil
+	}
+	return d.meta
+}
+func (d *gossipDelegate) NotifyMsg([]byte)                           {}
+func (d *gossipDelegate) GetBroadcasts(overhead, limit int) [][]byte { return nil }
+func (d *gossipDelegate) LocalState(join bool) []byte                { return nil }
+func (d *gossipDelegate) MergeRemoteState(buf []byte, join bool)     {}
+
+// gossipEvents tracks membership. memberlist calls it synchronously, so it
+// only updates the map and signals subscribers without blocking.
+type gossipEvents Gossip
+
+func (e *gossipEvents) NotifyJoin(n *memberlist.Node) {
+	(*Gossip)(e).upsert(n, StatusAlive)
+}
+
+func (e *gossipEvents) NotifyUpdate(n *memberlist.Node) {
+	(*Gossip)(e).upsert(n, StatusAlive)
+}
+
+func (e *gossipEvents) NotifyLeave(n *memberlist.Node) {
+	st := StatusFailed
+	if n.State == memberlist.StateLeft {
+		st = StatusLeft
+	}
+	g := (*Gossip)(e)
+	g.logger.Info("gossip member gone", "member", n.Name, "status", st.String())
+	g.upsert(n, st)
+}
+
+func splitHostPort(addr string) (string, int, error) {
+	host, portStr, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, err
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil || port < 0 || port > 65535 {
+		return "", 0, fmt.Errorf("port %q out of range 0-65535", portStr)
+	}
+	return host, port, nil
+}
+
+// slogWriter adapts memberlist's "[LEVEL] memberlist: msg" log lines to slog.
+type slogWriter struct {
+	logger *slog.Logger
+}
+
+func (w *slogWriter) Write(p []byte) (int, error) {
+	line := bytes.TrimSpace(p)
+	level := slog.LevelInfo
+	for _, l := range []struct {
+		tag   string
+		level slog.Level
+	}{{"[DEBUG]", slog.LevelDebug}, {"[TRACE]", slog.LevelDebug}, {"[INFO]", slog.LevelInfo}, {"[WARN]", slog.LevelWarn}, {"[ERR]", slog.LevelError}, {"[ERROR]", slog.LevelError}} {
+		if bytes.HasPrefix(line, []byte(l.tag)) {
+			level = l.level
+			line = bytes.TrimSpace(line[len(l.tag):])
+			break
+		}
+	}
+	line = bytes.TrimPrefix(line, []byte("memberlist: "))
+	w.logger.Log(context.Background(), level, string(line))
+	return len(p), nil
+}
+
+var _ io.Writer = (*slogWriter)(nil)

@@ -1,0 +1,48 @@
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// Role of a gossip member. Only servers take part in Raft.
+const (
+	RoleServer = "server"
+)
+
+// NodeMeta is what every member advertises through gossip. It must fit
+// memberlist's 512-byte meta limit, so keys are short.
+type NodeMeta struct {
+	ID              string `json:"id"`
+	Role            string `json:"r"`
+	RaftAddr        string `json:"ra"`
+	APIAddr         string `json:"aa"`
+	InternalAddr    string `json:"ia"`
+	Version         string `json:"v"`
+	BootstrapExpect int    `json:"be,omitempty"`
+}
+
+// metaLimit is memberlist's MetaMaxSize.
+const metaLimit = 512
+
+func (m NodeMeta) encode() ([]byte, error) {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return nil, fmt.Errorf("encode node meta: %w", err)
+	}
+	if len(b) > metaLimit {
+		return nil, fmt.Errorf("node meta is %d bytes, over the %d-byte gossip limit", len(b), metaLimit)
+	}
+	return b, nil
+}
+
+func decodeMeta(b []byte) (NodeMeta, error) {
+	var m NodeMeta
+	if len(b) == 0 {
+		return m, fmt.Errorf("empty node meta")
+	}
+	if err := json.Unmarshal(b, &m); err != nil {
+		return m, fmt.Errorf("decode node meta: %w", err)
+	}
+	return m, nil
+}

@@ -1,0 +1,408 @@
+// Package config defines the pivirt-agent configuration file (/etc/pivirt-agent/config.yaml)
+// and the command-line flags that override it.
+//
+// The YAML keys are those of spec/agent.txt "Main Config" and the agent blocks of
+// spec/service-mesh.txt, plus node_name, data_dir and the cluster block for the embedded
+// Raft/gossip cluster. Load reads a file strictly (unknown keys, wrong types, bad durations and
+// bad enum values are errors naming the full key path); Validate checks the semantics; Flags
+// applies the flags the user actually set on top.
+//
+// Only cmd/ reads files and flags: the composition root turns a *Config into the Config of
+// each package it wires.
+package config
+
+import (
+	"net"
+	"os"
+	"time"
+)
+
+// Default listen addresses and other defaults shared by Default, ApplyDev and the flag help.
+const (
+	DefaultAPIAddr            = "0.0.0.0:8443"
+	DefaultInternalAddr       = "0.0.0.0:9000"
+	DefaultMetricsAddr        = "0.0.0.0:8444"
+	DefaultMetricsPath        = "/metrics"
+	DefaultGossipAddr         = "0.0.0.0:7946"
+	DefaultRaftAddr           = "0.0.0.0:8300"
+	DefaultDataDir            = "/var/lib/pivirt-agent"
+	DefaultServicePrefix      = "/pivirt/services"
+	DefaultVoters             = 3
+	DefaultRetryInterval      = 30 * time.Second
+	DefaultForwardHoldTimeout = 7 * time.Second
+
+	// DevNodeName is the node name ApplyDev sets unless --node-name is given.
+	DevNodeName = "dev"
+)
+
+// Service discovery types (service_discovery.type).
+const (
+	DiscoveryRaft = "raft"
+	DiscoveryEtcd = "etcd"
+)
+
+// Config is the whole agent configuration file. Field tags are the YAML keys; the `enum` tag
+// lists the allowed values of a string key (a leading comma allows the empty string).
+type Config struct {
+	// NodeName is this node's human-readable name (default: the hostname). It is not the node
+	// ID, which is created once in DataDir.
+	NodeName string `yaml:"node_name"`
+	// DataDir holds the node ID, the Raft log and snapshots. Empty only in dev mode, where
+	// the caller uses a temporary directory.
+	DataDir string `yaml:"data_dir"`
+
+	Server           ServerConfig           `yaml:"server"`
+	TLS              TLSConfig              `yaml:"tls"`
+	ServiceDiscovery ServiceDiscoveryConfig `yaml:"service_discovery"`
+	// Backends are the backend clusters by name (pivirtd, iscsiman, osinfodb, ...).
+	Backends        map[string]BackendConfig `yaml:"backends"`
+	Auth            AuthConfig               `yaml:"auth"`
+	Logging         LoggingConfig            `yaml:"logging"`
+	Tracing         TracingConfig            `yaml:"tracing"`
+	Routing         RoutingConfig            `yaml:"routing"`
+	LoadBalancing   LoadBalancingConfig      `yaml:"load_balancing"`
+	CircuitBreaking CircuitBreakingConfig    `yaml:"circuit_breaking"`
+	Cluster         ClusterConfig            `yaml:"cluster"`
+
+	// Dev is set by --dev (ApplyDev): a single loopback node without TLS. Not a file key.
+	Dev bool `yaml:"-"`
+}
+
+// ServerConfig is the server block: the agent's listeners.
+type ServerConfig struct {
+	ConnectRPC   ConnectRPCConfig `yaml:"connectrpc"`
+	GRPCInternal ListenerConfig   `yaml:"grpc_internal"`
+	Metrics      MetricsConfig    `yaml:"metrics"`
+}
+
+// ConnectRPCConfig is the external ConnectRPC/gRPC/gRPC-Web listener (port 8443).
+type ConnectRPCConfig struct {
+	Addr string          `yaml:"addr"`
+	TLS  ServerTLSConfig `yaml:"tls"`
+}
+
+// ServerTLSConfig holds the server certificate of the external listener.
+type ServerTLSConfig struct {
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+	CAFile   string `yaml:"ca_file"`
+	// ClientCAFile verifies client certificates.
+	ClientCAFile string `yaml:"client_ca_file"`
+}
+
+// ListenerConfig is a listener with only an address (the internal gRPC port 9000).
+type ListenerConfig struct {
+	Addr string `yaml:"addr"`
+}
+
+// MetricsConfig is the plain-HTTP operations listener (port 8444).
+type MetricsConfig struct {
+	Addr string `yaml:"addr"`
+	Path string `yaml:"path"`
+}
+
+// TLSConfig is the top-level tls block: the agent's own mTLS identity, used between agents
+// and towards backends. Enabled false turns TLS off everywhere (dev mode).
+type TLSConfig struct {
+	Enabled           bool   `yaml:"enabled"`
+	CAFile            string `yaml:"ca_file"`
+	CertFile          string `yaml:"cert_file"`
+	KeyFile           string `yaml:"key_file"`
+	VerifyPeer        bool   `yaml:"verify_peer"`
+	RequireClientCert bool   `yaml:"require_client_cert"`
+}
+
+// ServiceDiscoveryConfig selects where service registrations live: the embedded Raft store
+// ("raft", default) or an external etcd ("etcd").
+type ServiceDiscoveryConfig struct {
+	Type string     `yaml:"type" enum:"raft,etcd"`
+	Etcd EtcdConfig `yaml:"etcd"`
+}
+
+// EtcdConfig is the etcd client used when service_discovery.type is "etcd". Prefix is also
+// the key prefix of the services table in Raft mode.
+type EtcdConfig struct {
+	Endpoints []string `yaml:"endpoints"`
+	CAFile    string   `yaml:"ca_file"`
+	CertFile  string   `yaml:"cert_file"`
+	KeyFile   string   `yaml:"key_file"`
+	Prefix    string   `yaml:"prefix"`
+}
+
+// BackendConfig is one backend cluster. Endpoint is unix:///abs/path, dns:///host:port,
+// host:port or https://host[:port]. A zero Timeout means no per-try timeout; a zero
+// Retry.MaxAttempts means a single attempt.
+type BackendConfig struct {
+	Endpoint string           `yaml:"endpoint"`
+	Timeout  Duration         `yaml:"timeout"`
+	Retry    RetryConfig      `yaml:"retry"`
+	TLS      BackendTLSConfig `yaml:"tls"`
+}
+
+// RetryConfig is a backend's retry policy.
+type RetryConfig struct {
+	MaxAttempts int      `yaml:"max_attempts"`
+	Backoff     Duration `yaml:"backoff"`
+}
+
+// BackendTLSConfig is the client TLS towards one backend; empty files fall back to the
+// top-level tls block.
+type BackendTLSConfig struct {
+	Enabled    bool   `yaml:"enabled"`
+	CertFile   string `yaml:"cert_file"`
+	KeyFile    string `yaml:"key_file"`
+	CAFile     string `yaml:"ca_file"`
+	ServerName string `yaml:"server_name"`
+}
+
+// AuthConfig is the authentication and authorization of external clients.
+type AuthConfig struct {
+	OIDC OIDCConfig `yaml:"oidc"`
+	// RBACPolicy is the path of the RBAC policy file (rbac.yaml).
+	RBACPolicy string `yaml:"rbac_policy"`
+}
+
+// OIDCConfig verifies bearer tokens; empty IssuerURL disables OIDC.
+type OIDCConfig struct {
+	IssuerURL string `yaml:"issuer_url"`
+	ClientID  string `yaml:"client_id"`
+}
+
+// LoggingConfig is the logging block. Output is "stdout", "stderr" or an absolute file path.
+type LoggingConfig struct {
+	Level     string          `yaml:"level" enum:"debug,info,warn,error"`
+	Format    string          `yaml:"format" enum:"json,text"`
+	Output    string          `yaml:"output"`
+	Sampling  SamplingConfig  `yaml:"sampling"`
+	AccessLog AccessLogConfig `yaml:"access_log"`
+}
+
+// SamplingConfig logs the first Initial entries with the same message each second, then
+// every Thereafter-th. Zero values disable sampling.
+type SamplingConfig struct {
+	Initial    int `yaml:"initial"`
+	Thereafter int `yaml:"thereafter"`
+}
+
+// AccessLogConfig is the per-request access log.
+type AccessLogConfig struct {
+	Enabled bool   `yaml:"enabled"`
+	Format  string `yaml:"format" enum:"json,text"`
+}
+
+// TracingConfig is OpenTelemetry tracing. An empty Exporter lets the telemetry code choose
+// from the endpoint.
+type TracingConfig struct {
+	Enabled      bool    `yaml:"enabled"`
+	Exporter     string  `yaml:"exporter" enum:",otlp,jaeger,zipkin"`
+	Endpoint     string  `yaml:"endpoint"`
+	SamplingRate float64 `yaml:"sampling_rate"`
+}
+
+// RoutingConfig maps request path prefixes to backend clusters.
+type RoutingConfig struct {
+	Rules []RouteRule `yaml:"rules"`
+}
+
+// RouteRule sends requests whose path starts with Match.Prefix to Route.Cluster.
+type RouteRule struct {
+	Match RouteMatch  `yaml:"match"`
+	Route RouteTarget `yaml:"route"`
+}
+
+// RouteMatch is the request side of a route rule.
+type RouteMatch struct {
+	Prefix string `yaml:"prefix"`
+}
+
+// RouteTarget is the backend side of a route rule.
+type RouteTarget struct {
+	Cluster string `yaml:"cluster"`
+}
+
+// LoadBalancingConfig is the endpoint picking and active health checking of backend clusters.
+type LoadBalancingConfig struct {
+	Policy      string            `yaml:"policy" enum:"round_robin,least_connections,random"`
+	HealthCheck HealthCheckConfig `yaml:"health_check"`
+}
+
+// HealthCheckConfig is active grpc.health.v1 checking of backend endpoints.
+type HealthCheckConfig struct {
+	Enabled            bool     `yaml:"enabled"`
+	Interval           Duration `yaml:"interval"`
+	Timeout            Duration `yaml:"timeout"`
+	HealthyThreshold   int      `yaml:"healthy_threshold"`
+	UnhealthyThreshold int      `yaml:"unhealthy_threshold"`
+}
+
+// CircuitBreakingConfig is outlier ejection with Envoy semantics.
+type CircuitBreakingConfig struct {
+	Enabled    bool                     `yaml:"enabled"`
+	Thresholds CircuitBreakerThresholds `yaml:"thresholds"`
+}
+
+// CircuitBreakerThresholds are the outlier detection parameters.
+type CircuitBreakerThresholds struct {
+	Consecutive5xx     int      `yaml:"consecutive_5xx"`
+	Interval           Duration `yaml:"interval"`
+	BaseEjectionTime   Duration `yaml:"base_ejection_time"`
+	MaxEjectionPercent int      `yaml:"max_ejection_percent"`
+}
+
+// ClusterConfig is the embedded cluster: gossip membership and the Raft group.
+type ClusterConfig struct {
+	// AdvertiseAddr is the IP other nodes use to reach this one; empty derives it from the
+	// bind addresses.
+	AdvertiseAddr string       `yaml:"advertise_addr"`
+	Gossip        GossipConfig `yaml:"gossip"`
+	Raft          RaftConfig   `yaml:"raft"`
+	// Join lists gossip addresses (host:port) contacted once at start.
+	Join []string `yaml:"join"`
+	// RetryJoin lists gossip addresses retried every RetryInterval, at most RetryMax times
+	// (0 = forever).
+	RetryJoin        []string `yaml:"retry_join"`
+	RetryInterval    Duration `yaml:"retry_interval"`
+	RetryMax         int      `yaml:"retry_max"`
+	LeaveOnTerminate bool     `yaml:"leave_on_terminate"`
+	// ForwardHoldTimeout is how long a request waits for a leader before failing.
+	ForwardHoldTimeout Duration `yaml:"forward_hold_timeout"`
+}
+
+// GossipConfig is the memberlist ring.
+type GossipConfig struct {
+	BindAddr      string `yaml:"bind_addr"`
+	AdvertiseAddr string `yaml:"advertise_addr"`
+	// EncryptKeyFile holds a base64 16, 24 or 32 byte key; empty disables gossip encryption.
+	EncryptKeyFile string `yaml:"encrypt_key_file"`
+}
+
+// RaftConfig is the Raft group. The timeouts map to the hashicorp/raft Config fields of the
+// same names.
+type RaftConfig struct {
+	Addr          string `yaml:"addr"`
+	AdvertiseAddr string `yaml:"advertise_addr"`
+	// Voters is the target voter count (odd, 1..7); further servers are non-voters.
+	Voters int `yaml:"voters"`
+	// BootstrapExpect bootstraps once this many servers are seen (0 = never).
+	BootstrapExpect int `yaml:"bootstrap_expect"`
+	// Bootstrap starts a single-node cluster on an empty log.
+	Bootstrap bool `yaml:"bootstrap"`
+	// DeadServerCleanup removes a failed server after this long (0 disables).
+	DeadServerCleanup  Duration `yaml:"dead_server_cleanup"`
+	HeartbeatTimeout   Duration `yaml:"heartbeat_timeout"`
+	ElectionTimeout    Duration `yaml:"election_timeout"`
+	LeaderLeaseTimeout Duration `yaml:"leader_lease_timeout"`
+	SnapshotThreshold  uint64   `yaml:"snapshot_threshold"`
+	SnapshotInterval   Duration `yaml:"snapshot_interval"`
+	TrailingLogs       uint64   `yaml:"trailing_logs"`
+}
+
+// Default returns the configuration used for every key the file does not set: the values of
+// the spec, node_name from the hostname, and certificate paths of the spec's example (TLS is
+// enabled by default).
+func Default() *Config {
+	hostname, _ := os.Hostname() // empty on error: Validate reports node_name
+	return &Config{
+		NodeName: hostname,
+		DataDir:  DefaultDataDir,
+		Server: ServerConfig{
+			ConnectRPC: ConnectRPCConfig{
+				Addr: DefaultAPIAddr,
+				TLS: ServerTLSConfig{
+					CertFile:     "/etc/pivirt/certs/agent-server.crt",
+					KeyFile:      "/etc/pivirt/certs/agent-server.key",
+					CAFile:       "/etc/pivirt/certs/ca-chain.pem",
+					ClientCAFile: "/etc/pivirt/certs/ca-chain.pem",
+				},
+			},
+			GRPCInternal: ListenerConfig{Addr: DefaultInternalAddr},
+			Metrics:      MetricsConfig{Addr: DefaultMetricsAddr, Path: DefaultMetricsPath},
+		},
+		TLS: TLSConfig{
+			Enabled:           true,
+			CAFile:            "/etc/pivirt/certs/ca-chain.pem",
+			CertFile:          "/etc/pivirt/certs/agent-client.crt",
+			KeyFile:           "/etc/pivirt/certs/agent-client.key",
+			VerifyPeer:        true,
+			RequireClientCert: true,
+		},
+		ServiceDiscovery: ServiceDiscoveryConfig{
+			Type: DiscoveryRaft,
+			Etcd: EtcdConfig{Prefix: DefaultServicePrefix},
+		},
+		Logging: LoggingConfig{
+			Level:     "info",
+			Format:    "json",
+			Output:    "stdout",
+			Sampling:  SamplingConfig{Initial: 100, Thereafter: 100},
+			AccessLog: AccessLogConfig{Enabled: false, Format: "json"},
+		},
+		Tracing: TracingConfig{SamplingRate: 0.1},
+		LoadBalancing: LoadBalancingConfig{
+			Policy: "round_robin",
+			HealthCheck: HealthCheckConfig{
+				Enabled:            true,
+				Interval:           Duration(10 * time.Second),
+				Timeout:            Duration(5 * time.Second),
+				HealthyThreshold:   2,
+				UnhealthyThreshold: 3,
+			},
+		},
+		CircuitBreaking: CircuitBreakingConfig{
+			Enabled: true,
+			Thresholds: CircuitBreakerThresholds{
+				Consecutive5xx:     5,
+				Interval:           Duration(10 * time.Second),
+				BaseEjectionTime:   Duration(30 * time.Second),
+				MaxEjectionPercent: 50,
+			},
+		},
+		Cluster: ClusterConfig{
+			Gossip: GossipConfig{BindAddr: DefaultGossipAddr},
+			Raft: RaftConfig{
+				Addr:               DefaultRaftAddr,
+				Voters:             DefaultVoters,
+				DeadServerCleanup:  Duration(time.Minute),
+				HeartbeatTimeout:   Duration(time.Second),
+				ElectionTimeout:    Duration(time.Second),
+				LeaderLeaseTimeout: Duration(500 * time.Millisecond),
+				SnapshotThreshold:  8192,
+				SnapshotInterval:   Duration(2 * time.Minute),
+				TrailingLogs:       10240,
+			},
+			RetryInterval:      Duration(DefaultRetryInterval),
+			ForwardHoldTimeout: Duration(DefaultForwardHoldTimeout),
+		},
+	}
+}
+
+// ApplyDev turns cfg into a single development node: every listener on 127.0.0.1 with the
+// default ports, TLS off, Raft discovery, a self-bootstrapped one-voter cluster, node name
+// "dev" and an empty data_dir (the caller uses a temporary directory). Flags.Apply calls it
+// for --dev before the explicit flags, so those still win.
+func ApplyDev(cfg *Config) {
+	cfg.Dev = true
+	cfg.NodeName = DevNodeName
+	cfg.DataDir = ""
+	cfg.Server.ConnectRPC.Addr = loopback(DefaultAPIAddr)
+	cfg.Server.GRPCInternal.Addr = loopback(DefaultInternalAddr)
+	cfg.Server.Metrics.Addr = loopback(DefaultMetricsAddr)
+	cfg.TLS.Enabled = false
+	cfg.ServiceDiscovery.Type = DiscoveryRaft
+	cfg.Cluster.AdvertiseAddr = "127.0.0.1"
+	cfg.Cluster.Gossip.BindAddr = loopback(DefaultGossipAddr)
+	cfg.Cluster.Gossip.AdvertiseAddr = ""
+	cfg.Cluster.Raft.Addr = loopback(DefaultRaftAddr)
+	cfg.Cluster.Raft.AdvertiseAddr = ""
+	cfg.Cluster.Raft.Voters = 1
+	cfg.Cluster.Raft.Bootstrap = true
+	cfg.Cluster.Raft.BootstrapExpect = 0
+	cfg.Cluster.Join = nil
+	cfg.Cluster.RetryJoin = nil
+}
+
+// loopback replaces the host of a default "0.0.0.0:port" address with 127.0.0.1.
+func loopback(addr string) string {
+	_, port, _ := net.SplitHostPort(addr) // addr is one of the constants above
+	return net.JoinHostPort("127.0.0.1", port)
+}

@@ -1,0 +1,205 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+const (
+	// maxMessageBytes bounds messages in both directions (connect's default
+	// is unlimited).
+	maxMessageBytes = 16 << 20
+
+	retryInitialBackoff = 100 * time.Millisecond
+	retryMaxBackoff     = 2 * time.Second
+)
+
+// metaHeaders are the response headers describing the state a read was
+// served from (QueryMeta); --verbose prints them.
+var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-Contact"}
+
+// clientConn is the API client of one invocation.
+type clientConn struct {
+	http *http.Client
+	api  clusterv1connect.ClusterServiceClient
+}
+
+func (c *clientConn) close() { c.http.CloseIdleConnections() }
+
+// rpcFunc is the body of a command that talks to the cluster.
+type rpcFunc func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error
+
+// call validates the global flags, connects to the endpoint and runs fn under
+// the --timeout deadline. Commands validate their own input before call, so
+// bad input never reaches the network.
+func (a *app) call(cmd *cobra.Command, fn rpcFunc) error {
+	if err := a.validateGlobals(); err != nil {
+		return err
+	}
+	if a.conn == nil {
+		endpoint, err := a.endpoint(cmd)
+		if err != nil {
+			return err
+		}
+		httpClient, err := newHTTPClient(endpoint)
+		if err != nil {
+			return err
+		}
+		a.conn = &clientConn{
+			http: httpClient,
+			api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
+				connect.WithInterceptors(a.retryInterceptor()),
+				connect.WithReadMaxBytes(maxMessageBytes),
+				connect.WithSendMaxBytes(maxMessageBytes),
+			),
+		}
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), a.opts.timeout)
+	defer cancel()
+	return fn(ctx, a.conn.api)
+}
+
+// endpoint resolves the agent address: --endpoint, else $PVCLI_ENDPOINT,
+// else the default.
+func (a *app) endpoint(cmd *cobra.Command) (*url.URL, error) {
+	raw, source := a.opts.endpoint, "--endpoint"
+	if !cmd.Flags().Changed("endpoint") {
+		if env := a.getenv(envEndpoint); env != "" {
+			raw, source = env, envEndpoint
+		}
+	}
+	u, err := parseEndpoint(raw)
+	if err != nil {
+		return nil, usagef("invalid %s %q: %v; want http://HOST:PORT, https://HOST:PORT or HOST:PORT", source, raw, err)
+	}
+	return u, nil
+}
+
+// parseEndpoint accepts http://HOST[:PORT][/PATH], https://... and HOST:PORT,
+// which means http://HOST:PORT.
+func parseEndpoint(raw string) (*url.URL, error) {
+	if !strings.Contains(raw, "://") {
+		host, port, err := net.SplitHostPort(raw)
+		if err != nil {
+			return nil, err
+		}
+		if host == "" || port == "" {
+			return nil, fmt.Errorf("host and port must not be empty")
+		}
+		raw = "http://" + raw
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case u.Scheme != "http" && u.Scheme != "https":
+		return nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
+	case u.Hostname() == "":
+		return nil, fmt.Errorf("missing host")
+	case u.User != nil || u.RawQuery != "" || u.Fragment != "":
+		return nil, fmt.Errorf("user info, query and fragment are not allowed")
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/")
+	return u, nil
+}
+
+// newHTTPClient builds the HTTP client for endpoint; it is the one place that
+// decides how pvcli reaches an agent.
+//
+// http:// speaks HTTP/2 over cleartext TCP with prior knowledge (h2c), so
+// streaming RPCs work without TLS. https:// negotiates HTTP/2 through ALPN
+// and verifies the server against the system roots.
+// TODO(tls): CA bundle, client certificate and server name come here.
+func newHTTPClient(endpoint *url.URL) (*http.Client, error) {
+	switch endpoint.Scheme {
+	case "http":
+		t := &http.Transport{
+			DialContext:     (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext,
+			IdleConnTimeout: 90 * time.Second,
+			Protocols:       new(http.Protocols),
+		}
+		t.Protocols.SetUnencryptedHTTP2(true)
+		return &http.Client{Transport: t}, nil
+	case "https":
+		t := http.DefaultTransport.(*http.Transport).Clone()
+		t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+		t.ForceAttemptHTTP2 = true
+		return &http.Client{Transport: t}, nil
+	default:
+		return nil, fmt.Errorf("unsupported endpoint scheme %q: want http or https", endpoint.Scheme)
+	}
+}
+
+// retryInterceptor resends a request that failed with Unavailable (no
+// leader, leader change, agent restarting, connection refused) with jittered
+// exponential backoff until the deadline. The request is resent unchanged,
+// so a write keeps its client ID and sequence number and the cluster applies
+// it at most once.
+func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
+	return func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			backoff := retryInitialBackoff
+			var unavailable error
+			for attempt := 1; ; attempt++ {
+				resp, err := next(ctx, req)
+				if err == nil {
+					a.printMeta(resp.Header())
+					return resp, nil
+				}
+				switch connect.CodeOf(err) {
+				case connect.CodeUnavailable:
+					unavailable = err
+				case connect.CodeDeadlineExceeded:
+					// The deadline ran out during a retry: the reason for
+					// retrying says more than "deadline exceeded".
+					if unavailable != nil && ctx.Err() != nil {
+						return nil, unavailable
+					}
+					return nil, err
+				default:
+					return nil, err
+				}
+				wait := backoff/2 + rand.N(backoff/2+1)
+				if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) <= wait {
+					return nil, err
+				}
+				if a.opts.verbose {
+					fmt.Fprintf(a.stderr, "attempt %d of %s failed (%v); retrying in %s\n",
+						attempt, req.Spec().Procedure, err, wait.Round(time.Millisecond))
+				}
+				timer := time.NewTimer(wait)
+				select {
+				case <-ctx.Done():
+					timer.Stop()
+					return nil, err
+				case <-timer.C:
+				}
+				backoff = min(2*backoff, retryMaxBackoff)
+			}
+		}
+	}
+}
+
+func (a *app) printMeta(h http.Header) {
+	if !a.opts.verbose {
+		return
+	}
+	for _, k := range metaHeaders {
+		if v := h.Get(k); v != "" {
+			fmt.Fprintf(a.stderr, "%s: %s\n", k, v)
+		}
+	}
+}

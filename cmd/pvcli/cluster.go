@@ -1,0 +1,160 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strconv"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+func (a *app) newClusterCmd() *cobra.Command {
+	return groupCmd("cluster", "Inspect and change cluster membership and Raft leadership",
+		&cobra.Command{
+			Use:   "members",
+			Short: "List the gossip members seen by the node asked",
+			Args:  positional(),
+			RunE:  a.command(a.clusterMembers),
+		},
+		&cobra.Command{
+			Use:   "peers",
+			Short: "List the Raft servers with their state and replication progress",
+			Args:  positional(),
+			RunE:  a.command(a.clusterPeers),
+		},
+		&cobra.Command{
+			Use:   "leader",
+			Short: "Show the current Raft leader",
+			Args:  positional(),
+			RunE:  a.command(a.clusterLeader),
+		},
+		&cobra.Command{
+			Use:   "join ADDR...",
+			Short: "Make the node asked join the gossip ring through the given gossip addresses",
+			Args:  positional("ADDR..."),
+			RunE:  a.command(a.clusterJoin),
+		},
+		&cobra.Command{
+			Use:   "leave",
+			Short: "Make the node asked leave the cluster gracefully and shut down",
+			Args:  positional(),
+			RunE:  a.command(a.clusterLeave),
+		},
+		&cobra.Command{
+			Use:   "remove-peer ID",
+			Short: "Remove a server (by node ID) from the Raft configuration",
+			Args:  positional("ID"),
+			RunE:  a.command(a.clusterRemovePeer),
+		},
+		&cobra.Command{
+			Use:   "transfer-leader [ID]",
+			Short: "Hand Raft leadership to the given server, or to the most up-to-date voter",
+			Args:  positional("[ID]"),
+			RunE:  a.command(a.clusterTransferLeader),
+		},
+	)
+}
+
+func (a *app) clusterMembers(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			row(w, "NAME", "NODE-ID", "GOSSIP-ADDR", "STATUS", "ROLE", "RAFT-ADDR", "API-ADDR", "VERSION")
+			for _, m := range resp.Msg.GetMembers() {
+				row(w, m.GetName(), m.GetNodeId(), m.GetGossipAddr(), enumName(m.GetStatus()), m.GetRole(),
+					m.GetRaftAddr(), m.GetApiAddr(), m.GetVersion())
+			}
+		})
+	})
+}
+
+func (a *app) clusterPeers(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.Peers(ctx, connect.NewRequest(&clusterv1.PeersRequest{Read: a.readOptions()}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			row(w, "NODE", "ID", "ADDRESS", "STATE", "VOTER", "COMMIT", "APPLIED", "TRAILING", "LAST-CONTACT")
+			for _, p := range resp.Msg.GetPeers() {
+				row(w, p.GetName(), p.GetNodeId(), p.GetAddress(), enumName(p.GetState()), strconv.FormatBool(p.GetVoter()),
+					formatUint(p.GetCommitIndex()), formatUint(p.GetAppliedIndex()), formatUint(p.GetTrailing()),
+					formatDuration(p.GetLastContact()))
+			}
+		})
+	})
+}
+
+func (a *app) clusterLeader(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{Read: a.readOptions()}))
+		if err != nil {
+			return err
+		}
+		l := resp.Msg
+		return a.render(l, func(w io.Writer) {
+			row(w, "NAME", "NODE-ID", "RAFT-ADDR", "API-ADDR", "TERM")
+			row(w, l.GetName(), l.GetNodeId(), l.GetRaftAddr(), l.GetApiAddr(), formatUint(l.GetTerm()))
+		})
+	})
+}
+
+func (a *app) clusterJoin(cmd *cobra.Command, args []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.Join(ctx, connect.NewRequest(&clusterv1.JoinRequest{Addresses: args}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			fmt.Fprintf(w, "Joined %d node(s)\n", resp.Msg.GetJoined())
+		})
+	})
+}
+
+func (a *app) clusterLeave(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.Leave(ctx, connect.NewRequest(&clusterv1.LeaveRequest{}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			fmt.Fprintln(w, "The node is leaving the cluster")
+		})
+	})
+}
+
+func (a *app) clusterRemovePeer(cmd *cobra.Command, args []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: args[0]}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			fmt.Fprintf(w, "Removed peer %s (index %d)\n", args[0], resp.Msg.GetIndex())
+		})
+	})
+}
+
+func (a *app) clusterTransferLeader(cmd *cobra.Command, args []string) error {
+	req := &clusterv1.TransferLeaderRequest{}
+	if len(args) > 0 {
+		req.NodeId = args[0]
+	}
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.TransferLeader(ctx, connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			fmt.Fprintf(w, "Leadership transferred to %s\n", resp.Msg.GetNodeId())
+		})
+	})
+}

@@ -1,0 +1,301 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+)
+
+const (
+	envEndpoint     = "PVCLI_ENDPOINT"
+	defaultEndpoint = "http://127.0.0.1:8443"
+	defaultTimeout  = 15 * time.Second
+)
+
+// Values accepted by --output and --consistency.
+var (
+	outputFormats     = []string{"table", "json", "yaml"}
+	consistencyModes  = []string{"default", "consistent", "stale"}
+	consistencyValues = map[string]clusterv1.Consistency{
+		"default":    clusterv1.Consistency_CONSISTENCY_DEFAULT,
+		"consistent": clusterv1.Consistency_CONSISTENCY_CONSISTENT,
+		"stale":      clusterv1.Consistency_CONSISTENCY_STALE,
+	}
+)
+
+// Run executes pvcli with args (without the program name), writing results
+// to stdout and diagnostics to stderr. A non-nil error has already been
+// printed to stderr as "Error: <msg>"; exitCode maps it to the exit status.
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return run(ctx, args, os.Getenv, os.Stdin, stdout, stderr)
+}
+
+// run is Run with the process environment and stdin injected, for tests.
+func run(ctx context.Context, args []string, getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) error {
+	a := &app{
+		getenv:   getenv,
+		stdin:    stdin,
+		stdout:   stdout,
+		stderr:   stderr,
+		clientID: newClientID(),
+	}
+	defer a.close()
+
+	root := a.newRootCmd()
+	root.SetArgs(args)
+	root.SetIn(stdin)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	cmd, err := root.ExecuteContextC(ctx)
+	if err == nil {
+		return nil
+	}
+	// Errors raised by cobra itself (unknown command, flag parsing) happen
+	// before any command body runs: they are usage errors too.
+	var ue *usageError
+	if !errors.As(err, &ue) && !a.inCommand {
+		err = &usageError{err: err}
+	}
+	fmt.Fprintf(stderr, "Error: %v\n", err)
+	if errors.As(err, &ue) {
+		fmt.Fprintf(stderr, "Run '%s --help' for usage.\n", cmd.CommandPath())
+	}
+	return err
+}
+
+// exitCode maps an error returned by Run to the process exit status:
+// 0 on success, 2 for bad input (usage), 1 for anything else.
+func exitCode(err error) int {
+	var ue *usageError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ue):
+		return 2
+	default:
+		return 1
+	}
+}
+
+// usageError is bad input found before any RPC was sent.
+type usageError struct{ err error }
+
+func (e *usageError) Error() string { return e.err.Error() }
+func (e *usageError) Unwrap() error { return e.err }
+
+func usagef(format string, args ...any) error {
+	return &usageError{err: fmt.Errorf(format, args...)}
+}
+
+// globalOptions are the persistent flags of the root command.
+type globalOptions struct {
+	endpoint    string
+	output      enumFlag
+	consistency enumFlag
+	maxStale    time.Duration
+	timeout     time.Duration
+	verbose     bool
+}
+
+// app is the state of one pvcli invocation.
+type app struct {
+	getenv func(string) string
+	stdin  io.Reader
+	stdout io.Writer
+	stderr io.Writer
+
+	opts globalOptions
+
+	// clientID and seq identify this process's writes (WriteOptions), so
+	// that a retried write is applied once.
+	clientID string
+	seq      atomic.Uint64
+
+	conn      *clientConn // built on first use
+	inCommand bool        // a command body started running
+}
+
+func (a *app) close() {
+	if a.conn != nil {
+		a.conn.close()
+	}
+}
+
+func newClientID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (it aborts the program)
+	return hex.EncodeToString(b[:])
+}
+
+// randomSuffix returns a short random hex string for generated IDs.
+func randomSuffix() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func (a *app) newRootCmd() *cobra.Command {
+	a.opts.output = enumFlag{value: "table", allowed: outputFormats}
+	a.opts.consistency = enumFlag{value: "default", allowed: consistencyModes}
+
+	root := &cobra.Command{
+		Use:   "pvcli",
+		Short: "Operate a PiVirt agent cluster",
+		Long: `pvcli operates a PiVirt agent cluster through the ClusterService API of
+any agent. Writes are forwarded to the Raft leader by the agent asked; a write
+interrupted by an unavailable cluster is retried with the same client ID and
+sequence number until --timeout, so it is never applied twice.`,
+		SilenceErrors: true,
+		SilenceUsage:  true,
+		Args:          noSubcommand,
+		RunE:          helpOnly,
+	}
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
+		return &usageError{err: err}
+	})
+
+	f := root.PersistentFlags()
+	f.StringVar(&a.opts.endpoint, "endpoint", defaultEndpoint,
+		"agent API address: http://HOST:PORT, https://HOST:PORT or HOST:PORT (= http://HOST:PORT); env "+envEndpoint)
+	f.VarP(&a.opts.output, "output", "o", "output format: "+strings.Join(outputFormats, "|"))
+	f.Var(&a.opts.consistency, "consistency", "read consistency: "+strings.Join(consistencyModes, "|"))
+	f.DurationVar(&a.opts.maxStale, "max-stale", 0,
+		"with --consistency stale: forward the read to the leader when the node asked last heard from it longer ago than this")
+	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
+	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
+
+	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd())
+	return root
+}
+
+// command wraps a command body: everything it returns after the first line
+// is a runtime error unless it is a *usageError.
+func (a *app) command(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		a.inCommand = true
+		return fn(cmd, args)
+	}
+}
+
+// groupCmd is a command that only holds subcommands.
+func groupCmd(use, short string, subs ...*cobra.Command) *cobra.Command {
+	c := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  noSubcommand,
+		RunE:  helpOnly,
+	}
+	c.AddCommand(subs...)
+	return c
+}
+
+// noSubcommand rejects an unknown subcommand of a group command.
+func noSubcommand(cmd *cobra.Command, args []string) error {
+	if len(args) == 0 {
+		return nil
+	}
+	msg := fmt.Sprintf("unknown command %q for %q", args[0], cmd.CommandPath())
+	if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
+		msg += fmt.Sprintf(" (did you mean %q?)", s[0])
+	}
+	return &usageError{err: errors.New(msg)}
+}
+
+func helpOnly(cmd *cobra.Command, _ []string) error {
+	return cmd.Help()
+}
+
+// positional validates positional arguments against their names as shown in
+// the usage line: "NAME" is required, "[ID]" optional, "ADDR..." one or more.
+// Every argument given must be non-empty.
+func positional(names ...string) cobra.PositionalArgs {
+	required, limit := 0, len(names)
+	for _, n := range names {
+		if !strings.HasPrefix(n, "[") {
+			required++
+		}
+		if strings.HasSuffix(n, "...") {
+			limit = -1
+		}
+	}
+	name := func(i int) string {
+		if i >= len(names) {
+			i = len(names) - 1
+		}
+		return strings.Trim(names[i], "[].")
+	}
+	return func(cmd *cobra.Command, args []string) error {
+		switch {
+		case len(args) < required:
+			return usagef("missing argument %s (usage: %s)", name(len(args)), cmd.UseLine())
+		case limit >= 0 && len(args) > limit:
+			return usagef("unexpected argument %q (usage: %s)", args[limit], cmd.UseLine())
+		}
+		for i, arg := range args {
+			if strings.TrimSpace(arg) == "" {
+				return usagef("argument %s must not be empty", name(i))
+			}
+		}
+		return nil
+	}
+}
+
+// enumFlag is a string flag restricted to a set of values.
+type enumFlag struct {
+	value   string
+	allowed []string
+}
+
+func (e *enumFlag) String() string { return e.value }
+func (e *enumFlag) Type() string   { return strings.Join(e.allowed, "|") }
+
+func (e *enumFlag) Set(s string) error {
+	if !slices.Contains(e.allowed, s) {
+		return fmt.Errorf("must be one of %s", strings.Join(e.allowed, "|"))
+	}
+	e.value = s
+	return nil
+}
+
+// readOptions builds the ReadOptions of a read RPC from the global flags.
+func (a *app) readOptions() *clusterv1.ReadOptions {
+	ro := &clusterv1.ReadOptions{Consistency: consistencyValues[a.opts.consistency.value]}
+	if a.opts.maxStale > 0 {
+		ro.MaxStale = durationpb.New(a.opts.maxStale)
+	}
+	return ro
+}
+
+// writeOptions returns the WriteOptions for the next write of this process.
+// A retry reuses the request, hence the same options.
+func (a *app) writeOptions() *clusterv1.WriteOptions {
+	return &clusterv1.WriteOptions{ClientId: a.clientID, Sequence: a.seq.Add(1)}
+}
+
+// validateGlobals checks the global flags that cannot be checked while they
+// are parsed. It runs before the first RPC of a command.
+func (a *app) validateGlobals() error {
+	if a.opts.timeout <= 0 {
+		return usagef("invalid --timeout %s: must be a positive duration such as 15s", a.opts.timeout)
+	}
+	if a.opts.maxStale < 0 {
+		return usagef("invalid --max-stale %s: must not be negative", a.opts.maxStale)
+	}
+	if a.opts.maxStale > 0 && a.opts.consistency.value != "stale" {
+		return usagef("--max-stale applies only to --consistency stale (got --consistency %s)", a.opts.consistency.value)
+	}
+	return nil
+}

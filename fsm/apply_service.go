@@ -1,0 +1,154 @@
+package fsm
+
+import (
+	"fmt"
+
+	"google.golang.org/protobuf/proto"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+)
+
+// getService returns the stored instance, or nil.
+func getService(t *writeTxn, service, instanceID string) (*clusterv1.ServiceInstance, error) {
+	return first[*clusterv1.ServiceInstance](t.txn, TableServices, indexID, service, instanceID)
+}
+
+// mustGetService returns the stored instance or ErrNotFound.
+func mustGetService(t *writeTxn, service, instanceID string) (*clusterv1.ServiceInstance, error) {
+	inst, err := getService(t, service, instanceID)
+	if err != nil {
+		return nil, err
+	}
+	if inst == nil {
+		return nil, fmt.Errorf("%w: service %q instance %q", ErrNotFound, service, instanceID)
+	}
+	return inst, nil
+}
+
+// applyRegisterService inserts or replaces an instance. A re-registration of
+// the same (service, instance_id) keeps registered_at and create_index.
+func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	in := cmd.GetRegisterService().GetInstance()
+	const p = "register_service.instance"
+	if in == nil {
+		return nil, invalidf("%s: required", p)
+	}
+	if err := checkID(p+".service", in.GetService()); err != nil {
+		return nil, err
+	}
+	if err := checkID(p+".instance_id", in.GetInstanceId()); err != nil {
+		return nil, err
+	}
+	if err := checkOptionalID(p+".node", in.GetNode()); err != nil {
+		return nil, err
+	}
+	if in.GetAddress() == "" {
+		return nil, invalidf("%s.address: required", p)
+	}
+	if in.GetPort() > MaxPort {
+		return nil, invalidf("%s.port: %d, must be 0-%d", p, in.GetPort(), MaxPort)
+	}
+	if err := checkDuration(p+".ttl", in.GetTtl()); err != nil {
+		return nil, err
+	}
+	old, err := getService(t, in.GetService(), in.GetInstanceId())
+	if err != nil {
+		return nil, err
+	}
+	inst := proto.CloneOf(in)
+	inst.Health = clusterv1.Health_HEALTH_PASSING
+	inst.LastHeartbeat = cmd.GetTime()
+	inst.ModifyIndex = t.index
+	if old != nil {
+		inst.RegisteredAt = old.GetRegisteredAt()
+		inst.CreateIndex = old.GetCreateIndex()
+	} else {
+		inst.RegisteredAt = cmd.GetTime()
+		inst.CreateIndex = t.index
+	}
+	if err := t.insert(TableServices, inst); err != nil {
+		return nil, err
+	}
+	return inst, nil
+}
+
+func (f *FSM) applyDeregisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	op := cmd.GetDeregisterService()
+	if err := checkID("deregister_service.service", op.GetService()); err != nil {
+		return nil, err
+	}
+	if err := checkID("deregister_service.instance_id", op.GetInstanceId()); err != nil {
+		return nil, err
+	}
+	inst, err := mustGetService(t, op.GetService(), op.GetInstanceId())
+	if err != nil {
+		return nil, err
+	}
+	return nil, t.delete(TableServices, inst)
+}
+
+// applyHeartbeat sets last_heartbeat to the command time and health to
+// passing.
+func (f *FSM) applyHeartbeat(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	op := cmd.GetHeartbeat()
+	if err := checkID("heartbeat.service", op.GetService()); err != nil {
+		return nil, err
+	}
+	if err := checkID("heartbeat.instance_id", op.GetInstanceId()); err != nil {
+		return nil, err
+	}
+	old, err := mustGetService(t, op.GetService(), op.GetInstanceId())
+	if err != nil {
+		return nil, err
+	}
+	inst := proto.CloneOf(old)
+	inst.LastHeartbeat = cmd.GetTime()
+	inst.Health = clusterv1.Health_HEALTH_PASSING
+	inst.ModifyIndex = t.index
+	if err := t.insert(TableServices, inst); err != nil {
+		return nil, err
+	}
+	return inst, nil
+}
+
+// applySetServiceHealth changes an instance's health only if its last
+// heartbeat is still the one the command was based on; otherwise it returns
+// ErrStale and changes nothing. Setting the health the instance already has
+// is a successful no-op that writes nothing.
+func (f *FSM) applySetServiceHealth(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	op := cmd.GetSetServiceHealth()
+	const p = "set_service_health"
+	if err := checkID(p+".service", op.GetService()); err != nil {
+		return nil, err
+	}
+	if err := checkID(p+".instance_id", op.GetInstanceId()); err != nil {
+		return nil, err
+	}
+	switch op.GetHealth() {
+	case clusterv1.Health_HEALTH_PASSING, clusterv1.Health_HEALTH_CRITICAL:
+	default:
+		return nil, invalidf("%s.health: %s, must be HEALTH_PASSING or HEALTH_CRITICAL", p, op.GetHealth())
+	}
+	if err := checkTime(p+".last_heartbeat", op.GetLastHeartbeat(), true); err != nil {
+		return nil, err
+	}
+	old, err := mustGetService(t, op.GetService(), op.GetInstanceId())
+	if err != nil {
+		return nil, err
+	}
+	if compareTime(old.GetLastHeartbeat(), op.GetLastHeartbeat()) != 0 {
+		return nil, fmt.Errorf("%w: service %q instance %q: last heartbeat is %s, command expected %s",
+			ErrStale, op.GetService(), op.GetInstanceId(), formatTime(old.GetLastHeartbeat()), formatTime(op.GetLastHeartbeat()))
+	}
+	if old.GetHealth() == op.GetHealth() {
+		return old, nil
+	}
+	inst := proto.CloneOf(old)
+	inst.Health = op.GetHealth()
+	inst.ModifyIndex = t.index
+	if err := t.insert(TableServices, inst); err != nil {
+		return nil, err
+	}
+	return inst, nil
+}

@@ -1,0 +1,742 @@
+// Package gateway is the agent's Connect edge: the handlers of the agent's
+// own services (forward-or-handle), and later the proxy for backend services
+// and the interceptors. Errors become Connect codes here and nowhere else.
+package gateway
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"regexp"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+)
+
+// RaftStatus is the part of the Raft state the handlers report.
+type RaftStatus struct {
+	State        string // "Leader", "Follower", "Candidate", "Shutdown"
+	Term         uint64
+	LastIndex    uint64
+	CommitIndex  uint64
+	AppliedIndex uint64
+	// LastContact is when a follower last heard from the leader.
+	LastContact time.Time
+	LeaderID    string
+}
+
+// Consensus is the replicated log as the handlers use it.
+type Consensus interface {
+	Apply(ctx context.Context, cmd []byte) (resp any, index uint64, err error)
+	Leader() (id, addr string)
+	VerifyLeader(ctx context.Context) error
+	RaftStatus() RaftStatus
+}
+
+// RaftAdmin changes the Raft configuration. Leader only.
+type RaftAdmin interface {
+	Servers(ctx context.Context) ([]cluster.RaftServer, error)
+	RemoveServer(ctx context.Context, id string) error
+	TransferLeadership(ctx context.Context, id string) (string, error)
+}
+
+// Membership is the gossip ring.
+type Membership interface {
+	Members() []cluster.Member
+	MemberByID(id string) (cluster.Member, bool)
+	Join(addrs []string) (int, error)
+}
+
+// Peers reaches other agents' internal ports.
+type Peers interface {
+	Status(ctx context.Context, internalAddr string) (*nodev1.StatusResponse, error)
+	Cluster(internalAddr string) clusterv1connect.ClusterServiceClient
+}
+
+// StateReader reads the local replicated state.
+type StateReader interface {
+	State() *fsm.State
+}
+
+// ClusterServiceConfig configures a ClusterService.
+type ClusterServiceConfig struct {
+	NodeID   string
+	NodeName string
+	// HoldTimeout is how long a request waits for a leader.
+	HoldTimeout time.Duration
+	// LeaderOnly marks the instance served on the internal port: it answers
+	// only when this node is the leader and never forwards.
+	LeaderOnly bool
+	// LeaderReady reports whether this leader has applied everything
+	// committed before its term (its barrier completed).
+	LeaderReady func() bool
+	// Leave starts a graceful leave and shutdown of this agent.
+	Leave func()
+	// ValidateConfig checks a cluster config document on the leader before
+	// it is proposed. Nil accepts any value.
+	ValidateConfig func(key, value string) error
+	Logger         *slog.Logger
+}
+
+// DefaultClusterServiceConfig returns the defaults.
+func DefaultClusterServiceConfig() ClusterServiceConfig {
+	return ClusterServiceConfig{HoldTimeout: 7 * time.Second}
+}
+
+// Validate checks the configuration.
+func (c ClusterServiceConfig) Validate() error {
+	var errs []error
+	if c.NodeID == "" {
+		errs = append(errs, errors.New("cluster service: node id is required"))
+	}
+	if c.HoldTimeout <= 0 {
+		errs = append(errs, errors.New("cluster service: hold timeout must be positive"))
+	}
+	return errors.Join(errs...)
+}
+
+// ClusterService implements pivirt.cluster.v1.ClusterService.
+type ClusterService struct {
+	cfg     ClusterServiceConfig
+	raft    Consensus
+	admin   RaftAdmin
+	members Membership
+	peers   Peers
+	state   StateReader
+	logger  *slog.Logger
+
+	clientID string
+	seq      atomic.Uint64
+}
+
+var _ clusterv1connect.ClusterServiceHandler = (*ClusterService)(nil)
+
+// NewClusterService returns the handler.
+func NewClusterService(cfg ClusterServiceConfig, raft Consensus, admin RaftAdmin, members Membership, peers Peers, state StateReader) (*ClusterService, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, fmt.Errorf("generate client id: %w", err)
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.LeaderReady == nil {
+		cfg.LeaderReady = func() bool { return true }
+	}
+	return &ClusterService{
+		cfg:      cfg,
+		raft:     raft,
+		admin:    admin,
+		members:  members,
+		peers:    peers,
+		state:    state,
+		logger:   logger.With("component", "cluster-api"),
+		clientID: "node:" + cfg.NodeID + ":" + hex.EncodeToString(b[:]),
+	}, nil
+}
+
+func (h *ClusterService) leaderReady() bool { return h.cfg.LeaderReady() }
+
+// fillWrite gives a write a client ID and sequence when the client sent
+// none, so that forwarding retries are deduplicated by the FSM.
+func (h *ClusterService) fillWrite(w **clusterv1.WriteOptions) error {
+	if *w == nil || (*w).GetClientId() == "" {
+		if *w != nil && (*w).GetSequence() != 0 {
+			return invalid("write.client_id", "is required when write.sequence is set")
+		}
+		*w = &clusterv1.WriteOptions{ClientId: h.clientID, Sequence: h.seq.Add(1)}
+		return nil
+	}
+	if len((*w).GetClientId()) > 128 {
+		return invalid("write.client_id", "longer than 128 characters")
+	}
+	if (*w).GetSequence() == 0 {
+		return invalid("write.sequence", "must be positive when write.client_id is set")
+	}
+	return nil
+}
+
+// propose stamps, encodes and applies a command on the leader.
+func (h *ClusterService) propose(ctx context.Context, w *clusterv1.WriteOptions, cmd *fsmv1.Command) (*fsm.Result, error) {
+	cmd.ClientId = w.GetClientId()
+	cmd.Sequence = w.GetSequence()
+	cmd.Time = timestamppb.Now()
+	data, err := fsm.Encode(cmd)
+	if err != nil {
+		return nil, fmt.Errorf("encode command: %w", err)
+	}
+	resp, _, err := h.raft.Apply(ctx, data)
+	if err != nil {
+		return nil, err
+	}
+	res, ok := resp.(*fsm.Result)
+	if !ok {
+		return nil, fmt.Errorf("unexpected apply response %T", resp)
+	}
+	if res.Err != nil {
+		return res, res.Err
+	}
+	return res, nil
+}
+
+// --- membership and raft ---
+
+// Members implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) Members(ctx context.Context, req *connect.Request[clusterv1.MembersRequest]) (*connect.Response[clusterv1.MembersResponse], error) {
+	out := &clusterv1.MembersResponse{}
+	for _, m := range h.members.Members() {
+		out.Members = append(out.Members, memberProto(m))
+	}
+	return connect.NewResponse(out), nil
+}
+
+func memberProto(m cluster.Member) *clusterv1.Member {
+	st := clusterv1.MemberStatus_MEMBER_STATUS_UNSPECIFIED
+	switch m.Status {
+	case cluster.StatusAlive:
+		st = clusterv1.MemberStatus_MEMBER_STATUS_ALIVE
+	case cluster.StatusSuspect:
+		st = clusterv1.MemberStatus_MEMBER_STATUS_SUSPECT
+	case cluster.StatusFailed:
+		st = clusterv1.MemberStatus_MEMBER_STATUS_FAILED
+	case cluster.StatusLeft:
+		st = clusterv1.MemberStatus_MEMBER_STATUS_LEFT
+	}
+	return &clusterv1.Member{
+		Name:            m.Name,
+		NodeId:          m.Meta.ID,
+		GossipAddr:      m.Addr,
+		Status:          st,
+		Role:            m.Meta.Role,
+		RaftAddr:        m.Meta.RaftAddr,
+		ApiAddr:         m.Meta.APIAddr,
+		InternalAddr:    m.Meta.InternalAddr,
+		Version:         m.Meta.Version,
+		BootstrapExpect: int32(m.Meta.BootstrapExpect),
+	}
+}
+
+// Peers implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) Peers(ctx context.Context, req *connect.Request[clusterv1.PeersRequest]) (*connect.Response[clusterv1.PeersResponse], error) {
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Peers,
+		func(ctx context.Context) (*clusterv1.PeersResponse, uint64, error) {
+			servers, err := h.admin.Servers(ctx)
+			if err != nil {
+				return nil, 0, err
+			}
+			self := h.raft.RaftStatus()
+			peers := make([]*clusterv1.Peer, len(servers))
+			var wg sync.WaitGroup
+			for i, s := range servers {
+				p := &clusterv1.Peer{NodeId: s.ID, Address: s.Address, Voter: s.Voter, State: clusterv1.RaftState_RAFT_STATE_UNREACHABLE}
+				peers[i] = p
+				if s.ID == h.cfg.NodeID {
+					p.Name = h.cfg.NodeName
+					fillPeer(p, &nodev1.StatusResponse{
+						RaftState: self.State, Term: self.Term, LastIndex: self.LastIndex,
+						CommitIndex: self.CommitIndex, AppliedIndex: self.AppliedIndex,
+						LastContact: contactProto(self),
+					})
+					continue
+				}
+				m, ok := h.members.MemberByID(s.ID)
+				if !ok {
+					continue
+				}
+				p.Name = m.Name
+				if m.Status != cluster.StatusAlive && m.Status != cluster.StatusSuspect {
+					continue
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					st, err := h.peers.Status(ctx, m.Meta.InternalAddr)
+					if err == nil {
+						fillPeer(p, st)
+					}
+				}()
+			}
+			wg.Wait()
+			var leaderLast uint64
+			for _, p := range peers {
+				if p.State == clusterv1.RaftState_RAFT_STATE_LEADER {
+					leaderLast = p.LastIndex
+				}
+			}
+			for _, p := range peers {
+				if p.State != clusterv1.RaftState_RAFT_STATE_UNREACHABLE && leaderLast > p.LastIndex {
+					p.Trailing = leaderLast - p.LastIndex
+				}
+			}
+			return &clusterv1.PeersResponse{Peers: peers, Meta: h.queryMeta(self.AppliedIndex)}, self.AppliedIndex, nil
+		})
+}
+
+func contactProto(st RaftStatus) *durationpb.Duration {
+	if st.State == "Leader" || st.LastContact.IsZero() {
+		return durationpb.New(0)
+	}
+	return durationpb.New(time.Since(st.LastContact))
+}
+
+func fillPeer(p *clusterv1.Peer, st *nodev1.StatusResponse) {
+	switch st.GetRaftState() {
+	case "Leader":
+		p.State = clusterv1.RaftState_RAFT_STATE_LEADER
+	case "Follower":
+		p.State = clusterv1.RaftState_RAFT_STATE_FOLLOWER
+	case "Candidate":
+		p.State = clusterv1.RaftState_RAFT_STATE_CANDIDATE
+	case "Shutdown":
+		p.State = clusterv1.RaftState_RAFT_STATE_SHUTDOWN
+	}
+	p.Term = st.GetTerm()
+	p.LastIndex = st.GetLastIndex()
+	p.CommitIndex = st.GetCommitIndex()
+	p.AppliedIndex = st.GetAppliedIndex()
+	p.LastContact = st.GetLastContact()
+}
+
+// Leader implements clusterv1connect.ClusterServiceHandler. In default and
+// stale mode it reports this node's view; in consistent mode the leader
+// confirms its leadership first.
+func (h *ClusterService) Leader(ctx context.Context, req *connect.Request[clusterv1.LeaderRequest]) (*connect.Response[clusterv1.LeaderResponse], error) {
+	local := func(ctx context.Context) (*clusterv1.LeaderResponse, uint64, error) {
+		id, addr := h.raft.Leader()
+		st := h.raft.RaftStatus()
+		if id == "" {
+			return nil, 0, ErrNoLeader
+		}
+		out := &clusterv1.LeaderResponse{NodeId: id, RaftAddr: addr, Term: st.Term}
+		if m, ok := h.members.MemberByID(id); ok {
+			out.Name = m.Name
+			out.ApiAddr = m.Meta.APIAddr
+		}
+		out.Meta = h.queryMeta(st.AppliedIndex)
+		return out, st.AppliedIndex, nil
+	}
+	mode, _, err := readMode(req.Msg.GetRead())
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	if mode != clusterv1.Consistency_CONSISTENCY_CONSISTENT && !h.cfg.LeaderOnly {
+		msg, index, err := local(ctx)
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		resp := connect.NewResponse(msg)
+		h.setQueryHeaders(resp.Header(), index)
+		return resp, nil
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Leader, local)
+}
+
+// Join implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) Join(ctx context.Context, req *connect.Request[clusterv1.JoinRequest]) (*connect.Response[clusterv1.JoinResponse], error) {
+	addrs := req.Msg.GetAddresses()
+	if len(addrs) == 0 {
+		return nil, toConnect(invalid("addresses", "at least one gossip address (host:port) is required"))
+	}
+	for i, a := range addrs {
+		if _, _, err := net.SplitHostPort(a); err != nil {
+			return nil, toConnect(invalid(fmt.Sprintf("addresses[%d]", i), "%q is not host:port: %v", a, err))
+		}
+	}
+	n, err := h.members.Join(addrs)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeUnavailable, err)
+	}
+	return connect.NewResponse(&clusterv1.JoinResponse{Joined: int32(n)}), nil
+}
+
+// Leave implements clusterv1connect.ClusterServiceHandler. The agent leaves
+// after the response is sent.
+func (h *ClusterService) Leave(ctx context.Context, req *connect.Request[clusterv1.LeaveRequest]) (*connect.Response[clusterv1.LeaveResponse], error) {
+	if h.cfg.Leave == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("leave is not available on this port"))
+	}
+	h.logger.Info("leave requested through the API")
+	go h.cfg.Leave()
+	return connect.NewResponse(&clusterv1.LeaveResponse{}), nil
+}
+
+// RemovePeer implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) RemovePeer(ctx context.Context, req *connect.Request[clusterv1.RemovePeerRequest]) (*connect.Response[clusterv1.RemovePeerResponse], error) {
+	id := req.Msg.GetNodeId()
+	if id == "" {
+		return nil, toConnect(invalid("node_id", "is required"))
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.RemovePeer, func(ctx context.Context) (*connect.Response[clusterv1.RemovePeerResponse], error) {
+		servers, err := h.admin.Servers(ctx)
+		if err != nil {
+			return nil, err
+		}
+		found := false
+		for _, s := range servers {
+			found = found || s.ID == id
+		}
+		if !found {
+			return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("node_id %q is not a raft peer", id))
+		}
+		if err := h.admin.RemoveServer(ctx, id); err != nil {
+			return nil, err
+		}
+		h.logger.Info("removed raft peer through the API", "node_id", id)
+		return connect.NewResponse(&clusterv1.RemovePeerResponse{Index: h.raft.RaftStatus().LastIndex}), nil
+	})
+}
+
+// TransferLeader implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) TransferLeader(ctx context.Context, req *connect.Request[clusterv1.TransferLeaderRequest]) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.TransferLeader, func(ctx context.Context) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
+		id := req.Msg.GetNodeId()
+		if id == h.cfg.NodeID {
+			return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: id}), nil
+		}
+		if id != "" {
+			servers, err := h.admin.Servers(ctx)
+			if err != nil {
+				return nil, err
+			}
+			ok := false
+			for _, s := range servers {
+				ok = ok || (s.ID == id && s.Voter)
+			}
+			if !ok {
+				return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("node_id %q is not a voter", id))
+			}
+		}
+		newID, err := h.admin.TransferLeadership(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: newID}), nil
+	})
+}
+
+// --- services ---
+
+var namePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+
+func checkName(field, v string) error {
+	if v == "" {
+		return invalid(field, "is required")
+	}
+	if !namePattern.MatchString(v) {
+		return invalid(field, "%q must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit", v)
+	}
+	return nil
+}
+
+func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
+	if in == nil {
+		return invalid("instance", "is required")
+	}
+	if err := checkName("instance.service", in.GetService()); err != nil {
+		return err
+	}
+	if in.GetInstanceId() == "" {
+		var b [4]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return err
+		}
+		in.InstanceId = in.GetService() + "-" + hex.EncodeToString(b[:])
+	}
+	if err := checkName("instance.instance_id", in.GetInstanceId()); err != nil {
+		return err
+	}
+	if in.GetAddress() == "" {
+		return invalid("instance.address", "is required")
+	}
+	if len(in.GetAddress()) > 255 {
+		return invalid("instance.address", "longer than 255 characters")
+	}
+	if in.GetPort() == 0 || in.GetPort() > 65535 {
+		return invalid("instance.port", "%d is out of range 1-65535", in.GetPort())
+	}
+	if in.GetTtl() != nil {
+		if err := in.GetTtl().CheckValid(); err != nil {
+			return invalid("instance.ttl", "%v", err)
+		}
+		if d := in.GetTtl().AsDuration(); d != 0 && (d < time.Second || d > 24*time.Hour) {
+			return invalid("instance.ttl", "%s is out of range 1s-24h", d)
+		}
+	}
+	if len(in.GetTags()) > 64 {
+		return invalid("instance.tags", "at most 64 tags")
+	}
+	if len(in.GetMeta()) > 64 {
+		return invalid("instance.meta", "at most 64 entries")
+	}
+	for k, v := range in.GetMeta() {
+		if k == "" || len(k) > 128 || len(v) > 512 {
+			return invalid("instance.meta", "key %q: keys are 1-128 and values at most 512 characters", k)
+		}
+	}
+	if in.GetNode() == "" {
+		in.Node = h.cfg.NodeName
+	}
+	// Server-owned fields.
+	in.Health = clusterv1.Health_HEALTH_UNSPECIFIED
+	in.RegisteredAt, in.LastHeartbeat = nil, nil
+	in.CreateIndex, in.ModifyIndex = 0, 0
+	return nil
+}
+
+// RegisterService implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Request[clusterv1.RegisterServiceRequest]) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
+	if err := h.validateInstance(req.Msg.GetInstance()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.RegisterService, func(ctx context.Context) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
+		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_RegisterService{
+			RegisterService: &fsmv1.RegisterService{Instance: req.Msg.GetInstance()},
+		}})
+		if err != nil {
+			return nil, err
+		}
+		inst, _ := res.Value.(*clusterv1.ServiceInstance)
+		if inst == nil {
+			// A deduplicated repeat carries no value: read the current record.
+			inst, err = h.state.State().Service(req.Msg.GetInstance().GetService(), req.Msg.GetInstance().GetInstanceId())
+			if err != nil {
+				return nil, err
+			}
+		}
+		return connect.NewResponse(&clusterv1.RegisterServiceResponse{Instance: inst, Index: res.Index}), nil
+	})
+}
+
+// DeregisterService implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) DeregisterService(ctx context.Context, req *connect.Request[clusterv1.DeregisterServiceRequest]) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
+	if err := checkName("service", req.Msg.GetService()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := checkName("instance_id", req.Msg.GetInstanceId()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.DeregisterService, func(ctx context.Context) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
+		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_DeregisterService{
+			DeregisterService: &fsmv1.DeregisterService{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId()},
+		}})
+		if err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(&clusterv1.DeregisterServiceResponse{Index: res.Index}), nil
+	})
+}
+
+// Heartbeat implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clusterv1.HeartbeatRequest]) (*connect.Response[clusterv1.HeartbeatResponse], error) {
+	if err := checkName("service", req.Msg.GetService()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := checkName("instance_id", req.Msg.GetInstanceId()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
+		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_Heartbeat{
+			Heartbeat: &fsmv1.Heartbeat{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId()},
+		}})
+		if err != nil {
+			return nil, err
+		}
+		inst, _ := res.Value.(*clusterv1.ServiceInstance)
+		if inst == nil {
+			if inst, err = h.state.State().Service(req.Msg.GetService(), req.Msg.GetInstanceId()); err != nil {
+				return nil, err
+			}
+		}
+		return connect.NewResponse(&clusterv1.HeartbeatResponse{Instance: inst, Index: res.Index}), nil
+	})
+}
+
+// ListServices implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) ListServices(ctx context.Context, req *connect.Request[clusterv1.ListServicesRequest]) (*connect.Response[clusterv1.ListServicesResponse], error) {
+	if s := req.Msg.GetService(); s != "" {
+		if err := checkName("service", s); err != nil {
+			return nil, toConnect(err)
+		}
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices,
+		func(ctx context.Context) (*clusterv1.ListServicesResponse, uint64, error) {
+			index, list, err := h.state.State().Services(req.Msg.GetService(), nil)
+			if err != nil {
+				return nil, 0, err
+			}
+			return &clusterv1.ListServicesResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil
+		})
+}
+
+// GetService implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[clusterv1.GetServiceRequest]) (*connect.Response[clusterv1.GetServiceResponse], error) {
+	if err := checkName("service", req.Msg.GetService()); err != nil {
+		return nil, toConnect(err)
+	}
+	if id := req.Msg.GetInstanceId(); id != "" {
+		if err := checkName("instance_id", id); err != nil {
+			return nil, toConnect(err)
+		}
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService,
+		func(ctx context.Context) (*clusterv1.GetServiceResponse, uint64, error) {
+			st := h.state.State()
+			index, list, err := st.Services(req.Msg.GetService(), nil)
+			if err != nil {
+				return nil, 0, err
+			}
+			if id := req.Msg.GetInstanceId(); id != "" {
+				inst, err := st.Service(req.Msg.GetService(), id)
+				if err != nil {
+					return nil, 0, fmt.Errorf("service %s instance %s: %w", req.Msg.GetService(), id, err)
+				}
+				list = []*clusterv1.ServiceInstance{inst}
+			} else if len(list) == 0 {
+				return nil, 0, fmt.Errorf("service %s: %w", req.Msg.GetService(), fsm.ErrNotFound)
+			}
+			return &clusterv1.GetServiceResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil
+		})
+}
+
+// --- config ---
+
+var configKeyPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}$`)
+
+// MaxConfigValueBytes bounds one config document.
+const MaxConfigValueBytes = 512 << 10
+
+func checkConfigKey(key string) error {
+	if key == "" {
+		return invalid("key", "is required")
+	}
+	if !configKeyPattern.MatchString(key) {
+		return invalid("key", "%q must be 1-256 characters of letters, digits, '.', '_', '/' or '-'", key)
+	}
+	return nil
+}
+
+// GetConfig implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) GetConfig(ctx context.Context, req *connect.Request[clusterv1.GetConfigRequest]) (*connect.Response[clusterv1.GetConfigResponse], error) {
+	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
+		return nil, toConnect(err)
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetConfig,
+		func(ctx context.Context) (*clusterv1.GetConfigResponse, uint64, error) {
+			e, err := h.state.State().ConfigEntry(req.Msg.GetKey())
+			if err != nil {
+				return nil, 0, fmt.Errorf("config key %q: %w", req.Msg.GetKey(), err)
+			}
+			return &clusterv1.GetConfigResponse{Entry: e, Meta: h.queryMeta(e.GetRevision())}, e.GetRevision(), nil
+		})
+}
+
+// ListConfig implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) ListConfig(ctx context.Context, req *connect.Request[clusterv1.ListConfigRequest]) (*connect.Response[clusterv1.ListConfigResponse], error) {
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListConfig,
+		func(ctx context.Context) (*clusterv1.ListConfigResponse, uint64, error) {
+			index, list, err := h.state.State().ConfigEntries(nil)
+			if err != nil {
+				return nil, 0, err
+			}
+			return &clusterv1.ListConfigResponse{Entries: list, Meta: h.queryMeta(index)}, index, nil
+		})
+}
+
+// SetConfig implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clusterv1.SetConfigRequest]) (*connect.Response[clusterv1.SetConfigResponse], error) {
+	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
+		return nil, toConnect(err)
+	}
+	if len(req.Msg.GetValue()) > MaxConfigValueBytes {
+		return nil, toConnect(invalid("value", "%d bytes is over the %d-byte limit", len(req.Msg.GetValue()), MaxConfigValueBytes))
+	}
+	if err := h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.SetConfig, func(ctx context.Context) (*connect.Response[clusterv1.SetConfigResponse], error) {
+		if h.cfg.ValidateConfig != nil {
+			if err := h.cfg.ValidateConfig(req.Msg.GetKey(), req.Msg.GetValue()); err != nil {
+				return nil, invalid("value", "%v", err)
+			}
+		}
+		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_SetConfig{
+			SetConfig: &fsmv1.SetConfig{Key: req.Msg.GetKey(), Value: req.Msg.GetValue(), CasRevision: req.Msg.CasRevision},
+		}})
+		if err != nil {
+			return nil, err
+		}
+		e, _ := res.Value.(*clusterv1.ConfigEntry)
+		if e == nil {
+			if e, err = h.state.State().ConfigEntry(req.Msg.GetKey()); err != nil {
+				return nil, err
+			}
+		}
+		return connect.NewResponse(&clusterv1.SetConfigResponse{Entry: e}), nil
+	})
+}
+
+// DeleteConfig implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) DeleteConfig(ctx context.Context, req *connect.Request[clusterv1.DeleteConfigRequest]) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
+	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.DeleteConfig, func(ctx context.Context) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
+		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{
+			DeleteConfig: &fsmv1.DeleteConfig{Key: req.Msg.GetKey(), CasRevision: req.Msg.CasRevision},
+		}})
+		if err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(&clusterv1.DeleteConfigResponse{Index: res.Index}), nil
+	})
+}
+
+// ConfigHistory implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) ConfigHistory(ctx context.Context, req *connect.Request[clusterv1.ConfigHistoryRequest]) (*connect.Response[clusterv1.ConfigHistoryResponse], error) {
+	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
+		return nil, toConnect(err)
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ConfigHistory,
+		func(ctx context.Context) (*clusterv1.ConfigHistoryResponse, uint64, error) {
+			list, err := h.state.State().ConfigHistory(req.Msg.GetKey())
+			if err != nil {
+				return nil, 0, fmt.Errorf("config key %q: %w", req.Msg.GetKey(), err)
+			}
+			var index uint64
+			if len(list) > 0 {
+				index = list[0].GetRevision()
+			}
+			return &clusterv1.ConfigHistoryResponse{Entries: list, Meta: h.queryMeta(index)}, index, nil
+		})
+}

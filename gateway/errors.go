@@ -1,0 +1,95 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/store"
+)
+
+// Errors of the gateway itself.
+var (
+	// ErrNoLeader: no leader was known within the hold timeout.
+	ErrNoLeader = errors.New("no cluster leader")
+	// ErrLeaderNotReady: this node just became leader and has not yet
+	// applied everything committed before its term.
+	ErrLeaderNotReady = errors.New("leader is not ready yet")
+	// errNotLeaderHere is returned by the internal (leader-only) handler
+	// when this node is not the leader; the forwarding node retries.
+	errNotLeaderHere = errors.New("this node is not the leader")
+)
+
+// invalidArgument names the request field that was wrong.
+type invalidArgument struct {
+	field string
+	msg   string
+}
+
+func (e *invalidArgument) Error() string { return e.field + ": " + e.msg }
+
+func invalid(field, format string, args ...any) error {
+	return &invalidArgument{field: field, msg: fmt.Sprintf(format, args...)}
+}
+
+// codeTable is the one place where errors from the packages below become
+// Connect codes. The first match wins.
+var codeTable = []struct {
+	err  error
+	code connect.Code
+}{
+	{context.DeadlineExceeded, connect.CodeDeadlineExceeded},
+	{context.Canceled, connect.CodeCanceled},
+	{fsm.ErrNotFound, connect.CodeNotFound},
+	{fsm.ErrCASConflict, connect.CodeAborted},
+	{fsm.ErrSlotNotAfterLast, connect.CodeFailedPrecondition},
+	{fsm.ErrInvalidCommand, connect.CodeInvalidArgument},
+	{fsm.ErrUnknownCommand, connect.CodeInternal},
+	{store.ErrNotLeader, connect.CodeUnavailable},
+	{store.ErrLeadershipLost, connect.CodeUnavailable},
+	{store.ErrShutdown, connect.CodeUnavailable},
+	{store.ErrTimeout, connect.CodeUnavailable},
+	{store.ErrUnknownServer, connect.CodeNotFound},
+	{store.ErrNotVoter, connect.CodeFailedPrecondition},
+	{store.ErrLeadershipTransferInProgress, connect.CodeUnavailable},
+	{ErrNoLeader, connect.CodeUnavailable},
+	{ErrLeaderNotReady, connect.CodeUnavailable},
+	{errNotLeaderHere, connect.CodeUnavailable},
+}
+
+// toConnect translates err to a *connect.Error exactly once.
+func toConnect(err error) error {
+	if err == nil {
+		return nil
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return err
+	}
+	var ia *invalidArgument
+	if errors.As(err, &ia) {
+		return connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	for _, e := range codeTable {
+		if errors.Is(err, e.err) {
+			return connect.NewError(e.code, err)
+		}
+	}
+	return connect.NewError(connect.CodeInternal, err)
+}
+
+// retryable reports whether a call to the leader may be retried on the
+// current or a new leader: only Unavailable, which covers "not leader",
+// "no leader" and connection failures. Writes carry a client ID and
+// sequence, so a retry of a write that did apply is answered from the
+// FSM's dedupe table instead of applying twice.
+func retryable(err error) bool {
+	if errors.Is(err, store.ErrNotLeader) || errors.Is(err, store.ErrLeadershipLost) ||
+		errors.Is(err, ErrLeaderNotReady) || errors.Is(err, errNotLeaderHere) {
+		return true
+	}
+	return connect.CodeOf(err) == connect.CodeUnavailable
+}

@@ -1,0 +1,199 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+// Response headers describing the state a read was served from.
+const (
+	HeaderIndex       = "Pivirt-Index"
+	HeaderLastContact = "Pivirt-Last-Contact"
+	HeaderKnownLeader = "Pivirt-Known-Leader"
+	HeaderServedBy    = "Pivirt-Served-By"
+)
+
+// remoteCall is a ClusterService method expression, e.g.
+// clusterv1connect.ClusterServiceClient.RegisterService.
+type remoteCall[Req, Res any] func(clusterv1connect.ClusterServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Res], error)
+
+// onLeader runs local on the leader. A node that is not the leader forwards
+// the request to the leader's internal port; without a known leader it waits
+// up to the hold timeout (polling with jitter) and then fails with
+// Unavailable naming the missing leader. The leader-only handler of the
+// internal port never forwards.
+func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], remote remoteCall[Req, Res], local func(context.Context) (*connect.Response[Res], error)) (*connect.Response[Res], error) {
+	hold := time.Now().Add(h.cfg.HoldTimeout)
+	var lastErr error
+	for attempt := 0; ; attempt++ {
+		id, _ := h.raft.Leader()
+		switch {
+		case id == h.cfg.NodeID:
+			resp, err := local(ctx)
+			if err == nil {
+				return resp, nil
+			}
+			if h.cfg.LeaderOnly || !retryable(err) {
+				return nil, toConnect(err)
+			}
+			lastErr = err
+		case h.cfg.LeaderOnly:
+			return nil, toConnect(errNotLeaderHere)
+		case id == "":
+			lastErr = ErrNoLeader
+		default:
+			m, ok := h.members.MemberByID(id)
+			if !ok || m.Meta.InternalAddr == "" {
+				lastErr = fmt.Errorf("%w: leader %s is not known to gossip yet", ErrNoLeader, id)
+				break
+			}
+			resp, err := remote(h.peers.Cluster(m.Meta.InternalAddr), ctx, forwardRequest(req))
+			if err == nil {
+				return cleanResponse(resp), nil
+			}
+			if !retryable(err) {
+				return nil, err
+			}
+			lastErr = err
+		}
+		if ctx.Err() != nil {
+			return nil, toConnect(ctx.Err())
+		}
+		if time.Now().After(hold) {
+			return nil, connect.NewError(connect.CodeUnavailable,
+				fmt.Errorf("%w after waiting %s: %v", ErrNoLeader, h.cfg.HoldTimeout, lastErr))
+		}
+		wait := time.Duration(25+rand.IntN(50)) * time.Millisecond
+		if attempt > 10 {
+			wait *= 2
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, toConnect(ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// forwardRequest copies the message and the caller's identifying headers.
+func forwardRequest[Req any](in *connect.Request[Req]) *connect.Request[Req] {
+	out := connect.NewRequest(in.Msg)
+	for _, k := range []string{"X-Request-Id", "Traceparent", "Tracestate"} {
+		if v := in.Header().Get(k); v != "" {
+			out.Header().Set(k, v)
+		}
+	}
+	return out
+}
+
+// cleanResponse keeps only the agent's own headers of a forwarded response.
+func cleanResponse[Res any](in *connect.Response[Res]) *connect.Response[Res] {
+	out := connect.NewResponse(in.Msg)
+	for k, v := range in.Header() {
+		if strings.HasPrefix(k, "Pivirt-") {
+			out.Header()[k] = v
+		}
+	}
+	return out
+}
+
+// readMode resolves the read options of a request.
+func readMode(ro *clusterv1.ReadOptions) (clusterv1.Consistency, time.Duration, error) {
+	mode := ro.GetConsistency()
+	if mode == clusterv1.Consistency_CONSISTENCY_UNSPECIFIED {
+		mode = clusterv1.Consistency_CONSISTENCY_DEFAULT
+	}
+	if _, ok := clusterv1.Consistency_name[int32(mode)]; !ok {
+		return 0, 0, invalid("read.consistency", "unknown value %d (want default, consistent or stale)", mode)
+	}
+	var maxStale time.Duration
+	if ro.GetMaxStale() != nil {
+		if err := ro.GetMaxStale().CheckValid(); err != nil {
+			return 0, 0, invalid("read.max_stale", "%v", err)
+		}
+		maxStale = ro.GetMaxStale().AsDuration()
+		if maxStale < 0 {
+			return 0, 0, invalid("read.max_stale", "must not be negative")
+		}
+	}
+	return mode, maxStale, nil
+}
+
+// read serves a read RPC in the requested consistency mode. local returns
+// the response and the index of the state it read.
+func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], ro *clusterv1.ReadOptions, remote remoteCall[Req, Res], local func(context.Context) (*Res, uint64, error)) (*connect.Response[Res], error) {
+	mode, maxStale, err := readMode(ro)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	serve := func(ctx context.Context) (*connect.Response[Res], error) {
+		msg, index, err := local(ctx)
+		if err != nil {
+			return nil, err
+		}
+		resp := connect.NewResponse(msg)
+		h.setQueryHeaders(resp.Header(), index)
+		return resp, nil
+	}
+	if mode == clusterv1.Consistency_CONSISTENCY_STALE && !h.cfg.LeaderOnly {
+		st := h.raft.RaftStatus()
+		fresh := maxStale == 0 || st.State == "Leader" ||
+			(!st.LastContact.IsZero() && time.Since(st.LastContact) <= maxStale)
+		if fresh {
+			resp, err := serve(ctx)
+			return resp, toConnect(err)
+		}
+	}
+	return onLeader(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[Res], error) {
+		if !h.leaderReady() {
+			return nil, ErrLeaderNotReady
+		}
+		if mode == clusterv1.Consistency_CONSISTENCY_CONSISTENT {
+			if err := h.raft.VerifyLeader(ctx); err != nil {
+				return nil, err
+			}
+		}
+		return serve(ctx)
+	})
+}
+
+// setQueryHeaders describes the local state a read was served from.
+func (h *ClusterService) setQueryHeaders(hdr http.Header, index uint64) {
+	st := h.raft.RaftStatus()
+	var contact time.Duration
+	if st.State != "Leader" && !st.LastContact.IsZero() {
+		contact = time.Since(st.LastContact)
+	}
+	hdr.Set(HeaderIndex, strconv.FormatUint(index, 10))
+	hdr.Set(HeaderLastContact, strconv.FormatInt(contact.Milliseconds(), 10))
+	hdr.Set(HeaderKnownLeader, strconv.FormatBool(st.LeaderID != ""))
+	hdr.Set(HeaderServedBy, h.cfg.NodeName)
+}
+
+// queryMeta is the body form of the query headers.
+func (h *ClusterService) queryMeta(index uint64) *clusterv1.QueryMeta {
+	st := h.raft.RaftStatus()
+	var contact time.Duration
+	if st.State != "Leader" && !st.LastContact.IsZero() {
+		contact = time.Since(st.LastContact)
+	}
+	return &clusterv1.QueryMeta{
+		Index:       index,
+		LastContact: durationpb.New(contact),
+		KnownLeader: st.LeaderID != "",
+		ServedBy:    h.cfg.NodeName,
+	}
+}

@@ -1,0 +1,108 @@
+// Package scheduler runs the leader-only loops: the TTL reaper of service
+// registrations now, the power-schedule dispatcher and periodic snapshots
+// later. Each loop is started once per leadership term, after the leader's
+// barrier, and stops when its context is cancelled on leadership loss.
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/fsm"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+)
+
+// Proposer applies a command through Raft.
+type Proposer interface {
+	Apply(ctx context.Context, cmd []byte) (resp any, index uint64, err error)
+}
+
+// StateReader reads the local replicated state.
+type StateReader interface {
+	State() *fsm.State
+}
+
+// TTLReaperConfig configures the TTL reaper.
+type TTLReaperConfig struct {
+	// Interval between scans.
+	Interval time.Duration
+	// ApplyTimeout bounds one proposal.
+	ApplyTimeout time.Duration
+	Logger       *slog.Logger
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// DefaultTTLReaperConfig returns the defaults.
+func DefaultTTLReaperConfig() TTLReaperConfig {
+	return TTLReaperConfig{Interval: time.Second, ApplyTimeout: 5 * time.Second}
+}
+
+// RunTTLReaper marks service instances whose TTL passed without a heartbeat
+// as critical, until ctx ends. The command names the heartbeat it saw, so a
+// heartbeat committed in between wins and the instance stays passing.
+func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, raft Proposer) {
+	if cfg.Interval <= 0 {
+		cfg.Interval = time.Second
+	}
+	if cfg.ApplyTimeout <= 0 {
+		cfg.ApplyTimeout = 5 * time.Second
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	logger = logger.With("component", "ttl-reaper")
+	t := time.NewTicker(cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, inst := range state.State().ExpiredTTL(cfg.Now()) {
+			if err := expire(ctx, cfg, raft, inst); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				logger.Warn("mark service instance critical", "service", inst.GetService(), "instance", inst.GetInstanceId(), "error", err)
+				continue
+			}
+			logger.Info("service instance missed its TTL", "service", inst.GetService(), "instance", inst.GetInstanceId(), "ttl", inst.GetTtl().AsDuration())
+		}
+	}
+}
+
+func expire(ctx context.Context, cfg TTLReaperConfig, raft Proposer, inst *clusterv1.ServiceInstance) error {
+	data, err := fsm.Encode(&fsmv1.Command{
+		Time: timestamppb.New(cfg.Now()),
+		Op: &fsmv1.Command_SetServiceHealth{SetServiceHealth: &fsmv1.SetServiceHealth{
+			Service:       inst.GetService(),
+			InstanceId:    inst.GetInstanceId(),
+			Health:        clusterv1.Health_HEALTH_CRITICAL,
+			LastHeartbeat: inst.GetLastHeartbeat(),
+		}},
+	})
+	if err != nil {
+		return fmt.Errorf("encode: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.ApplyTimeout)
+	defer cancel()
+	resp, _, err := raft.Apply(ctx, data)
+	if err != nil {
+		return err
+	}
+	if r, ok := resp.(*fsm.Result); ok && r.Err != nil {
+		return r.Err
+	}
+	return nil
+}

@@ -1,0 +1,81 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/hashicorp/raft"
+)
+
+// SnapshotMeta describes a Raft snapshot of the FSM.
+type SnapshotMeta struct {
+	ID    string // snapshot store ID
+	Index uint64 // last log index included
+	Term  uint64 // term of that index
+	Size  int64  // bytes of FSM data (what the ReadCloser yields)
+}
+
+// Snapshot takes a snapshot of the local FSM now, or finds the latest one when
+// nothing was applied since, and opens it. The reader yields exactly what the
+// FSM's Persist wrote; the caller must close it. It works on any server: the
+// leader's is the freshest, a follower's may be stale.
+func (s *Store) Snapshot(ctx context.Context) (SnapshotMeta, io.ReadCloser, error) {
+	if err := ctx.Err(); err != nil {
+		return SnapshotMeta{}, nil, contextError(ctx)
+	}
+	f := s.raft.Snapshot()
+	err := s.wait(ctx, f)
+	var (
+		meta *raft.SnapshotMeta
+		rc   io.ReadCloser
+	)
+	switch {
+	case err == nil:
+		meta, rc, err = f.Open()
+	case errors.Is(err, raft.ErrNothingNewToSnapshot):
+		meta, rc, err = s.openLatestSnapshot()
+	}
+	if err != nil {
+		return SnapshotMeta{}, nil, fmt.Errorf("snapshot: %w", err)
+	}
+	return SnapshotMeta{ID: meta.ID, Index: meta.Index, Term: meta.Term, Size: meta.Size}, rc, nil
+}
+
+func (s *Store) openLatestSnapshot() (*raft.SnapshotMeta, io.ReadCloser, error) {
+	list, err := s.snaps.List()
+	if err != nil {
+		return nil, nil, fmt.Errorf("list snapshots: %w", err)
+	}
+	if len(list) == 0 {
+		return nil, nil, raft.ErrNothingNewToSnapshot
+	}
+	return s.snaps.Open(list[0].ID) // List is newest first
+}
+
+// Restore replaces the FSM state of the whole cluster with the size bytes read
+// from r, in the format the FSM's Persist writes. Leader only. The current
+// membership is kept; the restored state gets an index above every existing
+// one and is sent to the followers as a snapshot install. Commands in flight
+// fail with ErrAbortedByRestore.
+//
+// The data must be validated before the call: if the FSM's Restore fails,
+// hashicorp/raft panics, because the node is then in an undefined state.
+// ctx's deadline bounds only the wait to start the restore; once started it
+// runs to completion, since it reads from r.
+func (s *Store) Restore(ctx context.Context, size int64, r io.Reader) error {
+	timeout, err := enqueueTimeout(ctx)
+	if err != nil {
+		return fmt.Errorf("restore: %w", err)
+	}
+	if !s.IsLeader() {
+		return fmt.Errorf("restore: %w", ErrNotLeader)
+	}
+	meta := &raft.SnapshotMeta{Version: raft.SnapshotVersionMax, Size: size}
+	if err := s.raft.Restore(meta, r, timeout); err != nil {
+		return fmt.Errorf("restore: %w", mapRaftError(err))
+	}
+	s.log.Info("restored snapshot", "bytes", size, "index", s.raft.LastIndex())
+	return nil
+}

@@ -1,0 +1,352 @@
+// Package store owns the node's *raft.Raft: the bbolt log and stable store,
+// the file snapshot store, the network transport over a caller-supplied
+// stream layer, and the Raft instance itself. It turns hashicorp/raft's
+// future-based API into context-aware calls, maps raft's errors to this
+// package's sentinels in one place, fans leadership changes out to any number
+// of subscribers, and makes membership changes idempotent.
+//
+// The replicated state machine is not this package's concern: it is passed in
+// as a raft.FSM. See DESIGN.md beside this file.
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/raft"
+	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	"go.etcd.io/bbolt"
+)
+
+const (
+	// raftDir is the subdirectory of Config.DataDir that holds Raft state.
+	raftDir = "raft"
+	// boltFile is the log and stable store inside raftDir.
+	boltFile = "raft.db"
+	// boltOpenTimeout bounds the wait for bbolt's file lock, so a second
+	// agent on the same data directory fails instead of hanging.
+	boltOpenTimeout = 2 * time.Second
+)
+
+// Store is one Raft server. All methods are safe for concurrent use.
+type Store struct {
+	id        string
+	raft      *raft.Raft
+	transport *raft.NetworkTransport
+	bolt      *raftboltdb.BoltStore
+	snaps     *raft.FileSnapshotStore
+	log       *slog.Logger // this package's logs, component=store
+
+	// existed is raft.HasExistingState as found by New, before NewRaft.
+	existed bool
+	// electionTimeout bounds how long TransferLeadership waits to learn the
+	// new leader.
+	electionTimeout time.Duration
+
+	// closing is closed when Close starts; in-flight waits return
+	// ErrShutdown instead of waiting on futures raft may never answer.
+	closing   chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+
+	leadership leadership
+}
+
+// New opens (or creates) the Raft state in cfg.DataDir/raft and starts the
+// Raft server. A server with no existing state waits, as a follower, to be
+// bootstrapped (Bootstrap) or added to a cluster by its leader.
+//
+// New takes ownership of cfg.StreamLayer: Close closes it, and so does New
+// when it fails, together with everything else it opened.
+func New(cfg Config) (s *Store, err error) {
+	if err := cfg.Validate(); err != nil {
+		if cfg.StreamLayer != nil {
+			cfg.StreamLayer.Close()
+		}
+		return nil, err
+	}
+	if a, ok := cfg.StreamLayer.Addr().(*net.TCPAddr); ok && (a.IP == nil || a.IP.IsUnspecified()) {
+		cfg.StreamLayer.Close()
+		return nil, &ConfigError{Field: "StreamLayer", Reason: "must advertise a reachable address, not an unspecified one", Value: a}
+	}
+
+	var closers []func() error
+	defer func() {
+		if err != nil {
+			for i := len(closers) - 1; i >= 0; i-- {
+				closers[i]()
+			}
+		}
+	}()
+	closers = append(closers, cfg.StreamLayer.Close)
+
+	dir := filepath.Join(cfg.DataDir, raftDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create raft directory: %w", err)
+	}
+
+	logger := newHCLogAdapter(cfg.Logger).With("node_id", cfg.NodeID).(*hclogAdapter)
+	slogger := cfg.Logger
+	if slogger == nil {
+		slogger = slog.New(slog.DiscardHandler)
+	}
+	slogger = slogger.With("component", "store", "node_id", cfg.NodeID)
+
+	bolt, err := raftboltdb.New(raftboltdb.Options{
+		Path: filepath.Join(dir, boltFile),
+		BoltOptions: &bbolt.Options{
+			Timeout:        boltOpenTimeout,
+			NoFreelistSync: cfg.NoFreelistSync,
+			FreelistType:   bbolt.FreelistMapType,
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open raft log %s: %w", filepath.Join(dir, boltFile), err)
+	}
+	closers = append(closers, bolt.Close)
+
+	var logs raft.LogStore = bolt
+	if cfg.LogCacheSize > 0 {
+		if logs, err = raft.NewLogCache(cfg.LogCacheSize, bolt); err != nil {
+			return nil, fmt.Errorf("create raft log cache: %w", err)
+		}
+	}
+
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
+	if err != nil {
+		return nil, fmt.Errorf("open raft snapshot store: %w", err)
+	}
+
+	existed, err := raft.HasExistingState(logs, bolt, snaps)
+	if err != nil {
+		return nil, fmt.Errorf("check existing raft state: %w", err)
+	}
+
+	transport := raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
+		Stream:  cfg.StreamLayer,
+		MaxPool: cfg.TransportMaxPool,
+		Timeout: cfg.TransportTimeout,
+		Logger:  logger.Named("transport"),
+	})
+	closers = append(closers, transport.Close)
+
+	s = &Store{
+		id:              cfg.NodeID,
+		transport:       transport,
+		bolt:            bolt,
+		snaps:           snaps,
+		log:             slogger,
+		existed:         existed,
+		electionTimeout: cfg.ElectionTimeout,
+		closing:         make(chan struct{}),
+	}
+	// Raft blocks its main loop on NotifyCh until the value is taken, so a
+	// dedicated goroutine takes it at once and fans it out without blocking.
+	notify := make(chan bool, 1)
+	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), cfg.FSM, logs, bolt, snaps, transport)
+	if err != nil {
+		return nil, fmt.Errorf("start raft: %w", err)
+	}
+	s.raft = r
+	s.leadership.start(notify, s.closing)
+	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed)
+	return s, nil
+}
+
+// ID is this server's Raft ID (Config.NodeID).
+func (s *Store) ID() string { return s.id }
+
+// LocalAddr is the Raft address this server advertises to its peers.
+func (s *Store) LocalAddr() string { return string(s.transport.LocalAddr()) }
+
+// HasExistingState reports whether this server had Raft state (a log, a term
+// or a snapshot) when it was opened, or has acquired some since: it was
+// bootstrapped, or a leader replicated to it. A server without state must be
+// bootstrapped or joined before it can take part in the cluster.
+func (s *Store) HasExistingState() bool {
+	return s.existed || s.raft.LastIndex() > 0 || s.raft.CurrentTerm() > 0
+}
+
+// Apply proposes cmd to the cluster and waits until it is committed and
+// applied by the local FSM. It must be called on the leader (ErrNotLeader
+// otherwise). resp is whatever the FSM's Apply returned for cmd, passed
+// through uninterpreted, including an error value; index is the log index of
+// the entry.
+//
+// ctx's deadline is also raft's enqueue timeout (ErrTimeout). If ctx ends
+// before the entry is applied, Apply returns the context's error (a deadline
+// as ErrTimeout) but the entry may still be committed and applied later, as it
+// may after ErrLeadershipLost: the client ID and sequence number every command
+// carries, deduplicated by the FSM, are what make retrying safe.
+func (s *Store) Apply(ctx context.Context, cmd []byte) (resp any, index uint64, err error) {
+	timeout, err := enqueueTimeout(ctx)
+	if err != nil {
+		return nil, 0, fmt.Errorf("apply: %w", err)
+	}
+	f := s.raft.Apply(cmd, timeout)
+	if err := s.wait(ctx, f); err != nil {
+		return nil, 0, fmt.Errorf("apply: %w", err)
+	}
+	return f.Response(), f.Index(), nil
+}
+
+// Barrier waits until every entry committed before it has been applied to the
+// local FSM. Called by a new leader before it serves consistent reads or
+// starts leader-only work. Leader only.
+func (s *Store) Barrier(ctx context.Context) error {
+	timeout, err := enqueueTimeout(ctx)
+	if err != nil {
+		return fmt.Errorf("barrier: %w", err)
+	}
+	if err := s.wait(ctx, s.raft.Barrier(timeout)); err != nil {
+		return fmt.Errorf("barrier: %w", err)
+	}
+	return nil
+}
+
+// VerifyLeader confirms with a quorum that this server is still the leader,
+// for linearizable reads (after it returns, wait for the FSM to apply the
+// commit index read before calling it). Leader only.
+func (s *Store) VerifyLeader(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("verify leader: %w", contextError(ctx))
+	}
+	if err := s.wait(ctx, s.raft.VerifyLeader()); err != nil {
+		return fmt.Errorf("verify leader: %w", err)
+	}
+	return nil
+}
+
+// enqueueTimeout turns ctx's deadline into raft's enqueue timeout (0: wait as
+// long as needed).
+func enqueueTimeout(ctx context.Context) (time.Duration, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, contextError(ctx)
+	}
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return 0, nil
+	}
+	d := time.Until(dl)
+	if d <= 0 {
+		return 0, &timeoutError{cause: context.DeadlineExceeded}
+	}
+	return d, nil
+}
+
+// wait waits for f, for ctx to end, or for the Store to close, whichever is
+// first, and maps the result. raft's futures have no channel and raft leaves
+// some futures unanswered at shutdown, so the wait happens in a goroutine;
+// it ends when raft answers f, which it does for every future it accepted
+// before shutting down, except for those still queued at shutdown.
+func (s *Store) wait(ctx context.Context, f raft.Future) error {
+	done := make(chan error, 1)
+	go func() { done <- f.Error() }()
+	select {
+	case err := <-done:
+		return mapRaftError(err)
+	case <-ctx.Done():
+		select {
+		case err := <-done:
+			return mapRaftError(err)
+		default:
+			return contextError(ctx)
+		}
+	case <-s.closing:
+		return ErrShutdown
+	}
+}
+
+// IsLeader reports whether this server is the leader right now. Leadership can
+// be lost at any moment; use VerifyLeader where that matters.
+func (s *Store) IsLeader() bool { return s.raft.State() == raft.Leader }
+
+// Leader returns the current leader's ID and address as known to this server,
+// or empty strings when there is none.
+func (s *Store) Leader() (id, addr string) {
+	a, i := s.raft.LeaderWithID()
+	return string(i), string(a)
+}
+
+// Status is a point-in-time view of this server's Raft state.
+type Status struct {
+	ID           string    // this server's ID
+	Address      string    // this server's advertised address
+	State        string    // "Follower", "Candidate", "Leader" or "Shutdown"
+	Term         uint64    // current term
+	LastIndex    uint64    // last index in the log or latest snapshot
+	CommitIndex  uint64    // highest index known to be committed
+	AppliedIndex uint64    // highest index handed to the FSM
+	LastContact  time.Time // last contact from the leader; zero on the leader or if never
+	LeaderID     string    // current leader's ID, "" if unknown
+	LeaderAddr   string    // current leader's address, "" if unknown
+	HasState     bool      // see HasExistingState
+	Voter        bool      // this server is a voter in the latest configuration
+	NumPeers     int       // voters other than this one; 0 if this server is not a voter
+}
+
+// Status returns a snapshot of this server's Raft state. It is cheap: it reads
+// raft's getters and the in-memory configuration.
+func (s *Store) Status() Status {
+	st := Status{
+		ID:           s.id,
+		Address:      s.LocalAddr(),
+		State:        s.raft.State().String(),
+		Term:         s.raft.CurrentTerm(),
+		LastIndex:    s.raft.LastIndex(),
+		CommitIndex:  s.raft.CommitIndex(),
+		AppliedIndex: s.raft.AppliedIndex(),
+		HasState:     s.HasExistingState(),
+	}
+	st.LeaderID, st.LeaderAddr = s.Leader()
+	if s.raft.State() != raft.Leader {
+		st.LastContact = s.raft.LastContact()
+	}
+	if f := s.raft.GetConfiguration(); f.Error() == nil {
+		for _, srv := range f.Configuration().Servers {
+			if srv.Suffrage != raft.Voter {
+				continue
+			}
+			if string(srv.ID) == s.id {
+				st.Voter = true
+			} else {
+				st.NumPeers++
+			}
+		}
+	}
+	if !st.Voter {
+		st.NumPeers = 0
+	}
+	return st
+}
+
+// Close shuts Raft down, then closes the transport (and with it the stream
+// layer) and the log store, and ends every leadership subscription. It does
+// not hand leadership over first; call TransferLeadership before a planned
+// shutdown. Close is idempotent; later calls return the first call's error.
+func (s *Store) Close() error {
+	s.closeOnce.Do(func() {
+		close(s.closing)
+		var errs []error
+		if err := s.raft.Shutdown().Error(); err != nil {
+			errs = append(errs, fmt.Errorf("shut down raft: %w", err))
+		}
+		if err := s.transport.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("close raft transport: %w", err))
+		}
+		s.leadership.stop()
+		if err := s.bolt.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("close raft log: %w", err))
+		}
+		s.closeErr = errors.Join(errs...)
+		s.log.Info("raft stopped")
+	})
+	return s.closeErr
+}
