@@ -196,9 +196,24 @@ func (g *Gossip) Join(addrs []string) (int, error) {
 	return 0, fmt.Errorf("join %v: %w", addrs, err)
 }
 
-// Leave announces a graceful departure and waits up to timeout for it to spread.
+// Leave announces a graceful departure and waits up to timeout for it to
+// spread: first a meta update marking this node as leaving, then
+// memberlist's leave message.
 func (g *Gossip) Leave(timeout time.Duration) error {
-	if err := g.ml.Leave(timeout); err != nil {
+	g.mu.Lock()
+	meta := g.cfg.Meta
+	meta.Leaving = true
+	b, err := meta.encode()
+	if err == nil {
+		g.meta = b
+	}
+	g.mu.Unlock()
+	if err == nil {
+		if err := g.ml.UpdateNode(timeout / 2); err != nil {
+			g.logger.Warn("announce leave intent", "error", err)
+		}
+	}
+	if err := g.ml.Leave(timeout / 2); err != nil {
 		return fmt.Errorf("leave gossip ring: %w", err)
 	}
 	return nil
@@ -360,7 +375,9 @@ func (e *gossipEvents) NotifyUpdate(n *memberlist.Node) {
 
 func (e *gossipEvents) NotifyLeave(n *memberlist.Node) {
 	st := StatusFailed
-	if n.State == memberlist.StateLeft {
+	// memberlist does not fill in n.State, so a graceful leave is recognised
+	// by the leave intent the node gossiped in its meta just before.
+	if meta, err := decodeMeta(n.Meta); n.State == memberlist.StateLeft || (err == nil && meta.Leaving) {
 		st = StatusLeft
 	}
 	g := (*Gossip)(e)

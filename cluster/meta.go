@@ -20,6 +20,9 @@ type NodeMeta struct {
 	InternalAddr    string `json:"ia"`
 	Version         string `json:"v"`
 	BootstrapExpect int    `json:"be,omitempty"`
+	// Leaving is set just before a graceful leave, so that members can tell
+	// a departure from a failure (memberlist reports both as "leave").
+	Leaving bool `json:"l,omitempty"`
 }
 
 // metaLimit is memberlist's MetaMaxSize.

@@ -1,7 +1,6 @@
 package fsm
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -113,14 +112,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	if l == nil {
 		return &Result{Err: fmt.Errorf("%w: nil log entry", ErrInvalidCommand)}
 	}
-	res := f.apply(l)
-	if !res.Duplicate && errors.Is(res.Err, ErrUnknownCommand) {
-		// The follower has nobody to return this to, and it means this
-		// binary is older than the one that proposed the entry.
-		f.logger.Error("command not understood, state may diverge from newer nodes",
-			"index", l.Index, "term", l.Term, "error", res.Err)
-	}
-	return res
+	return f.apply(l)
 }
 
 // apply does the work of Apply and always advances the applied index.
@@ -130,10 +122,16 @@ func (f *FSM) apply(l *raft.Log) *Result {
 		return &Result{Index: l.Index}
 	}
 	cmd, err := Decode(l.Data)
-	if err == nil {
-		err = validateEnvelope(cmd)
-	}
 	if err != nil {
+		// Only the leader's proposer sees the Result, and the leader encoded
+		// the entry: an entry that does not decode is a bug or a newer
+		// binary's format, and the state may diverge from nodes that
+		// understand it. Log it on every node.
+		f.logger.Error("log entry not understood", "index", l.Index, "term", l.Term, "error", err)
+		f.setApplied(l.Index)
+		return &Result{Index: l.Index, Err: err}
+	}
+	if err := validateEnvelope(cmd); err != nil {
 		f.setApplied(l.Index)
 		return &Result{Index: l.Index, Err: err}
 	}
@@ -171,7 +169,14 @@ func (f *FSM) apply(l *raft.Log) *Result {
 		f.setApplied(l.Index)
 		return &Result{Index: l.Index, Err: err}
 	}
-	f.commit(t)
+	if len(t.changed) == 0 {
+		// Nothing to write (a rejected command without a client ID):
+		// release the writer without waking anyone.
+		t.abort()
+		f.setApplied(l.Index)
+	} else {
+		f.commit(t)
+	}
 	if value != nil {
 		value = proto.Clone(value)
 	}
@@ -248,10 +253,15 @@ var opOneof = (&fsmv1.Command{}).ProtoReflect().Descriptor().Oneofs().ByName("op
 func dispatch(f *FSM, t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	fd := cmd.ProtoReflect().WhichOneof(opOneof)
 	if fd == nil {
-		return nil, fmt.Errorf("%w: no operation set", ErrUnknownCommand)
+		// Either the proposer set no operation, or a newer binary proposed
+		// one this version does not know (it decodes as an unknown field).
+		f.logger.Error("command has no operation this version knows",
+			"index", t.index, "client_id", cmd.GetClientId(), "sequence", cmd.GetSequence())
+		return nil, fmt.Errorf("%w: no operation this version knows", ErrUnknownCommand)
 	}
 	fn, ok := appliers[fd.Name()]
 	if !ok {
+		// Unreachable while TestDispatchTableComplete passes.
 		return nil, fmt.Errorf("%w: operation %s", ErrUnknownCommand, fd.Name())
 	}
 	return fn(f, t, cmd)

@@ -118,7 +118,10 @@ const minTimeout = 5 * time.Millisecond
 
 // Validate reports every invalid field, joined, each as a *ConfigError that
 // names the field and the allowed values.
-func (c Config) Validate() error {
+func (c Config) Validate() error { return c.validate(true) }
+
+// validate is Validate; needStream is false for the offline RecoverCluster.
+func (c Config) validate(needStream bool) error {
 	var errs []error
 	bad := func(field, reason string, v any) {
 		errs = append(errs, &ConfigError{Field: field, Reason: reason, Value: v})
@@ -129,7 +132,7 @@ func (c Config) Validate() error {
 	if c.DataDir == "" {
 		bad("DataDir", "is required", `""`)
 	}
-	if c.StreamLayer == nil {
+	if needStream && c.StreamLayer == nil {
 		bad("StreamLayer", "is required", nil)
 	}
 	if c.FSM == nil {
@@ -188,6 +191,9 @@ func (c Config) raftConfig(logger *hclogAdapter, notify chan<- bool) *raft.Confi
 	// so it can be added back (Consul does the same); the cluster package
 	// decides when a node should leave for good.
 	rc.ShutdownOnRemove = false
+	// Emit only the labelled form of per-peer metrics, not the legacy
+	// duplicates with the peer in the metric name.
+	rc.NoLegacyTelemetry = true
 	rc.NotifyCh = notify
 	rc.Logger = logger
 	return rc

@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log"
 	"log/slog"
@@ -63,7 +64,14 @@ func (a *hclogAdapter) Log(level hclog.Level, msg string, args ...any) {
 		attrs = append(attrs, "logger", a.name)
 	}
 	attrs = append(attrs, a.implied...)
-	attrs = append(attrs, args...)
+	for _, v := range args {
+		if f, ok := v.(hclog.Format); ok && len(f) > 0 {
+			if format, ok := f[0].(string); ok {
+				v = fmt.Sprintf(format, f[1:]...)
+			}
+		}
+		attrs = append(attrs, v)
+	}
 	a.logger.Log(ctx, lvl, msg, attrs...)
 }
 

@@ -88,10 +88,6 @@ func New(cfg Config) (s *Store, err error) {
 	closers = append(closers, cfg.StreamLayer.Close)
 
 	dir := filepath.Join(cfg.DataDir, raftDir)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("create raft directory: %w", err)
-	}
-
 	logger := newHCLogAdapter(cfg.Logger).With("node_id", cfg.NodeID).(*hclogAdapter)
 	slogger := cfg.Logger
 	if slogger == nil {
@@ -99,30 +95,11 @@ func New(cfg Config) (s *Store, err error) {
 	}
 	slogger = slogger.With("component", "store", "node_id", cfg.NodeID)
 
-	bolt, err := raftboltdb.New(raftboltdb.Options{
-		Path: filepath.Join(dir, boltFile),
-		BoltOptions: &bbolt.Options{
-			Timeout:        boltOpenTimeout,
-			NoFreelistSync: cfg.NoFreelistSync,
-			FreelistType:   bbolt.FreelistMapType,
-		},
-	})
+	bolt, logs, snaps, err := openStores(cfg, dir, logger)
 	if err != nil {
-		return nil, fmt.Errorf("open raft log %s: %w", filepath.Join(dir, boltFile), err)
+		return nil, err
 	}
 	closers = append(closers, bolt.Close)
-
-	var logs raft.LogStore = bolt
-	if cfg.LogCacheSize > 0 {
-		if logs, err = raft.NewLogCache(cfg.LogCacheSize, bolt); err != nil {
-			return nil, fmt.Errorf("create raft log cache: %w", err)
-		}
-	}
-
-	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
-	if err != nil {
-		return nil, fmt.Errorf("open raft snapshot store: %w", err)
-	}
 
 	existed, err := raft.HasExistingState(logs, bolt, snaps)
 	if err != nil {
@@ -158,6 +135,40 @@ func New(cfg Config) (s *Store, err error) {
 	s.leadership.start(notify, s.closing)
 	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed)
 	return s, nil
+}
+
+// openStores opens the bbolt log and stable store (with the log cache in
+// front of it when configured) and the file snapshot store in dir, creating
+// dir if needed. On error nothing is left open.
+func openStores(cfg Config, dir string, logger *hclogAdapter) (*raftboltdb.BoltStore, raft.LogStore, *raft.FileSnapshotStore, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, nil, nil, fmt.Errorf("create raft directory: %w", err)
+	}
+	path := filepath.Join(dir, boltFile)
+	bolt, err := raftboltdb.New(raftboltdb.Options{
+		Path: path,
+		BoltOptions: &bbolt.Options{
+			Timeout:        boltOpenTimeout,
+			NoFreelistSync: cfg.NoFreelistSync,
+			FreelistType:   bbolt.FreelistMapType,
+		},
+	})
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
+	}
+	var logs raft.LogStore = bolt
+	if cfg.LogCacheSize > 0 {
+		if logs, err = raft.NewLogCache(cfg.LogCacheSize, bolt); err != nil {
+			bolt.Close()
+			return nil, nil, nil, fmt.Errorf("create raft log cache: %w", err)
+		}
+	}
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
+	if err != nil {
+		bolt.Close()
+		return nil, nil, nil, fmt.Errorf("open raft snapshot store: %w", err)
+	}
+	return bolt, logs, snaps, nil
 }
 
 // ID is this server's Raft ID (Config.NodeID).
@@ -211,9 +222,8 @@ func (s *Store) Barrier(ctx context.Context) error {
 	return nil
 }
 
-// VerifyLeader confirms with a quorum that this server is still the leader,
-// for linearizable reads (after it returns, wait for the FSM to apply the
-// commit index read before calling it). Leader only.
+// VerifyLeader confirms with a quorum that this server is still the leader.
+// Leader only. For linearizable reads use ReadIndex, which builds on it.
 func (s *Store) VerifyLeader(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("verify leader: %w", contextError(ctx))
@@ -222,6 +232,19 @@ func (s *Store) VerifyLeader(ctx context.Context) error {
 		return fmt.Errorf("verify leader: %w", err)
 	}
 	return nil
+}
+
+// ReadIndex returns the index a linearizable read must wait for: the commit
+// index, read before VerifyLeader confirmed with a quorum that this server is
+// still the leader. The caller waits until its FSM has applied that index,
+// then reads locally. Leader only, and only meaningful once the leader has
+// passed its Barrier for the current term.
+func (s *Store) ReadIndex(ctx context.Context) (uint64, error) {
+	idx := s.raft.CommitIndex()
+	if err := s.VerifyLeader(ctx); err != nil {
+		return 0, fmt.Errorf("read index: %w", err)
+	}
+	return idx, nil
 }
 
 // enqueueTimeout turns ctx's deadline into raft's enqueue timeout (0: wait as
@@ -242,10 +265,11 @@ func enqueueTimeout(ctx context.Context) (time.Duration, error) {
 }
 
 // wait waits for f, for ctx to end, or for the Store to close, whichever is
-// first, and maps the result. raft's futures have no channel and raft leaves
-// some futures unanswered at shutdown, so the wait happens in a goroutine;
-// it ends when raft answers f, which it does for every future it accepted
-// before shutting down, except for those still queued at shutdown.
+// first, and maps the result. raft's futures cannot be selected on, so f is
+// awaited in a goroutine, which ends when raft answers f. raft answers every
+// future except those still queued when it shuts down; the goroutines of
+// calls that raced with Close in that way stay blocked, and their callers get
+// ErrShutdown.
 func (s *Store) wait(ctx context.Context, f raft.Future) error {
 	done := make(chan error, 1)
 	go func() { done <- f.Error() }()

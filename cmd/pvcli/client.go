@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -28,7 +30,7 @@ const (
 
 // metaHeaders are the response headers describing the state a read was
 // served from (QueryMeta); --verbose prints them.
-var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-Contact"}
+var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-Contact", "Pivirt-Served-By"}
 
 // clientConn is the API client of one invocation.
 type clientConn struct {
@@ -161,6 +163,9 @@ func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 				}
 				switch connect.CodeOf(err) {
 				case connect.CodeUnavailable:
+					if permanentTransportError(err) {
+						return nil, err
+					}
 					unavailable = err
 				case connect.CodeDeadlineExceeded:
 					// The deadline ran out during a retry: the reason for
@@ -191,6 +196,25 @@ func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 			}
 		}
 	}
+}
+
+// permanentTransportError reports whether an Unavailable error comes from a
+// TLS failure that a retry cannot cure: an untrusted or mismatched
+// certificate, or TLS spoken to a plain-text port.
+func permanentTransportError(err error) bool {
+	var (
+		verify     *tls.CertificateVerificationError
+		header     tls.RecordHeaderError
+		authority  x509.UnknownAuthorityError
+		hostname   x509.HostnameError
+		invalid    x509.CertificateInvalidError
+		alertError tls.AlertError
+	)
+	return errors.As(err, &verify) || errors.As(err, &header) || errors.As(err, &authority) ||
+		errors.As(err, &hostname) || errors.As(err, &invalid) || errors.As(err, &alertError) ||
+		// net/http turns the RecordHeaderError of an HTTP/1 answer into
+		// this untyped error.
+		strings.Contains(err.Error(), "server gave HTTP response to HTTPS client")
 }
 
 func (a *app) printMeta(h http.Header) {

@@ -162,6 +162,8 @@ sequence number until --timeout, so it is never applied twice.`,
 		SilenceUsage:  true,
 		Args:          noSubcommand,
 		RunE:          helpOnly,
+
+		SuggestionsMinimumDistance: 2,
 	}
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
 		return &usageError{err: err}
@@ -181,8 +183,8 @@ sequence number until --timeout, so it is never applied twice.`,
 	return root
 }
 
-// command wraps a command body: everything it returns after the first line
-// is a runtime error unless it is a *usageError.
+// command wraps a command body and marks that it started: from then on an
+// error is a runtime error unless the body returns a *usageError.
 func (a *app) command(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		a.inCommand = true
@@ -197,6 +199,8 @@ func groupCmd(use, short string, subs ...*cobra.Command) *cobra.Command {
 		Short: short,
 		Args:  noSubcommand,
 		RunE:  helpOnly,
+
+		SuggestionsMinimumDistance: 2,
 	}
 	c.AddCommand(subs...)
 	return c

@@ -49,6 +49,7 @@ func (a *app) newServiceCmd() *cobra.Command {
 type registerOptions struct {
 	address string
 	port    int
+	portSet bool
 	tags    []string
 	meta    []string
 	ttl     time.Duration
@@ -63,6 +64,7 @@ func (a *app) newServiceRegisterCmd() *cobra.Command {
 		Short: "Register (or replace) a service instance",
 		Args:  positional("NAME"),
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
+			o.portSet = cmd.Flags().Changed("port")
 			return a.serviceRegister(cmd, args[0], &o)
 		}),
 	}
@@ -81,6 +83,9 @@ func (a *app) newServiceRegisterCmd() *cobra.Command {
 func (o *registerOptions) instance(name string) (*clusterv1.ServiceInstance, error) {
 	if strings.TrimSpace(o.address) == "" {
 		return nil, usagef("missing --address: the address the instance serves on is required")
+	}
+	if !o.portSet {
+		return nil, usagef("missing --port: the port the instance serves on (1-65535) is required")
 	}
 	if o.port < 1 || o.port > 65535 {
 		return nil, usagef("invalid --port %d: must be 1-65535", o.port)

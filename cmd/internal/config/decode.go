@@ -152,17 +152,25 @@ func (w *walker) fail(n *yaml.Node, path string, err error) {
 	w.errs = append(w.errs, fe)
 }
 
-var unmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
-
-// value decodes n into v, which must be settable.
-func (w *walker) value(n *yaml.Node, v reflect.Value, path string) {
+// step spends one unit of the node budget; false means stop walking.
+func (w *walker) step(n *yaml.Node, path string) bool {
 	if w.full {
-		return
+		return false
 	}
 	w.budget--
 	if w.budget < 0 {
 		w.fail(n, path, errors.New("document too large or too many alias expansions"))
 		w.full = true
+		return false
+	}
+	return true
+}
+
+var unmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
+
+// value decodes n into v, which must be settable.
+func (w *walker) value(n *yaml.Node, v reflect.Value, path string) {
+	if !w.step(n, path) {
 		return
 	}
 	for i := 0; n.Kind == yaml.AliasNode; i++ {
@@ -256,6 +264,9 @@ func (w *walker) structure(n *yaml.Node, v reflect.Value, path string) {
 	seen := make(map[string]int, len(n.Content)/2)
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, val := n.Content[i], n.Content[i+1]
+		if !w.step(k, path) {
+			return
+		}
 		key, ok := w.key(k, path, seen)
 		if !ok {
 			continue
@@ -304,6 +315,9 @@ func (w *walker) mapping(n *yaml.Node, v reflect.Value, path string) {
 	seen := make(map[string]int, len(n.Content)/2)
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, val := n.Content[i], n.Content[i+1]
+		if !w.step(k, path) {
+			return
+		}
 		key, ok := w.key(k, path, seen)
 		if !ok {
 			continue

@@ -1,0 +1,111 @@
+package agent
+
+import (
+	"context"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/gateway"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	"pilab.hu/pivirt-agent/store"
+)
+
+// raftAdapter presents the store through the interfaces that cluster and
+// gateway declare; siblings never import each other, so the conversion of
+// their small value types happens here.
+type raftAdapter struct {
+	s      *store.Store
+	expect int
+	name   string
+}
+
+var (
+	_ cluster.Bootstrapper = raftAdapter{}
+	_ cluster.VoterManager = raftAdapter{}
+	_ cluster.StatusSource = raftAdapter{}
+	_ gateway.Consensus    = raftAdapter{}
+	_ gateway.RaftAdmin    = raftAdapter{}
+)
+
+func (a raftAdapter) HasExistingState() bool { return a.s.HasExistingState() }
+
+func (a raftAdapter) Bootstrap(servers []cluster.RaftServer) error {
+	out := make([]store.Server, len(servers))
+	for i, s := range servers {
+		out[i] = store.Server{ID: s.ID, Address: s.Address, Voter: s.Voter}
+	}
+	return a.s.Bootstrap(out)
+}
+
+func (a raftAdapter) Servers(ctx context.Context) ([]cluster.RaftServer, error) {
+	servers, err := a.s.Servers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]cluster.RaftServer, len(servers))
+	for i, s := range servers {
+		out[i] = cluster.RaftServer{ID: s.ID, Address: s.Address, Voter: s.Voter}
+	}
+	return out, nil
+}
+
+func (a raftAdapter) AddVoter(ctx context.Context, id, addr string) error {
+	return a.s.AddVoter(ctx, id, addr)
+}
+
+func (a raftAdapter) AddNonvoter(ctx context.Context, id, addr string) error {
+	return a.s.AddNonvoter(ctx, id, addr)
+}
+
+func (a raftAdapter) RemoveServer(ctx context.Context, id string) error {
+	return a.s.RemoveServer(ctx, id)
+}
+
+func (a raftAdapter) TransferLeadership(ctx context.Context, id string) (string, error) {
+	return a.s.TransferLeadership(ctx, id)
+}
+
+func (a raftAdapter) Apply(ctx context.Context, cmd []byte) (any, uint64, error) {
+	return a.s.Apply(ctx, cmd)
+}
+
+func (a raftAdapter) Leader() (string, string) { return a.s.Leader() }
+
+func (a raftAdapter) VerifyLeader(ctx context.Context) error { return a.s.VerifyLeader(ctx) }
+
+func (a raftAdapter) RaftStatus() gateway.RaftStatus {
+	st := a.s.Status()
+	return gateway.RaftStatus{
+		State:        st.State,
+		Term:         st.Term,
+		LastIndex:    st.LastIndex,
+		CommitIndex:  st.CommitIndex,
+		AppliedIndex: st.AppliedIndex,
+		LastContact:  st.LastContact,
+		LeaderID:     st.LeaderID,
+	}
+}
+
+func (a raftAdapter) NodeStatus() *nodev1.StatusResponse {
+	st := a.s.Status()
+	var contact time.Duration
+	if !st.LastContact.IsZero() {
+		contact = time.Since(st.LastContact)
+	}
+	return &nodev1.StatusResponse{
+		NodeId:          st.ID,
+		Name:            a.name,
+		RaftState:       st.State,
+		Term:            st.Term,
+		LastIndex:       st.LastIndex,
+		CommitIndex:     st.CommitIndex,
+		AppliedIndex:    st.AppliedIndex,
+		LastContact:     durationpb.New(contact),
+		HasState:        st.HasState,
+		Peers:           int32(st.NumPeers),
+		BootstrapExpect: int32(a.expect),
+		LeaderId:        st.LeaderID,
+	}
+}

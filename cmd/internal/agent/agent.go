@@ -1,0 +1,714 @@
+// Package agent is the composition root of pivirt-agent: it turns a
+// config.Config into running parts (fsm, store, cluster, gateway,
+// scheduler) and wires them together. It lives under cmd/ because wiring is
+// cmd's job; tests and benchmarks under cmd/ start whole agents through it.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/connect"
+	sockaddr "github.com/hashicorp/go-sockaddr"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/gateway"
+	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
+	"pilab.hu/pivirt-agent/scheduler"
+	"pilab.hu/pivirt-agent/store"
+)
+
+// Version is reported in gossip metadata.
+var Version = "0.1.0-dev"
+
+// Options are knobs that are not part of the configuration file: they exist
+// for tests and for the dev mode.
+type Options struct {
+	Logger *slog.Logger
+	// GossipProfile is "lan" (default) or "local" (fast failure detection).
+	GossipProfile string
+	// ReconcileInterval is how often the leader reconciles Raft membership
+	// with gossip when nothing changes (default 5s).
+	ReconcileInterval time.Duration
+	// DeadNodeReclaimTime lets a restarted node take its gossip name back
+	// on a new address (default 10s).
+	DeadNodeReclaimTime time.Duration
+	// LeaveTimeout bounds a graceful leave (default 10s).
+	LeaveTimeout time.Duration
+	// TTLInterval is the TTL reaper's scan interval (default 1s).
+	TTLInterval time.Duration
+}
+
+// Agent is one running pivirt-agent.
+type Agent struct {
+	cfg    *config.Config
+	opts   Options
+	logger *slog.Logger
+
+	nodeID  string
+	dataDir string
+	tempDir bool
+
+	lnAPI, lnInternal, lnMetrics, lnRaft net.Listener
+	advertiseIP                          string
+
+	fsm    *fsm.FSM
+	store  *store.Store
+	raft   raftAdapter
+	gossip *cluster.Gossip
+	pool   *cluster.Pool
+	api    *gateway.ClusterService
+
+	servers []*http.Server
+
+	leaderReady atomic.Bool
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	stopOnce  sync.Once
+	stopErr   error
+	leaveOnce sync.Once
+	done      chan struct{}
+}
+
+// New validates cfg and prepares an agent; Start runs it.
+func New(cfg *config.Config, opts Options) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.TLS.Enabled {
+		return nil, errors.New("tls.enabled: true is not supported by this build yet (PiTrust mTLS is being added); set tls.enabled: false to run plaintext on a trusted network")
+	}
+	if cfg.ServiceDiscovery.Type != config.DiscoveryRaft {
+		return nil, fmt.Errorf("service_discovery.type: %q is not supported by this build yet; use %q (the embedded cluster)", cfg.ServiceDiscovery.Type, config.DiscoveryRaft)
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.GossipProfile == "" {
+		opts.GossipProfile = "lan"
+	}
+	if opts.ReconcileInterval <= 0 {
+		opts.ReconcileInterval = 5 * time.Second
+	}
+	if opts.DeadNodeReclaimTime <= 0 {
+		opts.DeadNodeReclaimTime = 10 * time.Second
+	}
+	if opts.LeaveTimeout <= 0 {
+		opts.LeaveTimeout = 10 * time.Second
+	}
+	return &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{})}, nil
+}
+
+// Start opens the data dir and every listener, starts Raft and gossip,
+// bootstraps or joins as configured, and serves the APIs. On error all that
+// was started is stopped again.
+func (a *Agent) Start(ctx context.Context) (err error) {
+	a.ctx, a.cancel = context.WithCancel(context.Background())
+	defer func() {
+		if err != nil {
+			_ = a.Shutdown()
+		}
+	}()
+	if err := a.openDataDir(); err != nil {
+		return err
+	}
+	a.logger = a.logger.With("node_id", a.nodeID)
+	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", Version)
+	if err := a.listen(); err != nil {
+		return err
+	}
+
+	fcfg := fsm.DefaultConfig()
+	fcfg.Logger = a.logger
+	a.fsm, err = fsm.New(fcfg)
+	if err != nil {
+		return fmt.Errorf("create state machine: %w", err)
+	}
+	scfg := store.DefaultConfig()
+	scfg.NodeID = a.nodeID
+	scfg.DataDir = a.dataDir
+	scfg.StreamLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+	scfg.FSM = a.fsm
+	scfg.Logger = a.logger
+	rc := a.cfg.Cluster.Raft
+	scfg.HeartbeatTimeout = rc.HeartbeatTimeout.Std()
+	scfg.ElectionTimeout = rc.ElectionTimeout.Std()
+	scfg.LeaderLeaseTimeout = rc.LeaderLeaseTimeout.Std()
+	scfg.SnapshotThreshold = rc.SnapshotThreshold
+	scfg.SnapshotInterval = rc.SnapshotInterval.Std()
+	scfg.TrailingLogs = rc.TrailingLogs
+	a.store, err = store.New(scfg)
+	if err != nil {
+		return fmt.Errorf("start raft: %w", err)
+	}
+	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName}
+
+	a.pool = cluster.NewPool()
+	gcfg := cluster.DefaultGossipConfig()
+	gcfg.NodeName = a.cfg.NodeName
+	gcfg.BindAddr = a.cfg.Cluster.Gossip.BindAddr
+	gcfg.AdvertiseAddr = a.gossipAdvertise()
+	gcfg.Profile = a.opts.GossipProfile
+	gcfg.DeadNodeReclaimTime = a.opts.DeadNodeReclaimTime
+	gcfg.Logger = a.logger
+	gcfg.Meta = cluster.NodeMeta{
+		ID:              a.nodeID,
+		Role:            cluster.RoleServer,
+		RaftAddr:        a.store.LocalAddr(),
+		APIAddr:         advertiseTCP(a.lnAPI, "", a.advertiseIP).String(),
+		InternalAddr:    advertiseTCP(a.lnInternal, "", a.advertiseIP).String(),
+		Version:         Version,
+		BootstrapExpect: rc.BootstrapExpect,
+	}
+	if f := a.cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
+		key, err := readGossipKey(f)
+		if err != nil {
+			return err
+		}
+		gcfg.SecretKey = key
+	}
+	a.gossip, err = cluster.NewGossip(gcfg)
+	if err != nil {
+		return err
+	}
+
+	hcfg := gateway.DefaultClusterServiceConfig()
+	hcfg.NodeID = a.nodeID
+	hcfg.NodeName = a.cfg.NodeName
+	hcfg.HoldTimeout = a.cfg.Cluster.ForwardHoldTimeout.Std()
+	hcfg.LeaderReady = a.leaderReady.Load
+	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
+	hcfg.Logger = a.logger
+	peers := peerClients{pool: a.pool}
+	a.api, err = gateway.NewClusterService(hcfg, a.raft, a.raft, a.gossip, peers, a.fsm)
+	if err != nil {
+		return err
+	}
+	icfg := hcfg
+	icfg.LeaderOnly = true
+	icfg.Leave = nil
+	internal, err := gateway.NewClusterService(icfg, a.raft, a.raft, a.gossip, peers, a.fsm)
+	if err != nil {
+		return err
+	}
+	a.serve(a.lnAPI, a.apiMux())
+	a.serve(a.lnInternal, internalMux(internal, cluster.NewNodeService(a.raft)))
+	a.serve(a.lnMetrics, a.metricsMux())
+
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		a.leaderLoop(a.ctx)
+	}()
+
+	if err := a.formCluster(ctx); err != nil {
+		return err
+	}
+	if !a.cfg.TLS.Enabled {
+		a.logger.Warn("TLS IS DISABLED: the API, internal and Raft ports are plaintext; use only on a trusted network or loopback")
+	}
+	a.logger.Info("agent started",
+		"api_addr", a.APIAddr(), "internal_addr", a.InternalAddr(), "raft_addr", a.RaftAddr(),
+		"gossip_addr", a.GossipAddr(), "metrics_addr", a.MetricsAddr())
+	return nil
+}
+
+func (a *Agent) openDataDir() error {
+	a.dataDir = a.cfg.DataDir
+	if a.dataDir == "" {
+		if !a.cfg.Dev {
+			return errors.New("data_dir: required outside dev mode")
+		}
+		dir, err := os.MkdirTemp("", "pivirt-agent-dev-")
+		if err != nil {
+			return fmt.Errorf("create dev data dir: %w", err)
+		}
+		a.dataDir, a.tempDir = dir, true
+	}
+	if err := os.MkdirAll(a.dataDir, 0o700); err != nil {
+		return fmt.Errorf("data_dir: %w", err)
+	}
+	id, err := identity.LoadOrCreateNodeID(a.dataDir)
+	if err != nil {
+		return err
+	}
+	a.nodeID = id
+	return nil
+}
+
+func (a *Agent) listen() error {
+	for _, l := range []struct {
+		key  string
+		addr string
+		ln   *net.Listener
+	}{
+		{"server.connectrpc.addr", a.cfg.Server.ConnectRPC.Addr, &a.lnAPI},
+		{"server.grpc_internal.addr", a.cfg.Server.GRPCInternal.Addr, &a.lnInternal},
+		{"server.metrics.addr", a.cfg.Server.Metrics.Addr, &a.lnMetrics},
+		{"cluster.raft.addr", a.cfg.Cluster.Raft.Addr, &a.lnRaft},
+	} {
+		ln, err := net.Listen("tcp", l.addr)
+		if err != nil {
+			return fmt.Errorf("%s: listen on %s: %w", l.key, l.addr, err)
+		}
+		*l.ln = ln
+	}
+	ip := a.cfg.Cluster.AdvertiseAddr
+	if ip == "" {
+		// Take the host of the first bind address that is not a wildcard.
+		for _, ln := range []net.Listener{a.lnRaft, a.lnInternal, a.lnAPI} {
+			if t := ln.Addr().(*net.TCPAddr); !t.IP.IsUnspecified() {
+				ip = t.IP.String()
+				break
+			}
+		}
+	}
+	if ip == "" {
+		priv, err := sockaddr.GetPrivateIP()
+		if err != nil || priv == "" {
+			return fmt.Errorf("cluster.advertise_addr: cannot pick an address to advertise (bind addresses are wildcards and no private IP was found); set it: %v", err)
+		}
+		ip = priv
+	}
+	a.advertiseIP = ip
+	return nil
+}
+
+// advertiseTCP is the address peers use to reach ln: the explicit advertise
+// address, else the listener's address with a wildcard host replaced by ip.
+func advertiseTCP(ln net.Listener, explicit, ip string) *net.TCPAddr {
+	if explicit != "" {
+		if t, err := net.ResolveTCPAddr("tcp", explicit); err == nil {
+			return t
+		}
+	}
+	t := *ln.Addr().(*net.TCPAddr)
+	if t.IP.IsUnspecified() {
+		t.IP = net.ParseIP(ip)
+	}
+	return &t
+}
+
+func (a *Agent) gossipAdvertise() string {
+	if g := a.cfg.Cluster.Gossip.AdvertiseAddr; g != "" {
+		return g
+	}
+	host, port, err := net.SplitHostPort(a.cfg.Cluster.Gossip.BindAddr)
+	if err != nil {
+		return ""
+	}
+	if ip := net.ParseIP(host); ip == nil || ip.IsUnspecified() {
+		if port == "0" {
+			return "" // memberlist picks the port; it advertises its bind IP
+		}
+		return net.JoinHostPort(a.advertiseIP, port)
+	}
+	return ""
+}
+
+func (a *Agent) formCluster(ctx context.Context) error {
+	rc := a.cfg.Cluster.Raft
+	switch {
+	case rc.Bootstrap && !a.store.HasExistingState():
+		err := a.store.Bootstrap([]store.Server{{ID: a.nodeID, Address: a.store.LocalAddr(), Voter: true}})
+		if err != nil && !errors.Is(err, store.ErrAlreadyBootstrapped) {
+			return fmt.Errorf("bootstrap: %w", err)
+		}
+		a.logger.Info("bootstrapped a single-server cluster")
+	case rc.Bootstrap:
+		a.logger.Info("not bootstrapping: raft state already exists")
+	case rc.BootstrapExpect > 0:
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			err := cluster.RunBootstrapExpect(a.ctx, cluster.BootstrapConfig{
+				SelfID: a.nodeID, Expect: rc.BootstrapExpect, Voters: rc.Voters, Logger: a.logger,
+			}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
+			if err != nil && !errors.Is(err, cluster.ErrBootstrapSkipped) && a.ctx.Err() == nil {
+				a.logger.Error("bootstrap-expect failed", "error", err)
+			}
+		}()
+	}
+	if join := a.cfg.Cluster.Join; len(join) > 0 {
+		if _, err := a.gossip.Join(join); err != nil {
+			return fmt.Errorf("cluster.join: %w", err)
+		}
+	}
+	if rj := a.cfg.Cluster.RetryJoin; len(rj) > 0 {
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			_ = cluster.RetryJoin(a.ctx, cluster.RetryJoinConfig{
+				Addrs: rj, Interval: a.cfg.Cluster.RetryInterval.Std(), MaxAttempts: a.cfg.Cluster.RetryMax, Logger: a.logger,
+			}, a.gossip)
+		}()
+	}
+	return nil
+}
+
+// leaderLoop establishes leader state once per term: barrier, then the
+// membership reconciler and the TTL reaper; all of it is torn down the
+// moment leadership is lost.
+func (a *Agent) leaderLoop(ctx context.Context) {
+	ch, unsubscribe := a.store.SubscribeLeadership()
+	defer unsubscribe()
+	var term *leaderTerm
+	revoke := func() {
+		if term == nil {
+			return
+		}
+		term.stop()
+		term = nil
+		a.leaderReady.Store(false)
+		a.logger.Info("leadership lost: leader state revoked")
+	}
+	defer revoke()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case isLeader, ok := <-ch:
+			if !ok {
+				return
+			}
+			if !isLeader {
+				revoke()
+				continue
+			}
+			if term == nil {
+				term = a.startTerm(ctx)
+			}
+		}
+	}
+}
+
+// leaderTerm is the leader state of one leadership term.
+type leaderTerm struct {
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+func (t *leaderTerm) stop() {
+	t.cancel()
+	t.wg.Wait()
+}
+
+func (a *Agent) startTerm(ctx context.Context) *leaderTerm {
+	termCtx, cancel := context.WithCancel(ctx)
+	t := &leaderTerm{cancel: cancel}
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		a.establishLeadership(termCtx, &t.wg)
+	}()
+	return t
+}
+
+func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
+	for attempt := 0; ; attempt++ {
+		bctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err := a.store.Barrier(bctx)
+		cancel()
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		a.logger.Warn("leader barrier failed, retrying", "error", err, "attempt", attempt)
+		t := time.NewTimer(100 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+	a.leaderReady.Store(true)
+	st := a.store.Status()
+	a.logger.Info("leadership established", "term", st.Term, "index", st.AppliedIndex)
+
+	rec := cluster.NewReconciler(cluster.ReconcileConfig{
+		SelfID:            a.nodeID,
+		Voters:            a.cfg.Cluster.Raft.Voters,
+		DeadServerCleanup: a.cfg.Cluster.Raft.DeadServerCleanup.Std(),
+		Interval:          a.opts.ReconcileInterval,
+		Logger:            a.logger,
+	}, a.raft, a.gossip)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		rec.Run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		tcfg := scheduler.DefaultTTLReaperConfig()
+		if a.opts.TTLInterval > 0 {
+			tcfg.Interval = a.opts.TTLInterval
+		}
+		tcfg.Logger = a.logger
+		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
+	}()
+}
+
+func (a *Agent) serve(ln net.Listener, h http.Handler) {
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	srv := &http.Server{
+		Handler:           h,
+		Protocols:         &protos,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       5 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn),
+	}
+	a.servers = append(a.servers, srv)
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			a.logger.Error("server stopped", "addr", ln.Addr().String(), "error", err)
+		}
+	}()
+}
+
+func handlerOptions() []connect.HandlerOption {
+	return []connect.HandlerOption{
+		connect.WithReadMaxBytes(cluster.MaxMessageBytes),
+		connect.WithSendMaxBytes(cluster.MaxMessageBytes),
+	}
+}
+
+func (a *Agent) apiMux() http.Handler {
+	mux := http.NewServeMux()
+	path, h := clusterv1connect.NewClusterServiceHandler(a.api, handlerOptions()...)
+	mux.Handle(path, h)
+	return mux
+}
+
+func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
+	mux := http.NewServeMux()
+	path, h := clusterv1connect.NewClusterServiceHandler(clusterSvc, handlerOptions()...)
+	mux.Handle(path, h)
+	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
+	mux.Handle(path, h)
+	return mux
+}
+
+func (a *Agent) metricsMux() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /live", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok"})
+	})
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "node_id": a.nodeID})
+	})
+	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, r *http.Request) {
+		st := a.store.Status()
+		checks := map[string]string{}
+		ready := true
+		if st.LeaderID == "" {
+			checks["leader"] = "no known leader"
+			ready = false
+		} else {
+			checks["leader"] = "ok: " + st.LeaderID
+		}
+		if st.State == "Leader" && !a.leaderReady.Load() {
+			checks["leader_state"] = "leader barrier not complete"
+			ready = false
+		}
+		code := http.StatusOK
+		status := "ready"
+		if !ready {
+			code, status = http.StatusServiceUnavailable, "not ready"
+		}
+		writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": st.AppliedIndex})
+	})
+	return mux
+}
+
+// peerClients adapts the pool to gateway.Peers.
+type peerClients struct{ pool *cluster.Pool }
+
+func (p peerClients) Status(ctx context.Context, addr string) (*nodeStatus, error) {
+	return cluster.PoolStatus{Pool: p.pool}.Status(ctx, addr)
+}
+
+func (p peerClients) Cluster(addr string) clusterv1connect.ClusterServiceClient {
+	return p.pool.Cluster(addr)
+}
+
+// Leave leaves the cluster gracefully and shuts the agent down: a leader
+// first hands leadership over, then the node announces its departure
+// through gossip, so the leader removes it from the Raft configuration,
+// and waits (bounded) until that happened.
+func (a *Agent) Leave(ctx context.Context) error {
+	var err error
+	a.leaveOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(ctx, a.opts.LeaveTimeout)
+		defer cancel()
+		a.logger.Info("leaving the cluster")
+		st := a.store.Status()
+		if st.State == "Leader" && st.NumPeers > 0 {
+			if id, terr := a.store.TransferLeadership(ctx, ""); terr != nil {
+				a.logger.Warn("leadership transfer before leave failed", "error", terr)
+			} else {
+				a.logger.Info("handed leadership over before leaving", "new_leader", id)
+			}
+		}
+		if lerr := a.gossip.Leave(a.opts.LeaveTimeout / 2); lerr != nil {
+			a.logger.Warn("gossip leave", "error", lerr)
+		}
+		a.waitRemoved(ctx)
+		err = a.Shutdown()
+	})
+	return err
+}
+
+func (a *Agent) waitRemoved(ctx context.Context) {
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		servers, err := a.store.Servers(ctx)
+		if err == nil {
+			found := false
+			for _, s := range servers {
+				found = found || s.ID == a.nodeID
+			}
+			if !found || len(servers) == 1 {
+				return
+			}
+		}
+		// If the leader's request to remove us reached us, we are done.
+		req := connect.NewRequest(&clusterv1.PeersRequest{Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_DEFAULT}})
+		if resp, err := a.api.Peers(ctx, req); err == nil {
+			found := false
+			for _, p := range resp.Msg.GetPeers() {
+				found = found || p.GetNodeId() == a.nodeID
+			}
+			if !found {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			a.logger.Warn("leave: not yet removed from the raft configuration; giving up waiting")
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Shutdown stops everything without leaving: the node stays a member and
+// is expected back. It is idempotent.
+func (a *Agent) Shutdown() error {
+	a.stopOnce.Do(func() {
+		defer close(a.done)
+		if a.cancel != nil {
+			a.cancel()
+		}
+		var errs []error
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		for _, s := range a.servers {
+			if err := s.Shutdown(ctx); err != nil {
+				_ = s.Close()
+			}
+		}
+		if a.gossip != nil {
+			if err := a.gossip.Shutdown(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if a.store != nil {
+			if err := a.store.Close(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		for _, ln := range []net.Listener{a.lnAPI, a.lnInternal, a.lnMetrics} {
+			if ln != nil {
+				_ = ln.Close()
+			}
+		}
+		if a.store == nil && a.lnRaft != nil {
+			_ = a.lnRaft.Close()
+		}
+		a.wg.Wait()
+		if a.pool != nil {
+			a.pool.Close()
+		}
+		if a.tempDir {
+			if err := os.RemoveAll(a.dataDir); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		a.stopErr = errors.Join(errs...)
+		a.logger.Info("agent stopped")
+	})
+	return a.stopErr
+}
+
+// Done is closed when the agent has stopped (after Shutdown or Leave).
+func (a *Agent) Done() <-chan struct{} { return a.done }
+
+// NodeID is the node's stable ID.
+func (a *Agent) NodeID() string { return a.nodeID }
+
+// NodeName is the node's name.
+func (a *Agent) NodeName() string { return a.cfg.NodeName }
+
+// DataDir is the data directory in use.
+func (a *Agent) DataDir() string { return a.dataDir }
+
+// APIAddr is the advertised external API address.
+func (a *Agent) APIAddr() string { return advertiseTCP(a.lnAPI, "", a.advertiseIP).String() }
+
+// InternalAddr is the advertised internal address.
+func (a *Agent) InternalAddr() string {
+	return advertiseTCP(a.lnInternal, "", a.advertiseIP).String()
+}
+
+// MetricsAddr is the management address.
+func (a *Agent) MetricsAddr() string { return a.lnMetrics.Addr().String() }
+
+// RaftAddr is the advertised Raft address.
+func (a *Agent) RaftAddr() string { return a.store.LocalAddr() }
+
+// GossipAddr is the advertised gossip address.
+func (a *Agent) GossipAddr() string { return a.gossip.LocalAddr() }
+
+// IsLeader reports whether this agent is the Raft leader with its leader
+// state established.
+func (a *Agent) IsLeader() bool { return a.store.IsLeader() && a.leaderReady.Load() }
+
+// Store exposes the Raft store to tests in cmd/.
+func (a *Agent) Store() *store.Store { return a.store }
+
+// Gossip exposes the gossip ring to tests in cmd/.
+func (a *Agent) Gossip() *cluster.Gossip { return a.gossip }
+
+func portOf(addr string) int {
+	_, p, err := net.SplitHostPort(addr)
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(p)
+	return n
+}

@@ -1,0 +1,375 @@
+// Package agenttest starts whole agents in process — real Raft over TCP on
+// 127.0.0.1, real bbolt, real gossip — for cluster tests and benchmarks.
+package agenttest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+// Config returns a configuration for a test node: every port on
+// 127.0.0.1:0, TLS off, Raft timeouts at the library defaults.
+func Config(name, dataDir string) *config.Config {
+	cfg := config.Default()
+	cfg.NodeName = name
+	cfg.DataDir = dataDir
+	cfg.TLS.Enabled = false
+	cfg.Server.ConnectRPC.Addr = "127.0.0.1:0"
+	cfg.Server.GRPCInternal.Addr = "127.0.0.1:0"
+	cfg.Server.Metrics.Addr = "127.0.0.1:0"
+	cfg.Cluster.Gossip.BindAddr = "127.0.0.1:0"
+	cfg.Cluster.Raft.Addr = "127.0.0.1:0"
+	cfg.Cluster.Raft.DeadServerCleanup = config.Duration(0)
+	cfg.Cluster.ForwardHoldTimeout = config.Duration(7 * time.Second)
+	cfg.Logging.Level = "debug"
+	return cfg
+}
+
+// Options returns agent options for tests: fast gossip failure detection and
+// reconciliation.
+func Options(logger *slog.Logger) agent.Options {
+	return agent.Options{
+		Logger:              logger,
+		GossipProfile:       "local",
+		ReconcileInterval:   500 * time.Millisecond,
+		DeadNodeReclaimTime: time.Second,
+		LeaveTimeout:        5 * time.Second,
+		TTLInterval:         200 * time.Millisecond,
+	}
+}
+
+// Node is one in-process agent.
+type Node struct {
+	*agent.Agent
+	Name string
+	Cfg  *config.Config
+	API  clusterv1connect.ClusterServiceClient
+	http *http.Client
+}
+
+// Cluster is a set of in-process agents.
+type Cluster struct {
+	tb    testing.TB
+	logs  *LogBuffer
+	mu    sync.Mutex
+	nodes []*Node
+	dirs  []string
+}
+
+// LogBuffer collects the agents' logs and prints their tail when the test
+// fails.
+type LogBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+// Write implements io.Writer.
+func (b *LogBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.buf.Len() > 32<<20 {
+		b.buf.Reset()
+	}
+	return b.buf.Write(p)
+}
+
+// Tail returns the last n lines.
+func (b *LogBuffer) Tail(n int) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	lines := strings.Split(b.buf.String(), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// New returns an empty cluster; nodes are added with Start.
+func New(tb testing.TB) *Cluster {
+	tb.Helper()
+	c := &Cluster{tb: tb, logs: &LogBuffer{}}
+	tb.Cleanup(func() {
+		c.mu.Lock()
+		nodes := append([]*Node(nil), c.nodes...)
+		c.mu.Unlock()
+		for _, n := range nodes {
+			if n != nil {
+				_ = n.Shutdown()
+				n.http.CloseIdleConnections()
+			}
+		}
+		if tb.Failed() {
+			tb.Logf("last agent log lines:\n%s", c.logs.Tail(200))
+		}
+	})
+	return c
+}
+
+// Logger returns a logger writing into the cluster's log buffer.
+func (c *Cluster) Logger(name string) *slog.Logger {
+	return slog.New(slog.NewTextHandler(c.logs, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", name)
+}
+
+// Start starts node i (a new slot when i == len(nodes)) with cfg.
+func (c *Cluster) Start(i int, cfg *config.Config) *Node {
+	c.tb.Helper()
+	a, err := agent.New(cfg, Options(c.Logger(cfg.NodeName)))
+	if err != nil {
+		c.tb.Fatalf("new agent %s: %v", cfg.NodeName, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := a.Start(ctx); err != nil {
+		c.tb.Fatalf("start agent %s: %v", cfg.NodeName, err)
+	}
+	hc := NewHTTPClient()
+	n := &Node{Agent: a, Name: cfg.NodeName, Cfg: cfg, http: hc, API: NewClient(hc, a.APIAddr())}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if i == len(c.nodes) {
+		c.nodes = append(c.nodes, n)
+		c.dirs = append(c.dirs, cfg.DataDir)
+	} else {
+		c.nodes[i] = n
+	}
+	return n
+}
+
+// NewHTTPClient returns an HTTP/2 cleartext client.
+func NewHTTPClient() *http.Client {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	return &http.Client{Transport: &http.Transport{Protocols: &p}}
+}
+
+// NewClient returns a ClusterService client for an API address.
+func NewClient(hc *http.Client, addr string) clusterv1connect.ClusterServiceClient {
+	return clusterv1connect.NewClusterServiceClient(hc, "http://"+addr)
+}
+
+// Dir returns the data dir of node i.
+func (c *Cluster) Dir(i int) string { return c.dirs[i] }
+
+// Node returns node i.
+func (c *Cluster) Node(i int) *Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes[i]
+}
+
+// Nodes returns the running nodes.
+func (c *Cluster) Nodes() []*Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []*Node
+	for _, n := range c.nodes {
+		if n != nil && !n.stopped() {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+func (n *Node) stopped() bool {
+	select {
+	case <-n.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// NewExpect starts n nodes with bootstrap_expect n; every node after the
+// first joins the first one's gossip address. mutate may adjust each
+// node's configuration.
+func NewExpect(tb testing.TB, n int, mutate func(i int, cfg *config.Config)) *Cluster {
+	tb.Helper()
+	c := New(tb)
+	var seed string
+	for i := range n {
+		cfg := Config(fmt.Sprintf("node%d", i+1), filepath.Join(tb.TempDir(), fmt.Sprintf("node%d", i+1)))
+		cfg.Cluster.Raft.BootstrapExpect = n
+		if seed != "" {
+			cfg.Cluster.Join = []string{seed}
+		}
+		if mutate != nil {
+			mutate(i, cfg)
+		}
+		node := c.Start(i, cfg)
+		if seed == "" {
+			seed = node.GossipAddr()
+		}
+	}
+	return c
+}
+
+// Kill stops node i without leaving (as a crash would, minus the lost
+// in-flight writes).
+func (c *Cluster) Kill(i int) {
+	c.tb.Helper()
+	n := c.Node(i)
+	if err := n.Shutdown(); err != nil {
+		c.tb.Logf("shutdown %s: %v", n.Name, err)
+	}
+	n.http.CloseIdleConnections()
+}
+
+// Restart starts node i again on its data dir. With newPorts it listens on
+// fresh ports, else on the ones it had. It joins the given gossip address.
+func (c *Cluster) Restart(i int, newPorts bool, join string) *Node {
+	c.tb.Helper()
+	old := c.Node(i)
+	cfg := *old.Cfg
+	if !newPorts {
+		cfg.Server.ConnectRPC.Addr = old.APIAddr()
+		cfg.Server.GRPCInternal.Addr = old.InternalAddr()
+		cfg.Server.Metrics.Addr = old.MetricsAddr()
+		cfg.Cluster.Raft.Addr = old.RaftAddr()
+		cfg.Cluster.Gossip.BindAddr = old.GossipAddr()
+	}
+	cfg.Cluster.Join = nil
+	if join != "" {
+		cfg.Cluster.Join = []string{join}
+	}
+	cfg.Cluster.Raft.BootstrapExpect = 0
+	cfg.Cluster.Raft.Bootstrap = false
+	return c.Start(i, &cfg)
+}
+
+// Eventually polls f until it returns nil or timeout passes.
+func Eventually(tb testing.TB, timeout time.Duration, what string, f func() error) {
+	tb.Helper()
+	deadline := time.Now().Add(timeout)
+	var err error
+	for {
+		if err = f(); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("%s: not true after %s: %v", what, timeout, err)
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval, not synchronisation
+	}
+}
+
+// WaitLeader waits until every running node knows the same leader, which has
+// established its leadership, and returns it.
+func (c *Cluster) WaitLeader(timeout time.Duration) *Node {
+	c.tb.Helper()
+	var leader *Node
+	Eventually(c.tb, timeout, "a leader known to every node", func() error {
+		leader = nil
+		nodes := c.Nodes()
+		for _, n := range nodes {
+			if n.IsLeader() {
+				leader = n
+			}
+		}
+		if leader == nil {
+			return errors.New("no leader")
+		}
+		for _, n := range nodes {
+			if id, _ := n.Store().Leader(); id != leader.NodeID() {
+				return fmt.Errorf("%s sees leader %q, want %s", n.Name, id, leader.Name)
+			}
+		}
+		return nil
+	})
+	return leader
+}
+
+// WaitPeers waits until the leader's Raft configuration has want voters
+// and wantNonvoters non-voters.
+func (c *Cluster) WaitPeers(timeout time.Duration, voters, nonvoters int) {
+	c.tb.Helper()
+	Eventually(c.tb, timeout, fmt.Sprintf("%d voters and %d non-voters", voters, nonvoters), func() error {
+		var leader *Node
+		for _, n := range c.Nodes() {
+			if n.IsLeader() {
+				leader = n
+			}
+		}
+		if leader == nil {
+			return errors.New("no leader")
+		}
+		servers, err := leader.Store().Servers(context.Background())
+		if err != nil {
+			return err
+		}
+		v, nv := 0, 0
+		for _, s := range servers {
+			if s.Voter {
+				v++
+			} else {
+				nv++
+			}
+		}
+		if v != voters || nv != nonvoters {
+			return fmt.Errorf("have %d voters and %d non-voters: %+v", v, nv, servers)
+		}
+		return nil
+	})
+}
+
+// Follower returns a running node that is not the leader.
+func (c *Cluster) Follower() *Node {
+	c.tb.Helper()
+	for _, n := range c.Nodes() {
+		if !n.Store().IsLeader() {
+			return n
+		}
+	}
+	c.tb.Fatal("no follower running")
+	return nil
+}
+
+// Index returns the slot of n.
+func (c *Cluster) Index(n *Node) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, m := range c.nodes {
+		if m == n {
+			return i
+		}
+	}
+	return -1
+}
+
+// Register registers one service instance through node n.
+func Register(ctx context.Context, n *Node, service, id, addr string, port uint32) (*clusterv1.RegisterServiceResponse, error) {
+	resp, err := n.API.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{
+		Instance: &clusterv1.ServiceInstance{Service: service, InstanceId: id, Address: addr, Port: port},
+	}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
+// FreePort returns a currently free TCP port on 127.0.0.1.
+func FreePort(tb testing.TB) int {
+	tb.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}

@@ -1,0 +1,416 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+)
+
+const waitFor = 30 * time.Second
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func mustRegister(t *testing.T, n *agenttest.Node, service, id string) *clusterv1.RegisterServiceResponse {
+	t.Helper()
+	resp, err := agenttest.Register(ctxT(t), n, service, id, "10.0.0.1", 8080)
+	if err != nil {
+		t.Fatalf("register %s/%s through %s: %v", service, id, n.Name, err)
+	}
+	return resp
+}
+
+func listServices(t *testing.T, n *agenttest.Node, mode clusterv1.Consistency) (*connect.Response[clusterv1.ListServicesResponse], error) {
+	t.Helper()
+	return n.API.ListServices(ctxT(t), connect.NewRequest(&clusterv1.ListServicesRequest{
+		Read: &clusterv1.ReadOptions{Consistency: mode},
+	}))
+}
+
+func TestFormationWithBootstrapExpect(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	leader := c.WaitLeader(waitFor)
+	c.WaitPeers(waitFor, 3, 0)
+	for _, n := range c.Nodes() {
+		resp, err := n.API.Members(ctxT(t), connect.NewRequest(&clusterv1.MembersRequest{}))
+		if err != nil {
+			t.Fatalf("members via %s: %v", n.Name, err)
+		}
+		if got := len(resp.Msg.GetMembers()); got != 3 {
+			t.Errorf("%s sees %d gossip members, want 3", n.Name, got)
+		}
+	}
+	resp, err := c.Follower().API.Leader(ctxT(t), connect.NewRequest(&clusterv1.LeaderRequest{}))
+	if err != nil {
+		t.Fatalf("leader: %v", err)
+	}
+	if resp.Msg.GetNodeId() != leader.NodeID() || resp.Msg.GetName() != leader.Name {
+		t.Errorf("follower reports leader %s (%s), want %s (%s)", resp.Msg.GetName(), resp.Msg.GetNodeId(), leader.Name, leader.NodeID())
+	}
+}
+
+func TestFormationWithBootstrapAndJoin(t *testing.T) {
+	c := agenttest.New(t)
+	cfg := agenttest.Config("seed", filepath.Join(t.TempDir(), "seed"))
+	cfg.Cluster.Raft.Bootstrap = true
+	seed := c.Start(0, cfg)
+	c.WaitLeader(waitFor)
+	for i := 1; i <= 2; i++ {
+		cfg := agenttest.Config(fmt.Sprintf("joiner%d", i), filepath.Join(t.TempDir(), fmt.Sprintf("j%d", i)))
+		cfg.Cluster.Join = []string{seed.GossipAddr()}
+		c.Start(i, cfg)
+	}
+	c.WaitPeers(waitFor, 3, 0)
+	// Every node serves a write and sees it.
+	for i, n := range c.Nodes() {
+		mustRegister(t, n, "web", "w"+strconv.Itoa(i))
+	}
+	for _, n := range c.Nodes() {
+		agenttest.Eventually(t, waitFor, "replication to "+n.Name, func() error {
+			resp, err := listServices(t, n, clusterv1.Consistency_CONSISTENCY_STALE)
+			if err != nil {
+				return err
+			}
+			if got := len(resp.Msg.GetInstances()); got != 3 {
+				return fmt.Errorf("%d instances", got)
+			}
+			return nil
+		})
+	}
+}
+
+func TestForwardingAndReadModes(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitLeader(waitFor)
+	f := c.Follower()
+	reg := mustRegister(t, f, "db", "db-1")
+	if reg.GetIndex() == 0 || reg.GetInstance().GetNode() != f.Name {
+		t.Fatalf("register via follower: index %d node %q, want index > 0 and node %s", reg.GetIndex(), reg.GetInstance().GetNode(), f.Name)
+	}
+	for _, tc := range []struct {
+		name string
+		mode clusterv1.Consistency
+	}{
+		{"default", clusterv1.Consistency_CONSISTENCY_DEFAULT},
+		{"consistent", clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+		{"unspecified", clusterv1.Consistency_CONSISTENCY_UNSPECIFIED},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := listServices(t, f, tc.mode)
+			if err != nil {
+				t.Fatalf("list: %v", err)
+			}
+			if got := len(resp.Msg.GetInstances()); got != 1 {
+				t.Fatalf("got %d instances, want 1: a %s read after an acknowledged write must see it", got, tc.name)
+			}
+			idx, _ := strconv.ParseUint(resp.Header().Get("Pivirt-Index"), 10, 64)
+			if idx < reg.GetIndex() {
+				t.Errorf("Pivirt-Index %d < write index %d", idx, reg.GetIndex())
+			}
+			if resp.Header().Get("Pivirt-Known-Leader") != "true" {
+				t.Errorf("Pivirt-Known-Leader = %q, want true", resp.Header().Get("Pivirt-Known-Leader"))
+			}
+		})
+	}
+	t.Run("stale", func(t *testing.T) {
+		agenttest.Eventually(t, waitFor, "stale read on the follower", func() error {
+			resp, err := listServices(t, f, clusterv1.Consistency_CONSISTENCY_STALE)
+			if err != nil {
+				return err
+			}
+			if resp.Header().Get("Pivirt-Served-By") != f.Name {
+				return fmt.Errorf("served by %q, want %s", resp.Header().Get("Pivirt-Served-By"), f.Name)
+			}
+			if len(resp.Msg.GetInstances()) != 1 {
+				return fmt.Errorf("%d instances", len(resp.Msg.GetInstances()))
+			}
+			if resp.Header().Get("Pivirt-Last-Contact") == "" {
+				return errors.New("no Pivirt-Last-Contact header")
+			}
+			return nil
+		})
+	})
+	t.Run("config-cas", func(t *testing.T) {
+		set := func(value string, cas *uint64) (*clusterv1.ConfigEntry, error) {
+			resp, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: value, CasRevision: cas}))
+			if err != nil {
+				return nil, err
+			}
+			return resp.Msg.GetEntry(), nil
+		}
+		zero := uint64(0)
+		e1, err := set("info", &zero)
+		if err != nil {
+			t.Fatalf("create with cas 0: %v", err)
+		}
+		if _, err := set("debug", &zero); connect.CodeOf(err) != connect.CodeAborted {
+			t.Fatalf("second create with cas 0: got %v, want Aborted", err)
+		}
+		rev := e1.GetRevision()
+		if _, err := set("debug", &rev); err != nil {
+			t.Fatalf("update with the current revision: %v", err)
+		}
+		if _, err := set("warn", &rev); connect.CodeOf(err) != connect.CodeAborted {
+			t.Fatalf("update with a stale revision: got %v, want Aborted", err)
+		}
+		hist, err := f.API.ConfigHistory(ctxT(t), connect.NewRequest(&clusterv1.ConfigHistoryRequest{Key: "log_level"}))
+		if err != nil {
+			t.Fatalf("history: %v", err)
+		}
+		var values []string
+		for _, e := range hist.Msg.GetEntries() {
+			values = append(values, e.GetValue())
+		}
+		if fmt.Sprint(values) != "[debug info]" {
+			t.Errorf("history = %v, want [debug info] (newest first)", values)
+		}
+	})
+	t.Run("bad-input", func(t *testing.T) {
+		_, err := agenttest.Register(ctxT(t), f, "bad name", "x", "10.0.0.1", 80)
+		if connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Fatalf("got %v, want InvalidArgument", err)
+		}
+		_, err = agenttest.Register(ctxT(t), f, "web", "x", "10.0.0.1", 70000)
+		if connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Fatalf("port 70000: got %v, want InvalidArgument", err)
+		}
+		resp, err := listServices(t, f, clusterv1.Consistency_CONSISTENCY_CONSISTENT)
+		if err != nil || len(resp.Msg.GetInstances()) != 1 {
+			t.Fatalf("after bad input: %v instances, err %v; want the one stored instance", len(resp.Msg.GetInstances()), err)
+		}
+	})
+}
+
+func TestLeaderFailoverWritesContinueThroughFollower(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	leader := c.WaitLeader(waitFor)
+	mustRegister(t, c.Follower(), "web", "before")
+	c.Kill(c.Index(leader))
+	var survivor *agenttest.Node
+	for _, n := range c.Nodes() {
+		survivor = n
+	}
+	// The write waits (up to the hold timeout) for the new leader.
+	mustRegister(t, survivor, "web", "after")
+	newLeader := c.WaitLeader(waitFor)
+	if newLeader.NodeID() == leader.NodeID() {
+		t.Fatalf("leader did not change")
+	}
+	resp, err := listServices(t, survivor, clusterv1.Consistency_CONSISTENCY_CONSISTENT)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := len(resp.Msg.GetInstances()); got != 2 {
+		t.Fatalf("got %d instances after failover, want 2", got)
+	}
+}
+
+func TestNoLeaderFailsAfterHoldTimeout(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		cfg.Cluster.ForwardHoldTimeout = config.Duration(time.Second)
+	})
+	c.WaitLeader(waitFor)
+	c.Kill(0)
+	c.Kill(1)
+	n := c.Node(2)
+	start := time.Now()
+	_, err := agenttest.Register(ctxT(t), n, "web", "x", "10.0.0.1", 80)
+	if connect.CodeOf(err) != connect.CodeUnavailable {
+		t.Fatalf("got %v, want Unavailable", err)
+	}
+	if msg := err.Error(); !strings.Contains(msg, "no cluster leader") {
+		t.Errorf("error %q does not say there is no leader", msg)
+	}
+	if d := time.Since(start); d < time.Second {
+		t.Errorf("failed after %s, before the 1s hold timeout", d)
+	}
+}
+
+func TestRestartRejoinsWithSameID(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitLeader(waitFor)
+	f := c.Follower()
+	i := c.Index(f)
+	id := f.NodeID()
+	mustRegister(t, f, "web", "a")
+	c.Kill(i)
+	mustRegister(t, c.Node((i+1)%3), "web", "b")
+	n := c.Restart(i, false, c.Node((i+1)%3).GossipAddr())
+	if n.NodeID() != id {
+		t.Fatalf("restarted node has id %s, want %s", n.NodeID(), id)
+	}
+	c.WaitPeers(waitFor, 3, 0)
+	agenttest.Eventually(t, waitFor, "restarted node catches up", func() error {
+		resp, err := listServices(t, n, clusterv1.Consistency_CONSISTENCY_STALE)
+		if err != nil {
+			return err
+		}
+		if got := len(resp.Msg.GetInstances()); got != 2 {
+			return fmt.Errorf("%d instances", got)
+		}
+		return nil
+	})
+}
+
+func TestRestartOnNewAddressKeepsIdentity(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitLeader(waitFor)
+	f := c.Follower()
+	i := c.Index(f)
+	oldRaft := f.RaftAddr()
+	c.Kill(i)
+	seed := c.Node((i + 1) % 3).GossipAddr()
+	n := c.Restart(i, true, seed)
+	if n.RaftAddr() == oldRaft {
+		t.Fatalf("restart kept raft address %s; the test needs a new one", oldRaft)
+	}
+	agenttest.Eventually(t, waitFor, "leader learns the new raft address", func() error {
+		leader := c.WaitLeader(waitFor)
+		servers, err := leader.Store().Servers(t.Context())
+		if err != nil {
+			return err
+		}
+		for _, s := range servers {
+			if s.ID == n.NodeID() {
+				if s.Address != n.RaftAddr() {
+					return fmt.Errorf("raft has %s for %s, want %s", s.Address, n.Name, n.RaftAddr())
+				}
+				return nil
+			}
+		}
+		return fmt.Errorf("%s not in raft configuration", n.Name)
+	})
+	c.WaitPeers(waitFor, 3, 0)
+	mustRegister(t, n, "web", "via-moved-node")
+}
+
+func TestNonVoterPromotionAndDeadServerCleanup(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		cfg.Cluster.Raft.DeadServerCleanup = config.Duration(2 * time.Second)
+	})
+	c.WaitLeader(waitFor)
+	c.WaitPeers(waitFor, 3, 0)
+	cfg := agenttest.Config("node4", filepath.Join(t.TempDir(), "node4"))
+	cfg.Cluster.Raft.DeadServerCleanup = config.Duration(2 * time.Second)
+	cfg.Cluster.Join = []string{c.Node(0).GossipAddr()}
+	n4 := c.Start(3, cfg)
+	c.WaitPeers(waitFor, 3, 1)
+	// Kill a voter that is not the leader: the leader removes it once it has
+	// been failed past the threshold and promotes the non-voter.
+	var victim *agenttest.Node
+	for _, n := range c.Nodes() {
+		if !n.Store().IsLeader() && n != n4 {
+			victim = n
+		}
+	}
+	c.Kill(c.Index(victim))
+	c.WaitPeers(waitFor, 3, 0)
+	leader := c.WaitLeader(waitFor)
+	servers, err := leader.Store().Servers(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range servers {
+		if s.ID == victim.NodeID() {
+			t.Fatalf("dead server %s still in the configuration", victim.Name)
+		}
+		if s.ID == n4.NodeID() && !s.Voter {
+			t.Fatalf("node4 not promoted")
+		}
+	}
+	mustRegister(t, n4, "web", "after-promotion")
+}
+
+func TestDeadServerCleanupKeepsQuorum(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		cfg.Cluster.Raft.DeadServerCleanup = config.Duration(time.Second)
+	})
+	c.WaitLeader(waitFor)
+	// One dead voter of three is removed (two healthy voters remain).
+	f := c.Follower()
+	c.Kill(c.Index(f))
+	c.WaitPeers(waitFor, 2, 0)
+}
+
+func TestLeaveRemovesServer(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitLeader(waitFor)
+	f := c.Follower()
+	if _, err := f.API.Leave(ctxT(t), connect.NewRequest(&clusterv1.LeaveRequest{})); err != nil {
+		t.Fatalf("leave: %v", err)
+	}
+	select {
+	case <-f.Done():
+	case <-time.After(waitFor):
+		t.Fatal("agent did not stop after leave")
+	}
+	c.WaitPeers(waitFor, 2, 0)
+}
+
+func TestTransferAndRemovePeer(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	leader := c.WaitLeader(waitFor)
+	f := c.Follower()
+	resp, err := f.API.TransferLeader(ctxT(t), connect.NewRequest(&clusterv1.TransferLeaderRequest{NodeId: f.NodeID()}))
+	if err != nil {
+		t.Fatalf("transfer: %v", err)
+	}
+	if resp.Msg.GetNodeId() != f.NodeID() {
+		t.Fatalf("transferred to %s, want %s", resp.Msg.GetNodeId(), f.NodeID())
+	}
+	if got := c.WaitLeader(waitFor); got.NodeID() != f.NodeID() {
+		t.Fatalf("leader is %s, want %s", got.Name, f.Name)
+	}
+	_, err = f.API.RemovePeer(ctxT(t), connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "no-such-node"}))
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("remove unknown peer: got %v, want NotFound", err)
+	}
+	c.Kill(c.Index(leader))
+	if _, err := f.API.RemovePeer(ctxT(t), connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: leader.NodeID()})); err != nil {
+		t.Fatalf("remove old leader: %v", err)
+	}
+	c.WaitPeers(waitFor, 2, 0)
+}
+
+func TestTTLExpiryMarksCritical(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitLeader(waitFor)
+	f := c.Follower()
+	_, err := f.API.RegisterService(ctxT(t), connect.NewRequest(&clusterv1.RegisterServiceRequest{
+		Instance: &clusterv1.ServiceInstance{Service: "ttl", InstanceId: "t1", Address: "10.0.0.1", Port: 1, Ttl: durationProto(time.Second)},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, waitFor, "instance turns critical", func() error {
+		resp, err := f.API.GetService(ctxT(t), connect.NewRequest(&clusterv1.GetServiceRequest{Service: "ttl", InstanceId: "t1"}))
+		if err != nil {
+			return err
+		}
+		if h := resp.Msg.GetInstances()[0].GetHealth(); h != clusterv1.Health_HEALTH_CRITICAL {
+			return fmt.Errorf("health %s", h)
+		}
+		return nil
+	})
+	hb, err := f.API.Heartbeat(ctxT(t), connect.NewRequest(&clusterv1.HeartbeatRequest{Service: "ttl", InstanceId: "t1"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hb.Msg.GetInstance().GetHealth() != clusterv1.Health_HEALTH_PASSING {
+		t.Fatalf("after heartbeat: %s, want passing", hb.Msg.GetInstance().GetHealth())
+	}
+}

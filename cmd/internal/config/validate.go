@@ -1,0 +1,581 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"net/netip"
+	"net/url"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+)
+
+// Validate checks the semantics of c: addresses and ports, enumerations, ranges, required
+// keys and combinations that exclude each other. It returns every problem at once, each a
+// *FieldError naming the key path, joined with errors.Join; nil if c is usable. It reads the
+// file system only to check that cluster.gossip.encrypt_key_file exists.
+func (c *Config) Validate() error {
+	v := &validator{}
+	v.enums(reflect.ValueOf(c).Elem(), "")
+	c.validateNode(v)
+	c.validateServer(v)
+	c.validateTLS(v)
+	c.validateDiscovery(v)
+	c.validateBackends(v)
+	c.validateAuth(v)
+	c.validateLogging(v)
+	c.validateTracing(v)
+	c.validateMesh(v)
+	c.validateCluster(v)
+	return errors.Join(v.errs...)
+}
+
+type validator struct{ errs []error }
+
+func (v *validator) add(path, format string, args ...any) {
+	v.errs = append(v.errs, &FieldError{Path: path, Err: fmt.Errorf(format, args...)})
+}
+
+// enums checks every string field with an `enum` tag, through structs, maps and slices.
+func (v *validator) enums(rv reflect.Value, path string) {
+	switch rv.Kind() {
+	case reflect.Pointer:
+		if !rv.IsNil() {
+			v.enums(rv.Elem(), path)
+		}
+	case reflect.Struct:
+		for _, f := range fieldsOf(rv.Type()) {
+			fv := rv.Field(f.index)
+			p := joinKey(path, f.name)
+			if f.enum != nil && fv.Kind() == reflect.String {
+				if err := checkEnum(fv.String(), f.enum); err != nil {
+					v.errs = append(v.errs, &FieldError{Path: p, Err: err})
+				}
+				continue
+			}
+			v.enums(fv, p)
+		}
+	case reflect.Map:
+		keys := rv.MapKeys()
+		slices.SortFunc(keys, func(a, b reflect.Value) int { return strings.Compare(a.String(), b.String()) })
+		for _, k := range keys {
+			v.enums(rv.MapIndex(k), joinKey(path, k.String()))
+		}
+	case reflect.Slice:
+		for i := range rv.Len() {
+			v.enums(rv.Index(i), path+"["+strconv.Itoa(i)+"]")
+		}
+	}
+}
+
+func (c *Config) validateNode(v *validator) {
+	switch {
+	case c.NodeName == "":
+		v.add("node_name", "%w: required (default: the hostname)", ErrInvalid)
+	case strings.ContainsFunc(c.NodeName, func(r rune) bool {
+		return unicode.IsSpace(r) || !unicode.IsPrint(r) || r == '/' || r == '\\'
+	}):
+		v.add("node_name", "%w %q: must not contain spaces, slashes or control characters", ErrInvalid, c.NodeName)
+	case len(c.NodeName) > 128:
+		v.add("node_name", "%w: longer than 128 bytes", ErrInvalid)
+	}
+	if c.DataDir == "" && !c.Dev {
+		v.add("data_dir", "%w: required (only --dev runs without one)", ErrInvalid)
+	}
+}
+
+func (c *Config) validateServer(v *validator) {
+	s := &c.Server
+	v.listenAddr("server.connectrpc.addr", s.ConnectRPC.Addr, false)
+	v.listenAddr("server.grpc_internal.addr", s.GRPCInternal.Addr, false)
+	v.listenAddr("server.metrics.addr", s.Metrics.Addr, false)
+	if !strings.HasPrefix(s.Metrics.Path, "/") {
+		v.add("server.metrics.path", "%w %q: must start with \"/\"", ErrInvalid, s.Metrics.Path)
+	}
+	v.pair("server.connectrpc.tls", s.ConnectRPC.TLS.CertFile, s.ConnectRPC.TLS.KeyFile)
+
+	// Listeners that must not share a port. Raft may share server.grpc_internal.addr (one
+	// port, multiplexed), so that pair is allowed.
+	type listener struct{ path, addr string }
+	ls := []listener{
+		{"server.connectrpc.addr", s.ConnectRPC.Addr},
+		{"server.grpc_internal.addr", s.GRPCInternal.Addr},
+		{"server.metrics.addr", s.Metrics.Addr},
+		{"cluster.gossip.bind_addr", c.Cluster.Gossip.BindAddr},
+		{"cluster.raft.addr", c.Cluster.Raft.Addr},
+	}
+	for i := range ls {
+		for j := range i {
+			a, b := ls[j], ls[i]
+			if a.path == "server.grpc_internal.addr" && b.path == "cluster.raft.addr" {
+				continue
+			}
+			if addrsOverlap(a.addr, b.addr) {
+				v.add(b.path, "%w %q: same port as %s %q", ErrInvalid, b.addr, a.path, a.addr)
+			}
+		}
+	}
+}
+
+func (c *Config) validateTLS(v *validator) {
+	t := &c.TLS
+	v.pair("tls", t.CertFile, t.KeyFile)
+	if !t.Enabled {
+		return
+	}
+	const why = "required when tls.enabled is true"
+	for _, r := range []struct{ path, val string }{
+		{"server.connectrpc.tls.cert_file", c.Server.ConnectRPC.TLS.CertFile},
+		{"server.connectrpc.tls.key_file", c.Server.ConnectRPC.TLS.KeyFile},
+		{"tls.cert_file", t.CertFile},
+		{"tls.key_file", t.KeyFile},
+		{"tls.ca_file", t.CAFile},
+	} {
+		if r.val == "" {
+			v.add(r.path, "%w: %s", ErrInvalid, why)
+		}
+	}
+	if t.RequireClientCert && c.Server.ConnectRPC.TLS.ClientCAFile == "" && t.CAFile == "" {
+		v.add("server.connectrpc.tls.client_ca_file", "%w: required when tls.require_client_cert is true (or set tls.ca_file)", ErrInvalid)
+	}
+}
+
+func (c *Config) validateDiscovery(v *validator) {
+	sd := &c.ServiceDiscovery
+	e := &sd.Etcd
+	if sd.Type == DiscoveryEtcd && len(e.Endpoints) == 0 {
+		v.add("service_discovery.etcd.endpoints", "%w: at least one endpoint is required when service_discovery.type is \"etcd\"", ErrInvalid)
+	}
+	for i, ep := range e.Endpoints {
+		p := "service_discovery.etcd.endpoints[" + strconv.Itoa(i) + "]"
+		if err := checkURLOrHostPort(ep, "http", "https"); err != nil {
+			v.add(p, "%w %q: %w", ErrInvalid, ep, err)
+		}
+	}
+	v.pair("service_discovery.etcd", e.CertFile, e.KeyFile)
+	if !strings.HasPrefix(e.Prefix, "/") {
+		v.add("service_discovery.etcd.prefix", "%w %q: must start with \"/\"", ErrInvalid, e.Prefix)
+	}
+}
+
+func (c *Config) validateBackends(v *validator) {
+	names := make([]string, 0, len(c.Backends))
+	for name := range c.Backends {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		b := c.Backends[name]
+		p := joinKey("backends", name)
+		if err := checkName(name); err != nil {
+			v.add(p, "%w: backend name %q %w", ErrInvalid, name, err)
+		}
+		if b.Endpoint == "" {
+			v.add(p+".endpoint", "%w: required", ErrInvalid)
+		} else if err := checkBackendEndpoint(b.Endpoint); err != nil {
+			v.add(p+".endpoint", "%w %q: %w", ErrInvalid, b.Endpoint, err)
+		}
+		v.nonNegative(p+".timeout", b.Timeout)
+		if b.Retry.MaxAttempts < 0 {
+			v.add(p+".retry.max_attempts", "%w: must not be negative, got %d", ErrInvalid, b.Retry.MaxAttempts)
+		}
+		v.nonNegative(p+".retry.backoff", b.Retry.Backoff)
+		v.pair(p+".tls", b.TLS.CertFile, b.TLS.KeyFile)
+	}
+}
+
+func (c *Config) validateAuth(v *validator) {
+	o := &c.Auth.OIDC
+	if o.IssuerURL == "" {
+		return
+	}
+	u, err := url.Parse(o.IssuerURL)
+	switch {
+	case err != nil:
+		v.add("auth.oidc.issuer_url", "%w %q: %w", ErrInvalid, o.IssuerURL, err)
+	case u.Host == "" || (u.Scheme != "https" && !(u.Scheme == "http" && isLoopbackHost(u.Hostname()))):
+		v.add("auth.oidc.issuer_url", "%w %q: must be an https:// URL (http:// only on loopback)", ErrInvalid, o.IssuerURL)
+	}
+	if o.ClientID == "" {
+		v.add("auth.oidc.client_id", "%w: required when auth.oidc.issuer_url is set", ErrInvalid)
+	}
+}
+
+func (c *Config) validateLogging(v *validator) {
+	l := &c.Logging
+	if out := l.Output; out != "stdout" && out != "stderr" && !filepath.IsAbs(out) {
+		v.add("logging.output", "%w %q: must be \"stdout\", \"stderr\" or an absolute file path", ErrInvalid, out)
+	}
+	if l.Sampling.Initial < 0 {
+		v.add("logging.sampling.initial", "%w: must not be negative, got %d", ErrInvalid, l.Sampling.Initial)
+	}
+	if l.Sampling.Thereafter < 0 {
+		v.add("logging.sampling.thereafter", "%w: must not be negative, got %d", ErrInvalid, l.Sampling.Thereafter)
+	}
+}
+
+func (c *Config) validateTracing(v *validator) {
+	t := &c.Tracing
+	if r := t.SamplingRate; !(r >= 0 && r <= 1) {
+		v.add("tracing.sampling_rate", "%w %v: must be between 0 and 1", ErrInvalid, r)
+	}
+	if t.Endpoint != "" {
+		if err := checkURLOrHostPort(t.Endpoint, "http", "https"); err != nil {
+			v.add("tracing.endpoint", "%w %q: %w", ErrInvalid, t.Endpoint, err)
+		}
+	} else if t.Enabled {
+		v.add("tracing.endpoint", "%w: required when tracing.enabled is true", ErrInvalid)
+	}
+}
+
+func (c *Config) validateMesh(v *validator) {
+	seen := make(map[string]int)
+	for i, r := range c.Routing.Rules {
+		p := "routing.rules[" + strconv.Itoa(i) + "]"
+		switch prefix := r.Match.Prefix; {
+		case !strings.HasPrefix(prefix, "/"):
+			v.add(p+".match.prefix", "%w %q: must start with \"/\"", ErrInvalid, prefix)
+		default:
+			if j, dup := seen[prefix]; dup {
+				v.add(p+".match.prefix", "%w %q: same prefix as routing.rules[%d]", ErrInvalid, prefix, j)
+			} else {
+				seen[prefix] = i
+			}
+		}
+		if r.Route.Cluster == "" {
+			v.add(p+".route.cluster", "%w: required", ErrInvalid)
+		} else if err := checkName(r.Route.Cluster); err != nil {
+			v.add(p+".route.cluster", "%w %q: %w", ErrInvalid, r.Route.Cluster, err)
+		}
+	}
+
+	hc := &c.LoadBalancing.HealthCheck
+	const hp = "load_balancing.health_check"
+	if !hc.Enabled {
+		v.nonNegative(hp+".interval", hc.Interval)
+		v.nonNegative(hp+".timeout", hc.Timeout)
+	} else {
+		if hc.Interval <= 0 {
+			v.add(hp+".interval", "%w: must be positive when health checks are enabled", ErrInvalid)
+		}
+		if hc.Timeout <= 0 {
+			v.add(hp+".timeout", "%w: must be positive when health checks are enabled", ErrInvalid)
+		} else if hc.Interval > 0 && hc.Timeout > hc.Interval {
+			v.add(hp+".timeout", "%w %s: must not exceed load_balancing.health_check.interval (%s)", ErrInvalid, hc.Timeout, hc.Interval)
+		}
+		if hc.HealthyThreshold < 1 {
+			v.add(hp+".healthy_threshold", "%w: must be at least 1, got %d", ErrInvalid, hc.HealthyThreshold)
+		}
+		if hc.UnhealthyThreshold < 1 {
+			v.add(hp+".unhealthy_threshold", "%w: must be at least 1, got %d", ErrInvalid, hc.UnhealthyThreshold)
+		}
+	}
+
+	th := &c.CircuitBreaking.Thresholds
+	const cp = "circuit_breaking.thresholds"
+	if th.MaxEjectionPercent < 0 || th.MaxEjectionPercent > 100 {
+		v.add(cp+".max_ejection_percent", "%w %d: must be between 0 and 100", ErrInvalid, th.MaxEjectionPercent)
+	}
+	if !c.CircuitBreaking.Enabled {
+		v.nonNegative(cp+".interval", th.Interval)
+		v.nonNegative(cp+".base_ejection_time", th.BaseEjectionTime)
+		if th.Consecutive5xx < 0 {
+			v.add(cp+".consecutive_5xx", "%w: must not be negative, got %d", ErrInvalid, th.Consecutive5xx)
+		}
+	} else {
+		if th.Consecutive5xx < 1 {
+			v.add(cp+".consecutive_5xx", "%w: must be at least 1 when circuit breaking is enabled", ErrInvalid)
+		}
+		if th.Interval <= 0 {
+			v.add(cp+".interval", "%w: must be positive when circuit breaking is enabled", ErrInvalid)
+		}
+		if th.BaseEjectionTime <= 0 {
+			v.add(cp+".base_ejection_time", "%w: must be positive when circuit breaking is enabled", ErrInvalid)
+		}
+	}
+}
+
+// minRaftTimeout is hashicorp/raft's lower bound for its timeouts and snapshot interval.
+const minRaftTimeout = 5 * time.Millisecond
+
+func (c *Config) validateCluster(v *validator) {
+	cl := &c.Cluster
+	if a := cl.AdvertiseAddr; a != "" {
+		if ip, err := netip.ParseAddr(a); err != nil || ip.IsUnspecified() || ip.Zone() != "" {
+			v.add("cluster.advertise_addr", "%w %q: must be an IP address without a port, not 0.0.0.0 or ::", ErrInvalid, a)
+		}
+	}
+
+	v.listenAddr("cluster.gossip.bind_addr", cl.Gossip.BindAddr, true)
+	v.advertiseAddr("cluster.gossip.advertise_addr", cl.Gossip.AdvertiseAddr)
+	if f := cl.Gossip.EncryptKeyFile; f != "" {
+		if fi, err := os.Stat(f); err != nil {
+			v.add("cluster.gossip.encrypt_key_file", "%w: %w", ErrInvalid, err)
+		} else if !fi.Mode().IsRegular() {
+			v.add("cluster.gossip.encrypt_key_file", "%w %q: not a regular file", ErrInvalid, f)
+		}
+	}
+
+	r := &cl.Raft
+	v.listenAddr("cluster.raft.addr", r.Addr, true)
+	v.advertiseAddr("cluster.raft.advertise_addr", r.AdvertiseAddr)
+	if r.Voters < 1 || r.Voters > 7 || r.Voters%2 == 0 {
+		v.add("cluster.raft.voters", "%w %d: must be odd, from 1 to 7 (usually 3 or 5)", ErrInvalid, r.Voters)
+	}
+	if r.BootstrapExpect < 0 {
+		v.add("cluster.raft.bootstrap_expect", "%w: must not be negative, got %d", ErrInvalid, r.BootstrapExpect)
+	}
+	if r.Bootstrap && r.BootstrapExpect > 0 {
+		v.add("cluster.raft.bootstrap", "%w: cannot be combined with cluster.raft.bootstrap_expect (%d); use one or the other", ErrInvalid, r.BootstrapExpect)
+	}
+	v.nonNegative("cluster.raft.dead_server_cleanup", r.DeadServerCleanup)
+	for _, t := range []struct {
+		path string
+		d    Duration
+	}{
+		{"cluster.raft.heartbeat_timeout", r.HeartbeatTimeout},
+		{"cluster.raft.election_timeout", r.ElectionTimeout},
+		{"cluster.raft.leader_lease_timeout", r.LeaderLeaseTimeout},
+		{"cluster.raft.snapshot_interval", r.SnapshotInterval},
+	} {
+		if t.d.Std() < minRaftTimeout {
+			v.add(t.path, "%w %s: must be at least %s", ErrInvalid, t.d, minRaftTimeout)
+		}
+	}
+	if r.ElectionTimeout < r.HeartbeatTimeout {
+		v.add("cluster.raft.election_timeout", "%w %s: must not be less than cluster.raft.heartbeat_timeout (%s)", ErrInvalid, r.ElectionTimeout, r.HeartbeatTimeout)
+	}
+	if r.LeaderLeaseTimeout > r.HeartbeatTimeout {
+		v.add("cluster.raft.leader_lease_timeout", "%w %s: must not exceed cluster.raft.heartbeat_timeout (%s)", ErrInvalid, r.LeaderLeaseTimeout, r.HeartbeatTimeout)
+	}
+	if r.SnapshotThreshold == 0 {
+		v.add("cluster.raft.snapshot_threshold", "%w: must be at least 1", ErrInvalid)
+	}
+
+	for _, list := range []struct {
+		path  string
+		addrs []string
+	}{{"cluster.join", cl.Join}, {"cluster.retry_join", cl.RetryJoin}} {
+		for i, a := range list.addrs {
+			if err := checkHostPort(a, false); err != nil {
+				v.add(list.path+"["+strconv.Itoa(i)+"]", "%w %q: %w", ErrInvalid, a, err)
+			}
+		}
+	}
+	if cl.RetryInterval <= 0 {
+		v.add("cluster.retry_interval", "%w %s: must be positive", ErrInvalid, cl.RetryInterval)
+	}
+	if cl.RetryMax < 0 {
+		v.add("cluster.retry_max", "%w: must not be negative (0 retries forever), got %d", ErrInvalid, cl.RetryMax)
+	}
+	if cl.ForwardHoldTimeout <= 0 {
+		v.add("cluster.forward_hold_timeout", "%w %s: must be positive", ErrInvalid, cl.ForwardHoldTimeout)
+	}
+}
+
+// listenAddr checks a listen address: host:port with a port from 0 to 65535 (0 picks a free
+// port). ipOnly requires an IP host (gossip and Raft bind to an IP); otherwise the host may
+// also be a name or empty (all interfaces).
+func (v *validator) listenAddr(path, addr string, ipOnly bool) {
+	if addr == "" {
+		v.add(path, "%w: required", ErrInvalid)
+		return
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err == nil {
+		_, err = parsePort(port, true)
+	}
+	if err == nil && ipOnly {
+		if _, perr := netip.ParseAddr(host); perr != nil {
+			err = errors.New("the host must be an IP address, such as 0.0.0.0")
+		}
+	}
+	if err == nil && host != "" && !ipOnly {
+		err = checkHost(host)
+	}
+	if err != nil {
+		v.add(path, "%w %q: %w", ErrInvalid, addr, err)
+	}
+}
+
+// advertiseAddr checks an optional advertised IP:port: a routable IP and a real port.
+func (v *validator) advertiseAddr(path, addr string) {
+	if addr == "" {
+		return
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	switch {
+	case err != nil:
+		v.add(path, "%w %q: must be IP:port: %w", ErrInvalid, addr, err)
+	case ap.Addr().IsUnspecified():
+		v.add(path, "%w %q: must be an address other nodes can reach, not 0.0.0.0 or ::", ErrInvalid, addr)
+	case ap.Port() == 0:
+		v.add(path, "%w %q: port must be from 1 to 65535", ErrInvalid, addr)
+	}
+}
+
+// pair reports a certificate without its key or a key without its certificate.
+func (v *validator) pair(path, cert, key string) {
+	switch {
+	case cert != "" && key == "":
+		v.add(path+".key_file", "%w: required when %s.cert_file is set", ErrInvalid, path)
+	case cert == "" && key != "":
+		v.add(path+".cert_file", "%w: required when %s.key_file is set", ErrInvalid, path)
+	}
+}
+
+func (v *validator) nonNegative(path string, d Duration) {
+	if d < 0 {
+		v.add(path, "%w %s: must not be negative", ErrInvalid, d)
+	}
+}
+
+func parsePort(s string, allowZero bool) (int, error) {
+	p, err := strconv.Atoi(s)
+	if err != nil || p < 0 || p > math.MaxUint16 || (p == 0 && !allowZero) {
+		if allowZero {
+			return 0, fmt.Errorf("port %q must be a number from 0 to 65535", s)
+		}
+		return 0, fmt.Errorf("port %q must be a number from 1 to 65535", s)
+	}
+	return p, nil
+}
+
+// checkHostPort checks host:port with a non-empty host (name or IP) and a port from 1 to
+// 65535 (0 too if allowZero).
+func checkHostPort(s string, allowZero bool) error {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return fmt.Errorf("must be host:port: %w", err)
+	}
+	if host == "" {
+		return errors.New("the host is missing")
+	}
+	if _, err := parsePort(port, allowZero); err != nil {
+		return err
+	}
+	return checkHost(host)
+}
+
+// checkHost accepts an IP address or a DNS name.
+func checkHost(host string) error {
+	if _, err := netip.ParseAddr(host); err == nil {
+		return nil
+	}
+	if len(host) > 253 {
+		return errors.New("host name too long")
+	}
+	for label := range strings.SplitSeq(strings.TrimSuffix(host, "."), ".") {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return fmt.Errorf("invalid host name %q", host)
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+				return fmt.Errorf("invalid host name %q", host)
+			}
+		}
+	}
+	return nil
+}
+
+// checkURLOrHostPort accepts host:port or a URL with one of schemes and a host.
+func checkURLOrHostPort(s string, schemes ...string) error {
+	if !strings.Contains(s, "://") {
+		return checkHostPort(s, false)
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(schemes, u.Scheme) {
+		return fmt.Errorf("scheme must be one of %s", strings.Join(schemes, ", "))
+	}
+	return checkURLHost(u)
+}
+
+func checkURLHost(u *url.URL) error {
+	if u.Host == "" {
+		return errors.New("the host is missing")
+	}
+	if p := u.Port(); p != "" {
+		if _, err := parsePort(p, false); err != nil {
+			return err
+		}
+	}
+	return checkHost(u.Hostname())
+}
+
+// checkBackendEndpoint accepts unix:///abs/path, dns:///host:port, host:port and
+// https://host[:port].
+func checkBackendEndpoint(ep string) error {
+	const want = "must be unix:///abs/path, dns:///host:port, host:port or https://host[:port]"
+	switch {
+	case strings.HasPrefix(ep, "unix://"):
+		p := strings.TrimPrefix(ep, "unix://")
+		if !strings.HasPrefix(p, "/") || p != filepath.Clean(p) || p == "/" {
+			return errors.New("a unix socket must be unix:///abs/path (an absolute, clean path)")
+		}
+		return nil
+	case strings.HasPrefix(ep, "dns:///"):
+		if err := checkHostPort(strings.TrimPrefix(ep, "dns:///"), false); err != nil {
+			return fmt.Errorf("dns:///host:port: %w", err)
+		}
+		return nil
+	case strings.HasPrefix(ep, "https://"):
+		u, err := url.Parse(ep)
+		if err != nil {
+			return err
+		}
+		return checkURLHost(u)
+	case strings.Contains(ep, "://") || strings.HasPrefix(ep, "unix:") || strings.HasPrefix(ep, "dns:"):
+		return errors.New(want)
+	default:
+		if err := checkHostPort(ep, false); err != nil {
+			return fmt.Errorf("%s: %w", want, err)
+		}
+		return nil
+	}
+}
+
+// checkName accepts backend cluster names: letters, digits, '-' and '_', starting with a
+// letter or digit, at most 63 bytes.
+func checkName(s string) error {
+	if s == "" || len(s) > 63 || !isIdent(s) || s[0] == '-' || s[0] == '_' {
+		return errors.New("must be 1-63 letters, digits, '-' or '_', starting with a letter or digit")
+	}
+	return nil
+}
+
+func isLoopbackHost(h string) bool {
+	if h == "localhost" {
+		return true
+	}
+	ip, err := netip.ParseAddr(h)
+	return err == nil && ip.IsLoopback()
+}
+
+// addrsOverlap reports whether two listen addresses would claim the same port: equal non-zero
+// ports and equal hosts, or either host is a wildcard.
+func addrsOverlap(a, b string) bool {
+	ha, pa, errA := net.SplitHostPort(a)
+	hb, pb, errB := net.SplitHostPort(b)
+	if errA != nil || errB != nil || pa != pb || pa == "0" {
+		return false
+	}
+	return ha == hb || isWildcard(ha) || isWildcard(hb)
+}
+
+func isWildcard(h string) bool {
+	if h == "" {
+		return true
+	}
+	ip, err := netip.ParseAddr(h)
+	return err == nil && ip.IsUnspecified()
+}

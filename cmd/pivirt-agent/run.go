@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+)
+
+// Run runs pivirt-agent with args until ctx ends, SIGTERM arrives or the
+// agent leaves the cluster through the API.
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	root := &cobra.Command{
+		Use:           "pivirt-agent",
+		Short:         "PiVirt node agent: embedded Raft cluster, gossip membership and the node's ConnectRPC gateway",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+	}
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	flags := config.Register(root.Flags())
+	root.RunE = func(cmd *cobra.Command, _ []string) error {
+		cfg, err := flags.Resolve()
+		if err != nil {
+			return err
+		}
+		logger, err := newLogger(cfg, stdout)
+		if err != nil {
+			return err
+		}
+		return runAgent(cmd.Context(), cfg, logger)
+	}
+	root.AddCommand(versionCmd(stdout))
+	return root.ExecuteContext(ctx)
+}
+
+func versionCmd(stdout io.Writer) *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		Run: func(*cobra.Command, []string) {
+			fmt.Fprintln(stdout, "pivirt-agent", agent.Version)
+		},
+	}
+}
+
+func newLogger(cfg *config.Config, stdout io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
+		return nil, fmt.Errorf("logging.level: %w", err)
+	}
+	out := stdout
+	switch cfg.Logging.Output {
+	case "", "stdout":
+	case "stderr":
+		out = os.Stderr
+	default:
+		f, err := os.OpenFile(cfg.Logging.Output, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o640)
+		if err != nil {
+			return nil, fmt.Errorf("logging.output: %w", err)
+		}
+		out = f
+	}
+	opts := &slog.HandlerOptions{Level: level}
+	if cfg.Logging.Format == "text" {
+		return slog.New(slog.NewTextHandler(out, opts)), nil
+	}
+	return slog.New(slog.NewJSONHandler(out, opts)), nil
+}
+
+func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
+	opts := agent.Options{Logger: logger}
+	if cfg.Dev {
+		opts.GossipProfile = "local"
+	}
+	a, err := agent.New(cfg, opts)
+	if err != nil {
+		return err
+	}
+	startCtx, cancel := context.WithTimeout(ctx, time.Minute)
+	err = a.Start(startCtx)
+	cancel()
+	if err != nil {
+		return err
+	}
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	defer signal.Stop(term)
+	select {
+	case <-a.Done():
+		return nil
+	case <-term:
+		if cfg.Cluster.LeaveOnTerminate {
+			logger.Info("SIGTERM: leaving the cluster (cluster.leave_on_terminate)")
+			return a.Leave(context.Background())
+		}
+		logger.Info("SIGTERM: shutting down without leaving")
+	case <-ctx.Done():
+		logger.Info("interrupted: shutting down without leaving")
+	}
+	return a.Shutdown()
+}

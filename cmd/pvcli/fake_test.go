@@ -1,0 +1,233 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+// fakeCluster is an in-test ClusterService that records every request and
+// answers with canned responses or injected errors.
+type fakeCluster struct {
+	clusterv1connect.UnimplementedClusterServiceHandler
+
+	mu        sync.Mutex
+	calls     []recorded
+	errs      map[string][]error       // procedure -> errors for the next calls, in order
+	errAlways map[string]error         // procedure -> error for every call
+	responses map[string]proto.Message // procedure -> response (default: empty)
+	header    http.Header              // added to every response
+	httpMajor []int                    // HTTP major version of every request
+}
+
+var _ clusterv1connect.ClusterServiceHandler = (*fakeCluster)(nil)
+
+type recorded struct {
+	procedure string
+	msg       proto.Message
+}
+
+func newFakeCluster() *fakeCluster {
+	return &fakeCluster{
+		errs:      map[string][]error{},
+		errAlways: map[string]error{},
+		responses: map[string]proto.Message{},
+		header:    http.Header{},
+	}
+}
+
+// start serves f over h2c (and HTTP/1.1) on 127.0.0.1 and returns its URL.
+func (f *fakeCluster) start(t testing.TB) string {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.Handle(clusterv1connect.NewClusterServiceHandler(f))
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.mu.Lock()
+		f.httpMajor = append(f.httpMajor, r.ProtoMajor)
+		f.mu.Unlock()
+		mux.ServeHTTP(w, r)
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetHTTP1(true)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+func (f *fakeCluster) failNext(procedure string, errs ...error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.errs[procedure] = append(f.errs[procedure], errs...)
+}
+
+func (f *fakeCluster) failAlways(procedure string, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.errAlways[procedure] = err
+}
+
+func (f *fakeCluster) respond(procedure string, msg proto.Message) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.responses[procedure] = msg
+}
+
+func (f *fakeCluster) recorded() []recorded {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]recorded(nil), f.calls...)
+}
+
+// handle records req and returns the canned response of its procedure.
+func handle[Req, Res any](f *fakeCluster, req *connect.Request[Req]) (*connect.Response[Res], error) {
+	procedure := req.Spec().Procedure
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls = append(f.calls, recorded{procedure: procedure, msg: proto.Clone(any(req.Msg).(proto.Message))})
+	if errs := f.errs[procedure]; len(errs) > 0 {
+		f.errs[procedure] = errs[1:]
+		return nil, errs[0]
+	}
+	if err := f.errAlways[procedure]; err != nil {
+		return nil, err
+	}
+	res := new(Res)
+	if canned, ok := f.responses[procedure]; ok {
+		res = proto.Clone(canned).(any).(*Res)
+	}
+	resp := connect.NewResponse(res)
+	for k, v := range f.header {
+		resp.Header()[k] = v
+	}
+	return resp, nil
+}
+
+func (f *fakeCluster) Members(_ context.Context, r *connect.Request[clusterv1.MembersRequest]) (*connect.Response[clusterv1.MembersResponse], error) {
+	return handle[clusterv1.MembersRequest, clusterv1.MembersResponse](f, r)
+}
+
+func (f *fakeCluster) Peers(_ context.Context, r *connect.Request[clusterv1.PeersRequest]) (*connect.Response[clusterv1.PeersResponse], error) {
+	return handle[clusterv1.PeersRequest, clusterv1.PeersResponse](f, r)
+}
+
+func (f *fakeCluster) Leader(_ context.Context, r *connect.Request[clusterv1.LeaderRequest]) (*connect.Response[clusterv1.LeaderResponse], error) {
+	return handle[clusterv1.LeaderRequest, clusterv1.LeaderResponse](f, r)
+}
+
+func (f *fakeCluster) Join(_ context.Context, r *connect.Request[clusterv1.JoinRequest]) (*connect.Response[clusterv1.JoinResponse], error) {
+	return handle[clusterv1.JoinRequest, clusterv1.JoinResponse](f, r)
+}
+
+func (f *fakeCluster) Leave(_ context.Context, r *connect.Request[clusterv1.LeaveRequest]) (*connect.Response[clusterv1.LeaveResponse], error) {
+	return handle[clusterv1.LeaveRequest, clusterv1.LeaveResponse](f, r)
+}
+
+func (f *fakeCluster) RemovePeer(_ context.Context, r *connect.Request[clusterv1.RemovePeerRequest]) (*connect.Response[clusterv1.RemovePeerResponse], error) {
+	return handle[clusterv1.RemovePeerRequest, clusterv1.RemovePeerResponse](f, r)
+}
+
+func (f *fakeCluster) TransferLeader(_ context.Context, r *connect.Request[clusterv1.TransferLeaderRequest]) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
+	return handle[clusterv1.TransferLeaderRequest, clusterv1.TransferLeaderResponse](f, r)
+}
+
+func (f *fakeCluster) RegisterService(_ context.Context, r *connect.Request[clusterv1.RegisterServiceRequest]) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
+	return handle[clusterv1.RegisterServiceRequest, clusterv1.RegisterServiceResponse](f, r)
+}
+
+func (f *fakeCluster) DeregisterService(_ context.Context, r *connect.Request[clusterv1.DeregisterServiceRequest]) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
+	return handle[clusterv1.DeregisterServiceRequest, clusterv1.DeregisterServiceResponse](f, r)
+}
+
+func (f *fakeCluster) Heartbeat(_ context.Context, r *connect.Request[clusterv1.HeartbeatRequest]) (*connect.Response[clusterv1.HeartbeatResponse], error) {
+	return handle[clusterv1.HeartbeatRequest, clusterv1.HeartbeatResponse](f, r)
+}
+
+func (f *fakeCluster) ListServices(_ context.Context, r *connect.Request[clusterv1.ListServicesRequest]) (*connect.Response[clusterv1.ListServicesResponse], error) {
+	return handle[clusterv1.ListServicesRequest, clusterv1.ListServicesResponse](f, r)
+}
+
+func (f *fakeCluster) GetService(_ context.Context, r *connect.Request[clusterv1.GetServiceRequest]) (*connect.Response[clusterv1.GetServiceResponse], error) {
+	return handle[clusterv1.GetServiceRequest, clusterv1.GetServiceResponse](f, r)
+}
+
+func (f *fakeCluster) GetConfig(_ context.Context, r *connect.Request[clusterv1.GetConfigRequest]) (*connect.Response[clusterv1.GetConfigResponse], error) {
+	return handle[clusterv1.GetConfigRequest, clusterv1.GetConfigResponse](f, r)
+}
+
+func (f *fakeCluster) ListConfig(_ context.Context, r *connect.Request[clusterv1.ListConfigRequest]) (*connect.Response[clusterv1.ListConfigResponse], error) {
+	return handle[clusterv1.ListConfigRequest, clusterv1.ListConfigResponse](f, r)
+}
+
+func (f *fakeCluster) SetConfig(_ context.Context, r *connect.Request[clusterv1.SetConfigRequest]) (*connect.Response[clusterv1.SetConfigResponse], error) {
+	return handle[clusterv1.SetConfigRequest, clusterv1.SetConfigResponse](f, r)
+}
+
+func (f *fakeCluster) DeleteConfig(_ context.Context, r *connect.Request[clusterv1.DeleteConfigRequest]) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
+	return handle[clusterv1.DeleteConfigRequest, clusterv1.DeleteConfigResponse](f, r)
+}
+
+func (f *fakeCluster) ConfigHistory(_ context.Context, r *connect.Request[clusterv1.ConfigHistoryRequest]) (*connect.Response[clusterv1.ConfigHistoryResponse], error) {
+	return handle[clusterv1.ConfigHistoryRequest, clusterv1.ConfigHistoryResponse](f, r)
+}
+
+// cliResult is the outcome of one in-process pvcli run.
+type cliResult struct {
+	stdout, stderr string
+	err            error
+}
+
+// cliRun runs pvcli in process with the given environment and stdin.
+type cliRun struct {
+	env   map[string]string
+	stdin string
+}
+
+func (c cliRun) run(t testing.TB, args ...string) cliResult {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	getenv := func(k string) string { return c.env[k] }
+	err := run(t.Context(), args, getenv, strings.NewReader(c.stdin), &stdout, &stderr)
+	return cliResult{stdout: stdout.String(), stderr: stderr.String(), err: err}
+}
+
+// runCLI runs pvcli in process against endpoint with an empty environment.
+func runCLI(t testing.TB, endpoint string, args ...string) cliResult {
+	t.Helper()
+	return cliRun{}.run(t, append([]string{"--endpoint", endpoint}, args...)...)
+}
+
+// mustSucceed fails the test when r is an error.
+func (r cliResult) mustSucceed(t testing.TB) cliResult {
+	t.Helper()
+	if r.err != nil {
+		t.Fatalf("pvcli failed: %v\nstderr:\n%s", r.err, r.stderr)
+	}
+	if r.stderr != "" {
+		t.Errorf("stderr = %q, want empty", r.stderr)
+	}
+	return r
+}
+
+func writeFile(t testing.TB, content string) string {
+	t.Helper()
+	name := t.TempDir() + "/value"
+	if err := os.WriteFile(name, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+var errNoLeader = connect.NewError(connect.CodeUnavailable, errors.New("no cluster leader"))

@@ -1,0 +1,177 @@
+package fsm
+
+import (
+	"errors"
+	"reflect"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+)
+
+func dedupeCount(t *testing.T, h *harness) int {
+	t.Helper()
+	return len(dumpTables(t, h.f)[TableDedupe])
+}
+
+func TestDedupeRepeatSuccess(t *testing.T) {
+	h := newHarness(t)
+	first := h.mustApply(withClient(register(instance("web", "a")), "client-1", 1))
+	before := dumpTables(t, h.f)
+	h.now = h.now.Add(time.Minute)
+	again := h.apply(withClient(register(instance("web", "a")), "client-1", 1))
+	if !again.Duplicate || again.Index != first.Index || again.Err != nil || again.Value != nil {
+		t.Errorf("repeat = %+v, want Duplicate, Index %d, no error, no value", again, first.Index)
+	}
+	if after := dumpTables(t, h.f); !reflect.DeepEqual(before, after) {
+		t.Errorf("a duplicate changed the state:\nbefore %v\nafter  %v", before, after)
+	}
+	if got := h.f.AppliedIndex(); got != 2 {
+		t.Errorf("AppliedIndex() = %d, want 2", got)
+	}
+	if got := h.f.State().Index(Tables()...); got != 1 {
+		t.Errorf("table index = %d, want 1 (a duplicate must not bump it)", got)
+	}
+}
+
+func TestDedupeRepeatError(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(setConfig("k", "v1")) // revision 1
+	conflict := h.apply(withClient(setConfigCAS("k", "v2", 7), "client-1", 1))
+	if !errors.Is(conflict.Err, ErrCASConflict) {
+		t.Fatalf("first apply: %v, want ErrCASConflict", conflict.Err)
+	}
+	if got := h.f.State().Index(TableConfig); got != 1 {
+		t.Errorf("config index after a rejected write = %d, want 1", got)
+	}
+	// Even though the retry would now fail differently, it gets the
+	// stored outcome.
+	again := h.apply(withClient(deleteConfig("nope"), "client-1", 1))
+	if !again.Duplicate || again.Index != conflict.Index || !errors.Is(again.Err, ErrCASConflict) {
+		t.Fatalf("repeat = %+v, want Duplicate with ErrCASConflict at index %d", again, conflict.Index)
+	}
+	if again.Err.Error() != conflict.Err.Error() {
+		t.Errorf("repeat error %q, want the original message %q", again.Err, conflict.Err)
+	}
+}
+
+func TestDedupeIdentity(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	tests := []struct {
+		name string
+		cmd  *fsmv1.Command
+		dup  bool
+	}{
+		{"first", withClient(heartbeat("web", "a"), "c1", 1), false},
+		{"same client and sequence", withClient(heartbeat("web", "a"), "c1", 1), true},
+		{"next sequence", withClient(heartbeat("web", "a"), "c1", 2), false},
+		{"other client", withClient(heartbeat("web", "a"), "c2", 1), false},
+		{"no client id", heartbeat("web", "a"), false},
+		{"no client id again", heartbeat("web", "a"), false},
+		{"sequence without client id", withClient(heartbeat("web", "a"), "", 1), false},
+		{"sequence without client id again", withClient(heartbeat("web", "a"), "", 1), false},
+	}
+	for _, tt := range tests {
+		res := h.apply(tt.cmd)
+		if res.Err != nil || res.Duplicate != tt.dup {
+			t.Errorf("%s: Result %+v, want Duplicate=%v and no error", tt.name, res, tt.dup)
+		}
+	}
+	if n := dedupeCount(t, h); n != 3 {
+		t.Errorf("dedupe records = %d, want 3", n)
+	}
+}
+
+func TestDedupeWindow(t *testing.T) {
+	const window = 10 * time.Minute
+	tests := []struct {
+		name    string
+		after   time.Duration
+		wantDup bool
+	}{
+		{"immediately", 0, true},
+		{"inside the window", window - time.Second, true},
+		{"at the window", window, true},
+		{"after the window", window + time.Nanosecond, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t, func(c *Config) { c.DedupeWindow = window })
+			h.mustApply(withClient(setConfig("k", "v1"), "c", 1))
+			h.now = t0.Add(tt.after)
+			res := h.apply(withClient(setConfig("k", "v2"), "c", 1))
+			if res.Duplicate != tt.wantDup || res.Err != nil {
+				t.Fatalf("Result %+v, want Duplicate=%v", res, tt.wantDup)
+			}
+			e, _ := h.f.State().ConfigEntry("k")
+			if wantRev := map[bool]uint64{true: 1, false: 2}[tt.wantDup]; e.GetRevision() != wantRev {
+				t.Errorf("revision = %d, want %d", e.GetRevision(), wantRev)
+			}
+			if n := dedupeCount(t, h); n != 1 {
+				t.Errorf("dedupe records = %d, want 1", n)
+			}
+		})
+	}
+}
+
+func TestDedupePruning(t *testing.T) {
+	h := newHarness(t)
+	const n = maxPrunePerApply + 44
+	for i := range n {
+		h.now = t0.Add(time.Duration(i) * time.Millisecond)
+		h.mustApply(withClient(setConfig("k", "v"), "c", uint64(i+1)))
+	}
+	// A record exactly at the cutoff stays; only older ones go.
+	h.now = t0.Add(10*time.Minute + (n-1)*time.Millisecond)
+	h.mustApply(setConfig("k", "v"))
+	if got := dedupeCount(t, h); got != n-maxPrunePerApply {
+		t.Fatalf("dedupe records after one apply = %d, want %d (bounded pruning)", got, n-maxPrunePerApply)
+	}
+	h.mustApply(setConfig("k", "v"))
+	if got := dedupeCount(t, h); got != 1 {
+		t.Fatalf("dedupe records after two applies = %d, want 1", got)
+	}
+	if idx := h.f.State().Index(TableDedupe); idx != h.index {
+		t.Errorf("dedupe index = %d, want %d", idx, h.index)
+	}
+	// A rejected command prunes too.
+	h.now = h.now.Add(time.Hour)
+	if res := h.apply(deleteConfig("missing")); !errors.Is(res.Err, ErrNotFound) {
+		t.Fatalf("delete missing: %v", res.Err)
+	}
+	if got := dedupeCount(t, h); got != 0 {
+		t.Errorf("dedupe records = %d, want 0", got)
+	}
+}
+
+func TestDedupeRecordContents(t *testing.T) {
+	h := newHarness(t)
+	h.apply(withClient(deregister("web", "a"), "c", 9))
+	rec, err := lookupDedupe(h.f.State().txn, "c", 9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &fsmv1.DedupeRecord{ClientId: "c", Sequence: 9, Index: 1, ErrorCode: "not_found",
+		ErrorMessage: `not found: service "web" instance "a"`, Time: at(0)}
+	if !proto.Equal(rec, want) {
+		t.Errorf("dedupe record = %v, want %v", rec, want)
+	}
+}
+
+func TestErrorCodesRoundTrip(t *testing.T) {
+	for _, c := range errorCodes {
+		err := replayError(errorCode(c.err), "msg")
+		if !errors.Is(err, c.err) || err.Error() != "msg" {
+			t.Errorf("replay of %v = %v, want it to wrap the sentinel", c.err, err)
+		}
+	}
+	if err := replayError(errorCode(errors.New("boom")), "boom"); err == nil || err.Error() != "boom" {
+		t.Errorf("replay of an internal error = %v", err)
+	}
+	if err := replayError("", ""); err != nil {
+		t.Errorf("replay of success = %v, want nil", err)
+	}
+}

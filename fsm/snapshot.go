@@ -1,0 +1,328 @@
+package fsm
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/hashicorp/go-memdb"
+	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/proto"
+
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+)
+
+// Snapshot stream format (see DESIGN.md):
+//
+//	"PVSN"                       4 bytes, magic
+//	format version               uint32, big endian
+//	uvarint length, SnapshotHeader
+//	for each table of the header, in order, header.records times:
+//	    uvarint length, record
+//
+// and nothing after the last record.
+const (
+	snapshotMagic = "PVSN"
+	// SnapshotFormatVersion is the snapshot format this version writes, and
+	// the newest it restores.
+	SnapshotFormatVersion uint32 = 1
+
+	// maxHeaderSize and maxRecordSize bound what a restore allocates for one
+	// length prefix, so garbage cannot ask for gigabytes.
+	maxHeaderSize = 1 << 20
+	maxRecordSize = 64 << 20
+)
+
+var _ raft.FSMSnapshot = (*fsmSnapshot)(nil)
+
+// fsmSnapshot is a point-in-time capture of the state: a memdb read
+// transaction. Capturing is O(1); Persist does the I/O while Apply goes on.
+type fsmSnapshot struct {
+	txn       *memdb.Txn
+	lastIndex uint64
+}
+
+// Snapshot captures the current state for raft. It does no I/O.
+func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
+	f.applyMu.Lock()
+	defer f.applyMu.Unlock()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return &fsmSnapshot{txn: f.db.Txn(false), lastIndex: f.applied}, nil
+}
+
+// Persist streams the captured state to sink, closing it on success and
+// cancelling it on failure.
+func (s *fsmSnapshot) Persist(sink raft.SnapshotSink) error {
+	if err := writeSnapshot(sink, s.txn, s.lastIndex); err != nil {
+		// The write error is what matters; Cancel only discards the sink.
+		_ = sink.Cancel()
+		return err
+	}
+	if err := sink.Close(); err != nil {
+		return fmt.Errorf("close snapshot sink: %w", err)
+	}
+	return nil
+}
+
+// Release does nothing: a memdb read transaction holds no resources.
+func (s *fsmSnapshot) Release() {}
+
+// WriteSnapshot writes the current state to w in the snapshot format, as
+// Persist would. It is meant for tools and tests; raft uses Snapshot.
+func (f *FSM) WriteSnapshot(w io.Writer) error {
+	f.mu.RLock()
+	txn, index := f.db.Txn(false), f.applied
+	f.mu.RUnlock()
+	return writeSnapshot(w, txn, index)
+}
+
+// writeSnapshot streams the state of txn to w through a buffer.
+func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
+	hdr := &fsmv1.SnapshotHeader{FormatVersion: SnapshotFormatVersion, LastIndex: lastIndex}
+	for _, t := range tableDefs {
+		it, err := txn.Get(t.name, indexID)
+		if err != nil {
+			return fmt.Errorf("snapshot: count %s: %w", t.name, err)
+		}
+		var n uint64
+		for obj := it.Next(); obj != nil; obj = it.Next() {
+			n++
+		}
+		hdr.Tables = append(hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: n})
+	}
+
+	bw := bufio.NewWriterSize(w, 64<<10)
+	var pre [8]byte
+	copy(pre[:4], snapshotMagic)
+	binary.BigEndian.PutUint32(pre[4:], SnapshotFormatVersion)
+	if _, err := bw.Write(pre[:]); err != nil {
+		return fmt.Errorf("snapshot: write preamble: %w", err)
+	}
+	buf, err := marshalOpts.Marshal(hdr)
+	if err != nil {
+		return fmt.Errorf("snapshot: encode header: %w", err)
+	}
+	if err := writeRecord(bw, buf); err != nil {
+		return fmt.Errorf("snapshot: write header: %w", err)
+	}
+	for i, t := range tableDefs {
+		it, err := txn.Get(t.name, indexID)
+		if err != nil {
+			return fmt.Errorf("snapshot: read %s: %w", t.name, err)
+		}
+		var n uint64
+		for obj := it.Next(); obj != nil; obj = it.Next() {
+			if buf, err = t.codec.encode(buf[:0], obj); err != nil {
+				return fmt.Errorf("snapshot: encode %s record: %w", t.name, err)
+			}
+			if err := writeRecord(bw, buf); err != nil {
+				return fmt.Errorf("snapshot: write %s: %w", t.name, err)
+			}
+			n++
+		}
+		if n != hdr.Tables[i].Records {
+			// Impossible with a read transaction; checked so that a bug
+			// cannot write a snapshot that does not restore.
+			return fmt.Errorf("snapshot: %s changed while writing: %d records, header says %d", t.name, n, hdr.Tables[i].Records)
+		}
+	}
+	if err := bw.Flush(); err != nil {
+		return fmt.Errorf("snapshot: flush: %w", err)
+	}
+	return nil
+}
+
+// writeRecord writes b with a uvarint length prefix.
+func writeRecord(w *bufio.Writer, b []byte) error {
+	var lb [binary.MaxVarintLen64]byte
+	n := binary.PutUvarint(lb[:], uint64(len(b)))
+	if _, err := w.Write(lb[:n]); err != nil {
+		return err
+	}
+	_, err := w.Write(b)
+	return err
+}
+
+// Restore replaces the state with the snapshot read from rc, and closes rc.
+// The snapshot is read completely into a new database first: on any error
+// (ErrCorruptSnapshot for truncated or malformed input,
+// ErrUnsupportedSnapshot for a newer format) the current state is left as
+// it was. On success the swap is atomic for readers, the applied index
+// becomes the snapshot's last index and the old state's abandon channel is
+// closed so that watchers re-list.
+func (f *FSM) Restore(rc io.ReadCloser) error {
+	if rc == nil {
+		return fmt.Errorf("%w: nil snapshot reader", ErrCorruptSnapshot)
+	}
+	defer rc.Close()
+	f.applyMu.Lock()
+	defer f.applyMu.Unlock()
+
+	db, hdr, err := readSnapshot(rc)
+	if err != nil {
+		return fmt.Errorf("restore: %w", err)
+	}
+	f.mu.Lock()
+	old := f.abandonCh
+	f.db = db
+	f.applied = hdr.GetLastIndex()
+	f.abandonCh = make(chan struct{})
+	f.mu.Unlock()
+	close(old)
+
+	attrs := []any{"index", hdr.GetLastIndex()}
+	for _, t := range hdr.GetTables() {
+		attrs = append(attrs, t.GetName(), t.GetRecords())
+	}
+	f.logger.Info("state restored from snapshot", attrs...)
+	return nil
+}
+
+// ReadSnapshotHeader reads the preamble and header of a snapshot stream
+// without reading the records, e.g. to show per-table counts.
+func ReadSnapshotHeader(r io.Reader) (*fsmv1.SnapshotHeader, error) {
+	sr := newSnapshotReader(r)
+	return sr.header()
+}
+
+// VerifySnapshot reads a whole snapshot stream into a throwaway state and
+// reports whether Restore would accept it.
+func VerifySnapshot(r io.Reader) (*fsmv1.SnapshotHeader, error) {
+	_, hdr, err := readSnapshot(r)
+	return hdr, err
+}
+
+// snapshotReader reads the length-prefixed records of a snapshot stream.
+type snapshotReader struct {
+	br  *bufio.Reader
+	buf bytes.Buffer
+}
+
+func newSnapshotReader(r io.Reader) *snapshotReader {
+	return &snapshotReader{br: bufio.NewReaderSize(r, 64<<10)}
+}
+
+func corruptf(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrCorruptSnapshot, fmt.Sprintf(format, args...))
+}
+
+// noEOF turns an end of stream inside a structure into ErrUnexpectedEOF.
+func noEOF(err error) error {
+	if errors.Is(err, io.EOF) {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// record returns the next record; the slice is valid until the next call.
+func (sr *snapshotReader) record(limit uint64) ([]byte, error) {
+	n, err := binary.ReadUvarint(sr.br)
+	if err != nil {
+		return nil, fmt.Errorf("%w: read record length: %w", ErrCorruptSnapshot, noEOF(err))
+	}
+	if n > limit {
+		return nil, corruptf("record of %d bytes, at most %d allowed", n, limit)
+	}
+	sr.buf.Reset()
+	if _, err := io.CopyN(&sr.buf, sr.br, int64(n)); err != nil {
+		return nil, fmt.Errorf("%w: read record: %w", ErrCorruptSnapshot, noEOF(err))
+	}
+	return sr.buf.Bytes(), nil
+}
+
+// header reads and checks the preamble and the header.
+func (sr *snapshotReader) header() (*fsmv1.SnapshotHeader, error) {
+	var pre [8]byte
+	if _, err := io.ReadFull(sr.br, pre[:]); err != nil {
+		return nil, fmt.Errorf("%w: read preamble: %w", ErrCorruptSnapshot, noEOF(err))
+	}
+	if string(pre[:4]) != snapshotMagic {
+		return nil, corruptf("not an FSM snapshot (magic %q, want %q)", pre[:4], snapshotMagic)
+	}
+	version := binary.BigEndian.Uint32(pre[4:])
+	if version > SnapshotFormatVersion {
+		return nil, fmt.Errorf("%w: format version %d, this version reads up to %d", ErrUnsupportedSnapshot, version, SnapshotFormatVersion)
+	}
+	if version == 0 {
+		return nil, corruptf("format version 0")
+	}
+	b, err := sr.record(maxHeaderSize)
+	if err != nil {
+		return nil, err
+	}
+	hdr := new(fsmv1.SnapshotHeader)
+	if err := proto.Unmarshal(b, hdr); err != nil {
+		return nil, fmt.Errorf("%w: decode header: %w", ErrCorruptSnapshot, err)
+	}
+	if hdr.GetFormatVersion() != version {
+		return nil, corruptf("header format version %d, preamble says %d", hdr.GetFormatVersion(), version)
+	}
+	seen := make(map[string]bool)
+	for _, t := range hdr.GetTables() {
+		if _, ok := tableDefByName(t.GetName()); !ok {
+			return nil, fmt.Errorf("%w: unknown table %q", ErrUnsupportedSnapshot, t.GetName())
+		}
+		if seen[t.GetName()] {
+			return nil, corruptf("table %q listed twice", t.GetName())
+		}
+		seen[t.GetName()] = true
+	}
+	return hdr, nil
+}
+
+// readSnapshot reads a whole snapshot stream into a new database. Tables the
+// snapshot does not list are empty.
+func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, error) {
+	sr := newSnapshotReader(r)
+	hdr, err := sr.header()
+	if err != nil {
+		return nil, nil, err
+	}
+	db := newMemDB()
+	txn := db.Txn(true)
+	defer txn.Abort()
+	for _, th := range hdr.GetTables() {
+		t, _ := tableDefByName(th.GetName())
+		for i := uint64(0); i < th.GetRecords(); i++ {
+			b, err := sr.record(maxRecordSize)
+			if err != nil {
+				return nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+			}
+			obj, err := t.codec.decode(b)
+			if err != nil {
+				return nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+			}
+			if e, ok := obj.(*indexEntry); ok {
+				if _, known := tableDefByName(e.Table); !known {
+					return nil, nil, fmt.Errorf("%w: %s record %d: unknown table %q", ErrCorruptSnapshot, t.name, i, e.Table)
+				}
+			}
+			if err := txn.Insert(t.name, obj); err != nil {
+				return nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+			}
+		}
+		it, err := txn.Get(t.name, indexID)
+		if err != nil {
+			return nil, nil, fmt.Errorf("read %s: %w", t.name, err)
+		}
+		var n uint64
+		for obj := it.Next(); obj != nil; obj = it.Next() {
+			n++
+		}
+		if n != th.GetRecords() {
+			return nil, nil, corruptf("%s: %d distinct records, header says %d", t.name, n, th.GetRecords())
+		}
+	}
+	if _, err := sr.br.ReadByte(); !errors.Is(err, io.EOF) {
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: after last record: %w", ErrCorruptSnapshot, err)
+		}
+		return nil, nil, corruptf("trailing data after the last record")
+	}
+	txn.Commit()
+	return db, hdr, nil
+}

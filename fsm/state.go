@@ -1,0 +1,248 @@
+package fsm
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/hashicorp/go-memdb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+)
+
+// State is a read-only view of the FSM state: one memdb read transaction,
+// consistent for its whole life and unaffected by later applies. It is safe
+// for concurrent use and needs no closing.
+//
+// Records are returned as stored, without copying: callers must never
+// modify a returned message (or anything it points to). Clone it with
+// proto.Clone first when a modified copy is needed.
+//
+// Methods that take a memdb.WatchSet add to it (when non-nil) the channels
+// that fire when the result may have changed, and the abandon channel that
+// fires when a restore replaces the state. The uint64 they return is the
+// index of the last change to the queried table (0 if it never changed):
+// the index to return to a blocking query.
+type State struct {
+	txn       *memdb.Txn
+	applied   uint64
+	abandonCh <-chan struct{}
+}
+
+// AppliedIndex is the index of the last log entry applied to this view.
+func (s *State) AppliedIndex() uint64 { return s.applied }
+
+// AbandonCh is closed when a restore replaces the state this view was taken
+// from.
+func (s *State) AbandonCh() <-chan struct{} { return s.abandonCh }
+
+// Index returns the largest index recorded for the given tables: the index
+// of the last change to any of them.
+func (s *State) Index(tables ...string) uint64 {
+	var maxIndex uint64
+	for _, table := range tables {
+		e, err := first[*indexEntry](s.txn, TableIndex, indexID, table)
+		if err == nil && e != nil && e.Value > maxIndex {
+			maxIndex = e.Value
+		}
+	}
+	return maxIndex
+}
+
+// WatchTables adds to ws a channel per table that fires on any change to
+// it (and the abandon channel), and returns their Index. The channel of a
+// table that never changed may also fire on changes to other tables; like
+// every blocking query, callers re-check the index after a wake-up.
+func (s *State) WatchTables(ws memdb.WatchSet, tables ...string) (uint64, error) {
+	var maxIndex uint64
+	s.watch(ws, nil)
+	for _, table := range tables {
+		ch, obj, err := s.txn.FirstWatch(TableIndex, indexID, table)
+		if err != nil {
+			return 0, fmt.Errorf("watch %s: %w", table, err)
+		}
+		s.watch(ws, ch)
+		if e, ok := obj.(*indexEntry); ok && e.Value > maxIndex {
+			maxIndex = e.Value
+		}
+	}
+	return maxIndex, nil
+}
+
+// watch adds ch and the abandon channel to ws, if ws is not nil.
+func (s *State) watch(ws memdb.WatchSet, ch <-chan struct{}) {
+	if ws == nil {
+		return
+	}
+	ws.Add(s.abandonCh)
+	if ch != nil {
+		ws.Add(ch)
+	}
+}
+
+// list runs a Get and collects the records.
+func list[T any](s *State, ws memdb.WatchSet, table, index string, args ...any) ([]T, error) {
+	it, err := s.txn.Get(table, index, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", table, err)
+	}
+	s.watch(ws, it.WatchCh())
+	return collect[T](it), nil
+}
+
+// listReverse runs a GetReverse and collects the records.
+func listReverse[T any](s *State, table, index string, args ...any) ([]T, error) {
+	it, err := s.txn.GetReverse(table, index, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", table, err)
+	}
+	return collect[T](it), nil
+}
+
+// Services lists the instances of one service, or of all services when
+// service is "", sorted by service then instance ID.
+func (s *State) Services(service string, ws memdb.WatchSet) (uint64, []*clusterv1.ServiceInstance, error) {
+	var (
+		out []*clusterv1.ServiceInstance
+		err error
+	)
+	if service == "" {
+		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexID)
+	} else {
+		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexService, service)
+	}
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TableServices), out, nil
+}
+
+// ServicesByNode lists the instances registered with the given node,
+// sorted by service then instance ID.
+func (s *State) ServicesByNode(node string, ws memdb.WatchSet) (uint64, []*clusterv1.ServiceInstance, error) {
+	out, err := list[*clusterv1.ServiceInstance](s, ws, TableServices, indexNode, node)
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TableServices), out, nil
+}
+
+// Service returns one instance, or ErrNotFound.
+func (s *State) Service(service, instanceID string) (*clusterv1.ServiceInstance, error) {
+	inst, err := first[*clusterv1.ServiceInstance](s.txn, TableServices, indexID, service, instanceID)
+	if err != nil {
+		return nil, err
+	}
+	if inst == nil {
+		return nil, fmt.Errorf("%w: service %q instance %q", ErrNotFound, service, instanceID)
+	}
+	return inst, nil
+}
+
+// ExpiredTTL returns the passing instances with a positive TTL whose last
+// heartbeat plus TTL is before now, sorted by service then instance ID. The
+// leader's TTL reaper proposes set_service_health for them.
+func (s *State) ExpiredTTL(now time.Time) []*clusterv1.ServiceInstance {
+	it, err := s.txn.Get(TableServices, indexID)
+	if err != nil {
+		return nil
+	}
+	var out []*clusterv1.ServiceInstance
+	for _, inst := range collect[*clusterv1.ServiceInstance](it) {
+		ttl := inst.GetTtl().AsDuration()
+		if inst.GetHealth() != clusterv1.Health_HEALTH_PASSING || inst.GetTtl() == nil || ttl <= 0 {
+			continue
+		}
+		if inst.GetLastHeartbeat().AsTime().Add(ttl).Before(now) {
+			out = append(out, inst)
+		}
+	}
+	return out
+}
+
+// ConfigEntry returns the current version of a config key, or ErrNotFound.
+func (s *State) ConfigEntry(key string) (*clusterv1.ConfigEntry, error) {
+	e, err := first[*clusterv1.ConfigEntry](s.txn, TableConfig, indexID, key)
+	if err != nil {
+		return nil, err
+	}
+	if e == nil {
+		return nil, fmt.Errorf("%w: config %q", ErrNotFound, key)
+	}
+	return e, nil
+}
+
+// ConfigEntries lists the current version of every config key, sorted by
+// key.
+func (s *State) ConfigEntries(ws memdb.WatchSet) (uint64, []*clusterv1.ConfigEntry, error) {
+	out, err := list[*clusterv1.ConfigEntry](s, ws, TableConfig, indexID)
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TableConfig), out, nil
+}
+
+// ConfigHistory returns the kept versions of a key, newest first (the first
+// is the current version), or ErrNotFound when the key does not exist.
+// Deleting a key deletes its history.
+func (s *State) ConfigHistory(key string) ([]*clusterv1.ConfigEntry, error) {
+	out, err := listReverse[*clusterv1.ConfigEntry](s, TableConfigHistory, indexKey, key)
+	if err != nil {
+		return nil, err
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: config %q", ErrNotFound, key)
+	}
+	return out, nil
+}
+
+// Schedules lists all schedules, sorted by ID.
+func (s *State) Schedules(ws memdb.WatchSet) (uint64, []*schedulev1.Schedule, error) {
+	out, err := list[*schedulev1.Schedule](s, ws, TableSchedules, indexID)
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TableSchedules), out, nil
+}
+
+// SchedulesByVM lists the schedules of one VM, sorted by ID.
+func (s *State) SchedulesByVM(vmID string, ws memdb.WatchSet) (uint64, []*schedulev1.Schedule, error) {
+	out, err := list[*schedulev1.Schedule](s, ws, TableSchedules, indexVM, vmID)
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TableSchedules), out, nil
+}
+
+// Schedule returns one schedule, or ErrNotFound.
+func (s *State) Schedule(id string) (*schedulev1.Schedule, error) {
+	sc, err := first[*schedulev1.Schedule](s.txn, TableSchedules, indexID, id)
+	if err != nil {
+		return nil, err
+	}
+	if sc == nil {
+		return nil, fmt.Errorf("%w: schedule %q", ErrNotFound, id)
+	}
+	return sc, nil
+}
+
+// Runs returns the kept runs of a schedule, newest slot first, or
+// ErrNotFound when the schedule does not exist.
+func (s *State) Runs(scheduleID string) ([]*schedulev1.Run, error) {
+	if _, err := s.Schedule(scheduleID); err != nil {
+		return nil, err
+	}
+	return listReverse[*schedulev1.Run](s, TableScheduleRuns, indexSchedule, scheduleID)
+}
+
+// Run returns the run of a schedule at a slot, or ErrNotFound.
+func (s *State) Run(scheduleID string, slot time.Time) (*schedulev1.Run, error) {
+	r, err := first[*schedulev1.Run](s.txn, TableScheduleRuns, indexID, scheduleID, slot)
+	if err != nil {
+		return nil, err
+	}
+	if r == nil {
+		return nil, fmt.Errorf("%w: run of schedule %q at slot %s", ErrNotFound, scheduleID, slot.Format(time.RFC3339Nano))
+	}
+	return r, nil
+}

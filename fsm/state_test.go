@@ -1,0 +1,286 @@
+package fsm
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-memdb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+)
+
+func instanceKeys(list []*clusterv1.ServiceInstance) []string {
+	var out []string
+	for _, in := range list {
+		out = append(out, in.GetService()+"/"+in.GetInstanceId())
+	}
+	return out
+}
+
+// fired reports whether a watch set has fired, without waiting.
+func fired(ws memdb.WatchSet) bool {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for range 100 { // WatchCtx picks randomly between ready cases
+		if ws.WatchCtx(ctx) == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// waitFired waits for a watch set to fire, failing the test after a while.
+func waitFired(t *testing.T, ws memdb.WatchSet) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := ws.WatchCtx(ctx); err != nil {
+		t.Fatalf("watch did not fire: %v", err)
+	}
+}
+
+func TestServicesOrderAndFilter(t *testing.T) {
+	h := newHarness(t)
+	for _, k := range [][2]string{{"web", "b"}, {"webapp", "a"}, {"web", "a"}, {"api", "z"}, {"web-x", "a"}} {
+		in := instance(k[0], k[1])
+		if k[0] == "api" {
+			in.Node = "node-9"
+		}
+		h.mustApply(register(in))
+	}
+	st := h.f.State()
+	idx, all, err := st.Services("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"api/z", "web/a", "web/b", "web-x/a", "webapp/a"}; !slices.Equal(instanceKeys(all), want) || idx != 5 {
+		t.Errorf("Services(\"\") = %d %v, want 5 %v", idx, instanceKeys(all), want)
+	}
+	_, web, _ := st.Services("web", nil)
+	if want := []string{"web/a", "web/b"}; !slices.Equal(instanceKeys(web), want) {
+		t.Errorf("Services(web) = %v, want %v", instanceKeys(web), want)
+	}
+	_, none, _ := st.Services("we", nil)
+	if len(none) != 0 {
+		t.Errorf("Services(we) = %v, want none", instanceKeys(none))
+	}
+	_, byNode, _ := st.ServicesByNode("node-9", nil)
+	if want := []string{"api/z"}; !slices.Equal(instanceKeys(byNode), want) {
+		t.Errorf("ServicesByNode(node-9) = %v, want %v", instanceKeys(byNode), want)
+	}
+	if _, err := st.Service("web", "c"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Service(web, c) = %v, want ErrNotFound", err)
+	}
+}
+
+func TestStateIsASnapshot(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	st := h.f.State()
+	h.mustApply(register(instance("web", "b")))
+	h.mustApply(deregister("web", "a"))
+	if _, list, _ := st.Services("", nil); !slices.Equal(instanceKeys(list), []string{"web/a"}) {
+		t.Errorf("old view = %v, want [web/a]", instanceKeys(list))
+	}
+	if st.AppliedIndex() != 1 {
+		t.Errorf("old view AppliedIndex = %d, want 1", st.AppliedIndex())
+	}
+	if _, list, _ := h.f.State().Services("", nil); !slices.Equal(instanceKeys(list), []string{"web/b"}) {
+		t.Errorf("new view = %v, want [web/b]", instanceKeys(list))
+	}
+}
+
+func TestWatches(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	h.mustApply(setConfig("k", "v"))
+
+	st := h.f.State()
+	wsWeb, wsConfig := memdb.NewWatchSet(), memdb.NewWatchSet()
+	if _, _, err := st.Services("web", wsWeb); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := st.ConfigEntries(wsConfig); err != nil {
+		t.Fatal(err)
+	}
+
+	h.mustApply(register(instance("api", "a")))
+	if fired(wsWeb) || fired(wsConfig) {
+		t.Fatalf("watches fired on an unrelated change: web %v, config %v", fired(wsWeb), fired(wsConfig))
+	}
+	h.mustApply(register(instance("web", "b")))
+	waitFired(t, wsWeb)
+	if fired(wsConfig) {
+		t.Errorf("config watch fired on a service change")
+	}
+	h.mustApply(setConfig("k", "v2"))
+	waitFired(t, wsConfig)
+
+	// A table that never changed may wake its watchers spuriously; one that
+	// changed wakes them only on its own change.
+	wsTables := memdb.NewWatchSet()
+	idx, err := h.f.State().WatchTables(wsTables, TableConfig)
+	if err != nil || idx != 5 {
+		t.Fatalf("WatchTables = %d, %v; want 5", idx, err)
+	}
+	h.mustApply(register(instance("web", "c")))
+	if fired(wsTables) {
+		t.Errorf("config table watch fired on a service change")
+	}
+	h.mustApply(deleteConfig("k"))
+	waitFired(t, wsTables)
+
+	if idx, _ := h.f.State().WatchTables(nil, TableSchedules, TableServices); idx != 6 {
+		t.Errorf("WatchTables index = %d, want 6", idx)
+	}
+}
+
+func TestRestoreWakesWatchers(t *testing.T) {
+	src := newHarness(t)
+	populate(src)
+	snap := src.snapshot()
+
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	st := h.f.State()
+	ws := memdb.NewWatchSet()
+	if _, _, err := st.Schedules(ws); err != nil {
+		t.Fatal(err)
+	}
+	abandon := h.f.AbandonCh()
+	if err := h.f.Restore(readCloser(snap)); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	waitFired(t, ws)
+	select {
+	case <-abandon:
+	default:
+		t.Errorf("FSM.AbandonCh not closed by Restore")
+	}
+	select {
+	case <-h.f.AbandonCh():
+		t.Errorf("new AbandonCh already closed")
+	case <-h.f.State().AbandonCh():
+		t.Errorf("new State().AbandonCh already closed")
+	default:
+	}
+	if got, want := h.f.AppliedIndex(), src.f.AppliedIndex(); got != want {
+		t.Errorf("AppliedIndex after restore = %d, want %d", got, want)
+	}
+}
+
+func TestExpiredTTL(t *testing.T) {
+	h := newHarness(t)
+	h.now = t0.Add(time.Second)
+	h.mustApply(registerTTL("web", "a", 10*time.Second)) // expires at(11)
+	h.mustApply(registerTTL("web", "b", 30*time.Second)) // expires at(31)
+	h.mustApply(register(instance("web", "c")))          // no TTL
+	h.mustApply(registerTTL("web", "d", 0))              // zero TTL: none
+	h.mustApply(registerTTL("api", "e", 5*time.Second))  // expires at(6) but critical
+	h.mustApply(setHealth("api", "e", clusterv1.Health_HEALTH_CRITICAL, at(1)))
+	h.now = t0.Add(5 * time.Second)
+	h.mustApply(heartbeat("web", "b")) // expires at(35)
+
+	tests := []struct {
+		now  time.Time
+		want []string
+	}{
+		{t0.Add(11 * time.Second), nil},
+		{t0.Add(11*time.Second + 1), []string{"web/a"}},
+		{t0.Add(36 * time.Second), []string{"web/a", "web/b"}},
+	}
+	st := h.f.State()
+	for _, tt := range tests {
+		if got := instanceKeys(st.ExpiredTTL(tt.now)); !slices.Equal(got, tt.want) {
+			t.Errorf("ExpiredTTL(%s) = %v, want %v", tt.now.Sub(t0), got, tt.want)
+		}
+	}
+}
+
+func TestScheduleQueries(t *testing.T) {
+	h := newHarness(t)
+	for _, id := range []string{"s3", "s1", "s2"} {
+		s := schedule(id)
+		if id != "s2" {
+			s.VmId = "vm-x"
+		}
+		h.mustApply(putSchedule(s))
+	}
+	st := h.f.State()
+	ids := func(list []*schedulev1.Schedule) []string {
+		var out []string
+		for _, s := range list {
+			out = append(out, s.GetId())
+		}
+		return out
+	}
+	idx, all, err := st.Schedules(nil)
+	if err != nil || idx != 3 || !slices.Equal(ids(all), []string{"s1", "s2", "s3"}) {
+		t.Errorf("Schedules = %d %v %v, want 3 [s1 s2 s3]", idx, ids(all), err)
+	}
+	_, byVM, _ := st.SchedulesByVM("vm-x", nil)
+	if !slices.Equal(ids(byVM), []string{"s1", "s3"}) {
+		t.Errorf("SchedulesByVM(vm-x) = %v, want [s1 s3]", ids(byVM))
+	}
+	if runs, err := st.Runs("s1"); err != nil || len(runs) != 0 {
+		t.Errorf("Runs(s1) = %v, %v; want none", runs, err)
+	}
+	if _, err := st.Schedule("nope"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Schedule(nope) = %v, want ErrNotFound", err)
+	}
+	if _, err := st.Run("s1", t0); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Run = %v, want ErrNotFound", err)
+	}
+	if _, err := st.ConfigEntry("nope"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("ConfigEntry(nope) = %v, want ErrNotFound", err)
+	}
+}
+
+// TestConcurrentReaders runs readers while commands are applied and a
+// snapshot is restored; the race detector checks the locking.
+func TestConcurrentReaders(t *testing.T) {
+	src := newHarness(t)
+	populate(src)
+	snap := src.snapshot()
+
+	h := newHarness(t)
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for range 4 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				st := h.f.State()
+				_, list, err := st.Services("", nil)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for _, in := range list {
+					_ = in.GetAddress()
+				}
+				_ = h.f.AppliedIndex()
+			}
+		})
+	}
+	for i := range 200 {
+		h.mustApply(register(instance("web", string(rune('a'+i%26)))))
+		if i == 100 {
+			if err := h.f.Restore(readCloser(snap)); err != nil {
+				t.Error(err)
+			}
+			h.index = h.f.AppliedIndex()
+		}
+	}
+	close(stop)
+	wg.Wait()
+}
