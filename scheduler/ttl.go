@@ -6,6 +6,7 @@ package scheduler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -73,6 +74,10 @@ func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, r
 			if err := expire(ctx, cfg, raft, inst); err != nil {
 				if ctx.Err() != nil {
 					return
+				}
+				if errors.Is(err, fsm.ErrStale) {
+					// A heartbeat was committed after the scan: the instance lives.
+					continue
 				}
 				logger.Warn("mark service instance critical", "service", inst.GetService(), "instance", inst.GetInstanceId(), "error", err)
 				continue

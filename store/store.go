@@ -88,12 +88,14 @@ func New(cfg Config) (s *Store, err error) {
 	closers = append(closers, cfg.StreamLayer.Close)
 
 	dir := filepath.Join(cfg.DataDir, raftDir)
-	logger := newHCLogAdapter(cfg.Logger).With("node_id", cfg.NodeID).(*hclogAdapter)
+	// The caller's logger carries the node identity (node_id); raft's own
+	// "node_id" attribute would repeat it.
+	logger := newHCLogAdapter(cfg.Logger)
 	slogger := cfg.Logger
 	if slogger == nil {
 		slogger = slog.New(slog.DiscardHandler)
 	}
-	slogger = slogger.With("component", "store", "node_id", cfg.NodeID)
+	slogger = slogger.With("component", "store")
 
 	bolt, logs, snaps, err := openStores(cfg, dir, logger)
 	if err != nil {

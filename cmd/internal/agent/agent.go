@@ -392,9 +392,10 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 				revoke()
 				continue
 			}
-			if term == nil {
-				term = a.startTerm(ctx)
-			}
+			// A second "true" means leadership was lost and regained
+			// between two notifications: establish the new term afresh.
+			revoke()
+			term = a.startTerm(ctx)
 		}
 	}
 }

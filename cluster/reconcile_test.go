@@ -1,0 +1,188 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"testing"
+	"time"
+)
+
+// fakeRaft is an in-memory Raft configuration that applies the same
+// idempotent semantics as store: AddVoter promotes or re-addresses,
+// AddNonvoter never demotes, RemoveServer of an absent server is a no-op.
+type fakeRaft struct {
+	servers map[string]RaftServer
+	calls   []string
+}
+
+func newFakeRaft(servers ...RaftServer) *fakeRaft {
+	f := &fakeRaft{servers: map[string]RaftServer{}}
+	for _, s := range servers {
+		f.servers[s.ID] = s
+	}
+	return f
+}
+
+func (f *fakeRaft) Servers(context.Context) ([]RaftServer, error) {
+	out := make([]RaftServer, 0, len(f.servers))
+	for _, s := range f.servers {
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+func (f *fakeRaft) AddVoter(_ context.Context, id, addr string) error {
+	f.calls = append(f.calls, "voter "+id)
+	f.servers[id] = RaftServer{ID: id, Address: addr, Voter: true}
+	return nil
+}
+
+func (f *fakeRaft) AddNonvoter(_ context.Context, id, addr string) error {
+	f.calls = append(f.calls, "nonvoter "+id)
+	s, ok := f.servers[id]
+	if ok && s.Voter {
+		s.Address = addr
+		f.servers[id] = s
+		return nil
+	}
+	f.servers[id] = RaftServer{ID: id, Address: addr}
+	return nil
+}
+
+func (f *fakeRaft) RemoveServer(_ context.Context, id string) error {
+	f.calls = append(f.calls, "remove "+id)
+	delete(f.servers, id)
+	return nil
+}
+
+func (f *fakeRaft) summary() string {
+	s, _ := f.Servers(context.Background())
+	out := ""
+	for _, srv := range s {
+		kind := "n"
+		if srv.Voter {
+			kind = "v"
+		}
+		out += fmt.Sprintf("%s:%s@%s ", srv.ID, kind, srv.Address)
+	}
+	return out
+}
+
+type fakeMembers []Member
+
+func (m fakeMembers) Members() []Member { return m }
+func (m fakeMembers) Subscribe() (<-chan struct{}, func()) {
+	return make(chan struct{}), func() {}
+}
+
+func member(id string, st MemberStatus, since time.Time) Member {
+	return Member{Name: "n-" + id, Status: st, Since: since, Meta: NodeMeta{ID: id, Role: RoleServer, RaftAddr: "addr-" + id}}
+}
+
+func TestReconcile(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	long := now.Add(-time.Hour)
+	fresh := now.Add(-time.Second)
+	v := func(id string) RaftServer { return RaftServer{ID: id, Address: "addr-" + id, Voter: true} }
+	nv := func(id string) RaftServer { return RaftServer{ID: id, Address: "addr-" + id} }
+	for _, tc := range []struct {
+		name    string
+		voters  int
+		cleanup time.Duration
+		raft    []RaftServer
+		members []Member
+		want    string
+	}{
+		{
+			name: "adds alive servers as voters up to the target, then non-voters",
+			raft: []RaftServer{v("a")}, voters: 3,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusAlive, long), member("d", StatusAlive, long)},
+			want:    "a:v@addr-a b:v@addr-b c:v@addr-c d:n@addr-d ",
+		},
+		{
+			name: "follows an address change under the same id",
+			raft: []RaftServer{v("a"), {ID: "b", Address: "old", Voter: true}}, voters: 3,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long)},
+			want:    "a:v@addr-a b:v@addr-b ",
+		},
+		{
+			name: "removes a server that left, at once",
+			raft: []RaftServer{v("a"), v("b"), v("c")}, voters: 3, cleanup: 0,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusLeft, fresh)},
+			want:    "a:v@addr-a b:v@addr-b ",
+		},
+		{
+			name: "keeps a failed server before the threshold",
+			raft: []RaftServer{v("a"), v("b"), v("c")}, voters: 3, cleanup: time.Minute,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, fresh)},
+			want:    "a:v@addr-a b:v@addr-b c:v@addr-c ",
+		},
+		{
+			name: "removes a failed voter past the threshold and promotes a non-voter",
+			raft: []RaftServer{v("a"), v("b"), v("c"), nv("d")}, voters: 3, cleanup: time.Minute,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, long), member("d", StatusAlive, long)},
+			want:    "a:v@addr-a b:v@addr-b d:v@addr-d ",
+		},
+		{
+			name: "never removes failed voters when half or more are failed",
+			raft: []RaftServer{v("a"), v("b"), v("c"), v("d")}, voters: 5, cleanup: time.Minute,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, long), member("d", StatusFailed, long)},
+			want:    "a:v@addr-a b:v@addr-b c:v@addr-c d:v@addr-d ",
+		},
+		{
+			name: "cleanup disabled keeps failed servers",
+			raft: []RaftServer{v("a"), v("b"), v("c")}, voters: 3, cleanup: 0,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, long)},
+			want:    "a:v@addr-a b:v@addr-b c:v@addr-c ",
+		},
+		{
+			name: "ignores non-server members and never removes itself",
+			raft: []RaftServer{v("a")}, voters: 3, cleanup: time.Second,
+			members: []Member{member("a", StatusFailed, long), {Name: "client", Status: StatusAlive, Meta: NodeMeta{ID: "x", Role: "client"}}},
+			want:    "a:v@addr-a ",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			raft := newFakeRaft(tc.raft...)
+			r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: tc.voters, DeadServerCleanup: tc.cleanup, Now: func() time.Time { return now }},
+				raft, fakeMembers(tc.members))
+			if err := r.Reconcile(context.Background()); err != nil {
+				t.Fatalf("reconcile: %v", err)
+			}
+			if got := raft.summary(); got != tc.want {
+				t.Fatalf("configuration:\n got %s\nwant %s\ncalls %v", got, tc.want, raft.calls)
+			}
+			// A second pass changes nothing: reconciliation is idempotent.
+			calls := len(raft.calls)
+			if err := r.Reconcile(context.Background()); err != nil {
+				t.Fatalf("second reconcile: %v", err)
+			}
+			if len(raft.calls) != calls {
+				t.Fatalf("second pass made calls %v", raft.calls[calls:])
+			}
+		})
+	}
+}
+
+func TestReconcileRemovesServersUnknownToGossip(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	clock := now
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true}, RaftServer{ID: "b", Address: "addr-b", Voter: true}, RaftServer{ID: "gone", Address: "x", Voter: true})
+	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now)}
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, DeadServerCleanup: time.Minute, Now: func() time.Time { return clock }}, raft, members)
+	if err := r.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := raft.servers["gone"]; !ok {
+		t.Fatal("removed a server unknown to gossip before the threshold")
+	}
+	clock = now.Add(2 * time.Minute)
+	if err := r.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := raft.servers["gone"]; ok {
+		t.Fatal("server unknown to gossip past the threshold was not removed")
+	}
+}
