@@ -12,7 +12,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -704,12 +703,3 @@ func (a *Agent) Store() *store.Store { return a.store }
 
 // Gossip exposes the gossip ring to tests in cmd/.
 func (a *Agent) Gossip() *cluster.Gossip { return a.gossip }
-
-func portOf(addr string) int {
-	_, p, err := net.SplitHostPort(addr)
-	if err != nil {
-		return 0
-	}
-	n, _ := strconv.Atoi(p)
-	return n
-}
