@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -51,6 +53,30 @@ func (p PoolStatus) Status(ctx context.Context, addr string) (*nodev1.StatusResp
 	return resp.Msg, nil
 }
 
+// BootstrapView is the set of servers this node would bootstrap with right
+// now; it is reported to other servers in the node status, so that all
+// candidates can confirm they agree before any of them bootstraps.
+type BootstrapView struct {
+	mu  sync.Mutex
+	ids []string
+}
+
+// Candidates returns the sorted node IDs of the current view.
+func (v *BootstrapView) Candidates() []string {
+	if v == nil {
+		return nil
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return slices.Clone(v.ids)
+}
+
+func (v *BootstrapView) set(ids []string) {
+	v.mu.Lock()
+	v.ids = ids
+	v.mu.Unlock()
+}
+
 // BootstrapConfig configures bootstrap-expect.
 type BootstrapConfig struct {
 	SelfID string
@@ -65,13 +91,15 @@ type BootstrapConfig struct {
 // one must be added by the leader instead of bootstrapping.
 var ErrBootstrapSkipped = errors.New("bootstrap skipped: a server already has raft state")
 
-// RunBootstrapExpect waits until Expect servers with the same expect value
-// are alive in gossip and none of them has Raft state, then bootstraps them
-// all with one configuration. It follows Consul's rules: only on an empty log,
-// only when every server agrees on the expected count, and never when any
-// server already has peers. It returns nil once bootstrapped, or
+// RunBootstrapExpect waits until exactly Expect servers with the same expect
+// value are alive in gossip, none of them has Raft state, and every one of
+// them reports the same candidate set; then it bootstraps them all with one
+// configuration. These are Consul's rules (empty log only, everybody
+// agrees on the count, nobody already has peers) plus the candidate-set
+// agreement, which keeps two servers with different views from writing
+// different first configurations. It returns nil once bootstrapped, or
 // ErrBootstrapSkipped, and logs why it waits whenever the reason changes.
-func RunBootstrapExpect(ctx context.Context, cfg BootstrapConfig, raft Bootstrapper, members Membership, peers PeerStatus) error {
+func RunBootstrapExpect(ctx context.Context, cfg BootstrapConfig, raft Bootstrapper, members Membership, peers PeerStatus, view *BootstrapView) error {
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
@@ -80,17 +108,21 @@ func RunBootstrapExpect(ctx context.Context, cfg BootstrapConfig, raft Bootstrap
 	if cfg.Interval <= 0 {
 		cfg.Interval = time.Second
 	}
-	if raft.HasExistingState() {
-		logger.Info("not bootstrapping: this server already has raft state")
-		return ErrBootstrapSkipped
+	if view == nil {
+		view = &BootstrapView{}
 	}
+	defer view.set(nil)
 	changes, cancel := members.Subscribe()
 	defer cancel()
 	t := time.NewTicker(cfg.Interval)
 	defer t.Stop()
 	lastReason := ""
 	for {
-		servers, reason, err := bootstrapCandidates(ctx, cfg, members, peers)
+		if raft.HasExistingState() {
+			logger.Info("not bootstrapping: this server already has raft state")
+			return ErrBootstrapSkipped
+		}
+		servers, reason, err := bootstrapCandidates(ctx, cfg, members, peers, view)
 		switch {
 		case errors.Is(err, ErrBootstrapSkipped):
 			logger.Info("not bootstrapping", "reason", reason)
@@ -119,23 +151,48 @@ func RunBootstrapExpect(ctx context.Context, cfg BootstrapConfig, raft Bootstrap
 
 // bootstrapCandidates returns the configuration to bootstrap, or nil and the
 // reason for waiting.
-func bootstrapCandidates(ctx context.Context, cfg BootstrapConfig, members Membership, peers PeerStatus) ([]RaftServer, string, error) {
-	var servers []Member
+func bootstrapCandidates(ctx context.Context, cfg BootstrapConfig, members Membership, peers PeerStatus, view *BootstrapView) ([]RaftServer, string, error) {
+	var servers, others []Member
+	mismatch := ""
 	for _, m := range members.Members() {
 		if m.Status != StatusAlive || m.Meta.Role != RoleServer {
 			continue
 		}
-		if m.Meta.BootstrapExpect != cfg.Expect {
-			if m.Meta.BootstrapExpect == 0 {
-				// A server started with --join only: it will be added later.
-				continue
+		switch m.Meta.BootstrapExpect {
+		case cfg.Expect:
+			servers = append(servers, m)
+		default:
+			others = append(others, m)
+			if m.Meta.BootstrapExpect != 0 && mismatch == "" {
+				mismatch = fmt.Sprintf("member %s expects %d servers, this one %d; every server must use the same bootstrap_expect", m.Name, m.Meta.BootstrapExpect, cfg.Expect)
 			}
-			return nil, fmt.Sprintf("member %s expects %d servers, this one %d; every server must use the same bootstrap_expect", m.Name, m.Meta.BootstrapExpect, cfg.Expect), nil
 		}
-		servers = append(servers, m)
 	}
-	if len(servers) < cfg.Expect {
+	sort.Slice(servers, func(i, j int) bool { return servers[i].Meta.ID < servers[j].Meta.ID })
+	ids := make([]string, len(servers))
+	for i, m := range servers {
+		ids[i] = m.Meta.ID
+	}
+	view.set(ids)
+
+	// A server that already has state (one started with --join, say) means
+	// the cluster exists: never bootstrap a second one beside it.
+	for _, m := range others {
+		if st, err := peers.Status(ctx, m.Meta.InternalAddr); err == nil && (st.GetHasState() || st.GetPeers() > 0) {
+			return nil, fmt.Sprintf("server %s already has raft state; this server will be added by the leader", m.Name), ErrBootstrapSkipped
+		}
+	}
+	if mismatch != "" {
+		return nil, mismatch, nil
+	}
+	switch {
+	case len(servers) < cfg.Expect:
 		return nil, fmt.Sprintf("%d of %d expected servers seen in gossip", len(servers), cfg.Expect), nil
+	case len(servers) > cfg.Expect:
+		return nil, fmt.Sprintf("%d servers with bootstrap_expect %d seen in gossip, more than expected; start exactly %d, or join the others to a bootstrapped cluster", len(servers), cfg.Expect, cfg.Expect), nil
+	}
+	if !slices.Contains(ids, cfg.SelfID) {
+		return nil, "this server is not among the servers seen in gossip yet", nil
 	}
 	for _, m := range servers {
 		if m.Meta.ID == cfg.SelfID {
@@ -148,16 +205,13 @@ func bootstrapCandidates(ctx context.Context, cfg BootstrapConfig, members Membe
 		if st.GetHasState() || st.GetPeers() > 0 {
 			return nil, fmt.Sprintf("server %s already has raft state; this server will be added by the leader", m.Name), ErrBootstrapSkipped
 		}
+		if !slices.Equal(st.GetBootstrapCandidates(), ids) {
+			return nil, fmt.Sprintf("server %s sees other bootstrap candidates (%v) than this one (%v)", m.Name, st.GetBootstrapCandidates(), ids), nil
+		}
 	}
-	sort.Slice(servers, func(i, j int) bool { return servers[i].Meta.ID < servers[j].Meta.ID })
 	out := make([]RaftServer, 0, len(servers))
-	self := false
 	for i, m := range servers {
 		out = append(out, RaftServer{ID: m.Meta.ID, Address: m.Meta.RaftAddr, Voter: i < cfg.Voters})
-		self = self || m.Meta.ID == cfg.SelfID
-	}
-	if !self {
-		return nil, "this server is not among the servers seen in gossip yet", nil
 	}
 	return out, "", nil
 }

@@ -24,7 +24,8 @@ func expectMember(id string, expect int) Member {
 }
 
 func TestBootstrapCandidates(t *testing.T) {
-	empty := &nodev1.StatusResponse{}
+	empty := &nodev1.StatusResponse{BootstrapCandidates: []string{"a", "b", "c"}}
+	other := &nodev1.StatusResponse{BootstrapCandidates: []string{"a", "b", "d"}}
 	for _, tc := range []struct {
 		name       string
 		members    []Member
@@ -56,6 +57,24 @@ func TestBootstrapCandidates(t *testing.T) {
 			wantErr: ErrBootstrapSkipped,
 		},
 		{
+			name:       "waits while more servers than expected are seen",
+			members:    []Member{expectMember("a", 3), expectMember("b", 3), expectMember("c", 3), expectMember("d", 3)},
+			peers:      fakePeers{"int-b": empty, "int-c": empty, "int-d": empty},
+			wantReason: "more than expected",
+		},
+		{
+			name:       "waits while a candidate sees another candidate set",
+			members:    []Member{expectMember("a", 3), expectMember("b", 3), expectMember("c", 3)},
+			peers:      fakePeers{"int-b": other, "int-c": empty},
+			wantReason: "sees other bootstrap candidates",
+		},
+		{
+			name:    "skips when a server without bootstrap_expect already has state",
+			members: []Member{expectMember("a", 3), expectMember("b", 3), expectMember("c", 3), expectMember("j", 0)},
+			peers:   fakePeers{"int-b": empty, "int-c": empty, "int-j": {HasState: true}},
+			wantErr: ErrBootstrapSkipped,
+		},
+		{
 			name:       "bootstraps every server, voters up to the target",
 			members:    []Member{expectMember("c", 3), expectMember("a", 3), expectMember("b", 3), expectMember("d", 0)},
 			peers:      fakePeers{"int-b": empty, "int-c": empty},
@@ -64,7 +83,8 @@ func TestBootstrapCandidates(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := BootstrapConfig{SelfID: "a", Expect: 3, Voters: 3}
-			servers, reason, err := bootstrapCandidates(context.Background(), cfg, fakeMembers(tc.members), tc.peers)
+			view := &BootstrapView{}
+			servers, reason, err := bootstrapCandidates(context.Background(), cfg, fakeMembers(tc.members), tc.peers, view)
 			if !errors.Is(err, tc.wantErr) {
 				t.Fatalf("err = %v, want %v", err, tc.wantErr)
 			}

@@ -70,6 +70,10 @@ type GossipConfig struct {
 	ForgetAfter time.Duration
 	// SecretKey enables gossip encryption (16, 24 or 32 bytes).
 	SecretKey []byte
+	// ReconnectInterval is how often failed members are contacted again, so
+	// that a ring split by a long partition heals (memberlist alone only
+	// gossips to the dead for a short while).
+	ReconnectInterval time.Duration
 }
 
 // DefaultGossipConfig returns the production defaults.
@@ -79,6 +83,7 @@ func DefaultGossipConfig() GossipConfig {
 		Profile:             "lan",
 		DeadNodeReclaimTime: 10 * time.Second,
 		ForgetAfter:         72 * time.Hour,
+		ReconnectInterval:   30 * time.Second,
 	}
 }
 
@@ -102,6 +107,9 @@ func (c GossipConfig) Validate() error {
 	if c.Meta.ID == "" {
 		errs = append(errs, errors.New("gossip: node meta needs the node id"))
 	}
+	if c.Meta.Cluster == "" {
+		errs = append(errs, errors.New("gossip: node meta needs the cluster name"))
+	}
 	return errors.Join(errs...)
 }
 
@@ -119,7 +127,15 @@ type Gossip struct {
 
 	stopReap chan struct{}
 	reapDone chan struct{}
+
+	// closeMu serialises Leave and Shutdown: memberlist panics on a
+	// Leave after Shutdown.
+	closeMu sync.Mutex
+	closed  bool
 }
+
+// ErrGossipClosed is returned by Leave and Join after Shutdown.
+var ErrGossipClosed = errors.New("gossip is shut down")
 
 // NewGossip starts the gossip listener. It does not join anyone.
 func NewGossip(cfg GossipConfig) (*Gossip, error) {
@@ -163,6 +179,8 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	}
 	mc.Delegate = (*gossipDelegate)(g)
 	mc.Events = (*gossipEvents)(g)
+	mc.Alive = (*gossipGuard)(g)
+	mc.Merge = (*gossipGuard)(g)
 	mc.DeadNodeReclaimTime = cfg.DeadNodeReclaimTime
 	mc.Logger = log.New(&slogWriter{logger: g.logger}, "", 0)
 	if len(cfg.SecretKey) > 0 {
@@ -200,6 +218,11 @@ func (g *Gossip) Join(addrs []string) (int, error) {
 // spread: first a meta update marking this node as leaving, then
 // memberlist's leave message.
 func (g *Gossip) Leave(timeout time.Duration) error {
+	g.closeMu.Lock()
+	defer g.closeMu.Unlock()
+	if g.closed {
+		return ErrGossipClosed
+	}
 	g.mu.Lock()
 	meta := g.cfg.Meta
 	meta.Leaving = true
@@ -221,33 +244,28 @@ func (g *Gossip) Leave(timeout time.Duration) error {
 
 // Shutdown stops gossiping without announcing a leave.
 func (g *Gossip) Shutdown() error {
-	select {
-	case <-g.stopReap:
-	default:
-		close(g.stopReap)
-		<-g.reapDone
+	g.closeMu.Lock()
+	defer g.closeMu.Unlock()
+	if g.closed {
+		return nil
 	}
+	g.closed = true
+	close(g.stopReap)
+	<-g.reapDone
 	if err := g.ml.Shutdown(); err != nil {
 		return fmt.Errorf("shutdown gossip: %w", err)
 	}
 	return nil
 }
 
-// Members returns every known member, sorted by name. Suspect members are
-// reported from memberlist's live view.
+// Members returns every known member, sorted by name. (memberlist does not
+// expose its suspect state, so a suspect member is reported alive until it
+// is declared failed.)
 func (g *Gossip) Members() []Member {
-	live := make(map[string]memberlist.NodeStateType)
-	for _, n := range g.ml.Members() {
-		live[n.Name] = n.State
-	}
 	g.mu.Lock()
 	out := make([]Member, 0, len(g.members))
 	for _, m := range g.members {
-		c := *m
-		if st, ok := live[c.Name]; ok && st == memberlist.StateSuspect && c.Status == StatusAlive {
-			c.Status = StatusSuspect
-		}
-		out = append(out, c)
+		out = append(out, *m)
 	}
 	g.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
@@ -320,7 +338,11 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 
 func (g *Gossip) reapLoop() {
 	defer close(g.reapDone)
-	t := time.NewTicker(time.Minute)
+	interval := g.cfg.ReconnectInterval
+	if interval <= 0 {
+		interval = 30 * time.Second
+	}
+	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
 		select {
@@ -328,6 +350,34 @@ func (g *Gossip) reapLoop() {
 			return
 		case <-t.C:
 			g.reap(time.Now())
+			g.reconnect()
+		}
+	}
+}
+
+// maxReconnectsPerRound bounds the work of one reconnect round.
+const maxReconnectsPerRound = 8
+
+// reconnect contacts failed (not left) members again, as Serf does: after a
+// partition longer than memberlist's gossip-to-the-dead window the two
+// halves of the ring would otherwise never merge again.
+func (g *Gossip) reconnect() {
+	g.mu.Lock()
+	var addrs []string
+	for _, m := range g.members {
+		if m.Status == StatusFailed && len(addrs) < maxReconnectsPerRound {
+			addrs = append(addrs, m.Addr)
+		}
+	}
+	g.mu.Unlock()
+	for _, a := range addrs {
+		select {
+		case <-g.stopReap:
+			return
+		default:
+		}
+		if n, err := g.ml.Join([]string{a}); err == nil && n > 0 {
+			g.logger.Info("reconnected to failed member", "addr", a)
 		}
 	}
 }
@@ -360,6 +410,39 @@ func (d *gossipDelegate) NotifyMsg([]byte)                           {}
 func (d *gossipDelegate) GetBroadcasts(overhead, limit int) [][]byte { return nil }
 func (d *gossipDelegate) LocalState(join bool) []byte                { return nil }
 func (d *gossipDelegate) MergeRemoteState(buf []byte, join bool)     {}
+
+// gossipGuard refuses members of another cluster, both when a single node
+// announces itself and when two rings would merge.
+type gossipGuard Gossip
+
+func (gg *gossipGuard) check(n *memberlist.Node) error {
+	meta, err := decodeMeta(n.Meta)
+	if err != nil {
+		return fmt.Errorf("member %s: %w", n.Name, err)
+	}
+	if meta.Cluster != gg.cfg.Meta.Cluster {
+		return fmt.Errorf("member %s belongs to cluster %q, not %q", n.Name, meta.Cluster, gg.cfg.Meta.Cluster)
+	}
+	return nil
+}
+
+func (gg *gossipGuard) NotifyAlive(n *memberlist.Node) error {
+	if err := gg.check(n); err != nil {
+		gg.logger.Warn("refusing gossip member", "error", err)
+		return err
+	}
+	return nil
+}
+
+func (gg *gossipGuard) NotifyMerge(peers []*memberlist.Node) error {
+	for _, n := range peers {
+		if err := gg.check(n); err != nil {
+			gg.logger.Warn("refusing to merge with another gossip ring", "error", err)
+			return err
+		}
+	}
+	return nil
+}
 
 // gossipEvents tracks membership. memberlist calls it synchronously, so it
 // only updates the map and signals subscribers without blocking.

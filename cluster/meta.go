@@ -13,6 +13,8 @@ const (
 // NodeMeta is what every member advertises through gossip. It must fit
 // memberlist's 512-byte meta limit, so keys are short.
 type NodeMeta struct {
+	// Cluster is the cluster name; members of another cluster are refused.
+	Cluster         string `json:"c"`
 	ID              string `json:"id"`
 	Role            string `json:"r"`
 	RaftAddr        string `json:"ra"`

@@ -28,6 +28,15 @@ type ReconcileConfig struct {
 	// to gossip) this long. Zero disables it; servers that left gracefully
 	// are always removed.
 	DeadServerCleanup time.Duration
+	// Stabilization is how long a non-voter must be healthy (reachable and
+	// caught up) before it is promoted. New servers always join as
+	// non-voters first, so an unreachable newcomer can never cost quorum.
+	Stabilization time.Duration
+	// MaxTrailingLogs is how far behind the leader's log a healthy server
+	// may be.
+	MaxTrailingLogs uint64
+	// LeaderLastIndex reports the leader's last log index.
+	LeaderLastIndex func() uint64
 	// Interval between reconciliations when gossip is quiet.
 	Interval time.Duration
 	Logger   *slog.Logger
@@ -41,14 +50,17 @@ type Reconciler struct {
 	cfg     ReconcileConfig
 	raft    VoterManager
 	members Membership
+	peers   PeerStatus
 	logger  *slog.Logger
 	// unknownSince records when a Raft server was first found missing from
 	// gossip, so servers gossip has forgotten are also cleaned up.
 	unknownSince map[string]time.Time
+	// healthySince records since when a non-voter has been healthy.
+	healthySince map[string]time.Time
 }
 
 // NewReconciler returns a reconciler for one leadership term.
-func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership) *Reconciler {
+func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership, peers PeerStatus) *Reconciler {
 	if cfg.Interval <= 0 {
 		cfg.Interval = 5 * time.Second
 	}
@@ -58,6 +70,12 @@ func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership) *
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.MaxTrailingLogs == 0 {
+		cfg.MaxTrailingLogs = 250
+	}
+	if cfg.LeaderLastIndex == nil {
+		cfg.LeaderLastIndex = func() uint64 { return 0 }
+	}
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
@@ -66,8 +84,10 @@ func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership) *
 		cfg:          cfg,
 		raft:         raft,
 		members:      members,
+		peers:        peers,
 		logger:       logger.With("component", "reconcile"),
 		unknownSince: make(map[string]time.Time),
+		healthySince: make(map[string]time.Time),
 	}
 }
 
@@ -90,39 +110,57 @@ func (r *Reconciler) Run(ctx context.Context) {
 	}
 }
 
-// Reconcile makes one pass: add alive servers (as voters up to the target,
-// then as non-voters), follow address changes, remove servers that left or
-// have been failed past the threshold without breaking quorum, and promote
-// non-voters while voters are below the target.
+// serverMembers maps node IDs to their gossip member. An ID claimed by two
+// alive members (a cloned disk image) is reported in conflicts and left
+// alone.
+func (r *Reconciler) serverMembers() (byID map[string]Member, conflicts map[string]bool) {
+	byID = make(map[string]Member)
+	conflicts = make(map[string]bool)
+	for _, m := range r.members.Members() {
+		if m.Meta.Role != RoleServer || m.Meta.ID == "" {
+			continue
+		}
+		old, ok := byID[m.Meta.ID]
+		switch {
+		case !ok:
+			byID[m.Meta.ID] = m
+		case old.Status == StatusAlive && m.Status == StatusAlive:
+			if !conflicts[m.Meta.ID] {
+				r.logger.Error("two live members claim the same node id; leaving it alone (was a data dir copied?)",
+					"node_id", m.Meta.ID, "members", old.Name+","+m.Name)
+			}
+			conflicts[m.Meta.ID] = true
+		case m.Status == StatusAlive:
+			byID[m.Meta.ID] = m // a live entry wins over a stale one of a renamed node
+		}
+	}
+	return byID, conflicts
+}
+
+// Reconcile makes one pass: remove servers that left, or have been failed
+// past the threshold, without breaking quorum; add alive servers as
+// non-voters and follow address changes; promote healthy non-voters while
+// voters are below the target.
 func (r *Reconciler) Reconcile(ctx context.Context) error {
 	servers, err := r.raft.Servers(ctx)
 	if err != nil {
 		return fmt.Errorf("read raft configuration: %w", err)
 	}
 	now := r.cfg.Now()
-	byID := make(map[string]Member)
-	for _, m := range r.members.Members() {
-		if m.Meta.Role != RoleServer || m.Meta.ID == "" {
-			continue
-		}
-		if old, ok := byID[m.Meta.ID]; ok && old.Status == StatusAlive {
-			continue // a live entry wins over a stale one of a renamed node
-		}
-		byID[m.Meta.ID] = m
-	}
+	byID, conflicts := r.serverMembers()
 	inRaft := make(map[string]RaftServer, len(servers))
-	voters := 0
+	voters := make(map[string]bool)
 	for _, s := range servers {
 		inRaft[s.ID] = s
 		if s.Voter {
-			voters++
+			voters[s.ID] = true
 		}
 	}
 	var errs []error
 
 	// Removals first, so a dead voter's seat can go to a non-voter.
 	for _, s := range servers {
-		if s.ID == r.cfg.SelfID {
+		if s.ID == r.cfg.SelfID || conflicts[s.ID] {
 			continue
 		}
 		m, known := byID[s.ID]
@@ -150,8 +188,8 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		if reason == "" {
 			continue
 		}
-		if s.Voter && !r.canRemoveVoter(servers, byID) {
-			r.logger.Warn("not removing failed voter: too many voters are failed, removal could break quorum",
+		if s.Voter && !r.safeToRemoveVoter(voters, byID, s.ID) {
+			r.logger.Warn("not removing voter: the remaining live voters would not form a quorum",
 				"node_id", s.ID, "reason", reason)
 			continue
 		}
@@ -161,16 +199,15 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		}
 		r.logger.Info("removed server from raft", "node_id", s.ID, "name", m.Name, "reason", reason)
 		delete(inRaft, s.ID)
+		delete(voters, s.ID)
 		delete(r.unknownSince, s.ID)
-		if s.Voter {
-			voters--
-		}
+		delete(r.healthySince, s.ID)
 	}
 
-	// Additions and address changes, in a stable order.
+	// Additions (always as non-voters) and address changes.
 	alive := make([]Member, 0, len(byID))
-	for _, m := range byID {
-		if m.Status == StatusAlive {
+	for id, m := range byID {
+		if m.Status == StatusAlive && !conflicts[id] {
 			alive = append(alive, m)
 		}
 	}
@@ -178,14 +215,6 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	for _, m := range alive {
 		s, ok := inRaft[m.Meta.ID]
 		switch {
-		case !ok && voters < r.cfg.Voters:
-			if err := r.raft.AddVoter(ctx, m.Meta.ID, m.Meta.RaftAddr); err != nil {
-				errs = append(errs, fmt.Errorf("add voter %s: %w", m.Name, err))
-				continue
-			}
-			voters++
-			inRaft[m.Meta.ID] = RaftServer{ID: m.Meta.ID, Address: m.Meta.RaftAddr, Voter: true}
-			r.logger.Info("added voter", "node_id", m.Meta.ID, "name", m.Name, "raft_addr", m.Meta.RaftAddr)
 		case !ok:
 			if err := r.raft.AddNonvoter(ctx, m.Meta.ID, m.Meta.RaftAddr); err != nil {
 				errs = append(errs, fmt.Errorf("add non-voter %s: %w", m.Name, err))
@@ -208,41 +237,71 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		}
 	}
 
-	// Promotions.
+	// Promotions of healthy non-voters.
 	for _, m := range alive {
-		if voters >= r.cfg.Voters {
-			break
-		}
 		s, ok := inRaft[m.Meta.ID]
 		if !ok || s.Voter {
+			continue
+		}
+		if !r.healthy(ctx, m, now) {
+			continue
+		}
+		if len(voters) >= r.cfg.Voters {
 			continue
 		}
 		if err := r.raft.AddVoter(ctx, s.ID, s.Address); err != nil {
 			errs = append(errs, fmt.Errorf("promote %s: %w", m.Name, err))
 			continue
 		}
-		voters++
+		voters[s.ID] = true
+		delete(r.healthySince, s.ID)
 		r.logger.Info("promoted non-voter", "node_id", s.ID, "name", m.Name)
 	}
 	return errors.Join(errs...)
 }
 
-// canRemoveVoter applies Consul autopilot's rule: remove a failed voter only
-// while fewer than half of the voters are failed, so cleanup can never take
-// the cluster below quorum.
-func (r *Reconciler) canRemoveVoter(servers []RaftServer, byID map[string]Member) bool {
-	voters, failed := 0, 0
-	for _, s := range servers {
-		if !s.Voter {
+// healthy reports whether a non-voter has answered its status query caught
+// up with the leader for at least the stabilization time.
+func (r *Reconciler) healthy(ctx context.Context, m Member, now time.Time) bool {
+	if r.peers == nil {
+		return true
+	}
+	st, err := r.peers.Status(ctx, m.Meta.InternalAddr)
+	ok := err == nil && st.GetNodeId() == m.Meta.ID
+	if ok {
+		last := r.cfg.LeaderLastIndex()
+		ok = last <= st.GetLastIndex() || last-st.GetLastIndex() <= r.cfg.MaxTrailingLogs
+	}
+	if !ok {
+		delete(r.healthySince, m.Meta.ID)
+		return false
+	}
+	since, seen := r.healthySince[m.Meta.ID]
+	if !seen {
+		r.healthySince[m.Meta.ID] = now
+		since = now
+	}
+	return now.Sub(since) >= r.cfg.Stabilization
+}
+
+// safeToRemoveVoter reports whether the voters left after removing victim
+// still have a quorum of live members among them. A server that left
+// gracefully counts as live: it keeps replicating until it shuts down.
+// The leader never removes itself, and counts as live.
+func (r *Reconciler) safeToRemoveVoter(voters map[string]bool, byID map[string]Member, victim string) bool {
+	remaining, live := 0, 0
+	for id := range voters {
+		if id == victim {
 			continue
 		}
-		voters++
-		if s.ID == r.cfg.SelfID {
+		remaining++
+		if id == r.cfg.SelfID {
+			live++
 			continue
 		}
-		if m, ok := byID[s.ID]; !ok || m.Status != StatusAlive && m.Status != StatusSuspect {
-			failed++
+		if m, ok := byID[id]; ok && (m.Status == StatusAlive || m.Status == StatusLeft) {
+			live++
 		}
 	}
-	return failed*2 < voters
+	return remaining > 0 && live >= remaining/2+1
 }

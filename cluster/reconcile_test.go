@@ -6,6 +6,8 @@ import (
 	"sort"
 	"testing"
 	"time"
+
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 )
 
 // fakeRaft is an in-memory Raft configuration that applies the same
@@ -78,7 +80,16 @@ func (m fakeMembers) Subscribe() (<-chan struct{}, func()) {
 }
 
 func member(id string, st MemberStatus, since time.Time) Member {
-	return Member{Name: "n-" + id, Status: st, Since: since, Meta: NodeMeta{ID: id, Role: RoleServer, RaftAddr: "addr-" + id}}
+	return Member{Name: "n-" + id, Status: st, Since: since, Meta: NodeMeta{ID: id, Role: RoleServer, RaftAddr: "addr-" + id, InternalAddr: "int-" + id}}
+}
+
+// healthyPeers answers status queries for the given node IDs, caught up.
+func healthyPeers(ids ...string) fakePeers {
+	p := fakePeers{}
+	for _, id := range ids {
+		p["int-"+id] = &nodev1.StatusResponse{NodeId: id}
+	}
+	return p
 }
 
 func TestReconcile(t *testing.T) {
@@ -93,13 +104,27 @@ func TestReconcile(t *testing.T) {
 		cleanup time.Duration
 		raft    []RaftServer
 		members []Member
+		peers   fakePeers
 		want    string
 	}{
 		{
-			name: "adds alive servers as voters up to the target, then non-voters",
+			name: "adds alive servers as non-voters and promotes healthy ones up to the target",
 			raft: []RaftServer{v("a")}, voters: 3,
 			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusAlive, long), member("d", StatusAlive, long)},
+			peers:   healthyPeers("b", "c", "d"),
 			want:    "a:v@addr-a b:v@addr-b c:v@addr-c d:n@addr-d ",
+		},
+		{
+			name: "an unreachable newcomer stays a non-voter",
+			raft: []RaftServer{v("a")}, voters: 3,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long)},
+			want:    "a:v@addr-a b:n@addr-b ",
+		},
+		{
+			name: "a server that left is removed even from a two-voter cluster",
+			raft: []RaftServer{v("a"), v("b")}, voters: 3,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusLeft, fresh)},
+			want:    "a:v@addr-a ",
 		},
 		{
 			name: "follows an address change under the same id",
@@ -123,13 +148,27 @@ func TestReconcile(t *testing.T) {
 			name: "removes a failed voter past the threshold and promotes a non-voter",
 			raft: []RaftServer{v("a"), v("b"), v("c"), nv("d")}, voters: 3, cleanup: time.Minute,
 			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, long), member("d", StatusAlive, long)},
+			peers:   healthyPeers("d"),
 			want:    "a:v@addr-a b:v@addr-b d:v@addr-d ",
 		},
 		{
-			name: "never removes failed voters when half or more are failed",
+			name: "removes failed voters while the live ones keep a quorum",
 			raft: []RaftServer{v("a"), v("b"), v("c"), v("d")}, voters: 5, cleanup: time.Minute,
 			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusFailed, long), member("d", StatusFailed, long)},
-			want:    "a:v@addr-a b:v@addr-b c:v@addr-c d:v@addr-d ",
+			want:    "a:v@addr-a b:v@addr-b ",
+		},
+		{
+			name: "never removes a voter when the rest would lack a quorum",
+			raft: []RaftServer{v("a"), v("b"), v("c")}, voters: 3, cleanup: time.Minute,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusFailed, long), member("c", StatusFailed, long)},
+			want:    "a:v@addr-a b:v@addr-b c:v@addr-c ",
+		},
+		{
+			name: "leaves an id claimed by two live members alone",
+			raft: []RaftServer{v("a")}, voters: 3,
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), {Name: "clone", Status: StatusAlive, Meta: NodeMeta{ID: "b", Role: RoleServer, RaftAddr: "other"}}},
+			peers:   healthyPeers("b"),
+			want:    "a:v@addr-a ",
 		},
 		{
 			name: "cleanup disabled keeps failed servers",
@@ -147,7 +186,7 @@ func TestReconcile(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			raft := newFakeRaft(tc.raft...)
 			r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: tc.voters, DeadServerCleanup: tc.cleanup, Now: func() time.Time { return now }},
-				raft, fakeMembers(tc.members))
+				raft, fakeMembers(tc.members), tc.peers)
 			if err := r.Reconcile(context.Background()); err != nil {
 				t.Fatalf("reconcile: %v", err)
 			}
@@ -171,7 +210,7 @@ func TestReconcileRemovesServersUnknownToGossip(t *testing.T) {
 	clock := now
 	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true}, RaftServer{ID: "b", Address: "addr-b", Voter: true}, RaftServer{ID: "gone", Address: "x", Voter: true})
 	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now)}
-	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, DeadServerCleanup: time.Minute, Now: func() time.Time { return clock }}, raft, members)
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, DeadServerCleanup: time.Minute, Now: func() time.Time { return clock }}, raft, members, fakePeers{})
 	if err := r.Reconcile(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -184,5 +223,44 @@ func TestReconcileRemovesServersUnknownToGossip(t *testing.T) {
 	}
 	if _, ok := raft.servers["gone"]; ok {
 		t.Fatal("server unknown to gossip past the threshold was not removed")
+	}
+}
+
+func TestPromotionWaitsForStabilization(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	clock := now
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true})
+	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now)}
+	peers := healthyPeers("b")
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, Stabilization: 10 * time.Second, Now: func() time.Time { return clock }}, raft, members, peers)
+	for _, step := range []struct {
+		after time.Duration
+		want  string
+	}{
+		{0, "a:v@addr-a b:n@addr-b "},
+		{5 * time.Second, "a:v@addr-a b:n@addr-b "},
+		{11 * time.Second, "a:v@addr-a b:v@addr-b "},
+	} {
+		clock = now.Add(step.after)
+		if err := r.Reconcile(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if got := raft.summary(); got != step.want {
+			t.Fatalf("after %s: got %s, want %s", step.after, got, step.want)
+		}
+	}
+}
+
+func TestLaggingNonVoterIsNotPromoted(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true})
+	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now)}
+	peers := fakePeers{"int-b": &nodev1.StatusResponse{NodeId: "b", LastIndex: 10}}
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, MaxTrailingLogs: 100, LeaderLastIndex: func() uint64 { return 5000 }, Now: func() time.Time { return now }}, raft, members, peers)
+	if err := r.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := raft.summary(); got != "a:v@addr-a b:n@addr-b " {
+		t.Fatalf("got %s: a non-voter 4990 entries behind was promoted", got)
 	}
 }

@@ -6,15 +6,20 @@ package gateway
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"regexp"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -350,11 +355,14 @@ func (h *ClusterService) Leader(ctx context.Context, req *connect.Request[cluste
 	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Leader, local)
 }
 
+// maxJoinAddrs bounds one Join request (memberlist dials them in turn).
+const maxJoinAddrs = 16
+
 // Join implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) Join(ctx context.Context, req *connect.Request[clusterv1.JoinRequest]) (*connect.Response[clusterv1.JoinResponse], error) {
 	addrs := req.Msg.GetAddresses()
-	if len(addrs) == 0 {
-		return nil, toConnect(invalid("addresses", "at least one gossip address (host:port) is required"))
+	if len(addrs) == 0 || len(addrs) > maxJoinAddrs {
+		return nil, toConnect(invalid("addresses", "between 1 and %d gossip addresses (host:port) are required, got %d", maxJoinAddrs, len(addrs)))
 	}
 	for i, a := range addrs {
 		if _, _, err := net.SplitHostPort(a); err != nil {
@@ -447,7 +455,7 @@ func checkName(field, v string) error {
 	return nil
 }
 
-func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
+func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance, w *clusterv1.WriteOptions) error {
 	if in == nil {
 		return invalid("instance", "is required")
 	}
@@ -455,11 +463,10 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 		return err
 	}
 	if in.GetInstanceId() == "" {
-		var b [4]byte
-		if _, err := rand.Read(b[:]); err != nil {
-			return err
-		}
-		in.InstanceId = in.GetService() + "-" + hex.EncodeToString(b[:])
+		// Derived from the write's identity, so a retry of the same write
+		// (on any node) names the same instance.
+		sum := sha256.Sum256([]byte(w.GetClientId() + "/" + strconv.FormatUint(w.GetSequence(), 10)))
+		in.InstanceId = in.GetService() + "-" + hex.EncodeToString(sum[:4])
 	}
 	if err := checkName("instance.instance_id", in.GetInstanceId()); err != nil {
 		return err
@@ -467,8 +474,8 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 	if in.GetAddress() == "" {
 		return invalid("instance.address", "is required")
 	}
-	if len(in.GetAddress()) > 255 {
-		return invalid("instance.address", "longer than 255 characters")
+	if len(in.GetAddress()) > 255 || !printable(in.GetAddress()) || strings.ContainsAny(in.GetAddress(), " \t") {
+		return invalid("instance.address", "%q must be a host name or IP address of at most 255 printable characters", in.GetAddress())
 	}
 	if in.GetPort() == 0 || in.GetPort() > 65535 {
 		return invalid("instance.port", "%d is out of range 1-65535", in.GetPort())
@@ -484,12 +491,17 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 	if len(in.GetTags()) > 64 {
 		return invalid("instance.tags", "at most 64 tags")
 	}
+	for i, tag := range in.GetTags() {
+		if tag == "" || len(tag) > 128 || !printable(tag) {
+			return invalid(fmt.Sprintf("instance.tags[%d]", i), "%q must be 1-128 printable characters", tag)
+		}
+	}
 	if len(in.GetMeta()) > 64 {
 		return invalid("instance.meta", "at most 64 entries")
 	}
 	for k, v := range in.GetMeta() {
-		if k == "" || len(k) > 128 || len(v) > 512 {
-			return invalid("instance.meta", "key %q: keys are 1-128 and values at most 512 characters", k)
+		if k == "" || len(k) > 128 || len(v) > 512 || !printable(k) || !printable(v) {
+			return invalid("instance.meta", "key %q: keys are 1-128 and values at most 512 printable characters", k)
 		}
 	}
 	if in.GetNode() == "" {
@@ -502,15 +514,28 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 	return nil
 }
 
+// printable reports whether s is valid UTF-8 without control characters.
+func printable(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			return false
+		}
+	}
+	return true
+}
+
 // RegisterService implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Request[clusterv1.RegisterServiceRequest]) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
-	if err := h.validateInstance(req.Msg.GetInstance()); err != nil {
-		return nil, toConnect(err)
-	}
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.RegisterService, func(ctx context.Context) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
+	if err := h.validateInstance(req.Msg.GetInstance(), req.Msg.GetWrite()); err != nil {
+		return nil, toConnect(err)
+	}
+	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.RegisterService, func(ctx context.Context) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_RegisterService{
 			RegisterService: &fsmv1.RegisterService{Instance: req.Msg.GetInstance()},
 		}})
@@ -540,7 +565,7 @@ func (h *ClusterService) DeregisterService(ctx context.Context, req *connect.Req
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.DeregisterService, func(ctx context.Context) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
+	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.DeregisterService, func(ctx context.Context) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_DeregisterService{
 			DeregisterService: &fsmv1.DeregisterService{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId()},
 		}})
@@ -562,7 +587,7 @@ func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clu
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
+	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_Heartbeat{
 			Heartbeat: &fsmv1.Heartbeat{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId()},
 		}})
@@ -681,7 +706,7 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.SetConfig, func(ctx context.Context) (*connect.Response[clusterv1.SetConfigResponse], error) {
+	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.SetConfig, func(ctx context.Context) (*connect.Response[clusterv1.SetConfigResponse], error) {
 		if h.cfg.ValidateConfig != nil {
 			if err := h.cfg.ValidateConfig(req.Msg.GetKey(), req.Msg.GetValue()); err != nil {
 				return nil, invalid("value", "%v", err)
@@ -711,7 +736,7 @@ func (h *ClusterService) DeleteConfig(ctx context.Context, req *connect.Request[
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.DeleteConfig, func(ctx context.Context) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
+	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.DeleteConfig, func(ctx context.Context) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{
 			DeleteConfig: &fsmv1.DeleteConfig{Key: req.Msg.GetKey(), CasRevision: req.Msg.CasRevision},
 		}})

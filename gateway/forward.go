@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -22,7 +23,31 @@ const (
 	HeaderLastContact = "Pivirt-Last-Contact"
 	HeaderKnownLeader = "Pivirt-Known-Leader"
 	HeaderServedBy    = "Pivirt-Served-By"
+	// HeaderClientID and HeaderSequence return the identity of a write, so
+	// a client that let the server assign it can retry the same write.
+	HeaderClientID = "Pivirt-Client-Id"
+	HeaderSequence = "Pivirt-Sequence"
 )
+
+// write runs a write on the leader and returns the write's identity in
+// the response headers, or in the error's metadata when the outcome is
+// unknown, so that the client can retry the very same write.
+func write[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], w *clusterv1.WriteOptions, remote remoteCall[Req, Res], local func(context.Context) (*connect.Response[Res], error)) (*connect.Response[Res], error) {
+	resp, err := onLeader(ctx, h, req, remote, local)
+	set := func(hdr http.Header) {
+		hdr.Set(HeaderClientID, w.GetClientId())
+		hdr.Set(HeaderSequence, strconv.FormatUint(w.GetSequence(), 10))
+	}
+	if err != nil {
+		var ce *connect.Error
+		if errors.As(err, &ce) {
+			set(ce.Meta())
+		}
+		return nil, err
+	}
+	set(resp.Header())
+	return resp, nil
+}
 
 // remoteCall is a ClusterService method expression, e.g.
 // clusterv1connect.ClusterServiceClient.RegisterService.

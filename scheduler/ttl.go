@@ -37,6 +37,11 @@ type TTLReaperConfig struct {
 	Logger       *slog.Logger
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+	// TermStart is when this leadership term began. No instance expires
+	// before TermStart+TTL: while there was no leader nobody could
+	// heartbeat, and the last heartbeat was stamped by another leader's
+	// clock (Consul resets TTL timers on leadership for the same reasons).
+	TermStart time.Time
 }
 
 // DefaultTTLReaperConfig returns the defaults.
@@ -70,7 +75,11 @@ func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, r
 			return
 		case <-t.C:
 		}
-		for _, inst := range state.State().ExpiredTTL(cfg.Now()) {
+		now := cfg.Now()
+		for _, inst := range state.State().ExpiredTTL(now) {
+			if !cfg.TermStart.IsZero() && now.Before(cfg.TermStart.Add(inst.GetTtl().AsDuration())) {
+				continue
+			}
 			if err := expire(ctx, cfg, raft, inst); err != nil {
 				if ctx.Err() != nil {
 					return

@@ -89,15 +89,17 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 	if err != nil {
 		return err
 	}
+	// Catch SIGTERM before starting, so one that arrives during start still
+	// shuts down cleanly instead of killing the process.
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	defer signal.Stop(term)
 	startCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	err = a.Start(startCtx)
 	cancel()
 	if err != nil {
 		return err
 	}
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-	defer signal.Stop(term)
 	select {
 	case <-a.Done():
 		return nil

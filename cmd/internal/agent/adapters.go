@@ -19,6 +19,7 @@ type raftAdapter struct {
 	s      *store.Store
 	expect int
 	name   string
+	view   *cluster.BootstrapView
 }
 
 var (
@@ -95,17 +96,18 @@ func (a raftAdapter) NodeStatus() *nodev1.StatusResponse {
 		contact = time.Since(st.LastContact)
 	}
 	return &nodev1.StatusResponse{
-		NodeId:          st.ID,
-		Name:            a.name,
-		RaftState:       st.State,
-		Term:            st.Term,
-		LastIndex:       st.LastIndex,
-		CommitIndex:     st.CommitIndex,
-		AppliedIndex:    st.AppliedIndex,
-		LastContact:     durationpb.New(contact),
-		HasState:        st.HasState,
-		Peers:           int32(st.NumPeers),
-		BootstrapExpect: int32(a.expect),
-		LeaderId:        st.LeaderID,
+		NodeId:              st.ID,
+		Name:                a.name,
+		RaftState:           st.State,
+		Term:                st.Term,
+		LastIndex:           st.LastIndex,
+		CommitIndex:         st.CommitIndex,
+		AppliedIndex:        st.AppliedIndex,
+		LastContact:         durationpb.New(contact),
+		HasState:            st.HasState,
+		Peers:               int32(st.NumPeers),
+		BootstrapExpect:     int32(a.expect),
+		LeaderId:            st.LeaderID,
+		BootstrapCandidates: a.view.Candidates(),
 	}
 }

@@ -50,6 +50,12 @@ type Options struct {
 	LeaveTimeout time.Duration
 	// TTLInterval is the TTL reaper's scan interval (default 1s).
 	TTLInterval time.Duration
+	// Stabilization is how long a new server must be healthy before it
+	// is promoted to voter (default 10s).
+	Stabilization time.Duration
+	// GossipReconnectInterval is how often failed members are contacted
+	// again (default 30s).
+	GossipReconnectInterval time.Duration
 }
 
 // Agent is one running pivirt-agent.
@@ -74,16 +80,22 @@ type Agent struct {
 
 	servers []*http.Server
 
-	leaderReady atomic.Bool
+	// readyTerm is the term whose leader barrier completed on this node;
+	// reads are served as leader only while it is the current term.
+	readyTerm atomic.Uint64
+	view      *cluster.BootstrapView
+
+	// mu guards the lifecycle: Start runs under it, and Leave and Shutdown
+	// take it, so neither can run while Start is still wiring.
+	mu      sync.Mutex
+	started bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	stopOnce  sync.Once
-	stopErr   error
-	leaveOnce sync.Once
-	done      chan struct{}
+	stopErr error
+	done    chan struct{}
 }
 
 // New validates cfg and prepares an agent; Start runs it.
@@ -112,6 +124,9 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.LeaveTimeout <= 0 {
 		opts.LeaveTimeout = 10 * time.Second
 	}
+	if opts.Stabilization <= 0 {
+		opts.Stabilization = 10 * time.Second
+	}
 	return &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{})}, nil
 }
 
@@ -119,10 +134,16 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 // bootstraps or joins as configured, and serves the APIs. On error all that
 // was started is stopped again.
 func (a *Agent) Start(ctx context.Context) (err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.started {
+		return errors.New("agent already started")
+	}
+	a.started = true
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
-			_ = a.Shutdown()
+			_ = a.shutdownLocked()
 		}
 	}()
 	if err := a.openDataDir(); err != nil {
@@ -157,7 +178,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("start raft: %w", err)
 	}
-	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName}
+	a.view = &cluster.BootstrapView{}
+	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view}
 
 	a.pool = cluster.NewPool()
 	gcfg := cluster.DefaultGossipConfig()
@@ -167,7 +189,11 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	gcfg.Profile = a.opts.GossipProfile
 	gcfg.DeadNodeReclaimTime = a.opts.DeadNodeReclaimTime
 	gcfg.Logger = a.logger
+	if a.opts.GossipReconnectInterval > 0 {
+		gcfg.ReconnectInterval = a.opts.GossipReconnectInterval
+	}
 	gcfg.Meta = cluster.NodeMeta{
+		Cluster:         a.cfg.Cluster.Name,
 		ID:              a.nodeID,
 		Role:            cluster.RoleServer,
 		RaftAddr:        a.store.LocalAddr(),
@@ -192,7 +218,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	hcfg.NodeID = a.nodeID
 	hcfg.NodeName = a.cfg.NodeName
 	hcfg.HoldTimeout = a.cfg.Cluster.ForwardHoldTimeout.Std()
-	hcfg.LeaderReady = a.leaderReady.Load
+	hcfg.LeaderReady = a.leaderReady
 	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
 	hcfg.Logger = a.logger
 	peers := peerClients{pool: a.pool}
@@ -339,7 +365,7 @@ func (a *Agent) formCluster(ctx context.Context) error {
 			defer a.wg.Done()
 			err := cluster.RunBootstrapExpect(a.ctx, cluster.BootstrapConfig{
 				SelfID: a.nodeID, Expect: rc.BootstrapExpect, Voters: rc.Voters, Logger: a.logger,
-			}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
+			}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool}, a.view)
 			if err != nil && !errors.Is(err, cluster.ErrBootstrapSkipped) && a.ctx.Err() == nil {
 				a.logger.Error("bootstrap-expect failed", "error", err)
 			}
@@ -375,7 +401,7 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 		}
 		term.stop()
 		term = nil
-		a.leaderReady.Store(false)
+		a.readyTerm.Store(0)
 		a.logger.Info("leadership lost: leader state revoked")
 	}
 	defer revoke()
@@ -422,6 +448,8 @@ func (a *Agent) startTerm(ctx context.Context) *leaderTerm {
 }
 
 func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
+	termStart := time.Now()
+	term := a.store.Status().Term
 	for attempt := 0; ; attempt++ {
 		bctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		err := a.store.Barrier(bctx)
@@ -441,17 +469,24 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		case <-t.C:
 		}
 	}
-	a.leaderReady.Store(true)
 	st := a.store.Status()
+	if st.Term != term || st.State != "Leader" {
+		// Leadership changed while the barrier ran: a fresh notification
+		// starts the next term.
+		return
+	}
+	a.readyTerm.Store(term)
 	a.logger.Info("leadership established", "term", st.Term, "index", st.AppliedIndex)
 
 	rec := cluster.NewReconciler(cluster.ReconcileConfig{
 		SelfID:            a.nodeID,
 		Voters:            a.cfg.Cluster.Raft.Voters,
 		DeadServerCleanup: a.cfg.Cluster.Raft.DeadServerCleanup.Std(),
+		Stabilization:     a.opts.Stabilization,
+		LeaderLastIndex:   func() uint64 { return a.store.Status().LastIndex },
 		Interval:          a.opts.ReconcileInterval,
 		Logger:            a.logger,
-	}, a.raft, a.gossip)
+	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
@@ -464,6 +499,7 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 			tcfg.Interval = a.opts.TTLInterval
 		}
 		tcfg.Logger = a.logger
+		tcfg.TermStart = termStart
 		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
 	}()
 }
@@ -530,7 +566,7 @@ func (a *Agent) metricsMux() http.Handler {
 		} else {
 			checks["leader"] = "ok: " + st.LeaderID
 		}
-		if st.State == "Leader" && !a.leaderReady.Load() {
+		if st.State == "Leader" && !a.leaderReady() {
 			checks["leader_state"] = "leader barrier not complete"
 			ready = false
 		}
@@ -556,30 +592,38 @@ func (p peerClients) Cluster(addr string) clusterv1connect.ClusterServiceClient 
 }
 
 // Leave leaves the cluster gracefully and shuts the agent down: a leader
-// first hands leadership over, then the node announces its departure
-// through gossip, so the leader removes it from the Raft configuration,
-// and waits (bounded) until that happened.
+// first hands leadership over; then the node gossips its leave intent and
+// leaves the ring (so no leader re-adds it), asks the leader to remove it
+// from the Raft configuration, waits (bounded) until that happened, and
+// stops. It is a no-op once the agent has stopped.
 func (a *Agent) Leave(ctx context.Context) error {
-	var err error
-	a.leaveOnce.Do(func() {
-		ctx, cancel := context.WithTimeout(ctx, a.opts.LeaveTimeout)
-		defer cancel()
-		a.logger.Info("leaving the cluster")
-		st := a.store.Status()
-		if st.State == "Leader" && st.NumPeers > 0 {
-			if id, terr := a.store.TransferLeadership(ctx, ""); terr != nil {
-				a.logger.Warn("leadership transfer before leave failed", "error", terr)
-			} else {
-				a.logger.Info("handed leadership over before leaving", "new_leader", id)
-			}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.started || a.stopped() {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.opts.LeaveTimeout)
+	defer cancel()
+	a.logger.Info("leaving the cluster")
+	st := a.store.Status()
+	if st.State == "Leader" && st.NumPeers > 0 {
+		if id, err := a.store.TransferLeadership(ctx, ""); err != nil {
+			a.logger.Warn("leadership transfer before leave failed", "error", err)
+		} else {
+			a.logger.Info("handed leadership over before leaving", "new_leader", id)
 		}
-		if lerr := a.gossip.Leave(a.opts.LeaveTimeout / 2); lerr != nil {
-			a.logger.Warn("gossip leave", "error", lerr)
+	}
+	if err := a.gossip.Leave(a.opts.LeaveTimeout / 3); err != nil {
+		a.logger.Warn("gossip leave", "error", err)
+	}
+	if st.NumPeers > 0 {
+		req := connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: a.nodeID})
+		if _, err := a.api.RemovePeer(ctx, req); err != nil && connect.CodeOf(err) != connect.CodeNotFound {
+			a.logger.Warn("leave: asking the leader to remove this server failed; it will be removed as a departed gossip member", "error", err)
 		}
 		a.waitRemoved(ctx)
-		err = a.Shutdown()
-	})
-	return err
+	}
+	return a.shutdownLocked()
 }
 
 func (a *Agent) waitRemoved(ctx context.Context) {
@@ -592,76 +636,81 @@ func (a *Agent) waitRemoved(ctx context.Context) {
 			for _, s := range servers {
 				found = found || s.ID == a.nodeID
 			}
-			if !found || len(servers) == 1 {
-				return
-			}
-		}
-		// If the leader's request to remove us reached us, we are done.
-		req := connect.NewRequest(&clusterv1.PeersRequest{Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_DEFAULT}})
-		if resp, err := a.api.Peers(ctx, req); err == nil {
-			found := false
-			for _, p := range resp.Msg.GetPeers() {
-				found = found || p.GetNodeId() == a.nodeID
-			}
 			if !found {
 				return
 			}
 		}
 		select {
 		case <-ctx.Done():
-			a.logger.Warn("leave: not yet removed from the raft configuration; giving up waiting")
+			a.logger.Warn("leave: not yet seen removed from the raft configuration; stopping anyway")
 			return
 		case <-t.C:
 		}
 	}
 }
 
+func (a *Agent) stopped() bool {
+	select {
+	case <-a.done:
+		return true
+	default:
+		return false
+	}
+}
+
 // Shutdown stops everything without leaving: the node stays a member and
-// is expected back. It is idempotent.
+// is expected back. It is idempotent, and waits for a running Start.
 func (a *Agent) Shutdown() error {
-	a.stopOnce.Do(func() {
-		defer close(a.done)
-		if a.cancel != nil {
-			a.cancel()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.shutdownLocked()
+}
+
+func (a *Agent) shutdownLocked() error {
+	if a.stopped() {
+		return a.stopErr
+	}
+	defer close(a.done)
+	if a.cancel != nil {
+		a.cancel()
+	}
+	var errs []error
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, s := range a.servers {
+		if err := s.Shutdown(ctx); err != nil {
+			_ = s.Close()
 		}
-		var errs []error
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		for _, s := range a.servers {
-			if err := s.Shutdown(ctx); err != nil {
-				_ = s.Close()
-			}
+	}
+	if a.gossip != nil {
+		if err := a.gossip.Shutdown(); err != nil {
+			errs = append(errs, err)
 		}
-		if a.gossip != nil {
-			if err := a.gossip.Shutdown(); err != nil {
-				errs = append(errs, err)
-			}
+	}
+	if a.store != nil {
+		if err := a.store.Close(); err != nil {
+			errs = append(errs, err)
 		}
-		if a.store != nil {
-			if err := a.store.Close(); err != nil {
-				errs = append(errs, err)
-			}
+	}
+	for _, ln := range []net.Listener{a.lnAPI, a.lnInternal, a.lnMetrics} {
+		if ln != nil {
+			_ = ln.Close()
 		}
-		for _, ln := range []net.Listener{a.lnAPI, a.lnInternal, a.lnMetrics} {
-			if ln != nil {
-				_ = ln.Close()
-			}
+	}
+	if a.store == nil && a.lnRaft != nil {
+		_ = a.lnRaft.Close()
+	}
+	a.wg.Wait()
+	if a.pool != nil {
+		a.pool.Close()
+	}
+	if a.tempDir {
+		if err := os.RemoveAll(a.dataDir); err != nil {
+			errs = append(errs, err)
 		}
-		if a.store == nil && a.lnRaft != nil {
-			_ = a.lnRaft.Close()
-		}
-		a.wg.Wait()
-		if a.pool != nil {
-			a.pool.Close()
-		}
-		if a.tempDir {
-			if err := os.RemoveAll(a.dataDir); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		a.stopErr = errors.Join(errs...)
-		a.logger.Info("agent stopped")
-	})
+	}
+	a.stopErr = errors.Join(errs...)
+	a.logger.Info("agent stopped")
 	return a.stopErr
 }
 
@@ -696,7 +745,15 @@ func (a *Agent) GossipAddr() string { return a.gossip.LocalAddr() }
 
 // IsLeader reports whether this agent is the Raft leader with its leader
 // state established.
-func (a *Agent) IsLeader() bool { return a.store.IsLeader() && a.leaderReady.Load() }
+func (a *Agent) IsLeader() bool { return a.leaderReady() }
+
+// leaderReady reports whether this node leads the current term and its
+// barrier for that term completed, so its state holds every entry committed
+// before the term.
+func (a *Agent) leaderReady() bool {
+	st := a.store.Status()
+	return st.State == "Leader" && st.Term == a.readyTerm.Load()
+}
 
 // Store exposes the Raft store to tests in cmd/.
 func (a *Agent) Store() *store.Store { return a.store }

@@ -31,6 +31,9 @@ const (
 	DefaultRetryInterval      = 30 * time.Second
 	DefaultForwardHoldTimeout = 7 * time.Second
 
+	// DefaultClusterName is the cluster name unless cluster.name is set.
+	DefaultClusterName = "pivirt"
+
 	// DevNodeName is the node name ApplyDev sets unless --node-name is given.
 	DevNodeName = "dev"
 )
@@ -251,6 +254,10 @@ type CircuitBreakerThresholds struct {
 
 // ClusterConfig is the embedded cluster: gossip membership and the Raft group.
 type ClusterConfig struct {
+	// Name is the cluster's name (default "pivirt"). Agents refuse gossip
+	// members of another cluster, so two clusters on one network can never
+	// merge by a wrong join address.
+	Name string `yaml:"name"`
 	// AdvertiseAddr is the IP other nodes use to reach this one; empty derives it from the
 	// bind addresses.
 	AdvertiseAddr string       `yaml:"advertise_addr"`
@@ -358,6 +365,7 @@ func Default() *Config {
 			},
 		},
 		Cluster: ClusterConfig{
+			Name:   DefaultClusterName,
 			Gossip: GossipConfig{BindAddr: DefaultGossipAddr},
 			Raft: RaftConfig{
 				Addr:               DefaultRaftAddr,

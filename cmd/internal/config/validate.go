@@ -307,6 +307,9 @@ const minRaftTimeout = 5 * time.Millisecond
 
 func (c *Config) validateCluster(v *validator) {
 	cl := &c.Cluster
+	if err := checkName(cl.Name); err != nil {
+		v.add("cluster.name", "%w %q: %w", ErrInvalid, cl.Name, err)
+	}
 	if a := cl.AdvertiseAddr; a != "" {
 		if ip, err := netip.ParseAddr(a); err != nil || ip.IsUnspecified() || ip.Zone() != "" {
 			v.add("cluster.advertise_addr", "%w %q: must be an IP address without a port, not 0.0.0.0 or ::", ErrInvalid, a)

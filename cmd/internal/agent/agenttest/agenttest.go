@@ -46,12 +46,14 @@ func Config(name, dataDir string) *config.Config {
 // reconciliation.
 func Options(logger *slog.Logger) agent.Options {
 	return agent.Options{
-		Logger:              logger,
-		GossipProfile:       "local",
-		ReconcileInterval:   500 * time.Millisecond,
-		DeadNodeReclaimTime: time.Second,
-		LeaveTimeout:        5 * time.Second,
-		TTLInterval:         200 * time.Millisecond,
+		Logger:                  logger,
+		GossipProfile:           "local",
+		ReconcileInterval:       500 * time.Millisecond,
+		DeadNodeReclaimTime:     time.Second,
+		LeaveTimeout:            5 * time.Second,
+		TTLInterval:             200 * time.Millisecond,
+		Stabilization:           500 * time.Millisecond,
+		GossipReconnectInterval: time.Second,
 	}
 }
 

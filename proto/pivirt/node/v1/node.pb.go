@@ -76,8 +76,12 @@ type StatusResponse struct {
 	Peers           int32  `protobuf:"varint,10,opt,name=peers,proto3" json:"peers,omitempty"`
 	BootstrapExpect int32  `protobuf:"varint,11,opt,name=bootstrap_expect,json=bootstrapExpect,proto3" json:"bootstrap_expect,omitempty"`
 	LeaderId        string `protobuf:"bytes,12,opt,name=leader_id,json=leaderId,proto3" json:"leader_id,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// bootstrap_candidates is the sorted set of node IDs this node would
+	// bootstrap with under bootstrap-expect; servers bootstrap only when all
+	// candidates report the same set.
+	BootstrapCandidates []string `protobuf:"bytes,13,rep,name=bootstrap_candidates,json=bootstrapCandidates,proto3" json:"bootstrap_candidates,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
@@ -194,12 +198,19 @@ func (x *StatusResponse) GetLeaderId() string {
 	return ""
 }
 
+func (x *StatusResponse) GetBootstrapCandidates() []string {
+	if x != nil {
+		return x.BootstrapCandidates
+	}
+	return nil
+}
+
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
 	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\"\x0f\n" +
-	"\rStatusRequest\"\x90\x03\n" +
+	"\rStatusRequest\"\xc3\x03\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
@@ -215,7 +226,8 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\x05peers\x18\n" +
 	" \x01(\x05R\x05peers\x12)\n" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
-	"\tleader_id\x18\f \x01(\tR\bleaderId2X\n" +
+	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
+	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2X\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 

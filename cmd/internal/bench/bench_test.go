@@ -1,0 +1,415 @@
+package bench
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/proto"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+)
+
+// Knobs. The duration of one timed run is PIVIRT_BENCH_DURATION, else
+// -benchtime when it is a duration (make bench passes BENCHTIME, 5s by
+// default), else defaultRunTime. PIVIRT_BENCH_ROUNDS sets the rounds.
+// PIVIRT_BENCH_ONLY, a regular expression, keeps only the workloads whose
+// name matches (for profiling one side; ratios need both).
+const (
+	envDuration    = "PIVIRT_BENCH_DURATION"
+	envRounds      = "PIVIRT_BENCH_ROUNDS"
+	envOnly        = "PIVIRT_BENCH_ONLY"
+	defaultRunTime = 3 * time.Second
+	defaultRounds  = 2
+	maxOpsPerRun   = 2_000_000
+	keySpace       = 10_000 // written ids cycle over this many keys on both sides
+	writeService   = "bench-write"
+	readService    = "bench-read" // holds only the read target
+	readID         = "read-target"
+)
+
+// clientCounts are the concurrent closed-loop clients of every workload.
+var clientCounts = []int{1, 64}
+
+// Targets of the issue (point 11).
+const (
+	targetWrite64 = 1.5 // pivirt/etcd write ops/s at 64 clients, at least
+	targetP50W1   = 1.0 // pivirt/etcd write p50 at 1 client, at most
+	targetRead    = 2.0 // pivirt/etcd linearizable read ops/s, at least
+)
+
+// payload makes the encoded instance about 100 bytes.
+var payload = strings.Repeat("0123456789abcdef", 4)
+
+func instance(service, id string) *clusterv1.ServiceInstance {
+	return &clusterv1.ServiceInstance{
+		Service:    service,
+		InstanceId: id,
+		Address:    "10.20.30.40",
+		Port:       8080,
+		Tags:       []string{"bench"},
+		Meta:       map[string]string{"payload": payload},
+	}
+}
+
+// etcdKey is the key layout of the spec, the same as the etcd-backed mode.
+func etcdKey(service, id string) string { return "/pivirt/services/" + service + "/" + id }
+
+// workload is one measured thing: the etcd reference of a group or one of
+// the pivirt-agent variants compared with it.
+type workload struct {
+	name string
+	tag  string // metric name part; empty for the etcd reference
+	run  op
+}
+
+// group is an etcd reference and the pivirt workloads compared with it.
+type group struct {
+	name   string
+	ref    workload
+	rows   []workload
+	target func(r *result) []targetCheck
+}
+
+type result struct {
+	g       *group
+	row     workload
+	clients int
+	pv, ref merged
+}
+
+type targetCheck struct {
+	what string
+	got  float64
+	want float64
+	le   bool // pass when got <= want (latency), else got >= want
+}
+
+// BenchmarkReplicatedVsEtcd compares replicated writes and linearizable
+// reads through pivirt-agent's public API with a 3-member etcd cluster in
+// the same process and the same run. It runs the whole comparison once,
+// whatever b.N; the numbers that matter are the ratios it prints and
+// reports. A missed target is reported, never a failure.
+func BenchmarkReplicatedVsEtcd(b *testing.B) {
+	dur, rounds, keep := knobs(b)
+	out := os.Stdout
+	ctx := b.Context()
+
+	// etcd: the default client, as its users run it: all three endpoints,
+	// one gRPC ClientConn, one HTTP/2 connection per member, round_robin
+	// per RPC. Followers forward proposals to the leader inside etcd's raft
+	// and answer linearizable reads after a ReadIndex round with the leader.
+	ec := startEtcd(b, 3)
+	etcd := ec.client(b, ec.endpoints)
+	waitWritable(b, etcd)
+
+	// pivirt-agent: production Raft timeouts (agenttest keeps the library
+	// defaults). One HTTP/2 (h2c) connection per node, shared by every
+	// client goroutine, as clientv3 shares one connection per member.
+	pc := agenttest.NewExpect(b, 3, nil)
+	leaderNode := pc.WaitLeader(60 * time.Second)
+	leader, follower := pc.Index(leaderNode), pc.Index(pc.Follower())
+	nodes := pc.Nodes()
+	api := make([]clusterv1connect.ClusterServiceClient, len(nodes))
+	for _, n := range nodes {
+		hc := agenttest.NewHTTPClient()
+		b.Cleanup(hc.CloseIdleConnections)
+		api[pc.Index(n)] = agenttest.NewClient(hc, n.APIAddr())
+	}
+
+	// The read target exists on both sides before anything is timed.
+	readVal, err := proto.Marshal(instance(readService, readID))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := etcd.Put(ctx, etcdKey(readService, readID), string(readVal)); err != nil {
+		b.Fatalf("etcd put read target: %v", err)
+	}
+	agenttest.Eventually(b, 30*time.Second, "pivirt-agent accepts a write through every node", func() error {
+		for i := range api {
+			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			_, err := api[i].RegisterService(rctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: instance(readService, readID)}))
+			cancel()
+			if err != nil {
+				return fmt.Errorf("node %d: %w", i, err)
+			}
+		}
+		return nil
+	})
+
+	groups := workloads(etcd, api, leader, follower)
+	fmt.Fprintf(out, "\nreplicated API benchmark: pivirt-agent (3 nodes) vs etcd (3 members), same process, 127.0.0.1\n")
+	fmt.Fprintf(out, "  %s per run, %d rounds, interleaved (odd rounds reversed), clients %v; pivirt leader node%d, follower node%d; etcd leader %s\n",
+		dur, rounds, clientCounts, leader+1, follower+1, ec.leader())
+
+	// Warm-up, discarded: connections, allocator, bbolt files of both sides.
+	for _, g := range groups {
+		for _, w := range append([]workload{g.ref}, g.rows[0]) {
+			if !keep(w.name) {
+				continue
+			}
+			if s := runLoad(ctx, 64, time.Second, maxOpsPerRun, w.run); s.ops == 0 {
+				b.Fatalf("warm-up %s: no request succeeded: %v", w.name, s.firstErr)
+			}
+		}
+	}
+
+	samples := map[string][]sample{}
+	key := func(name string, clients int) string { return name + "/" + strconv.Itoa(clients) }
+	leaderMoves := 0
+	for r := range rounds {
+		for _, clients := range clientCounts {
+			for _, g := range groups {
+				var seq []workload
+				for _, w := range append([]workload{g.ref}, g.rows...) {
+					if keep(w.name) {
+						seq = append(seq, w)
+					}
+				}
+				if len(seq) == 0 {
+					continue
+				}
+				if r%2 == 1 {
+					slices.Reverse(seq)
+				}
+				var line strings.Builder
+				fmt.Fprintf(&line, "  round %d/%d %-6s clients=%-2d", r+1, rounds, g.name, clients)
+				for _, w := range seq {
+					s := runLoad(ctx, clients, dur, maxOpsPerRun, w.run)
+					samples[key(w.name, clients)] = append(samples[key(w.name, clients)], s)
+					fmt.Fprintf(&line, "  %s %.0f/s", w.name, s.rate())
+					if s.errs > 0 {
+						fmt.Fprintf(&line, " (%d errors: %v)", s.errs, s.firstErr)
+					}
+				}
+				if !pc.Node(leader).IsLeader() {
+					leaderMoves++
+					fmt.Fprintf(&line, "  [pivirt leader moved: rows mix routes]")
+				}
+				fmt.Fprintln(out, line.String())
+			}
+		}
+	}
+
+	var results []*result
+	for gi := range groups {
+		g := &groups[gi]
+		for _, w := range g.rows {
+			for _, clients := range clientCounts {
+				if !keep(w.name) {
+					continue
+				}
+				results = append(results, &result{
+					g: g, row: w, clients: clients,
+					pv:  merge(samples[key(w.name, clients)]),
+					ref: merge(samples[key(g.ref.name, clients)]),
+				})
+			}
+		}
+	}
+	report(b, out, results, leaderMoves)
+}
+
+// knobs reads the run duration, the number of rounds and the workload
+// filter.
+func knobs(b *testing.B) (time.Duration, int, func(string) bool) {
+	dur := defaultRunTime
+	if f := flag.Lookup("test.benchtime"); f != nil {
+		if d, err := time.ParseDuration(f.Value.String()); err == nil && d > 0 {
+			dur = d
+		}
+	}
+	if v := os.Getenv(envDuration); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 || d > 10*time.Minute {
+			b.Fatalf("%s=%q: want a duration between 0 and 10m, such as 3s", envDuration, v)
+		}
+		dur = d
+	}
+	rounds := defaultRounds
+	if v := os.Getenv(envRounds); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 20 {
+			b.Fatalf("%s=%q: want a number of rounds from 1 to 20 (2 or more to interleave)", envRounds, v)
+		}
+		rounds = n
+	}
+	keep := func(string) bool { return true }
+	if v := os.Getenv(envOnly); v != "" {
+		re, err := regexp.Compile(v)
+		if err != nil {
+			b.Fatalf("%s=%q: want a regular expression over workload names (etcd-put, register@leader, ...): %v", envOnly, v, err)
+		}
+		keep = re.MatchString
+	}
+	return dur, rounds, keep
+}
+
+// workloads builds the groups. Each request builds and marshals the same
+// ~100-byte ServiceInstance on both sides: our client encodes it in the
+// RegisterServiceRequest, the etcd side encodes it as the value. Written
+// ids cycle over keySpace keys so both sides hold the same amount of state
+// in every round.
+func workloads(etcd *clientv3.Client, api []clusterv1connect.ClusterServiceClient, leader, follower int) []group {
+	var etcdSeq, pvSeq atomic.Uint64
+	nextID := func(seq *atomic.Uint64) string { return fmt.Sprintf("i-%05d", seq.Add(1)%keySpace) }
+	register := func(pick func(w, i int) int) op {
+		return func(ctx context.Context, w, i int) error {
+			_, err := api[pick(w, i)].RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: instance(writeService, nextID(&pvSeq))}))
+			return err
+		}
+	}
+	get := func(pick func(w, i int) int, mode clusterv1.Consistency) op {
+		return func(ctx context.Context, w, i int) error {
+			resp, err := api[pick(w, i)].GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{
+				Service: readService, InstanceId: readID,
+				Read: &clusterv1.ReadOptions{Consistency: mode},
+			}))
+			if err == nil && len(resp.Msg.GetInstances()) != 1 {
+				err = fmt.Errorf("get %s/%s: %d instances, want 1", readService, readID, len(resp.Msg.GetInstances()))
+			}
+			return err
+		}
+	}
+	toLeader := func(int, int) int { return leader }
+	toFollower := func(int, int) int { return follower }
+	roundRobin := func(w, i int) int { return (w + i) % len(api) } // like grpc's round_robin, per request
+	consistent := clusterv1.Consistency_CONSISTENCY_CONSISTENT
+
+	writeTarget := func(r *result) []targetCheck {
+		switch r.clients {
+		case 64:
+			return []targetCheck{{what: "write ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetWrite64}}
+		case 1:
+			return []targetCheck{{what: "write p50 ratio", got: ratio(float64(r.pv.pct(0.5)), float64(r.ref.pct(0.5))), want: targetP50W1, le: true}}
+		}
+		return nil
+	}
+	readTarget := func(r *result) []targetCheck {
+		if r.row.tag == "read_default" {
+			return nil // not linearizable: shown for reference, no target
+		}
+		return []targetCheck{{what: "linearizable read ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetRead}}
+	}
+	return []group{
+		{
+			name: "write",
+			ref: workload{name: "etcd-put", run: func(ctx context.Context, w, i int) error {
+				id := nextID(&etcdSeq)
+				v, err := proto.Marshal(instance(writeService, id))
+				if err != nil {
+					return err
+				}
+				_, err = etcd.Put(ctx, etcdKey(writeService, id), string(v))
+				return err
+			}},
+			rows: []workload{
+				{name: "register@leader", tag: "write", run: register(toLeader)},
+				{name: "register@follower", tag: "write_fwd", run: register(toFollower)},
+				{name: "register@any", tag: "write_any", run: register(roundRobin)},
+			},
+			target: writeTarget,
+		},
+		{
+			name: "read",
+			ref: workload{name: "etcd-get", run: func(ctx context.Context, w, i int) error {
+				resp, err := etcd.Get(ctx, etcdKey(readService, readID)) // linearizable by default
+				if err == nil && len(resp.Kvs) != 1 {
+					err = fmt.Errorf("get %s: %d keys, want 1", etcdKey(readService, readID), len(resp.Kvs))
+				}
+				return err
+			}},
+			rows: []workload{
+				{name: "get-consistent@leader", tag: "read", run: get(toLeader, consistent)},
+				{name: "get-consistent@any", tag: "read_any", run: get(roundRobin, consistent)},
+				{name: "get-default@leader", tag: "read_default", run: get(toLeader, clusterv1.Consistency_CONSISTENCY_DEFAULT)},
+			},
+			target: readTarget,
+		},
+	}
+}
+
+// report prints the table and the targets and reports the ratios as
+// benchmark metrics.
+func report(b *testing.B, out *os.File, results []*result, leaderMoves int) {
+	fmt.Fprintf(out, "\n%-30s %7s %12s %10s %6s %15s %15s %13s  %s\n",
+		"workload", "clients", "pivirt ops/s", "etcd ops/s", "ratio", "pivirt p50/p99", "etcd p50/p99", "CPU µs/op p/e", "ratio per round")
+	for _, r := range results {
+		haveRef := len(r.ref.rounds) > 0
+		var perRound []string
+		for i := range r.pv.rounds {
+			if i < len(r.ref.rounds) {
+				perRound = append(perRound, fmt.Sprintf("%.2f", ratio(r.pv.rounds[i], r.ref.rounds[i])))
+			}
+		}
+		refRate, tput, refLat, refCPU := "-", "-", "-", "-"
+		if haveRef {
+			refCPU = strconv.FormatInt(r.ref.cpuPerOp().Microseconds(), 10)
+			refRate = fmt.Sprintf("%.0f", r.ref.rate())
+			tput = fmt.Sprintf("%.2f", ratio(r.pv.rate(), r.ref.rate()))
+			refLat = ms(r.ref.pct(0.5)) + "/" + ms(r.ref.pct(0.99)) + "ms"
+		}
+		errs := ""
+		if r.pv.errs+r.ref.errs > 0 {
+			errs = fmt.Sprintf("  errors pivirt=%d etcd=%d", r.pv.errs, r.ref.errs)
+		}
+		fmt.Fprintf(out, "%-30s %7d %12.0f %10s %6s %15s %15s %13s  %s%s\n",
+			r.row.name+" vs "+r.g.ref.name, r.clients, r.pv.rate(), refRate, tput,
+			ms(r.pv.pct(0.5))+"/"+ms(r.pv.pct(0.99))+"ms", refLat,
+			strconv.FormatInt(r.pv.cpuPerOp().Microseconds(), 10)+"/"+refCPU,
+			strings.Join(perRound, " "), errs)
+
+		// A request error is a bug on either side, not a slow run.
+		if r.pv.ops == 0 || (haveRef && r.ref.ops == 0) || r.pv.errs*100 > r.pv.ops || r.ref.errs*100 > r.ref.ops {
+			b.Errorf("%s at %d clients: pivirt %d ok/%d errors (%v), etcd %d ok/%d errors (%v)",
+				r.row.name, r.clients, r.pv.ops, r.pv.errs, r.pv.firstErr, r.ref.ops, r.ref.errs, r.ref.firstErr)
+		}
+		if !haveRef {
+			continue
+		}
+		b.ReportMetric(ratio(r.pv.rate(), r.ref.rate()), fmt.Sprintf("ratio_%s_%d", r.row.tag, r.clients))
+		if r.clients == 1 {
+			b.ReportMetric(ratio(float64(r.pv.pct(0.5)), float64(r.ref.pct(0.5))), fmt.Sprintf("ratio_p50_%s_%d", r.row.tag, r.clients))
+		}
+		if r.row.tag == "write" && r.clients == 64 {
+			b.ReportMetric(r.pv.rate(), "pivirt_writes/s_64")
+			b.ReportMetric(r.ref.rate(), "etcd_writes/s_64")
+		}
+	}
+	fmt.Fprintf(out, "\nratio = pivirt ÷ etcd; for throughput higher is better, for the p50 ratio lower is better.\n")
+	fmt.Fprintf(out, "CPU µs/op = CPU time of the whole process (both clusters and the load generator) per request, pivirt/etcd.\n")
+	fmt.Fprintf(out, "targets (issue point 11) — a report, never a test failure:\n")
+	for _, r := range results {
+		if len(r.ref.rounds) == 0 {
+			continue
+		}
+		for _, t := range r.g.target(r) {
+			pass := t.got >= t.want
+			cmp := ">="
+			if t.le {
+				pass, cmp = t.got <= t.want, "<="
+			}
+			verdict := "PASS"
+			if !pass {
+				verdict = "BELOW TARGET"
+			}
+			fmt.Fprintf(out, "  %-13s %-22s clients=%-2d %-30s %5.2f (want %s %.1f)\n", verdict, r.row.name, r.clients, t.what, t.got, cmp, t.want)
+		}
+	}
+	if leaderMoves > 0 {
+		fmt.Fprintf(out, "note: the pivirt leader moved %d times during the run; @leader and @follower rows are mixed\n", leaderMoves)
+	}
+	fmt.Fprintln(out)
+}

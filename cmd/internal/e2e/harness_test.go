@@ -1,0 +1,695 @@
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const (
+	// termGrace is how long a stopped agent gets between SIGTERM and SIGKILL.
+	termGrace = 5 * time.Second
+	// pollInterval is the pause between two attempts of a polled condition.
+	pollInterval = 150 * time.Millisecond
+	// pvcliBackstop bounds one pvcli run whatever its --timeout says.
+	pvcliBackstop = 60 * time.Second
+	// raceMarker starts every report of the race detector.
+	raceMarker = "WARNING: DATA RACE"
+)
+
+// raceEnv is the environment of every process started. A binary built with
+// -race sleeps GORACE's atexit_sleep_ms (1s by default) before a zero exit,
+// to let running goroutines report; a tenth of that keeps the test fast.
+func raceEnv() []string {
+	return append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=100"))
+}
+
+// --- binaries ---------------------------------------------------------------
+
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+)
+
+// TestMain removes the binaries built by buildBinaries.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		_ = os.RemoveAll(binDir)
+	}
+	os.Exit(code)
+}
+
+// binaries are the paths of the built executables.
+type binaries struct {
+	agent string
+	pvcli string
+}
+
+// buildBinaries builds pivirt-agent and pvcli with the race detector, once per
+// test binary, so that races inside the processes are reported too.
+func buildBinaries(t testing.TB) binaries {
+	t.Helper()
+	buildOnce.Do(func() {
+		binDir, buildErr = os.MkdirTemp("", "pivirt-e2e-bin-")
+		if buildErr != nil {
+			return
+		}
+		var out []byte
+		out, buildErr = exec.Command("go", "env", "GOMOD").Output()
+		if buildErr != nil {
+			buildErr = fmt.Errorf("go env GOMOD: %w", buildErr)
+			return
+		}
+		gomod := strings.TrimSpace(string(out))
+		if gomod == "" || gomod == os.DevNull {
+			buildErr = fmt.Errorf("go env GOMOD = %q: not inside the module", gomod)
+			return
+		}
+		cmd := exec.Command("go", "build", "-race", "-o", binDir+string(filepath.Separator),
+			"./cmd/pivirt-agent", "./cmd/pvcli")
+		cmd.Dir = filepath.Dir(gomod)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("%s: %w\n%s", strings.Join(cmd.Args, " "), err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatalf("build binaries: %v", buildErr)
+	}
+	return binaries{
+		agent: filepath.Join(binDir, "pivirt-agent"),
+		pvcli: filepath.Join(binDir, "pvcli"),
+	}
+}
+
+// --- processes ----------------------------------------------------------------
+
+// proc is one started agent process.
+type proc struct {
+	cmd    *exec.Cmd
+	cancel context.CancelFunc // SIGTERM, then SIGKILL after termGrace
+	done   chan struct{}      // closed once Wait returned
+}
+
+func (p *proc) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// state describes how the process ended; call it after done is closed.
+func (p *proc) state() string { return p.cmd.ProcessState.String() }
+
+// node is one agent: its addresses and files stay the same across restarts.
+type node struct {
+	name    string
+	dataDir string
+	config  string
+	log     string
+	api     string
+	intern  string
+	metrics string
+	gossip  string
+	raft    string
+
+	proc *proc // the running process; nil while the node is meant to be down
+}
+
+// cluster is three agent processes on 127.0.0.1.
+type cluster struct {
+	bins  binaries
+	dir   string // holds a directory per start attempt
+	nodes []*node
+
+	mu    sync.Mutex
+	procs []*proc  // every process started, for the cleanup
+	logs  []string // every log file written, for the failure report
+}
+
+// errPortTaken is a start that failed because another process grabbed a
+// port between freePorts and the agent's listen.
+var errPortTaken = errors.New("a port picked for an agent was taken meanwhile")
+
+// startCluster starts three agents with --bootstrap-expect 3 and waits until
+// they agree on a leader. A start that fails because a port was taken is
+// retried once with new ports.
+func startCluster(t *testing.T, bins binaries) *cluster {
+	t.Helper()
+	c := &cluster{bins: bins, dir: t.TempDir()}
+	// Cleanups run last-in first-out. report is registered after
+	// t.TempDir's removal and before stopAll, so it runs once every process
+	// has stopped and while the logs still exist.
+	t.Cleanup(func() { c.report(t) })
+	t.Cleanup(c.stopAll)
+
+	for attempt := 1; ; attempt++ {
+		err := c.boot(t, filepath.Join(c.dir, fmt.Sprintf("attempt%d", attempt)))
+		if err == nil {
+			return c
+		}
+		if attempt == 2 || !errors.Is(err, errPortTaken) {
+			t.Fatalf("start cluster: %v", err)
+		}
+		t.Logf("start cluster, attempt %d: %v; retrying with new ports", attempt, err)
+		c.stopAll()
+	}
+}
+
+// boot picks ports and data directories, starts the three agents and waits
+// for an agreed leader.
+func (c *cluster) boot(t *testing.T, dir string) error {
+	t.Helper()
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return err
+	}
+	ports, err := freePorts(3 * 5)
+	if err != nil {
+		return err
+	}
+	addr := func(i int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[i])) }
+	c.nodes = nil
+	for i := range 3 {
+		name := fmt.Sprintf("node%d", i+1)
+		n := &node{
+			name:    name,
+			dataDir: filepath.Join(dir, name),
+			config:  filepath.Join(dir, name+".yaml"),
+			log:     filepath.Join(dir, name+".log"),
+			api:     addr(5 * i),
+			intern:  addr(5*i + 1),
+			metrics: addr(5*i + 2),
+			gossip:  addr(5*i + 3),
+			raft:    addr(5*i + 4),
+		}
+		// TLS is not implemented yet: the agents talk plain text on
+		// loopback, as in scripts/cluster.sh.
+		cfg := "tls:\n  enabled: false\nlogging:\n  format: text\n  level: info\n"
+		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
+			return err
+		}
+		c.nodes = append(c.nodes, n)
+	}
+	for _, n := range c.nodes {
+		if err := c.start(t, n, true); err != nil {
+			return err
+		}
+	}
+
+	deadline := time.Now().Add(45 * time.Second)
+	for {
+		for _, n := range c.nodes {
+			if n.proc.exited() {
+				b, _ := os.ReadFile(n.log)
+				if bytes.Contains(b, []byte("address already in use")) {
+					return fmt.Errorf("%s: %w (%s)", n.name, errPortTaken, n.proc.state())
+				}
+				return fmt.Errorf("%s exited during start (%s); log tail:\n%s", n.name, n.proc.state(), tail(n.log, 30))
+			}
+		}
+		_, err := c.agreedLeader(t, c.nodes...)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no agreed leader 45s after start: %w", err)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// start starts n's agent. The first start of a cluster passes
+// --bootstrap-expect 3; a restart keeps every other flag.
+func (c *cluster) start(t testing.TB, n *node, bootstrap bool) error {
+	t.Helper()
+	args := []string{
+		"--config", n.config,
+		"--node-name", n.name,
+		"--data-dir", n.dataDir,
+		"--api-addr", n.api,
+		"--internal-addr", n.intern,
+		"--metrics-addr", n.metrics,
+		"--gossip-addr", n.gossip,
+		"--raft-addr", n.raft,
+		"--retry-interval", "200ms",
+	}
+	if bootstrap {
+		args = append(args, "--bootstrap-expect", "3")
+	}
+	for _, o := range c.nodes {
+		if o != n {
+			args = append(args, "--retry-join", o.gossip)
+		}
+	}
+
+	logf, err := os.OpenFile(n.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close() // the child holds its own descriptor
+	fmt.Fprintf(logf, "=== e2e %s: starting %s %s\n", time.Now().UTC().Format(time.RFC3339Nano),
+		filepath.Base(c.bins.agent), strings.Join(args, " "))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, c.bins.agent, args...)
+	cmd.Env = raceEnv()
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = termGrace
+	dieWithTest(cmd)
+	if err := cmd.Start(); err != nil {
+		cancel()
+		return fmt.Errorf("start %s: %w", n.name, err)
+	}
+	p := &proc{cmd: cmd, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait() // the exit status is read from cmd.ProcessState
+		close(p.done)
+	}()
+	n.proc = p
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.procs = append(c.procs, p)
+	if !slices.Contains(c.logs, n.log) {
+		c.logs = append(c.logs, n.log)
+	}
+	return nil
+}
+
+// mustStart is start that fails the test.
+func (c *cluster) mustStart(t testing.TB, n *node, bootstrap bool) {
+	t.Helper()
+	if err := c.start(t, n, bootstrap); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// restart starts n's agent again with the same flags except
+// --bootstrap-expect, the same ports and the same data dir, and waits until
+// its API answers. One of its ports may have been taken meanwhile as the
+// source port of an outgoing connection; such a start is retried.
+func (c *cluster) restart(t testing.TB, n *node) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var offset int64
+		if fi, err := os.Stat(n.log); err == nil {
+			offset = fi.Size()
+		}
+		c.mustStart(t, n, false)
+		for {
+			if n.proc.exited() {
+				b, _ := os.ReadFile(n.log)
+				if !bytes.Contains(b[min(offset, int64(len(b))):], []byte("address already in use")) ||
+					time.Now().After(deadline) {
+					t.Fatalf("%s exited after a restart (%s); log tail:\n%s", n.name, n.proc.state(), tail(n.log, 40))
+				}
+				t.Logf("restart %s: a port is taken (%s); trying again", n.name, n.proc.state())
+				time.Sleep(500 * time.Millisecond)
+				break
+			}
+			if c.pvcli(t, n, "--timeout", "2s", "cluster", "members").code == 0 {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: API not answering 30s after a restart; log tail:\n%s", n.name, tail(n.log, 40))
+			}
+			time.Sleep(pollInterval)
+		}
+	}
+}
+
+// kill SIGKILLs n's agent and waits until it is gone.
+func (c *cluster) kill(t testing.TB, n *node) {
+	t.Helper()
+	p := n.proc
+	if p == nil {
+		t.Fatalf("kill %s: not running", n.name)
+	}
+	if err := p.cmd.Process.Kill(); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		t.Fatalf("kill %s: %v", n.name, err)
+	}
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s still running 10s after SIGKILL", n.name)
+	}
+	n.proc = nil
+}
+
+// stop sends SIGTERM to n's agent and checks that it exits with status 0
+// within the grace period (it is SIGKILLed after it).
+func (c *cluster) stop(t testing.TB, n *node) {
+	t.Helper()
+	p := n.proc
+	n.proc = nil
+	p.cancel()
+	<-p.done // at most termGrace plus the kill
+	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+		t.Errorf("%s after SIGTERM: %s, want exit status 0 within %s", n.name, p.state(), termGrace)
+	}
+}
+
+// stopAll stops every process still running: SIGTERM to all, SIGKILL to
+// those still alive after termGrace, and waits for all of them.
+func (c *cluster) stopAll() {
+	c.mu.Lock()
+	procs := c.procs
+	c.mu.Unlock()
+	for _, p := range procs {
+		p.cancel()
+	}
+	for _, p := range procs {
+		<-p.done
+	}
+	for _, n := range c.nodes {
+		n.proc = nil
+	}
+}
+
+// report fails the test if a process hit a data race, and prints the tail of
+// every agent log when the test failed.
+func (c *cluster) report(t testing.TB) {
+	for _, path := range c.logs {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Errorf("read agent log: %v", err)
+			continue
+		}
+		if i := bytes.Index(b, []byte(raceMarker)); i >= 0 {
+			end := min(len(b), i+4000)
+			t.Errorf("%s: the race detector reported a race:\n%s", filepath.Base(path), b[i:end])
+		}
+	}
+	if !t.Failed() {
+		return
+	}
+	for _, path := range c.logs {
+		t.Logf("--- last lines of %s ---\n%s", filepath.Base(path), tail(path, 40))
+	}
+}
+
+// check fails the test if an agent that should run has exited.
+func (c *cluster) check(t testing.TB) {
+	t.Helper()
+	for _, n := range c.nodes {
+		if n.proc != nil && n.proc.exited() {
+			t.Fatalf("%s exited unexpectedly (%s); log tail:\n%s", n.name, n.proc.state(), tail(n.log, 40))
+		}
+	}
+}
+
+// others returns the nodes other than except.
+func (c *cluster) others(except ...*node) []*node {
+	var out []*node
+	for _, n := range c.nodes {
+		skip := false
+		for _, e := range except {
+			skip = skip || n == e
+		}
+		if !skip {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// byAPI returns the node whose API address is addr.
+func (c *cluster) byAPI(t testing.TB, addr string) *node {
+	t.Helper()
+	for _, n := range c.nodes {
+		if n.api == addr {
+			return n
+		}
+	}
+	t.Fatalf("no node has API address %q", addr)
+	return nil
+}
+
+// --- pvcli ----------------------------------------------------------------------
+
+// result is the outcome of one pvcli run.
+type result struct {
+	args   []string
+	stdout string
+	stderr string
+	code   int
+}
+
+func (r result) String() string {
+	return fmt.Sprintf("pvcli %s: exit status %d\nstdout: %s\nstderr: %s",
+		strings.Join(r.args, " "), r.code, strings.TrimSpace(r.stdout), strings.TrimSpace(r.stderr))
+}
+
+// pvcli runs the pvcli binary against n's API address.
+func (c *cluster) pvcli(t testing.TB, n *node, args ...string) result {
+	t.Helper()
+	args = append([]string{"--endpoint", n.api}, args...)
+	ctx, cancel := context.WithTimeout(t.Context(), pvcliBackstop)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, c.bins.pvcli, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Env = raceEnv()
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	cmd.WaitDelay = time.Second
+	dieWithTest(cmd)
+	err := cmd.Run()
+	r := result{args: args, stdout: stdout.String(), stderr: stderr.String()}
+	var exit *exec.ExitError
+	switch {
+	case ctx.Err() != nil:
+		t.Fatalf("pvcli %s: still running after %s", strings.Join(args, " "), pvcliBackstop)
+	case err == nil:
+	case errors.As(err, &exit):
+		r.code = exit.ExitCode()
+	default:
+		t.Fatalf("pvcli %s: %v", strings.Join(args, " "), err)
+	}
+	if strings.Contains(r.stderr, raceMarker) {
+		t.Errorf("the race detector reported a race in pvcli:\n%s", r)
+	}
+	return r
+}
+
+// ok runs pvcli and fails the test unless it exits with status 0.
+func (c *cluster) ok(t testing.TB, n *node, args ...string) result {
+	t.Helper()
+	r := c.pvcli(t, n, args...)
+	if r.code != 0 {
+		t.Fatalf("%s\nwant exit status 0", r)
+	}
+	return r
+}
+
+// okJSON runs pvcli with -o json, fails the test unless it succeeds, and
+// decodes its output into v.
+func (c *cluster) okJSON(t testing.TB, n *node, v any, args ...string) {
+	t.Helper()
+	r := c.ok(t, n, append(args, "-o", "json")...)
+	if err := json.Unmarshal([]byte(r.stdout), v); err != nil {
+		t.Fatalf("%s\ndecode JSON output: %v", r, err)
+	}
+}
+
+// tryJSON is okJSON for polling: it returns the failure instead.
+func (c *cluster) tryJSON(t testing.TB, n *node, v any, args ...string) error {
+	t.Helper()
+	r := c.pvcli(t, n, append(args, "-o", "json")...)
+	if r.code != 0 {
+		return fmt.Errorf("via %s: exit status %d: %s", n.name, r.code, strings.TrimSpace(r.stderr))
+	}
+	if err := json.Unmarshal([]byte(r.stdout), v); err != nil {
+		return fmt.Errorf("via %s: decode %q: %w", n.name, r.stdout, err)
+	}
+	return nil
+}
+
+// eventually polls cond until it returns nil, failing the test with the last
+// error once timeout has passed or if an agent dies meanwhile.
+func (c *cluster) eventually(t testing.TB, timeout time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		c.check(t)
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s: %v", what, timeout, err)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// --- JSON output of pvcli (protojson: lowerCamelCase, 64-bit integers quoted) --
+
+type leaderOut struct {
+	NodeID  string `json:"nodeId"`
+	Name    string `json:"name"`
+	APIAddr string `json:"apiAddr"`
+	Term    uint64 `json:"term,string"`
+}
+
+type peerOut struct {
+	NodeID       string `json:"nodeId"`
+	Name         string `json:"name"`
+	State        string `json:"state"`
+	Voter        bool   `json:"voter"`
+	AppliedIndex uint64 `json:"appliedIndex,string"`
+	Trailing     uint64 `json:"trailing,string"`
+}
+
+type peersOut struct {
+	Peers []peerOut `json:"peers"`
+}
+
+// voters returns the names of the voters.
+func (p peersOut) voters() []string {
+	var names []string
+	for _, peer := range p.Peers {
+		if peer.Voter {
+			names = append(names, peer.Name)
+		}
+	}
+	return names
+}
+
+type memberOut struct {
+	Name   string `json:"name"`
+	NodeID string `json:"nodeId"`
+	Status string `json:"status"`
+}
+
+type membersOut struct {
+	Members []memberOut `json:"members"`
+}
+
+type instanceOut struct {
+	Service    string            `json:"service"`
+	InstanceID string            `json:"instanceId"`
+	Node       string            `json:"node"`
+	Address    string            `json:"address"`
+	Port       uint32            `json:"port"`
+	Tags       []string          `json:"tags"`
+	Meta       map[string]string `json:"meta"`
+	Health     string            `json:"health"`
+}
+
+type registerOut struct {
+	Instance instanceOut `json:"instance"`
+	Index    uint64      `json:"index,string"`
+}
+
+type instancesOut struct {
+	Instances []instanceOut `json:"instances"`
+}
+
+// ids returns the "service/instance" IDs in output order.
+func (o instancesOut) ids() []string {
+	var ids []string
+	for _, in := range o.Instances {
+		ids = append(ids, in.Service+"/"+in.InstanceID)
+	}
+	return ids
+}
+
+type configEntryOut struct {
+	Key      string `json:"key"`
+	Value    string `json:"value"`
+	Revision uint64 `json:"revision,string"`
+}
+
+type setConfigOut struct {
+	Entry configEntryOut `json:"entry"`
+}
+
+type historyOut struct {
+	Entries []configEntryOut `json:"entries"`
+}
+
+// --- cluster-level queries --------------------------------------------------------
+
+// agreedLeader asks every node in nodes for the leader and returns it if they
+// all name the same one.
+func (c *cluster) agreedLeader(t testing.TB, nodes ...*node) (leaderOut, error) {
+	t.Helper()
+	var first leaderOut
+	for i, n := range nodes {
+		var l leaderOut
+		if err := c.tryJSON(t, n, &l, "--timeout", "2s", "cluster", "leader"); err != nil {
+			return first, err
+		}
+		if l.NodeID == "" || l.APIAddr == "" {
+			return first, fmt.Errorf("via %s: leader without node ID or API address: %+v", n.name, l)
+		}
+		if i == 0 {
+			first = l
+		} else if l.NodeID != first.NodeID {
+			return first, fmt.Errorf("nodes disagree on the leader: %s says %s, %s says %s",
+				nodes[0].name, first.Name, n.name, l.Name)
+		}
+	}
+	return first, nil
+}
+
+// --- small helpers ------------------------------------------------------------------
+
+func tail(path string, lines int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("(%v)", err)
+	}
+	all := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	return strings.Join(all[max(0, len(all)-lines):], "\n")
+}
+
+// freePorts returns n distinct loopback ports that were free for TCP and UDP
+// (gossip uses both on one port) when they were picked.
+func freePorts(n int) ([]int, error) {
+	var closers []io.Closer
+	defer func() {
+		for _, c := range closers {
+			_ = c.Close()
+		}
+	}()
+	var ports []int
+	for attempt := 0; len(ports) < n; attempt++ {
+		if attempt > 10*n {
+			return nil, fmt.Errorf("found only %d of %d free TCP+UDP ports on 127.0.0.1", len(ports), n)
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		closers = append(closers, l) // held until all are picked: no duplicates
+		port := l.Addr().(*net.TCPAddr).Port
+		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		closers = append(closers, u)
+		ports = append(ports, port)
+	}
+	return ports, nil
+}
