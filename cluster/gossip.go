@@ -3,12 +3,15 @@ package cluster
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log"
 	"log/slog"
 	"net"
+	"os"
 	"sort"
 	"strconv"
 	"sync"
@@ -70,6 +73,10 @@ type GossipConfig struct {
 	ForgetAfter time.Duration
 	// SecretKey enables gossip encryption (16, 24 or 32 bytes).
 	SecretKey []byte
+	// PeersFile, when set, is where the addresses of known members are
+	// saved (every reconnect round and at shutdown), so that a restarted
+	// node can rejoin without join flags. A graceful Leave deletes it.
+	PeersFile string
 	// ReconnectInterval is how often failed members are contacted again, so
 	// that a ring split by a long partition heals (memberlist alone only
 	// gossips to the dead for a short while).
@@ -132,6 +139,7 @@ type Gossip struct {
 	// Leave after Shutdown.
 	closeMu sync.Mutex
 	closed  bool
+	left    bool
 }
 
 // ErrGossipClosed is returned by Leave and Join after Shutdown.
@@ -236,6 +244,12 @@ func (g *Gossip) Leave(timeout time.Duration) error {
 			g.logger.Warn("announce leave intent", "error", err)
 		}
 	}
+	g.left = true
+	if g.cfg.PeersFile != "" {
+		if err := os.Remove(g.cfg.PeersFile); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			g.logger.Warn("remove known gossip peers", "error", err)
+		}
+	}
 	if err := g.ml.Leave(timeout / 2); err != nil {
 		return fmt.Errorf("leave gossip ring: %w", err)
 	}
@@ -252,6 +266,9 @@ func (g *Gossip) Shutdown() error {
 	g.closed = true
 	close(g.stopReap)
 	<-g.reapDone
+	if !g.left {
+		g.savePeers()
+	}
 	if err := g.ml.Shutdown(); err != nil {
 		return fmt.Errorf("shutdown gossip: %w", err)
 	}
@@ -351,8 +368,62 @@ func (g *Gossip) reapLoop() {
 		case <-t.C:
 			g.reap(time.Now())
 			g.reconnect()
+			g.savePeers()
 		}
 	}
+}
+
+// savePeers records the gossip addresses of the other members that are not
+// known to have left.
+func (g *Gossip) savePeers() {
+	if g.cfg.PeersFile == "" {
+		return
+	}
+	self := g.LocalAddr()
+	g.mu.Lock()
+	var addrs []string
+	for _, m := range g.members {
+		if m.Status != StatusLeft && m.Addr != self {
+			addrs = append(addrs, m.Addr)
+		}
+	}
+	g.mu.Unlock()
+	sort.Strings(addrs)
+	if len(addrs) == 0 {
+		return
+	}
+	b, err := json.Marshal(addrs)
+	if err != nil {
+		return
+	}
+	if err := writeFileAtomic(g.cfg.PeersFile, b); err != nil {
+		g.logger.Warn("save known gossip peers", "file", g.cfg.PeersFile, "error", err)
+	}
+}
+
+// LoadPeers returns the gossip addresses saved in a PeersFile; a missing
+// file yields none.
+func LoadPeers(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read known gossip peers: %w", err)
+	}
+	var addrs []string
+	if err := json.Unmarshal(b, &addrs); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return addrs, nil
+}
+
+func writeFileAtomic(path string, data []byte) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
 }
 
 // maxReconnectsPerRound bounds the work of one reconnect round.

@@ -92,6 +92,10 @@ type ClusterServiceConfig struct {
 	LeaderReady func() bool
 	// Leave starts a graceful leave and shutdown of this agent.
 	Leave func()
+	// Stopping is closed when the agent begins to shut down; requests
+	// waiting for a leader then fail at once instead of holding the
+	// shutdown up.
+	Stopping <-chan struct{}
 	// ValidateConfig checks a cluster config document on the leader before
 	// it is proposed. Nil accepts any value.
 	ValidateConfig func(key, value string) error

@@ -18,6 +18,8 @@ var (
 	// ErrLeaderNotReady: this node just became leader and has not yet
 	// applied everything committed before its term.
 	ErrLeaderNotReady = errors.New("leader is not ready yet")
+	// ErrStopping: this agent is shutting down.
+	ErrStopping = errors.New("agent is shutting down")
 	// errNotLeaderHere is returned by the internal (leader-only) handler
 	// when this node is not the leader; the forwarding node retries.
 	errNotLeaderHere = errors.New("this node is not the leader")
@@ -63,6 +65,7 @@ var codeTable = []struct {
 	{store.ErrAbortedByRestore, connect.CodeAborted},
 	{store.ErrAddressInUse, connect.CodeAlreadyExists},
 	{ErrNoLeader, connect.CodeUnavailable},
+	{ErrStopping, connect.CodeUnavailable},
 	{ErrLeaderNotReady, connect.CodeUnavailable},
 	{errNotLeaderHere, connect.CodeUnavailable},
 }

@@ -95,6 +95,11 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 		if ctx.Err() != nil {
 			return nil, toConnect(ctx.Err())
 		}
+		select {
+		case <-h.cfg.Stopping:
+			return nil, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
+		default:
+		}
 		if time.Now().After(hold) {
 			return nil, connect.NewError(connect.CodeUnavailable,
 				fmt.Errorf("%w after waiting %s: %v", ErrNoLeader, h.cfg.HoldTimeout, lastErr))
@@ -108,6 +113,9 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 		case <-ctx.Done():
 			t.Stop()
 			return nil, toConnect(ctx.Err())
+		case <-h.cfg.Stopping:
+			t.Stop()
+			return nil, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
 		case <-t.C:
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -189,6 +190,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	gcfg.Profile = a.opts.GossipProfile
 	gcfg.DeadNodeReclaimTime = a.opts.DeadNodeReclaimTime
 	gcfg.Logger = a.logger
+	gcfg.PeersFile = filepath.Join(a.dataDir, "gossip-peers.json")
 	if a.opts.GossipReconnectInterval > 0 {
 		gcfg.ReconnectInterval = a.opts.GossipReconnectInterval
 	}
@@ -220,6 +222,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	hcfg.HoldTimeout = a.cfg.Cluster.ForwardHoldTimeout.Std()
 	hcfg.LeaderReady = a.leaderReady
 	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
+	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
 	peers := peerClients{pool: a.pool}
 	a.api, err = gateway.NewClusterService(hcfg, a.raft, a.raft, a.gossip, peers, a.fsm)
@@ -374,6 +377,25 @@ func (a *Agent) formCluster(ctx context.Context) error {
 	if join := a.cfg.Cluster.Join; len(join) > 0 {
 		if _, err := a.gossip.Join(join); err != nil {
 			return fmt.Errorf("cluster.join: %w", err)
+		}
+	}
+	// A restarted server rejoins the members it knew, as Serf's snapshot
+	// does, so a restart without join flags does not look like a dead
+	// server to the leader.
+	if len(a.cfg.Cluster.Join) == 0 && len(a.cfg.Cluster.RetryJoin) == 0 {
+		known, err := cluster.LoadPeers(filepath.Join(a.dataDir, "gossip-peers.json"))
+		if err != nil {
+			a.logger.Warn("not rejoining known members", "error", err)
+		}
+		if len(known) > 0 {
+			a.logger.Info("rejoining known gossip members", "addrs", known)
+			a.wg.Add(1)
+			go func() {
+				defer a.wg.Done()
+				_ = cluster.RetryJoin(a.ctx, cluster.RetryJoinConfig{
+					Addrs: known, Interval: time.Second, MaxAttempts: 60, Logger: a.logger,
+				}, a.gossip)
+			}()
 		}
 	}
 	if rj := a.cfg.Cluster.RetryJoin; len(rj) > 0 {
@@ -674,24 +696,39 @@ func (a *Agent) shutdownLocked() error {
 	if a.cancel != nil {
 		a.cancel()
 	}
+	began := time.Now()
 	var errs []error
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	for _, s := range a.servers {
-		if err := s.Shutdown(ctx); err != nil {
-			_ = s.Close()
-		}
-	}
-	if a.gossip != nil {
-		if err := a.gossip.Shutdown(); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	// Raft stops first: from then on this node answers "not leader" at
+	// once, so peers forward to (and elect) another leader instead of
+	// waiting for this node's HTTP servers to drain.
 	if a.store != nil {
 		if err := a.store.Close(); err != nil {
 			errs = append(errs, err)
 		}
 	}
+	a.logger.Debug("shutdown: raft stopped", "took", time.Since(began).Round(time.Millisecond))
+	// In-flight requests get a short grace; HTTP/2 connections that peers
+	// keep open would otherwise hold each server for its GOAWAY timeout.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	var swg sync.WaitGroup
+	for _, s := range a.servers {
+		swg.Add(1)
+		go func() {
+			defer swg.Done()
+			if err := s.Shutdown(ctx); err != nil {
+				_ = s.Close()
+			}
+		}()
+	}
+	swg.Wait()
+	a.logger.Debug("shutdown: servers stopped", "took", time.Since(began).Round(time.Millisecond))
+	if a.gossip != nil {
+		if err := a.gossip.Shutdown(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	a.logger.Debug("shutdown: gossip stopped", "took", time.Since(began).Round(time.Millisecond))
 	for _, ln := range []net.Listener{a.lnAPI, a.lnInternal, a.lnMetrics} {
 		if ln != nil {
 			_ = ln.Close()
@@ -710,7 +747,7 @@ func (a *Agent) shutdownLocked() error {
 		}
 	}
 	a.stopErr = errors.Join(errs...)
-	a.logger.Info("agent stopped")
+	a.logger.Info("agent stopped", "took", time.Since(began).Round(time.Millisecond))
 	return a.stopErr
 }
 
