@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -26,11 +27,13 @@ import (
 // -benchtime when it is a duration (make bench passes BENCHTIME, 5s by
 // default), else defaultRunTime. PIVIRT_BENCH_ROUNDS sets the rounds.
 // PIVIRT_BENCH_ONLY, a regular expression, keeps only the workloads whose
-// name matches (for profiling one side; ratios need both).
+// name matches (for profiling one side; ratios need both), and
+// PIVIRT_BENCH_CLIENTS, a comma-separated list, replaces the client counts.
 const (
 	envDuration    = "PIVIRT_BENCH_DURATION"
 	envRounds      = "PIVIRT_BENCH_ROUNDS"
 	envOnly        = "PIVIRT_BENCH_ONLY"
+	envClients     = "PIVIRT_BENCH_CLIENTS"
 	defaultRunTime = 3 * time.Second
 	defaultRounds  = 2
 	maxOpsPerRun   = 2_000_000
@@ -40,8 +43,16 @@ const (
 	readID         = "read-target"
 )
 
-// clientCounts are the concurrent closed-loop clients of every workload.
-var clientCounts = []int{1, 64}
+// defaultClients are the concurrent closed-loop clients of every workload.
+var defaultClients = []int{1, 64}
+
+// settings are the knobs of one run.
+type settings struct {
+	dur     time.Duration
+	rounds  int
+	clients []int
+	keep    func(workload string) bool
+}
 
 // Targets of the issue (point 11).
 const (
@@ -103,7 +114,7 @@ type targetCheck struct {
 // whatever b.N; the numbers that matter are the ratios it prints and
 // reports. A missed target is reported, never a failure.
 func BenchmarkReplicatedVsEtcd(b *testing.B) {
-	dur, rounds, keep := knobs(b)
+	set := knobs(b)
 	out := os.Stdout
 	ctx := b.Context()
 
@@ -152,12 +163,12 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	groups := workloads(etcd, api, leader, follower)
 	fmt.Fprintf(out, "\nreplicated API benchmark: pivirt-agent (3 nodes) vs etcd (3 members), same process, 127.0.0.1\n")
 	fmt.Fprintf(out, "  %s per run, %d rounds, interleaved (odd rounds reversed), clients %v; pivirt leader node%d, follower node%d; etcd leader %s\n",
-		dur, rounds, clientCounts, leader+1, follower+1, ec.leader())
+		set.dur, set.rounds, set.clients, leader+1, follower+1, ec.leader())
 
 	// Warm-up, discarded: connections, allocator, bbolt files of both sides.
 	for _, g := range groups {
 		for _, w := range append([]workload{g.ref}, g.rows[0]) {
-			if !keep(w.name) {
+			if !set.keep(w.name) {
 				continue
 			}
 			if s := runLoad(ctx, 64, time.Second, maxOpsPerRun, w.run); s.ops == 0 {
@@ -166,15 +177,20 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 		}
 	}
 
+	// What both idle clusters cost (heartbeats, gossip, pivirt's TTL
+	// reaper), subtracted from the CPU per request below.
+	idle := measureIdle(ctx, 2*time.Second)
+	fmt.Fprintf(out, "  idle process CPU (both clusters, no load): %.0f ms/s\n", idle*1000)
+
 	samples := map[string][]sample{}
 	key := func(name string, clients int) string { return name + "/" + strconv.Itoa(clients) }
 	leaderMoves := 0
-	for r := range rounds {
-		for _, clients := range clientCounts {
+	for r := range set.rounds {
+		for _, clients := range set.clients {
 			for _, g := range groups {
 				var seq []workload
 				for _, w := range append([]workload{g.ref}, g.rows...) {
-					if keep(w.name) {
+					if set.keep(w.name) {
 						seq = append(seq, w)
 					}
 				}
@@ -185,9 +201,9 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 					slices.Reverse(seq)
 				}
 				var line strings.Builder
-				fmt.Fprintf(&line, "  round %d/%d %-6s clients=%-2d", r+1, rounds, g.name, clients)
+				fmt.Fprintf(&line, "  round %d/%d %-6s clients=%-2d", r+1, set.rounds, g.name, clients)
 				for _, w := range seq {
-					s := runLoad(ctx, clients, dur, maxOpsPerRun, w.run)
+					s := runLoad(ctx, clients, set.dur, maxOpsPerRun, w.run)
 					samples[key(w.name, clients)] = append(samples[key(w.name, clients)], s)
 					fmt.Fprintf(&line, "  %s %.0f/s", w.name, s.rate())
 					if s.errs > 0 {
@@ -207,8 +223,8 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	for gi := range groups {
 		g := &groups[gi]
 		for _, w := range g.rows {
-			for _, clients := range clientCounts {
-				if !keep(w.name) {
+			for _, clients := range set.clients {
+				if !set.keep(w.name) {
 					continue
 				}
 				results = append(results, &result{
@@ -219,16 +235,15 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 			}
 		}
 	}
-	report(b, out, results, leaderMoves)
+	report(b, out, results, idle, leaderMoves)
 }
 
-// knobs reads the run duration, the number of rounds and the workload
-// filter.
-func knobs(b *testing.B) (time.Duration, int, func(string) bool) {
-	dur := defaultRunTime
+// knobs reads the settings from -benchtime and the environment.
+func knobs(b *testing.B) settings {
+	set := settings{dur: defaultRunTime, rounds: defaultRounds, clients: defaultClients, keep: func(string) bool { return true }}
 	if f := flag.Lookup("test.benchtime"); f != nil {
 		if d, err := time.ParseDuration(f.Value.String()); err == nil && d > 0 {
-			dur = d
+			set.dur = d
 		}
 	}
 	if v := os.Getenv(envDuration); v != "" {
@@ -236,25 +251,46 @@ func knobs(b *testing.B) (time.Duration, int, func(string) bool) {
 		if err != nil || d <= 0 || d > 10*time.Minute {
 			b.Fatalf("%s=%q: want a duration between 0 and 10m, such as 3s", envDuration, v)
 		}
-		dur = d
+		set.dur = d
 	}
-	rounds := defaultRounds
 	if v := os.Getenv(envRounds); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 || n > 20 {
 			b.Fatalf("%s=%q: want a number of rounds from 1 to 20 (2 or more to interleave)", envRounds, v)
 		}
-		rounds = n
+		set.rounds = n
 	}
-	keep := func(string) bool { return true }
+	if v := os.Getenv(envClients); v != "" {
+		set.clients = nil
+		for f := range strings.SplitSeq(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 || n > 1024 {
+				b.Fatalf("%s=%q: want a comma-separated list of client counts from 1 to 1024, such as 1,64", envClients, v)
+			}
+			set.clients = append(set.clients, n)
+		}
+	}
 	if v := os.Getenv(envOnly); v != "" {
 		re, err := regexp.Compile(v)
 		if err != nil {
 			b.Fatalf("%s=%q: want a regular expression over workload names (etcd-put, register@leader, ...): %v", envOnly, v, err)
 		}
-		keep = re.MatchString
+		set.keep = re.MatchString
 	}
-	return dur, rounds, keep
+	return set
+}
+
+// measureIdle returns the process's CPU seconds per second over d with no
+// load.
+func measureIdle(ctx context.Context, d time.Duration) float64 {
+	cpu0, t0 := processCPU(), time.Now()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return (processCPU() - cpu0).Seconds() / time.Since(t0).Seconds()
 }
 
 // workloads builds the groups. Each request builds and marshals the same
@@ -343,7 +379,7 @@ func workloads(etcd *clientv3.Client, api []clusterv1connect.ClusterServiceClien
 
 // report prints the table and the targets and reports the ratios as
 // benchmark metrics.
-func report(b *testing.B, out *os.File, results []*result, leaderMoves int) {
+func report(b *testing.B, out *os.File, results []*result, idle float64, leaderMoves int) {
 	fmt.Fprintf(out, "\n%-30s %7s %12s %10s %6s %15s %15s %13s  %s\n",
 		"workload", "clients", "pivirt ops/s", "etcd ops/s", "ratio", "pivirt p50/p99", "etcd p50/p99", "CPU µs/op p/e", "ratio per round")
 	for _, r := range results {
@@ -356,7 +392,7 @@ func report(b *testing.B, out *os.File, results []*result, leaderMoves int) {
 		}
 		refRate, tput, refLat, refCPU := "-", "-", "-", "-"
 		if haveRef {
-			refCPU = strconv.FormatInt(r.ref.cpuPerOp().Microseconds(), 10)
+			refCPU = strconv.FormatInt(r.ref.cpuPerOp(idle).Microseconds(), 10)
 			refRate = fmt.Sprintf("%.0f", r.ref.rate())
 			tput = fmt.Sprintf("%.2f", ratio(r.pv.rate(), r.ref.rate()))
 			refLat = ms(r.ref.pct(0.5)) + "/" + ms(r.ref.pct(0.99)) + "ms"
@@ -368,7 +404,7 @@ func report(b *testing.B, out *os.File, results []*result, leaderMoves int) {
 		fmt.Fprintf(out, "%-30s %7d %12.0f %10s %6s %15s %15s %13s  %s%s\n",
 			r.row.name+" vs "+r.g.ref.name, r.clients, r.pv.rate(), refRate, tput,
 			ms(r.pv.pct(0.5))+"/"+ms(r.pv.pct(0.99))+"ms", refLat,
-			strconv.FormatInt(r.pv.cpuPerOp().Microseconds(), 10)+"/"+refCPU,
+			strconv.FormatInt(r.pv.cpuPerOp(idle).Microseconds(), 10)+"/"+refCPU,
 			strings.Join(perRound, " "), errs)
 
 		// A request error is a bug on either side, not a slow run.
@@ -389,7 +425,8 @@ func report(b *testing.B, out *os.File, results []*result, leaderMoves int) {
 		}
 	}
 	fmt.Fprintf(out, "\nratio = pivirt ÷ etcd; for throughput higher is better, for the p50 ratio lower is better.\n")
-	fmt.Fprintf(out, "CPU µs/op = CPU time of the whole process (both clusters and the load generator) per request, pivirt/etcd.\n")
+	fmt.Fprintf(out, "CPU µs/op = CPU time of the whole process (servers and load generator) per request minus the idle rate, pivirt/etcd;\n")
+	fmt.Fprintf(out, "  a side saturating the %d cores serves about %d s/s ÷ (CPU per request).\n", runtime.NumCPU(), runtime.NumCPU())
 	fmt.Fprintf(out, "targets (issue point 11) — a report, never a test failure:\n")
 	for _, r := range results {
 		if len(r.ref.rounds) == 0 {

@@ -120,14 +120,14 @@ func (m merged) rate() float64 {
 	return float64(m.ops) / m.elapsed.Seconds()
 }
 
-// cpuPerOp is the process CPU time per successful request: servers of the
-// side under load, the load generator, and the idle other cluster's
-// heartbeats.
-func (m merged) cpuPerOp() time.Duration {
+// cpuPerOp is the process CPU time per successful request (servers and
+// load generator) after taking off idle CPU seconds per second.
+func (m merged) cpuPerOp(idle float64) time.Duration {
 	if m.ops == 0 {
 		return 0
 	}
-	return m.cpu / time.Duration(m.ops)
+	net := m.cpu - time.Duration(idle*float64(m.elapsed))
+	return max(net, 0) / time.Duration(m.ops)
 }
 
 // pct returns the p-quantile (0 < p <= 1) of the latencies, nearest rank.
