@@ -102,7 +102,7 @@ func TestDedupeWindow(t *testing.T) {
 			h := newHarness(t, func(c *Config) { c.DedupeWindow = window })
 			h.mustApply(withClient(setConfig("k", "v1"), "c", 1))
 			h.now = t0.Add(tt.after)
-			res := h.apply(withClient(setConfig("k", "v2"), "c", 1))
+			res := h.apply(withClient(setConfig("k", "v1"), "c", 1))
 			if res.Duplicate != tt.wantDup || res.Err != nil {
 				t.Fatalf("Result %+v, want Duplicate=%v", res, tt.wantDup)
 			}
@@ -147,15 +147,32 @@ func TestDedupePruning(t *testing.T) {
 	}
 }
 
+func TestDedupeRejectsReusedIdentityForAnotherWrite(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(withClient(setConfig("k", "v1"), "c", 1))
+	res := h.apply(withClient(setConfig("k", "v2"), "c", 1))
+	if !errors.Is(res.Err, ErrInvalidCommand) || res.Duplicate {
+		t.Fatalf("Result %+v, want ErrInvalidCommand for a reused client_id/sequence", res)
+	}
+	e, _ := h.f.State().ConfigEntry("k")
+	if e.GetValue() != "v1" {
+		t.Errorf("value = %q, want v1 (the second write must not apply)", e.GetValue())
+	}
+}
+
 func TestDedupeRecordContents(t *testing.T) {
 	h := newHarness(t)
-	h.apply(withClient(deregister("web", "a"), "c", 9))
+	cmd := withClient(deregister("web", "a"), "c", 9)
+	h.apply(cmd)
 	rec, err := lookupDedupe(h.f.State().txn, "c", 9)
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := &fsmv1.DedupeRecord{ClientId: "c", Sequence: 9, Index: 1, ErrorCode: "not_found",
-		ErrorMessage: `not found: service "web" instance "a"`, Time: at(0)}
+		ErrorMessage: `not found: service "web" instance "a"`, Time: at(0), OpDigest: rec.GetOpDigest()}
+	if len(rec.GetOpDigest()) != 32 {
+		t.Errorf("op digest has %d bytes, want 32", len(rec.GetOpDigest()))
+	}
 	if !proto.Equal(rec, want) {
 		t.Errorf("dedupe record = %v, want %v", rec, want)
 	}

@@ -1,6 +1,8 @@
 package fsm
 
 import (
+	"bytes"
+	"crypto/sha256"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -147,6 +149,10 @@ func (f *FSM) apply(l *raft.Log) *Result {
 		}
 		if rec != nil && !f.dedupeExpired(rec, now) {
 			f.setApplied(l.Index)
+			if d := rec.GetOpDigest(); len(d) > 0 && !bytes.Equal(d, opDigest(cmd)) {
+				return &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
+					ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}
+			}
 			return &Result{
 				Index:     rec.GetIndex(),
 				Err:       replayError(rec.GetErrorCode(), rec.GetErrorMessage()),
@@ -196,6 +202,7 @@ func (f *FSM) finishWrite(t *writeTxn, cmd *fsmv1.Command, now time.Time, opErr 
 			Index:     t.index,
 			ErrorCode: errorCode(opErr),
 			Time:      cmd.GetTime(),
+			OpDigest:  opDigest(cmd),
 		}
 		if opErr != nil {
 			rec.ErrorMessage = opErr.Error()
@@ -205,6 +212,20 @@ func (f *FSM) finishWrite(t *writeTxn, cmd *fsmv1.Command, now time.Time, opErr 
 		}
 	}
 	return t.updateIndexes()
+}
+
+// opDigest hashes the operation of cmd (not its identity or time), with
+// deterministic marshalling so that every node computes the same digest.
+func opDigest(cmd *fsmv1.Command) []byte {
+	op := &fsmv1.Command{}
+	proto.Merge(op, cmd)
+	op.ClientId, op.Sequence, op.Time = "", 0, nil
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(op)
+	if err != nil {
+		return nil
+	}
+	sum := sha256.Sum256(b)
+	return sum[:]
 }
 
 // database returns the current memdb.

@@ -932,9 +932,13 @@ type DedupeRecord struct {
 	Index    uint64                 `protobuf:"varint,3,opt,name=index,proto3" json:"index,omitempty"`
 	// error_code is empty on success, else the fsm error kind ("not_found",
 	// "cas_conflict", ...).
-	ErrorCode     string                 `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
-	ErrorMessage  string                 `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
-	Time          *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=time,proto3" json:"time,omitempty"`
+	ErrorCode    string                 `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorMessage string                 `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
+	Time         *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=time,proto3" json:"time,omitempty"`
+	// op_digest is the SHA-256 of the write's operation, so that a client
+	// reusing a (client_id, sequence) pair for a different write is told so
+	// instead of getting the first write's outcome.
+	OpDigest      []byte `protobuf:"bytes,7,opt,name=op_digest,json=opDigest,proto3" json:"op_digest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1011,6 +1015,13 @@ func (x *DedupeRecord) GetTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *DedupeRecord) GetOpDigest() []byte {
+	if x != nil {
+		return x.OpDigest
+	}
+	return nil
+}
+
 var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
@@ -1081,7 +1092,7 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"last_index\x18\x03 \x01(\x04R\tlastIndex\";\n" +
 	"\vTableHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
-	"\arecords\x18\x02 \x01(\x04R\arecords\"\xd1\x01\n" +
+	"\arecords\x18\x02 \x01(\x04R\arecords\"\xee\x01\n" +
 	"\fDedupeRecord\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12\x14\n" +
@@ -1089,7 +1100,8 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
 	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\x12.\n" +
-	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04timeB1Z/pilab.hu/pivirt-agent/proto/pivirt/fsm/v1;fsmv1b\x06proto3"
+	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x1b\n" +
+	"\top_digest\x18\a \x01(\fR\bopDigestB1Z/pilab.hu/pivirt-agent/proto/pivirt/fsm/v1;fsmv1b\x06proto3"
 
 var (
 	file_pivirt_fsm_v1_fsm_proto_rawDescOnce sync.Once
