@@ -46,9 +46,8 @@ func TestDedupeRepeatError(t *testing.T) {
 	if got := h.f.State().Index(TableConfig); got != 1 {
 		t.Errorf("config index after a rejected write = %d, want 1", got)
 	}
-	// Even though the retry would now fail differently, it gets the
-	// stored outcome.
-	again := h.apply(withClient(deleteConfig("nope"), "client-1", 1))
+	// The retry of the same write gets the stored outcome.
+	again := h.apply(withClient(setConfigCAS("k", "v2", 7), "client-1", 1))
 	if !again.Duplicate || again.Index != conflict.Index || !errors.Is(again.Err, ErrCASConflict) {
 		t.Fatalf("repeat = %+v, want Duplicate with ErrCASConflict at index %d", again, conflict.Index)
 	}
