@@ -16,6 +16,9 @@ import (
 // MaxMessageBytes bounds every message exchanged between agents.
 const MaxMessageBytes = 16 << 20
 
+// CompressMinBytes is the size below which messages are not compressed.
+const CompressMinBytes = 1024
+
 // Pool holds the clients this node uses to reach other agents' internal
 // ports, one HTTP/2 connection per peer, shared by all calls.
 type Pool struct {
@@ -53,6 +56,7 @@ func clientOptions() []connect.ClientOption {
 		connect.WithGRPC(),
 		connect.WithReadMaxBytes(MaxMessageBytes),
 		connect.WithSendMaxBytes(MaxMessageBytes),
+		connect.WithCompressMinBytes(CompressMinBytes),
 	}
 }
 

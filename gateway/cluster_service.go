@@ -638,17 +638,19 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService,
 		func(ctx context.Context) (*clusterv1.GetServiceResponse, uint64, error) {
 			st := h.state.State()
-			index, list, err := st.Services(req.Msg.GetService(), nil)
-			if err != nil {
-				return nil, 0, err
-			}
 			if id := req.Msg.GetInstanceId(); id != "" {
 				inst, err := st.Service(req.Msg.GetService(), id)
 				if err != nil {
 					return nil, 0, fmt.Errorf("service %s instance %s: %w", req.Msg.GetService(), id, err)
 				}
-				list = []*clusterv1.ServiceInstance{inst}
-			} else if len(list) == 0 {
+				index := st.Index(fsm.TableServices)
+				return &clusterv1.GetServiceResponse{Instances: []*clusterv1.ServiceInstance{inst}, Meta: h.queryMeta(index)}, index, nil
+			}
+			index, list, err := st.Services(req.Msg.GetService(), nil)
+			if err != nil {
+				return nil, 0, err
+			}
+			if len(list) == 0 {
 				return nil, 0, fmt.Errorf("service %s: %w", req.Msg.GetService(), fsm.ErrNotFound)
 			}
 			return &clusterv1.GetServiceResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil

@@ -65,6 +65,7 @@ func (a *app) call(cmd *cobra.Command, fn rpcFunc) error {
 				connect.WithInterceptors(a.retryInterceptor()),
 				connect.WithReadMaxBytes(maxMessageBytes),
 				connect.WithSendMaxBytes(maxMessageBytes),
+				connect.WithCompressMinBytes(1024),
 			),
 		}
 	}

@@ -551,6 +551,9 @@ func handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithReadMaxBytes(cluster.MaxMessageBytes),
 		connect.WithSendMaxBytes(cluster.MaxMessageBytes),
+		// Small messages are sent uncompressed: gzip costs more CPU than
+		// it saves bytes below about a kilobyte.
+		connect.WithCompressMinBytes(cluster.CompressMinBytes),
 	}
 }
 

@@ -1,0 +1,123 @@
+package fsm
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/types/known/timestamppb"
+)
+
+// benchInstances is how many instances the benchmarks keep in the services
+// table: every write re-registers one of them, as the replicated-write
+// benchmark of cmd/internal/bench does.
+const benchInstances = 10_000
+
+// benchStep is the leader time between two benchmark writes (8k writes/s).
+// With benchWindow as the dedupe window, the dedupe table holds about
+// benchWindow/benchStep records in steady state, and every write prunes.
+const (
+	benchStep   = 125 * time.Microsecond
+	benchWindow = time.Second
+)
+
+// benchLog produces encoded register_service entries with client IDs,
+// increasing indexes, sequences and times.
+type benchLog struct {
+	b     *testing.B
+	index uint64
+	now   time.Time
+}
+
+func (g *benchLog) next() *raft.Log {
+	g.index++
+	g.now = g.now.Add(benchStep)
+	in := instance("bench", fmt.Sprintf("instance-%05d", g.index%benchInstances))
+	cmd := withClient(register(in), fmt.Sprintf("client-%d", g.index%8), g.index)
+	cmd.Time = timestamppb.New(g.now)
+	data, err := Encode(cmd)
+	if err != nil {
+		g.b.Fatal(err)
+	}
+	return &raft.Log{Index: g.index, Term: 1, Type: raft.LogCommand, Data: data}
+}
+
+// logs returns the next n entries.
+func (g *benchLog) logs(n int) []*raft.Log {
+	out := make([]*raft.Log, n)
+	for i := range out {
+		out[i] = g.next()
+	}
+	return out
+}
+
+// newBenchFSM returns an FSM holding benchInstances instances and a
+// steady-state dedupe table, and the generator of the following entries.
+func newBenchFSM(b *testing.B) (*FSM, *benchLog) {
+	b.Helper()
+	cfg := DefaultConfig()
+	cfg.DedupeWindow = benchWindow
+	f, err := New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	g := &benchLog{b: b, now: t0}
+	for range 2 * benchInstances {
+		if res := f.Apply(g.next()).(*Result); res.Err != nil {
+			b.Fatal(res.Err)
+		}
+	}
+	return f, g
+}
+
+// benchApply applies b.N entries in batches of batch entries (one Apply per
+// entry when batch is 1): ns/op and allocs/op are per entry. Entries are
+// encoded in chunks outside the timer.
+func benchApply(b *testing.B, batch int) {
+	f, g := newBenchFSM(b)
+	const chunk = 64 * 64
+	b.ReportAllocs()
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		b.StopTimer()
+		logs := g.logs(min(chunk, b.N-done))
+		b.StartTimer()
+		for i := 0; i < len(logs); i += batch {
+			part := logs[i:min(i+batch, len(logs))]
+			if batch == 1 {
+				if res := f.Apply(part[0]).(*Result); res.Err != nil {
+					b.Fatal(res.Err)
+				}
+				continue
+			}
+			for _, r := range applyBatch(f, part) {
+				if res := r.(*Result); res.Err != nil {
+					b.Fatal(res.Err)
+				}
+			}
+		}
+		done += len(logs)
+	}
+}
+
+// applyBatch applies logs with ApplyBatch when the FSM has it, else one at
+// a time as raft does for an FSM without batching.
+func applyBatch(f raft.FSM, logs []*raft.Log) []any {
+	if bf, ok := f.(raft.BatchingFSM); ok {
+		return bf.ApplyBatch(logs)
+	}
+	out := make([]any, len(logs))
+	for i, l := range logs {
+		out[i] = f.Apply(l)
+	}
+	return out
+}
+
+// BenchmarkApply applies register_service commands with client IDs one
+// entry at a time. ns/op is per entry.
+func BenchmarkApply(b *testing.B) { benchApply(b, 1) }
+
+// BenchmarkApplyBatch64 applies the same commands in batches of 64 entries,
+// as raft's FSM goroutine hands them over under load. ns/op is per entry.
+func BenchmarkApplyBatch64(b *testing.B) { benchApply(b, 64) }
