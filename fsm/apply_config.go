@@ -33,13 +33,21 @@ func (f *FSM) applySetConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	if n := len(op.GetValue()); n > MaxConfigValueSize {
 		return nil, invalidf("set_config.value: %d bytes, at most %d allowed", n, MaxConfigValueSize)
 	}
-	old, err := first[*clusterv1.ConfigEntry](t.txn, TableConfig, indexID, op.GetKey())
+	old, err := lookup[*clusterv1.ConfigEntry](t, TableConfig, op.GetKey())
 	if err != nil {
 		return nil, err
 	}
 	if err := checkConfigCAS(op.GetKey(), op.CasRevision, old); err != nil {
 		return nil, err
 	}
+	// The new version's revision is the largest, so the versions to trim
+	// are the oldest stored ones.
+	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexKey, op.GetKey()) // oldest first
+	if err != nil {
+		return nil, err
+	}
+	trim := history[:max(0, len(history)+1-f.cfg.ConfigHistoryLimit)]
+
 	entry := &clusterv1.ConfigEntry{
 		Key:         op.GetKey(),
 		Value:       op.GetValue(),
@@ -56,26 +64,12 @@ func (f *FSM) applySetConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	if err := t.insert(TableConfigHistory, entry); err != nil {
 		return nil, err
 	}
-	if err := f.trimConfigHistory(t, op.GetKey()); err != nil {
-		return nil, err
+	for _, e := range trim {
+		if err := t.delete(TableConfigHistory, e); err != nil {
+			return nil, err
+		}
 	}
 	return entry, nil
-}
-
-// trimConfigHistory deletes the oldest versions of key beyond the limit.
-func (f *FSM) trimConfigHistory(t *writeTxn, key string) error {
-	it, err := t.txn.Get(TableConfigHistory, indexKey, key)
-	if err != nil {
-		return fmt.Errorf("read %s: %w", TableConfigHistory, err)
-	}
-	versions := collect[*clusterv1.ConfigEntry](it) // oldest first
-	for len(versions) > f.cfg.ConfigHistoryLimit {
-		if err := t.delete(TableConfigHistory, versions[0]); err != nil {
-			return err
-		}
-		versions = versions[1:]
-	}
-	return nil
 }
 
 // applyDeleteConfig deletes a key and its history.
@@ -84,7 +78,7 @@ func (f *FSM) applyDeleteConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message,
 	if err := checkConfigKey("delete_config.key", op.GetKey()); err != nil {
 		return nil, err
 	}
-	old, err := first[*clusterv1.ConfigEntry](t.txn, TableConfig, indexID, op.GetKey())
+	old, err := lookup[*clusterv1.ConfigEntry](t, TableConfig, op.GetKey())
 	if err != nil {
 		return nil, err
 	}
@@ -94,8 +88,17 @@ func (f *FSM) applyDeleteConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message,
 	if err := checkConfigCAS(op.GetKey(), op.CasRevision, old); err != nil {
 		return nil, err
 	}
+	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexKey, op.GetKey())
+	if err != nil {
+		return nil, err
+	}
 	if err := t.delete(TableConfig, old); err != nil {
 		return nil, err
 	}
-	return nil, t.deleteAll(TableConfigHistory, indexKey, op.GetKey())
+	for _, e := range history {
+		if err := t.delete(TableConfigHistory, e); err != nil {
+			return nil, err
+		}
+	}
+	return nil, nil
 }

@@ -2,6 +2,7 @@ package fsm
 
 import (
 	"fmt"
+	"slices"
 
 	"google.golang.org/protobuf/proto"
 
@@ -10,7 +11,7 @@ import (
 )
 
 func getSchedule(t *writeTxn, id string) (*schedulev1.Schedule, error) {
-	return first[*schedulev1.Schedule](t.txn, TableSchedules, indexID, id)
+	return lookup[*schedulev1.Schedule](t, TableSchedules, id)
 }
 
 func mustGetSchedule(t *writeTxn, id string) (*schedulev1.Schedule, error) {
@@ -32,19 +33,9 @@ func (f *FSM) runLimit(s *schedulev1.Schedule) int {
 	return int(f.cfg.MaxRunHistory)
 }
 
-// trimRuns deletes a schedule's oldest runs (by slot) beyond its limit.
-func (f *FSM) trimRuns(t *writeTxn, s *schedulev1.Schedule) error {
-	it, err := t.txn.Get(TableScheduleRuns, indexSchedule, s.GetId())
-	if err != nil {
-		return fmt.Errorf("read %s: %w", TableScheduleRuns, err)
-	}
-	runs := collect[*schedulev1.Run](it) // oldest slot first
-	for limit := f.runLimit(s); len(runs) > limit; runs = runs[1:] {
-		if err := t.delete(TableScheduleRuns, runs[0]); err != nil {
-			return err
-		}
-	}
-	return nil
+// runs returns the stored runs of a schedule, oldest slot first.
+func runs(t *writeTxn, scheduleID string) ([]*schedulev1.Run, error) {
+	return scan[*schedulev1.Run](t, TableScheduleRuns, indexSchedule, scheduleID)
 }
 
 // applyPutSchedule creates or replaces a schedule. The stored last_slot,
@@ -81,7 +72,18 @@ func (f *FSM) applyPutSchedule(t *writeTxn, cmd *fsmv1.Command) (proto.Message, 
 		return nil, fmt.Errorf("%w: schedule %q: cas_revision %d, current modify index %d",
 			ErrCASConflict, in.GetId(), op.GetCasRevision(), old.GetModifyIndex())
 	}
-	s := proto.CloneOf(in)
+	// The schedule of the command becomes the stored record: the command
+	// was decoded for this apply alone.
+	s := in
+	var trim []*schedulev1.Run
+	if old != nil {
+		// A lower history_limit trims the oldest runs.
+		rs, err := runs(t, in.GetId())
+		if err != nil {
+			return nil, err
+		}
+		trim = rs[:max(0, len(rs)-f.runLimit(s))]
+	}
 	s.UpdatedAt = cmd.GetTime()
 	s.ModifyIndex = t.index
 	if old != nil {
@@ -96,8 +98,8 @@ func (f *FSM) applyPutSchedule(t *writeTxn, cmd *fsmv1.Command) (proto.Message, 
 	if err := t.insert(TableSchedules, s); err != nil {
 		return nil, err
 	}
-	if old != nil {
-		if err := f.trimRuns(t, s); err != nil {
+	for _, r := range trim {
+		if err := t.delete(TableScheduleRuns, r); err != nil {
 			return nil, err
 		}
 	}
@@ -114,10 +116,19 @@ func (f *FSM) applyDeleteSchedule(t *writeTxn, cmd *fsmv1.Command) (proto.Messag
 	if err != nil {
 		return nil, err
 	}
+	rs, err := runs(t, op.GetId())
+	if err != nil {
+		return nil, err
+	}
 	if err := t.delete(TableSchedules, s); err != nil {
 		return nil, err
 	}
-	return nil, t.deleteAll(TableScheduleRuns, indexSchedule, op.GetId())
+	for _, r := range rs {
+		if err := t.delete(TableScheduleRuns, r); err != nil {
+			return nil, err
+		}
+	}
+	return nil, nil
 }
 
 // applyClaimSlot records that a slot is about to run: the slot must be
@@ -158,25 +169,14 @@ func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 		}
 	}
 
+	existing, err := runs(t, op.GetScheduleId())
+	if err != nil {
+		return nil, err
+	}
+
 	s := proto.CloneOf(old)
 	s.LastSlot = op.GetSlot()
 	s.ModifyIndex = t.index
-	if err := t.insert(TableSchedules, s); err != nil {
-		return nil, err
-	}
-	for _, sk := range op.GetSkipped() {
-		skipped := &schedulev1.Run{
-			ScheduleId:  s.GetId(),
-			Slot:        sk,
-			Outcome:     schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
-			Node:        op.GetNode(),
-			CreateIndex: t.index,
-			ModifyIndex: t.index,
-		}
-		if err := t.insert(TableScheduleRuns, skipped); err != nil {
-			return nil, err
-		}
-	}
 	run := &schedulev1.Run{
 		ScheduleId:  s.GetId(),
 		Slot:        op.GetSlot(),
@@ -186,13 +186,82 @@ func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 		CreateIndex: t.index,
 		ModifyIndex: t.index,
 	}
-	if err := t.insert(TableScheduleRuns, run); err != nil {
+	added := make([]*schedulev1.Run, 0, len(op.GetSkipped())+1)
+	for _, sk := range op.GetSkipped() {
+		added = append(added, &schedulev1.Run{
+			ScheduleId:  s.GetId(),
+			Slot:        sk,
+			Outcome:     schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
+			Node:        op.GetNode(),
+			CreateIndex: t.index,
+			ModifyIndex: t.index,
+		})
+	}
+	added = append(added, run)
+	keep, drop := trimClaimedRuns(existing, added, f.runLimit(s))
+
+	if err := t.insert(TableSchedules, s); err != nil {
 		return nil, err
 	}
-	if err := f.trimRuns(t, s); err != nil {
-		return nil, err
+	// The started run is always written, even in the (impossible) case
+	// where the trim drops it again.
+	t.touch(TableScheduleRuns)
+	for _, r := range keep {
+		if err := t.insert(TableScheduleRuns, r); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range drop {
+		if err := t.delete(TableScheduleRuns, r); err != nil {
+			return nil, err
+		}
 	}
 	return run, nil
+}
+
+// trimClaimedRuns works out, before anything is written, what inserting
+// the added runs (in order: a later run replaces an earlier one at the same
+// slot) after the existing ones (oldest slot first), then trimming to the
+// newest limit runs by slot, leaves: the added runs to insert and the
+// existing runs to delete.
+func trimClaimedRuns(existing, added []*schedulev1.Run, limit int) (keep, drop []*schedulev1.Run) {
+	type entry struct {
+		run   *schedulev1.Run
+		added bool
+	}
+	all := make([]entry, 0, len(existing)+len(added))
+	for _, r := range existing {
+		all = append(all, entry{run: r})
+	}
+	for _, r := range added {
+		i := slices.IndexFunc(all, func(e entry) bool { return compareTime(e.run.GetSlot(), r.GetSlot()) == 0 })
+		if i < 0 {
+			all = append(all, entry{run: r, added: true})
+			continue
+		}
+		if !all[i].added {
+			// Replaced: the insert overwrites it, or, if the new run is
+			// trimmed, the stored one must go.
+			drop = append(drop, all[i].run)
+		}
+		all[i] = entry{run: r, added: true}
+	}
+	slices.SortStableFunc(all, func(a, b entry) int { return compareTime(a.run.GetSlot(), b.run.GetSlot()) })
+	cut := max(0, len(all)-limit)
+	for i, e := range all {
+		switch {
+		case i >= cut && e.added:
+			keep = append(keep, e.run)
+		case i < cut && !e.added:
+			drop = append(drop, e.run)
+		}
+	}
+	// An existing run replaced by a kept added run is overwritten, not
+	// deleted.
+	drop = slices.DeleteFunc(drop, func(r *schedulev1.Run) bool {
+		return slices.ContainsFunc(keep, func(k *schedulev1.Run) bool { return compareTime(k.GetSlot(), r.GetSlot()) == 0 })
+	})
+	return keep, drop
 }
 
 // applyRecordRun updates the outcome of an existing run: outcome, error,
@@ -218,7 +287,7 @@ func (f *FSM) applyRecordRun(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	if err := checkTime(p+".finished_at", in.GetFinishedAt(), false); err != nil {
 		return nil, err
 	}
-	old, err := first[*schedulev1.Run](t.txn, TableScheduleRuns, indexID, in.GetScheduleId(), in.GetSlot())
+	old, err := lookup[*schedulev1.Run](t, TableScheduleRuns, in.GetScheduleId(), in.GetSlot())
 	if err != nil {
 		return nil, err
 	}

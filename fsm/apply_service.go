@@ -11,7 +11,7 @@ import (
 
 // getService returns the stored instance, or nil.
 func getService(t *writeTxn, service, instanceID string) (*clusterv1.ServiceInstance, error) {
-	return first[*clusterv1.ServiceInstance](t.txn, TableServices, indexID, service, instanceID)
+	return lookup[*clusterv1.ServiceInstance](t, TableServices, service, instanceID)
 }
 
 // mustGetService returns the stored instance or ErrNotFound.
@@ -27,7 +27,9 @@ func mustGetService(t *writeTxn, service, instanceID string) (*clusterv1.Service
 }
 
 // applyRegisterService inserts or replaces an instance. A re-registration of
-// the same (service, instance_id) keeps registered_at and create_index.
+// the same (service, instance_id) keeps registered_at and create_index. The
+// instance of the command becomes the stored record: the command was
+// decoded for this apply alone.
 func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	in := cmd.GetRegisterService().GetInstance()
 	const p = "register_service.instance"
@@ -56,7 +58,7 @@ func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Messa
 	if err != nil {
 		return nil, err
 	}
-	inst := proto.CloneOf(in)
+	inst := in
 	inst.Health = clusterv1.Health_HEALTH_PASSING
 	inst.LastHeartbeat = cmd.GetTime()
 	inst.ModifyIndex = t.index

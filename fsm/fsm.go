@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"time"
 
@@ -17,9 +16,12 @@ import (
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
-var _ raft.FSM = (*FSM)(nil)
+var (
+	_ raft.FSM         = (*FSM)(nil)
+	_ raft.BatchingFSM = (*FSM)(nil)
+)
 
-// maxPrunePerApply bounds the dedupe records one Apply deletes, so that a
+// maxPrunePerApply bounds the dedupe records one entry deletes, so that a
 // leader clock jump cannot make a single entry expensive.
 const maxPrunePerApply = 256
 
@@ -30,9 +32,16 @@ type FSM struct {
 	cfg    Config
 	logger *slog.Logger
 
-	// applyMu serialises Apply, Snapshot and Restore. Raft already calls them
-	// from one goroutine; the lock keeps direct callers (tests, tools) safe.
+	// applyMu serialises Apply, ApplyBatch, Snapshot and Restore. Raft
+	// already calls them from one goroutine; the lock keeps direct callers
+	// (tests, tools) safe. It also guards the fields up to mu.
 	applyMu sync.Mutex
+	// txn is the write transaction, reused by every batch.
+	txn *writeTxn
+	// head caches the oldest dedupe records for pruning.
+	head dedupeHead
+	// digestBuf is opDigest's reusable marshalling buffer.
+	digestBuf []byte
 
 	// mu guards the fields below. Apply holds it only to commit, so a State
 	// always sees a committed transaction together with its applied index.
@@ -76,6 +85,8 @@ func New(cfg Config) (*FSM, error) {
 		logger:    logger.With("component", "fsm"),
 		db:        newMemDB(),
 		abandonCh: make(chan struct{}),
+		txn:       newWriteTxn(),
+		head:      dedupeHead{valid: true, complete: true},
 	}, nil
 }
 
@@ -114,14 +125,117 @@ func (f *FSM) Apply(l *raft.Log) any {
 	if l == nil {
 		return &Result{Err: fmt.Errorf("%w: nil log entry", ErrInvalidCommand)}
 	}
-	return f.apply(l)
+	return f.applyIsolated(l)
 }
 
-// apply does the work of Apply and always advances the applied index.
-func (f *FSM) apply(l *raft.Log) *Result {
-	if l.Type != raft.LogCommand {
+// ApplyBatch implements raft.BatchingFSM: it applies consecutive committed
+// log entries in one memdb write transaction and one commit, and returns
+// for each the *Result that Apply would have returned. The state it leaves
+// is the one Apply leaves after the same entries one at a time, byte for
+// byte; readers see it only once the whole batch is applied.
+func (f *FSM) ApplyBatch(logs []*raft.Log) []any {
+	f.applyMu.Lock()
+	defer f.applyMu.Unlock()
+	out := make([]any, len(logs))
+	f.applyLogs(logs, out)
+	return out
+}
+
+// writeThenFail, when set, is called when an entry fails after it wrote to
+// the transaction: a bug in an apply function, which must check everything
+// before its first write (see DESIGN.md, "Atomicity"). Tests set it to fail
+// loudly; in production the batch falls back to one transaction per entry.
+var writeThenFail func(index uint64, err error)
+
+// applyLogs applies logs in one write transaction and stores their results
+// in out. If an entry fails after writing, the shared transaction cannot
+// take back that entry's writes alone: the whole transaction is discarded
+// and every entry is applied again in a transaction of its own. A single
+// entry gets a transaction of its own from the start.
+func (f *FSM) applyLogs(logs []*raft.Log, out []any) {
+	if len(logs) == 1 {
+		out[0] = f.applyIsolated(logs[0])
+		return
+	}
+	t := f.txn
+	t.begin(f.database())
+	for i, l := range logs {
+		res, ok := f.applyEntry(t, l, false)
+		if !ok {
+			f.discard(t)
+			f.logger.Error("an entry failed after writing: applying the batch one entry at a time",
+				"index", l.Index, "entries", len(logs))
+			for j, l := range logs {
+				out[j] = f.applyIsolated(l)
+			}
+			return
+		}
+		out[i] = res
+	}
+	last, ok := lastIndex(logs)
+	if !t.hasChanges() {
+		// Nothing written: release the writer without waking anyone.
+		t.abort()
+		if ok {
+			f.setApplied(last)
+		}
+		return
+	}
+	if err := t.updateIndexes(); err != nil {
+		f.discard(t)
+		f.logger.Error("index table update failed: applying the batch one entry at a time", "error", err)
+		for j, l := range logs {
+			out[j] = f.applyIsolated(l)
+		}
+		return
+	}
+	f.commit(t, last)
+}
+
+// applyIsolated applies one entry in a transaction of its own. An entry
+// that fails after writing is rolled back here: its operation's writes are
+// discarded and only its outcome is recorded, or, when recording the
+// outcome fails, nothing is.
+func (f *FSM) applyIsolated(l *raft.Log) *Result {
+	t := f.txn
+	t.begin(f.database())
+	res, _ := f.applyEntry(t, l, true)
+	if l == nil || !t.hasChanges() {
+		t.abort()
+		if l != nil {
+			f.setApplied(l.Index)
+		}
+		return res
+	}
+	if err := t.updateIndexes(); err != nil {
+		f.discard(t)
 		f.setApplied(l.Index)
-		return &Result{Index: l.Index}
+		return &Result{Index: l.Index, Err: err}
+	}
+	f.commit(t, l.Index)
+	return res
+}
+
+// lastIndex returns the index of the last non-nil entry.
+func lastIndex(logs []*raft.Log) (uint64, bool) {
+	for i := len(logs) - 1; i >= 0; i-- {
+		if logs[i] != nil {
+			return logs[i].Index, true
+		}
+	}
+	return 0, false
+}
+
+// applyEntry applies one entry in t and returns its result. It returns
+// false when the entry failed after writing to t and t is not isolated:
+// the caller must then discard t. An isolated t holds only this entry, so
+// applyEntry rolls it back itself.
+func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool) {
+	if l == nil {
+		return &Result{Err: fmt.Errorf("%w: nil log entry", ErrInvalidCommand)}, true
+	}
+	if l.Type != raft.LogCommand {
+		return &Result{Index: l.Index}, true
 	}
 	cmd, err := Decode(l.Data)
 	if err != nil {
@@ -130,100 +244,119 @@ func (f *FSM) apply(l *raft.Log) *Result {
 		// binary's format, and the state may diverge from nodes that
 		// understand it. Log it on every node.
 		f.logger.Error("log entry not understood", "index", l.Index, "term", l.Term, "error", err)
-		f.setApplied(l.Index)
-		return &Result{Index: l.Index, Err: err}
+		return &Result{Index: l.Index, Err: err}, true
 	}
 	if err := validateEnvelope(cmd); err != nil {
-		f.setApplied(l.Index)
-		return &Result{Index: l.Index, Err: err}
+		return &Result{Index: l.Index, Err: err}, true
 	}
 	now := cmd.GetTime().AsTime()
-	db := f.database()
 
-	// A retry of a write already applied returns the stored outcome.
+	// The digest is taken before dispatch: an apply function may store
+	// parts of the decoded command.
+	var (
+		digest   []byte
+		replaced bool
+	)
 	if cmd.GetClientId() != "" {
-		rec, err := lookupDedupe(db.Txn(false), cmd.GetClientId(), cmd.GetSequence())
+		digest = f.opDigest(cmd)
+		// A retry of a write already applied returns the stored outcome.
+		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
 		if err != nil {
-			f.setApplied(l.Index)
-			return &Result{Index: l.Index, Err: err}
+			return &Result{Index: l.Index, Err: err}, true
 		}
 		if rec != nil && !f.dedupeExpired(rec, now) {
-			f.setApplied(l.Index)
-			if d := rec.GetOpDigest(); len(d) > 0 && !bytes.Equal(d, opDigest(cmd)) {
+			if d := rec.GetOpDigest(); len(d) > 0 && !bytes.Equal(d, digest) {
 				return &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
-					ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}
+					ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}, true
 			}
 			return &Result{
 				Index:     rec.GetIndex(),
 				Err:       replayError(rec.GetErrorCode(), rec.GetErrorMessage()),
 				Duplicate: true,
-			}
+			}, true
 		}
+		replaced = rec != nil
 	}
 
-	t := newWriteTxn(db, l.Index)
+	t.index = l.Index
+	mark := t.writes
 	value, opErr := dispatch(f, t, cmd)
 	if opErr != nil {
-		// Throw away whatever the operation wrote: a rejected command changes
-		// nothing but its dedupe record.
-		t.abort()
-		t = newWriteTxn(db, l.Index)
 		value = nil
+		if t.writes != mark {
+			// A rejected command must change nothing but its dedupe record.
+			if writeThenFail != nil {
+				writeThenFail(l.Index, opErr)
+			}
+			if !isolated {
+				return nil, false
+			}
+			f.head.invalidate()
+			t.reset()
+			mark = t.writes
+		}
 	}
-	if err := f.finishWrite(t, cmd, now, opErr); err != nil {
-		t.abort()
-		f.setApplied(l.Index)
-		return &Result{Index: l.Index, Err: err}
-	}
-	if len(t.changed) == 0 {
-		// Nothing to write (a rejected command without a client ID):
-		// release the writer without waking anyone.
-		t.abort()
-		f.setApplied(l.Index)
-	} else {
-		f.commit(t)
+	if err := f.finishEntry(t, cmd, now, digest, replaced, opErr); err != nil {
+		if t.writes != mark {
+			if writeThenFail != nil {
+				writeThenFail(l.Index, err)
+			}
+			if !isolated {
+				return nil, false
+			}
+			f.head.invalidate()
+			t.reset()
+		}
+		return &Result{Index: l.Index, Err: err}, true
 	}
 	if value != nil {
 		value = proto.Clone(value)
 	}
-	return &Result{Index: l.Index, Err: opErr, Value: value}
+	return &Result{Index: l.Index, Err: opErr, Value: value}, true
 }
 
-// finishWrite prunes expired dedupe records, records the outcome of a write
-// with a client ID and updates the index table.
-func (f *FSM) finishWrite(t *writeTxn, cmd *fsmv1.Command, now time.Time, opErr error) error {
+// finishEntry prunes expired dedupe records and records the outcome of a
+// write with a client ID. replaced reports that the command's dedupe key had
+// an (expired) record.
+func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced bool, opErr error) error {
 	if err := f.pruneDedupe(t, now); err != nil {
 		return err
 	}
-	if cmd.GetClientId() != "" {
-		rec := &fsmv1.DedupeRecord{
-			ClientId:  cmd.GetClientId(),
-			Sequence:  cmd.GetSequence(),
-			Index:     t.index,
-			ErrorCode: errorCode(opErr),
-			Time:      cmd.GetTime(),
-			OpDigest:  opDigest(cmd),
-		}
-		if opErr != nil {
-			rec.ErrorMessage = opErr.Error()
-		}
-		if err := t.insert(TableDedupe, rec); err != nil {
-			return err
-		}
+	if cmd.GetClientId() == "" {
+		return nil
 	}
-	return t.updateIndexes()
+	rec := &fsmv1.DedupeRecord{
+		ClientId:  cmd.GetClientId(),
+		Sequence:  cmd.GetSequence(),
+		Index:     t.index,
+		ErrorCode: errorCode(opErr),
+		Time:      cmd.GetTime(),
+		OpDigest:  digest,
+	}
+	if opErr != nil {
+		rec.ErrorMessage = opErr.Error()
+	}
+	if err := t.insert(TableDedupe, rec); err != nil {
+		return err
+	}
+	f.head.inserted(rec, replaced)
+	return nil
 }
 
 // opDigest hashes the operation of cmd (not its identity or time), with
-// deterministic marshalling so that every node computes the same digest.
-func opDigest(cmd *fsmv1.Command) []byte {
-	op := &fsmv1.Command{}
-	proto.Merge(op, cmd)
-	op.ClientId, op.Sequence, op.Time = "", 0, nil
-	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(op)
+// deterministic marshalling so that every node computes the same digest:
+// the SHA-256 of cmd marshalled without client_id, sequence and time. It
+// clears those fields for the marshalling and puts them back, instead of
+// copying the command.
+func (f *FSM) opDigest(cmd *fsmv1.Command) []byte {
+	clientID, seq, ts := cmd.ClientId, cmd.Sequence, cmd.Time
+	cmd.ClientId, cmd.Sequence, cmd.Time = "", 0, nil
+	b, err := marshalOpts.MarshalAppend(f.digestBuf[:0], cmd)
+	cmd.ClientId, cmd.Sequence, cmd.Time = clientID, seq, ts
 	if err != nil {
 		return nil
 	}
+	f.digestBuf = b
 	sum := sha256.Sum256(b)
 	return sum[:]
 }
@@ -241,16 +374,29 @@ func (f *FSM) setApplied(index uint64) {
 	f.mu.Unlock()
 }
 
-// commit makes a write transaction visible together with its index.
-func (f *FSM) commit(t *writeTxn) {
+// commit makes a write transaction visible together with the applied
+// index.
+func (f *FSM) commit(t *writeTxn, applied uint64) {
 	f.mu.Lock()
 	t.txn.Commit()
-	f.applied = t.index
+	f.applied = applied
 	f.mu.Unlock()
+	t.txn, t.base = nil, nil
+}
+
+// discard aborts a transaction that may have written: the dedupe head may
+// describe its writes, so it is dropped too.
+func (f *FSM) discard(t *writeTxn) {
+	t.abort()
+	f.head.invalidate()
 }
 
 // applyFunc applies one operation. It returns the record written (nil for
-// deletes) or an outcome error; on error, the caller discards its writes.
+// deletes) or an outcome error. It validates and looks up everything before
+// its first write, so that a rejected command has written nothing: its
+// transaction is shared with the other entries of the batch (see DESIGN.md,
+// "Atomicity"). It owns cmd, decoded for this apply alone, and may store
+// parts of it.
 type applyFunc func(f *FSM, t *writeTxn, cmd *fsmv1.Command) (proto.Message, error)
 
 // appliers is the dispatch table, keyed by the name of the field of the
@@ -313,80 +459,22 @@ func (f *FSM) dedupeExpired(rec *fsmv1.DedupeRecord, now time.Time) bool {
 }
 
 // pruneDedupe deletes up to maxPrunePerApply dedupe records older than the
-// window, oldest first.
+// window, oldest first (in time index order). It reads them from the dedupe
+// head, which scans the time index only when it runs out.
 func (f *FSM) pruneDedupe(t *writeTxn, now time.Time) error {
-	it, err := t.txn.Get(TableDedupe, indexTime)
-	if err != nil {
-		return fmt.Errorf("prune dedupe records: %w", err)
-	}
-	var expired []*fsmv1.DedupeRecord
-	for obj := it.Next(); obj != nil && len(expired) < maxPrunePerApply; obj = it.Next() {
-		rec := obj.(*fsmv1.DedupeRecord)
-		if !f.dedupeExpired(rec, now) {
-			break
+	cutoff := now.Add(-f.cfg.DedupeWindow)
+	for range maxPrunePerApply {
+		rec, err := f.head.first(t)
+		if err != nil {
+			return fmt.Errorf("prune dedupe records: %w", err)
 		}
-		expired = append(expired, rec)
-	}
-	for _, rec := range expired {
+		if rec == nil || !rec.GetTime().AsTime().Before(cutoff) {
+			return nil
+		}
 		if err := t.delete(TableDedupe, rec); err != nil {
 			return err
 		}
-	}
-	return nil
-}
-
-// writeTxn is a memdb write transaction that remembers which tables it
-// changed, so that the index table can record t.index for them.
-type writeTxn struct {
-	txn     *memdb.Txn
-	index   uint64
-	changed map[string]bool
-}
-
-func newWriteTxn(db *memdb.MemDB, index uint64) *writeTxn {
-	return &writeTxn{txn: db.Txn(true), index: index, changed: make(map[string]bool)}
-}
-
-func (t *writeTxn) insert(table string, obj any) error {
-	if err := t.txn.Insert(table, obj); err != nil {
-		return fmt.Errorf("insert into %s: %w", table, err)
-	}
-	t.changed[table] = true
-	return nil
-}
-
-func (t *writeTxn) delete(table string, obj any) error {
-	if err := t.txn.Delete(table, obj); err != nil {
-		return fmt.Errorf("delete from %s: %w", table, err)
-	}
-	t.changed[table] = true
-	return nil
-}
-
-func (t *writeTxn) deleteAll(table, index string, args ...any) error {
-	n, err := t.txn.DeleteAll(table, index, args...)
-	if err != nil {
-		return fmt.Errorf("delete from %s: %w", table, err)
-	}
-	if n > 0 {
-		t.changed[table] = true
-	}
-	return nil
-}
-
-func (t *writeTxn) abort() { t.txn.Abort() }
-
-// updateIndexes records t.index in the index table for every changed table.
-func (t *writeTxn) updateIndexes() error {
-	tables := make([]string, 0, len(t.changed))
-	for table := range t.changed {
-		tables = append(tables, table)
-	}
-	slices.Sort(tables)
-	for _, table := range tables {
-		if err := t.txn.Insert(TableIndex, &indexEntry{Table: table, Value: t.index}); err != nil {
-			return fmt.Errorf("update index of %s: %w", table, err)
-		}
+		f.head.pop()
 	}
 	return nil
 }

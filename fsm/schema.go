@@ -65,73 +65,83 @@ type recordCodec struct {
 	decode func(b []byte) (any, error)
 }
 
+// Primary-key indexers. Non-unique indexes of the same table name them as
+// pk, so that their keys have room for the primary key memdb appends.
+var (
+	serviceID = keyIndex(
+		strField((*clusterv1.ServiceInstance).GetService),
+		strField((*clusterv1.ServiceInstance).GetInstanceId),
+	)
+	configHistoryID = keyIndex(
+		strField((*clusterv1.ConfigEntry).GetKey),
+		uintField((*clusterv1.ConfigEntry).GetRevision),
+	)
+	scheduleID = keyIndex(strField((*schedulev1.Schedule).GetId))
+	runID      = keyIndex(
+		strField((*schedulev1.Run).GetScheduleId),
+		timeField((*schedulev1.Run).GetSlot),
+	)
+	dedupeID = keyIndex(
+		strField((*fsmv1.DedupeRecord).GetClientId),
+		uintField((*fsmv1.DedupeRecord).GetSequence),
+	)
+)
+
 // tableDefs is the registry of tables, in snapshot order. Adding a table here
 // adds it to the schema, to Tables() and to snapshots.
 var tableDefs = []tableDef{
 	{
 		name: TableServices,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: &memdb.CompoundIndex{Indexes: []memdb.Indexer{
-				stringIndex[*clusterv1.ServiceInstance]((*clusterv1.ServiceInstance).GetService),
-				stringIndex[*clusterv1.ServiceInstance]((*clusterv1.ServiceInstance).GetInstanceId),
-			}}},
-			&memdb.IndexSchema{Name: indexService, Indexer: stringIndex[*clusterv1.ServiceInstance]((*clusterv1.ServiceInstance).GetService)},
-			&memdb.IndexSchema{Name: indexNode, AllowMissing: true, Indexer: stringIndex[*clusterv1.ServiceInstance]((*clusterv1.ServiceInstance).GetNode)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: serviceID},
+			&memdb.IndexSchema{Name: indexService, Indexer: serviceID.secondary(strField((*clusterv1.ServiceInstance).GetService))},
+			&memdb.IndexSchema{Name: indexNode, AllowMissing: true, Indexer: serviceID.secondary(strField((*clusterv1.ServiceInstance).GetNode))},
 		),
 		codec: protoCodec[*clusterv1.ServiceInstance](),
 	},
 	{
 		name: TableConfig,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: stringIndex[*clusterv1.ConfigEntry]((*clusterv1.ConfigEntry).GetKey)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField((*clusterv1.ConfigEntry).GetKey))},
 		),
 		codec: protoCodec[*clusterv1.ConfigEntry](),
 	},
 	{
 		name: TableConfigHistory,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: &memdb.CompoundIndex{Indexes: []memdb.Indexer{
-				stringIndex[*clusterv1.ConfigEntry]((*clusterv1.ConfigEntry).GetKey),
-				uintIndex[*clusterv1.ConfigEntry]((*clusterv1.ConfigEntry).GetRevision),
-			}}},
-			&memdb.IndexSchema{Name: indexKey, Indexer: stringIndex[*clusterv1.ConfigEntry]((*clusterv1.ConfigEntry).GetKey)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: configHistoryID},
+			&memdb.IndexSchema{Name: indexKey, Indexer: configHistoryID.secondary(strField((*clusterv1.ConfigEntry).GetKey))},
 		),
 		codec: protoCodec[*clusterv1.ConfigEntry](),
 	},
 	{
 		name: TableSchedules,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: stringIndex[*schedulev1.Schedule]((*schedulev1.Schedule).GetId)},
-			&memdb.IndexSchema{Name: indexVM, Indexer: stringIndex[*schedulev1.Schedule]((*schedulev1.Schedule).GetVmId)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: scheduleID},
+			&memdb.IndexSchema{Name: indexVM, Indexer: scheduleID.secondary(strField((*schedulev1.Schedule).GetVmId))},
 		),
 		codec: protoCodec[*schedulev1.Schedule](),
 	},
 	{
 		name: TableScheduleRuns,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: &memdb.CompoundIndex{Indexes: []memdb.Indexer{
-				stringIndex[*schedulev1.Run]((*schedulev1.Run).GetScheduleId),
-				timeIndex[*schedulev1.Run]((*schedulev1.Run).GetSlot),
-			}}},
-			&memdb.IndexSchema{Name: indexSchedule, Indexer: stringIndex[*schedulev1.Run]((*schedulev1.Run).GetScheduleId)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: runID},
+			&memdb.IndexSchema{Name: indexSchedule, Indexer: runID.secondary(strField((*schedulev1.Run).GetScheduleId))},
 		),
 		codec: protoCodec[*schedulev1.Run](),
 	},
 	{
 		name: TableDedupe,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: &memdb.CompoundIndex{Indexes: []memdb.Indexer{
-				stringIndex[*fsmv1.DedupeRecord]((*fsmv1.DedupeRecord).GetClientId),
-				uintIndex[*fsmv1.DedupeRecord]((*fsmv1.DedupeRecord).GetSequence),
-			}}},
-			&memdb.IndexSchema{Name: indexTime, Indexer: timeIndex[*fsmv1.DedupeRecord]((*fsmv1.DedupeRecord).GetTime)},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: dedupeID},
+			&memdb.IndexSchema{Name: indexTime, Indexer: dedupeID.secondary(timeField((*fsmv1.DedupeRecord).GetTime))},
 		),
 		codec: protoCodec[*fsmv1.DedupeRecord](),
 	},
 	{
 		name: TableIndex,
 		indexes: indexes(
-			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: stringIndex[*indexEntry](func(e *indexEntry) string { return e.Table })},
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *indexEntry) string { return e.Table }))},
 		),
 		codec: recordCodec{encode: encodeIndexEntry, decode: decodeIndexEntry},
 	},
@@ -185,113 +195,160 @@ func indexes(list ...*memdb.IndexSchema) map[string]*memdb.IndexSchema {
 	return m
 }
 
-// stringIndexer indexes a string field of T. Values are NUL terminated, so an
-// exact lookup of "web" never matches "webapp" and compound keys sort by
-// their first field, then the next. An empty string is a missing value.
-type stringIndexer[T any] struct{ get func(T) string }
-
-func stringIndex[T any](get func(T) string) *stringIndexer[T] {
-	return &stringIndexer[T]{get: get}
+// keyField is one field of an index key. Exactly one getter is set:
+//
+//   - str: the bytes followed by NUL, so that an exact lookup of "web" never
+//     matches "webapp" and compound keys sort by their first field, then
+//     the next; "" is a missing value;
+//   - u64: 8 bytes, big endian, so that keys sort numerically;
+//   - ts: 12 bytes that sort chronologically (timeKey); nil is a missing
+//     value.
+type keyField[T any] struct {
+	str func(T) string
+	u64 func(T) uint64
+	ts  func(T) *timestamppb.Timestamp
 }
 
-func (x *stringIndexer[T]) FromObject(obj any) (bool, []byte, error) {
+func strField[T any](get func(T) string) keyField[T] { return keyField[T]{str: get} }
+
+func uintField[T any](get func(T) uint64) keyField[T] { return keyField[T]{u64: get} }
+
+func timeField[T any](get func(T) *timestamppb.Timestamp) keyField[T] {
+	return keyField[T]{ts: get}
+}
+
+// keyIndexer indexes records of type T by the concatenation of the
+// encodings of its fields; a record with a missing field is not indexed. It
+// builds a key with one allocation (memdb's CompoundIndex makes one per
+// field and more to concatenate).
+type keyIndexer[T any] struct {
+	fields []keyField[T]
+	// pk is the primary-key indexer of the table when this index is not
+	// unique: memdb appends the primary key to the key, and FromObject
+	// leaves room for it.
+	pk *keyIndexer[T]
+}
+
+func keyIndex[T any](fields ...keyField[T]) *keyIndexer[T] {
+	return &keyIndexer[T]{fields: fields}
+}
+
+// secondary returns a non-unique index of the same table as the primary
+// key indexer x.
+func (x *keyIndexer[T]) secondary(fields ...keyField[T]) *keyIndexer[T] {
+	return &keyIndexer[T]{fields: fields, pk: x}
+}
+
+// size returns the length of the key of o, or false when a field is
+// missing.
+func (x *keyIndexer[T]) size(o T) (int, bool) {
+	n := 0
+	for _, f := range x.fields {
+		switch {
+		case f.str != nil:
+			s := f.str(o)
+			if s == "" {
+				return 0, false
+			}
+			n += len(s) + 1
+		case f.u64 != nil:
+			n += 8
+		default:
+			if f.ts(o) == nil {
+				return 0, false
+			}
+			n += 12
+		}
+	}
+	return n, true
+}
+
+func (x *keyIndexer[T]) appendKey(b []byte, o T) []byte {
+	for _, f := range x.fields {
+		switch {
+		case f.str != nil:
+			b = append(append(b, f.str(o)...), 0)
+		case f.u64 != nil:
+			b = binary.BigEndian.AppendUint64(b, f.u64(o))
+		default:
+			ts := f.ts(o)
+			b = appendTimeKey(b, ts.GetSeconds(), ts.GetNanos())
+		}
+	}
+	return b
+}
+
+func (x *keyIndexer[T]) FromObject(obj any) (bool, []byte, error) {
 	o, ok := obj.(T)
 	if !ok {
-		return false, nil, fmt.Errorf("string index: object of type %T", obj)
+		return false, nil, fmt.Errorf("index: object of type %T", obj)
 	}
-	s := x.get(o)
-	if s == "" {
+	n, ok := x.size(o)
+	if !ok {
 		return false, nil, nil
 	}
-	return true, append([]byte(s), 0), nil
-}
-
-func (x *stringIndexer[T]) FromArgs(args ...any) ([]byte, error) {
-	b, err := x.PrefixFromArgs(args...)
-	if err != nil {
-		return nil, err
+	if x.pk != nil {
+		if m, ok := x.pk.size(o); ok {
+			n += m
+		}
 	}
-	return append(b, 0), nil
+	return true, x.appendKey(make([]byte, 0, n), o), nil
 }
 
-func (x *stringIndexer[T]) PrefixFromArgs(args ...any) ([]byte, error) {
-	if len(args) != 1 {
-		return nil, fmt.Errorf("string index: %d arguments, want 1", len(args))
+// FromArgs builds the key of an exact lookup: one argument per field, a
+// string, a uint64, and a *timestamppb.Timestamp or a time.Time.
+func (x *keyIndexer[T]) FromArgs(args ...any) ([]byte, error) {
+	if len(args) != len(x.fields) {
+		return nil, fmt.Errorf("index: %d arguments, want %d", len(args), len(x.fields))
 	}
-	s, ok := args[0].(string)
-	if !ok {
-		return nil, fmt.Errorf("string index: argument of type %T, want string", args[0])
+	n := 0
+	for i, f := range x.fields {
+		switch {
+		case f.str != nil:
+			s, ok := args[i].(string)
+			if !ok {
+				return nil, fmt.Errorf("index: argument %d of type %T, want string", i, args[i])
+			}
+			n += len(s) + 1
+		case f.u64 != nil:
+			if _, ok := args[i].(uint64); !ok {
+				return nil, fmt.Errorf("index: argument %d of type %T, want uint64", i, args[i])
+			}
+			n += 8
+		default:
+			switch args[i].(type) {
+			case *timestamppb.Timestamp, time.Time:
+			default:
+				return nil, fmt.Errorf("index: argument %d of type %T, want *timestamppb.Timestamp or time.Time", i, args[i])
+			}
+			n += 12
+		}
 	}
-	return []byte(s), nil
-}
-
-// uintIndexer indexes a uint64 field of T, big endian so that keys sort
-// numerically.
-type uintIndexer[T any] struct{ get func(T) uint64 }
-
-func uintIndex[T any](get func(T) uint64) *uintIndexer[T] {
-	return &uintIndexer[T]{get: get}
-}
-
-func (x *uintIndexer[T]) FromObject(obj any) (bool, []byte, error) {
-	o, ok := obj.(T)
-	if !ok {
-		return false, nil, fmt.Errorf("uint index: object of type %T", obj)
+	b := make([]byte, 0, n)
+	for i, f := range x.fields {
+		switch {
+		case f.str != nil:
+			b = append(append(b, args[i].(string)...), 0)
+		case f.u64 != nil:
+			b = binary.BigEndian.AppendUint64(b, args[i].(uint64))
+		default:
+			switch v := args[i].(type) {
+			case *timestamppb.Timestamp:
+				b = appendTimeKey(b, v.GetSeconds(), v.GetNanos())
+			case time.Time:
+				b = appendTimeKey(b, v.Unix(), int32(v.Nanosecond()))
+			}
+		}
 	}
-	return true, binary.BigEndian.AppendUint64(nil, x.get(o)), nil
+	return b, nil
 }
 
-func (x *uintIndexer[T]) FromArgs(args ...any) ([]byte, error) {
-	if len(args) != 1 {
-		return nil, fmt.Errorf("uint index: %d arguments, want 1", len(args))
-	}
-	v, ok := args[0].(uint64)
-	if !ok {
-		return nil, fmt.Errorf("uint index: argument of type %T, want uint64", args[0])
-	}
-	return binary.BigEndian.AppendUint64(nil, v), nil
-}
-
-// timeIndexer indexes a timestamp field of T with a 12-byte key that sorts
-// chronologically: seconds with the sign bit flipped, then nanos, big endian.
-// A nil timestamp is a missing value.
-type timeIndexer[T any] struct {
-	get func(T) *timestamppb.Timestamp
-}
-
-func timeIndex[T any](get func(T) *timestamppb.Timestamp) *timeIndexer[T] {
-	return &timeIndexer[T]{get: get}
-}
-
-func timeKey(seconds int64, nanos int32) []byte {
-	b := binary.BigEndian.AppendUint64(make([]byte, 0, 12), uint64(seconds)^(1<<63))
+// appendTimeKey appends the 12-byte key of a timestamp, which sorts
+// chronologically: seconds with the sign bit flipped, then nanos, big
+// endian.
+func appendTimeKey(b []byte, seconds int64, nanos int32) []byte {
+	b = binary.BigEndian.AppendUint64(b, uint64(seconds)^(1<<63))
 	return binary.BigEndian.AppendUint32(b, uint32(nanos))
-}
-
-func (x *timeIndexer[T]) FromObject(obj any) (bool, []byte, error) {
-	o, ok := obj.(T)
-	if !ok {
-		return false, nil, fmt.Errorf("time index: object of type %T", obj)
-	}
-	ts := x.get(o)
-	if ts == nil {
-		return false, nil, nil
-	}
-	return true, timeKey(ts.GetSeconds(), ts.GetNanos()), nil
-}
-
-func (x *timeIndexer[T]) FromArgs(args ...any) ([]byte, error) {
-	if len(args) != 1 {
-		return nil, fmt.Errorf("time index: %d arguments, want 1", len(args))
-	}
-	switch v := args[0].(type) {
-	case *timestamppb.Timestamp:
-		return timeKey(v.GetSeconds(), v.GetNanos()), nil
-	case time.Time:
-		return timeKey(v.Unix(), int32(v.Nanosecond())), nil
-	default:
-		return nil, fmt.Errorf("time index: argument of type %T, want *timestamppb.Timestamp or time.Time", args[0])
-	}
 }
 
 // protoCodec encodes records of a table that stores one proto message type.

@@ -168,6 +168,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	}
 	f.mu.Lock()
 	old := f.abandonCh
+	f.head.invalidate()
 	f.db = db
 	f.applied = hdr.GetLastIndex()
 	f.abandonCh = make(chan struct{})

@@ -1,0 +1,399 @@
+package fsm
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/binary"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/hashicorp/go-memdb"
+
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+)
+
+// tableNum returns the position of a table in tableDefs, or -1.
+// TestTableNum checks it against tableDefs.
+func tableNum(name string) int {
+	switch name {
+	case TableServices:
+		return 0
+	case TableConfig:
+		return 1
+	case TableConfigHistory:
+		return 2
+	case TableSchedules:
+		return 3
+	case TableScheduleRuns:
+		return 4
+	case TableDedupe:
+		return 5
+	case TableIndex:
+		return 6
+	}
+	return -1
+}
+
+// primaryIndexer is the indexer of a primary key: one value per record.
+type primaryIndexer interface {
+	memdb.Indexer
+	memdb.SingleIndexer
+}
+
+// idIndexers holds the primary-key indexer of each table, by tableNum.
+var idIndexers = func() []primaryIndexer {
+	out := make([]primaryIndexer, len(tableDefs))
+	for i, t := range tableDefs {
+		out[i] = t.indexes[indexID].Indexer.(primaryIndexer)
+	}
+	return out
+}()
+
+// writeTxn is the memdb write transaction of one batch of log entries (one
+// entry when applied on its own). It remembers, per table, the index of the
+// last entry that changed it, so that the index table is written once per
+// batch with the values one-by-one application would leave.
+//
+// Point lookups by primary key (get) do not read through the write
+// transaction: memdb answers a read of an index modified in the transaction
+// from a clone, and cloning drops the radix tree's cache of nodes already
+// copied by the transaction, so every later write would copy its whole path
+// again. Instead, get reads the records this transaction wrote (overlay)
+// and otherwise the state the transaction started from (base). Every write
+// goes through insert and delete, which keep the overlay complete. Range
+// reads (runs of a schedule, history of a key, expired dedupe records) go
+// through txn: they are rare, or once per prune.
+//
+// A writeTxn is reused from batch to batch (begin), so that its maps and
+// slices are allocated once.
+type writeTxn struct {
+	db    *memdb.MemDB
+	txn   *memdb.Txn
+	base  *memdb.Txn
+	index uint64 // log index of the entry being applied
+
+	// writes counts the write calls made, failed ones included: an entry
+	// that returns an error must not have moved it (see applyEntry).
+	writes uint64
+	// changed[n] is the index of the last entry that changed table n, 0 if
+	// none did.
+	changed []uint64
+	// overlay[n] maps the primary key of each record of table n that this
+	// transaction wrote to the record, or to nil when it deleted it.
+	overlay []map[string]any
+	// noOverlay[n] is set if a written record's key could not be computed:
+	// get then reads table n through txn.
+	noOverlay []bool
+}
+
+func newWriteTxn() *writeTxn {
+	n := len(tableDefs)
+	t := &writeTxn{
+		changed:   make([]uint64, n),
+		overlay:   make([]map[string]any, n),
+		noOverlay: make([]bool, n),
+	}
+	for i := range t.overlay {
+		t.overlay[i] = make(map[string]any)
+	}
+	return t
+}
+
+// begin starts a write transaction on db.
+func (t *writeTxn) begin(db *memdb.MemDB) {
+	t.db = db
+	t.txn = db.Txn(true)
+	// Taken under the writer lock: the state txn starts from.
+	t.base = db.Txn(false)
+	t.index = 0
+	t.writes = 0
+	clear(t.changed)
+	clear(t.noOverlay)
+	for i, m := range t.overlay {
+		if len(m) > maxKeptOverlay {
+			// Clearing costs the map's capacity, which never shrinks:
+			// after a large delete, start small again.
+			t.overlay[i] = make(map[string]any)
+			continue
+		}
+		clear(m)
+	}
+}
+
+// maxKeptOverlay is the largest overlay map begin clears for reuse.
+const maxKeptOverlay = 1024
+
+// abort discards the transaction.
+func (t *writeTxn) abort() {
+	t.txn.Abort()
+	t.txn, t.base = nil, nil
+}
+
+// reset discards everything written and starts again from the same state.
+func (t *writeTxn) reset() {
+	db, index := t.db, t.index
+	t.abort()
+	t.begin(db)
+	t.index = index
+}
+
+// hasChanges reports whether any table changed.
+func (t *writeTxn) hasChanges() bool {
+	for _, c := range t.changed {
+		if c != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+func (t *writeTxn) num(table string) (int, error) {
+	n := tableNum(table)
+	if n < 0 {
+		return 0, fmt.Errorf("unknown table %q", table)
+	}
+	return n, nil
+}
+
+func (t *writeTxn) insert(table string, obj any) error {
+	n, err := t.num(table)
+	if err != nil {
+		return err
+	}
+	t.writes++
+	if err := t.txn.Insert(table, obj); err != nil {
+		return fmt.Errorf("insert into %s: %w", table, err)
+	}
+	t.changed[n] = t.index
+	t.remember(n, obj, obj)
+	return nil
+}
+
+func (t *writeTxn) delete(table string, obj any) error {
+	n, err := t.num(table)
+	if err != nil {
+		return err
+	}
+	t.writes++
+	if err := t.txn.Delete(table, obj); err != nil {
+		return fmt.Errorf("delete from %s: %w", table, err)
+	}
+	t.changed[n] = t.index
+	t.remember(n, obj, nil)
+	return nil
+}
+
+// touch marks a table changed without writing to it.
+func (t *writeTxn) touch(table string) {
+	if n := tableNum(table); n >= 0 {
+		t.changed[n] = t.index
+	}
+}
+
+// remember records in the overlay that the record with obj's primary key
+// is now val (nil: deleted).
+func (t *writeTxn) remember(n int, obj, val any) {
+	ok, key, err := idIndexers[n].FromObject(obj)
+	if err != nil || !ok {
+		// Impossible: memdb just indexed obj with the same indexer.
+		t.noOverlay[n] = true
+		return
+	}
+	t.overlay[n][string(key)] = val
+}
+
+// get returns the record of table whose primary key is args, or nil.
+func (t *writeTxn) get(table string, args ...any) (any, error) {
+	n, err := t.num(table)
+	if err != nil {
+		return nil, err
+	}
+	if t.noOverlay[n] {
+		return t.txn.First(table, indexID, args...)
+	}
+	if m := t.overlay[n]; len(m) > 0 {
+		key, err := idIndexers[n].FromArgs(args...)
+		if err != nil {
+			return nil, err
+		}
+		if obj, ok := m[string(key)]; ok {
+			return obj, nil
+		}
+	}
+	return t.base.First(table, indexID, args...)
+}
+
+// lookup returns the record of table whose primary key is args, or the zero
+// T.
+func lookup[T any](t *writeTxn, table string, args ...any) (T, error) {
+	var zero T
+	obj, err := t.get(table, args...)
+	if err != nil {
+		return zero, fmt.Errorf("read %s: %w", table, err)
+	}
+	if obj == nil {
+		return zero, nil
+	}
+	v, ok := obj.(T)
+	if !ok {
+		return zero, fmt.Errorf("read %s: record of type %T", table, obj)
+	}
+	return v, nil
+}
+
+// scan returns the records of an index range, read through the write
+// transaction.
+func scan[T any](t *writeTxn, table, index string, args ...any) ([]T, error) {
+	it, err := t.txn.Get(table, index, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", table, err)
+	}
+	out := make([]T, 0, 4)
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		v, ok := obj.(T)
+		if !ok {
+			return nil, fmt.Errorf("read %s: record of type %T", table, obj)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// updateIndexes writes, for every table the transaction changed, the index
+// of the last entry that changed it.
+func (t *writeTxn) updateIndexes() error {
+	for n, index := range t.changed {
+		if index == 0 {
+			continue
+		}
+		name := tableDefs[n].name
+		if err := t.txn.Insert(TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
+			return fmt.Errorf("update index of %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// dedupeHeadSize is how many of the oldest dedupe records dedupeHead
+// caches. It must exceed maxPrunePerApply, so that one prune needs at most
+// one scan.
+const dedupeHeadSize = 2 * maxPrunePerApply
+
+// dedupeHead caches the oldest dedupe records, in the order of the time
+// index, so that pruning neither scans the time index on every entry nor
+// makes memdb clone it (which would drop the transaction's cache of copied
+// radix nodes). It is a cache of the state, never part of it: an invalid
+// head is always safe, it only costs a scan. The FSM keeps it valid across
+// commits and invalidates it whenever a transaction that wrote is discarded
+// and on Restore.
+type dedupeHead struct {
+	valid bool
+	// complete reports that recs holds every dedupe record; otherwise recs
+	// is the first len(recs) records of the time index.
+	complete bool
+	recs     []*fsmv1.DedupeRecord
+}
+
+// load fills the head from the time index of t.
+func (h *dedupeHead) load(t *writeTxn) error {
+	it, err := t.txn.Get(TableDedupe, indexTime)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", TableDedupe, err)
+	}
+	clear(h.recs)
+	recs := make([]*fsmv1.DedupeRecord, 0, dedupeHeadSize)
+	obj := it.Next()
+	for ; obj != nil && len(recs) < dedupeHeadSize; obj = it.Next() {
+		rec, ok := obj.(*fsmv1.DedupeRecord)
+		if !ok {
+			return fmt.Errorf("read %s: record of type %T", TableDedupe, obj)
+		}
+		recs = append(recs, rec)
+	}
+	*h = dedupeHead{valid: true, complete: obj == nil, recs: recs}
+	return nil
+}
+
+// first returns the oldest dedupe record, or nil when there is none.
+func (h *dedupeHead) first(t *writeTxn) (*fsmv1.DedupeRecord, error) {
+	if !h.valid || (len(h.recs) == 0 && !h.complete) {
+		if err := h.load(t); err != nil {
+			return nil, err
+		}
+	}
+	if len(h.recs) == 0 {
+		return nil, nil
+	}
+	return h.recs[0], nil
+}
+
+// pop forgets the oldest record, which was just deleted.
+func (h *dedupeHead) pop() {
+	h.recs[0] = nil
+	h.recs = h.recs[1:]
+}
+
+// inserted accounts for a dedupe record just inserted. replaced reports
+// that a record with the same key may have existed: its time index entry
+// is then gone, and the head is dropped rather than searched.
+func (h *dedupeHead) inserted(rec *fsmv1.DedupeRecord, replaced bool) {
+	switch {
+	case !h.valid:
+		return
+	case replaced:
+		h.invalidate()
+		return
+	case len(h.recs) == 0:
+		if h.complete {
+			h.recs = append(h.recs, rec)
+		}
+		return
+	}
+	if compareDedupe(h.recs[len(h.recs)-1], rec) < 0 {
+		// After every cached record: part of the head only if the head is
+		// the whole table.
+		if h.complete {
+			h.recs = append(h.recs, rec)
+			h.complete = len(h.recs) < dedupeHeadSize
+		}
+		return
+	}
+	i, _ := slices.BinarySearchFunc(h.recs, rec, compareDedupe)
+	h.recs = slices.Insert(h.recs, i, rec)
+	if len(h.recs) > dedupeHeadSize {
+		h.recs[len(h.recs)-1] = nil
+		h.recs = h.recs[:len(h.recs)-1]
+		h.complete = false
+	}
+}
+
+func (h *dedupeHead) invalidate() {
+	clear(h.recs)
+	*h = dedupeHead{}
+}
+
+// compareDedupe orders dedupe records as the time index does: by the bytes
+// of timeKey(time) followed by the primary key, client_id NUL-terminated
+// then the big-endian sequence.
+func compareDedupe(a, b *fsmv1.DedupeRecord) int {
+	at, bt := a.GetTime(), b.GetTime()
+	if c := cmp.Compare(uint64(at.GetSeconds())^(1<<63), uint64(bt.GetSeconds())^(1<<63)); c != 0 {
+		return c
+	}
+	if c := cmp.Compare(uint32(at.GetNanos()), uint32(bt.GetNanos())); c != 0 {
+		return c
+	}
+	ac, bc := a.GetClientId(), b.GetClientId()
+	if strings.IndexByte(ac, 0) < 0 && strings.IndexByte(bc, 0) < 0 {
+		// Without NUL inside, the terminator makes the byte order of the
+		// client IDs the string order.
+		if c := strings.Compare(ac, bc); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.GetSequence(), b.GetSequence())
+	}
+	ak := binary.BigEndian.AppendUint64(append([]byte(ac), 0), a.GetSequence())
+	bk := binary.BigEndian.AppendUint64(append([]byte(bc), 0), b.GetSequence())
+	return bytes.Compare(ak, bk)
+}
