@@ -32,7 +32,7 @@ func DefaultConfig() Config {
 	return Config{
 		Logger:             slog.New(slog.DiscardHandler),
 		ConfigHistoryLimit: 16,
-		DedupeWindow:       10 * time.Minute,
+		DedupeWindow:       2 * time.Minute,
 		MaxRunHistory:      50,
 	}
 }

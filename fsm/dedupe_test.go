@@ -124,7 +124,7 @@ func TestDedupePruning(t *testing.T) {
 		h.mustApply(withClient(setConfig("k", "v"), "c", uint64(i+1)))
 	}
 	// A record exactly at the cutoff stays; only older ones go.
-	h.now = t0.Add(10*time.Minute + (n-1)*time.Millisecond)
+	h.now = t0.Add(DefaultConfig().DedupeWindow + (n-1)*time.Millisecond)
 	h.mustApply(setConfig("k", "v"))
 	if got := dedupeCount(t, h); got != n-maxPrunePerApply {
 		t.Fatalf("dedupe records after one apply = %d, want %d (bounded pruning)", got, n-maxPrunePerApply)
