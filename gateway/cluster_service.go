@@ -558,15 +558,21 @@ func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Reque
 	})
 }
 
+// checkInstanceWrite validates the instance a write names and fills in the
+// write's identity.
+func (h *ClusterService) checkInstanceWrite(service, instanceID string, w **clusterv1.WriteOptions) error {
+	if err := checkName("service", service); err != nil {
+		return err
+	}
+	if err := checkName("instance_id", instanceID); err != nil {
+		return err
+	}
+	return h.fillWrite(w)
+}
+
 // DeregisterService implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) DeregisterService(ctx context.Context, req *connect.Request[clusterv1.DeregisterServiceRequest]) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
-	if err := checkName("service", req.Msg.GetService()); err != nil {
-		return nil, toConnect(err)
-	}
-	if err := checkName("instance_id", req.Msg.GetInstanceId()); err != nil {
-		return nil, toConnect(err)
-	}
-	if err := h.fillWrite(&req.Msg.Write); err != nil {
+	if err := h.checkInstanceWrite(req.Msg.GetService(), req.Msg.GetInstanceId(), &req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.DeregisterService, func(ctx context.Context) (*connect.Response[clusterv1.DeregisterServiceResponse], error) {
@@ -582,13 +588,7 @@ func (h *ClusterService) DeregisterService(ctx context.Context, req *connect.Req
 
 // Heartbeat implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clusterv1.HeartbeatRequest]) (*connect.Response[clusterv1.HeartbeatResponse], error) {
-	if err := checkName("service", req.Msg.GetService()); err != nil {
-		return nil, toConnect(err)
-	}
-	if err := checkName("instance_id", req.Msg.GetInstanceId()); err != nil {
-		return nil, toConnect(err)
-	}
-	if err := h.fillWrite(&req.Msg.Write); err != nil {
+	if err := h.checkInstanceWrite(req.Msg.GetService(), req.Msg.GetInstanceId(), &req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
