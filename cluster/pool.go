@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -22,16 +23,34 @@ const CompressMinBytes = 1024
 // Pool holds the clients this node uses to reach other agents' internal
 // ports, one HTTP/2 connection per peer, shared by all calls.
 type Pool struct {
-	http *http.Client
+	// https are independent clients, each with its own HTTP/2 connection
+	// per peer: calls are spread over them, because one Go HTTP/2 client
+	// connection serialises its streams on its own locks under load.
+	https []*http.Client
+	next  atomic.Uint64
 
 	mu      sync.Mutex
-	cluster map[string]clusterv1connect.ClusterServiceClient
+	cluster map[string][]clusterv1connect.ClusterServiceClient
 	node    map[string]nodev1connect.NodeServiceClient
 }
+
+// connsPerPeer is how many HTTP/2 connections the pool keeps per peer.
+const connsPerPeer = 3
 
 // NewPool builds a pool speaking HTTP/2 without TLS. (mTLS between agents
 // replaces the transport, not the pool.)
 func NewPool() *Pool {
+	p := &Pool{
+		cluster: make(map[string][]clusterv1connect.ClusterServiceClient),
+		node:    make(map[string]nodev1connect.NodeServiceClient),
+	}
+	for range connsPerPeer {
+		p.https = append(p.https, newHTTPClient())
+	}
+	return p
+}
+
+func newHTTPClient() *http.Client {
 	var protos http.Protocols
 	protos.SetUnencryptedHTTP2(true)
 	tr := &http.Transport{
@@ -44,11 +63,7 @@ func NewPool() *Pool {
 		PingTimeout:     5 * time.Second,
 		SendPingTimeout: 10 * time.Second,
 	}
-	return &Pool{
-		http:    &http.Client{Transport: tr},
-		cluster: make(map[string]clusterv1connect.ClusterServiceClient),
-		node:    make(map[string]nodev1connect.NodeServiceClient),
-	}
+	return &http.Client{Transport: tr}
 }
 
 func clientOptions() []connect.ClientOption {
@@ -64,12 +79,14 @@ func clientOptions() []connect.ClientOption {
 func (p *Pool) Cluster(addr string) clusterv1connect.ClusterServiceClient {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	c, ok := p.cluster[addr]
+	cs, ok := p.cluster[addr]
 	if !ok {
-		c = clusterv1connect.NewClusterServiceClient(p.http, "http://"+addr, clientOptions()...)
-		p.cluster[addr] = c
+		for _, hc := range p.https {
+			cs = append(cs, clusterv1connect.NewClusterServiceClient(hc, "http://"+addr, clientOptions()...))
+		}
+		p.cluster[addr] = cs
 	}
-	return c
+	return cs[p.next.Add(1)%uint64(len(cs))]
 }
 
 // Node returns a NodeService client for an agent's internal address.
@@ -78,7 +95,7 @@ func (p *Pool) Node(addr string) nodev1connect.NodeServiceClient {
 	defer p.mu.Unlock()
 	c, ok := p.node[addr]
 	if !ok {
-		c = nodev1connect.NewNodeServiceClient(p.http, "http://"+addr, clientOptions()...)
+		c = nodev1connect.NewNodeServiceClient(p.https[0], "http://"+addr, clientOptions()...)
 		p.node[addr] = c
 	}
 	return c
@@ -86,7 +103,9 @@ func (p *Pool) Node(addr string) nodev1connect.NodeServiceClient {
 
 // Close drops idle connections.
 func (p *Pool) Close() {
-	p.http.CloseIdleConnections()
+	for _, hc := range p.https {
+		hc.CloseIdleConnections()
+	}
 }
 
 // statusTimeout bounds one peer status query.
