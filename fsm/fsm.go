@@ -481,8 +481,15 @@ func (f *FSM) pruneDedupe(t *writeTxn, now time.Time) error {
 
 // first returns the first record of an index lookup, or the zero T.
 func first[T any](txn *memdb.Txn, table, index string, args ...any) (T, error) {
-	var zero T
 	obj, err := txn.First(table, index, args...)
+	return asRecord[T](table, obj, err)
+}
+
+// asRecord converts the result of a point lookup: the zero T when nothing
+// was found, an error naming the table when the read failed or the record
+// has another type.
+func asRecord[T any](table string, obj any, err error) (T, error) {
+	var zero T
 	if err != nil {
 		return zero, fmt.Errorf("read %s: %w", table, err)
 	}

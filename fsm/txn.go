@@ -227,19 +227,8 @@ func (t *writeTxn) get(table string, args ...any) (any, error) {
 // lookup returns the record of table whose primary key is args, or the zero
 // T.
 func lookup[T any](t *writeTxn, table string, args ...any) (T, error) {
-	var zero T
 	obj, err := t.get(table, args...)
-	if err != nil {
-		return zero, fmt.Errorf("read %s: %w", table, err)
-	}
-	if obj == nil {
-		return zero, nil
-	}
-	v, ok := obj.(T)
-	if !ok {
-		return zero, fmt.Errorf("read %s: record of type %T", table, obj)
-	}
-	return v, nil
+	return asRecord[T](table, obj, err)
 }
 
 // scan returns the records of an index range, read through the write
