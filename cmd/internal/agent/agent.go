@@ -19,6 +19,8 @@ import (
 
 	"connectrpc.com/connect"
 	sockaddr "github.com/hashicorp/go-sockaddr"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -27,6 +29,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
@@ -79,7 +82,8 @@ type Agent struct {
 	pool   *cluster.Pool
 	api    *gateway.ClusterService
 
-	servers []*http.Server
+	servers     []*http.Server
+	grpcServers []*grpc.Server
 
 	// readyTerm is the term whose leader barrier completed on this node;
 	// reads are served as leader only while it is the current term.
@@ -236,8 +240,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	a.serve(a.lnAPI, a.apiMux())
-	a.serve(a.lnInternal, internalMux(internal, cluster.NewNodeService(a.raft)))
+	a.serveSplit(a.lnAPI, a.apiMux(), func(s *grpc.Server) {
+		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
+	})
+	nodeSvc := cluster.NewNodeService(a.raft)
+	a.serveSplit(a.lnInternal, internalMux(internal, nodeSvc), func(s *grpc.Server) {
+		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
+		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
+	})
 	a.serve(a.lnMetrics, a.metricsMux())
 
 	a.wg.Add(1)
@@ -541,8 +551,35 @@ func (a *Agent) serve(ln net.Listener, h http.Handler) {
 	a.wg.Add(1)
 	go func() {
 		defer a.wg.Done()
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) && !gateway.IsClosed(err) {
 			a.logger.Error("server stopped", "addr", ln.Addr().String(), "error", err)
+		}
+	}()
+}
+
+// serveSplit serves ln with grpc-go for gRPC connections and with h for
+// everything else (gateway.ProtocolMux).
+func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.Server)) {
+	pm := gateway.NewProtocolMux(ln, 10*time.Second)
+	gs := grpc.NewServer(
+		grpc.MaxRecvMsgSize(cluster.MaxMessageBytes),
+		grpc.MaxSendMsgSize(cluster.MaxMessageBytes),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+	)
+	register(gs)
+	a.grpcServers = append(a.grpcServers, gs)
+	a.serve(pm.HTTP, h)
+	a.wg.Add(2)
+	go func() {
+		defer a.wg.Done()
+		if err := gs.Serve(pm.GRPC); err != nil && !gateway.IsClosed(err) {
+			a.logger.Error("grpc server stopped", "addr", ln.Addr().String(), "error", err)
+		}
+	}()
+	go func() {
+		defer a.wg.Done()
+		if err := pm.Serve(); err != nil {
+			a.logger.Error("listener stopped", "addr", ln.Addr().String(), "error", err)
 		}
 	}()
 }
@@ -721,6 +758,23 @@ func (a *Agent) shutdownLocked() error {
 			defer swg.Done()
 			if err := s.Shutdown(ctx); err != nil {
 				_ = s.Close()
+			}
+		}()
+	}
+	for _, s := range a.grpcServers {
+		swg.Add(1)
+		go func() {
+			defer swg.Done()
+			stopped := make(chan struct{})
+			go func() {
+				s.GracefulStop()
+				close(stopped)
+			}()
+			select {
+			case <-stopped:
+			case <-ctx.Done():
+				s.Stop()
+				<-stopped
 			}
 		}()
 	}

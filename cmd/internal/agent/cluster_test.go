@@ -11,10 +11,16 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 )
 
 const waitFor = 30 * time.Second
@@ -191,6 +197,53 @@ func TestForwardingAndReadModes(t *testing.T) {
 		resp, err := listServices(t, f, clusterv1.Consistency_CONSISTENCY_CONSISTENT)
 		if err != nil || len(resp.Msg.GetInstances()) != 1 {
 			t.Fatalf("after bad input: %v instances, err %v; want the one stored instance", len(resp.Msg.GetInstances()), err)
+		}
+	})
+	t.Run("grpc-clients", func(t *testing.T) {
+		// The API and internal ports serve gRPC clients through grpc-go:
+		// a write through the follower's API port is forwarded, a
+		// consistent read sees it with the query headers, and the
+		// leader-only instance of the internal port refuses on a follower.
+		cc, err := grpc.NewClient(f.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cc.Close()
+		api := clusterv1.NewClusterServiceClient(cc)
+		reg, err := api.RegisterService(ctxT(t), &clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
+			Service: "grpc", InstanceId: "grpc-1", Address: "10.0.0.9", Port: 9,
+		}})
+		if err != nil {
+			t.Fatalf("register over gRPC via the follower: %v", err)
+		}
+		var hdr metadata.MD
+		got, err := api.GetService(ctxT(t), &clusterv1.GetServiceRequest{
+			Service: "grpc", InstanceId: "grpc-1",
+			Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+		}, grpc.Header(&hdr))
+		if err != nil || len(got.GetInstances()) != 1 {
+			t.Fatalf("consistent get over gRPC: %v, %v", got, err)
+		}
+		idx, _ := strconv.ParseUint(first(hdr.Get("pivirt-index")), 10, 64)
+		if idx < reg.GetIndex() {
+			t.Errorf("pivirt-index %d < write index %d (headers %v)", idx, reg.GetIndex(), hdr)
+		}
+		_, err = api.RegisterService(ctxT(t), &clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{Service: "bad name", InstanceId: "x", Address: "10.0.0.1"}})
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("bad name over gRPC: got %v, want InvalidArgument", err)
+		}
+
+		ic, err := grpc.NewClient(f.InternalAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ic.Close()
+		if _, err := nodev1.NewNodeServiceClient(ic).Status(ctxT(t), &nodev1.StatusRequest{}); err != nil {
+			t.Errorf("node status over gRPC on the internal port: %v", err)
+		}
+		_, err = clusterv1.NewClusterServiceClient(ic).GetService(ctxT(t), &clusterv1.GetServiceRequest{Service: "grpc"})
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("leader-only instance on a follower: got %v, want Unavailable", err)
 		}
 	})
 }
@@ -414,4 +467,11 @@ func TestTTLExpiryMarksCritical(t *testing.T) {
 	if hb.Msg.GetInstance().GetHealth() != clusterv1.Health_HEALTH_PASSING {
 		t.Fatalf("after heartbeat: %s, want passing", hb.Msg.GetInstance().GetHealth())
 	}
+}
+
+func first(v []string) string {
+	if len(v) == 0 {
+		return ""
+	}
+	return v[0]
 }

@@ -14,13 +14,13 @@ import (
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
-	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // Knobs. The duration of one timed run is PIVIRT_BENCH_DURATION, else
@@ -127,17 +127,21 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	waitWritable(b, etcd)
 
 	// pivirt-agent: production Raft timeouts (agenttest keeps the library
-	// defaults). One HTTP/2 (h2c) connection per node, shared by every
-	// client goroutine, as clientv3 shares one connection per member.
+	// defaults). A gRPC client (grpc-go, as clientv3 is) with one
+	// connection per node, shared by every client goroutine, as clientv3
+	// shares one connection per member.
 	pc := agenttest.NewExpect(b, 3, nil)
 	leaderNode := pc.WaitLeader(60 * time.Second)
 	leader, follower := pc.Index(leaderNode), pc.Index(pc.Follower())
 	nodes := pc.Nodes()
-	api := make([]clusterv1connect.ClusterServiceClient, len(nodes))
+	api := make([]clusterv1.ClusterServiceClient, len(nodes))
 	for _, n := range nodes {
-		hc := agenttest.NewHTTPClient()
-		b.Cleanup(hc.CloseIdleConnections)
-		api[pc.Index(n)] = agenttest.NewClient(hc, n.APIAddr())
+		cc, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = cc.Close() })
+		api[pc.Index(n)] = clusterv1.NewClusterServiceClient(cc)
 	}
 
 	// The read target exists on both sides before anything is timed.
@@ -151,7 +155,7 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	agenttest.Eventually(b, 30*time.Second, "pivirt-agent accepts a write through every node", func() error {
 		for i := range api {
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			_, err := api[i].RegisterService(rctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: instance(readService, readID)}))
+			_, err := api[i].RegisterService(rctx, &clusterv1.RegisterServiceRequest{Instance: instance(readService, readID)})
 			cancel()
 			if err != nil {
 				return fmt.Errorf("node %d: %w", i, err)
@@ -298,23 +302,23 @@ func measureIdle(ctx context.Context, d time.Duration) float64 {
 // RegisterServiceRequest, the etcd side encodes it as the value. Written
 // ids cycle over keySpace keys so both sides hold the same amount of state
 // in every round.
-func workloads(etcd *clientv3.Client, api []clusterv1connect.ClusterServiceClient, leader, follower int) []group {
+func workloads(etcd *clientv3.Client, api []clusterv1.ClusterServiceClient, leader, follower int) []group {
 	var etcdSeq, pvSeq atomic.Uint64
 	nextID := func(seq *atomic.Uint64) string { return fmt.Sprintf("i-%05d", seq.Add(1)%keySpace) }
 	register := func(pick func(w, i int) int) op {
 		return func(ctx context.Context, w, i int) error {
-			_, err := api[pick(w, i)].RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: instance(writeService, nextID(&pvSeq))}))
+			_, err := api[pick(w, i)].RegisterService(ctx, &clusterv1.RegisterServiceRequest{Instance: instance(writeService, nextID(&pvSeq))})
 			return err
 		}
 	}
 	get := func(pick func(w, i int) int, mode clusterv1.Consistency) op {
 		return func(ctx context.Context, w, i int) error {
-			resp, err := api[pick(w, i)].GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{
+			resp, err := api[pick(w, i)].GetService(ctx, &clusterv1.GetServiceRequest{
 				Service: readService, InstanceId: readID,
 				Read: &clusterv1.ReadOptions{Consistency: mode},
-			}))
-			if err == nil && len(resp.Msg.GetInstances()) != 1 {
-				err = fmt.Errorf("get %s/%s: %d instances, want 1", readService, readID, len(resp.Msg.GetInstances()))
+			})
+			if err == nil && len(resp.GetInstances()) != 1 {
+				err = fmt.Errorf("get %s/%s: %d instances, want 1", readService, readID, len(resp.GetInstances()))
 			}
 			return err
 		}

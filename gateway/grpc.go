@@ -1,0 +1,198 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strings"
+
+	"connectrpc.com/connect"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
+)
+
+// The gRPC adapters serve the agent's own services to grpc-go clients by
+// calling the same Connect handler methods that net/http serves: one
+// implementation, two transports. Each method is one line; the generated
+// server interface (built without the Unimplemented embedding) makes the
+// compiler reject an adapter that misses a method.
+
+// NewClusterGRPC serves h over gRPC.
+func NewClusterGRPC(h clusterv1connect.ClusterServiceHandler) clusterv1.ClusterServiceServer {
+	return clusterGRPC{h}
+}
+
+type clusterGRPC struct {
+	h clusterv1connect.ClusterServiceHandler
+}
+
+func (g clusterGRPC) Members(ctx context.Context, r *clusterv1.MembersRequest) (*clusterv1.MembersResponse, error) {
+	return unary(ctx, r, g.h.Members)
+}
+
+func (g clusterGRPC) Peers(ctx context.Context, r *clusterv1.PeersRequest) (*clusterv1.PeersResponse, error) {
+	return unary(ctx, r, g.h.Peers)
+}
+
+func (g clusterGRPC) Leader(ctx context.Context, r *clusterv1.LeaderRequest) (*clusterv1.LeaderResponse, error) {
+	return unary(ctx, r, g.h.Leader)
+}
+
+func (g clusterGRPC) Join(ctx context.Context, r *clusterv1.JoinRequest) (*clusterv1.JoinResponse, error) {
+	return unary(ctx, r, g.h.Join)
+}
+
+func (g clusterGRPC) Leave(ctx context.Context, r *clusterv1.LeaveRequest) (*clusterv1.LeaveResponse, error) {
+	return unary(ctx, r, g.h.Leave)
+}
+
+func (g clusterGRPC) RemovePeer(ctx context.Context, r *clusterv1.RemovePeerRequest) (*clusterv1.RemovePeerResponse, error) {
+	return unary(ctx, r, g.h.RemovePeer)
+}
+
+func (g clusterGRPC) TransferLeader(ctx context.Context, r *clusterv1.TransferLeaderRequest) (*clusterv1.TransferLeaderResponse, error) {
+	return unary(ctx, r, g.h.TransferLeader)
+}
+
+func (g clusterGRPC) RegisterService(ctx context.Context, r *clusterv1.RegisterServiceRequest) (*clusterv1.RegisterServiceResponse, error) {
+	return unary(ctx, r, g.h.RegisterService)
+}
+
+func (g clusterGRPC) DeregisterService(ctx context.Context, r *clusterv1.DeregisterServiceRequest) (*clusterv1.DeregisterServiceResponse, error) {
+	return unary(ctx, r, g.h.DeregisterService)
+}
+
+func (g clusterGRPC) Heartbeat(ctx context.Context, r *clusterv1.HeartbeatRequest) (*clusterv1.HeartbeatResponse, error) {
+	return unary(ctx, r, g.h.Heartbeat)
+}
+
+func (g clusterGRPC) ListServices(ctx context.Context, r *clusterv1.ListServicesRequest) (*clusterv1.ListServicesResponse, error) {
+	return unary(ctx, r, g.h.ListServices)
+}
+
+func (g clusterGRPC) GetService(ctx context.Context, r *clusterv1.GetServiceRequest) (*clusterv1.GetServiceResponse, error) {
+	return unary(ctx, r, g.h.GetService)
+}
+
+func (g clusterGRPC) GetConfig(ctx context.Context, r *clusterv1.GetConfigRequest) (*clusterv1.GetConfigResponse, error) {
+	return unary(ctx, r, g.h.GetConfig)
+}
+
+func (g clusterGRPC) ListConfig(ctx context.Context, r *clusterv1.ListConfigRequest) (*clusterv1.ListConfigResponse, error) {
+	return unary(ctx, r, g.h.ListConfig)
+}
+
+func (g clusterGRPC) SetConfig(ctx context.Context, r *clusterv1.SetConfigRequest) (*clusterv1.SetConfigResponse, error) {
+	return unary(ctx, r, g.h.SetConfig)
+}
+
+func (g clusterGRPC) DeleteConfig(ctx context.Context, r *clusterv1.DeleteConfigRequest) (*clusterv1.DeleteConfigResponse, error) {
+	return unary(ctx, r, g.h.DeleteConfig)
+}
+
+func (g clusterGRPC) ConfigHistory(ctx context.Context, r *clusterv1.ConfigHistoryRequest) (*clusterv1.ConfigHistoryResponse, error) {
+	return unary(ctx, r, g.h.ConfigHistory)
+}
+
+// NewNodeGRPC serves h over gRPC.
+func NewNodeGRPC(h nodev1connect.NodeServiceHandler) nodev1.NodeServiceServer {
+	return nodeGRPC{h}
+}
+
+type nodeGRPC struct {
+	h nodev1connect.NodeServiceHandler
+}
+
+func (g nodeGRPC) Status(ctx context.Context, r *nodev1.StatusRequest) (*nodev1.StatusResponse, error) {
+	return unary(ctx, r, g.h.Status)
+}
+
+// unary calls a Connect handler method for a gRPC request: the request
+// metadata becomes the Connect request's headers, the response headers
+// and trailers become gRPC headers and trailers, and a Connect error
+// becomes the gRPC status with the same code, message and details, its
+// metadata sent as trailers (as connect-go does on its own gRPC path).
+func unary[Req, Res any](ctx context.Context, msg *Req, call func(context.Context, *connect.Request[Req]) (*connect.Response[Res], error)) (*Res, error) {
+	req := connect.NewRequest(msg)
+	if md, ok := metadata.FromIncomingContext(ctx); ok {
+		hdr := req.Header()
+		for k, vs := range md {
+			if strings.HasPrefix(k, ":") {
+				continue
+			}
+			binary := strings.HasSuffix(k, "-bin")
+			for _, v := range vs {
+				if binary {
+					v = connect.EncodeBinaryHeader([]byte(v))
+				}
+				hdr.Add(k, v)
+			}
+		}
+	}
+	res, err := call(ctx, req)
+	if err != nil {
+		return nil, grpcError(ctx, err)
+	}
+	if md := toMetadata(res.Header()); len(md) > 0 {
+		if err := grpc.SetHeader(ctx, md); err != nil {
+			return nil, status.Error(status.Code(err), err.Error())
+		}
+	}
+	if md := toMetadata(res.Trailer()); len(md) > 0 {
+		if err := grpc.SetTrailer(ctx, md); err != nil {
+			return nil, status.Error(status.Code(err), err.Error())
+		}
+	}
+	return res.Msg, nil
+}
+
+// grpcError converts a handler error into a gRPC status error.
+func grpcError(ctx context.Context, err error) error {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		ce = toConnect(err).(*connect.Error)
+	}
+	if md := toMetadata(ce.Meta()); len(md) > 0 {
+		_ = grpc.SetTrailer(ctx, md)
+	}
+	st := &spb.Status{Code: int32(ce.Code()), Message: ce.Message()}
+	for _, d := range ce.Details() {
+		st.Details = append(st.Details, &anypb.Any{
+			TypeUrl: "type.googleapis.com/" + d.Type(),
+			Value:   d.Bytes(),
+		})
+	}
+	return status.ErrorProto(st)
+}
+
+// toMetadata converts HTTP headers to gRPC metadata. Binary ("-bin")
+// values, base64 in Connect headers, are decoded: grpc-go encodes them
+// again on the wire.
+func toMetadata(h http.Header) metadata.MD {
+	if len(h) == 0 {
+		return nil
+	}
+	md := make(metadata.MD, len(h))
+	for k, vs := range h {
+		k = strings.ToLower(k)
+		for _, v := range vs {
+			if strings.HasSuffix(k, "-bin") {
+				b, err := connect.DecodeBinaryHeader(v)
+				if err != nil {
+					continue
+				}
+				v = string(b)
+			}
+			md[k] = append(md[k], v)
+		}
+	}
+	return md
+}

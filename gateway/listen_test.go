@@ -1,0 +1,322 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	hv1 "google.golang.org/grpc/health/grpc_health_v1"
+)
+
+// healthGRPC answers SERVING: the answer of the grpc-go side of the mux.
+type healthGRPC struct{ hv1.UnimplementedHealthServer }
+
+func (healthGRPC) Check(context.Context, *hv1.HealthCheckRequest) (*hv1.HealthCheckResponse, error) {
+	return &hv1.HealthCheckResponse{Status: hv1.HealthCheckResponse_SERVING}, nil
+}
+
+const healthCheck = "/grpc.health.v1.Health/Check"
+
+// startMux serves a ProtocolMux on 127.0.0.1: grpc-go answers health
+// checks with SERVING, net/http (Connect) with NOT_SERVING, and GET /plain
+// with "plain".
+func startMux(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pm := NewProtocolMux(ln, 5*time.Second)
+	gs := grpc.NewServer()
+	hv1.RegisterHealthServer(gs, healthGRPC{})
+	mux := http.NewServeMux()
+	mux.Handle(healthCheck, connect.NewUnaryHandler(healthCheck,
+		func(context.Context, *connect.Request[hv1.HealthCheckRequest]) (*connect.Response[hv1.HealthCheckResponse], error) {
+			return connect.NewResponse(&hv1.HealthCheckResponse{Status: hv1.HealthCheckResponse_NOT_SERVING}), nil
+		}))
+	mux.HandleFunc("GET /plain", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "plain") })
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	hs := &http.Server{Handler: mux, Protocols: &protos, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{}, 3)
+	go func() { _ = gs.Serve(pm.GRPC); done <- struct{}{} }()
+	go func() { _ = hs.Serve(pm.HTTP); done <- struct{}{} }()
+	go func() {
+		if err := pm.Serve(); err != nil {
+			t.Errorf("mux: %v", err)
+		}
+		done <- struct{}{}
+	}()
+	t.Cleanup(func() {
+		gs.Stop()
+		_ = hs.Close()
+		_ = ln.Close()
+		for range 3 {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Error("servers did not stop")
+				return
+			}
+		}
+	})
+	return ln.Addr().String()
+}
+
+func TestProtocolMuxRoutesByProtocol(t *testing.T) {
+	addr := startMux(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	// A connection is classified by its first request, so each protocol
+	// gets its own client (connection pool), as a real client has.
+	var h2c, h1 http.Protocols
+	h2c.SetUnencryptedHTTP2(true)
+	h1.SetHTTP1(true)
+	newClient := func(p *http.Protocols) *http.Client {
+		c := &http.Client{Transport: &http.Transport{Protocols: p}}
+		t.Cleanup(c.CloseIdleConnections)
+		return c
+	}
+	h1Client := newClient(&h1)
+	url := "http://" + addr + healthCheck
+
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	grpcGo := hv1.NewHealthClient(cc)
+
+	cases := []struct {
+		name string
+		call func() (hv1.HealthCheckResponse_ServingStatus, error)
+		want hv1.HealthCheckResponse_ServingStatus
+	}{
+		{"grpc-go client reaches grpc-go", func() (hv1.HealthCheckResponse_ServingStatus, error) {
+			r, err := grpcGo.Check(ctx, &hv1.HealthCheckRequest{})
+			return r.GetStatus(), err
+		}, hv1.HealthCheckResponse_SERVING},
+		{"connect gRPC protocol over h2c reaches grpc-go", connectCall(ctx, newClient(&h2c), url, connect.WithGRPC()), hv1.HealthCheckResponse_SERVING},
+		{"connect protocol over h2c reaches net/http", connectCall(ctx, newClient(&h2c), url), hv1.HealthCheckResponse_NOT_SERVING},
+		{"connect protocol over HTTP/1.1 reaches net/http", connectCall(ctx, newClient(&h1), url), hv1.HealthCheckResponse_NOT_SERVING},
+		{"gRPC-Web over h2c reaches net/http", connectCall(ctx, newClient(&h2c), url, connect.WithGRPCWeb()), hv1.HealthCheckResponse_NOT_SERVING},
+		{"gRPC-Web over HTTP/1.1 reaches net/http", connectCall(ctx, newClient(&h1), url, connect.WithGRPCWeb()), hv1.HealthCheckResponse_NOT_SERVING},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			// Several calls: they share one connection, which must stay
+			// healthy after the first.
+			for i := range 5 {
+				got, err := tc.call()
+				if err != nil {
+					t.Fatalf("call %d: %v", i, err)
+				}
+				if got != tc.want {
+					t.Fatalf("call %d: answered by the wrong server: %v, want %v", i, got, tc.want)
+				}
+			}
+		})
+	}
+
+	resp, err := h1Client.Get("http://" + addr + "/plain")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(body) != "plain" {
+		t.Fatalf("GET /plain = %q", body)
+	}
+}
+
+func connectCall(ctx context.Context, hc *http.Client, url string, opts ...connect.ClientOption) func() (hv1.HealthCheckResponse_ServingStatus, error) {
+	c := connect.NewClient[hv1.HealthCheckRequest, hv1.HealthCheckResponse](hc, url, opts...)
+	return func() (hv1.HealthCheckResponse_ServingStatus, error) {
+		r, err := c.CallUnary(ctx, connect.NewRequest(&hv1.HealthCheckRequest{}))
+		if err != nil {
+			return 0, err
+		}
+		return r.Msg.GetStatus(), nil
+	}
+}
+
+// An HTTP/2 connection to net/http through the mux sees exactly the
+// frames a direct connection would: a raw client acknowledges both SETTINGS
+// frames (the mux's and the server's) and keeps a working connection with
+// no GOAWAY.
+func TestProtocolMuxRawHTTP2ConnectionStaysHealthy(t *testing.T) {
+	addr := startMux(t)
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(c, c)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	var hdr bytes.Buffer
+	enc := newHPACK(&hdr)
+	enc(":method", "GET")
+	enc(":scheme", "http")
+	enc(":authority", addr)
+	enc(":path", "/plain")
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hdr.Bytes(), EndStream: true, EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	settings, gotData := 0, false
+	for !gotData {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read frame: %v (settings frames seen %d)", err, settings)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				settings++
+				if err := fr.WriteSettingsAck(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		case *http2.GoAwayFrame:
+			t.Fatalf("server sent GOAWAY %v: %s", f.ErrCode, f.DebugData())
+		case *http2.DataFrame:
+			if string(f.Data()) != "plain" {
+				t.Fatalf("data %q", f.Data())
+			}
+			gotData = true
+		}
+	}
+	if settings != 2 {
+		t.Fatalf("%d SETTINGS frames, want 2 (the mux's and net/http's)", settings)
+	}
+	// A PING answered proves the connection survived the acknowledgements.
+	if err := fr.WritePing(false, [8]byte{1, 2, 3}); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read frame after ack: %v", err)
+		}
+		if g, ok := f.(*http2.GoAwayFrame); ok {
+			t.Fatalf("server sent GOAWAY %v: %s", g.ErrCode, g.DebugData())
+		}
+		if p, ok := f.(*http2.PingFrame); ok && p.IsAck() {
+			return
+		}
+	}
+}
+
+// frame returns an HTTP/2 frame.
+func frame(typ, flags byte, payload []byte) []byte {
+	b := make([]byte, 9, 9+len(payload))
+	var l [4]byte
+	binary.BigEndian.PutUint32(l[:], uint32(len(payload)))
+	copy(b[:3], l[1:])
+	b[3], b[4] = typ, flags
+	binary.BigEndian.PutUint32(b[5:], 1)
+	return append(b, payload...)
+}
+
+// oneByteConn returns its data one byte per Read: every split point of
+// the stream is exercised.
+type oneByteConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (c oneByteConn) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	return c.r.Read(p[:1])
+}
+
+func TestSettingsAckConnRemovesOnlyTheFirstAck(t *testing.T) {
+	ack := frame(frameTypeSettings, flagSettingsAck, nil)
+	// A DATA frame whose payload looks like a SETTINGS ack must pass.
+	lookalike := frame(0x0, 0, ack)
+	settings := frame(frameTypeSettings, 0, []byte{0, 3, 0, 0, 0, 100})
+	headers := frame(0x1, 0x4, []byte("hpack block"))
+	pre := []byte(http2.ClientPreface)
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+
+	cases := []struct {
+		name    string
+		in, out []byte
+	}{
+		{"http2: first ack removed, second kept",
+			cat(pre, settings, lookalike, headers, ack, headers, ack),
+			cat(pre, settings, lookalike, headers, headers, ack)},
+		{"http2 without any ack", cat(pre, settings, headers), cat(pre, settings, headers)},
+		{"http/1.1 untouched", []byte("POST /x HTTP/1.1\r\nHost: a\r\n\r\n" + string(ack)), []byte("POST /x HTTP/1.1\r\nHost: a\r\n\r\n" + string(ack))},
+		{"short non-preface", []byte("PRI"), []byte("PRI")},
+		{"truncated frame header handed over", cat(pre, settings, ack[:4]), cat(pre, settings, ack[:4])},
+	}
+	for _, tc := range cases {
+		for _, split := range []bool{false, true} {
+			var r io.Reader = bytes.NewReader(tc.in)
+			var conn net.Conn = fakeConn{r: r}
+			if split {
+				conn = oneByteConn{r: r}
+			}
+			got, err := io.ReadAll(&settingsAckConn{Conn: conn})
+			if err != nil {
+				t.Fatalf("%s (split %v): %v", tc.name, split, err)
+			}
+			if !bytes.Equal(got, tc.out) {
+				t.Errorf("%s (split %v):\n got %q\nwant %q", tc.name, split, got, tc.out)
+			}
+		}
+	}
+}
+
+type fakeConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (c fakeConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+func TestIsGRPCContentType(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/grpc":               true,
+		"application/grpc+proto":         true,
+		"application/grpc+json":          true,
+		"application/grpc;charset=utf-8": true,
+		"application/grpc-web":           false,
+		"application/grpc-web+proto":     false,
+		"application/grpc-web-text":      false,
+		"application/proto":              false,
+		"application/connect+proto":      false,
+		"":                               false,
+		"application/grpcx":              false,
+	} {
+		if got := isGRPCContentType(ct); got != want {
+			t.Errorf("isGRPCContentType(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}
+
+// newHPACK returns a function that appends one encoded header field to w.
+func newHPACK(w *bytes.Buffer) func(name, value string) {
+	e := hpack.NewEncoder(w)
+	return func(name, value string) { _ = e.WriteField(hpack.HeaderField{Name: name, Value: value}) }
+}
