@@ -42,7 +42,7 @@ func (f *FSM) applySetConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	}
 	// The new version's revision is the largest, so the versions to trim
 	// are the oldest stored ones.
-	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexKey, op.GetKey()) // oldest first
+	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexIDPrefix, op.GetKey()) // oldest first
 	if err != nil {
 		return nil, err
 	}
@@ -88,7 +88,7 @@ func (f *FSM) applyDeleteConfig(t *writeTxn, cmd *fsmv1.Command) (proto.Message,
 	if err := checkConfigCAS(op.GetKey(), op.CasRevision, old); err != nil {
 		return nil, err
 	}
-	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexKey, op.GetKey())
+	history, err := scan[*clusterv1.ConfigEntry](t, TableConfigHistory, indexIDPrefix, op.GetKey())
 	if err != nil {
 		return nil, err
 	}

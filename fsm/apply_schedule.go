@@ -35,7 +35,7 @@ func (f *FSM) runLimit(s *schedulev1.Schedule) int {
 
 // runs returns the stored runs of a schedule, oldest slot first.
 func runs(t *writeTxn, scheduleID string) ([]*schedulev1.Run, error) {
-	return scan[*schedulev1.Run](t, TableScheduleRuns, indexSchedule, scheduleID)
+	return scan[*schedulev1.Run](t, TableScheduleRuns, indexIDPrefix, scheduleID)
 }
 
 // applyPutSchedule creates or replaces a schedule. The stored last_slot,

@@ -271,24 +271,22 @@ func diffResult(got, want *Result) string {
 	return ""
 }
 
-// checkDedupeHead fails if the FSM's dedupe head does not describe the
-// committed state: the oldest records in time index order, or all of them.
+// checkDedupeHead fails if the FSM's dedupe queue, when valid, is not
+// every committed dedupe record in pruning order.
 func checkDedupeHead(t testing.TB, f *FSM) {
 	t.Helper()
-	h := f.head
-	if !h.valid {
+	q := f.head
+	if !q.valid {
 		return
 	}
-	it, err := f.State().txn.Get(TableDedupe, indexTime)
+	it, err := f.State().txn.Get(TableDedupe, indexID)
 	if err != nil {
 		t.Fatal(err)
 	}
 	all := collect[*fsmv1.DedupeRecord](it)
-	if h.complete && len(all) != len(h.recs) {
-		t.Fatalf("dedupe head is complete with %d records, the table has %d", len(h.recs), len(all))
-	}
-	if len(h.recs) > len(all) || !slices.Equal(h.recs, all[:len(h.recs)]) {
-		t.Fatalf("dedupe head (%d records, complete %v) is not the start of the time index (%d records)", len(h.recs), h.complete, len(all))
+	slices.SortFunc(all, compareDedupe)
+	if !slices.Equal(q.recs, all) {
+		t.Fatalf("dedupe queue (%d records) is not the table (%d records) in pruning order", len(q.recs), len(all))
 	}
 }
 
@@ -552,11 +550,11 @@ func TestWriteThenFailRollsBack(t *testing.T) {
 	}
 }
 
-// TestOpDigestMatchesCopy checks the in-place digest against the digest of
-// a copy without the envelope (how older versions computed it), and that
-// the command is left as it was.
+// TestOpDigestMatchesCopy checks the digest taken from the log bytes
+// against the digest of the deterministic encoding of a copy without the
+// envelope (how older versions computed it, and what stored dedupe records
+// hold).
 func TestOpDigestMatchesCopy(t *testing.T) {
-	f := newHarness(t).f
 	g := newLogGen(9, time.Minute, 0)
 	for range 300 {
 		cmd := g.op()
@@ -572,11 +570,25 @@ func TestOpDigestMatchesCopy(t *testing.T) {
 		}
 		want := sha256.Sum256(b)
 
-		if got := f.opDigest(cmd); !bytes.Equal(got, want[:]) {
-			t.Fatalf("opDigest(%v) = %x, want %x", cmd, got, want)
+		data, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
 		}
 		if !proto.Equal(cmd, before) {
-			t.Fatalf("opDigest changed the command: %v, was %v", cmd, before)
+			t.Fatalf("encoding changed the command: %v, was %v", cmd, before)
+		}
+		if got := opDigest(data); !bytes.Equal(got, want[:]) {
+			t.Fatalf("opDigest(%v) = %x, want %x", cmd, got, want)
+		}
+		// The same operation with another identity and time has the
+		// same digest.
+		cmd.ClientId, cmd.Sequence, cmd.Time = "other", 7, at(9)
+		data2, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := opDigest(data2); !bytes.Equal(got, want[:]) {
+			t.Fatalf("digest depends on the envelope: %x, want %x", got, want)
 		}
 	}
 }
@@ -612,17 +624,13 @@ func TestIndexKeys(t *testing.T) {
 		want         []byte
 	}{
 		{TableServices, indexID, inst, []byte("web\x00a\x00")},
-		{TableServices, indexService, inst, []byte("web\x00")},
 		{TableServices, indexNode, inst, []byte("n1\x00")},
 		{TableConfig, indexID, entry, []byte("k\x00")},
 		{TableConfigHistory, indexID, entry, cat([]byte("k\x00"), u64(7))},
-		{TableConfigHistory, indexKey, entry, []byte("k\x00")},
 		{TableSchedules, indexID, sched, []byte("s\x00")},
 		{TableSchedules, indexVM, sched, []byte("vm\x00")},
 		{TableScheduleRuns, indexID, run, cat([]byte("s\x00"), tkey)},
-		{TableScheduleRuns, indexSchedule, run, []byte("s\x00")},
 		{TableDedupe, indexID, rec, cat([]byte("c\x00"), u64(9))},
-		{TableDedupe, indexTime, rec, tkey},
 		{TableIndex, indexID, &indexEntry{Table: "services"}, []byte("services\x00")},
 	}
 	for _, tt := range tests {
@@ -646,6 +654,23 @@ func TestIndexKeys(t *testing.T) {
 	if _, err := dedupeID.FromArgs("c", 9); err == nil {
 		t.Errorf("FromArgs with an int for a uint64 field succeeded")
 	}
+	for _, tc := range []struct {
+		got  func() ([]byte, error)
+		want []byte
+	}{
+		{func() ([]byte, error) { return serviceID.PrefixFromArgs("web") }, []byte("web\x00")},
+		{func() ([]byte, error) { return serviceID.PrefixFromArgs("web", "a") }, []byte("web\x00a\x00")},
+		{func() ([]byte, error) { return configHistoryID.PrefixFromArgs("k") }, []byte("k\x00")},
+		{func() ([]byte, error) { return runID.PrefixFromArgs("s") }, []byte("s\x00")},
+		{func() ([]byte, error) { return serviceID.PrefixFromArgs() }, []byte{}},
+	} {
+		if got, err := tc.got(); err != nil || !bytes.Equal(got, tc.want) {
+			t.Errorf("PrefixFromArgs = %q %v, want %q", got, err, tc.want)
+		}
+	}
+	if _, err := serviceID.PrefixFromArgs("web", "a", "extra"); err == nil {
+		t.Errorf("PrefixFromArgs with too many arguments succeeded")
+	}
 }
 
 func TestCompareDedupe(t *testing.T) {
@@ -659,9 +684,8 @@ func TestCompareDedupe(t *testing.T) {
 		{ClientId: "a\x00b", Sequence: 0, Time: &timestamppb.Timestamp{Seconds: 1, Nanos: 1}},
 	}
 	key := func(r *fsmv1.DedupeRecord) []byte {
-		_, tk, _ := tableDefs[tableNum(TableDedupe)].indexes[indexTime].Indexer.(primaryIndexer).FromObject(r)
 		_, id, _ := dedupeID.FromObject(r)
-		return append(tk[:12], id...)
+		return append(appendTimeKey(nil, r.GetTime().GetSeconds(), r.GetTime().GetNanos()), id...)
 	}
 	for _, a := range recs {
 		for _, b := range recs {
@@ -750,7 +774,7 @@ func TestDedupeHeadReplacedRecord(t *testing.T) {
 // oldest first, until none is expired.
 func TestDedupePruneBeyondHead(t *testing.T) {
 	src := newHarness(t)
-	const n = 2*dedupeHeadSize + 3*maxPrunePerApply/2
+	const n = 7 * maxPrunePerApply / 2
 	for i := range n {
 		src.now = t0.Add(time.Duration(i) * time.Millisecond)
 		src.mustApply(withClient(setConfig("k", "v"), "c", uint64(i+1)))

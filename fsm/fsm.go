@@ -10,6 +10,7 @@ import (
 
 	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
@@ -38,10 +39,8 @@ type FSM struct {
 	applyMu sync.Mutex
 	// txn is the write transaction, reused by every batch.
 	txn *writeTxn
-	// head caches the oldest dedupe records for pruning.
-	head dedupeHead
-	// digestBuf is opDigest's reusable marshalling buffer.
-	digestBuf []byte
+	// head holds the dedupe records in pruning order.
+	head dedupeQueue
 
 	// mu guards the fields below. Apply holds it only to commit, so a State
 	// always sees a committed transaction together with its applied index.
@@ -61,10 +60,12 @@ type Result struct {
 	// sentinels (ErrNotFound, ErrCASConflict, ...). A failed command changes no
 	// record other than its dedupe record.
 	Err error
-	// Value is a copy of the record the command wrote (ServiceInstance for
+	// Value is the record the command wrote (ServiceInstance for
 	// register_service, heartbeat and set_service_health, ConfigEntry for
 	// set_config, Schedule for put_schedule, Run for claim_slot (the started
-	// run) and record_run), nil for deletes, errors and duplicates.
+	// run) and record_run), nil for deletes, errors and duplicates. It is
+	// the stored record itself, shared with readers of the state: like
+	// everything State returns, it must not be modified.
 	Value proto.Message
 	// Duplicate reports that the command's (client_id, sequence) was already
 	// applied: Index and Err are the stored outcome and nothing changed.
@@ -86,7 +87,7 @@ func New(cfg Config) (*FSM, error) {
 		db:        newMemDB(),
 		abandonCh: make(chan struct{}),
 		txn:       newWriteTxn(),
-		head:      dedupeHead{valid: true, complete: true},
+		head:      dedupeQueue{valid: true},
 	}, nil
 }
 
@@ -255,10 +256,10 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 	// parts of the decoded command.
 	var (
 		digest   []byte
-		replaced bool
+		replaced *fsmv1.DedupeRecord
 	)
 	if cmd.GetClientId() != "" {
-		digest = f.opDigest(cmd)
+		digest = opDigest(l.Data)
 		// A retry of a write already applied returns the stored outcome.
 		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
 		if err != nil {
@@ -275,7 +276,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 				Duplicate: true,
 			}, true
 		}
-		replaced = rec != nil
+		replaced = rec
 	}
 
 	t.index = l.Index
@@ -309,16 +310,13 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 		}
 		return &Result{Index: l.Index, Err: err}, true
 	}
-	if value != nil {
-		value = proto.Clone(value)
-	}
 	return &Result{Index: l.Index, Err: opErr, Value: value}, true
 }
 
 // finishEntry prunes expired dedupe records and records the outcome of a
-// write with a client ID. replaced reports that the command's dedupe key had
-// an (expired) record.
-func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced bool, opErr error) error {
+// write with a client ID. replaced is the expired record stored under the
+// command's dedupe key, if any.
+func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced *fsmv1.DedupeRecord, opErr error) error {
 	if err := f.pruneDedupe(t, now); err != nil {
 		return err
 	}
@@ -343,23 +341,41 @@ func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest
 	return nil
 }
 
-// opDigest hashes the operation of cmd (not its identity or time), with
-// deterministic marshalling so that every node computes the same digest:
-// the SHA-256 of cmd marshalled without client_id, sequence and time. It
-// clears those fields for the marshalling and puts them back, instead of
-// copying the command.
-func (f *FSM) opDigest(cmd *fsmv1.Command) []byte {
-	clientID, seq, ts := cmd.ClientId, cmd.Sequence, cmd.Time
-	cmd.ClientId, cmd.Sequence, cmd.Time = "", 0, nil
-	b, err := marshalOpts.MarshalAppend(f.digestBuf[:0], cmd)
-	cmd.ClientId, cmd.Sequence, cmd.Time = clientID, seq, ts
-	if err != nil {
-		return nil
+// opDigest hashes the operation of an encoded command (not its identity or
+// time): the SHA-256 of the wire bytes of every top-level field of the
+// Command other than client_id, sequence and time, in order. Commands are
+// encoded deterministically (fields in number order), so this equals the
+// SHA-256 of the deterministic encoding of the command with those three
+// fields cleared, and every node computes it from the same log bytes
+// without marshalling anything. data has passed Decode, so it parses.
+func opDigest(data []byte) []byte {
+	b := data[1:]
+	h := sha256.New()
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			break
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b[n:])
+		if m < 0 {
+			break
+		}
+		switch num {
+		case fieldClientID, fieldSequence, fieldTime:
+		default:
+			h.Write(b[:n+m])
+		}
+		b = b[n+m:]
 	}
-	f.digestBuf = b
-	sum := sha256.Sum256(b)
-	return sum[:]
+	return h.Sum(make([]byte, 0, sha256.Size))
 }
+
+// Field numbers of the Command envelope, which opDigest leaves out.
+const (
+	fieldClientID = 1
+	fieldSequence = 2
+	fieldTime     = 3
+)
 
 // database returns the current memdb.
 func (f *FSM) database() *memdb.MemDB {
@@ -384,7 +400,7 @@ func (f *FSM) commit(t *writeTxn, applied uint64) {
 	t.txn, t.base = nil, nil
 }
 
-// discard aborts a transaction that may have written: the dedupe head may
+// discard aborts a transaction that may have written: the dedupe queue may
 // describe its writes, so it is dropped too.
 func (f *FSM) discard(t *writeTxn) {
 	t.abort()
@@ -459,8 +475,7 @@ func (f *FSM) dedupeExpired(rec *fsmv1.DedupeRecord, now time.Time) bool {
 }
 
 // pruneDedupe deletes up to maxPrunePerApply dedupe records older than the
-// window, oldest first (in time index order). It reads them from the dedupe
-// head, which scans the time index only when it runs out.
+// window, oldest first (in the order of the dedupe queue).
 func (f *FSM) pruneDedupe(t *writeTxn, now time.Time) error {
 	cutoff := now.Add(-f.cfg.DedupeWindow)
 	for range maxPrunePerApply {

@@ -35,13 +35,15 @@ const (
 
 // Index names used inside the package.
 const (
-	indexID       = "id"
-	indexService  = "service"
+	indexID = "id"
+	// indexIDPrefix looks up the records whose primary key starts with
+	// the given leading fields (memdb's "_prefix" form of the id index):
+	// the instances of a service, the history of a config key, the runs
+	// of a schedule. A secondary index would cost an insert into a second
+	// radix tree on every write.
+	indexIDPrefix = indexID + "_prefix"
 	indexNode     = "node"
-	indexKey      = "key"
 	indexVM       = "vm_id"
-	indexSchedule = "schedule"
-	indexTime     = "time"
 )
 
 // indexEntry is a row of TableIndex.
@@ -94,7 +96,6 @@ var tableDefs = []tableDef{
 		name: TableServices,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: serviceID},
-			&memdb.IndexSchema{Name: indexService, Indexer: serviceID.secondary(strField((*clusterv1.ServiceInstance).GetService))},
 			&memdb.IndexSchema{Name: indexNode, AllowMissing: true, Indexer: serviceID.secondary(strField((*clusterv1.ServiceInstance).GetNode))},
 		),
 		codec: protoCodec[*clusterv1.ServiceInstance](),
@@ -110,7 +111,6 @@ var tableDefs = []tableDef{
 		name: TableConfigHistory,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: configHistoryID},
-			&memdb.IndexSchema{Name: indexKey, Indexer: configHistoryID.secondary(strField((*clusterv1.ConfigEntry).GetKey))},
 		),
 		codec: protoCodec[*clusterv1.ConfigEntry](),
 	},
@@ -126,7 +126,6 @@ var tableDefs = []tableDef{
 		name: TableScheduleRuns,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: runID},
-			&memdb.IndexSchema{Name: indexSchedule, Indexer: runID.secondary(strField((*schedulev1.Run).GetScheduleId))},
 		),
 		codec: protoCodec[*schedulev1.Run](),
 	},
@@ -134,7 +133,6 @@ var tableDefs = []tableDef{
 		name: TableDedupe,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: dedupeID},
-			&memdb.IndexSchema{Name: indexTime, Indexer: dedupeID.secondary(timeField((*fsmv1.DedupeRecord).GetTime))},
 		),
 		codec: protoCodec[*fsmv1.DedupeRecord](),
 	},
@@ -293,6 +291,20 @@ func (x *keyIndexer[T]) FromObject(obj any) (bool, []byte, error) {
 		}
 	}
 	return true, x.appendKey(make([]byte, 0, n), o), nil
+}
+
+// PrefixFromArgs builds the key prefix of the records whose leading fields
+// equal args (fewer arguments than fields; none matches every record).
+// String fields keep their terminator, so "web" never matches "webapp".
+func (x *keyIndexer[T]) PrefixFromArgs(args ...any) ([]byte, error) {
+	if len(args) > len(x.fields) {
+		return nil, fmt.Errorf("index: %d prefix arguments, at most %d", len(args), len(x.fields))
+	}
+	if len(args) == len(x.fields) {
+		return x.FromArgs(args...)
+	}
+	lead := &keyIndexer[T]{fields: x.fields[:len(args)]}
+	return lead.FromArgs(args...)
 }
 
 // FromArgs builds the key of an exact lookup: one argument per field, a

@@ -109,7 +109,7 @@ func (s *State) Services(service string, ws memdb.WatchSet) (uint64, []*clusterv
 	if service == "" {
 		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexID)
 	} else {
-		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexService, service)
+		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexIDPrefix, service)
 	}
 	if err != nil {
 		return 0, nil, err
@@ -186,7 +186,7 @@ func (s *State) ConfigEntries(ws memdb.WatchSet) (uint64, []*clusterv1.ConfigEnt
 // is the current version), or ErrNotFound when the key does not exist.
 // Deleting a key deletes its history.
 func (s *State) ConfigHistory(key string) ([]*clusterv1.ConfigEntry, error) {
-	out, err := listReverse[*clusterv1.ConfigEntry](s, TableConfigHistory, indexKey, key)
+	out, err := listReverse[*clusterv1.ConfigEntry](s, TableConfigHistory, indexIDPrefix, key)
 	if err != nil {
 		return nil, err
 	}
@@ -232,7 +232,7 @@ func (s *State) Runs(scheduleID string) ([]*schedulev1.Run, error) {
 	if _, err := s.Schedule(scheduleID); err != nil {
 		return nil, err
 	}
-	return listReverse[*schedulev1.Run](s, TableScheduleRuns, indexSchedule, scheduleID)
+	return listReverse[*schedulev1.Run](s, TableScheduleRuns, indexIDPrefix, scheduleID)
 }
 
 // Run returns the run of a schedule at a slot, or ErrNotFound.

@@ -264,107 +264,91 @@ func (t *writeTxn) updateIndexes() error {
 	return nil
 }
 
-// dedupeHeadSize is how many of the oldest dedupe records dedupeHead
-// caches. It must exceed maxPrunePerApply, so that one prune needs at most
-// one scan.
-const dedupeHeadSize = 2 * maxPrunePerApply
-
-// dedupeHead caches the oldest dedupe records, in the order of the time
-// index, so that pruning neither scans the time index on every entry nor
-// makes memdb clone it (which would drop the transaction's cache of copied
-// radix nodes). It is a cache of the state, never part of it: an invalid
-// head is always safe, it only costs a scan. The FSM keeps it valid across
-// commits and invalidates it whenever a transaction that wrote is discarded
-// and on Restore.
-type dedupeHead struct {
+// dedupeQueue holds every dedupe record in pruning order (compareDedupe:
+// time, then key), so that pruning pops the oldest without an index. A
+// time index in memdb would cost an insert and a delete in a second radix
+// tree for every write with a client ID, on every node; this slice costs an
+// append and a pop.
+//
+// It is derived state, never part of the replicated state: when it may
+// not describe the committed table (a transaction that wrote was discarded,
+// or a snapshot was restored) it is invalidated and rebuilt from the table
+// on next use. Every node holding the same table builds the same queue, so
+// pruning stays deterministic.
+type dedupeQueue struct {
 	valid bool
-	// complete reports that recs holds every dedupe record; otherwise recs
-	// is the first len(recs) records of the time index.
-	complete bool
-	recs     []*fsmv1.DedupeRecord
+	recs  []*fsmv1.DedupeRecord
 }
 
-// load fills the head from the time index of t.
-func (h *dedupeHead) load(t *writeTxn) error {
-	it, err := t.txn.Get(TableDedupe, indexTime)
+// load rebuilds the queue from the dedupe table of t.
+func (q *dedupeQueue) load(t *writeTxn) error {
+	it, err := t.txn.Get(TableDedupe, indexID)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", TableDedupe, err)
 	}
-	clear(h.recs)
-	recs := make([]*fsmv1.DedupeRecord, 0, dedupeHeadSize)
-	obj := it.Next()
-	for ; obj != nil && len(recs) < dedupeHeadSize; obj = it.Next() {
+	clear(q.recs)
+	recs := q.recs[:0]
+	for obj := it.Next(); obj != nil; obj = it.Next() {
 		rec, ok := obj.(*fsmv1.DedupeRecord)
 		if !ok {
 			return fmt.Errorf("read %s: record of type %T", TableDedupe, obj)
 		}
 		recs = append(recs, rec)
 	}
-	*h = dedupeHead{valid: true, complete: obj == nil, recs: recs}
+	slices.SortFunc(recs, compareDedupe)
+	*q = dedupeQueue{valid: true, recs: recs}
 	return nil
 }
 
 // first returns the oldest dedupe record, or nil when there is none.
-func (h *dedupeHead) first(t *writeTxn) (*fsmv1.DedupeRecord, error) {
-	if !h.valid || (len(h.recs) == 0 && !h.complete) {
-		if err := h.load(t); err != nil {
+func (q *dedupeQueue) first(t *writeTxn) (*fsmv1.DedupeRecord, error) {
+	if !q.valid {
+		if err := q.load(t); err != nil {
 			return nil, err
 		}
 	}
-	if len(h.recs) == 0 {
+	if len(q.recs) == 0 {
 		return nil, nil
 	}
-	return h.recs[0], nil
+	return q.recs[0], nil
 }
 
 // pop forgets the oldest record, which was just deleted.
-func (h *dedupeHead) pop() {
-	h.recs[0] = nil
-	h.recs = h.recs[1:]
+func (q *dedupeQueue) pop() {
+	q.recs[0] = nil
+	q.recs = q.recs[1:]
 }
 
-// inserted accounts for a dedupe record just inserted. replaced reports
-// that a record with the same key may have existed: its time index entry
-// is then gone, and the head is dropped rather than searched.
-func (h *dedupeHead) inserted(rec *fsmv1.DedupeRecord, replaced bool) {
-	switch {
-	case !h.valid:
+// inserted accounts for a dedupe record just inserted; old is the record
+// with the same key it replaced, if any (an expired one not pruned yet).
+func (q *dedupeQueue) inserted(rec, old *fsmv1.DedupeRecord) {
+	if !q.valid {
 		return
-	case replaced:
-		h.invalidate()
-		return
-	case len(h.recs) == 0:
-		if h.complete {
-			h.recs = append(h.recs, rec)
+	}
+	if old != nil {
+		if i, found := slices.BinarySearchFunc(q.recs, old, compareDedupe); found && q.recs[i] == old {
+			q.recs = slices.Delete(q.recs, i, i+1)
 		}
+		// Not found: pruning removed it earlier in the same entry.
+	}
+	// Leader time rarely goes backwards, so the new record is almost
+	// always the last.
+	if n := len(q.recs); n == 0 || compareDedupe(q.recs[n-1], rec) < 0 {
+		q.recs = append(q.recs, rec)
 		return
 	}
-	if compareDedupe(h.recs[len(h.recs)-1], rec) < 0 {
-		// After every cached record: part of the head only if the head is
-		// the whole table.
-		if h.complete {
-			h.recs = append(h.recs, rec)
-			h.complete = len(h.recs) < dedupeHeadSize
-		}
-		return
-	}
-	i, _ := slices.BinarySearchFunc(h.recs, rec, compareDedupe)
-	h.recs = slices.Insert(h.recs, i, rec)
-	if len(h.recs) > dedupeHeadSize {
-		h.recs[len(h.recs)-1] = nil
-		h.recs = h.recs[:len(h.recs)-1]
-		h.complete = false
-	}
+	i, _ := slices.BinarySearchFunc(q.recs, rec, compareDedupe)
+	q.recs = slices.Insert(q.recs, i, rec)
 }
 
-func (h *dedupeHead) invalidate() {
-	clear(h.recs)
-	*h = dedupeHead{}
+func (q *dedupeQueue) invalidate() {
+	clear(q.recs)
+	*q = dedupeQueue{recs: q.recs[:0]}
 }
 
-// compareDedupe orders dedupe records as the time index does: by the bytes
-// of timeKey(time) followed by the primary key, client_id NUL-terminated
-// then the big-endian sequence.
+// compareDedupe orders dedupe records by time, then by the bytes of their
+// primary key (client_id NUL-terminated, then the big-endian sequence): the
+// order of the 12-byte time key (appendTimeKey) followed by the primary key.
 func compareDedupe(a, b *fsmv1.DedupeRecord) int {
 	at, bt := a.GetTime(), b.GetTime()
 	if c := cmp.Compare(uint64(at.GetSeconds())^(1<<63), uint64(bt.GetSeconds())^(1<<63)); c != 0 {
