@@ -125,7 +125,7 @@ func unary[Req, Res any](ctx context.Context, msg *Req, call func(context.Contex
 	if md, ok := metadata.FromIncomingContext(ctx); ok {
 		hdr := req.Header()
 		for k, vs := range md {
-			if strings.HasPrefix(k, ":") {
+			if skipMetadata(k) {
 				continue
 			}
 			binary := strings.HasSuffix(k, "-bin")
@@ -152,6 +152,17 @@ func unary[Req, Res any](ctx context.Context, msg *Req, call func(context.Contex
 		}
 	}
 	return res.Msg, nil
+}
+
+// skipMetadata reports whether a request metadata key is transport
+// detail that grpc-go has already acted on (the handlers read the deadline
+// from the context), not something to hand to a handler as a header.
+func skipMetadata(k string) bool {
+	switch k {
+	case "content-type", "user-agent", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding":
+		return true
+	}
+	return strings.HasPrefix(k, ":")
 }
 
 // grpcError converts a handler error into a gRPC status error.

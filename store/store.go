@@ -301,6 +301,39 @@ func (s *Store) Leader() (id, addr string) {
 	return string(i), string(a)
 }
 
+// Term is the current term.
+func (s *Store) Term() uint64 { return s.raft.CurrentTerm() }
+
+// Role is the part of Status that requests read on every call: raft's
+// getters only, without the copy of the configuration Status makes.
+type Role struct {
+	State        string    // "Follower", "Candidate", "Leader" or "Shutdown"
+	Term         uint64    // current term
+	LastIndex    uint64    // last index in the log or latest snapshot
+	CommitIndex  uint64    // highest index known to be committed
+	AppliedIndex uint64    // highest index handed to the FSM
+	LastContact  time.Time // last contact from the leader; zero on the leader or if never
+	LeaderID     string    // current leader's ID, "" if unknown
+}
+
+// Role returns the current Role.
+func (s *Store) Role() Role {
+	state := s.raft.State()
+	r := Role{
+		State:        state.String(),
+		Term:         s.raft.CurrentTerm(),
+		LastIndex:    s.raft.LastIndex(),
+		CommitIndex:  s.raft.CommitIndex(),
+		AppliedIndex: s.raft.AppliedIndex(),
+	}
+	_, id := s.raft.LeaderWithID()
+	r.LeaderID = string(id)
+	if state != raft.Leader {
+		r.LastContact = s.raft.LastContact()
+	}
+	return r
+}
+
 // Status is a point-in-time view of this server's Raft state.
 type Status struct {
 	ID           string    // this server's ID

@@ -77,7 +77,7 @@ func (a raftAdapter) Leader() (string, string) { return a.s.Leader() }
 func (a raftAdapter) VerifyLeader(ctx context.Context) error { return a.s.VerifyLeader(ctx) }
 
 func (a raftAdapter) RaftStatus() gateway.RaftStatus {
-	st := a.s.Status()
+	st := a.s.Role()
 	return gateway.RaftStatus{
 		State:        st.State,
 		Term:         st.Term,

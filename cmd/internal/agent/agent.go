@@ -845,8 +845,7 @@ func (a *Agent) IsLeader() bool { return a.leaderReady() }
 // barrier for that term completed, so its state holds every entry committed
 // before the term.
 func (a *Agent) leaderReady() bool {
-	st := a.store.Status()
-	return st.State == "Leader" && st.Term == a.readyTerm.Load()
+	return a.store.IsLeader() && a.store.Term() == a.readyTerm.Load()
 }
 
 // Store exposes the Raft store to tests in cmd/.
