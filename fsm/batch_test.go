@@ -624,7 +624,6 @@ func TestIndexKeys(t *testing.T) {
 		want         []byte
 	}{
 		{TableServices, indexID, inst, []byte("web\x00a\x00")},
-		{TableServices, indexNode, inst, []byte("n1\x00")},
 		{TableConfig, indexID, entry, []byte("k\x00")},
 		{TableConfigHistory, indexID, entry, cat([]byte("k\x00"), u64(7))},
 		{TableSchedules, indexID, sched, []byte("s\x00")},

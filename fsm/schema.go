@@ -42,7 +42,6 @@ const (
 	// of a schedule. A secondary index would cost an insert into a second
 	// radix tree on every write.
 	indexIDPrefix = indexID + "_prefix"
-	indexNode     = "node"
 	indexVM       = "vm_id"
 )
 
@@ -96,7 +95,6 @@ var tableDefs = []tableDef{
 		name: TableServices,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: serviceID},
-			&memdb.IndexSchema{Name: indexNode, AllowMissing: true, Indexer: serviceID.secondary(strField((*clusterv1.ServiceInstance).GetNode))},
 		),
 		codec: protoCodec[*clusterv1.ServiceInstance](),
 	},
