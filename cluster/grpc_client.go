@@ -109,6 +109,10 @@ func (g grpcNode) Status(ctx context.Context, r *connect.Request[nodev1.StatusRe
 	return callGRPC(ctx, r, g.c.Status)
 }
 
+func (g grpcNode) ReadIndex(ctx context.Context, r *connect.Request[nodev1.ReadIndexRequest]) (*connect.Response[nodev1.ReadIndexResponse], error) {
+	return callGRPC(ctx, r, g.c.ReadIndex)
+}
+
 // callGRPC makes one unary gRPC call for a Connect request.
 func callGRPC[Req, Res any](ctx context.Context, req *connect.Request[Req], call func(context.Context, *Req, ...grpc.CallOption) (*Res, error)) (*connect.Response[Res], error) {
 	if h := req.Header(); len(h) > 0 {

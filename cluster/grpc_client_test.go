@@ -43,6 +43,10 @@ func (peerServer) RegisterService(ctx context.Context, _ *clusterv1.RegisterServ
 
 type nodeServer struct{}
 
+func (nodeServer) ReadIndex(context.Context, *nodev1.ReadIndexRequest) (*nodev1.ReadIndexResponse, error) {
+	return &nodev1.ReadIndexResponse{Index: 99}, nil
+}
+
 func (nodeServer) Status(context.Context, *nodev1.StatusRequest) (*nodev1.StatusResponse, error) {
 	return &nodev1.StatusResponse{NodeId: "n-1"}, nil
 }
@@ -114,6 +118,10 @@ func TestPoolSpeaksGRPCThroughConnectInterfaces(t *testing.T) {
 	st, err := p.Node(addr).Status(ctx, connect.NewRequest(&nodev1.StatusRequest{}))
 	if err != nil || st.Msg.GetNodeId() != "n-1" {
 		t.Fatalf("Status = %v, %v", st, err)
+	}
+	ri, err := p.Node(addr).ReadIndex(ctx, connect.NewRequest(&nodev1.ReadIndexRequest{}))
+	if err != nil || ri.Msg.GetIndex() != 99 {
+		t.Fatalf("ReadIndex = %v, %v", ri, err)
 	}
 
 	// A peer that is not there: Unavailable, promptly.

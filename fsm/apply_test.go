@@ -1,6 +1,7 @@
 package fsm
 
 import (
+	"context"
 	"errors"
 	"reflect"
 	"strings"
@@ -257,5 +258,33 @@ func TestResultValueIsTheStoredRecord(t *testing.T) {
 	}
 	if res.Value != proto.Message(got) {
 		t.Errorf("Result.Value %p is not the stored record %p", res.Value, got)
+	}
+}
+
+func TestWaitApplied(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	at := h.f.AppliedIndex()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := h.f.WaitApplied(ctx, at); err != nil {
+		t.Fatalf("WaitApplied(applied) = %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- h.f.WaitApplied(ctx, at+2) }()
+	h.mustApply(register(instance("web", "b")))
+	select {
+	case err := <-done:
+		t.Fatalf("WaitApplied(%d) returned %v at index %d", at+2, err, h.f.AppliedIndex())
+	default:
+	}
+	h.mustApply(register(instance("web", "c")))
+	if err := <-done; err != nil {
+		t.Fatalf("WaitApplied after the index was applied: %v", err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancelShort()
+	if err := h.f.WaitApplied(short, at+100); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("WaitApplied past the end = %v, want the context's deadline", err)
 	}
 }

@@ -2,6 +2,7 @@ package fsm
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
@@ -48,6 +49,9 @@ type FSM struct {
 	db        *memdb.MemDB
 	applied   uint64
 	abandonCh chan struct{}
+	// appliedCh is closed when applied moves; nil until WaitApplied needs
+	// it, so that commits nobody waits for allocate nothing.
+	appliedCh chan struct{}
 }
 
 // Result is what Apply returns for every log entry (the Raft ApplyFuture's
@@ -386,8 +390,41 @@ func (f *FSM) database() *memdb.MemDB {
 
 func (f *FSM) setApplied(index uint64) {
 	f.mu.Lock()
-	f.applied = index
+	f.setAppliedLocked(index)
 	f.mu.Unlock()
+}
+
+// setAppliedLocked sets the applied index and wakes WaitApplied callers.
+// mu must be held for writing.
+func (f *FSM) setAppliedLocked(index uint64) {
+	f.applied = index
+	if f.appliedCh != nil {
+		close(f.appliedCh)
+		f.appliedCh = nil
+	}
+}
+
+// WaitApplied returns once the FSM has applied index (or a snapshot at or
+// after it), or with ctx's error. A follower serving a consistent read
+// waits here for the leader's read index.
+func (f *FSM) WaitApplied(ctx context.Context, index uint64) error {
+	for {
+		f.mu.Lock()
+		if f.applied >= index {
+			f.mu.Unlock()
+			return nil
+		}
+		if f.appliedCh == nil {
+			f.appliedCh = make(chan struct{})
+		}
+		ch := f.appliedCh
+		f.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // commit makes a write transaction visible together with the applied
@@ -395,7 +432,7 @@ func (f *FSM) setApplied(index uint64) {
 func (f *FSM) commit(t *writeTxn, applied uint64) {
 	f.mu.Lock()
 	t.txn.Commit()
-	f.applied = applied
+	f.setAppliedLocked(applied)
 	f.mu.Unlock()
 	t.txn, t.base = nil, nil
 }

@@ -170,7 +170,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	old := f.abandonCh
 	f.head.invalidate()
 	f.db = db
-	f.applied = hdr.GetLastIndex()
+	f.setAppliedLocked(hdr.GetLastIndex())
 	f.abandonCh = make(chan struct{})
 	f.mu.Unlock()
 	close(old)

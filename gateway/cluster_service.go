@@ -71,11 +71,18 @@ type Membership interface {
 type Peers interface {
 	Status(ctx context.Context, internalAddr string) (*nodev1.StatusResponse, error)
 	Cluster(internalAddr string) clusterv1connect.ClusterServiceClient
+	// ReadIndex asks the leader at internalAddr for a read index
+	// (LeaderReadIndex there). Errors are Connect errors.
+	ReadIndex(ctx context.Context, internalAddr string) (uint64, error)
 }
 
 // StateReader reads the local replicated state.
 type StateReader interface {
 	State() *fsm.State
+	// AppliedIndex is the index of the last entry applied to the state.
+	AppliedIndex() uint64
+	// WaitApplied returns once the state has applied index.
+	WaitApplied(ctx context.Context, index uint64) error
 }
 
 // ClusterServiceConfig configures a ClusterService.

@@ -59,6 +59,21 @@ type remoteCall[Req, Res any] func(clusterv1connect.ClusterServiceClient, contex
 // Unavailable naming the missing leader. The leader-only handler of the
 // internal port never forwards.
 func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], remote remoteCall[Req, Res], local func(context.Context) (*connect.Response[Res], error)) (*connect.Response[Res], error) {
+	return viaLeader(ctx, h, local, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
+		resp, err := remote(h.peers.Cluster(internalAddr), ctx, forwardRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return cleanResponse(resp), nil
+	})
+}
+
+// viaLeader runs local when this node is the leader, else remote with the
+// leader's internal address, retrying Unavailable answers (not the leader,
+// no leader, connection failures) on whichever node leads next, up to the
+// hold timeout.
+func viaLeader[T any](ctx context.Context, h *ClusterService, local func(context.Context) (T, error), remote func(ctx context.Context, internalAddr string) (T, error)) (T, error) {
+	var zero T
 	hold := time.Now().Add(h.cfg.HoldTimeout)
 	var lastErr error
 	for attempt := 0; ; attempt++ {
@@ -70,11 +85,11 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 				return resp, nil
 			}
 			if h.cfg.LeaderOnly || !retryable(err) {
-				return nil, toConnect(err)
+				return zero, toConnect(err)
 			}
 			lastErr = err
 		case h.cfg.LeaderOnly:
-			return nil, toConnect(errNotLeaderHere)
+			return zero, toConnect(errNotLeaderHere)
 		case id == "":
 			lastErr = ErrNoLeader
 		default:
@@ -83,25 +98,25 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 				lastErr = fmt.Errorf("%w: leader %s is not known to gossip yet", ErrNoLeader, id)
 				break
 			}
-			resp, err := remote(h.peers.Cluster(m.Meta.InternalAddr), ctx, forwardRequest(req))
+			resp, err := remote(ctx, m.Meta.InternalAddr)
 			if err == nil {
-				return cleanResponse(resp), nil
+				return resp, nil
 			}
 			if !retryable(err) {
-				return nil, err
+				return zero, err
 			}
 			lastErr = err
 		}
 		if ctx.Err() != nil {
-			return nil, toConnect(ctx.Err())
+			return zero, toConnect(ctx.Err())
 		}
 		select {
 		case <-h.cfg.Stopping:
-			return nil, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
+			return zero, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
 		default:
 		}
 		if time.Now().After(hold) {
-			return nil, connect.NewError(connect.CodeUnavailable,
+			return zero, connect.NewError(connect.CodeUnavailable,
 				fmt.Errorf("%w after waiting %s: %v", ErrNoLeader, h.cfg.HoldTimeout, lastErr))
 		}
 		wait := time.Duration(25+rand.IntN(50)) * time.Millisecond
@@ -112,10 +127,10 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return nil, toConnect(ctx.Err())
+			return zero, toConnect(ctx.Err())
 		case <-h.cfg.Stopping:
 			t.Stop()
-			return nil, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
+			return zero, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
 		case <-t.C:
 		}
 	}
@@ -190,7 +205,7 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 			return resp, toConnect(err)
 		}
 	}
-	return onLeader(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[Res], error) {
+	verified := func(ctx context.Context) (*connect.Response[Res], error) {
 		if !h.leaderReady() {
 			return nil, ErrLeaderNotReady
 		}
@@ -200,7 +215,44 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 			}
 		}
 		return serve(ctx)
-	})
+	}
+	if mode == clusterv1.Consistency_CONSISTENCY_CONSISTENT && !h.cfg.LeaderOnly {
+		// A follower serves a consistent read itself once it has applied
+		// the leader's read index: one small round trip to the leader
+		// instead of forwarding the request and its answer, and the
+		// reading is spread over every node (as etcd's ReadIndex).
+		return viaLeader(ctx, h, verified, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
+			idx, err := h.peers.ReadIndex(ctx, internalAddr)
+			if err != nil {
+				return nil, err
+			}
+			if err := h.state.WaitApplied(ctx, idx); err != nil {
+				return nil, toConnect(fmt.Errorf("wait for read index %d (applied %d): %w", idx, h.state.AppliedIndex(), err))
+			}
+			resp, err := serve(ctx)
+			return resp, toConnect(err)
+		})
+	}
+	return onLeader(ctx, h, req, remote, verified)
+}
+
+// LeaderReadIndex answers a follower's ReadIndex: this node must be the
+// leader with its term's state established; the index is its applied index
+// taken before confirming leadership with a quorum, so it covers every write
+// this leader acknowledged (a write is acknowledged after it is applied here)
+// and everything committed in earlier terms (the barrier).
+func (h *ClusterService) LeaderReadIndex(ctx context.Context) (uint64, error) {
+	if id, _ := h.raft.Leader(); id != h.cfg.NodeID {
+		return 0, toConnect(errNotLeaderHere)
+	}
+	if !h.leaderReady() {
+		return 0, toConnect(ErrLeaderNotReady)
+	}
+	idx := h.state.AppliedIndex()
+	if err := h.raft.VerifyLeader(ctx); err != nil {
+		return 0, toConnect(err)
+	}
+	return idx, nil
 }
 
 // setQueryHeaders describes the local state a read was served from.

@@ -115,6 +115,10 @@ func (g nodeGRPC) Status(ctx context.Context, r *nodev1.StatusRequest) (*nodev1.
 	return unary(ctx, r, g.h.Status)
 }
 
+func (g nodeGRPC) ReadIndex(ctx context.Context, r *nodev1.ReadIndexRequest) (*nodev1.ReadIndexResponse, error) {
+	return unary(ctx, r, g.h.ReadIndex)
+}
+
 // unary calls a Connect handler method for a gRPC request: the request
 // metadata becomes the Connect request's headers, the response headers
 // and trailers become gRPC headers and trailers, and a Connect error

@@ -243,7 +243,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	a.serveSplit(a.lnAPI, a.apiMux(), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 	})
-	nodeSvc := cluster.NewNodeService(a.raft)
+	nodeSvc := cluster.NewNodeService(a.raft, internal)
 	a.serveSplit(a.lnInternal, internalMux(internal, nodeSvc), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
@@ -651,6 +651,14 @@ func (p peerClients) Status(ctx context.Context, addr string) (*nodeStatus, erro
 
 func (p peerClients) Cluster(addr string) clusterv1connect.ClusterServiceClient {
 	return p.pool.Cluster(addr)
+}
+
+func (p peerClients) ReadIndex(ctx context.Context, addr string) (uint64, error) {
+	resp, err := p.pool.Node(addr).ReadIndex(ctx, connect.NewRequest(&nodev1.ReadIndexRequest{}))
+	if err != nil {
+		return 0, err
+	}
+	return resp.Msg.GetIndex(), nil
 }
 
 // Leave leaves the cluster gracefully and shuts the agent down: a leader

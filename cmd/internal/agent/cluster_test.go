@@ -101,7 +101,7 @@ func TestFormationWithBootstrapAndJoin(t *testing.T) {
 
 func TestForwardingAndReadModes(t *testing.T) {
 	c := agenttest.NewExpect(t, 3, nil)
-	c.WaitLeader(waitFor)
+	leader := c.WaitLeader(waitFor)
 	f := c.Follower()
 	reg := mustRegister(t, f, "db", "db-1")
 	if reg.GetIndex() == 0 || reg.GetInstance().GetNode() != f.Name {
@@ -129,6 +129,15 @@ func TestForwardingAndReadModes(t *testing.T) {
 			}
 			if resp.Header().Get("Pivirt-Known-Leader") != "true" {
 				t.Errorf("Pivirt-Known-Leader = %q, want true", resp.Header().Get("Pivirt-Known-Leader"))
+			}
+			// A consistent read is served by the follower asked, after the
+			// leader's read index; a default read by the leader.
+			wantBy := leader.Name
+			if tc.mode == clusterv1.Consistency_CONSISTENCY_CONSISTENT {
+				wantBy = f.Name
+			}
+			if got := resp.Header().Get("Pivirt-Served-By"); got != wantBy {
+				t.Errorf("Pivirt-Served-By = %q, want %s", got, wantBy)
 			}
 		})
 	}

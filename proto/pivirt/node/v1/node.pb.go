@@ -25,6 +25,88 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type ReadIndexRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadIndexRequest) Reset() {
+	*x = ReadIndexRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadIndexRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadIndexRequest) ProtoMessage() {}
+
+func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
+func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+type ReadIndexResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// index is the leader's applied index, taken before it verified its
+	// leadership.
+	Index         uint64 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadIndexResponse) Reset() {
+	*x = ReadIndexResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadIndexResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadIndexResponse) ProtoMessage() {}
+
+func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
+func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ReadIndexResponse) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
 type StatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -33,7 +115,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -45,7 +127,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -58,7 +140,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 type StatusResponse struct {
@@ -86,7 +168,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -98,7 +180,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -111,7 +193,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -209,7 +291,10 @@ var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\"\x0f\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\"\x12\n" +
+	"\x10ReadIndexRequest\")\n" +
+	"\x11ReadIndexResponse\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"\x0f\n" +
 	"\rStatusRequest\"\xc3\x03\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
@@ -227,9 +312,10 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	" \x01(\x05R\x05peers\x12)\n" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
-	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2X\n" +
+	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xac\x01\n" +
 	"\vNodeService\x12I\n" +
-	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
+	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -243,18 +329,22 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 2)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
-	(*StatusRequest)(nil),       // 0: pivirt.node.v1.StatusRequest
-	(*StatusResponse)(nil),      // 1: pivirt.node.v1.StatusResponse
-	(*durationpb.Duration)(nil), // 2: google.protobuf.Duration
+	(*ReadIndexRequest)(nil),    // 0: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),   // 1: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),       // 2: pivirt.node.v1.StatusRequest
+	(*StatusResponse)(nil),      // 3: pivirt.node.v1.StatusResponse
+	(*durationpb.Duration)(nil), // 4: google.protobuf.Duration
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	2, // 0: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	0, // 1: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	1, // 2: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	2, // [2:3] is the sub-list for method output_type
-	1, // [1:2] is the sub-list for method input_type
+	4, // 0: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	2, // 1: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	0, // 2: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	3, // 3: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	1, // 4: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	3, // [3:5] is the sub-list for method output_type
+	1, // [1:3] is the sub-list for method input_type
 	1, // [1:1] is the sub-list for extension type_name
 	1, // [1:1] is the sub-list for extension extendee
 	0, // [0:1] is the sub-list for field type_name
@@ -271,7 +361,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   2,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -22,7 +22,8 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	NodeService_Status_FullMethodName = "/pivirt.node.v1.NodeService/Status"
+	NodeService_Status_FullMethodName    = "/pivirt.node.v1.NodeService/Status"
+	NodeService_ReadIndex_FullMethodName = "/pivirt.node.v1.NodeService/ReadIndex"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -32,6 +33,12 @@ type NodeServiceClient interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
 	// for the replication progress shown by "pvcli cluster peers".
 	Status(ctx context.Context, in *StatusRequest, opts ...grpc.CallOption) (*StatusResponse, error)
+	// ReadIndex is asked of the leader by a follower that serves a consistent
+	// read itself: the leader confirms its leadership with a quorum and
+	// returns an index at least as high as every write it acknowledged; the
+	// follower reads once its own state has applied that index. Leader only
+	// (Unavailable elsewhere).
+	ReadIndex(ctx context.Context, in *ReadIndexRequest, opts ...grpc.CallOption) (*ReadIndexResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -52,6 +59,16 @@ func (c *nodeServiceClient) Status(ctx context.Context, in *StatusRequest, opts 
 	return out, nil
 }
 
+func (c *nodeServiceClient) ReadIndex(ctx context.Context, in *ReadIndexRequest, opts ...grpc.CallOption) (*ReadIndexResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReadIndexResponse)
+	err := c.cc.Invoke(ctx, NodeService_ReadIndex_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -59,6 +76,12 @@ type NodeServiceServer interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
 	// for the replication progress shown by "pvcli cluster peers".
 	Status(context.Context, *StatusRequest) (*StatusResponse, error)
+	// ReadIndex is asked of the leader by a follower that serves a consistent
+	// read itself: the leader confirms its leadership with a quorum and
+	// returns an index at least as high as every write it acknowledged; the
+	// follower reads once its own state has applied that index. Leader only
+	// (Unavailable elsewhere).
+	ReadIndex(context.Context, *ReadIndexRequest) (*ReadIndexResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -70,6 +93,9 @@ type UnimplementedNodeServiceServer struct{}
 
 func (UnimplementedNodeServiceServer) Status(context.Context, *StatusRequest) (*StatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Status not implemented")
+}
+func (UnimplementedNodeServiceServer) ReadIndex(context.Context, *ReadIndexRequest) (*ReadIndexResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReadIndex not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -109,6 +135,24 @@ func _NodeService_Status_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_ReadIndex_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReadIndexRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).ReadIndex(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_ReadIndex_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).ReadIndex(ctx, req.(*ReadIndexRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -119,6 +163,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Status",
 			Handler:    _NodeService_Status_Handler,
+		},
+		{
+			MethodName: "ReadIndex",
+			Handler:    _NodeService_ReadIndex_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

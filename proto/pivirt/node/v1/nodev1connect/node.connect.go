@@ -37,6 +37,8 @@ const (
 const (
 	// NodeServiceStatusProcedure is the fully-qualified name of the NodeService's Status RPC.
 	NodeServiceStatusProcedure = "/pivirt.node.v1.NodeService/Status"
+	// NodeServiceReadIndexProcedure is the fully-qualified name of the NodeService's ReadIndex RPC.
+	NodeServiceReadIndexProcedure = "/pivirt.node.v1.NodeService/ReadIndex"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -44,6 +46,12 @@ type NodeServiceClient interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
 	// for the replication progress shown by "pvcli cluster peers".
 	Status(context.Context, *connect.Request[v1.StatusRequest]) (*connect.Response[v1.StatusResponse], error)
+	// ReadIndex is asked of the leader by a follower that serves a consistent
+	// read itself: the leader confirms its leadership with a quorum and
+	// returns an index at least as high as every write it acknowledged; the
+	// follower reads once its own state has applied that index. Leader only
+	// (Unavailable elsewhere).
+	ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -63,12 +71,19 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("Status")),
 			connect.WithClientOptions(opts...),
 		),
+		readIndex: connect.NewClient[v1.ReadIndexRequest, v1.ReadIndexResponse](
+			httpClient,
+			baseURL+NodeServiceReadIndexProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("ReadIndex")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // nodeServiceClient implements NodeServiceClient.
 type nodeServiceClient struct {
-	status *connect.Client[v1.StatusRequest, v1.StatusResponse]
+	status    *connect.Client[v1.StatusRequest, v1.StatusResponse]
+	readIndex *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -76,11 +91,22 @@ func (c *nodeServiceClient) Status(ctx context.Context, req *connect.Request[v1.
 	return c.status.CallUnary(ctx, req)
 }
 
+// ReadIndex calls pivirt.node.v1.NodeService.ReadIndex.
+func (c *nodeServiceClient) ReadIndex(ctx context.Context, req *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error) {
+	return c.readIndex.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
 	// for the replication progress shown by "pvcli cluster peers".
 	Status(context.Context, *connect.Request[v1.StatusRequest]) (*connect.Response[v1.StatusResponse], error)
+	// ReadIndex is asked of the leader by a follower that serves a consistent
+	// read itself: the leader confirms its leadership with a quorum and
+	// returns an index at least as high as every write it acknowledged; the
+	// follower reads once its own state has applied that index. Leader only
+	// (Unavailable elsewhere).
+	ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -96,10 +122,18 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("Status")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceReadIndexHandler := connect.NewUnaryHandler(
+		NodeServiceReadIndexProcedure,
+		svc.ReadIndex,
+		connect.WithSchema(nodeServiceMethods.ByName("ReadIndex")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
 			nodeServiceStatusHandler.ServeHTTP(w, r)
+		case NodeServiceReadIndexProcedure:
+			nodeServiceReadIndexHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -111,4 +145,8 @@ type UnimplementedNodeServiceHandler struct{}
 
 func (UnimplementedNodeServiceHandler) Status(context.Context, *connect.Request[v1.StatusRequest]) (*connect.Response[v1.StatusResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.Status is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ReadIndex is not implemented"))
 }
