@@ -138,6 +138,8 @@ type ClusterService struct {
 
 	clientID string
 	seq      atomic.Uint64
+
+	readIndex *readIndexBatcher
 }
 
 var _ clusterv1connect.ClusterServiceHandler = (*ClusterService)(nil)
@@ -159,14 +161,15 @@ func NewClusterService(cfg ClusterServiceConfig, raft Consensus, admin RaftAdmin
 		cfg.LeaderReady = func() bool { return true }
 	}
 	return &ClusterService{
-		cfg:      cfg,
-		raft:     raft,
-		admin:    admin,
-		members:  members,
-		peers:    peers,
-		state:    state,
-		logger:   logger.With("component", "cluster-api"),
-		clientID: "node:" + cfg.NodeID + ":" + hex.EncodeToString(b[:]),
+		cfg:       cfg,
+		raft:      raft,
+		admin:     admin,
+		members:   members,
+		peers:     peers,
+		state:     state,
+		logger:    logger.With("component", "cluster-api"),
+		clientID:  "node:" + cfg.NodeID + ":" + hex.EncodeToString(b[:]),
+		readIndex: newReadIndexBatcher(func(ctx context.Context, addr string) (uint64, error) { return peers.ReadIndex(ctx, addr) }),
 	}, nil
 }
 

@@ -222,7 +222,7 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 		// instead of forwarding the request and its answer, and the
 		// reading is spread over every node (as etcd's ReadIndex).
 		return viaLeader(ctx, h, verified, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
-			idx, err := h.peers.ReadIndex(ctx, internalAddr)
+			idx, err := h.readIndex.readIndex(ctx, internalAddr)
 			if err != nil {
 				return nil, err
 			}
