@@ -77,9 +77,15 @@ const maxSniffFrames = 16
 // connections that go to net/http, whose server would otherwise take it
 // for an acknowledgement of settings it never sent. grpc-go ignores it.
 func matchGRPC(w io.Writer, r io.Reader) bool {
+	// Compare as bytes arrive: a short HTTP/1.0 request that then waits
+	// for its answer must not wait for 24 bytes that never come.
 	preface := make([]byte, len(http2.ClientPreface))
-	if _, err := io.ReadFull(r, preface); err != nil || string(preface) != http2.ClientPreface {
-		return false
+	for n := 0; n < len(preface); {
+		m, err := r.Read(preface[n:])
+		n += m
+		if string(preface[:n]) != http2.ClientPreface[:n] || (err != nil && n < len(preface)) {
+			return false
+		}
 	}
 	fr := http2.NewFramer(w, r)
 	if err := fr.WriteSettings(); err != nil {

@@ -320,3 +320,25 @@ func newHPACK(w *bytes.Buffer) func(name, value string) {
 	e := hpack.NewEncoder(w)
 	return func(name, value string) { _ = e.WriteField(hpack.HeaderField{Name: name, Value: value}) }
 }
+
+// A request shorter than the HTTP/2 preface is classified at its first
+// byte, not after the classifier's read timeout.
+func TestProtocolMuxShortHTTP10Request(t *testing.T) {
+	addr := startMux(t)
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second)) // well below the mux's 5 s read timeout
+	if _, err := io.WriteString(c, "GET /plain HTTP/1.0\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatalf("read answer: %v (got %q)", err, body)
+	}
+	if !bytes.Contains(body, []byte("200 OK")) || !bytes.HasSuffix(body, []byte("plain")) {
+		t.Fatalf("answer %q", body)
+	}
+}
