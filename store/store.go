@@ -334,40 +334,28 @@ func (s *Store) Role() Role {
 	return r
 }
 
-// Status is a point-in-time view of this server's Raft state.
+// Status is a point-in-time view of this server's Raft state: its Role and
+// its place in the configuration.
 type Status struct {
-	ID           string    // this server's ID
-	Address      string    // this server's advertised address
-	State        string    // "Follower", "Candidate", "Leader" or "Shutdown"
-	Term         uint64    // current term
-	LastIndex    uint64    // last index in the log or latest snapshot
-	CommitIndex  uint64    // highest index known to be committed
-	AppliedIndex uint64    // highest index handed to the FSM
-	LastContact  time.Time // last contact from the leader; zero on the leader or if never
-	LeaderID     string    // current leader's ID, "" if unknown
-	LeaderAddr   string    // current leader's address, "" if unknown
-	HasState     bool      // see HasExistingState
-	Voter        bool      // this server is a voter in the latest configuration
-	NumPeers     int       // voters other than this one; 0 if this server is not a voter
+	Role
+	ID         string // this server's ID
+	Address    string // this server's advertised address
+	LeaderAddr string // current leader's address, "" if unknown
+	HasState   bool   // see HasExistingState
+	Voter      bool   // this server is a voter in the latest configuration
+	NumPeers   int    // voters other than this one; 0 if this server is not a voter
 }
 
 // Status returns a snapshot of this server's Raft state. It is cheap: it reads
 // raft's getters and the in-memory configuration.
 func (s *Store) Status() Status {
 	st := Status{
-		ID:           s.id,
-		Address:      s.LocalAddr(),
-		State:        s.raft.State().String(),
-		Term:         s.raft.CurrentTerm(),
-		LastIndex:    s.raft.LastIndex(),
-		CommitIndex:  s.raft.CommitIndex(),
-		AppliedIndex: s.raft.AppliedIndex(),
-		HasState:     s.HasExistingState(),
+		Role:     s.Role(),
+		ID:       s.id,
+		Address:  s.LocalAddr(),
+		HasState: s.HasExistingState(),
 	}
-	st.LeaderID, st.LeaderAddr = s.Leader()
-	if s.raft.State() != raft.Leader {
-		st.LastContact = s.raft.LastContact()
-	}
+	_, st.LeaderAddr = s.Leader()
 	if f := s.raft.GetConfiguration(); f.Error() == nil {
 		for _, srv := range f.Configuration().Servers {
 			if srv.Suffrage != raft.Voter {
