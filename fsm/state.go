@@ -178,6 +178,19 @@ func (s *State) ConfigEntry(key string) (*clusterv1.ConfigEntry, error) {
 	return e, nil
 }
 
+// WatchConfigKey adds to ws a channel that fires when the config key
+// changes (is set, deleted or created) and the abandon channel, and returns
+// the key's current revision, 0 when it does not exist.
+func (s *State) WatchConfigKey(ws memdb.WatchSet, key string) (uint64, error) {
+	ch, obj, err := s.txn.FirstWatch(TableConfig, indexID, key)
+	if err != nil {
+		return 0, fmt.Errorf("watch config %q: %w", key, err)
+	}
+	s.watch(ws, ch)
+	e, _ := obj.(*clusterv1.ConfigEntry)
+	return e.GetRevision(), nil
+}
+
 // ConfigEntries lists the current version of every config key, sorted by
 // key.
 func (s *State) ConfigEntries(ws memdb.WatchSet) (uint64, []*clusterv1.ConfigEntry, error) {

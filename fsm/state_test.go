@@ -284,3 +284,33 @@ func TestConcurrentReaders(t *testing.T) {
 	close(stop)
 	wg.Wait()
 }
+
+func TestWatchConfigKey(t *testing.T) {
+	h := newHarness(t)
+	ws := memdb.NewWatchSet()
+	rev, err := h.f.State().WatchConfigKey(ws, "k")
+	if err != nil || rev != 0 {
+		t.Fatalf("missing key: revision %d, %v", rev, err)
+	}
+	h.mustApply(setConfig("other", "v"))
+	// Another key's change may or may not fire the channel (memdb watches
+	// radix nodes); the revision of "k" is what a caller re-checks.
+	h.mustApply(setConfig("k", "v1"))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := ws.WatchCtx(ctx); err != nil {
+		t.Fatalf("creating the key did not fire the watch: %v", err)
+	}
+	ws = memdb.NewWatchSet()
+	rev, err = h.f.State().WatchConfigKey(ws, "k")
+	if err != nil || rev == 0 {
+		t.Fatalf("existing key: revision %d, %v", rev, err)
+	}
+	h.mustApply(setConfig("k", "v2"))
+	if err := ws.WatchCtx(ctx); err != nil {
+		t.Fatalf("updating the key did not fire the watch: %v", err)
+	}
+	if got, _ := h.f.State().WatchConfigKey(nil, "k"); got <= rev {
+		t.Fatalf("revision after update %d, want > %d", got, rev)
+	}
+}

@@ -22,6 +22,7 @@ import (
 	"unicode/utf8"
 
 	"connectrpc.com/connect"
+	"github.com/hashicorp/go-memdb"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -256,7 +257,7 @@ func memberProto(m cluster.Member) *clusterv1.Member {
 
 // Peers implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) Peers(ctx context.Context, req *connect.Request[clusterv1.PeersRequest]) (*connect.Response[clusterv1.PeersResponse], error) {
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Peers,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Peers, nil,
 		func(ctx context.Context) (*clusterv1.PeersResponse, uint64, error) {
 			servers, err := h.admin.Servers(ctx)
 			if err != nil {
@@ -366,7 +367,7 @@ func (h *ClusterService) Leader(ctx context.Context, req *connect.Request[cluste
 		h.setQueryHeaders(resp.Header(), index)
 		return resp, nil
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Leader, local)
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Leader, nil, local)
 }
 
 // maxJoinAddrs bounds one Join request (memberlist dials them in turn).
@@ -625,7 +626,7 @@ func (h *ClusterService) ListServices(ctx context.Context, req *connect.Request[
 			return nil, toConnect(err)
 		}
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices, tablesIndex(fsm.TableServices),
 		func(ctx context.Context) (*clusterv1.ListServicesResponse, uint64, error) {
 			index, list, err := h.state.State().Services(req.Msg.GetService(), nil)
 			if err != nil {
@@ -645,7 +646,7 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 			return nil, toConnect(err)
 		}
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService, tablesIndex(fsm.TableServices),
 		func(ctx context.Context) (*clusterv1.GetServiceResponse, uint64, error) {
 			st := h.state.State()
 			if id := req.Msg.GetInstanceId(); id != "" {
@@ -689,7 +690,7 @@ func (h *ClusterService) GetConfig(ctx context.Context, req *connect.Request[clu
 	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
 		return nil, toConnect(err)
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetConfig,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetConfig, configKeyIndex(req.Msg.GetKey()),
 		func(ctx context.Context) (*clusterv1.GetConfigResponse, uint64, error) {
 			e, err := h.state.State().ConfigEntry(req.Msg.GetKey())
 			if err != nil {
@@ -699,9 +700,15 @@ func (h *ClusterService) GetConfig(ctx context.Context, req *connect.Request[clu
 		})
 }
 
+// configKeyIndex is the blockIndex of a read of one config key: its
+// revision, which GetConfig and ConfigHistory answer with.
+func configKeyIndex(key string) blockIndex {
+	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchConfigKey(ws, key) }
+}
+
 // ListConfig implements clusterv1connect.ClusterServiceHandler.
 func (h *ClusterService) ListConfig(ctx context.Context, req *connect.Request[clusterv1.ListConfigRequest]) (*connect.Response[clusterv1.ListConfigResponse], error) {
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListConfig,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListConfig, tablesIndex(fsm.TableConfig),
 		func(ctx context.Context) (*clusterv1.ListConfigResponse, uint64, error) {
 			index, list, err := h.state.State().ConfigEntries(nil)
 			if err != nil {
@@ -768,7 +775,7 @@ func (h *ClusterService) ConfigHistory(ctx context.Context, req *connect.Request
 	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
 		return nil, toConnect(err)
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ConfigHistory,
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ConfigHistory, configKeyIndex(req.Msg.GetKey()),
 		func(ctx context.Context) (*clusterv1.ConfigHistoryResponse, uint64, error) {
 			list, err := h.state.State().ConfigHistory(req.Msg.GetKey())
 			if err != nil {

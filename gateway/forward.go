@@ -11,7 +11,10 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/hashicorp/go-memdb"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	"pilab.hu/pivirt-agent/fsm"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -158,6 +161,78 @@ func cleanResponse[Res any](in *connect.Response[Res]) *connect.Response[Res] {
 	return out
 }
 
+// Blocking queries (ReadOptions.wait_index).
+const (
+	defaultWaitTime = 5 * time.Minute
+	maxWaitTime     = 10 * time.Minute
+	// blockMargin is how long before the call's deadline a blocking query
+	// answers, so that the answer arrives before the caller gives up.
+	blockMargin = 250 * time.Millisecond
+)
+
+// blockIndex returns the index a blocking read compares with wait_index (the
+// same index the read answers with), adding to ws channels that fire when it
+// may have changed.
+type blockIndex func(st *fsm.State, ws memdb.WatchSet) (uint64, error)
+
+// tablesIndex is the blockIndex of a read of whole tables.
+func tablesIndex(tables ...string) blockIndex {
+	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchTables(ws, tables...) }
+}
+
+// waitTime resolves the wait of a blocking query.
+func waitTime(ro *clusterv1.ReadOptions) (time.Duration, error) {
+	if ro.GetWaitTime() == nil {
+		return defaultWaitTime, nil
+	}
+	if err := ro.GetWaitTime().CheckValid(); err != nil {
+		return 0, invalid("read.wait_time", "%v", err)
+	}
+	d := ro.GetWaitTime().AsDuration()
+	if d <= 0 {
+		return 0, invalid("read.wait_time", "must be positive")
+	}
+	return min(d, maxWaitTime), nil
+}
+
+// block waits until the index of block moves above waitIndex, the wait
+// (plus up to 1/16 jitter, which spreads the wake-ups of many watchers)
+// runs out, a restore replaces the state, or the agent stops; only the end
+// of ctx is an error. The caller then reads the current state.
+func (h *ClusterService) block(ctx context.Context, waitIndex uint64, wait time.Duration, index blockIndex) error {
+	deadline := time.Now().Add(wait + rand.N(wait/16+1))
+	if d, ok := ctx.Deadline(); ok && d.Add(-blockMargin).Before(deadline) {
+		deadline = d.Add(-blockMargin)
+	}
+	for {
+		st := h.state.State()
+		ws := memdb.NewWatchSet()
+		idx, err := index(st, ws)
+		if err != nil || idx > waitIndex || !time.Now().Before(deadline) {
+			return err
+		}
+		if h.cfg.Stopping != nil {
+			ws.Add(h.cfg.Stopping)
+		}
+		wctx, cancel := context.WithDeadline(ctx, deadline)
+		err = ws.WatchCtx(wctx)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case err != nil:
+			return nil // the wait ran out: answer with what there is
+		}
+		select {
+		case <-st.AbandonCh():
+			return nil // restored: the watcher must start over
+		case <-h.cfg.Stopping:
+			return nil
+		default:
+		}
+	}
+}
+
 // readMode resolves the read options of a request.
 func readMode(ro *clusterv1.ReadOptions) (clusterv1.Consistency, time.Duration, error) {
 	mode := ro.GetConsistency()
@@ -180,14 +255,30 @@ func readMode(ro *clusterv1.ReadOptions) (clusterv1.Consistency, time.Duration, 
 	return mode, maxStale, nil
 }
 
-// read serves a read RPC in the requested consistency mode. local returns
-// the response and the index of the state it read.
-func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], ro *clusterv1.ReadOptions, remote remoteCall[Req, Res], local func(context.Context) (*Res, uint64, error)) (*connect.Response[Res], error) {
+// read serves a read RPC in the requested consistency mode, blocking first
+// when the request has a wait_index. local returns the response and the
+// index of the state it read, which blockOn also returns (with watches) for
+// a blocking query; nil blockOn refuses wait_index.
+func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], ro *clusterv1.ReadOptions, remote remoteCall[Req, Res], blockOn blockIndex, local func(context.Context) (*Res, uint64, error)) (*connect.Response[Res], error) {
 	mode, maxStale, err := readMode(ro)
 	if err != nil {
 		return nil, toConnect(err)
 	}
+	var wait time.Duration
+	if ro.GetWaitIndex() > 0 {
+		if blockOn == nil {
+			return nil, toConnect(invalid("read.wait_index", "this read does not support blocking queries"))
+		}
+		if wait, err = waitTime(ro); err != nil {
+			return nil, toConnect(err)
+		}
+	}
 	serve := func(ctx context.Context) (*connect.Response[Res], error) {
+		if ro.GetWaitIndex() > 0 {
+			if err := h.block(ctx, ro.GetWaitIndex(), wait, blockOn); err != nil {
+				return nil, err
+			}
+		}
 		msg, index, err := local(ctx)
 		if err != nil {
 			return nil, err

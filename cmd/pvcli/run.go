@@ -106,6 +106,9 @@ type globalOptions struct {
 	output      enumFlag
 	consistency enumFlag
 	maxStale    time.Duration
+	waitIndex   uint64
+	wait        time.Duration
+	timeoutSet  bool // --timeout was given
 	timeout     time.Duration
 	verbose     bool
 }
@@ -176,6 +179,9 @@ sequence number until --timeout, so it is never applied twice.`,
 	f.Var(&a.opts.consistency, "consistency", "read consistency: "+strings.Join(consistencyModes, "|"))
 	f.DurationVar(&a.opts.maxStale, "max-stale", 0,
 		"with --consistency stale: forward the read to the leader when the node asked last heard from it longer ago than this")
+	f.Uint64Var(&a.opts.waitIndex, "wait-index", 0,
+		"blocking query: answer once the read's index (Pivirt-Index, printed by --verbose; meta.index with -o json) is above this, or after --wait")
+	f.DurationVar(&a.opts.wait, "wait", 0, "with --wait-index: the longest wait (server default 5m, at most 10m)")
 	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
 	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
 
@@ -188,6 +194,7 @@ sequence number until --timeout, so it is never applied twice.`,
 func (a *app) command(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		a.inCommand = true
+		a.opts.timeoutSet = cmd.Flags().Changed("timeout")
 		return fn(cmd, args)
 	}
 }
@@ -277,6 +284,10 @@ func (e *enumFlag) Set(s string) error {
 // readOptions builds the ReadOptions of a read RPC from the global flags.
 func (a *app) readOptions() *clusterv1.ReadOptions {
 	ro := &clusterv1.ReadOptions{Consistency: consistencyValues[a.opts.consistency.value]}
+	ro.WaitIndex = a.opts.waitIndex
+	if a.opts.wait > 0 {
+		ro.WaitTime = durationpb.New(a.opts.wait)
+	}
 	if a.opts.maxStale > 0 {
 		ro.MaxStale = durationpb.New(a.opts.maxStale)
 	}
@@ -294,6 +305,21 @@ func (a *app) writeOptions() *clusterv1.WriteOptions {
 func (a *app) validateGlobals() error {
 	if a.opts.timeout <= 0 {
 		return usagef("invalid --timeout %s: must be a positive duration such as 15s", a.opts.timeout)
+	}
+	if a.opts.wait < 0 {
+		return usagef("invalid --wait %s: must not be negative", a.opts.wait)
+	}
+	if a.opts.wait > 0 && a.opts.waitIndex == 0 {
+		return usagef("--wait applies only with --wait-index")
+	}
+	if a.opts.waitIndex > 0 && !a.opts.timeoutSet {
+		// A blocking query may wait its whole --wait (the server's 5m
+		// by default, plus jitter) before the usual deadline starts.
+		wait := a.opts.wait
+		if wait == 0 {
+			wait = 5 * time.Minute
+		}
+		a.opts.timeout = wait + wait/16 + defaultTimeout
 	}
 	if a.opts.maxStale < 0 {
 		return usagef("invalid --max-stale %s: must not be negative", a.opts.maxStale)

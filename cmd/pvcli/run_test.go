@@ -94,6 +94,14 @@ func TestRequestMapping(t *testing.T) {
 			want:      &clusterv1.PeersRequest{Read: readOpts(clusterv1.Consistency_CONSISTENCY_STALE, 5*time.Second)},
 		},
 		{
+			name:      "service list blocking query",
+			args:      []string{"service", "list", "--wait-index", "42", "--wait", "30s"},
+			procedure: clusterv1connect.ClusterServiceListServicesProcedure,
+			want: &clusterv1.ListServicesRequest{Read: &clusterv1.ReadOptions{
+				Consistency: clusterv1.Consistency_CONSISTENCY_DEFAULT, WaitIndex: 42, WaitTime: durationpb.New(30 * time.Second),
+			}},
+		},
+		{
 			name:      "cluster leader consistent, flag after the command",
 			args:      []string{"cluster", "leader", "--consistency=consistent"},
 			procedure: clusterv1connect.ClusterServiceLeaderProcedure,
@@ -483,6 +491,8 @@ func TestBadInput(t *testing.T) {
 		{name: "unknown output", args: []string{"--output", "xml", "cluster", "members"}, wantErr: `invalid argument "xml" for "-o, --output" flag: must be one of table|json|yaml`},
 		{name: "unknown output shorthand", args: []string{"cluster", "peers", "-o", "csv"}, wantErr: "must be one of table|json|yaml"},
 		{name: "unknown consistency", args: []string{"--consistency", "strong", "cluster", "peers"}, wantErr: `invalid argument "strong" for "--consistency" flag: must be one of default|consistent|stale`},
+		{name: "wait without wait-index", args: []string{"--wait", "5s", "service", "list"}, wantErr: "--wait applies only with --wait-index"},
+		{name: "negative wait", args: []string{"--wait-index", "3", "--wait", "-1s", "service", "list"}, wantErr: "invalid --wait -1s"},
 		{name: "max-stale without stale", args: []string{"--max-stale", "5s", "cluster", "peers"}, wantErr: "--max-stale applies only to --consistency stale"},
 		{name: "negative max-stale", args: []string{"--consistency", "stale", "--max-stale", "-1s", "cluster", "peers"}, wantErr: "invalid --max-stale -1s"},
 		{name: "bad max-stale", args: []string{"--max-stale", "soon", "cluster", "peers"}, wantErr: `invalid argument "soon" for "--max-stale" flag`},

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -206,6 +207,93 @@ func TestForwardingAndReadModes(t *testing.T) {
 		resp, err := listServices(t, f, clusterv1.Consistency_CONSISTENCY_CONSISTENT)
 		if err != nil || len(resp.Msg.GetInstances()) != 1 {
 			t.Fatalf("after bad input: %v instances, err %v; want the one stored instance", len(resp.Msg.GetInstances()), err)
+		}
+	})
+	t.Run("blocking-queries", func(t *testing.T) {
+		list := func(ctx context.Context, mode clusterv1.Consistency, waitIndex uint64, wait time.Duration) (*connect.Response[clusterv1.ListServicesResponse], error) {
+			ro := &clusterv1.ReadOptions{Consistency: mode, WaitIndex: waitIndex}
+			if wait != 0 {
+				ro.WaitTime = durationpb.New(wait)
+			}
+			return f.API.ListServices(ctx, connect.NewRequest(&clusterv1.ListServicesRequest{Service: "blk", Read: ro}))
+		}
+		indexOf := func(resp *connect.Response[clusterv1.ListServicesResponse]) uint64 {
+			idx, _ := strconv.ParseUint(resp.Header().Get("Pivirt-Index"), 10, 64)
+			return idx
+		}
+		modes := []clusterv1.Consistency{clusterv1.Consistency_CONSISTENCY_STALE, clusterv1.Consistency_CONSISTENCY_DEFAULT, clusterv1.Consistency_CONSISTENCY_CONSISTENT}
+		for i, mode := range modes {
+			resp, err := list(ctxT(t), clusterv1.Consistency_CONSISTENCY_CONSISTENT, 0, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := indexOf(resp)
+			// Nothing changes: the answer comes after the wait, unchanged.
+			began := time.Now()
+			resp, err = list(ctxT(t), mode, start, 300*time.Millisecond)
+			if err != nil {
+				t.Fatalf("%v: blocking query that times out: %v", mode, err)
+			}
+			if took := time.Since(began); took < 300*time.Millisecond || indexOf(resp) != start {
+				t.Fatalf("%v: answered after %v with index %d; want the wait (300ms) and index %d", mode, took, indexOf(resp), start)
+			}
+			// A write wakes it with the new state.
+			type answer struct {
+				resp *connect.Response[clusterv1.ListServicesResponse]
+				err  error
+			}
+			got := make(chan answer, 1)
+			go func() {
+				r, err := list(ctxT(t), mode, start, time.Minute)
+				got <- answer{r, err}
+			}()
+			mustRegister(t, c.Nodes()[i%3], "blk", fmt.Sprintf("blk-%d", i))
+			select {
+			case a := <-got:
+				if a.err != nil {
+					t.Fatalf("%v: woken blocking query: %v", mode, a.err)
+				}
+				if indexOf(a.resp) <= start || len(a.resp.Msg.GetInstances()) != i+1 {
+					t.Fatalf("%v: woken with index %d (waited on %d) and %d instances, want a newer index and %d", mode, indexOf(a.resp), start, len(a.resp.Msg.GetInstances()), i+1)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatalf("%v: a write did not wake the blocking query", mode)
+			}
+		}
+		// A config key blocks on its own revision.
+		set, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "blk", Value: "1"}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rev := set.Msg.GetEntry().GetRevision()
+		gotCfg := make(chan *clusterv1.ConfigEntry, 1)
+		go func() {
+			r, err := f.API.GetConfig(ctxT(t), connect.NewRequest(&clusterv1.GetConfigRequest{Key: "blk",
+				Read: &clusterv1.ReadOptions{WaitIndex: rev, WaitTime: durationpb.New(time.Minute)}}))
+			if err != nil {
+				t.Error(err)
+			}
+			gotCfg <- r.Msg.GetEntry()
+		}()
+		if _, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "blk", Value: "2"})); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case e := <-gotCfg:
+			if e.GetValue() != "2" || e.GetRevision() <= rev {
+				t.Fatalf("config blocking query woke with %v, want value 2 at a revision above %d", e, rev)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("setting the key did not wake the blocking query")
+		}
+		// Bad input.
+		_, err = f.API.Peers(ctxT(t), connect.NewRequest(&clusterv1.PeersRequest{Read: &clusterv1.ReadOptions{WaitIndex: 1}}))
+		if connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Errorf("wait_index on Peers: %v, want InvalidArgument", err)
+		}
+		_, err = list(ctxT(t), clusterv1.Consistency_CONSISTENCY_DEFAULT, 1, -time.Second)
+		if connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "read.wait_time") {
+			t.Errorf("negative wait_time: %v, want InvalidArgument naming read.wait_time", err)
 		}
 	})
 	t.Run("grpc-clients", func(t *testing.T) {

@@ -250,7 +250,16 @@ type ReadOptions struct {
 	Consistency Consistency            `protobuf:"varint,1,opt,name=consistency,proto3,enum=pivirt.cluster.v1.Consistency" json:"consistency,omitempty"`
 	// max_stale bounds a stale read: when the node asked last heard from the
 	// leader longer ago than this, the read is forwarded to the leader.
-	MaxStale      *durationpb.Duration `protobuf:"bytes,2,opt,name=max_stale,json=maxStale,proto3" json:"max_stale,omitempty"`
+	MaxStale *durationpb.Duration `protobuf:"bytes,2,opt,name=max_stale,json=maxStale,proto3" json:"max_stale,omitempty"`
+	// wait_index makes the read a blocking query: the answer comes once the
+	// index of what the read returns (Pivirt-Index, meta.index) is above
+	// wait_index, when wait_time has passed (with the unchanged answer), or
+	// at once after a snapshot restore replaced the state (the index may then
+	// go back: a watcher starts over from the answer). 0: answer at once.
+	WaitIndex uint64 `protobuf:"varint,3,opt,name=wait_index,json=waitIndex,proto3" json:"wait_index,omitempty"`
+	// wait_time bounds a blocking query: default 5m, at most 10m; the server
+	// adds up to 1/16 of it as jitter and answers before the call's deadline.
+	WaitTime      *durationpb.Duration `protobuf:"bytes,4,opt,name=wait_time,json=waitTime,proto3" json:"wait_time,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -295,6 +304,20 @@ func (x *ReadOptions) GetConsistency() Consistency {
 func (x *ReadOptions) GetMaxStale() *durationpb.Duration {
 	if x != nil {
 		return x.MaxStale
+	}
+	return nil
+}
+
+func (x *ReadOptions) GetWaitIndex() uint64 {
+	if x != nil {
+		return x.WaitIndex
+	}
+	return 0
+}
+
+func (x *ReadOptions) GetWaitTime() *durationpb.Duration {
+	if x != nil {
+		return x.WaitTime
 	}
 	return nil
 }
@@ -2590,10 +2613,13 @@ var File_pivirt_cluster_v1_cluster_proto protoreflect.FileDescriptor
 
 const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\n" +
-	"\x1fpivirt/cluster/v1/cluster.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x87\x01\n" +
+	"\x1fpivirt/cluster/v1/cluster.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xde\x01\n" +
 	"\vReadOptions\x12@\n" +
 	"\vconsistency\x18\x01 \x01(\x0e2\x1e.pivirt.cluster.v1.ConsistencyR\vconsistency\x126\n" +
-	"\tmax_stale\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\bmaxStale\"G\n" +
+	"\tmax_stale\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\bmaxStale\x12\x1d\n" +
+	"\n" +
+	"wait_index\x18\x03 \x01(\x04R\twaitIndex\x126\n" +
+	"\twait_time\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bwaitTime\"G\n" +
 	"\fWriteOptions\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\"\x9f\x01\n" +
@@ -2864,85 +2890,86 @@ var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
 	46, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	46, // 2: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
-	1,  // 3: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
-	7,  // 4: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
-	2,  // 5: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	46, // 6: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
-	4,  // 7: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	10, // 8: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
-	6,  // 9: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 10: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	6,  // 11: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	45, // 12: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
-	3,  // 13: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	46, // 14: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	47, // 15: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	47, // 16: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	23, // 17: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 18: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	23, // 19: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 20: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 21: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	23, // 22: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	4,  // 23: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	23, // 24: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 25: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 26: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	23, // 27: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 28: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	47, // 29: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	4,  // 30: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 31: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 32: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 33: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 34: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 35: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 36: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	34, // 37: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	5,  // 38: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	4,  // 39: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 40: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 41: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	8,  // 42: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	11, // 43: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	13, // 44: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	15, // 45: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	17, // 46: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	19, // 47: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	21, // 48: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	24, // 49: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	26, // 50: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	28, // 51: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	30, // 52: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	32, // 53: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	35, // 54: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	37, // 55: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	39, // 56: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	41, // 57: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	43, // 58: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	9,  // 59: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	12, // 60: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	14, // 61: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	16, // 62: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	18, // 63: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	20, // 64: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	22, // 65: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	25, // 66: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	27, // 67: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	29, // 68: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	31, // 69: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	33, // 70: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	36, // 71: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	38, // 72: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	40, // 73: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	42, // 74: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	44, // 75: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	59, // [59:76] is the sub-list for method output_type
-	42, // [42:59] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	46, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	46, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
+	7,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
+	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
+	46, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	4,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	10, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
+	6,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	4,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	6,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	45, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	3,  // 14: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
+	46, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	47, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	47, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	23, // 18: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 19: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	23, // 20: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 21: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	5,  // 22: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	23, // 23: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	4,  // 24: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	23, // 25: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 26: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	4,  // 27: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	23, // 28: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 29: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	47, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	4,  // 31: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	34, // 32: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 33: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	4,  // 34: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	34, // 35: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 36: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 37: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	34, // 38: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	5,  // 39: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	4,  // 40: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	34, // 41: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 42: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	8,  // 43: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	11, // 44: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	13, // 45: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	15, // 46: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	17, // 47: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	19, // 48: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	21, // 49: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	24, // 50: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	26, // 51: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	28, // 52: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	30, // 53: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	32, // 54: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	35, // 55: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	37, // 56: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	39, // 57: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	41, // 58: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	43, // 59: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	9,  // 60: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	12, // 61: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	14, // 62: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	16, // 63: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	18, // 64: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	20, // 65: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	22, // 66: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	25, // 67: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	27, // 68: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	29, // 69: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	31, // 70: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	33, // 71: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	36, // 72: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	38, // 73: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	40, // 74: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	42, // 75: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	44, // 76: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	60, // [60:77] is the sub-list for method output_type
+	43, // [43:60] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
