@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -564,6 +565,10 @@ func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.
 	gs := grpc.NewServer(
 		grpc.MaxRecvMsgSize(cluster.MaxMessageBytes),
 		grpc.MaxSendMsgSize(cluster.MaxMessageBytes),
+		// A pool of stream workers instead of a goroutine per call (a
+		// call finding every worker busy still gets its own goroutine):
+		// measurably lower latency for short calls such as reads.
+		grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 	)
 	register(gs)
