@@ -120,7 +120,14 @@ func callGRPC[Req, Res any](ctx context.Context, req *connect.Request[Req], call
 		for k, vs := range h {
 			k = strings.ToLower(k)
 			if !strings.HasSuffix(k, "-bin") {
-				md[k] = vs
+				// grpc-go refuses a call whose metadata holds anything
+				// but printable ASCII (net/http accepts more): such a
+				// header is dropped rather than failing the forward.
+				for _, v := range vs {
+					if printableASCII(v) {
+						md[k] = append(md[k], v)
+					}
+				}
 				continue
 			}
 			// Connect holds binary values base64-encoded; grpc-go wants
@@ -177,4 +184,14 @@ func copyMetadata(h http.Header, md metadata.MD) {
 			h.Add(k, v)
 		}
 	}
+}
+
+// printableASCII reports whether v is a valid gRPC metadata value.
+func printableASCII(v string) bool {
+	for i := 0; i < len(v); i++ {
+		if v[i] < 0x20 || v[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }

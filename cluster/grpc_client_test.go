@@ -78,6 +78,7 @@ func TestPoolSpeaksGRPCThroughConnectInterfaces(t *testing.T) {
 
 	req := connect.NewRequest(&clusterv1.GetServiceRequest{Service: "web"})
 	req.Header().Set("X-Request-Id", "req-7")
+	req.Header().Set("Traceparent", "caf\xc3\xa9") // not ASCII: dropped, the call still goes through
 	req.Header().Set("Blob-Bin", connect.EncodeBinaryHeader([]byte{0, 1, 2}))
 	res, err := p.Cluster(addr).GetService(ctx, req)
 	if err != nil {

@@ -180,15 +180,19 @@ func (s *State) ConfigEntry(key string) (*clusterv1.ConfigEntry, error) {
 
 // WatchConfigKey adds to ws a channel that fires when the config key
 // changes (is set, deleted or created) and the abandon channel, and returns
-// the key's current revision, 0 when it does not exist.
+// the key's index: its revision, or when it does not exist the config
+// table's index, which is above every revision the key had (its deletion
+// changed the table), so that a watcher of the key sees the deletion.
 func (s *State) WatchConfigKey(ws memdb.WatchSet, key string) (uint64, error) {
 	ch, obj, err := s.txn.FirstWatch(TableConfig, indexID, key)
 	if err != nil {
 		return 0, fmt.Errorf("watch config %q: %w", key, err)
 	}
 	s.watch(ws, ch)
-	e, _ := obj.(*clusterv1.ConfigEntry)
-	return e.GetRevision(), nil
+	if e, ok := obj.(*clusterv1.ConfigEntry); ok {
+		return e.GetRevision(), nil
+	}
+	return s.Index(TableConfig), nil
 }
 
 // ConfigEntries lists the current version of every config key, sorted by

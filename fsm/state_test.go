@@ -290,7 +290,7 @@ func TestWatchConfigKey(t *testing.T) {
 	ws := memdb.NewWatchSet()
 	rev, err := h.f.State().WatchConfigKey(ws, "k")
 	if err != nil || rev != 0 {
-		t.Fatalf("missing key: revision %d, %v", rev, err)
+		t.Fatalf("missing key in an empty table: index %d, %v", rev, err)
 	}
 	h.mustApply(setConfig("other", "v"))
 	// Another key's change may or may not fire the channel (memdb watches
@@ -310,7 +310,18 @@ func TestWatchConfigKey(t *testing.T) {
 	if err := ws.WatchCtx(ctx); err != nil {
 		t.Fatalf("updating the key did not fire the watch: %v", err)
 	}
-	if got, _ := h.f.State().WatchConfigKey(nil, "k"); got <= rev {
-		t.Fatalf("revision after update %d, want > %d", got, rev)
+	rev2, _ := h.f.State().WatchConfigKey(nil, "k")
+	if rev2 <= rev {
+		t.Fatalf("revision after update %d, want > %d", rev2, rev)
+	}
+	// A deletion fires the watch and moves the index above every revision.
+	ws = memdb.NewWatchSet()
+	_, _ = h.f.State().WatchConfigKey(ws, "k")
+	h.mustApply(deleteConfig("k"))
+	if err := ws.WatchCtx(ctx); err != nil {
+		t.Fatalf("deleting the key did not fire the watch: %v", err)
+	}
+	if got, _ := h.f.State().WatchConfigKey(nil, "k"); got <= rev2 {
+		t.Fatalf("index of the deleted key %d, want > %d (its last revision)", got, rev2)
 	}
 }

@@ -50,7 +50,9 @@ type RaftStatus struct {
 type Consensus interface {
 	Apply(ctx context.Context, cmd []byte) (resp any, index uint64, err error)
 	Leader() (id, addr string)
-	VerifyLeader(ctx context.Context) error
+	// ReadIndex is the index a linearizable read waits for before reading
+	// local state (store.Store.ReadIndex). Leader only.
+	ReadIndex(ctx context.Context) (uint64, error)
 	RaftStatus() RaftStatus
 }
 

@@ -301,7 +301,14 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 			return nil, ErrLeaderNotReady
 		}
 		if mode == clusterv1.Consistency_CONSISTENCY_CONSISTENT {
-			if err := h.raft.VerifyLeader(ctx); err != nil {
+			// The leader's FSM may lag its commit index, where a follower
+			// may already have read (and answered) from: wait for the read
+			// index here too.
+			idx, err := h.raft.ReadIndex(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if err := h.waitReadIndex(ctx, idx); err != nil {
 				return nil, err
 			}
 		}
@@ -314,11 +321,19 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 		// reading is spread over every node (as etcd's ReadIndex).
 		return viaLeader(ctx, h, verified, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
 			idx, err := h.readIndex.readIndex(ctx, internalAddr)
+			if connect.CodeOf(err) == connect.CodeUnimplemented {
+				// A leader on an older binary: forward the read.
+				resp, err := remote(h.peers.Cluster(internalAddr), ctx, forwardRequest(req))
+				if err != nil {
+					return nil, err
+				}
+				return cleanResponse(resp), nil
+			}
 			if err != nil {
 				return nil, err
 			}
-			if err := h.state.WaitApplied(ctx, idx); err != nil {
-				return nil, toConnect(fmt.Errorf("wait for read index %d (applied %d): %w", idx, h.state.AppliedIndex(), err))
+			if err := h.waitReadIndex(ctx, idx); err != nil {
+				return nil, toConnect(err)
 			}
 			resp, err := serve(ctx)
 			return resp, toConnect(err)
@@ -328,10 +343,10 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 }
 
 // LeaderReadIndex answers a follower's ReadIndex: this node must be the
-// leader with its term's state established; the index is its applied index
-// taken before confirming leadership with a quorum, so it covers every write
-// this leader acknowledged (a write is acknowledged after it is applied here)
-// and everything committed in earlier terms (the barrier).
+// leader with its term's state established (the barrier: everything
+// committed in earlier terms is applied here); the index is the Raft read
+// index (store.Store.ReadIndex), at least every write this leader
+// acknowledged and everything any node may already have applied.
 func (h *ClusterService) LeaderReadIndex(ctx context.Context) (uint64, error) {
 	if id, _ := h.raft.Leader(); id != h.cfg.NodeID {
 		return 0, toConnect(errNotLeaderHere)
@@ -339,11 +354,19 @@ func (h *ClusterService) LeaderReadIndex(ctx context.Context) (uint64, error) {
 	if !h.leaderReady() {
 		return 0, toConnect(ErrLeaderNotReady)
 	}
-	idx := h.state.AppliedIndex()
-	if err := h.raft.VerifyLeader(ctx); err != nil {
+	idx, err := h.raft.ReadIndex(ctx)
+	if err != nil {
 		return 0, toConnect(err)
 	}
 	return idx, nil
+}
+
+// waitReadIndex waits until the local state has applied a read index.
+func (h *ClusterService) waitReadIndex(ctx context.Context, idx uint64) error {
+	if err := h.state.WaitApplied(ctx, idx); err != nil {
+		return fmt.Errorf("wait for read index %d (applied %d): %w", idx, h.state.AppliedIndex(), err)
+	}
+	return nil
 }
 
 // setQueryHeaders describes the local state a read was served from.

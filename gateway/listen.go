@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/soheilhy/cmux"
@@ -35,14 +36,106 @@ type ProtocolMux struct {
 // within readTimeout, or it is closed. Serve must run for either listener
 // to accept anything; closing either listener closes ln.
 func NewProtocolMux(ln net.Listener, readTimeout time.Duration) *ProtocolMux {
-	m := cmux.New(ln)
+	t := &sniffTracker{Listener: ln, conns: make(map[*trackedConn]struct{})}
+	m := cmux.New(t)
 	m.SetReadTimeout(readTimeout)
-	// A connection the classifier cannot read (closed, timed out) is
-	// dropped; that is the client's problem, not a reason to stop.
-	m.HandleError(func(error) bool { return true })
+	m.HandleError(handleAcceptError)
 	g := m.MatchWithWriters(matchGRPC)
 	h := m.Match(cmux.Any())
-	return &ProtocolMux{m: m, GRPC: g, HTTP: settingsAckListener{h}}
+	return &ProtocolMux{m: m, GRPC: handoff{g, t}, HTTP: settingsAckListener{handoff{h, t}}}
+}
+
+// handleAcceptError keeps the mux serving: a connection the classifier
+// could not read (closed, timed out) is the client's problem, and a
+// temporary accept error (out of file descriptors) gets a pause, as
+// net/http's server does, instead of a spin. Anything else stops Serve.
+func handleAcceptError(err error) bool {
+	var nm cmux.ErrNotMatched
+	if errors.As(err, &nm) {
+		return true
+	}
+	var te interface{ Temporary() bool }
+	if errors.As(err, &te) && te.Temporary() {
+		time.Sleep(50 * time.Millisecond)
+		return true
+	}
+	return false
+}
+
+// sniffTracker is the mux's root listener. It remembers the connections
+// accepted and not yet handed to a server, so that closing the listener
+// also ends their classification: cmux's Serve waits for every classifier,
+// which would otherwise sit in a read until the read timeout.
+type sniffTracker struct {
+	net.Listener
+	mu     sync.Mutex
+	conns  map[*trackedConn]struct{}
+	closed bool
+}
+
+type trackedConn struct {
+	net.Conn
+	t *sniffTracker
+}
+
+func (c *trackedConn) Close() error {
+	c.t.forget(c)
+	return c.Conn.Close()
+}
+
+func (t *sniffTracker) Accept() (net.Conn, error) {
+	c, err := t.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	tc := &trackedConn{Conn: c, t: t}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		_ = c.Close()
+		return nil, net.ErrClosed
+	}
+	t.conns[tc] = struct{}{}
+	return tc, nil
+}
+
+func (t *sniffTracker) forget(c *trackedConn) {
+	t.mu.Lock()
+	delete(t.conns, c)
+	t.mu.Unlock()
+}
+
+// Close closes the listener and every connection still being classified.
+func (t *sniffTracker) Close() error {
+	err := t.Listener.Close()
+	t.mu.Lock()
+	conns := t.conns
+	t.conns, t.closed = nil, true
+	t.mu.Unlock()
+	for c := range conns {
+		_ = c.Conn.Close()
+	}
+	return err
+}
+
+// handoff is a listener of the mux's servers: a connection it returns is
+// classified, so the tracker forgets it.
+type handoff struct {
+	net.Listener
+	t *sniffTracker
+}
+
+func (l handoff) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	if mc, ok := c.(*cmux.MuxConn); ok {
+		if tc, ok := mc.Conn.(*trackedConn); ok {
+			l.t.forget(tc)
+		}
+	}
+	return c, nil
 }
 
 // Serve accepts connections until the listener is closed. It returns nil
@@ -61,10 +154,16 @@ func IsClosed(err error) bool {
 	return errors.Is(err, net.ErrClosed) || errors.Is(err, cmux.ErrListenerClosed) || errors.Is(err, cmux.ErrServerClosed)
 }
 
-// maxSniffFrames bounds how many frames before the first HEADERS the
-// classifier reads (a client sends SETTINGS, perhaps WINDOW_UPDATE and
-// PING first).
-const maxSniffFrames = 16
+// Bounds of the classification of one connection: how many frames before
+// the first HEADERS it reads (a client sends SETTINGS, perhaps WINDOW_UPDATE
+// and PING first), how many bytes in all, and the largest frame accepted
+// (HTTP/2's default SETTINGS_MAX_FRAME_SIZE, which a client must respect
+// until the server raises it).
+const (
+	maxSniffFrames      = 16
+	sniffLimit          = 64 << 10
+	defaultMaxFrameSize = 16 << 10
+)
 
 // matchGRPC reports whether the connection is HTTP/2 with prior knowledge
 // and its first request has a gRPC content type ("application/grpc" or
@@ -87,7 +186,12 @@ func matchGRPC(w io.Writer, r io.Reader) bool {
 			return false
 		}
 	}
-	fr := http2.NewFramer(w, r)
+	// Everything read here is kept by cmux to replay to the server chosen:
+	// bound it. A client must not send frames above the default maximum
+	// size before it has our settings, and the first request's headers fit
+	// well within sniffLimit.
+	fr := http2.NewFramer(w, io.LimitReader(r, sniffLimit))
+	fr.SetMaxReadFrameSize(defaultMaxFrameSize)
 	if err := fr.WriteSettings(); err != nil {
 		return false
 	}
@@ -97,6 +201,7 @@ func matchGRPC(w io.Writer, r io.Reader) bool {
 			contentType = f.Value
 		}
 	})
+	dec.SetMaxStringLength(sniffLimit)
 	for range maxSniffFrames {
 		f, err := fr.ReadFrame()
 		if err != nil {

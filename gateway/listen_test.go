@@ -342,3 +342,92 @@ func TestProtocolMuxShortHTTP10Request(t *testing.T) {
 		t.Fatalf("answer %q", body)
 	}
 }
+
+// A client that sends huge frames instead of a request cannot make the
+// classifier buffer them: the connection is handed to net/http after at
+// most sniffLimit bytes, which rejects it.
+func TestProtocolMuxBoundsWhatItBuffers(t *testing.T) {
+	addr := startMux(t)
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	// A frame of an unknown type announcing 1 MB; keep writing until the
+	// server closes the connection or 8 MB went out.
+	hdr := frame(0xfa, 0, nil)
+	hdr[0], hdr[1], hdr[2] = 0x10, 0, 0 // length 1 MB
+	chunk := make([]byte, 64<<10)
+	written := 0
+	if _, err := c.Write(hdr); err == nil {
+		for written < 8<<20 {
+			n, err := c.Write(chunk)
+			written += n
+			if err != nil {
+				break
+			}
+		}
+	}
+	if written >= 8<<20 {
+		t.Fatalf("the server kept reading %d bytes of a frame above the maximum size", written)
+	}
+}
+
+// Closing the listener ends the classification of idle connections at once
+// (cmux's Serve would otherwise wait for each until the read timeout), and
+// Serve reports a closed listener as a normal stop.
+func TestProtocolMuxStopsWithoutWaitingForIdleConnections(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const readTimeout = 30 * time.Second
+	pm := NewProtocolMux(ln, readTimeout)
+	served := make(chan error, 1)
+	go func() { served <- pm.Serve() }()
+	var idle []net.Conn
+	for range 3 {
+		c, err := net.DialTimeout("tcp", ln.Addr().String(), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		idle = append(idle, c)
+		defer c.Close()
+	}
+	// Wait until the mux holds them (accepted, being classified).
+	track := pm.GRPC.(handoff).t
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		track.mu.Lock()
+		n := len(track.conns)
+		track.mu.Unlock()
+		if n == len(idle) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d connections accepted", n, len(idle))
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := pm.HTTP.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-served:
+		if err != nil {
+			t.Fatalf("Serve after Close: %v, want nil", err)
+		}
+	case <-time.After(readTimeout / 2):
+		t.Fatal("Serve still waits for idle connections after the listener was closed")
+	}
+	for _, c := range idle {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Read(make([]byte, 1)); err == nil {
+			t.Error("an idle connection was left open")
+		}
+	}
+}

@@ -39,6 +39,8 @@ const (
 type Store struct {
 	id        string
 	raft      *raft.Raft
+	fsm       raft.FSM
+	logs      raft.LogStore // the log cache in front of bolt, when configured
 	transport *raft.NetworkTransport
 	bolt      *raftboltdb.BoltStore
 	snaps     *raft.FileSnapshotStore
@@ -118,6 +120,8 @@ func New(cfg Config) (s *Store, err error) {
 
 	s = &Store{
 		id:              cfg.NodeID,
+		fsm:             cfg.FSM,
+		logs:            logs,
 		transport:       transport,
 		bolt:            bolt,
 		snaps:           snaps,
@@ -226,36 +230,62 @@ func (s *Store) Barrier(ctx context.Context) error {
 
 // VerifyLeader confirms with a quorum that this server is still the leader.
 // Leader only. For linearizable reads use ReadIndex, which builds on it.
-// ctx is checked before asking; the answer itself comes within a heartbeat
-// round trip, or fails once the leader steps down for want of a quorum
-// (LeaderLeaseTimeout) or shuts down, so a caller's deadline can be
-// overrun by at most about the lease timeout.
 func (s *Store) VerifyLeader(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("verify leader: %w", contextError(ctx))
 	}
-	// Raft answers every verification: a quorum confirms, or the leader
-	// steps down (after at most its lease timeout) or shuts down and fails
-	// it. Waiting here, on the caller's goroutine, saves a goroutine and
-	// two channel hand-offs on every consistent read; ctx is only checked
-	// before.
-	if err := mapRaftError(s.raft.VerifyLeader().Error()); err != nil {
+	// Through wait, not the future alone: a verification raft queued just
+	// as it shut down is never answered.
+	if err := s.wait(ctx, s.raft.VerifyLeader()); err != nil {
 		return fmt.Errorf("verify leader: %w", err)
 	}
 	return nil
 }
 
-// ReadIndex returns the index a linearizable read must wait for: the commit
-// index, read before VerifyLeader confirmed with a quorum that this server is
-// still the leader. The caller waits until its FSM has applied that index,
-// then reads locally. Leader only, and only meaningful once the leader has
-// passed its Barrier for the current term.
+// ReadIndex returns the index a linearizable read must wait for, on this
+// server or on a follower, before it reads its local FSM: the commit index,
+// read before VerifyLeader confirmed with a quorum that this server is still
+// the leader, moved down to the last entry at or below it that the FSM is
+// handed. (Raft gives the FSM commands and configuration changes, never its
+// no-op and barrier entries, so an FSM's applied index may never equal a
+// commit index that ends on one of those.) Every write acknowledged before
+// the call is at or below it, and so is everything any FSM, follower or
+// leader, may already have applied: a read that waits for it never sees less
+// than a read that came before. Leader only, and only meaningful once the
+// leader has passed its Barrier for the current term.
 func (s *Store) ReadIndex(ctx context.Context) (uint64, error) {
-	idx := s.raft.CommitIndex()
+	commit := s.raft.CommitIndex()
 	if err := s.VerifyLeader(ctx); err != nil {
 		return 0, fmt.Errorf("read index: %w", err)
 	}
-	return idx, nil
+	return s.lastFSMEntry(commit), nil
+}
+
+// AppliedIndexer is implemented by FSMs that report the index of the last
+// entry they applied; ReadIndex uses it to stop its search early.
+type AppliedIndexer interface {
+	AppliedIndex() uint64
+}
+
+// lastFSMEntry returns the largest index at or below top whose entry raft
+// hands to the FSM, or the FSM's applied index when every entry above it up
+// to top is a no-op or barrier (at most a few per term). An entry already
+// compacted away is at or below the last snapshot, which the FSM holds.
+func (s *Store) lastFSMEntry(top uint64) uint64 {
+	var floor uint64
+	if ai, ok := s.fsm.(AppliedIndexer); ok {
+		floor = min(ai.AppliedIndex(), top)
+	}
+	var l raft.Log
+	for i := top; i > floor; i-- {
+		if err := s.logs.GetLog(i, &l); err != nil {
+			return i
+		}
+		if l.Type == raft.LogCommand || l.Type == raft.LogConfiguration {
+			return i
+		}
+	}
+	return floor
 }
 
 // enqueueTimeout turns ctx's deadline into raft's enqueue timeout (0: wait as

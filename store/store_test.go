@@ -784,3 +784,31 @@ func TestRecoverCluster(t *testing.T) {
 		t.Error("RecoverCluster on an empty data dir succeeded, want a refusal")
 	}
 }
+
+// ReadIndex never points at a no-op or barrier entry, which raft does not
+// hand to the FSM: right after an election (the new leader's no-op) and
+// after a Barrier, it is the last command's index, which the FSM reaches.
+func TestReadIndexSkipsEntriesTheFSMNeverSees(t *testing.T) {
+	c := storetest.NewCluster(t, 3, storetest.NewKVFSM)
+	c.WaitLeader(t, leaderTimeout)
+	_, index := c.Apply(t, storetest.Set("a", "1"))
+	c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error {
+		if err := l.Barrier(ctx); err != nil {
+			return err
+		}
+		if err := l.Barrier(ctx); err != nil {
+			return err
+		}
+		ri, err := l.ReadIndex(ctx)
+		if err != nil {
+			return err
+		}
+		if ri != index {
+			t.Errorf("ReadIndex after two barriers = %d, want %d (the last command; commit index %d)", ri, index, l.Status().CommitIndex)
+		}
+		if applied := kv(c, c.Index(l)).AppliedIndex(); applied < ri {
+			t.Errorf("FSM applied %d < read index %d: a read waiting for it would hang", applied, ri)
+		}
+		return nil
+	})
+}

@@ -76,6 +76,8 @@ func (a raftAdapter) Leader() (string, string) { return a.s.Leader() }
 
 func (a raftAdapter) VerifyLeader(ctx context.Context) error { return a.s.VerifyLeader(ctx) }
 
+func (a raftAdapter) ReadIndex(ctx context.Context) (uint64, error) { return a.s.ReadIndex(ctx) }
+
 func (a raftAdapter) RaftStatus() gateway.RaftStatus {
 	st := a.s.Role()
 	return gateway.RaftStatus{

@@ -21,6 +21,7 @@ import (
 	"connectrpc.com/connect"
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"google.golang.org/grpc"
+	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/keepalive"
 
 	"pilab.hu/pivirt-agent/cluster"
@@ -570,6 +571,10 @@ func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.
 		// measurably lower latency for short calls such as reads.
 		grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		// The limits net/http applies to the same port's HTTP/2
+		// connections: concurrent streams per connection, idle time.
+		grpc.MaxConcurrentStreams(250),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 5 * time.Minute}),
 	)
 	register(gs)
 	a.grpcServers = append(a.grpcServers, gs)

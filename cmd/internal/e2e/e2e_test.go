@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"context"
 	"fmt"
 	"reflect"
 	"slices"
@@ -8,6 +9,12 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/encoding/gzip"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
 // TestClusterLifecycle starts three real pivirt-agent processes (built with
@@ -82,6 +89,23 @@ func TestClusterLifecycle(t *testing.T) {
 		c.okJSON(t, n3, &list, "service", "list", "--consistency", "consistent")
 		if len(list.Instances) != 1 || !reflect.DeepEqual(list.Instances[0], web1) {
 			t.Errorf("consistent list via %s = %+v, want exactly %+v", n3.name, list.Instances, web1)
+		}
+
+		// The API port also serves gRPC clients (grpc-go in the agent),
+		// compressed requests included.
+		cc, err := grpc.NewClient(n1.api, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cc.Close()
+		ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+		defer cancel()
+		got, err := clusterv1.NewClusterServiceClient(cc).GetService(ctx, &clusterv1.GetServiceRequest{
+			Service: "web", InstanceId: "web-1",
+			Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+		}, grpc.UseCompressor(gzip.Name))
+		if err != nil || len(got.GetInstances()) != 1 || got.GetInstances()[0].GetAddress() != web1.Address {
+			t.Errorf("gzip gRPC get via %s = %v, %v; want web-1", n1.name, got, err)
 		}
 
 		// A stale read is served from the node's own state: it gets there.
