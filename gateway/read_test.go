@@ -1,0 +1,125 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+)
+
+// followerView is a node that follows "leader-id", reachable at
+// "leader:9000"; its peers answer ReadIndex with readIndex/readErr and
+// forwarded reads with forwarded.
+type followerView struct {
+	readIndex uint64
+	readErr   error
+	asked     atomic.Int32 // ReadIndex calls
+	forwarded atomic.Int32 // forwarded GetService calls
+}
+
+// followerRaft is the Raft state of a follower of "leader-id".
+type followerRaft struct{}
+
+func (followerRaft) Apply(context.Context, []byte) (any, uint64, error) {
+	return nil, 0, errors.New("not the leader")
+}
+func (followerRaft) Leader() (string, string) { return "leader-id", "leader:8300" }
+func (followerRaft) ReadIndex(context.Context) (uint64, error) {
+	return 0, errors.New("not the leader")
+}
+func (followerRaft) RaftStatus() RaftStatus {
+	return RaftStatus{State: "Follower", LeaderID: "leader-id", LastContact: time.Now()}
+}
+func (v *followerView) Members() []cluster.Member { return nil }
+func (v *followerView) MemberByID(id string) (cluster.Member, bool) {
+	return cluster.Member{Name: "leader", Meta: cluster.NodeMeta{ID: id, InternalAddr: "leader:9000"}}, id == "leader-id"
+}
+func (v *followerView) Join([]string) (int, error) { return 0, nil }
+func (v *followerView) Status(context.Context, string) (*nodev1.StatusResponse, error) {
+	return &nodev1.StatusResponse{}, nil
+}
+func (v *followerView) Cluster(string) clusterv1connect.ClusterServiceClient {
+	return forwardedTo{v: v}
+}
+func (v *followerView) ReadIndex(_ context.Context, addr string) (uint64, error) {
+	v.asked.Add(1)
+	return v.readIndex, v.readErr
+}
+
+// forwardedTo answers forwarded reads as the leader. The handler
+// interface has the client's method set; the rest answers Unimplemented.
+type forwardedTo struct {
+	clusterv1connect.UnimplementedClusterServiceHandler
+	v *followerView
+}
+
+func (f forwardedTo) GetService(context.Context, *connect.Request[clusterv1.GetServiceRequest]) (*connect.Response[clusterv1.GetServiceResponse], error) {
+	f.v.forwarded.Add(1)
+	resp := connect.NewResponse(&clusterv1.GetServiceResponse{Instances: []*clusterv1.ServiceInstance{{Service: "web", InstanceId: "from-leader"}}})
+	resp.Header().Set(HeaderServedBy, "leader")
+	return resp, nil
+}
+
+func newFollowerService(t *testing.T, v *followerView) (*ClusterService, *fsm.FSM) {
+	t.Helper()
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultClusterServiceConfig()
+	cfg.NodeID, cfg.NodeName = "follower-id", "follower"
+	cfg.HoldTimeout = time.Second
+	h, err := NewClusterService(cfg, followerRaft{}, nil, v, v, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h, f
+}
+
+func consistentGet(ctx context.Context, h *ClusterService) (*connect.Response[clusterv1.GetServiceResponse], error) {
+	return h.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{
+		Service: "web", Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+	}))
+}
+
+// A follower serves a consistent read itself only once its state has
+// applied the leader's read index; until then it waits (here: until the
+// call's deadline, as the index is never reached).
+func TestFollowerConsistentReadWaitsForTheReadIndex(t *testing.T) {
+	v := &followerView{readIndex: 1_000}
+	h, f := newFollowerService(t, v)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	_, err := consistentGet(ctx, h)
+	if connect.CodeOf(err) != connect.CodeDeadlineExceeded {
+		t.Fatalf("read index %d above the applied %d: got %v, want DeadlineExceeded", v.readIndex, f.AppliedIndex(), err)
+	}
+	if v.asked.Load() == 0 || v.forwarded.Load() != 0 {
+		t.Fatalf("ReadIndex asked %d times, %d reads forwarded; want ReadIndex and no forwarding", v.asked.Load(), v.forwarded.Load())
+	}
+}
+
+// A leader on an older binary has no ReadIndex: the follower forwards the
+// read instead of failing it.
+func TestFollowerConsistentReadFallsBackToForwarding(t *testing.T) {
+	v := &followerView{readErr: connect.NewError(connect.CodeUnimplemented, errors.New("unknown method ReadIndex"))}
+	h, _ := newFollowerService(t, v)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := consistentGet(ctx, h)
+	if err != nil {
+		t.Fatalf("consistent read with a leader that lacks ReadIndex: %v", err)
+	}
+	if got := resp.Header().Get(HeaderServedBy); got != "leader" || v.forwarded.Load() != 1 {
+		t.Fatalf("served by %q after %d forwards, want the leader after 1", got, v.forwarded.Load())
+	}
+}
