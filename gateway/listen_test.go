@@ -158,15 +158,7 @@ func connectCall(ctx context.Context, hc *http.Client, url string, opts ...conne
 // no GOAWAY.
 func TestProtocolMuxRawHTTP2ConnectionStaysHealthy(t *testing.T) {
 	addr := startMux(t)
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-		t.Fatal(err)
-	}
+	c := dialAndSend(t, addr, 10*time.Second, http2.ClientPreface)
 	fr := http2.NewFramer(c, c)
 	if err := fr.WriteSettings(); err != nil {
 		t.Fatal(err)
@@ -325,15 +317,7 @@ func newHPACK(w *bytes.Buffer) func(name, value string) {
 // byte, not after the classifier's read timeout.
 func TestProtocolMuxShortHTTP10Request(t *testing.T) {
 	addr := startMux(t)
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(3 * time.Second)) // well below the mux's 5 s read timeout
-	if _, err := io.WriteString(c, "GET /plain HTTP/1.0\r\n\r\n"); err != nil {
-		t.Fatal(err)
-	}
+	c := dialAndSend(t, addr, 3*time.Second, "GET /plain HTTP/1.0\r\n\r\n") // well below the mux's 5 s read timeout
 	body, err := io.ReadAll(c)
 	if err != nil {
 		t.Fatalf("read answer: %v (got %q)", err, body)
@@ -348,15 +332,7 @@ func TestProtocolMuxShortHTTP10Request(t *testing.T) {
 // most sniffLimit bytes, which rejects it.
 func TestProtocolMuxBoundsWhatItBuffers(t *testing.T) {
 	addr := startMux(t)
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-		t.Fatal(err)
-	}
+	c := dialAndSend(t, addr, 10*time.Second, http2.ClientPreface)
 	// A frame of an unknown type announcing 1 MB; keep writing until the
 	// server closes the connection or 8 MB went out.
 	hdr := frame(0xfa, 0, nil)
@@ -430,4 +406,20 @@ func TestProtocolMuxStopsWithoutWaitingForIdleConnections(t *testing.T) {
 			t.Error("an idle connection was left open")
 		}
 	}
+}
+
+// dialAndSend connects to addr, gives the connection a deadline and sends
+// first; the connection is closed at the end of the test.
+func dialAndSend(t *testing.T, addr string, deadline time.Duration, first string) net.Conn {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(deadline))
+	if _, err := io.WriteString(c, first); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
