@@ -404,13 +404,25 @@ func (h *ClusterService) Leave(ctx context.Context, req *connect.Request[cluster
 	return connect.NewResponse(&clusterv1.LeaveResponse{}), nil
 }
 
-// RemovePeer implements clusterv1connect.ClusterServiceHandler.
+// RemovePeer implements clusterv1connect.ClusterServiceHandler. A node
+// that is not a peer is NotFound, unless an earlier attempt of this same
+// call may have removed it (it failed in a way that is retried: leadership
+// lost, the leader unreachable after the request went out): the retry then
+// reports the removal done.
 func (h *ClusterService) RemovePeer(ctx context.Context, req *connect.Request[clusterv1.RemovePeerRequest]) (*connect.Response[clusterv1.RemovePeerResponse], error) {
 	id := req.Msg.GetNodeId()
 	if id == "" {
 		return nil, toConnect(invalid("node_id", "is required"))
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.RemovePeer, func(ctx context.Context) (*connect.Response[clusterv1.RemovePeerResponse], error) {
+	var tried bool
+	remote := func(c clusterv1connect.ClusterServiceClient, ctx context.Context, r *connect.Request[clusterv1.RemovePeerRequest]) (*connect.Response[clusterv1.RemovePeerResponse], error) {
+		resp, err := c.RemovePeer(ctx, r)
+		if err != nil && retryable(err) {
+			tried = true
+		}
+		return resp, err
+	}
+	resp, err := onLeader(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[clusterv1.RemovePeerResponse], error) {
 		servers, err := h.admin.Servers(ctx)
 		if err != nil {
 			return nil, err
@@ -422,12 +434,18 @@ func (h *ClusterService) RemovePeer(ctx context.Context, req *connect.Request[cl
 		if !found {
 			return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("node_id %q is not a raft peer", id))
 		}
+		tried = true
 		if err := h.admin.RemoveServer(ctx, id); err != nil {
 			return nil, err
 		}
 		h.logger.Info("removed raft peer through the API", "node_id", id)
 		return connect.NewResponse(&clusterv1.RemovePeerResponse{Index: h.raft.RaftStatus().LastIndex}), nil
 	})
+	if connect.CodeOf(err) == connect.CodeNotFound && tried {
+		h.logger.Info("raft peer gone after a retried removal", "node_id", id)
+		return connect.NewResponse(&clusterv1.RemovePeerResponse{Index: h.raft.RaftStatus().LastIndex}), nil
+	}
+	return resp, err
 }
 
 // TransferLeader implements clusterv1connect.ClusterServiceHandler.

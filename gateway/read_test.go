@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	"pilab.hu/pivirt-agent/store"
 )
 
 // followerView is a node that follows "leader-id", reachable at
@@ -121,5 +123,56 @@ func TestFollowerConsistentReadFallsBackToForwarding(t *testing.T) {
 	}
 	if got := resp.Header().Get(HeaderServedBy); got != "leader" || v.forwarded.Load() != 1 {
 		t.Fatalf("served by %q after %d forwards, want the leader after 1", got, v.forwarded.Load())
+	}
+}
+
+// leaderAdmin is a leader ("self") whose first RemoveServer removes the
+// server but reports leadership lost, as when the leader steps down right
+// after the change committed.
+type leaderAdmin struct {
+	followerRaft
+	servers []cluster.RaftServer
+	removes int
+}
+
+func (l *leaderAdmin) Leader() (string, string) { return "self", "self:8300" }
+func (l *leaderAdmin) Servers(context.Context) ([]cluster.RaftServer, error) {
+	return l.servers, nil
+}
+func (l *leaderAdmin) RemoveServer(_ context.Context, id string) error {
+	l.removes++
+	l.servers = slices.DeleteFunc(l.servers, func(s cluster.RaftServer) bool { return s.ID == id })
+	if l.removes == 1 {
+		return store.ErrLeadershipLost
+	}
+	return nil
+}
+func (l *leaderAdmin) TransferLeadership(context.Context, string) (string, error) { return "", nil }
+
+func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
+	l := &leaderAdmin{servers: []cluster.RaftServer{{ID: "self", Voter: true}, {ID: "gone", Voter: true}}}
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultClusterServiceConfig()
+	cfg.NodeID, cfg.NodeName = "self", "self"
+	v := &followerView{}
+	h, err := NewClusterService(cfg, l, l, v, v, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "gone"})); err != nil {
+		t.Fatalf("a removal retried after it took effect: %v, want success", err)
+	}
+	if l.removes != 1 {
+		t.Fatalf("RemoveServer called %d times, want 1", l.removes)
+	}
+	// A node that never was a peer is still NotFound.
+	_, err = h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "stranger"}))
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("removing a stranger: %v, want NotFound", err)
 	}
 }
