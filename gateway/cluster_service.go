@@ -448,10 +448,30 @@ func (h *ClusterService) RemovePeer(ctx context.Context, req *connect.Request[cl
 	return resp, err
 }
 
-// TransferLeader implements clusterv1connect.ClusterServiceHandler.
+// TransferLeader implements clusterv1connect.ClusterServiceHandler. When an
+// attempt to hand leadership to any server fails in a way that is retried
+// (leadership lost, the leader unreachable after the request went out), the
+// transfer may have happened: if the leader has changed since, the retry
+// reports that leader instead of transferring once more.
 func (h *ClusterService) TransferLeader(ctx context.Context, req *connect.Request[clusterv1.TransferLeaderRequest]) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.TransferLeader, func(ctx context.Context) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
-		id := req.Msg.GetNodeId()
+	id := req.Msg.GetNodeId()
+	var from string // the leader of a retried attempt, "" before one
+	moved := func() (string, bool) {
+		cur, _ := h.raft.Leader()
+		return cur, id == "" && from != "" && cur != "" && cur != from
+	}
+	remote := func(c clusterv1connect.ClusterServiceClient, ctx context.Context, r *connect.Request[clusterv1.TransferLeaderRequest]) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
+		if cur, ok := moved(); ok {
+			return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: cur}), nil
+		}
+		leader, _ := h.raft.Leader()
+		resp, err := c.TransferLeader(ctx, r)
+		if err != nil && retryable(err) {
+			from = leader
+		}
+		return resp, err
+	}
+	return onLeader(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
 		if id == h.cfg.NodeID {
 			return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: id}), nil
 		}
@@ -470,6 +490,9 @@ func (h *ClusterService) TransferLeader(ctx context.Context, req *connect.Reques
 		}
 		newID, err := h.admin.TransferLeadership(ctx, id)
 		if err != nil {
+			if retryable(err) {
+				from = h.cfg.NodeID
+			}
 			return nil, err
 		}
 		return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: newID}), nil

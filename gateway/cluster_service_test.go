@@ -18,6 +18,8 @@ import (
 	"pilab.hu/pivirt-agent/store"
 )
 
+// Tests of ClusterService flows against fakes of its dependencies.
+
 // followerView is a node that follows "leader-id", reachable at
 // "leader:9000"; its peers answer ReadIndex with readIndex/readErr and
 // forwarded reads with forwarded.
@@ -131,11 +133,18 @@ func TestFollowerConsistentReadFallsBackToForwarding(t *testing.T) {
 // after the change committed.
 type leaderAdmin struct {
 	followerRaft
-	servers []cluster.RaftServer
-	removes int
+	servers   []cluster.RaftServer
+	removes   int
+	leader    string // "" is "self"
+	transfers int
 }
 
-func (l *leaderAdmin) Leader() (string, string) { return "self", "self:8300" }
+func (l *leaderAdmin) Leader() (string, string) {
+	if l.leader == "" {
+		return "self", "self:8300"
+	}
+	return l.leader, l.leader + ":8300"
+}
 func (l *leaderAdmin) Servers(context.Context) ([]cluster.RaftServer, error) {
 	return l.servers, nil
 }
@@ -147,7 +156,17 @@ func (l *leaderAdmin) RemoveServer(_ context.Context, id string) error {
 	}
 	return nil
 }
-func (l *leaderAdmin) TransferLeadership(context.Context, string) (string, error) { return "", nil }
+
+// TransferLeadership hands leadership to "leader-id" and, the first time,
+// reports leadership lost as if the answer had been cut short.
+func (l *leaderAdmin) TransferLeadership(context.Context, string) (string, error) {
+	l.transfers++
+	l.leader = "leader-id"
+	if l.transfers == 1 {
+		return "", store.ErrLeadershipLost
+	}
+	return l.leader, nil
+}
 
 func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
 	l := &leaderAdmin{servers: []cluster.RaftServer{{ID: "self", Voter: true}, {ID: "gone", Voter: true}}}
@@ -174,5 +193,29 @@ func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
 	_, err = h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "stranger"}))
 	if connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("removing a stranger: %v, want NotFound", err)
+	}
+}
+
+func TestTransferLeaderRetriedAfterItTookEffectDoesNotTransferAgain(t *testing.T) {
+	l := &leaderAdmin{}
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultClusterServiceConfig()
+	cfg.NodeID, cfg.NodeName = "self", "self"
+	v := &followerView{}
+	h, err := NewClusterService(cfg, l, l, v, v, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := h.TransferLeader(ctx, connect.NewRequest(&clusterv1.TransferLeaderRequest{}))
+	if err != nil {
+		t.Fatalf("a transfer retried after it took effect: %v, want success", err)
+	}
+	if resp.Msg.GetNodeId() != "leader-id" || l.transfers != 1 {
+		t.Fatalf("new leader %q after %d transfers, want leader-id after 1", resp.Msg.GetNodeId(), l.transfers)
 	}
 }
