@@ -73,20 +73,26 @@ func (f forwardedTo) GetService(context.Context, *connect.Request[clusterv1.GetS
 	return resp, nil
 }
 
-func newFollowerService(t *testing.T, v *followerView) (*ClusterService, *fsm.FSM) {
+// newTestService builds the ClusterService of node id over a fresh FSM,
+// with v as its membership and peers.
+func newTestService(t *testing.T, id string, raft Consensus, admin RaftAdmin, v *followerView) (*ClusterService, *fsm.FSM) {
 	t.Helper()
 	f, err := fsm.New(fsm.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg := DefaultClusterServiceConfig()
-	cfg.NodeID, cfg.NodeName = "follower-id", "follower"
+	cfg.NodeID, cfg.NodeName = id, id
 	cfg.HoldTimeout = time.Second
-	h, err := NewClusterService(cfg, followerRaft{}, nil, v, v, f)
+	h, err := NewClusterService(cfg, raft, admin, v, v, f)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return h, f
+}
+
+func newFollowerService(t *testing.T, v *followerView) (*ClusterService, *fsm.FSM) {
+	return newTestService(t, "follower-id", followerRaft{}, nil, v)
 }
 
 func consistentGet(ctx context.Context, h *ClusterService) (*connect.Response[clusterv1.GetServiceResponse], error) {
@@ -170,17 +176,7 @@ func (l *leaderAdmin) TransferLeadership(context.Context, string) (string, error
 
 func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
 	l := &leaderAdmin{servers: []cluster.RaftServer{{ID: "self", Voter: true}, {ID: "gone", Voter: true}}}
-	f, err := fsm.New(fsm.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := DefaultClusterServiceConfig()
-	cfg.NodeID, cfg.NodeName = "self", "self"
-	v := &followerView{}
-	h, err := NewClusterService(cfg, l, l, v, v, f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h, _ := newTestService(t, "self", l, l, &followerView{})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if _, err := h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "gone"})); err != nil {
@@ -190,7 +186,7 @@ func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
 		t.Fatalf("RemoveServer called %d times, want 1", l.removes)
 	}
 	// A node that never was a peer is still NotFound.
-	_, err = h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "stranger"}))
+	_, err := h.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: "stranger"}))
 	if connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("removing a stranger: %v, want NotFound", err)
 	}
@@ -198,17 +194,7 @@ func TestRemovePeerRetriedAfterItTookEffectSucceeds(t *testing.T) {
 
 func TestTransferLeaderRetriedAfterItTookEffectDoesNotTransferAgain(t *testing.T) {
 	l := &leaderAdmin{}
-	f, err := fsm.New(fsm.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := DefaultClusterServiceConfig()
-	cfg.NodeID, cfg.NodeName = "self", "self"
-	v := &followerView{}
-	h, err := NewClusterService(cfg, l, l, v, v, f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h, _ := newTestService(t, "self", l, l, &followerView{})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	resp, err := h.TransferLeader(ctx, connect.NewRequest(&clusterv1.TransferLeaderRequest{}))
