@@ -162,7 +162,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 
-	db, hdr, err := readSnapshot(rc)
+	db, hdr, _, err := readSnapshot(rc)
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
@@ -193,8 +193,38 @@ func ReadSnapshotHeader(r io.Reader) (*fsmv1.SnapshotHeader, error) {
 // VerifySnapshot reads a whole snapshot stream into a throwaway state and
 // reports whether Restore would accept it.
 func VerifySnapshot(r io.Reader) (*fsmv1.SnapshotHeader, error) {
-	_, hdr, err := readSnapshot(r)
+	_, hdr, _, err := readSnapshot(r)
 	return hdr, err
+}
+
+// SnapshotInfo describes a verified snapshot stream.
+type SnapshotInfo struct {
+	FormatVersion uint32
+	LastIndex     uint64
+	// Tables lists every table the snapshot holds, in stream order.
+	Tables []TableInfo
+}
+
+// TableInfo is one table of a snapshot: its record count and the bytes of
+// its records (without length prefixes).
+type TableInfo struct {
+	Name    string
+	Records uint64
+	Bytes   uint64
+}
+
+// InspectSnapshot verifies a whole snapshot stream, as VerifySnapshot does,
+// and reports what it holds per table.
+func InspectSnapshot(r io.Reader) (*SnapshotInfo, error) {
+	_, hdr, sizes, err := readSnapshot(r)
+	if err != nil {
+		return nil, err
+	}
+	info := &SnapshotInfo{FormatVersion: hdr.GetFormatVersion(), LastIndex: hdr.GetLastIndex()}
+	for i, t := range hdr.GetTables() {
+		info.Tables = append(info.Tables, TableInfo{Name: t.GetName(), Records: t.GetRecords(), Bytes: sizes[i]})
+	}
+	return info, nil
 }
 
 // snapshotReader reads the length-prefixed records of a snapshot stream.
@@ -275,55 +305,58 @@ func (sr *snapshotReader) header() (*fsmv1.SnapshotHeader, error) {
 	return hdr, nil
 }
 
-// readSnapshot reads a whole snapshot stream into a new database. Tables the
-// snapshot does not list are empty.
-func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, error) {
+// readSnapshot reads a whole snapshot stream into a new database and
+// returns it with the header and the record bytes of each table of the
+// header. Tables the snapshot does not list are empty.
+func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, error) {
 	sr := newSnapshotReader(r)
 	hdr, err := sr.header()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
+	sizes := make([]uint64, len(hdr.GetTables()))
 	db := newMemDB()
 	txn := db.Txn(true)
 	defer txn.Abort()
-	for _, th := range hdr.GetTables() {
+	for ti, th := range hdr.GetTables() {
 		t, _ := tableDefByName(th.GetName())
 		for i := uint64(0); i < th.GetRecords(); i++ {
 			b, err := sr.record(maxRecordSize)
 			if err != nil {
-				return nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
 			}
+			sizes[ti] += uint64(len(b))
 			obj, err := t.codec.decode(b)
 			if err != nil {
-				return nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+				return nil, nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
 			}
 			if e, ok := obj.(*indexEntry); ok {
 				if _, known := tableDefByName(e.Table); !known {
-					return nil, nil, fmt.Errorf("%w: %s record %d: unknown table %q", ErrCorruptSnapshot, t.name, i, e.Table)
+					return nil, nil, nil, fmt.Errorf("%w: %s record %d: unknown table %q", ErrCorruptSnapshot, t.name, i, e.Table)
 				}
 			}
 			if err := txn.Insert(t.name, obj); err != nil {
-				return nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+				return nil, nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
 			}
 		}
 		it, err := txn.Get(t.name, indexID)
 		if err != nil {
-			return nil, nil, fmt.Errorf("read %s: %w", t.name, err)
+			return nil, nil, nil, fmt.Errorf("read %s: %w", t.name, err)
 		}
 		var n uint64
 		for obj := it.Next(); obj != nil; obj = it.Next() {
 			n++
 		}
 		if n != th.GetRecords() {
-			return nil, nil, corruptf("%s: %d distinct records, header says %d", t.name, n, th.GetRecords())
+			return nil, nil, nil, corruptf("%s: %d distinct records, header says %d", t.name, n, th.GetRecords())
 		}
 	}
 	if _, err := sr.br.ReadByte(); !errors.Is(err, io.EOF) {
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: after last record: %w", ErrCorruptSnapshot, err)
+			return nil, nil, nil, fmt.Errorf("%w: after last record: %w", ErrCorruptSnapshot, err)
 		}
-		return nil, nil, corruptf("trailing data after the last record")
+		return nil, nil, nil, corruptf("trailing data after the last record")
 	}
 	txn.Commit()
-	return db, hdr, nil
+	return db, hdr, sizes, nil
 }
