@@ -239,9 +239,9 @@ func (rd *Reader) Close() error {
 
 // reader walks the entries of an archive.
 type reader struct {
-	br      *bufio.Reader
-	zr      *gzip.Reader
-	tr      *tar.Reader
+	br       *bufio.Reader
+	zr       *gzip.Reader
+	tr       *tar.Reader
 	metaSum  string
 	metaSize int64 // state.bin's size according to meta.json
 	stateN   *countingReader
