@@ -137,6 +137,9 @@ func (g *logGen) op() *fsmv1.Command {
 	svc, id := g.pick("web", "api"), g.pick("a", "b", "c")
 	key := g.pick("k1", "k2", "k3")
 	sid := g.pick("s1", "s2")
+	if g.r.IntN(60) == 0 {
+		return &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "snap", SnapshotIndex: 3}}}
+	}
 	switch g.r.IntN(12) {
 	case 0, 1:
 		in := instance(svc, id)

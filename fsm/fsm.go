@@ -465,6 +465,18 @@ var appliers = map[protoreflect.Name]applyFunc{
 	"delete_schedule":    (*FSM).applyDeleteSchedule,
 	"claim_slot":         (*FSM).applyClaimSlot,
 	"record_run":         (*FSM).applyRecordRun,
+	"restored":           (*FSM).applyRestored,
+}
+
+// applyRestored marks a restore: every table's index becomes this entry's
+// (the index table itself only records the others).
+func (f *FSM) applyRestored(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	for _, name := range Tables() {
+		if name != TableIndex {
+			t.touch(name)
+		}
+	}
+	return nil, nil
 }
 
 // opOneof is the descriptor of Command.op.

@@ -152,8 +152,8 @@ func writeRecord(w *bufio.Writer, b []byte) error {
 // (ErrCorruptSnapshot for truncated or malformed input,
 // ErrUnsupportedSnapshot for a newer format) the current state is left as
 // it was. On success the swap is atomic for readers, the applied index
-// becomes the snapshot's last index and the old state's abandon channel is
-// closed so that watchers re-list.
+// becomes the snapshot's last index (or stays, if it was higher) and the old
+// state's abandon channel is closed so that watchers re-list.
 func (f *FSM) Restore(rc io.ReadCloser) error {
 	if rc == nil {
 		return fmt.Errorf("%w: nil snapshot reader", ErrCorruptSnapshot)
@@ -170,7 +170,12 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	old := f.abandonCh
 	f.head.invalidate()
 	f.db = db
-	f.setAppliedLocked(hdr.GetLastIndex())
+	// The applied index never goes back: a snapshot restored by an
+	// operator carries the index of the cluster it came from, and reads
+	// waiting for an index this node already passed must not wait for
+	// entries that will never come. (The leader follows such a restore
+	// with a Restored command, which moves it on everywhere.)
+	f.setAppliedLocked(max(f.applied, hdr.GetLastIndex()))
 	f.abandonCh = make(chan struct{})
 	f.mu.Unlock()
 	close(old)

@@ -2,6 +2,7 @@ package fsm
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"flag"
@@ -432,5 +433,59 @@ func TestInspectSnapshot(t *testing.T) {
 	}
 	if _, err := InspectSnapshot(bytes.NewReader(snap[:len(snap)-1])); !errors.Is(err, ErrCorruptSnapshot) {
 		t.Errorf("InspectSnapshot(truncated) = %v, want ErrCorruptSnapshot", err)
+	}
+}
+
+// TestRestoredCommand: the command a leader proposes after restoring an
+// archive moves every table's index to its own and changes no record.
+func TestRestoredCommand(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	before := h.f.State()
+	res := h.mustApply(&fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "1-5-1", SnapshotIndex: 5}}})
+	st := h.f.State()
+	for _, table := range Tables() {
+		if table == TableIndex {
+			continue
+		}
+		if got := st.Index(table); got != res.Index {
+			t.Errorf("index of %s = %d, want %d", table, got, res.Index)
+		}
+		a, _ := before.txn.Get(table, indexID)
+		b, _ := st.txn.Get(table, indexID)
+		for x, y := a.Next(), b.Next(); x != nil || y != nil; x, y = a.Next(), b.Next() {
+			if x != y {
+				t.Fatalf("table %s changed", table)
+			}
+		}
+	}
+}
+
+// TestRestoreKeepsAppliedIndex: restoring a snapshot taken at a lower index
+// (an archive from another cluster) does not move the applied index back.
+func TestRestoreKeepsAppliedIndex(t *testing.T) {
+	small := newHarness(t)
+	small.mustApply(register(instance("web", "a")))
+	snap := small.snapshot()
+
+	h := newHarness(t)
+	populate(h)
+	applied := h.f.AppliedIndex()
+	if applied <= 1 {
+		t.Fatalf("populate applied only %d entries", applied)
+	}
+	if err := h.f.Restore(readCloser(snap)); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.f.AppliedIndex(); got != applied {
+		t.Errorf("AppliedIndex after restoring an index-1 snapshot = %d, want %d", got, applied)
+	}
+	if _, err := h.f.State().Service("web", "a"); err != nil {
+		t.Errorf("restored state: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if err := h.f.WaitApplied(ctx, applied); err != nil {
+		t.Errorf("WaitApplied(%d) after the restore: %v", applied, err)
 	}
 }

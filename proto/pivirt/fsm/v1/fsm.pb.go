@@ -49,6 +49,7 @@ type Command struct {
 	//	*Command_DeleteSchedule
 	//	*Command_ClaimSlot
 	//	*Command_RecordRun
+	//	*Command_Restored
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -202,6 +203,15 @@ func (x *Command) GetRecordRun() *RecordRun {
 	return nil
 }
 
+func (x *Command) GetRestored() *Restored {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Restored); ok {
+			return x.Restored
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -246,6 +256,10 @@ type Command_RecordRun struct {
 	RecordRun *RecordRun `protobuf:"bytes,33,opt,name=record_run,json=recordRun,proto3,oneof"`
 }
 
+type Command_Restored struct {
+	Restored *Restored `protobuf:"bytes,40,opt,name=restored,proto3,oneof"`
+}
+
 func (*Command_RegisterService) isCommand_Op() {}
 
 func (*Command_DeregisterService) isCommand_Op() {}
@@ -266,6 +280,65 @@ func (*Command_ClaimSlot) isCommand_Op() {}
 
 func (*Command_RecordRun) isCommand_Op() {}
 
+func (*Command_Restored) isCommand_Op() {}
+
+// Restored is proposed by the leader right after it restored a snapshot
+// archive. It changes no record; it moves every table's index to its own,
+// so that indexes seen by clients never go backwards across a restore, and
+// every node's applied index moves past the restore.
+type Restored struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	SnapshotId string                 `protobuf:"bytes,1,opt,name=snapshot_id,json=snapshotId,proto3" json:"snapshot_id,omitempty"`
+	// snapshot_index is the archive's index in the cluster it came from.
+	SnapshotIndex uint64 `protobuf:"varint,2,opt,name=snapshot_index,json=snapshotIndex,proto3" json:"snapshot_index,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Restored) Reset() {
+	*x = Restored{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Restored) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Restored) ProtoMessage() {}
+
+func (x *Restored) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Restored.ProtoReflect.Descriptor instead.
+func (*Restored) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Restored) GetSnapshotId() string {
+	if x != nil {
+		return x.SnapshotId
+	}
+	return ""
+}
+
+func (x *Restored) GetSnapshotIndex() uint64 {
+	if x != nil {
+		return x.SnapshotIndex
+	}
+	return 0
+}
+
 type RegisterService struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Instance      *v1.ServiceInstance    `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
@@ -275,7 +348,7 @@ type RegisterService struct {
 
 func (x *RegisterService) Reset() {
 	*x = RegisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -287,7 +360,7 @@ func (x *RegisterService) String() string {
 func (*RegisterService) ProtoMessage() {}
 
 func (x *RegisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -300,7 +373,7 @@ func (x *RegisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterService.ProtoReflect.Descriptor instead.
 func (*RegisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *RegisterService) GetInstance() *v1.ServiceInstance {
@@ -320,7 +393,7 @@ type DeregisterService struct {
 
 func (x *DeregisterService) Reset() {
 	*x = DeregisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -332,7 +405,7 @@ func (x *DeregisterService) String() string {
 func (*DeregisterService) ProtoMessage() {}
 
 func (x *DeregisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -345,7 +418,7 @@ func (x *DeregisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterService.ProtoReflect.Descriptor instead.
 func (*DeregisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *DeregisterService) GetService() string {
@@ -372,7 +445,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -384,7 +457,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -397,7 +470,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Heartbeat) GetService() string {
@@ -429,7 +502,7 @@ type SetServiceHealth struct {
 
 func (x *SetServiceHealth) Reset() {
 	*x = SetServiceHealth{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -441,7 +514,7 @@ func (x *SetServiceHealth) String() string {
 func (*SetServiceHealth) ProtoMessage() {}
 
 func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -454,7 +527,7 @@ func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetServiceHealth.ProtoReflect.Descriptor instead.
 func (*SetServiceHealth) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *SetServiceHealth) GetService() string {
@@ -496,7 +569,7 @@ type SetConfig struct {
 
 func (x *SetConfig) Reset() {
 	*x = SetConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -508,7 +581,7 @@ func (x *SetConfig) String() string {
 func (*SetConfig) ProtoMessage() {}
 
 func (x *SetConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -521,7 +594,7 @@ func (x *SetConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfig.ProtoReflect.Descriptor instead.
 func (*SetConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *SetConfig) GetKey() string {
@@ -555,7 +628,7 @@ type DeleteConfig struct {
 
 func (x *DeleteConfig) Reset() {
 	*x = DeleteConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -567,7 +640,7 @@ func (x *DeleteConfig) String() string {
 func (*DeleteConfig) ProtoMessage() {}
 
 func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -580,7 +653,7 @@ func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfig.ProtoReflect.Descriptor instead.
 func (*DeleteConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DeleteConfig) GetKey() string {
@@ -608,7 +681,7 @@ type PutSchedule struct {
 
 func (x *PutSchedule) Reset() {
 	*x = PutSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -620,7 +693,7 @@ func (x *PutSchedule) String() string {
 func (*PutSchedule) ProtoMessage() {}
 
 func (x *PutSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -633,7 +706,7 @@ func (x *PutSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutSchedule.ProtoReflect.Descriptor instead.
 func (*PutSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PutSchedule) GetSchedule() *v11.Schedule {
@@ -659,7 +732,7 @@ type DeleteSchedule struct {
 
 func (x *DeleteSchedule) Reset() {
 	*x = DeleteSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -671,7 +744,7 @@ func (x *DeleteSchedule) String() string {
 func (*DeleteSchedule) ProtoMessage() {}
 
 func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -684,7 +757,7 @@ func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSchedule.ProtoReflect.Descriptor instead.
 func (*DeleteSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DeleteSchedule) GetId() string {
@@ -709,7 +782,7 @@ type ClaimSlot struct {
 
 func (x *ClaimSlot) Reset() {
 	*x = ClaimSlot{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -721,7 +794,7 @@ func (x *ClaimSlot) String() string {
 func (*ClaimSlot) ProtoMessage() {}
 
 func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -734,7 +807,7 @@ func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimSlot.ProtoReflect.Descriptor instead.
 func (*ClaimSlot) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ClaimSlot) GetScheduleId() string {
@@ -774,7 +847,7 @@ type RecordRun struct {
 
 func (x *RecordRun) Reset() {
 	*x = RecordRun{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -786,7 +859,7 @@ func (x *RecordRun) String() string {
 func (*RecordRun) ProtoMessage() {}
 
 func (x *RecordRun) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -799,7 +872,7 @@ func (x *RecordRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordRun.ProtoReflect.Descriptor instead.
 func (*RecordRun) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *RecordRun) GetRun() *v11.Run {
@@ -822,7 +895,7 @@ type SnapshotHeader struct {
 
 func (x *SnapshotHeader) Reset() {
 	*x = SnapshotHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -834,7 +907,7 @@ func (x *SnapshotHeader) String() string {
 func (*SnapshotHeader) ProtoMessage() {}
 
 func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -847,7 +920,7 @@ func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeader.ProtoReflect.Descriptor instead.
 func (*SnapshotHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SnapshotHeader) GetFormatVersion() uint32 {
@@ -881,7 +954,7 @@ type TableHeader struct {
 
 func (x *TableHeader) Reset() {
 	*x = TableHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -893,7 +966,7 @@ func (x *TableHeader) String() string {
 func (*TableHeader) ProtoMessage() {}
 
 func (x *TableHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -906,7 +979,7 @@ func (x *TableHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableHeader.ProtoReflect.Descriptor instead.
 func (*TableHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *TableHeader) GetName() string {
@@ -945,7 +1018,7 @@ type DedupeRecord struct {
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -957,7 +1030,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -970,7 +1043,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1026,7 +1099,7 @@ var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xa3\x06\n" +
+	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xda\x06\n" +
 	"\aCommand\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -1044,8 +1117,13 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
 	"claim_slot\x18  \x01(\v2\x18.pivirt.fsm.v1.ClaimSlotH\x00R\tclaimSlot\x129\n" +
 	"\n" +
-	"record_run\x18! \x01(\v2\x18.pivirt.fsm.v1.RecordRunH\x00R\trecordRunB\x04\n" +
-	"\x02op\"Q\n" +
+	"record_run\x18! \x01(\v2\x18.pivirt.fsm.v1.RecordRunH\x00R\trecordRun\x125\n" +
+	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestoredB\x04\n" +
+	"\x02op\"R\n" +
+	"\bRestored\x12\x1f\n" +
+	"\vsnapshot_id\x18\x01 \x01(\tR\n" +
+	"snapshotId\x12%\n" +
+	"\x0esnapshot_index\x18\x02 \x01(\x04R\rsnapshotIndex\"Q\n" +
 	"\x0fRegisterService\x12>\n" +
 	"\binstance\x18\x01 \x01(\v2\".pivirt.cluster.v1.ServiceInstanceR\binstance\"N\n" +
 	"\x11DeregisterService\x12\x18\n" +
@@ -1115,54 +1193,56 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
-	(*RegisterService)(nil),       // 1: pivirt.fsm.v1.RegisterService
-	(*DeregisterService)(nil),     // 2: pivirt.fsm.v1.DeregisterService
-	(*Heartbeat)(nil),             // 3: pivirt.fsm.v1.Heartbeat
-	(*SetServiceHealth)(nil),      // 4: pivirt.fsm.v1.SetServiceHealth
-	(*SetConfig)(nil),             // 5: pivirt.fsm.v1.SetConfig
-	(*DeleteConfig)(nil),          // 6: pivirt.fsm.v1.DeleteConfig
-	(*PutSchedule)(nil),           // 7: pivirt.fsm.v1.PutSchedule
-	(*DeleteSchedule)(nil),        // 8: pivirt.fsm.v1.DeleteSchedule
-	(*ClaimSlot)(nil),             // 9: pivirt.fsm.v1.ClaimSlot
-	(*RecordRun)(nil),             // 10: pivirt.fsm.v1.RecordRun
-	(*SnapshotHeader)(nil),        // 11: pivirt.fsm.v1.SnapshotHeader
-	(*TableHeader)(nil),           // 12: pivirt.fsm.v1.TableHeader
-	(*DedupeRecord)(nil),          // 13: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 15: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 16: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 17: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 18: pivirt.schedule.v1.Run
+	(*Restored)(nil),              // 1: pivirt.fsm.v1.Restored
+	(*RegisterService)(nil),       // 2: pivirt.fsm.v1.RegisterService
+	(*DeregisterService)(nil),     // 3: pivirt.fsm.v1.DeregisterService
+	(*Heartbeat)(nil),             // 4: pivirt.fsm.v1.Heartbeat
+	(*SetServiceHealth)(nil),      // 5: pivirt.fsm.v1.SetServiceHealth
+	(*SetConfig)(nil),             // 6: pivirt.fsm.v1.SetConfig
+	(*DeleteConfig)(nil),          // 7: pivirt.fsm.v1.DeleteConfig
+	(*PutSchedule)(nil),           // 8: pivirt.fsm.v1.PutSchedule
+	(*DeleteSchedule)(nil),        // 9: pivirt.fsm.v1.DeleteSchedule
+	(*ClaimSlot)(nil),             // 10: pivirt.fsm.v1.ClaimSlot
+	(*RecordRun)(nil),             // 11: pivirt.fsm.v1.RecordRun
+	(*SnapshotHeader)(nil),        // 12: pivirt.fsm.v1.SnapshotHeader
+	(*TableHeader)(nil),           // 13: pivirt.fsm.v1.TableHeader
+	(*DedupeRecord)(nil),          // 14: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 16: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 17: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 18: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 19: pivirt.schedule.v1.Run
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	14, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
-	1,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
-	2,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
-	3,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
-	4,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
-	5,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
-	6,  // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
-	7,  // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
-	8,  // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
-	9,  // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
-	10, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
-	15, // 11: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	16, // 12: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	14, // 13: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	17, // 14: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	14, // 15: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	14, // 16: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	18, // 17: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	12, // 18: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	14, // 19: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	20, // [20:20] is the sub-list for method output_type
-	20, // [20:20] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	15, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	2,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
+	3,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
+	4,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
+	5,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
+	6,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
+	7,  // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
+	8,  // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
+	9,  // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
+	10, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
+	11, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
+	1,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
+	16, // 12: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	17, // 13: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	15, // 14: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	18, // 15: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	15, // 16: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	15, // 17: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	19, // 18: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	13, // 19: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	15, // 20: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	21, // [21:21] is the sub-list for method output_type
+	21, // [21:21] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -1181,17 +1261,18 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 		(*Command_DeleteSchedule)(nil),
 		(*Command_ClaimSlot)(nil),
 		(*Command_RecordRun)(nil),
+		(*Command_Restored)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[5].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[6].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[7].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[8].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
