@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
 	"strings"
 
@@ -194,4 +195,14 @@ func printableASCII(v string) bool {
 		}
 	}
 	return true
+}
+
+// StreamError converts an error of a streaming gRPC call into a
+// *connect.Error with the same code, message and details; nil and io.EOF
+// pass through.
+func StreamError(err error) error {
+	if err == nil || errors.Is(err, io.EOF) {
+		return err
+	}
+	return connectError(err, nil, nil)
 }

@@ -119,3 +119,10 @@ const statusTimeout = 2 * time.Second
 func withStatusTimeout(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, statusTimeout)
 }
+
+// Snapshots returns a SnapshotService client (grpc-go, streaming) for an
+// agent's internal address. Its errors are gRPC statuses; StreamError
+// converts them.
+func (p *Pool) Snapshots(addr string) clusterv1.SnapshotServiceClient {
+	return clusterv1.NewSnapshotServiceClient(p.conn(addr))
+}

@@ -766,6 +766,9 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
 		return nil, toConnect(err)
 	}
+	if req.Msg.GetKey() == ClusterIDKey {
+		return nil, toConnect(invalid("key", "%s is set by the cluster itself and cannot be changed", ClusterIDKey))
+	}
 	if len(req.Msg.GetValue()) > MaxConfigValueBytes {
 		return nil, toConnect(invalid("value", "%d bytes is over the %d-byte limit", len(req.Msg.GetValue()), MaxConfigValueBytes))
 	}
@@ -798,6 +801,9 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 func (h *ClusterService) DeleteConfig(ctx context.Context, req *connect.Request[clusterv1.DeleteConfigRequest]) (*connect.Response[clusterv1.DeleteConfigResponse], error) {
 	if err := checkConfigKey(req.Msg.GetKey()); err != nil {
 		return nil, toConnect(err)
+	}
+	if req.Msg.GetKey() == ClusterIDKey {
+		return nil, toConnect(invalid("key", "%s is set by the cluster itself and cannot be changed", ClusterIDKey))
 	}
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)

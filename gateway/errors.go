@@ -8,6 +8,7 @@ import (
 	"connectrpc.com/connect"
 
 	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/store"
 )
 
@@ -64,6 +65,9 @@ var codeTable = []struct {
 	{store.ErrAlreadyBootstrapped, connect.CodeAlreadyExists},
 	{store.ErrAbortedByRestore, connect.CodeAborted},
 	{store.ErrAddressInUse, connect.CodeAlreadyExists},
+	{store.ErrNothingToSnapshot, connect.CodeFailedPrecondition},
+	{archive.ErrInvalid, connect.CodeInvalidArgument},
+	{archive.ErrUnsupported, connect.CodeFailedPrecondition},
 	{ErrNoLeader, connect.CodeUnavailable},
 	{ErrStopping, connect.CodeUnavailable},
 	{ErrLeaderNotReady, connect.CodeUnavailable},

@@ -51,6 +51,10 @@ var (
 	// ErrAddressInUse: a membership change names an address that belongs to
 	// this server under another ID.
 	ErrAddressInUse = errors.New("store: address in use by the local server")
+
+	// ErrNothingToSnapshot: the state has no applied entry yet, so there
+	// is no snapshot to take.
+	ErrNothingToSnapshot = errors.New("store: nothing to snapshot yet")
 )
 
 // raftErrors is the one table from hashicorp/raft's errors to ours.
@@ -63,6 +67,7 @@ var raftErrors = [...]struct{ from, to error }{
 	{raft.ErrNotVoter, ErrNotVoter},
 	{raft.ErrLeadershipTransferInProgress, ErrLeadershipTransferInProgress},
 	{raft.ErrAbortedByRestore, ErrAbortedByRestore},
+	{raft.ErrNothingNewToSnapshot, ErrNothingToSnapshot},
 }
 
 // mappedError carries one of our sentinels and the cause it was mapped from;

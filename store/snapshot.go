@@ -38,7 +38,7 @@ func (s *Store) Snapshot(ctx context.Context) (SnapshotMeta, io.ReadCloser, erro
 		meta, rc, err = s.openLatestSnapshot()
 	}
 	if err != nil {
-		return SnapshotMeta{}, nil, fmt.Errorf("snapshot: %w", err)
+		return SnapshotMeta{}, nil, fmt.Errorf("snapshot: %w", mapRaftError(err))
 	}
 	return SnapshotMeta{ID: meta.ID, Index: meta.Index, Term: meta.Term, Size: meta.Size}, rc, nil
 }

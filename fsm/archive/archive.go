@@ -21,9 +21,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc64"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/hashicorp/raft"
 
 	"pilab.hu/pivirt-agent/fsm"
 )
@@ -430,4 +435,54 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
 	return n, err
+}
+
+// raftSnapshotMeta is the meta.json of a snapshot directory of Raft's file
+// snapshot store (<data_dir>/raft/snapshots/<id>/).
+type raftSnapshotMeta struct {
+	raft.SnapshotMeta
+	CRC []byte
+}
+
+// InspectDir verifies a snapshot directory from an agent's data dir (the
+// Raft snapshot store's meta.json and state.bin) as Verify verifies an
+// archive: the CRC-64 that Raft recorded, the size, and state.bin as the
+// FSM would restore it. The returned Meta has the fields Raft records; the
+// SHA256 map holds state.bin's checksum.
+func InspectDir(dir string) (*Info, error) {
+	info := &Info{}
+	mb, err := os.ReadFile(filepath.Join(dir, MetaFile))
+	if err != nil {
+		return info, invalidf("not a snapshot directory: %v", err)
+	}
+	var rm raftSnapshotMeta
+	if err := json.Unmarshal(mb, &rm); err != nil {
+		return info, invalidf("%s: %v", filepath.Join(dir, MetaFile), err)
+	}
+	info.Meta = Meta{ID: rm.ID, Index: rm.Index, Term: rm.Term, Size: rm.Size}
+	f, err := os.Open(filepath.Join(dir, StateFile))
+	if err != nil {
+		return info, invalidf("%v", err)
+	}
+	defer f.Close()
+	crc := crc64.New(crc64.MakeTable(crc64.ECMA))
+	sum := sha256.New()
+	cr := &countingReader{r: f}
+	st, err := fsm.InspectSnapshot(io.TeeReader(cr, io.MultiWriter(crc, sum)))
+	if err != nil {
+		if errors.Is(err, fsm.ErrUnsupportedSnapshot) {
+			return info, fmt.Errorf("%w: %s: %w", ErrUnsupported, StateFile, err)
+		}
+		return info, fmt.Errorf("%w: %s: %w", ErrInvalid, StateFile, err)
+	}
+	info.State = st
+	info.Meta.StateFormatVersion = st.FormatVersion
+	info.SHA256 = map[string]string{StateFile: hex.EncodeToString(sum.Sum(nil))}
+	if cr.n != rm.Size {
+		return info, invalidf("%s is %d bytes, %s says %d", StateFile, cr.n, MetaFile, rm.Size)
+	}
+	if !bytes.Equal(crc.Sum(nil), rm.CRC) {
+		return info, invalidf("%s CRC-64 mismatch: %s lists %x, the content has %x", StateFile, MetaFile, rm.CRC, crc.Sum(nil))
+	}
+	return info, nil
 }

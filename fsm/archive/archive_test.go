@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -335,5 +337,51 @@ func TestReaderChecksState(t *testing.T) {
 	}
 	if err := rd.Close(); !errors.Is(err, archive.ErrInvalid) || !strings.Contains(err.Error(), "checksum mismatch") {
 		t.Errorf("Close = %v, want a checksum mismatch", err)
+	}
+}
+
+// TestInspectDir reads a snapshot directory written by Raft's file
+// snapshot store, and refuses it once state.bin is damaged.
+func TestInspectDir(t *testing.T) {
+	st := state(t, 7)
+	root := t.TempDir()
+	store, err := raft.NewFileSnapshotStore(root, 1, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, trans := raft.NewInmemTransport("a")
+	sink, err := store.Create(raft.SnapshotVersionMax, 42, 3, raft.Configuration{}, 1, trans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sink.Write(st); err != nil {
+		t.Fatal(err)
+	}
+	if err := sink.Close(); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(root, "snapshots", sink.ID())
+	info, err := archive.InspectDir(dir)
+	if err != nil {
+		t.Fatalf("InspectDir: %v", err)
+	}
+	if info.Meta.ID != sink.ID() || info.Meta.Index != 42 || info.Meta.Term != 3 || info.Meta.Size != int64(len(st)) {
+		t.Errorf("meta = %+v", info.Meta)
+	}
+	if info.State == nil || len(info.State.Tables) == 0 {
+		t.Fatalf("no state info: %+v", info)
+	}
+
+	path := filepath.Join(dir, archive.StateFile)
+	bad := bytes.Clone(st)
+	bad[len(bad)-1] ^= 1
+	if err := os.WriteFile(path, bad, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := archive.InspectDir(dir); !errors.Is(err, archive.ErrInvalid) {
+		t.Errorf("InspectDir(damaged state.bin) = %v, want ErrInvalid", err)
+	}
+	if _, err := archive.InspectDir(root); !errors.Is(err, archive.ErrInvalid) || !strings.Contains(err.Error(), "not a snapshot directory") {
+		t.Errorf("InspectDir(not a snapshot dir) = %v", err)
 	}
 }

@@ -19,10 +19,12 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/google/uuid"
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -31,6 +33,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
@@ -83,6 +86,10 @@ type Agent struct {
 	gossip *cluster.Gossip
 	pool   *cluster.Pool
 	api    *gateway.ClusterService
+	// snapshots serves snapshot save and restore on the API port.
+	snapshots *gateway.SnapshotService
+	// restoredCh tells the leader loop that a restore was applied.
+	restoredCh chan struct{}
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -134,7 +141,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.Stabilization <= 0 {
 		opts.Stabilization = 10 * time.Second
 	}
-	return &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{})}, nil
+	return &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}), restoredCh: make(chan struct{}, 1)}, nil
 }
 
 // Start opens the data dir and every listener, starts Raft and gossip,
@@ -242,12 +249,26 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	tmp := filepath.Join(a.dataDir, "tmp")
+	if err := os.MkdirAll(tmp, 0o700); err != nil {
+		return fmt.Errorf("data_dir: %w", err)
+	}
+	snapCfg := gateway.SnapshotServiceConfig{
+		TempDir:      tmp,
+		AgentVersion: Version,
+		Restored:     a.restored,
+		Logger:       a.logger,
+	}
+	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
+	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
 	a.serveSplit(a.lnAPI, a.apiMux(), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
+		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 	})
 	nodeSvc := cluster.NewNodeService(a.raft, internal)
-	a.serveSplit(a.lnInternal, internalMux(internal, nodeSvc), func(s *grpc.Server) {
+	a.serveSplit(a.lnInternal, internalMux(internal, internalSnapshots, nodeSvc), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
+		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
 	})
 	a.serve(a.lnMetrics, a.metricsMux())
@@ -443,6 +464,16 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
+		case <-a.restoredCh:
+			// The state was replaced: leader-only state built from the old
+			// one (timers, TTL grace) is rebuilt from the restored state.
+			if term != nil {
+				revoke()
+				if a.store.IsLeader() {
+					a.logger.Info("snapshot restored: re-establishing leader state")
+					term = a.startTerm(ctx)
+				}
+			}
 		case isLeader, ok := <-ch:
 			if !ok {
 				return
@@ -456,6 +487,15 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 			revoke()
 			term = a.startTerm(ctx)
 		}
+	}
+}
+
+// restored is called by the snapshot service after a restore was applied on
+// this leader.
+func (a *Agent) restored() {
+	select {
+	case a.restoredCh <- struct{}{}:
+	default: // one pending notice is enough
 	}
 }
 
@@ -521,10 +561,14 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		Interval:          a.opts.ReconcileInterval,
 		Logger:            a.logger,
 	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
-	wg.Add(2)
+	wg.Add(3)
 	go func() {
 		defer wg.Done()
 		rec.Run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		a.ensureClusterID(ctx)
 	}()
 	go func() {
 		defer wg.Done()
@@ -536,6 +580,40 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		tcfg.TermStart = termStart
 		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
 	}()
+}
+
+// ensureClusterID gives the cluster its ID the first time a leader is
+// established: a random UUID under gateway.ClusterIDKey, written with
+// compare-and-set on "absent" so that two leaders in a row cannot both set
+// one. A restored snapshot brings the ID of the cluster it was taken from.
+func (a *Agent) ensureClusterID(ctx context.Context) {
+	if _, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
+		return
+	}
+	absent := uint64(0)
+	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_SetConfig{SetConfig: &fsmv1.SetConfig{
+		Key: gateway.ClusterIDKey, Value: uuid.NewString(), CasRevision: &absent,
+	}}})
+	if err != nil {
+		a.logger.Error("encode cluster id", "error", err)
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	resp, _, err := a.store.Apply(ctx, data)
+	if err == nil {
+		if res, ok := resp.(*fsm.Result); ok && res.Err != nil && !errors.Is(res.Err, fsm.ErrCASConflict) {
+			err = res.Err
+		}
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			a.logger.Warn("could not set the cluster id; the next leader term tries again", "error", err)
+		}
+		return
+	}
+	id, _ := a.fsm.State().ConfigEntry(gateway.ClusterIDKey)
+	a.logger.Info("cluster id set", "cluster_id", id.GetValue())
 }
 
 func (a *Agent) serve(ln net.Listener, h http.Handler) {
@@ -608,12 +686,16 @@ func (a *Agent) apiMux() http.Handler {
 	mux := http.NewServeMux()
 	path, h := clusterv1connect.NewClusterServiceHandler(a.api, handlerOptions()...)
 	mux.Handle(path, h)
+	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, handlerOptions()...)
+	mux.Handle(path, h)
 	return mux
 }
 
-func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
+func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
 	mux := http.NewServeMux()
 	path, h := clusterv1connect.NewClusterServiceHandler(clusterSvc, handlerOptions()...)
+	mux.Handle(path, h)
+	path, h = clusterv1connect.NewSnapshotServiceHandler(snapshotSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
 	mux.Handle(path, h)
@@ -661,6 +743,10 @@ func (p peerClients) Status(ctx context.Context, addr string) (*nodeStatus, erro
 
 func (p peerClients) Cluster(addr string) clusterv1connect.ClusterServiceClient {
 	return p.pool.Cluster(addr)
+}
+
+func (p peerClients) Snapshots(addr string) clusterv1.SnapshotServiceClient {
+	return p.pool.Snapshots(addr)
 }
 
 func (p peerClients) ReadIndex(ctx context.Context, addr string) (uint64, error) {

@@ -1,0 +1,375 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	"pilab.hu/pivirt-agent/store"
+)
+
+// ClusterIDKey is the cluster config key holding the cluster's ID. The
+// first leader sets it; clients cannot change or delete it.
+const ClusterIDKey = "cluster.id"
+
+// snapshotChunk is the size of the data of one snapshot stream message.
+const snapshotChunk = 256 << 10
+
+// DefaultMaxRestoreSize bounds an uploaded archive unless configured.
+const DefaultMaxRestoreSize = 8 << 30
+
+// Snapshotter takes and restores Raft snapshots (store.Store).
+type Snapshotter interface {
+	Snapshot(ctx context.Context) (store.SnapshotMeta, io.ReadCloser, error)
+	Restore(ctx context.Context, size int64, r io.Reader) error
+}
+
+// SnapshotPeers opens snapshot streams to other agents' internal ports.
+type SnapshotPeers interface {
+	Snapshots(internalAddr string) clusterv1.SnapshotServiceClient
+}
+
+// SnapshotServiceConfig configures a SnapshotService.
+type SnapshotServiceConfig struct {
+	// TempDir holds uploaded archives while they are verified and
+	// restored (the agent uses a directory in its data dir). Empty means
+	// the system's.
+	TempDir string
+	// MaxRestoreSize bounds an uploaded archive, in bytes; 0 means
+	// DefaultMaxRestoreSize.
+	MaxRestoreSize int64
+	// AgentVersion goes into the meta.json of saved archives.
+	AgentVersion string
+	// Restored is called on the leader once a restore is applied, so that
+	// leader-only state is rebuilt from the restored state.
+	Restored func()
+	Logger   *slog.Logger
+}
+
+// SnapshotService implements pivirt.cluster.v1.SnapshotService over Connect
+// (it is the handler) and gRPC (NewSnapshotGRPC). It uses the
+// ClusterService it is built on for leader lookup and forwarding: an
+// instance on the internal port is leader-only, as that ClusterService is.
+type SnapshotService struct {
+	cfg    SnapshotServiceConfig
+	cs     *ClusterService
+	snap   Snapshotter
+	peers  SnapshotPeers
+	logger *slog.Logger
+}
+
+var _ clusterv1connect.SnapshotServiceHandler = (*SnapshotService)(nil)
+
+// NewSnapshotService returns the handler.
+func NewSnapshotService(cfg SnapshotServiceConfig, cs *ClusterService, snap Snapshotter, peers SnapshotPeers) *SnapshotService {
+	if cfg.MaxRestoreSize <= 0 {
+		cfg.MaxRestoreSize = DefaultMaxRestoreSize
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	return &SnapshotService{cfg: cfg, cs: cs, snap: snap, peers: peers, logger: logger.With("component", "snapshot-api")}
+}
+
+// SaveSnapshot implements clusterv1connect.SnapshotServiceHandler.
+func (s *SnapshotService) SaveSnapshot(ctx context.Context, req *connect.Request[clusterv1.SaveSnapshotRequest], stream *connect.ServerStream[clusterv1.SaveSnapshotResponse]) error {
+	return s.save(ctx, req.Msg.GetStale(), stream.Send)
+}
+
+// RestoreSnapshot implements clusterv1connect.SnapshotServiceHandler.
+func (s *SnapshotService) RestoreSnapshot(ctx context.Context, stream *connect.ClientStream[clusterv1.RestoreSnapshotRequest]) (*connect.Response[clusterv1.RestoreSnapshotResponse], error) {
+	resp, err := s.restore(ctx, func() (*clusterv1.RestoreSnapshotRequest, error) {
+		if !stream.Receive() {
+			if err := stream.Err(); err != nil {
+				return nil, err
+			}
+			return nil, io.EOF
+		}
+		return stream.Msg(), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(resp), nil
+}
+
+// NewSnapshotGRPC serves s over gRPC.
+func NewSnapshotGRPC(s *SnapshotService) clusterv1.SnapshotServiceServer { return snapshotGRPC{s} }
+
+type snapshotGRPC struct{ s *SnapshotService }
+
+func (g snapshotGRPC) SaveSnapshot(req *clusterv1.SaveSnapshotRequest, stream grpc.ServerStreamingServer[clusterv1.SaveSnapshotResponse]) error {
+	if err := g.s.save(stream.Context(), req.GetStale(), stream.Send); err != nil {
+		return grpcError(stream.Context(), err)
+	}
+	return nil
+}
+
+func (g snapshotGRPC) RestoreSnapshot(stream grpc.ClientStreamingServer[clusterv1.RestoreSnapshotRequest, clusterv1.RestoreSnapshotResponse]) error {
+	resp, err := g.s.restore(stream.Context(), stream.Recv)
+	if err != nil {
+		return grpcError(stream.Context(), err)
+	}
+	return stream.SendAndClose(resp)
+}
+
+// --- save ---
+
+// save streams an archive to send: taken here when stale, else on the
+// leader (relayed when that is another node). Once a message has gone out
+// a failure is final: a retry would send the archive twice.
+func (s *SnapshotService) save(ctx context.Context, stale bool, send func(*clusterv1.SaveSnapshotResponse) error) error {
+	sent := false
+	tracked := func(m *clusterv1.SaveSnapshotResponse) error {
+		sent = true
+		return send(m)
+	}
+	final := func(err error) error {
+		if err != nil && sent {
+			return connect.NewError(connect.CodeAborted, fmt.Errorf("snapshot stream broken off: %w", err))
+		}
+		return err
+	}
+	if stale {
+		return toConnect(s.saveLocal(ctx, tracked))
+	}
+	_, err := viaLeader(ctx, s.cs, func(ctx context.Context) (struct{}, error) {
+		if !s.cs.leaderReady() {
+			return struct{}{}, ErrLeaderNotReady
+		}
+		return struct{}{}, final(s.saveLocal(ctx, tracked))
+	}, func(ctx context.Context, internalAddr string) (struct{}, error) {
+		return struct{}{}, final(s.saveRemote(ctx, internalAddr, tracked))
+	})
+	return err
+}
+
+// saveLocal snapshots this node's state and streams it as an archive.
+func (s *SnapshotService) saveLocal(ctx context.Context, send func(*clusterv1.SaveSnapshotResponse) error) error {
+	sm, rc, err := s.snap.Snapshot(ctx)
+	if err != nil {
+		return err
+	}
+	defer rc.Close()
+	meta := archive.Meta{
+		ID: sm.ID, Index: sm.Index, Term: sm.Term,
+		FormatVersion: archive.FormatVersion, StateFormatVersion: fsm.SnapshotFormatVersion,
+		ClusterID: s.clusterID(), AgentVersion: s.cfg.AgentVersion,
+		Size: sm.Size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+	}
+	pr, pw := io.Pipe()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		pw.CloseWithError(archive.Write(pw, meta, rc))
+	}()
+	defer func() {
+		pr.Close()
+		<-done
+	}()
+	first := true
+	for {
+		buf := make([]byte, snapshotChunk)
+		n, err := io.ReadFull(pr, buf)
+		if n > 0 {
+			m := &clusterv1.SaveSnapshotResponse{Data: buf[:n]}
+			if first {
+				m.Meta, first = metaProto(meta), false
+			}
+			if serr := send(m); serr != nil {
+				return serr
+			}
+		}
+		switch {
+		case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+			s.logger.Info("snapshot saved", "id", meta.ID, "index", meta.Index, "state_bytes", meta.Size)
+			return nil
+		case err != nil:
+			return fmt.Errorf("write snapshot archive: %w", err)
+		}
+	}
+}
+
+// saveRemote relays the leader's archive.
+func (s *SnapshotService) saveRemote(ctx context.Context, internalAddr string, send func(*clusterv1.SaveSnapshotResponse) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := s.peers.Snapshots(internalAddr).SaveSnapshot(ctx, &clusterv1.SaveSnapshotRequest{})
+	if err != nil {
+		return cluster.StreamError(err)
+	}
+	for {
+		m, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return cluster.StreamError(err)
+		}
+		if err := send(m); err != nil {
+			return err
+		}
+	}
+}
+
+// clusterID reads the cluster's ID from the replicated config.
+func (s *SnapshotService) clusterID() string {
+	e, err := s.cs.state.State().ConfigEntry(ClusterIDKey)
+	if err != nil {
+		return ""
+	}
+	return e.GetValue()
+}
+
+// --- restore ---
+
+// restore receives an archive into a temporary file, verifies all of it,
+// and restores it on the leader (relaying the file when that is another
+// node). Nothing is touched unless the whole archive verified.
+func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.RestoreSnapshotRequest, error)) (*clusterv1.RestoreSnapshotResponse, error) {
+	f, err := os.CreateTemp(s.cfg.TempDir, "restore-*.tar.gz")
+	if err != nil {
+		return nil, toConnect(fmt.Errorf("snapshot restore: create temporary file: %w", err))
+	}
+	defer func() {
+		f.Close()
+		os.Remove(f.Name())
+	}()
+	var size int64
+	for {
+		m, err := recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		size += int64(len(m.GetData()))
+		if size > s.cfg.MaxRestoreSize {
+			return nil, toConnect(invalid("data", "the archive is larger than %d bytes, the most this agent accepts", s.cfg.MaxRestoreSize))
+		}
+		if _, err := f.Write(m.GetData()); err != nil {
+			return nil, toConnect(fmt.Errorf("snapshot restore: spool the upload: %w", err))
+		}
+	}
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, toConnect(err)
+	}
+	info, err := archive.Verify(bufio.NewReaderSize(f, 64<<10))
+	if err != nil {
+		s.logger.Warn("snapshot restore refused", "error", err, "bytes", size)
+		return nil, toConnect(err)
+	}
+	return viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
+		if !s.cs.leaderReady() {
+			return nil, ErrLeaderNotReady
+		}
+		return s.restoreLocal(ctx, f, info)
+	}, func(ctx context.Context, internalAddr string) (*clusterv1.RestoreSnapshotResponse, error) {
+		return s.restoreRemote(ctx, internalAddr, f)
+	})
+}
+
+// restoreLocal restores a verified archive on this leader: raft.Restore
+// (the current membership is kept), then a Restored command, which every
+// node applies after the restored state, so that when it returns the
+// restore is committed and every table's index is above any index served
+// before. Leader state is rebuilt after that.
+func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, info *archive.Info) (*clusterv1.RestoreSnapshotResponse, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	rd, err := archive.NewReader(bufio.NewReaderSize(f, 64<<10))
+	if err != nil {
+		return nil, err
+	}
+	state, err := rd.State()
+	if err != nil {
+		return nil, err
+	}
+	if err := s.snap.Restore(ctx, rd.Meta.Size, state); err != nil {
+		return nil, err
+	}
+	if err := rd.Close(); err != nil {
+		// Verified before; only a change of the file since could do this.
+		s.logger.Error("snapshot archive changed after it was verified", "error", err)
+	}
+	res, err := s.cs.propose(ctx, nil, &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
+		SnapshotId: rd.Meta.ID, SnapshotIndex: rd.Meta.Index,
+	}}})
+	if err != nil {
+		return nil, fmt.Errorf("snapshot restored, but marking it failed: %w", err)
+	}
+	if s.cfg.Restored != nil {
+		s.cfg.Restored()
+	}
+	attrs := []any{"id", rd.Meta.ID, "archive_index", rd.Meta.Index, "cluster_id", rd.Meta.ClusterID, "index", res.Index}
+	for _, t := range info.State.Tables {
+		attrs = append(attrs, t.Name, t.Records)
+	}
+	s.logger.Info("snapshot restored", attrs...)
+	return &clusterv1.RestoreSnapshotResponse{Meta: metaProto(rd.Meta), Index: res.Index}, nil
+}
+
+// restoreRemote uploads the verified archive to the leader.
+func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File) (*clusterv1.RestoreSnapshotResponse, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := s.peers.Snapshots(internalAddr).RestoreSnapshot(ctx)
+	if err != nil {
+		return nil, cluster.StreamError(err)
+	}
+	buf := make([]byte, snapshotChunk)
+	for {
+		n, rerr := io.ReadFull(f, buf)
+		if n > 0 {
+			// SendMsg may hold on to the message: a new slice each time.
+			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: append([]byte(nil), buf[:n]...)}); err != nil {
+				if errors.Is(err, io.EOF) {
+					// The leader ended the call: its status says why.
+					break
+				}
+				return nil, cluster.StreamError(err)
+			}
+		}
+		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
+			break
+		}
+		if rerr != nil {
+			return nil, rerr
+		}
+	}
+	resp, err := stream.CloseAndRecv()
+	if err != nil {
+		return nil, cluster.StreamError(err)
+	}
+	return resp, nil
+}
+
+func metaProto(m archive.Meta) *clusterv1.SnapshotMeta {
+	return &clusterv1.SnapshotMeta{
+		Id: m.ID, Index: m.Index, Term: m.Term,
+		FormatVersion: m.FormatVersion, StateFormatVersion: m.StateFormatVersion,
+		ClusterId: m.ClusterID, AgentVersion: m.AgentVersion, Size: m.Size,
+		CreatedAt: timestamppb.New(m.CreatedAt),
+	}
+}
