@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 
 	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
@@ -180,11 +181,11 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.mu.Unlock()
 	close(old)
 
-	attrs := []any{"index", hdr.GetLastIndex()}
+	var records []any
 	for _, t := range hdr.GetTables() {
-		attrs = append(attrs, t.GetName(), t.GetRecords())
+		records = append(records, slog.Uint64(t.GetName(), t.GetRecords()))
 	}
-	f.logger.Info("state restored from snapshot", attrs...)
+	f.logger.Info("state restored from snapshot", "index", hdr.GetLastIndex(), slog.Group("records", records...))
 	return nil
 }
 

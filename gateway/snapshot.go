@@ -319,11 +319,12 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, info *ar
 	if s.cfg.Restored != nil {
 		s.cfg.Restored()
 	}
-	attrs := []any{"id", rd.Meta.ID, "archive_index", rd.Meta.Index, "cluster_id", rd.Meta.ClusterID, "index", res.Index}
+	var records []any
 	for _, t := range info.State.Tables {
-		attrs = append(attrs, t.Name, t.Records)
+		records = append(records, slog.Uint64(t.Name, t.Records))
 	}
-	s.logger.Info("snapshot restored", attrs...)
+	s.logger.Info("snapshot restored", "id", rd.Meta.ID, "archive_index", rd.Meta.Index,
+		"cluster_id", rd.Meta.ClusterID, "index", res.Index, slog.Group("records", records...))
 	return &clusterv1.RestoreSnapshotResponse{Meta: metaProto(rd.Meta), Index: res.Index}, nil
 }
 

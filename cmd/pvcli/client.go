@@ -36,6 +36,8 @@ var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-C
 type clientConn struct {
 	http *http.Client
 	api  clusterv1connect.ClusterServiceClient
+	// snap streams snapshots; streams are not retried by the interceptor.
+	snap clusterv1connect.SnapshotServiceClient
 }
 
 func (c *clientConn) close() { c.http.CloseIdleConnections() }
@@ -47,31 +49,44 @@ type rpcFunc func(ctx context.Context, api clusterv1connect.ClusterServiceClient
 // the --timeout deadline. Commands validate their own input before call, so
 // bad input never reaches the network.
 func (a *app) call(cmd *cobra.Command, fn rpcFunc) error {
-	if err := a.validateGlobals(); err != nil {
+	if err := a.connect(cmd); err != nil {
 		return err
-	}
-	if a.conn == nil {
-		endpoint, err := a.endpoint(cmd)
-		if err != nil {
-			return err
-		}
-		httpClient, err := newHTTPClient(endpoint)
-		if err != nil {
-			return err
-		}
-		a.conn = &clientConn{
-			http: httpClient,
-			api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
-				connect.WithInterceptors(a.retryInterceptor()),
-				connect.WithReadMaxBytes(maxMessageBytes),
-				connect.WithSendMaxBytes(maxMessageBytes),
-				connect.WithCompressMinBytes(1024),
-			),
-		}
 	}
 	ctx, cancel := context.WithTimeout(cmd.Context(), a.opts.timeout)
 	defer cancel()
 	return fn(ctx, a.conn.api)
+}
+
+// connect validates the global flags and builds the clients on first use.
+func (a *app) connect(cmd *cobra.Command) error {
+	if err := a.validateGlobals(); err != nil {
+		return err
+	}
+	if a.conn != nil {
+		return nil
+	}
+	endpoint, err := a.endpoint(cmd)
+	if err != nil {
+		return err
+	}
+	httpClient, err := newHTTPClient(endpoint)
+	if err != nil {
+		return err
+	}
+	a.conn = &clientConn{
+		http: httpClient,
+		api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
+			connect.WithInterceptors(a.retryInterceptor()),
+			connect.WithReadMaxBytes(maxMessageBytes),
+			connect.WithSendMaxBytes(maxMessageBytes),
+			connect.WithCompressMinBytes(1024),
+		),
+		snap: clusterv1connect.NewSnapshotServiceClient(httpClient, endpoint.String(),
+			connect.WithReadMaxBytes(maxMessageBytes),
+			connect.WithSendMaxBytes(maxMessageBytes),
+		),
+	}
+	return nil
 }
 
 // endpoint resolves the agent address: --endpoint, else $PVCLI_ENDPOINT,

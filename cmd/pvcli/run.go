@@ -185,7 +185,7 @@ sequence number until --timeout, so it is never applied twice.`,
 	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
 	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
 
-	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd())
+	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd())
 	return root
 }
 

@@ -955,5 +955,8 @@ func (a *Agent) leaderReady() bool {
 // Store exposes the Raft store to tests in cmd/.
 func (a *Agent) Store() *store.Store { return a.store }
 
+// FSM returns the agent's state machine (for tests and tools).
+func (a *Agent) FSM() *fsm.FSM { return a.fsm }
+
 // Gossip exposes the gossip ring to tests in cmd/.
 func (a *Agent) Gossip() *cluster.Gossip { return a.gossip }

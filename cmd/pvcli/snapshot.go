@@ -1,0 +1,333 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"gopkg.in/yaml.v3"
+
+	"pilab.hu/pivirt-agent/fsm/archive"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+)
+
+// snapshotTimeout is the deadline of snapshot save and restore unless
+// --timeout is given: a large state takes a while to move.
+const snapshotTimeout = time.Hour
+
+// snapshotChunk is the data size of one upload message.
+const snapshotChunk = 256 << 10
+
+func (a *app) newSnapshotCmd() *cobra.Command {
+	var stale bool
+	save := &cobra.Command{
+		Use:   "save FILE",
+		Short: "Save the whole replicated state into a snapshot archive",
+		Long: `save streams a snapshot of the replicated state from the leader (with --stale,
+from the agent asked) into FILE: a gzip'd tar of meta.json, state.bin and
+SHA256SUMS. It is written to FILE.tmp, verified, then renamed to FILE.`,
+		Args: positional("FILE"),
+		RunE: a.command(func(cmd *cobra.Command, args []string) error {
+			return a.snapshotSave(cmd, args[0], stale)
+		}),
+	}
+	save.Flags().BoolVar(&stale, "stale", false, "take the snapshot on the agent asked, even if it is not the leader (it may lag)")
+	return groupCmd("snapshot", "Save, inspect and restore snapshots of the replicated state",
+		save,
+		&cobra.Command{
+			Use:   "inspect FILE|DIR",
+			Short: "Verify a snapshot archive, or a snapshot directory of a data dir, and show what it holds (offline)",
+			Args:  positional("FILE"),
+			RunE:  a.command(a.snapshotInspect),
+		},
+		&cobra.Command{
+			Use:   "restore FILE",
+			Short: "Replace the state of the whole cluster with a snapshot archive",
+			Long: `restore verifies FILE, uploads it to the agent asked, which verifies it again
+and has the leader restore it. The cluster keeps its current membership, so an
+archive of another cluster restores. A bad archive is refused and the cluster
+is left as it was.`,
+			Args: positional("FILE"),
+			RunE: a.command(a.snapshotRestore),
+		},
+	)
+}
+
+// snapshotContext applies --timeout, or snapshotTimeout when it was not
+// given.
+func (a *app) snapshotContext(cmd *cobra.Command) (context.Context, context.CancelFunc) {
+	timeout := snapshotTimeout
+	if a.opts.timeoutSet {
+		timeout = a.opts.timeout
+	}
+	return context.WithTimeout(cmd.Context(), timeout)
+}
+
+// savedSnapshot is the output of snapshot save.
+type savedSnapshot struct {
+	File         string    `json:"file" yaml:"file"`
+	Bytes        int64     `json:"bytes" yaml:"bytes"`
+	ID           string    `json:"id" yaml:"id"`
+	Index        uint64    `json:"index" yaml:"index"`
+	Term         uint64    `json:"term" yaml:"term"`
+	ClusterID    string    `json:"cluster_id" yaml:"cluster_id"`
+	StateBytes   int64     `json:"state_bytes" yaml:"state_bytes"`
+	CreatedAt    time.Time `json:"created_at" yaml:"created_at"`
+	AgentVersion string    `json:"agent_version" yaml:"agent_version"`
+}
+
+func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err error) {
+	if err := a.connect(cmd); err != nil {
+		return err
+	}
+	ctx, cancel := a.snapshotContext(cmd)
+	defer cancel()
+
+	tmp := file + ".tmp"
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("snapshot save: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	stream, err := a.conn.snap.SaveSnapshot(ctx, connect.NewRequest(&clusterv1.SaveSnapshotRequest{Stale: stale}))
+	if err != nil {
+		return fmt.Errorf("snapshot save: %w", err)
+	}
+	defer stream.Close()
+	w := bufio.NewWriterSize(f, 1<<20)
+	var size int64
+	for stream.Receive() {
+		n, err := w.Write(stream.Msg().GetData())
+		size += int64(n)
+		if err != nil {
+			return fmt.Errorf("snapshot save: write %s: %w", tmp, err)
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return fmt.Errorf("snapshot save: %w", err)
+	}
+	if size == 0 {
+		return errors.New("snapshot save: the agent sent no data")
+	}
+	if err := w.Flush(); err != nil {
+		return fmt.Errorf("snapshot save: write %s: %w", tmp, err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("snapshot save: sync %s: %w", tmp, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("snapshot save: close %s: %w", tmp, err)
+	}
+	info, err := verifyArchiveFile(tmp)
+	if err != nil {
+		return fmt.Errorf("snapshot save: the archive received does not verify (left nothing at %s): %w", file, err)
+	}
+	if err := os.Rename(tmp, file); err != nil {
+		return fmt.Errorf("snapshot save: %w", err)
+	}
+	m := info.Meta
+	out := savedSnapshot{
+		File: file, Bytes: size, ID: m.ID, Index: m.Index, Term: m.Term, ClusterID: m.ClusterID,
+		StateBytes: m.Size, CreatedAt: m.CreatedAt, AgentVersion: m.AgentVersion,
+	}
+	return a.renderValue(out, func(w io.Writer) {
+		fmt.Fprintf(w, "Saved snapshot %s to %s: index %d, term %d, %d bytes (state %d bytes)\n",
+			m.ID, file, m.Index, m.Term, size, m.Size)
+	})
+}
+
+// verifyArchiveFile verifies a snapshot archive file.
+func verifyArchiveFile(path string) (*archive.Info, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return &archive.Info{}, err
+	}
+	defer f.Close()
+	return archive.Verify(bufio.NewReaderSize(f, 1<<20))
+}
+
+// inspection is the output of snapshot inspect.
+type inspection struct {
+	Path               string         `json:"path" yaml:"path"`
+	Kind               string         `json:"kind" yaml:"kind"`
+	ID                 string         `json:"id" yaml:"id"`
+	Index              uint64         `json:"index" yaml:"index"`
+	Term               uint64         `json:"term" yaml:"term"`
+	FormatVersion      uint32         `json:"format_version,omitempty" yaml:"format_version,omitempty"`
+	StateFormatVersion uint32         `json:"state_format_version,omitempty" yaml:"state_format_version,omitempty"`
+	ClusterID          string         `json:"cluster_id,omitempty" yaml:"cluster_id,omitempty"`
+	AgentVersion       string         `json:"agent_version,omitempty" yaml:"agent_version,omitempty"`
+	CreatedAt          *time.Time     `json:"created_at,omitempty" yaml:"created_at,omitempty"`
+	StateBytes         int64          `json:"state_bytes" yaml:"state_bytes"`
+	Tables             []tableSummary `json:"tables,omitempty" yaml:"tables,omitempty"`
+	SHA256             string         `json:"state_sha256,omitempty" yaml:"state_sha256,omitempty"`
+	// Verification is "ok", or "FAILED: " and the reason.
+	Verification string `json:"verification" yaml:"verification"`
+}
+
+type tableSummary struct {
+	Name    string `json:"name" yaml:"name"`
+	Records uint64 `json:"records" yaml:"records"`
+	Bytes   uint64 `json:"bytes" yaml:"bytes"`
+}
+
+func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
+	path := args[0]
+	st, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("snapshot inspect: %w", err)
+	}
+	out := inspection{Path: path, Kind: "archive"}
+	var info *archive.Info
+	if st.IsDir() {
+		out.Kind = "raft snapshot directory"
+		info, err = archive.InspectDir(path)
+	} else {
+		info, err = verifyArchiveFile(path)
+	}
+	m := info.Meta
+	out.ID, out.Index, out.Term, out.StateBytes = m.ID, m.Index, m.Term, m.Size
+	out.FormatVersion, out.StateFormatVersion = m.FormatVersion, m.StateFormatVersion
+	out.ClusterID, out.AgentVersion = m.ClusterID, m.AgentVersion
+	if !m.CreatedAt.IsZero() {
+		out.CreatedAt = &m.CreatedAt
+	}
+	if info.State != nil {
+		for _, t := range info.State.Tables {
+			out.Tables = append(out.Tables, tableSummary{Name: t.Name, Records: t.Records, Bytes: t.Bytes})
+		}
+	}
+	out.SHA256 = info.SHA256[archive.StateFile]
+	out.Verification = "ok"
+	if err != nil {
+		out.Verification = "FAILED: " + err.Error()
+	}
+	if rerr := a.renderValue(out, func(w io.Writer) { inspectTable(w, out) }); rerr != nil {
+		return rerr
+	}
+	if err != nil {
+		return fmt.Errorf("snapshot inspect: %s does not verify: %w", path, err)
+	}
+	return nil
+}
+
+func inspectTable(w io.Writer, in inspection) {
+	field := func(name, value string) {
+		if value != "" {
+			fmt.Fprintf(w, "%s\t%s\n", name, value)
+		}
+	}
+	field("Path", in.Path+" ("+in.Kind+")")
+	field("ID", in.ID)
+	field("Index", formatUint(in.Index))
+	field("Term", formatUint(in.Term))
+	if in.FormatVersion != 0 {
+		field("Format version", fmt.Sprint(in.FormatVersion))
+	}
+	if in.StateFormatVersion != 0 {
+		field("State format version", fmt.Sprint(in.StateFormatVersion))
+	}
+	field("Cluster ID", in.ClusterID)
+	field("Agent version", in.AgentVersion)
+	if in.CreatedAt != nil {
+		field("Created at", in.CreatedAt.Format(time.RFC3339))
+	}
+	field("State size", fmt.Sprintf("%d bytes", in.StateBytes))
+	field("State SHA-256", in.SHA256)
+	field("Verification", in.Verification)
+	if len(in.Tables) > 0 {
+		fmt.Fprintln(w)
+		fmt.Fprintln(w, "TABLE\tRECORDS\tBYTES")
+		for _, t := range in.Tables {
+			fmt.Fprintf(w, "%s\t%d\t%d\n", t.Name, t.Records, t.Bytes)
+		}
+	}
+}
+
+func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
+	file := args[0]
+	// Verify here first: a bad file is refused without an upload.
+	if _, err := verifyArchiveFile(file); err != nil {
+		return fmt.Errorf("snapshot restore: %s is not a valid snapshot archive: %w", file, err)
+	}
+	if err := a.connect(cmd); err != nil {
+		return err
+	}
+	ctx, cancel := a.snapshotContext(cmd)
+	defer cancel()
+	f, err := os.Open(file)
+	if err != nil {
+		return fmt.Errorf("snapshot restore: %w", err)
+	}
+	defer f.Close()
+	stream := a.conn.snap.RestoreSnapshot(ctx)
+	buf := make([]byte, snapshotChunk)
+	for {
+		n, rerr := io.ReadFull(f, buf)
+		if n > 0 {
+			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: buf[:n]}); err != nil {
+				if errors.Is(err, io.EOF) {
+					break // the agent ended the call; CloseAndReceive says why
+				}
+				return fmt.Errorf("snapshot restore: upload: %w", err)
+			}
+		}
+		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
+			break
+		}
+		if rerr != nil {
+			return fmt.Errorf("snapshot restore: read %s: %w", file, rerr)
+		}
+	}
+	resp, err := stream.CloseAndReceive()
+	if err != nil {
+		return fmt.Errorf("snapshot restore: %w", err)
+	}
+	m := resp.Msg.GetMeta()
+	return a.render(resp.Msg, func(w io.Writer) {
+		from := ""
+		if m.GetClusterId() != "" {
+			from = " of cluster " + m.GetClusterId()
+		}
+		fmt.Fprintf(w, "Restored snapshot %s (index %d%s); the cluster holds it from index %d\n",
+			m.GetId(), m.GetIndex(), from, resp.Msg.GetIndex())
+	})
+}
+
+// renderValue writes a plain Go value in the --output format (JSON and
+// YAML through their struct tags).
+func (a *app) renderValue(v any, table func(w io.Writer)) error {
+	switch a.opts.output.value {
+	case "json":
+		b, err := json.MarshalIndent(v, "", "  ")
+		if err != nil {
+			return err
+		}
+		_, err = a.stdout.Write(append(b, '\n'))
+		return err
+	case "yaml":
+		b, err := yaml.Marshal(v)
+		if err != nil {
+			return err
+		}
+		_, err = a.stdout.Write(b)
+		return err
+	default:
+		tw := tabwriter.NewWriter(a.stdout, 0, 4, 3, ' ', 0)
+		table(tw)
+		return tw.Flush()
+	}
+}
