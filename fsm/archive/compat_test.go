@@ -1,0 +1,167 @@
+package archive_test
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+)
+
+var update = flag.Bool("update", false, "write the archive of the current format version into testdata (only when a new format version is released)")
+
+// releasedVersions lists every archive format version released; each has
+// testdata/v<N>/snapshot.tar.gz, which this version must keep restoring.
+var releasedVersions = []uint32{1}
+
+// compatState is the state every compatibility archive holds: a record in
+// every table.
+func compatState(t *testing.T) *fsm.FSM {
+	t.Helper()
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	ts := func(sec int) *timestamppb.Timestamp { return timestamppb.New(t0.Add(time.Duration(sec) * time.Second)) }
+	cmds := []*fsmv1.Command{
+		{ClientId: "pvcli-1", Sequence: 1, Op: &fsmv1.Command_RegisterService{RegisterService: &fsmv1.RegisterService{Instance: &clusterv1.ServiceInstance{
+			Service: "web", InstanceId: "web-1", Node: "node1", Address: "10.0.0.1", Port: 8080,
+			Tags: []string{"blue"}, Meta: map[string]string{"owner": "ops"}, Ttl: durationpb.New(30 * time.Second),
+		}}}},
+		{Op: &fsmv1.Command_SetConfig{SetConfig: &fsmv1.SetConfig{Key: "log.level", Value: "debug"}}},
+		{Op: &fsmv1.Command_SetConfig{SetConfig: &fsmv1.SetConfig{Key: "log.level", Value: "info"}}},
+		{Op: &fsmv1.Command_PutSchedule{PutSchedule: &fsmv1.PutSchedule{Schedule: &schedulev1.Schedule{
+			Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_POWER_ON, Cron: "0 7 * * 1-5", TimeZone: "Europe/Budapest",
+			Enabled: true, CatchUp: schedulev1.CatchUp_CATCH_UP_LATEST_ONCE, CatchUpWindow: durationpb.New(time.Hour),
+			Overlap: schedulev1.Overlap_OVERLAP_FORBID, HistoryLimit: 10,
+		}}}},
+		{Op: &fsmv1.Command_ClaimSlot{ClaimSlot: &fsmv1.ClaimSlot{ScheduleId: "s1", Slot: ts(3600), Node: "node1"}}},
+		{Op: &fsmv1.Command_RecordRun{RecordRun: &fsmv1.RecordRun{Run: &schedulev1.Run{
+			ScheduleId: "s1", Slot: ts(3600), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Attempts: 1, FinishedAt: ts(3601),
+		}}}},
+	}
+	for i, cmd := range cmds {
+		cmd.Time = ts(i)
+		data, err := fsm.Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res := f.Apply(&raft.Log{Index: uint64(i + 1), Term: 1, Type: raft.LogCommand, Data: data}).(*fsm.Result); res.Err != nil {
+			t.Fatalf("command %d: %v", i, res.Err)
+		}
+	}
+	return f
+}
+
+// TestCompatibleArchives restores the archive of every released format
+// version and checks what it holds. With -update it first writes the
+// archive of the current version.
+func TestCompatibleArchives(t *testing.T) {
+	if *update {
+		f := compatState(t)
+		var st bytes.Buffer
+		if err := f.WriteSnapshot(&st); err != nil {
+			t.Fatal(err)
+		}
+		meta := archive.Meta{
+			ID: "1-6-1796040000000", Index: 6, Term: 1, ClusterID: "3f0c6a52-5d0e-4c53-9a53-2a4f7c1d9e10",
+			AgentVersion: "0.1.0", Size: int64(st.Len()), CreatedAt: time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC),
+		}
+		path := filepath.Join("testdata", fmt.Sprintf("v%d", archive.FormatVersion), "snapshot.tar.gz")
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		out, err := os.Create(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := archive.Write(out, meta, &st); err != nil {
+			t.Fatal(err)
+		}
+		if err := out.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if releasedVersions[len(releasedVersions)-1] != archive.FormatVersion {
+		t.Fatalf("archive.FormatVersion %d is not in releasedVersions: add it and its testdata (go test -run Compatible -update)", archive.FormatVersion)
+	}
+	want := compatState(t)
+	for _, v := range releasedVersions {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			file, err := os.ReadFile(filepath.Join("testdata", fmt.Sprintf("v%d", v), "snapshot.tar.gz"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			info, err := archive.Verify(bytes.NewReader(file))
+			if err != nil {
+				t.Fatalf("Verify: %v", err)
+			}
+			if info.Meta.FormatVersion != v {
+				t.Errorf("format version %d, want %d", info.Meta.FormatVersion, v)
+			}
+			rd, err := archive.NewReader(bytes.NewReader(file))
+			if err != nil {
+				t.Fatal(err)
+			}
+			st, err := rd.State()
+			if err != nil {
+				t.Fatal(err)
+			}
+			f, err := fsm.New(fsm.DefaultConfig())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := f.Restore(readCloser{st}); err != nil {
+				t.Fatalf("Restore: %v", err)
+			}
+			if err := rd.Close(); err != nil {
+				t.Fatal(err)
+			}
+			for _, tb := range info.State.Tables {
+				if tb.Records == 0 {
+					t.Errorf("table %s is empty in the archive: the compatibility state should fill every table", tb.Name)
+				}
+			}
+			if len(info.State.Tables) != len(fsm.Tables()) {
+				t.Errorf("archive holds %d tables, this version has %d", len(info.State.Tables), len(fsm.Tables()))
+			}
+			// The restored state is what the commands build today.
+			var got, exp bytes.Buffer
+			if err := f.WriteSnapshot(&got); err != nil {
+				t.Fatal(err)
+			}
+			if err := want.WriteSnapshot(&exp); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got.Bytes(), exp.Bytes()) {
+				t.Errorf("the restored v%d state differs from the state its commands build now", v)
+			}
+			inst, err := f.State().Service("web", "web-1")
+			if err != nil || inst.GetMeta()["owner"] != "ops" {
+				t.Errorf("restored instance web/web-1 = %v, %v", inst, err)
+			}
+			if _, err := f.State().Service("web", "missing"); !errors.Is(err, fsm.ErrNotFound) {
+				t.Errorf("lookup of a missing instance: %v", err)
+			}
+		})
+	}
+}
+
+type readCloser struct{ r interface{ Read([]byte) (int, error) } }
+
+func (r readCloser) Read(p []byte) (int, error) { return r.r.Read(p) }
+func (readCloser) Close() error                 { return nil }
