@@ -52,6 +52,9 @@ var (
 	// this server under another ID.
 	ErrAddressInUse = errors.New("store: address in use by the local server")
 
+	// ErrDataDirLocked: another process (an agent) has the Raft log open.
+	ErrDataDirLocked = errors.New("store: the raft log is locked by another process (is an agent running on this data dir?)")
+
 	// ErrNothingToSnapshot: the state has no applied entry yet, so there
 	// is no snapshot to take.
 	ErrNothingToSnapshot = errors.New("store: nothing to snapshot yet")

@@ -23,6 +23,7 @@ import (
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 	"go.etcd.io/bbolt"
+	bberrors "go.etcd.io/bbolt/errors"
 )
 
 const (
@@ -159,6 +160,9 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*raftboltdb.BoltS
 			FreelistType:   bbolt.FreelistMapType,
 		},
 	})
+	if errors.Is(err, bberrors.ErrTimeout) {
+		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
+	}
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
 	}

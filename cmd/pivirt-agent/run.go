@@ -41,7 +41,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		return runAgent(cmd.Context(), cfg, logger)
 	}
-	root.AddCommand(versionCmd(stdout))
+	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr))
 	return root.ExecuteContext(ctx)
 }
 
@@ -54,6 +54,46 @@ func versionCmd(stdout io.Writer) *cobra.Command {
 			fmt.Fprintln(stdout, "pivirt-agent", agent.Version)
 		},
 	}
+}
+
+func recoverCmd(stdout, stderr io.Writer) *cobra.Command {
+	var dataDir, peers string
+	c := &cobra.Command{
+		Use:   "recover --data-dir DIR --peers FILE",
+		Short: "Disaster recovery: restart a cluster that lost quorum with the servers of a peers file (offline)",
+		Long: `recover rewrites the Raft state in --data-dir so that, on its next start, the
+agent uses the servers listed in --peers as the cluster's configuration. Use it
+only when a cluster has lost quorum for good and cannot elect a leader. Stop the
+agent first. The peers file is a JSON array:
+
+  [{"id": "<node-id>", "address": "10.0.0.1:8300"},
+   {"id": "<node-id>", "address": "10.0.0.2:8300", "non_voter": true}]
+
+with this node's own ID (the data dir's node-id file) among them. Every entry in
+this node's log counts as committed afterwards. See the README, "Disaster
+recovery", for the whole procedure.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if dataDir == "" || peers == "" {
+				return fmt.Errorf("recover: --data-dir and --peers are required")
+			}
+			servers, err := agent.ReadPeersFile(peers)
+			if err != nil {
+				return err
+			}
+			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			if err := agent.Recover(dataDir, servers, logger); err != nil {
+				return fmt.Errorf("recover: %w", err)
+			}
+			fmt.Fprintf(stdout, "Recovered the Raft configuration in %s; on its next start the agent uses:\n", dataDir)
+			agent.PrintPeers(stdout, servers)
+			fmt.Fprintln(stdout, "Start the agent (and any other listed server, recovered with the same file) without --bootstrap or --bootstrap-expect.")
+			return nil
+		},
+	}
+	c.Flags().StringVar(&dataDir, "data-dir", "", "the stopped agent's data directory")
+	c.Flags().StringVar(&peers, "peers", "", "JSON file listing the servers of the recovered cluster")
+	return c
 }
 
 func newLogger(cfg *config.Config, stdout io.Writer) (*slog.Logger, error) {
