@@ -161,7 +161,9 @@ func TestCompatibleArchives(t *testing.T) {
 	}
 }
 
-type readCloser struct{ r interface{ Read([]byte) (int, error) } }
+type readCloser struct {
+	r interface{ Read([]byte) (int, error) }
+}
 
 func (r readCloser) Read(p []byte) (int, error) { return r.r.Read(p) }
 func (readCloser) Close() error                 { return nil }
