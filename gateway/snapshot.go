@@ -8,19 +8,16 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
-	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
-	"pilab.hu/pivirt-agent/store"
 )
 
 // ClusterIDKey is the cluster config key holding the cluster's ID. The
@@ -33,9 +30,8 @@ const snapshotChunk = 256 << 10
 // DefaultMaxRestoreSize bounds an uploaded archive unless configured.
 const DefaultMaxRestoreSize = 8 << 30
 
-// Snapshotter takes and restores Raft snapshots (store.Store).
-type Snapshotter interface {
-	Snapshot(ctx context.Context) (store.SnapshotMeta, io.ReadCloser, error)
+// Restorer restores Raft snapshots (store.Store).
+type Restorer interface {
 	Restore(ctx context.Context, size int64, r io.Reader) error
 }
 
@@ -46,6 +42,9 @@ type SnapshotPeers interface {
 
 // SnapshotServiceConfig configures a SnapshotService.
 type SnapshotServiceConfig struct {
+	// Take opens a snapshot of this node's state as an archive's meta and
+	// state stream (the agent's, shared with automatic snapshots).
+	Take func(ctx context.Context) (archive.Meta, io.ReadCloser, error)
 	// TempDir holds uploaded archives while they are verified and
 	// restored (the agent uses a directory in its data dir). Empty means
 	// the system's.
@@ -53,8 +52,6 @@ type SnapshotServiceConfig struct {
 	// MaxRestoreSize bounds an uploaded archive, in bytes; 0 means
 	// DefaultMaxRestoreSize.
 	MaxRestoreSize int64
-	// AgentVersion goes into the meta.json of saved archives.
-	AgentVersion string
 	// Restored is called on the leader once a restore is applied, so that
 	// leader-only state is rebuilt from the restored state.
 	Restored func()
@@ -68,7 +65,7 @@ type SnapshotServiceConfig struct {
 type SnapshotService struct {
 	cfg    SnapshotServiceConfig
 	cs     *ClusterService
-	snap   Snapshotter
+	snap   Restorer
 	peers  SnapshotPeers
 	logger *slog.Logger
 }
@@ -76,7 +73,7 @@ type SnapshotService struct {
 var _ clusterv1connect.SnapshotServiceHandler = (*SnapshotService)(nil)
 
 // NewSnapshotService returns the handler.
-func NewSnapshotService(cfg SnapshotServiceConfig, cs *ClusterService, snap Snapshotter, peers SnapshotPeers) *SnapshotService {
+func NewSnapshotService(cfg SnapshotServiceConfig, cs *ClusterService, snap Restorer, peers SnapshotPeers) *SnapshotService {
 	if cfg.MaxRestoreSize <= 0 {
 		cfg.MaxRestoreSize = DefaultMaxRestoreSize
 	}
@@ -162,17 +159,11 @@ func (s *SnapshotService) save(ctx context.Context, stale bool, send func(*clust
 
 // saveLocal snapshots this node's state and streams it as an archive.
 func (s *SnapshotService) saveLocal(ctx context.Context, send func(*clusterv1.SaveSnapshotResponse) error) error {
-	sm, rc, err := s.snap.Snapshot(ctx)
+	meta, rc, err := s.cfg.Take(ctx)
 	if err != nil {
 		return err
 	}
 	defer rc.Close()
-	meta := archive.Meta{
-		ID: sm.ID, Index: sm.Index, Term: sm.Term,
-		FormatVersion: archive.FormatVersion, StateFormatVersion: fsm.SnapshotFormatVersion,
-		ClusterID: s.clusterID(), AgentVersion: s.cfg.AgentVersion,
-		Size: sm.Size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
-	}
 	pr, pw := io.Pipe()
 	done := make(chan struct{})
 	go func() {
@@ -226,15 +217,6 @@ func (s *SnapshotService) saveRemote(ctx context.Context, internalAddr string, s
 			return err
 		}
 	}
-}
-
-// clusterID reads the cluster's ID from the replicated config.
-func (s *SnapshotService) clusterID() string {
-	e, err := s.cs.state.State().ConfigEntry(ClusterIDKey)
-	if err != nil {
-		return ""
-	}
-	return e.GetValue()
 }
 
 // --- restore ---

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -20,6 +21,9 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
@@ -29,6 +33,7 @@ import (
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -90,6 +95,9 @@ type Agent struct {
 	snapshots *gateway.SnapshotService
 	// restoredCh tells the leader loop that a restore was applied.
 	restoredCh chan struct{}
+	// metrics is the registry /metrics serves.
+	metrics     *prometheus.Registry
+	snapMetrics *scheduler.SnapshotMetrics
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -141,7 +149,11 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.Stabilization <= 0 {
 		opts.Stabilization = 10 * time.Second
 	}
-	return &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}), restoredCh: make(chan struct{}, 1)}, nil
+	a := &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}), restoredCh: make(chan struct{}, 1)}
+	a.metrics = prometheus.NewRegistry()
+	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
+	return a, nil
 }
 
 // Start opens the data dir and every listener, starts Raft and gossip,
@@ -254,10 +266,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("data_dir: %w", err)
 	}
 	snapCfg := gateway.SnapshotServiceConfig{
-		TempDir:      tmp,
-		AgentVersion: Version,
-		Restored:     a.restored,
-		Logger:       a.logger,
+		Take:     a.takeSnapshot,
+		TempDir:  tmp,
+		Restored: a.restored,
+		Logger:   a.logger,
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
 	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
@@ -561,6 +573,19 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		Interval:          a.opts.ReconcileInterval,
 		Logger:            a.logger,
 	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
+	if sc := a.cfg.Snapshot; sc.Interval > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			scheduler.RunSnapshotter(ctx, scheduler.SnapshotterConfig{
+				Interval: sc.Interval.Std(),
+				Dir:      a.snapshotDir(),
+				Retain:   sc.Retain,
+				Logger:   a.logger,
+				Metrics:  a.snapMetrics,
+			}, a.takeSnapshot)
+		}()
+	}
 	wg.Add(3)
 	go func() {
 		defer wg.Done()
@@ -580,6 +605,34 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		tcfg.TermStart = termStart
 		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
 	}()
+}
+
+// snapshotDir is where automatic snapshot archives go.
+func (a *Agent) snapshotDir() string {
+	if d := a.cfg.Snapshot.Dir; d != "" {
+		return d
+	}
+	return filepath.Join(a.dataDir, "backups")
+}
+
+// takeSnapshot snapshots this node's state (store.Snapshot) and describes
+// it as an archive: the source of `pvcli snapshot save` and of automatic
+// snapshots.
+func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, error) {
+	sm, rc, err := a.store.Snapshot(ctx)
+	if err != nil {
+		return archive.Meta{}, nil, err
+	}
+	var clusterID string
+	if e, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
+		clusterID = e.GetValue()
+	}
+	return archive.Meta{
+		ID: sm.ID, Index: sm.Index, Term: sm.Term,
+		FormatVersion: archive.FormatVersion, StateFormatVersion: fsm.SnapshotFormatVersion,
+		ClusterID: clusterID, AgentVersion: Version,
+		Size: sm.Size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+	}, rc, nil
 }
 
 // ensureClusterID gives the cluster its ID the first time a leader is
@@ -704,6 +757,7 @@ func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc 
 
 func (a *Agent) metricsMux() http.Handler {
 	mux := http.NewServeMux()
+	mux.Handle("GET "+a.cfg.Server.Metrics.Path, promhttp.HandlerFor(a.metrics, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn)}))
 	mux.HandleFunc("GET /live", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok"})
 	})

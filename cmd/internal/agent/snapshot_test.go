@@ -8,7 +8,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -120,6 +124,45 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		return err
 	})
 	wantServices, wantConfig := records(t, leaderA)
+
+	// Automatic snapshots: the first archive is due at once when the
+	// leader's snapshot dir holds none, and /metrics reports it.
+	backups := filepath.Join(a.Dir(a.Index(leaderA)), "backups")
+	agenttest.Eventually(t, 20*time.Second, "an automatic archive on the leader", func() error {
+		entries, err := os.ReadDir(backups)
+		if err != nil {
+			return err
+		}
+		for _, e := range entries {
+			if strings.HasSuffix(e.Name(), ".tar.gz") {
+				f, err := os.Open(filepath.Join(backups, e.Name()))
+				if err != nil {
+					return err
+				}
+				defer f.Close()
+				_, err = archive.Verify(f)
+				return err
+			}
+		}
+		return fmt.Errorf("no archive in %s yet", backups)
+	})
+	agenttest.Eventually(t, 10*time.Second, "snapshot metrics", func() error {
+		resp, err := http.Get("http://" + leaderA.MetricsAddr() + "/metrics")
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return err
+		}
+		for _, line := range strings.Split(string(body), "\n") {
+			if v, ok := strings.CutPrefix(line, "pivirt_snapshot_last_success_timestamp_seconds "); ok && v != "0" {
+				return nil
+			}
+		}
+		return errors.New("pivirt_snapshot_last_success_timestamp_seconds not set")
+	})
 
 	followerA := a.Follower()
 	meta, file, err := saveSnapshot(ctx, followerA, false)

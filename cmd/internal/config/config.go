@@ -66,10 +66,28 @@ type Config struct {
 	LoadBalancing   LoadBalancingConfig      `yaml:"load_balancing"`
 	CircuitBreaking CircuitBreakingConfig    `yaml:"circuit_breaking"`
 	Cluster         ClusterConfig            `yaml:"cluster"`
+	Snapshot        SnapshotConfig           `yaml:"snapshot"`
 
 	// Dev is set by --dev (ApplyDev): a single loopback node without TLS. Not a file key.
 	Dev bool `yaml:"-"`
 }
+
+// SnapshotConfig is the snapshot block: the archives the leader writes on its own
+// (`pvcli snapshot save` writes the same format on demand).
+type SnapshotConfig struct {
+	// Interval between two archives; 0 turns automatic snapshots off.
+	Interval Duration `yaml:"interval"`
+	// Dir receives the archives; empty means <data_dir>/backups.
+	Dir string `yaml:"dir"`
+	// Retain is how many archives are kept; older ones are deleted.
+	Retain int `yaml:"retain"`
+}
+
+// Snapshot defaults.
+const (
+	DefaultSnapshotInterval = time.Hour
+	DefaultSnapshotRetain   = 24
+)
 
 // ServerConfig is the server block: the agent's listeners.
 type ServerConfig struct {
@@ -380,6 +398,10 @@ func Default() *Config {
 			},
 			RetryInterval:      Duration(DefaultRetryInterval),
 			ForwardHoldTimeout: Duration(DefaultForwardHoldTimeout),
+		},
+		Snapshot: SnapshotConfig{
+			Interval: Duration(DefaultSnapshotInterval),
+			Retain:   DefaultSnapshotRetain,
 		},
 	}
 }

@@ -66,6 +66,9 @@ func TestDefault(t *testing.T) {
 		{"cluster.retry_max", c.Cluster.RetryMax, 0},
 		{"cluster.leave_on_terminate", c.Cluster.LeaveOnTerminate, false},
 		{"cluster.forward_hold_timeout", c.Cluster.ForwardHoldTimeout.Std(), 7 * time.Second},
+		{"snapshot.interval", c.Snapshot.Interval.Std(), time.Hour},
+		{"snapshot.dir", c.Snapshot.Dir, ""},
+		{"snapshot.retain", c.Snapshot.Retain, 24},
 		{"dev", c.Dev, false},
 	}
 	for _, tt := range tests {

@@ -34,7 +34,20 @@ func (c *Config) Validate() error {
 	c.validateTracing(v)
 	c.validateMesh(v)
 	c.validateCluster(v)
+	c.validateSnapshot(v)
 	return errors.Join(v.errs...)
+}
+
+func (c *Config) validateSnapshot(v *validator) {
+	s := c.Snapshot
+	if s.Interval < 0 {
+		v.add("snapshot.interval", "%w %s: must not be negative (0 turns automatic snapshots off)", ErrInvalid, s.Interval)
+	} else if s.Interval > 0 && s.Interval.Std() < time.Minute {
+		v.add("snapshot.interval", "%w %s: at least 1m (or 0 to turn automatic snapshots off)", ErrInvalid, s.Interval)
+	}
+	if s.Retain < 1 {
+		v.add("snapshot.retain", "%w %d: must keep at least 1 archive", ErrInvalid, s.Retain)
+	}
 }
 
 type validator struct{ errs []error }

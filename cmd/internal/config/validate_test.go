@@ -168,6 +168,9 @@ func TestValidate(t *testing.T) {
 		{"retry_interval zero", func(c *Config) { c.Cluster.RetryInterval = 0 }, []string{"cluster.retry_interval: invalid value 0s: must be positive"}},
 		{"retry_max negative", func(c *Config) { c.Cluster.RetryMax = -1 }, []string{"cluster.retry_max: invalid value: must not be negative"}},
 		{"forward_hold_timeout zero", func(c *Config) { c.Cluster.ForwardHoldTimeout = 0 }, []string{"cluster.forward_hold_timeout: invalid value 0s: must be positive"}},
+		{"snapshot interval negative", func(c *Config) { c.Snapshot.Interval = Duration(-time.Minute) }, []string{"snapshot.interval: invalid value -1m0s: must not be negative"}},
+		{"snapshot interval too short", func(c *Config) { c.Snapshot.Interval = Duration(time.Second) }, []string{"snapshot.interval: invalid value 1s: at least 1m"}},
+		{"snapshot retain zero", func(c *Config) { c.Snapshot.Retain = 0 }, []string{"snapshot.retain: invalid value 0: must keep at least 1 archive"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
