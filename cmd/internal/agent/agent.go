@@ -21,10 +21,10 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
+	sockaddr "github.com/hashicorp/go-sockaddr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	sockaddr "github.com/hashicorp/go-sockaddr"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/keepalive"
