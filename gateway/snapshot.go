@@ -221,9 +221,9 @@ func (s *SnapshotService) saveRemote(ctx context.Context, internalAddr string, s
 
 // --- restore ---
 
-// restore receives an archive into a temporary file, verifies all of it,
-// and restores it on the leader (relaying the file when that is another
-// node). Nothing is touched unless the whole archive verified.
+// restore receives an archive into a temporary file and has the leader
+// verify all of it and restore it (relaying the file when the leader is
+// another node). Nothing is touched unless the whole archive verified.
 func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.RestoreSnapshotRequest, error)) (*clusterv1.RestoreSnapshotResponse, error) {
 	f, err := os.CreateTemp(s.cfg.TempDir, "restore-*.tar.gz")
 	if err != nil {
@@ -250,30 +250,32 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 			return nil, toConnect(fmt.Errorf("snapshot restore: spool the upload: %w", err))
 		}
 	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return nil, toConnect(err)
-	}
-	info, err := archive.Verify(bufio.NewReaderSize(f, 64<<10))
-	if err != nil {
-		s.logger.Warn("snapshot restore refused", "error", err, "bytes", size)
-		return nil, toConnect(err)
-	}
 	return viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
 		if !s.cs.leaderReady() {
 			return nil, ErrLeaderNotReady
 		}
-		return s.restoreLocal(ctx, f, info)
+		return s.restoreLocal(ctx, f, size)
 	}, func(ctx context.Context, internalAddr string) (*clusterv1.RestoreSnapshotResponse, error) {
+		// The leader verifies what it restores; verifying here too would
+		// only double the time and memory (verifying builds the state).
 		return s.restoreRemote(ctx, internalAddr, f)
 	})
 }
 
-// restoreLocal restores a verified archive on this leader: raft.Restore
+// restoreLocal verifies the archive and restores it on this leader: raft.Restore
 // (the current membership is kept), then a Restored command, which every
 // node applies after the restored state, so that when it returns the
 // restore is committed and every table's index is above any index served
 // before. Leader state is rebuilt after that.
-func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, info *archive.Info) (*clusterv1.RestoreSnapshotResponse, error) {
+func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int64) (*clusterv1.RestoreSnapshotResponse, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	info, err := archive.Verify(bufio.NewReaderSize(f, 64<<10))
+	if err != nil {
+		s.logger.Warn("snapshot restore refused", "error", err, "bytes", size)
+		return nil, err
+	}
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}

@@ -115,7 +115,13 @@ func Write(w io.Writer, meta Meta, state io.Reader) error {
 	}
 	mb = append(mb, '\n')
 
-	zw := gzip.NewWriter(w)
+	// Fastest compression: the state is mostly small protobuf records,
+	// which it still shrinks about 4×, at several times the speed of the
+	// default level; the archive is written while the leader serves.
+	zw, err := gzip.NewWriterLevel(w, gzip.BestSpeed)
+	if err != nil {
+		return fmt.Errorf("write snapshot archive: %w", err)
+	}
 	tw := tar.NewWriter(zw)
 	header := func(name string, size int64) *tar.Header {
 		return &tar.Header{Name: name, Mode: 0o600, Size: size, ModTime: meta.CreatedAt, Typeflag: tar.TypeReg, Format: tar.FormatPAX}

@@ -197,7 +197,9 @@ func archiveState(t *testing.T, path string) *fsm.FSM {
 	return f
 }
 
-type readCloser struct{ r interface{ Read([]byte) (int, error) } }
+type readCloser struct {
+	r interface{ Read([]byte) (int, error) }
+}
 
 func (r readCloser) Read(p []byte) (int, error) { return r.r.Read(p) }
 func (readCloser) Close() error                 { return nil }
