@@ -163,7 +163,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 
-	db, hdr, _, err := readSnapshot(rc)
+	db, hdr, _, err := readSnapshot(rc, true)
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
@@ -199,7 +199,7 @@ func ReadSnapshotHeader(r io.Reader) (*fsmv1.SnapshotHeader, error) {
 // VerifySnapshot reads a whole snapshot stream into a throwaway state and
 // reports whether Restore would accept it.
 func VerifySnapshot(r io.Reader) (*fsmv1.SnapshotHeader, error) {
-	_, hdr, _, err := readSnapshot(r)
+	_, hdr, _, err := readSnapshot(r, true)
 	return hdr, err
 }
 
@@ -222,7 +222,20 @@ type TableInfo struct {
 // InspectSnapshot verifies a whole snapshot stream, as VerifySnapshot does,
 // and reports what it holds per table.
 func InspectSnapshot(r io.Reader) (*SnapshotInfo, error) {
-	_, hdr, sizes, err := readSnapshot(r)
+	return inspect(r, true)
+}
+
+// ScanSnapshot reads a whole snapshot stream one record at a time and
+// reports what it holds per table. It checks the framing, the header and
+// that every record decodes, in constant memory; unlike InspectSnapshot it
+// does not build the state, so it cannot tell whether Restore would accept
+// it (duplicate keys).
+func ScanSnapshot(r io.Reader) (*SnapshotInfo, error) {
+	return inspect(r, false)
+}
+
+func inspect(r io.Reader, build bool) (*SnapshotInfo, error) {
+	_, hdr, sizes, err := readSnapshot(r, build)
 	if err != nil {
 		return nil, err
 	}
@@ -313,17 +326,26 @@ func (sr *snapshotReader) header() (*fsmv1.SnapshotHeader, error) {
 
 // readSnapshot reads a whole snapshot stream into a new database and
 // returns it with the header and the record bytes of each table of the
-// header. Tables the snapshot does not list are empty.
-func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, error) {
+// header. Tables the snapshot does not list are empty. With full false it
+// only decodes and checks every record, one at a time, and returns no
+// database: memory stays flat, but duplicate keys and records memdb cannot
+// index go unnoticed.
+func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, error) {
 	sr := newSnapshotReader(r)
 	hdr, err := sr.header()
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	sizes := make([]uint64, len(hdr.GetTables()))
-	db := newMemDB()
-	txn := db.Txn(true)
-	defer txn.Abort()
+	var (
+		db  *memdb.MemDB
+		txn *memdb.Txn
+	)
+	if full {
+		db = newMemDB()
+		txn = db.Txn(true)
+		defer txn.Abort()
+	}
 	for ti, th := range hdr.GetTables() {
 		t, _ := tableDefByName(th.GetName())
 		for i := uint64(0); i < th.GetRecords(); i++ {
@@ -341,9 +363,15 @@ func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, e
 					return nil, nil, nil, fmt.Errorf("%w: %s record %d: unknown table %q", ErrCorruptSnapshot, t.name, i, e.Table)
 				}
 			}
+			if !full {
+				continue
+			}
 			if err := txn.Insert(t.name, obj); err != nil {
 				return nil, nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
 			}
+		}
+		if !full {
+			continue
 		}
 		it, err := txn.Get(t.name, indexID)
 		if err != nil {
@@ -363,6 +391,8 @@ func readSnapshot(r io.Reader) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, e
 		}
 		return nil, nil, nil, corruptf("trailing data after the last record")
 	}
-	txn.Commit()
+	if full {
+		txn.Commit()
+	}
 	return db, hdr, sizes, nil
 }

@@ -275,6 +275,15 @@ func TestRestoreFailuresLeaveStateIntact(t *testing.T) {
 		if _, verr := VerifySnapshot(bytes.NewReader(tc.data)); verr == nil {
 			t.Errorf("%s: VerifySnapshot accepted what Restore rejected", tc.name)
 		}
+		// Only what needs the built state may pass the constant-memory
+		// scan.
+		_, serr := ScanSnapshot(bytes.NewReader(tc.data))
+		switch needsState := tc.name == "duplicate records" || tc.name == "record missing its key"; {
+		case serr == nil && !needsState:
+			t.Errorf("%s: ScanSnapshot accepted what Restore rejected", tc.name)
+		case serr != nil && tc.wantErr != nil && !errors.Is(serr, tc.wantErr):
+			t.Errorf("%s: ScanSnapshot = %v, want %v", tc.name, serr, tc.wantErr)
+		}
 		if got := dumpTables(t, h.f); !reflect.DeepEqual(got, before) {
 			t.Fatalf("%s: a failed restore changed the state", tc.name)
 		}

@@ -202,7 +202,7 @@ func verifyFile(path string) error {
 		return err
 	}
 	defer f.Close()
-	_, err = archive.Verify(bufio.NewReaderSize(f, 1<<20))
+	_, err = archive.Check(bufio.NewReaderSize(f, 1<<20))
 	return err
 }
 

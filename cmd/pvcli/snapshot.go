@@ -131,7 +131,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	if err := f.Close(); err != nil {
 		return fmt.Errorf("snapshot save: close %s: %w", tmp, err)
 	}
-	info, err := verifyArchiveFile(tmp)
+	info, err := checkArchiveFile(tmp, archive.Check)
 	if err != nil {
 		return fmt.Errorf("snapshot save: the archive received does not verify (left nothing at %s): %w", file, err)
 	}
@@ -149,14 +149,15 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	})
 }
 
-// verifyArchiveFile verifies a snapshot archive file.
-func verifyArchiveFile(path string) (*archive.Info, error) {
+// checkArchiveFile checks a snapshot archive file with check
+// (archive.Verify or archive.Check).
+func checkArchiveFile(path string, check func(io.Reader) (*archive.Info, error)) (*archive.Info, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return &archive.Info{}, err
 	}
 	defer f.Close()
-	return archive.Verify(bufio.NewReaderSize(f, 1<<20))
+	return check(bufio.NewReaderSize(f, 1<<20))
 }
 
 // inspection is the output of snapshot inspect.
@@ -196,7 +197,7 @@ func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
 		out.Kind = "raft snapshot directory"
 		info, err = archive.InspectDir(path)
 	} else {
-		info, err = verifyArchiveFile(path)
+		info, err = checkArchiveFile(path, archive.Verify)
 	}
 	m := info.Meta
 	out.ID, out.Index, out.Term, out.StateBytes = m.ID, m.Index, m.Term, m.Size
@@ -259,8 +260,9 @@ func inspectTable(w io.Writer, in inspection) {
 
 func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
 	file := args[0]
-	// Verify here first: a bad file is refused without an upload.
-	if _, err := verifyArchiveFile(file); err != nil {
+	// Check here first: a damaged file is refused without an upload. (The
+	// leader verifies it completely before restoring.)
+	if _, err := checkArchiveFile(file, archive.Check); err != nil {
 		return fmt.Errorf("snapshot restore: %s is not a valid snapshot archive: %w", file, err)
 	}
 	if err := a.connect(cmd); err != nil {

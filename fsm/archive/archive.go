@@ -166,6 +166,18 @@ func Write(w io.Writer, meta Meta, state io.Reader) error {
 // restore it. On error the Info holds what was read before the problem
 // (Meta once meta.json was read), for display.
 func Verify(r io.Reader) (*Info, error) {
+	return verify(r, fsm.InspectSnapshot)
+}
+
+// Check is Verify in constant memory: state.bin is read one record at a
+// time (fsm.ScanSnapshot) instead of being built, so a duplicate key that
+// Restore would refuse goes unnoticed. It is the check of a file just
+// written from a live state; a restore uses Verify.
+func Check(r io.Reader) (*Info, error) {
+	return verify(r, fsm.ScanSnapshot)
+}
+
+func verify(r io.Reader, inspect func(io.Reader) (*fsm.SnapshotInfo, error)) (*Info, error) {
 	info := &Info{}
 	ar, err := open(r, &info.Meta)
 	if err != nil {
@@ -176,7 +188,7 @@ func Verify(r io.Reader) (*Info, error) {
 	if err != nil {
 		return info, err
 	}
-	st, err := fsm.InspectSnapshot(io.TeeReader(state, stateSum))
+	st, err := inspect(io.TeeReader(state, stateSum))
 	if err != nil {
 		if errors.Is(err, fsm.ErrUnsupportedSnapshot) {
 			return info, fmt.Errorf("%w: %s: %w", ErrUnsupported, StateFile, err)

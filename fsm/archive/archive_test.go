@@ -291,27 +291,32 @@ func TestVerifyRefuses(t *testing.T) {
 		{"bad checksum line", build(t, []entry{meta, stEntry, {name: archive.SumsFile, data: []byte("abc  meta.json\n")}}), archive.ErrInvalid, "is not"},
 		{"checksum of unknown entry", build(t, []entry{meta, stEntry, {name: archive.SumsFile, data: append(bytes.Clone(sums.data), sumsOf(entry{name: "x", data: nil})...)}}), archive.ErrInvalid, `unknown entry "x"`},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := archive.Verify(bytes.NewReader(tt.file))
-			if !errors.Is(err, tt.want) || !strings.Contains(err.Error(), tt.msg) {
-				t.Errorf("Verify = %v, want %v containing %q", err, tt.want, tt.msg)
-			}
-		})
-	}
-
-	// Every truncation of a good archive is refused.
-	for n := 0; n < len(good); n += max(1, len(good)/97) {
-		if _, err := archive.Verify(bytes.NewReader(good[:n])); !errors.Is(err, archive.ErrInvalid) {
-			t.Fatalf("Verify(first %d of %d bytes) = %v, want ErrInvalid", n, len(good), err)
+	for name, check := range map[string]func(io.Reader) (*archive.Info, error){"Verify": archive.Verify, "Check": archive.Check} {
+		for _, tt := range tests {
+			t.Run(name+"/"+tt.name, func(t *testing.T) {
+				_, err := check(bytes.NewReader(tt.file))
+				if !errors.Is(err, tt.want) || !strings.Contains(err.Error(), tt.msg) {
+					t.Errorf("%s = %v, want %v containing %q", name, err, tt.want, tt.msg)
+				}
+			})
 		}
-	}
-	// Every flipped byte too (gzip's CRC, deflate or the checksums catch it).
-	for i := 0; i < len(good); i += max(1, len(good)/61) {
-		bad := bytes.Clone(good)
-		bad[i] ^= 0x40
-		if _, err := archive.Verify(bytes.NewReader(bad)); err == nil {
-			t.Fatalf("Verify accepted the archive with byte %d of %d flipped", i, len(good))
+		if _, err := check(bytes.NewReader(good)); err != nil {
+			t.Errorf("%s(good archive) = %v", name, err)
+		}
+		// Every truncation of a good archive is refused.
+		for n := 0; n < len(good); n += max(1, len(good)/97) {
+			if _, err := check(bytes.NewReader(good[:n])); !errors.Is(err, archive.ErrInvalid) {
+				t.Fatalf("%s(first %d of %d bytes) = %v, want ErrInvalid", name, n, len(good), err)
+			}
+		}
+		// Every flipped byte too (gzip's CRC, deflate or the checksums
+		// catch it).
+		for i := 0; i < len(good); i += max(1, len(good)/61) {
+			bad := bytes.Clone(good)
+			bad[i] ^= 0x40
+			if _, err := check(bytes.NewReader(bad)); err == nil {
+				t.Fatalf("%s accepted the archive with byte %d of %d flipped", name, i, len(good))
+			}
 		}
 	}
 }

@@ -73,6 +73,35 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 	st, _ := os.Stat(saved)
 	t.Logf("saved %d services and %d schedules in %s: %d bytes (state %d bytes)", e2eServices, e2eSchedules, saveTook.Round(time.Millisecond), st.Size(), info.Meta.Size)
 
+	// Inspect, offline: the archive, and a raw snapshot directory of a
+	// data dir.
+	var insp struct {
+		Index  uint64 `json:"index"`
+		Tables []struct {
+			Name    string `json:"name"`
+			Records uint64 `json:"records"`
+		} `json:"tables"`
+		Verification string `json:"verification"`
+	}
+	r := c1.ok(t, c1.nodes[0], "snapshot", "inspect", saved, "-o", "json")
+	if err := json.Unmarshal([]byte(r.stdout), &insp); err != nil {
+		t.Fatalf("%s\n%v", r, err)
+	}
+	counts := map[string]uint64{}
+	for _, tb := range insp.Tables {
+		counts[tb.Name] = tb.Records
+	}
+	if insp.Verification != "ok" || insp.Index != info.Meta.Index || counts["services"] != e2eServices || counts["schedules"] != e2eSchedules {
+		t.Errorf("inspect: %+v; want verification ok, index %d, %d services, %d schedules", insp, info.Meta.Index, e2eServices, e2eSchedules)
+	}
+	raw, err := filepath.Glob(filepath.Join(c1.nodes[0].dataDir, "raft", "snapshots", "*"))
+	if err != nil || len(raw) == 0 {
+		t.Fatalf("no raft snapshot directory in %s: %v", c1.nodes[0].dataDir, err)
+	}
+	if r := c1.ok(t, c1.nodes[0], "snapshot", "inspect", raw[len(raw)-1]); !strings.Contains(r.stdout, "Verification") || !strings.Contains(r.stdout, "ok") {
+		t.Errorf("inspect of a raw snapshot directory: %s", r)
+	}
+
 	// Wipe the first cluster.
 	c1.stopAll()
 	for _, n := range c1.nodes {
@@ -97,6 +126,9 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 		r := c2.pvcli(t, target, "snapshot", "restore", path)
 		if r.code == 0 || !strings.Contains(r.stderr, c.msg) {
 			t.Errorf("restore of an archive with %s: %s\nwant a failure saying %q", name, r, c.msg)
+		}
+		if r := c2.pvcli(t, target, "snapshot", "inspect", path); r.code == 0 || !strings.Contains(r.stdout+r.stderr, "FAILED") {
+			t.Errorf("inspect of an archive with %s: %s\nwant a failed verification", name, r)
 		}
 	}
 	if got := listServices(t, c2, target); len(got) != 1 {
