@@ -248,9 +248,35 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		t.Fatalf("a refused restore changed cluster B: %v, was %v", after, before)
 	}
 
+	// A blocking query waiting on cluster B's services is woken by the
+	// restore, with an index above the one it waited on.
+	type blocked struct {
+		index uint64
+		err   error
+	}
+	woken := make(chan blocked, 1)
+	go func() {
+		r, err := followerB.API.ListServices(ctx, connect.NewRequest(&clusterv1.ListServicesRequest{
+			Read: &clusterv1.ReadOptions{WaitIndex: beforeIndex, WaitTime: durationProto(time.Minute)},
+		}))
+		if err != nil {
+			woken <- blocked{err: err}
+			return
+		}
+		woken <- blocked{index: r.Msg.GetMeta().GetIndex()}
+	}()
+
 	resp, err := restoreSnapshot(ctx, followerB, file)
 	if err != nil {
 		t.Fatalf("restore through a follower of cluster B: %v", err)
+	}
+	select {
+	case w := <-woken:
+		if w.err != nil || w.index <= beforeIndex {
+			t.Errorf("blocking query after the restore: index %d, %v; want an index above %d", w.index, w.err, beforeIndex)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("a blocking query on cluster B was not woken by the restore")
 	}
 	if resp.GetMeta().GetId() != info.Meta.ID || resp.GetIndex() <= beforeIndex {
 		t.Errorf("restore response %v; want archive %s at an index above %d", resp, info.Meta.ID, beforeIndex)
