@@ -198,11 +198,12 @@ func printableASCII(v string) bool {
 }
 
 // StreamError converts an error of a streaming gRPC call into a
-// *connect.Error with the same code, message and details; nil and io.EOF
+// *connect.Error with the same code, message and details, and md (the
+// stream's trailer, when the call ended) in its metadata; nil and io.EOF
 // pass through.
-func StreamError(err error) error {
+func StreamError(err error, md ...metadata.MD) error {
 	if err == nil || errors.Is(err, io.EOF) {
 		return err
 	}
-	return connectError(err, nil, nil)
+	return connectError(err, nil, metadata.Join(md...))
 }

@@ -67,6 +67,7 @@ var codeTable = []struct {
 	{store.ErrAddressInUse, connect.CodeAlreadyExists},
 	{store.ErrNothingToSnapshot, connect.CodeFailedPrecondition},
 	{archive.ErrInvalid, connect.CodeInvalidArgument},
+	{ErrRestoreInProgress, connect.CodeFailedPrecondition},
 	{archive.ErrUnsupported, connect.CodeFailedPrecondition},
 	{ErrNoLeader, connect.CodeUnavailable},
 	{ErrStopping, connect.CodeUnavailable},

@@ -8,6 +8,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"sync"
+	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
@@ -32,7 +34,7 @@ const DefaultMaxRestoreSize = 8 << 30
 
 // Restorer restores Raft snapshots (store.Store).
 type Restorer interface {
-	Restore(ctx context.Context, size int64, r io.Reader) error
+	Restore(ctx context.Context, index uint64, size int64, r io.Reader) error
 }
 
 // SnapshotPeers opens snapshot streams to other agents' internal ports.
@@ -52,9 +54,10 @@ type SnapshotServiceConfig struct {
 	// MaxRestoreSize bounds an uploaded archive, in bytes; 0 means
 	// DefaultMaxRestoreSize.
 	MaxRestoreSize int64
-	// Restored is called on the leader once a restore is applied, so that
-	// leader-only state is rebuilt from the restored state.
-	Restored func()
+	// PauseLeader stops leader-only work (the TTL reaper, ...) before a
+	// restore on this leader and returns once it stopped; ResumeLeader
+	// starts it again, rebuilt from the (restored) state. Both may be nil.
+	PauseLeader, ResumeLeader func()
 	Logger   *slog.Logger
 }
 
@@ -68,6 +71,8 @@ type SnapshotService struct {
 	snap   Restorer
 	peers  SnapshotPeers
 	logger *slog.Logger
+
+	restoring sync.Mutex // held by the restore running on this node
 }
 
 var _ clusterv1connect.SnapshotServiceHandler = (*SnapshotService)(nil)
@@ -144,13 +149,13 @@ func (s *SnapshotService) save(ctx context.Context, stale bool, send func(*clust
 		return err
 	}
 	if stale {
-		return toConnect(s.saveLocal(ctx, tracked))
+		return toConnect(s.saveLocal(ctx, tracked, nil))
 	}
 	_, err := viaLeader(ctx, s.cs, func(ctx context.Context) (struct{}, error) {
 		if !s.cs.leaderReady() {
 			return struct{}{}, ErrLeaderNotReady
 		}
-		return struct{}{}, final(s.saveLocal(ctx, tracked))
+		return struct{}{}, final(s.saveLocal(ctx, tracked, s.cs.leaderReady))
 	}, func(ctx context.Context, internalAddr string) (struct{}, error) {
 		return struct{}{}, final(s.saveRemote(ctx, internalAddr, tracked))
 	})
@@ -158,12 +163,18 @@ func (s *SnapshotService) save(ctx context.Context, stale bool, send func(*clust
 }
 
 // saveLocal snapshots this node's state and streams it as an archive.
-func (s *SnapshotService) saveLocal(ctx context.Context, send func(*clusterv1.SaveSnapshotResponse) error) error {
+// stillLeader, when set, must hold after the snapshot was taken: a leader
+// deposed meanwhile may have missed writes, and nothing was sent yet, so
+// the save is retried on the new leader.
+func (s *SnapshotService) saveLocal(ctx context.Context, send func(*clusterv1.SaveSnapshotResponse) error, stillLeader func() bool) error {
 	meta, rc, err := s.cfg.Take(ctx)
 	if err != nil {
 		return err
 	}
 	defer rc.Close()
+	if stillLeader != nil && !stillLeader() {
+		return ErrLeaderNotReady
+	}
 	pr, pw := io.Pipe()
 	done := make(chan struct{})
 	go func() {
@@ -223,11 +234,16 @@ func (s *SnapshotService) saveRemote(ctx context.Context, internalAddr string, s
 
 // restore receives an archive into a temporary file and has the leader
 // verify all of it and restore it (relaying the file when the leader is
-// another node). Nothing is touched unless the whole archive verified.
+// another node). Nothing is touched unless the whole archive verified. One
+// restore runs at a time on a node.
 func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.RestoreSnapshotRequest, error)) (*clusterv1.RestoreSnapshotResponse, error) {
-	f, err := os.CreateTemp(s.cfg.TempDir, "restore-*.tar.gz")
+	if !s.restoring.TryLock() {
+		return nil, toConnect(notApplied(ErrRestoreInProgress))
+	}
+	defer s.restoring.Unlock()
+	f, err := os.CreateTemp(s.cfg.TempDir, RestoreTempPattern)
 	if err != nil {
-		return nil, toConnect(fmt.Errorf("snapshot restore: create temporary file: %w", err))
+		return nil, toConnect(notApplied(fmt.Errorf("snapshot restore: create temporary file: %w", err)))
 	}
 	defer func() {
 		f.Close()
@@ -240,34 +256,75 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 			break
 		}
 		if err != nil {
-			return nil, toConnect(err)
+			return nil, toConnect(notApplied(err))
 		}
 		size += int64(len(m.GetData()))
 		if size > s.cfg.MaxRestoreSize {
-			return nil, toConnect(invalid("data", "the archive is larger than %d bytes, the most this agent accepts", s.cfg.MaxRestoreSize))
+			return nil, toConnect(notApplied(invalid("data", "the archive is larger than %d bytes, the most this agent accepts", s.cfg.MaxRestoreSize)))
 		}
 		if _, err := f.Write(m.GetData()); err != nil {
-			return nil, toConnect(fmt.Errorf("snapshot restore: spool the upload: %w", err))
+			return nil, toConnect(notApplied(fmt.Errorf("snapshot restore: spool the upload: %w", err)))
 		}
 	}
-	return viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
+	applied := false
+	resp, err := viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
 		if !s.cs.leaderReady() {
 			return nil, ErrLeaderNotReady
 		}
-		return s.restoreLocal(ctx, f, size)
+		resp, err := s.restoreLocal(ctx, f, size, &applied)
+		if err != nil && applied {
+			// The state was replaced: a retry would restore it again
+			// over whatever was written since.
+			return nil, connect.NewError(connect.CodeAborted, err)
+		}
+		return resp, err
 	}, func(ctx context.Context, internalAddr string) (*clusterv1.RestoreSnapshotResponse, error) {
 		// The leader verifies what it restores; verifying here too would
 		// only double the time and memory (verifying builds the state).
 		return s.restoreRemote(ctx, internalAddr, f)
 	})
+	if err != nil && !applied && s.cs.cfg.LeaderOnly {
+		// This leader-only instance restores nothing but here: whatever
+		// failed, nothing was applied, and the relaying node may retry.
+		err = notApplied(err)
+	}
+	return resp, err
 }
 
-// restoreLocal verifies the archive and restores it on this leader: raft.Restore
-// (the current membership is kept), then a Restored command, which every
-// node applies after the restored state, so that when it returns the
-// restore is committed and every table's index is above any index served
-// before. Leader state is rebuilt after that.
-func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int64) (*clusterv1.RestoreSnapshotResponse, error) {
+// RestoreTempPattern names spooled uploads in TempDir; the agent removes
+// leftovers at start.
+const RestoreTempPattern = "restore-*.tar.gz"
+
+// ErrRestoreInProgress: another snapshot restore is running on this node.
+var ErrRestoreInProgress = errors.New("another snapshot restore is in progress on this agent")
+
+// headerRestore marks an error after which a restore was certainly not
+// applied, so that the node relaying it may retry elsewhere.
+const (
+	headerRestore     = "Pivirt-Restore"
+	restoreNotApplied = "not-applied"
+)
+
+// notApplied marks err: the restore was not applied.
+func notApplied(err error) error {
+	ce, ok := toConnect(err).(*connect.Error)
+	if !ok {
+		return err
+	}
+	ce.Meta().Set(headerRestore, restoreNotApplied)
+	return ce
+}
+
+// restoreLocal verifies the archive and restores it on this leader. Leader
+// state is paused first (the TTL reaper must not judge the restored
+// heartbeats by this term's clock) and rebuilt from the restored state
+// after. raft.Restore keeps the current membership and puts the state at an
+// index above this cluster's and the archive's; the Restored command that
+// follows, applied by every node after the restored state, is the barrier:
+// when it returns the restore is committed and every table's index is above
+// any index served before. *applied is set once the state was replaced;
+// from then on an error does not mean nothing happened.
+func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int64, applied *bool) (*clusterv1.RestoreSnapshotResponse, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
@@ -287,21 +344,47 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	if err != nil {
 		return nil, err
 	}
-	if err := s.snap.Restore(ctx, rd.Meta.Size, state); err != nil {
-		return nil, err
+
+	if s.cfg.PauseLeader != nil {
+		s.cfg.PauseLeader()
+	}
+	// Resumed whatever happens; after a restore, from the restored state.
+	defer func() {
+		if s.cfg.ResumeLeader != nil {
+			s.cfg.ResumeLeader()
+		}
+	}()
+	replaced := s.cs.state.State().AbandonCh()
+	rerr := s.snap.Restore(ctx, rd.Meta.Index, rd.Meta.Size, state)
+	select {
+	case <-replaced:
+		*applied = true
+	default:
+	}
+	if !*applied {
+		if rerr == nil {
+			rerr = errors.New("snapshot restore: raft reported success but the state was not replaced")
+		}
+		return nil, rerr
+	}
+	if rerr != nil {
+		// The no-op raft appends after a restore failed: the followers
+		// get the state with the next entry anyway.
+		s.logger.Warn("snapshot restored; raft reported an error after it", "error", rerr)
 	}
 	if err := rd.Close(); err != nil {
 		// Verified before; only a change of the file since could do this.
 		s.logger.Error("snapshot archive changed after it was verified", "error", err)
 	}
-	res, err := s.cs.propose(ctx, nil, &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
+	// Not the caller's context: a client that gave up must not leave the
+	// restore unmarked.
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), restoreMarkTimeout)
+	defer cancel()
+	res, err := s.cs.propose(mctx, nil, &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
 		SnapshotId: rd.Meta.ID, SnapshotIndex: rd.Meta.Index,
 	}}})
 	if err != nil {
-		return nil, fmt.Errorf("snapshot restored, but marking it failed: %w", err)
-	}
-	if s.cfg.Restored != nil {
-		s.cfg.Restored()
+		return nil, fmt.Errorf("snapshot restored, but committing its marker failed (indexes move on with the next write): %w", err)
 	}
 	var records []any
 	for _, t := range info.State.Tables {
@@ -312,7 +395,12 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	return &clusterv1.RestoreSnapshotResponse{Meta: metaProto(rd.Meta), Index: res.Index}, nil
 }
 
-// restoreRemote uploads the verified archive to the leader.
+// restoreMarkTimeout bounds committing the Restored command.
+const restoreMarkTimeout = 30 * time.Second
+
+// restoreRemote uploads the archive to the leader. A failure after the
+// whole upload went out that the leader did not mark as "not applied" (a
+// connection lost while the leader worked) is ambiguous, and final.
 func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File) (*clusterv1.RestoreSnapshotResponse, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
@@ -345,7 +433,13 @@ func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string
 	}
 	resp, err := stream.CloseAndRecv()
 	if err != nil {
-		return nil, cluster.StreamError(err)
+		err = cluster.StreamError(err, stream.Trailer())
+		var ce *connect.Error
+		if errors.As(err, &ce) && ce.Code() == connect.CodeUnavailable && ce.Meta().Get(headerRestore) != restoreNotApplied {
+			return nil, connect.NewError(connect.CodeAborted, fmt.Errorf(
+				"the connection to the leader failed after the upload; the restore may have been applied (see the leader's log or pvcli snapshot save): %w", err))
+		}
+		return nil, err
 	}
 	return resp, nil
 }

@@ -185,7 +185,7 @@ func WriteArchive(ctx context.Context, dir string, take SnapshotTaker, now func(
 	if err := f.Close(); err != nil {
 		return "", 0, fmt.Errorf("snapshot archive: %w", err)
 	}
-	if err := verifyFile(tmp); err != nil {
+	if err := verifyFile(ctx, tmp); err != nil {
 		return "", 0, fmt.Errorf("the archive written does not verify: %w", err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
@@ -196,13 +196,13 @@ func WriteArchive(ctx context.Context, dir string, take SnapshotTaker, now func(
 	return path, cw.n, nil
 }
 
-func verifyFile(path string) error {
+func verifyFile(ctx context.Context, path string) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	_, err = archive.Check(bufio.NewReaderSize(f, 1<<20))
+	_, err = archive.Check(bufio.NewReaderSize(&ctxReader{ctx: ctx, r: f}, 1<<20))
 	return err
 }
 

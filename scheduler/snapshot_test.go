@@ -74,7 +74,7 @@ func TestWriteArchive(t *testing.T) {
 	if err != nil || st.Size() != size || st.Mode().Perm() != 0o600 {
 		t.Fatalf("archive file: %v, %v; want %d bytes, mode 0600", st, err, size)
 	}
-	if err := verifyFile(path); err != nil {
+	if err := verifyFile(context.Background(), path); err != nil {
 		t.Errorf("the archive does not verify: %v", err)
 	}
 

@@ -57,14 +57,17 @@ func (s *Store) openLatestSnapshot() (*raft.SnapshotMeta, io.ReadCloser, error) 
 // Restore replaces the FSM state of the whole cluster with the size bytes read
 // from r, in the format the FSM's Persist writes. Leader only. The current
 // membership is kept; the restored state gets an index above every existing
-// one and is sent to the followers as a snapshot install. Commands in flight
-// fail with ErrAbortedByRestore.
+// one and above index (the snapshot's index in the cluster it came from, so
+// that no index recorded in the state is above the restore's), and is sent
+// to the followers as a snapshot install. Commands in flight fail with
+// ErrAbortedByRestore.
 //
 // The data must be validated before the call: if the FSM's Restore fails,
 // hashicorp/raft panics, because the node is then in an undefined state.
-// ctx's deadline bounds only the wait to start the restore; once started it
-// runs to completion, since it reads from r.
-func (s *Store) Restore(ctx context.Context, size int64, r io.Reader) error {
+// ctx's deadline is raft's timeout for queueing the restore and, after it,
+// the no-op raft appends to wait for the followers: an error can come after
+// the state was restored (the FSM's abandon channel tells).
+func (s *Store) Restore(ctx context.Context, index uint64, size int64, r io.Reader) error {
 	timeout, err := enqueueTimeout(ctx)
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
@@ -72,7 +75,7 @@ func (s *Store) Restore(ctx context.Context, size int64, r io.Reader) error {
 	if !s.IsLeader() {
 		return fmt.Errorf("restore: %w", ErrNotLeader)
 	}
-	meta := &raft.SnapshotMeta{Version: raft.SnapshotVersionMax, Size: size}
+	meta := &raft.SnapshotMeta{Version: raft.SnapshotVersionMax, Index: index, Size: size}
 	if err := s.raft.Restore(meta, r, timeout); err != nil {
 		return fmt.Errorf("restore: %w", mapRaftError(err))
 	}

@@ -128,7 +128,7 @@ func TestFollowerRejectsLeaderOnlyCalls(t *testing.T) {
 		{"DemoteVoter", func() error { return f.DemoteVoter(ctx, leader.ID()) }},
 		{"RemoveServer", func() error { return f.RemoveServer(ctx, leader.ID()) }},
 		{"TransferLeadership", func() error { _, err := f.TransferLeadership(ctx, ""); return err }},
-		{"Restore", func() error { return f.Restore(ctx, 2, bytes.NewReader([]byte("{}"))) }},
+		{"Restore", func() error { return f.Restore(ctx, 0, 2, bytes.NewReader([]byte("{}"))) }},
 	}
 	for _, tt := range calls {
 		t.Run(tt.name, func(t *testing.T) {
@@ -642,7 +642,7 @@ func TestSnapshotAndRestore(t *testing.T) {
 
 	state := storetest.EncodeState(map[string]string{"restored": "yes"})
 	leader = c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error {
-		return l.Restore(ctx, int64(len(state)), bytes.NewReader(state))
+		return l.Restore(ctx, 0, int64(len(state)), bytes.NewReader(state))
 	})
 	for i := range c.N() {
 		waitValue(t, c, i, "restored", "yes")

@@ -51,10 +51,10 @@ SHA256SUMS. It is written to FILE.tmp, verified, then renamed to FILE.`,
 		&cobra.Command{
 			Use:   "restore FILE",
 			Short: "Replace the state of the whole cluster with a snapshot archive",
-			Long: `restore verifies FILE, uploads it to the agent asked, which verifies it again
-and has the leader restore it. The cluster keeps its current membership, so an
-archive of another cluster restores. A bad archive is refused and the cluster
-is left as it was.`,
+			Long: `restore checks FILE and uploads it through the agent asked to the leader, which
+verifies all of it before it restores it. The cluster keeps its current
+membership, so an archive of another cluster restores. A bad archive is refused
+and the cluster is left as it was.`,
 			Args: positional("FILE"),
 			RunE: a.command(a.snapshotRestore),
 		},

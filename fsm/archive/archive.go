@@ -289,20 +289,31 @@ func open(r io.Reader, meta *Meta) (*reader, error) {
 	}
 	sum := sha256.Sum256(mb)
 	ar.metaSum = hex.EncodeToString(sum[:])
+	// The versions first, leniently: a newer format may have fields this
+	// version does not know, and must be reported as newer, not as damaged.
+	var versions struct {
+		FormatVersion      uint32 `json:"format_version"`
+		StateFormatVersion uint32 `json:"state_format_version"`
+	}
+	if err := json.Unmarshal(mb, &versions); err != nil {
+		return nil, invalidf("%s: %v", MetaFile, err)
+	}
+	switch {
+	case versions.FormatVersion > FormatVersion:
+		return nil, fmt.Errorf("%w: archive format version %d, this agent reads up to %d", ErrUnsupported, versions.FormatVersion, FormatVersion)
+	case versions.FormatVersion == 0:
+		return nil, invalidf("%s: format_version missing", MetaFile)
+	case versions.StateFormatVersion > fsm.SnapshotFormatVersion:
+		return nil, fmt.Errorf("%w: state format version %d, this agent reads up to %d", ErrUnsupported, versions.StateFormatVersion, fsm.SnapshotFormatVersion)
+	case versions.StateFormatVersion == 0:
+		return nil, invalidf("%s: state_format_version missing", MetaFile)
+	}
 	dec := json.NewDecoder(bytes.NewReader(mb))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(meta); err != nil {
 		return nil, invalidf("%s: %v", MetaFile, err)
 	}
 	switch {
-	case meta.FormatVersion > FormatVersion:
-		return nil, fmt.Errorf("%w: archive format version %d, this agent reads up to %d", ErrUnsupported, meta.FormatVersion, FormatVersion)
-	case meta.FormatVersion == 0:
-		return nil, invalidf("%s: format_version missing", MetaFile)
-	case meta.StateFormatVersion > fsm.SnapshotFormatVersion:
-		return nil, fmt.Errorf("%w: state format version %d, this agent reads up to %d", ErrUnsupported, meta.StateFormatVersion, fsm.SnapshotFormatVersion)
-	case meta.StateFormatVersion == 0:
-		return nil, invalidf("%s: state_format_version missing", MetaFile)
 	case meta.Size < 0:
 		return nil, invalidf("%s: negative size %d", MetaFile, meta.Size)
 	}

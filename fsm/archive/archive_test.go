@@ -282,6 +282,7 @@ func TestVerifyRefuses(t *testing.T) {
 		{"trailing bytes", append(bytes.Clone(good), "extra"...), archive.ErrInvalid, "trailing bytes"},
 		{"second gzip member", append(bytes.Clone(good), gz(t, []byte("more"))...), archive.ErrInvalid, "trailing bytes"},
 		{"newer archive format", withSums(metaWith(func(m map[string]any) { m["format_version"] = 2 }), stEntry), archive.ErrUnsupported, "archive format version 2"},
+		{"newer format with new fields", withSums(metaWith(func(m map[string]any) { m["format_version"] = 2; m["encryption"] = "aes" }), stEntry), archive.ErrUnsupported, "archive format version 2"},
 		{"newer state format", withSums(metaWith(func(m map[string]any) { m["state_format_version"] = 9 }), stEntry), archive.ErrUnsupported, "state format version 9"},
 		{"no format version", withSums(metaWith(func(m map[string]any) { delete(m, "format_version") }), stEntry), archive.ErrInvalid, "format_version missing"},
 		{"unknown meta field", withSums(metaWith(func(m map[string]any) { m["colour"] = "red" }), stEntry), archive.ErrInvalid, `unknown field "colour"`},

@@ -93,8 +93,11 @@ type Agent struct {
 	api    *gateway.ClusterService
 	// snapshots serves snapshot save and restore on the API port.
 	snapshots *gateway.SnapshotService
-	// restoredCh tells the leader loop that a restore was applied.
-	restoredCh chan struct{}
+	// pauseCh and resumeCh pause leader-only work around a snapshot
+	// restore (pauseLeader, resumeLeader).
+	pauseCh  chan chan struct{}
+	resumeCh chan struct{}
+	loopDone chan struct{} // closed when the leader loop returned
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
@@ -149,7 +152,8 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.Stabilization <= 0 {
 		opts.Stabilization = 10 * time.Second
 	}
-	a := &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}), restoredCh: make(chan struct{}, 1)}
+	a := &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}),
+		pauseCh: make(chan chan struct{}), resumeCh: make(chan struct{}), loopDone: make(chan struct{})}
 	a.metrics = prometheus.NewRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
@@ -265,10 +269,17 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := os.MkdirAll(tmp, 0o700); err != nil {
 		return fmt.Errorf("data_dir: %w", err)
 	}
+	// Uploads a crash left behind.
+	if stale, err := filepath.Glob(filepath.Join(tmp, gateway.RestoreTempPattern)); err == nil {
+		for _, f := range stale {
+			_ = os.Remove(f)
+		}
+	}
 	snapCfg := gateway.SnapshotServiceConfig{
 		Take:     a.takeSnapshot,
 		TempDir:  tmp,
-		Restored: a.restored,
+		PauseLeader:  a.pauseLeader,
+		ResumeLeader: a.resumeLeader,
 		Logger:   a.logger,
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
@@ -456,58 +467,79 @@ func (a *Agent) formCluster(ctx context.Context) error {
 }
 
 // leaderLoop establishes leader state once per term: barrier, then the
-// membership reconciler and the TTL reaper; all of it is torn down the
-// moment leadership is lost.
+// membership reconciler, the TTL reaper and the snapshotter; all of it is
+// torn down the moment leadership is lost, and while a snapshot restore
+// runs on this leader (pauseLeader), after which it is established afresh
+// from the restored state (resumeLeader).
 func (a *Agent) leaderLoop(ctx context.Context) {
+	defer close(a.loopDone)
 	ch, unsubscribe := a.store.SubscribeLeadership()
 	defer unsubscribe()
-	var term *leaderTerm
-	revoke := func() {
+	var (
+		term    *leaderTerm
+		leading bool // the last notification said "leader"
+		paused  int  // restores in progress here
+	)
+	revoke := func(why string) {
 		if term == nil {
 			return
 		}
 		term.stop()
 		term = nil
 		a.readyTerm.Store(0)
-		a.logger.Info("leadership lost: leader state revoked")
+		a.logger.Info("leader state revoked", "reason", why)
 	}
-	defer revoke()
+	defer revoke("agent stopping")
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-a.restoredCh:
-			// The state was replaced: leader-only state built from the old
-			// one (timers, TTL grace) is rebuilt from the restored state.
-			if term != nil {
-				revoke()
-				if a.store.IsLeader() {
-					a.logger.Info("snapshot restored: re-establishing leader state")
-					term = a.startTerm(ctx)
-				}
+		case done := <-a.pauseCh:
+			paused++
+			revoke("snapshot restore")
+			close(done)
+		case <-a.resumeCh:
+			paused--
+			if paused == 0 && leading && term == nil && a.store.IsLeader() {
+				a.logger.Info("re-establishing leader state after a snapshot restore")
+				term = a.startTerm(ctx)
 			}
 		case isLeader, ok := <-ch:
 			if !ok {
 				return
 			}
+			leading = isLeader
 			if !isLeader {
-				revoke()
+				revoke("leadership lost")
 				continue
 			}
 			// A second "true" means leadership was lost and regained
 			// between two notifications: establish the new term afresh.
-			revoke()
-			term = a.startTerm(ctx)
+			revoke("leadership regained")
+			if paused == 0 {
+				term = a.startTerm(ctx)
+			}
 		}
 	}
 }
 
-// restored is called by the snapshot service after a restore was applied on
-// this leader.
-func (a *Agent) restored() {
+// pauseLeader stops leader-only work before a snapshot restore on this
+// leader and returns once it has stopped.
+func (a *Agent) pauseLeader() {
+	done := make(chan struct{})
 	select {
-	case a.restoredCh <- struct{}{}:
-	default: // one pending notice is enough
+	case a.pauseCh <- done:
+		<-done
+	case <-a.loopDone:
+	}
+}
+
+// resumeLeader ends a pause: leader-only work starts again, from the
+// (restored) state, if this node still leads.
+func (a *Agent) resumeLeader() {
+	select {
+	case a.resumeCh <- struct{}{}:
+	case <-a.loopDone:
 	}
 }
 

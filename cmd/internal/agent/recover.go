@@ -46,7 +46,7 @@ func parsePeers(path string, b []byte) ([]store.Server, error) {
 	if err := dec.Decode(&entries); err != nil {
 		return nil, fmt.Errorf("peers file %s: want a JSON array of {\"id\", \"address\", \"non_voter\"}: %w", path, err)
 	}
-	if dec.More() {
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return nil, fmt.Errorf("peers file %s: trailing data after the JSON array", path)
 	}
 	if len(entries) == 0 {

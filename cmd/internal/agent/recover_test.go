@@ -136,6 +136,7 @@ func TestReadPeersFile(t *testing.T) {
 		`[{"id":"a","address":"h:1","non_voter":true}]`:           "no voter",
 		`[{"id":"a","address":"h:1","voter":true}]`:               `unknown field "voter"`,
 		`[{"id":"a","address":"h:1"}] x`:                          "trailing data",
+		`[{"id":"a","address":"h:1"}]]`:                           "trailing data",
 	} {
 		if _, err := agent.ReadPeersFile(write(content)); err == nil || !strings.Contains(err.Error(), msg) {
 			t.Errorf("ReadPeersFile(%s) = %v, want an error containing %q", content, err, msg)

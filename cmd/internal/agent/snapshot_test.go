@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -73,6 +74,23 @@ func restoreSnapshot(ctx context.Context, n *agenttest.Node, file []byte) (*clus
 	return resp.Msg, nil
 }
 
+// nodeState is what a node's state holds: records and table indexes.
+type nodeState struct {
+	services []string
+	config   map[string]string
+	indexes  map[string]uint64
+}
+
+func stateOf(t *testing.T, n *agenttest.Node) nodeState {
+	t.Helper()
+	services, cfg := records(t, n)
+	idx := map[string]uint64{}
+	for _, table := range fsm.Tables() {
+		idx[table] = n.FSM().State().Index(table)
+	}
+	return nodeState{services: services, config: cfg, indexes: idx}
+}
+
 // records lists the services and config of a node's state, read locally.
 func records(t *testing.T, n *agenttest.Node) (services []string, config map[string]string) {
 	t.Helper()
@@ -111,6 +129,13 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		if _, err := agenttest.Register(ctx, leaderA, "web", fmt.Sprintf("w-%03d", i), "10.0.0.1", uint32(1000+i)); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// An instance with a TTL: its last heartbeat in the archive will be
+	// older than the TTL when the archive is restored.
+	if _, err := leaderA.API.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
+		Service: "ttl", InstanceId: "t-1", Address: "10.0.0.3", Port: 3, Ttl: durationProto(2 * time.Second),
+	}})); err != nil {
+		t.Fatal(err)
 	}
 	for _, kv := range [][2]string{{"log.level", "debug"}, {"routing.rules", `{"rules":[]}`}} {
 		if _, err := leaderA.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: kv[0], Value: kv[1]})); err != nil {
@@ -180,8 +205,8 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		t.Errorf("archive index %d; the leader applied %d", info.Meta.Index, idx)
 	}
 	for _, tb := range info.State.Tables {
-		if tb.Name == fsm.TableServices && tb.Records != 200 {
-			t.Errorf("archive holds %d services, want 200", tb.Records)
+		if tb.Name == fsm.TableServices && tb.Records != 201 {
+			t.Errorf("archive holds %d services, want 201", tb.Records)
 		}
 	}
 
@@ -224,7 +249,7 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		t.Fatal(err)
 	}
 	followerB := b.Follower()
-	before, _ := records(t, leaderB)
+	before := stateOf(t, leaderB)
 	beforeIndex := leaderB.FSM().State().Index(fsm.TableServices)
 
 	// Damaged archives are refused with InvalidArgument, or
@@ -244,8 +269,8 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 			t.Errorf("restore of a %s archive: %v, want InvalidArgument", name, err)
 		}
 	}
-	if after, _ := records(t, leaderB); !slices.Equal(after, before) {
-		t.Fatalf("a refused restore changed cluster B: %v, was %v", after, before)
+	if after := stateOf(t, leaderB); !reflect.DeepEqual(after, before) {
+		t.Fatalf("a refused restore changed cluster B:\n%v\nwas\n%v", after, before)
 	}
 
 	// A blocking query waiting on cluster B's services is woken by the
@@ -278,9 +303,25 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Error("a blocking query on cluster B was not woken by the restore")
 	}
-	if resp.GetMeta().GetId() != info.Meta.ID || resp.GetIndex() <= beforeIndex {
-		t.Errorf("restore response %v; want archive %s at an index above %d", resp, info.Meta.ID, beforeIndex)
+	if resp.GetMeta().GetId() != info.Meta.ID || resp.GetIndex() <= max(beforeIndex, info.Meta.Index) {
+		t.Errorf("restore response %v; want archive %s at an index above cluster B's %d and the archive's %d", resp, info.Meta.ID, beforeIndex, info.Meta.Index)
 	}
+	// Leader state was rebuilt from the restored state: the TTL instance,
+	// whose restored heartbeat is past its TTL, gets a full TTL from the
+	// restore before the reaper marks it critical, and then it does.
+	if inst, err := leaderB.FSM().State().Service("ttl", "t-1"); err != nil || inst.GetHealth() != clusterv1.Health_HEALTH_PASSING {
+		t.Errorf("TTL instance right after the restore: %v, %v; want passing", inst, err)
+	}
+	agenttest.Eventually(t, 20*time.Second, "the rebuilt TTL reaper marks the restored instance critical", func() error {
+		inst, err := leaderB.FSM().State().Service("ttl", "t-1")
+		if err != nil {
+			return err
+		}
+		if inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL {
+			return fmt.Errorf("health %v", inst.GetHealth())
+		}
+		return nil
+	})
 	for _, n := range b.Nodes() {
 		agenttest.Eventually(t, 20*time.Second, n.Name+" holds the restored state", func() error {
 			if n.FSM().AppliedIndex() < resp.GetIndex() {
@@ -297,8 +338,13 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 				t.Errorf("%s: config %s = %q, want %q", n.Name, k, cfg[k], v)
 			}
 		}
-		if idx := n.FSM().State().Index(fsm.TableServices); idx < resp.GetIndex() {
-			t.Errorf("%s: services index %d after the restore, want at least %d (indexes never go back)", n.Name, idx, resp.GetIndex())
+		for _, table := range []string{fsm.TableServices, fsm.TableConfig, fsm.TableSchedules} {
+			if idx := n.FSM().State().Index(table); idx < resp.GetIndex() || idx <= info.Meta.Index {
+				t.Errorf("%s: %s index %d after the restore, want at least %d, above the archive's %d", n.Name, table, idx, resp.GetIndex(), info.Meta.Index)
+			}
+		}
+		if applied := n.FSM().AppliedIndex(); applied > n.Store().Status().AppliedIndex {
+			t.Errorf("%s: the FSM claims index %d, raft applied only %d", n.Name, applied, n.Store().Status().AppliedIndex)
 		}
 	}
 

@@ -131,6 +131,20 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 			t.Errorf("inspect of an archive with %s: %s\nwant a failed verification", name, r)
 		}
 	}
+	// The agents refuse them too when a client skips pvcli's check.
+	snapClient := clusterv1connect.NewSnapshotServiceClient(h2cClient(t), "http://"+target.api)
+	for name, c := range corruptions(t, file) {
+		stream := snapClient.RestoreSnapshot(context.Background())
+		for i := 0; i < len(c.data); i += 64 << 10 {
+			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: c.data[i:min(len(c.data), i+64<<10)]}); err != nil {
+				break
+			}
+		}
+		_, err := stream.CloseAndReceive()
+		if code := connect.CodeOf(err); (code != connect.CodeInvalidArgument && code != connect.CodeFailedPrecondition) || !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("agent restore of an archive with %s: %v; want InvalidArgument or FailedPrecondition saying %q", name, err, c.msg)
+		}
+	}
 	if got := listServices(t, c2, target); len(got) != 1 {
 		t.Fatalf("after refused restores cluster 2 lists %d instances, want its own 1", len(got))
 	}
@@ -250,10 +264,7 @@ func mustOpen(t *testing.T, path string) *os.File {
 // concurrent Connect clients.
 func registerMany(t *testing.T, c *cluster, n int) {
 	t.Helper()
-	var p http.Protocols
-	p.SetUnencryptedHTTP2(true)
-	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
-	defer hc.CloseIdleConnections()
+	hc := h2cClient(t)
 	var clients []clusterv1connect.ClusterServiceClient
 	for _, nd := range c.nodes {
 		clients = append(clients, clusterv1connect.NewClusterServiceClient(hc, "http://"+nd.api))
@@ -297,6 +308,15 @@ func registerMany(t *testing.T, c *cluster, n int) {
 		t.Fatal(first)
 	}
 	t.Logf("registered %d instances in %s", n, time.Since(start).Round(time.Millisecond))
+}
+
+// h2cClient is an HTTP/2 cleartext client, closed with the test.
+func h2cClient(t *testing.T) *http.Client {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
+	t.Cleanup(hc.CloseIdleConnections)
+	return hc
 }
 
 // listServices lists every instance through n with a consistent read, as
