@@ -58,7 +58,7 @@ type SnapshotServiceConfig struct {
 	// restore on this leader and returns once it stopped; ResumeLeader
 	// starts it again, rebuilt from the (restored) state. Both may be nil.
 	PauseLeader, ResumeLeader func()
-	Logger   *slog.Logger
+	Logger                    *slog.Logger
 }
 
 // SnapshotService implements pivirt.cluster.v1.SnapshotService over Connect

@@ -276,11 +276,11 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 	}
 	snapCfg := gateway.SnapshotServiceConfig{
-		Take:     a.takeSnapshot,
-		TempDir:  tmp,
+		Take:         a.takeSnapshot,
+		TempDir:      tmp,
 		PauseLeader:  a.pauseLeader,
 		ResumeLeader: a.resumeLeader,
-		Logger:   a.logger,
+		Logger:       a.logger,
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
 	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
