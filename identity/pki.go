@@ -1,0 +1,632 @@
+package identity
+
+import (
+	"bytes"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+)
+
+// PiTrust file names in a CA directory (spec/agent.txt "PiTrust PKI
+// Identity Model").
+const (
+	RootCertFile         = "PiRootR1.pem"
+	RootKeyFile          = "PiRootR1.key"
+	IntermediateCertFile = "PiCA.pem"
+	IntermediateKeyFile  = "PiCA.key"
+	ChainFile            = "ca-chain.pem"
+
+	// RootCommonName and IntermediateCommonName are the CAs' subjects.
+	RootCommonName         = "PiTrust Root CA"
+	IntermediateCommonName = "PiTrust X1 Intermediate CA"
+	// Organization is the O of every PiTrust certificate.
+	Organization = "PiTrust"
+)
+
+// Defaults and limits of certificate lifetimes, in days.
+const (
+	DefaultRootDays         = 3650
+	DefaultIntermediateDays = 1825
+	DefaultLeafDays         = 365
+	MaxDays                 = 36500
+)
+
+// Errors of the PKI functions; the wrapping message names the file or the
+// field.
+var (
+	// ErrExists: a file would be overwritten without Force.
+	ErrExists = errors.New("already exists (use --force to replace it)")
+	// ErrInvalidRequest: a name, SAN or lifetime is not acceptable.
+	ErrInvalidRequest = errors.New("invalid certificate request")
+	// ErrNoCA: the CA directory holds no usable intermediate CA.
+	ErrNoCA = errors.New("no PiTrust CA")
+)
+
+// Kind is what a leaf certificate is for.
+type Kind string
+
+// Leaf kinds, as the spec's commands name them.
+const (
+	KindServer Kind = "mtls-server"
+	KindClient Kind = "mtls-client"
+)
+
+// CAOptions configures InitCA.
+type CAOptions struct {
+	// RootDays and IntermediateDays are the CAs' lifetimes (defaults
+	// DefaultRootDays, DefaultIntermediateDays).
+	RootDays, IntermediateDays int
+	// Force replaces existing CA files.
+	Force bool
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// CAFiles are the paths InitCA wrote.
+type CAFiles struct {
+	RootCert, RootKey, IntermediateCert, IntermediateKey, Chain string
+}
+
+// InitCA creates the PiTrust Root CA and the X1 Intermediate CA in dir
+// (created 0700 if missing): PiRootR1.pem/.key, PiCA.pem/.key and
+// ca-chain.pem (intermediate, then root). Keys are ECDSA P-256, written
+// 0600. Without Force nothing is written if any of the files exists.
+func InitCA(dir string, opts CAOptions) (CAFiles, error) {
+	now := clock(opts.Now)
+	rootDays, caDays := orDefault(opts.RootDays, DefaultRootDays), orDefault(opts.IntermediateDays, DefaultIntermediateDays)
+	if err := checkDays("root-days", rootDays); err != nil {
+		return CAFiles{}, err
+	}
+	if err := checkDays("ca-days", caDays); err != nil {
+		return CAFiles{}, err
+	}
+	if caDays > rootDays {
+		return CAFiles{}, fmt.Errorf("%w: ca-days %d: the intermediate cannot outlive the root (%d days)", ErrInvalidRequest, caDays, rootDays)
+	}
+	files := CAFiles{
+		RootCert: filepath.Join(dir, RootCertFile), RootKey: filepath.Join(dir, RootKeyFile),
+		IntermediateCert: filepath.Join(dir, IntermediateCertFile), IntermediateKey: filepath.Join(dir, IntermediateKeyFile),
+		Chain: filepath.Join(dir, ChainFile),
+	}
+	if !opts.Force {
+		if err := noneExist(files.RootCert, files.RootKey, files.IntermediateCert, files.IntermediateKey, files.Chain); err != nil {
+			return CAFiles{}, err
+		}
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return CAFiles{}, err
+	}
+
+	rootKey, err := newKey()
+	if err != nil {
+		return CAFiles{}, err
+	}
+	rootTmpl, err := caTemplate(RootCommonName, now, rootDays, 1)
+	if err != nil {
+		return CAFiles{}, err
+	}
+	rootDER, err := x509.CreateCertificate(rand.Reader, rootTmpl, rootTmpl, rootKey.Public(), rootKey)
+	if err != nil {
+		return CAFiles{}, fmt.Errorf("create root CA: %w", err)
+	}
+	root, err := x509.ParseCertificate(rootDER)
+	if err != nil {
+		return CAFiles{}, err
+	}
+	caKey, err := newKey()
+	if err != nil {
+		return CAFiles{}, err
+	}
+	caTmpl, err := caTemplate(IntermediateCommonName, now, caDays, 0)
+	if err != nil {
+		return CAFiles{}, err
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, root, caKey.Public(), rootKey)
+	if err != nil {
+		return CAFiles{}, fmt.Errorf("create intermediate CA: %w", err)
+	}
+	writes := []struct {
+		path string
+		data []byte
+		mode fs.FileMode
+	}{
+		{files.RootKey, keyPEM(rootKey), 0o600},
+		{files.IntermediateKey, keyPEM(caKey), 0o600},
+		{files.RootCert, certPEM(rootDER), 0o644},
+		{files.IntermediateCert, certPEM(caDER), 0o644},
+		{files.Chain, append(certPEM(caDER), certPEM(rootDER)...), 0o644},
+	}
+	for _, w := range writes {
+		if err := writeFileAtomic(w.path, w.data, w.mode); err != nil {
+			return CAFiles{}, err
+		}
+	}
+	return files, nil
+}
+
+// LeafRequest describes a leaf certificate to issue.
+type LeafRequest struct {
+	Kind Kind
+	// Name is the subject CN and the file name stem: <Name>.crt, <Name>.key.
+	Name string
+	// DNS and IPs are the subject alternative names (server certificates;
+	// a server certificate without any gets Name as its DNS name when Name
+	// is a host name).
+	DNS []string
+	IPs []net.IP
+	// Days is the lifetime (default DefaultLeafDays).
+	Days int
+	// Force replaces existing files.
+	Force bool
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// LeafFiles are the paths Issue wrote.
+type LeafFiles struct {
+	Cert, Key string
+}
+
+var (
+	// leafNamePattern keeps names usable as file names and CNs.
+	leafNamePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+	// dnsLabel is one label of a DNS name (a leading "*." is allowed for
+	// the first).
+	dnsLabel = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$`)
+)
+
+// Issue issues a leaf certificate signed by the X1 intermediate CA in dir,
+// and writes <dir>/<name>.crt (the leaf followed by the intermediate, so
+// that a peer holding only the root can build the chain) and <name>.key
+// (0600). Without Force nothing is written if either file exists.
+func Issue(dir string, req LeafRequest) (LeafFiles, error) {
+	now := clock(req.Now)
+	days := orDefault(req.Days, DefaultLeafDays)
+	if err := checkLeaf(&req, days); err != nil {
+		return LeafFiles{}, err
+	}
+	files := LeafFiles{Cert: filepath.Join(dir, req.Name+".crt"), Key: filepath.Join(dir, req.Name+".key")}
+	if !req.Force {
+		if err := noneExist(files.Cert, files.Key); err != nil {
+			return LeafFiles{}, err
+		}
+	}
+	ca, caKey, err := LoadCA(dir)
+	if err != nil {
+		return LeafFiles{}, err
+	}
+	notAfter := now.Add(time.Duration(days) * 24 * time.Hour)
+	if notAfter.After(ca.NotAfter) {
+		return LeafFiles{}, fmt.Errorf("%w: days %d: the certificate would outlive the intermediate CA (valid until %s)",
+			ErrInvalidRequest, days, ca.NotAfter.UTC().Format(time.RFC3339))
+	}
+	key, err := newKey()
+	if err != nil {
+		return LeafFiles{}, err
+	}
+	serial, err := newSerial()
+	if err != nil {
+		return LeafFiles{}, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: req.Name, Organization: []string{Organization}, OrganizationalUnit: []string{string(req.Kind)}},
+		NotBefore:             now.Add(-5 * time.Minute), // tolerate clock skew between nodes
+		NotAfter:              notAfter,
+		KeyUsage:              x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		DNSNames:              req.DNS,
+		IPAddresses:           req.IPs,
+	}
+	switch req.Kind {
+	case KindServer:
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	case KindClient:
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, key.Public(), caKey)
+	if err != nil {
+		return LeafFiles{}, fmt.Errorf("issue %s: %w", req.Name, err)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return LeafFiles{}, err
+	}
+	if err := writeFileAtomic(files.Key, keyPEM(key), 0o600); err != nil {
+		return LeafFiles{}, err
+	}
+	if err := writeFileAtomic(files.Cert, append(certPEM(der), certPEM(ca.Raw)...), 0o644); err != nil {
+		return LeafFiles{}, err
+	}
+	return files, nil
+}
+
+// checkLeaf validates a leaf request, naming the offending flag.
+func checkLeaf(req *LeafRequest, days int) error {
+	if req.Kind != KindServer && req.Kind != KindClient {
+		return fmt.Errorf("%w: kind %q", ErrInvalidRequest, req.Kind)
+	}
+	if !leafNamePattern.MatchString(req.Name) {
+		return fmt.Errorf("%w: name %q: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit", ErrInvalidRequest, req.Name)
+	}
+	if err := checkDays("days", days); err != nil {
+		return err
+	}
+	for _, d := range req.DNS {
+		if !validDNSName(d) {
+			return fmt.Errorf("%w: dns %q is not a DNS name", ErrInvalidRequest, d)
+		}
+	}
+	for _, ip := range req.IPs {
+		if ip == nil {
+			return fmt.Errorf("%w: ip: empty address", ErrInvalidRequest)
+		}
+	}
+	if req.Kind == KindClient && (len(req.DNS) > 0 || len(req.IPs) > 0) {
+		return fmt.Errorf("%w: a client certificate names its holder in its CN; --dns and --ip are for server certificates", ErrInvalidRequest)
+	}
+	if req.Kind == KindServer && len(req.DNS) == 0 && len(req.IPs) == 0 {
+		if !validDNSName(req.Name) {
+			return fmt.Errorf("%w: a server certificate needs --dns or --ip (name %q is not a host name)", ErrInvalidRequest, req.Name)
+		}
+		req.DNS = []string{req.Name}
+	}
+	return nil
+}
+
+func validDNSName(s string) bool {
+	if len(s) == 0 || len(s) > 253 {
+		return false
+	}
+	labels := strings.Split(strings.TrimSuffix(s, "."), ".")
+	for i, l := range labels {
+		if i == 0 && l == "*" && len(labels) > 2 {
+			continue
+		}
+		if !dnsLabel.MatchString(l) {
+			return false
+		}
+	}
+	return true
+}
+
+// LoadCA reads the X1 intermediate CA's certificate and key from dir.
+func LoadCA(dir string) (*x509.Certificate, crypto.Signer, error) {
+	certPath, keyPath := filepath.Join(dir, IntermediateCertFile), filepath.Join(dir, IntermediateKeyFile)
+	certs, err := ReadCertificates(certPath)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w in %s (run pitrust init --dir %s first): %w", ErrNoCA, dir, dir, err)
+	}
+	ca := certs[0]
+	if !ca.IsCA {
+		return nil, nil, fmt.Errorf("%w: %s is not a CA certificate", ErrNoCA, certPath)
+	}
+	key, err := ReadPrivateKey(keyPath)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %w", ErrNoCA, err)
+	}
+	if !publicKeysEqual(ca.PublicKey, key.Public()) {
+		return nil, nil, fmt.Errorf("%w: %s does not belong to %s", ErrNoCA, keyPath, certPath)
+	}
+	return ca, key, nil
+}
+
+// ReadCertificates reads every certificate of a PEM file, in order.
+func ReadCertificates(path string) ([]*x509.Certificate, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var out []*x509.Certificate
+	for rest := b; ; {
+		var block *pem.Block
+		block, rest = pem.Decode(rest)
+		if block == nil {
+			break
+		}
+		if block.Type != "CERTIFICATE" {
+			continue
+		}
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			return nil, fmt.Errorf("%s: certificate %d: %w", path, len(out)+1, err)
+		}
+		out = append(out, c)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: no PEM certificate in it", path)
+	}
+	return out, nil
+}
+
+// ReadPrivateKey reads a PEM private key (PKCS#8, EC or PKCS#1).
+func ReadPrivateKey(path string) (crypto.Signer, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	block, _ := pem.Decode(b)
+	if block == nil {
+		return nil, fmt.Errorf("%s: no PEM block in it", path)
+	}
+	var key any
+	switch block.Type {
+	case "PRIVATE KEY":
+		key, err = x509.ParsePKCS8PrivateKey(block.Bytes)
+	case "EC PRIVATE KEY":
+		key, err = x509.ParseECPrivateKey(block.Bytes)
+	case "RSA PRIVATE KEY":
+		key, err = x509.ParsePKCS1PrivateKey(block.Bytes)
+	default:
+		return nil, fmt.Errorf("%s: PEM block %q is not a private key", path, block.Type)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	signer, ok := key.(crypto.Signer)
+	if !ok {
+		return nil, fmt.Errorf("%s: unsupported key type %T", path, key)
+	}
+	return signer, nil
+}
+
+// CertInfo explains a certificate (pitrust inspect and verify).
+type CertInfo struct {
+	Subject       string    `json:"subject"`
+	Issuer        string    `json:"issuer"`
+	Serial        string    `json:"serial"`
+	NotBefore     time.Time `json:"not_before"`
+	NotAfter      time.Time `json:"not_after"`
+	IsCA          bool      `json:"is_ca"`
+	DNSNames      []string  `json:"dns_names,omitempty"`
+	IPAddresses   []string  `json:"ip_addresses,omitempty"`
+	KeyUsage      []string  `json:"key_usage,omitempty"`
+	ExtKeyUsage   []string  `json:"ext_key_usage,omitempty"`
+	PublicKey     string    `json:"public_key"`
+	SHA256        string    `json:"sha256_fingerprint"`
+	ExpiresInDays int       `json:"expires_in_days"`
+}
+
+// Describe explains c at now.
+func Describe(c *x509.Certificate, now time.Time) CertInfo {
+	info := CertInfo{
+		Subject: c.Subject.String(), Issuer: c.Issuer.String(), Serial: c.SerialNumber.Text(16),
+		NotBefore: c.NotBefore.UTC(), NotAfter: c.NotAfter.UTC(), IsCA: c.IsCA,
+		DNSNames: c.DNSNames, KeyUsage: keyUsages(c.KeyUsage), ExtKeyUsage: extKeyUsages(c.ExtKeyUsage),
+		PublicKey:     publicKeyName(c.PublicKey),
+		ExpiresInDays: int(c.NotAfter.Sub(now).Hours() / 24),
+	}
+	for _, ip := range c.IPAddresses {
+		info.IPAddresses = append(info.IPAddresses, ip.String())
+	}
+	sum := sha256.Sum256(c.Raw)
+	info.SHA256 = hex.EncodeToString(sum[:])
+	return info
+}
+
+// VerifyResult is what Verify found.
+type VerifyResult struct {
+	// Chain is the verified chain, leaf first, explained.
+	Chain []CertInfo `json:"chain"`
+	// Usage is the extended key usage the chain was verified for.
+	Usage string `json:"usage"`
+}
+
+// Verify checks the first certificate of certPath against the roots in
+// caPath (e.g. ca-chain.pem; its non-self-signed certificates and the
+// certificates after the leaf in certPath serve as intermediates) at now,
+// for the leaf's own purpose (server or client authentication), and, when
+// dnsName is set, for that name. The error says why a certificate is not
+// trusted: expired, signed by another CA, wrong usage or name.
+func Verify(certPath, caPath, dnsName string, now time.Time) (*VerifyResult, error) {
+	certs, err := ReadCertificates(certPath)
+	if err != nil {
+		return nil, err
+	}
+	cas, err := ReadCertificates(caPath)
+	if err != nil {
+		return nil, err
+	}
+	roots, inter := x509.NewCertPool(), x509.NewCertPool()
+	for _, c := range cas {
+		if bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignatureFrom(c) == nil {
+			roots.AddCert(c)
+		} else {
+			inter.AddCert(c)
+		}
+	}
+	for _, c := range certs[1:] {
+		inter.AddCert(c)
+	}
+	leaf := certs[0]
+	usage := x509.ExtKeyUsageAny
+	usageName := "any"
+	switch {
+	case hasExtUsage(leaf, x509.ExtKeyUsageServerAuth):
+		usage, usageName = x509.ExtKeyUsageServerAuth, "server authentication"
+	case hasExtUsage(leaf, x509.ExtKeyUsageClientAuth):
+		usage, usageName = x509.ExtKeyUsageClientAuth, "client authentication"
+	}
+	chains, err := leaf.Verify(x509.VerifyOptions{
+		Roots: roots, Intermediates: inter, CurrentTime: now, DNSName: dnsName,
+		KeyUsages: []x509.ExtKeyUsage{usage},
+	})
+	if err != nil {
+		return nil, explainVerifyError(leaf, err, now)
+	}
+	res := &VerifyResult{Usage: usageName}
+	for _, c := range chains[0] {
+		res.Chain = append(res.Chain, Describe(c, now))
+	}
+	return res, nil
+}
+
+// explainVerifyError turns x509's error into a sentence an operator acts on.
+func explainVerifyError(leaf *x509.Certificate, err error, now time.Time) error {
+	var inv x509.CertificateInvalidError
+	var unknown x509.UnknownAuthorityError
+	var host x509.HostnameError
+	switch {
+	case errors.As(err, &inv) && inv.Reason == x509.Expired:
+		c := inv.Cert
+		if now.Before(c.NotBefore) {
+			return fmt.Errorf("%s is not valid yet: valid from %s: %w", c.Subject.CommonName, c.NotBefore.UTC().Format(time.RFC3339), err)
+		}
+		return fmt.Errorf("%s expired on %s: %w", c.Subject.CommonName, c.NotAfter.UTC().Format(time.RFC3339), err)
+	case errors.As(err, &inv) && inv.Reason == x509.IncompatibleUsage:
+		return fmt.Errorf("%s is not valid for this use (its extended key usages: %s): %w",
+			leaf.Subject.CommonName, strings.Join(extKeyUsages(leaf.ExtKeyUsage), ", "), err)
+	case errors.As(err, &unknown):
+		return fmt.Errorf("%s (issued by %q) is not signed by the given CA chain: %w", leaf.Subject.CommonName, leaf.Issuer.CommonName, err)
+	case errors.As(err, &host):
+		return fmt.Errorf("%s is not valid for %q (DNS names %v, IPs %v): %w", leaf.Subject.CommonName, host.Host, leaf.DNSNames, leaf.IPAddresses, err)
+	}
+	return err
+}
+
+func hasExtUsage(c *x509.Certificate, u x509.ExtKeyUsage) bool {
+	for _, e := range c.ExtKeyUsage {
+		if e == u {
+			return true
+		}
+	}
+	return false
+}
+
+// --- helpers ---
+
+func clock(now func() time.Time) time.Time {
+	if now == nil {
+		return time.Now()
+	}
+	return now()
+}
+
+func orDefault(v, def int) int {
+	if v == 0 {
+		return def
+	}
+	return v
+}
+
+func checkDays(flag string, days int) error {
+	if days < 1 || days > MaxDays {
+		return fmt.Errorf("%w: %s %d: must be between 1 and %d", ErrInvalidRequest, flag, days, MaxDays)
+	}
+	return nil
+}
+
+func noneExist(paths ...string) error {
+	for _, p := range paths {
+		if _, err := os.Lstat(p); err == nil {
+			return fmt.Errorf("%s %w", p, ErrExists)
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+	}
+	return nil
+}
+
+func newKey() (*ecdsa.PrivateKey, error) {
+	return ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+}
+
+func newSerial() (*big.Int, error) {
+	return rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+}
+
+func caTemplate(cn string, now time.Time, days, maxPathLen int) (*x509.Certificate, error) {
+	serial, err := newSerial()
+	if err != nil {
+		return nil, err
+	}
+	return &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: cn, Organization: []string{Organization}},
+		NotBefore:             now.Add(-5 * time.Minute),
+		NotAfter:              now.Add(time.Duration(days) * 24 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+		MaxPathLen:            maxPathLen,
+		MaxPathLenZero:        maxPathLen == 0,
+	}, nil
+}
+
+func keyPEM(k *ecdsa.PrivateKey) []byte {
+	der, err := x509.MarshalPKCS8PrivateKey(k)
+	if err != nil {
+		panic(err) // an ECDSA P-256 key always marshals
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
+}
+
+func certPEM(der []byte) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+}
+
+func publicKeysEqual(a, b crypto.PublicKey) bool {
+	type equaler interface{ Equal(crypto.PublicKey) bool }
+	e, ok := a.(equaler)
+	return ok && e.Equal(b)
+}
+
+func publicKeyName(k crypto.PublicKey) string {
+	switch k := k.(type) {
+	case *ecdsa.PublicKey:
+		return "ECDSA " + k.Curve.Params().Name
+	default:
+		return fmt.Sprintf("%T", k)
+	}
+}
+
+func keyUsages(u x509.KeyUsage) []string {
+	names := []struct {
+		u    x509.KeyUsage
+		name string
+	}{
+		{x509.KeyUsageDigitalSignature, "digital signature"},
+		{x509.KeyUsageKeyEncipherment, "key encipherment"},
+		{x509.KeyUsageCertSign, "certificate sign"},
+		{x509.KeyUsageCRLSign, "CRL sign"},
+	}
+	var out []string
+	for _, n := range names {
+		if u&n.u != 0 {
+			out = append(out, n.name)
+		}
+	}
+	return out
+}
+
+func extKeyUsages(us []x509.ExtKeyUsage) []string {
+	var out []string
+	for _, u := range us {
+		switch u {
+		case x509.ExtKeyUsageServerAuth:
+			out = append(out, "server authentication")
+		case x509.ExtKeyUsageClientAuth:
+			out = append(out, "client authentication")
+		case x509.ExtKeyUsageAny:
+			out = append(out, "any")
+		default:
+			out = append(out, fmt.Sprintf("usage %d", u))
+		}
+	}
+	return out
+}
