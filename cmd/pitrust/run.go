@@ -1,0 +1,268 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"pilab.hu/pivirt-agent/identity"
+)
+
+// DefaultDir is where the agent's configuration expects the certificates
+// (server.connectrpc.tls.*, tls.* in spec/agent.txt).
+const DefaultDir = "/etc/pivirt/certs"
+
+// usageError is bad input: exit status 2.
+type usageError struct{ err error }
+
+func (e *usageError) Error() string { return e.err.Error() }
+func (e *usageError) Unwrap() error { return e.err }
+
+// Run runs pitrust with args, writing results to stdout.
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var dir string
+	root := &cobra.Command{
+		Use:   "pitrust",
+		Short: "Create the PiTrust CA and issue mTLS certificates for PiVirt components",
+		Long: `pitrust keeps a PiTrust PKI in a directory (--dir, default ` + DefaultDir + `):
+
+  PiRootR1.pem, PiRootR1.key   PiTrust Root CA
+  PiCA.pem, PiCA.key           PiTrust X1 Intermediate CA, signed by the root
+  ca-chain.pem                 the intermediate and the root: what peers trust
+  <name>.crt, <name>.key       leaves signed by X1 (the .crt also holds X1)
+
+Keys are ECDSA P-256, written 0600; nothing is overwritten without --force.
+Keep the root key offline once the intermediate exists.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return &usageError{fmt.Errorf("unknown command %q for \"pitrust\"", args[0])}
+			}
+			return cmd.Help()
+		},
+	}
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
+	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
+	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
+		verifyCmd(&dir, stdout), inspectCmd(stdout))
+	err := root.ExecuteContext(ctx)
+	if err != nil && strings.HasPrefix(err.Error(), "unknown command") {
+		err = &usageError{err}
+	}
+	return err
+}
+
+func initCmd(dir *string, stdout io.Writer) *cobra.Command {
+	var opts identity.CAOptions
+	c := &cobra.Command{
+		Use:   "init",
+		Short: "Create the PiTrust Root CA, the X1 Intermediate CA and ca-chain.pem",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if opts.RootDays < 1 || opts.IntermediateDays < 1 {
+				return &usageError{fmt.Errorf("--root-days and --ca-days must be at least 1")}
+			}
+			files, err := identity.InitCA(*dir, opts)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "Created the PiTrust CA in %s:\n  %s\n  %s\n  %s (key)\n  %s (key)\n  %s\n",
+				*dir, files.RootCert, files.IntermediateCert, files.RootKey, files.IntermediateKey, files.Chain)
+			return nil
+		},
+	}
+	c.Flags().IntVar(&opts.RootDays, "root-days", identity.DefaultRootDays, "lifetime of the root CA in days")
+	c.Flags().IntVar(&opts.IntermediateDays, "ca-days", identity.DefaultIntermediateDays, "lifetime of the X1 intermediate CA in days")
+	c.Flags().BoolVar(&opts.Force, "force", false, "replace an existing CA (every certificate it issued stops being trusted)")
+	return c
+}
+
+func issueCmd(dir *string, kind identity.Kind, stdout io.Writer) *cobra.Command {
+	var (
+		req identity.LeafRequest
+		ips []string
+	)
+	req.Kind = kind
+	c := &cobra.Command{
+		Use:   "issue-" + string(kind) + " --name NAME",
+		Short: "Issue an mTLS " + strings.TrimPrefix(string(kind), "mtls-") + " certificate signed by the X1 intermediate CA",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if req.Name == "" {
+				return &usageError{fmt.Errorf("--name is required")}
+			}
+			if req.Days < 1 {
+				return &usageError{fmt.Errorf("--days %d: must be at least 1", req.Days)}
+			}
+			for _, s := range ips {
+				ip := net.ParseIP(s)
+				if ip == nil {
+					return &usageError{fmt.Errorf("--ip %q is not an IP address", s)}
+				}
+				req.IPs = append(req.IPs, ip)
+			}
+			files, err := identity.Issue(*dir, req)
+			if err != nil {
+				return err
+			}
+			certs, err := identity.ReadCertificates(files.Cert)
+			if err != nil {
+				return err
+			}
+			info := identity.Describe(certs[0], time.Now())
+			fmt.Fprintf(stdout, "Issued %s for %s, valid until %s\n  %s\n  %s (key)\n", kind, info.Subject,
+				info.NotAfter.Format(time.RFC3339), files.Cert, files.Key)
+			if sans := append(append([]string(nil), info.DNSNames...), info.IPAddresses...); len(sans) > 0 {
+				fmt.Fprintf(stdout, "  names: %s\n", strings.Join(sans, ", "))
+			}
+			return nil
+		},
+	}
+	c.Flags().StringVar(&req.Name, "name", "", "certificate name: its CN and the file names <name>.crt and <name>.key")
+	c.Flags().IntVar(&req.Days, "days", identity.DefaultLeafDays, "lifetime in days")
+	c.Flags().BoolVar(&req.Force, "force", false, "replace an existing certificate and key of that name")
+	if kind == identity.KindServer {
+		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "DNS name the server answers to (repeatable; default: --name when it is a host name)")
+		c.Flags().StringArrayVar(&ips, "ip", nil, "IP address the server answers on (repeatable)")
+	}
+	return c
+}
+
+func verifyCmd(dir *string, stdout io.Writer) *cobra.Command {
+	var (
+		ca, name, output string
+	)
+	c := &cobra.Command{
+		Use:   "verify CERT",
+		Short: "Check a certificate against the CA chain, for its own purpose (and --name), and explain the chain",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := checkOutput(output); err != nil {
+				return err
+			}
+			if ca == "" {
+				ca = filepath.Join(*dir, identity.ChainFile)
+			}
+			res, err := identity.Verify(args[0], ca, name, time.Now())
+			if err != nil {
+				return fmt.Errorf("%s: NOT trusted: %w", args[0], err)
+			}
+			if output == "json" {
+				return writeJSON(stdout, res)
+			}
+			fmt.Fprintf(stdout, "%s: OK (trusted by %s for %s)\n", args[0], ca, res.Usage)
+			for i, c := range res.Chain {
+				fmt.Fprintf(stdout, "\nchain[%d]:\n", i)
+				describe(stdout, c)
+			}
+			return nil
+		},
+	}
+	c.Flags().StringVar(&ca, "ca", "", "PEM file of trusted CAs (default <dir>/ca-chain.pem)")
+	c.Flags().StringVar(&name, "name", "", "also check that the certificate is valid for this DNS name or IP")
+	c.Flags().StringVarP(&output, "output", "o", "text", "output format: text|json")
+	return c
+}
+
+func inspectCmd(stdout io.Writer) *cobra.Command {
+	var output string
+	c := &cobra.Command{
+		Use:   "inspect CERT",
+		Short: "Explain every certificate of a PEM file: subject, issuer, names, usages, validity",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := checkOutput(output); err != nil {
+				return err
+			}
+			certs, err := identity.ReadCertificates(args[0])
+			if err != nil {
+				return err
+			}
+			var infos []identity.CertInfo
+			for _, c := range certs {
+				infos = append(infos, identity.Describe(c, time.Now()))
+			}
+			if output == "json" {
+				return writeJSON(stdout, infos)
+			}
+			for i, info := range infos {
+				if i > 0 {
+					fmt.Fprintln(stdout)
+				}
+				fmt.Fprintf(stdout, "certificate[%d]:\n", i)
+				describe(stdout, info)
+			}
+			return nil
+		},
+	}
+	c.Flags().StringVarP(&output, "output", "o", "text", "output format: text|json")
+	return c
+}
+
+func checkOutput(o string) error {
+	if o != "text" && o != "json" {
+		return &usageError{fmt.Errorf("--output %q: want text or json", o)}
+	}
+	return nil
+}
+
+func writeJSON(w io.Writer, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
+
+// describe prints one certificate's explanation, indented.
+func describe(w io.Writer, c identity.CertInfo) {
+	rows := [][2]string{
+		{"Subject", c.Subject},
+		{"Issuer", c.Issuer},
+		{"Serial", c.Serial},
+		{"Valid", fmt.Sprintf("%s to %s (%s)", c.NotBefore.Format(time.RFC3339), c.NotAfter.Format(time.RFC3339), expiry(c.ExpiresInDays))},
+	}
+	add := func(k string, v []string) {
+		if len(v) > 0 {
+			rows = append(rows, [2]string{k, strings.Join(v, ", ")})
+		}
+	}
+	if c.IsCA {
+		add("CA", []string{"yes"})
+	}
+	add("DNS names", c.DNSNames)
+	add("IP addresses", c.IPAddresses)
+	add("Key usage", c.KeyUsage)
+	add("Extended key usage", c.ExtKeyUsage)
+	rows = append(rows, [2]string{"Public key", c.PublicKey}, [2]string{"SHA-256", c.SHA256})
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for _, r := range rows {
+		fmt.Fprintf(tw, "  %s\t%s\n", r[0], r[1])
+	}
+	tw.Flush()
+}
+
+func expiry(days int) string {
+	switch {
+	case days < 0:
+		return "EXPIRED"
+	case days < 30:
+		return fmt.Sprintf("expires in %d days: renew it", days)
+	default:
+		return fmt.Sprintf("%d days left", days)
+	}
+}
