@@ -1,0 +1,350 @@
+package identity
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+)
+
+// ExpiryWarning is how long before expiry a certificate is reported.
+const ExpiryWarning = 30 * 24 * time.Hour
+
+// cipherSuites are the TLS 1.2 suites allowed: ECDHE with AEAD ciphers only
+// (TLS 1.3 suites are not configurable and all modern).
+var cipherSuites = []uint16{
+	tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+	tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+}
+
+// SourceConfig names the files of a Source.
+type SourceConfig struct {
+	// CertFile and KeyFile are this side's certificate (leaf first, then
+	// any intermediates) and key. Both empty: no certificate (a client
+	// that only verifies servers).
+	CertFile, KeyFile string
+	// CAFile holds the CAs trusted for peers (e.g. ca-chain.pem).
+	CAFile string
+	Logger *slog.Logger
+}
+
+// material is one consistent load of a Source's files.
+type material struct {
+	cert  *tls.Certificate // nil without CertFile
+	leaf  *x509.Certificate
+	roots *x509.CertPool
+	// inter holds the non-self-signed certificates of CAFile, offered as
+	// intermediates when verifying peers.
+	inter  *x509.CertPool
+	stamps []fileStamp
+}
+
+type fileStamp struct {
+	path  string
+	size  int64
+	mtime time.Time
+}
+
+// Source holds TLS material loaded from files and reloads it for new
+// handshakes: on Reload (SIGHUP, POST /reload) and, with Watch, when a file
+// changes. A reload that fails (a missing or half-written file, a key that
+// does not match its certificate) keeps the material in use and reports
+// why. Connections already established are not touched.
+type Source struct {
+	cfg    SourceConfig
+	logger *slog.Logger
+
+	mu  sync.RWMutex
+	cur *material
+}
+
+// NewSource loads the files of cfg.
+func NewSource(cfg SourceConfig) (*Source, error) {
+	if cfg.CAFile == "" {
+		return nil, errors.New("tls: a CA file is required to verify peers")
+	}
+	if (cfg.CertFile == "") != (cfg.KeyFile == "") {
+		return nil, errors.New("tls: cert_file and key_file go together")
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Source{cfg: cfg, logger: logger.With("component", "tls")}
+	m, err := s.load()
+	if err != nil {
+		return nil, err
+	}
+	s.cur = m
+	return s, nil
+}
+
+// load reads and checks every file.
+func (s *Source) load() (*material, error) {
+	m := &material{roots: x509.NewCertPool(), inter: x509.NewCertPool()}
+	for _, p := range []string{s.cfg.CertFile, s.cfg.KeyFile, s.cfg.CAFile} {
+		if p == "" {
+			continue
+		}
+		st, err := os.Stat(p)
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		m.stamps = append(m.stamps, fileStamp{path: p, size: st.Size(), mtime: st.ModTime()})
+	}
+	cas, err := ReadCertificates(s.cfg.CAFile)
+	if err != nil {
+		return nil, fmt.Errorf("tls: ca file: %w", err)
+	}
+	for _, c := range cas {
+		if !c.IsCA {
+			return nil, fmt.Errorf("tls: ca file %s: %q is not a CA certificate", s.cfg.CAFile, c.Subject.CommonName)
+		}
+		if c.CheckSignatureFrom(c) == nil {
+			m.roots.AddCert(c)
+		} else {
+			m.inter.AddCert(c)
+		}
+	}
+	if s.cfg.CertFile == "" {
+		return m, nil
+	}
+	pair, err := tls.LoadX509KeyPair(s.cfg.CertFile, s.cfg.KeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("tls: %s and %s: %w", s.cfg.CertFile, s.cfg.KeyFile, err)
+	}
+	leaf, err := x509.ParseCertificate(pair.Certificate[0])
+	if err != nil {
+		return nil, fmt.Errorf("tls: %s: %w", s.cfg.CertFile, err)
+	}
+	pair.Leaf = leaf
+	m.cert, m.leaf = &pair, leaf
+	return m, nil
+}
+
+func (s *Source) material() *material {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.cur
+}
+
+// Reload reads the files again; new handshakes use what it read. On error
+// the material in use stays.
+func (s *Source) Reload() error {
+	m, err := s.load()
+	if err != nil {
+		s.logger.Error("tls reload failed; keeping the certificates in use", "error", err)
+		return err
+	}
+	s.mu.Lock()
+	s.cur = m
+	s.mu.Unlock()
+	if m.leaf != nil {
+		s.logger.Info("tls certificates loaded", "cert", s.cfg.CertFile, "subject", m.leaf.Subject.String(),
+			"not_after", m.leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// changed reports whether a file differs from the loaded material's.
+func (s *Source) changed() bool {
+	for _, f := range s.material().stamps {
+		st, err := os.Stat(f.path)
+		if err != nil || st.Size() != f.size || !st.ModTime().Equal(f.mtime) {
+			return true
+		}
+	}
+	return false
+}
+
+// Watch reloads when a file changes (checked every interval) until ctx
+// ends. A failed reload is retried at the next change.
+func (s *Source) Watch(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	var failedAt []fileStamp
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !s.changed() {
+			continue
+		}
+		now := s.stamps()
+		if failedAt != nil && sameStamps(now, failedAt) {
+			continue // the same broken files: logged already
+		}
+		if err := s.Reload(); err != nil {
+			failedAt = now
+			continue
+		}
+		failedAt = nil
+	}
+}
+
+// stamps reads the files' current stamps.
+func (s *Source) stamps() []fileStamp {
+	var out []fileStamp
+	for _, f := range s.material().stamps {
+		st, err := os.Stat(f.path)
+		if err != nil {
+			out = append(out, fileStamp{path: f.path})
+			continue
+		}
+		out = append(out, fileStamp{path: f.path, size: st.Size(), mtime: st.ModTime()})
+	}
+	return out
+}
+
+func sameStamps(a, b []fileStamp) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i].path != b[i].path || a[i].size != b[i].size || !a[i].mtime.Equal(b[i].mtime) {
+			return false
+		}
+	}
+	return true
+}
+
+// Leaf is this side's certificate, nil without one.
+func (s *Source) Leaf() *x509.Certificate { return s.material().leaf }
+
+// PeerCheck is an extra check of a verified peer's leaf certificate (for
+// example: it must hold an agent identity).
+type PeerCheck func(leaf *x509.Certificate) error
+
+// ServerConfig returns a server tls.Config that takes the current
+// certificate and CAs at every handshake. clientAuth is
+// tls.NoClientCert, tls.VerifyClientCertIfGiven or
+// tls.RequireAndVerifyClientCert; check, when set, runs on a verified
+// client certificate.
+func (s *Source) ServerConfig(clientAuth tls.ClientAuthType, check PeerCheck) *tls.Config {
+	base := &tls.Config{MinVersion: tls.VersionTLS12, CipherSuites: cipherSuites}
+	base.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		m := s.material()
+		if m.cert == nil {
+			return nil, errors.New("tls: no server certificate configured")
+		}
+		c := &tls.Config{
+			MinVersion:   tls.VersionTLS12,
+			CipherSuites: cipherSuites,
+			Certificates: []tls.Certificate{*m.cert},
+			ClientAuth:   clientAuth,
+			ClientCAs:    m.roots,
+			NextProtos:   []string{"h2", "http/1.1"},
+		}
+		if clientAuth != tls.NoClientCert {
+			// The standard check, with CAFile's intermediates too, and a
+			// message that says which certificate was refused and why.
+			c.ClientAuth = requestOrRequire(clientAuth)
+			c.VerifyPeerCertificate = s.verifyPeer(x509.ExtKeyUsageClientAuth, "", check, clientAuth == tls.RequireAndVerifyClientCert)
+		}
+		return c, nil
+	}
+	return base
+}
+
+func requestOrRequire(a tls.ClientAuthType) tls.ClientAuthType {
+	if a == tls.RequireAndVerifyClientCert {
+		return tls.RequireAnyClientCert
+	}
+	return tls.RequestClientCert
+}
+
+// ClientConfig returns a client tls.Config that verifies the server against
+// the current CAs and serverName (empty: the dialled host), and presents
+// the current certificate when the server asks for one.
+func (s *Source) ClientConfig(serverName string) *tls.Config {
+	return &tls.Config{
+		MinVersion:   tls.VersionTLS12,
+		CipherSuites: cipherSuites,
+		ServerName:   serverName,
+		// Verification is done below, with the CAs of the moment: the
+		// standard check would pin the CAs of the config's creation.
+		InsecureSkipVerify: true,
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			if m := s.material(); m.cert != nil {
+				return m.cert, nil
+			}
+			return &tls.Certificate{}, nil
+		},
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			name := cs.ServerName
+			if serverName != "" {
+				name = serverName
+			}
+			raw := make([][]byte, len(cs.PeerCertificates))
+			for i, c := range cs.PeerCertificates {
+				raw[i] = c.Raw
+			}
+			return s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(raw, nil)
+		},
+	}
+}
+
+// verifyPeer returns a VerifyPeerCertificate function: the peer's chain
+// must verify against the current CAs for usage (and name), then check.
+func (s *Source) verifyPeer(usage x509.ExtKeyUsage, name string, check PeerCheck, required bool) func([][]byte, [][]*x509.Certificate) error {
+	return func(raw [][]byte, _ [][]*x509.Certificate) error {
+		if len(raw) == 0 {
+			if required {
+				return errors.New("tls: the peer presented no certificate")
+			}
+			return nil
+		}
+		certs := make([]*x509.Certificate, len(raw))
+		for i, b := range raw {
+			c, err := x509.ParseCertificate(b)
+			if err != nil {
+				return fmt.Errorf("tls: peer certificate %d: %w", i, err)
+			}
+			certs[i] = c
+		}
+		m := s.material()
+		inter := m.inter.Clone()
+		for _, c := range certs[1:] {
+			inter.AddCert(c)
+		}
+		role := "server"
+		if usage == x509.ExtKeyUsageClientAuth {
+			role = "client"
+		}
+		_, err := certs[0].Verify(x509.VerifyOptions{Roots: m.roots, Intermediates: inter, DNSName: name, KeyUsages: []x509.ExtKeyUsage{usage}})
+		if err != nil {
+			err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), explainVerifyError(certs[0], err, time.Now()))
+			s.logger.Warn("tls peer refused", "error", err)
+			return err
+		}
+		if check != nil {
+			if err := check(certs[0]); err != nil {
+				err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), err)
+				s.logger.Warn("tls peer refused", "error", err)
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+// ExpiringSoon reports whether this side's certificate expires within
+// ExpiryWarning of now, and when.
+func (s *Source) ExpiringSoon(now time.Time) (time.Time, bool) {
+	leaf := s.Leaf()
+	if leaf == nil {
+		return time.Time{}, false
+	}
+	return leaf.NotAfter, leaf.NotAfter.Sub(now) < ExpiryWarning
+}

@@ -1,0 +1,363 @@
+package identity
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// pki is a CA directory with issued leaves, for handshake tests.
+type pki struct {
+	t   *testing.T
+	dir string
+}
+
+func newPKI(t *testing.T) *pki {
+	t.Helper()
+	dir := t.TempDir()
+	if _, err := InitCA(dir, CAOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return &pki{t: t, dir: dir}
+}
+
+func (p *pki) issue(req LeafRequest) LeafFiles {
+	p.t.Helper()
+	req.Force = true
+	f, err := Issue(p.dir, req)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	return f
+}
+
+func (p *pki) chain() string { return filepath.Join(p.dir, ChainFile) }
+
+func (p *pki) source(leaf LeafFiles) *Source {
+	p.t.Helper()
+	s, err := NewSource(SourceConfig{CertFile: leaf.Cert, KeyFile: leaf.Key, CAFile: p.chain()})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	return s
+}
+
+// serve accepts TLS connections on 127.0.0.1 and answers each with its
+// own certificate's serial; it records handshake errors.
+type server struct {
+	ln   net.Listener
+	errs chan error
+	wg   sync.WaitGroup
+}
+
+func serve(t *testing.T, cfg *tls.Config) *server {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &server{ln: ln, errs: make(chan error, 1000)}
+	s.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s.wg.Go(func() {
+				defer c.Close()
+				tc := tls.Server(c, cfg)
+				_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+				if err := tc.Handshake(); err != nil {
+					select {
+					case s.errs <- err:
+					default:
+					}
+					return
+				}
+				_, _ = io.WriteString(tc, "ok\n")
+			})
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		s.wg.Wait()
+	})
+	return s
+}
+
+func (s *server) addr() string { return s.ln.Addr().String() }
+
+// waitErr waits for a handshake error containing want, skipping others
+// (those of earlier clients the client side refused).
+func (s *server) waitErr(t *testing.T, want string) {
+	t.Helper()
+	deadline := time.After(5 * time.Second)
+	var seen []string
+	for {
+		select {
+		case err := <-s.errs:
+			if strings.Contains(err.Error(), want) {
+				return
+			}
+			seen = append(seen, err.Error())
+		case <-deadline:
+			t.Fatalf("no handshake error saying %q; saw %q", want, seen)
+		}
+	}
+}
+
+// lastErr returns the newest handshake error the server saw.
+func (s *server) lastErr(t *testing.T) error {
+	t.Helper()
+	select {
+	case err := <-s.errs:
+		return err
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server saw no handshake error")
+		return nil
+	}
+}
+
+// dial handshakes with cfg and returns the server's leaf.
+func dial(addr string, cfg *tls.Config) (*x509.Certificate, error) {
+	d := &net.Dialer{Timeout: 5 * time.Second}
+	c, err := tls.DialWithDialer(d, "tcp", addr, cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadAll(io.LimitReader(c, 3)); err != nil {
+		return nil, err
+	}
+	return c.ConnectionState().PeerCertificates[0], nil
+}
+
+func TestHandshakes(t *testing.T) {
+	p := newPKI(t)
+	srvLeaf := p.issue(LeafRequest{Kind: KindServer, Name: "node-01.pivirt.internal", DNS: []string{"node-01.pivirt.internal"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}})
+	cliLeaf := p.issue(LeafRequest{Kind: KindClient, Name: "pivirt-agent-node-02"})
+	srv, cli := p.source(srvLeaf), p.source(cliLeaf)
+
+	agentsOnly := func(c *x509.Certificate) error {
+		if !strings.HasPrefix(c.Subject.CommonName, "pivirt-agent-") {
+			return fmt.Errorf("%q is not an agent identity", c.Subject.CommonName)
+		}
+		return nil
+	}
+	mtls := serve(t, srv.ServerConfig(tls.RequireAndVerifyClientCert, agentsOnly))
+	if _, err := dial(mtls.addr(), cli.ClientConfig("node-01.pivirt.internal")); err != nil {
+		t.Fatalf("mTLS handshake with an agent certificate: %v", err)
+	}
+	c, err := tls.Dial("tcp", mtls.addr(), cli.ClientConfig(""))
+	if err != nil {
+		t.Fatalf("handshake by IP: %v", err)
+	}
+	if st := c.ConnectionState(); st.Version != tls.VersionTLS13 {
+		t.Errorf("negotiated %x, want TLS 1.3", st.Version)
+	}
+	c.Close()
+
+	// Refusals, each with a message that says why.
+	other := newPKI(t)
+	otherCli := other.issue(LeafRequest{Kind: KindClient, Name: "pivirt-agent-evil"})
+	expiredCli := p.issue(LeafRequest{Kind: KindClient, Name: "pivirt-agent-old", Days: 1, Now: func() time.Time { return time.Now().Add(-72 * time.Hour) }})
+	notAgent := p.issue(LeafRequest{Kind: KindClient, Name: "backup-tool"})
+	noCert, err := NewSource(SourceConfig{CAFile: p.chain()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name   string
+		client *tls.Config
+		want   string // in the server's handshake error
+	}{
+		{"client of another CA", p.sourceWithCA(otherCli, p.chain()).ClientConfig("node-01.pivirt.internal"), "not signed by the given CA chain"},
+		{"expired client", p.source(expiredCli).ClientConfig("node-01.pivirt.internal"), "expired on"},
+		{"no client certificate", noCert.ClientConfig("node-01.pivirt.internal"), "didn't provide a certificate"},
+		{"server certificate as client", p.source(srvLeaf).ClientConfig("node-01.pivirt.internal"), "not valid for this use"},
+		{"not an agent", p.source(notAgent).ClientConfig("node-01.pivirt.internal"), "not an agent identity"},
+	} {
+		if _, err := dial(mtls.addr(), tt.client); err == nil {
+			t.Errorf("%s: handshake succeeded", tt.name)
+			continue
+		}
+		if err := mtls.lastErr(t); !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%s: server error %q, want it to say %q", tt.name, err, tt.want)
+		}
+	}
+
+	// The client side refuses a wrong name, another CA and a client
+	// certificate offered as a server identity.
+	if _, err := dial(mtls.addr(), cli.ClientConfig("node-09.pivirt.internal")); err == nil || !strings.Contains(err.Error(), `not valid for "node-09.pivirt.internal"`) {
+		t.Errorf("wrong server name: %v", err)
+	}
+	if _, err := dial(mtls.addr(), p.sourceWithCA(cliLeaf, filepath.Join(other.dir, ChainFile)).ClientConfig("node-01.pivirt.internal")); err == nil || !strings.Contains(err.Error(), "not signed by the given CA chain") {
+		t.Errorf("server of another CA: %v", err)
+	}
+	clientAsServer := serve(t, p.source(cliLeaf).ServerConfig(tls.NoClientCert, nil))
+	if _, err := dial(clientAsServer.addr(), cli.ClientConfig("")); err == nil || !strings.Contains(err.Error(), "not valid for this use") {
+		t.Errorf("a client certificate as server identity: %v", err)
+	}
+
+	// A plaintext client on the TLS port.
+	conn, err := net.Dial("tcp", mtls.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	conn.Close()
+	mtls.waitErr(t, "does not look like a TLS handshake")
+
+	// TLS 1.1 is refused.
+	old := cli.ClientConfig("node-01.pivirt.internal")
+	old.MinVersion, old.MaxVersion = tls.VersionTLS10, tls.VersionTLS11
+	if _, err := dial(mtls.addr(), old); err == nil {
+		t.Error("a TLS 1.1 client was accepted")
+	}
+}
+
+func (p *pki) sourceWithCA(leaf LeafFiles, ca string) *Source {
+	p.t.Helper()
+	s, err := NewSource(SourceConfig{CertFile: leaf.Cert, KeyFile: leaf.Key, CAFile: ca})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	return s
+}
+
+// TestReloadUnderLoad replaces the server's certificate files again and
+// again while clients handshake without pause: no handshake fails, new
+// handshakes see the new certificate without a restart, and a broken file
+// keeps the certificate in use.
+func TestReloadUnderLoad(t *testing.T) {
+	p := newPKI(t)
+	leaf := p.issue(LeafRequest{Kind: KindServer, Name: "node-01.pivirt.internal", IPs: []net.IP{net.ParseIP("127.0.0.1")}})
+	cliLeaf := p.issue(LeafRequest{Kind: KindClient, Name: "pivirt-agent-node-02"})
+	srv, cli := p.source(leaf), p.source(cliLeaf)
+	s := serve(t, srv.ServerConfig(tls.RequireAndVerifyClientCert, nil))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go srv.Watch(ctx, 10*time.Millisecond)
+
+	var (
+		ok, failed atomic.Int64
+		firstErr   atomic.Value
+		serials    sync.Map
+		stop       = make(chan struct{})
+		wg         sync.WaitGroup
+	)
+	for range 4 {
+		wg.Go(func() {
+			cfg := cli.ClientConfig("")
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := dial(s.addr(), cfg)
+				if err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, err)
+					continue
+				}
+				ok.Add(1)
+				serials.Store(c.SerialNumber.String(), true)
+			}
+		})
+	}
+	const rotations = 10
+	for i := range rotations {
+		// Write the new pair beside, then rename into place: what an
+		// operator's tooling (or pitrust --force, which renames) does.
+		staged := filepath.Join(p.dir, "staged")
+		if err := os.MkdirAll(staged, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := copyCA(staged, p.dir); err != nil {
+			t.Fatal(err)
+		}
+		n, err := Issue(staged, LeafRequest{Kind: KindServer, Name: "node-01.pivirt.internal", IPs: []net.IP{net.ParseIP("127.0.0.1")}, Force: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(n.Key, leaf.Key); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(n.Cert, leaf.Cert); err != nil {
+			t.Fatal(err)
+		}
+		want := mustLeaf(t, leaf.Cert).SerialNumber.String()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			if _, seen := serials.Load(want); seen {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("rotation %d: certificate %s not served within 10s", i, want)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+
+	// A broken certificate file: the one in use stays.
+	inUse := srv.Leaf().SerialNumber
+	if err := os.WriteFile(leaf.Cert, []byte("not a certificate"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Reload(); err == nil {
+		t.Error("Reload of a broken certificate succeeded")
+	}
+	if got := srv.Leaf().SerialNumber; got.Cmp(inUse) != 0 {
+		t.Error("a failed reload replaced the certificate in use")
+	}
+	before := ok.Load()
+	deadline := time.Now().Add(10 * time.Second)
+	for ok.Load() < before+20 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if failed.Load() != 0 {
+		t.Errorf("%d of %d handshakes failed during rotation; first: %v", failed.Load(), failed.Load()+ok.Load(), firstErr.Load())
+	}
+	if ok.Load() < before+20 {
+		t.Errorf("handshakes stopped after the broken file: %d more", ok.Load()-before)
+	}
+	t.Logf("%d handshakes, %d rotations, 0 failures", ok.Load(), rotations)
+}
+
+// copyCA copies the intermediate CA of src into dir, to stage leaves
+// signed by the same CA.
+func copyCA(dir, src string) error {
+	for _, f := range []string{IntermediateCertFile, IntermediateKeyFile} {
+		b, err := os.ReadFile(filepath.Join(src, f))
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), b, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func mustLeaf(t *testing.T, path string) *x509.Certificate {
+	t.Helper()
+	certs, err := ReadCertificates(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return certs[0]
+}
