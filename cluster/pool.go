@@ -2,12 +2,14 @@ package cluster
 
 import (
 	"context"
+	"crypto/tls"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
@@ -32,23 +34,34 @@ const CompressMinBytes = 1024
 // multiplexes many concurrent calls on one connection without the locks a
 // Go HTTP/2 client connection serialises its streams on.
 type Pool struct {
+	creds  credentials.TransportCredentials
 	mu     sync.Mutex
 	conns  map[string]*grpc.ClientConn
 	closed bool
 }
 
-// NewPool builds a pool speaking HTTP/2 without TLS. (mTLS between agents
-// replaces the credentials, not the pool.)
+// NewPool builds a pool speaking HTTP/2 without TLS.
 func NewPool() *Pool {
-	return &Pool{conns: make(map[string]*grpc.ClientConn)}
+	return NewPoolTLS(nil)
+}
+
+// NewPoolTLS builds a pool speaking TLS with cfg (an identity.Source's
+// client config: it presents this agent's certificate and verifies the
+// peer's); nil means no TLS.
+func NewPoolTLS(cfg *tls.Config) *Pool {
+	creds := insecure.NewCredentials()
+	if cfg != nil {
+		creds = credentials.NewTLS(cfg)
+	}
+	return &Pool{creds: creds, conns: make(map[string]*grpc.ClientConn)}
 }
 
 // dialOptions are the options of every connection to a peer. A peer that
 // restarts is redialled within at most a couple of seconds (grpc's default
 // backoff grows to two minutes, far longer than a leader takes to come back).
-func dialOptions() []grpc.DialOption {
+func dialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithTransportCredentials(creds),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(MaxMessageBytes),
 			grpc.MaxCallSendMsgSize(MaxMessageBytes),
@@ -73,7 +86,7 @@ func (p *Pool) conn(addr string) grpc.ClientConnInterface {
 	if c, ok := p.conns[addr]; ok {
 		return c
 	}
-	c, err := grpc.NewClient("passthrough:///"+addr, dialOptions()...)
+	c, err := grpc.NewClient("passthrough:///"+addr, dialOptions(p.creds)...)
 	if err != nil {
 		return failedConn{status.Errorf(codes.Unavailable, "peer %s: %v", addr, err)}
 	}

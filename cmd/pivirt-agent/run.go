@@ -134,23 +134,35 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 	term := make(chan os.Signal, 1)
 	signal.Notify(term, syscall.SIGTERM)
 	defer signal.Stop(term)
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	startCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	err = a.Start(startCtx)
 	cancel()
 	if err != nil {
 		return err
 	}
-	select {
-	case <-a.Done():
-		return nil
-	case <-term:
-		if cfg.Cluster.LeaveOnTerminate {
-			logger.Info("SIGTERM: leaving the cluster (cluster.leave_on_terminate)")
-			return a.Leave(context.Background())
+	for {
+		select {
+		case <-hup:
+			// Certificates are re-read for new handshakes; a failure keeps
+			// the ones in use and is logged.
+			if err := a.ReloadTLS(); err == nil {
+				logger.Info("SIGHUP: certificates reloaded")
+			}
+			continue
+		case <-a.Done():
+			return nil
+		case <-term:
+			if cfg.Cluster.LeaveOnTerminate {
+				logger.Info("SIGTERM: leaving the cluster (cluster.leave_on_terminate)")
+				return a.Leave(context.Background())
+			}
+			logger.Info("SIGTERM: shutting down without leaving")
+		case <-ctx.Done():
+			logger.Info("interrupted: shutting down without leaving")
 		}
-		logger.Info("SIGTERM: shutting down without leaving")
-	case <-ctx.Done():
-		logger.Info("interrupted: shutting down without leaving")
+		return a.Shutdown()
 	}
-	return a.Shutdown()
 }

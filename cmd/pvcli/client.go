@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -69,7 +70,7 @@ func (a *app) connect(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
-	httpClient, err := newHTTPClient(endpoint)
+	httpClient, err := newHTTPClient(endpoint, a.opts.tls)
 	if err != nil {
 		return err
 	}
@@ -134,16 +135,25 @@ func parseEndpoint(raw string) (*url.URL, error) {
 	return u, nil
 }
 
+// tlsOptions are the client TLS flags.
+type tlsOptions struct {
+	caFile, certFile, keyFile string
+}
+
 // newHTTPClient builds the HTTP client for endpoint; it is the one place that
 // decides how pvcli reaches an agent.
 //
 // http:// speaks HTTP/2 over cleartext TCP with prior knowledge (h2c), so
 // streaming RPCs work without TLS. https:// negotiates HTTP/2 through ALPN
-// and verifies the server against the system roots.
-// TODO(tls): CA bundle, client certificate and server name come here.
-func newHTTPClient(endpoint *url.URL) (*http.Client, error) {
+// and verifies the server against --ca-file (else the system roots),
+// presenting --cert-file/--key-file when given (agents that require client
+// certificates).
+func newHTTPClient(endpoint *url.URL, opts tlsOptions) (*http.Client, error) {
 	switch endpoint.Scheme {
 	case "http":
+		if opts.caFile != "" || opts.certFile != "" {
+			return nil, usagef("--ca-file and --cert-file need an https:// endpoint")
+		}
 		t := &http.Transport{
 			DialContext:     (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext,
 			IdleConnTimeout: 90 * time.Second,
@@ -152,8 +162,29 @@ func newHTTPClient(endpoint *url.URL) (*http.Client, error) {
 		t.Protocols.SetUnencryptedHTTP2(true)
 		return &http.Client{Transport: t}, nil
 	case "https":
+		cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+		if opts.caFile != "" {
+			pem, err := os.ReadFile(opts.caFile)
+			if err != nil {
+				return nil, usagef("--ca-file: %v", err)
+			}
+			cfg.RootCAs = x509.NewCertPool()
+			if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, usagef("--ca-file %s: no PEM certificate in it", opts.caFile)
+			}
+		}
+		if (opts.certFile == "") != (opts.keyFile == "") {
+			return nil, usagef("--cert-file and --key-file go together")
+		}
+		if opts.certFile != "" {
+			pair, err := tls.LoadX509KeyPair(opts.certFile, opts.keyFile)
+			if err != nil {
+				return nil, usagef("--cert-file/--key-file: %v", err)
+			}
+			cfg.Certificates = []tls.Certificate{pair}
+		}
 		t := http.DefaultTransport.(*http.Transport).Clone()
-		t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+		t.TLSClientConfig = cfg
 		t.ForceAttemptHTTP2 = true
 		return &http.Client{Transport: t}, nil
 	default:

@@ -111,6 +111,7 @@ type globalOptions struct {
 	timeoutSet  bool // --timeout was given
 	timeout     time.Duration
 	verbose     bool
+	tls         tlsOptions
 }
 
 // app is the state of one pvcli invocation.
@@ -184,6 +185,9 @@ sequence number until --timeout, so it is never applied twice.`,
 	f.DurationVar(&a.opts.wait, "wait", 0, "with --wait-index: the longest wait (server default 5m, at most 10m)")
 	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
 	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
+	f.StringVar(&a.opts.tls.caFile, "ca-file", "", "with https://: PEM file of the CAs that sign the agent's certificate, e.g. /etc/pivirt/certs/ca-chain.pem (default: the system roots)")
+	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one")
+	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key")
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd())
 	return root

@@ -6,6 +6,7 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +23,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/google/uuid"
 	sockaddr "github.com/hashicorp/go-sockaddr"
+	"github.com/hashicorp/raft"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -98,6 +100,8 @@ type Agent struct {
 	pauseCh  chan chan struct{}
 	resumeCh chan struct{}
 	loopDone chan struct{} // closed when the leader loop returned
+	// tls is the TLS material; nil with tls.enabled false.
+	tls *agentTLS
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
@@ -127,9 +131,6 @@ type Agent struct {
 func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
-	}
-	if cfg.TLS.Enabled {
-		return nil, errors.New("tls.enabled: true is not supported by this build yet (PiTrust mTLS is being added); set tls.enabled: false to run plaintext on a trusted network")
 	}
 	if cfg.ServiceDiscovery.Type != config.DiscoveryRaft {
 		return nil, fmt.Errorf("service_discovery.type: %q is not supported by this build yet; use %q (the embedded cluster)", cfg.ServiceDiscovery.Type, config.DiscoveryRaft)
@@ -184,6 +185,21 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.listen(); err != nil {
 		return err
 	}
+	var raftLayer raft.StreamLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+	a.pool = cluster.NewPool()
+	if a.cfg.TLS.Enabled {
+		if a.tls, err = a.loadTLS(); err != nil {
+			return err
+		}
+		for _, s := range a.tls.sources() {
+			go s.Watch(a.ctx, tlsWatchInterval)
+		}
+		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
+		peers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, agentIdentity)
+		a.lnInternal = tls.NewListener(a.lnInternal, peers)
+		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), peers, a.tls.client.ClientConfig(""))
+		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig(""))
+	}
 
 	fcfg := fsm.DefaultConfig()
 	fcfg.Logger = a.logger
@@ -194,7 +210,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	scfg := store.DefaultConfig()
 	scfg.NodeID = a.nodeID
 	scfg.DataDir = a.dataDir
-	scfg.StreamLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+	scfg.StreamLayer = raftLayer
 	scfg.FSM = a.fsm
 	scfg.Logger = a.logger
 	rc := a.cfg.Cluster.Raft
@@ -211,7 +227,6 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	a.view = &cluster.BootstrapView{}
 	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view}
 
-	a.pool = cluster.NewPool()
 	gcfg := cluster.DefaultGossipConfig()
 	gcfg.NodeName = a.cfg.NodeName
 	gcfg.BindAddr = a.cfg.Cluster.Gossip.BindAddr

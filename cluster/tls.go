@@ -1,0 +1,56 @@
+package cluster
+
+import (
+	"crypto/tls"
+	"net"
+	"time"
+
+	"github.com/hashicorp/raft"
+)
+
+// TLSStreamLayer is the Raft stream layer between agents when TLS is on:
+// mutual TLS on the Raft port. Accepted connections are TLS servers with
+// server (which requires and checks an agent's client certificate); dialled
+// ones are TLS clients with client. The handshake of an accepted connection
+// runs on its first read, in Raft's per-connection goroutine, so a slow or
+// hostile peer never holds up the accept loop; its failure ends that
+// connection and is logged by Raft's transport with the reason.
+type TLSStreamLayer struct {
+	ln             net.Listener
+	advertise      net.Addr
+	server, client *tls.Config
+}
+
+var _ raft.StreamLayer = (*TLSStreamLayer)(nil)
+
+// NewTLSStreamLayer returns a stream layer accepting on ln and advertising
+// advertise (ln.Addr() when nil). Closing it closes ln.
+func NewTLSStreamLayer(ln net.Listener, advertise net.Addr, server, client *tls.Config) *TLSStreamLayer {
+	return &TLSStreamLayer{ln: ln, advertise: advertise, server: server, client: client}
+}
+
+// Dial connects and completes the TLS handshake within timeout.
+func (t *TLSStreamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
+	d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout}, Config: t.client}
+	return d.Dial("tcp", string(address))
+}
+
+// Accept waits for the next inbound connection.
+func (t *TLSStreamLayer) Accept() (net.Conn, error) {
+	c, err := t.ln.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return tls.Server(c, t.server), nil
+}
+
+// Close closes the listener.
+func (t *TLSStreamLayer) Close() error { return t.ln.Close() }
+
+// Addr is the advertised address, or the listener's.
+func (t *TLSStreamLayer) Addr() net.Addr {
+	if t.advertise != nil {
+		return t.advertise
+	}
+	return t.ln.Addr()
+}

@@ -1,0 +1,112 @@
+package agent
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"pilab.hu/pivirt-agent/identity"
+)
+
+// AgentIdentityPrefix starts the CN of every agent's client certificate
+// (pitrust issue-mtls-client --name pivirt-agent-<node>, as in the spec):
+// the internal port and the Raft port accept only such peers.
+const AgentIdentityPrefix = "pivirt-agent"
+
+// tlsWatchInterval is how often certificate files are checked for changes.
+const tlsWatchInterval = 5 * time.Second
+
+// agentTLS is the TLS material of an agent with tls.enabled.
+type agentTLS struct {
+	// api serves 8443: the server certificate, client certificates checked
+	// against server.connectrpc.tls.client_ca_file (or the CA files).
+	api *identity.Source
+	// internal serves 9000 and Raft: the server certificate, agent client
+	// certificates checked against tls.ca_file.
+	internal *identity.Source
+	// client is this agent towards other agents: tls.cert_file and
+	// tls.key_file, servers checked against tls.ca_file.
+	client *identity.Source
+
+	apiClientAuth tls.ClientAuthType
+}
+
+// agentIdentity accepts only agents' client certificates.
+func agentIdentity(c *x509.Certificate) error {
+	if !strings.HasPrefix(c.Subject.CommonName, AgentIdentityPrefix) {
+		return fmt.Errorf("%q is not an agent identity (the CN of an agent's client certificate starts with %q)", c.Subject.CommonName, AgentIdentityPrefix)
+	}
+	return nil
+}
+
+// loadTLS loads the TLS material of the configuration.
+func (a *Agent) loadTLS() (*agentTLS, error) {
+	t, srv := a.cfg.TLS, a.cfg.Server.ConnectRPC.TLS
+	if !t.VerifyPeer {
+		return nil, errors.New("tls.verify_peer: false is not supported: agents always verify their peers")
+	}
+	first := func(v ...string) string {
+		for _, s := range v {
+			if s != "" {
+				return s
+			}
+		}
+		return ""
+	}
+	var out agentTLS
+	var err error
+	if out.api, err = identity.NewSource(identity.SourceConfig{
+		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: first(srv.ClientCAFile, srv.CAFile, t.CAFile), Logger: a.logger,
+	}); err != nil {
+		return nil, fmt.Errorf("server.connectrpc.tls: %w", err)
+	}
+	if out.internal, err = identity.NewSource(identity.SourceConfig{
+		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: t.CAFile, Logger: a.logger,
+	}); err != nil {
+		return nil, fmt.Errorf("server.connectrpc.tls with tls.ca_file: %w", err)
+	}
+	if out.client, err = identity.NewSource(identity.SourceConfig{
+		CertFile: t.CertFile, KeyFile: t.KeyFile, CAFile: t.CAFile, Logger: a.logger,
+	}); err != nil {
+		return nil, fmt.Errorf("tls: %w", err)
+	}
+	if err := agentIdentity(out.client.Leaf()); err != nil {
+		return nil, fmt.Errorf("tls.cert_file %s: %w", t.CertFile, err)
+	}
+	out.apiClientAuth = tls.NoClientCert
+	if srv.ClientCAFile != "" {
+		out.apiClientAuth = tls.VerifyClientCertIfGiven
+	}
+	if t.RequireClientCert {
+		out.apiClientAuth = tls.RequireAndVerifyClientCert
+	}
+	for _, s := range []*identity.Source{out.api, out.internal, out.client} {
+		if notAfter, soon := s.ExpiringSoon(time.Now()); soon {
+			a.logger.Warn("tls certificate expires soon", "subject", s.Leaf().Subject.String(), "not_after", notAfter.UTC().Format(time.RFC3339))
+		}
+	}
+	return &out, nil
+}
+
+// sources lists the TLS sources, for reloads.
+func (t *agentTLS) sources() []*identity.Source {
+	return []*identity.Source{t.api, t.internal, t.client}
+}
+
+// ReloadTLS reads every certificate file again (SIGHUP); new handshakes
+// use them. On error the certificates in use stay and the error says why.
+func (a *Agent) ReloadTLS() error {
+	if a.tls == nil {
+		return nil
+	}
+	var errs []error
+	for _, s := range a.tls.sources() {
+		if err := s.Reload(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

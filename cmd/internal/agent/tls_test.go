@@ -1,0 +1,220 @@
+package agent_test
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+)
+
+// testPKI creates a PiTrust CA and, per node, a server certificate for
+// 127.0.0.1 and an agent client certificate.
+func testPKI(t *testing.T, nodes int) string {
+	t.Helper()
+	dir := t.TempDir()
+	if _, err := identity.InitCA(dir, identity.CAOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range nodes {
+		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i+1),
+			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i+1)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// withTLS turns on TLS with node i's certificates of dir.
+func withTLS(dir string) func(i int, cfg *config.Config) {
+	return func(i int, cfg *config.Config) {
+		chain := filepath.Join(dir, identity.ChainFile)
+		cfg.TLS = config.TLSConfig{
+			Enabled: true, VerifyPeer: true, CAFile: chain,
+			CertFile: filepath.Join(dir, fmt.Sprintf("pivirt-agent-node%d.crt", i+1)),
+			KeyFile:  filepath.Join(dir, fmt.Sprintf("pivirt-agent-node%d.key", i+1)),
+		}
+		cfg.Server.ConnectRPC.TLS = config.ServerTLSConfig{
+			CertFile: filepath.Join(dir, fmt.Sprintf("node%d-server.crt", i+1)),
+			KeyFile:  filepath.Join(dir, fmt.Sprintf("node%d-server.key", i+1)),
+			CAFile:   chain, ClientCAFile: chain,
+		}
+	}
+}
+
+func httpsClient(t *testing.T, caFile string, cert *tls.Certificate) *http.Client {
+	t.Helper()
+	pem, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(pem)
+	cfg := &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	if cert != nil {
+		cfg.Certificates = []tls.Certificate{*cert}
+	}
+	tr := &http.Transport{TLSClientConfig: cfg, ForceAttemptHTTP2: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
+}
+
+// TestClusterWithMTLS forms a 3-node cluster with TLS on every port: Raft
+// and the internal port over mutual TLS with agent identities, the API over
+// TLS with optional client certificates. Writes through a follower are
+// forwarded over mTLS; plaintext clients, other CAs' certificates and
+// non-agent identities are refused.
+func TestClusterWithMTLS(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir := testPKI(t, 3)
+	chain := filepath.Join(dir, identity.ChainFile)
+	c := agenttest.NewExpect(t, 3, withTLS(dir))
+	c.WaitLeader(60 * time.Second)
+	follower := c.Follower()
+
+	api := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, nil), "https://"+follower.APIAddr())
+	reg, err := api.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
+		Service: "web", InstanceId: "w-1", Address: "10.0.0.1", Port: 80,
+	}}))
+	if err != nil {
+		t.Fatalf("write through a follower over TLS: %v", err)
+	}
+	got, err := api.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{
+		Service: "web", InstanceId: "w-1", Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+	}))
+	if err != nil || len(got.Msg.GetInstances()) != 1 {
+		t.Fatalf("consistent read through a follower over TLS: %v, %v", got, err)
+	}
+	t.Logf("registered at index %d over TLS", reg.Msg.GetIndex())
+
+	// A plaintext client on the TLS API port.
+	plain := agenttest.NewClient(agenttest.NewHTTPClient(), follower.APIAddr())
+	pctx, pcancel := context.WithTimeout(ctx, 5*time.Second)
+	if _, err := plain.Leader(pctx, connect.NewRequest(&clusterv1.LeaderRequest{})); err == nil {
+		t.Error("a plaintext client was answered on the TLS API port")
+	}
+	pcancel()
+
+	// The API port checks client certificates when given: another CA's is
+	// refused.
+	other := testPKI(t, 1)
+	otherCert, err := tls.LoadX509KeyPair(filepath.Join(other, "pivirt-agent-node1.crt"), filepath.Join(other, "pivirt-agent-node1.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, &otherCert), "https://"+follower.APIAddr())
+	if _, err := bad.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{})); err == nil {
+		t.Error("a client certificate of another CA was accepted on the API port")
+	}
+
+	// The internal port accepts only agents of this CA.
+	for name, files := range map[string][2]string{
+		"another CA's agent": {filepath.Join(other, "pivirt-agent-node1.crt"), filepath.Join(other, "pivirt-agent-node1.key")},
+		"a non-agent client": issueClient(t, dir, "backup-tool"),
+		"a server identity":  {filepath.Join(dir, "node1-server.crt"), filepath.Join(dir, "node1-server.key")},
+	} {
+		src, err := identity.NewSource(identity.SourceConfig{CertFile: files[0], KeyFile: files[1], CAFile: chain})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pool := cluster.NewPoolTLS(src.ClientConfig(""))
+		sctx, scancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err = pool.Node(follower.InternalAddr()).Status(sctx, connect.NewRequest(&nodev1.StatusRequest{}))
+		scancel()
+		pool.Close()
+		if err == nil {
+			t.Errorf("%s was answered on the internal port", name)
+		}
+	}
+	// ... and answers this CA's agents.
+	good, err := identity.NewSource(identity.SourceConfig{CertFile: filepath.Join(dir, "pivirt-agent-node3.crt"), KeyFile: filepath.Join(dir, "pivirt-agent-node3.key"), CAFile: chain})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := cluster.NewPoolTLS(good.ClientConfig(""))
+	defer pool.Close()
+	if _, err := pool.Node(follower.InternalAddr()).Status(ctx, connect.NewRequest(&nodev1.StatusRequest{})); err != nil {
+		t.Errorf("an agent of this CA on the internal port: %v", err)
+	}
+	if !strings.HasPrefix(follower.Cfg.TLS.CertFile, dir) {
+		t.Errorf("the follower's client certificate %s is not from the test PKI", follower.Cfg.TLS.CertFile)
+	}
+}
+
+// TestStartRefusesBadTLS: an agent with TLS on refuses to start on a
+// missing file, a client certificate that is not an agent identity, or
+// verify_peer false, naming what is wrong.
+func TestStartRefusesBadTLS(t *testing.T) {
+	dir := testPKI(t, 1)
+	for _, tt := range []struct {
+		name   string
+		mutate func(cfg *config.Config)
+		want   string
+	}{
+		{"missing CA", func(cfg *config.Config) { cfg.TLS.CAFile = filepath.Join(dir, "missing.pem") }, "missing.pem"},
+		{"not an agent", func(cfg *config.Config) {
+			f := issueClient(t, dir, "backup-tool")
+			cfg.TLS.CertFile, cfg.TLS.KeyFile = f[0], f[1]
+		}, "not an agent identity"},
+		{"verify_peer false", func(cfg *config.Config) { cfg.TLS.VerifyPeer = false }, "tls.verify_peer"},
+		{"key of another certificate", func(cfg *config.Config) {
+			cfg.Server.ConnectRPC.TLS.KeyFile = cfg.TLS.KeyFile
+		}, "server.connectrpc.tls"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := agenttest.Config("node1", t.TempDir())
+			withTLS(dir)(0, cfg)
+			cfg.Cluster.Raft.Bootstrap = true
+			tt.mutate(cfg)
+			a, err := agentNew(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			err = a.Start(ctx)
+			if err == nil {
+				a.Shutdown()
+				t.Fatal("the agent started")
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("start: %v, want an error naming %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// issueClient issues a client certificate named name in dir.
+func issueClient(t *testing.T, dir, name string) [2]string {
+	t.Helper()
+	f, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: name, Force: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return [2]string{f.Cert, f.Key}
+}
+
+func agentNew(cfg *config.Config) (*agent.Agent, error) {
+	return agent.New(cfg, agenttest.Options(nil))
+}
