@@ -260,8 +260,10 @@ func permanentTransportError(err error) bool {
 	return errors.As(err, &verify) || errors.As(err, &header) || errors.As(err, &authority) ||
 		errors.As(err, &hostname) || errors.As(err, &invalid) || errors.As(err, &alertError) ||
 		// net/http turns the RecordHeaderError of an HTTP/1 answer into
-		// this untyped error.
-		strings.Contains(err.Error(), "server gave HTTP response to HTTPS client")
+		// this untyped error, and a TLS alert of the server (a client
+		// certificate required or refused) reaches here as text.
+		strings.Contains(err.Error(), "server gave HTTP response to HTTPS client") ||
+		strings.Contains(err.Error(), "remote error: tls: ")
 }
 
 func (a *app) printMeta(h http.Header) {

@@ -1014,3 +1014,20 @@ func TestTLSFailureIsNotRetried(t *testing.T) {
 		})
 	}
 }
+
+func TestPermanentTransportError(t *testing.T) {
+	for _, tt := range []struct {
+		err  error
+		want bool
+	}{
+		{connect.NewError(connect.CodeUnavailable, errors.New("remote error: tls: certificate required")), true},
+		{connect.NewError(connect.CodeUnavailable, errors.New("remote error: tls: bad certificate")), true},
+		{connect.NewError(connect.CodeUnavailable, errors.New("http: server gave HTTP response to HTTPS client")), true},
+		{connect.NewError(connect.CodeUnavailable, errors.New("dial tcp 127.0.0.1:8443: connect: connection refused")), false},
+		{connect.NewError(connect.CodeUnavailable, errors.New("no cluster leader")), false},
+	} {
+		if got := permanentTransportError(tt.err); got != tt.want {
+			t.Errorf("permanentTransportError(%v) = %v, want %v", tt.err, got, tt.want)
+		}
+	}
+}
