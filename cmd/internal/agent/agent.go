@@ -192,8 +192,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			return err
 		}
 		for _, s := range a.tls.sources() {
-			go s.Watch(a.ctx, tlsWatchInterval)
+			a.wg.Go(func() { s.Watch(a.ctx, tlsWatchInterval) })
 		}
+		a.wg.Go(func() { a.watchExpiry(a.ctx) })
+		a.metrics.MustRegister(newExpiryCollector(a.tls))
 		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
 		peers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, agentIdentity)
 		a.lnInternal = tls.NewListener(a.lnInternal, peers)
@@ -825,6 +827,11 @@ func (a *Agent) metricsMux() http.Handler {
 			checks["leader_state"] = "leader barrier not complete"
 			ready = false
 		}
+		if a.tls != nil {
+			detail, ok := a.tls.check(time.Now())
+			checks["tls"] = detail
+			ready = ready && ok
+		}
 		code := http.StatusOK
 		status := "ready"
 		if !ready {
@@ -832,7 +839,29 @@ func (a *Agent) metricsMux() http.Handler {
 		}
 		writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": st.AppliedIndex})
 	})
+	mux.HandleFunc("POST /reload", func(w http.ResponseWriter, r *http.Request) {
+		if !loopbackCaller(r) {
+			writeJSON(w, http.StatusForbidden, map[string]any{"status": "error", "error": "reload answers loopback callers only"})
+			return
+		}
+		// Certificates now; the rest of the configuration with its issue.
+		if err := a.ReloadTLS(); err != nil {
+			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(), "kept": "the certificates in use"})
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "reloaded": []string{"tls"}})
+	})
 	return mux
+}
+
+// loopbackCaller reports whether r comes from a loopback address.
+func loopbackCaller(r *http.Request) bool {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // peerClients adapts the pool to gateway.Peers.

@@ -1,12 +1,15 @@
 package agent
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"pilab.hu/pivirt-agent/identity"
 )
@@ -83,11 +86,6 @@ func (a *Agent) loadTLS() (*agentTLS, error) {
 	if t.RequireClientCert {
 		out.apiClientAuth = tls.RequireAndVerifyClientCert
 	}
-	for _, s := range []*identity.Source{out.api, out.internal, out.client} {
-		if notAfter, soon := s.ExpiringSoon(time.Now()); soon {
-			a.logger.Warn("tls certificate expires soon", "subject", s.Leaf().Subject.String(), "not_after", notAfter.UTC().Format(time.RFC3339))
-		}
-	}
 	return &out, nil
 }
 
@@ -109,4 +107,67 @@ func (a *Agent) ReloadTLS() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// check describes the certificates for /ready: not ready once one has
+// expired; one expiring within identity.ExpiryWarning is named but ready.
+func (t *agentTLS) check(now time.Time) (string, bool) {
+	var soon []string
+	for _, s := range t.sources() {
+		leaf := s.Leaf()
+		if leaf == nil {
+			continue
+		}
+		if now.After(leaf.NotAfter) {
+			return fmt.Sprintf("certificate %s expired on %s", leaf.Subject.CommonName, leaf.NotAfter.UTC().Format(time.RFC3339)), false
+		}
+		if notAfter, expiring := s.ExpiringSoon(now); expiring {
+			soon = append(soon, fmt.Sprintf("%s expires in %d days (%s)", leaf.Subject.CommonName,
+				int(notAfter.Sub(now).Hours()/24), notAfter.UTC().Format(time.RFC3339)))
+		}
+	}
+	if len(soon) > 0 {
+		return "ok, renew soon: " + strings.Join(soon, "; "), true
+	}
+	return "ok", true
+}
+
+// expiryCollector exports pivirt_tls_cert_expiry_seconds per certificate,
+// read at scrape time, so a reloaded certificate shows at once.
+type expiryCollector struct {
+	t    *agentTLS
+	desc *prometheus.Desc
+}
+
+func newExpiryCollector(t *agentTLS) *expiryCollector {
+	return &expiryCollector{t: t, desc: prometheus.NewDesc("pivirt_tls_cert_expiry_seconds",
+		"Seconds until the certificate expires (negative once expired).", []string{"cert", "subject"}, nil)}
+}
+
+func (c *expiryCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *expiryCollector) Collect(ch chan<- prometheus.Metric) {
+	now := time.Now()
+	for name, s := range map[string]*identity.Source{"api": c.t.api, "internal": c.t.internal, "client": c.t.client} {
+		if leaf := s.Leaf(); leaf != nil {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, leaf.NotAfter.Sub(now).Seconds(), name, leaf.Subject.CommonName)
+		}
+	}
+}
+
+// watchExpiry logs certificates within identity.ExpiryWarning of expiry
+// once a day until ctx ends.
+func (a *Agent) watchExpiry(ctx context.Context) {
+	t := time.NewTicker(24 * time.Hour)
+	defer t.Stop()
+	for {
+		if detail, _ := a.tls.check(time.Now()); detail != "ok" {
+			a.logger.Warn("tls certificates need renewal", "detail", detail)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -160,6 +161,87 @@ func TestClusterWithMTLS(t *testing.T) {
 	if !strings.HasPrefix(follower.Cfg.TLS.CertFile, dir) {
 		t.Errorf("the follower's client certificate %s is not from the test PKI", follower.Cfg.TLS.CertFile)
 	}
+
+	// Operations: the expiry metric, /ready's detail, and POST /reload
+	// picking up a reissued server certificate for new handshakes.
+	body := httpGet(t, "http://"+follower.MetricsAddr()+"/metrics")
+	if !strings.Contains(body, `pivirt_tls_cert_expiry_seconds{cert="api",subject="node`) || !strings.Contains(body, `cert="client",subject="pivirt-agent-node`) {
+		t.Errorf("/metrics lacks pivirt_tls_cert_expiry_seconds:\n%s", grepLines(body, "pivirt_tls"))
+	}
+	if body := httpGet(t, "http://"+follower.MetricsAddr()+"/ready"); !strings.Contains(body, `"tls":"ok"`) {
+		t.Errorf("/ready: %s", body)
+	}
+	serial := func() string {
+		conn, err := tls.Dial("tcp", follower.APIAddr(), &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12})
+		if err != nil {
+			t.Fatalf("handshake with the API port: %v", err)
+		}
+		defer conn.Close()
+		return conn.ConnectionState().PeerCertificates[0].SerialNumber.String()
+	}
+	before := serial()
+	i := c.Index(follower) + 1
+	if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i),
+		DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := httpPost(t, "http://"+follower.MetricsAddr()+"/reload"); code != http.StatusOK {
+		t.Fatalf("POST /reload: %d %s", code, body)
+	}
+	if after := serial(); after == before {
+		t.Error("after POST /reload the API port still presents the old certificate")
+	}
+	certFile := filepath.Join(dir, fmt.Sprintf("node%d-server.crt", i))
+	if err := os.WriteFile(certFile, []byte("garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := httpPost(t, "http://"+follower.MetricsAddr()+"/reload"); code != http.StatusUnprocessableEntity || !strings.Contains(body, "node") {
+		t.Errorf("POST /reload with a broken certificate: %d %s, want 422 naming the file", code, body)
+	}
+	_ = serial() // the certificate in use still serves
+}
+
+func mustPool(t *testing.T, caFile string) *x509.CertPool {
+	t.Helper()
+	pem, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := x509.NewCertPool()
+	p.AppendCertsFromPEM(pem)
+	return p
+}
+
+func httpGet(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func httpPost(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
 
 // TestStartRefusesBadTLS: an agent with TLS on refuses to start on a
