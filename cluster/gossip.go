@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"sync"
@@ -71,8 +72,11 @@ type GossipConfig struct {
 	DeadNodeReclaimTime time.Duration
 	// ForgetAfter drops failed and left members from the member list.
 	ForgetAfter time.Duration
-	// SecretKey enables gossip encryption (16, 24 or 32 bytes).
-	SecretKey []byte
+	// SecretKey enables gossip encryption (16, 24 or 32 bytes) on the first
+	// start; KeyringFile, once it exists, holds the keyring instead (keys
+	// installed and used since), so it survives restarts.
+	SecretKey   []byte
+	KeyringFile string
 	// PeersFile, when set, is where the addresses of known members are
 	// saved (every reconnect round and at shutdown), so that a restarted
 	// node can rejoin without join flags. A graceful Leave deletes it.
@@ -126,6 +130,12 @@ type Gossip struct {
 	cfg    GossipConfig
 	logger *slog.Logger
 	ml     *memberlist.Memberlist
+
+	// keyring is memberlist's (nil without encryption); keyringMu
+	// serialises changes and the writes of keyringFile.
+	keyring     *memberlist.Keyring
+	keyringMu   sync.Mutex
+	keyringFile string
 
 	mu      sync.Mutex
 	members map[string]*Member
@@ -191,8 +201,36 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	mc.Merge = (*gossipGuard)(g)
 	mc.DeadNodeReclaimTime = cfg.DeadNodeReclaimTime
 	mc.Logger = log.New(&slogWriter{logger: g.logger}, "", 0)
+	keys := [][]byte(nil)
 	if len(cfg.SecretKey) > 0 {
-		mc.SecretKey = cfg.SecretKey
+		keys = [][]byte{cfg.SecretKey}
+	}
+	if cfg.KeyringFile != "" {
+		saved, ok, err := loadKeyring(cfg.KeyringFile)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			if len(keys) > 0 && !slices.ContainsFunc(saved, func(k []byte) bool { return bytes.Equal(k, keys[0]) }) {
+				g.logger.Warn("the gossip key of cluster.gossip.encrypt_key_file is not in the saved keyring; using the keyring",
+					"keyring", cfg.KeyringFile)
+			}
+			keys = saved
+		}
+	}
+	if len(keys) > 0 {
+		kr, err := memberlist.NewKeyring(keys, keys[0])
+		if err != nil {
+			return nil, fmt.Errorf("gossip keyring: %w", err)
+		}
+		mc.Keyring = kr
+		g.keyring = kr
+		g.keyringFile = cfg.KeyringFile
+		if cfg.KeyringFile != "" {
+			if err := saveKeyring(cfg.KeyringFile, kr); err != nil {
+				return nil, fmt.Errorf("gossip keyring: %w", err)
+			}
+		}
 	}
 	ml, err := memberlist.Create(mc)
 	if err != nil {

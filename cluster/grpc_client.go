@@ -102,6 +102,10 @@ func (g grpcCluster) ConfigHistory(ctx context.Context, r *connect.Request[clust
 	return callGRPC(ctx, r, g.c.ConfigHistory)
 }
 
+func (g grpcCluster) Keyring(ctx context.Context, r *connect.Request[clusterv1.KeyringRequest]) (*connect.Response[clusterv1.KeyringResponse], error) {
+	return callGRPC(ctx, r, g.c.Keyring)
+}
+
 type grpcNode struct {
 	c nodev1.NodeServiceClient
 }
@@ -112,6 +116,10 @@ func (g grpcNode) Status(ctx context.Context, r *connect.Request[nodev1.StatusRe
 
 func (g grpcNode) ReadIndex(ctx context.Context, r *connect.Request[nodev1.ReadIndexRequest]) (*connect.Response[nodev1.ReadIndexResponse], error) {
 	return callGRPC(ctx, r, g.c.ReadIndex)
+}
+
+func (g grpcNode) Keyring(ctx context.Context, r *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {
+	return callGRPC(ctx, r, g.c.Keyring)
 }
 
 // callGRPC makes one unary gRPC call for a Connect request.

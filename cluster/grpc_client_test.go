@@ -51,6 +51,10 @@ func (nodeServer) Status(context.Context, *nodev1.StatusRequest) (*nodev1.Status
 	return &nodev1.StatusResponse{NodeId: "n-1"}, nil
 }
 
+func (nodeServer) Keyring(context.Context, *nodev1.KeyringRequest) (*nodev1.KeyringResponse, error) {
+	return &nodev1.KeyringResponse{}, nil
+}
+
 func first(v []string) string {
 	if len(v) == 0 {
 		return ""

@@ -2,9 +2,11 @@ package cluster
 
 import (
 	"context"
+	"fmt"
 
 	"connectrpc.com/connect"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 )
@@ -25,13 +27,45 @@ type ReadIndexSource interface {
 type NodeService struct {
 	src       StatusSource
 	readIndex ReadIndexSource
+	gossip    *Gossip
 }
 
 var _ nodev1connect.NodeServiceHandler = (*NodeService)(nil)
 
 // NewNodeService returns the handler.
-func NewNodeService(src StatusSource, ri ReadIndexSource) *NodeService {
-	return &NodeService{src: src, readIndex: ri}
+func NewNodeService(src StatusSource, ri ReadIndexSource, gossip *Gossip) *NodeService {
+	return &NodeService{src: src, readIndex: ri, gossip: gossip}
+}
+
+// Keyring implements nodev1connect.NodeServiceHandler: one keyring
+// operation on this node.
+func (s *NodeService) Keyring(_ context.Context, req *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {
+	var (
+		st  KeyringState
+		err error
+	)
+	op := req.Msg.GetOp()
+	if op == clusterv1.KeyringOp_KEYRING_OP_LIST {
+		st, err = s.gossip.Keyring()
+	} else {
+		key, perr := ParseGossipKey(req.Msg.GetKey())
+		if perr != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("key: %w", perr))
+		}
+		name, ok := map[clusterv1.KeyringOp]string{
+			clusterv1.KeyringOp_KEYRING_OP_INSTALL: KeyringInstall,
+			clusterv1.KeyringOp_KEYRING_OP_USE:     KeyringUse,
+			clusterv1.KeyringOp_KEYRING_OP_REMOVE:  KeyringRemove,
+		}[op]
+		if !ok {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("op: %v is not a keyring operation", op))
+		}
+		st, err = s.gossip.ChangeKeyring(name, key)
+	}
+	if err != nil {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, err)
+	}
+	return connect.NewResponse(&nodev1.KeyringResponse{Keyring: &clusterv1.NodeKeyring{Primary: st.Primary, Keys: st.Keys}}), nil
 }
 
 // ReadIndex implements nodev1connect.NodeServiceHandler.

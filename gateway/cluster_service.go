@@ -109,6 +109,10 @@ type ClusterServiceConfig struct {
 	// ValidateConfig checks a cluster config document on the leader before
 	// it is proposed. Nil accepts any value.
 	ValidateConfig func(key, value string) error
+	// Keyring runs one gossip keyring operation on the member with the
+	// given internal address (NodeService.Keyring). Nil: Keyring answers
+	// Unimplemented.
+	Keyring func(ctx context.Context, internalAddr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error)
 	Logger         *slog.Logger
 }
 

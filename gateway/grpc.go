@@ -98,6 +98,10 @@ func (g clusterGRPC) DeleteConfig(ctx context.Context, r *clusterv1.DeleteConfig
 	return unary(ctx, r, g.h.DeleteConfig)
 }
 
+func (g clusterGRPC) Keyring(ctx context.Context, r *clusterv1.KeyringRequest) (*clusterv1.KeyringResponse, error) {
+	return unary(ctx, r, g.h.Keyring)
+}
+
 func (g clusterGRPC) ConfigHistory(ctx context.Context, r *clusterv1.ConfigHistoryRequest) (*clusterv1.ConfigHistoryResponse, error) {
 	return unary(ctx, r, g.h.ConfigHistory)
 }
@@ -113,6 +117,10 @@ type nodeGRPC struct {
 
 func (g nodeGRPC) Status(ctx context.Context, r *nodev1.StatusRequest) (*nodev1.StatusResponse, error) {
 	return unary(ctx, r, g.h.Status)
+}
+
+func (g nodeGRPC) Keyring(ctx context.Context, r *nodev1.KeyringRequest) (*nodev1.KeyringResponse, error) {
+	return unary(ctx, r, g.h.Keyring)
 }
 
 func (g nodeGRPC) ReadIndex(ctx context.Context, r *nodev1.ReadIndexRequest) (*nodev1.ReadIndexResponse, error) {

@@ -57,6 +57,7 @@ func (a *app) newClusterCmd() *cobra.Command {
 			Args:  positional("[ID]"),
 			RunE:  a.command(a.clusterTransferLeader),
 		},
+		a.newKeyringCmd(),
 	)
 }
 

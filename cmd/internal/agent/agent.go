@@ -257,6 +257,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		gcfg.SecretKey = key
 	}
+	// Keys installed and used through pvcli cluster keyring survive
+	// restarts here.
+	gcfg.KeyringFile = filepath.Join(a.dataDir, "gossip-keyring.json")
 	a.gossip, err = cluster.NewGossip(gcfg)
 	if err != nil {
 		return err
@@ -270,6 +273,13 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
 	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
+	hcfg.Keyring = func(ctx context.Context, addr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error) {
+		resp, err := a.pool.Node(addr).Keyring(ctx, connect.NewRequest(&nodev1.KeyringRequest{Op: op, Key: key}))
+		if err != nil {
+			return nil, err
+		}
+		return resp.Msg.GetKeyring(), nil
+	}
 	peers := peerClients{pool: a.pool}
 	a.api, err = gateway.NewClusterService(hcfg, a.raft, a.raft, a.gossip, peers, a.fsm)
 	if err != nil {
@@ -305,7 +315,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 	})
-	nodeSvc := cluster.NewNodeService(a.raft, internal)
+	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip)
 	a.serveSplit(a.lnInternal, internalMux(internal, internalSnapshots, nodeSvc), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))

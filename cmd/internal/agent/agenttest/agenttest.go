@@ -124,6 +124,9 @@ func New(tb testing.TB) *Cluster {
 	return c
 }
 
+// Logs returns the buffer all the cluster's agents log into.
+func (c *Cluster) Logs() *LogBuffer { return c.logs }
+
 // Logger returns a logger writing into the cluster's log buffer.
 func (c *Cluster) Logger(name string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(c.logs, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", name)
@@ -374,4 +377,11 @@ func FreePort(tb testing.TB) int {
 	}
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// Contains reports whether any log line holds s.
+func (b *LogBuffer) Contains(s string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Contains(b.buf.String(), s)
 }

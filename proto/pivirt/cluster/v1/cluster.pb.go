@@ -245,6 +245,61 @@ func (Health) EnumDescriptor() ([]byte, []int) {
 	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{3}
 }
 
+type KeyringOp int32
+
+const (
+	KeyringOp_KEYRING_OP_UNSPECIFIED KeyringOp = 0
+	KeyringOp_KEYRING_OP_LIST        KeyringOp = 1
+	KeyringOp_KEYRING_OP_INSTALL     KeyringOp = 2
+	KeyringOp_KEYRING_OP_USE         KeyringOp = 3
+	KeyringOp_KEYRING_OP_REMOVE      KeyringOp = 4
+)
+
+// Enum value maps for KeyringOp.
+var (
+	KeyringOp_name = map[int32]string{
+		0: "KEYRING_OP_UNSPECIFIED",
+		1: "KEYRING_OP_LIST",
+		2: "KEYRING_OP_INSTALL",
+		3: "KEYRING_OP_USE",
+		4: "KEYRING_OP_REMOVE",
+	}
+	KeyringOp_value = map[string]int32{
+		"KEYRING_OP_UNSPECIFIED": 0,
+		"KEYRING_OP_LIST":        1,
+		"KEYRING_OP_INSTALL":     2,
+		"KEYRING_OP_USE":         3,
+		"KEYRING_OP_REMOVE":      4,
+	}
+)
+
+func (x KeyringOp) Enum() *KeyringOp {
+	p := new(KeyringOp)
+	*p = x
+	return p
+}
+
+func (x KeyringOp) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (KeyringOp) Descriptor() protoreflect.EnumDescriptor {
+	return file_pivirt_cluster_v1_cluster_proto_enumTypes[4].Descriptor()
+}
+
+func (KeyringOp) Type() protoreflect.EnumType {
+	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[4]
+}
+
+func (x KeyringOp) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use KeyringOp.Descriptor instead.
+func (KeyringOp) EnumDescriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{4}
+}
+
 type ReadOptions struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	Consistency Consistency            `protobuf:"varint,1,opt,name=consistency,proto3,enum=pivirt.cluster.v1.Consistency" json:"consistency,omitempty"`
@@ -2609,6 +2664,183 @@ func (x *ConfigHistoryResponse) GetMeta() *QueryMeta {
 	return nil
 }
 
+type KeyringRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Op    KeyringOp              `protobuf:"varint,1,opt,name=op,proto3,enum=pivirt.cluster.v1.KeyringOp" json:"op,omitempty"`
+	// key is the base64 key (16, 24 or 32 bytes) to install, use or remove.
+	Key           string `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeyringRequest) Reset() {
+	*x = KeyringRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeyringRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeyringRequest) ProtoMessage() {}
+
+func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
+func (*KeyringRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *KeyringRequest) GetOp() KeyringOp {
+	if x != nil {
+		return x.Op
+	}
+	return KeyringOp_KEYRING_OP_UNSPECIFIED
+}
+
+func (x *KeyringRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+type KeyringResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// nodes holds each live member's keyring after the operation, or why the
+	// operation failed there.
+	Nodes         []*NodeKeyring `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeyringResponse) Reset() {
+	*x = KeyringResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeyringResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeyringResponse) ProtoMessage() {}
+
+func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
+func (*KeyringResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *KeyringResponse) GetNodes() []*NodeKeyring {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+// NodeKeyring is one node's gossip keyring, keys by fingerprint (the first
+// 8 bytes of their SHA-256, hex).
+type NodeKeyring struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	NodeId        string                 `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Primary       string                 `protobuf:"bytes,3,opt,name=primary,proto3" json:"primary,omitempty"`
+	Keys          []string               `protobuf:"bytes,4,rep,name=keys,proto3" json:"keys,omitempty"`
+	Error         string                 `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeKeyring) Reset() {
+	*x = NodeKeyring{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeKeyring) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeKeyring) ProtoMessage() {}
+
+func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
+func (*NodeKeyring) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *NodeKeyring) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *NodeKeyring) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *NodeKeyring) GetPrimary() string {
+	if x != nil {
+		return x.Primary
+	}
+	return ""
+}
+
+func (x *NodeKeyring) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *NodeKeyring) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 var File_pivirt_cluster_v1_cluster_proto protoreflect.FileDescriptor
 
 const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
@@ -2778,7 +3010,18 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"\x83\x01\n" +
 	"\x15ConfigHistoryResponse\x128\n" +
 	"\aentries\x18\x01 \x03(\v2\x1e.pivirt.cluster.v1.ConfigEntryR\aentries\x120\n" +
-	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta*v\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"P\n" +
+	"\x0eKeyringRequest\x12,\n" +
+	"\x02op\x18\x01 \x01(\x0e2\x1c.pivirt.cluster.v1.KeyringOpR\x02op\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\"G\n" +
+	"\x0fKeyringResponse\x124\n" +
+	"\x05nodes\x18\x01 \x03(\v2\x1e.pivirt.cluster.v1.NodeKeyringR\x05nodes\"~\n" +
+	"\vNodeKeyring\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x17\n" +
+	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x18\n" +
+	"\aprimary\x18\x03 \x01(\tR\aprimary\x12\x12\n" +
+	"\x04keys\x18\x04 \x03(\tR\x04keys\x12\x14\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error*v\n" +
 	"\vConsistency\x12\x1b\n" +
 	"\x17CONSISTENCY_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13CONSISTENCY_DEFAULT\x10\x01\x12\x1a\n" +
@@ -2800,7 +3043,13 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x06Health\x12\x16\n" +
 	"\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eHEALTH_PASSING\x10\x01\x12\x13\n" +
-	"\x0fHEALTH_CRITICAL\x10\x022\xb4\f\n" +
+	"\x0fHEALTH_CRITICAL\x10\x02*\x7f\n" +
+	"\tKeyringOp\x12\x1a\n" +
+	"\x16KEYRING_OP_UNSPECIFIED\x10\x00\x12\x13\n" +
+	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
+	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
+	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\x88\r\n" +
 	"\x0eClusterService\x12R\n" +
 	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x00\x12L\n" +
 	"\x05Peers\x12\x1f.pivirt.cluster.v1.PeersRequest\x1a .pivirt.cluster.v1.PeersResponse\"\x00\x12O\n" +
@@ -2821,7 +3070,8 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"ListConfig\x12$.pivirt.cluster.v1.ListConfigRequest\x1a%.pivirt.cluster.v1.ListConfigResponse\"\x00\x12X\n" +
 	"\tSetConfig\x12#.pivirt.cluster.v1.SetConfigRequest\x1a$.pivirt.cluster.v1.SetConfigResponse\"\x00\x12a\n" +
 	"\fDeleteConfig\x12&.pivirt.cluster.v1.DeleteConfigRequest\x1a'.pivirt.cluster.v1.DeleteConfigResponse\"\x00\x12d\n" +
-	"\rConfigHistory\x12'.pivirt.cluster.v1.ConfigHistoryRequest\x1a(.pivirt.cluster.v1.ConfigHistoryResponse\"\x00B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\rConfigHistory\x12'.pivirt.cluster.v1.ConfigHistoryRequest\x1a(.pivirt.cluster.v1.ConfigHistoryResponse\"\x00\x12R\n" +
+	"\aKeyring\x12!.pivirt.cluster.v1.KeyringRequest\x1a\".pivirt.cluster.v1.KeyringResponse\"\x00B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_cluster_proto_rawDescOnce sync.Once
@@ -2835,141 +3085,149 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 	return file_pivirt_cluster_v1_cluster_proto_rawDescData
 }
 
-var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 45)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                  // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                 // 1: pivirt.cluster.v1.MemberStatus
 	(RaftState)(0),                    // 2: pivirt.cluster.v1.RaftState
 	(Health)(0),                       // 3: pivirt.cluster.v1.Health
-	(*ReadOptions)(nil),               // 4: pivirt.cluster.v1.ReadOptions
-	(*WriteOptions)(nil),              // 5: pivirt.cluster.v1.WriteOptions
-	(*QueryMeta)(nil),                 // 6: pivirt.cluster.v1.QueryMeta
-	(*Member)(nil),                    // 7: pivirt.cluster.v1.Member
-	(*MembersRequest)(nil),            // 8: pivirt.cluster.v1.MembersRequest
-	(*MembersResponse)(nil),           // 9: pivirt.cluster.v1.MembersResponse
-	(*Peer)(nil),                      // 10: pivirt.cluster.v1.Peer
-	(*PeersRequest)(nil),              // 11: pivirt.cluster.v1.PeersRequest
-	(*PeersResponse)(nil),             // 12: pivirt.cluster.v1.PeersResponse
-	(*LeaderRequest)(nil),             // 13: pivirt.cluster.v1.LeaderRequest
-	(*LeaderResponse)(nil),            // 14: pivirt.cluster.v1.LeaderResponse
-	(*JoinRequest)(nil),               // 15: pivirt.cluster.v1.JoinRequest
-	(*JoinResponse)(nil),              // 16: pivirt.cluster.v1.JoinResponse
-	(*LeaveRequest)(nil),              // 17: pivirt.cluster.v1.LeaveRequest
-	(*LeaveResponse)(nil),             // 18: pivirt.cluster.v1.LeaveResponse
-	(*RemovePeerRequest)(nil),         // 19: pivirt.cluster.v1.RemovePeerRequest
-	(*RemovePeerResponse)(nil),        // 20: pivirt.cluster.v1.RemovePeerResponse
-	(*TransferLeaderRequest)(nil),     // 21: pivirt.cluster.v1.TransferLeaderRequest
-	(*TransferLeaderResponse)(nil),    // 22: pivirt.cluster.v1.TransferLeaderResponse
-	(*ServiceInstance)(nil),           // 23: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),    // 24: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),   // 25: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),  // 26: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil), // 27: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),          // 28: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 29: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),       // 30: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),      // 31: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),         // 32: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),        // 33: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),               // 34: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),          // 35: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),         // 36: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),         // 37: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),        // 38: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),          // 39: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),         // 40: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),       // 41: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),      // 42: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),      // 43: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),     // 44: pivirt.cluster.v1.ConfigHistoryResponse
-	nil,                               // 45: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),       // 46: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),     // 47: google.protobuf.Timestamp
+	(KeyringOp)(0),                    // 4: pivirt.cluster.v1.KeyringOp
+	(*ReadOptions)(nil),               // 5: pivirt.cluster.v1.ReadOptions
+	(*WriteOptions)(nil),              // 6: pivirt.cluster.v1.WriteOptions
+	(*QueryMeta)(nil),                 // 7: pivirt.cluster.v1.QueryMeta
+	(*Member)(nil),                    // 8: pivirt.cluster.v1.Member
+	(*MembersRequest)(nil),            // 9: pivirt.cluster.v1.MembersRequest
+	(*MembersResponse)(nil),           // 10: pivirt.cluster.v1.MembersResponse
+	(*Peer)(nil),                      // 11: pivirt.cluster.v1.Peer
+	(*PeersRequest)(nil),              // 12: pivirt.cluster.v1.PeersRequest
+	(*PeersResponse)(nil),             // 13: pivirt.cluster.v1.PeersResponse
+	(*LeaderRequest)(nil),             // 14: pivirt.cluster.v1.LeaderRequest
+	(*LeaderResponse)(nil),            // 15: pivirt.cluster.v1.LeaderResponse
+	(*JoinRequest)(nil),               // 16: pivirt.cluster.v1.JoinRequest
+	(*JoinResponse)(nil),              // 17: pivirt.cluster.v1.JoinResponse
+	(*LeaveRequest)(nil),              // 18: pivirt.cluster.v1.LeaveRequest
+	(*LeaveResponse)(nil),             // 19: pivirt.cluster.v1.LeaveResponse
+	(*RemovePeerRequest)(nil),         // 20: pivirt.cluster.v1.RemovePeerRequest
+	(*RemovePeerResponse)(nil),        // 21: pivirt.cluster.v1.RemovePeerResponse
+	(*TransferLeaderRequest)(nil),     // 22: pivirt.cluster.v1.TransferLeaderRequest
+	(*TransferLeaderResponse)(nil),    // 23: pivirt.cluster.v1.TransferLeaderResponse
+	(*ServiceInstance)(nil),           // 24: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),    // 25: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),   // 26: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),  // 27: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil), // 28: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),          // 29: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),         // 30: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),       // 31: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),      // 32: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),         // 33: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),        // 34: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),               // 35: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),          // 36: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),         // 37: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),         // 38: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),        // 39: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),          // 40: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),         // 41: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),       // 42: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),      // 43: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),      // 44: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),     // 45: pivirt.cluster.v1.ConfigHistoryResponse
+	(*KeyringRequest)(nil),            // 46: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),           // 47: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),               // 48: pivirt.cluster.v1.NodeKeyring
+	nil,                               // 49: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),       // 50: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),     // 51: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	46, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	46, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	46, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	50, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	50, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	50, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
-	7,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
+	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	46, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
-	4,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	10, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
-	6,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	6,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	45, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	50, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
+	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	49, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
 	3,  // 14: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	46, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	47, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	47, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	23, // 18: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 19: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	23, // 20: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 21: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 22: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	23, // 23: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	4,  // 24: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	23, // 25: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 26: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 27: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	23, // 28: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 29: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	47, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	4,  // 31: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 32: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 33: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	4,  // 34: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 35: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 36: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 37: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	34, // 38: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	5,  // 39: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	4,  // 40: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	34, // 41: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 42: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	8,  // 43: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	11, // 44: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	13, // 45: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	15, // 46: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	17, // 47: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	19, // 48: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	21, // 49: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	24, // 50: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	26, // 51: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	28, // 52: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	30, // 53: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	32, // 54: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	35, // 55: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	37, // 56: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	39, // 57: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	41, // 58: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	43, // 59: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	9,  // 60: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	12, // 61: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	14, // 62: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	16, // 63: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	18, // 64: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	20, // 65: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	22, // 66: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	25, // 67: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	27, // 68: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	29, // 69: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	31, // 70: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	33, // 71: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	36, // 72: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	38, // 73: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	40, // 74: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	42, // 75: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	44, // 76: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	60, // [60:77] is the sub-list for method output_type
-	43, // [43:60] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	50, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	51, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	51, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	24, // 18: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 19: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	24, // 20: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 21: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	6,  // 22: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	24, // 23: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 24: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	24, // 25: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 26: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 27: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	24, // 28: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 29: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	51, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 31: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	35, // 32: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 33: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 34: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	35, // 35: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 36: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,  // 37: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	35, // 38: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 39: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	5,  // 40: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	35, // 41: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 42: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	4,  // 43: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	48, // 44: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	9,  // 45: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	12, // 46: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	14, // 47: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	16, // 48: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	18, // 49: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	20, // 50: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	22, // 51: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	25, // 52: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	27, // 53: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	29, // 54: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	31, // 55: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	33, // 56: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	36, // 57: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	38, // 58: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	40, // 59: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	42, // 60: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	44, // 61: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	46, // 62: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	10, // 63: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 64: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 65: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 66: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 67: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 68: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	23, // 69: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	26, // 70: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	28, // 71: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	30, // 72: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	32, // 73: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	34, // 74: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	37, // 75: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	39, // 76: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	41, // 77: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	43, // 78: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	45, // 79: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	47, // 80: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	63, // [63:81] is the sub-list for method output_type
+	45, // [45:63] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -2984,8 +3242,8 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
-			NumEnums:      4,
-			NumMessages:   42,
+			NumEnums:      5,
+			NumMessages:   45,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -36,6 +36,7 @@ const (
 	ClusterService_SetConfig_FullMethodName         = "/pivirt.cluster.v1.ClusterService/SetConfig"
 	ClusterService_DeleteConfig_FullMethodName      = "/pivirt.cluster.v1.ClusterService/DeleteConfig"
 	ClusterService_ConfigHistory_FullMethodName     = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
+	ClusterService_Keyring_FullMethodName           = "/pivirt.cluster.v1.ClusterService/Keyring"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -70,6 +71,11 @@ type ClusterServiceClient interface {
 	SetConfig(ctx context.Context, in *SetConfigRequest, opts ...grpc.CallOption) (*SetConfigResponse, error)
 	DeleteConfig(ctx context.Context, in *DeleteConfigRequest, opts ...grpc.CallOption) (*DeleteConfigResponse, error)
 	ConfigHistory(ctx context.Context, in *ConfigHistoryRequest, opts ...grpc.CallOption) (*ConfigHistoryResponse, error)
+	// Keyring lists or changes the gossip encryption keyring of every live
+	// member: install a key, make an installed key the one used to encrypt,
+	// remove a key that is not in use. Keys never leave the agents: they are
+	// listed by fingerprint.
+	Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -250,6 +256,16 @@ func (c *clusterServiceClient) ConfigHistory(ctx context.Context, in *ConfigHist
 	return out, nil
 }
 
+func (c *clusterServiceClient) Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(KeyringResponse)
+	err := c.cc.Invoke(ctx, ClusterService_Keyring_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations should embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -282,6 +298,11 @@ type ClusterServiceServer interface {
 	SetConfig(context.Context, *SetConfigRequest) (*SetConfigResponse, error)
 	DeleteConfig(context.Context, *DeleteConfigRequest) (*DeleteConfigResponse, error)
 	ConfigHistory(context.Context, *ConfigHistoryRequest) (*ConfigHistoryResponse, error)
+	// Keyring lists or changes the gossip encryption keyring of every live
+	// member: install a key, make an installed key the one used to encrypt,
+	// remove a key that is not in use. Keys never leave the agents: they are
+	// listed by fingerprint.
+	Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error)
 }
 
 // UnimplementedClusterServiceServer should be embedded to have
@@ -341,6 +362,9 @@ func (UnimplementedClusterServiceServer) DeleteConfig(context.Context, *DeleteCo
 }
 func (UnimplementedClusterServiceServer) ConfigHistory(context.Context, *ConfigHistoryRequest) (*ConfigHistoryResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ConfigHistory not implemented")
+}
+func (UnimplementedClusterServiceServer) Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Keyring not implemented")
 }
 func (UnimplementedClusterServiceServer) testEmbeddedByValue() {}
 
@@ -668,6 +692,24 @@ func _ClusterService_ConfigHistory_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_Keyring_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeyringRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).Keyring(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_Keyring_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).Keyring(ctx, req.(*KeyringRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -742,6 +784,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ConfigHistory",
 			Handler:    _ClusterService_ConfigHistory_Handler,
+		},
+		{
+			MethodName: "Keyring",
+			Handler:    _ClusterService_Keyring_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -13,6 +13,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
+	v1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -25,6 +26,102 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type KeyringRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Op            v1.KeyringOp           `protobuf:"varint,1,opt,name=op,proto3,enum=pivirt.cluster.v1.KeyringOp" json:"op,omitempty"`
+	Key           string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeyringRequest) Reset() {
+	*x = KeyringRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeyringRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeyringRequest) ProtoMessage() {}
+
+func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
+func (*KeyringRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *KeyringRequest) GetOp() v1.KeyringOp {
+	if x != nil {
+		return x.Op
+	}
+	return v1.KeyringOp(0)
+}
+
+func (x *KeyringRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+type KeyringResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Keyring       *v1.NodeKeyring        `protobuf:"bytes,1,opt,name=keyring,proto3" json:"keyring,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeyringResponse) Reset() {
+	*x = KeyringResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeyringResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeyringResponse) ProtoMessage() {}
+
+func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
+func (*KeyringResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *KeyringResponse) GetKeyring() *v1.NodeKeyring {
+	if x != nil {
+		return x.Keyring
+	}
+	return nil
+}
+
 type ReadIndexRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -33,7 +130,7 @@ type ReadIndexRequest struct {
 
 func (x *ReadIndexRequest) Reset() {
 	*x = ReadIndexRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -45,7 +142,7 @@ func (x *ReadIndexRequest) String() string {
 func (*ReadIndexRequest) ProtoMessage() {}
 
 func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -58,7 +155,7 @@ func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
 func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 type ReadIndexResponse struct {
@@ -72,7 +169,7 @@ type ReadIndexResponse struct {
 
 func (x *ReadIndexResponse) Reset() {
 	*x = ReadIndexResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -84,7 +181,7 @@ func (x *ReadIndexResponse) String() string {
 func (*ReadIndexResponse) ProtoMessage() {}
 
 func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -97,7 +194,7 @@ func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
 func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ReadIndexResponse) GetIndex() uint64 {
@@ -115,7 +212,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -127,7 +224,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -140,7 +237,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
 }
 
 type StatusResponse struct {
@@ -168,7 +265,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -180,7 +277,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -193,7 +290,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -291,7 +388,12 @@ var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\"\x12\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\"P\n" +
+	"\x0eKeyringRequest\x12,\n" +
+	"\x02op\x18\x01 \x01(\x0e2\x1c.pivirt.cluster.v1.KeyringOpR\x02op\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\"K\n" +
+	"\x0fKeyringResponse\x128\n" +
+	"\akeyring\x18\x01 \x01(\v2\x1e.pivirt.cluster.v1.NodeKeyringR\akeyring\"\x12\n" +
 	"\x10ReadIndexRequest\")\n" +
 	"\x11ReadIndexResponse\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x04R\x05index\"\x0f\n" +
@@ -312,10 +414,11 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	" \x01(\x05R\x05peers\x12)\n" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
-	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xac\x01\n" +
+	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xfa\x01\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
-	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
+	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -329,25 +432,33 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
-	(*ReadIndexRequest)(nil),    // 0: pivirt.node.v1.ReadIndexRequest
-	(*ReadIndexResponse)(nil),   // 1: pivirt.node.v1.ReadIndexResponse
-	(*StatusRequest)(nil),       // 2: pivirt.node.v1.StatusRequest
-	(*StatusResponse)(nil),      // 3: pivirt.node.v1.StatusResponse
-	(*durationpb.Duration)(nil), // 4: google.protobuf.Duration
+	(*KeyringRequest)(nil),      // 0: pivirt.node.v1.KeyringRequest
+	(*KeyringResponse)(nil),     // 1: pivirt.node.v1.KeyringResponse
+	(*ReadIndexRequest)(nil),    // 2: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),   // 3: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),       // 4: pivirt.node.v1.StatusRequest
+	(*StatusResponse)(nil),      // 5: pivirt.node.v1.StatusResponse
+	(v1.KeyringOp)(0),           // 6: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),      // 7: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil), // 8: google.protobuf.Duration
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	4, // 0: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	2, // 1: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	0, // 2: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	3, // 3: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	1, // 4: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	3, // [3:5] is the sub-list for method output_type
-	1, // [1:3] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	6, // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	7, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	8, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	4, // 3: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	2, // 4: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	0, // 5: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	5, // 6: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	3, // 7: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	1, // 8: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	6, // [6:9] is the sub-list for method output_type
+	3, // [3:6] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -361,7 +472,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

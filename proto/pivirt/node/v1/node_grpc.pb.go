@@ -24,6 +24,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	NodeService_Status_FullMethodName    = "/pivirt.node.v1.NodeService/Status"
 	NodeService_ReadIndex_FullMethodName = "/pivirt.node.v1.NodeService/ReadIndex"
+	NodeService_Keyring_FullMethodName   = "/pivirt.node.v1.NodeService/Keyring"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -39,6 +40,9 @@ type NodeServiceClient interface {
 	// follower reads once its own state has applied that index. Leader only
 	// (Unavailable elsewhere).
 	ReadIndex(ctx context.Context, in *ReadIndexRequest, opts ...grpc.CallOption) (*ReadIndexResponse, error)
+	// Keyring applies a gossip keyring operation to this node only (the
+	// node asked by a client fans it out to every member).
+	Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -69,6 +73,16 @@ func (c *nodeServiceClient) ReadIndex(ctx context.Context, in *ReadIndexRequest,
 	return out, nil
 }
 
+func (c *nodeServiceClient) Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(KeyringResponse)
+	err := c.cc.Invoke(ctx, NodeService_Keyring_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -82,6 +96,9 @@ type NodeServiceServer interface {
 	// follower reads once its own state has applied that index. Leader only
 	// (Unavailable elsewhere).
 	ReadIndex(context.Context, *ReadIndexRequest) (*ReadIndexResponse, error)
+	// Keyring applies a gossip keyring operation to this node only (the
+	// node asked by a client fans it out to every member).
+	Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -96,6 +113,9 @@ func (UnimplementedNodeServiceServer) Status(context.Context, *StatusRequest) (*
 }
 func (UnimplementedNodeServiceServer) ReadIndex(context.Context, *ReadIndexRequest) (*ReadIndexResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReadIndex not implemented")
+}
+func (UnimplementedNodeServiceServer) Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Keyring not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -153,6 +173,24 @@ func _NodeService_ReadIndex_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_Keyring_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeyringRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).Keyring(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_Keyring_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).Keyring(ctx, req.(*KeyringRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -167,6 +205,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReadIndex",
 			Handler:    _NodeService_ReadIndex_Handler,
+		},
+		{
+			MethodName: "Keyring",
+			Handler:    _NodeService_Keyring_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

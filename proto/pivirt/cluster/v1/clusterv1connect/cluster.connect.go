@@ -79,6 +79,8 @@ const (
 	// ClusterServiceConfigHistoryProcedure is the fully-qualified name of the ClusterService's
 	// ConfigHistory RPC.
 	ClusterServiceConfigHistoryProcedure = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
+	// ClusterServiceKeyringProcedure is the fully-qualified name of the ClusterService's Keyring RPC.
+	ClusterServiceKeyringProcedure = "/pivirt.cluster.v1.ClusterService/Keyring"
 )
 
 // ClusterServiceClient is a client for the pivirt.cluster.v1.ClusterService service.
@@ -107,6 +109,11 @@ type ClusterServiceClient interface {
 	SetConfig(context.Context, *connect.Request[v1.SetConfigRequest]) (*connect.Response[v1.SetConfigResponse], error)
 	DeleteConfig(context.Context, *connect.Request[v1.DeleteConfigRequest]) (*connect.Response[v1.DeleteConfigResponse], error)
 	ConfigHistory(context.Context, *connect.Request[v1.ConfigHistoryRequest]) (*connect.Response[v1.ConfigHistoryResponse], error)
+	// Keyring lists or changes the gossip encryption keyring of every live
+	// member: install a key, make an installed key the one used to encrypt,
+	// remove a key that is not in use. Keys never leave the agents: they are
+	// listed by fingerprint.
+	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
 }
 
 // NewClusterServiceClient constructs a client for the pivirt.cluster.v1.ClusterService service. By
@@ -222,6 +229,12 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(clusterServiceMethods.ByName("ConfigHistory")),
 			connect.WithClientOptions(opts...),
 		),
+		keyring: connect.NewClient[v1.KeyringRequest, v1.KeyringResponse](
+			httpClient,
+			baseURL+ClusterServiceKeyringProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("Keyring")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -244,6 +257,7 @@ type clusterServiceClient struct {
 	setConfig         *connect.Client[v1.SetConfigRequest, v1.SetConfigResponse]
 	deleteConfig      *connect.Client[v1.DeleteConfigRequest, v1.DeleteConfigResponse]
 	configHistory     *connect.Client[v1.ConfigHistoryRequest, v1.ConfigHistoryResponse]
+	keyring           *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
 }
 
 // Members calls pivirt.cluster.v1.ClusterService.Members.
@@ -331,6 +345,11 @@ func (c *clusterServiceClient) ConfigHistory(ctx context.Context, req *connect.R
 	return c.configHistory.CallUnary(ctx, req)
 }
 
+// Keyring calls pivirt.cluster.v1.ClusterService.Keyring.
+func (c *clusterServiceClient) Keyring(ctx context.Context, req *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
+	return c.keyring.CallUnary(ctx, req)
+}
+
 // ClusterServiceHandler is an implementation of the pivirt.cluster.v1.ClusterService service.
 type ClusterServiceHandler interface {
 	// Members is the gossip view of the node asked (never forwarded).
@@ -357,6 +376,11 @@ type ClusterServiceHandler interface {
 	SetConfig(context.Context, *connect.Request[v1.SetConfigRequest]) (*connect.Response[v1.SetConfigResponse], error)
 	DeleteConfig(context.Context, *connect.Request[v1.DeleteConfigRequest]) (*connect.Response[v1.DeleteConfigResponse], error)
 	ConfigHistory(context.Context, *connect.Request[v1.ConfigHistoryRequest]) (*connect.Response[v1.ConfigHistoryResponse], error)
+	// Keyring lists or changes the gossip encryption keyring of every live
+	// member: install a key, make an installed key the one used to encrypt,
+	// remove a key that is not in use. Keys never leave the agents: they are
+	// listed by fingerprint.
+	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
 }
 
 // NewClusterServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -468,6 +492,12 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		connect.WithSchema(clusterServiceMethods.ByName("ConfigHistory")),
 		connect.WithHandlerOptions(opts...),
 	)
+	clusterServiceKeyringHandler := connect.NewUnaryHandler(
+		ClusterServiceKeyringProcedure,
+		svc.Keyring,
+		connect.WithSchema(clusterServiceMethods.ByName("Keyring")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.ClusterService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ClusterServiceMembersProcedure:
@@ -504,6 +534,8 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceDeleteConfigHandler.ServeHTTP(w, r)
 		case ClusterServiceConfigHistoryProcedure:
 			clusterServiceConfigHistoryHandler.ServeHTTP(w, r)
+		case ClusterServiceKeyringProcedure:
+			clusterServiceKeyringHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -579,4 +611,8 @@ func (UnimplementedClusterServiceHandler) DeleteConfig(context.Context, *connect
 
 func (UnimplementedClusterServiceHandler) ConfigHistory(context.Context, *connect.Request[v1.ConfigHistoryRequest]) (*connect.Response[v1.ConfigHistoryResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ConfigHistory is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.Keyring is not implemented"))
 }

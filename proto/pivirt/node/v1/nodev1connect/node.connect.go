@@ -39,6 +39,8 @@ const (
 	NodeServiceStatusProcedure = "/pivirt.node.v1.NodeService/Status"
 	// NodeServiceReadIndexProcedure is the fully-qualified name of the NodeService's ReadIndex RPC.
 	NodeServiceReadIndexProcedure = "/pivirt.node.v1.NodeService/ReadIndex"
+	// NodeServiceKeyringProcedure is the fully-qualified name of the NodeService's Keyring RPC.
+	NodeServiceKeyringProcedure = "/pivirt.node.v1.NodeService/Keyring"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -52,6 +54,9 @@ type NodeServiceClient interface {
 	// follower reads once its own state has applied that index. Leader only
 	// (Unavailable elsewhere).
 	ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error)
+	// Keyring applies a gossip keyring operation to this node only (the
+	// node asked by a client fans it out to every member).
+	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -77,6 +82,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("ReadIndex")),
 			connect.WithClientOptions(opts...),
 		),
+		keyring: connect.NewClient[v1.KeyringRequest, v1.KeyringResponse](
+			httpClient,
+			baseURL+NodeServiceKeyringProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -84,6 +95,7 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 type nodeServiceClient struct {
 	status    *connect.Client[v1.StatusRequest, v1.StatusResponse]
 	readIndex *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
+	keyring   *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -94,6 +106,11 @@ func (c *nodeServiceClient) Status(ctx context.Context, req *connect.Request[v1.
 // ReadIndex calls pivirt.node.v1.NodeService.ReadIndex.
 func (c *nodeServiceClient) ReadIndex(ctx context.Context, req *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error) {
 	return c.readIndex.CallUnary(ctx, req)
+}
+
+// Keyring calls pivirt.node.v1.NodeService.Keyring.
+func (c *nodeServiceClient) Keyring(ctx context.Context, req *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
+	return c.keyring.CallUnary(ctx, req)
 }
 
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
@@ -107,6 +124,9 @@ type NodeServiceHandler interface {
 	// follower reads once its own state has applied that index. Leader only
 	// (Unavailable elsewhere).
 	ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error)
+	// Keyring applies a gossip keyring operation to this node only (the
+	// node asked by a client fans it out to every member).
+	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -128,12 +148,20 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("ReadIndex")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceKeyringHandler := connect.NewUnaryHandler(
+		NodeServiceKeyringProcedure,
+		svc.Keyring,
+		connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
 			nodeServiceStatusHandler.ServeHTTP(w, r)
 		case NodeServiceReadIndexProcedure:
 			nodeServiceReadIndexHandler.ServeHTTP(w, r)
+		case NodeServiceKeyringProcedure:
+			nodeServiceKeyringHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -149,4 +177,8 @@ func (UnimplementedNodeServiceHandler) Status(context.Context, *connect.Request[
 
 func (UnimplementedNodeServiceHandler) ReadIndex(context.Context, *connect.Request[v1.ReadIndexRequest]) (*connect.Response[v1.ReadIndexResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ReadIndex is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.Keyring is not implemented"))
 }

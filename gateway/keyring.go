@@ -1,0 +1,84 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cluster"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+)
+
+// keyringTimeout bounds the keyring call to one member.
+const keyringTimeout = 10 * time.Second
+
+// Keyring implements clusterv1connect.ClusterServiceHandler: the operation
+// runs on every live member (through its internal port, this node's
+// included) at once, and the answer holds each member's keyring or error.
+// Rotation is install (everywhere), use, then remove of the old key; a
+// member that was down during a step must be given the step again.
+func (h *ClusterService) Keyring(ctx context.Context, req *connect.Request[clusterv1.KeyringRequest]) (*connect.Response[clusterv1.KeyringResponse], error) {
+	op := req.Msg.GetOp()
+	switch op {
+	case clusterv1.KeyringOp_KEYRING_OP_LIST:
+	case clusterv1.KeyringOp_KEYRING_OP_INSTALL, clusterv1.KeyringOp_KEYRING_OP_USE, clusterv1.KeyringOp_KEYRING_OP_REMOVE:
+		if _, err := cluster.ParseGossipKey(req.Msg.GetKey()); err != nil {
+			return nil, toConnect(invalid("key", "%v", err))
+		}
+	default:
+		return nil, toConnect(invalid("op", "%v is not a keyring operation", op))
+	}
+	if h.cfg.Keyring == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent does not manage a gossip keyring"))
+	}
+	var (
+		mu  sync.Mutex
+		out []*clusterv1.NodeKeyring
+		wg  sync.WaitGroup
+	)
+	for _, m := range h.members.Members() {
+		if m.Status != cluster.StatusAlive || m.Meta.InternalAddr == "" {
+			continue
+		}
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, keyringTimeout)
+			defer cancel()
+			nk, err := h.cfg.Keyring(cctx, m.Meta.InternalAddr, op, req.Msg.GetKey())
+			if nk == nil {
+				nk = &clusterv1.NodeKeyring{}
+			}
+			nk.Node, nk.NodeId = m.Name, m.Meta.ID
+			if err != nil {
+				nk.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+			}
+			mu.Lock()
+			out = append(out, nk)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	slices.SortFunc(out, func(a, b *clusterv1.NodeKeyring) int { return strings.Compare(a.GetNode(), b.GetNode()) })
+	if op != clusterv1.KeyringOp_KEYRING_OP_LIST {
+		failed := 0
+		for _, nk := range out {
+			if nk.GetError() != "" {
+				failed++
+			}
+		}
+		h.logger.Info("gossip keyring operation", "op", op.String(), "members", len(out), "failed", failed)
+	}
+	return connect.NewResponse(&clusterv1.KeyringResponse{Nodes: out}), nil
+}
+
+// errorMessage is a Connect error's message, or the error's text.
+func errorMessage(err error) string {
+	if ce, ok := err.(*connect.Error); ok {
+		return ce.Message()
+	}
+	return err.Error()
+}
