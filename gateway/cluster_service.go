@@ -113,7 +113,7 @@ type ClusterServiceConfig struct {
 	// given internal address (NodeService.Keyring). Nil: Keyring answers
 	// Unimplemented.
 	Keyring func(ctx context.Context, internalAddr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error)
-	Logger         *slog.Logger
+	Logger  *slog.Logger
 }
 
 // DefaultClusterServiceConfig returns the defaults.
