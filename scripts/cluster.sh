@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Starts (or stops) a local three-agent cluster on 127.0.0.1 with the binaries
-# in bin/. Data and logs go to .cluster/ in the repository.
+# in bin/, with mutual TLS on every port and encrypted gossip: a development
+# PiTrust PKI and a gossip key are made in .cluster/ on first start. Data and
+# logs go to .cluster/ in the repository.
 #
 #   scripts/cluster.sh start    start node1..node3, wait for a leader, print commands to try
 #   scripts/cluster.sh stop     stop them (SIGTERM, then SIGKILL after 10s)
@@ -18,22 +20,59 @@ nodes=(
   "node3 8463 9020 8464 7966 8320"
 )
 
+certs="$dir/certs"
+
 running() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# pki makes the development PKI once: the PiTrust CA, a server and an agent
+# client certificate per node, an operator certificate for pvcli, and a
+# gossip key.
+pki() {
+  [[ -f "$certs/ca-chain.pem" ]] && return 0
+  "$bin/pitrust" init --dir "$certs" >/dev/null
+  for spec in "${nodes[@]}"; do
+    read -r name _ <<<"$spec"
+    "$bin/pitrust" issue-mtls-server --dir "$certs" --name "$name-server" --dns localhost --ip 127.0.0.1 --days 90 >/dev/null
+    "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --days 90 >/dev/null
+  done
+  "$bin/pitrust" issue-mtls-client --dir "$certs" --name operator --days 90 >/dev/null
+  (umask 077 && "$bin/pvcli" cluster keyring generate >"$dir/gossip.key")
+  echo "made a development PKI in $certs and a gossip key in $dir/gossip.key"
+}
+
+# pvcli runs pvcli with the operator certificate.
+pvcli() {
+  PVCLI_CA_FILE="$certs/ca-chain.pem" PVCLI_CERT_FILE="$certs/operator.crt" PVCLI_KEY_FILE="$certs/operator.key" "$bin/pvcli" "$@"
+}
+
 start() {
-  [[ -x "$bin/pivirt-agent" && -x "$bin/pvcli" ]] || { echo "build first: make build"; exit 1; }
+  [[ -x "$bin/pivirt-agent" && -x "$bin/pvcli" && -x "$bin/pitrust" ]] || { echo "build first: make build"; exit 1; }
   mkdir -p "$dir"
+  pki
   for spec in "${nodes[@]}"; do
     read -r name api internal metrics gossip raft <<<"$spec"
     if running "$dir/$name.pid"; then
       echo "$name already running (pid $(cat "$dir/$name.pid"))"
       continue
     fi
-    # TLS arrives with the PiTrust identity work; until then the local
-    # cluster runs plaintext on loopback, which the agent warns about.
     cat >"$dir/$name.yaml" <<YAML
 tls:
-  enabled: false
+  enabled: true
+  ca_file: $certs/ca-chain.pem
+  cert_file: $certs/pivirt-agent-$name.crt
+  key_file: $certs/pivirt-agent-$name.key
+  verify_peer: true
+  require_client_cert: true
+server:
+  connectrpc:
+    tls:
+      cert_file: $certs/$name-server.crt
+      key_file: $certs/$name-server.key
+      ca_file: $certs/ca-chain.pem
+      client_ca_file: $certs/ca-chain.pem
+cluster:
+  gossip:
+    encrypt_key_file: $dir/gossip.key
 logging:
   format: text
 YAML
@@ -49,18 +88,22 @@ YAML
   done
   echo -n "waiting for a leader"
   for _ in $(seq 1 60); do
-    if "$bin/pvcli" --endpoint 127.0.0.1:8443 --timeout 2s cluster leader >/dev/null 2>&1; then
+    if pvcli --endpoint https://127.0.0.1:8443 --timeout 2s cluster leader >/dev/null 2>&1; then
       echo " ok"
-      "$bin/pvcli" --endpoint 127.0.0.1:8443 cluster peers
+      pvcli --endpoint https://127.0.0.1:8443 cluster peers
       cat <<MSG
 
-The cluster is up. Try, against any node (8443, 8453, 8463):
+The cluster is up, with mutual TLS on every port and encrypted gossip. Try, against
+any node (8443, 8453, 8463):
   export PATH="$bin:\$PATH"
-  pvcli --endpoint 127.0.0.1:8453 cluster members
-  pvcli --endpoint 127.0.0.1:8463 service register web --address 10.0.0.5 --port 8080 --tag v1
-  pvcli --endpoint 127.0.0.1:8443 service list --consistency consistent
-  pvcli --endpoint 127.0.0.1:8453 config set log_level debug
-  pvcli --endpoint 127.0.0.1:8463 config history log_level
+  export PVCLI_CA_FILE=$certs/ca-chain.pem PVCLI_CERT_FILE=$certs/operator.crt PVCLI_KEY_FILE=$certs/operator.key
+  pvcli --endpoint https://127.0.0.1:8453 cluster members
+  pvcli --endpoint https://127.0.0.1:8463 service register web --address 10.0.0.5 --port 8080 --tag v1
+  pvcli --endpoint https://127.0.0.1:8443 service list --consistency consistent
+  pvcli --endpoint https://127.0.0.1:8453 config set log_level debug
+  pvcli --endpoint https://127.0.0.1:8463 config history log_level
+  pvcli --endpoint https://127.0.0.1:8443 snapshot save backup.tar.gz
+  pitrust inspect $certs/node1-server.crt
   kill \$(cat $dir/node1.pid)      # kill a node, then keep using the others
 Stop everything with: make cluster-stop
 MSG

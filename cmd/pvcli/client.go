@@ -70,7 +70,7 @@ func (a *app) connect(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
-	httpClient, err := newHTTPClient(endpoint, a.opts.tls)
+	httpClient, err := newHTTPClient(endpoint, a.tlsOptions(cmd))
 	if err != nil {
 		return err
 	}
@@ -133,6 +133,23 @@ func parseEndpoint(raw string) (*url.URL, error) {
 	}
 	u.Path = strings.TrimSuffix(u.Path, "/")
 	return u, nil
+}
+
+// tlsOptions resolves the TLS flags, each from its environment variable
+// when the flag was not given.
+func (a *app) tlsOptions(cmd *cobra.Command) tlsOptions {
+	o := a.opts.tls
+	for _, f := range []struct {
+		flag, env string
+		v         *string
+	}{{"ca-file", envCAFile, &o.caFile}, {"cert-file", envCertFile, &o.certFile}, {"key-file", envKeyFile, &o.keyFile}} {
+		if !cmd.Flags().Changed(f.flag) {
+			if v := a.getenv(f.env); v != "" {
+				*f.v = v
+			}
+		}
+	}
+	return o
 }
 
 // tlsOptions are the client TLS flags.

@@ -21,6 +21,9 @@ import (
 
 const (
 	envEndpoint     = "PVCLI_ENDPOINT"
+	envCAFile       = "PVCLI_CA_FILE"
+	envCertFile     = "PVCLI_CERT_FILE"
+	envKeyFile      = "PVCLI_KEY_FILE"
 	defaultEndpoint = "http://127.0.0.1:8443"
 	defaultTimeout  = 15 * time.Second
 )
@@ -185,9 +188,9 @@ sequence number until --timeout, so it is never applied twice.`,
 	f.DurationVar(&a.opts.wait, "wait", 0, "with --wait-index: the longest wait (server default 5m, at most 10m)")
 	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
 	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
-	f.StringVar(&a.opts.tls.caFile, "ca-file", "", "with https://: PEM file of the CAs that sign the agent's certificate, e.g. /etc/pivirt/certs/ca-chain.pem (default: the system roots)")
-	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one")
-	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key")
+	f.StringVar(&a.opts.tls.caFile, "ca-file", "", "with https://: PEM file of the CAs that sign the agent's certificate, e.g. /etc/pivirt/certs/ca-chain.pem (default: the system roots); env "+envCAFile)
+	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one; env "+envCertFile)
+	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key; env "+envKeyFile)
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd())
 	return root
