@@ -11,6 +11,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -299,4 +301,89 @@ func issueClient(t *testing.T, dir, name string) [2]string {
 
 func agentNew(cfg *config.Config) (*agent.Agent, error) {
 	return agent.New(cfg, agenttest.Options(nil))
+}
+
+// TestCertificateRotationUnderLoad replaces the API's server certificate
+// five times while clients send requests without pause, each on a new TLS
+// connection; reloads (as SIGHUP does) switch new handshakes to the new
+// certificate, and no request fails.
+func TestCertificateRotationUnderLoad(t *testing.T) {
+	dir := testPKI(t, 1)
+	chain := filepath.Join(dir, identity.ChainFile)
+	c := agenttest.NewExpect(t, 1, withTLS(dir))
+	n := c.WaitLeader(60 * time.Second)
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true, DisableKeepAlives: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	api := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: tr}, "https://"+n.APIAddr())
+
+	var (
+		ok, failed atomic.Int64
+		firstErr   atomic.Value
+		stop       = make(chan struct{})
+		wg         sync.WaitGroup
+	)
+	for range 4 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				_, err := api.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{}))
+				cancel()
+				if err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, err)
+					continue
+				}
+				ok.Add(1)
+			}
+		})
+	}
+	served := func() string {
+		conn, err := tls.Dial("tcp", n.APIAddr(), &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12})
+		if err != nil {
+			t.Fatalf("handshake: %v", err)
+		}
+		defer conn.Close()
+		return conn.ConnectionState().PeerCertificates[0].SerialNumber.String()
+	}
+	for i := range 5 {
+		f, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "node1-server",
+			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Force: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := mustSerial(t, f.Cert)
+		if err := n.ReloadTLS(); err != nil {
+			t.Fatalf("rotation %d: reload: %v", i, err)
+		}
+		if got := served(); got != want {
+			t.Fatalf("rotation %d: the API serves certificate %s, want the new %s", i, got, want)
+		}
+		before := ok.Load()
+		agenttest.Eventually(t, 10*time.Second, "requests on the new certificate", func() error {
+			if ok.Load() < before+10 {
+				return fmt.Errorf("%d requests since the rotation", ok.Load()-before)
+			}
+			return nil
+		})
+	}
+	close(stop)
+	wg.Wait()
+	if failed.Load() != 0 {
+		t.Errorf("%d of %d requests failed during rotation; first: %v", failed.Load(), ok.Load()+failed.Load(), firstErr.Load())
+	}
+	t.Logf("%d requests on new connections across 5 rotations, %d failed", ok.Load(), failed.Load())
+}
+
+func mustSerial(t *testing.T, certFile string) string {
+	t.Helper()
+	certs, err := identity.ReadCertificates(certFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return certs[0].SerialNumber.String()
 }
