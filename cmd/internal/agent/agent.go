@@ -187,6 +187,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	var raftLayer raft.StreamLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
 	a.pool = cluster.NewPool()
+	if err := a.devPKI(); err != nil {
+		return err
+	}
 	if a.cfg.TLS.Enabled {
 		if a.tls, err = a.loadTLS(); err != nil {
 			return err

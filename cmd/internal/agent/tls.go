@@ -6,11 +6,14 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/identity"
 )
 
@@ -170,4 +173,42 @@ func (a *Agent) watchExpiry(ctx context.Context) {
 		case <-t.C:
 		}
 	}
+}
+
+// DevPKIDir is where --dev makes its throw-away PiTrust PKI, in the data dir.
+const DevPKIDir = "dev-pki"
+
+// devPKI makes a throw-away PiTrust PKI for --dev in the data dir (a CA, a
+// server certificate for 127.0.0.1 and localhost, this agent's client
+// certificate and an operator certificate for pvcli) and points the TLS
+// configuration at it, unless certificate files were given.
+func (a *Agent) devPKI() error {
+	if !a.cfg.Dev || !a.cfg.TLS.Enabled || a.cfg.TLS.CertFile != "" || a.cfg.Server.ConnectRPC.TLS.CertFile != "" {
+		return nil
+	}
+	dir := filepath.Join(a.dataDir, DevPKIDir)
+	if _, err := identity.InitCA(dir, identity.CAOptions{RootDays: 31, IntermediateDays: 31, Force: true}); err != nil {
+		return fmt.Errorf("dev PKI: %w", err)
+	}
+	server, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "dev-server",
+		DNS: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Days: 30, Force: true})
+	if err != nil {
+		return fmt.Errorf("dev PKI: %w", err)
+	}
+	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + "-dev", Days: 30, Force: true})
+	if err != nil {
+		return fmt.Errorf("dev PKI: %w", err)
+	}
+	operator, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator", Days: 30, Force: true})
+	if err != nil {
+		return fmt.Errorf("dev PKI: %w", err)
+	}
+	chain := filepath.Join(dir, identity.ChainFile)
+	cfg := *a.cfg // the caller's configuration stays as it was given
+	cfg.TLS.CAFile, cfg.TLS.CertFile, cfg.TLS.KeyFile = chain, client.Cert, client.Key
+	cfg.Server.ConnectRPC.TLS = config.ServerTLSConfig{CertFile: server.Cert, KeyFile: server.Key, CAFile: chain, ClientCAFile: chain}
+	a.cfg = &cfg
+	a.logger.Warn("dev mode: TLS with a throw-away PKI; to use pvcli: export PVCLI_ENDPOINT=https://" +
+		a.lnAPI.Addr().String() + " PVCLI_CA_FILE=" + chain + " PVCLI_CERT_FILE=" + operator.Cert + " PVCLI_KEY_FILE=" + operator.Key)
+	return nil
 }

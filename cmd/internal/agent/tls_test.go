@@ -387,3 +387,41 @@ func mustSerial(t *testing.T, certFile string) string {
 	}
 	return certs[0].SerialNumber.String()
 }
+
+// TestDevModeTLS: --dev runs with TLS on, with a throw-away PKI in its data
+// dir that pvcli can use; a client without a certificate is refused.
+func TestDevModeTLS(t *testing.T) {
+	cfg := config.Default()
+	config.ApplyDev(cfg)
+	cfg.DataDir = t.TempDir()
+	cfg.Server.ConnectRPC.Addr, cfg.Server.GRPCInternal.Addr, cfg.Server.Metrics.Addr = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Cluster.Gossip.BindAddr, cfg.Cluster.Raft.Addr = "127.0.0.1:0", "127.0.0.1:0"
+	a, err := agentNew(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer a.Shutdown()
+	pki := filepath.Join(cfg.DataDir, agent.DevPKIDir)
+	op, err := tls.LoadX509KeyPair(filepath.Join(pki, "operator.crt"), filepath.Join(pki, "operator.key"))
+	if err != nil {
+		t.Fatalf("dev PKI: %v", err)
+	}
+	chain := filepath.Join(pki, identity.ChainFile)
+	api := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, &op), "https://"+a.APIAddr())
+	agenttest.Eventually(t, 20*time.Second, "the dev node answers over TLS", func() error {
+		_, err := api.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{}))
+		return err
+	})
+	anon := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, nil), "https://"+a.APIAddr())
+	if _, err := anon.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{})); err == nil {
+		t.Error("a client without a certificate was answered in dev mode")
+	}
+	if cfg.TLS.CertFile != "" {
+		t.Errorf("the dev PKI changed the caller's configuration: tls.cert_file = %q", cfg.TLS.CertFile)
+	}
+}

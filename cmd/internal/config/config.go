@@ -68,7 +68,8 @@ type Config struct {
 	Cluster         ClusterConfig            `yaml:"cluster"`
 	Snapshot        SnapshotConfig           `yaml:"snapshot"`
 
-	// Dev is set by --dev (ApplyDev): a single loopback node without TLS. Not a file key.
+	// Dev is set by --dev (ApplyDev): a single loopback node with a throw-away PKI. Not a
+	// file key.
 	Dev bool `yaml:"-"`
 }
 
@@ -407,9 +408,10 @@ func Default() *Config {
 }
 
 // ApplyDev turns cfg into a single development node: every listener on 127.0.0.1 with the
-// default ports, TLS off, Raft discovery, a self-bootstrapped one-voter cluster, node name
-// "dev" and an empty data_dir (the caller uses a temporary directory). Flags.Apply calls it
-// for --dev before the explicit flags, so those still win.
+// default ports, TLS on with no certificate files (the agent makes a throw-away PiTrust PKI
+// in its data dir), Raft discovery, a self-bootstrapped one-voter cluster, node name "dev"
+// and an empty data_dir (the caller uses a temporary directory). Flags.Apply calls it for
+// --dev before the explicit flags, so those still win.
 func ApplyDev(cfg *Config) {
 	cfg.Dev = true
 	cfg.NodeName = DevNodeName
@@ -417,7 +419,8 @@ func ApplyDev(cfg *Config) {
 	cfg.Server.ConnectRPC.Addr = loopback(DefaultAPIAddr)
 	cfg.Server.GRPCInternal.Addr = loopback(DefaultInternalAddr)
 	cfg.Server.Metrics.Addr = loopback(DefaultMetricsAddr)
-	cfg.TLS.Enabled = false
+	cfg.TLS = TLSConfig{Enabled: true, VerifyPeer: true, RequireClientCert: true}
+	cfg.Server.ConnectRPC.TLS = ServerTLSConfig{}
 	cfg.ServiceDiscovery.Type = DiscoveryRaft
 	cfg.Cluster.AdvertiseAddr = "127.0.0.1"
 	cfg.Cluster.Gossip.BindAddr = loopback(DefaultGossipAddr)

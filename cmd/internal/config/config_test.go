@@ -126,7 +126,7 @@ cluster:
 		{"cluster.raft.addr", c.Cluster.Raft.Addr, "127.0.0.1:8300"},
 		{"cluster.raft.advertise_addr", c.Cluster.Raft.AdvertiseAddr, ""},
 		{"cluster.advertise_addr", c.Cluster.AdvertiseAddr, "127.0.0.1"},
-		{"tls.enabled", c.TLS.Enabled, false},
+		{"tls.enabled", c.TLS.Enabled, true},
 		{"service_discovery.type", c.ServiceDiscovery.Type, "raft"},
 		{"cluster.raft.bootstrap", c.Cluster.Raft.Bootstrap, true},
 		{"cluster.raft.bootstrap_expect", c.Cluster.Raft.BootstrapExpect, 0},

@@ -143,6 +143,10 @@ func (c *Config) validateTLS(v *validator) {
 	if !t.Enabled {
 		return
 	}
+	if c.Dev && t.CertFile == "" && t.CAFile == "" && c.Server.ConnectRPC.TLS.CertFile == "" {
+		// --dev without certificate files: the agent makes a throw-away PKI.
+		return
+	}
 	const why = "required when tls.enabled is true"
 	for _, r := range []struct{ path, val string }{
 		{"server.connectrpc.tls.cert_file", c.Server.ConnectRPC.TLS.CertFile},
