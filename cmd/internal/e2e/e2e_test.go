@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/encoding/gzip"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -93,7 +93,7 @@ func TestClusterLifecycle(t *testing.T) {
 
 		// The API port also serves gRPC clients (grpc-go in the agent),
 		// compressed requests included.
-		cc, err := grpc.NewClient(n1.api, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		cc, err := grpc.NewClient(n1.api, grpc.WithTransportCredentials(credentials.NewTLS(c.clientTLS(t))))
 		if err != nil {
 			t.Fatal(err)
 		}

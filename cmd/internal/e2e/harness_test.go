@@ -3,11 +3,14 @@ package e2e_test
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +21,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"pilab.hu/pivirt-agent/identity"
 )
 
 const (
@@ -138,6 +143,8 @@ type cluster struct {
 	bins  binaries
 	dir   string // holds a directory per start attempt
 	nodes []*node
+	// certs is the cluster's PiTrust PKI: every port runs (mutual) TLS.
+	certs string
 
 	mu    sync.Mutex
 	procs []*proc  // every process started, for the cleanup
@@ -154,6 +161,7 @@ var errPortTaken = errors.New("a port picked for an agent was taken meanwhile")
 func startCluster(t *testing.T, bins binaries) *cluster {
 	t.Helper()
 	c := &cluster{bins: bins, dir: t.TempDir()}
+	c.certs = makePKI(t, filepath.Join(c.dir, "certs"))
 	// Cleanups run last-in first-out. report is registered after
 	// t.TempDir's removal and before stopAll, so it runs once every process
 	// has stopped and while the logs still exist.
@@ -199,9 +207,24 @@ func (c *cluster) boot(t *testing.T, dir string) error {
 			gossip:  addr(5*i + 3),
 			raft:    addr(5*i + 4),
 		}
-		// TLS is not implemented yet: the agents talk plain text on
-		// loopback, as in scripts/cluster.sh.
-		cfg := "tls:\n  enabled: false\nlogging:\n  format: text\n  level: info\n"
+		// Mutual TLS on every port, as scripts/cluster.sh runs it.
+		cfg := fmt.Sprintf(`tls:
+  enabled: true
+  ca_file: %[1]s/ca-chain.pem
+  cert_file: %[1]s/pivirt-agent-%[2]s.crt
+  key_file: %[1]s/pivirt-agent-%[2]s.key
+  verify_peer: true
+  require_client_cert: true
+server:
+  connectrpc:
+    tls:
+      cert_file: %[1]s/%[2]s-server.crt
+      key_file: %[1]s/%[2]s-server.key
+      client_ca_file: %[1]s/ca-chain.pem
+logging:
+  format: text
+  level: info
+`, c.certs, name)
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}
@@ -463,12 +486,15 @@ func (r result) String() string {
 // pvcli runs the pvcli binary against n's API address.
 func (c *cluster) pvcli(t testing.TB, n *node, args ...string) result {
 	t.Helper()
-	args = append([]string{"--endpoint", n.api}, args...)
+	args = append([]string{"--endpoint", "https://" + n.api}, args...)
 	ctx, cancel := context.WithTimeout(t.Context(), pvcliBackstop)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, c.bins.pvcli, args...)
 	var stdout, stderr bytes.Buffer
-	cmd.Env = raceEnv()
+	cmd.Env = append(raceEnv(),
+		"PVCLI_CA_FILE="+filepath.Join(c.certs, identity.ChainFile),
+		"PVCLI_CERT_FILE="+filepath.Join(c.certs, "operator.crt"),
+		"PVCLI_KEY_FILE="+filepath.Join(c.certs, "operator.key"))
 	cmd.Stdout = &stdout
 	cmd.Stderr = &stderr
 	cmd.WaitDelay = time.Second
@@ -692,4 +718,55 @@ func freePorts(n int) ([]int, error) {
 		ports = append(ports, port)
 	}
 	return ports, nil
+}
+
+// --- PKI ------------------------------------------------------------------------
+
+// makePKI creates a PiTrust CA in dir with, for node1..node3, a server
+// certificate for 127.0.0.1 and an agent client certificate, and an
+// operator certificate for pvcli and the test's own clients.
+func makePKI(t testing.TB, dir string) string {
+	t.Helper()
+	if _, err := identity.InitCA(dir, identity.CAOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i <= 3; i++ {
+		name := fmt.Sprintf("node%d", i)
+		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: name + "-server",
+			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-" + name}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator"}); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// clientTLS is a TLS client configuration with the cluster's CA and the
+// operator certificate.
+func (c *cluster) clientTLS(t testing.TB) *tls.Config {
+	t.Helper()
+	pem, err := os.ReadFile(filepath.Join(c.certs, identity.ChainFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(pem)
+	op, err := tls.LoadX509KeyPair(filepath.Join(c.certs, "operator.crt"), filepath.Join(c.certs, "operator.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &tls.Config{RootCAs: roots, Certificates: []tls.Certificate{op}, MinVersion: tls.VersionTLS12}
+}
+
+// httpClient is an HTTPS client of the cluster's API, closed with the test.
+func (c *cluster) httpClient(t testing.TB) *http.Client {
+	t.Helper()
+	tr := &http.Transport{TLSClientConfig: c.clientTLS(t), ForceAttemptHTTP2: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
 }

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -132,7 +131,7 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 		}
 	}
 	// The agents refuse them too when a client skips pvcli's check.
-	snapClient := clusterv1connect.NewSnapshotServiceClient(h2cClient(t), "http://"+target.api)
+	snapClient := clusterv1connect.NewSnapshotServiceClient(c2.httpClient(t), "https://"+target.api)
 	for name, c := range corruptions(t, file) {
 		stream := snapClient.RestoreSnapshot(context.Background())
 		for i := 0; i < len(c.data); i += 64 << 10 {
@@ -264,10 +263,10 @@ func mustOpen(t *testing.T, path string) *os.File {
 // concurrent Connect clients.
 func registerMany(t *testing.T, c *cluster, n int) {
 	t.Helper()
-	hc := h2cClient(t)
+	hc := c.httpClient(t)
 	var clients []clusterv1connect.ClusterServiceClient
 	for _, nd := range c.nodes {
-		clients = append(clients, clusterv1connect.NewClusterServiceClient(hc, "http://"+nd.api))
+		clients = append(clients, clusterv1connect.NewClusterServiceClient(hc, "https://"+nd.api))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -308,15 +307,6 @@ func registerMany(t *testing.T, c *cluster, n int) {
 		t.Fatal(first)
 	}
 	t.Logf("registered %d instances in %s", n, time.Since(start).Round(time.Millisecond))
-}
-
-// h2cClient is an HTTP/2 cleartext client, closed with the test.
-func h2cClient(t *testing.T) *http.Client {
-	var p http.Protocols
-	p.SetUnencryptedHTTP2(true)
-	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
-	t.Cleanup(hc.CloseIdleConnections)
-	return hc
 }
 
 // listServices lists every instance through n with a consistent read, as
