@@ -106,6 +106,11 @@ func (b *LogBuffer) Tail(n int) string {
 // New returns an empty cluster; nodes are added with Start.
 func New(tb testing.TB) *Cluster {
 	tb.Helper()
+	// The test's temporary directory is created, and its removal
+	// registered, before the shutdown below: cleanups run last-registered
+	// first, so every t.TempDir() of the test (the agents' data dirs) is
+	// removed only after the agents stopped writing into it.
+	_ = tb.TempDir()
 	c := &Cluster{tb: tb, logs: &LogBuffer{}}
 	tb.Cleanup(func() {
 		c.mu.Lock()
