@@ -250,7 +250,13 @@ func (s *Source) ServerConfig(clientAuth tls.ClientAuthType, check PeerCheck) *t
 			// The standard check, with CAFile's intermediates too, and a
 			// message that says which certificate was refused and why.
 			c.ClientAuth = requestOrRequire(clientAuth)
-			c.VerifyPeerCertificate = s.verifyPeer(x509.ExtKeyUsageClientAuth, "", check, clientAuth == tls.RequireAndVerifyClientCert)
+			// VerifyConnection, not VerifyPeerCertificate: it also runs on
+			// resumed sessions, so a session ticket never outlives a CA
+			// change or a peer check.
+			verify := s.verifyPeer(x509.ExtKeyUsageClientAuth, "", check, clientAuth == tls.RequireAndVerifyClientCert)
+			c.VerifyConnection = func(cs tls.ConnectionState) error {
+				return verify(rawCerts(cs.PeerCertificates), nil)
+			}
 		}
 		return c, nil
 	}
@@ -286,13 +292,18 @@ func (s *Source) ClientConfig(serverName string) *tls.Config {
 			if serverName != "" {
 				name = serverName
 			}
-			raw := make([][]byte, len(cs.PeerCertificates))
-			for i, c := range cs.PeerCertificates {
-				raw[i] = c.Raw
-			}
-			return s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(raw, nil)
+			return s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(rawCerts(cs.PeerCertificates), nil)
 		},
 	}
+}
+
+// rawCerts returns the DER of certs.
+func rawCerts(certs []*x509.Certificate) [][]byte {
+	raw := make([][]byte, len(certs))
+	for i, c := range certs {
+		raw[i] = c.Raw
+	}
+	return raw
 }
 
 // verifyPeer returns a VerifyPeerCertificate function: the peer's chain

@@ -361,3 +361,56 @@ func mustLeaf(t *testing.T, path string) *x509.Certificate {
 	}
 	return certs[0]
 }
+
+// TestResumedSessionIsVerifiedAgain: a client resuming a TLS session after
+// the server stopped trusting its CA is refused, as a full handshake is.
+func TestResumedSessionIsVerifiedAgain(t *testing.T) {
+	p := newPKI(t)
+	other := newPKI(t)
+	srvLeaf := p.issue(LeafRequest{Kind: KindServer, Name: "node-01.pivirt.internal", IPs: []net.IP{net.ParseIP("127.0.0.1")}})
+	cliLeaf := p.issue(LeafRequest{Kind: KindClient, Name: "pivirt-agent-node-02"})
+
+	// The server's CA file is a copy that the test replaces later.
+	caFile := filepath.Join(t.TempDir(), "ca.pem")
+	chain, err := os.ReadFile(p.chain())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(caFile, chain, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := NewSource(SourceConfig{CertFile: srvLeaf.Cert, KeyFile: srvLeaf.Key, CAFile: caFile})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := serve(t, srv.ServerConfig(tls.RequireAndVerifyClientCert, nil))
+	cfg := p.source(cliLeaf).ClientConfig("")
+	cfg.ClientSessionCache = tls.NewLRUClientSessionCache(4)
+	if _, err := dial(s.addr(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	c, err := tls.Dial("tcp", s.addr(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resumed := c.ConnectionState().DidResume
+	c.Close()
+	if !resumed {
+		t.Fatal("the second connection did not resume the session: the test proves nothing")
+	}
+
+	otherChain, err := os.ReadFile(filepath.Join(other.dir, ChainFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(caFile, otherChain, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dial(s.addr(), cfg); err == nil {
+		t.Fatal("a resumed session was accepted after the server stopped trusting the client's CA")
+	}
+	s.waitErr(t, "not signed by the given CA chain")
+}
