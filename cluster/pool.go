@@ -3,6 +3,8 @@ package cluster
 import (
 	"context"
 	"crypto/tls"
+	"errors"
+	"net"
 	"sync"
 	"time"
 
@@ -45,16 +47,43 @@ func NewPool() *Pool {
 	return NewPoolTLS(nil)
 }
 
-// NewPoolTLS builds a pool speaking TLS with cfg (an identity.Source's
-// client config: it presents this agent's certificate and verifies the
-// peer's); nil means no TLS.
-func NewPoolTLS(cfg *tls.Config) *Pool {
-	creds := insecure.NewCredentials()
-	if cfg != nil {
-		creds = credentials.NewTLS(cfg)
+// NewPoolTLS builds a pool speaking TLS: client returns the configuration
+// for a peer dialled at host (identity.Source.ClientConfig: it presents this
+// agent's certificate and verifies that the peer's holds host); nil means
+// no TLS.
+func NewPoolTLS(client func(host string) *tls.Config) *Pool {
+	var creds credentials.TransportCredentials = insecure.NewCredentials()
+	if client != nil {
+		creds = hostCredentials{client: client}
 	}
 	return &Pool{creds: creds, conns: make(map[string]*grpc.ClientConn)}
 }
+
+// hostCredentials are TLS client credentials whose configuration names the
+// host dialled, so that the server's certificate is checked against it.
+type hostCredentials struct {
+	client func(host string) *tls.Config
+}
+
+func (c hostCredentials) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	host, _, err := net.SplitHostPort(authority)
+	if err != nil {
+		host = authority
+	}
+	return credentials.NewTLS(c.client(host)).ClientHandshake(ctx, authority, raw)
+}
+
+func (c hostCredentials) ServerHandshake(net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return nil, nil, errors.New("hostCredentials are client credentials")
+}
+
+func (c hostCredentials) Info() credentials.ProtocolInfo {
+	return credentials.NewTLS(c.client("")).Info()
+}
+
+func (c hostCredentials) Clone() credentials.TransportCredentials { return c }
+
+func (c hostCredentials) OverrideServerName(string) error { return nil }
 
 // dialOptions are the options of every connection to a peer. A peer that
 // restarts is redialled within at most a couple of seconds (grpc's default

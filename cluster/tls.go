@@ -2,7 +2,9 @@ package cluster
 
 import (
 	"crypto/tls"
+	"fmt"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/raft"
@@ -16,24 +18,34 @@ import (
 // hostile peer never holds up the accept loop; its failure ends that
 // connection and is logged by Raft's transport with the reason.
 type TLSStreamLayer struct {
-	ln             net.Listener
-	advertise      net.Addr
-	server, client *tls.Config
+	ln        net.Listener
+	advertise net.Addr
+	server    *tls.Config
+	client    func(host string) *tls.Config
 }
 
 var _ raft.StreamLayer = (*TLSStreamLayer)(nil)
 
 // NewTLSStreamLayer returns a stream layer accepting on ln and advertising
-// advertise (ln.Addr() when nil). Closing it closes ln.
-func NewTLSStreamLayer(ln net.Listener, advertise net.Addr, server, client *tls.Config) *TLSStreamLayer {
+// advertise (ln.Addr() when nil). client returns the configuration that
+// verifies a peer dialled at host (the server certificate must hold it).
+// Closing it closes ln.
+func NewTLSStreamLayer(ln net.Listener, advertise net.Addr, server *tls.Config, client func(host string) *tls.Config) *TLSStreamLayer {
 	return &TLSStreamLayer{ln: ln, advertise: advertise, server: server, client: client}
 }
 
 // Dial connects and completes the TLS handshake within timeout.
 func (t *TLSStreamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
-	d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout}, Config: t.client}
+	host, _, err := net.SplitHostPort(string(address))
+	if err != nil {
+		return nil, fmt.Errorf("raft address %q: %w", address, err)
+	}
+	d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout}, Config: t.client(host)}
 	return d.Dial("tcp", string(address))
 }
+
+// handshakeTimeout bounds the TLS handshake of an accepted connection.
+const handshakeTimeout = 10 * time.Second
 
 // Accept waits for the next inbound connection.
 func (t *TLSStreamLayer) Accept() (net.Conn, error) {
@@ -41,7 +53,28 @@ func (t *TLSStreamLayer) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return tls.Server(c, t.server), nil
+	return &handshakeConn{Conn: tls.Server(c, t.server)}, nil
+}
+
+// handshakeConn completes the TLS handshake on the first read, within
+// handshakeTimeout, so that a peer that never finishes it cannot hold the
+// connection and its goroutine.
+type handshakeConn struct {
+	*tls.Conn
+	once sync.Once
+	err  error
+}
+
+func (c *handshakeConn) Read(p []byte) (int, error) {
+	c.once.Do(func() {
+		_ = c.Conn.SetDeadline(time.Now().Add(handshakeTimeout))
+		c.err = c.Conn.Handshake()
+		_ = c.Conn.SetDeadline(time.Time{})
+	})
+	if c.err != nil {
+		return 0, c.err
+	}
+	return c.Conn.Read(p)
 }
 
 // Close closes the listener.

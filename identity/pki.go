@@ -264,6 +264,11 @@ func checkLeaf(req *LeafRequest, days int) error {
 	if !leafNamePattern.MatchString(req.Name) {
 		return fmt.Errorf("%w: name %q: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit", ErrInvalidRequest, req.Name)
 	}
+	for _, ca := range []string{strings.TrimSuffix(RootCertFile, ".pem"), strings.TrimSuffix(IntermediateCertFile, ".pem"), strings.TrimSuffix(ChainFile, ".pem")} {
+		if strings.EqualFold(req.Name, ca) {
+			return fmt.Errorf("%w: name %q is the CA's own file name", ErrInvalidRequest, req.Name)
+		}
+	}
 	if err := checkDays("days", days); err != nil {
 		return err
 	}
@@ -337,6 +342,9 @@ func ReadCertificates(path string) ([]*x509.Certificate, error) {
 		var block *pem.Block
 		block, rest = pem.Decode(rest)
 		if block == nil {
+			if len(bytes.TrimSpace(rest)) > 0 {
+				return nil, fmt.Errorf("%s: data after certificate %d that is not a complete PEM block (a truncated or half-written file?)", path, len(out))
+			}
 			break
 		}
 		if block.Type != "CERTIFICATE" {

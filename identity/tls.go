@@ -65,6 +65,9 @@ type Source struct {
 
 	mu  sync.RWMutex
 	cur *material
+	// reloadMu serialises loads, so that an older load never replaces a
+	// newer one.
+	reloadMu sync.Mutex
 }
 
 // NewSource loads the files of cfg.
@@ -105,15 +108,20 @@ func (s *Source) load() (*material, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tls: ca file: %w", err)
 	}
+	roots := 0
 	for _, c := range cas {
 		if !c.IsCA {
 			return nil, fmt.Errorf("tls: ca file %s: %q is not a CA certificate", s.cfg.CAFile, c.Subject.CommonName)
 		}
 		if c.CheckSignatureFrom(c) == nil {
 			m.roots.AddCert(c)
+			roots++
 		} else {
 			m.inter.AddCert(c)
 		}
+	}
+	if roots == 0 {
+		return nil, fmt.Errorf("tls: ca file %s holds no self-signed root CA (use ca-chain.pem, which ends with the root)", s.cfg.CAFile)
 	}
 	if s.cfg.CertFile == "" {
 		return m, nil
@@ -140,6 +148,8 @@ func (s *Source) material() *material {
 // Reload reads the files again; new handshakes use what it read. On error
 // the material in use stays.
 func (s *Source) Reload() error {
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
 	m, err := s.load()
 	if err != nil {
 		s.logger.Error("tls reload failed; keeping the certificates in use", "error", err)
@@ -271,8 +281,11 @@ func requestOrRequire(a tls.ClientAuthType) tls.ClientAuthType {
 }
 
 // ClientConfig returns a client tls.Config that verifies the server against
-// the current CAs and serverName (empty: the dialled host), and presents
-// the current certificate when the server asks for one.
+// the current CAs and serverName — the name or IP the server must hold, as
+// a rule the host being dialled — and presents the current certificate when
+// the server asks for one. With serverName empty the name the TLS client
+// sends (SNI) is used, and a connection without one (an IP address) is
+// refused: a server is never accepted without a name check.
 func (s *Source) ClientConfig(serverName string) *tls.Config {
 	return &tls.Config{
 		MinVersion:   tls.VersionTLS12,
@@ -291,6 +304,9 @@ func (s *Source) ClientConfig(serverName string) *tls.Config {
 			name := cs.ServerName
 			if serverName != "" {
 				name = serverName
+			}
+			if name == "" {
+				return errors.New("tls: no server name or address to verify the server's certificate against")
 			}
 			return s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(rawCerts(cs.PeerCertificates), nil)
 		},

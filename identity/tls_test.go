@@ -159,7 +159,7 @@ func TestHandshakes(t *testing.T) {
 	if _, err := dial(mtls.addr(), cli.ClientConfig("node-01.pivirt.internal")); err != nil {
 		t.Fatalf("mTLS handshake with an agent certificate: %v", err)
 	}
-	c, err := tls.Dial("tcp", mtls.addr(), cli.ClientConfig(""))
+	c, err := tls.Dial("tcp", mtls.addr(), cli.ClientConfig("127.0.0.1"))
 	if err != nil {
 		t.Fatalf("handshake by IP: %v", err)
 	}
@@ -206,8 +206,19 @@ func TestHandshakes(t *testing.T) {
 		t.Errorf("server of another CA: %v", err)
 	}
 	clientAsServer := serve(t, p.source(cliLeaf).ServerConfig(tls.NoClientCert, nil))
-	if _, err := dial(clientAsServer.addr(), cli.ClientConfig("")); err == nil || !strings.Contains(err.Error(), "not valid for this use") {
+	if _, err := dial(clientAsServer.addr(), cli.ClientConfig("127.0.0.1")); err == nil || !strings.Contains(err.Error(), `server certificate "CN=pivirt-agent-node-02`) {
 		t.Errorf("a client certificate as server identity: %v", err)
+	}
+
+	// A server certificate of the CA, but for another host, is refused
+	// when dialling by IP; without a name to check, nothing is accepted.
+	elsewhere := p.issue(LeafRequest{Kind: KindServer, Name: "evil.example", IPs: []net.IP{net.ParseIP("10.9.9.9")}})
+	impostor := serve(t, p.source(elsewhere).ServerConfig(tls.NoClientCert, nil))
+	if _, err := dial(impostor.addr(), cli.ClientConfig("127.0.0.1")); err == nil || !strings.Contains(err.Error(), `not valid for "127.0.0.1"`) {
+		t.Errorf("a server certificate for another host: %v", err)
+	}
+	if _, err := dial(mtls.addr(), cli.ClientConfig("")); err == nil || !strings.Contains(err.Error(), "no server name") {
+		t.Errorf("dialling an IP without a name to check: %v", err)
 	}
 
 	// A plaintext client on the TLS port.
@@ -259,7 +270,7 @@ func TestReloadUnderLoad(t *testing.T) {
 	)
 	for range 4 {
 		wg.Go(func() {
-			cfg := cli.ClientConfig("")
+			cfg := cli.ClientConfig("127.0.0.1")
 			for {
 				select {
 				case <-stop:
@@ -269,7 +280,7 @@ func TestReloadUnderLoad(t *testing.T) {
 				c, err := dial(s.addr(), cfg)
 				if err != nil {
 					failed.Add(1)
-					firstErr.CompareAndSwap(nil, err)
+					firstErr.CompareAndSwap(nil, err.Error())
 					continue
 				}
 				ok.Add(1)
@@ -384,7 +395,7 @@ func TestResumedSessionIsVerifiedAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := serve(t, srv.ServerConfig(tls.RequireAndVerifyClientCert, nil))
-	cfg := p.source(cliLeaf).ClientConfig("")
+	cfg := p.source(cliLeaf).ClientConfig("127.0.0.1")
 	cfg.ClientSessionCache = tls.NewLRUClientSessionCache(4)
 	if _, err := dial(s.addr(), cfg); err != nil {
 		t.Fatal(err)
@@ -413,4 +424,48 @@ func TestResumedSessionIsVerifiedAgain(t *testing.T) {
 		t.Fatal("a resumed session was accepted after the server stopped trusting the client's CA")
 	}
 	s.waitErr(t, "not signed by the given CA chain")
+}
+
+// TestSourceRefusesBadCAFiles: a CA file without a root, or with a
+// truncated certificate, is refused at load instead of making every peer
+// "not signed by the chain".
+func TestSourceRefusesBadCAFiles(t *testing.T) {
+	p := newPKI(t)
+	chain, err := os.ReadFile(p.chain())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	for name, tt := range map[string]struct {
+		data []byte
+		want string
+	}{
+		"intermediate only": {mustRead(t, filepath.Join(p.dir, IntermediateCertFile)), "no self-signed root"},
+		"half-written":      {chain[:len(chain)-40], "not a complete PEM block"},
+	} {
+		path := filepath.Join(dir, strings.ReplaceAll(name, " ", "-")+".pem")
+		if err := os.WriteFile(path, tt.data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := NewSource(SourceConfig{CAFile: path}); err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%s: NewSource = %v, want an error saying %q", name, err, tt.want)
+		}
+	}
+	for _, name := range []string{"PiCA", "pirootr1", "ca-chain"} {
+		if _, err := Issue(p.dir, LeafRequest{Kind: KindClient, Name: name, Force: true}); err == nil || !strings.Contains(err.Error(), "CA's own file name") {
+			t.Errorf("Issue(%s) = %v, want a refusal", name, err)
+		}
+	}
+	if _, _, err := LoadCA(p.dir); err != nil {
+		t.Errorf("the CA is damaged: %v", err)
+	}
+}
+
+func mustRead(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

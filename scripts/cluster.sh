@@ -28,7 +28,11 @@ running() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 # client certificate per node, an operator certificate for pvcli, and a
 # gossip key.
 pki() {
-  [[ -f "$certs/ca-chain.pem" ]] && return 0
+  if [[ ! -s "$dir/gossip.key" ]]; then
+    (umask 077 && "$bin/pvcli" cluster keyring generate >"$dir/gossip.key")
+  fi
+  [[ -f "$certs/operator.key" ]] && return 0
+  rm -rf "$certs"
   "$bin/pitrust" init --dir "$certs" >/dev/null
   for spec in "${nodes[@]}"; do
     read -r name _ <<<"$spec"
@@ -36,7 +40,6 @@ pki() {
     "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --days 90 >/dev/null
   done
   "$bin/pitrust" issue-mtls-client --dir "$certs" --name operator --days 90 >/dev/null
-  (umask 077 && "$bin/pvcli" cluster keyring generate >"$dir/gossip.key")
   echo "made a development PKI in $certs and a gossip key in $dir/gossip.key"
 }
 

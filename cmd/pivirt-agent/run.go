@@ -148,7 +148,10 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 		case <-hup:
 			// Certificates are re-read for new handshakes; a failure keeps
 			// the ones in use and is logged.
-			if err := a.ReloadTLS(); err == nil {
+			switch err := a.ReloadTLS(); {
+			case !cfg.TLS.Enabled:
+				logger.Info("SIGHUP: nothing to reload (tls.enabled is false)")
+			case err == nil:
 				logger.Info("SIGHUP: certificates reloaded")
 			}
 			continue

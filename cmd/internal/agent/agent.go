@@ -202,8 +202,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
 		peers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, agentIdentity)
 		a.lnInternal = tls.NewListener(a.lnInternal, peers)
-		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), peers, a.tls.client.ClientConfig(""))
-		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig(""))
+		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), peers, a.tls.client.ClientConfig)
+		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
 	}
 
 	fcfg := fsm.DefaultConfig()
@@ -859,7 +859,8 @@ func (a *Agent) metricsMux() http.Handler {
 		}
 		// Certificates now; the rest of the configuration with its issue.
 		if err := a.ReloadTLS(); err != nil {
-			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(), "kept": "the certificates in use"})
+			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(),
+				"kept": "the certificates whose files failed to load stay in use; the others were reloaded"})
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "reloaded": []string{"tls"}})

@@ -20,7 +20,7 @@ import (
 // AgentIdentityPrefix starts the CN of every agent's client certificate
 // (pitrust issue-mtls-client --name pivirt-agent-<node>, as in the spec):
 // the internal port and the Raft port accept only such peers.
-const AgentIdentityPrefix = "pivirt-agent"
+const AgentIdentityPrefix = "pivirt-agent-"
 
 // tlsWatchInterval is how often certificate files are checked for changes.
 const tlsWatchInterval = 5 * time.Second
@@ -195,7 +195,7 @@ func (a *Agent) devPKI() error {
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
-	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + "-dev", Days: 30, Force: true})
+	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + "dev", Days: 30, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}

@@ -141,7 +141,7 @@ func TestClusterWithMTLS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pool := cluster.NewPoolTLS(src.ClientConfig(""))
+		pool := cluster.NewPoolTLS(src.ClientConfig)
 		sctx, scancel := context.WithTimeout(ctx, 5*time.Second)
 		_, err = pool.Node(follower.InternalAddr()).Status(sctx, connect.NewRequest(&nodev1.StatusRequest{}))
 		scancel()
@@ -150,12 +150,20 @@ func TestClusterWithMTLS(t *testing.T) {
 			t.Errorf("%s was answered on the internal port", name)
 		}
 	}
+	for _, reason := range []string{"not signed by the given CA chain", "is not an agent identity", "not valid for this use"} {
+		agenttest.Eventually(t, 10*time.Second, "the refusal logged: "+reason, func() error {
+			if !c.Logs().Contains(reason) {
+				return fmt.Errorf("no log line says %q", reason)
+			}
+			return nil
+		})
+	}
 	// ... and answers this CA's agents.
 	good, err := identity.NewSource(identity.SourceConfig{CertFile: filepath.Join(dir, "pivirt-agent-node3.crt"), KeyFile: filepath.Join(dir, "pivirt-agent-node3.key"), CAFile: chain})
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := cluster.NewPoolTLS(good.ClientConfig(""))
+	pool := cluster.NewPoolTLS(good.ClientConfig)
 	defer pool.Close()
 	if _, err := pool.Node(follower.InternalAddr()).Status(ctx, connect.NewRequest(&nodev1.StatusRequest{})); err != nil {
 		t.Errorf("an agent of this CA on the internal port: %v", err)
@@ -197,7 +205,7 @@ func TestClusterWithMTLS(t *testing.T) {
 	if err := os.WriteFile(certFile, []byte("garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if code, body := httpPost(t, "http://"+follower.MetricsAddr()+"/reload"); code != http.StatusUnprocessableEntity || !strings.Contains(body, "node") {
+	if code, body := httpPost(t, "http://"+follower.MetricsAddr()+"/reload"); code != http.StatusUnprocessableEntity || !strings.Contains(body, filepath.Base(certFile)) {
 		t.Errorf("POST /reload with a broken certificate: %d %s, want 422 naming the file", code, body)
 	}
 	_ = serial() // the certificate in use still serves
