@@ -8,9 +8,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 
 	"github.com/hashicorp/memberlist"
+
+	"pilab.hu/pivirt-agent/identity"
 )
 
 // ErrGossipNotEncrypted: a keyring operation on a node whose gossip is not
@@ -81,23 +82,7 @@ func saveKeyring(path string, kr *memberlist.Keyring) error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".tmp*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
+	return identity.WriteFileAtomic(path, b, 0o600)
 }
 
 // KeyringState is a node's keyring by fingerprint.

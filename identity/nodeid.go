@@ -50,7 +50,7 @@ func LoadOrCreateNodeID(dataDir string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if err := writeFileAtomic(path, []byte(id+"\n"), 0o600); err != nil {
+	if err := WriteFileAtomic(path, []byte(id+"\n"), 0o600); err != nil {
 		return "", fmt.Errorf("write node id: %w", err)
 	}
 	return id, nil
@@ -66,7 +66,10 @@ func newUUID() (string, error) {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16]), nil
 }
 
-func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+// WriteFileAtomic writes data to path with perm through a synced temporary
+// file in the same directory and a rename, then syncs the directory: a
+// reader sees the old file or the whole new one, never a part.
+func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".tmp*")
 	if err != nil {
 		return err

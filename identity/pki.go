@@ -153,7 +153,7 @@ func InitCA(dir string, opts CAOptions) (CAFiles, error) {
 		{files.Chain, append(certPEM(caDER), certPEM(rootDER)...), 0o644},
 	}
 	for _, w := range writes {
-		if err := writeFileAtomic(w.path, w.data, w.mode); err != nil {
+		if err := WriteFileAtomic(w.path, w.data, w.mode); err != nil {
 			return CAFiles{}, err
 		}
 	}
@@ -247,10 +247,10 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return LeafFiles{}, err
 	}
-	if err := writeFileAtomic(files.Key, keyPEM(key), 0o600); err != nil {
+	if err := WriteFileAtomic(files.Key, keyPEM(key), 0o600); err != nil {
 		return LeafFiles{}, err
 	}
-	if err := writeFileAtomic(files.Cert, append(certPEM(der), certPEM(ca.Raw)...), 0o644); err != nil {
+	if err := WriteFileAtomic(files.Cert, append(certPEM(der), certPEM(ca.Raw)...), 0o644); err != nil {
 		return LeafFiles{}, err
 	}
 	return files, nil
