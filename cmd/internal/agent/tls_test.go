@@ -67,13 +67,7 @@ func withTLS(dir string) func(i int, cfg *config.Config) {
 
 func httpsClient(t *testing.T, caFile string, cert *tls.Certificate) *http.Client {
 	t.Helper()
-	pem, err := os.ReadFile(caFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(pem)
-	cfg := &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	cfg := &tls.Config{RootCAs: mustPool(t, caFile), MinVersion: tls.VersionTLS12}
 	if cert != nil {
 		cfg.Certificates = []tls.Certificate{*cert}
 	}
