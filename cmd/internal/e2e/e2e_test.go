@@ -122,6 +122,8 @@ func TestClusterLifecycle(t *testing.T) {
 		})
 	})
 
+	step("curl and openssl as in the README", func(t *testing.T) { c.docsExamples(t, n1) })
+
 	step("config compare-and-set and history", func(t *testing.T) {
 		var first, second setConfigOut
 		c.okJSON(t, n3, &first, "config", "set", "log_level", "debug")
