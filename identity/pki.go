@@ -172,6 +172,9 @@ type LeafRequest struct {
 	IPs []net.IP
 	// Days is the lifetime (default DefaultLeafDays).
 	Days int
+	// Validity, when set, is the lifetime instead of Days (short-lived
+	// certificates, e.g. in tests of renewal).
+	Validity time.Duration
 	// Force replaces existing files.
 	Force bool
 	// Now is the clock; nil means time.Now.
@@ -211,7 +214,11 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	if err != nil {
 		return LeafFiles{}, err
 	}
-	notAfter := now.Add(time.Duration(days) * 24 * time.Hour)
+	lifetime := time.Duration(days) * 24 * time.Hour
+	if req.Validity > 0 {
+		lifetime = req.Validity
+	}
+	notAfter := now.Add(lifetime)
 	if notAfter.After(ca.NotAfter) {
 		return LeafFiles{}, fmt.Errorf("%w: days %d: the certificate would outlive the intermediate CA (valid until %s)",
 			ErrInvalidRequest, days, ca.NotAfter.UTC().Format(time.RFC3339))
@@ -227,7 +234,7 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	tmpl := &x509.Certificate{
 		SerialNumber:          serial,
 		Subject:               pkix.Name{CommonName: req.Name, Organization: []string{Organization}, OrganizationalUnit: []string{string(req.Kind)}},
-		NotBefore:             now.Add(-5 * time.Minute), // tolerate clock skew between nodes
+		NotBefore:             now.Add(-backdate(lifetime)), // tolerate clock skew between nodes
 		NotAfter:              notAfter,
 		KeyUsage:              x509.KeyUsageDigitalSignature,
 		BasicConstraintsValid: true,
@@ -368,11 +375,24 @@ func ReadPrivateKey(path string) (crypto.Signer, error) {
 	if err != nil {
 		return nil, err
 	}
+	key, err := parsePrivateKeyPEM(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return key, nil
+}
+
+// parsePrivateKeyPEM parses the first PEM block of b as a private key
+// (PKCS#8, EC or PKCS#1).
+func parsePrivateKeyPEM(b []byte) (crypto.Signer, error) {
 	block, _ := pem.Decode(b)
 	if block == nil {
-		return nil, fmt.Errorf("%s: no PEM block in it", path)
+		return nil, errors.New("no PEM block in it")
 	}
-	var key any
+	var (
+		key any
+		err error
+	)
 	switch block.Type {
 	case "PRIVATE KEY":
 		key, err = x509.ParsePKCS8PrivateKey(block.Bytes)
@@ -381,14 +401,14 @@ func ReadPrivateKey(path string) (crypto.Signer, error) {
 	case "RSA PRIVATE KEY":
 		key, err = x509.ParsePKCS1PrivateKey(block.Bytes)
 	default:
-		return nil, fmt.Errorf("%s: PEM block %q is not a private key", path, block.Type)
+		return nil, fmt.Errorf("PEM block %q is not a private key", block.Type)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, err
 	}
 	signer, ok := key.(crypto.Signer)
 	if !ok {
-		return nil, fmt.Errorf("%s: unsupported key type %T", path, key)
+		return nil, fmt.Errorf("unsupported key type %T", key)
 	}
 	return signer, nil
 }
@@ -577,11 +597,11 @@ func caTemplate(cn string, now time.Time, days, maxPathLen int) (*x509.Certifica
 }
 
 func keyPEM(k *ecdsa.PrivateKey) []byte {
-	der, err := x509.MarshalPKCS8PrivateKey(k)
+	b, err := KeyPEM(k)
 	if err != nil {
 		panic(err) // an ECDSA P-256 key always marshals
 	}
-	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
+	return b
 }
 
 func certPEM(der []byte) []byte {

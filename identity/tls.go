@@ -340,18 +340,12 @@ func (s *Source) verifyPeer(usage x509.ExtKeyUsage, name string, check PeerCheck
 			}
 			certs[i] = c
 		}
-		m := s.material()
-		inter := m.inter.Clone()
-		for _, c := range certs[1:] {
-			inter.AddCert(c)
-		}
 		role := "server"
 		if usage == x509.ExtKeyUsageClientAuth {
 			role = "client"
 		}
-		_, err := certs[0].Verify(x509.VerifyOptions{Roots: m.roots, Intermediates: inter, DNSName: name, KeyUsages: []x509.ExtKeyUsage{usage}})
-		if err != nil {
-			err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), explainVerifyError(certs[0], err, time.Now()))
+		if err := s.verifyChain(certs, usage, name); err != nil {
+			err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), err)
 			s.logger.Warn("tls peer refused", "error", err)
 			return err
 		}
@@ -365,6 +359,76 @@ func (s *Source) verifyPeer(usage x509.ExtKeyUsage, name string, check PeerCheck
 		return nil
 	}
 }
+
+// verifyChain verifies chain (leaf first) against the current CAs for
+// usage (and name, when not empty), explaining a failure.
+func (s *Source) verifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage, name string) error {
+	m := s.material()
+	inter := m.inter.Clone()
+	for _, c := range chain[1:] {
+		inter.AddCert(c)
+	}
+	now := time.Now()
+	_, err := chain[0].Verify(x509.VerifyOptions{Roots: m.roots, Intermediates: inter, DNSName: name, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{usage}})
+	if err != nil {
+		return explainVerifyError(chain[0], err, now)
+	}
+	return nil
+}
+
+// VerifyChain is a ChainVerifier: chain (leaf first) must verify against
+// the Source's current CAs for usage (x509.ExtKeyUsageAny for a CA).
+func (s *Source) VerifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage) error {
+	if len(chain) == 0 {
+		return errors.New("no certificate")
+	}
+	return s.verifyChain(chain, usage, "")
+}
+
+// Replace writes a new certificate and key to the Source's files (the key
+// first, each atomically) and loads them, as Reload does; a pair that does
+// not load leaves the files as they were. It serialises with Reload.
+func (s *Source) Replace(certPEM, keyPEM []byte) error {
+	if s.cfg.CertFile == "" {
+		return errors.New("tls: this source has no certificate files")
+	}
+	if _, err := tls.X509KeyPair(certPEM, keyPEM); err != nil {
+		return fmt.Errorf("tls: new certificate for %s: %w", s.cfg.CertFile, err)
+	}
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
+	oldCert, errC := os.ReadFile(s.cfg.CertFile)
+	oldKey, errK := os.ReadFile(s.cfg.KeyFile)
+	if err := errors.Join(errC, errK); err != nil {
+		return fmt.Errorf("tls: %w", err)
+	}
+	restore := func(cause error) error {
+		err := errors.Join(WriteFileAtomic(s.cfg.KeyFile, oldKey, 0o600), WriteFileAtomic(s.cfg.CertFile, oldCert, 0o644))
+		if err != nil {
+			return fmt.Errorf("tls: %w; restoring the previous files failed too: %w", cause, err)
+		}
+		return fmt.Errorf("tls: %w", cause)
+	}
+	if err := WriteFileAtomic(s.cfg.KeyFile, keyPEM, 0o600); err != nil {
+		return fmt.Errorf("tls: %w", err)
+	}
+	if err := WriteFileAtomic(s.cfg.CertFile, certPEM, 0o644); err != nil {
+		return restore(err)
+	}
+	m, err := s.load()
+	if err != nil {
+		return restore(err)
+	}
+	s.mu.Lock()
+	s.cur = m
+	s.mu.Unlock()
+	s.logger.Info("tls certificate replaced", "cert", s.cfg.CertFile, "subject", m.leaf.Subject.String(),
+		"not_after", m.leaf.NotAfter.UTC().Format(time.RFC3339))
+	return nil
+}
+
+// Certificate is this side's certificate and key, nil without one.
+func (s *Source) Certificate() *tls.Certificate { return s.material().cert }
 
 // ExpiringSoon reports whether this side's certificate expires within
 // ExpiryWarning of now, and when.
