@@ -466,6 +466,7 @@ var appliers = map[protoreflect.Name]applyFunc{
 	"claim_slot":         (*FSM).applyClaimSlot,
 	"record_run":         (*FSM).applyRecordRun,
 	"restored":           (*FSM).applyRestored,
+	"set_cluster_ca":     (*FSM).applySetClusterCA,
 }
 
 // applyRestored marks a restore: every table's index becomes this entry's

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/hex"
 	"errors"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -241,4 +243,22 @@ func withClient(cmd *fsmv1.Command, client string, seq uint64) *fsmv1.Command {
 	cmd.ClientId = client
 	cmd.Sequence = seq
 	return cmd
+}
+
+// testCA returns the PEM of the committed test CA (testdata/cluster-ca).
+func testCA(t testing.TB) (certPEM, keyPEM []byte) {
+	t.Helper()
+	c, err := os.ReadFile(filepath.Join("testdata", "cluster-ca", "ca.pem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := os.ReadFile(filepath.Join("testdata", "cluster-ca", "ca.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, k
+}
+
+func setClusterCA(certPEM, keyPEM []byte) *fsmv1.Command {
+	return &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}}
 }

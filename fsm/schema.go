@@ -27,6 +27,8 @@ const (
 	TableSchedules = "schedules"
 	// TableScheduleRuns holds *schedulev1.Run, keyed by (schedule_id, slot).
 	TableScheduleRuns = "schedule_runs"
+	// TableCA holds the cluster CA, *fsmv1.ClusterCA: at most one record.
+	TableCA = "ca"
 	// TableDedupe holds *fsmv1.DedupeRecord, keyed by (client_id, sequence).
 	TableDedupe = "dedupe"
 	// TableIndex records, per table, the last Raft index that changed it.
@@ -126,6 +128,13 @@ var tableDefs = []tableDef{
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: runID},
 		),
 		codec: protoCodec[*schedulev1.Run](),
+	},
+	{
+		name: TableCA,
+		indexes: indexes(
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(*fsmv1.ClusterCA) string { return clusterCAKey }))},
+		),
+		codec: protoCodec[*fsmv1.ClusterCA](),
 	},
 	{
 		name: TableDedupe,

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -27,7 +28,7 @@ var update = flag.Bool("update", false, "rewrite the golden snapshot in testdata
 func readCloser(b []byte) io.ReadCloser { return io.NopCloser(bytes.NewReader(b)) }
 
 // populate puts records in every table through ordinary commands.
-func populate(h *harness) {
+func populateV1(h *harness) {
 	h.t.Helper()
 	step := func(cmd *fsmv1.Command) *Result {
 		h.t.Helper()
@@ -59,6 +60,17 @@ func populate(h *harness) {
 	must(putSchedule(schedule("s2")))
 	if res := step(withClient(deleteConfig("missing"), "client-3", 1)); !errors.Is(res.Err, ErrNotFound) {
 		h.t.Fatalf("populate: delete missing = %v", res.Err)
+	}
+}
+
+// populate fills every table: the state of populateV1, then the tables
+// format 2 added.
+func populate(h *harness) {
+	h.t.Helper()
+	populateV1(h)
+	h.now = h.now.Add(time.Second)
+	if res := h.apply(setClusterCA(testCA(h.t))); res.Err != nil {
+		h.t.Fatalf("populate: %v", res.Err)
 	}
 }
 
@@ -370,35 +382,45 @@ func TestSnapshotIsPointInTime(t *testing.T) {
 	}
 }
 
-// TestSnapshotFormatV1Golden restores the committed format-1 snapshot and
-// checks that this version still writes the same bytes for the same state.
-// Run with -update after a deliberate change of populate.
-func TestSnapshotFormatV1Golden(t *testing.T) {
-	path := filepath.Join("testdata", "snapshot", "v1", "state.bin")
-	h := newHarness(t)
-	populate(h)
-	current := h.snapshot()
-	if *update {
-		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, current, 0o644); err != nil {
-			t.Fatal(err)
-		}
+// TestSnapshotFormatGolden restores the committed snapshot of every format
+// version and checks that it holds the state populate built in that
+// version, and that this version still writes the same bytes as its own
+// golden file for the same state. Run with -update after a deliberate
+// change of populate.
+func TestSnapshotFormatGolden(t *testing.T) {
+	builders := map[uint32]func(*harness){1: populateV1, 2: populate}
+	if builders[SnapshotFormatVersion] == nil {
+		t.Fatalf("no state builder for format %d: add it and its golden file", SnapshotFormatVersion)
 	}
-	golden, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("read golden snapshot (run go test -run Golden -update to create it): %v", err)
-	}
-	r := newHarness(t)
-	if err := r.f.Restore(readCloser(golden)); err != nil {
-		t.Fatalf("restore the format-1 golden snapshot: %v", err)
-	}
-	if !reflect.DeepEqual(dumpTables(t, r.f), dumpTables(t, h.f)) {
-		t.Errorf("golden snapshot restores to a different state than populate builds")
-	}
-	if !bytes.Equal(current, golden) {
-		t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading version 1", path)
+	for v := uint32(1); v <= SnapshotFormatVersion; v++ {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			path := filepath.Join("testdata", "snapshot", fmt.Sprintf("v%d", v), "state.bin")
+			h := newHarness(t)
+			builders[v](h)
+			current := h.snapshot()
+			if *update && v == SnapshotFormatVersion {
+				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(path, current, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			golden, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatalf("read golden snapshot (run go test -run Golden -update to create it): %v", err)
+			}
+			r := newHarness(t)
+			if err := r.f.Restore(readCloser(golden)); err != nil {
+				t.Fatalf("restore the format-%d golden snapshot: %v", v, err)
+			}
+			if !reflect.DeepEqual(dumpTables(t, r.f), dumpTables(t, h.f)) {
+				t.Errorf("golden snapshot restores to a different state than its builder makes")
+			}
+			if v == SnapshotFormatVersion && !bytes.Equal(current, golden) {
+				t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading the older ones", path)
+			}
+		})
 	}
 }
 

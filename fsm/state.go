@@ -8,6 +8,7 @@ import (
 	"github.com/hashicorp/go-memdb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
@@ -268,4 +269,10 @@ func (s *State) Run(scheduleID string, slot time.Time) (*schedulev1.Run, error) 
 		return nil, fmt.Errorf("%w: run of schedule %q at slot %s", ErrNotFound, scheduleID, slot.Format(time.RFC3339Nano))
 	}
 	return r, nil
+}
+
+// ClusterCA returns the cluster CA, or nil when none is installed. It holds
+// the CA's private key: never return it to a client.
+func (s *State) ClusterCA() (*fsmv1.ClusterCA, error) {
+	return first[*fsmv1.ClusterCA](s.txn, TableCA, indexID, clusterCAKey)
 }

@@ -27,10 +27,12 @@ func tableNum(name string) int {
 		return 3
 	case TableScheduleRuns:
 		return 4
-	case TableDedupe:
+	case TableCA:
 		return 5
-	case TableIndex:
+	case TableDedupe:
 		return 6
+	case TableIndex:
+		return 7
 	}
 	return -1
 }

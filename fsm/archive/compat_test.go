@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"flag"
-	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -23,13 +22,24 @@ import (
 
 var update = flag.Bool("update", false, "write the archive of the current format version into testdata (only when a new format version is released)")
 
-// releasedVersions lists every archive format version released; each has
-// testdata/v<N>/snapshot.tar.gz, which this version must keep restoring.
-var releasedVersions = []uint32{1}
+// released lists every (archive format, state format) pair released; each
+// has testdata/<dir>/snapshot.tar.gz, which this version must keep
+// restoring. The last is the current one.
+var released = []struct {
+	archive, state uint32
+	dir            string
+}{
+	{1, 1, "v1"},
+	{1, 2, "v1-state2"},
+}
 
-// compatState is the state every compatibility archive holds: a record in
-// every table.
-func compatState(t *testing.T) *fsm.FSM {
+// tableSince is the state format that added a table (those not listed
+// exist since format 1).
+var tableSince = map[string]uint32{fsm.TableCA: 2}
+
+// compatState is the state every compatibility archive of a state format
+// holds: a record in every table of that format.
+func compatState(t *testing.T, stateFormat uint32) *fsm.FSM {
 	t.Helper()
 	f, err := fsm.New(fsm.DefaultConfig())
 	if err != nil {
@@ -54,6 +64,17 @@ func compatState(t *testing.T) *fsm.FSM {
 			ScheduleId: "s1", Slot: ts(3600), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Attempts: 1, FinishedAt: ts(3601),
 		}}}},
 	}
+	if stateFormat >= 2 {
+		certPEM, err := os.ReadFile(filepath.Join("..", "testdata", "cluster-ca", "ca.pem"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		keyPEM, err := os.ReadFile(filepath.Join("..", "testdata", "cluster-ca", "ca.key"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmds = append(cmds, &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}})
+	}
 	for i, cmd := range cmds {
 		cmd.Time = ts(i)
 		data, err := fsm.Encode(cmd)
@@ -71,8 +92,9 @@ func compatState(t *testing.T) *fsm.FSM {
 // version and checks what it holds. With -update it first writes the
 // archive of the current version.
 func TestCompatibleArchives(t *testing.T) {
+	cur := released[len(released)-1]
 	if *update {
-		f := compatState(t)
+		f := compatState(t, fsm.SnapshotFormatVersion)
 		var st bytes.Buffer
 		if err := f.WriteSnapshot(&st); err != nil {
 			t.Fatal(err)
@@ -81,7 +103,7 @@ func TestCompatibleArchives(t *testing.T) {
 			ID: "1-6-1796040000000", Index: 6, Term: 1, ClusterID: "3f0c6a52-5d0e-4c53-9a53-2a4f7c1d9e10",
 			AgentVersion: "0.1.0", Size: int64(st.Len()), CreatedAt: time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC),
 		}
-		path := filepath.Join("testdata", fmt.Sprintf("v%d", archive.FormatVersion), "snapshot.tar.gz")
+		path := filepath.Join("testdata", cur.dir, "snapshot.tar.gz")
 		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -96,13 +118,14 @@ func TestCompatibleArchives(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if releasedVersions[len(releasedVersions)-1] != archive.FormatVersion {
-		t.Fatalf("archive.FormatVersion %d is not in releasedVersions: add it and its testdata (go test -run Compatible -update)", archive.FormatVersion)
+	if cur.archive != archive.FormatVersion || cur.state != fsm.SnapshotFormatVersion {
+		t.Fatalf("archive format %d with state format %d is not the last of released: add it and its testdata (go test -run Compatible -update)",
+			archive.FormatVersion, fsm.SnapshotFormatVersion)
 	}
-	want := compatState(t)
-	for _, v := range releasedVersions {
-		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
-			file, err := os.ReadFile(filepath.Join("testdata", fmt.Sprintf("v%d", v), "snapshot.tar.gz"))
+	for _, rel := range released {
+		t.Run(rel.dir, func(t *testing.T) {
+			want := compatState(t, rel.state)
+			file, err := os.ReadFile(filepath.Join("testdata", rel.dir, "snapshot.tar.gz"))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -110,8 +133,8 @@ func TestCompatibleArchives(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Verify: %v", err)
 			}
-			if info.Meta.FormatVersion != v {
-				t.Errorf("format version %d, want %d", info.Meta.FormatVersion, v)
+			if info.Meta.FormatVersion != rel.archive || info.Meta.StateFormatVersion != rel.state {
+				t.Errorf("format versions %d/%d, want %d/%d", info.Meta.FormatVersion, info.Meta.StateFormatVersion, rel.archive, rel.state)
 			}
 			rd, err := archive.NewReader(bytes.NewReader(file))
 			if err != nil {
@@ -136,8 +159,14 @@ func TestCompatibleArchives(t *testing.T) {
 					t.Errorf("table %s is empty in the archive: the compatibility state should fill every table", tb.Name)
 				}
 			}
-			if len(info.State.Tables) != len(fsm.Tables()) {
-				t.Errorf("archive holds %d tables, this version has %d", len(info.State.Tables), len(fsm.Tables()))
+			var tables int
+			for _, name := range fsm.Tables() {
+				if tableSince[name] <= rel.state {
+					tables++
+				}
+			}
+			if len(info.State.Tables) != tables {
+				t.Errorf("archive holds %d tables, state format %d has %d", len(info.State.Tables), rel.state, tables)
 			}
 			// The restored state is what the commands build today.
 			var got, exp bytes.Buffer
@@ -148,7 +177,7 @@ func TestCompatibleArchives(t *testing.T) {
 				t.Fatal(err)
 			}
 			if !bytes.Equal(got.Bytes(), exp.Bytes()) {
-				t.Errorf("the restored v%d state differs from the state its commands build now", v)
+				t.Errorf("the restored %s state differs from the state its commands build now", rel.dir)
 			}
 			inst, err := f.State().Service("web", "web-1")
 			if err != nil || inst.GetMeta()["owner"] != "ops" {

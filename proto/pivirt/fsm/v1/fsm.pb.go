@@ -50,6 +50,7 @@ type Command struct {
 	//	*Command_ClaimSlot
 	//	*Command_RecordRun
 	//	*Command_Restored
+	//	*Command_SetClusterCa
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -212,6 +213,15 @@ func (x *Command) GetRestored() *Restored {
 	return nil
 }
 
+func (x *Command) GetSetClusterCa() *SetClusterCA {
+	if x != nil {
+		if x, ok := x.Op.(*Command_SetClusterCa); ok {
+			return x.SetClusterCa
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -260,6 +270,10 @@ type Command_Restored struct {
 	Restored *Restored `protobuf:"bytes,40,opt,name=restored,proto3,oneof"`
 }
 
+type Command_SetClusterCa struct {
+	SetClusterCa *SetClusterCA `protobuf:"bytes,50,opt,name=set_cluster_ca,json=setClusterCa,proto3,oneof"`
+}
+
 func (*Command_RegisterService) isCommand_Op() {}
 
 func (*Command_DeregisterService) isCommand_Op() {}
@@ -282,6 +296,135 @@ func (*Command_RecordRun) isCommand_Op() {}
 
 func (*Command_Restored) isCommand_Op() {}
 
+func (*Command_SetClusterCa) isCommand_Op() {}
+
+// SetClusterCA installs the built-in cluster CA (tls.cluster_ca), replacing
+// the one before. Proposed by the leader from its configured files.
+type SetClusterCA struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cert_pem is the CA certificate, optionally followed by the CAs above it.
+	CertPem []byte `protobuf:"bytes,1,opt,name=cert_pem,json=certPem,proto3" json:"cert_pem,omitempty"`
+	// key_pem is the CA's private key.
+	KeyPem        []byte `protobuf:"bytes,2,opt,name=key_pem,json=keyPem,proto3" json:"key_pem,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetClusterCA) Reset() {
+	*x = SetClusterCA{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetClusterCA) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetClusterCA) ProtoMessage() {}
+
+func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetClusterCA.ProtoReflect.Descriptor instead.
+func (*SetClusterCA) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *SetClusterCA) GetCertPem() []byte {
+	if x != nil {
+		return x.CertPem
+	}
+	return nil
+}
+
+func (x *SetClusterCA) GetKeyPem() []byte {
+	if x != nil {
+		return x.KeyPem
+	}
+	return nil
+}
+
+// ClusterCA is the stored cluster CA: the only record of the ca table. Its
+// key is in the replicated state, so snapshots and archives hold it.
+type ClusterCA struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	CertPem []byte                 `protobuf:"bytes,1,opt,name=cert_pem,json=certPem,proto3" json:"cert_pem,omitempty"`
+	KeyPem  []byte                 `protobuf:"bytes,2,opt,name=key_pem,json=keyPem,proto3" json:"key_pem,omitempty"`
+	// index is the log index that installed it; installed_at the leader's time.
+	Index         uint64                 `protobuf:"varint,3,opt,name=index,proto3" json:"index,omitempty"`
+	InstalledAt   *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=installed_at,json=installedAt,proto3" json:"installed_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClusterCA) Reset() {
+	*x = ClusterCA{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterCA) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterCA) ProtoMessage() {}
+
+func (x *ClusterCA) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterCA.ProtoReflect.Descriptor instead.
+func (*ClusterCA) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ClusterCA) GetCertPem() []byte {
+	if x != nil {
+		return x.CertPem
+	}
+	return nil
+}
+
+func (x *ClusterCA) GetKeyPem() []byte {
+	if x != nil {
+		return x.KeyPem
+	}
+	return nil
+}
+
+func (x *ClusterCA) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ClusterCA) GetInstalledAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.InstalledAt
+	}
+	return nil
+}
+
 // Restored is proposed by the leader right after it restored a snapshot
 // archive. It changes no record; it moves every table's index to its own,
 // so that indexes seen by clients never go backwards across a restore, and
@@ -297,7 +440,7 @@ type Restored struct {
 
 func (x *Restored) Reset() {
 	*x = Restored{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -309,7 +452,7 @@ func (x *Restored) String() string {
 func (*Restored) ProtoMessage() {}
 
 func (x *Restored) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -322,7 +465,7 @@ func (x *Restored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Restored.ProtoReflect.Descriptor instead.
 func (*Restored) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Restored) GetSnapshotId() string {
@@ -348,7 +491,7 @@ type RegisterService struct {
 
 func (x *RegisterService) Reset() {
 	*x = RegisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -360,7 +503,7 @@ func (x *RegisterService) String() string {
 func (*RegisterService) ProtoMessage() {}
 
 func (x *RegisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -373,7 +516,7 @@ func (x *RegisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterService.ProtoReflect.Descriptor instead.
 func (*RegisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RegisterService) GetInstance() *v1.ServiceInstance {
@@ -393,7 +536,7 @@ type DeregisterService struct {
 
 func (x *DeregisterService) Reset() {
 	*x = DeregisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -405,7 +548,7 @@ func (x *DeregisterService) String() string {
 func (*DeregisterService) ProtoMessage() {}
 
 func (x *DeregisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -418,7 +561,7 @@ func (x *DeregisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterService.ProtoReflect.Descriptor instead.
 func (*DeregisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *DeregisterService) GetService() string {
@@ -445,7 +588,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -457,7 +600,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -470,7 +613,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Heartbeat) GetService() string {
@@ -502,7 +645,7 @@ type SetServiceHealth struct {
 
 func (x *SetServiceHealth) Reset() {
 	*x = SetServiceHealth{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -514,7 +657,7 @@ func (x *SetServiceHealth) String() string {
 func (*SetServiceHealth) ProtoMessage() {}
 
 func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -527,7 +670,7 @@ func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetServiceHealth.ProtoReflect.Descriptor instead.
 func (*SetServiceHealth) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *SetServiceHealth) GetService() string {
@@ -569,7 +712,7 @@ type SetConfig struct {
 
 func (x *SetConfig) Reset() {
 	*x = SetConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -581,7 +724,7 @@ func (x *SetConfig) String() string {
 func (*SetConfig) ProtoMessage() {}
 
 func (x *SetConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -594,7 +737,7 @@ func (x *SetConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfig.ProtoReflect.Descriptor instead.
 func (*SetConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *SetConfig) GetKey() string {
@@ -628,7 +771,7 @@ type DeleteConfig struct {
 
 func (x *DeleteConfig) Reset() {
 	*x = DeleteConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -640,7 +783,7 @@ func (x *DeleteConfig) String() string {
 func (*DeleteConfig) ProtoMessage() {}
 
 func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -653,7 +796,7 @@ func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfig.ProtoReflect.Descriptor instead.
 func (*DeleteConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DeleteConfig) GetKey() string {
@@ -681,7 +824,7 @@ type PutSchedule struct {
 
 func (x *PutSchedule) Reset() {
 	*x = PutSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -693,7 +836,7 @@ func (x *PutSchedule) String() string {
 func (*PutSchedule) ProtoMessage() {}
 
 func (x *PutSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -706,7 +849,7 @@ func (x *PutSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutSchedule.ProtoReflect.Descriptor instead.
 func (*PutSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PutSchedule) GetSchedule() *v11.Schedule {
@@ -732,7 +875,7 @@ type DeleteSchedule struct {
 
 func (x *DeleteSchedule) Reset() {
 	*x = DeleteSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -744,7 +887,7 @@ func (x *DeleteSchedule) String() string {
 func (*DeleteSchedule) ProtoMessage() {}
 
 func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -757,7 +900,7 @@ func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSchedule.ProtoReflect.Descriptor instead.
 func (*DeleteSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DeleteSchedule) GetId() string {
@@ -782,7 +925,7 @@ type ClaimSlot struct {
 
 func (x *ClaimSlot) Reset() {
 	*x = ClaimSlot{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -794,7 +937,7 @@ func (x *ClaimSlot) String() string {
 func (*ClaimSlot) ProtoMessage() {}
 
 func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -807,7 +950,7 @@ func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimSlot.ProtoReflect.Descriptor instead.
 func (*ClaimSlot) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ClaimSlot) GetScheduleId() string {
@@ -847,7 +990,7 @@ type RecordRun struct {
 
 func (x *RecordRun) Reset() {
 	*x = RecordRun{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -859,7 +1002,7 @@ func (x *RecordRun) String() string {
 func (*RecordRun) ProtoMessage() {}
 
 func (x *RecordRun) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -872,7 +1015,7 @@ func (x *RecordRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordRun.ProtoReflect.Descriptor instead.
 func (*RecordRun) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RecordRun) GetRun() *v11.Run {
@@ -895,7 +1038,7 @@ type SnapshotHeader struct {
 
 func (x *SnapshotHeader) Reset() {
 	*x = SnapshotHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -907,7 +1050,7 @@ func (x *SnapshotHeader) String() string {
 func (*SnapshotHeader) ProtoMessage() {}
 
 func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -920,7 +1063,7 @@ func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeader.ProtoReflect.Descriptor instead.
 func (*SnapshotHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SnapshotHeader) GetFormatVersion() uint32 {
@@ -954,7 +1097,7 @@ type TableHeader struct {
 
 func (x *TableHeader) Reset() {
 	*x = TableHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -966,7 +1109,7 @@ func (x *TableHeader) String() string {
 func (*TableHeader) ProtoMessage() {}
 
 func (x *TableHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -979,7 +1122,7 @@ func (x *TableHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableHeader.ProtoReflect.Descriptor instead.
 func (*TableHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *TableHeader) GetName() string {
@@ -1018,7 +1161,7 @@ type DedupeRecord struct {
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1030,7 +1173,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1043,7 +1186,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1099,7 +1242,7 @@ var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xda\x06\n" +
+	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\x9f\a\n" +
 	"\aCommand\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -1118,8 +1261,17 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"claim_slot\x18  \x01(\v2\x18.pivirt.fsm.v1.ClaimSlotH\x00R\tclaimSlot\x129\n" +
 	"\n" +
 	"record_run\x18! \x01(\v2\x18.pivirt.fsm.v1.RecordRunH\x00R\trecordRun\x125\n" +
-	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestoredB\x04\n" +
-	"\x02op\"R\n" +
+	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestored\x12C\n" +
+	"\x0eset_cluster_ca\x182 \x01(\v2\x1b.pivirt.fsm.v1.SetClusterCAH\x00R\fsetClusterCaB\x04\n" +
+	"\x02op\"B\n" +
+	"\fSetClusterCA\x12\x19\n" +
+	"\bcert_pem\x18\x01 \x01(\fR\acertPem\x12\x17\n" +
+	"\akey_pem\x18\x02 \x01(\fR\x06keyPem\"\x94\x01\n" +
+	"\tClusterCA\x12\x19\n" +
+	"\bcert_pem\x18\x01 \x01(\fR\acertPem\x12\x17\n" +
+	"\akey_pem\x18\x02 \x01(\fR\x06keyPem\x12\x14\n" +
+	"\x05index\x18\x03 \x01(\x04R\x05index\x12=\n" +
+	"\finstalled_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\vinstalledAt\"R\n" +
 	"\bRestored\x12\x1f\n" +
 	"\vsnapshot_id\x18\x01 \x01(\tR\n" +
 	"snapshotId\x12%\n" +
@@ -1193,56 +1345,60 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
-	(*Restored)(nil),              // 1: pivirt.fsm.v1.Restored
-	(*RegisterService)(nil),       // 2: pivirt.fsm.v1.RegisterService
-	(*DeregisterService)(nil),     // 3: pivirt.fsm.v1.DeregisterService
-	(*Heartbeat)(nil),             // 4: pivirt.fsm.v1.Heartbeat
-	(*SetServiceHealth)(nil),      // 5: pivirt.fsm.v1.SetServiceHealth
-	(*SetConfig)(nil),             // 6: pivirt.fsm.v1.SetConfig
-	(*DeleteConfig)(nil),          // 7: pivirt.fsm.v1.DeleteConfig
-	(*PutSchedule)(nil),           // 8: pivirt.fsm.v1.PutSchedule
-	(*DeleteSchedule)(nil),        // 9: pivirt.fsm.v1.DeleteSchedule
-	(*ClaimSlot)(nil),             // 10: pivirt.fsm.v1.ClaimSlot
-	(*RecordRun)(nil),             // 11: pivirt.fsm.v1.RecordRun
-	(*SnapshotHeader)(nil),        // 12: pivirt.fsm.v1.SnapshotHeader
-	(*TableHeader)(nil),           // 13: pivirt.fsm.v1.TableHeader
-	(*DedupeRecord)(nil),          // 14: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 16: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 17: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 18: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 19: pivirt.schedule.v1.Run
+	(*SetClusterCA)(nil),          // 1: pivirt.fsm.v1.SetClusterCA
+	(*ClusterCA)(nil),             // 2: pivirt.fsm.v1.ClusterCA
+	(*Restored)(nil),              // 3: pivirt.fsm.v1.Restored
+	(*RegisterService)(nil),       // 4: pivirt.fsm.v1.RegisterService
+	(*DeregisterService)(nil),     // 5: pivirt.fsm.v1.DeregisterService
+	(*Heartbeat)(nil),             // 6: pivirt.fsm.v1.Heartbeat
+	(*SetServiceHealth)(nil),      // 7: pivirt.fsm.v1.SetServiceHealth
+	(*SetConfig)(nil),             // 8: pivirt.fsm.v1.SetConfig
+	(*DeleteConfig)(nil),          // 9: pivirt.fsm.v1.DeleteConfig
+	(*PutSchedule)(nil),           // 10: pivirt.fsm.v1.PutSchedule
+	(*DeleteSchedule)(nil),        // 11: pivirt.fsm.v1.DeleteSchedule
+	(*ClaimSlot)(nil),             // 12: pivirt.fsm.v1.ClaimSlot
+	(*RecordRun)(nil),             // 13: pivirt.fsm.v1.RecordRun
+	(*SnapshotHeader)(nil),        // 14: pivirt.fsm.v1.SnapshotHeader
+	(*TableHeader)(nil),           // 15: pivirt.fsm.v1.TableHeader
+	(*DedupeRecord)(nil),          // 16: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 18: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 19: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 20: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 21: pivirt.schedule.v1.Run
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	15, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
-	2,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
-	3,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
-	4,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
-	5,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
-	6,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
-	7,  // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
-	8,  // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
-	9,  // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
-	10, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
-	11, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
-	1,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
-	16, // 12: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	17, // 13: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	15, // 14: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	18, // 15: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	15, // 16: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	15, // 17: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	19, // 18: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	13, // 19: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	15, // 20: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	21, // [21:21] is the sub-list for method output_type
-	21, // [21:21] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	17, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	4,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
+	5,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
+	6,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
+	7,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
+	8,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
+	9,  // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
+	10, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
+	11, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
+	12, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
+	13, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
+	3,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
+	1,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
+	17, // 13: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
+	18, // 14: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	19, // 15: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	17, // 16: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	20, // 17: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	17, // 18: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	17, // 19: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	21, // 20: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	15, // 21: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	17, // 22: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	23, // [23:23] is the sub-list for method output_type
+	23, // [23:23] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -1262,17 +1418,18 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 		(*Command_ClaimSlot)(nil),
 		(*Command_RecordRun)(nil),
 		(*Command_Restored)(nil),
+		(*Command_SetClusterCa)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[6].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[7].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[8].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[9].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[10].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
