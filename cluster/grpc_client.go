@@ -118,6 +118,10 @@ func (g grpcNode) ReadIndex(ctx context.Context, r *connect.Request[nodev1.ReadI
 	return callGRPC(ctx, r, g.c.ReadIndex)
 }
 
+func (g grpcNode) RenewCertificate(ctx context.Context, r *connect.Request[nodev1.RenewCertificateRequest]) (*connect.Response[nodev1.RenewCertificateResponse], error) {
+	return callGRPC(ctx, r, g.c.RenewCertificate)
+}
+
 func (g grpcNode) Keyring(ctx context.Context, r *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {
 	return callGRPC(ctx, r, g.c.Keyring)
 }

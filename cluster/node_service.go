@@ -2,9 +2,12 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/identity"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
@@ -23,18 +26,38 @@ type ReadIndexSource interface {
 	LeaderReadIndex(ctx context.Context) (uint64, error)
 }
 
+// CertificateSigner signs certificate renewals with the cluster CA, on the
+// leader. Its errors are Connect errors.
+type CertificateSigner interface {
+	SignRenewal(ctx context.Context, req identity.RenewalRequest) ([]byte, error)
+}
+
 // NodeService is the internal agent-to-agent service on port 9000.
 type NodeService struct {
 	src       StatusSource
 	readIndex ReadIndexSource
 	gossip    *Gossip
+	signer    CertificateSigner
 }
 
 var _ nodev1connect.NodeServiceHandler = (*NodeService)(nil)
 
-// NewNodeService returns the handler.
-func NewNodeService(src StatusSource, ri ReadIndexSource, gossip *Gossip) *NodeService {
-	return &NodeService{src: src, readIndex: ri, gossip: gossip}
+// NewNodeService returns the handler. signer may be nil (the cluster CA is
+// off): RenewCertificate then fails with FailedPrecondition.
+func NewNodeService(src StatusSource, ri ReadIndexSource, gossip *Gossip, signer CertificateSigner) *NodeService {
+	return &NodeService{src: src, readIndex: ri, gossip: gossip, signer: signer}
+}
+
+// RenewCertificate implements nodev1connect.NodeServiceHandler.
+func (s *NodeService) RenewCertificate(ctx context.Context, req *connect.Request[nodev1.RenewCertificateRequest]) (*connect.Response[nodev1.RenewCertificateResponse], error) {
+	if s.signer == nil {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("the cluster CA is not enabled on this node (tls.cluster_ca.enabled)"))
+	}
+	certPEM, err := s.signer.SignRenewal(ctx, identity.RenewalRequest{CSR: req.Msg.GetCsr(), Current: req.Msg.GetCurrent(), Proof: req.Msg.GetProof()})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&nodev1.RenewCertificateResponse{CertPem: certPEM}), nil
 }
 
 // Keyring implements nodev1connect.NodeServiceHandler: one keyring

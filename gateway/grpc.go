@@ -123,6 +123,10 @@ func (g nodeGRPC) Keyring(ctx context.Context, r *nodev1.KeyringRequest) (*nodev
 	return unary(ctx, r, g.h.Keyring)
 }
 
+func (g nodeGRPC) RenewCertificate(ctx context.Context, r *nodev1.RenewCertificateRequest) (*nodev1.RenewCertificateResponse, error) {
+	return unary(ctx, r, g.h.RenewCertificate)
+}
+
 func (g nodeGRPC) ReadIndex(ctx context.Context, r *nodev1.ReadIndexRequest) (*nodev1.ReadIndexResponse, error) {
 	return unary(ctx, r, g.h.ReadIndex)
 }

@@ -39,24 +39,9 @@ type CertAuthority struct {
 // followed by the CAs above it) and its private key, and checks that the
 // certificate is a CA that may sign certificates and that the key is its.
 func ParseCertAuthority(certPEM, keyPEM []byte) (*CertAuthority, error) {
-	var chain []*x509.Certificate
-	for rest := certPEM; ; {
-		var b *pem.Block
-		b, rest = pem.Decode(rest)
-		if b == nil {
-			break
-		}
-		if b.Type != "CERTIFICATE" {
-			continue
-		}
-		c, err := x509.ParseCertificate(b.Bytes)
-		if err != nil {
-			return nil, fmt.Errorf("cluster ca certificate %d: %w", len(chain)+1, err)
-		}
-		chain = append(chain, c)
-	}
-	if len(chain) == 0 {
-		return nil, errors.New("cluster ca: no PEM certificate")
+	chain, err := ParseCertificates(certPEM)
+	if err != nil {
+		return nil, fmt.Errorf("cluster ca: %w", err)
 	}
 	ca := chain[0]
 	if !ca.IsCA || ca.KeyUsage&x509.KeyUsageCertSign == 0 {

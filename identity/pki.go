@@ -344,13 +344,24 @@ func ReadCertificates(path string) ([]*x509.Certificate, error) {
 	if err != nil {
 		return nil, err
 	}
+	out, err := ParseCertificates(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return out, nil
+}
+
+// ParseCertificates parses every PEM certificate of b, in order (other
+// PEM blocks are skipped); at least one is required, and b may not end in
+// a partial block.
+func ParseCertificates(b []byte) ([]*x509.Certificate, error) {
 	var out []*x509.Certificate
 	for rest := b; ; {
 		var block *pem.Block
 		block, rest = pem.Decode(rest)
 		if block == nil {
 			if len(bytes.TrimSpace(rest)) > 0 {
-				return nil, fmt.Errorf("%s: data after certificate %d that is not a complete PEM block (a truncated or half-written file?)", path, len(out))
+				return nil, fmt.Errorf("data after certificate %d that is not a complete PEM block (a truncated or half-written file?)", len(out))
 			}
 			break
 		}
@@ -359,12 +370,12 @@ func ReadCertificates(path string) ([]*x509.Certificate, error) {
 		}
 		c, err := x509.ParseCertificate(block.Bytes)
 		if err != nil {
-			return nil, fmt.Errorf("%s: certificate %d: %w", path, len(out)+1, err)
+			return nil, fmt.Errorf("certificate %d: %w", len(out)+1, err)
 		}
 		out = append(out, c)
 	}
 	if len(out) == 0 {
-		return nil, fmt.Errorf("%s: no PEM certificate in it", path)
+		return nil, errors.New("no PEM certificate in it")
 	}
 	return out, nil
 }

@@ -105,6 +105,8 @@ type Agent struct {
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
+	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
+	ca *clusterCA
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -204,6 +206,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.lnInternal = tls.NewListener(a.lnInternal, peers)
 		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), peers, a.tls.client.ClientConfig)
 		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
+		if a.cfg.TLS.ClusterCA.Enabled {
+			a.ca = newClusterCA(a, a.cfg.TLS.ClusterCA)
+		}
 	}
 
 	fcfg := fsm.DefaultConfig()
@@ -318,7 +323,11 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 	})
-	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip)
+	var signer cluster.CertificateSigner
+	if a.ca != nil {
+		signer = a.ca
+	}
+	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip, signer)
 	a.serveSplit(a.lnInternal, internalMux(internal, internalSnapshots, nodeSvc), func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
@@ -337,6 +346,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	if !a.cfg.TLS.Enabled {
 		a.logger.Warn("TLS IS DISABLED: the API, internal and Raft ports are plaintext; use only on a trusted network or loopback")
+	}
+	if a.ca != nil {
+		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "server", a.tls.api, a.tls.internal) })
+		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "client", a.tls.client) })
 	}
 	a.logger.Info("agent started",
 		"api_addr", a.APIAddr(), "internal_addr", a.InternalAddr(), "raft_addr", a.RaftAddr(),
@@ -656,6 +669,9 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 	go func() {
 		defer wg.Done()
 		a.ensureClusterID(ctx)
+		if a.ca != nil {
+			a.ca.install(ctx)
+		}
 	}()
 	go func() {
 		defer wg.Done()

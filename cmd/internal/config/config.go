@@ -132,7 +132,37 @@ type TLSConfig struct {
 	KeyFile           string `yaml:"key_file"`
 	VerifyPeer        bool   `yaml:"verify_peer"`
 	RequireClientCert bool   `yaml:"require_client_cert"`
+	// ClusterCA is the optional built-in cluster CA that renews the
+	// agents' certificates.
+	ClusterCA ClusterCAConfig `yaml:"cluster_ca"`
 }
+
+// ClusterCAConfig is tls.cluster_ca: an intermediate CA kept in the
+// replicated state signs renewals of the agents' own certificates. Off by
+// default: certificates come from PiTrust files only.
+type ClusterCAConfig struct {
+	// Enabled makes the agent renew its server and client certificates
+	// through the leader, at a random 60-90% of their lifetime, and the
+	// leader sign such renewals.
+	Enabled bool `yaml:"enabled"`
+	// CertFile and KeyFile are the intermediate CA (e.g. PiCA.pem and
+	// PiCA.key) a leader installs into the replicated state when the state
+	// holds none, or an older one. Only needed on the nodes that install it.
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+	// LeafTTL is the lifetime of a renewed certificate.
+	LeafTTL Duration `yaml:"leaf_ttl"`
+	// CSRMaxPerSecond and CSRBurst rate-limit the renewals the leader signs.
+	CSRMaxPerSecond float64 `yaml:"csr_max_per_second"`
+	CSRBurst        int     `yaml:"csr_burst"`
+}
+
+// Cluster CA defaults.
+const (
+	DefaultLeafTTL         = 72 * time.Hour
+	DefaultCSRMaxPerSecond = 10
+	DefaultCSRBurst        = 20
+)
 
 // ServiceDiscoveryConfig selects where service registrations live: the embedded Raft store
 // ("raft", default) or an external etcd ("etcd").
@@ -351,6 +381,11 @@ func Default() *Config {
 			KeyFile:           "/etc/pivirt/certs/agent-client.key",
 			VerifyPeer:        true,
 			RequireClientCert: true,
+			ClusterCA: ClusterCAConfig{
+				LeafTTL:         Duration(DefaultLeafTTL),
+				CSRMaxPerSecond: DefaultCSRMaxPerSecond,
+				CSRBurst:        DefaultCSRBurst,
+			},
 		},
 		ServiceDiscovery: ServiceDiscoveryConfig{
 			Type: DiscoveryRaft,

@@ -140,6 +140,7 @@ func (c *Config) validateServer(v *validator) {
 func (c *Config) validateTLS(v *validator) {
 	t := &c.TLS
 	v.pair("tls", t.CertFile, t.KeyFile)
+	c.validateClusterCA(v)
 	if !t.Enabled {
 		return
 	}
@@ -161,6 +162,26 @@ func (c *Config) validateTLS(v *validator) {
 	}
 	if t.RequireClientCert && c.Server.ConnectRPC.TLS.ClientCAFile == "" && t.CAFile == "" {
 		v.add("server.connectrpc.tls.client_ca_file", "%w: required when tls.require_client_cert is true (or set tls.ca_file)", ErrInvalid)
+	}
+}
+
+func (c *Config) validateClusterCA(v *validator) {
+	ca := &c.TLS.ClusterCA
+	v.pair("tls.cluster_ca", ca.CertFile, ca.KeyFile)
+	if !ca.Enabled {
+		return
+	}
+	if !c.TLS.Enabled {
+		v.add("tls.cluster_ca.enabled", "%w: the cluster CA renews TLS certificates; it needs tls.enabled: true", ErrInvalid)
+	}
+	if ca.LeafTTL.Std() < 10*time.Second {
+		v.add("tls.cluster_ca.leaf_ttl", "%w %s: at least 10s", ErrInvalid, ca.LeafTTL)
+	}
+	if ca.CSRMaxPerSecond <= 0 {
+		v.add("tls.cluster_ca.csr_max_per_second", "%w %v: must be positive", ErrInvalid, ca.CSRMaxPerSecond)
+	}
+	if ca.CSRBurst < 1 {
+		v.add("tls.cluster_ca.csr_burst", "%w %d: at least 1", ErrInvalid, ca.CSRBurst)
 	}
 }
 

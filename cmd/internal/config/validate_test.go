@@ -171,6 +171,11 @@ func TestValidate(t *testing.T) {
 		{"snapshot interval negative", func(c *Config) { c.Snapshot.Interval = Duration(-time.Minute) }, []string{"snapshot.interval: invalid value -1m0s: must not be negative"}},
 		{"snapshot interval too short", func(c *Config) { c.Snapshot.Interval = Duration(time.Second) }, []string{"snapshot.interval: invalid value 1s: at least 1m"}},
 		{"snapshot retain zero", func(c *Config) { c.Snapshot.Retain = 0 }, []string{"snapshot.retain: invalid value 0: must keep at least 1 archive"}},
+		{"cluster ca cert without key", func(c *Config) { c.TLS.ClusterCA.CertFile = "/x/PiCA.pem" }, []string{"tls.cluster_ca.key_file: invalid value: required when tls.cluster_ca.cert_file is set"}},
+		{"cluster ca without tls", func(c *Config) { c.TLS.ClusterCA.Enabled, c.TLS.Enabled = true, false }, []string{"tls.cluster_ca.enabled: invalid value: the cluster CA renews TLS certificates; it needs tls.enabled: true"}},
+		{"cluster ca leaf ttl short", func(c *Config) { c.TLS.ClusterCA.Enabled, c.TLS.ClusterCA.LeafTTL = true, Duration(time.Second) }, []string{"tls.cluster_ca.leaf_ttl: invalid value 1s: at least 10s"}},
+		{"cluster ca rate zero", func(c *Config) { c.TLS.ClusterCA.Enabled, c.TLS.ClusterCA.CSRMaxPerSecond = true, 0 }, []string{"tls.cluster_ca.csr_max_per_second: invalid value 0: must be positive"}},
+		{"cluster ca burst zero", func(c *Config) { c.TLS.ClusterCA.Enabled, c.TLS.ClusterCA.CSRBurst = true, 0 }, []string{"tls.cluster_ca.csr_burst: invalid value 0: at least 1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

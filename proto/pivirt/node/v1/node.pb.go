@@ -26,6 +26,115 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type RenewCertificateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// csr is a PKCS#10 request (DER) signed with the new key; only its
+	// public key is used.
+	Csr []byte `protobuf:"bytes,1,opt,name=csr,proto3" json:"csr,omitempty"`
+	// current is the certificate being renewed (DER), leaf first.
+	Current [][]byte `protobuf:"bytes,2,rep,name=current,proto3" json:"current,omitempty"`
+	// proof is a signature over the CSR by the current certificate's key.
+	Proof         []byte `protobuf:"bytes,3,opt,name=proof,proto3" json:"proof,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewCertificateRequest) Reset() {
+	*x = RenewCertificateRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewCertificateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewCertificateRequest) ProtoMessage() {}
+
+func (x *RenewCertificateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewCertificateRequest.ProtoReflect.Descriptor instead.
+func (*RenewCertificateRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *RenewCertificateRequest) GetCsr() []byte {
+	if x != nil {
+		return x.Csr
+	}
+	return nil
+}
+
+func (x *RenewCertificateRequest) GetCurrent() [][]byte {
+	if x != nil {
+		return x.Current
+	}
+	return nil
+}
+
+func (x *RenewCertificateRequest) GetProof() []byte {
+	if x != nil {
+		return x.Proof
+	}
+	return nil
+}
+
+type RenewCertificateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cert_pem is the new certificate followed by the CA chain.
+	CertPem       []byte `protobuf:"bytes,1,opt,name=cert_pem,json=certPem,proto3" json:"cert_pem,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewCertificateResponse) Reset() {
+	*x = RenewCertificateResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewCertificateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewCertificateResponse) ProtoMessage() {}
+
+func (x *RenewCertificateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewCertificateResponse.ProtoReflect.Descriptor instead.
+func (*RenewCertificateResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *RenewCertificateResponse) GetCertPem() []byte {
+	if x != nil {
+		return x.CertPem
+	}
+	return nil
+}
+
 type KeyringRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Op            v1.KeyringOp           `protobuf:"varint,1,opt,name=op,proto3,enum=pivirt.cluster.v1.KeyringOp" json:"op,omitempty"`
@@ -36,7 +145,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -48,7 +157,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -61,7 +170,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *KeyringRequest) GetOp() v1.KeyringOp {
@@ -87,7 +196,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -99,7 +208,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -112,7 +221,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *KeyringResponse) GetKeyring() *v1.NodeKeyring {
@@ -130,7 +239,7 @@ type ReadIndexRequest struct {
 
 func (x *ReadIndexRequest) Reset() {
 	*x = ReadIndexRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -142,7 +251,7 @@ func (x *ReadIndexRequest) String() string {
 func (*ReadIndexRequest) ProtoMessage() {}
 
 func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -155,7 +264,7 @@ func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
 func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
 }
 
 type ReadIndexResponse struct {
@@ -169,7 +278,7 @@ type ReadIndexResponse struct {
 
 func (x *ReadIndexResponse) Reset() {
 	*x = ReadIndexResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -181,7 +290,7 @@ func (x *ReadIndexResponse) String() string {
 func (*ReadIndexResponse) ProtoMessage() {}
 
 func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -194,7 +303,7 @@ func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
 func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ReadIndexResponse) GetIndex() uint64 {
@@ -212,7 +321,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -224,7 +333,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -237,7 +346,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
 }
 
 type StatusResponse struct {
@@ -265,7 +374,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -277,7 +386,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -290,7 +399,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -388,7 +497,13 @@ var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\"P\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\"[\n" +
+	"\x17RenewCertificateRequest\x12\x10\n" +
+	"\x03csr\x18\x01 \x01(\fR\x03csr\x12\x18\n" +
+	"\acurrent\x18\x02 \x03(\fR\acurrent\x12\x14\n" +
+	"\x05proof\x18\x03 \x01(\fR\x05proof\"5\n" +
+	"\x18RenewCertificateResponse\x12\x19\n" +
+	"\bcert_pem\x18\x01 \x01(\fR\acertPem\"P\n" +
 	"\x0eKeyringRequest\x12,\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1c.pivirt.cluster.v1.KeyringOpR\x02op\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\"K\n" +
@@ -414,11 +529,12 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	" \x01(\x05R\x05peers\x12)\n" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
-	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xfa\x01\n" +
+	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xe3\x02\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
-	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00\x12g\n" +
+	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -432,33 +548,37 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
-	(*KeyringRequest)(nil),      // 0: pivirt.node.v1.KeyringRequest
-	(*KeyringResponse)(nil),     // 1: pivirt.node.v1.KeyringResponse
-	(*ReadIndexRequest)(nil),    // 2: pivirt.node.v1.ReadIndexRequest
-	(*ReadIndexResponse)(nil),   // 3: pivirt.node.v1.ReadIndexResponse
-	(*StatusRequest)(nil),       // 4: pivirt.node.v1.StatusRequest
-	(*StatusResponse)(nil),      // 5: pivirt.node.v1.StatusResponse
-	(v1.KeyringOp)(0),           // 6: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),      // 7: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil), // 8: google.protobuf.Duration
+	(*RenewCertificateRequest)(nil),  // 0: pivirt.node.v1.RenewCertificateRequest
+	(*RenewCertificateResponse)(nil), // 1: pivirt.node.v1.RenewCertificateResponse
+	(*KeyringRequest)(nil),           // 2: pivirt.node.v1.KeyringRequest
+	(*KeyringResponse)(nil),          // 3: pivirt.node.v1.KeyringResponse
+	(*ReadIndexRequest)(nil),         // 4: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),        // 5: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),            // 6: pivirt.node.v1.StatusRequest
+	(*StatusResponse)(nil),           // 7: pivirt.node.v1.StatusResponse
+	(v1.KeyringOp)(0),                // 8: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 9: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 10: google.protobuf.Duration
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	6, // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	7, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	8, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	4, // 3: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	2, // 4: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	0, // 5: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	5, // 6: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	3, // 7: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	1, // 8: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	6, // [6:9] is the sub-list for method output_type
-	3, // [3:6] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	8,  // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	9,  // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	10, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	6,  // 3: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	4,  // 4: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	2,  // 5: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	0,  // 6: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	7,  // 7: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	5,  // 8: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	3,  // 9: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	1,  // 10: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	7,  // [7:11] is the sub-list for method output_type
+	3,  // [3:7] is the sub-list for method input_type
+	3,  // [3:3] is the sub-list for extension type_name
+	3,  // [3:3] is the sub-list for extension extendee
+	0,  // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -472,7 +592,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -22,9 +22,10 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	NodeService_Status_FullMethodName    = "/pivirt.node.v1.NodeService/Status"
-	NodeService_ReadIndex_FullMethodName = "/pivirt.node.v1.NodeService/ReadIndex"
-	NodeService_Keyring_FullMethodName   = "/pivirt.node.v1.NodeService/Keyring"
+	NodeService_Status_FullMethodName           = "/pivirt.node.v1.NodeService/Status"
+	NodeService_ReadIndex_FullMethodName        = "/pivirt.node.v1.NodeService/ReadIndex"
+	NodeService_Keyring_FullMethodName          = "/pivirt.node.v1.NodeService/Keyring"
+	NodeService_RenewCertificate_FullMethodName = "/pivirt.node.v1.NodeService/RenewCertificate"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -43,6 +44,11 @@ type NodeServiceClient interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error)
+	// RenewCertificate signs a renewal of a certificate the caller holds with
+	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
+	// FailedPrecondition without a cluster CA, PermissionDenied for a
+	// refused renewal, ResourceExhausted above the signing rate.
+	RenewCertificate(ctx context.Context, in *RenewCertificateRequest, opts ...grpc.CallOption) (*RenewCertificateResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -83,6 +89,16 @@ func (c *nodeServiceClient) Keyring(ctx context.Context, in *KeyringRequest, opt
 	return out, nil
 }
 
+func (c *nodeServiceClient) RenewCertificate(ctx context.Context, in *RenewCertificateRequest, opts ...grpc.CallOption) (*RenewCertificateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RenewCertificateResponse)
+	err := c.cc.Invoke(ctx, NodeService_RenewCertificate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -99,6 +115,11 @@ type NodeServiceServer interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error)
+	// RenewCertificate signs a renewal of a certificate the caller holds with
+	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
+	// FailedPrecondition without a cluster CA, PermissionDenied for a
+	// refused renewal, ResourceExhausted above the signing rate.
+	RenewCertificate(context.Context, *RenewCertificateRequest) (*RenewCertificateResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -116,6 +137,9 @@ func (UnimplementedNodeServiceServer) ReadIndex(context.Context, *ReadIndexReque
 }
 func (UnimplementedNodeServiceServer) Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Keyring not implemented")
+}
+func (UnimplementedNodeServiceServer) RenewCertificate(context.Context, *RenewCertificateRequest) (*RenewCertificateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RenewCertificate not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -191,6 +215,24 @@ func _NodeService_Keyring_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_RenewCertificate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RenewCertificateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).RenewCertificate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_RenewCertificate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).RenewCertificate(ctx, req.(*RenewCertificateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -209,6 +251,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Keyring",
 			Handler:    _NodeService_Keyring_Handler,
+		},
+		{
+			MethodName: "RenewCertificate",
+			Handler:    _NodeService_RenewCertificate_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -41,6 +41,9 @@ const (
 	NodeServiceReadIndexProcedure = "/pivirt.node.v1.NodeService/ReadIndex"
 	// NodeServiceKeyringProcedure is the fully-qualified name of the NodeService's Keyring RPC.
 	NodeServiceKeyringProcedure = "/pivirt.node.v1.NodeService/Keyring"
+	// NodeServiceRenewCertificateProcedure is the fully-qualified name of the NodeService's
+	// RenewCertificate RPC.
+	NodeServiceRenewCertificateProcedure = "/pivirt.node.v1.NodeService/RenewCertificate"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -57,6 +60,11 @@ type NodeServiceClient interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// RenewCertificate signs a renewal of a certificate the caller holds with
+	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
+	// FailedPrecondition without a cluster CA, PermissionDenied for a
+	// refused renewal, ResourceExhausted above the signing rate.
+	RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -88,14 +96,21 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
 			connect.WithClientOptions(opts...),
 		),
+		renewCertificate: connect.NewClient[v1.RenewCertificateRequest, v1.RenewCertificateResponse](
+			httpClient,
+			baseURL+NodeServiceRenewCertificateProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("RenewCertificate")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // nodeServiceClient implements NodeServiceClient.
 type nodeServiceClient struct {
-	status    *connect.Client[v1.StatusRequest, v1.StatusResponse]
-	readIndex *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
-	keyring   *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
+	status           *connect.Client[v1.StatusRequest, v1.StatusResponse]
+	readIndex        *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
+	keyring          *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
+	renewCertificate *connect.Client[v1.RenewCertificateRequest, v1.RenewCertificateResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -113,6 +128,11 @@ func (c *nodeServiceClient) Keyring(ctx context.Context, req *connect.Request[v1
 	return c.keyring.CallUnary(ctx, req)
 }
 
+// RenewCertificate calls pivirt.node.v1.NodeService.RenewCertificate.
+func (c *nodeServiceClient) RenewCertificate(ctx context.Context, req *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error) {
+	return c.renewCertificate.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
@@ -127,6 +147,11 @@ type NodeServiceHandler interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// RenewCertificate signs a renewal of a certificate the caller holds with
+	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
+	// FailedPrecondition without a cluster CA, PermissionDenied for a
+	// refused renewal, ResourceExhausted above the signing rate.
+	RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -154,6 +179,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceRenewCertificateHandler := connect.NewUnaryHandler(
+		NodeServiceRenewCertificateProcedure,
+		svc.RenewCertificate,
+		connect.WithSchema(nodeServiceMethods.ByName("RenewCertificate")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
@@ -162,6 +193,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceReadIndexHandler.ServeHTTP(w, r)
 		case NodeServiceKeyringProcedure:
 			nodeServiceKeyringHandler.ServeHTTP(w, r)
+		case NodeServiceRenewCertificateProcedure:
+			nodeServiceRenewCertificateHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -181,4 +214,8 @@ func (UnimplementedNodeServiceHandler) ReadIndex(context.Context, *connect.Reque
 
 func (UnimplementedNodeServiceHandler) Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.Keyring is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.RenewCertificate is not implemented"))
 }
