@@ -26,7 +26,8 @@ import (
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 )
 
-// shortLivedPKI is testPKI with leaves valid for validity.
+// shortLivedPKI is testPKI with leaves valid for validity (0: the
+// default of pitrust).
 func shortLivedPKI(t *testing.T, nodes int, validity time.Duration) string {
 	t.Helper()
 	dir := t.TempDir()
@@ -167,12 +168,32 @@ func TestClusterCARenewal(t *testing.T) {
 	t.Logf("%d requests while 6 certificates were renewed twice each, %d failed", ok.Load(), failed.Load())
 }
 
+// renewalClient returns a pool presenting dir's certificate of an agent
+// (to reach the internal port), the request renewing that certificate and
+// the certificate itself.
+func renewalClient(t *testing.T, dir, agent string) (*cluster.Pool, *nodev1.RenewCertificateRequest, *tls.Certificate) {
+	t.Helper()
+	src, err := identity.NewSource(identity.SourceConfig{
+		CertFile: filepath.Join(dir, agent+".crt"), KeyFile: filepath.Join(dir, agent+".key"), CAFile: filepath.Join(dir, identity.ChainFile),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := cluster.NewPoolTLS(src.ClientConfig)
+	t.Cleanup(pool.Close)
+	cert := src.Certificate()
+	req, _, err := identity.NewRenewalRequest(cert.Certificate, cert.PrivateKey.(crypto.Signer))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool, &nodev1.RenewCertificateRequest{Csr: req.CSR, Current: req.Current, Proof: req.Proof}, cert
+}
+
 // TestClusterCASigning drives RenewCertificate on a leader's internal port:
 // a renewal is signed, a forged proof is refused, the rate limit answers
 // ResourceExhausted with a retry hint, and each is counted.
 func TestClusterCASigning(t *testing.T) {
 	dir := testPKI(t, 1)
-	chain := filepath.Join(dir, identity.ChainFile)
 	c := agenttest.NewExpect(t, 1, withClusterCA(dir, dir, time.Hour, 0.001, 2))
 	n := c.WaitLeader(20 * time.Second)
 	agenttest.Eventually(t, 10*time.Second, "the cluster CA installed", func() error {
@@ -182,24 +203,11 @@ func TestClusterCASigning(t *testing.T) {
 		return nil
 	})
 
-	src, err := identity.NewSource(identity.SourceConfig{
-		CertFile: filepath.Join(dir, "pivirt-agent-node1.crt"), KeyFile: filepath.Join(dir, "pivirt-agent-node1.key"), CAFile: chain,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := cluster.NewPoolTLS(src.ClientConfig)
-	defer pool.Close()
+	pool, msg, cert := renewalClient(t, dir, "pivirt-agent-node1")
 	node := pool.Node(n.InternalAddr())
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
-	cert := src.Certificate()
-	req, _, err := identity.NewRenewalRequest(cert.Certificate, cert.PrivateKey.(crypto.Signer))
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg := &nodev1.RenewCertificateRequest{Csr: req.CSR, Current: req.Current, Proof: req.Proof}
 	resp, err := node.RenewCertificate(ctx, connect.NewRequest(msg))
 	if err != nil {
 		t.Fatalf("renewal: %v", err)
@@ -217,7 +225,7 @@ func TestClusterCASigning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	forged := &nodev1.RenewCertificateRequest{Csr: other.CSR, Current: req.Current, Proof: req.Proof}
+	forged := &nodev1.RenewCertificateRequest{Csr: other.CSR, Current: msg.GetCurrent(), Proof: msg.GetProof()}
 	_, err = node.RenewCertificate(ctx, connect.NewRequest(forged))
 	if connect.CodeOf(err) != connect.CodePermissionDenied || !strings.Contains(err.Error(), "not signed by the current certificate's key") {
 		t.Errorf("forged proof: %v, want PermissionDenied naming the proof", err)
@@ -246,7 +254,6 @@ func TestClusterCASigning(t *testing.T) {
 func TestClusterCARefusesForeignCA(t *testing.T) {
 	dir := testPKI(t, 2)
 	other := testPKI(t, 0)
-	chain := filepath.Join(dir, identity.ChainFile)
 	c := agenttest.NewExpect(t, 1, withClusterCA(dir, other, time.Hour, 10, 10))
 	n := c.WaitLeader(20 * time.Second)
 	agenttest.Eventually(t, 10*time.Second, "the refusal logged", func() error {
@@ -255,29 +262,17 @@ func TestClusterCARefusesForeignCA(t *testing.T) {
 		}
 		return nil
 	})
-	src, err := identity.NewSource(identity.SourceConfig{
-		CertFile: filepath.Join(dir, "pivirt-agent-node2.crt"), KeyFile: filepath.Join(dir, "pivirt-agent-node2.key"), CAFile: chain,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := cluster.NewPoolTLS(src.ClientConfig)
-	defer pool.Close()
-	cert := src.Certificate()
-	req, _, err := identity.NewRenewalRequest(cert.Certificate, cert.PrivateKey.(crypto.Signer))
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool, msg, _ := renewalClient(t, dir, "pivirt-agent-node2")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	_, err = pool.Node(n.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(&nodev1.RenewCertificateRequest{Csr: req.CSR, Current: req.Current, Proof: req.Proof}))
+	_, err := pool.Node(n.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(msg))
 	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "no cluster CA installed") {
 		t.Errorf("renewal without an installed CA: %v, want FailedPrecondition", err)
 	}
 
 	plain := agenttest.NewExpect(t, 1, withTLS(dir))
 	p := plain.WaitLeader(20 * time.Second)
-	_, err = pool.Node(p.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(&nodev1.RenewCertificateRequest{Csr: req.CSR, Current: req.Current, Proof: req.Proof}))
+	_, err = pool.Node(p.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(msg))
 	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "tls.cluster_ca.enabled") {
 		t.Errorf("renewal on a node without the cluster CA: %v, want FailedPrecondition", err)
 	}

@@ -32,20 +32,7 @@ import (
 // 127.0.0.1 and an agent client certificate.
 func testPKI(t *testing.T, nodes int) string {
 	t.Helper()
-	dir := t.TempDir()
-	if _, err := identity.InitCA(dir, identity.CAOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	for i := range nodes {
-		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i+1),
-			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}}); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i+1)}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return dir
+	return shortLivedPKI(t, nodes, 0)
 }
 
 // withTLS turns on TLS with node i's certificates of dir.
