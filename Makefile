@@ -14,8 +14,8 @@ help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## build pivirt-agent, pvcli and pitrust into bin/
-	$(GO) build -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust
+build: ## build pivirt-agent, pvcli, pitrust and pivirtd-sim into bin/
+	$(GO) build -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
 
 .PHONY: test
 test: ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries)

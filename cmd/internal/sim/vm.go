@@ -1,0 +1,312 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+const (
+	maxVCPUs     = 256
+	maxMemoryMiB = 4 << 20 // 4 TiB
+	// watchBuffer is how many events a watcher may fall behind before
+	// its stream ends with ResourceExhausted.
+	watchBuffer = 256
+	// maxConsoleInput bounds one console message.
+	maxConsoleInput = 64 << 10
+)
+
+// vmService plays pivirtd's VM API.
+type vmService struct {
+	vms   *table[*vmv1.VM]
+	host  string
+	watch *broadcaster
+}
+
+func validateVM(vm *vmv1.VM) error {
+	if err := checkName("vm", vm.GetName()); err != nil {
+		return err
+	}
+	if vm.GetVcpus() < 1 || vm.GetVcpus() > maxVCPUs {
+		return invalid("vm.vcpus: %d, want 1 to %d", vm.GetVcpus(), maxVCPUs)
+	}
+	if vm.GetMemoryMib() < 64 || vm.GetMemoryMib() > maxMemoryMiB {
+		return invalid("vm.memory_mib: %d, want 64 to %d", vm.GetMemoryMib(), maxMemoryMiB)
+	}
+	for i, d := range vm.GetDisks() {
+		if d == "" {
+			return invalid("vm.disks[%d]: empty volume ID", i)
+		}
+	}
+	for i, n := range vm.GetNetworks() {
+		if n == "" {
+			return invalid("vm.networks[%d]: empty network ID", i)
+		}
+	}
+	return nil
+}
+
+func (s *vmService) ListVMs(_ context.Context, r *vmv1.ListVMsRequest) (*vmv1.ListVMsResponse, error) {
+	vms, next, err := s.vms.list(r.GetPageSize(), r.GetPageToken(), r.GetOwner())
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.ListVMsResponse{Vms: vms, NextPageToken: next}, nil
+}
+
+func (s *vmService) GetVM(_ context.Context, r *vmv1.GetVMRequest) (*vmv1.GetVMResponse, error) {
+	vm, err := s.vms.get(r.GetId())
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.GetVMResponse{Vm: vm}, nil
+}
+
+func (s *vmService) CreateVM(_ context.Context, r *vmv1.CreateVMRequest) (*vmv1.CreateVMResponse, error) {
+	in := proto.Clone(r.GetVm()).(*vmv1.VM)
+	if r.GetVm() != nil {
+		in.PowerState, in.Host = vmv1.PowerState_POWER_STATE_STOPPED, s.host
+	}
+	vm, err := s.vms.create(in)
+	if err != nil {
+		return nil, err
+	}
+	s.watch.publish(vmv1.EventType_EVENT_TYPE_CREATED, vm)
+	return &vmv1.CreateVMResponse{Vm: vm}, nil
+}
+
+func (s *vmService) UpdateVM(_ context.Context, r *vmv1.UpdateVMRequest) (*vmv1.UpdateVMResponse, error) {
+	vm, err := s.vms.update(r.GetVm().GetId(), r.ExpectedRevision, func(cur *vmv1.VM) error {
+		return s.vms.patch(cur, r.GetVm(), r.GetUpdateMask())
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.watch.publish(vmv1.EventType_EVENT_TYPE_UPDATED, vm)
+	return &vmv1.UpdateVMResponse{Vm: vm}, nil
+}
+
+func (s *vmService) DeleteVM(_ context.Context, r *vmv1.DeleteVMRequest) (*vmv1.DeleteVMResponse, error) {
+	vm, err := s.vms.get(r.GetId())
+	if err != nil {
+		return nil, err
+	}
+	if vm.GetPowerState() == vmv1.PowerState_POWER_STATE_RUNNING {
+		return nil, status.Errorf(codes.FailedPrecondition, "vm %q is running: power it off first", r.GetId())
+	}
+	if vm, err = s.vms.delete(r.GetId()); err != nil {
+		return nil, err
+	}
+	s.watch.publish(vmv1.EventType_EVENT_TYPE_DELETED, vm)
+	return &vmv1.DeleteVMResponse{}, nil
+}
+
+// power moves a VM from one of the states in from to state to.
+func (s *vmService) power(id, action string, to vmv1.PowerState, from ...vmv1.PowerState) (*vmv1.VM, error) {
+	vm, err := s.vms.update(id, nil, func(vm *vmv1.VM) error {
+		for _, f := range from {
+			if vm.GetPowerState() == f {
+				vm.PowerState = to
+				return nil
+			}
+		}
+		return status.Errorf(codes.FailedPrecondition, "vm %q is %s: cannot %s", id, vm.GetPowerState(), action)
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.watch.publish(vmv1.EventType_EVENT_TYPE_UPDATED, vm)
+	return vm, nil
+}
+
+var (
+	stopped = vmv1.PowerState_POWER_STATE_STOPPED
+	running = vmv1.PowerState_POWER_STATE_RUNNING
+)
+
+func (s *vmService) PowerOn(_ context.Context, r *vmv1.PowerOnRequest) (*vmv1.PowerOnResponse, error) {
+	vm, err := s.power(r.GetId(), "power on", running, stopped)
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.PowerOnResponse{Vm: vm}, nil
+}
+
+func (s *vmService) ShutdownDefault(_ context.Context, r *vmv1.ShutdownDefaultRequest) (*vmv1.ShutdownDefaultResponse, error) {
+	if d := r.GetTimeout(); d != nil && (d.CheckValid() != nil || d.AsDuration() < 0) {
+		return nil, invalid("timeout: %v is not a valid non-negative duration", d)
+	}
+	// The simulated guest shuts down at once.
+	vm, err := s.power(r.GetId(), "shut down", stopped, running)
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.ShutdownDefaultResponse{Vm: vm}, nil
+}
+
+func (s *vmService) PowerOff(_ context.Context, r *vmv1.PowerOffRequest) (*vmv1.PowerOffResponse, error) {
+	vm, err := s.power(r.GetId(), "power off", stopped, running)
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.PowerOffResponse{Vm: vm}, nil
+}
+
+func (s *vmService) Reboot(_ context.Context, r *vmv1.RebootRequest) (*vmv1.RebootResponse, error) {
+	vm, err := s.power(r.GetId(), "reboot", running, running)
+	if err != nil {
+		return nil, err
+	}
+	return &vmv1.RebootResponse{Vm: vm}, nil
+}
+
+// WatchVMs sends every VM (of the owner, when set) as EXISTING, then
+// every change, until the client leaves or falls behind.
+func (s *vmService) WatchVMs(r *vmv1.WatchVMsRequest, stream grpc.ServerStreamingServer[vmv1.WatchVMsResponse]) error {
+	sub := s.watch.subscribe()
+	defer s.watch.unsubscribe(sub)
+	for token := ""; ; {
+		vms, next, err := s.vms.list(maxPageSize, token, r.GetOwner())
+		if err != nil {
+			return err
+		}
+		for _, vm := range vms {
+			if err := stream.Send(&vmv1.WatchVMsResponse{Type: vmv1.EventType_EVENT_TYPE_EXISTING, Vm: vm}); err != nil {
+				return err
+			}
+		}
+		if token = next; token == "" {
+			break
+		}
+	}
+	for {
+		select {
+		case <-stream.Context().Done():
+			return stream.Context().Err()
+		case ev, ok := <-sub.ch:
+			if !ok {
+				if sub.overflow {
+					return status.Errorf(codes.ResourceExhausted, "watch fell more than %d events behind: watch again", watchBuffer)
+				}
+				return status.Error(codes.Unavailable, errStopped.Error())
+			}
+			if r.GetOwner() != "" && ev.GetVm().GetMetadata().GetOwner() != r.GetOwner() {
+				continue
+			}
+			if err := stream.Send(ev); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// Console echoes the input of a running VM's serial console after a
+// banner.
+func (s *vmService) Console(stream grpc.BidiStreamingServer[vmv1.ConsoleRequest, vmv1.ConsoleResponse]) error {
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	vm, err := s.vms.get(first.GetId())
+	if err != nil {
+		return err
+	}
+	if vm.GetPowerState() != running {
+		return status.Errorf(codes.FailedPrecondition, "vm %q is %s: its console needs it running", vm.GetId(), vm.GetPowerState())
+	}
+	banner := fmt.Sprintf("pivirtd-sim serial console of %s (%s)\r\n", vm.GetName(), vm.GetId())
+	if err := stream.Send(&vmv1.ConsoleResponse{Output: []byte(banner)}); err != nil {
+		return err
+	}
+	for msg := first; ; {
+		if n := len(msg.GetInput()); n > maxConsoleInput {
+			return invalid("input: %d bytes, at most %d per message", n, maxConsoleInput)
+		}
+		if len(msg.GetInput()) > 0 {
+			if err := stream.Send(&vmv1.ConsoleResponse{Output: msg.GetInput()}); err != nil {
+				return err
+			}
+		}
+		if msg, err = stream.Recv(); err == io.EOF {
+			return nil
+		} else if err != nil {
+			return err
+		}
+	}
+}
+
+// broadcaster fans VM events out to watchers.
+type broadcaster struct {
+	mu     sync.Mutex
+	subs   map[*subscriber]struct{}
+	closed bool
+}
+
+type subscriber struct {
+	ch       chan *vmv1.WatchVMsResponse
+	overflow bool
+}
+
+func newBroadcaster() *broadcaster {
+	return &broadcaster{subs: make(map[*subscriber]struct{})}
+}
+
+func (b *broadcaster) subscribe() *subscriber {
+	s := &subscriber{ch: make(chan *vmv1.WatchVMsResponse, watchBuffer)}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		close(s.ch)
+		return s
+	}
+	b.subs[s] = struct{}{}
+	return s
+}
+
+func (b *broadcaster) unsubscribe(s *subscriber) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, ok := b.subs[s]; ok {
+		delete(b.subs, s)
+		close(s.ch)
+	}
+}
+
+// publish offers an event to every watcher; one that is full is dropped
+// (its stream ends with ResourceExhausted).
+func (b *broadcaster) publish(t vmv1.EventType, vm *vmv1.VM) {
+	ev := &vmv1.WatchVMsResponse{Type: t, Vm: vm}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for s := range b.subs {
+		select {
+		case s.ch <- ev:
+		default:
+			s.overflow = true
+			delete(b.subs, s)
+			close(s.ch)
+		}
+	}
+}
+
+func (b *broadcaster) close() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.closed = true
+	for s := range b.subs {
+		delete(b.subs, s)
+		close(s.ch)
+	}
+}
+
+// now is the simulator's clock.
+func now() time.Time { return time.Now() }
