@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net"
 	"net/netip"
@@ -291,6 +292,9 @@ func (c *Config) validateMesh(v *validator) {
 			v.add(p+".route.cluster", "%w: required", ErrInvalid)
 		} else if err := checkName(r.Route.Cluster); err != nil {
 			v.add(p+".route.cluster", "%w %q: %w", ErrInvalid, r.Route.Cluster, err)
+		} else if _, ok := c.Backends[r.Route.Cluster]; !ok {
+			names := slices.Sorted(maps.Keys(c.Backends))
+			v.add(p+".route.cluster", "%w %q: not a backend (backends: %s)", ErrInvalid, r.Route.Cluster, strings.Join(names, ", "))
 		}
 	}
 

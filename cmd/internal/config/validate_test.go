@@ -112,6 +112,7 @@ func TestValidate(t *testing.T) {
 
 		// Routing, load balancing, circuit breaking.
 		{"route prefix without slash", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"pivirtd": {Endpoint: "unix:///run/p.sock"}, "iscsiman": {Endpoint: "unix:///run/i.sock"}}
 			c.Routing.Rules = []RouteRule{
 				{Match: RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: RouteTarget{Cluster: "pivirtd"}},
 				{Match: RouteMatch{Prefix: "pivirt.storage.v1.StorageService"}, Route: RouteTarget{Cluster: "iscsiman"}},
@@ -119,9 +120,14 @@ func TestValidate(t *testing.T) {
 		}, []string{`routing.rules[1].match.prefix: invalid value "pivirt.storage.v1.StorageService": must start with "/"`}},
 		{"route duplicate prefix", func(c *Config) {
 			r := RouteRule{Match: RouteMatch{Prefix: "/a"}, Route: RouteTarget{Cluster: "x"}}
+			c.Backends = map[string]BackendConfig{"x": {Endpoint: "unix:///run/x.sock"}}
 			c.Routing.Rules = []RouteRule{r, r}
 		}, []string{`routing.rules[1].match.prefix: invalid value "/a": same prefix as routing.rules[0]`}},
 		{"route without cluster", func(c *Config) { c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/a"}}} }, []string{"routing.rules[0].route.cluster: invalid value: required"}},
+		{"route to an unknown backend", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"b": {Endpoint: "unix:///run/b.sock"}, "a": {Endpoint: "unix:///run/a.sock"}}
+			c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/a"}, Route: RouteTarget{Cluster: "pivirtd"}}}
+		}, []string{`routing.rules[0].route.cluster: invalid value "pivirtd": not a backend (backends: a, b)`}},
 		{"health check timeout above interval", func(c *Config) { c.LoadBalancing.HealthCheck.Timeout = Duration(time.Minute) }, []string{"load_balancing.health_check.timeout: invalid value 1m0s: must not exceed load_balancing.health_check.interval (10s)"}},
 		{"health check zero interval", func(c *Config) { c.LoadBalancing.HealthCheck.Interval = 0 }, []string{"load_balancing.health_check.interval: invalid value: must be positive when health checks are enabled"}},
 		{"health check zero threshold", func(c *Config) { c.LoadBalancing.HealthCheck.HealthyThreshold = 0 }, []string{"load_balancing.health_check.healthy_threshold: invalid value: must be at least 1"}},
@@ -252,6 +258,7 @@ func TestValidateReportsEverything(t *testing.T) {
 	c.Cluster.Raft.Voters = 2
 	c.Tracing.SamplingRate = 2
 	c.CircuitBreaking.Thresholds.MaxEjectionPercent = 200
+	c.Backends = map[string]BackendConfig{"c": {Endpoint: "unix:///run/c.sock"}}
 	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "x"}, Route: RouteTarget{Cluster: "c"}}}
 	errs := unjoin(c.Validate())
 	var paths []string

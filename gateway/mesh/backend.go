@@ -1,0 +1,353 @@
+package mesh
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// Load-balancing policies (load_balancing.policy).
+const (
+	RoundRobin       = "round_robin"
+	LeastConnections = "least_connections"
+	Random           = "random"
+)
+
+// dnsRefresh is how often dns:/// endpoints are resolved again.
+const dnsRefresh = 30 * time.Second
+
+// BackendConfig configures a backend cluster.
+type BackendConfig struct {
+	// Name is the cluster's name (backends.<name>).
+	Name string
+	// Endpoint is unix:///abs/path, dns:///host:port, host:port or
+	// https://host[:port].
+	Endpoint string
+	// Policy is RoundRobin (default), LeastConnections or Random.
+	Policy string
+	// Timeout bounds each attempt (0: only the caller's deadline).
+	Timeout time.Duration
+	// TLS returns the client TLS configuration that verifies the server
+	// as serverName; nil: plaintext (an https:// endpoint requires it).
+	TLS func(serverName string) *tls.Config
+	// ServerName is the name the server's certificate must carry; empty:
+	// the endpoint's host (localhost for a unix socket).
+	ServerName string
+	// MaxMessageBytes bounds messages both ways.
+	MaxMessageBytes int
+	Logger          *slog.Logger
+}
+
+// target is a parsed endpoint specification.
+type target struct {
+	unixPath string // a unix socket, or
+	host     string // a host (IP or name) and port
+	port     string
+	tls      bool // https://
+}
+
+// parseEndpoint parses a backend endpoint specification.
+func parseEndpoint(spec string) (target, error) {
+	switch {
+	case strings.HasPrefix(spec, "unix://"):
+		p := strings.TrimPrefix(spec, "unix://")
+		if !strings.HasPrefix(p, "/") {
+			return target{}, fmt.Errorf("endpoint %q: unix:///abs/path takes an absolute path", spec)
+		}
+		return target{unixPath: p}, nil
+	case strings.HasPrefix(spec, "dns:///"):
+		host, port, err := net.SplitHostPort(strings.TrimPrefix(spec, "dns:///"))
+		if err != nil || host == "" || port == "" {
+			return target{}, fmt.Errorf("endpoint %q: want dns:///host:port", spec)
+		}
+		return target{host: host, port: port}, nil
+	case strings.HasPrefix(spec, "https://"):
+		u, err := url.Parse(spec)
+		if err != nil || u.Host == "" || (u.Path != "" && u.Path != "/") {
+			return target{}, fmt.Errorf("endpoint %q: want https://host[:port]", spec)
+		}
+		port := u.Port()
+		if port == "" {
+			port = "443"
+		}
+		return target{host: u.Hostname(), port: port, tls: true}, nil
+	case strings.Contains(spec, "://"):
+		return target{}, fmt.Errorf("endpoint %q: want unix:///abs/path, dns:///host:port, host:port or https://host[:port]", spec)
+	}
+	host, port, err := net.SplitHostPort(spec)
+	if err != nil || host == "" || port == "" {
+		return target{}, fmt.Errorf("endpoint %q: want host:port", spec)
+	}
+	return target{host: host, port: port}, nil
+}
+
+// Endpoint is one address of a backend cluster and its connection.
+type Endpoint struct {
+	// Addr is "unix:///path" or "ip:port".
+	Addr string
+	conn *grpc.ClientConn
+	// active counts the calls in flight (least_connections).
+	active atomic.Int64
+}
+
+// Active is the number of calls in flight to the endpoint.
+func (e *Endpoint) Active() int64 { return e.active.Load() }
+
+// Backend is a backend cluster: its endpoints, how calls are spread over
+// them, and the connections to them.
+type Backend struct {
+	cfg    BackendConfig
+	target target
+	logger *slog.Logger
+	creds  credentials.TransportCredentials
+
+	mu        sync.RWMutex
+	endpoints []*Endpoint
+	closed    bool
+	rr        atomic.Uint64
+
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// NewBackend parses cfg and connects to the endpoints it names (lazily:
+// grpc-go dials on first use). A dns:/// or host-name endpoint is resolved
+// now and every 30 s.
+func NewBackend(cfg BackendConfig) (*Backend, error) {
+	t, err := parseEndpoint(cfg.Endpoint)
+	if err != nil {
+		return nil, fmt.Errorf("backends.%s: %w", cfg.Name, err)
+	}
+	switch cfg.Policy {
+	case "":
+		cfg.Policy = RoundRobin
+	case RoundRobin, LeastConnections, Random:
+	default:
+		return nil, fmt.Errorf("backends.%s: load-balancing policy %q: want %s, %s or %s", cfg.Name, cfg.Policy, RoundRobin, LeastConnections, Random)
+	}
+	if t.tls && cfg.TLS == nil {
+		return nil, fmt.Errorf("backends.%s: endpoint %q is https:// but no TLS configuration is given", cfg.Name, cfg.Endpoint)
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = 16 << 20
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name), done: make(chan struct{})}
+	b.creds = insecure.NewCredentials()
+	if cfg.TLS != nil {
+		b.creds = credentials.NewTLS(cfg.TLS(b.serverName()))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	b.stop = cancel
+	if t.unixPath != "" {
+		if err := b.setAddrs([]string{"unix://" + t.unixPath}); err != nil {
+			cancel()
+			return nil, err
+		}
+		close(b.done)
+		return b, nil
+	}
+	if ip, err := netip.ParseAddr(t.host); err == nil {
+		if err := b.setAddrs([]string{net.JoinHostPort(ip.String(), t.port)}); err != nil {
+			cancel()
+			return nil, err
+		}
+		close(b.done)
+		return b, nil
+	}
+	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+	err = b.resolve(rctx)
+	rcancel()
+	if err != nil {
+		// Not fatal: the name may resolve later; calls fail until then.
+		b.logger.Warn("backend endpoint does not resolve yet", "endpoint", cfg.Endpoint, "error", err)
+	}
+	go b.refreshLoop(ctx)
+	return b, nil
+}
+
+// Name is the cluster's name.
+func (b *Backend) Name() string { return b.cfg.Name }
+
+func (b *Backend) serverName() string {
+	switch {
+	case b.cfg.ServerName != "":
+		return b.cfg.ServerName
+	case b.target.unixPath != "":
+		return "localhost"
+	default:
+		return b.target.host
+	}
+}
+
+func (b *Backend) refreshLoop(ctx context.Context) {
+	defer close(b.done)
+	t := time.NewTicker(dnsRefresh)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if err := b.resolve(rctx); err != nil && ctx.Err() == nil {
+			b.logger.Warn("backend endpoint resolution failed; keeping the known addresses", "endpoint", b.cfg.Endpoint, "error", err)
+		}
+		cancel()
+	}
+}
+
+// resolve looks the host name up and replaces the endpoints with its
+// addresses.
+func (b *Backend) resolve(ctx context.Context) error {
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", b.target.host)
+	if err != nil {
+		return err
+	}
+	addrs := make([]string, 0, len(ips))
+	for _, ip := range ips {
+		addrs = append(addrs, net.JoinHostPort(ip.Unmap().String(), b.target.port))
+	}
+	slices.Sort(addrs)
+	return b.setAddrs(slices.Compact(addrs))
+}
+
+// setAddrs makes the endpoint list addrs: endpoints that stay keep their
+// connection and counters, new ones get a connection, gone ones are
+// closed.
+func (b *Backend) setAddrs(addrs []string) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return errors.New("backend closed")
+	}
+	var next, gone []*Endpoint
+	for _, e := range b.endpoints {
+		if slices.Contains(addrs, e.Addr) {
+			next = append(next, e)
+		} else {
+			gone = append(gone, e)
+		}
+	}
+	for _, a := range addrs {
+		if slices.ContainsFunc(next, func(e *Endpoint) bool { return e.Addr == a }) {
+			continue
+		}
+		conn, err := b.dial(a)
+		if err != nil {
+			return err
+		}
+		next = append(next, &Endpoint{Addr: a, conn: conn})
+	}
+	slices.SortFunc(next, func(x, y *Endpoint) int { return strings.Compare(x.Addr, y.Addr) })
+	b.endpoints = next
+	for _, e := range gone {
+		_ = e.conn.Close()
+	}
+	if len(gone) > 0 || len(next) != len(addrs) {
+		b.logger.Info("backend endpoints changed", "endpoints", addrs)
+	}
+	return nil
+}
+
+func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
+	target := "passthrough:///" + addr
+	if strings.HasPrefix(addr, "unix://") {
+		target = addr
+	}
+	conn, err := grpc.NewClient(target,
+		grpc.WithTransportCredentials(b.creds),
+		grpc.WithAuthority(b.serverName()),
+		grpc.WithDefaultCallOptions(
+			grpc.MaxCallRecvMsgSize(b.cfg.MaxMessageBytes),
+			grpc.MaxCallSendMsgSize(b.cfg.MaxMessageBytes),
+			grpc.ForceCodecV2(Codec()),
+		),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("backends.%s: %s: %w", b.cfg.Name, addr, err)
+	}
+	return conn, nil
+}
+
+// Endpoints returns the current endpoints.
+func (b *Backend) Endpoints() []*Endpoint {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	return slices.Clone(b.endpoints)
+}
+
+// pick chooses an endpoint for a call by the cluster's policy, skipping
+// those in avoid (tried already) while others remain.
+func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
+	b.mu.RLock()
+	eps := b.endpoints
+	b.mu.RUnlock()
+	if len(eps) == 0 {
+		return nil, fmt.Errorf("backend %s has no endpoints (%s)", b.cfg.Name, b.cfg.Endpoint)
+	}
+	cands := eps
+	if len(avoid) > 0 {
+		cands = slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool { return slices.Contains(avoid, e) })
+		if len(cands) == 0 {
+			cands = eps
+		}
+	}
+	switch b.cfg.Policy {
+	case Random:
+		return cands[rand.IntN(len(cands))], nil
+	case LeastConnections:
+		// The fewest calls in flight; ties go round robin.
+		start := int(b.rr.Add(1))
+		var best *Endpoint
+		for i := range cands {
+			e := cands[(start+i)%len(cands)]
+			if best == nil || e.active.Load() < best.active.Load() {
+				best = e
+			}
+		}
+		return best, nil
+	default:
+		return cands[int(b.rr.Add(1)-1)%len(cands)], nil
+	}
+}
+
+// Close closes every connection.
+func (b *Backend) Close() error {
+	b.stop()
+	<-b.done
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.closed = true
+	var errs []error
+	for _, e := range b.endpoints {
+		errs = append(errs, e.conn.Close())
+	}
+	b.endpoints = nil
+	return errors.Join(errs...)
+}
+
+// String describes the backend for logs.
+func (b *Backend) String() string {
+	return b.cfg.Name + " (" + b.cfg.Endpoint + ", " + strconv.Itoa(len(b.Endpoints())) + " endpoints)"
+}

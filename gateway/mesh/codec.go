@@ -1,0 +1,59 @@
+package mesh
+
+import (
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+)
+
+// Frame is one gRPC message forwarded without decoding. It holds a
+// reference to grpc-go's buffers; Free releases it.
+type Frame struct {
+	data mem.BufferSlice
+}
+
+// Len is the message's size in bytes.
+func (f *Frame) Len() int { return f.data.Len() }
+
+// Free releases the frame's buffers; the frame is empty afterwards.
+func (f *Frame) Free() {
+	if f.data != nil {
+		f.data.Free()
+		f.data = nil
+	}
+}
+
+// codec passes Frames through as raw bytes and encodes every other message
+// with the proto codec, so one gRPC server serves both the proxy and the
+// agent's own services. Its name is "proto": on the wire nothing changes.
+type codec struct {
+	proto encoding.CodecV2
+}
+
+// Codec is the gRPC codec of the proxy, for grpc.ForceServerCodecV2 on the
+// server that runs Proxy.Handle and for the calls to backends.
+func Codec() encoding.CodecV2 {
+	return codec{proto: encoding.GetCodecV2(proto.Name)}
+}
+
+func (c codec) Marshal(v any) (mem.BufferSlice, error) {
+	if f, ok := v.(*Frame); ok {
+		// grpc-go frees what Marshal returns once written; the frame
+		// keeps its own reference (a retry sends it again).
+		f.data.Ref()
+		return f.data, nil
+	}
+	return c.proto.Marshal(v)
+}
+
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
+	if f, ok := v.(*Frame); ok {
+		// grpc-go frees data after Unmarshal returns; the frame keeps it.
+		data.Ref()
+		f.data = data
+		return nil
+	}
+	return c.proto.Unmarshal(data, v)
+}
+
+func (codec) Name() string { return proto.Name }

@@ -1,0 +1,83 @@
+package mesh
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+)
+
+// Stats are the proxy's metrics (spec service-mesh "Observability"):
+// pivirt_mesh_requests_total{service,status},
+// pivirt_mesh_request_duration_seconds{service} and
+// pivirt_mesh_active_connections{service}. service is the backend cluster;
+// status is the HTTP status equivalent of the call's gRPC code.
+type Stats struct {
+	requests *prometheus.CounterVec
+	duration *prometheus.HistogramVec
+	inflight *prometheus.GaugeVec
+}
+
+// NewStats registers the metrics with reg.
+func NewStats(reg prometheus.Registerer) *Stats {
+	s := &Stats{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pivirt_mesh_requests_total",
+			Help: "Calls proxied to backend clusters, by cluster and HTTP status equivalent of the gRPC status.",
+		}, []string{"service", "status"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pivirt_mesh_request_duration_seconds",
+			Help:    "Duration of proxied calls, all attempts included, by backend cluster.",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"service"}),
+		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "pivirt_mesh_active_connections",
+			Help: "Calls in flight to each backend cluster.",
+		}, []string{"service"}),
+	}
+	reg.MustRegister(s.requests, s.duration, s.inflight)
+	return s
+}
+
+func (s *Stats) observe(service string, code codes.Code, d time.Duration) {
+	s.requests.WithLabelValues(service, strconv.Itoa(HTTPStatus(code))).Inc()
+	s.duration.WithLabelValues(service).Observe(d.Seconds())
+}
+
+func (s *Stats) active(service string) func() {
+	g := s.inflight.WithLabelValues(service)
+	g.Inc()
+	return g.Dec
+}
+
+// HTTPStatus maps a gRPC code to the HTTP status the Connect protocol uses
+// for it.
+func HTTPStatus(c codes.Code) int {
+	switch c {
+	case codes.OK:
+		return 200
+	case codes.Canceled:
+		return 499
+	case codes.InvalidArgument, codes.FailedPrecondition, codes.OutOfRange:
+		return 400
+	case codes.DeadlineExceeded:
+		return 504
+	case codes.NotFound:
+		return 404
+	case codes.AlreadyExists, codes.Aborted:
+		return 409
+	case codes.PermissionDenied:
+		return 403
+	case codes.ResourceExhausted:
+		return 429
+	case codes.Unimplemented:
+		return 501
+	case codes.Unavailable:
+		return 503
+	case codes.Unauthenticated:
+		return 401
+	default:
+		return 500
+	}
+}
