@@ -152,6 +152,22 @@ var tableDefs = []tableDef{
 	},
 }
 
+// tableSince is the snapshot format that added a table; the others exist
+// since format 1.
+var tableSince = map[string]uint32{TableCA: 2}
+
+// formatFor is the oldest snapshot format that can hold the given
+// non-empty tables: a snapshot is written in it, so that agents of an
+// older version still read it while no newer table is in use (a rolling
+// upgrade).
+func formatFor(nonEmpty []string) uint32 {
+	v := uint32(1)
+	for _, t := range nonEmpty {
+		v = max(v, tableSince[t])
+	}
+	return v
+}
+
 // Tables returns the name of every table of the state, in snapshot order.
 func Tables() []string {
 	names := make([]string, len(tableDefs))

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 
 	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
@@ -84,7 +85,8 @@ func (f *FSM) WriteSnapshot(w io.Writer) error {
 
 // writeSnapshot streams the state of txn to w through a buffer.
 func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
-	hdr := &fsmv1.SnapshotHeader{FormatVersion: SnapshotFormatVersion, LastIndex: lastIndex}
+	counts := make(map[string]uint64, len(tableDefs))
+	var nonEmpty []string
 	for _, t := range tableDefs {
 		it, err := txn.Get(t.name, indexID)
 		if err != nil {
@@ -94,24 +96,39 @@ func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
 		for obj := it.Next(); obj != nil; obj = it.Next() {
 			n++
 		}
-		hdr.Tables = append(hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: n})
+		counts[t.name] = n
+		if n > 0 {
+			nonEmpty = append(nonEmpty, t.name)
+		}
+	}
+	// A table named by an index row is in use too, even when empty (a
+	// Restored command touches every table): an older reader would
+	// refuse the row.
+	it, err := txn.Get(TableIndex, indexID)
+	if err != nil {
+		return fmt.Errorf("snapshot: read %s: %w", TableIndex, err)
+	}
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		nonEmpty = append(nonEmpty, obj.(*indexEntry).Table)
+	}
+	// The oldest format that holds the state: tables newer than it are
+	// empty and left out.
+	version := formatFor(nonEmpty)
+	hdr := &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}
+	var tables []tableDef
+	for _, t := range tableDefs {
+		if tableSince[t.name] <= version {
+			tables = append(tables, t)
+			hdr.Tables = append(hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: counts[t.name]})
+		}
 	}
 
 	bw := bufio.NewWriterSize(w, 64<<10)
-	var pre [8]byte
-	copy(pre[:4], snapshotMagic)
-	binary.BigEndian.PutUint32(pre[4:], SnapshotFormatVersion)
-	if _, err := bw.Write(pre[:]); err != nil {
-		return fmt.Errorf("snapshot: write preamble: %w", err)
-	}
-	buf, err := marshalOpts.Marshal(hdr)
+	buf, err := writeHeader(bw, hdr)
 	if err != nil {
-		return fmt.Errorf("snapshot: encode header: %w", err)
+		return err
 	}
-	if err := writeRecord(bw, buf); err != nil {
-		return fmt.Errorf("snapshot: write header: %w", err)
-	}
-	for i, t := range tableDefs {
+	for i, t := range tables {
 		it, err := txn.Get(t.name, indexID)
 		if err != nil {
 			return fmt.Errorf("snapshot: read %s: %w", t.name, err)
@@ -136,6 +153,86 @@ func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
 		return fmt.Errorf("snapshot: flush: %w", err)
 	}
 	return nil
+}
+
+// writeHeader writes the preamble and the header; it returns the header's
+// encoding buffer for reuse.
+func writeHeader(bw *bufio.Writer, hdr *fsmv1.SnapshotHeader) ([]byte, error) {
+	var pre [8]byte
+	copy(pre[:4], snapshotMagic)
+	binary.BigEndian.PutUint32(pre[4:], hdr.GetFormatVersion())
+	if _, err := bw.Write(pre[:]); err != nil {
+		return nil, fmt.Errorf("snapshot: write preamble: %w", err)
+	}
+	buf, err := marshalOpts.Marshal(hdr)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot: encode header: %w", err)
+	}
+	if err := writeRecord(bw, buf); err != nil {
+		return nil, fmt.Errorf("snapshot: write header: %w", err)
+	}
+	return buf, nil
+}
+
+// FilterSnapshot copies the snapshot stream r to w without the records of
+// the tables named in drop (they restore empty), in constant memory, and
+// reports the format version (the input's) and the bytes written. Every
+// record is checked to decode. Snapshots that leave the cluster (archives)
+// go through it without TableCA, which holds the cluster CA's key.
+func FilterSnapshot(r io.Reader, w io.Writer, drop ...string) (uint32, int64, error) {
+	sr := newSnapshotReader(r)
+	in, err := sr.header()
+	if err != nil {
+		return 0, 0, err
+	}
+	version := in.GetFormatVersion()
+	out := &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: in.GetLastIndex()}
+	for _, t := range in.GetTables() {
+		if !slices.Contains(drop, t.GetName()) {
+			out.Tables = append(out.Tables, &fsmv1.TableHeader{Name: t.GetName(), Records: t.GetRecords()})
+		}
+	}
+	cw := &countingWriter{w: w}
+	bw := bufio.NewWriterSize(cw, 64<<10)
+	if _, err := writeHeader(bw, out); err != nil {
+		return 0, 0, err
+	}
+	for _, th := range in.GetTables() {
+		t, _ := tableDefByName(th.GetName())
+		keep := slices.ContainsFunc(out.Tables, func(o *fsmv1.TableHeader) bool { return o.GetName() == t.name })
+		for i := uint64(0); i < th.GetRecords(); i++ {
+			b, err := sr.record(maxRecordSize)
+			if err != nil {
+				return 0, 0, fmt.Errorf("%s record %d: %w", t.name, i, err)
+			}
+			if _, err := t.codec.decode(b); err != nil {
+				return 0, 0, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+			}
+			if keep {
+				if err := writeRecord(bw, b); err != nil {
+					return 0, 0, fmt.Errorf("snapshot: write %s: %w", t.name, err)
+				}
+			}
+		}
+	}
+	if _, err := sr.br.ReadByte(); !errors.Is(err, io.EOF) {
+		return 0, 0, corruptf("data after the last record")
+	}
+	if err := bw.Flush(); err != nil {
+		return 0, 0, fmt.Errorf("snapshot: flush: %w", err)
+	}
+	return version, cw.n, nil
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	return n, err
 }
 
 // writeRecord writes b with a uvarint length prefix.

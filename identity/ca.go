@@ -129,17 +129,18 @@ func (ca *CertAuthority) Renew(req RenewalRequest, verify ChainVerifier, ttl tim
 	if cur.IsCA {
 		return refuse("%q is a CA certificate; only leaves are renewed", cur.Subject.String())
 	}
-	var usage x509.ExtKeyUsage
-	switch {
-	case hasExtUsage(cur, x509.ExtKeyUsageServerAuth):
-		usage = x509.ExtKeyUsageServerAuth
-	case hasExtUsage(cur, x509.ExtKeyUsageClientAuth):
-		usage = x509.ExtKeyUsageClientAuth
-	default:
+	// Every usage copied must be one the current chain allows: verified
+	// one at a time (a chain check passes when any one usage matches).
+	if len(cur.ExtKeyUsage) == 0 || len(cur.UnknownExtKeyUsage) > 0 {
 		return refuse("%q is neither a server nor a client certificate", cur.Subject.String())
 	}
-	if err := verify(chain, usage); err != nil {
-		return refuse("current certificate %q: %v", cur.Subject.String(), err)
+	for _, usage := range cur.ExtKeyUsage {
+		if usage != x509.ExtKeyUsageServerAuth && usage != x509.ExtKeyUsageClientAuth {
+			return refuse("%q has extended key usages other than server and client authentication", cur.Subject.String())
+		}
+		if err := verify(chain, usage); err != nil {
+			return refuse("current certificate %q: %v", cur.Subject.String(), err)
+		}
 	}
 	if err := checkProof(cur, req.CSR, req.Proof); err != nil {
 		return refuse("proof of possession for %q: %v", cur.Subject.String(), err)

@@ -1,6 +1,7 @@
 package identity
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -128,7 +129,15 @@ func (s *Source) load() (*material, error) {
 	}
 	pair, err := tls.LoadX509KeyPair(s.cfg.CertFile, s.cfg.KeyFile)
 	if err != nil {
-		return nil, fmt.Errorf("tls: %s and %s: %w", s.cfg.CertFile, s.cfg.KeyFile, err)
+		// A renewal interrupted between its two writes leaves the new
+		// key with the old certificate, whose key Replace kept.
+		prev, perr := tls.LoadX509KeyPair(s.cfg.CertFile, s.cfg.KeyFile+".prev")
+		if perr != nil {
+			return nil, fmt.Errorf("tls: %s and %s: %w", s.cfg.CertFile, s.cfg.KeyFile, err)
+		}
+		s.logger.Warn("tls: the key file does not match the certificate, but the key of an interrupted renewal does; using it",
+			"cert", s.cfg.CertFile, "key", s.cfg.KeyFile+".prev")
+		pair = prev
 	}
 	leaf, err := x509.ParseCertificate(pair.Certificate[0])
 	if err != nil {
@@ -385,10 +394,15 @@ func (s *Source) VerifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage) 
 	return s.verifyChain(chain, usage, "")
 }
 
-// Replace writes a new certificate and key to the Source's files (the key
-// first, each atomically) and loads them, as Reload does; a pair that does
-// not load leaves the files as they were. It serialises with Reload.
-func (s *Source) Replace(certPEM, keyPEM []byte) error {
+// Replace writes a new certificate and key to the Source's files and
+// loads them, as Reload does, if the files and the material in use still
+// hold the certificate current (DER of the leaf): a renewal never
+// overwrites what an operator put in place meanwhile. The old key is kept
+// in <key_file>.prev until the new pair is in place, so that a crash
+// between the two writes (new key, old certificate) still loads (see
+// load). A pair that does not load leaves the files as they were. It
+// serialises with Reload.
+func (s *Source) Replace(certPEM, keyPEM, current []byte) error {
 	if s.cfg.CertFile == "" {
 		return errors.New("tls: this source has no certificate files")
 	}
@@ -397,20 +411,32 @@ func (s *Source) Replace(certPEM, keyPEM []byte) error {
 	}
 	s.reloadMu.Lock()
 	defer s.reloadMu.Unlock()
+	if m := s.material(); m.leaf == nil || !bytes.Equal(m.leaf.Raw, current) {
+		return fmt.Errorf("tls: %s: the certificate in use changed since the renewal began; not replacing it", s.cfg.CertFile)
+	}
 	oldCert, errC := os.ReadFile(s.cfg.CertFile)
 	oldKey, errK := os.ReadFile(s.cfg.KeyFile)
 	if err := errors.Join(errC, errK); err != nil {
 		return fmt.Errorf("tls: %w", err)
 	}
+	onDisk, err := ParseCertificates(oldCert)
+	if err != nil || !bytes.Equal(onDisk[0].Raw, current) {
+		return fmt.Errorf("tls: %s holds another certificate than the one in use (replaced by hand?); not replacing it", s.cfg.CertFile)
+	}
+	prev := s.cfg.KeyFile + ".prev"
 	restore := func(cause error) error {
 		err := errors.Join(WriteFileAtomic(s.cfg.KeyFile, oldKey, 0o600), WriteFileAtomic(s.cfg.CertFile, oldCert, 0o644))
 		if err != nil {
 			return fmt.Errorf("tls: %w; restoring the previous files failed too: %w", cause, err)
 		}
+		_ = os.Remove(prev)
 		return fmt.Errorf("tls: %w", cause)
 	}
-	if err := WriteFileAtomic(s.cfg.KeyFile, keyPEM, 0o600); err != nil {
+	if err := WriteFileAtomic(prev, oldKey, 0o600); err != nil {
 		return fmt.Errorf("tls: %w", err)
+	}
+	if err := WriteFileAtomic(s.cfg.KeyFile, keyPEM, 0o600); err != nil {
+		return restore(err)
 	}
 	if err := WriteFileAtomic(s.cfg.CertFile, certPEM, 0o644); err != nil {
 		return restore(err)
@@ -419,6 +445,7 @@ func (s *Source) Replace(certPEM, keyPEM []byte) error {
 	if err != nil {
 		return restore(err)
 	}
+	_ = os.Remove(prev)
 	s.mu.Lock()
 	s.cur = m
 	s.mu.Unlock()

@@ -17,6 +17,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -104,7 +105,15 @@ func Write(w io.Writer, meta Meta, state io.Reader) error {
 	}
 	meta.FormatVersion = FormatVersion
 	if meta.StateFormatVersion == 0 {
-		meta.StateFormatVersion = fsm.SnapshotFormatVersion
+		// The state's own preamble says which format it is in (the
+		// oldest that holds it, fsm.SnapshotFormatVersion at most).
+		br := bufio.NewReader(state)
+		pre, err := br.Peek(8)
+		if err != nil {
+			return fmt.Errorf("write snapshot archive: read the state's preamble: %w", err)
+		}
+		meta.StateFormatVersion = binary.BigEndian.Uint32(pre[4:])
+		state = br
 	}
 	if meta.CreatedAt.IsZero() {
 		meta.CreatedAt = time.Now().UTC()

@@ -305,9 +305,11 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("data_dir: %w", err)
 	}
 	// Uploads a crash left behind.
-	if stale, err := filepath.Glob(filepath.Join(tmp, gateway.RestoreTempPattern)); err == nil {
-		for _, f := range stale {
-			_ = os.Remove(f)
+	for _, pattern := range []string{gateway.RestoreTempPattern, archiveTempPattern} {
+		if stale, err := filepath.Glob(filepath.Join(tmp, pattern)); err == nil {
+			for _, f := range stale {
+				_ = os.Remove(f)
+			}
 		}
 	}
 	snapCfg := gateway.SnapshotServiceConfig{
@@ -348,7 +350,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.logger.Warn("TLS IS DISABLED: the API, internal and Raft ports are plaintext; use only on a trusted network or loopback")
 	}
 	if a.ca != nil {
-		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "server", a.tls.api, a.tls.internal) })
+		// The internal source verifies against tls.ca_file, the chain the
+		// cluster CA's certificates must verify against (the API source
+		// may trust a client_ca_file of its own).
+		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "server", a.tls.internal, a.tls.api) })
 		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "client", a.tls.client) })
 	}
 	a.logger.Info("agent started",
@@ -669,10 +674,14 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 	go func() {
 		defer wg.Done()
 		a.ensureClusterID(ctx)
-		if a.ca != nil {
-			a.ca.install(ctx)
-		}
 	}()
+	if a.ca != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a.ca.installLoop(ctx)
+		}()
+	}
 	go func() {
 		defer wg.Done()
 		tcfg := scheduler.DefaultTTLReaperConfig()
@@ -693,13 +702,33 @@ func (a *Agent) snapshotDir() string {
 	return filepath.Join(a.dataDir, "backups")
 }
 
+// archiveTempPattern names the temporary files of archive states in
+// <data_dir>/tmp.
+const archiveTempPattern = "archive-state-*"
+
 // takeSnapshot snapshots this node's state (store.Snapshot) and describes
 // it as an archive: the source of `pvcli snapshot save` and of automatic
-// snapshots.
+// snapshots. Archives leave the cluster, so the state is copied without
+// the cluster CA's table (its private key) into a temporary file, removed
+// when the returned reader is closed.
 func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, error) {
 	sm, rc, err := a.store.Snapshot(ctx)
 	if err != nil {
 		return archive.Meta{}, nil, err
+	}
+	defer rc.Close()
+	tmp, err := os.CreateTemp(filepath.Join(a.dataDir, "tmp"), archiveTempPattern)
+	if err != nil {
+		return archive.Meta{}, nil, err
+	}
+	state := &tempFile{File: tmp}
+	version, size, err := fsm.FilterSnapshot(rc, tmp, fsm.TableCA)
+	if err == nil {
+		_, err = tmp.Seek(0, io.SeekStart)
+	}
+	if err != nil {
+		state.Close()
+		return archive.Meta{}, nil, fmt.Errorf("snapshot %s: %w", sm.ID, err)
 	}
 	var clusterID string
 	if e, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
@@ -707,10 +736,18 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 	}
 	return archive.Meta{
 		ID: sm.ID, Index: sm.Index, Term: sm.Term,
-		FormatVersion: archive.FormatVersion, StateFormatVersion: fsm.SnapshotFormatVersion,
+		FormatVersion: archive.FormatVersion, StateFormatVersion: version,
 		ClusterID: clusterID, AgentVersion: Version,
-		Size: sm.Size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
-	}, rc, nil
+		Size: size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+	}, state, nil
+}
+
+// tempFile is a temporary file removed when closed.
+type tempFile struct{ *os.File }
+
+func (f *tempFile) Close() error {
+	err := f.File.Close()
+	return errors.Join(err, os.Remove(f.Name()))
 }
 
 // ensureClusterID gives the cluster its ID the first time a leader is

@@ -7,8 +7,11 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
+	"net"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -34,6 +37,9 @@ const (
 	// renewRecheck is the longest a renewer sleeps before looking at its
 	// certificate again (an operator may have replaced the files).
 	renewRecheck = time.Minute
+	// caCheckInterval is how often the leader compares the configured
+	// intermediate with the installed one.
+	caCheckInterval = 10 * time.Minute
 )
 
 // clusterCA is the built-in cluster CA of an agent (tls.cluster_ca): on
@@ -49,9 +55,9 @@ type clusterCA struct {
 	signed  *prometheus.CounterVec
 	renewed *prometheus.CounterVec
 
-	mu          sync.Mutex
-	cached      *identity.CertAuthority
-	cachedIndex uint64
+	mu                    sync.Mutex
+	cached                *identity.CertAuthority
+	cachedCert, cachedKey []byte
 }
 
 func newClusterCA(a *Agent, cfg config.ClusterCAConfig) *clusterCA {
@@ -79,9 +85,8 @@ func (c *clusterCA) SignRenewal(_ context.Context, req identity.RenewalRequest) 
 		c.signed.WithLabelValues("unavailable").Inc()
 		return nil, connect.NewError(connect.CodeUnavailable, errors.New("not the leader: only the leader signs renewals"))
 	}
-	if r := c.limiter.Reserve(); r.Delay() > 0 {
-		wait := r.Delay()
-		r.Cancel()
+	if !c.limiter.Allow() {
+		wait := time.Duration(float64(time.Second) / c.cfg.CSRMaxPerSecond)
 		c.signed.WithLabelValues("rate_limited").Inc()
 		return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf(
 			"renewals are limited to %g per second (tls.cluster_ca.csr_max_per_second); retry in %s", c.cfg.CSRMaxPerSecond, wait.Round(time.Millisecond)))
@@ -120,55 +125,77 @@ func (c *clusterCA) authority() (*identity.CertAuthority, error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.cached != nil && c.cachedIndex == rec.GetIndex() {
+	// Keyed by content, not index: a restored snapshot may carry another
+	// CA installed at the same index.
+	if c.cached != nil && bytes.Equal(c.cachedCert, rec.GetCertPem()) && bytes.Equal(c.cachedKey, rec.GetKeyPem()) {
 		return c.cached, nil
 	}
 	ca, err := identity.ParseCertAuthority(rec.GetCertPem(), rec.GetKeyPem())
 	if err != nil {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("the installed cluster CA: %w", err))
 	}
-	c.cached, c.cachedIndex = ca, rec.GetIndex()
+	c.cached, c.cachedCert, c.cachedKey = ca, rec.GetCertPem(), rec.GetKeyPem()
 	return ca, nil
 }
 
-// install puts the configured intermediate into the replicated state when
-// the state holds none, or one that expires earlier: run by a new leader.
-// A broken file is logged; the CA in the state stays.
-func (c *clusterCA) install(ctx context.Context) {
+// installLoop keeps the replicated state's cluster CA up to date with the
+// configured files while this node leads (ctx: the leader term): at once,
+// then every caCheckInterval, so a new intermediate in the files is
+// picked up without a leader change; a failure is retried with backoff.
+func (c *clusterCA) installLoop(ctx context.Context) {
 	if c.cfg.CertFile == "" {
 		return
 	}
+	var retry time.Duration
+	for {
+		wait := caCheckInterval
+		if err := c.install(ctx); err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			retry = min(max(2*retry, renewRetryMin), renewRetryMax)
+			wait = retry
+			c.a.logger.Error("cluster CA not installed; retrying", "retry_in", retry, "error", err)
+		} else {
+			retry = 0
+		}
+		if !sleepCtx(ctx, wait) {
+			return
+		}
+	}
+}
+
+// install puts the configured intermediate into the replicated state when
+// the state holds none, or one that expires earlier. A broken file is an
+// error; the CA in the state stays.
+func (c *clusterCA) install(ctx context.Context) error {
 	certPEM, err := os.ReadFile(c.cfg.CertFile)
 	if err != nil {
-		c.a.logger.Error("cluster CA not installed", "error", fmt.Errorf("tls.cluster_ca.cert_file: %w", err))
-		return
+		return fmt.Errorf("tls.cluster_ca.cert_file: %w", err)
 	}
 	keyPEM, err := os.ReadFile(c.cfg.KeyFile)
 	if err != nil {
-		c.a.logger.Error("cluster CA not installed", "error", fmt.Errorf("tls.cluster_ca.key_file: %w", err))
-		return
+		return fmt.Errorf("tls.cluster_ca.key_file: %w", err)
 	}
 	ca, err := identity.ParseCertAuthority(certPEM, keyPEM)
 	if err != nil {
-		c.a.logger.Error("cluster CA not installed", "error", fmt.Errorf("tls.cluster_ca: %w", err))
-		return
+		return fmt.Errorf("tls.cluster_ca: %w", err)
 	}
 	if err := c.a.tls.internal.VerifyChain(ca.Chain, x509.ExtKeyUsageAny); err != nil {
-		c.a.logger.Error("cluster CA not installed: certificates it signs would not be trusted",
-			"error", fmt.Errorf("tls.cluster_ca.cert_file %s does not chain to tls.ca_file: %w", c.cfg.CertFile, err))
-		return
+		return fmt.Errorf("tls.cluster_ca.cert_file %s does not chain to tls.ca_file, so certificates it signs would not be trusted: %w", c.cfg.CertFile, err)
+	}
+	if left := time.Until(ca.Cert.NotAfter); left < 2*c.cfg.LeafTTL.Std() {
+		c.a.logger.Warn("the cluster CA expires soon: renewed certificates end with it; install a newer intermediate in tls.cluster_ca.cert_file",
+			"subject", ca.Cert.Subject.String(), "not_after", ca.Cert.NotAfter.UTC().Format(time.RFC3339))
 	}
 	if rec, err := c.a.fsm.State().ClusterCA(); err == nil && rec != nil {
 		if chain, err := identity.ParseCertificates(rec.GetCertPem()); err == nil {
 			cur := chain[0]
 			if bytes.Equal(cur.Raw, ca.Cert.Raw) {
-				return
+				return nil
 			}
-			if cur.NotAfter.After(ca.Cert.NotAfter) {
-				c.a.logger.Info("keeping the installed cluster CA: the configured one expires earlier",
-					"installed", cur.Subject.String(), "installed_not_after", cur.NotAfter.UTC().Format(time.RFC3339),
-					"configured_not_after", ca.Cert.NotAfter.UTC().Format(time.RFC3339))
-				return
+			if !ca.Cert.NotAfter.After(cur.NotAfter) {
+				return nil // the installed one lasts as long or longer
 			}
 		}
 	}
@@ -176,8 +203,7 @@ func (c *clusterCA) install(ctx context.Context) {
 		SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM},
 	}})
 	if err != nil {
-		c.a.logger.Error("encode cluster CA", "error", err)
-		return
+		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -188,13 +214,11 @@ func (c *clusterCA) install(ctx context.Context) {
 		}
 	}
 	if err != nil {
-		if ctx.Err() == nil {
-			c.a.logger.Warn("could not install the cluster CA; the next leader term tries again", "error", err)
-		}
-		return
+		return fmt.Errorf("propose the cluster CA: %w", err)
 	}
 	c.a.logger.Info("cluster CA installed", "subject", ca.Cert.Subject.String(),
 		"not_after", ca.Cert.NotAfter.UTC().Format(time.RFC3339))
+	return nil
 }
 
 // renewLoop renews the certificate of src (and reloads also, which reads
@@ -232,9 +256,15 @@ func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.So
 		}
 		c.renewed.WithLabelValues(name, "error").Inc()
 		retry = min(max(2*retry, renewRetryMin), renewRetryMax)
-		c.a.logger.Warn("certificate renewal failed; keeping the certificate in use", "cert", name,
+		level := slog.LevelWarn
+		if time.Now().After(leaf.NotAfter) {
+			// Nothing renews an expired certificate: pitrust must.
+			level = slog.LevelError
+		}
+		c.a.logger.Log(ctx, level, "certificate renewal failed; keeping the certificate in use", "cert", name,
 			"subject", leaf.Subject.String(), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339), "retry_in", retry, "error", err)
-		due = time.Now().Add(retry)
+		// Jitter, so that agents failing together do not retry together.
+		due = time.Now().Add(retry/2 + rand.N(retry/2+1))
 	}
 }
 
@@ -269,11 +299,15 @@ func (c *clusterCA) renew(ctx context.Context, src *identity.Source, also ...*id
 	if err := src.VerifyChain(chain, usage); err != nil {
 		return fmt.Errorf("the renewed certificate is not trusted by tls.ca_file: %w", err)
 	}
+	if old := cur.Leaf; old != nil && !sameNames(old, chain[0]) {
+		return fmt.Errorf("the cluster CA answered a certificate for %s %v %v, not for %s %v %v",
+			chain[0].Subject, chain[0].DNSNames, chain[0].IPAddresses, old.Subject, old.DNSNames, old.IPAddresses)
+	}
 	keyPEM, err := identity.KeyPEM(newKey)
 	if err != nil {
 		return err
 	}
-	if err := src.Replace(certPEM, keyPEM); err != nil {
+	if err := src.Replace(certPEM, keyPEM, cur.Certificate[0]); err != nil {
 		return err
 	}
 	var errs []error
@@ -281,6 +315,13 @@ func (c *clusterCA) renew(ctx context.Context, src *identity.Source, also ...*id
 		errs = append(errs, s.Reload())
 	}
 	return errors.Join(errs...)
+}
+
+// sameNames reports whether two certificates have the same subject and
+// names.
+func sameNames(a, b *x509.Certificate) bool {
+	return bytes.Equal(a.RawSubject, b.RawSubject) && slices.Equal(a.DNSNames, b.DNSNames) &&
+		slices.EqualFunc(a.IPAddresses, b.IPAddresses, func(x, y net.IP) bool { return x.Equal(y) })
 }
 
 // ask sends a renewal to the leader: signed here when this node leads,

@@ -1,11 +1,13 @@
 package agent_test
 
 import (
+	"bytes"
 	"context"
 	"crypto"
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"path/filepath"
@@ -20,6 +22,8 @@ import (
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -63,7 +67,7 @@ func withClusterCA(dir, caDir string, ttl time.Duration, rate float64, burst int
 }
 
 // TestClusterCARenewal: with the cluster CA on, three agents whose
-// certificates live 30 s renew their server and client certificates
+// certificates live 30 s (renewed ones 20 s) renew their server and client certificates
 // through the leader, twice (the second time a certificate the cluster CA
 // issued itself), while writes through a follower (forwarded over mutual
 // TLS) and reads on new TLS connections go on without a failure.
@@ -73,7 +77,14 @@ func TestClusterCARenewal(t *testing.T) {
 	}
 	dir := shortLivedPKI(t, 3, 30*time.Second)
 	chain := filepath.Join(dir, identity.ChainFile)
-	c := agenttest.NewExpect(t, 3, withClusterCA(dir, dir, 10*time.Second, 100, 100))
+	// The API port checks client certificates against a CA of its own:
+	// renewed server certificates must still be checked against
+	// tls.ca_file.
+	operators := filepath.Join(testPKI(t, 0), identity.ChainFile)
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		withClusterCA(dir, dir, 20*time.Second, 100, 100)(i, cfg)
+		cfg.Server.ConnectRPC.TLS.ClientCAFile = operators
+	})
 	c.WaitLeader(20 * time.Second)
 	follower := c.Follower()
 
@@ -151,8 +162,8 @@ func TestClusterCARenewal(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if life := certs[0].NotAfter.Sub(certs[0].NotBefore); life > 12*time.Second {
-			t.Errorf("%s lives %s, want the cluster CA's leaf_ttl of 10s (plus 1s of backdating)", filepath.Base(f), life)
+		if life := certs[0].NotAfter.Sub(certs[0].NotBefore); life > 23*time.Second {
+			t.Errorf("%s lives %s, want the cluster CA's leaf_ttl of 20s (plus 2s of backdating)", filepath.Base(f), life)
 		}
 	}
 	// The agents serve the renewed certificates.
@@ -162,7 +173,12 @@ func TestClusterCARenewal(t *testing.T) {
 	}
 	served := conn.ConnectionState().PeerCertificates[0].SerialNumber.String()
 	conn.Close()
-	if !seen[follower.Cfg.Server.ConnectRPC.TLS.CertFile][served] {
+	// The file may have been renewed once more since the last poll.
+	serverFile := follower.Cfg.Server.ConnectRPC.TLS.CertFile
+	if certs, err := identity.ReadCertificates(serverFile); err == nil {
+		seen[serverFile][certs[0].SerialNumber.String()] = true
+	}
+	if !seen[serverFile][served] {
 		t.Errorf("the follower serves certificate %s, not one of its file's", served)
 	}
 	t.Logf("%d requests while 6 certificates were renewed twice each, %d failed", ok.Load(), failed.Load())
@@ -235,6 +251,37 @@ func TestClusterCASigning(t *testing.T) {
 	if connect.CodeOf(err) != connect.CodeResourceExhausted || !strings.Contains(err.Error(), "retry in") {
 		t.Errorf("third renewal: %v, want ResourceExhausted with a retry hint", err)
 	}
+	// The CA's key is in the replicated state, never in an archive.
+	if ca, err := n.FSM().State().ClusterCA(); err != nil || ca == nil {
+		t.Fatalf("no cluster CA in the state: %v", err)
+	}
+	snaps := clusterv1connect.NewSnapshotServiceClient(httpsClient(t, filepath.Join(dir, identity.ChainFile), nil), "https://"+n.APIAddr())
+	_, file, err := saveSnapshotWith(ctx, snaps, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rd, err := archive.NewReader(bytes.NewReader(file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := rd.State()
+	if err != nil {
+		t.Fatal(err)
+	}
+	restored, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := restored.Restore(io.NopCloser(st)); err != nil {
+		t.Fatal(err)
+	}
+	if ca, err := restored.State().ClusterCA(); ca != nil || err != nil {
+		t.Errorf("the archive holds the cluster CA (%v)", err)
+	}
+	if bytes.Contains(file, []byte("PRIVATE KEY")) {
+		t.Error("the archive holds a PEM private key")
+	}
+
 	metrics := httpGet(t, "http://"+n.MetricsAddr()+"/metrics")
 	for _, want := range []string{
 		`pivirt_tls_ca_signed_total{result="ok"} 1`,

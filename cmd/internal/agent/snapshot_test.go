@@ -35,7 +35,12 @@ func snapshotClient(n *agenttest.Node) clusterv1connect.SnapshotServiceClient {
 
 // saveSnapshot streams an archive from n over Connect.
 func saveSnapshot(ctx context.Context, n *agenttest.Node, stale bool) (*clusterv1.SnapshotMeta, []byte, error) {
-	stream, err := snapshotClient(n).SaveSnapshot(ctx, connect.NewRequest(&clusterv1.SaveSnapshotRequest{Stale: stale}))
+	return saveSnapshotWith(ctx, snapshotClient(n), stale)
+}
+
+// saveSnapshotWith streams an archive through client.
+func saveSnapshotWith(ctx context.Context, client clusterv1connect.SnapshotServiceClient, stale bool) (*clusterv1.SnapshotMeta, []byte, error) {
+	stream, err := client.SaveSnapshot(ctx, connect.NewRequest(&clusterv1.SaveSnapshotRequest{Stale: stale}))
 	if err != nil {
 		return nil, nil, err
 	}
