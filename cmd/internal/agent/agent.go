@@ -37,6 +37,7 @@ import (
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
+	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -107,6 +108,10 @@ type Agent struct {
 	snapMetrics *scheduler.SnapshotMetrics
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
 	ca *clusterCA
+	// proxy forwards the backend APIs to the backend clusters.
+	proxy          *mesh.Proxy
+	backends       []*mesh.Backend
+	backendSources []*identity.Source
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -321,20 +326,29 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
 	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
-	a.serveSplit(a.lnAPI, a.apiMux(), func(s *grpc.Server) {
+	if err := a.startMesh(); err != nil {
+		return err
+	}
+	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
-	})
+	}, a.proxyServerOptions()...); err != nil {
+		return err
+	}
 	var signer cluster.CertificateSigner
 	if a.ca != nil {
 		signer = a.ca
 	}
 	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip, signer)
-	a.serveSplit(a.lnInternal, internalMux(internal, internalSnapshots, nodeSvc), func(s *grpc.Server) {
+	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
+		return internalMux(internal, internalSnapshots, nodeSvc), nil
+	}, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
-	})
+	}); err != nil {
+		return err
+	}
 	a.serve(a.lnMetrics, a.metricsMux())
 
 	a.wg.Add(1)
@@ -807,9 +821,9 @@ func (a *Agent) serve(ln net.Listener, h http.Handler) {
 
 // serveSplit serves ln with grpc-go for gRPC connections and with h for
 // everything else (gateway.ProtocolMux).
-func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.Server)) {
+func (a *Agent) serveSplit(ln net.Listener, handler func(*grpc.Server) (http.Handler, error), register func(*grpc.Server), opts ...grpc.ServerOption) error {
 	pm := gateway.NewProtocolMux(ln, 10*time.Second)
-	gs := grpc.NewServer(
+	gs := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.MaxRecvMsgSize(cluster.MaxMessageBytes),
 		grpc.MaxSendMsgSize(cluster.MaxMessageBytes),
 		// A pool of stream workers instead of a goroutine per call (a
@@ -821,8 +835,12 @@ func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.
 		// connections: concurrent streams per connection, idle time.
 		grpc.MaxConcurrentStreams(250),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 5 * time.Minute}),
-	)
+	}, opts...)...)
 	register(gs)
+	h, err := handler(gs)
+	if err != nil {
+		return err
+	}
 	a.grpcServers = append(a.grpcServers, gs)
 	a.serve(pm.HTTP, h)
 	a.wg.Add(2)
@@ -838,6 +856,7 @@ func (a *Agent) serveSplit(ln net.Listener, h http.Handler, register func(*grpc.
 			a.logger.Error("listener stopped", "addr", ln.Addr().String(), "error", err)
 		}
 	}()
+	return nil
 }
 
 func handlerOptions() []connect.HandlerOption {
@@ -850,13 +869,16 @@ func handlerOptions() []connect.HandlerOption {
 	}
 }
 
-func (a *Agent) apiMux() http.Handler {
+func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux := http.NewServeMux()
 	path, h := clusterv1connect.NewClusterServiceHandler(a.api, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, handlerOptions()...)
 	mux.Handle(path, h)
-	return mux
+	if err := a.addTranscoder(mux, gs); err != nil {
+		return nil, err
+	}
+	return mux, nil
 }
 
 func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
@@ -1081,6 +1103,9 @@ func (a *Agent) shutdownLocked() error {
 	}
 	swg.Wait()
 	a.logger.Debug("shutdown: servers stopped", "took", time.Since(began).Round(time.Millisecond))
+	if err := a.closeMesh(); err != nil {
+		errs = append(errs, err)
+	}
 	if a.gossip != nil {
 		if err := a.gossip.Shutdown(); err != nil {
 			errs = append(errs, err)

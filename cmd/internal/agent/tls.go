@@ -104,7 +104,7 @@ func (a *Agent) ReloadTLS() error {
 		return nil
 	}
 	var errs []error
-	for _, s := range a.tls.sources() {
+	for _, s := range append(a.tls.sources(), a.backendSources...) {
 		if err := s.Reload(); err != nil {
 			errs = append(errs, err)
 		}

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 
@@ -134,12 +135,14 @@ func (s *Simulator) Services() []string { return s.services }
 func (s *Simulator) ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			echo(ctx, func(md metadata.MD) { _ = grpc.SetHeader(ctx, md) }, func(md metadata.MD) { _ = grpc.SetTrailer(ctx, md) })
 			if err := s.faults.apply(ctx, info.FullMethod); err != nil {
 				return nil, err
 			}
 			return h(ctx, req)
 		}),
 		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			echo(ss.Context(), func(md metadata.MD) { _ = ss.SetHeader(md) }, ss.SetTrailer)
 			if err := s.faults.apply(ss.Context(), info.FullMethod); err != nil {
 				return err
 			}
@@ -170,6 +173,19 @@ func (s *Simulator) Close() error {
 		s.vm.watch.close()
 	}
 	return s.db.Close()
+}
+
+// EchoHeader is a request header the simulator returns, for tests of
+// metadata forwarding: its values come back in the response header of the
+// same name and in the trailer EchoHeader+"-trailer", on success and error.
+const EchoHeader = "x-sim-echo"
+
+func echo(ctx context.Context, header, trailer func(metadata.MD)) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if v := md.Get(EchoHeader); len(v) > 0 {
+		header(metadata.MD{EchoHeader: v})
+		trailer(metadata.MD{EchoHeader + "-trailer": v})
+	}
 }
 
 // faults holds the installed faults and the call counters.

@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -70,8 +71,13 @@ func (t *table[T]) decode(b []byte) (T, error) {
 	return obj, nil
 }
 
+// notFound is NotFound with a ResourceInfo detail, as real backends send.
 func (t *table[T]) notFound(id string) error {
-	return status.Errorf(codes.NotFound, "%s %q not found", t.kind, id)
+	st := status.Newf(codes.NotFound, "%s %q not found", t.kind, id)
+	if d, err := st.WithDetails(&errdetails.ResourceInfo{ResourceType: t.kind, ResourceName: id, Description: "no such " + t.kind}); err == nil {
+		st = d
+	}
+	return st.Err()
 }
 
 // revision returns the next store-wide revision.

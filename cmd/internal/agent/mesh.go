@@ -1,0 +1,129 @@
+package agent
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"maps"
+	"net/http"
+	"slices"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway/mesh"
+	"pilab.hu/pivirt-agent/identity"
+	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// apiServices are the backend APIs the gateway knows the schema of: Connect
+// and gRPC-Web clients reach them through the transcoder (gRPC clients
+// reach any routed service).
+var apiServices = []protoreflect.ServiceDescriptor{
+	vmv1.File_pivirt_vm_v1_vm_proto.Services().ByName("VMService"),
+	storagev1.File_pivirt_storage_v1_storage_proto.Services().ByName("StorageService"),
+	networkv1.File_pivirt_network_v1_network_proto.Services().ByName("NetworkService"),
+}
+
+// startMesh builds the backend clusters of the configuration and the
+// proxy that routes to them.
+func (a *Agent) startMesh() error {
+	a.proxy = mesh.NewProxy(a.logger, mesh.NewStats(a.metrics))
+	byName := make(map[string]*mesh.Backend, len(a.cfg.Backends))
+	for _, name := range slices.Sorted(maps.Keys(a.cfg.Backends)) {
+		bc := a.cfg.Backends[name]
+		tlsFor, err := a.backendTLS(name, bc.TLS)
+		if err != nil {
+			return err
+		}
+		b, err := mesh.NewBackend(mesh.BackendConfig{
+			Name:            name,
+			Endpoint:        bc.Endpoint,
+			Policy:          a.cfg.LoadBalancing.Policy,
+			Timeout:         bc.Timeout.Std(),
+			TLS:             tlsFor,
+			ServerName:      bc.TLS.ServerName,
+			MaxMessageBytes: cluster.MaxMessageBytes,
+			Logger:          a.logger,
+		})
+		if err != nil {
+			return err
+		}
+		a.backends = append(a.backends, b)
+		byName[name] = b
+	}
+	routes := make([]mesh.Route, 0, len(a.cfg.Routing.Rules))
+	for i, r := range a.cfg.Routing.Rules {
+		b, ok := byName[r.Route.Cluster]
+		if !ok {
+			return fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
+		}
+		routes = append(routes, mesh.Route{Prefix: r.Match.Prefix, Backend: b})
+	}
+	a.proxy.SetRoutes(routes)
+	return nil
+}
+
+// backendTLS returns the TLS configuration towards a backend (nil:
+// plaintext). Files not given in backends.<name>.tls are the top-level tls
+// block's: the agent's own client identity and CA chain.
+func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(string) *tls.Config, error) {
+	if !bt.Enabled {
+		return nil, nil
+	}
+	cert, key, ca := bt.CertFile, bt.KeyFile, bt.CAFile
+	if cert == "" {
+		cert, key = a.cfg.TLS.CertFile, a.cfg.TLS.KeyFile
+	}
+	if ca == "" {
+		ca = a.cfg.TLS.CAFile
+	}
+	if ca == "" {
+		return nil, fmt.Errorf("backends.%s.tls.ca_file: required (the tls block has no ca_file either)", name)
+	}
+	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
+		return a.tls.client.ClientConfig, nil
+	}
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger})
+	if err != nil {
+		return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
+	}
+	a.backendSources = append(a.backendSources, src)
+	a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
+	return src.ClientConfig, nil
+}
+
+// proxyServerOptions make a gRPC server forward the calls of services it
+// does not serve itself through the proxy.
+func (a *Agent) proxyServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.UnknownServiceHandler(a.proxy.Handle),
+		grpc.ForceServerCodecV2(mesh.Codec()),
+	}
+}
+
+// addTranscoder serves the backend APIs to Connect and gRPC-Web clients on
+// mux, through gs (the API port's gRPC server).
+func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server) error {
+	t, err := mesh.NewTranscoder(apiServices, gs, cluster.MaxMessageBytes)
+	if err != nil {
+		return err
+	}
+	for _, sd := range apiServices {
+		mux.Handle("/"+string(sd.FullName())+"/", t)
+	}
+	return nil
+}
+
+// closeMesh closes the backend connections.
+func (a *Agent) closeMesh() error {
+	var errs []error
+	for _, b := range a.backends {
+		errs = append(errs, b.Close())
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,435 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
+	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
+)
+
+// simServer is an in-process pivirtd-sim on a unix socket.
+type simServer struct {
+	sim  *sim.Simulator
+	addr string // unix:///...
+	ctl  simv1.SimulatorServiceClient
+}
+
+func startSim(t *testing.T, opts ...grpc.ServerOption) *simServer {
+	t.Helper()
+	s, err := sim.Open(sim.Config{DataDir: t.TempDir(), Host: "sim-host"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := "unix://" + filepath.Join(t.TempDir(), "sim.sock")
+	ln, err := sim.Listen(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer(append(s.ServerOptions(), opts...)...)
+	s.Register(gs)
+	served := make(chan struct{})
+	go func() { _ = gs.Serve(ln); close(served) }()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		gs.Stop()
+		<-served
+		_ = s.Close()
+	})
+	return &simServer{sim: s, addr: addr, ctl: simv1.NewSimulatorServiceClient(conn)}
+}
+
+// withBackends routes the VM API to pivirtd and volumes to iscsiman, both
+// served by one simulator at addr; networks are not routed.
+func withBackends(addr string) func(int, *config.Config) {
+	return func(_ int, cfg *config.Config) {
+		cfg.Backends = map[string]config.BackendConfig{
+			"pivirtd":  {Endpoint: addr, Timeout: config.Duration(10 * time.Second)},
+			"iscsiman": {Endpoint: addr},
+		}
+		cfg.Routing.Rules = []config.RouteRule{
+			{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}},
+			{Match: config.RouteMatch{Prefix: "/pivirt.storage.v1.StorageService"}, Route: config.RouteTarget{Cluster: "iscsiman"}},
+		}
+	}
+}
+
+// vmAPI is the VM API through one protocol: the generated gRPC client or a
+// Connect client (Connect, JSON or gRPC-Web), behind one interface.
+type vmAPI interface {
+	create(ctx context.Context, vm *vmv1.VM) (*vmv1.VM, error)
+	get(ctx context.Context, id, echo string) (vm *vmv1.VM, header, trailer http.Header, err error)
+	watch(ctx context.Context) (recv func() (*vmv1.WatchVMsResponse, error), err error)
+	console(ctx context.Context, id string, inputs []string) ([]string, error)
+}
+
+type grpcVM struct{ c vmv1.VMServiceClient }
+
+func (g grpcVM) create(ctx context.Context, vm *vmv1.VM) (*vmv1.VM, error) {
+	r, err := g.c.CreateVM(ctx, &vmv1.CreateVMRequest{Vm: vm})
+	return r.GetVm(), err
+}
+
+func (g grpcVM) get(ctx context.Context, id, echo string) (*vmv1.VM, http.Header, http.Header, error) {
+	var hdr, trl metadata.MD
+	ctx = metadata.AppendToOutgoingContext(ctx, sim.EchoHeader, echo)
+	r, err := g.c.GetVM(ctx, &vmv1.GetVMRequest{Id: id}, grpc.Header(&hdr), grpc.Trailer(&trl))
+	return r.GetVm(), mdHeader(hdr), mdHeader(trl), err
+}
+
+func mdHeader(md metadata.MD) http.Header {
+	h := http.Header{}
+	for k, vs := range md {
+		for _, v := range vs {
+			h.Add(k, v)
+		}
+	}
+	return h
+}
+
+func (g grpcVM) watch(ctx context.Context) (func() (*vmv1.WatchVMsResponse, error), error) {
+	s, err := g.c.WatchVMs(ctx, &vmv1.WatchVMsRequest{})
+	if err != nil {
+		return nil, err
+	}
+	return s.Recv, nil
+}
+
+func (g grpcVM) console(ctx context.Context, id string, inputs []string) ([]string, error) {
+	s, err := g.c.Console(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for i, in := range inputs {
+		req := &vmv1.ConsoleRequest{Input: []byte(in)}
+		if i == 0 {
+			req.Id = id
+		}
+		if err := s.Send(req); err != nil {
+			return nil, err
+		}
+		// The banner comes before the first echo.
+		for range 1 + boolInt(i == 0) {
+			r, err := s.Recv()
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, string(r.GetOutput()))
+		}
+	}
+	return out, s.CloseSend()
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+type connectVM struct{ c vmv1connect.VMServiceClient }
+
+func (c connectVM) create(ctx context.Context, vm *vmv1.VM) (*vmv1.VM, error) {
+	r, err := c.c.CreateVM(ctx, connect.NewRequest(&vmv1.CreateVMRequest{Vm: vm}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.GetVm(), nil
+}
+
+func (c connectVM) get(ctx context.Context, id, echo string) (*vmv1.VM, http.Header, http.Header, error) {
+	req := connect.NewRequest(&vmv1.GetVMRequest{Id: id})
+	req.Header().Set(sim.EchoHeader, echo)
+	r, err := c.c.GetVM(ctx, req)
+	if err != nil {
+		var ce *connect.Error
+		if errors.As(err, &ce) {
+			return nil, ce.Meta(), ce.Meta(), err
+		}
+		return nil, nil, nil, err
+	}
+	return r.Msg.GetVm(), r.Header(), r.Trailer(), nil
+}
+
+func (c connectVM) watch(ctx context.Context) (func() (*vmv1.WatchVMsResponse, error), error) {
+	s, err := c.c.WatchVMs(ctx, connect.NewRequest(&vmv1.WatchVMsRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return func() (*vmv1.WatchVMsResponse, error) {
+		if s.Receive() {
+			return s.Msg(), nil
+		}
+		if err := s.Err(); err != nil {
+			return nil, err
+		}
+		return nil, errors.New("watch ended")
+	}, nil
+}
+
+func (c connectVM) console(ctx context.Context, id string, inputs []string) ([]string, error) {
+	s := c.c.Console(ctx)
+	var out []string
+	for i, in := range inputs {
+		req := &vmv1.ConsoleRequest{Input: []byte(in)}
+		if i == 0 {
+			req.Id = id
+		}
+		if err := s.Send(req); err != nil {
+			return nil, err
+		}
+		for range 1 + boolInt(i == 0) {
+			r, err := s.Receive()
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, string(r.GetOutput()))
+		}
+	}
+	if err := s.CloseRequest(); err != nil {
+		return nil, err
+	}
+	return out, s.CloseResponse()
+}
+
+// TestGatewayProtocols drives the VM API through an agent to a simulated
+// pivirtd with every client protocol: gRPC, Connect (binary and JSON) and
+// gRPC-Web; unary, server- and bidi-streaming calls; errors with details,
+// headers and trailers; deadlines; unknown services.
+func TestGatewayProtocols(t *testing.T) {
+	s := startSim(t)
+	c := agenttest.NewExpect(t, 1, withBackends(s.addr))
+	n := c.WaitLeader(20 * time.Second)
+	conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h2 := agenttest.NewHTTPClient()
+	base := "http://" + n.APIAddr()
+	protocols := map[string]vmAPI{
+		"grpc":             grpcVM{vmv1.NewVMServiceClient(conn)},
+		"connect":          connectVM{vmv1connect.NewVMServiceClient(h2, base)},
+		"connect-json":     connectVM{vmv1connect.NewVMServiceClient(h2, base, connect.WithProtoJSON())},
+		"grpc-web":         connectVM{vmv1connect.NewVMServiceClient(h2, base, connect.WithGRPCWeb())},
+		"connect-http1.1":  connectVM{vmv1connect.NewVMServiceClient(&http.Client{}, base)},
+		"grpc-web-http1.1": connectVM{vmv1connect.NewVMServiceClient(&http.Client{}, base, connect.WithGRPCWeb())},
+	}
+	for name, api := range protocols {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			vm, err := api.create(ctx, &vmv1.VM{Name: "vm-" + name, Vcpus: 2, MemoryMib: 1024, Metadata: &apiv1.ObjectMeta{Owner: "alice"}})
+			if err != nil {
+				t.Fatalf("create: %v", err)
+			}
+			if vm.GetHost() != "sim-host" || vm.GetMetadata().GetOwner() != "alice" {
+				t.Errorf("created %v", vm)
+			}
+			got, hdr, trl, err := api.get(ctx, vm.GetId(), "req-"+name)
+			if err != nil || got.GetName() != "vm-"+name {
+				t.Fatalf("get: %v, %v", got, err)
+			}
+			if hdr.Get(sim.EchoHeader) != "req-"+name || trl.Get(sim.EchoHeader+"-trailer") != "req-"+name {
+				t.Errorf("header %v, trailer %v: want the echo of the request header in both", hdr, trl)
+			}
+
+			// An error with details; the trailer comes back too.
+			_, _, trl, err = api.get(ctx, "vm-missing", "err-"+name)
+			st := toStatus(err)
+			if st.Code() != codes.NotFound || !strings.Contains(st.Message(), `vm "vm-missing" not found`) {
+				t.Errorf("get missing: %v, want NotFound naming the VM", err)
+			}
+			if ri := resourceInfo(err); ri == nil || ri.GetResourceName() != "vm-missing" {
+				t.Errorf("get missing: details %v, want a ResourceInfo naming vm-missing", st.Details())
+			}
+			if trl.Get(sim.EchoHeader+"-trailer") != "err-"+name {
+				t.Errorf("error trailer %v: want the echo", trl)
+			}
+			_, err = api.create(ctx, &vmv1.VM{Name: "x", MemoryMib: 1024})
+			if st := toStatus(err); st.Code() != codes.InvalidArgument || !strings.Contains(st.Message(), "vm.vcpus") {
+				t.Errorf("invalid create: %v", err)
+			}
+
+			// Server streaming.
+			wctx, wcancel := context.WithCancel(ctx)
+			recv, err := api.watch(wctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for {
+				ev, err := recv()
+				if err != nil {
+					t.Fatalf("watch: %v", err)
+				}
+				if ev.GetType() == vmv1.EventType_EVENT_TYPE_EXISTING && ev.GetVm().GetId() == vm.GetId() {
+					break
+				}
+			}
+			created, err := api.create(ctx, &vmv1.VM{Name: "watched-" + name, Vcpus: 1, MemoryMib: 64})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for {
+				ev, err := recv()
+				if err != nil {
+					t.Fatalf("watch: %v", err)
+				}
+				if ev.GetType() == vmv1.EventType_EVENT_TYPE_CREATED && ev.GetVm().GetId() == created.GetId() {
+					break
+				}
+			}
+			wcancel()
+
+			// Bidi streaming (Connect and gRPC-Web need HTTP/2 for it).
+			if strings.HasSuffix(name, "http1.1") {
+				return
+			}
+			if _, err := vmv1.NewVMServiceClient(conn).PowerOn(ctx, &vmv1.PowerOnRequest{Id: vm.GetId()}); err != nil {
+				t.Fatal(err)
+			}
+			out, err := api.console(ctx, vm.GetId(), []string{"ls\n", "exit\n"})
+			if err != nil {
+				t.Fatalf("console: %v", err)
+			}
+			if len(out) != 3 || !strings.Contains(out[0], "serial console of vm-"+name) || out[1] != "ls\n" || out[2] != "exit\n" {
+				t.Errorf("console output %q", out)
+			}
+		})
+	}
+
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	t.Run("client streaming", func(t *testing.T) {
+		vol, err := storagev1.NewStorageServiceClient(conn).CreateVolume(ctx, &storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "disk", SizeBytes: 1 << 20}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		up, err := storagev1.NewStorageServiceClient(conn).UploadVolume(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 4 {
+			msg := &storagev1.UploadVolumeRequest{Chunk: make([]byte, 1000)}
+			if i == 0 {
+				msg.Id = vol.GetVolume().GetId()
+			}
+			if err := up.Send(msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		res, err := up.CloseAndRecv()
+		if err != nil || res.GetVolume().GetWrittenBytes() != 4000 {
+			t.Errorf("upload: %v, %v", res, err)
+		}
+	})
+
+	t.Run("deadline", func(t *testing.T) {
+		if _, err := s.ctl.SetFault(ctx, &simv1.SetFaultRequest{Fault: &simv1.Fault{Method: "/pivirt.vm.v1.VMService/ListVMs", Delay: durationpb.New(time.Minute)}}); err != nil {
+			t.Fatal(err)
+		}
+		defer s.ctl.ClearFaults(ctx, &simv1.ClearFaultsRequest{})
+		for name, call := range map[string]func(context.Context) error{
+			"grpc": func(ctx context.Context) error {
+				_, err := vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{})
+				return err
+			},
+			"connect": func(ctx context.Context) error {
+				_, err := vmv1connect.NewVMServiceClient(h2, base).ListVMs(ctx, connect.NewRequest(&vmv1.ListVMsRequest{}))
+				return err
+			},
+		} {
+			dctx, dcancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			start := time.Now()
+			err := call(dctx)
+			dcancel()
+			if toStatus(err).Code() != codes.DeadlineExceeded {
+				t.Errorf("%s: %v after %s, want DeadlineExceeded", name, err, time.Since(start))
+			}
+		}
+	})
+
+	t.Run("unrouted", func(t *testing.T) {
+		err := conn.Invoke(ctx, "/pivirt.nope.v1.Nope/Call", &vmv1.GetVMRequest{}, &vmv1.GetVMResponse{})
+		if st := status.Convert(err); st.Code() != codes.Unimplemented || !strings.Contains(st.Message(), "no routing rule") {
+			t.Errorf("unknown service over gRPC: %v", err)
+		}
+		_, err = networkv1.NewNetworkServiceClient(conn).ListNetworks(ctx, &networkv1.ListNetworksRequest{})
+		if status.Code(err) != codes.Unimplemented {
+			t.Errorf("unrouted NetworkService over gRPC: %v", err)
+		}
+		_, err = networkv1connect.NewNetworkServiceClient(h2, base).ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{}))
+		if connect.CodeOf(err) != connect.CodeUnimplemented {
+			t.Errorf("unrouted NetworkService over Connect: %v", err)
+		}
+	})
+
+	t.Run("message size", func(t *testing.T) {
+		big := &vmv1.VM{Name: "big", Vcpus: 1, MemoryMib: 64, Metadata: &apiv1.ObjectMeta{Labels: map[string]string{"blob": strings.Repeat("x", 17<<20)}}}
+		_, err := vmv1.NewVMServiceClient(conn).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: big}, grpc.MaxCallSendMsgSize(64<<20))
+		if status.Code(err) != codes.ResourceExhausted {
+			t.Errorf("a 17 MiB message over gRPC: %v, want ResourceExhausted", err)
+		}
+		_, err = vmv1connect.NewVMServiceClient(h2, base).CreateVM(ctx, connect.NewRequest(&vmv1.CreateVMRequest{Vm: big}))
+		if connect.CodeOf(err) != connect.CodeResourceExhausted {
+			t.Errorf("a 17 MiB message over Connect: %v, want ResourceExhausted", err)
+		}
+	})
+}
+
+// toStatus converts a gRPC or Connect error to a gRPC status.
+func toStatus(err error) *status.Status {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return status.New(codes.Code(ce.Code()), ce.Message())
+	}
+	return status.Convert(err)
+}
+
+// resourceInfo returns the ResourceInfo detail of a gRPC or Connect error.
+func resourceInfo(err error) *errdetails.ResourceInfo {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		for _, d := range ce.Details() {
+			if v, err := d.Value(); err == nil {
+				if ri, ok := v.(*errdetails.ResourceInfo); ok {
+					return ri
+				}
+			}
+		}
+		return nil
+	}
+	for _, d := range status.Convert(err).Details() {
+		if ri, ok := d.(*errdetails.ResourceInfo); ok {
+			return ri
+		}
+	}
+	return nil
+}
