@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"net/http"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -21,6 +23,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	"pilab.hu/pivirt-agent/identity"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
@@ -432,4 +435,64 @@ func resourceInfo(err error) *errdetails.ResourceInfo {
 		}
 	}
 	return nil
+}
+
+// TestGatewayBackendMTLS: the agent calls a backend that requires client
+// certificates with its own agent identity, verifying the backend's
+// certificate against backends.<name>.tls.server_name; a wrong name is
+// refused and logged.
+func TestGatewayBackendMTLS(t *testing.T) {
+	dir := testPKI(t, 1)
+	chain := filepath.Join(dir, identity.ChainFile)
+	backendCert, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "pivirtd.pivirt.internal"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: backendCert.Cert, KeyFile: backendCert.Key, CAFile: chain})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := startSim(t, grpc.Creds(credentials.NewTLS(src.ServerConfig(tls.RequireAndVerifyClientCert, nil))))
+
+	for name, tc := range map[string]struct {
+		serverName string
+		ok         bool
+	}{
+		"right server name": {"pivirtd.pivirt.internal", true},
+		"wrong server name": {"iscsiman.pivirt.internal", false},
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+				withTLS(dir)(i, cfg)
+				withBackends(s.addr)(i, cfg)
+				b := cfg.Backends["pivirtd"]
+				b.TLS = config.BackendTLSConfig{Enabled: true, ServerName: tc.serverName}
+				cfg.Backends["pivirtd"] = b
+			})
+			n := c.WaitLeader(20 * time.Second)
+			conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12})))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			_, err = vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{})
+			if tc.ok {
+				if err != nil {
+					t.Fatalf("ListVMs through mTLS to the backend: %v", err)
+				}
+				return
+			}
+			if status.Code(err) != codes.Unavailable {
+				t.Errorf("ListVMs to a backend with another name: %v, want Unavailable", err)
+			}
+			agenttest.Eventually(t, 10*time.Second, "the refusal logged", func() error {
+				if !c.Logs().Contains(`not valid for \"iscsiman.pivirt.internal\"`) && !c.Logs().Contains(`not valid for "iscsiman.pivirt.internal"`) {
+					return errors.New("no log line names the server name the certificate is not valid for")
+				}
+				return nil
+			})
+		})
+	}
 }
