@@ -53,7 +53,7 @@ func testTaker(t *testing.T, fail *atomic.Bool) (SnapshotTaker, *atomic.Uint64) 
 		i := n.Add(1)
 		return archive.Meta{
 			ID: fmt.Sprintf("1-%d-0", i), Index: i, Term: 1, FormatVersion: archive.FormatVersion,
-			StateFormatVersion: fsm.SnapshotFormatVersion, Size: int64(st.Len()),
+			Size: int64(st.Len()), // the state format comes from the state's preamble
 			// Distinct seconds, so that names sort like creation.
 			CreatedAt: time.Date(2026, 11, 30, 0, 0, int(i), 0, time.UTC),
 		}, io.NopCloser(bytes.NewReader(st.Bytes())), nil
