@@ -51,7 +51,32 @@ type BackendConfig struct {
 	ServerName string
 	// MaxMessageBytes bounds messages both ways.
 	MaxMessageBytes int
-	Logger          *slog.Logger
+	HealthCheck     HealthCheck
+	Outlier         Outlier
+	Retry           Retry
+	// OnEject, when set, is told of every ejection (metrics).
+	OnEject func(addr string)
+	// Now is the clock of ejections; nil: time.Now.
+	Now    func() time.Time
+	Logger *slog.Logger
+}
+
+// Retry is a cluster's retry policy (backends.<name>.retry): idempotent
+// calls (the get and list verbs) that fail with Unavailable, or whose
+// attempt timed out, before anything was sent to the client, are tried
+// again on another endpoint while attempts, the retry budget and the
+// caller's deadline allow.
+type Retry struct {
+	// MaxAttempts is the number of attempts, the first included (<= 1:
+	// no retries).
+	MaxAttempts int
+	// Backoff is the base of the exponential backoff between attempts
+	// (full jitter, at most ten times the base).
+	Backoff time.Duration
+	// BudgetPercent of the calls in flight may be retries at once, and at
+	// least MinRetryConcurrency (Envoy's retry budget; defaults 20 and 3).
+	BudgetPercent       int
+	MinRetryConcurrency int
 }
 
 // target is a parsed endpoint specification.
@@ -104,6 +129,7 @@ type Endpoint struct {
 	conn *grpc.ClientConn
 	// active counts the calls in flight (least_connections).
 	active atomic.Int64
+	state  endpointState
 }
 
 // Active is the number of calls in flight to the endpoint.
@@ -121,9 +147,15 @@ type Backend struct {
 	endpoints []*Endpoint
 	closed    bool
 	rr        atomic.Uint64
+	// ejectMu serialises ejections, so that two cannot both pass the
+	// max_ejection_percent check.
+	ejectMu sync.Mutex
+	// inflight counts the cluster's calls, retries its retries in flight
+	// (the retry budget).
+	inflight, retries atomic.Int64
 
 	stop context.CancelFunc
-	done chan struct{}
+	wg   sync.WaitGroup
 }
 
 // NewBackend parses cfg and connects to the endpoints it names (lazily:
@@ -151,39 +183,67 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name), done: make(chan struct{})}
+	if cfg.Retry.BudgetPercent <= 0 {
+		cfg.Retry.BudgetPercent = 20
+	}
+	if cfg.Retry.MinRetryConcurrency <= 0 {
+		cfg.Retry.MinRetryConcurrency = 3
+	}
+	if o := &cfg.Outlier; o.Enabled {
+		if o.Consecutive5xx < 1 || o.Interval <= 0 || o.BaseEjectionTime <= 0 {
+			return nil, fmt.Errorf("backends.%s: circuit breaking needs consecutive_5xx >= 1, a positive interval and base_ejection_time", cfg.Name)
+		}
+		if o.MaxEjectionTime <= 0 {
+			o.MaxEjectionTime = max(300*time.Second, o.BaseEjectionTime)
+		}
+	}
+	if h := cfg.HealthCheck; h.Enabled && (h.Interval <= 0 || h.Timeout <= 0 || h.HealthyThreshold < 1 || h.UnhealthyThreshold < 1) {
+		return nil, fmt.Errorf("backends.%s: health checks need a positive interval and timeout and thresholds of at least 1", cfg.Name)
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name)}
 	b.creds = insecure.NewCredentials()
 	if cfg.TLS != nil {
 		b.creds = credentials.NewTLS(cfg.TLS(b.serverName()))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	b.stop = cancel
-	if t.unixPath != "" {
-		if err := b.setAddrs([]string{"unix://" + t.unixPath}); err != nil {
+	var addrs []string
+	switch {
+	case t.unixPath != "":
+		addrs = []string{"unix://" + t.unixPath}
+	default:
+		if ip, err := netip.ParseAddr(t.host); err == nil {
+			addrs = []string{net.JoinHostPort(ip.String(), t.port)}
+		}
+	}
+	if addrs != nil {
+		if err := b.setAddrs(addrs); err != nil {
 			cancel()
 			return nil, err
 		}
-		close(b.done)
-		return b, nil
-	}
-	if ip, err := netip.ParseAddr(t.host); err == nil {
-		if err := b.setAddrs([]string{net.JoinHostPort(ip.String(), t.port)}); err != nil {
-			cancel()
-			return nil, err
+	} else {
+		rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+		err = b.resolve(rctx)
+		rcancel()
+		if err != nil {
+			// Not fatal: the name may resolve later; calls fail until then.
+			b.logger.Warn("backend endpoint does not resolve yet", "endpoint", cfg.Endpoint, "error", err)
 		}
-		close(b.done)
-		return b, nil
+		b.wg.Go(func() { b.refreshLoop(ctx) })
 	}
-	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
-	err = b.resolve(rctx)
-	rcancel()
-	if err != nil {
-		// Not fatal: the name may resolve later; calls fail until then.
-		b.logger.Warn("backend endpoint does not resolve yet", "endpoint", cfg.Endpoint, "error", err)
+	if cfg.HealthCheck.Enabled {
+		b.wg.Go(func() { b.healthLoop(ctx) })
 	}
-	go b.refreshLoop(ctx)
+	if cfg.Outlier.Enabled {
+		b.wg.Go(func() { b.outlierLoop(ctx) })
+	}
 	return b, nil
 }
+
+func (b *Backend) now() time.Time { return b.cfg.Now() }
 
 // Name is the cluster's name.
 func (b *Backend) Name() string { return b.cfg.Name }
@@ -200,7 +260,6 @@ func (b *Backend) serverName() string {
 }
 
 func (b *Backend) refreshLoop(ctx context.Context) {
-	defer close(b.done)
 	t := time.NewTicker(dnsRefresh)
 	defer t.Stop()
 	for {
@@ -257,7 +316,9 @@ func (b *Backend) setAddrs(addrs []string) error {
 		if err != nil {
 			return err
 		}
-		next = append(next, &Endpoint{Addr: a, conn: conn})
+		ep := &Endpoint{Addr: a, conn: conn}
+		ep.state.healthy = true // until checks say otherwise
+		next = append(next, ep)
 	}
 	slices.SortFunc(next, func(x, y *Endpoint) int { return strings.Compare(x.Addr, y.Addr) })
 	b.endpoints = next
@@ -297,8 +358,9 @@ func (b *Backend) Endpoints() []*Endpoint {
 	return slices.Clone(b.endpoints)
 }
 
-// pick chooses an endpoint for a call by the cluster's policy, skipping
-// those in avoid (tried already) while others remain.
+// pick chooses an endpoint for a call by the cluster's policy among the
+// available ones (healthy, not ejected), preferring those not in avoid
+// (tried already). With none available the call fails fast, naming why.
 func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	b.mu.RLock()
 	eps := b.endpoints
@@ -306,11 +368,24 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	if len(eps) == 0 {
 		return nil, fmt.Errorf("backend %s has no endpoints (%s)", b.cfg.Name, b.cfg.Endpoint)
 	}
-	cands := eps
+	cands := make([]*Endpoint, 0, len(eps))
+	var unhealthy, ejected int
+	for _, e := range eps {
+		switch e.Status() {
+		case "unhealthy":
+			unhealthy++
+		case "ejected":
+			ejected++
+		default:
+			cands = append(cands, e)
+		}
+	}
+	if len(cands) == 0 {
+		return nil, fmt.Errorf("backend %s has no available endpoint: %d unhealthy, %d ejected of %d", b.cfg.Name, unhealthy, ejected, len(eps))
+	}
 	if len(avoid) > 0 {
-		cands = slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool { return slices.Contains(avoid, e) })
-		if len(cands) == 0 {
-			cands = eps
+		if fresh := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return slices.Contains(avoid, e) }); len(fresh) > 0 {
+			cands = fresh
 		}
 	}
 	switch b.cfg.Policy {
@@ -332,10 +407,31 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	}
 }
 
+// Healthy reports whether the cluster has an available endpoint.
+func (b *Backend) Healthy() bool {
+	for _, e := range b.Endpoints() {
+		if e.available() {
+			return true
+		}
+	}
+	return false
+}
+
+// retryAllowed reports whether the retry budget allows one more retry in
+// flight; release must be called when it ends.
+func (b *Backend) retryAllowed() (release func(), ok bool) {
+	limit := max(int64(b.cfg.Retry.MinRetryConcurrency), b.inflight.Load()*int64(b.cfg.Retry.BudgetPercent)/100)
+	if b.retries.Add(1) > limit {
+		b.retries.Add(-1)
+		return nil, false
+	}
+	return func() { b.retries.Add(-1) }, true
+}
+
 // Close closes every connection.
 func (b *Backend) Close() error {
 	b.stop()
-	<-b.done
+	b.wg.Wait()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.closed = true

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"strings"
 	"sync"
@@ -87,81 +88,201 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 	return err
 }
 
-// forward makes one attempt on one endpoint of b.
+// forward sends the call to b: idempotent calls with one request message
+// may be tried again (Retry); every other call makes one attempt and is
+// relayed as a stream.
 func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
+	b.inflight.Add(1)
+	defer b.inflight.Add(-1)
+	if p.stats != nil {
+		defer p.stats.active(b.Name())()
+	}
+	ctx := outgoingContext(ss.Context())
+	info := lookupMethod(method)
+	if info.known && info.idempotent && !info.clientStreams && b.cfg.Retry.MaxAttempts > 1 {
+		return p.forwardRetrying(ctx, ss, method, b)
+	}
 	ep, err := b.pick(nil)
 	if err != nil {
 		return status.Error(codes.Unavailable, err.Error())
 	}
-	ep.active.Add(1)
-	defer ep.active.Add(-1)
-	if p.stats != nil {
-		done := p.stats.active(b.Name())
-		defer done()
-	}
+	res := p.attempt(ctx, ss, method, b, ep, nil)
+	return res.finish(ss)
+}
 
-	ctx, cancel := context.WithCancel(outgoingContext(ss.Context()))
-	defer cancel()
-	if b.cfg.Timeout > 0 {
-		var tcancel context.CancelFunc
-		ctx, tcancel = context.WithTimeout(ctx, b.cfg.Timeout)
-		defer tcancel()
-	}
-	cs, err := ep.conn.NewStream(ctx, bidi, method)
-	if err != nil {
+// forwardRetrying reads the single request message, then makes attempts
+// until one succeeds, sends anything to the client, fails with a code not
+// worth retrying, or attempts, budget or deadline run out.
+func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend) error {
+	req := new(Frame)
+	if err := ss.RecvMsg(req); err != nil {
+		if errors.Is(err, io.EOF) {
+			return status.Error(codes.InvalidArgument, "no request message")
+		}
 		return err
 	}
-
-	// Client to backend.
-	go func() {
-		for {
-			f := new(Frame)
-			if err := ss.RecvMsg(f); err != nil {
-				if errors.Is(err, io.EOF) {
-					_ = cs.CloseSend()
-				} else {
-					cancel() // the client went away: so does the backend call
-				}
-				return
+	defer req.Free()
+	var (
+		tried []*Endpoint
+		res   attemptResult
+	)
+	for n := 1; ; n++ {
+		ep, err := b.pick(tried)
+		if err != nil {
+			if res.err != nil {
+				return res.finish(ss) // the last attempt's answer says more
 			}
-			err := cs.SendMsg(f)
-			f.Free()
-			if err != nil {
-				// The backend call ended; RecvMsg below reports how.
-				return
-			}
+			return status.Error(codes.Unavailable, err.Error())
 		}
-	}()
+		tried = append(tried, ep)
+		res = p.attempt(ctx, ss, method, b, ep, req)
+		if res.err == nil || res.sent || n >= b.cfg.Retry.MaxAttempts || !res.retryable() {
+			return res.finish(ss)
+		}
+		wait := backoff(b.cfg.Retry.Backoff, n)
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
+			return res.finish(ss) // no time left for another attempt
+		}
+		release, ok := b.retryAllowed()
+		if !ok {
+			p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
+			return res.finish(ss)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			release()
+			return status.FromContextError(ctx.Err()).Err()
+		case <-t.C:
+		}
+		if p.stats != nil {
+			p.stats.retry(b.Name())
+		}
+		// The retry counts against the budget while it runs.
+		defer release()
+	}
+}
+
+// backoff is the wait before attempt n+1: full jitter over base×2^(n-1),
+// at most ten times base.
+func backoff(base time.Duration, n int) time.Duration {
+	if base <= 0 {
+		return 0
+	}
+	ceil := min(base<<min(n-1, 16), 10*base)
+	return time.Duration(rand.Int64N(int64(ceil) + 1))
+}
+
+// attemptResult is how one attempt ended.
+type attemptResult struct {
+	err error
+	// sent: something reached the client (headers or a message), so the
+	// call cannot be tried again.
+	sent bool
+	// perTryTimeout: the attempt's own timeout fired (not the caller's).
+	perTryTimeout bool
+	// header and trailer of the backend, for the client when this is the
+	// final attempt.
+	header, trailer metadata.MD
+}
+
+// retryable reports whether the failure is worth another attempt.
+func (r attemptResult) retryable() bool {
+	code := status.Code(r.err)
+	return code == codes.Unavailable || (code == codes.DeadlineExceeded && r.perTryTimeout)
+}
+
+// finish answers the client with the attempt's outcome: its trailer, and
+// its header when no message carried it already.
+func (r attemptResult) finish(ss grpc.ServerStream) error {
+	ss.SetTrailer(r.trailer)
+	if !r.sent && len(r.header) > 0 {
+		_ = ss.SetHeader(r.header)
+	}
+	return r.err
+}
+
+// attempt makes one call on ep. With req set it sends that message and
+// closes the request side; otherwise it relays the client's messages as
+// they come. Responses are relayed to the client as they come.
+func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, ep *Endpoint, req *Frame) (res attemptResult) {
+	ep.active.Add(1)
+	defer ep.active.Add(-1)
+	defer func() { b.report(ep, status.Code(res.err), res.perTryTimeout) }()
+
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	tctx := actx
+	if b.cfg.Timeout > 0 {
+		var tcancel context.CancelFunc
+		tctx, tcancel = context.WithTimeout(actx, b.cfg.Timeout)
+		defer tcancel()
+	}
+	timedOut := func() bool {
+		return errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
+	}
+	cs, err := ep.conn.NewStream(tctx, bidi, method)
+	if err != nil {
+		return attemptResult{err: err, perTryTimeout: timedOut()}
+	}
+	if req != nil {
+		if err := cs.SendMsg(req); err == nil {
+			_ = cs.CloseSend()
+		}
+	} else {
+		// Client to backend.
+		go func() {
+			for {
+				f := new(Frame)
+				if err := ss.RecvMsg(f); err != nil {
+					if errors.Is(err, io.EOF) {
+						_ = cs.CloseSend()
+					} else {
+						cancel() // the client went away: so does the backend call
+					}
+					return
+				}
+				err := cs.SendMsg(f)
+				f.Free()
+				if err != nil {
+					// The backend call ended; RecvMsg below reports how.
+					return
+				}
+			}
+		}()
+	}
 
 	// Backend to client. A backend answering with trailers only (an
 	// error before any message) is answered with trailers only too.
 	hdr, _ := cs.Header()
-	hdr = responseMetadata(hdr)
-	sent := false
+	res.header = responseMetadata(hdr)
 	for {
 		f := new(Frame)
 		err := cs.RecvMsg(f)
 		if err != nil {
-			ss.SetTrailer(responseMetadata(cs.Trailer()))
-			if !sent && len(hdr) > 0 {
-				_ = ss.SetHeader(hdr)
+			res.trailer = responseMetadata(cs.Trailer())
+			if !errors.Is(err, io.EOF) {
+				res.err, res.perTryTimeout = err, timedOut()
+				if res.perTryTimeout {
+					res.err = status.Errorf(codes.DeadlineExceeded, "backend %s: attempt timed out after %s (backends.%s.timeout)", b.Name(), b.cfg.Timeout, b.Name())
+				}
 			}
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			return err
+			return res
 		}
-		if !sent {
-			if err := ss.SendHeader(hdr); err != nil {
+		if !res.sent {
+			if err := ss.SendHeader(res.header); err != nil {
 				f.Free()
-				return err
+				res.err = err
+				return res
 			}
-			sent = true
+			res.sent = true
 		}
 		err = ss.SendMsg(f)
 		f.Free()
 		if err != nil {
-			return err
+			res.err = err
+			return res
 		}
 	}
 }

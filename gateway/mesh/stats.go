@@ -17,6 +17,8 @@ type Stats struct {
 	requests *prometheus.CounterVec
 	duration *prometheus.HistogramVec
 	inflight *prometheus.GaugeVec
+	retries  *prometheus.CounterVec
+	ejected  *prometheus.CounterVec
 }
 
 // NewStats registers the metrics with reg.
@@ -36,7 +38,15 @@ func NewStats(reg prometheus.Registerer) *Stats {
 			Help: "Calls in flight to each backend cluster.",
 		}, []string{"service"}),
 	}
-	reg.MustRegister(s.requests, s.duration, s.inflight)
+	s.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pivirt_mesh_retries_total",
+		Help: "Attempts made again after a retryable failure, by backend cluster.",
+	}, []string{"service"})
+	s.ejected = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pivirt_mesh_ejections_total",
+		Help: "Endpoints ejected by outlier detection (circuit_breaking), by backend cluster.",
+	}, []string{"service"})
+	reg.MustRegister(s.requests, s.duration, s.inflight, s.retries, s.ejected)
 	return s
 }
 
@@ -44,6 +54,11 @@ func (s *Stats) observe(service string, code codes.Code, d time.Duration) {
 	s.requests.WithLabelValues(service, strconv.Itoa(HTTPStatus(code))).Inc()
 	s.duration.WithLabelValues(service).Observe(d.Seconds())
 }
+
+func (s *Stats) retry(service string) { s.retries.WithLabelValues(service).Inc() }
+
+// Ejected counts an ejection of an endpoint of service.
+func (s *Stats) Ejected(service string) { s.ejected.WithLabelValues(service).Inc() }
 
 func (s *Stats) active(service string) func() {
 	g := s.inflight.WithLabelValues(service)
