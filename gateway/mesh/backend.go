@@ -36,9 +36,14 @@ const dnsRefresh = 30 * time.Second
 type BackendConfig struct {
 	// Name is the cluster's name (backends.<name>).
 	Name string
-	// Endpoint is unix:///abs/path, dns:///host:port, host:port or
-	// https://host[:port].
+	// Endpoint is unix:///abs/path, dns:///host:port, host:port,
+	// https://host[:port] or registry:///<service> (the instances of a
+	// service in the replicated registry, through Registry).
 	Endpoint string
+	// Registry feeds a registry:/// cluster: it calls update with the
+	// service's addresses ("host:port") now and on every change, until ctx
+	// ends.
+	Registry func(ctx context.Context, service string, update func(addrs []string))
 	// Policy is RoundRobin (default), LeastConnections or Random.
 	Policy string
 	// Timeout bounds each attempt (0: only the caller's deadline).
@@ -47,7 +52,8 @@ type BackendConfig struct {
 	// as serverName; nil: plaintext (an https:// endpoint requires it).
 	TLS func(serverName string) *tls.Config
 	// ServerName is the name the server's certificate must carry; empty:
-	// the endpoint's host (localhost for a unix socket).
+	// the endpoint's host name (dns:///, https://, host:port), else its
+	// address (localhost for a unix socket).
 	ServerName string
 	// MaxMessageBytes bounds messages both ways.
 	MaxMessageBytes int
@@ -82,9 +88,10 @@ type Retry struct {
 // target is a parsed endpoint specification.
 type target struct {
 	unixPath string // a unix socket, or
-	host     string // a host (IP or name) and port
+	host     string // a host (IP or name) and port, or
 	port     string
-	tls      bool // https://
+	registry string // a service of the registry
+	tls      bool   // https://
 }
 
 // parseEndpoint parses a backend endpoint specification.
@@ -96,6 +103,12 @@ func parseEndpoint(spec string) (target, error) {
 			return target{}, fmt.Errorf("endpoint %q: unix:///abs/path takes an absolute path", spec)
 		}
 		return target{unixPath: p}, nil
+	case strings.HasPrefix(spec, "registry:///"):
+		svc := strings.TrimPrefix(spec, "registry:///")
+		if svc == "" || strings.ContainsAny(svc, "/:") {
+			return target{}, fmt.Errorf("endpoint %q: want registry:///<service>", spec)
+		}
+		return target{registry: svc}, nil
 	case strings.HasPrefix(spec, "dns:///"):
 		host, port, err := net.SplitHostPort(strings.TrimPrefix(spec, "dns:///"))
 		if err != nil || host == "" || port == "" {
@@ -113,7 +126,7 @@ func parseEndpoint(spec string) (target, error) {
 		}
 		return target{host: u.Hostname(), port: port, tls: true}, nil
 	case strings.Contains(spec, "://"):
-		return target{}, fmt.Errorf("endpoint %q: want unix:///abs/path, dns:///host:port, host:port or https://host[:port]", spec)
+		return target{}, fmt.Errorf("endpoint %q: want unix:///abs/path, dns:///host:port, host:port, https://host[:port] or registry:///<service>", spec)
 	}
 	host, port, err := net.SplitHostPort(spec)
 	if err != nil || host == "" || port == "" {
@@ -141,7 +154,6 @@ type Backend struct {
 	cfg    BackendConfig
 	target target
 	logger *slog.Logger
-	creds  credentials.TransportCredentials
 
 	mu        sync.RWMutex
 	endpoints []*Endpoint
@@ -172,6 +184,9 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 	case RoundRobin, LeastConnections, Random:
 	default:
 		return nil, fmt.Errorf("backends.%s: load-balancing policy %q: want %s, %s or %s", cfg.Name, cfg.Policy, RoundRobin, LeastConnections, Random)
+	}
+	if t.registry != "" && cfg.Registry == nil {
+		return nil, fmt.Errorf("backends.%s: endpoint %q needs the service registry, which is not available here", cfg.Name, cfg.Endpoint)
 	}
 	if t.tls && cfg.TLS == nil {
 		return nil, fmt.Errorf("backends.%s: endpoint %q is https:// but no TLS configuration is given", cfg.Name, cfg.Endpoint)
@@ -204,10 +219,6 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 		cfg.Now = time.Now
 	}
 	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name)}
-	b.creds = insecure.NewCredentials()
-	if cfg.TLS != nil {
-		b.creds = credentials.NewTLS(cfg.TLS(b.serverName()))
-	}
 	ctx, cancel := context.WithCancel(context.Background())
 	b.stop = cancel
 	var addrs []string
@@ -219,12 +230,22 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 			addrs = []string{net.JoinHostPort(ip.String(), t.port)}
 		}
 	}
-	if addrs != nil {
+	switch {
+	case t.registry != "":
+		b.wg.Go(func() {
+			cfg.Registry(ctx, t.registry, func(addrs []string) {
+				slices.Sort(addrs)
+				if err := b.setAddrs(slices.Compact(addrs)); err != nil && ctx.Err() == nil {
+					b.logger.Error("backend endpoints from the registry not applied", "service", t.registry, "error", err)
+				}
+			})
+		})
+	case addrs != nil:
 		if err := b.setAddrs(addrs); err != nil {
 			cancel()
 			return nil, err
 		}
-	} else {
+	default:
 		rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
 		err = b.resolve(rctx)
 		rcancel()
@@ -248,15 +269,21 @@ func (b *Backend) now() time.Time { return b.cfg.Now() }
 // Name is the cluster's name.
 func (b *Backend) Name() string { return b.cfg.Name }
 
-func (b *Backend) serverName() string {
+// serverName is the name an endpoint's certificate must carry.
+func (b *Backend) serverName(addr string) string {
 	switch {
 	case b.cfg.ServerName != "":
 		return b.cfg.ServerName
 	case b.target.unixPath != "":
 		return "localhost"
-	default:
+	case b.target.host != "":
 		return b.target.host
 	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	return host
 }
 
 func (b *Backend) refreshLoop(ctx context.Context) {
@@ -336,9 +363,14 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 	if strings.HasPrefix(addr, "unix://") {
 		target = addr
 	}
+	name := b.serverName(addr)
+	creds := insecure.NewCredentials()
+	if b.cfg.TLS != nil {
+		creds = credentials.NewTLS(b.cfg.TLS(name))
+	}
 	conn, err := grpc.NewClient(target,
-		grpc.WithTransportCredentials(b.creds),
-		grpc.WithAuthority(b.serverName()),
+		grpc.WithTransportCredentials(creds),
+		grpc.WithAuthority(name),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(b.cfg.MaxMessageBytes),
 			grpc.MaxCallSendMsgSize(b.cfg.MaxMessageBytes),

@@ -1,13 +1,17 @@
 package agent
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"maps"
+	"net"
 	"net/http"
 	"slices"
+	"strconv"
 
+	"github.com/hashicorp/go-memdb"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
@@ -15,6 +19,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
@@ -32,8 +37,10 @@ var apiServices = []protoreflect.ServiceDescriptor{
 // startMesh builds the backend clusters of the configuration and the
 // proxy that routes to them.
 func (a *Agent) startMesh() error {
-	a.proxy = mesh.NewProxy(a.logger, mesh.NewStats(a.metrics))
+	stats := mesh.NewStats(a.metrics)
+	a.proxy = mesh.NewProxy(a.logger, stats)
 	byName := make(map[string]*mesh.Backend, len(a.cfg.Backends))
+	hc, cb := a.cfg.LoadBalancing.HealthCheck, a.cfg.CircuitBreaking
 	for _, name := range slices.Sorted(maps.Keys(a.cfg.Backends)) {
 		bc := a.cfg.Backends[name]
 		tlsFor, err := a.backendTLS(name, bc.TLS)
@@ -43,12 +50,23 @@ func (a *Agent) startMesh() error {
 		b, err := mesh.NewBackend(mesh.BackendConfig{
 			Name:            name,
 			Endpoint:        bc.Endpoint,
+			Registry:        a.registryEndpoints,
 			Policy:          a.cfg.LoadBalancing.Policy,
 			Timeout:         bc.Timeout.Std(),
 			TLS:             tlsFor,
 			ServerName:      bc.TLS.ServerName,
 			MaxMessageBytes: cluster.MaxMessageBytes,
-			Logger:          a.logger,
+			HealthCheck: mesh.HealthCheck{
+				Enabled: hc.Enabled, Interval: hc.Interval.Std(), Timeout: hc.Timeout.Std(),
+				HealthyThreshold: hc.HealthyThreshold, UnhealthyThreshold: hc.UnhealthyThreshold,
+			},
+			Outlier: mesh.Outlier{
+				Enabled: cb.Enabled, Consecutive5xx: cb.Thresholds.Consecutive5xx, Interval: cb.Thresholds.Interval.Std(),
+				BaseEjectionTime: cb.Thresholds.BaseEjectionTime.Std(), MaxEjectionPercent: cb.Thresholds.MaxEjectionPercent,
+			},
+			Retry:   mesh.Retry{MaxAttempts: bc.Retry.MaxAttempts, Backoff: bc.Retry.Backoff.Std()},
+			OnEject: func(string) { stats.Ejected(name) },
+			Logger:  a.logger,
 		})
 		if err != nil {
 			return err
@@ -65,7 +83,35 @@ func (a *Agent) startMesh() error {
 		routes = append(routes, mesh.Route{Prefix: r.Match.Prefix, Backend: b})
 	}
 	a.proxy.SetRoutes(routes)
+	mesh.RegisterEndpoints(a.metrics, a.backends)
 	return nil
+}
+
+// registryEndpoints feeds a registry:///<service> backend with the
+// addresses of the service's instances in the replicated state (those not
+// critical), now and after every change, until ctx ends.
+func (a *Agent) registryEndpoints(ctx context.Context, service string, update func([]string)) {
+	var last []string
+	for ctx.Err() == nil {
+		ws := memdb.NewWatchSet()
+		_, insts, err := a.fsm.State().Services(service, ws)
+		if err != nil {
+			a.logger.Error("registry endpoints", "service", service, "error", err)
+			return
+		}
+		addrs := make([]string, 0, len(insts))
+		for _, in := range insts {
+			if in.GetHealth() != clusterv1.Health_HEALTH_CRITICAL && in.GetAddress() != "" && in.GetPort() != 0 {
+				addrs = append(addrs, net.JoinHostPort(in.GetAddress(), strconv.Itoa(int(in.GetPort()))))
+			}
+		}
+		slices.Sort(addrs)
+		if last == nil || !slices.Equal(addrs, last) {
+			update(addrs)
+			last = addrs
+		}
+		_ = ws.WatchCtx(ctx)
+	}
 }
 
 // backendTLS returns the TLS configuration towards a backend (nil:

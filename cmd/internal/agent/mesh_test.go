@@ -4,9 +4,12 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net/http"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -25,6 +28,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
 	"pilab.hu/pivirt-agent/identity"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
@@ -42,12 +46,21 @@ type simServer struct {
 
 func startSim(t *testing.T, opts ...grpc.ServerOption) *simServer {
 	t.Helper()
+	return startSimAt(t, "unix://"+filepath.Join(t.TempDir(), "sim.sock"), opts...)
+}
+
+// startSimAt serves a simulator at addr (unix:///path or 127.0.0.1:0; the
+// returned addr is the one bound).
+func startSimAt(t *testing.T, addr string, opts ...grpc.ServerOption) *simServer {
+	t.Helper()
 	s, err := sim.Open(sim.Config{DataDir: t.TempDir(), Host: "sim-host"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := "unix://" + filepath.Join(t.TempDir(), "sim.sock")
 	ln, err := sim.Listen(addr)
+	if !strings.HasPrefix(addr, "unix://") && err == nil {
+		addr = ln.Addr().String()
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -495,4 +508,382 @@ func TestGatewayBackendMTLS(t *testing.T) {
 			})
 		})
 	}
+}
+
+// stats returns how many calls of method the simulator answered and how
+// many a fault failed.
+func (s *simServer) stats(t *testing.T, method string) (calls, failed uint64) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	st, err := s.ctl.Stats(ctx, &simv1.StatsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.GetCalls()[method], st.GetFailed()[method]
+}
+
+func (s *simServer) fault(t *testing.T, f *simv1.Fault) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if f == nil {
+		if _, err := s.ctl.ClearFaults(ctx, &simv1.ClearFaultsRequest{}); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if _, err := s.ctl.SetFault(ctx, &simv1.SetFaultRequest{Fault: f}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+const listVMs = "/pivirt.vm.v1.VMService/ListVMs"
+
+// meshCluster is one agent whose pivirtd backend is registry:///pivirtd-sim,
+// fed by three simulators registered in its services registry.
+type meshCluster struct {
+	node *agenttest.Node
+	sims []*simServer
+	vm   vmv1.VMServiceClient
+}
+
+func startMeshCluster(t *testing.T, mutate func(*config.Config)) *meshCluster {
+	t.Helper()
+	m := &meshCluster{}
+	for range 3 {
+		m.sims = append(m.sims, startSimAt(t, "127.0.0.1:0"))
+	}
+	c := agenttest.NewExpect(t, 1, func(_ int, cfg *config.Config) {
+		cfg.Backends = map[string]config.BackendConfig{"pivirtd": {Endpoint: "registry:///pivirtd-sim"}}
+		cfg.Routing.Rules = []config.RouteRule{{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}}}
+		cfg.LoadBalancing.HealthCheck.Enabled = false
+		cfg.CircuitBreaking.Enabled = false
+		if mutate != nil {
+			mutate(cfg)
+		}
+	})
+	m.node = c.WaitLeader(20 * time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	for i, s := range m.sims {
+		host, port, _ := strings.Cut(s.addr, ":")
+		p, _ := strconv.Atoi(port)
+		if _, err := agenttest.Register(ctx, m.node, "pivirtd-sim", fmt.Sprintf("sim-%d", i), host, uint32(p)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn, err := grpc.NewClient(m.node.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	m.vm = vmv1.NewVMServiceClient(conn)
+	agenttest.Eventually(t, 10*time.Second, "calls reach every simulator", func() error {
+		m.list(t, 6)
+		for i, s := range m.sims {
+			if calls, _ := s.stats(t, listVMs); calls == 0 {
+				return fmt.Errorf("simulator %d has no calls yet", i)
+			}
+		}
+		return nil
+	})
+	return m
+}
+
+// list makes n ListVMs calls and returns how many failed.
+func (m *meshCluster) list(t *testing.T, n int) (failed int) {
+	t.Helper()
+	for range n {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		if _, err := m.vm.ListVMs(ctx, &vmv1.ListVMsRequest{}); err != nil {
+			failed++
+		}
+		cancel()
+	}
+	return failed
+}
+
+func (m *meshCluster) calls(t *testing.T) []uint64 {
+	var out []uint64
+	for _, s := range m.sims {
+		c, _ := s.stats(t, listVMs)
+		out = append(out, c)
+	}
+	return out
+}
+
+func (m *meshCluster) metric(t *testing.T, line string) bool {
+	return strings.Contains(httpGet(t, "http://"+m.node.MetricsAddr()+"/metrics"), line)
+}
+
+// TestGatewayRegistryEndpoints: a registry:/// backend follows the
+// registry live; round robin spreads calls evenly; a deregistered instance
+// stops receiving calls.
+func TestGatewayRegistryEndpoints(t *testing.T) {
+	m := startMeshCluster(t, nil)
+	before := m.calls(t)
+	if failed := m.list(t, 30); failed != 0 {
+		t.Fatalf("%d calls failed", failed)
+	}
+	after := m.calls(t)
+	for i := range m.sims {
+		if d := after[i] - before[i]; d != 10 {
+			t.Errorf("round robin: simulator %d got %d of 30 calls, want 10 (%v → %v)", i, d, before, after)
+		}
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := m.node.API.DeregisterService(ctx, connect.NewRequest(&clusterv1.DeregisterServiceRequest{Service: "pivirtd-sim", InstanceId: "sim-2"})); err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "the deregistered simulator gets no calls", func() error {
+		before := m.calls(t)
+		m.list(t, 10)
+		if after := m.calls(t); after[2] != before[2] {
+			return fmt.Errorf("simulator 2 still got %d calls", after[2]-before[2])
+		}
+		return nil
+	})
+}
+
+// TestGatewayOutlierEjection: an endpoint failing consecutive_5xx times in
+// a row is ejected for base_ejection_time and comes back; with every
+// endpoint failing, max_ejection_percent stops ejections.
+func TestGatewayOutlierEjection(t *testing.T) {
+	m := startMeshCluster(t, func(cfg *config.Config) {
+		cfg.CircuitBreaking.Enabled = true
+		cfg.CircuitBreaking.Thresholds = config.CircuitBreakerThresholds{
+			Consecutive5xx: 3, Interval: config.Duration(100 * time.Millisecond),
+			BaseEjectionTime: config.Duration(2 * time.Second), MaxEjectionPercent: 50,
+		}
+	})
+	m.sims[0].fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Internal), Message: "disk on fire"})
+	// Round robin sends every third call to the failing simulator: after
+	// its third failure it is out, and calls stop failing.
+	m.list(t, 9)
+	if !m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 1`) {
+		t.Fatalf("simulator 0 not ejected after three failures in a row:\n%s", grepLines(httpGet(t, "http://"+m.node.MetricsAddr()+"/metrics"), "pivirt_mesh_endpoints"))
+	}
+	before := m.calls(t)
+	if failed := m.list(t, 20); failed != 0 {
+		t.Errorf("%d of 20 calls failed with the failing endpoint ejected", failed)
+	}
+	if after := m.calls(t); after[0] != before[0] {
+		t.Errorf("the ejected simulator got %d calls", after[0]-before[0])
+	}
+	m.sims[0].fault(t, nil)
+	agenttest.Eventually(t, 10*time.Second, "the ejected endpoint back after base_ejection_time", func() error {
+		before := m.calls(t)
+		m.list(t, 6)
+		if after := m.calls(t); after[0] == before[0] {
+			return errors.New("simulator 0 still gets no calls")
+		}
+		return nil
+	})
+
+	// Everything fails: at most half the endpoints are ejected.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable)})
+	}
+	m.list(t, 30)
+	if !m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 2`) {
+		t.Errorf("with every endpoint failing, want exactly 2 of 3 ejected (50%% max):\n%s", grepLines(httpGet(t, "http://"+m.node.MetricsAddr()+"/metrics"), "pivirt_mesh_endpoints"))
+	}
+}
+
+// TestGatewayRetries: idempotent calls are tried again on another endpoint
+// after Unavailable or a per-try timeout, up to max_attempts; others are
+// not; the retry budget bounds retries under load.
+func TestGatewayRetries(t *testing.T) {
+	m := startMeshCluster(t, func(cfg *config.Config) {
+		b := cfg.Backends["pivirtd"]
+		b.Retry = config.RetryConfig{MaxAttempts: 3, Backoff: config.Duration(5 * time.Millisecond)}
+		b.Timeout = config.Duration(300 * time.Millisecond)
+		cfg.Backends["pivirtd"] = b
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+
+	// One endpoint unavailable: every call succeeds.
+	m.sims[0].fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable)})
+	if failed := m.list(t, 12); failed != 0 {
+		t.Errorf("%d of 12 idempotent calls failed with one endpoint unavailable", failed)
+	}
+	if _, failed := m.sims[0].stats(t, listVMs); failed == 0 {
+		t.Error("the unavailable simulator was never tried")
+	}
+	m.sims[0].fault(t, nil)
+
+	// A per-try timeout: the slow endpoint's attempt is abandoned.
+	m.sims[1].fault(t, &simv1.Fault{Method: listVMs, Delay: durationpb.New(5 * time.Second)})
+	if failed := m.list(t, 6); failed != 0 {
+		t.Errorf("%d of 6 calls failed with one slow endpoint and a per-try timeout", failed)
+	}
+	m.sims[1].fault(t, nil)
+
+	// Every endpoint unavailable: exactly max_attempts attempts.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable)})
+	}
+	failedBefore := uint64(0)
+	for _, s := range m.sims {
+		_, f := s.stats(t, listVMs)
+		failedBefore += f
+	}
+	_, err := m.vm.ListVMs(ctx, &vmv1.ListVMsRequest{})
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("with every endpoint unavailable: %v", err)
+	}
+	failedAfter := uint64(0)
+	for _, s := range m.sims {
+		_, f := s.stats(t, listVMs)
+		failedAfter += f
+	}
+	if d := failedAfter - failedBefore; d != 3 {
+		t.Errorf("%d attempts, want max_attempts (3)", d)
+	}
+
+	// The caller's deadline ends retrying: an attempt slower than it is
+	// the only one.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: listVMs, Delay: durationpb.New(5 * time.Second)})
+	}
+	before := m.calls(t)
+	dctx, dcancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = m.vm.ListVMs(dctx, &vmv1.ListVMsRequest{})
+	dcancel()
+	attempts := uint64(0)
+	for i, c := range m.calls(t) {
+		attempts += c - before[i]
+	}
+	if status.Code(err) != codes.DeadlineExceeded || attempts != 1 {
+		t.Errorf("a call whose deadline ends during its first attempt: %v after %d attempts, want DeadlineExceeded after 1", err, attempts)
+	}
+
+	// A create is not idempotent: one attempt.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: "/pivirt.vm.v1.VMService/CreateVM", Code: uint32(codes.Unavailable)})
+	}
+	_, err = m.vm.CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "x", Vcpus: 1, MemoryMib: 64}})
+	var creates uint64
+	for _, s := range m.sims {
+		c, _ := s.stats(t, "/pivirt.vm.v1.VMService/CreateVM")
+		creates += c
+	}
+	if status.Code(err) != codes.Unavailable || creates != 1 {
+		t.Errorf("CreateVM with every endpoint unavailable: %v after %d attempts, want Unavailable after 1", err, creates)
+	}
+
+	// The budget: 20 concurrent calls that all fail slowly may retry at
+	// most max(3, 20%% of 20) at once; without it they would make 60
+	// attempts.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable), Delay: durationpb.New(200 * time.Millisecond)})
+	}
+	var total uint64
+	for _, s := range m.sims {
+		c, _ := s.stats(t, listVMs)
+		total += c
+	}
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Go(func() { _, _ = m.vm.ListVMs(ctx, &vmv1.ListVMsRequest{}) })
+	}
+	wg.Wait()
+	after := uint64(0)
+	for _, s := range m.sims {
+		c, _ := s.stats(t, listVMs)
+		after += c
+	}
+	if d := after - total; d < 20 || d > 30 {
+		t.Errorf("20 failing calls made %d attempts, want 20 plus a budget-bound few (at most 30)", d)
+	}
+}
+
+// TestGatewayLeastConnections: with least_connections an endpoint busy with
+// a long call gets no new calls while the others are idle.
+func TestGatewayLeastConnections(t *testing.T) {
+	m := startMeshCluster(t, func(cfg *config.Config) { cfg.LoadBalancing.Policy = "least_connections" })
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	// Two watches stay open on two endpoints.
+	for range 2 {
+		w, err := m.vm.WatchVMs(ctx, &vmv1.WatchVMsRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for {
+				if _, err := w.Recv(); err != nil {
+					return
+				}
+			}
+		}()
+	}
+	var idle = -1
+	agenttest.Eventually(t, 10*time.Second, "two watches open", func() error {
+		open := 0
+		for i, s := range m.sims {
+			if c, _ := s.stats(t, "/pivirt.vm.v1.VMService/WatchVMs"); c > 0 {
+				open++
+			} else {
+				idle = i
+			}
+		}
+		if open != 2 {
+			return fmt.Errorf("%d watches reached the simulators", open)
+		}
+		return nil
+	})
+	before := m.calls(t)
+	if failed := m.list(t, 10); failed != 0 {
+		t.Fatalf("%d calls failed", failed)
+	}
+	after := m.calls(t)
+	for i := range m.sims {
+		d := after[i] - before[i]
+		if i == idle && d != 10 || i != idle && d != 0 {
+			t.Errorf("simulator %d (idle: %v) got %d of 10 calls; least_connections sends all to the idle one", i, i == idle, d)
+		}
+	}
+}
+
+// TestGatewayHealthChecks: an endpoint reporting NOT_SERVING for
+// unhealthy_threshold checks gets no calls until healthy_threshold checks
+// pass again.
+func TestGatewayHealthChecks(t *testing.T) {
+	m := startMeshCluster(t, func(cfg *config.Config) {
+		cfg.LoadBalancing.HealthCheck = config.HealthCheckConfig{Enabled: true, Interval: config.Duration(100 * time.Millisecond),
+			Timeout: config.Duration(100 * time.Millisecond), HealthyThreshold: 2, UnhealthyThreshold: 2}
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if _, err := m.sims[1].ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: false}); err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "the NOT_SERVING endpoint out of rotation", func() error {
+		if !m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="unhealthy"} 1`) {
+			return errors.New("no endpoint unhealthy yet")
+		}
+		return nil
+	})
+	before := m.calls(t)
+	if failed := m.list(t, 10); failed != 0 {
+		t.Errorf("%d calls failed", failed)
+	}
+	if after := m.calls(t); after[1] != before[1] {
+		t.Errorf("the unhealthy simulator got %d calls", after[1]-before[1])
+	}
+	if _, err := m.sims[1].ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: true}); err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "the endpoint back in rotation", func() error {
+		before := m.calls(t)
+		m.list(t, 6)
+		if after := m.calls(t); after[1] == before[1] {
+			return errors.New("simulator 1 still gets no calls")
+		}
+		return nil
+	})
 }

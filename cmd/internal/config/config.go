@@ -182,7 +182,8 @@ type EtcdConfig struct {
 }
 
 // BackendConfig is one backend cluster. Endpoint is unix:///abs/path, dns:///host:port,
-// host:port or https://host[:port]. A zero Timeout means no per-try timeout; a zero
+// host:port, https://host[:port] or registry:///<service> (the instances the services
+// registry holds for that service). A zero Timeout means no per-try timeout; a zero
 // Retry.MaxAttempts means a single attempt.
 type BackendConfig struct {
 	Endpoint string           `yaml:"endpoint"`

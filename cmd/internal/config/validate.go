@@ -560,8 +560,13 @@ func checkURLHost(u *url.URL) error {
 // checkBackendEndpoint accepts unix:///abs/path, dns:///host:port, host:port and
 // https://host[:port].
 func checkBackendEndpoint(ep string) error {
-	const want = "must be unix:///abs/path, dns:///host:port, host:port or https://host[:port]"
+	const want = "must be unix:///abs/path, dns:///host:port, host:port, https://host[:port] or registry:///<service>"
 	switch {
+	case strings.HasPrefix(ep, "registry:///"):
+		if svc := strings.TrimPrefix(ep, "registry:///"); svc == "" || strings.ContainsAny(svc, "/:") {
+			return errors.New("registry:///<service> names a service of the registry")
+		}
+		return nil
 	case strings.HasPrefix(ep, "unix://"):
 		p := strings.TrimPrefix(ep, "unix://")
 		if !strings.HasPrefix(p, "/") || p != filepath.Clean(p) || p == "/" {
@@ -579,7 +584,7 @@ func checkBackendEndpoint(ep string) error {
 			return err
 		}
 		return checkURLHost(u)
-	case strings.Contains(ep, "://") || strings.HasPrefix(ep, "unix:") || strings.HasPrefix(ep, "dns:"):
+	case strings.Contains(ep, "://") || strings.HasPrefix(ep, "unix:") || strings.HasPrefix(ep, "dns:") || strings.HasPrefix(ep, "registry:"):
 		return errors.New(want)
 	default:
 		if err := checkHostPort(ep, false); err != nil {
