@@ -29,6 +29,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
+	"google.golang.org/grpc/health"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -110,6 +111,7 @@ type Agent struct {
 	ca *clusterCA
 	// proxy forwards the backend APIs to the backend clusters.
 	proxy          *mesh.Proxy
+	health         *health.Server
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
 
@@ -332,6 +334,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
+		a.registerAPIExtras(s)
 	}, a.proxyServerOptions()...); err != nil {
 		return err
 	}

@@ -10,10 +10,17 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"time"
 
 	"github.com/hashicorp/go-memdb"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	reflectionv1 "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -172,4 +179,85 @@ func (a *Agent) closeMesh() error {
 		errs = append(errs, b.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// healthInterval is how often the API port's grpc.health.v1 statuses are
+// brought up to date.
+const healthInterval = time.Second
+
+// registerAPIExtras serves grpc.health.v1 and server reflection (v1 and
+// v1alpha, so grpcurl and grpc-health-probe work) on the API port's gRPC
+// server; reflection lists the routed backend APIs too.
+func (a *Agent) registerAPIExtras(gs *grpc.Server) {
+	a.health = health.NewServer()
+	healthpb.RegisterHealthServer(gs, a.health)
+	opts := reflection.ServerOptions{
+		Services:           apiServiceInfo{a: a, gs: gs},
+		DescriptorResolver: protoregistry.GlobalFiles,
+		ExtensionResolver:  protoregistry.GlobalTypes,
+	}
+	reflectionv1.RegisterServerReflectionServer(gs, reflection.NewServerV1(opts))
+	reflectionv1alpha.RegisterServerReflectionServer(gs, reflection.NewServer(opts))
+	a.updateHealth()
+	a.wg.Go(func() {
+		t := time.NewTicker(healthInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-a.ctx.Done():
+				a.health.Shutdown()
+				return
+			case <-t.C:
+				a.updateHealth()
+			}
+		}
+	})
+}
+
+// updateHealth sets the grpc.health.v1 statuses: "" and the cluster API
+// are SERVING while this node knows a leader; each routed backend API is
+// SERVING while its backend cluster has an available endpoint.
+func (a *Agent) updateHealth() {
+	st := healthpb.HealthCheckResponse_NOT_SERVING
+	if id, _ := a.raft.Leader(); id != "" {
+		st = healthpb.HealthCheckResponse_SERVING
+	}
+	a.health.SetServingStatus("", st)
+	a.health.SetServingStatus(clusterv1.ClusterService_ServiceDesc.ServiceName, st)
+	for _, sd := range apiServices {
+		name := string(sd.FullName())
+		b := a.proxy.Route("/" + name + "/")
+		if b == nil {
+			continue
+		}
+		st := healthpb.HealthCheckResponse_NOT_SERVING
+		if b.Healthy() {
+			st = healthpb.HealthCheckResponse_SERVING
+		}
+		a.health.SetServingStatus(name, st)
+	}
+}
+
+// apiServiceInfo lists the services of the API port for reflection: those
+// the gRPC server serves and the routed backend APIs.
+type apiServiceInfo struct {
+	a  *Agent
+	gs *grpc.Server
+}
+
+func (p apiServiceInfo) GetServiceInfo() map[string]grpc.ServiceInfo {
+	m := p.gs.GetServiceInfo()
+	for _, sd := range apiServices {
+		name := string(sd.FullName())
+		if p.a.proxy.Route("/"+name+"/") == nil {
+			continue
+		}
+		info := grpc.ServiceInfo{Metadata: sd.ParentFile().Path()}
+		for i := range sd.Methods().Len() {
+			md := sd.Methods().Get(i)
+			info.Methods = append(info.Methods, grpc.MethodInfo{Name: string(md.Name()), IsClientStream: md.IsStreamingClient(), IsServerStream: md.IsStreamingServer()})
+		}
+		m[name] = info
+	}
+	return m
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,7 +20,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	reflectionv1 "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -404,6 +408,70 @@ func TestGatewayProtocols(t *testing.T) {
 		_, err = networkv1connect.NewNetworkServiceClient(h2, base).ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{}))
 		if connect.CodeOf(err) != connect.CodeUnimplemented {
 			t.Errorf("unrouted NetworkService over Connect: %v", err)
+		}
+	})
+
+	t.Run("health and reflection", func(t *testing.T) {
+		h := healthpb.NewHealthClient(conn)
+		for svc, want := range map[string]codes.Code{"": codes.OK, "pivirt.vm.v1.VMService": codes.OK, "pivirt.cluster.v1.ClusterService": codes.OK, "pivirt.network.v1.NetworkService": codes.NotFound} {
+			r, err := h.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+			if status.Code(err) != want || (want == codes.OK && r.GetStatus() != healthpb.HealthCheckResponse_SERVING) {
+				t.Errorf("health of %q: %v, %v; want %v (SERVING)", svc, r, err, want)
+			}
+		}
+		for name, list := range map[string]func() ([]string, error){
+			"v1": func() ([]string, error) {
+				s, err := reflectionv1.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
+				if err != nil {
+					return nil, err
+				}
+				if err := s.Send(&reflectionv1.ServerReflectionRequest{MessageRequest: &reflectionv1.ServerReflectionRequest_ListServices{}}); err != nil {
+					return nil, err
+				}
+				r, err := s.Recv()
+				var out []string
+				for _, svc := range r.GetListServicesResponse().GetService() {
+					out = append(out, svc.GetName())
+				}
+				if err == nil {
+					err = s.Send(&reflectionv1.ServerReflectionRequest{MessageRequest: &reflectionv1.ServerReflectionRequest_FileContainingSymbol{FileContainingSymbol: "pivirt.vm.v1.VMService"}})
+				}
+				if err == nil {
+					r, err = s.Recv()
+					if err == nil && len(r.GetFileDescriptorResponse().GetFileDescriptorProto()) == 0 {
+						err = fmt.Errorf("no descriptor for pivirt.vm.v1.VMService: %v", r)
+					}
+				}
+				return out, err
+			},
+			"v1alpha": func() ([]string, error) {
+				s, err := reflectionv1alpha.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
+				if err != nil {
+					return nil, err
+				}
+				if err := s.Send(&reflectionv1alpha.ServerReflectionRequest{MessageRequest: &reflectionv1alpha.ServerReflectionRequest_ListServices{}}); err != nil {
+					return nil, err
+				}
+				r, err := s.Recv()
+				var out []string
+				for _, svc := range r.GetListServicesResponse().GetService() {
+					out = append(out, svc.GetName())
+				}
+				return out, err
+			},
+		} {
+			got, err := list()
+			if err != nil {
+				t.Fatalf("reflection %s: %v", name, err)
+			}
+			for _, want := range []string{"pivirt.vm.v1.VMService", "pivirt.storage.v1.StorageService", "pivirt.cluster.v1.ClusterService", "grpc.health.v1.Health"} {
+				if !slices.Contains(got, want) {
+					t.Errorf("reflection %s lists %v, without %s", name, got, want)
+				}
+			}
+			if slices.Contains(got, "pivirt.network.v1.NetworkService") {
+				t.Errorf("reflection %s lists the unrouted NetworkService", name)
+			}
 		}
 	})
 
@@ -875,8 +943,28 @@ func TestGatewayHealthChecks(t *testing.T) {
 	if after := m.calls(t); after[1] != before[1] {
 		t.Errorf("the unhealthy simulator got %d calls", after[1]-before[1])
 	}
-	if _, err := m.sims[1].ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: true}); err != nil {
+	// Every endpoint unhealthy: the VM API reports NOT_SERVING on 8443.
+	for _, s := range m.sims {
+		if _, err := s.ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: false}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn, err := grpc.NewClient(m.node.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
 		t.Fatal(err)
+	}
+	defer conn.Close()
+	agenttest.Eventually(t, 10*time.Second, "VMService NOT_SERVING", func() error {
+		r, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "pivirt.vm.v1.VMService"})
+		if err != nil || r.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+			return fmt.Errorf("health %v, %v", r, err)
+		}
+		return nil
+	})
+	for _, s := range m.sims {
+		if _, err := s.ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: true}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	agenttest.Eventually(t, 10*time.Second, "the endpoint back in rotation", func() error {
 		before := m.calls(t)
