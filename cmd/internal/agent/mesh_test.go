@@ -23,7 +23,6 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	reflectionv1 "google.golang.org/grpc/reflection/grpc_reflection_v1"
-	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -444,21 +443,7 @@ func TestGatewayProtocols(t *testing.T) {
 				}
 				return out, err
 			},
-			"v1alpha": func() ([]string, error) {
-				s, err := reflectionv1alpha.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
-				if err != nil {
-					return nil, err
-				}
-				if err := s.Send(&reflectionv1alpha.ServerReflectionRequest{MessageRequest: &reflectionv1alpha.ServerReflectionRequest_ListServices{}}); err != nil {
-					return nil, err
-				}
-				r, err := s.Recv()
-				var out []string
-				for _, svc := range r.GetListServicesResponse().GetService() {
-					out = append(out, svc.GetName())
-				}
-				return out, err
-			},
+			"v1alpha": func() ([]string, error) { return listServicesV1alpha(ctx, conn) },
 		} {
 			got, err := list()
 			if err != nil {
