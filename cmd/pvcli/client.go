@@ -18,6 +18,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
+	"pilab.hu/pivirt-agent/proto/pivirt/storage/v1/storagev1connect"
+	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
 )
 
 const (
@@ -39,6 +42,11 @@ type clientConn struct {
 	api  clusterv1connect.ClusterServiceClient
 	// snap streams snapshots; streams are not retried by the interceptor.
 	snap clusterv1connect.SnapshotServiceClient
+	// The backend APIs the agent proxies. pvcli does not retry them: the
+	// agent retries what is safe to retry.
+	vm      vmv1connect.VMServiceClient
+	storage storagev1connect.StorageServiceClient
+	network networkv1connect.NetworkServiceClient
 }
 
 func (c *clientConn) close() { c.http.CloseIdleConnections() }
@@ -87,7 +95,26 @@ func (a *app) connect(cmd *cobra.Command) error {
 			connect.WithSendMaxBytes(maxMessageBytes),
 		),
 	}
+	backendOpts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessageBytes), connect.WithSendMaxBytes(maxMessageBytes)}
+	a.conn.vm = vmv1connect.NewVMServiceClient(httpClient, endpoint.String(), backendOpts...)
+	a.conn.storage = storagev1connect.NewStorageServiceClient(httpClient, endpoint.String(), backendOpts...)
+	a.conn.network = networkv1connect.NewNetworkServiceClient(httpClient, endpoint.String(), backendOpts...)
 	return nil
+}
+
+// backendCall connects and runs fn under the --timeout deadline; with
+// stream set and no --timeout given, without a deadline (a watch runs
+// until interrupted).
+func (a *app) backendCall(cmd *cobra.Command, stream bool, fn func(ctx context.Context, c *clientConn) error) error {
+	if err := a.connect(cmd); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), a.opts.timeout)
+	if stream && !a.opts.timeoutSet {
+		ctx, cancel = context.WithCancel(cmd.Context())
+	}
+	defer cancel()
+	return fn(ctx, a.conn)
 }
 
 // endpoint resolves the agent address: --endpoint, else $PVCLI_ENDPOINT,

@@ -164,7 +164,11 @@ func (a *app) newRootCmd() *cobra.Command {
 		Long: `pvcli operates a PiVirt agent cluster through the ClusterService API of
 any agent. Writes are forwarded to the Raft leader by the agent asked; a write
 interrupted by an unavailable cluster is retried with the same client ID and
-sequence number until --timeout, so it is never applied twice.`,
+sequence number until --timeout, so it is never applied twice.
+
+vm, volume and network use the VM, storage and network APIs that the agent
+asked proxies to its backends (pivirtd, iscsiman); pvcli does not retry them,
+the agent retries what is safe to retry.`,
 		SilenceErrors: true,
 		SilenceUsage:  true,
 		Args:          noSubcommand,
@@ -192,7 +196,8 @@ sequence number until --timeout, so it is never applied twice.`,
 	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one; env "+envCertFile)
 	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key; env "+envKeyFile)
 
-	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd())
+	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
+		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd())
 	return root
 }
 

@@ -124,6 +124,8 @@ func TestClusterLifecycle(t *testing.T) {
 
 	step("curl and openssl as in the README", func(t *testing.T) { c.docsExamples(t, n1) })
 
+	step("VM, volume and network APIs through the gateway", func(t *testing.T) { c.gatewayExamples(t, n2) })
+
 	step("config compare-and-set and history", func(t *testing.T) {
 		var first, second setConfigOut
 		c.okJSON(t, n3, &first, "config", "set", "log_level", "debug")

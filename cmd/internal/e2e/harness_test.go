@@ -64,6 +64,9 @@ func TestMain(m *testing.M) {
 type binaries struct {
 	agent string
 	pvcli string
+	sim   string
+	// grpcurl is the go tool of the module, built without -race.
+	grpcurl string
 }
 
 // buildBinaries builds pivirt-agent and pvcli with the race detector, once per
@@ -86,19 +89,26 @@ func buildBinaries(t testing.TB) binaries {
 			buildErr = fmt.Errorf("go env GOMOD = %q: not inside the module", gomod)
 			return
 		}
-		cmd := exec.Command("go", "build", "-race", "-o", binDir+string(filepath.Separator),
-			"./cmd/pivirt-agent", "./cmd/pvcli")
-		cmd.Dir = filepath.Dir(gomod)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("%s: %w\n%s", strings.Join(cmd.Args, " "), err, out)
+		for _, args := range [][]string{
+			{"build", "-race", "-o", binDir + string(filepath.Separator), "./cmd/pivirt-agent", "./cmd/pvcli", "./cmd/pivirtd-sim"},
+			{"build", "-o", binDir + string(filepath.Separator), "github.com/fullstorydev/grpcurl/cmd/grpcurl"},
+		} {
+			cmd := exec.Command("go", args...)
+			cmd.Dir = filepath.Dir(gomod)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				buildErr = fmt.Errorf("%s: %w\n%s", strings.Join(cmd.Args, " "), err, out)
+				return
+			}
 		}
 	})
 	if buildErr != nil {
 		t.Fatalf("build binaries: %v", buildErr)
 	}
 	return binaries{
-		agent: filepath.Join(binDir, "pivirt-agent"),
-		pvcli: filepath.Join(binDir, "pvcli"),
+		agent:   filepath.Join(binDir, "pivirt-agent"),
+		pvcli:   filepath.Join(binDir, "pvcli"),
+		sim:     filepath.Join(binDir, "pivirtd-sim"),
+		grpcurl: filepath.Join(binDir, "grpcurl"),
 	}
 }
 
@@ -136,6 +146,10 @@ type node struct {
 	raft    string
 
 	proc *proc // the running process; nil while the node is meant to be down
+	// sim is the node's pivirtd-sim (pivirtd and iscsiman), at simAddr.
+	sim     *proc
+	simAddr string
+	simLog  string
 }
 
 // cluster is three agent processes on 127.0.0.1.
@@ -206,6 +220,8 @@ func (c *cluster) boot(t *testing.T, dir string) error {
 			metrics: addr(5*i + 2),
 			gossip:  addr(5*i + 3),
 			raft:    addr(5*i + 4),
+			simAddr: filepath.Join(dir, name+"-sim.sock"),
+			simLog:  filepath.Join(dir, name+"-sim.log"),
 		}
 		// Mutual TLS on every port, as scripts/cluster.sh runs it.
 		cfg := fmt.Sprintf(`tls:
@@ -224,13 +240,39 @@ server:
 logging:
   format: text
   level: info
-`, c.certs, name)
+backends:
+  pivirtd:
+    endpoint: unix://%[3]s
+    timeout: 10s
+    retry:
+      max_attempts: 3
+      backoff: 50ms
+  iscsiman:
+    endpoint: unix://%[3]s
+routing:
+  rules:
+    - match:
+        prefix: /pivirt.vm.v1.VMService
+      route:
+        cluster: pivirtd
+    - match:
+        prefix: /pivirt.network.v1.NetworkService
+      route:
+        cluster: pivirtd
+    - match:
+        prefix: /pivirt.storage.v1.StorageService
+      route:
+        cluster: iscsiman
+`, c.certs, name, n.simAddr)
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}
 		c.nodes = append(c.nodes, n)
 	}
 	for _, n := range c.nodes {
+		if err := c.startSim(n, dir); err != nil {
+			return err
+		}
 		if err := c.start(t, n, true); err != nil {
 			return err
 		}
@@ -282,16 +324,38 @@ func (c *cluster) start(t testing.TB, n *node, bootstrap bool) error {
 		}
 	}
 
-	logf, err := os.OpenFile(n.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	p, err := c.spawn(n.log, c.bins.agent, args)
 	if err != nil {
-		return err
+		return fmt.Errorf("start %s: %w", n.name, err)
+	}
+	n.proc = p
+	return nil
+}
+
+// startSim starts n's pivirtd-sim on its unix socket.
+func (c *cluster) startSim(n *node, dir string) error {
+	p, err := c.spawn(n.simLog, c.bins.sim, []string{"--listen", "unix://" + n.simAddr, "--data-dir", filepath.Join(dir, n.name+"-sim"),
+		"--host", n.name, "--log-format", "text"})
+	if err != nil {
+		return fmt.Errorf("start %s's simulator: %w", n.name, err)
+	}
+	n.sim = p
+	return nil
+}
+
+// spawn starts a process logging into logPath, stopped (SIGTERM, then
+// SIGKILL) by stopAll.
+func (c *cluster) spawn(logPath, bin string, args []string) (*proc, error) {
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, err
 	}
 	defer logf.Close() // the child holds its own descriptor
 	fmt.Fprintf(logf, "=== e2e %s: starting %s %s\n", time.Now().UTC().Format(time.RFC3339Nano),
-		filepath.Base(c.bins.agent), strings.Join(args, " "))
+		filepath.Base(bin), strings.Join(args, " "))
 
 	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, c.bins.agent, args...)
+	cmd := exec.CommandContext(ctx, bin, args...)
 	cmd.Env = raceEnv()
 	cmd.Stdout = logf
 	cmd.Stderr = logf
@@ -300,22 +364,21 @@ func (c *cluster) start(t testing.TB, n *node, bootstrap bool) error {
 	dieWithTest(cmd)
 	if err := cmd.Start(); err != nil {
 		cancel()
-		return fmt.Errorf("start %s: %w", n.name, err)
+		return nil, err
 	}
 	p := &proc{cmd: cmd, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		_ = cmd.Wait() // the exit status is read from cmd.ProcessState
 		close(p.done)
 	}()
-	n.proc = p
 
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.procs = append(c.procs, p)
-	if !slices.Contains(c.logs, n.log) {
-		c.logs = append(c.logs, n.log)
+	if !slices.Contains(c.logs, logPath) {
+		c.logs = append(c.logs, logPath)
 	}
-	return nil
+	return p, nil
 }
 
 // mustStart is start that fails the test.
