@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Starts (or stops) a local three-agent cluster on 127.0.0.1 with the binaries
 # in bin/, with mutual TLS on every port and encrypted gossip: a development
-# PiTrust PKI and a gossip key are made in .cluster/ on first start. Data and
-# logs go to .cluster/ in the repository.
+# PiTrust PKI and a gossip key are made in .cluster/ on first start. Each
+# agent proxies the VM, storage and network APIs to its own pivirtd-sim (a
+# simulated pivirtd and iscsiman) on a unix socket. Data and logs go to
+# .cluster/ in the repository.
 #
 #   scripts/cluster.sh start    start node1..node3, wait for a leader, print commands to try
 #   scripts/cluster.sh stop     stop them (SIGTERM, then SIGKILL after 10s)
@@ -49,7 +51,7 @@ pvcli() {
 }
 
 start() {
-  [[ -x "$bin/pivirt-agent" && -x "$bin/pvcli" && -x "$bin/pitrust" ]] || { echo "build first: make build"; exit 1; }
+  [[ -x "$bin/pivirt-agent" && -x "$bin/pvcli" && -x "$bin/pitrust" && -x "$bin/pivirtd-sim" ]] || { echo "build first: make build"; exit 1; }
   mkdir -p "$dir"
   pki
   for spec in "${nodes[@]}"; do
@@ -57,6 +59,12 @@ start() {
     if running "$dir/$name.pid"; then
       echo "$name already running (pid $(cat "$dir/$name.pid"))"
       continue
+    fi
+    sock="$dir/$name-sim.sock"
+    if ! running "$dir/$name-sim.pid"; then
+      "$bin/pivirtd-sim" --listen "unix://$sock" --data-dir "$dir/$name-sim" --host "$name" --log-format text \
+        >"$dir/$name-sim.log" 2>&1 &
+      echo $! >"$dir/$name-sim.pid"
     fi
     cat >"$dir/$name.yaml" <<YAML
 tls:
@@ -78,6 +86,24 @@ cluster:
     encrypt_key_file: $dir/gossip.key
 logging:
   format: text
+backends:
+  pivirtd:
+    endpoint: unix://$sock
+    timeout: 30s
+    retry:
+      max_attempts: 3
+      backoff: 100ms
+  iscsiman:
+    endpoint: unix://$sock
+    timeout: 10s
+routing:
+  rules:
+    - match: {prefix: /pivirt.vm.v1.VMService}
+      route: {cluster: pivirtd}
+    - match: {prefix: /pivirt.network.v1.NetworkService}
+      route: {cluster: pivirtd}
+    - match: {prefix: /pivirt.storage.v1.StorageService}
+      route: {cluster: iscsiman}
 YAML
     "$bin/pivirt-agent" --config "$dir/$name.yaml" \
       --node-name "$name" --data-dir "$dir/$name" \
@@ -106,6 +132,9 @@ any node (8443, 8453, 8463):
   pvcli --endpoint https://127.0.0.1:8453 config set log_level debug
   pvcli --endpoint https://127.0.0.1:8463 config history log_level
   pvcli --endpoint https://127.0.0.1:8443 snapshot save backup.tar.gz
+  pvcli --endpoint https://127.0.0.1:8453 vm create web-1 --vcpus 2 --memory-mib 2048 --owner alice
+  pvcli --endpoint https://127.0.0.1:8453 vm list       # each agent fronts its own (simulated) hypervisor
+  go tool grpcurl -cacert $certs/ca-chain.pem -cert $certs/operator.crt -key $certs/operator.key 127.0.0.1:8443 list
   pitrust inspect $certs/node1-server.crt
   kill \$(cat $dir/node1.pid)      # kill a node, then keep using the others
 Stop everything with: make cluster-stop
@@ -126,15 +155,17 @@ MSG
 stop() {
   for spec in "${nodes[@]}"; do
     read -r name _ <<<"$spec"
-    pidf="$dir/$name.pid"
-    if running "$pidf"; then
-      pid=$(cat "$pidf")
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -9 "$pid" 2>/dev/null || true
-      echo "stopped $name"
-    fi
-    rm -f "$pidf"
+    for proc in "$name" "$name-sim"; do
+      pidf="$dir/$proc.pid"
+      if running "$pidf"; then
+        pid=$(cat "$pidf")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2>/dev/null || true
+        echo "stopped $proc"
+      fi
+      rm -f "$pidf"
+    done
   done
 }
 

@@ -328,6 +328,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
 	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
+	if err := a.devBackends(); err != nil {
+		return err
+	}
 	if err := a.startMesh(); err != nil {
 		return err
 	}

@@ -8,6 +8,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"time"
@@ -24,6 +25,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/cmd/internal/sim"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -260,4 +262,48 @@ func (p apiServiceInfo) GetServiceInfo() map[string]grpc.ServiceInfo {
 		m[name] = info
 	}
 	return m
+}
+
+// devSimSocket is where --dev serves its simulated backend, in the data dir.
+const devSimSocket = "pivirtd-sim.sock"
+
+// devBackends gives --dev, when no backends are configured, an in-process
+// pivirtd-sim (pivirtd and iscsiman) on a unix socket in the data dir,
+// routed to as the local cluster routes: the VM and network APIs to
+// pivirtd, volumes to iscsiman.
+func (a *Agent) devBackends() error {
+	if !a.cfg.Dev || len(a.cfg.Backends) > 0 || len(a.cfg.Routing.Rules) > 0 {
+		return nil
+	}
+	s, err := sim.Open(sim.Config{DataDir: filepath.Join(a.dataDir, "sim"), Host: a.cfg.NodeName, Logger: a.logger.With("component", "pivirtd-sim")})
+	if err != nil {
+		return fmt.Errorf("dev backends: %w", err)
+	}
+	addr := "unix://" + filepath.Join(a.dataDir, devSimSocket)
+	ln, err := sim.Listen(addr)
+	if err != nil {
+		s.Close()
+		return fmt.Errorf("dev backends: %w", err)
+	}
+	gs := grpc.NewServer(append(s.ServerOptions(), grpc.MaxRecvMsgSize(cluster.MaxMessageBytes), grpc.MaxSendMsgSize(cluster.MaxMessageBytes))...)
+	s.Register(gs)
+	a.wg.Go(func() { _ = gs.Serve(ln) })
+	a.wg.Go(func() {
+		<-a.ctx.Done()
+		gs.Stop()
+		_ = s.Close()
+	})
+	cfg := *a.cfg // the caller's configuration stays as it was given
+	cfg.Backends = map[string]config.BackendConfig{
+		"pivirtd":  {Endpoint: addr, Timeout: config.Duration(30 * time.Second), Retry: config.RetryConfig{MaxAttempts: 3, Backoff: config.Duration(100 * time.Millisecond)}},
+		"iscsiman": {Endpoint: addr, Timeout: config.Duration(10 * time.Second)},
+	}
+	cfg.Routing.Rules = []config.RouteRule{
+		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[0].FullName())}, Route: config.RouteTarget{Cluster: "pivirtd"}},
+		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[2].FullName())}, Route: config.RouteTarget{Cluster: "pivirtd"}},
+		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[1].FullName())}, Route: config.RouteTarget{Cluster: "iscsiman"}},
+	}
+	a.cfg = &cfg
+	a.logger.Warn("dev mode: the VM, storage and network APIs go to an in-process pivirtd-sim (a simulator, not a hypervisor)", "socket", addr)
+	return nil
 }

@@ -26,6 +26,10 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/storage/v1/storagev1connect"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
 )
 
 // testPKI creates a PiTrust CA and, per node, a server certificate for
@@ -412,5 +416,23 @@ func TestDevModeTLS(t *testing.T) {
 	}
 	if cfg.TLS.CertFile != "" {
 		t.Errorf("the dev PKI changed the caller's configuration: tls.cert_file = %q", cfg.TLS.CertFile)
+	}
+
+	// --dev has a simulated pivirtd and iscsiman behind the VM, network
+	// and storage APIs.
+	vms := vmv1connect.NewVMServiceClient(httpsClient(t, chain, &op), "https://"+a.APIAddr())
+	created, err := vms.CreateVM(ctx, connect.NewRequest(&vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "dev-vm", Vcpus: 1, MemoryMib: 512}}))
+	if err != nil {
+		t.Fatalf("create a VM in dev mode: %v", err)
+	}
+	if _, err := vms.PowerOn(ctx, connect.NewRequest(&vmv1.PowerOnRequest{Id: created.Msg.GetVm().GetId()})); err != nil {
+		t.Errorf("power on in dev mode: %v", err)
+	}
+	vols := storagev1connect.NewStorageServiceClient(httpsClient(t, chain, &op), "https://"+a.APIAddr())
+	if _, err := vols.CreateVolume(ctx, connect.NewRequest(&storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "d", SizeBytes: 1 << 20}})); err != nil {
+		t.Errorf("create a volume in dev mode: %v", err)
+	}
+	if len(cfg.Backends) != 0 {
+		t.Errorf("the dev backends changed the caller's configuration: %v", cfg.Backends)
 	}
 }
