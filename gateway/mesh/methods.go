@@ -23,8 +23,9 @@ type methodInfo struct {
 var methodCache sync.Map // full method name → methodInfo
 
 // lookupMethod finds a method ("/pkg.Service/Method") in the protos linked
-// into the agent; a method it does not know is forwarded but never
-// retried.
+// into the program (protoregistry.GlobalFiles: the agent links the VM,
+// storage and network APIs); a method it does not know is forwarded but
+// never retried.
 func lookupMethod(fullMethod string) methodInfo {
 	if v, ok := methodCache.Load(fullMethod); ok {
 		return v.(methodInfo)
