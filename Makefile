@@ -44,7 +44,7 @@ check-generate: generate ## fail if the committed generated code is stale
 	@test -z "$$(git status --porcelain -- proto)" || { git status --porcelain -- proto; echo "untracked generated files: run make generate and commit"; exit 1; }
 
 .PHONY: bench
-bench: ## replicated-write and read benchmarks: pivirt-agent vs a 3-member etcd, same run
+bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run
 	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -timeout 60m ./cmd/internal/bench/
 
 .PHONY: cluster demo

@@ -88,9 +88,10 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 	return err
 }
 
-// forward sends the call to b: idempotent calls with one request message
-// may be tried again (Retry); every other call makes one attempt and is
-// relayed as a stream.
+// forward sends the call to b. A call with one request message (unary or
+// server streaming, known from the schema) is read first and, when
+// idempotent, may be tried again (Retry); any other call makes one attempt
+// relayed as a stream in both directions.
 func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 	b.inflight.Add(1)
 	defer b.inflight.Add(-1)
@@ -99,8 +100,14 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 	}
 	ctx := outgoingContext(ss.Context())
 	info := lookupMethod(method)
-	if info.known && info.idempotent && !info.clientStreams && b.cfg.Retry.MaxAttempts > 1 {
-		return p.forwardRetrying(ctx, ss, method, b)
+	if info.known && !info.clientStreams {
+		// One request message: read it first (no goroutine to pump the
+		// client's side), which also makes the call retryable.
+		attempts := 1
+		if info.idempotent {
+			attempts = max(1, b.cfg.Retry.MaxAttempts)
+		}
+		return p.forwardRetrying(ctx, ss, method, b, attempts)
 	}
 	ep, err := b.pick(nil)
 	if err != nil {
@@ -111,9 +118,10 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 }
 
 // forwardRetrying reads the single request message, then makes attempts
-// until one succeeds, sends anything to the client, fails with a code not
-// worth retrying, or attempts, budget or deadline run out.
-func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend) error {
+// (at most maxAttempts) until one succeeds, sends anything to the client,
+// fails with a code not worth retrying, or attempts, budget or deadline
+// run out.
+func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, maxAttempts int) error {
 	req := new(Frame)
 	if err := ss.RecvMsg(req); err != nil {
 		if errors.Is(err, io.EOF) {
@@ -136,7 +144,7 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 		}
 		tried = append(tried, ep)
 		res = p.attempt(ctx, ss, method, b, ep, req)
-		if res.err == nil || res.sent || n >= b.cfg.Retry.MaxAttempts || !res.retryable() {
+		if res.err == nil || res.sent || n >= maxAttempts || !res.retryable() {
 			return res.finish(ss)
 		}
 		wait := backoff(b.cfg.Retry.Backoff, n)
