@@ -412,12 +412,16 @@ func TestGatewayProtocols(t *testing.T) {
 
 	t.Run("health and reflection", func(t *testing.T) {
 		h := healthpb.NewHealthClient(conn)
-		for svc, want := range map[string]codes.Code{"": codes.OK, "pivirt.vm.v1.VMService": codes.OK, "pivirt.cluster.v1.ClusterService": codes.OK, "pivirt.network.v1.NetworkService": codes.NotFound} {
-			r, err := h.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
-			if status.Code(err) != want || (want == codes.OK && r.GetStatus() != healthpb.HealthCheckResponse_SERVING) {
-				t.Errorf("health of %q: %v, %v; want %v (SERVING)", svc, r, err, want)
+		// The statuses follow the node's state within healthInterval (1 s).
+		agenttest.Eventually(t, 10*time.Second, "health statuses", func() error {
+			for svc, want := range map[string]codes.Code{"": codes.OK, "pivirt.vm.v1.VMService": codes.OK, "pivirt.cluster.v1.ClusterService": codes.OK, "pivirt.network.v1.NetworkService": codes.NotFound} {
+				r, err := h.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+				if status.Code(err) != want || (want == codes.OK && r.GetStatus() != healthpb.HealthCheckResponse_SERVING) {
+					return fmt.Errorf("health of %q: %v, %v; want %v (SERVING)", svc, r, err, want)
+				}
 			}
-		}
+			return nil
+		})
 		for name, list := range map[string]func() ([]string, error){
 			"v1": func() ([]string, error) {
 				s, err := reflectionv1.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
