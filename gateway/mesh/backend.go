@@ -143,6 +143,9 @@ type Endpoint struct {
 	// active counts the calls in flight (least_connections).
 	active atomic.Int64
 	state  endpointState
+	// out mirrors state: unhealthy or ejected (read by picks without the
+	// lock).
+	out atomic.Bool
 }
 
 // Active is the number of calls in flight to the endpoint.
@@ -344,7 +347,7 @@ func (b *Backend) setAddrs(addrs []string) error {
 			return err
 		}
 		ep := &Endpoint{Addr: a, conn: conn}
-		ep.state.healthy = true // until checks say otherwise
+		ep.state.healthy = true // until checks say otherwise (out stays false)
 		next = append(next, ep)
 	}
 	slices.SortFunc(next, func(x, y *Endpoint) int { return strings.Compare(x.Addr, y.Addr) })
@@ -371,6 +374,9 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 	conn, err := grpc.NewClient(target,
 		grpc.WithTransportCredentials(creds),
 		grpc.WithAuthority(name),
+		grpc.WithInitialWindowSize(1<<20),
+		grpc.WithInitialConnWindowSize(4<<20),
+		grpc.WithSharedWriteBuffer(true),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(b.cfg.MaxMessageBytes),
 			grpc.MaxCallSendMsgSize(b.cfg.MaxMessageBytes),
@@ -400,22 +406,23 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	if len(eps) == 0 {
 		return nil, fmt.Errorf("backend %s has no endpoints (%s)", b.cfg.Name, b.cfg.Endpoint)
 	}
-	cands := make([]*Endpoint, 0, len(eps))
-	var unhealthy, ejected int
-	for _, e := range eps {
-		switch e.Status() {
-		case "unhealthy":
-			unhealthy++
-		case "ejected":
-			ejected++
-		default:
-			cands = append(cands, e)
+	cands := eps
+	if slices.ContainsFunc(eps, func(e *Endpoint) bool { return !e.available() }) || len(avoid) > 0 {
+		cands = make([]*Endpoint, 0, len(eps))
+		var unhealthy, ejected int
+		for _, e := range eps {
+			switch e.Status() {
+			case "unhealthy":
+				unhealthy++
+			case "ejected":
+				ejected++
+			default:
+				cands = append(cands, e)
+			}
 		}
-	}
-	if len(cands) == 0 {
-		return nil, fmt.Errorf("backend %s has no available endpoint: %d unhealthy, %d ejected of %d", b.cfg.Name, unhealthy, ejected, len(eps))
-	}
-	if len(avoid) > 0 {
+		if len(cands) == 0 {
+			return nil, fmt.Errorf("backend %s has no available endpoint: %d unhealthy, %d ejected of %d", b.cfg.Name, unhealthy, ejected, len(eps))
+		}
 		if fresh := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return slices.Contains(avoid, e) }); len(fresh) > 0 {
 			cands = fresh
 		}

@@ -52,10 +52,12 @@ type endpointState struct {
 }
 
 // available reports whether picks may choose the endpoint.
-func (e *Endpoint) available() bool {
-	e.state.mu.Lock()
-	defer e.state.mu.Unlock()
-	return e.state.healthy && e.state.ejectedUntil.IsZero()
+func (e *Endpoint) available() bool { return !e.out.Load() }
+
+// syncOut mirrors the state into the lock-free flag picks read; the
+// caller holds e.state.mu.
+func (e *Endpoint) syncOut() {
+	e.out.Store(!e.state.healthy || !e.state.ejectedUntil.IsZero())
 }
 
 // Status describes an endpoint for operators: "healthy", "unhealthy" or
@@ -139,6 +141,7 @@ func (b *Backend) eject(e *Endpoint, code codes.Code) {
 		d = max
 	}
 	e.state.ejectedUntil = b.now().Add(d)
+	e.syncOut()
 	n := e.state.consecutive
 	e.state.mu.Unlock()
 	b.logger.Warn("endpoint ejected", "endpoint", e.Addr, "consecutive_failures", n, "last_code", code.String(), "for", d)
@@ -157,6 +160,7 @@ func (b *Backend) sweep() {
 		case !e.state.ejectedUntil.IsZero() && !now.Before(e.state.ejectedUntil):
 			e.state.ejectedUntil = time.Time{}
 			e.state.consecutive = 0
+			e.syncOut()
 			e.state.mu.Unlock()
 			b.logger.Info("endpoint returned after its ejection", "endpoint", e.Addr)
 			continue
@@ -225,6 +229,7 @@ func (b *Backend) check(ctx context.Context, e *Endpoint) {
 		}
 	}
 	healthy := e.state.healthy
+	e.syncOut()
 	e.state.mu.Unlock()
 	if !changed {
 		return

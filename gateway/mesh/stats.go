@@ -2,6 +2,7 @@ package mesh
 
 import (
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -14,11 +15,13 @@ import (
 // pivirt_mesh_active_connections{service}. service is the backend cluster;
 // status is the HTTP status equivalent of the call's gRPC code.
 type Stats struct {
-	requests *prometheus.CounterVec
-	duration *prometheus.HistogramVec
-	inflight *prometheus.GaugeVec
-	retries  *prometheus.CounterVec
-	ejected  *prometheus.CounterVec
+	// byService caches each cluster's metric children (*serviceStats).
+	byService sync.Map
+	requests  *prometheus.CounterVec
+	duration  *prometheus.HistogramVec
+	inflight  *prometheus.GaugeVec
+	retries   *prometheus.CounterVec
+	ejected   *prometheus.CounterVec
 }
 
 // NewStats registers the metrics with reg.
@@ -50,9 +53,33 @@ func NewStats(reg prometheus.Registerer) *Stats {
 	return s
 }
 
+// serviceStats are one cluster's metric children, looked up once.
+type serviceStats struct {
+	duration prometheus.Observer
+	inflight prometheus.Gauge
+	requests [codes.Unauthenticated + 1]prometheus.Counter
+}
+
+func (s *Stats) service(name string) *serviceStats {
+	if v, ok := s.byService.Load(name); ok {
+		return v.(*serviceStats)
+	}
+	ss := &serviceStats{duration: s.duration.WithLabelValues(name), inflight: s.inflight.WithLabelValues(name)}
+	for c := range ss.requests {
+		ss.requests[c] = s.requests.WithLabelValues(name, strconv.Itoa(HTTPStatus(codes.Code(c))))
+	}
+	v, _ := s.byService.LoadOrStore(name, ss)
+	return v.(*serviceStats)
+}
+
 func (s *Stats) observe(service string, code codes.Code, d time.Duration) {
-	s.requests.WithLabelValues(service, strconv.Itoa(HTTPStatus(code))).Inc()
-	s.duration.WithLabelValues(service).Observe(d.Seconds())
+	ss := s.service(service)
+	if int(code) < len(ss.requests) {
+		ss.requests[code].Inc()
+	} else {
+		s.requests.WithLabelValues(service, strconv.Itoa(HTTPStatus(code))).Inc()
+	}
+	ss.duration.Observe(d.Seconds())
 }
 
 func (s *Stats) retry(service string) { s.retries.WithLabelValues(service).Inc() }
@@ -61,7 +88,7 @@ func (s *Stats) retry(service string) { s.retries.WithLabelValues(service).Inc()
 func (s *Stats) Ejected(service string) { s.ejected.WithLabelValues(service).Inc() }
 
 func (s *Stats) active(service string) func() {
-	g := s.inflight.WithLabelValues(service)
+	g := s.service(service).inflight
 	g.Inc()
 	return g.Dec
 }
