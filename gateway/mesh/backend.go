@@ -376,7 +376,6 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 		grpc.WithAuthority(name),
 		grpc.WithInitialWindowSize(1<<20),
 		grpc.WithInitialConnWindowSize(4<<20),
-		grpc.WithSharedWriteBuffer(true),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(b.cfg.MaxMessageBytes),
 			grpc.MaxCallSendMsgSize(b.cfg.MaxMessageBytes),

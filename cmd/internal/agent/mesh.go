@@ -158,11 +158,10 @@ func (a *Agent) proxyServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.UnknownServiceHandler(a.proxy.Handle),
 		grpc.ForceServerCodecV2(mesh.Codec()),
-		// Static flow-control windows (no BDP probing) and one shared
-		// write buffer: less per-call work on a port that forwards.
+		// Static flow-control windows (no BDP probing): less per-call
+		// work on a port that forwards.
 		grpc.InitialWindowSize(1 << 20),
 		grpc.InitialConnWindowSize(4 << 20),
-		grpc.SharedWriteBuffer(true),
 	}
 }
 
