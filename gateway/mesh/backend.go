@@ -32,6 +32,14 @@ const (
 // dnsRefresh is how often dns:/// endpoints are resolved again.
 const dnsRefresh = 30 * time.Second
 
+// panicThreshold: below this share of available endpoints (percent),
+// picks ignore health and ejection (Envoy's default panic threshold).
+const panicThreshold = 50
+
+// drainLimit bounds how long an endpoint gone from the endpoint list
+// keeps serving the calls it has in flight before its connection closes.
+const drainLimit = 10 * time.Minute
+
 // BackendConfig configures a backend cluster.
 type BackendConfig struct {
 	// Name is the cluster's name (backends.<name>).
@@ -166,11 +174,12 @@ type Backend struct {
 	// max_ejection_percent check.
 	ejectMu sync.Mutex
 	// inflight counts the cluster's calls, retries its retries in flight
-	// (the retry budget).
-	inflight, retries atomic.Int64
+	// (the retry budget); panics the picks made in panic mode.
+	inflight, retries, panics atomic.Int64
 
-	stop context.CancelFunc
-	wg   sync.WaitGroup
+	stop    context.CancelFunc
+	closing chan struct{} // closed by Close
+	wg      sync.WaitGroup
 }
 
 // NewBackend parses cfg and connects to the endpoints it names (lazily:
@@ -221,7 +230,7 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name)}
+	b := &Backend{cfg: cfg, target: t, logger: logger.With("backend", cfg.Name), closing: make(chan struct{})}
 	ctx, cancel := context.WithCancel(context.Background())
 	b.stop = cancel
 	var addrs []string
@@ -237,6 +246,7 @@ func NewBackend(cfg BackendConfig) (*Backend, error) {
 	case t.registry != "":
 		b.wg.Go(func() {
 			cfg.Registry(ctx, t.registry, func(addrs []string) {
+				addrs = slices.Clone(addrs)
 				slices.Sort(addrs)
 				if err := b.setAddrs(slices.Compact(addrs)); err != nil && ctx.Err() == nil {
 					b.logger.Error("backend endpoints from the registry not applied", "service", t.registry, "error", err)
@@ -338,27 +348,50 @@ func (b *Backend) setAddrs(addrs []string) error {
 			gone = append(gone, e)
 		}
 	}
+	var dialed []*Endpoint
 	for _, a := range addrs {
 		if slices.ContainsFunc(next, func(e *Endpoint) bool { return e.Addr == a }) {
 			continue
 		}
 		conn, err := b.dial(a)
 		if err != nil {
+			for _, e := range dialed {
+				_ = e.conn.Close()
+			}
 			return err
 		}
 		ep := &Endpoint{Addr: a, conn: conn}
-		ep.state.healthy = true // until checks say otherwise (out stays false)
-		next = append(next, ep)
+		ep.state.healthy = true // until checks say otherwise
+		dialed = append(dialed, ep)
 	}
+	next = append(next, dialed...)
 	slices.SortFunc(next, func(x, y *Endpoint) int { return strings.Compare(x.Addr, y.Addr) })
 	b.endpoints = next
 	for _, e := range gone {
-		_ = e.conn.Close()
+		// Calls in flight (a watch, an upload) finish first.
+		b.wg.Go(func() { b.drain(e) })
 	}
 	if len(gone) > 0 || len(next) != len(addrs) {
 		b.logger.Info("backend endpoints changed", "endpoints", addrs)
 	}
 	return nil
+}
+
+// drain closes the connection of an endpoint no longer listed once its
+// calls ended, or after drainLimit, or when the backend closes.
+func (b *Backend) drain(e *Endpoint) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	limit := time.Now().Add(drainLimit)
+	for e.active.Load() > 0 && time.Now().Before(limit) {
+		select {
+		case <-b.closing:
+			_ = e.conn.Close()
+			return
+		case <-t.C:
+		}
+	}
+	_ = e.conn.Close()
 }
 
 func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
@@ -408,19 +441,17 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	cands := eps
 	if slices.ContainsFunc(eps, func(e *Endpoint) bool { return !e.available() }) || len(avoid) > 0 {
 		cands = make([]*Endpoint, 0, len(eps))
-		var unhealthy, ejected int
 		for _, e := range eps {
-			switch e.Status() {
-			case "unhealthy":
-				unhealthy++
-			case "ejected":
-				ejected++
-			default:
+			if e.available() {
 				cands = append(cands, e)
 			}
 		}
-		if len(cands) == 0 {
-			return nil, fmt.Errorf("backend %s has no available endpoint: %d unhealthy, %d ejected of %d", b.cfg.Name, unhealthy, ejected, len(eps))
+		// Envoy's panic threshold: with fewer than half the endpoints
+		// available, spread over all of them rather than overload the
+		// few left (or fail every call when none is).
+		if len(cands)*100 < panicThreshold*len(eps) {
+			b.panics.Add(1)
+			cands = slices.Clone(eps)
 		}
 		if fresh := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return slices.Contains(avoid, e) }); len(fresh) > 0 {
 			cands = fresh
@@ -469,6 +500,7 @@ func (b *Backend) retryAllowed() (release func(), ok bool) {
 // Close closes every connection.
 func (b *Backend) Close() error {
 	b.stop()
+	close(b.closing)
 	b.wg.Wait()
 	b.mu.Lock()
 	defer b.mu.Unlock()

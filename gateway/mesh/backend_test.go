@@ -118,3 +118,152 @@ func TestHTTPStatus(t *testing.T) {
 		}
 	}
 }
+
+// fakeClock is a settable clock for ejections.
+type fakeClock struct{ now time.Time }
+
+func (c *fakeClock) Now() time.Time { return c.now }
+
+// ejectionBackend is a backend of n unix endpoints (never dialled: only
+// the ejection bookkeeping runs) with consecutive_5xx 2.
+func ejectionBackend(t *testing.T, n, maxPercent int, clock *fakeClock) *Backend {
+	t.Helper()
+	b, err := NewBackend(BackendConfig{Name: "t", Endpoint: "unix:///nonexistent/0.sock", Now: clock.Now,
+		Outlier: Outlier{Enabled: true, Consecutive5xx: 2, Interval: time.Hour, BaseEjectionTime: 10 * time.Second, MaxEjectionPercent: maxPercent}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	var addrs []string
+	for i := range n {
+		addrs = append(addrs, "unix:///nonexistent/"+string(rune('a'+i))+".sock")
+	}
+	if err := b.setAddrs(addrs); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func statuses(b *Backend) map[string]int {
+	out := map[string]int{}
+	for _, e := range b.Endpoints() {
+		out[e.Status()]++
+	}
+	return out
+}
+
+func TestEjection(t *testing.T) {
+	clock := &fakeClock{now: time.Unix(1000, 0)}
+	b := ejectionBackend(t, 4, 50, clock)
+	eps := b.Endpoints()
+	fail := func(e *Endpoint) { b.report(e, codes.Unavailable, false) }
+
+	// A success in between resets the count.
+	fail(eps[0])
+	b.report(eps[0], codes.NotFound, false)
+	fail(eps[0])
+	if eps[0].Status() != "healthy" {
+		t.Fatal("ejected without consecutive failures")
+	}
+	fail(eps[0])
+	if eps[0].Status() != "ejected" {
+		t.Fatal("not ejected after consecutive_5xx failures")
+	}
+	// Cancellations and the caller's deadline say nothing.
+	for range 5 {
+		b.report(eps[1], codes.Canceled, false)
+		b.report(eps[1], codes.DeadlineExceeded, false)
+	}
+	if eps[1].Status() != "healthy" {
+		t.Error("cancelled calls or the caller's deadline ejected an endpoint")
+	}
+	// 50% of 4: a second ejection is allowed, a third is not.
+	fail(eps[1])
+	fail(eps[1])
+	fail(eps[2])
+	fail(eps[2])
+	if got := statuses(b); got["ejected"] != 2 {
+		t.Errorf("statuses %v, want exactly 2 ejected of 4 at 50%%", got)
+	}
+	// The ejection lasts base_ejection_time, then a sweep ends it.
+	clock.now = clock.now.Add(9 * time.Second)
+	b.sweep()
+	if eps[0].Status() != "ejected" {
+		t.Error("back before base_ejection_time")
+	}
+	clock.now = clock.now.Add(2 * time.Second)
+	b.sweep()
+	if eps[0].Status() != "healthy" || eps[1].Status() != "healthy" {
+		t.Errorf("not back after base_ejection_time: %v", statuses(b))
+	}
+	// A second ejection lasts twice as long (the multiplier), unless
+	// sweeps without an ejection brought it down first.
+	fail(eps[0])
+	fail(eps[0])
+	clock.now = clock.now.Add(11 * time.Second)
+	b.sweep()
+	if eps[0].Status() != "ejected" {
+		t.Error("a second ejection did not last twice base_ejection_time")
+	}
+	clock.now = clock.now.Add(10 * time.Second)
+	b.sweep()
+	if eps[0].Status() != "healthy" {
+		t.Error("not back after twice base_ejection_time")
+	}
+}
+
+// TestSoleEndpointNotEjected: a cluster of one endpoint is never emptied
+// by ejection (the share after it would exceed any maximum below 100%).
+func TestSoleEndpointNotEjected(t *testing.T) {
+	b := ejectionBackend(t, 1, 50, &fakeClock{now: time.Unix(1000, 0)})
+	e := b.Endpoints()[0]
+	for range 10 {
+		b.report(e, codes.Internal, false)
+	}
+	if e.Status() != "healthy" {
+		t.Errorf("the only endpoint is %s", e.Status())
+	}
+	if ep, err := b.pick(nil); err != nil || ep != e {
+		t.Errorf("pick = %v, %v", ep, err)
+	}
+}
+
+// TestPanicRouting: with fewer than half the endpoints available, picks
+// spread over all of them.
+func TestPanicRouting(t *testing.T) {
+	b := ejectionBackend(t, 3, 100, &fakeClock{now: time.Unix(1000, 0)})
+	eps := b.Endpoints()
+	for _, e := range eps[:2] {
+		b.report(e, codes.Internal, false)
+		b.report(e, codes.Internal, false)
+	}
+	seen := map[*Endpoint]bool{}
+	for range 30 {
+		e, err := b.pick(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[e] = true
+	}
+	if len(seen) != 3 {
+		t.Errorf("with 1 of 3 available, picks reached %d endpoints, want all 3 (panic routing)", len(seen))
+	}
+}
+
+func TestMatchPrefix(t *testing.T) {
+	for _, c := range []struct {
+		method, prefix string
+		want           bool
+	}{
+		{"/pivirt.vm.v1.VMService/GetVM", "/pivirt.vm.v1.VMService", true},
+		{"/pivirt.vm.v1.VMService/GetVM", "/pivirt.vm.v1.VMService/", true},
+		{"/pivirt.vm.v1.VMService/GetVM", "/pivirt.vm.v1.VMService/GetVM", true},
+		{"/pivirt.vm.v1.VMServiceAdmin/Wipe", "/pivirt.vm.v1.VMService", false},
+		{"/pivirt.vm.v1.VMService/GetVMs", "/pivirt.vm.v1.VMService/GetVM", false},
+		{"/pivirt.vm.v1.VMService/GetVM", "/pivirt.storage", false},
+	} {
+		if got := matchPrefix(c.method, c.prefix); got != c.want {
+			t.Errorf("matchPrefix(%q, %q) = %v, want %v", c.method, c.prefix, got, c.want)
+		}
+	}
+}

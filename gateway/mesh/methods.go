@@ -44,6 +44,9 @@ func lookupMethod(fullMethod string) methodInfo {
 			}
 		}
 	}
-	methodCache.Store(fullMethod, info)
+	if info.known {
+		// Only schema methods are cached: callers choose the names.
+		methodCache.Store(fullMethod, info)
+	}
 	return info
 }

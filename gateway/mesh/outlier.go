@@ -31,8 +31,8 @@ type Outlier struct {
 	// MaxEjectionTime) is how long an ejection lasts.
 	BaseEjectionTime time.Duration
 	MaxEjectionTime  time.Duration
-	// MaxEjectionPercent: no ejection while this share of the cluster's
-	// endpoints is ejected already.
+	// MaxEjectionPercent: no ejection that would leave more than this share
+	// of the cluster's endpoints ejected.
 	MaxEjectionPercent int
 }
 
@@ -111,8 +111,8 @@ func (b *Backend) report(e *Endpoint, code codes.Code, perTryTimeout bool) {
 	}
 }
 
-// eject takes e out of the rotation unless MaxEjectionPercent of the
-// cluster is out already (as Envoy: the share before this ejection).
+// eject takes e out of the rotation unless the ejected share of the
+// cluster would exceed MaxEjectionPercent.
 func (b *Backend) eject(e *Endpoint, code codes.Code) {
 	b.ejectMu.Lock()
 	defer b.ejectMu.Unlock()
@@ -125,7 +125,9 @@ func (b *Backend) eject(e *Endpoint, code codes.Code) {
 		}
 		x.state.mu.Unlock()
 	}
-	if len(eps) == 0 || ejected*100/len(eps) >= b.cfg.Outlier.MaxEjectionPercent {
+	// As Envoy (1.31 on): the share after this ejection may not exceed
+	// the maximum, so a cluster of one endpoint is never emptied.
+	if len(eps) == 0 || (ejected+1)*100 > b.cfg.Outlier.MaxEjectionPercent*len(eps) {
 		b.logger.Warn("endpoint failing but not ejected: circuit_breaking.thresholds.max_ejection_percent reached",
 			"endpoint", e.Addr, "ejected", ejected, "endpoints", len(eps), "max_ejection_percent", b.cfg.Outlier.MaxEjectionPercent)
 		return
@@ -215,11 +217,17 @@ func (b *Backend) check(ctx context.Context, e *Endpoint) {
 	ok := err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
 	e.state.mu.Lock()
 	var changed bool
+	var unejected bool
 	if ok {
 		e.state.hcFails = 0
 		e.state.hcSuccess++
 		if !e.state.healthy && e.state.hcSuccess >= hc.HealthyThreshold {
 			e.state.healthy, changed = true, true
+		}
+		// A passing active check ends an ejection (Envoy's
+		// successful_active_health_check_uneject_host).
+		if !e.state.ejectedUntil.IsZero() {
+			e.state.ejectedUntil, e.state.consecutive, unejected = time.Time{}, 0, true
 		}
 	} else {
 		e.state.hcSuccess = 0
@@ -231,6 +239,9 @@ func (b *Backend) check(ctx context.Context, e *Endpoint) {
 	healthy := e.state.healthy
 	e.syncOut()
 	e.state.mu.Unlock()
+	if unejected {
+		b.logger.Info("endpoint returned: an active health check passed", "endpoint", e.Addr)
+	}
 	if !changed {
 		return
 	}

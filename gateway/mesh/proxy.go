@@ -57,11 +57,22 @@ func (p *Proxy) Route(method string) *Backend {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	for _, r := range p.routes {
-		if strings.HasPrefix(method, r.Prefix) {
+		if matchPrefix(method, r.Prefix) {
 			return r.Backend
 		}
 	}
 	return nil
+}
+
+// matchPrefix matches a route prefix on name boundaries: the prefix
+// "/pivirt.vm.v1.VMService" covers "/pivirt.vm.v1.VMService/GetVM", not
+// "/pivirt.vm.v1.VMServiceAdmin/...".
+func matchPrefix(method, prefix string) bool {
+	if !strings.HasPrefix(method, prefix) {
+		return false
+	}
+	rest := method[len(prefix):]
+	return rest == "" || strings.HasSuffix(prefix, "/") || strings.HasPrefix(rest, "/")
 }
 
 // bidi describes every call as bidi streaming: the proxy does not need the
@@ -100,6 +111,9 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 	}
 	ctx := outgoingContext(ss.Context())
 	info := lookupMethod(method)
+	// The per-try timeout bounds unary calls only: a stream (a watch, a
+	// console, an upload) lives as long as its caller wants.
+	unary := info.known && !info.clientStreams && !info.serverStreams
 	if info.known && !info.clientStreams {
 		// One request message: read it first (no goroutine to pump the
 		// client's side), which also makes the call retryable.
@@ -107,13 +121,13 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 		if info.idempotent {
 			attempts = max(1, b.cfg.Retry.MaxAttempts)
 		}
-		return p.forwardRetrying(ctx, ss, method, b, attempts)
+		return p.forwardRetrying(ctx, ss, method, b, attempts, unary)
 	}
 	ep, err := b.pick(nil)
 	if err != nil {
 		return status.Error(codes.Unavailable, err.Error())
 	}
-	res := p.attempt(ctx, ss, method, b, ep, nil)
+	res := p.attempt(ctx, ss, method, b, ep, nil, false)
 	return res.finish(ss)
 }
 
@@ -121,7 +135,7 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 // (at most maxAttempts) until one succeeds, sends anything to the client,
 // fails with a code not worth retrying, or attempts, budget or deadline
 // run out.
-func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, maxAttempts int) error {
+func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, maxAttempts int, unary bool) error {
 	req := new(Frame)
 	if err := ss.RecvMsg(req); err != nil {
 		if errors.Is(err, io.EOF) {
@@ -143,7 +157,21 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 			return status.Error(codes.Unavailable, err.Error())
 		}
 		tried = append(tried, ep)
-		res = p.attempt(ctx, ss, method, b, ep, req)
+		if n == 1 {
+			res = p.attempt(ctx, ss, method, b, ep, req, unary)
+		} else {
+			// A retry holds a slot of the budget while it runs.
+			release, ok := b.retryAllowed()
+			if !ok {
+				p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
+				return res.finish(ss)
+			}
+			if p.stats != nil {
+				p.stats.retry(b.Name())
+			}
+			res = p.attempt(ctx, ss, method, b, ep, req, unary)
+			release()
+		}
 		if res.err == nil || res.sent || n >= maxAttempts || !res.retryable() {
 			return res.finish(ss)
 		}
@@ -151,24 +179,13 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
 			return res.finish(ss) // no time left for another attempt
 		}
-		release, ok := b.retryAllowed()
-		if !ok {
-			p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
-			return res.finish(ss)
-		}
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			release()
 			return status.FromContextError(ctx.Err()).Err()
 		case <-t.C:
 		}
-		if p.stats != nil {
-			p.stats.retry(b.Name())
-		}
-		// The retry counts against the budget while it runs.
-		defer release()
 	}
 }
 
@@ -190,9 +207,12 @@ type attemptResult struct {
 	sent bool
 	// perTryTimeout: the attempt's own timeout fired (not the caller's).
 	perTryTimeout bool
-	// header and trailer of the backend, for the client when this is the
-	// final attempt.
-	header, trailer metadata.MD
+	// clientGone: sending to the client failed; says nothing of the
+	// backend.
+	clientGone bool
+	// trailer of the backend, for the client when this is the final
+	// attempt.
+	trailer metadata.MD
 }
 
 // retryable reports whether the failure is worth another attempt.
@@ -201,38 +221,49 @@ func (r attemptResult) retryable() bool {
 	return code == codes.Unavailable || (code == codes.DeadlineExceeded && r.perTryTimeout)
 }
 
-// finish answers the client with the attempt's outcome: its trailer, and
-// its header when no message carried it already.
+// finish answers the client with the attempt's outcome and trailer.
 func (r attemptResult) finish(ss grpc.ServerStream) error {
 	ss.SetTrailer(r.trailer)
-	if !r.sent && len(r.header) > 0 {
-		_ = ss.SetHeader(r.header)
-	}
 	return r.err
 }
 
 // attempt makes one call on ep. With req set it sends that message and
 // closes the request side; otherwise it relays the client's messages as
-// they come. Responses are relayed to the client as they come.
-func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, ep *Endpoint, req *Frame) (res attemptResult) {
+// they come. The backend's header goes to the client as soon as it
+// arrives (after that the call is the backend's: no retry), its messages
+// as they come. With timeout set, backends.<name>.timeout bounds the
+// attempt.
+func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, ep *Endpoint, req *Frame, timeout bool) (res attemptResult) {
 	ep.active.Add(1)
 	defer ep.active.Add(-1)
-	defer func() { b.report(ep, status.Code(res.err), res.perTryTimeout) }()
+	defer func() {
+		if !res.clientGone {
+			b.report(ep, status.Code(res.err), res.perTryTimeout)
+		}
+	}()
 
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	tctx := actx
-	if b.cfg.Timeout > 0 {
-		var tcancel context.CancelFunc
-		tctx, tcancel = context.WithTimeout(actx, b.cfg.Timeout)
-		defer tcancel()
+	var tryDeadline time.Time
+	if timeout && b.cfg.Timeout > 0 {
+		tryDeadline = time.Now().Add(b.cfg.Timeout)
+		if dl, ok := ctx.Deadline(); !ok || tryDeadline.Before(dl) {
+			var tcancel context.CancelFunc
+			tctx, tcancel = context.WithDeadline(actx, tryDeadline)
+			defer tcancel()
+		} else {
+			tryDeadline = time.Time{} // the caller's deadline binds first
+		}
 	}
-	timedOut := func() bool {
-		return errors.Is(tctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
+	// perTry tells an attempt timeout from the caller's deadline by which
+	// deadline bound the attempt, not by which context noticed first.
+	perTry := func(err error) bool {
+		return !tryDeadline.IsZero() && status.Code(err) == codes.DeadlineExceeded
 	}
 	cs, err := ep.conn.NewStream(tctx, bidi, method)
 	if err != nil {
-		return attemptResult{err: err, perTryTimeout: timedOut()}
+		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}
 	if req != nil {
 		if err := cs.SendMsg(req); err == nil {
@@ -262,36 +293,36 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	}
 
 	// Backend to client. A backend answering with trailers only (an
-	// error before any message) is answered with trailers only too.
+	// error before any header) is answered with trailers only too: its
+	// Header is nil.
 	hdr, _ := cs.Header()
-	res.header = responseMetadata(hdr)
+	if hdr != nil {
+		if err := ss.SendHeader(responseMetadata(hdr)); err != nil {
+			res.err, res.clientGone = err, true
+			return res
+		}
+		res.sent = true
+	}
 	for {
 		f := new(Frame)
 		err := cs.RecvMsg(f)
 		if err != nil {
 			res.trailer = responseMetadata(cs.Trailer())
 			if !errors.Is(err, io.EOF) {
-				res.err, res.perTryTimeout = err, timedOut()
+				res.err, res.perTryTimeout = err, perTry(err)
 				if res.perTryTimeout {
 					res.err = status.Errorf(codes.DeadlineExceeded, "backend %s: attempt timed out after %s (backends.%s.timeout)", b.Name(), b.cfg.Timeout, b.Name())
 				}
 			}
 			return res
 		}
-		if !res.sent {
-			if err := ss.SendHeader(res.header); err != nil {
-				f.Free()
-				res.err = err
-				return res
-			}
-			res.sent = true
-		}
 		err = ss.SendMsg(f)
 		f.Free()
 		if err != nil {
-			res.err = err
+			res.err, res.clientGone = err, true
 			return res
 		}
+		res.sent = true
 	}
 }
 
@@ -303,6 +334,9 @@ var hopHeaders = map[string]bool{
 	"grpc-timeout": true, "grpc-encoding": true, "grpc-accept-encoding": true,
 	"grpc-status": true, "grpc-message": true, "grpc-status-details-bin": true,
 	"content-length": true, "accept-encoding": true, "content-encoding": true,
+	// The caller's credentials are for the gateway, which authenticates
+	// it; backends see the agent's own identity (mutual TLS).
+	"authorization": true, "cookie": true,
 }
 
 // outgoingContext carries the caller's metadata (without hop headers) to

@@ -105,8 +105,11 @@ func (a *Agent) registryEndpoints(ctx context.Context, service string, update fu
 		ws := memdb.NewWatchSet()
 		_, insts, err := a.fsm.State().Services(service, ws)
 		if err != nil {
-			a.logger.Error("registry endpoints", "service", service, "error", err)
-			return
+			a.logger.Error("registry endpoints: reading the services table failed; retrying", "service", service, "error", err)
+			if !sleepCtx(ctx, time.Second) {
+				return
+			}
+			continue
 		}
 		addrs := make([]string, 0, len(insts))
 		for _, in := range insts {

@@ -279,6 +279,10 @@ func TestGatewayProtocols(t *testing.T) {
 			if hdr.Get(sim.EchoHeader) != "req-"+name || trl.Get(sim.EchoHeader+"-trailer") != "req-"+name {
 				t.Errorf("header %v, trailer %v: want the echo of the request header in both", hdr, trl)
 			}
+			// The caller's deadline (30 s) reached the backend.
+			if ms, err := strconv.Atoi(hdr.Get(sim.DeadlineHeader)); err != nil || ms <= 0 || ms > 30_000 {
+				t.Errorf("the backend saw deadline %q ms; want the caller's, at most 30000", hdr.Get(sim.DeadlineHeader))
+			}
 
 			// An error with details; the trailer comes back too.
 			_, _, trl, err = api.get(ctx, "vm-missing", "err-"+name)
@@ -739,13 +743,48 @@ func TestGatewayOutlierEjection(t *testing.T) {
 		return nil
 	})
 
-	// Everything fails: at most half the endpoints are ejected.
+	// Everything fails: no ejection may leave more than half the
+	// endpoints out, so with 3 endpoints at most 1 is ejected.
 	for _, s := range m.sims {
 		s.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable)})
 	}
 	m.list(t, 30)
-	if !m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 2`) {
-		t.Errorf("with every endpoint failing, want exactly 2 of 3 ejected (50%% max):\n%s", grepLines(httpGet(t, "http://"+m.node.MetricsAddr()+"/metrics"), "pivirt_mesh_endpoints"))
+	if !m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 1`) {
+		t.Errorf("with every endpoint failing, want exactly 1 of 3 ejected (50%% max):\n%s", grepLines(httpGet(t, "http://"+m.node.MetricsAddr()+"/metrics"), "pivirt_mesh_endpoints"))
+	}
+}
+
+// TestGatewayStreamsOutliveTheTimeout: backends.<name>.timeout bounds
+// unary attempts only; a watch stays open past it, and ending it counts
+// nothing against the endpoint.
+func TestGatewayStreamsOutliveTheTimeout(t *testing.T) {
+	m := startMeshCluster(t, func(cfg *config.Config) {
+		b := cfg.Backends["pivirtd"]
+		b.Timeout = config.Duration(300 * time.Millisecond)
+		cfg.Backends["pivirtd"] = b
+		cfg.CircuitBreaking.Enabled = true
+		cfg.CircuitBreaking.Thresholds = config.CircuitBreakerThresholds{Consecutive5xx: 1, Interval: config.Duration(time.Second),
+			BaseEjectionTime: config.Duration(time.Minute), MaxEjectionPercent: 100}
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+	defer cancel()
+	w, err := m.vm.WatchVMs(ctx, &vmv1.WatchVMsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last error
+	for {
+		if _, last = w.Recv(); last != nil {
+			break
+		}
+	}
+	// The caller's own deadline (1 s) ended the watch, not the 300 ms
+	// per-try timeout.
+	if st := status.Convert(last); st.Code() != codes.DeadlineExceeded || strings.Contains(st.Message(), "attempt timed out") {
+		t.Errorf("watch ended with %v, want the caller's deadline", last)
+	}
+	if m.metric(t, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 1`) {
+		t.Error("a watch ended by its caller ejected the endpoint")
 	}
 }
 

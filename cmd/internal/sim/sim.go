@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -183,10 +184,20 @@ const EchoHeader = "x-sim-echo"
 func echo(ctx context.Context, header, trailer func(metadata.MD)) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	if v := md.Get(EchoHeader); len(v) > 0 {
-		header(metadata.MD{EchoHeader: v})
+		h := metadata.MD{EchoHeader: v}
+		if dl, ok := ctx.Deadline(); ok {
+			// The deadline the call arrived with, for tests of its
+			// propagation.
+			h.Set(DeadlineHeader, strconv.FormatInt(time.Until(dl).Milliseconds(), 10))
+		}
+		header(h)
 		trailer(metadata.MD{EchoHeader + "-trailer": v})
 	}
 }
+
+// DeadlineHeader carries, with EchoHeader, the milliseconds left of the
+// call's deadline when it arrived.
+const DeadlineHeader = "x-sim-deadline-ms"
 
 // faults holds the installed faults and the call counters.
 type faults struct {

@@ -172,14 +172,18 @@ func (s *vmService) Reboot(_ context.Context, r *vmv1.RebootRequest) (*vmv1.Rebo
 // WatchVMs sends every VM (of the owner, when set) as EXISTING, then
 // every change, until the client leaves or falls behind.
 func (s *vmService) WatchVMs(r *vmv1.WatchVMsRequest, stream grpc.ServerStreamingServer[vmv1.WatchVMsResponse]) error {
+	// Subscribed before listing, so no change is missed; a change the
+	// listing already shows is not sent again.
 	sub := s.watch.subscribe()
 	defer s.watch.unsubscribe(sub)
+	listed := make(map[string]uint64)
 	for token := ""; ; {
 		vms, next, err := s.vms.list(maxPageSize, token, r.GetOwner())
 		if err != nil {
 			return err
 		}
 		for _, vm := range vms {
+			listed[vm.GetId()] = vm.GetMetadata().GetRevision()
 			if err := stream.Send(&vmv1.WatchVMsResponse{Type: vmv1.EventType_EVENT_TYPE_EXISTING, Vm: vm}); err != nil {
 				return err
 			}
@@ -200,6 +204,9 @@ func (s *vmService) WatchVMs(r *vmv1.WatchVMsRequest, stream grpc.ServerStreamin
 				return status.Error(codes.Unavailable, errStopped.Error())
 			}
 			if r.GetOwner() != "" && ev.GetVm().GetMetadata().GetOwner() != r.GetOwner() {
+				continue
+			}
+			if rev, ok := listed[ev.GetVm().GetId()]; ok && ev.GetType() != vmv1.EventType_EVENT_TYPE_DELETED && ev.GetVm().GetMetadata().GetRevision() <= rev {
 				continue
 			}
 			if err := stream.Send(ev); err != nil {
