@@ -124,16 +124,15 @@ func (a *app) newVolumeCmd() *cobra.Command {
 		Args:  positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				var all []*storagev1.Volume
-				for token := ""; ; {
-					resp, err := c.storage.ListVolumes(ctx, connect.NewRequest(&storagev1.ListVolumesRequest{Owner: listOwner, PageToken: token, PageSize: 1000}))
+				all, err := allPages(func(token string) ([]*storagev1.Volume, string, error) {
+					resp, err := c.storage.ListVolumes(ctx, connect.NewRequest(&storagev1.ListVolumesRequest{Owner: listOwner, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
-						return err
+						return nil, "", err
 					}
-					all = append(all, resp.Msg.GetVolumes()...)
-					if token = resp.Msg.GetNextPageToken(); token == "" {
-						break
-					}
+					return resp.Msg.GetVolumes(), resp.Msg.GetNextPageToken(), nil
+				})
+				if err != nil {
+					return err
 				}
 				return a.render(&storagev1.ListVolumesResponse{Volumes: all}, volumeTable(all...))
 			})
@@ -306,16 +305,15 @@ func (a *app) newNetworkCmd() *cobra.Command {
 		Args:  positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				var all []*networkv1.Network
-				for token := ""; ; {
-					resp, err := c.network.ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{Owner: listOwner, PageToken: token, PageSize: 1000}))
+				all, err := allPages(func(token string) ([]*networkv1.Network, string, error) {
+					resp, err := c.network.ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{Owner: listOwner, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
-						return err
+						return nil, "", err
 					}
-					all = append(all, resp.Msg.GetNetworks()...)
-					if token = resp.Msg.GetNextPageToken(); token == "" {
-						break
-					}
+					return resp.Msg.GetNetworks(), resp.Msg.GetNextPageToken(), nil
+				})
+				if err != nil {
+					return err
 				}
 				return a.render(&networkv1.ListNetworksResponse{Networks: all}, networkTable(all...))
 			})

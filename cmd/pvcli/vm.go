@@ -26,16 +26,15 @@ func (a *app) newVMCmd() *cobra.Command {
 		Args:  positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				var all []*vmv1.VM
-				for token := ""; ; {
-					resp, err := c.vm.ListVMs(ctx, connect.NewRequest(&vmv1.ListVMsRequest{Owner: owner, PageToken: token, PageSize: 1000}))
+				all, err := allPages(func(token string) ([]*vmv1.VM, string, error) {
+					resp, err := c.vm.ListVMs(ctx, connect.NewRequest(&vmv1.ListVMsRequest{Owner: owner, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
-						return err
+						return nil, "", err
 					}
-					all = append(all, resp.Msg.GetVms()...)
-					if token = resp.Msg.GetNextPageToken(); token == "" {
-						break
-					}
+					return resp.Msg.GetVms(), resp.Msg.GetNextPageToken(), nil
+				})
+				if err != nil {
+					return err
 				}
 				return a.render(&vmv1.ListVMsResponse{Vms: all}, vmTable(all...))
 			})
@@ -249,6 +248,25 @@ func (a *app) newVMUpdateCmd() *cobra.Command {
 	f.register(c, false)
 	c.Flags().Uint64Var(&revision, "expected-revision", 0, "fail unless the VM is at this metadata.revision")
 	return c
+}
+
+// listPageSize is the page size of list commands (the backends' maximum).
+const listPageSize = 1000
+
+// allPages collects every page of a list: page returns one page's items
+// and the next page's token ("" after the last).
+func allPages[T any](page func(token string) ([]T, string, error)) ([]T, error) {
+	var all []T
+	for token := ""; ; {
+		items, next, err := page(token)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, items...)
+		if token = next; token == "" {
+			return all, nil
+		}
+	}
 }
 
 // changedMask is the field mask of the flags given (flag name → field).

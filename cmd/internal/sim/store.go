@@ -126,10 +126,7 @@ func (t *table[T]) create(req T) (T, error) {
 		return zero, err
 	}
 	err := t.db.Update(func(tx *bolt.Tx) error {
-		if dup, err := t.byName(tx, obj.GetName()); err != nil || dup != "" {
-			if err == nil {
-				err = status.Errorf(codes.AlreadyExists, "%s named %q already exists (%s)", t.kind, obj.GetName(), dup)
-			}
+		if err := t.nameFree(tx, obj.GetName()); err != nil {
 			return err
 		}
 		rev, err := revision(tx)
@@ -144,6 +141,15 @@ func (t *table[T]) create(req T) (T, error) {
 		return zero, err
 	}
 	return obj, nil
+}
+
+// nameFree fails with AlreadyExists when an object has the name.
+func (t *table[T]) nameFree(tx *bolt.Tx, name string) error {
+	dup, err := t.byName(tx, name)
+	if err == nil && dup != "" {
+		err = status.Errorf(codes.AlreadyExists, "%s named %q already exists (%s)", t.kind, name, dup)
+	}
+	return err
 }
 
 // byName returns the ID of the object with the given name, "" if none.
@@ -189,10 +195,7 @@ func (t *table[T]) update(id string, expected *uint64, mutate func(T) error) (T,
 			return err
 		}
 		if obj.GetName() != oldName {
-			if dup, err := t.byName(tx, obj.GetName()); err != nil || dup != "" {
-				if err == nil {
-					err = status.Errorf(codes.AlreadyExists, "%s named %q already exists (%s)", t.kind, obj.GetName(), dup)
-				}
+			if err := t.nameFree(tx, obj.GetName()); err != nil {
 				return err
 			}
 		}
