@@ -1,0 +1,215 @@
+package authz
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+var resources = []string{"virtualmachines", "volumes", "networks"}
+
+func specPolicy(t *testing.T) *Policy {
+	t.Helper()
+	f, err := os.Open(filepath.Join("testdata", "spec-rbac.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	p, err := Parse(f, resources)
+	if err != nil {
+		t.Fatalf("the spec's example policy: %v", err)
+	}
+	return p
+}
+
+func vmOf(owner string) *vmv1.VM {
+	return &vmv1.VM{Id: "vm-1", Metadata: &apiv1.ObjectMeta{Owner: owner}}
+}
+
+// TestSpecPolicy checks every role of the spec's example policy on every
+// resource and verb: allowed, denied or conditional exactly as written.
+func TestSpecPolicy(t *testing.T) {
+	p := specPolicy(t)
+	type want int
+	const (
+		deny want = iota
+		allow
+		own // allowed on the principal's own objects only
+	)
+	expect := func(role, resource, verb string) want {
+		switch role {
+		case "admin":
+			return allow
+		case "operator":
+			if oneOf(resource, "virtualmachines", "volumes", "networks") && oneOf(verb, "get", "list", "create", "update", "patch") {
+				return allow
+			}
+		case "viewer":
+			if oneOf(verb, "get", "list") {
+				return allow
+			}
+		case "vm-owner":
+			if resource == "virtualmachines" && oneOf(verb, "get", "list", "update", "patch", "start", "stop", "console") {
+				return own
+			}
+		}
+		return deny
+	}
+	for _, role := range []string{"admin", "operator", "viewer", "vm-owner", "nobody"} {
+		who := Principal{Identity: "alice", Roles: []string{role}}
+		for _, resource := range resources {
+			for _, verb := range Verbs {
+				d, err := p.Decide(who, resource, verb)
+				if err != nil {
+					t.Fatal(err)
+				}
+				mine, theirs := d.Object(vmOf("alice").ProtoReflect()), d.Object(vmOf("bob").ProtoReflect())
+				var got want
+				switch {
+				case d.Allowed && mine && theirs:
+					got = allow
+				case !d.Allowed && d.Conditional && mine && !theirs:
+					got = own
+				case d.Denied() && !mine && !theirs:
+					got = deny
+				default:
+					t.Fatalf("%s %s %s: inconsistent decision %+v (mine %v, theirs %v)", role, verb, resource, d, mine, theirs)
+				}
+				if w := expect(role, resource, verb); got != w {
+					t.Errorf("%s %s %s = %v, want %v", role, verb, resource, got, w)
+				}
+			}
+		}
+	}
+	// Roles add up: a vm-owner who is also a viewer may get anyone's VM.
+	d, _ := p.Decide(Principal{Identity: "alice", Roles: []string{"vm-owner", "viewer"}}, "virtualmachines", "get")
+	if !d.Allowed {
+		t.Error("vm-owner+viewer cannot get every VM")
+	}
+	// No roles: nothing.
+	if d, _ := p.Decide(Principal{Identity: "alice"}, "virtualmachines", "get"); !d.Denied() {
+		t.Error("a principal without roles was allowed")
+	}
+}
+
+func oneOf(v string, set ...string) bool {
+	for _, s := range set {
+		if s == v {
+			return true
+		}
+	}
+	return false
+}
+
+func TestParseRefuses(t *testing.T) {
+	for name, tc := range map[string]struct {
+		yaml string
+		want []string
+	}{
+		"empty":            {"", []string{"the file is empty"}},
+		"unknown key":      {"apiVersion: rbac.pivirt.pilab.hu/v1\nkind: Policy\nrules: []\nextra: 1\n", []string{"field extra not found"}},
+		"header and rules": {"apiVersion: v2\nkind: Rules\n", []string{`apiVersion: "v2"`, `kind: "Rules"`, "rules: none"}},
+		"everything wrong in a rule": {`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: []
+    resources: ["virtualmachines", "disks"]
+    verbs: ["get", "reboot"]
+    conditions:
+      - field: "Metadata.Owner"
+        operator: "Is"
+        value: "{{.user.email}}"
+`, []string{
+			"rules[0].roles: empty",
+			`rules[0].resources[1]: unknown "disks" (resources: virtualmachines, volumes, networks)`,
+			`rules[0].verbs[1]: unknown "reboot"`,
+			`rules[0].conditions[0].field: "Metadata.Owner" is not a dotted field path`,
+			`rules[0].conditions[0].operator: unknown "Is" (operators: Equals, NotEquals, In, NotIn)`,
+			`rules[0].conditions[0].value: bad template "{{.user.email}}"`,
+		}},
+		"unparsable template": {`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["a"]
+    resources: ["*"]
+    verbs: ["*"]
+    conditions: [{field: metadata.owner, operator: Equals, value: "{{.user.identity"}]
+`, []string{"rules[0].conditions[0].value: bad template"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := Parse(strings.NewReader(tc.yaml), resources)
+			if !errors.Is(err, ErrInvalidPolicy) {
+				t.Fatalf("Parse = %v, want ErrInvalidPolicy", err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q lacks %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestConditionOperators(t *testing.T) {
+	p, err := Parse(strings.NewReader(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["team"]
+    resources: ["virtualmachines"]
+    verbs: ["get"]
+    conditions:
+      - {field: metadata.owner, operator: In, value: "{{.user.identity}}, shared"}
+      - {field: power_state, operator: NotEquals, value: POWER_STATE_RUNNING}
+  - roles: ["*"]
+    resources: ["virtualmachines"]
+    verbs: ["list"]
+    conditions:
+      - {field: metadata.owner, operator: NotIn, value: "root, system"}
+`), resources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	alice := Principal{Identity: "alice", Roles: []string{"team"}}
+	d, _ := p.Decide(alice, "virtualmachines", "get")
+	for _, c := range []struct {
+		vm   *vmv1.VM
+		want bool
+	}{
+		{&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "alice"}}, true},
+		{&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "shared"}}, true},
+		{&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "bob"}}, false},
+		{&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "alice"}, PowerState: vmv1.PowerState_POWER_STATE_RUNNING}, false},
+		{&vmv1.VM{}, false}, // no metadata: no owner to match
+	} {
+		if got := d.Object(c.vm.ProtoReflect()); got != c.want {
+			t.Errorf("get %v = %v, want %v", c.vm, got, c.want)
+		}
+	}
+	// "*" roles: every principal, even one without roles.
+	d, _ = p.Decide(Principal{Identity: "carol"}, "virtualmachines", "list")
+	if !d.Object((&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "carol"}}).ProtoReflect()) || d.Object((&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "root"}}).ProtoReflect()) {
+		t.Error("NotIn condition of a \"*\" rule")
+	}
+}
+
+func TestFieldString(t *testing.T) {
+	vm := &vmv1.VM{Id: "vm-1", Vcpus: 4, PowerState: vmv1.PowerState_POWER_STATE_RUNNING, Metadata: &apiv1.ObjectMeta{Owner: "alice"}}
+	for path, want := range map[string]string{"metadata.owner": "alice", "id": "vm-1", "vcpus": "4", "power_state": "POWER_STATE_RUNNING"} {
+		if got, ok := FieldString(vm.ProtoReflect(), path); !ok || got != want {
+			t.Errorf("FieldString(%s) = %q, %v; want %q", path, got, ok, want)
+		}
+	}
+	for _, path := range []string{"metadata", "disks", "metadata.labels", "nope", "metadata.owner.x"} {
+		if got, ok := FieldString(vm.ProtoReflect(), path); ok {
+			t.Errorf("FieldString(%s) = %q, want no value", path, got)
+		}
+	}
+	if _, ok := FieldString((&vmv1.VM{}).ProtoReflect(), "metadata.owner"); ok {
+		t.Error("an unset metadata has an owner")
+	}
+}

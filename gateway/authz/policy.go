@@ -1,0 +1,162 @@
+// Package authz is the gateway's role-based access control: the policy
+// file of spec/agent.txt ("RBAC Policy Example", rbac.yaml), checked
+// before use, and the decision for a principal, a resource and a verb,
+// with conditions on the target object's fields.
+package authz
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/template"
+
+	"gopkg.in/yaml.v3"
+)
+
+// The policy file's header (spec/agent.txt).
+const (
+	APIVersion = "rbac.pivirt.pilab.hu/v1"
+	Kind       = "Policy"
+)
+
+// Wildcard matches every role, resource or verb.
+const Wildcard = "*"
+
+// Verbs are the verbs a rule may name (and Wildcard).
+var Verbs = []string{"get", "list", "create", "update", "patch", "delete", "start", "stop", "console"}
+
+// Operators of conditions.
+const (
+	OpEquals    = "Equals"
+	OpNotEquals = "NotEquals"
+	OpIn        = "In"
+	OpNotIn     = "NotIn"
+)
+
+// Operators lists the condition operators.
+var Operators = []string{OpEquals, OpNotEquals, OpIn, OpNotIn}
+
+// ErrInvalidPolicy wraps every problem of a policy file.
+var ErrInvalidPolicy = errors.New("invalid RBAC policy")
+
+// Policy is a parsed and validated rbac.yaml.
+type Policy struct {
+	APIVersion string `yaml:"apiVersion"`
+	Kind       string `yaml:"kind"`
+	Rules      []Rule `yaml:"rules"`
+}
+
+// Rule grants verbs on resources to roles, on the objects its conditions
+// accept (all of them; none: every object).
+type Rule struct {
+	Roles      []string    `yaml:"roles"`
+	Resources  []string    `yaml:"resources"`
+	Verbs      []string    `yaml:"verbs"`
+	Conditions []Condition `yaml:"conditions"`
+}
+
+// Condition compares a field of the target object (a dotted path such as
+// metadata.owner) with a value, which may use the template {{.user.identity}}
+// (and {{.user.roles}}). In and NotIn take a comma-separated list.
+type Condition struct {
+	Field    string `yaml:"field"`
+	Operator string `yaml:"operator"`
+	Value    string `yaml:"value"`
+
+	tmpl *template.Template
+}
+
+// Parse reads a policy and checks it against the resources the API knows
+// (from the methods' authorization options); every problem is reported,
+// each naming its place (rules[2].verbs[1]).
+func Parse(r io.Reader, resources []string) (*Policy, error) {
+	dec := yaml.NewDecoder(r)
+	dec.KnownFields(true)
+	var p Policy
+	if err := dec.Decode(&p); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("%w: the file is empty", ErrInvalidPolicy)
+		}
+		return nil, fmt.Errorf("%w: %v", ErrInvalidPolicy, err)
+	}
+	if err := p.validate(resources); err != nil {
+		return nil, err
+	}
+	return &p, nil
+}
+
+func (p *Policy) validate(resources []string) error {
+	var errs []error
+	add := func(path, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: %s: %s", ErrInvalidPolicy, path, fmt.Sprintf(format, args...)))
+	}
+	if p.APIVersion != APIVersion {
+		add("apiVersion", "%q, want %q", p.APIVersion, APIVersion)
+	}
+	if p.Kind != Kind {
+		add("kind", "%q, want %q", p.Kind, Kind)
+	}
+	if len(p.Rules) == 0 {
+		add("rules", "none: a policy without rules denies everything")
+	}
+	list := func(path string, vals, allowed []string) {
+		if len(vals) == 0 {
+			add(path, "empty (use %q for all)", Wildcard)
+		}
+		for i, v := range vals {
+			switch {
+			case v == Wildcard:
+			case strings.TrimSpace(v) == "":
+				add(fmt.Sprintf("%s[%d]", path, i), "empty")
+			case allowed != nil && !slices.Contains(allowed, v):
+				add(fmt.Sprintf("%s[%d]", path, i), "unknown %q (%s: %s)", v, path[strings.LastIndex(path, ".")+1:], strings.Join(allowed, ", "))
+			}
+		}
+	}
+	for i := range p.Rules {
+		r := &p.Rules[i]
+		at := fmt.Sprintf("rules[%d]", i)
+		list(at+".roles", r.Roles, nil)
+		list(at+".resources", r.Resources, resources)
+		list(at+".verbs", r.Verbs, Verbs)
+		for j := range r.Conditions {
+			c := &r.Conditions[j]
+			cat := fmt.Sprintf("%s.conditions[%d]", at, j)
+			if !fieldPath.MatchString(c.Field) {
+				add(cat+".field", "%q is not a dotted field path such as metadata.owner", c.Field)
+			}
+			if !slices.Contains(Operators, c.Operator) {
+				add(cat+".operator", "unknown %q (operators: %s)", c.Operator, strings.Join(Operators, ", "))
+			}
+			t, err := template.New(cat).Option("missingkey=error").Parse(c.Value)
+			if err == nil {
+				// Executed once with a sample principal: a template naming
+				// anything but .user.identity and .user.roles fails here.
+				err = t.Execute(io.Discard, templateData(Principal{Identity: "sample", Roles: []string{"sample"}}))
+			}
+			if err != nil {
+				add(cat+".value", "bad template %q: %v", c.Value, err)
+				continue
+			}
+			c.tmpl = t
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// templateData is what a condition's value template sees.
+func templateData(p Principal) map[string]any {
+	return map[string]any{"user": map[string]any{"identity": p.Identity, "roles": strings.Join(p.Roles, ",")}}
+}
+
+// value renders the condition's value for p.
+func (c *Condition) value(p Principal) (string, error) {
+	var b bytes.Buffer
+	if err := c.tmpl.Execute(&b, templateData(p)); err != nil {
+		return "", err
+	}
+	return b.String(), nil
+}
