@@ -11,6 +11,7 @@ import (
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
+	_ "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -2845,7 +2846,7 @@ var File_pivirt_cluster_v1_cluster_proto protoreflect.FileDescriptor
 
 const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\n" +
-	"\x1fpivirt/cluster/v1/cluster.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xde\x01\n" +
+	"\x1fpivirt/cluster/v1/cluster.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pivirt/api/v1/api.proto\"\xde\x01\n" +
 	"\vReadOptions\x12@\n" +
 	"\vconsistency\x18\x01 \x01(\x0e2\x1e.pivirt.cluster.v1.ConsistencyR\vconsistency\x126\n" +
 	"\tmax_stale\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\bmaxStale\x12\x1d\n" +
@@ -3049,29 +3050,47 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
 	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
 	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
-	"\x11KEYRING_OP_REMOVE\x10\x042\x88\r\n" +
-	"\x0eClusterService\x12R\n" +
-	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x00\x12L\n" +
-	"\x05Peers\x12\x1f.pivirt.cluster.v1.PeersRequest\x1a .pivirt.cluster.v1.PeersResponse\"\x00\x12O\n" +
-	"\x06Leader\x12 .pivirt.cluster.v1.LeaderRequest\x1a!.pivirt.cluster.v1.LeaderResponse\"\x00\x12I\n" +
-	"\x04Join\x12\x1e.pivirt.cluster.v1.JoinRequest\x1a\x1f.pivirt.cluster.v1.JoinResponse\"\x00\x12L\n" +
-	"\x05Leave\x12\x1f.pivirt.cluster.v1.LeaveRequest\x1a .pivirt.cluster.v1.LeaveResponse\"\x00\x12[\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\xee\x0f\n" +
+	"\x0eClusterService\x12d\n" +
+	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get\x12^\n" +
+	"\x05Peers\x12\x1f.pivirt.cluster.v1.PeersRequest\x1a .pivirt.cluster.v1.PeersResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get\x12a\n" +
+	"\x06Leader\x12 .pivirt.cluster.v1.LeaderRequest\x1a!.pivirt.cluster.v1.LeaderResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get\x12^\n" +
+	"\x04Join\x12\x1e.pivirt.cluster.v1.JoinRequest\x1a\x1f.pivirt.cluster.v1.JoinResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\acluster\x12\x06update\x12a\n" +
+	"\x05Leave\x12\x1f.pivirt.cluster.v1.LeaveRequest\x1a .pivirt.cluster.v1.LeaveResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\acluster\x12\x06update\x12p\n" +
 	"\n" +
-	"RemovePeer\x12$.pivirt.cluster.v1.RemovePeerRequest\x1a%.pivirt.cluster.v1.RemovePeerResponse\"\x00\x12g\n" +
-	"\x0eTransferLeader\x12(.pivirt.cluster.v1.TransferLeaderRequest\x1a).pivirt.cluster.v1.TransferLeaderResponse\"\x00\x12j\n" +
-	"\x0fRegisterService\x12).pivirt.cluster.v1.RegisterServiceRequest\x1a*.pivirt.cluster.v1.RegisterServiceResponse\"\x00\x12p\n" +
-	"\x11DeregisterService\x12+.pivirt.cluster.v1.DeregisterServiceRequest\x1a,.pivirt.cluster.v1.DeregisterServiceResponse\"\x00\x12X\n" +
-	"\tHeartbeat\x12#.pivirt.cluster.v1.HeartbeatRequest\x1a$.pivirt.cluster.v1.HeartbeatResponse\"\x00\x12a\n" +
-	"\fListServices\x12&.pivirt.cluster.v1.ListServicesRequest\x1a'.pivirt.cluster.v1.ListServicesResponse\"\x00\x12[\n" +
+	"RemovePeer\x12$.pivirt.cluster.v1.RemovePeerRequest\x1a%.pivirt.cluster.v1.RemovePeerResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\acluster\x12\x06delete\x12|\n" +
+	"\x0eTransferLeader\x12(.pivirt.cluster.v1.TransferLeaderRequest\x1a).pivirt.cluster.v1.TransferLeaderResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\acluster\x12\x06update\x12\x80\x01\n" +
+	"\x0fRegisterService\x12).pivirt.cluster.v1.RegisterServiceRequest\x1a*.pivirt.cluster.v1.RegisterServiceResponse\"\x16\xca\xf3\x18\x12\n" +
+	"\bservices\x12\x06create\x12\x86\x01\n" +
+	"\x11DeregisterService\x12+.pivirt.cluster.v1.DeregisterServiceRequest\x1a,.pivirt.cluster.v1.DeregisterServiceResponse\"\x16\xca\xf3\x18\x12\n" +
+	"\bservices\x12\x06delete\x12n\n" +
+	"\tHeartbeat\x12#.pivirt.cluster.v1.HeartbeatRequest\x1a$.pivirt.cluster.v1.HeartbeatResponse\"\x16\xca\xf3\x18\x12\n" +
+	"\bservices\x12\x06update\x12u\n" +
+	"\fListServices\x12&.pivirt.cluster.v1.ListServicesRequest\x1a'.pivirt.cluster.v1.ListServicesResponse\"\x14\xca\xf3\x18\x10\n" +
+	"\bservices\x12\x04list\x12n\n" +
 	"\n" +
-	"GetService\x12$.pivirt.cluster.v1.GetServiceRequest\x1a%.pivirt.cluster.v1.GetServiceResponse\"\x00\x12X\n" +
-	"\tGetConfig\x12#.pivirt.cluster.v1.GetConfigRequest\x1a$.pivirt.cluster.v1.GetConfigResponse\"\x00\x12[\n" +
+	"GetService\x12$.pivirt.cluster.v1.GetServiceRequest\x1a%.pivirt.cluster.v1.GetServiceResponse\"\x13\xca\xf3\x18\x0f\n" +
+	"\bservices\x12\x03get\x12i\n" +
+	"\tGetConfig\x12#.pivirt.cluster.v1.GetConfigRequest\x1a$.pivirt.cluster.v1.GetConfigResponse\"\x11\xca\xf3\x18\r\n" +
+	"\x06config\x12\x03get\x12m\n" +
 	"\n" +
-	"ListConfig\x12$.pivirt.cluster.v1.ListConfigRequest\x1a%.pivirt.cluster.v1.ListConfigResponse\"\x00\x12X\n" +
-	"\tSetConfig\x12#.pivirt.cluster.v1.SetConfigRequest\x1a$.pivirt.cluster.v1.SetConfigResponse\"\x00\x12a\n" +
-	"\fDeleteConfig\x12&.pivirt.cluster.v1.DeleteConfigRequest\x1a'.pivirt.cluster.v1.DeleteConfigResponse\"\x00\x12d\n" +
-	"\rConfigHistory\x12'.pivirt.cluster.v1.ConfigHistoryRequest\x1a(.pivirt.cluster.v1.ConfigHistoryResponse\"\x00\x12R\n" +
-	"\aKeyring\x12!.pivirt.cluster.v1.KeyringRequest\x1a\".pivirt.cluster.v1.KeyringResponse\"\x00B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"ListConfig\x12$.pivirt.cluster.v1.ListConfigRequest\x1a%.pivirt.cluster.v1.ListConfigResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\x06config\x12\x04list\x12l\n" +
+	"\tSetConfig\x12#.pivirt.cluster.v1.SetConfigRequest\x1a$.pivirt.cluster.v1.SetConfigResponse\"\x14\xca\xf3\x18\x10\n" +
+	"\x06config\x12\x06update\x12u\n" +
+	"\fDeleteConfig\x12&.pivirt.cluster.v1.DeleteConfigRequest\x1a'.pivirt.cluster.v1.DeleteConfigResponse\"\x14\xca\xf3\x18\x10\n" +
+	"\x06config\x12\x06delete\x12u\n" +
+	"\rConfigHistory\x12'.pivirt.cluster.v1.ConfigHistoryRequest\x1a(.pivirt.cluster.v1.ConfigHistoryResponse\"\x11\xca\xf3\x18\r\n" +
+	"\x06config\x12\x03get\x12g\n" +
+	"\aKeyring\x12!.pivirt.cluster.v1.KeyringRequest\x1a\".pivirt.cluster.v1.KeyringResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\akeyring\x12\x06updateB9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_cluster_proto_rawDescOnce sync.Once

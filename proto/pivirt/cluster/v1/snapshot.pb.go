@@ -10,6 +10,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
+	_ "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -334,7 +335,7 @@ var File_pivirt_cluster_v1_snapshot_proto protoreflect.FileDescriptor
 
 const file_pivirt_cluster_v1_snapshot_proto_rawDesc = "" +
 	"\n" +
-	" pivirt/cluster/v1/snapshot.proto\x12\x11pivirt.cluster.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"+\n" +
+	" pivirt/cluster/v1/snapshot.proto\x12\x11pivirt.cluster.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pivirt/api/v1/api.proto\"+\n" +
 	"\x13SaveSnapshotRequest\x12\x14\n" +
 	"\x05stale\x18\x01 \x01(\bR\x05stale\"_\n" +
 	"\x14SaveSnapshotResponse\x123\n" +
@@ -356,10 +357,12 @@ const file_pivirt_cluster_v1_snapshot_proto_rawDesc = "" +
 	"\x04data\x18\x01 \x01(\fR\x04data\"d\n" +
 	"\x17RestoreSnapshotResponse\x123\n" +
 	"\x04meta\x18\x01 \x01(\v2\x1f.pivirt.cluster.v1.SnapshotMetaR\x04meta\x12\x14\n" +
-	"\x05index\x18\x02 \x01(\x04R\x05index2\xe4\x01\n" +
-	"\x0fSnapshotService\x12c\n" +
-	"\fSaveSnapshot\x12&.pivirt.cluster.v1.SaveSnapshotRequest\x1a'.pivirt.cluster.v1.SaveSnapshotResponse\"\x000\x01\x12l\n" +
-	"\x0fRestoreSnapshot\x12).pivirt.cluster.v1.RestoreSnapshotRequest\x1a*.pivirt.cluster.v1.RestoreSnapshotResponse\"\x00(\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\x05index\x18\x02 \x01(\x04R\x05index2\x90\x02\n" +
+	"\x0fSnapshotService\x12w\n" +
+	"\fSaveSnapshot\x12&.pivirt.cluster.v1.SaveSnapshotRequest\x1a'.pivirt.cluster.v1.SaveSnapshotResponse\"\x14\xca\xf3\x18\x10\n" +
+	"\tsnapshots\x12\x03get0\x01\x12\x83\x01\n" +
+	"\x0fRestoreSnapshot\x12).pivirt.cluster.v1.RestoreSnapshotRequest\x1a*.pivirt.cluster.v1.RestoreSnapshotResponse\"\x17\xca\xf3\x18\x13\n" +
+	"\tsnapshots\x12\x06update(\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_snapshot_proto_rawDescOnce sync.Once
