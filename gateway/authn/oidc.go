@@ -1,0 +1,247 @@
+// Package authn authenticates callers of the gateway: OIDC bearer tokens
+// verified against the issuer's keys, or client certificates of the
+// PiTrust chain.
+package authn
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/coreos/go-oidc/v3/oidc"
+	"github.com/go-jose/go-jose/v4"
+	"golang.org/x/time/rate"
+
+	"pilab.hu/pivirt-agent/gateway/authz"
+)
+
+// DefaultAlgorithms are the signature algorithms accepted by default:
+// asymmetric ones only ("none" and HMAC never are).
+var DefaultAlgorithms = []string{oidc.RS256, oidc.RS384, oidc.RS512, oidc.ES256, oidc.ES384, oidc.ES512, oidc.PS256, oidc.PS384, oidc.PS512, oidc.EdDSA}
+
+// ErrUnauthenticated wraps every refusal of a credential; the message says
+// why.
+var ErrUnauthenticated = errors.New("unauthenticated")
+
+// OIDCConfig configures token verification (auth.oidc).
+type OIDCConfig struct {
+	// IssuerURL is discovered (/.well-known/openid-configuration) for the
+	// JWKS URL; tokens must carry it as iss.
+	IssuerURL string
+	// ClientID must be in a token's aud.
+	ClientID string
+	// Algorithms allowed; empty: DefaultAlgorithms. Symmetric and "none"
+	// algorithms are refused whatever this says.
+	Algorithms []string
+	// IdentityClaim and RolesClaim are dotted claim paths: the principal's
+	// identity (default "sub") and roles (default "roles"; a list of
+	// strings, or one string of space- or comma-separated roles), e.g.
+	// "preferred_username" and "realm_access.roles" for Keycloak.
+	IdentityClaim, RolesClaim string
+	// RefetchInterval bounds how often the JWKS is fetched again for a
+	// token whose key is unknown (default 30 s).
+	RefetchInterval time.Duration
+	// HTTPClient fetches discovery and keys; nil: a client with a 10 s
+	// timeout.
+	HTTPClient *http.Client
+	// Now is the clock of expiry checks; nil: time.Now.
+	Now    func() time.Time
+	Logger *slog.Logger
+}
+
+// OIDC verifies bearer tokens.
+type OIDC struct {
+	cfg      OIDCConfig
+	verifier *oidc.IDTokenVerifier
+	keys     *keySet
+}
+
+// NewOIDC discovers the issuer and fetches its keys.
+func NewOIDC(ctx context.Context, cfg OIDCConfig) (*OIDC, error) {
+	if cfg.ClientID == "" {
+		return nil, errors.New("auth.oidc.client_id: required")
+	}
+	if len(cfg.Algorithms) == 0 {
+		cfg.Algorithms = DefaultAlgorithms
+	}
+	for _, a := range cfg.Algorithms {
+		if !slices.Contains(DefaultAlgorithms, a) {
+			return nil, fmt.Errorf("auth.oidc: signature algorithm %q is not allowed (allowed: %s)", a, strings.Join(DefaultAlgorithms, ", "))
+		}
+	}
+	if cfg.IdentityClaim == "" {
+		cfg.IdentityClaim = "sub"
+	}
+	if cfg.RolesClaim == "" {
+		cfg.RolesClaim = "roles"
+	}
+	if cfg.RefetchInterval <= 0 {
+		cfg.RefetchInterval = 30 * time.Second
+	}
+	if cfg.HTTPClient == nil {
+		cfg.HTTPClient = &http.Client{Timeout: 10 * time.Second}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	ctx = oidc.ClientContext(ctx, cfg.HTTPClient)
+	provider, err := oidc.NewProvider(ctx, cfg.IssuerURL)
+	if err != nil {
+		return nil, fmt.Errorf("auth.oidc.issuer_url %s: discovery: %w", cfg.IssuerURL, err)
+	}
+	var meta struct {
+		JWKSURL string `json:"jwks_uri"`
+	}
+	if err := provider.Claims(&meta); err != nil || meta.JWKSURL == "" {
+		return nil, fmt.Errorf("auth.oidc.issuer_url %s: discovery names no jwks_uri", cfg.IssuerURL)
+	}
+	ks := &keySet{url: meta.JWKSURL, client: cfg.HTTPClient, algs: cfg.Algorithms, limiter: rate.NewLimiter(rate.Every(cfg.RefetchInterval), 1), logger: cfg.Logger}
+	if err := ks.refresh(ctx); err != nil {
+		return nil, fmt.Errorf("auth.oidc: %w", err)
+	}
+	ks.limiter.Allow() // the fetch above counts
+	o := &OIDC{cfg: cfg, keys: ks}
+	o.verifier = oidc.NewVerifier(cfg.IssuerURL, ks, &oidc.Config{ClientID: cfg.ClientID, SupportedSigningAlgs: cfg.Algorithms, Now: cfg.Now})
+	return o, nil
+}
+
+// Verify checks a bearer token and returns its principal.
+func (o *OIDC) Verify(ctx context.Context, raw string) (authz.Principal, error) {
+	tok, err := o.verifier.Verify(oidc.ClientContext(ctx, o.cfg.HTTPClient), raw)
+	if err != nil {
+		return authz.Principal{}, fmt.Errorf("%w: bearer token: %v", ErrUnauthenticated, err)
+	}
+	var claims map[string]any
+	if err := tok.Claims(&claims); err != nil {
+		return authz.Principal{}, fmt.Errorf("%w: bearer token claims: %v", ErrUnauthenticated, err)
+	}
+	id, _ := claim(claims, o.cfg.IdentityClaim).(string)
+	if id == "" {
+		return authz.Principal{}, fmt.Errorf("%w: bearer token has no %q claim to name the caller", ErrUnauthenticated, o.cfg.IdentityClaim)
+	}
+	return authz.Principal{Identity: id, Roles: roles(claim(claims, o.cfg.RolesClaim))}, nil
+}
+
+// claim follows a dotted path through nested claim objects.
+func claim(claims map[string]any, path string) any {
+	var v any = claims
+	for _, k := range strings.Split(path, ".") {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return nil
+		}
+		v = m[k]
+	}
+	return v
+}
+
+// roles reads a roles claim: a list of strings, or one string of roles
+// separated by spaces or commas.
+func roles(v any) []string {
+	var out []string
+	switch r := v.(type) {
+	case []any:
+		for _, x := range r {
+			if s, ok := x.(string); ok && s != "" {
+				out = append(out, s)
+			}
+		}
+	case string:
+		out = strings.FieldsFunc(r, func(c rune) bool { return c == ' ' || c == ',' })
+	}
+	return out
+}
+
+// keySet is the issuer's JWKS, fetched again for an unknown key ID at
+// most once per RefetchInterval (go-oidc's remote key set would fetch on
+// every token with an unknown kid, which a caller can choose).
+type keySet struct {
+	url     string
+	client  *http.Client
+	algs    []string
+	limiter *rate.Limiter
+	logger  *slog.Logger
+
+	mu   sync.RWMutex
+	keys jose.JSONWebKeySet
+}
+
+func (k *keySet) refresh(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, k.url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := k.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("fetch JWKS %s: %w", k.url, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return fmt.Errorf("fetch JWKS %s: %w", k.url, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("fetch JWKS %s: %s", k.url, resp.Status)
+	}
+	var set jose.JSONWebKeySet
+	if err := json.Unmarshal(body, &set); err != nil {
+		return fmt.Errorf("JWKS %s: %w", k.url, err)
+	}
+	k.mu.Lock()
+	k.keys = set
+	k.mu.Unlock()
+	k.logger.Info("OIDC keys fetched", "jwks_uri", k.url, "keys", len(set.Keys))
+	return nil
+}
+
+// VerifySignature implements oidc.KeySet.
+func (k *keySet) VerifySignature(ctx context.Context, raw string) ([]byte, error) {
+	algs := make([]jose.SignatureAlgorithm, len(k.algs))
+	for i, a := range k.algs {
+		algs[i] = jose.SignatureAlgorithm(a)
+	}
+	jws, err := jose.ParseSigned(raw, algs)
+	if err != nil {
+		return nil, fmt.Errorf("malformed or disallowed token: %w", err)
+	}
+	if len(jws.Signatures) != 1 {
+		return nil, errors.New("a token carries exactly one signature")
+	}
+	kid := jws.Signatures[0].Header.KeyID
+	keys := k.lookup(kid)
+	if len(keys) == 0 {
+		if !k.limiter.Allow() {
+			return nil, fmt.Errorf("unknown key ID %q (the issuer's keys were fetched again recently)", kid)
+		}
+		if err := k.refresh(ctx); err != nil {
+			return nil, err
+		}
+		if keys = k.lookup(kid); len(keys) == 0 {
+			return nil, fmt.Errorf("unknown key ID %q", kid)
+		}
+	}
+	for _, key := range keys {
+		if payload, err := jws.Verify(key); err == nil {
+			return payload, nil
+		}
+	}
+	return nil, errors.New("signature does not verify")
+}
+
+// lookup returns the keys for kid (every key when the token names none).
+func (k *keySet) lookup(kid string) []jose.JSONWebKey {
+	k.mu.RLock()
+	defer k.mu.RUnlock()
+	if kid == "" {
+		return k.keys.Keys
+	}
+	return k.keys.Key(kid)
+}
