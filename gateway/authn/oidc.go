@@ -208,7 +208,7 @@ func (k *keySet) VerifySignature(ctx context.Context, raw string) ([]byte, error
 	for i, a := range k.algs {
 		algs[i] = jose.SignatureAlgorithm(a)
 	}
-	jws, err := jose.ParseSigned(raw, algs)
+	jws, err := jose.ParseSignedCompact(raw, algs)
 	if err != nil {
 		return nil, fmt.Errorf("malformed or disallowed token: %w", err)
 	}
