@@ -174,12 +174,13 @@ type Backend struct {
 	// max_ejection_percent check.
 	ejectMu sync.Mutex
 	// inflight counts the cluster's calls, retries its retries in flight
-	// (the retry budget); panics the picks made in panic mode.
-	inflight, retries, panics atomic.Int64
+	// (the retry budget).
+	inflight, retries atomic.Int64
 
-	stop    context.CancelFunc
-	closing chan struct{} // closed by Close
-	wg      sync.WaitGroup
+	stop      context.CancelFunc
+	closing   chan struct{} // closed by Close
+	closeOnce sync.Once
+	wg        sync.WaitGroup
 }
 
 // NewBackend parses cfg and connects to the endpoints it names (lazily:
@@ -383,7 +384,9 @@ func (b *Backend) drain(e *Endpoint) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	limit := time.Now().Add(drainLimit)
-	for e.active.Load() > 0 && time.Now().Before(limit) {
+	// One tick first: a call that picked the endpoint just before it left
+	// the list has not counted itself in active yet.
+	for first := true; first || e.active.Load() > 0 && time.Now().Before(limit); first = false {
 		select {
 		case <-b.closing:
 			_ = e.conn.Close()
@@ -450,7 +453,6 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 		// available, spread over all of them rather than overload the
 		// few left (or fail every call when none is).
 		if len(cands)*100 < panicThreshold*len(eps) {
-			b.panics.Add(1)
 			cands = slices.Clone(eps)
 		}
 		if fresh := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return slices.Contains(avoid, e) }); len(fresh) > 0 {
@@ -486,11 +488,20 @@ func (b *Backend) Healthy() bool {
 	return false
 }
 
+// retryPossible reports whether the retry budget has room now (a later
+// retryAllowed may still refuse).
+func (b *Backend) retryPossible() bool {
+	return b.retries.Load() < b.retryLimit()
+}
+
+func (b *Backend) retryLimit() int64 {
+	return max(int64(b.cfg.Retry.MinRetryConcurrency), b.inflight.Load()*int64(b.cfg.Retry.BudgetPercent)/100)
+}
+
 // retryAllowed reports whether the retry budget allows one more retry in
 // flight; release must be called when it ends.
 func (b *Backend) retryAllowed() (release func(), ok bool) {
-	limit := max(int64(b.cfg.Retry.MinRetryConcurrency), b.inflight.Load()*int64(b.cfg.Retry.BudgetPercent)/100)
-	if b.retries.Add(1) > limit {
+	if b.retries.Add(1) > b.retryLimit() {
 		b.retries.Add(-1)
 		return nil, false
 	}
@@ -500,7 +511,7 @@ func (b *Backend) retryAllowed() (release func(), ok bool) {
 // Close closes every connection.
 func (b *Backend) Close() error {
 	b.stop()
-	close(b.closing)
+	b.closeOnce.Do(func() { close(b.closing) })
 	b.wg.Wait()
 	b.mu.Lock()
 	defer b.mu.Unlock()

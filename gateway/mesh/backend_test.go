@@ -1,11 +1,15 @@
 package mesh
 
 import (
+	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	// The schemas lookupMethod finds (the agent links them too).
 	_ "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
@@ -265,5 +269,49 @@ func TestMatchPrefix(t *testing.T) {
 		if got := matchPrefix(c.method, c.prefix); got != c.want {
 			t.Errorf("matchPrefix(%q, %q) = %v, want %v", c.method, c.prefix, got, c.want)
 		}
+	}
+}
+
+// TestHealthCheckUnejects: a passing active health check ends an ejection
+// (against a real grpc.health.v1 server on 127.0.0.1).
+func TestHealthCheckUnejects(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(gs, hs)
+	go func() { _ = gs.Serve(ln) }()
+	defer gs.Stop()
+
+	clock := &fakeClock{now: time.Unix(1000, 0)}
+	b, err := NewBackend(BackendConfig{Name: "t", Endpoint: ln.Addr().String(), Now: clock.Now,
+		HealthCheck: HealthCheck{Enabled: true, Interval: time.Hour, Timeout: 5 * time.Second, HealthyThreshold: 1, UnhealthyThreshold: 2},
+		Outlier:     Outlier{Enabled: true, Consecutive5xx: 1, Interval: time.Hour, BaseEjectionTime: time.Hour, MaxEjectionPercent: 100}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	e := b.Endpoints()[0]
+	b.report(e, codes.Internal, false)
+	if e.Status() != "ejected" {
+		t.Fatalf("status %s after a failure with consecutive_5xx 1", e.Status())
+	}
+	b.check(t.Context(), e)
+	if e.Status() != "healthy" {
+		t.Errorf("status %s after a passing health check, want healthy (un-ejected)", e.Status())
+	}
+	hs.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	b.check(t.Context(), e)
+	if e.Status() != "healthy" {
+		t.Error("unhealthy after one failed check (threshold 2)")
+	}
+	b.check(t.Context(), e)
+	if e.Status() != "unhealthy" {
+		t.Errorf("status %s after two failed checks, want unhealthy", e.Status())
+	}
+	if err := b.Close(); err != nil { // a second Close is harmless
+		t.Error(err)
 	}
 }

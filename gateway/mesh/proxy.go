@@ -66,13 +66,14 @@ func (p *Proxy) Route(method string) *Backend {
 
 // matchPrefix matches a route prefix on name boundaries: the prefix
 // "/pivirt.vm.v1.VMService" covers "/pivirt.vm.v1.VMService/GetVM", not
-// "/pivirt.vm.v1.VMServiceAdmin/...".
+// "/pivirt.vm.v1.VMServiceAdmin/..."; a prefix ending in "/" or "."
+// ("/pivirt.") covers what follows it.
 func matchPrefix(method, prefix string) bool {
 	if !strings.HasPrefix(method, prefix) {
 		return false
 	}
 	rest := method[len(prefix):]
-	return rest == "" || strings.HasSuffix(prefix, "/") || strings.HasPrefix(rest, "/")
+	return rest == "" || strings.HasSuffix(prefix, "/") || strings.HasSuffix(prefix, ".") || strings.HasPrefix(rest, "/")
 }
 
 // bidi describes every call as bidi streaming: the proxy does not need the
@@ -172,12 +173,16 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 			res = p.attempt(ctx, ss, method, b, ep, req, unary)
 			release()
 		}
-		if res.err == nil || res.sent || n >= maxAttempts || !res.retryable() {
+		if res.err == nil || res.sent || res.clientGone || n >= maxAttempts || !res.retryable() {
 			return res.finish(ss)
 		}
 		wait := backoff(b.cfg.Retry.Backoff, n)
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
 			return res.finish(ss) // no time left for another attempt
+		}
+		if !b.retryPossible() {
+			p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
+			return res.finish(ss) // no need to wait for a retry the budget refuses
 		}
 		t := time.NewTimer(wait)
 		select {
@@ -258,8 +263,11 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	}
 	// perTry tells an attempt timeout from the caller's deadline by which
 	// deadline bound the attempt, not by which context noticed first.
+	// A backend's own DeadlineExceeded, returned before the attempt's
+	// deadline, is the backend's answer. (grpc-go rounds grpc-timeout
+	// up, so the backend's deadline is never before ours.)
 	perTry := func(err error) bool {
-		return !tryDeadline.IsZero() && status.Code(err) == codes.DeadlineExceeded
+		return !tryDeadline.IsZero() && status.Code(err) == codes.DeadlineExceeded && !time.Now().Before(tryDeadline)
 	}
 	cs, err := ep.conn.NewStream(tctx, bidi, method)
 	if err != nil {
@@ -336,7 +344,7 @@ var hopHeaders = map[string]bool{
 	"content-length": true, "accept-encoding": true, "content-encoding": true,
 	// The caller's credentials are for the gateway, which authenticates
 	// it; backends see the agent's own identity (mutual TLS).
-	"authorization": true, "cookie": true,
+	"authorization": true, "proxy-authorization": true, "cookie": true,
 }
 
 // outgoingContext carries the caller's metadata (without hop headers) to

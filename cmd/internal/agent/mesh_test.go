@@ -117,7 +117,7 @@ func (g grpcVM) create(ctx context.Context, vm *vmv1.VM) (*vmv1.VM, error) {
 
 func (g grpcVM) get(ctx context.Context, id, echo string) (*vmv1.VM, http.Header, http.Header, error) {
 	var hdr, trl metadata.MD
-	ctx = metadata.AppendToOutgoingContext(ctx, sim.EchoHeader, echo)
+	ctx = metadata.AppendToOutgoingContext(ctx, sim.EchoHeader, echo, "authorization", "Bearer secret", "cookie", "session=1")
 	r, err := g.c.GetVM(ctx, &vmv1.GetVMRequest{Id: id}, grpc.Header(&hdr), grpc.Trailer(&trl))
 	return r.GetVm(), mdHeader(hdr), mdHeader(trl), err
 }
@@ -186,6 +186,8 @@ func (c connectVM) create(ctx context.Context, vm *vmv1.VM) (*vmv1.VM, error) {
 func (c connectVM) get(ctx context.Context, id, echo string) (*vmv1.VM, http.Header, http.Header, error) {
 	req := connect.NewRequest(&vmv1.GetVMRequest{Id: id})
 	req.Header().Set(sim.EchoHeader, echo)
+	req.Header().Set("Authorization", "Bearer secret")
+	req.Header().Set("Cookie", "session=1")
 	r, err := c.c.GetVM(ctx, req)
 	if err != nil {
 		var ce *connect.Error
@@ -278,6 +280,11 @@ func TestGatewayProtocols(t *testing.T) {
 			}
 			if hdr.Get(sim.EchoHeader) != "req-"+name || trl.Get(sim.EchoHeader+"-trailer") != "req-"+name {
 				t.Errorf("header %v, trailer %v: want the echo of the request header in both", hdr, trl)
+			}
+			// The caller's credentials did not reach the backend.
+			keys := strings.Split(hdr.Get(sim.KeysHeader), ",")
+			if !slices.Contains(keys, sim.EchoHeader) || slices.Contains(keys, "authorization") || slices.Contains(keys, "cookie") {
+				t.Errorf("the backend received the metadata keys %v: want %s, without authorization and cookie", keys, sim.EchoHeader)
 			}
 			// The caller's deadline (30 s) reached the backend.
 			if ms, err := strconv.Atoi(hdr.Get(sim.DeadlineHeader)); err != nil || ms <= 0 || ms > 30_000 {
@@ -855,6 +862,21 @@ func TestGatewayRetries(t *testing.T) {
 	}
 	if status.Code(err) != codes.DeadlineExceeded || attempts != 1 {
 		t.Errorf("a call whose deadline ends during its first attempt: %v after %d attempts, want DeadlineExceeded after 1", err, attempts)
+	}
+
+	// A backend's own DeadlineExceeded is its answer: not retried, its
+	// message kept.
+	for _, s := range m.sims {
+		s.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.DeadlineExceeded), Message: "libvirt: domain lock wait timed out"})
+	}
+	before = m.calls(t)
+	_, err = m.vm.ListVMs(ctx, &vmv1.ListVMsRequest{})
+	attempts = 0
+	for i, c := range m.calls(t) {
+		attempts += c - before[i]
+	}
+	if st := status.Convert(err); st.Code() != codes.DeadlineExceeded || st.Message() != "libvirt: domain lock wait timed out" || attempts != 1 {
+		t.Errorf("a backend's own DeadlineExceeded: %v after %d attempts, want it unchanged after 1", err, attempts)
 	}
 
 	// A create is not idempotent: one attempt.

@@ -184,7 +184,7 @@ const EchoHeader = "x-sim-echo"
 func echo(ctx context.Context, header, trailer func(metadata.MD)) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	if v := md.Get(EchoHeader); len(v) > 0 {
-		h := metadata.MD{EchoHeader: v}
+		h := metadata.MD{EchoHeader: v, KeysHeader: []string{strings.Join(slices.Sorted(maps.Keys(md)), ",")}}
 		if dl, ok := ctx.Deadline(); ok {
 			// The deadline the call arrived with, for tests of its
 			// propagation.
@@ -194,6 +194,10 @@ func echo(ctx context.Context, header, trailer func(metadata.MD)) {
 		trailer(metadata.MD{EchoHeader + "-trailer": v})
 	}
 }
+
+// KeysHeader lists, with EchoHeader, the request's metadata keys (what a
+// proxy forwarded).
+const KeysHeader = "x-sim-keys"
 
 // DeadlineHeader carries, with EchoHeader, the milliseconds left of the
 // call's deadline when it arrived.
