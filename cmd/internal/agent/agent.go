@@ -811,6 +811,7 @@ func (a *Agent) serve(ln net.Listener, h http.Handler) {
 	srv := &http.Server{
 		Handler:           h,
 		Protocols:         &protos,
+		ConnContext:       gateway.WithConnTLS, // the caller's certificate, for handlers
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       5 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn),

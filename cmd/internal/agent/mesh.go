@@ -26,6 +26,7 @@ import (
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -158,7 +159,7 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(string
 // proxyServerOptions make a gRPC server forward the calls of services it
 // does not serve itself through the proxy.
 func (a *Agent) proxyServerOptions() []grpc.ServerOption {
-	return []grpc.ServerOption{
+	opts := []grpc.ServerOption{
 		grpc.UnknownServiceHandler(a.proxy.Handle),
 		grpc.ForceServerCodecV2(mesh.Codec()),
 		// Static flow-control windows (no BDP probing): less per-call
@@ -166,6 +167,12 @@ func (a *Agent) proxyServerOptions() []grpc.ServerOption {
 		grpc.InitialWindowSize(1 << 20),
 		grpc.InitialConnWindowSize(4 << 20),
 	}
+	if a.tls != nil {
+		// TLS ends before the protocol mux: the caller's certificate
+		// reaches handlers as the peer's AuthInfo.
+		opts = append(opts, grpc.Creds(gateway.PeerTLSCredentials{}))
+	}
+	return opts
 }
 
 // addTranscoder serves the backend APIs to Connect and gRPC-Web clients on

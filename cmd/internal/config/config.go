@@ -213,12 +213,21 @@ type AuthConfig struct {
 	OIDC OIDCConfig `yaml:"oidc"`
 	// RBACPolicy is the path of the RBAC policy file (rbac.yaml).
 	RBACPolicy string `yaml:"rbac_policy"`
+	// CertificateRoles gives callers authenticated by a client certificate
+	// their roles, by the certificate's CN: an exact name or a prefix
+	// ending in "*" ("pivirt-agent-*").
+	CertificateRoles map[string][]string `yaml:"certificate_roles"`
 }
 
 // OIDCConfig verifies bearer tokens; empty IssuerURL disables OIDC.
 type OIDCConfig struct {
 	IssuerURL string `yaml:"issuer_url"`
 	ClientID  string `yaml:"client_id"`
+	// IdentityClaim and RolesClaim are dotted claim paths (default "sub"
+	// and "roles"; "preferred_username" and "realm_access.roles" for
+	// Keycloak).
+	IdentityClaim string `yaml:"identity_claim"`
+	RolesClaim    string `yaml:"roles_claim"`
 }
 
 // LoggingConfig is the logging block. Output is "stdout", "stderr" or an absolute file path.

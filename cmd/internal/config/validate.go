@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -231,6 +232,26 @@ func (c *Config) validateBackends(v *validator) {
 }
 
 func (c *Config) validateAuth(v *validator) {
+	for _, pattern := range slices.Sorted(maps.Keys(c.Auth.CertificateRoles)) {
+		p := joinKey("auth.certificate_roles", pattern)
+		if prefix, _ := strings.CutSuffix(pattern, "*"); prefix == "" || strings.Contains(prefix, "*") {
+			v.add(p, "%w: %q: a certificate CN, or a CN prefix ending in \"*\"", ErrInvalid, pattern)
+		}
+		roles := c.Auth.CertificateRoles[pattern]
+		if len(roles) == 0 {
+			v.add(p, "%w: no roles", ErrInvalid)
+		}
+		for i, r := range roles {
+			if strings.TrimSpace(r) == "" {
+				v.add(p+"["+strconv.Itoa(i)+"]", "%w: empty role", ErrInvalid)
+			}
+		}
+	}
+	for _, cl := range []struct{ path, val string }{{"auth.oidc.identity_claim", c.Auth.OIDC.IdentityClaim}, {"auth.oidc.roles_claim", c.Auth.OIDC.RolesClaim}} {
+		if cl.val != "" && !claimPath.MatchString(cl.val) {
+			v.add(cl.path, "%w %q: a claim name or a dotted path of claim names", ErrInvalid, cl.val)
+		}
+	}
 	o := &c.Auth.OIDC
 	if o.IssuerURL == "" {
 		return
@@ -343,6 +364,9 @@ func (c *Config) validateMesh(v *validator) {
 		}
 	}
 }
+
+// claimPath is a token claim name or a dotted path of names.
+var claimPath = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_:-]*(\.[A-Za-z_][A-Za-z0-9_:-]*)*$`)
 
 // minRaftTimeout is hashicorp/raft's lower bound for its timeouts and snapshot interval.
 const minRaftTimeout = 5 * time.Millisecond
