@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -82,20 +83,28 @@ func (a *app) connect(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
+	var auth []connect.Interceptor
+	if token := a.token(cmd); token != "" {
+		if endpoint.Scheme != "https" && !loopbackHost(endpoint.Hostname()) {
+			return usagef("--token needs an https:// endpoint: a bearer token sent in clear text to %s could be taken and replayed", endpoint.Host)
+		}
+		auth = append(auth, bearer(token))
+	}
 	a.conn = &clientConn{
 		http: httpClient,
 		api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
-			connect.WithInterceptors(a.retryInterceptor()),
+			connect.WithInterceptors(append(auth, a.retryInterceptor())...),
 			connect.WithReadMaxBytes(maxMessageBytes),
 			connect.WithSendMaxBytes(maxMessageBytes),
 			connect.WithCompressMinBytes(1024),
 		),
 		snap: clusterv1connect.NewSnapshotServiceClient(httpClient, endpoint.String(),
+			connect.WithInterceptors(auth...),
 			connect.WithReadMaxBytes(maxMessageBytes),
 			connect.WithSendMaxBytes(maxMessageBytes),
 		),
 	}
-	backendOpts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessageBytes), connect.WithSendMaxBytes(maxMessageBytes)}
+	backendOpts := []connect.ClientOption{connect.WithInterceptors(auth...), connect.WithReadMaxBytes(maxMessageBytes), connect.WithSendMaxBytes(maxMessageBytes)}
 	a.conn.vm = vmv1connect.NewVMServiceClient(httpClient, endpoint.String(), backendOpts...)
 	a.conn.storage = storagev1connect.NewStorageServiceClient(httpClient, endpoint.String(), backendOpts...)
 	a.conn.network = networkv1connect.NewNetworkServiceClient(httpClient, endpoint.String(), backendOpts...)
@@ -133,6 +142,15 @@ func (a *app) endpoint(cmd *cobra.Command) (*url.URL, error) {
 	return u, nil
 }
 
+// loopbackHost reports whether host is a loopback address or localhost.
+func loopbackHost(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
 // parseEndpoint accepts http://HOST[:PORT][/PATH], https://... and HOST:PORT,
 // which means http://HOST:PORT.
 func parseEndpoint(raw string) (*url.URL, error) {
@@ -162,8 +180,17 @@ func parseEndpoint(raw string) (*url.URL, error) {
 	return u, nil
 }
 
+// defaultCertFile and defaultKeyFile are the client certificate pvcli
+// presents to https:// endpoints when none is given (spec/agent.txt
+// "Troubleshooting"), below the user's configuration directory.
+const (
+	defaultCertFile = "~/.config/pvcli/client.crt"
+	defaultKeyFile  = "~/.config/pvcli/client.key"
+)
+
 // tlsOptions resolves the TLS flags, each from its environment variable
-// when the flag was not given.
+// when the flag was not given; without a certificate given, the files
+// of defaultCertFile and defaultKeyFile are used when both exist.
 func (a *app) tlsOptions(cmd *cobra.Command) tlsOptions {
 	o := a.opts.tls
 	for _, f := range []struct {
@@ -176,12 +203,62 @@ func (a *app) tlsOptions(cmd *cobra.Command) tlsOptions {
 			}
 		}
 	}
+	if o.certFile == "" && o.keyFile == "" {
+		if home := a.getenv("HOME"); home != "" {
+			cert, key := filepath.Join(home, ".config", "pvcli", "client.crt"), filepath.Join(home, ".config", "pvcli", "client.key")
+			if fileExists(cert) && fileExists(key) {
+				o.certFile, o.keyFile, o.defaulted = cert, key, true
+			}
+		}
+	}
 	return o
+}
+
+func fileExists(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && st.Mode().IsRegular()
+}
+
+// token resolves --token, else PVCLI_TOKEN.
+func (a *app) token(cmd *cobra.Command) string {
+	if cmd.Flags().Changed("token") {
+		return a.opts.token
+	}
+	return a.getenv(envToken)
+}
+
+// bearer sends the token as Authorization: Bearer on every call.
+func bearer(token string) connect.Interceptor {
+	return bearerInterceptor{value: "Bearer " + token}
+}
+
+type bearerInterceptor struct{ value string }
+
+func (b bearerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		req.Header().Set("Authorization", b.value)
+		return next(ctx, req)
+	}
+}
+
+func (b bearerInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		conn := next(ctx, spec)
+		conn.RequestHeader().Set("Authorization", b.value)
+		return conn
+	}
+}
+
+func (bearerInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
 }
 
 // tlsOptions are the client TLS flags.
 type tlsOptions struct {
 	caFile, certFile, keyFile string
+	// defaulted: the certificate is the one of the configuration
+	// directory, not given; plaintext endpoints ignore it.
+	defaulted bool
 }
 
 // newHTTPClient builds the HTTP client for endpoint; it is the one place that
@@ -195,6 +272,9 @@ type tlsOptions struct {
 func newHTTPClient(endpoint *url.URL, opts tlsOptions) (*http.Client, error) {
 	switch endpoint.Scheme {
 	case "http":
+		if opts.defaulted {
+			opts.certFile, opts.keyFile = "", ""
+		}
 		if opts.caFile != "" || opts.certFile != "" {
 			return nil, usagef("--ca-file and --cert-file need an https:// endpoint")
 		}
@@ -223,6 +303,9 @@ func newHTTPClient(endpoint *url.URL, opts tlsOptions) (*http.Client, error) {
 		if opts.certFile != "" {
 			pair, err := tls.LoadX509KeyPair(opts.certFile, opts.keyFile)
 			if err != nil {
+				if opts.defaulted {
+					return nil, usagef("the default client certificate %s and %s: %v (give --cert-file/--key-file, or fix or remove them)", opts.certFile, opts.keyFile, err)
+				}
 				return nil, usagef("--cert-file/--key-file: %v", err)
 			}
 			cfg.Certificates = []tls.Certificate{pair}

@@ -30,6 +30,7 @@ type fakeCluster struct {
 	responses map[string]proto.Message // procedure -> response (default: empty)
 	header    http.Header              // added to every response
 	httpMajor []int                    // HTTP major version of every request
+	auth      []string                 // Authorization header of every request
 }
 
 var _ clusterv1connect.ClusterServiceHandler = (*fakeCluster)(nil)
@@ -56,6 +57,7 @@ func (f *fakeCluster) start(t testing.TB) string {
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		f.mu.Lock()
 		f.httpMajor = append(f.httpMajor, r.ProtoMajor)
+		f.auth = append(f.auth, r.Header.Get("Authorization"))
 		f.mu.Unlock()
 		mux.ServeHTTP(w, r)
 	}))

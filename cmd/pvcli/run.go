@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -24,6 +25,7 @@ const (
 	envCAFile       = "PVCLI_CA_FILE"
 	envCertFile     = "PVCLI_CERT_FILE"
 	envKeyFile      = "PVCLI_KEY_FILE"
+	envToken        = "PVCLI_TOKEN"
 	defaultEndpoint = "http://127.0.0.1:8443"
 	defaultTimeout  = 15 * time.Second
 )
@@ -76,6 +78,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 	if errors.As(err, &ue) {
 		fmt.Fprintf(stderr, "Run '%s --help' for usage.\n", cmd.CommandPath())
 	}
+	switch connect.CodeOf(err) {
+	case connect.CodeUnauthenticated:
+		fmt.Fprintf(stderr, "The agent did not accept the credentials: send a bearer token (--token or %s) or a client certificate of the PiTrust chain (--cert-file/--key-file, %s/%s, or %s and %s).\n",
+			envToken, envCertFile, envKeyFile, defaultCertFile, defaultKeyFile)
+	case connect.CodePermissionDenied:
+		fmt.Fprintln(stderr, "The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.")
+	}
 	return err
 }
 
@@ -115,6 +124,7 @@ type globalOptions struct {
 	timeout     time.Duration
 	verbose     bool
 	tls         tlsOptions
+	token       string
 }
 
 // app is the state of one pvcli invocation.
@@ -195,6 +205,7 @@ the agent retries what is safe to retry.`,
 	f.StringVar(&a.opts.tls.caFile, "ca-file", "", "with https://: PEM file of the CAs that sign the agent's certificate, e.g. /etc/pivirt/certs/ca-chain.pem (default: the system roots); env "+envCAFile)
 	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one; env "+envCertFile)
 	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key; env "+envKeyFile)
+	f.StringVar(&a.opts.token, "token", "", "OIDC bearer token sent as Authorization: Bearer (https://, or http:// to loopback only); env "+envToken)
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
 		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd())

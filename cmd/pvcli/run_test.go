@@ -449,7 +449,14 @@ func TestConnectErrors(t *testing.T) {
 		{
 			name:       "permission denied",
 			err:        connect.NewError(connect.CodePermissionDenied, errors.New("rbac: config:write denied")),
-			wantStderr: "Error: permission_denied: rbac: config:write denied\n",
+			wantStderr: "Error: permission_denied: rbac: config:write denied\n" +
+				"The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.\n",
+		},
+		{
+			name: "unauthenticated",
+			err:  connect.NewError(connect.CodeUnauthenticated, errors.New("no credentials")),
+			wantStderr: "Error: unauthenticated: no credentials\n" +
+				"The agent did not accept the credentials: send a bearer token (--token or PVCLI_TOKEN) or a client certificate of the PiTrust chain (--cert-file/--key-file, PVCLI_CERT_FILE/PVCLI_KEY_FILE, or ~/.config/pvcli/client.crt and ~/.config/pvcli/client.key).\n",
 		},
 	}
 	for _, tt := range tests {
