@@ -447,8 +447,8 @@ func TestConnectErrors(t *testing.T) {
 			wantStderr: "Error: not_found: config key \"x\" not found\n",
 		},
 		{
-			name:       "permission denied",
-			err:        connect.NewError(connect.CodePermissionDenied, errors.New("rbac: config:write denied")),
+			name: "permission denied",
+			err:  connect.NewError(connect.CodePermissionDenied, errors.New("rbac: config:write denied")),
 			wantStderr: "Error: permission_denied: rbac: config:write denied\n" +
 				"The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.\n",
 		},
