@@ -146,13 +146,16 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 	for {
 		select {
 		case <-hup:
-			// Certificates are re-read for new handshakes; a failure keeps
-			// the ones in use and is logged.
-			switch err := a.ReloadTLS(); {
-			case !cfg.TLS.Enabled:
-				logger.Info("SIGHUP: nothing to reload (tls.enabled is false)")
-			case err == nil:
-				logger.Info("SIGHUP: certificates reloaded")
+			// Certificates are re-read for new handshakes and the RBAC
+			// policy file replaced; what fails to load stays in use and is
+			// logged.
+			switch reloaded, err := a.Reload(); {
+			case err != nil:
+				logger.Error("SIGHUP: reload failed; what failed to load stays in use", "reloaded", reloaded, "error", err)
+			case len(reloaded) == 0:
+				logger.Info("SIGHUP: nothing to reload (tls.enabled is false, no auth.rbac_policy)")
+			default:
+				logger.Info("SIGHUP: reloaded", "reloaded", reloaded)
 			}
 			continue
 		case <-a.Done():

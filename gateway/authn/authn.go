@@ -16,7 +16,7 @@ import (
 // layer verified against the PiTrust chain.
 type Authenticator struct {
 	// OIDC verifies bearer tokens; nil: tokens are refused.
-	OIDC *OIDC
+	OIDC Verifier
 	// CertRoles gives client certificates their roles by CN: an exact
 	// name, or a prefix ending in "*" ("pivirt-agent-*"). A certificate
 	// matching several entries gets the roles of all.

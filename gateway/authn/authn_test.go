@@ -16,13 +16,13 @@ func cert(cn string) []*x509.Certificate {
 
 func TestAuthenticate(t *testing.T) {
 	is := newIssuer(t)
-	k := is.newKey(t, "k1", jose.RS256, true)
+	k := is.NewKey(t, "k1", jose.RS256, true)
 	a := &Authenticator{OIDC: newOIDC(t, is, nil), CertRoles: map[string][]string{
 		"operator": {"admin"}, "pivirt-agent-*": {"agent"}, "pivirt-agent-node1": {"viewer", "agent"},
 	}}
 	ctx := t.Context()
 
-	p, err := a.Authenticate(ctx, "Bearer "+k.sign(t, is.claims("alice", nil)), cert("operator"))
+	p, err := a.Authenticate(ctx, "Bearer "+k.Sign(t, is.Claims("alice", nil)), cert("operator"))
 	if err != nil || p.Identity != "alice" || strings.Join(p.Roles, ",") != "admin" {
 		t.Errorf("a token wins over the certificate: %+v, %v", p, err)
 	}

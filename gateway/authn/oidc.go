@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/coreos/go-oidc/v3/oidc"
@@ -244,4 +245,80 @@ func (k *keySet) lookup(kid string) []jose.JSONWebKey {
 		return k.keys.Keys
 	}
 	return k.keys.Key(kid)
+}
+
+// Verifier verifies bearer tokens: *OIDC, or a *Discovery until it has one.
+type Verifier interface {
+	Verify(ctx context.Context, raw string) (authz.Principal, error)
+}
+
+// Discovery is an OIDC verifier whose issuer may be unreachable when the
+// agent starts: it retries discovery in the background (backoff up to a
+// minute) and refuses tokens, saying why, until it succeeds. An agent does
+// not fail to start, nor stop serving certificate callers, because the
+// identity provider is down.
+type Discovery struct {
+	issuer  string
+	oidc    atomic.Pointer[OIDC]
+	lastErr atomic.Pointer[error]
+}
+
+// Discover tries NewOIDC once now and, if that fails, again in the
+// background until it succeeds or ctx ends; done is called when the
+// background work ends.
+func Discover(ctx context.Context, cfg OIDCConfig, done func()) *Discovery {
+	d := &Discovery{issuer: cfg.IssuerURL}
+	if d.try(ctx, cfg) {
+		done()
+		return d
+	}
+	go func() {
+		defer done()
+		wait := time.Second
+		for {
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			if d.try(ctx, cfg) {
+				return
+			}
+			wait = min(2*wait, time.Minute)
+		}
+	}()
+	return d
+}
+
+func (d *Discovery) try(ctx context.Context, cfg OIDCConfig) bool {
+	o, err := NewOIDC(ctx, cfg)
+	if err != nil {
+		if cfg.Logger != nil {
+			cfg.Logger.Warn("OIDC issuer not reachable; bearer tokens are refused until it is (retrying)", "issuer", cfg.IssuerURL, "error", err)
+		}
+		d.lastErr.Store(&err)
+		return false
+	}
+	if cfg.Logger != nil && d.lastErr.Load() != nil {
+		cfg.Logger.Info("OIDC issuer reached; bearer tokens are accepted", "issuer", cfg.IssuerURL)
+	}
+	d.oidc.Store(o)
+	return true
+}
+
+// Ready reports whether the issuer has been discovered.
+func (d *Discovery) Ready() bool { return d.oidc.Load() != nil }
+
+// Verify implements Verifier.
+func (d *Discovery) Verify(ctx context.Context, raw string) (authz.Principal, error) {
+	if o := d.oidc.Load(); o != nil {
+		return o.Verify(ctx, raw)
+	}
+	reason := "not tried yet"
+	if e := d.lastErr.Load(); e != nil {
+		reason = (*e).Error()
+	}
+	return authz.Principal{}, fmt.Errorf("%w: the OIDC issuer %s has not been reached yet, so bearer tokens cannot be verified: %s", ErrUnauthenticated, d.issuer, reason)
 }

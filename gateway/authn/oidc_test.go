@@ -1,112 +1,27 @@
 package authn
 
 import (
-	"crypto"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/hmac"
-	"crypto/rand"
-	"crypto/rsa"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
-	"net/http"
-	"net/http/httptest"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/go-jose/go-jose/v4"
-	"github.com/go-jose/go-jose/v4/jwt"
+
+	"pilab.hu/pivirt-agent/gateway/authn/oidctest"
 )
 
-// issuer is a real OIDC issuer on 127.0.0.1: discovery and JWKS of keys
-// it generates, counting JWKS fetches.
-type issuer struct {
-	srv     *httptest.Server
-	mu      sync.Mutex
-	keys    []jose.JSONWebKey // public keys served
-	fetches atomic.Int64
-}
+type issuer = oidctest.Issuer
 
-func newIssuer(t *testing.T) *issuer {
-	t.Helper()
-	is := &issuer{}
-	mux := http.NewServeMux()
-	mux.HandleFunc("/.well-known/openid-configuration", func(w http.ResponseWriter, _ *http.Request) {
-		_ = json.NewEncoder(w).Encode(map[string]any{
-			"issuer": is.srv.URL, "jwks_uri": is.srv.URL + "/keys",
-			"id_token_signing_alg_values_supported": []string{"RS256", "ES256"},
-		})
-	})
-	mux.HandleFunc("/keys", func(w http.ResponseWriter, _ *http.Request) {
-		is.fetches.Add(1)
-		is.mu.Lock()
-		defer is.mu.Unlock()
-		_ = json.NewEncoder(w).Encode(jose.JSONWebKeySet{Keys: is.keys})
-	})
-	is.srv = httptest.NewServer(mux)
-	t.Cleanup(is.srv.Close)
-	return is
-}
-
-// key is a signing key; publish adds it to the JWKS.
-type key struct {
-	kid  string
-	alg  jose.SignatureAlgorithm
-	priv crypto.Signer
-}
-
-func (is *issuer) newKey(t *testing.T, kid string, alg jose.SignatureAlgorithm, publish bool) key {
-	t.Helper()
-	var priv crypto.Signer
-	var err error
-	if alg == jose.ES256 {
-		priv, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	} else {
-		priv, err = rsa.GenerateKey(rand.Reader, 2048)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	if publish {
-		is.mu.Lock()
-		is.keys = append(is.keys, jose.JSONWebKey{Key: priv.Public(), KeyID: kid, Algorithm: string(alg), Use: "sig"})
-		is.mu.Unlock()
-	}
-	return key{kid: kid, alg: alg, priv: priv}
-}
-
-func (k key) sign(t *testing.T, claims map[string]any) string {
-	t.Helper()
-	s, err := jose.NewSigner(jose.SigningKey{Algorithm: k.alg, Key: jose.JSONWebKey{Key: k.priv, KeyID: k.kid}}, (&jose.SignerOptions{}).WithType("JWT"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, err := jwt.Signed(s).Claims(claims).Serialize()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return raw
-}
-
-func (is *issuer) claims(sub string, mod func(map[string]any)) map[string]any {
-	now := time.Now()
-	c := map[string]any{"iss": is.srv.URL, "aud": "pivirt-agent", "sub": sub, "exp": now.Add(time.Hour).Unix(),
-		"iat": now.Unix(), "nbf": now.Add(-time.Minute).Unix(), "roles": []string{"admin"}}
-	if mod != nil {
-		mod(c)
-	}
-	return c
-}
+func newIssuer(t *testing.T) *issuer { return oidctest.New(t) }
 
 func newOIDC(t *testing.T, is *issuer, mod func(*OIDCConfig)) *OIDC {
 	t.Helper()
-	cfg := OIDCConfig{IssuerURL: is.srv.URL, ClientID: "pivirt-agent", RefetchInterval: time.Hour}
+	cfg := OIDCConfig{IssuerURL: is.URL, ClientID: "pivirt-agent", RefetchInterval: time.Hour}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -121,44 +36,44 @@ func b64(b []byte) string { return base64.RawURLEncoding.EncodeToString(b) }
 
 func TestOIDCVerify(t *testing.T) {
 	is := newIssuer(t)
-	rs := is.newKey(t, "rs-1", jose.RS256, true)
-	es := is.newKey(t, "es-1", jose.ES256, true)
+	rs := is.NewKey(t, "rs-1", jose.RS256, true)
+	es := is.NewKey(t, "es-1", jose.ES256, true)
 	o := newOIDC(t, is, nil)
 
-	for _, k := range []key{rs, es} {
-		p, err := o.Verify(t.Context(), k.sign(t, is.claims("alice", nil)))
+	for _, k := range []oidctest.Key{rs, es} {
+		p, err := o.Verify(t.Context(), k.Sign(t, is.Claims("alice", nil)))
 		if err != nil || p.Identity != "alice" || len(p.Roles) != 1 || p.Roles[0] != "admin" {
-			t.Errorf("%s token: %+v, %v", k.alg, p, err)
+			t.Errorf("%s token: %+v, %v", k.Alg, p, err)
 		}
 	}
 
-	good := rs.sign(t, is.claims("alice", nil))
+	good := rs.Sign(t, is.Claims("alice", nil))
 	parts := strings.Split(good, ".")
 	payload, _ := base64.RawURLEncoding.DecodeString(parts[1])
 	tampered := parts[0] + "." + b64([]byte(strings.Replace(string(payload), `"alice"`, `"admin"`, 1))) + "." + parts[2]
 	none := b64([]byte(`{"alg":"none","kid":"rs-1"}`)) + "." + parts[1] + "."
 	// HS256 with the RSA public key (DER, as an attacker would fetch it)
 	// as the HMAC secret.
-	pubDER, _ := x509.MarshalPKIXPublicKey(rs.priv.Public())
+	pubDER, _ := x509.MarshalPKIXPublicKey(rs.Priv.Public())
 	hsHeader := b64([]byte(`{"alg":"HS256","kid":"rs-1","typ":"JWT"}`))
 	mac := hmac.New(sha256.New, pubDER)
 	mac.Write([]byte(hsHeader + "." + parts[1]))
 	hs := hsHeader + "." + parts[1] + "." + b64(mac.Sum(nil))
-	stranger := is.newKey(t, "rs-9", jose.RS256, false)
+	stranger := is.NewKey(t, "rs-9", jose.RS256, false)
 
 	for name, tc := range map[string]struct {
 		token string
 		want  string
 	}{
-		"expired":        {rs.sign(t, is.claims("alice", func(c map[string]any) { c["exp"] = time.Now().Add(-time.Minute).Unix() })), "expired"},
-		"not yet valid":  {rs.sign(t, is.claims("alice", func(c map[string]any) { c["nbf"] = time.Now().Add(10 * time.Minute).Unix() })), "before the nbf"},
-		"wrong issuer":   {rs.sign(t, is.claims("alice", func(c map[string]any) { c["iss"] = "https://evil.example" })), "different provider"},
-		"wrong audience": {rs.sign(t, is.claims("alice", func(c map[string]any) { c["aud"] = "someone-else" })), "expected audience"},
+		"expired":        {rs.Sign(t, is.Claims("alice", func(c map[string]any) { c["exp"] = time.Now().Add(-time.Minute).Unix() })), "expired"},
+		"not yet valid":  {rs.Sign(t, is.Claims("alice", func(c map[string]any) { c["nbf"] = time.Now().Add(10 * time.Minute).Unix() })), "before the nbf"},
+		"wrong issuer":   {rs.Sign(t, is.Claims("alice", func(c map[string]any) { c["iss"] = "https://evil.example" })), "different provider"},
+		"wrong audience": {rs.Sign(t, is.Claims("alice", func(c map[string]any) { c["aud"] = "someone-else" })), "expected audience"},
 		"alg none":       {none, "unexpected signature algorithm"},
 		"HS256 with key": {hs, "unexpected signature algorithm"},
-		"unknown kid":    {stranger.sign(t, is.claims("alice", nil)), `unknown key ID "rs-9"`},
+		"unknown kid":    {stranger.Sign(t, is.Claims("alice", nil)), `unknown key ID "rs-9"`},
 		"tampered":       {tampered, "signature"},
-		"no identity":    {rs.sign(t, is.claims("", nil)), `no "sub" claim`},
+		"no identity":    {rs.Sign(t, is.Claims("", nil)), `no "sub" claim`},
 		"not a token":    {"not.a.token", "malformed"},
 		"empty":          {"", "malformed"},
 	} {
@@ -175,26 +90,26 @@ func TestOIDCVerify(t *testing.T) {
 // once per interval; a rotated-in key is then accepted.
 func TestOIDCKeyRefetch(t *testing.T) {
 	is := newIssuer(t)
-	is.newKey(t, "k1", jose.RS256, true)
+	is.NewKey(t, "k1", jose.RS256, true)
 	o := newOIDC(t, is, func(c *OIDCConfig) { c.RefetchInterval = time.Hour })
-	if got := is.fetches.Load(); got != 1 {
+	if got := is.Fetches(); got != 1 {
 		t.Fatalf("%d JWKS fetches at start, want 1", got)
 	}
-	stranger := is.newKey(t, "k9", jose.RS256, false)
+	stranger := is.NewKey(t, "k9", jose.RS256, false)
 	for range 20 {
-		if _, err := o.Verify(t.Context(), stranger.sign(t, is.claims("eve", nil))); err == nil {
+		if _, err := o.Verify(t.Context(), stranger.Sign(t, is.Claims("eve", nil))); err == nil {
 			t.Fatal("a token of an unknown key was accepted")
 		}
 	}
-	if got := is.fetches.Load(); got != 1 {
+	if got := is.Fetches(); got != 1 {
 		t.Errorf("%d JWKS fetches after 20 tokens of unknown keys within the interval, want 1 (rate-limited)", got)
 	}
 
 	// Rotation: the issuer publishes a new key; the first token signed
 	// with it fetches the keys again (the interval has passed).
 	o2 := newOIDC(t, is, func(c *OIDCConfig) { c.RefetchInterval = time.Millisecond })
-	k2 := is.newKey(t, "k2", jose.ES256, true)
-	token := k2.sign(t, is.claims("alice", nil))
+	k2 := is.NewKey(t, "k2", jose.ES256, true)
+	token := k2.Sign(t, is.Claims("alice", nil))
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		p, err := o2.Verify(t.Context(), token)
@@ -209,9 +124,9 @@ func TestOIDCKeyRefetch(t *testing.T) {
 
 func TestClaimsMapping(t *testing.T) {
 	is := newIssuer(t)
-	k := is.newKey(t, "k1", jose.RS256, true)
+	k := is.NewKey(t, "k1", jose.RS256, true)
 	o := newOIDC(t, is, func(c *OIDCConfig) { c.IdentityClaim, c.RolesClaim = "preferred_username", "realm_access.roles" })
-	p, err := o.Verify(t.Context(), k.sign(t, is.claims("uuid-1", func(c map[string]any) {
+	p, err := o.Verify(t.Context(), k.Sign(t, is.Claims("uuid-1", func(c map[string]any) {
 		c["preferred_username"] = "alice"
 		c["realm_access"] = map[string]any{"roles": []string{"vm-owner", "viewer"}}
 	})))
@@ -221,10 +136,10 @@ func TestClaimsMapping(t *testing.T) {
 	if got := roles("a b,c"); strings.Join(got, "|") != "a|b|c" {
 		t.Errorf("roles of a string = %v", got)
 	}
-	if _, err := NewOIDC(t.Context(), OIDCConfig{IssuerURL: is.srv.URL, ClientID: "x", Algorithms: []string{"HS256"}}); err == nil || !strings.Contains(err.Error(), `"HS256" is not allowed`) {
+	if _, err := NewOIDC(t.Context(), OIDCConfig{IssuerURL: is.URL, ClientID: "x", Algorithms: []string{"HS256"}}); err == nil || !strings.Contains(err.Error(), `"HS256" is not allowed`) {
 		t.Errorf("HS256 allowed by configuration: %v", err)
 	}
-	if _, err := NewOIDC(t.Context(), OIDCConfig{IssuerURL: is.srv.URL + "/nope", ClientID: "x"}); err == nil || !strings.Contains(err.Error(), "discovery") {
+	if _, err := NewOIDC(t.Context(), OIDCConfig{IssuerURL: is.URL + "/nope", ClientID: "x"}); err == nil || !strings.Contains(err.Error(), "discovery") {
 		t.Errorf("a wrong issuer URL: %v", err)
 	}
 }

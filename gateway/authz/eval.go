@@ -1,6 +1,7 @@
 package authz
 
 import (
+	"context"
 	"fmt"
 	"regexp"
 	"slices"
@@ -63,6 +64,18 @@ func (p *Policy) Decide(who Principal, resource, verb string) (Decision, error) 
 		d.conds = append(d.conds, conds)
 	}
 	return d, nil
+}
+
+// Grants reports whether some rule allows verb on resource without
+// conditions to some role (a policy that lets nobody change the config
+// could never be replaced through it).
+func (p *Policy) Grants(resource, verb string) bool {
+	for _, r := range p.Rules {
+		if len(r.Conditions) == 0 && len(r.Roles) > 0 && match(r.Resources, resource) && match(r.Verbs, verb) {
+			return true
+		}
+	}
+	return false
 }
 
 // Object reports whether the decision allows the verb on obj: always when
@@ -147,4 +160,17 @@ func FieldString(m protoreflect.Message, path string) (string, bool) {
 		return v.String(), true
 	}
 	return "", false
+}
+
+type principalKey struct{}
+
+// WithPrincipal records the authenticated caller of a request in ctx.
+func WithPrincipal(ctx context.Context, p Principal) context.Context {
+	return context.WithValue(ctx, principalKey{}, p)
+}
+
+// PrincipalFrom returns the caller WithPrincipal recorded.
+func PrincipalFrom(ctx context.Context) (Principal, bool) {
+	p, ok := ctx.Value(principalKey{}).(Principal)
+	return p, ok
 }

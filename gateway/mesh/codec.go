@@ -57,3 +57,25 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
 }
 
 func (codec) Name() string { return proto.Name }
+
+// NewFrame wraps an encoded message (the gateway's access checks re-encode
+// a filtered response).
+func NewFrame(b []byte) *Frame {
+	return &Frame{data: mem.BufferSlice{mem.SliceBuffer(b)}}
+}
+
+// Bytes returns the message's bytes (a copy when the frame spans several
+// buffers).
+func (f *Frame) Bytes() []byte {
+	if len(f.data) == 1 {
+		return f.data[0].ReadOnlyData()
+	}
+	return f.data.Materialize()
+}
+
+// Set moves src's buffers into f (releasing f's own); src is empty
+// afterwards.
+func (f *Frame) Set(src *Frame) {
+	f.Free()
+	f.data, src.data = src.data, nil
+}

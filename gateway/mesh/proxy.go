@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+
+	"pilab.hu/pivirt-agent/gateway/authz"
 )
 
 // Route sends the methods whose full name ("/pkg.Service/Method") starts
@@ -345,7 +347,20 @@ var hopHeaders = map[string]bool{
 	// The caller's credentials are for the gateway, which authenticates
 	// it; backends see the agent's own identity (mutual TLS).
 	"authorization": true, "proxy-authorization": true, "cookie": true,
+	// The caller's identity as the gateway authenticated it: set by the
+	// gateway only, never passed on from a client.
+	IdentityHeader: true, RolesHeader: true,
 }
+
+// The headers that tell a backend on whose behalf the agent calls: the
+// authenticated principal's identity and roles (comma-separated). A
+// backend may use them (pivirtd makes the identity the owner of what it
+// creates without one); it trusts them because the call comes over mutual
+// TLS from an agent.
+const (
+	IdentityHeader = "x-pivirt-identity"
+	RolesHeader    = "x-pivirt-roles"
+)
 
 // outgoingContext carries the caller's metadata (without hop headers) to
 // the backend, adding the caller's address to x-forwarded-for. The
@@ -367,6 +382,12 @@ func outgoingContext(ctx context.Context) context.Context {
 			host = strings.Join(prev, ", ") + ", " + host
 		}
 		out.Set("x-forwarded-for", host)
+	}
+	if p, ok := authz.PrincipalFrom(ctx); ok {
+		out.Set(IdentityHeader, p.Identity)
+		if len(p.Roles) > 0 {
+			out.Set(RolesHeader, strings.Join(p.Roles, ","))
+		}
 	}
 	return metadata.NewOutgoingContext(ctx, out)
 }

@@ -38,6 +38,8 @@ import (
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
+	"pilab.hu/pivirt-agent/gateway/access"
+	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -114,6 +116,12 @@ type Agent struct {
 	health         *health.Server
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
+	// guard is the API port's access control; nil when it is off.
+	guard *access.Guard
+	// policyFile is auth.rbac_policy; clusterPolicy the cluster-wide
+	// policy of the replicated config, which takes precedence.
+	policyFile    *authz.File
+	clusterPolicy atomic.Pointer[authz.Policy]
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -288,6 +296,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
 	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
+	hcfg.ValidateConfig = a.validateClusterConfig
 	hcfg.Keyring = func(ctx context.Context, addr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error) {
 		resp, err := a.pool.Node(addr).Keyring(ctx, connect.NewRequest(&nodev1.KeyringRequest{Op: op, Key: key}))
 		if err != nil {
@@ -334,11 +343,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.startMesh(); err != nil {
 		return err
 	}
+	if err := a.startAccess(); err != nil {
+		return err
+	}
 	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 		a.registerAPIExtras(s)
-	}, a.proxyServerOptions()...); err != nil {
+	}, append(a.proxyServerOptions(), a.accessServerOptions()...)...); err != nil {
 		return err
 	}
 	var signer cluster.CertificateSigner
@@ -878,9 +890,13 @@ func handlerOptions() []connect.HandlerOption {
 
 func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux := http.NewServeMux()
-	path, h := clusterv1connect.NewClusterServiceHandler(a.api, handlerOptions()...)
+	opts := handlerOptions()
+	if a.guard != nil {
+		opts = append(opts, connect.WithInterceptors(a.guard.ConnectInterceptor()))
+	}
+	path, h := clusterv1connect.NewClusterServiceHandler(a.api, opts...)
 	mux.Handle(path, h)
-	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, handlerOptions()...)
+	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, opts...)
 	mux.Handle(path, h)
 	if err := a.addTranscoder(mux, gs); err != nil {
 		return nil, err
@@ -934,19 +950,7 @@ func (a *Agent) metricsMux() http.Handler {
 		}
 		writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": st.AppliedIndex})
 	})
-	mux.HandleFunc("POST /reload", func(w http.ResponseWriter, r *http.Request) {
-		if !loopbackCaller(r) {
-			writeJSON(w, http.StatusForbidden, map[string]any{"status": "error", "error": "reload answers loopback callers only"})
-			return
-		}
-		// Certificates now; the rest of the configuration with its issue.
-		if err := a.ReloadTLS(); err != nil {
-			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(),
-				"kept": "the certificates whose files failed to load stay in use; the others were reloaded"})
-			return
-		}
-		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "reloaded": []string{"tls"}})
-	})
+	mux.HandleFunc("POST /reload", a.reloadHandler)
 	return mux
 }
 

@@ -80,7 +80,8 @@ func TestClusterCARenewal(t *testing.T) {
 	// The API port checks client certificates against a CA of its own:
 	// renewed server certificates must still be checked against
 	// tls.ca_file.
-	operators := filepath.Join(testPKI(t, 0), identity.ChainFile)
+	operatorsDir := testPKI(t, 0)
+	operators := filepath.Join(operatorsDir, identity.ChainFile)
 	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
 		withClusterCA(dir, dir, 20*time.Second, 100, 100)(i, cfg)
 		cfg.Server.ConnectRPC.TLS.ClientCAFile = operators
@@ -88,7 +89,7 @@ func TestClusterCARenewal(t *testing.T) {
 	c.WaitLeader(20 * time.Second)
 	follower := c.Follower()
 
-	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true, DisableKeepAlives: true}
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*apiClientCert(t, operatorsDir)}}, ForceAttemptHTTP2: true, DisableKeepAlives: true}
 	t.Cleanup(tr.CloseIdleConnections)
 	var (
 		ok, failed atomic.Int64
@@ -255,7 +256,7 @@ func TestClusterCASigning(t *testing.T) {
 	if ca, err := n.FSM().State().ClusterCA(); err != nil || ca == nil {
 		t.Fatalf("no cluster CA in the state: %v", err)
 	}
-	snaps := clusterv1connect.NewSnapshotServiceClient(httpsClient(t, filepath.Join(dir, identity.ChainFile), nil), "https://"+n.APIAddr())
+	snaps := clusterv1connect.NewSnapshotServiceClient(httpsClient(t, filepath.Join(dir, identity.ChainFile), apiClientCert(t, dir)), "https://"+n.APIAddr())
 	_, file, err := saveSnapshotWith(ctx, snaps, false)
 	if err != nil {
 		t.Fatal(err)

@@ -551,7 +551,7 @@ func TestGatewayBackendMTLS(t *testing.T) {
 				cfg.Backends["pivirtd"] = b
 			})
 			n := c.WaitLeader(20 * time.Second)
-			conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12})))
+			conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*apiClientCert(t, dir)}})))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -56,6 +56,18 @@ func withTLS(dir string) func(i int, cfg *config.Config) {
 	}
 }
 
+// apiClientCert issues a client certificate of dir's CA to call the API
+// port with (access control needs credentials on a TLS port).
+func apiClientCert(t *testing.T, dir string) *tls.Certificate {
+	t.Helper()
+	f := issueClient(t, dir, "api-client")
+	cert, err := tls.LoadX509KeyPair(f[0], f[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &cert
+}
+
 func httpsClient(t *testing.T, caFile string, cert *tls.Certificate) *http.Client {
 	t.Helper()
 	cfg := &tls.Config{RootCAs: mustPool(t, caFile), MinVersion: tls.VersionTLS12}
@@ -81,7 +93,11 @@ func TestClusterWithMTLS(t *testing.T) {
 	c.WaitLeader(60 * time.Second)
 	follower := c.Follower()
 
-	api := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, nil), "https://"+follower.APIAddr())
+	anon := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, nil), "https://"+follower.APIAddr())
+	if _, err := anon.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{})); connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("a call without a client certificate: %v, want unauthenticated", err)
+	}
+	api := clusterv1connect.NewClusterServiceClient(httpsClient(t, chain, apiClientCert(t, dir)), "https://"+follower.APIAddr())
 	reg, err := api.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
 		Service: "web", InstanceId: "w-1", Address: "10.0.0.1", Port: 80,
 	}}))
@@ -305,7 +321,7 @@ func TestCertificateRotationUnderLoad(t *testing.T) {
 	chain := filepath.Join(dir, identity.ChainFile)
 	c := agenttest.NewExpect(t, 1, withTLS(dir))
 	n := c.WaitLeader(60 * time.Second)
-	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true, DisableKeepAlives: true}
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*apiClientCert(t, dir)}}, ForceAttemptHTTP2: true, DisableKeepAlives: true}
 	t.Cleanup(tr.CloseIdleConnections)
 	api := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: tr}, "https://"+n.APIAddr())
 

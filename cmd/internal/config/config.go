@@ -65,6 +65,7 @@ type Config struct {
 	Routing         RoutingConfig            `yaml:"routing"`
 	LoadBalancing   LoadBalancingConfig      `yaml:"load_balancing"`
 	CircuitBreaking CircuitBreakingConfig    `yaml:"circuit_breaking"`
+	RateLimiting    RateLimitingConfig       `yaml:"rate_limiting"`
 	Cluster         ClusterConfig            `yaml:"cluster"`
 	Snapshot        SnapshotConfig           `yaml:"snapshot"`
 
@@ -311,6 +312,30 @@ type CircuitBreakerThresholds struct {
 	MaxEjectionPercent int      `yaml:"max_ejection_percent"`
 }
 
+// RateLimitingConfig limits the calls of each principal on the API port with token
+// buckets: one per route listed (the longest matching prefix of the method,
+// "/pivirt.vm.v1.VMService/" or "/pivirt.vm.v1.VMService/PowerOn"), and one for every other
+// method. A call over the limit fails with ResourceExhausted and a retry hint.
+type RateLimitingConfig struct {
+	Enabled           bool             `yaml:"enabled"`
+	RequestsPerSecond float64          `yaml:"requests_per_second"`
+	Burst             int              `yaml:"burst"`
+	Routes            []RateLimitRoute `yaml:"routes"`
+}
+
+// RateLimitRoute is the bucket of the methods under Prefix.
+type RateLimitRoute struct {
+	Prefix            string  `yaml:"prefix"`
+	RequestsPerSecond float64 `yaml:"requests_per_second"`
+	Burst             int     `yaml:"burst"`
+}
+
+// Rate limit defaults (per principal, when rate_limiting.enabled).
+const (
+	DefaultRequestsPerSecond = 100
+	DefaultRateBurst         = 200
+)
+
 // ClusterConfig is the embedded cluster: gossip membership and the Raft group.
 type ClusterConfig struct {
 	// Name is the cluster's name (default "pivirt"). Agents refuse gossip
@@ -428,6 +453,7 @@ func Default() *Config {
 				MaxEjectionPercent: 50,
 			},
 		},
+		RateLimiting: RateLimitingConfig{RequestsPerSecond: DefaultRequestsPerSecond, Burst: DefaultRateBurst},
 		Cluster: ClusterConfig{
 			Name:   DefaultClusterName,
 			Gossip: GossipConfig{BindAddr: DefaultGossipAddr},

@@ -32,6 +32,7 @@ func (c *Config) Validate() error {
 	c.validateDiscovery(v)
 	c.validateBackends(v)
 	c.validateAuth(v)
+	c.validateRateLimiting(v)
 	c.validateLogging(v)
 	c.validateTracing(v)
 	c.validateMesh(v)
@@ -228,6 +229,36 @@ func (c *Config) validateBackends(v *validator) {
 		}
 		v.nonNegative(p+".retry.backoff", b.Retry.Backoff)
 		v.pair(p+".tls", b.TLS.CertFile, b.TLS.KeyFile)
+	}
+}
+
+func (c *Config) validateRateLimiting(v *validator) {
+	r := c.RateLimiting
+	if !r.Enabled {
+		return
+	}
+	if r.RequestsPerSecond <= 0 {
+		v.add("rate_limiting.requests_per_second", "%w %g: must be positive", ErrInvalid, r.RequestsPerSecond)
+	}
+	if r.Burst < 1 {
+		v.add("rate_limiting.burst", "%w %d: must be at least 1", ErrInvalid, r.Burst)
+	}
+	seen := map[string]bool{}
+	for i, rt := range r.Routes {
+		at := fmt.Sprintf("rate_limiting.routes[%d]", i)
+		switch {
+		case !strings.HasPrefix(rt.Prefix, "/"):
+			v.add(at+".prefix", "%w %q: a method prefix such as \"/pivirt.vm.v1.VMService/\"", ErrInvalid, rt.Prefix)
+		case seen[rt.Prefix]:
+			v.add(at+".prefix", "%w %q: listed twice", ErrInvalid, rt.Prefix)
+		}
+		seen[rt.Prefix] = true
+		if rt.RequestsPerSecond <= 0 {
+			v.add(at+".requests_per_second", "%w %g: must be positive", ErrInvalid, rt.RequestsPerSecond)
+		}
+		if rt.Burst < 1 {
+			v.add(at+".burst", "%w %d: must be at least 1", ErrInvalid, rt.Burst)
+		}
 	}
 }
 

@@ -179,6 +179,12 @@ func TestValidate(t *testing.T) {
 		{"snapshot retain zero", func(c *Config) { c.Snapshot.Retain = 0 }, []string{"snapshot.retain: invalid value 0: must keep at least 1 archive"}},
 		{"certificate roles pattern", func(c *Config) { c.Auth.CertificateRoles = map[string][]string{"*": {"admin"}} }, []string{`auth.certificate_roles["*"]: invalid value: "*": a certificate CN, or a CN prefix ending in "*"`}},
 		{"certificate roles empty", func(c *Config) { c.Auth.CertificateRoles = map[string][]string{"operator": nil} }, []string{"auth.certificate_roles.operator: invalid value: no roles"}},
+		{"rate limit zero", func(c *Config) { c.RateLimiting.Enabled, c.RateLimiting.RequestsPerSecond = true, 0 }, []string{"rate_limiting.requests_per_second: invalid value 0: must be positive"}},
+		{"rate limit off ignores values", func(c *Config) { c.RateLimiting.RequestsPerSecond = -1 }, nil},
+		{"rate limit route prefix", func(c *Config) {
+			c.RateLimiting.Enabled = true
+			c.RateLimiting.Routes = []RateLimitRoute{{Prefix: "pivirt.vm.v1.VMService", RequestsPerSecond: 1, Burst: 1}, {Prefix: "/a/", RequestsPerSecond: 1}}
+		}, []string{`rate_limiting.routes[0].prefix: invalid value "pivirt.vm.v1.VMService": a method prefix`, "rate_limiting.routes[1].burst: invalid value 0: must be at least 1"}},
 		{"roles claim", func(c *Config) { c.Auth.OIDC.RolesClaim = "realm access.roles" }, []string{`auth.oidc.roles_claim: invalid value "realm access.roles": a claim name or a dotted path of claim names`}},
 		{"cluster ca cert without key", func(c *Config) { c.TLS.ClusterCA.CertFile = "/x/PiCA.pem" }, []string{"tls.cluster_ca.key_file: invalid value: required when tls.cluster_ca.cert_file is set"}},
 		{"cluster ca without tls", func(c *Config) { c.TLS.ClusterCA.Enabled, c.TLS.Enabled = true, false }, []string{"tls.cluster_ca.enabled: invalid value: the cluster CA renews TLS certificates; it needs tls.enabled: true"}},

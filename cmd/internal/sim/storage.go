@@ -55,12 +55,12 @@ func (s *storageService) GetVolume(_ context.Context, r *storagev1.GetVolumeRequ
 	return &storagev1.GetVolumeResponse{Volume: v}, nil
 }
 
-func (s *storageService) CreateVolume(_ context.Context, r *storagev1.CreateVolumeRequest) (*storagev1.CreateVolumeResponse, error) {
+func (s *storageService) CreateVolume(ctx context.Context, r *storagev1.CreateVolumeRequest) (*storagev1.CreateVolumeResponse, error) {
 	in := proto.Clone(r.GetVolume()).(*storagev1.Volume)
 	if in != nil {
 		in.WrittenBytes, in.Sha256, in.Iqn = 0, "", ""
 	}
-	v, err := s.volumes.create(in)
+	v, err := s.volumes.create(ctx, in)
 	if err != nil {
 		return nil, err
 	}
@@ -187,8 +187,8 @@ func (s *networkService) GetNetwork(_ context.Context, r *networkv1.GetNetworkRe
 	return &networkv1.GetNetworkResponse{Network: n}, nil
 }
 
-func (s *networkService) CreateNetwork(_ context.Context, r *networkv1.CreateNetworkRequest) (*networkv1.CreateNetworkResponse, error) {
-	n, err := s.networks.create(r.GetNetwork())
+func (s *networkService) CreateNetwork(ctx context.Context, r *networkv1.CreateNetworkRequest) (*networkv1.CreateNetworkResponse, error) {
+	n, err := s.networks.create(ctx, r.GetNetwork())
 	if err != nil {
 		return nil, err
 	}

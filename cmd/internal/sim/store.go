@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -110,9 +112,14 @@ func (t *table[T]) put(tx *bolt.Tx, obj T) error {
 	return tx.Bucket(t.bucket).Put([]byte(obj.GetId()), b)
 }
 
+// IdentityHeader names the principal an agent calls on behalf of; an
+// object created without an owner belongs to it (pivirtd's behaviour).
+const IdentityHeader = "x-pivirt-identity"
+
 // create stores a new object with a new ID, times and revision. The
-// caller's id and metadata times are ignored; owner and labels are kept.
-func (t *table[T]) create(req T) (T, error) {
+// caller's id and metadata times are ignored; owner and labels are kept,
+// and an object without an owner gets the calling principal's identity.
+func (t *table[T]) create(ctx context.Context, req T) (T, error) {
 	var zero T
 	if !req.ProtoReflect().IsValid() {
 		return zero, status.Errorf(codes.InvalidArgument, "%s: required", t.kind)
@@ -121,6 +128,11 @@ func (t *table[T]) create(req T) (T, error) {
 	m := obj.ProtoReflect()
 	m.Set(m.Descriptor().Fields().ByName("id"), protoreflect.ValueOfString(t.kind+"-"+uuid.NewString()[:8]))
 	meta := &apiv1.ObjectMeta{Owner: req.GetMetadata().GetOwner(), Labels: req.GetMetadata().GetLabels()}
+	if meta.Owner == "" {
+		if v := metadata.ValueFromIncomingContext(ctx, IdentityHeader); len(v) > 0 {
+			meta.Owner = v[0]
+		}
+	}
 	m.Set(m.Descriptor().Fields().ByName("metadata"), protoreflect.ValueOfMessage(meta.ProtoReflect()))
 	if err := t.validate(obj); err != nil {
 		return zero, err

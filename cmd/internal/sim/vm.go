@@ -71,12 +71,12 @@ func (s *vmService) GetVM(_ context.Context, r *vmv1.GetVMRequest) (*vmv1.GetVMR
 	return &vmv1.GetVMResponse{Vm: vm}, nil
 }
 
-func (s *vmService) CreateVM(_ context.Context, r *vmv1.CreateVMRequest) (*vmv1.CreateVMResponse, error) {
+func (s *vmService) CreateVM(ctx context.Context, r *vmv1.CreateVMRequest) (*vmv1.CreateVMResponse, error) {
 	in := proto.Clone(r.GetVm()).(*vmv1.VM)
 	if r.GetVm() != nil {
 		in.PowerState, in.Host = vmv1.PowerState_POWER_STATE_STOPPED, s.host
 	}
-	vm, err := s.vms.create(in)
+	vm, err := s.vms.create(ctx, in)
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,538 @@
+// Package access is the API port's access control, in the order of
+// DESIGN.md: authenticate the call (gateway/authn), limit its rate per
+// principal and route (gateway/ratelimit), authorize it with the RBAC
+// policy and the method's (pivirt.api.v1.authz) annotation
+// (gateway/authz) — checking conditional rules against the target object
+// and filtering list and watch results — and audit-log the decisions. One
+// Guard serves the three ways into the port: Connect handlers (an
+// interceptor), grpc-go handlers and the proxy (server interceptors).
+package access
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/dynamicpb"
+
+	"pilab.hu/pivirt-agent/gateway/authn"
+	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/ratelimit"
+	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+)
+
+// Config is what a Guard enforces.
+type Config struct {
+	// Authenticator names callers; required.
+	Authenticator *authn.Authenticator
+	// Policy returns the RBAC policy in force. Without one (nil func or
+	// nil policy) every authenticated caller may call every annotated
+	// method.
+	Policy func() *authz.Policy
+	// Limits are the rate limits; the zero value limits nothing.
+	Limits Limits
+	// Fetch reads the object a request names by ID, by calling get (the
+	// service's method with verb "get") with req; conditional rules on
+	// methods with an id_field need it.
+	Fetch func(ctx context.Context, get protoreflect.MethodDescriptor, req protoreflect.ProtoMessage) (protoreflect.ProtoMessage, error)
+	// ConnState returns the TLS state of the connection a request came
+	// on when the transport does not say (net/http behind a TLS listener
+	// that ends before the protocol mux).
+	ConnState func(ctx context.Context) (*tls.ConnectionState, bool)
+	// Logger receives the audit log: every denial, and every allowed
+	// call that changes something.
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
+	// Now is the clock of the rate limits (nil: time.Now).
+	Now func() time.Time
+}
+
+// Limits are token buckets per principal: one per route prefix listed
+// (the longest matching prefix), and Default for every other method.
+type Limits struct {
+	Default Limit
+	Routes  []RouteLimit
+}
+
+// Limit is a token bucket's refill rate and size; a zero rate is no limit.
+type Limit struct {
+	PerSecond float64
+	Burst     int
+}
+
+// RouteLimit limits the methods under Prefix ("/pivirt.vm.v1.VMService/",
+// "/pivirt.vm.v1.VMService/PowerOn").
+type RouteLimit struct {
+	Prefix string
+	Limit
+}
+
+// Guard enforces a Config.
+type Guard struct {
+	cfg      Config
+	defaults *ratelimit.Limiter
+	routes   []routeLimiter
+	methods  sync.Map // full method → *method
+
+	rateLimited *prometheus.CounterVec
+	denied      *prometheus.CounterVec
+}
+
+type routeLimiter struct {
+	prefix string
+	l      *ratelimit.Limiter
+	Limit
+}
+
+// New returns a Guard for cfg.
+func New(cfg Config) (*Guard, error) {
+	if cfg.Authenticator == nil {
+		return nil, errors.New("access: no authenticator")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Policy == nil {
+		cfg.Policy = func() *authz.Policy { return nil }
+	}
+	g := &Guard{
+		cfg: cfg,
+		rateLimited: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pivirt_api_rate_limited_total",
+			Help: "Calls on the API port refused by a rate limit (ResourceExhausted), by route.",
+		}, []string{"route"}),
+		denied: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pivirt_api_access_denied_total",
+			Help: "Calls on the API port refused by authentication (unauthenticated) or authorization (permission_denied).",
+		}, []string{"reason"}),
+	}
+	if l := cfg.Limits.Default; l.PerSecond > 0 {
+		g.defaults = ratelimit.New(l.PerSecond, max(l.Burst, 1), 0, cfg.Now)
+	}
+	for _, r := range cfg.Limits.Routes {
+		if r.PerSecond <= 0 {
+			return nil, fmt.Errorf("access: rate limit of %s: rate must be positive", r.Prefix)
+		}
+		g.routes = append(g.routes, routeLimiter{prefix: r.Prefix, l: ratelimit.New(r.PerSecond, max(r.Burst, 1), 0, cfg.Now), Limit: r.Limit})
+	}
+	if cfg.Registerer != nil {
+		for _, c := range []prometheus.Collector{g.rateLimited, g.denied} {
+			if err := cfg.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("access: %w", err)
+			}
+		}
+	}
+	return g, nil
+}
+
+// Methods that need no authorization rule: health checks are open to all
+// (load balancers and grpc-health-probe carry no credentials), reflection
+// to every authenticated caller (it describes the API, nothing stored).
+var (
+	openPrefixes     = []string{"/grpc.health.v1.Health/"}
+	authOnlyPrefixes = []string{"/grpc.reflection.v1.ServerReflection/", "/grpc.reflection.v1alpha.ServerReflection/"}
+)
+
+// method is what the guard knows of a method.
+type method struct {
+	full     string
+	open     bool // no credentials needed
+	authOnly bool // credentials, no rule
+	md       protoreflect.MethodDescriptor
+	rule     *apiv1.Authorization
+	err      error // no (valid) annotation: denied
+	// get reads the object of an id_field method; object is the
+	// object's type (the list method's items), found in get's response.
+	get    protoreflect.MethodDescriptor
+	object protoreflect.MessageDescriptor
+}
+
+// lookup resolves a full method name ("/pkg.Service/Method") against the
+// protos linked into the program.
+func (g *Guard) lookup(full string) *method {
+	if v, ok := g.methods.Load(full); ok {
+		return v.(*method)
+	}
+	m := &method{full: full}
+	switch {
+	case hasPrefix(full, openPrefixes):
+		m.open = true
+	case hasPrefix(full, authOnlyPrefixes):
+		m.authOnly = true
+	default:
+		m.md = findMethod(full)
+		if m.md == nil {
+			// Not cached: callers choose the names.
+			return &method{full: full, err: fmt.Errorf("%s: %w", full, authz.ErrNoAnnotation)}
+		}
+		m.rule, m.err = authz.MethodRule(m.md)
+		if m.err == nil {
+			m.object = objectType(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource())
+			if m.rule.GetIdField() != "" {
+				m.get = getter(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource(), m.object)
+			}
+		}
+	}
+	v, _ := g.methods.LoadOrStore(full, m)
+	return v.(*method)
+}
+
+func hasPrefix(s string, prefixes []string) bool {
+	for _, p := range prefixes {
+		if strings.HasPrefix(s, p) {
+			return true
+		}
+	}
+	return false
+}
+
+func findMethod(full string) protoreflect.MethodDescriptor {
+	svc, name, ok := strings.Cut(strings.TrimPrefix(full, "/"), "/")
+	if !ok {
+		return nil
+	}
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc))
+	if err != nil {
+		return nil
+	}
+	sd, ok := d.(protoreflect.ServiceDescriptor)
+	if !ok {
+		return nil
+	}
+	return sd.Methods().ByName(protoreflect.Name(name))
+}
+
+// objectType is the message type of a resource's objects: the items of
+// its list method's list_field.
+func objectType(sd protoreflect.ServiceDescriptor, resource string) protoreflect.MessageDescriptor {
+	for i := range sd.Methods().Len() {
+		md := sd.Methods().Get(i)
+		r, err := authz.MethodRule(md)
+		if err != nil || r.GetResource() != resource || r.GetVerb() != "list" || r.GetListField() == "" || md.IsStreamingServer() {
+			continue
+		}
+		if fd := fieldAt(md.Output(), r.GetListField()); fd != nil && fd.Message() != nil {
+			return fd.Message()
+		}
+	}
+	return nil
+}
+
+// getter is the unary method reading one object of the resource by ID: verb
+// get, an id_field, and a response holding an object.
+func getter(sd protoreflect.ServiceDescriptor, resource string, object protoreflect.MessageDescriptor) protoreflect.MethodDescriptor {
+	if object == nil {
+		return nil
+	}
+	for i := range sd.Methods().Len() {
+		md := sd.Methods().Get(i)
+		r, err := authz.MethodRule(md)
+		if err != nil || r.GetResource() != resource || r.GetVerb() != "get" || r.GetIdField() == "" || md.IsStreamingClient() || md.IsStreamingServer() {
+			continue
+		}
+		if objectField(md.Output(), object) != nil {
+			return md
+		}
+	}
+	return nil
+}
+
+// objectField is the singular field of msg holding an object.
+func objectField(msg, object protoreflect.MessageDescriptor) protoreflect.FieldDescriptor {
+	fields := msg.Fields()
+	for i := range fields.Len() {
+		fd := fields.Get(i)
+		if !fd.IsList() && !fd.IsMap() && fd.Message() != nil && fd.Message().FullName() == object.FullName() {
+			return fd
+		}
+	}
+	return nil
+}
+
+// fieldAt is the field at a dotted path of md.
+func fieldAt(md protoreflect.MessageDescriptor, path string) protoreflect.FieldDescriptor {
+	var fd protoreflect.FieldDescriptor
+	for name := range strings.SplitSeq(path, ".") {
+		if md == nil {
+			return nil
+		}
+		fd = md.Fields().ByName(protoreflect.Name(name))
+		if fd == nil {
+			return nil
+		}
+		md = fd.Message()
+	}
+	return fd
+}
+
+// newMessage makes an empty message of md: the generated type when the
+// program links it, else a dynamic one.
+func newMessage(md protoreflect.MessageDescriptor) protoreflect.Message {
+	if mt, err := protoregistry.GlobalTypes.FindMessageByName(md.FullName()); err == nil {
+		return mt.New()
+	}
+	return dynamicpb.NewMessage(md)
+}
+
+// grant is an admitted call.
+type grant struct {
+	m   *method
+	who authz.Principal
+	d   authz.Decision
+}
+
+// conditional: the call is allowed only on objects its conditions accept.
+func (gr *grant) conditional() bool { return gr != nil && !gr.d.Allowed && gr.d.Conditional }
+
+// checksRequest: the request names or carries the object to check.
+func (gr *grant) checksRequest() bool {
+	return gr.conditional() && gr.m.rule.GetListField() == "" && (gr.m.rule.GetIdField() != "" || gr.m.rule.GetObjectField() != "")
+}
+
+// filters: the responses are filtered.
+func (gr *grant) filters() bool { return gr.conditional() && gr.m.rule.GetListField() != "" }
+
+// call is the start of a call, as any transport sees it.
+type call struct {
+	procedure     string
+	authorization string
+	tls           *tls.ConnectionState
+	remote        string
+}
+
+// admit authenticates the caller, applies the rate limits and decides
+// whether the method may be called. A nil grant with a nil error is an
+// open method.
+func (g *Guard) admit(ctx context.Context, c call) (context.Context, *grant, error) {
+	m := g.lookup(c.procedure)
+	if m.open {
+		return ctx, nil, nil
+	}
+	var certs []*x509.Certificate
+	if c.tls != nil {
+		certs = c.tls.PeerCertificates
+	}
+	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
+	if err != nil {
+		g.denied.WithLabelValues("unauthenticated").Inc()
+		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "reason", err.Error())
+		// The code says "unauthenticated" already.
+		return ctx, nil, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
+	}
+	ctx = authz.WithPrincipal(ctx, who)
+	if err := g.limit(who, c.procedure); err != nil {
+		return ctx, nil, err
+	}
+	if m.authOnly {
+		return ctx, nil, nil
+	}
+	if m.err != nil {
+		return ctx, nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
+	}
+	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}}
+	if p := g.cfg.Policy(); p != nil {
+		if gr.d, err = p.Decide(who, m.rule.GetResource(), m.rule.GetVerb()); err != nil {
+			return ctx, nil, g.deny(c, who, m, "", "the policy's conditions cannot be evaluated: %v", err)
+		}
+	}
+	switch {
+	case gr.d.Denied():
+		return ctx, nil, g.deny(c, who, m, "", "no rule of the RBAC policy allows it")
+	case gr.conditional() && !gr.checksRequest() && !gr.filters():
+		return ctx, nil, g.deny(c, who, m, "", "the rules that allow it have conditions, and the method names no object to check them on")
+	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
+		return ctx, nil, g.deny(c, who, m, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
+	}
+	if !gr.conditional() {
+		g.allowed(c.procedure, c.remote, gr, "")
+	}
+	return ctx, gr, nil
+}
+
+// limit takes a token of the caller's bucket of the route.
+func (g *Guard) limit(who authz.Principal, procedure string) error {
+	l, route := g.defaults, "*"
+	var lim Limit
+	if l != nil {
+		lim = g.cfg.Limits.Default
+	}
+	best := -1
+	for _, r := range g.routes {
+		if strings.HasPrefix(procedure, r.prefix) && len(r.prefix) > best {
+			l, route, lim, best = r.l, r.prefix, r.Limit, len(r.prefix)
+		}
+	}
+	if l == nil {
+		return nil
+	}
+	ok, wait := l.Allow(who.Identity)
+	if ok {
+		return nil
+	}
+	g.rateLimited.WithLabelValues(route).Inc()
+	g.cfg.Logger.Info("call refused: rate limit", "identity", who.Identity, "method", procedure, "route", route, "retry_after", wait)
+	return &denial{
+		code:  codeResourceExhausted,
+		msg:   fmt.Sprintf("rate limit exceeded for %s on %s (%g requests/s, burst %d); retry after %s", who.Identity, route, lim.PerSecond, max(lim.Burst, 1), wait.Round(time.Millisecond)),
+		retry: wait,
+	}
+}
+
+// deny audit-logs and returns a PermissionDenied naming the resource and
+// verb (and object, when one was checked).
+func (g *Guard) deny(c call, who authz.Principal, m *method, object, format string, args ...any) error {
+	g.denied.WithLabelValues("permission_denied").Inc()
+	reason := fmt.Sprintf(format, args...)
+	what := m.full
+	attrs := []any{"audit", true, "decision", "deny", "identity", who.Identity, "roles", who.Roles, "method", m.full, "remote", c.remote, "reason", reason}
+	if m.rule != nil {
+		what = fmt.Sprintf("%s %s", m.rule.GetVerb(), m.rule.GetResource())
+		attrs = append(attrs, "resource", m.rule.GetResource(), "verb", m.rule.GetVerb())
+	}
+	if object != "" {
+		what += " " + object
+		attrs = append(attrs, "object", object)
+	}
+	g.cfg.Logger.Warn("audit: call denied", attrs...)
+	return &denial{code: codePermissionDenied, msg: fmt.Sprintf("%s (roles %s) may not %s: %s", who.Identity, rolesString(who.Roles), what, reason)}
+}
+
+// allowed audit-logs an allowed call that changes something (reads are
+// logged at debug level).
+func (g *Guard) allowed(procedure, remote string, gr *grant, object string) {
+	level := slog.LevelInfo
+	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" {
+		level = slog.LevelDebug
+	}
+	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",
+		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.m.rule.GetResource(),
+		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote)
+}
+
+func rolesString(roles []string) string {
+	if len(roles) == 0 {
+		return "none"
+	}
+	return strings.Join(roles, ", ")
+}
+
+// checkRequest checks a conditional grant against the object the request
+// names (id_field: read with the service's get method) or carries
+// (object_field).
+func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protoreflect.Message) error {
+	rule := gr.m.rule
+	if f := rule.GetObjectField(); f != "" {
+		fd := fieldAt(req.Descriptor(), f)
+		obj := messageAt(req, f)
+		if fd == nil || obj == nil || !gr.d.Object(obj) {
+			return g.deny(c, gr.who, gr.m, "", "the %s in the request does not meet the conditions of the rules that allow it", f)
+		}
+		g.allowed(c.procedure, c.remote, gr, "")
+		return nil
+	}
+	id, _ := authz.FieldString(req, rule.GetIdField())
+	if id == "" {
+		return &denial{code: codeInvalidArgument, msg: fmt.Sprintf("%s is required", rule.GetIdField())}
+	}
+	if g.cfg.Fetch == nil {
+		return g.deny(c, gr.who, gr.m, id, "the object cannot be read to check the rules' conditions")
+	}
+	getReq := newMessage(gr.m.get.Input())
+	getRule, _ := authz.MethodRule(gr.m.get) // checked by getter
+	if err := setString(getReq, getRule.GetIdField(), id); err != nil {
+		return g.deny(c, gr.who, gr.m, id, "%v", err)
+	}
+	resp, err := g.cfg.Fetch(ctx, gr.m.get, getReq.Interface())
+	if err != nil {
+		return fetchError(err, rule.GetResource(), id)
+	}
+	obj := resp.ProtoReflect()
+	if fd := objectField(obj.Descriptor(), gr.m.object); fd != nil && obj.Has(fd) {
+		obj = obj.Get(fd).Message()
+	} else {
+		obj = nil
+	}
+	if obj == nil || !gr.d.Object(obj) {
+		return g.deny(c, gr.who, gr.m, id, "the object does not meet the conditions of the rules that allow it")
+	}
+	g.allowed(c.procedure, c.remote, gr, id)
+	return nil
+}
+
+// setString sets the string field at a dotted path of m.
+func setString(m protoreflect.Message, path, v string) error {
+	parts := strings.Split(path, ".")
+	for i, name := range parts {
+		fd := m.Descriptor().Fields().ByName(protoreflect.Name(name))
+		if fd == nil {
+			return fmt.Errorf("%s has no field %s", m.Descriptor().FullName(), path)
+		}
+		if i < len(parts)-1 {
+			if fd.Message() == nil || fd.IsList() || fd.IsMap() {
+				return fmt.Errorf("%s.%s is not a message", m.Descriptor().FullName(), name)
+			}
+			m = m.Mutable(fd).Message()
+			continue
+		}
+		if fd.Kind() != protoreflect.StringKind || fd.IsList() {
+			return fmt.Errorf("%s.%s is not a string", m.Descriptor().FullName(), name)
+		}
+		m.Set(fd, protoreflect.ValueOfString(v))
+	}
+	return nil
+}
+
+// messageAt is the message at a dotted path, nil when unset.
+func messageAt(m protoreflect.Message, path string) protoreflect.Message {
+	for name := range strings.SplitSeq(path, ".") {
+		fd := m.Descriptor().Fields().ByName(protoreflect.Name(name))
+		if fd == nil || fd.Message() == nil || fd.IsList() || fd.IsMap() || !m.Has(fd) {
+			return nil
+		}
+		m = m.Get(fd).Message()
+	}
+	return m
+}
+
+// filter removes the items of a list response that the grant's conditions
+// exclude; for a watch (a singular list_field) it reports whether the
+// response may be sent at all.
+func (gr *grant) filter(resp protoreflect.Message) bool {
+	path := gr.m.rule.GetListField()
+	parent := resp
+	if i := strings.LastIndexByte(path, '.'); i >= 0 {
+		if parent = messageAt(resp, path[:i]); parent == nil {
+			return true
+		}
+		path = path[i+1:]
+	}
+	fd := parent.Descriptor().Fields().ByName(protoreflect.Name(path))
+	if fd == nil || fd.Message() == nil || fd.IsMap() {
+		return false
+	}
+	if !fd.IsList() {
+		return !parent.Has(fd) || gr.d.Object(parent.Get(fd).Message())
+	}
+	if !parent.Has(fd) {
+		return true
+	}
+	list := parent.Mutable(fd).List()
+	n := 0
+	for i := range list.Len() {
+		if gr.d.Object(list.Get(i).Message()) {
+			list.Set(n, list.Get(i))
+			n++
+		}
+	}
+	list.Truncate(n)
+	return true
+}
