@@ -165,9 +165,10 @@ type LeafRequest struct {
 	Kind Kind
 	// Name is the subject CN and the file name stem: <Name>.crt, <Name>.key.
 	Name string
-	// DNS and IPs are the subject alternative names (server certificates;
-	// a server certificate without any gets Name as its DNS name when Name
-	// is a host name).
+	// DNS and IPs are the subject alternative names (a server certificate
+	// without any gets Name as its DNS name when Name is a host name). A
+	// client certificate may carry DNS names: the service identities
+	// network policies match (agent.pivirt.internal).
 	DNS []string
 	IPs []net.IP
 	// Days is the lifetime (default DefaultLeafDays).
@@ -289,8 +290,8 @@ func checkLeaf(req *LeafRequest, days int) error {
 			return fmt.Errorf("%w: ip: empty address", ErrInvalidRequest)
 		}
 	}
-	if req.Kind == KindClient && (len(req.DNS) > 0 || len(req.IPs) > 0) {
-		return fmt.Errorf("%w: a client certificate names its holder in its CN; --dns and --ip are for server certificates", ErrInvalidRequest)
+	if req.Kind == KindClient && len(req.IPs) > 0 {
+		return fmt.Errorf("%w: a client certificate names its holder in its CN (and its service in --dns); --ip is for server certificates", ErrInvalidRequest)
 	}
 	if req.Kind == KindServer && len(req.DNS) == 0 && len(req.IPs) == 0 {
 		if !validDNSName(req.Name) {

@@ -137,6 +137,8 @@ func issueCmd(dir *string, kind identity.Kind, stdout io.Writer) *cobra.Command 
 	if kind == identity.KindServer {
 		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "DNS name the server answers to (repeatable; default: --name when it is a host name)")
 		c.Flags().StringArrayVar(&ips, "ip", nil, "IP address the server answers on (repeatable)")
+	} else {
+		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "service identity the holder acts as, matched by network policies (repeatable; e.g. agent.pivirt.internal)")
 	}
 	return c
 }

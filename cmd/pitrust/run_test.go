@@ -94,7 +94,7 @@ func TestPitrustRefuses(t *testing.T) {
 		{[]string{"init", "--dir", dir}, "already exists (use --force", false},
 		{[]string{"issue-mtls-server", "--dir", dir}, "--name is required", true},
 		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--ip", "300.1.1.1"}, `--ip "300.1.1.1" is not an IP address`, true},
-		{[]string{"issue-mtls-client", "--dir", dir, "--name", "c", "--dns", "x.example"}, "unknown flag: --dns", true},
+		{[]string{"issue-mtls-client", "--dir", dir, "--name", "c", "--ip", "10.0.0.1"}, "unknown flag: --ip", true},
 		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--days", "0"}, "--days 0", true},
 		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--days", "99999"}, "days 99999", false},
 		{[]string{"issue-mtls-server", "--dir", filepath.Join(dir, "nothing"), "--name", "a.example"}, "no PiTrust CA", false},

@@ -59,8 +59,9 @@ type BackendConfig struct {
 	// Timeout bounds each attempt (0: only the caller's deadline).
 	Timeout time.Duration
 	// TLS returns the client TLS configuration that verifies the server
-	// as serverName; nil: plaintext (an https:// endpoint requires it).
-	TLS func(serverName string) *tls.Config
+	// at addr (an endpoint address) as serverName; nil: plaintext (an
+	// https:// endpoint requires it).
+	TLS func(serverName, addr string) *tls.Config
 	// ServerName is the name the server's certificate must carry; empty:
 	// the endpoint's host name (dns:///, https://, host:port), else its
 	// address (localhost for a unix socket).
@@ -407,7 +408,7 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 	name := b.serverName(addr)
 	creds := insecure.NewCredentials()
 	if b.cfg.TLS != nil {
-		creds = credentials.NewTLS(b.cfg.TLS(name))
+		creds = credentials.NewTLS(b.cfg.TLS(name, addr))
 	}
 	conn, err := grpc.NewClient(target,
 		grpc.WithTransportCredentials(creds),

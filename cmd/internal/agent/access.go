@@ -219,6 +219,13 @@ func (a *Agent) Reload() (reloaded []string, err error) {
 			reloaded = append(reloaded, "auth.rbac_policy")
 		}
 	}
+	if a.netPolicy != nil {
+		if err := a.netPolicy.Reload(); err != nil {
+			errs = append(errs, err)
+		} else {
+			reloaded = append(reloaded, "auth.network_policy")
+		}
+	}
 	return reloaded, errors.Join(errs...)
 }
 

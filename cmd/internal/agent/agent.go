@@ -41,6 +41,8 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
+	"pilab.hu/pivirt-agent/gateway/netpolicy"
+	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -122,6 +124,8 @@ type Agent struct {
 	// policy of the replicated config, which takes precedence.
 	policyFile    *authz.File
 	clusterPolicy atomic.Pointer[authz.Policy]
+	// netPolicy is auth.network_policy; nil when none is set.
+	netPolicy *watchfile.File[*netpolicy.Set]
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -216,10 +220,13 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		a.wg.Go(func() { a.watchExpiry(a.ctx) })
 		a.metrics.MustRegister(newExpiryCollector(a.tls))
+		if err := a.loadNetworkPolicy(); err != nil {
+			return err
+		}
 		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
-		peers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, agentIdentity)
-		a.lnInternal = tls.NewListener(a.lnInternal, peers)
-		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), peers, a.tls.client.ClientConfig)
+		a.lnInternal = tls.NewListener(a.lnInternal, a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port")))
+		raftPeers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port"))
+		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
 		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
 		if a.cfg.TLS.ClusterCA.Enabled {
 			a.ca = newClusterCA(a, a.cfg.TLS.ClusterCA)

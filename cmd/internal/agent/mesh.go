@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"maps"
@@ -129,8 +130,10 @@ func (a *Agent) registryEndpoints(ctx context.Context, service string, update fu
 
 // backendTLS returns the TLS configuration towards a backend (nil:
 // plaintext). Files not given in backends.<name>.tls are the top-level tls
-// block's: the agent's own client identity and CA chain.
-func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(string) *tls.Config, error) {
+// block's: the agent's own client identity and CA chain. With
+// auth.network_policy set, a backend whose certificate no policy lets the
+// agent's identity reach on the endpoint's port is refused.
+func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, error) {
 	if !bt.Enabled {
 		return nil, nil
 	}
@@ -144,16 +147,32 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(string
 	if ca == "" {
 		return nil, fmt.Errorf("backends.%s.tls.ca_file: required (the tls block has no ca_file either)", name)
 	}
+	src := (*identity.Source)(nil)
 	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
-		return a.tls.client.ClientConfig, nil
+		src = a.tls.client
+	} else {
+		var err error
+		if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
+			return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
+		}
+		a.backendSources = append(a.backendSources, src)
+		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 	}
-	src, err := identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger})
-	if err != nil {
-		return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
-	}
-	a.backendSources = append(a.backendSources, src)
-	a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
-	return src.ClientConfig, nil
+	return func(serverName, addr string) *tls.Config {
+		c := src.ClientConfig(serverName)
+		verify := c.VerifyConnection
+		c.VerifyConnection = func(cs tls.ConnectionState) error {
+			if err := verify(cs); err != nil {
+				return err
+			}
+			var peer *x509.Certificate
+			if len(cs.PeerCertificates) > 0 {
+				peer = cs.PeerCertificates[0]
+			}
+			return a.checkNetworkPolicy(src.Leaf(), peer, addr, "backend "+name)
+		}
+		return c
+	}, nil
 }
 
 // proxyServerOptions make a gRPC server forward the calls of services it

@@ -214,6 +214,10 @@ type AuthConfig struct {
 	OIDC OIDCConfig `yaml:"oidc"`
 	// RBACPolicy is the path of the RBAC policy file (rbac.yaml).
 	RBACPolicy string `yaml:"rbac_policy"`
+	// NetworkPolicy is the path of a file of NetworkPolicy documents
+	// (spec/service-mesh.txt): when set, peers on the internal and Raft
+	// ports and the backends the agent calls must be allowed by one.
+	NetworkPolicy string `yaml:"network_policy"`
 	// CertificateRoles gives callers authenticated by a client certificate
 	// their roles, by the certificate's CN: an exact name or a prefix
 	// ending in "*" ("pivirt-agent-*").
