@@ -75,16 +75,16 @@ spec:
 
 func TestParseErrors(t *testing.T) {
 	for name, tc := range map[string]struct{ doc, want string }{
-		"empty":        {"", "holds no policy"},
-		"unknown key":  {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {egress: []}\n", "field egress not found"},
-		"kind":         {"apiVersion: pivirt.pilab.hu/v1\nkind: Policy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n", `a: kind: "Policy", want "NetworkPolicy"`},
-		"no name":      {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nspec: {ingress: [{from: [{service: x}]}]}\n", "document 1: metadata.name: required"},
-		"no from":      {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{to: [{service: x}]}]}\n", "a: spec.ingress[0].from: required"},
-		"bad service":  {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: 'a b'}]}]}\n", `spec.ingress[0].from[0].service: "a b" is not a service name`},
-		"bad port":     {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}], ports: [{port: 70000}]}]}\n", "spec.ingress[0].ports[0].port: 70000: want 1 to 65535"},
-		"udp":          {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}], ports: [{protocol: UDP, port: 53}]}]}\n", `spec.ingress[0].ports[0].protocol: "UDP": only TCP`},
-		"no rules":     {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {}\n", "a: spec.ingress: no rules"},
-		"same name":    {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n---\napiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n", `"a" is used by another policy`},
+		"empty":       {"", "holds no policy"},
+		"unknown key": {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {egress: []}\n", "field egress not found"},
+		"kind":        {"apiVersion: pivirt.pilab.hu/v1\nkind: Policy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n", `a: kind: "Policy", want "NetworkPolicy"`},
+		"no name":     {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nspec: {ingress: [{from: [{service: x}]}]}\n", "document 1: metadata.name: required"},
+		"no from":     {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{to: [{service: x}]}]}\n", "a: spec.ingress[0].from: required"},
+		"bad service": {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: 'a b'}]}]}\n", `spec.ingress[0].from[0].service: "a b" is not a service name`},
+		"bad port":    {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}], ports: [{port: 70000}]}]}\n", "spec.ingress[0].ports[0].port: 70000: want 1 to 65535"},
+		"udp":         {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}], ports: [{protocol: UDP, port: 53}]}]}\n", `spec.ingress[0].ports[0].protocol: "UDP": only TCP`},
+		"no rules":    {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {}\n", "a: spec.ingress: no rules"},
+		"same name":   {"apiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n---\napiVersion: pivirt.pilab.hu/v1\nkind: NetworkPolicy\nmetadata: {name: a}\nspec: {ingress: [{from: [{service: x}]}]}\n", `"a" is used by another policy`},
 	} {
 		_, err := Parse(strings.NewReader(tc.doc))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
