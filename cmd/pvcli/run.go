@@ -15,6 +15,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -84,8 +85,28 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 			envToken, envCertFile, envKeyFile, defaultCertFile, defaultKeyFile)
 	case connect.CodePermissionDenied:
 		fmt.Fprintln(stderr, "The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.")
+	case connect.CodeResourceExhausted:
+		if wait, ok := retryDelay(err); ok {
+			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
+		}
 	}
 	return err
+}
+
+// retryDelay is the RetryInfo hint of an error, when it carries one.
+func retryDelay(err error) (time.Duration, bool) {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return 0, false
+	}
+	for _, d := range ce.Details() {
+		if v, err := d.Value(); err == nil {
+			if ri, ok := v.(*errdetails.RetryInfo); ok {
+				return ri.GetRetryDelay().AsDuration(), true
+			}
+		}
+	}
+	return 0, false
 }
 
 // exitCode maps an error returned by Run to the process exit status:

@@ -17,6 +17,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/testing/protocmp"
@@ -451,6 +452,17 @@ func TestConnectErrors(t *testing.T) {
 			err:  connect.NewError(connect.CodePermissionDenied, errors.New("rbac: config:write denied")),
 			wantStderr: "Error: permission_denied: rbac: config:write denied\n" +
 				"The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.\n",
+		},
+		{
+			name: "rate limited",
+			err: func() error {
+				ce := connect.NewError(connect.CodeResourceExhausted, errors.New("rate limit exceeded for alice on *"))
+				d, _ := connect.NewErrorDetail(&errdetails.RetryInfo{RetryDelay: durationpb.New(1500 * time.Millisecond)})
+				ce.AddDetail(d)
+				return ce
+			}(),
+			wantStderr: "Error: resource_exhausted: rate limit exceeded for alice on *\n" +
+				"The agent's rate limit for your identity was reached; retry in 1.5s.\n",
 		},
 		{
 			name: "unauthenticated",

@@ -1,0 +1,239 @@
+package access
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"pilab.hu/pivirt-agent/gateway/authn"
+	"pilab.hu/pivirt-agent/gateway/authz"
+	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+	_ "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	_ "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// certCall is a call of procedure by the holder of a client certificate
+// with CN cn.
+func certCall(procedure, cn string) call {
+	return call{procedure: procedure, tls: &tls.ConnectionState{PeerCertificates: []*x509.Certificate{{Subject: pkix.Name{CommonName: cn}}}}}
+}
+
+func code(err error) codes.Code {
+	var d *denial
+	if errors.As(err, &d) {
+		return d.code
+	}
+	if err == nil {
+		return codes.OK
+	}
+	return codes.Unknown
+}
+
+func newGuard(t *testing.T, policy string, limits Limits, now func() time.Time) *Guard {
+	t.Helper()
+	var p *authz.Policy
+	if policy != "" {
+		var err error
+		if p, err = authz.Parse(strings.NewReader(policy), []string{"cluster", "config", "keyring", "networks", "services", "snapshots", "virtualmachines", "volumes"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g, err := New(Config{
+		Authenticator: &authn.Authenticator{CertRoles: map[string][]string{"alice": {"vm-owner"}, "root": {"admin"}, "cond-*": {"cond"}}},
+		Policy:        func() *authz.Policy { return p },
+		Limits:        limits,
+		Now:           now,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+const ownerPolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["admin"]
+    resources: ["*"]
+    verbs: ["*"]
+  - roles: ["vm-owner"]
+    resources: ["virtualmachines"]
+    verbs: ["get", "list", "update", "start", "stop", "console"]
+    conditions:
+      - field: "metadata.owner"
+        operator: "Equals"
+        value: "{{.user.identity}}"
+  - roles: ["cond"]
+    resources: ["cluster"]
+    verbs: ["get"]
+    conditions:
+      - field: "name"
+        operator: "Equals"
+        value: "x"
+`
+
+// TestAdmit: open, authenticated-only and unannotated methods; a
+// conditional rule on a method with no object to check is a denial.
+func TestAdmit(t *testing.T) {
+	g := newGuard(t, ownerPolicy, Limits{}, nil)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		c    call
+		want codes.Code
+	}{
+		{"health without credentials", call{procedure: "/grpc.health.v1.Health/Check"}, codes.OK},
+		{"reflection without credentials", call{procedure: "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"}, codes.Unauthenticated},
+		{"reflection of a caller without roles", certCall("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "nobody"), codes.OK},
+		{"an unannotated method, even for admin", certCall("/pivirt.sim.v1.SimulatorService/SetFault", "root"), codes.PermissionDenied},
+		{"an unknown method", certCall("/no.Such/Method", "root"), codes.PermissionDenied},
+		{"admin", certCall("/pivirt.cluster.v1.ClusterService/SetConfig", "root"), codes.OK},
+		{"no rule", certCall("/pivirt.cluster.v1.ClusterService/Leader", "alice"), codes.PermissionDenied},
+		{"a condition with no object", certCall("/pivirt.cluster.v1.ClusterService/Leader", "cond-1"), codes.PermissionDenied},
+		{"a condition on a get: decided on the object", certCall("/pivirt.vm.v1.VMService/GetVM", "alice"), codes.OK},
+		{"a bad Authorization header", call{procedure: "/pivirt.vm.v1.VMService/GetVM", authorization: "Basic abc"}, codes.Unauthenticated},
+	} {
+		_, gr, err := g.admit(ctx, tc.c)
+		if code(err) != tc.want {
+			t.Errorf("%s: %v, want %s", tc.name, err, tc.want)
+		}
+		if tc.name == "a condition on a get: decided on the object" && !gr.checksRequest() {
+			t.Errorf("%s: the grant does not check the request", tc.name)
+		}
+	}
+	_, _, err := g.admit(ctx, certCall("/pivirt.cluster.v1.ClusterService/Leader", "cond-1"))
+	if !strings.Contains(err.Error(), "may not get cluster") || !strings.Contains(err.Error(), "names no object") {
+		t.Errorf("denial message %q", err)
+	}
+}
+
+// TestFilter: a vm-owner's list keeps their objects only; a watch event
+// of another owner's object is not sent.
+func TestFilter(t *testing.T) {
+	g := newGuard(t, ownerPolicy, Limits{}, nil)
+	_, list, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "alice"))
+	if err != nil || !list.filters() {
+		t.Fatalf("ListVMs as a vm-owner: %v (filters %v)", err, list.filters())
+	}
+	vm := func(id, owner string) *vmv1.VM { return &vmv1.VM{Id: id, Metadata: &apiv1.ObjectMeta{Owner: owner}} }
+	resp := &vmv1.ListVMsResponse{Vms: []*vmv1.VM{vm("1", "alice"), vm("2", "bob"), vm("3", ""), vm("4", "alice"), {Id: "5"}}, NextPageToken: "t"}
+	if !list.filter(resp.ProtoReflect()) || len(resp.GetVms()) != 2 || resp.GetVms()[0].GetId() != "1" || resp.GetVms()[1].GetId() != "4" || resp.GetNextPageToken() != "t" {
+		t.Errorf("filtered list: %v", resp)
+	}
+	_, watch, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/WatchVMs", "alice"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !watch.filter((&vmv1.WatchVMsResponse{Vm: vm("1", "alice")}).ProtoReflect()) || watch.filter((&vmv1.WatchVMsResponse{Vm: vm("2", "bob")}).ProtoReflect()) {
+		t.Error("watch filter: alice's event dropped or bob's sent")
+	}
+	_, admin, _ := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "root"))
+	if admin.filters() {
+		t.Error("admin's list is filtered")
+	}
+}
+
+// TestCheckRequest: the object is read with the service's get method and
+// checked; a missing object is NotFound; a request without an ID is
+// InvalidArgument.
+func TestCheckRequest(t *testing.T) {
+	g := newGuard(t, ownerPolicy, Limits{}, nil)
+	var asked []string
+	g.cfg.Fetch = func(_ context.Context, get protoreflect.MethodDescriptor, req protoreflect.ProtoMessage) (protoreflect.ProtoMessage, error) {
+		id := req.(*vmv1.GetVMRequest).GetId()
+		asked = append(asked, string(get.FullName())+" "+id)
+		if id == "gone" {
+			return nil, status.Error(codes.NotFound, "vm gone: not found")
+		}
+		owner := map[string]string{"a1": "alice", "b1": "bob"}[id]
+		return &vmv1.GetVMResponse{Vm: &vmv1.VM{Id: id, Metadata: &apiv1.ObjectMeta{Owner: owner}}}, nil
+	}
+	ctx := context.Background()
+	for _, tc := range []struct {
+		method string
+		req    protoreflect.ProtoMessage
+		want   codes.Code
+	}{
+		{"PowerOn", &vmv1.PowerOnRequest{Id: "a1"}, codes.OK},
+		{"PowerOn", &vmv1.PowerOnRequest{Id: "b1"}, codes.PermissionDenied},
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1"}}, codes.OK},
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "b1", Metadata: &apiv1.ObjectMeta{Owner: "alice"}}}, codes.PermissionDenied},
+		{"GetVM", &vmv1.GetVMRequest{Id: "gone"}, codes.NotFound},
+		{"GetVM", &vmv1.GetVMRequest{}, codes.InvalidArgument},
+	} {
+		c := certCall("/pivirt.vm.v1.VMService/"+tc.method, "alice")
+		ctx, gr, err := g.admit(ctx, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := g.checkRequest(ctx, c, gr, tc.req.ProtoReflect()); code(err) != tc.want {
+			t.Errorf("%s %v: %v, want %s", tc.method, tc.req, err, tc.want)
+		}
+	}
+	if len(asked) != 5 || asked[0] != "pivirt.vm.v1.VMService.GetVM a1" {
+		t.Errorf("objects read: %v", asked)
+	}
+}
+
+// TestRateLimitAtConfiguredRate: over ten seconds of a controlled clock, a
+// principal calling every 10 ms gets exactly burst + rate×10 s calls; a
+// route's own bucket (the longest matching prefix) and other principals
+// are separate; a refusal carries the wait until the next token.
+func TestRateLimitAtConfiguredRate(t *testing.T) {
+	now := time.Unix(1_800_000_000, 0)
+	clock := func() time.Time { return now }
+	g := newGuard(t, "", Limits{
+		Default: Limit{PerSecond: 5, Burst: 10},
+		Routes: []RouteLimit{
+			{Prefix: "/pivirt.vm.v1.VMService/", Limit: Limit{PerSecond: 100, Burst: 1}},
+			{Prefix: "/pivirt.vm.v1.VMService/PowerOn", Limit: Limit{PerSecond: 1, Burst: 2}},
+		},
+	}, clock)
+	ctx := context.Background()
+	counts := map[string]int{}
+	var lastRefusal error
+	for range 1000 { // 10 s in 10 ms steps
+		for _, c := range []struct{ key, method, who string }{
+			{"alice default", "/pivirt.cluster.v1.ClusterService/Leader", "alice"},
+			{"root default", "/pivirt.cluster.v1.ClusterService/Members", "root"},
+			{"alice vm", "/pivirt.vm.v1.VMService/ListVMs", "alice"},
+			{"alice poweron", "/pivirt.vm.v1.VMService/PowerOn", "alice"},
+		} {
+			_, _, err := g.admit(ctx, certCall(c.method, c.who))
+			switch code(err) {
+			case codes.OK, codes.PermissionDenied:
+				counts[c.key]++
+			case codes.ResourceExhausted:
+				if c.key == "alice default" {
+					lastRefusal = err
+				}
+			default:
+				t.Fatalf("%s: %v", c.key, err)
+			}
+		}
+		now = now.Add(10 * time.Millisecond)
+	}
+	for key, want := range map[string]int{"alice default": 10 + 5*10, "root default": 10 + 5*10, "alice vm": 1000, "alice poweron": 2 + 1*10} {
+		if got := counts[key]; got < want-1 || got > want+1 {
+			t.Errorf("%s: %d calls in 10 s, want %d", key, got, want)
+		}
+	}
+	var d *denial
+	if !errors.As(lastRefusal, &d) || d.retry <= 0 || d.retry > 200*time.Millisecond || !strings.Contains(d.msg, "5 requests/s, burst 10") {
+		t.Errorf("refusal %v (retry %v), want a wait of at most 200ms and the limit named", lastRefusal, d)
+	}
+	if got := testutil.ToFloat64(g.rateLimited.WithLabelValues("*")); got == 0 {
+		t.Error("pivirt_api_rate_limited_total did not count the refusals")
+	}
+}
