@@ -56,9 +56,9 @@ type accessEnv struct {
 	seq    atomic.Int64
 }
 
-func newAccessEnv(t *testing.T, mutate func(*config.Config)) *accessEnv {
+func newAccessEnv(t *testing.T, nodes int, mutate func(*config.Config)) *accessEnv {
 	t.Helper()
-	e := &accessEnv{t: t, dir: testPKI(t, 1), is: oidctest.New(t)}
+	e := &accessEnv{t: t, dir: testPKI(t, nodes), is: oidctest.New(t)}
 	e.key = e.is.NewKey(t, "k1", jose.RS256, true)
 	spec, err := os.ReadFile(filepath.Join("..", "..", "..", "gateway", "authz", "testdata", "spec-rbac.yaml"))
 	if err != nil {
@@ -69,7 +69,7 @@ func newAccessEnv(t *testing.T, mutate func(*config.Config)) *accessEnv {
 		t.Fatal(err)
 	}
 	s := startSim(t)
-	e.c = agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+	e.c = agenttest.NewExpect(t, nodes, func(i int, cfg *config.Config) {
 		withTLS(e.dir)(i, cfg)
 		withBackends(s.addr)(i, cfg)
 		cfg.Auth.OIDC = config.OIDCConfig{IssuerURL: e.is.URL, ClientID: oidctest.Audience}
@@ -79,7 +79,7 @@ func newAccessEnv(t *testing.T, mutate func(*config.Config)) *accessEnv {
 			mutate(cfg)
 		}
 	})
-	e.n = e.c.WaitLeader(20 * time.Second)
+	e.n = e.c.WaitLeader(60 * time.Second)
 	e.conn = e.dial(nil)
 	e.vm = vmv1.NewVMServiceClient(e.conn)
 	e.vol = storagev1.NewStorageServiceClient(e.conn)
@@ -90,11 +90,16 @@ func newAccessEnv(t *testing.T, mutate func(*config.Config)) *accessEnv {
 // dial connects to the API port over TLS, with a client certificate when
 // cert is set.
 func (e *accessEnv) dial(cert *tls.Certificate) *grpc.ClientConn {
+	return e.dialAt(e.n.APIAddr(), cert)
+}
+
+// dialAt connects to the API port at addr.
+func (e *accessEnv) dialAt(addr string, cert *tls.Certificate) *grpc.ClientConn {
 	cfg := &tls.Config{RootCAs: mustPool(e.t, filepath.Join(e.dir, identity.ChainFile)), MinVersion: tls.VersionTLS12}
 	if cert != nil {
 		cfg.Certificates = []tls.Certificate{*cert}
 	}
-	conn, err := grpc.NewClient(e.n.APIAddr(), grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -240,7 +245,7 @@ func denied(err error) bool {
 // without roles: each is allowed and denied exactly as the policy is
 // written, by hand below.
 func TestAccessRoles(t *testing.T) {
-	e := newAccessEnv(t, nil)
+	e := newAccessEnv(t, 1, nil)
 	target := e.createVM("alice")
 	all := slices.Sorted(func(yield func(string) bool) {
 		for k := range e.ops(target) {
@@ -289,7 +294,7 @@ func TestAccessRoles(t *testing.T) {
 // TestAccessAuthentication: no credentials, bad tokens and certificates
 // of the chain on every protocol; health checks need none.
 func TestAccessAuthentication(t *testing.T) {
-	e := newAccessEnv(t, nil)
+	e := newAccessEnv(t, 1, nil)
 	ctx := e.ctx()
 	if _, err := e.vm.ListVMs(ctx, &vmv1.ListVMsRequest{}); status.Code(err) != codes.Unauthenticated || !strings.Contains(err.Error(), "no credentials") {
 		t.Errorf("ListVMs without credentials: %v, want Unauthenticated saying no credentials", err)
@@ -360,7 +365,7 @@ func TestAccessAuthentication(t *testing.T) {
 // opens the console of, lists and watches only the VMs whose
 // metadata.owner is their identity, through gRPC and Connect.
 func TestAccessOwnerCondition(t *testing.T) {
-	e := newAccessEnv(t, nil)
+	e := newAccessEnv(t, 1, nil)
 	mine, theirs := e.createVM("alice"), e.createVM("bob")
 	alice := e.token("alice", "vm-owner")
 	ops := map[string]func(ctx context.Context, id string) error{
@@ -454,7 +459,7 @@ func TestAccessOwnerCondition(t *testing.T) {
 // with ResourceExhausted and a retry hint, counted by the metric; another
 // principal and another route are not affected; the hint's wait is enough.
 func TestAccessRateLimit(t *testing.T) {
-	e := newAccessEnv(t, func(cfg *config.Config) {
+	e := newAccessEnv(t, 1, func(cfg *config.Config) {
 		cfg.RateLimiting = config.RateLimitingConfig{Enabled: true, RequestsPerSecond: 1000, Burst: 1000, Routes: []config.RateLimitRoute{
 			{Prefix: "/pivirt.cluster.v1.ClusterService/Leader", RequestsPerSecond: 2, Burst: 3},
 		}}
@@ -504,7 +509,7 @@ func TestAccessRateLimit(t *testing.T) {
 // set through the replicated config takes precedence, is validated before
 // it is stored, and its removal brings the file's back.
 func TestAccessPolicyReload(t *testing.T) {
-	e := newAccessEnv(t, nil)
+	e := newAccessEnv(t, 3, nil)
 	operator := e.token("olga", "operator")
 	deleteVM := func() error {
 		_, err := e.vm.DeleteVM(as(e.ctx(), operator), &vmv1.DeleteVMRequest{Id: e.createVM("alice")})
@@ -554,14 +559,22 @@ func TestAccessPolicyReload(t *testing.T) {
 	if _, err := e.cl.GetConfig(admin, &clusterv1.GetConfigRequest{Key: agent.RBACPolicyKey}); status.Code(err) != codes.NotFound {
 		t.Errorf("a refused cluster policy was stored: %v", err)
 	}
-	// A valid one applies on every node at once (one node here; the
-	// watch is the same on each).
-	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec)}); err != nil {
+	// A valid one applies on every node in place of the file (which all
+	// three read, and which now lets the operator delete but not start):
+	// the cluster policy lets the operator start but not delete, on the
+	// leader and on a follower alike.
+	other := vmv1.NewVMServiceClient(e.dialAt(e.c.Follower().APIAddr(), nil))
+	lenientCluster := strings.Replace(string(spec), `verbs: ["get", "list", "create", "update", "patch"]`, `verbs: ["get", "list", "create", "update", "patch", "start"]`, 1)
+	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: lenientCluster}); err != nil {
 		t.Fatal(err)
 	}
-	agenttest.Eventually(t, 10*time.Second, "the cluster policy in force", func() error {
+	target := e.createVM("alice")
+	agenttest.Eventually(t, 10*time.Second, "the cluster policy in force on every node", func() error {
 		if err := deleteVM(); status.Code(err) != codes.PermissionDenied {
-			return fmt.Errorf("operator delete under the cluster policy: %v", err)
+			return fmt.Errorf("operator delete on the leader under the cluster policy: %v", err)
+		}
+		if _, err := other.PowerOn(as(e.ctx(), operator), &vmv1.PowerOnRequest{Id: target}); denied(err) {
+			return fmt.Errorf("operator start on a follower under the cluster policy: %v", err)
 		}
 		return nil
 	})
@@ -578,7 +591,7 @@ func TestAccessPolicyReload(t *testing.T) {
 // carries an authorization annotation, except health checks and
 // reflection (built in, not RBAC resources).
 func TestEveryServedMethodHasARule(t *testing.T) {
-	e := newAccessEnv(t, nil)
+	e := newAccessEnv(t, 1, nil)
 	stream, err := reflectionpb.NewServerReflectionClient(e.conn).ServerReflectionInfo(as(e.ctx(), e.token("root", "viewer")))
 	if err != nil {
 		t.Fatal(err)
