@@ -10,19 +10,24 @@ package access
 
 import (
 	"context"
+	"crypto/cipher"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
@@ -48,6 +53,14 @@ type Config struct {
 	// on when the transport does not say (net/http behind a TLS listener
 	// that ends before the protocol mux).
 	ConnState func(ctx context.Context) (*tls.ConnectionState, bool)
+	// Ready, when set and failing, refuses every call that needs a rule
+	// with Unavailable and its message: the agent does not know yet which
+	// policy is in force (it has not caught up with the cluster).
+	Ready func(ctx context.Context) error
+	// Resource, when set, may name another resource for a unary request
+	// than its method's annotation (a config key guarded on its own, such
+	// as the cluster-wide RBAC policy).
+	Resource func(procedure string, req protoreflect.Message) (string, bool)
 	// Logger receives the audit log: every denial, and every allowed
 	// call that changes something.
 	Logger     *slog.Logger
@@ -78,7 +91,9 @@ type RouteLimit struct {
 
 // Guard enforces a Config.
 type Guard struct {
-	cfg      Config
+	cfg Config
+	// tokens seals the page tokens of filtered lists (pagetoken.go).
+	tokens   cipher.AEAD
 	defaults *ratelimit.Limiter
 	routes   []routeLimiter
 	methods  sync.Map // full method → *method
@@ -94,7 +109,7 @@ type routeLimiter struct {
 }
 
 // New returns a Guard for cfg.
-func New(cfg Config) (*Guard, error) {
+func New(cfg Config) (g *Guard, err error) {
 	if cfg.Authenticator == nil {
 		return nil, errors.New("access: no authenticator")
 	}
@@ -104,7 +119,7 @@ func New(cfg Config) (*Guard, error) {
 	if cfg.Policy == nil {
 		cfg.Policy = func() *authz.Policy { return nil }
 	}
-	g := &Guard{
+	g = &Guard{
 		cfg: cfg,
 		rateLimited: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pivirt_api_rate_limited_total",
@@ -114,6 +129,9 @@ func New(cfg Config) (*Guard, error) {
 			Name: "pivirt_api_access_denied_total",
 			Help: "Calls on the API port refused by authentication (unauthenticated) or authorization (permission_denied).",
 		}, []string{"reason"}),
+	}
+	if g.tokens, err = newTokenCipher(); err != nil {
+		return nil, fmt.Errorf("access: %w", err)
 	}
 	if l := cfg.Limits.Default; l.PerSecond > 0 {
 		g.defaults = ratelimit.New(l.PerSecond, max(l.Burst, 1), 0, cfg.Now)
@@ -137,9 +155,11 @@ func New(cfg Config) (*Guard, error) {
 // Methods that need no authorization rule: health checks are open to all
 // (load balancers and grpc-health-probe carry no credentials), reflection
 // to every authenticated caller (it describes the API, nothing stored).
+// Exact names: grpc-go hands an unknown method of a known service to the
+// proxy, so a prefix would open the proxy to any name under it.
 var (
-	openPrefixes     = []string{"/grpc.health.v1.Health/"}
-	authOnlyPrefixes = []string{"/grpc.reflection.v1.ServerReflection/", "/grpc.reflection.v1alpha.ServerReflection/"}
+	openMethods     = []string{"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List"}
+	authOnlyMethods = []string{"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
 )
 
 // method is what the guard knows of a method.
@@ -164,9 +184,9 @@ func (g *Guard) lookup(full string) *method {
 	}
 	m := &method{full: full}
 	switch {
-	case hasPrefix(full, openPrefixes):
+	case slices.Contains(openMethods, full):
 		m.open = true
-	case hasPrefix(full, authOnlyPrefixes):
+	case slices.Contains(authOnlyMethods, full):
 		m.authOnly = true
 	default:
 		m.md = findMethod(full)
@@ -184,15 +204,6 @@ func (g *Guard) lookup(full string) *method {
 	}
 	v, _ := g.methods.LoadOrStore(full, m)
 	return v.(*method)
-}
-
-func hasPrefix(s string, prefixes []string) bool {
-	for _, p := range prefixes {
-		if strings.HasPrefix(s, p) {
-			return true
-		}
-	}
-	return false
 }
 
 func findMethod(full string) protoreflect.MethodDescriptor {
@@ -285,9 +296,10 @@ func newMessage(md protoreflect.MessageDescriptor) protoreflect.Message {
 
 // grant is an admitted call.
 type grant struct {
-	m   *method
-	who authz.Principal
-	d   authz.Decision
+	m        *method
+	who      authz.Principal
+	d        authz.Decision
+	resource string // the annotation's, unless Config.Resource names another
 }
 
 // conditional: the call is allowed only on objects its conditions accept.
@@ -310,9 +322,9 @@ type call struct {
 }
 
 // admit authenticates the caller, applies the rate limits and decides
-// whether the method may be called. A nil grant with a nil error is an
-// open method.
-func (g *Guard) admit(ctx context.Context, c call) (context.Context, *grant, error) {
+// whether the method may be called; req is the request of a unary call
+// (nil for streams). A nil grant with a nil error is an open method.
+func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (context.Context, *grant, error) {
 	m := g.lookup(c.procedure)
 	if m.open {
 		return ctx, nil, nil
@@ -338,19 +350,29 @@ func (g *Guard) admit(ctx context.Context, c call) (context.Context, *grant, err
 	if m.err != nil {
 		return ctx, nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
 	}
-	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}}
+	if g.cfg.Ready != nil {
+		if err := g.cfg.Ready(ctx); err != nil {
+			return ctx, nil, &denial{code: codes.Unavailable, msg: err.Error()}
+		}
+	}
+	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
+	if g.cfg.Resource != nil && req != nil {
+		if r, ok := g.cfg.Resource(c.procedure, req); ok {
+			gr.resource = r
+		}
+	}
 	if p := g.cfg.Policy(); p != nil {
-		if gr.d, err = p.Decide(who, m.rule.GetResource(), m.rule.GetVerb()); err != nil {
+		if gr.d, err = p.Decide(who, gr.resource, m.rule.GetVerb()); err != nil {
 			return ctx, nil, g.deny(c, who, m, "", "the policy's conditions cannot be evaluated: %v", err)
 		}
 	}
 	switch {
 	case gr.d.Denied():
-		return ctx, nil, g.deny(c, who, m, "", "no rule of the RBAC policy allows it")
+		return ctx, nil, g.denyGrant(c, gr, "", "no rule of the RBAC policy allows it")
 	case gr.conditional() && !gr.checksRequest() && !gr.filters():
-		return ctx, nil, g.deny(c, who, m, "", "the rules that allow it have conditions, and the method names no object to check them on")
+		return ctx, nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the method names no object to check them on")
 	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
-		return ctx, nil, g.deny(c, who, m, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
+		return ctx, nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
 	}
 	if !gr.conditional() {
 		g.allowed(c.procedure, c.remote, gr, "")
@@ -390,20 +412,24 @@ func (g *Guard) limit(who authz.Principal, procedure string) error {
 // deny audit-logs and returns a PermissionDenied naming the resource and
 // verb (and object, when one was checked).
 func (g *Guard) deny(c call, who authz.Principal, m *method, object, format string, args ...any) error {
+	return g.denyGrant(c, &grant{m: m, who: who, resource: m.rule.GetResource()}, object, format, args...)
+}
+
+func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any) error {
 	g.denied.WithLabelValues("permission_denied").Inc()
 	reason := fmt.Sprintf(format, args...)
-	what := m.full
-	attrs := []any{"audit", true, "decision", "deny", "identity", who.Identity, "roles", who.Roles, "method", m.full, "remote", c.remote, "reason", reason}
-	if m.rule != nil {
-		what = fmt.Sprintf("%s %s", m.rule.GetVerb(), m.rule.GetResource())
-		attrs = append(attrs, "resource", m.rule.GetResource(), "verb", m.rule.GetVerb())
+	what := gr.m.full
+	attrs := []any{"audit", true, "decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "reason", reason}
+	if gr.m.rule != nil {
+		what = fmt.Sprintf("%s %s", gr.m.rule.GetVerb(), gr.resource)
+		attrs = append(attrs, "resource", gr.resource, "verb", gr.m.rule.GetVerb())
 	}
 	if object != "" {
 		what += " " + object
 		attrs = append(attrs, "object", object)
 	}
 	g.cfg.Logger.Warn("audit: call denied", attrs...)
-	return &denial{code: codePermissionDenied, msg: fmt.Sprintf("%s (roles %s) may not %s: %s", who.Identity, rolesString(who.Roles), what, reason)}
+	return &denial{code: codePermissionDenied, msg: fmt.Sprintf("%s (roles %s) may not %s: %s", gr.who.Identity, rolesString(gr.who.Roles), what, reason)}
 }
 
 // allowed audit-logs an allowed call that changes something (reads are
@@ -414,7 +440,7 @@ func (g *Guard) allowed(procedure, remote string, gr *grant, object string) {
 		level = slog.LevelDebug
 	}
 	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",
-		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.m.rule.GetResource(),
+		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.resource,
 		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote)
 }
 
@@ -426,15 +452,28 @@ func rolesString(roles []string) string {
 }
 
 // checkRequest checks a conditional grant against the object the request
-// names (id_field: read with the service's get method) or carries
-// (object_field).
+// names (id_field: read with the service's get method) and the object it
+// carries (object_field, or the message holding the id_field of an
+// update): a create is checked on what it creates, an update on the
+// object as stored and as it would be after the update, so that neither
+// a foreign object nor a change out of the conditions (handing a VM to
+// someone else) passes.
 func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protoreflect.Message) error {
 	rule := gr.m.rule
-	if f := rule.GetObjectField(); f != "" {
-		fd := fieldAt(req.Descriptor(), f)
-		obj := messageAt(req, f)
-		if fd == nil || obj == nil || !gr.d.Object(obj) {
-			return g.deny(c, gr.who, gr.m, "", "the %s in the request does not meet the conditions of the rules that allow it", f)
+	carried := ""
+	switch {
+	case rule.GetObjectField() != "":
+		carried = rule.GetObjectField()
+	case strings.Contains(rule.GetIdField(), "."):
+		parent := rule.GetIdField()[:strings.LastIndexByte(rule.GetIdField(), '.')]
+		if fd := fieldAt(req.Descriptor(), parent); fd != nil && gr.m.object != nil && fd.Message() != nil && fd.Message().FullName() == gr.m.object.FullName() {
+			carried = parent
+		}
+	}
+	if rule.GetIdField() == "" {
+		obj := messageAt(req, carried)
+		if obj == nil || !gr.d.Object(obj) {
+			return g.denyGrant(c, gr, "", "the %s in the request does not meet the conditions of the rules that allow it", carried)
 		}
 		g.allowed(c.procedure, c.remote, gr, "")
 		return nil
@@ -443,29 +482,99 @@ func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protore
 	if id == "" {
 		return &denial{code: codeInvalidArgument, msg: fmt.Sprintf("%s is required", rule.GetIdField())}
 	}
+	stored, err := g.fetch(ctx, gr, id)
+	if err != nil {
+		if d, ok := err.(*denial); ok && d.code == codes.NotFound {
+			// The same answer as for someone else's object: a caller
+			// limited to some objects learns nothing of the others.
+			return g.denyGrant(c, gr, id, "it does not exist or does not meet the conditions of the rules that allow it")
+		}
+		return err
+	}
+	if stored == nil || !gr.d.Object(stored) {
+		return g.denyGrant(c, gr, id, "it does not exist or does not meet the conditions of the rules that allow it")
+	}
+	if carried != "" {
+		if after := applyUpdate(stored, req, carried); !gr.d.Object(after) {
+			return g.denyGrant(c, gr, id, "after the update it would no longer meet the conditions of the rules that allow it")
+		}
+	}
+	g.allowed(c.procedure, c.remote, gr, id)
+	return nil
+}
+
+// fetch reads the object id with the service's get method; nil when the
+// response holds none.
+func (g *Guard) fetch(ctx context.Context, gr *grant, id string) (protoreflect.Message, error) {
 	if g.cfg.Fetch == nil {
-		return g.deny(c, gr.who, gr.m, id, "the object cannot be read to check the rules' conditions")
+		return nil, &denial{code: codes.Unavailable, msg: "the object cannot be read to check the rules' conditions"}
 	}
 	getReq := newMessage(gr.m.get.Input())
 	getRule, _ := authz.MethodRule(gr.m.get) // checked by getter
 	if err := setString(getReq, getRule.GetIdField(), id); err != nil {
-		return g.deny(c, gr.who, gr.m, id, "%v", err)
+		return nil, &denial{code: codes.Internal, msg: err.Error()}
 	}
 	resp, err := g.cfg.Fetch(ctx, gr.m.get, getReq.Interface())
 	if err != nil {
-		return fetchError(err, rule.GetResource(), id)
+		return nil, fetchError(err, gr.resource, id)
 	}
 	obj := resp.ProtoReflect()
 	if fd := objectField(obj.Descriptor(), gr.m.object); fd != nil && obj.Has(fd) {
-		obj = obj.Get(fd).Message()
-	} else {
-		obj = nil
+		return obj.Get(fd).Message(), nil
 	}
-	if obj == nil || !gr.d.Object(obj) {
-		return g.deny(c, gr.who, gr.m, id, "the object does not meet the conditions of the rules that allow it")
+	return nil, nil
+}
+
+// applyUpdate is stored as an update request would leave it: the fields
+// of the request's update_mask copied from the object the request
+// carries at path, or, without a mask, every field the request sets.
+func applyUpdate(stored, req protoreflect.Message, path string) protoreflect.Message {
+	after := proto.Clone(stored.Interface()).ProtoReflect()
+	in := messageAt(req, path)
+	if in == nil {
+		return after
 	}
-	g.allowed(c.procedure, c.remote, gr, id)
-	return nil
+	var paths []string
+	if fd := req.Descriptor().Fields().ByName("update_mask"); fd != nil && fd.Message() != nil && req.Has(fd) {
+		if mask, ok := req.Get(fd).Message().Interface().(*fieldmaskpb.FieldMask); ok {
+			paths = mask.GetPaths()
+		}
+	}
+	if len(paths) == 0 {
+		proto.Merge(after.Interface(), in.Interface())
+		return after
+	}
+	for _, p := range paths {
+		copyPath(after, in, p)
+	}
+	return after
+}
+
+// copyPath sets the field at a dotted path of dst to src's.
+func copyPath(dst, src protoreflect.Message, path string) {
+	parts := strings.Split(path, ".")
+	for i, name := range parts {
+		fd := dst.Descriptor().Fields().ByName(protoreflect.Name(name))
+		if fd == nil {
+			return
+		}
+		if i == len(parts)-1 {
+			if src.Has(fd) {
+				dst.Set(fd, src.Get(fd))
+			} else {
+				dst.Clear(fd)
+			}
+			return
+		}
+		if fd.Message() == nil || fd.IsList() || fd.IsMap() {
+			return
+		}
+		if !src.Has(fd) {
+			dst.Clear(fd)
+			return
+		}
+		dst, src = dst.Mutable(fd).Message(), src.Get(fd).Message()
+	}
 }
 
 // setString sets the string field at a dotted path of m.

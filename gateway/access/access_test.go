@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
@@ -104,7 +105,7 @@ func TestAdmit(t *testing.T) {
 		{"a condition on a get: decided on the object", certCall("/pivirt.vm.v1.VMService/GetVM", "alice"), codes.OK},
 		{"a bad Authorization header", call{procedure: "/pivirt.vm.v1.VMService/GetVM", authorization: "Basic abc"}, codes.Unauthenticated},
 	} {
-		_, gr, err := g.admit(ctx, tc.c)
+		_, gr, err := g.admit(ctx, tc.c, nil)
 		if code(err) != tc.want {
 			t.Errorf("%s: %v, want %s", tc.name, err, tc.want)
 		}
@@ -112,7 +113,7 @@ func TestAdmit(t *testing.T) {
 			t.Errorf("%s: the grant does not check the request", tc.name)
 		}
 	}
-	_, _, err := g.admit(ctx, certCall("/pivirt.cluster.v1.ClusterService/Leader", "cond-1"))
+	_, _, err := g.admit(ctx, certCall("/pivirt.cluster.v1.ClusterService/Leader", "cond-1"), nil)
 	if !strings.Contains(err.Error(), "may not get cluster") || !strings.Contains(err.Error(), "names no object") {
 		t.Errorf("denial message %q", err)
 	}
@@ -122,7 +123,7 @@ func TestAdmit(t *testing.T) {
 // of another owner's object is not sent.
 func TestFilter(t *testing.T) {
 	g := newGuard(t, ownerPolicy, Limits{}, nil)
-	_, list, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "alice"))
+	_, list, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "alice"), nil)
 	if err != nil || !list.filters() {
 		t.Fatalf("ListVMs as a vm-owner: %v (filters %v)", err, list.filters())
 	}
@@ -131,14 +132,14 @@ func TestFilter(t *testing.T) {
 	if !list.filter(resp.ProtoReflect()) || len(resp.GetVms()) != 2 || resp.GetVms()[0].GetId() != "1" || resp.GetVms()[1].GetId() != "4" || resp.GetNextPageToken() != "t" {
 		t.Errorf("filtered list: %v", resp)
 	}
-	_, watch, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/WatchVMs", "alice"))
+	_, watch, err := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/WatchVMs", "alice"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !watch.filter((&vmv1.WatchVMsResponse{Vm: vm("1", "alice")}).ProtoReflect()) || watch.filter((&vmv1.WatchVMsResponse{Vm: vm("2", "bob")}).ProtoReflect()) {
 		t.Error("watch filter: alice's event dropped or bob's sent")
 	}
-	_, admin, _ := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "root"))
+	_, admin, _ := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "root"), nil)
 	if admin.filters() {
 		t.Error("admin's list is filtered")
 	}
@@ -169,11 +170,19 @@ func TestCheckRequest(t *testing.T) {
 		{"PowerOn", &vmv1.PowerOnRequest{Id: "b1"}, codes.PermissionDenied},
 		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1"}}, codes.OK},
 		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "b1", Metadata: &apiv1.ObjectMeta{Owner: "alice"}}}, codes.PermissionDenied},
-		{"GetVM", &vmv1.GetVMRequest{Id: "gone"}, codes.NotFound},
+		// Not found and not allowed look the same to a caller limited to
+		// some objects.
+		{"GetVM", &vmv1.GetVMRequest{Id: "gone"}, codes.PermissionDenied},
+		// An update is checked on the result too: alice may not hand
+		// her VM to bob, unless the mask leaves the owner alone.
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1", Metadata: &apiv1.ObjectMeta{Owner: "bob"}}}, codes.PermissionDenied},
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1", Vcpus: 4, Metadata: &apiv1.ObjectMeta{Owner: "bob"}}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"vcpus"}}}, codes.OK},
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1", Metadata: &apiv1.ObjectMeta{Owner: "bob"}}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"metadata.owner"}}}, codes.PermissionDenied},
+		{"UpdateVM", &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "a1"}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"metadata"}}}, codes.PermissionDenied},
 		{"GetVM", &vmv1.GetVMRequest{}, codes.InvalidArgument},
 	} {
 		c := certCall("/pivirt.vm.v1.VMService/"+tc.method, "alice")
-		ctx, gr, err := g.admit(ctx, c)
+		ctx, gr, err := g.admit(ctx, c, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -181,7 +190,7 @@ func TestCheckRequest(t *testing.T) {
 			t.Errorf("%s %v: %v, want %s", tc.method, tc.req, err, tc.want)
 		}
 	}
-	if len(asked) != 5 || asked[0] != "pivirt.vm.v1.VMService.GetVM a1" {
+	if len(asked) != 9 || asked[0] != "pivirt.vm.v1.VMService.GetVM a1" {
 		t.Errorf("objects read: %v", asked)
 	}
 }
@@ -210,7 +219,7 @@ func TestRateLimitAtConfiguredRate(t *testing.T) {
 			{"alice vm", "/pivirt.vm.v1.VMService/ListVMs", "alice"},
 			{"alice poweron", "/pivirt.vm.v1.VMService/PowerOn", "alice"},
 		} {
-			_, _, err := g.admit(ctx, certCall(c.method, c.who))
+			_, _, err := g.admit(ctx, certCall(c.method, c.who), nil)
 			switch code(err) {
 			case codes.OK, codes.PermissionDenied:
 				counts[c.key]++
@@ -235,5 +244,35 @@ func TestRateLimitAtConfiguredRate(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(g.rateLimited.WithLabelValues("*")); got == 0 {
 		t.Error("pivirt_api_rate_limited_total did not count the refusals")
+	}
+}
+
+// TestPageTokens: a filtered list's next page token is sealed for the
+// caller and method; it opens back into the backend's for them only.
+func TestPageTokens(t *testing.T) {
+	g := newGuard(t, ownerPolicy, Limits{}, nil)
+	_, alice, _ := g.admit(context.Background(), certCall("/pivirt.vm.v1.VMService/ListVMs", "alice"), nil)
+	resp := &vmv1.ListVMsResponse{NextPageToken: "vm-of-bob"}
+	if !g.filterResponse(alice, resp.ProtoReflect()) || strings.Contains(resp.GetNextPageToken(), "bob") || !strings.HasPrefix(resp.GetNextPageToken(), tokenPrefix) {
+		t.Fatalf("sealed token %q", resp.GetNextPageToken())
+	}
+	req := &vmv1.ListVMsRequest{PageToken: resp.GetNextPageToken()}
+	if err := g.openPageToken(alice, req.ProtoReflect()); err != nil || req.GetPageToken() != "vm-of-bob" {
+		t.Errorf("opened token %q, %v", req.GetPageToken(), err)
+	}
+	carol := *alice
+	carol.who = authz.Principal{Identity: "carol", Roles: alice.who.Roles}
+	for name, tc := range map[string]struct {
+		gr    *grant
+		token string
+	}{
+		"another principal": {&carol, resp.GetNextPageToken()},
+		"a backend token":   {alice, "vm-of-bob"},
+		"tampered":          {alice, resp.GetNextPageToken()[:len(resp.GetNextPageToken())-2] + "AA"},
+	} {
+		req := &vmv1.ListVMsRequest{PageToken: tc.token}
+		if err := g.openPageToken(tc.gr, req.ProtoReflect()); code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -16,8 +18,10 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 )
 
@@ -87,6 +91,14 @@ func fetchError(err error, resource, id string) error {
 	return &denial{code: codes.Unavailable, msg: fmt.Sprintf("cannot read %s %s to check the RBAC conditions: %s", resource, id, status.Convert(err).Message())}
 }
 
+// noRequest is the answer to a stream that ends before its first message.
+func noRequest(gr *grant) error {
+	if f := gr.m.rule.GetIdField(); f != "" {
+		return &denial{code: codeInvalidArgument, msg: fmt.Sprintf("no request message (%s is required)", f)}
+	}
+	return &denial{code: codeInvalidArgument, msg: "no request message"}
+}
+
 // connState is the TLS state of the connection of a request.
 func (g *Guard) connState(ctx context.Context) *tls.ConnectionState {
 	if p, ok := peer.FromContext(ctx); ok {
@@ -116,27 +128,45 @@ func (g *Guard) grpcCall(ctx context.Context, fullMethod string) call {
 	return c
 }
 
+// checkUnary checks a unary request before the handler runs.
+func (g *Guard) checkUnary(ctx context.Context, c call, gr *grant, req protoreflect.Message) error {
+	switch {
+	case gr.checksRequest():
+		return g.checkRequest(ctx, c, gr, req)
+	case gr.filters():
+		return g.openPageToken(gr, req)
+	}
+	return nil
+}
+
+func protoOf(v any) protoreflect.Message {
+	if m, ok := v.(proto.Message); ok {
+		return m.ProtoReflect()
+	}
+	return nil
+}
+
 // UnaryServerInterceptor guards the unary methods a grpc-go server serves
 // itself.
 func (g *Guard) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		c := g.grpcCall(ctx, info.FullMethod)
-		ctx, gr, err := g.admit(ctx, c)
+		msg := protoOf(req)
+		ctx, gr, err := g.admit(ctx, c, msg)
 		if err != nil {
 			return nil, grpcError(err)
 		}
-		if gr.checksRequest() {
-			m, ok := req.(proto.Message)
-			if !ok {
+		if gr.checksRequest() || gr.filters() {
+			if msg == nil {
 				return nil, status.Errorf(codes.Internal, "request of %s is not a protobuf message", info.FullMethod)
 			}
-			if err := g.checkRequest(ctx, c, gr, m.ProtoReflect()); err != nil {
+			if err := g.checkUnary(ctx, c, gr, msg); err != nil {
 				return nil, grpcError(err)
 			}
 		}
 		resp, err := handler(ctx, req)
 		if err == nil && gr.filters() {
-			if m, ok := resp.(proto.Message); !ok || !gr.filter(m.ProtoReflect()) {
+			if m := protoOf(resp); m == nil || !g.filterResponse(gr, m) {
 				return nil, status.Errorf(codes.PermissionDenied, "%s: the response does not meet the RBAC policy's conditions", info.FullMethod)
 			}
 		}
@@ -149,64 +179,109 @@ func (g *Guard) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		c := g.grpcCall(ss.Context(), info.FullMethod)
-		ctx, gr, err := g.admit(ss.Context(), c)
+		ctx, gr, err := g.admit(ss.Context(), c, nil)
 		if err != nil {
 			return grpcError(err)
 		}
-		w := &guardedStream{ServerStream: ss, ctx: ctx, gr: gr}
-		if gr.checksRequest() {
-			// The first request message names the object: read and check
-			// it before the handler (or the backend) sees anything.
+		w := &guardedStream{ServerStream: ss, ctx: ctx, g: g, c: c, gr: gr}
+		if gr.checksRequest() || (gr.filters() && !info.IsClientStream) {
+			// The first request message names the object (or carries the
+			// page token): read and check it before the handler (or the
+			// backend) sees anything.
 			f := new(mesh.Frame)
 			if err := ss.RecvMsg(f); err != nil {
+				if errors.Is(err, io.EOF) {
+					return grpcError(noRequest(gr))
+				}
 				return err
 			}
 			req := newMessage(gr.m.md.Input())
-			if err := proto.Unmarshal(f.Bytes(), req.Interface()); err != nil {
-				f.Free()
+			err := proto.Unmarshal(f.Bytes(), req.Interface())
+			f.Free()
+			if err != nil {
 				return status.Errorf(codes.InvalidArgument, "request of %s: %v", info.FullMethod, err)
 			}
-			if err := g.checkRequest(ctx, c, gr, req); err != nil {
-				f.Free()
+			if err := g.checkUnary(ctx, c, gr, req); err != nil {
 				return grpcError(err)
 			}
-			w.first = f
+			b, err := proto.Marshal(req.Interface())
+			if err != nil {
+				return status.Errorf(codes.Internal, "request of %s: %v", info.FullMethod, err)
+			}
+			w.firstID, _ = authz.FieldString(req, gr.m.rule.GetIdField())
+			w.first.Store(mesh.NewFrame(b))
 		}
 		err = handler(srv, w)
-		if w.first != nil {
-			w.first.Free()
+		// The proxy may still be relaying client messages in a goroutine
+		// of its own: take the frame, never free it twice.
+		if f := w.first.Swap(nil); f != nil {
+			f.Free()
 		}
 		return err
 	}
 }
 
 // guardedStream carries the principal in its context, hands the handler
-// the message read for the check, and filters responses.
+// the first message (checked), checks that later messages of a stream
+// name the same object, and filters responses.
 type guardedStream struct {
 	grpc.ServerStream
-	ctx   context.Context
-	gr    *grant
-	first *mesh.Frame
+	ctx     context.Context
+	g       *Guard
+	c       call
+	gr      *grant
+	first   atomic.Pointer[mesh.Frame]
+	firstID string
 }
 
 func (s *guardedStream) Context() context.Context { return s.ctx }
 
 func (s *guardedStream) RecvMsg(m any) error {
-	f := s.first
-	if f == nil {
-		return s.ServerStream.RecvMsg(m)
+	if f := s.first.Swap(nil); f != nil {
+		switch v := m.(type) {
+		case *mesh.Frame:
+			v.Set(f)
+			return nil
+		case proto.Message:
+			defer f.Free()
+			return proto.Unmarshal(f.Bytes(), v)
+		}
+		f.Free()
+		return status.Errorf(codes.Internal, "cannot receive a request into %T", m)
 	}
-	s.first = nil
+	if err := s.ServerStream.RecvMsg(m); err != nil {
+		return err
+	}
+	if s.gr.checksRequest() && s.gr.m.md.IsStreamingClient() {
+		return grpcError(s.sameObject(m))
+	}
+	return nil
+}
+
+// sameObject refuses a later message of a client stream that names
+// another object than the first (checked) one.
+func (s *guardedStream) sameObject(m any) error {
+	var msg protoreflect.Message
 	switch v := m.(type) {
 	case *mesh.Frame:
-		v.Set(f)
-		return nil
+		msg = newMessage(s.gr.m.md.Input())
+		if err := proto.Unmarshal(v.Bytes(), msg.Interface()); err != nil {
+			return &denial{code: codeInvalidArgument, msg: fmt.Sprintf("request of %s: %v", s.gr.m.full, err)}
+		}
 	case proto.Message:
-		defer f.Free()
-		return proto.Unmarshal(f.Bytes(), v)
+		msg = v.ProtoReflect()
+	default:
+		return nil
 	}
-	f.Free()
-	return status.Errorf(codes.Internal, "cannot receive a request into %T", m)
+	return s.g.sameID(s.c, s.gr, s.firstID, msg)
+}
+
+// sameID refuses msg when it names an object other than first.
+func (g *Guard) sameID(c call, gr *grant, first string, msg protoreflect.Message) error {
+	if id, _ := authz.FieldString(msg, gr.m.rule.GetIdField()); id != "" && id != first {
+		return g.denyGrant(c, gr, id, "a stream on %s may not name another object", first)
+	}
+	return nil
 }
 
 func (s *guardedStream) SendMsg(m any) error {
@@ -219,7 +294,7 @@ func (s *guardedStream) SendMsg(m any) error {
 		if err := proto.Unmarshal(v.Bytes(), resp.Interface()); err != nil {
 			return status.Errorf(codes.Internal, "response of %s: %v", s.gr.m.full, err)
 		}
-		if !s.gr.filter(resp) {
+		if !s.g.filterResponse(s.gr, resp) {
 			return nil
 		}
 		b, err := proto.Marshal(resp.Interface())
@@ -228,7 +303,7 @@ func (s *guardedStream) SendMsg(m any) error {
 		}
 		return s.ServerStream.SendMsg(mesh.NewFrame(b))
 	case proto.Message:
-		if !s.gr.filter(v.ProtoReflect()) {
+		if !s.g.filterResponse(s.gr, v.ProtoReflect()) {
 			return nil
 		}
 	}
@@ -250,22 +325,22 @@ func (i connectGuard) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 			return next(ctx, req)
 		}
 		c := i.call(ctx, req.Spec(), req.Peer(), req.Header().Get("Authorization"))
-		ctx, gr, err := i.g.admit(ctx, c)
+		msg := protoOf(req.Any())
+		ctx, gr, err := i.g.admit(ctx, c, msg)
 		if err != nil {
 			return nil, connectError(err)
 		}
-		if gr.checksRequest() {
-			m, ok := req.Any().(proto.Message)
-			if !ok {
+		if gr.checksRequest() || gr.filters() {
+			if msg == nil {
 				return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("request of %s is not a protobuf message", c.procedure))
 			}
-			if err := i.g.checkRequest(ctx, c, gr, m.ProtoReflect()); err != nil {
+			if err := i.g.checkUnary(ctx, c, gr, msg); err != nil {
 				return nil, connectError(err)
 			}
 		}
 		resp, err := next(ctx, req)
 		if err == nil && gr.filters() {
-			if m, ok := resp.Any().(proto.Message); !ok || !gr.filter(m.ProtoReflect()) {
+			if m := protoOf(resp.Any()); m == nil || !i.g.filterResponse(gr, m) {
 				return nil, connect.NewError(connect.CodePermissionDenied, fmt.Errorf("%s: the response does not meet the RBAC policy's conditions", c.procedure))
 			}
 		}
@@ -280,7 +355,7 @@ func (connectGuard) WrapStreamingClient(next connect.StreamingClientFunc) connec
 func (i connectGuard) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		c := i.call(ctx, conn.Spec(), conn.Peer(), conn.RequestHeader().Get("Authorization"))
-		ctx, gr, err := i.g.admit(ctx, c)
+		ctx, gr, err := i.g.admit(ctx, c, nil)
 		if err != nil {
 			return connectError(err)
 		}
@@ -291,8 +366,9 @@ func (i connectGuard) WrapStreamingHandler(next connect.StreamingHandlerFunc) co
 	}
 }
 
-// guardedConn checks a Connect stream's first request and filters its
-// responses.
+// guardedConn checks a Connect stream's requests (the first before
+// anything is sent, later ones for naming the same object) and filters
+// its responses. A failed check stays failed.
 type guardedConn struct {
 	connect.StreamingHandlerConn
 	ctx     context.Context
@@ -300,22 +376,78 @@ type guardedConn struct {
 	c       call
 	gr      *grant
 	checked bool
+	firstID string
+	err     error
+	pending any // the first request, read by Send before the handler asked
+}
+
+// checkFirst receives and checks the first request into m.
+func (s *guardedConn) checkFirst(m any) error {
+	s.checked = true
+	if err := s.StreamingHandlerConn.Receive(m); err != nil {
+		if errors.Is(err, io.EOF) {
+			s.err = connectError(noRequest(s.gr))
+			return s.err
+		}
+		return err
+	}
+	msg := protoOf(m)
+	if msg == nil {
+		s.err = connect.NewError(connect.CodeInternal, fmt.Errorf("request of %s is not a protobuf message", s.c.procedure))
+		return s.err
+	}
+	if err := s.g.checkUnary(s.ctx, s.c, s.gr, msg); err != nil {
+		s.err = connectError(err)
+		return s.err
+	}
+	s.firstID, _ = authz.FieldString(msg, s.gr.m.rule.GetIdField())
+	return nil
 }
 
 func (s *guardedConn) Receive(m any) error {
-	if err := s.StreamingHandlerConn.Receive(m); err != nil || s.checked || !s.gr.checksRequest() {
+	if s.err != nil {
+		return s.err
+	}
+	if p := s.pending; p != nil {
+		s.pending = nil
+		pm, ok := m.(proto.Message)
+		if !ok {
+			return connect.NewError(connect.CodeInternal, fmt.Errorf("cannot receive a request into %T", m))
+		}
+		proto.Reset(pm)
+		proto.Merge(pm, p.(proto.Message))
+		return nil
+	}
+	if !s.checked {
+		return s.checkFirst(m)
+	}
+	if err := s.StreamingHandlerConn.Receive(m); err != nil {
 		return err
 	}
-	s.checked = true
-	pm, ok := m.(proto.Message)
-	if !ok {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("request of %s is not a protobuf message", s.c.procedure))
+	if s.gr.checksRequest() {
+		if msg := protoOf(m); msg != nil {
+			if err := s.g.sameID(s.c, s.gr, s.firstID, msg); err != nil {
+				s.err = connectError(err)
+				return s.err
+			}
+		}
 	}
-	return connectError(s.g.checkRequest(s.ctx, s.c, s.gr, pm.ProtoReflect()))
+	return nil
 }
 
 func (s *guardedConn) Send(m any) error {
-	if pm, ok := m.(proto.Message); ok && s.gr.filters() && !s.gr.filter(pm.ProtoReflect()) {
+	if s.err != nil {
+		return s.err
+	}
+	if !s.checked && (s.gr.checksRequest() || s.gr.filters()) && s.gr.m.md != nil {
+		// Nothing goes out before the request is checked.
+		first := newMessage(s.gr.m.md.Input()).Interface()
+		if err := s.checkFirst(first); err != nil {
+			return err
+		}
+		s.pending = first
+	}
+	if pm := protoOf(m); pm != nil && s.gr.filters() && !s.g.filterResponse(s.gr, pm) {
 		return nil
 	}
 	return s.StreamingHandlerConn.Send(m)

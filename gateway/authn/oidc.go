@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -151,15 +152,24 @@ func roles(v any) []string {
 	switch r := v.(type) {
 	case []any:
 		for _, x := range r {
-			if s, ok := x.(string); ok && s != "" {
+			if s, ok := x.(string); ok && roleName.MatchString(s) {
 				out = append(out, s)
 			}
 		}
 	case string:
-		out = strings.FieldsFunc(r, func(c rune) bool { return c == ' ' || c == ',' })
+		for _, s := range strings.FieldsFunc(r, func(c rune) bool { return c == ' ' || c == ',' }) {
+			if roleName.MatchString(s) {
+				out = append(out, s)
+			}
+		}
 	}
 	return out
 }
+
+// roleName is what a role may be: a list element "x,admin" must not
+// become the role admin where roles travel comma-separated (to backends,
+// in x-pivirt-roles), so such a role is dropped.
+var roleName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$`)
 
 // keySet is the issuer's JWKS, fetched again for an unknown key ID at
 // most once per RefetchInterval (go-oidc's remote key set would fetch on

@@ -136,6 +136,9 @@ func TestClaimsMapping(t *testing.T) {
 	if got := roles("a b,c"); strings.Join(got, "|") != "a|b|c" {
 		t.Errorf("roles of a string = %v", got)
 	}
+	if got := roles([]any{"viewer", "x,admin", "a b", "", 7}); strings.Join(got, "|") != "viewer" {
+		t.Errorf("roles of a list with commas, spaces and non-strings = %v, want [viewer]", got)
+	}
 	if _, err := NewOIDC(t.Context(), OIDCConfig{IssuerURL: is.URL, ClientID: "x", Algorithms: []string{"HS256"}}); err == nil || !strings.Contains(err.Error(), `"HS256" is not allowed`) {
 		t.Errorf("HS256 allowed by configuration: %v", err)
 	}

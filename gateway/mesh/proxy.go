@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -353,7 +354,8 @@ var hopHeaders = map[string]bool{
 }
 
 // The headers that tell a backend on whose behalf the agent calls: the
-// authenticated principal's identity and roles (comma-separated). A
+// authenticated principal's identity and roles (comma-separated), each
+// percent-encoded UTF-8 (url.PathEscape: "józsef" is "j%C3%B3zsef"). A
 // backend may use them (pivirtd makes the identity the owner of what it
 // creates without one); it trusts them because the call comes over mutual
 // TLS from an agent.
@@ -384,9 +386,13 @@ func outgoingContext(ctx context.Context) context.Context {
 		out.Set("x-forwarded-for", host)
 	}
 	if p, ok := authz.PrincipalFrom(ctx); ok {
-		out.Set(IdentityHeader, p.Identity)
+		out.Set(IdentityHeader, url.PathEscape(p.Identity))
 		if len(p.Roles) > 0 {
-			out.Set(RolesHeader, strings.Join(p.Roles, ","))
+			roles := make([]string, len(p.Roles))
+			for i, r := range p.Roles {
+				roles[i] = url.PathEscape(r)
+			}
+			out.Set(RolesHeader, strings.Join(roles, ","))
 		}
 	}
 	return metadata.NewOutgoingContext(ctx, out)

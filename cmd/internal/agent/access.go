@@ -1,13 +1,18 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/hashicorp/go-memdb"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -21,7 +26,9 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // RBACPolicyKey is the cluster config key holding a cluster-wide RBAC
@@ -42,8 +49,28 @@ func apiDescriptors() []protoreflect.ServiceDescriptor {
 	}, apiServices...)
 }
 
+// RBACResource is the resource of the cluster-wide RBAC policy (the config
+// key auth.rbac_policy): changing who may do what is not an ordinary
+// config update.
+const RBACResource = "rbac"
+
 // policyResources are the resources a policy may name.
-func policyResources() []string { return authz.Resources(apiDescriptors()...) }
+func policyResources() []string {
+	return slices.Sorted(slices.Values(append(authz.Resources(apiDescriptors()...), RBACResource)))
+}
+
+// configResource guards the cluster-wide RBAC policy as the resource rbac:
+// SetConfig and DeleteConfig of auth.rbac_policy need update and delete on
+// rbac, not on config.
+func configResource(procedure string, req protoreflect.Message) (string, bool) {
+	switch procedure {
+	case clusterv1connect.ClusterServiceSetConfigProcedure, clusterv1connect.ClusterServiceDeleteConfigProcedure:
+		if key, ok := authz.FieldString(req, "key"); ok && key == RBACPolicyKey {
+			return RBACResource, true
+		}
+	}
+	return "", false
+}
 
 // startAccess builds the API port's access control. It is off (every call
 // allowed, with a warning) only when nothing could authenticate a caller:
@@ -75,6 +102,11 @@ func (a *Agent) startAccess() error {
 	} else {
 		a.logger.Warn("no auth.rbac_policy: every authenticated caller may call every method; set a policy to restrict them")
 	}
+	a.caughtUp = make(chan struct{})
+	if a.loadPersistedPolicy() || a.policyFile != nil {
+		a.policyUsable.Store(true)
+	}
+	a.wg.Go(func() { a.catchUpPolicy(a.ctx) })
 	a.wg.Go(func() { a.watchClusterPolicy(a.ctx) })
 	limits := access.Limits{}
 	if rl := a.cfg.RateLimiting; rl.Enabled {
@@ -88,6 +120,8 @@ func (a *Agent) startAccess() error {
 		Policy:        a.policy,
 		Limits:        limits,
 		Fetch:         a.fetchObject,
+		Ready:         a.policyReady,
+		Resource:      configResource,
 		ConnState:     gateway.ConnTLSFromContext,
 		Logger:        a.logger.With("component", "access"),
 		Registerer:    a.metrics,
@@ -144,7 +178,7 @@ func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescript
 
 // validateClusterConfig checks cluster config documents the agent reads
 // before they are stored: a cluster-wide RBAC policy must parse, validate,
-// and leave some role able to change the config again.
+// and leave some role able to change it again.
 func (a *Agent) validateClusterConfig(key, value string) error {
 	if key != RBACPolicyKey {
 		return nil
@@ -153,48 +187,143 @@ func (a *Agent) validateClusterConfig(key, value string) error {
 	if err != nil {
 		return err
 	}
-	if !p.Grants("config", "update") {
-		return fmt.Errorf("%w: no rule lets any role update the config without conditions: the policy could never be changed or removed again", authz.ErrInvalidPolicy)
+	if !p.Grants(RBACResource, "update") {
+		return fmt.Errorf("%w: no rule lets any role update %s without conditions: the policy could never be changed or removed again", authz.ErrInvalidPolicy, RBACResource)
 	}
 	return nil
 }
 
+// clusterPolicyFile keeps, in the data dir, the last cluster-wide RBAC
+// policy this agent saw: after a restart it is enforced until the agent
+// has caught up with the cluster (which, without a quorum, may be long).
+const clusterPolicyFile = "rbac-cluster-policy.yaml"
+
+// loadPersistedPolicy puts the kept cluster-wide policy in force; false
+// when there is none (or it no longer parses).
+func (a *Agent) loadPersistedPolicy() bool {
+	path := filepath.Join(a.dataDir, clusterPolicyFile)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			a.logger.Error("reading the kept cluster RBAC policy failed", "path", path, "error", err)
+		}
+		return false
+	}
+	p, err := authz.Parse(bytes.NewReader(b), policyResources())
+	if err != nil {
+		a.logger.Error("the kept cluster RBAC policy does not parse; calls wait until the agent has caught up with the cluster", "path", path, "error", err)
+		return false
+	}
+	a.clusterPolicy.Store(p)
+	a.logger.Info("cluster-wide RBAC policy in force from the data dir until the agent catches up", "rules", len(p.Rules))
+	return true
+}
+
+// policyReady holds a call until the agent knows which policy is in force:
+// it has caught up with the cluster once, or has a policy of its own (the
+// auth.rbac_policy file, or the kept cluster-wide one) to enforce
+// meanwhile. A fresh agent that cannot reach a leader within
+// cluster.forward_hold_timeout answers Unavailable rather than guess.
+func (a *Agent) policyReady(ctx context.Context) error {
+	if a.policyUsable.Load() {
+		return nil
+	}
+	t := time.NewTimer(a.cfg.Cluster.ForwardHoldTimeout.Std())
+	defer t.Stop()
+	select {
+	case <-a.caughtUp:
+		return nil
+	case <-ctx.Done():
+	case <-t.C:
+	}
+	return errors.New("this agent has not caught up with the cluster yet, so it does not know which RBAC policy is in force; retry shortly")
+}
+
+// catchUpPolicy makes a consistent read of the cluster-wide policy (the
+// local state then holds everything committed before it), brings the
+// policy in force up to date and lets calls through.
+func (a *Agent) catchUpPolicy(ctx context.Context) {
+	wait := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		_, err := a.api.GetConfig(rctx, connect.NewRequest(&clusterv1.GetConfigRequest{
+			Key: RBACPolicyKey, Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+		}))
+		cancel()
+		if err == nil || connect.CodeOf(err) == connect.CodeNotFound {
+			a.syncClusterPolicy()
+			a.policyUsable.Store(true)
+			close(a.caughtUp)
+			return
+		}
+		if !sleepCtx(ctx, wait) {
+			return
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
 // watchClusterPolicy keeps the cluster-wide RBAC policy (config key
-// auth.rbac_policy) in force as it changes. A version that does not parse
-// here (written by a newer agent) is logged and the policy in use stays.
+// auth.rbac_policy) in force as it changes, once the agent has caught up
+// (before, the local state may be older than the policy in force).
 func (a *Agent) watchClusterPolicy(ctx context.Context) {
-	var applied uint64
+	select {
+	case <-a.caughtUp:
+	case <-ctx.Done():
+		return
+	}
 	for ctx.Err() == nil {
 		ws := memdb.NewWatchSet()
-		st := a.fsm.State()
-		if _, err := st.WatchConfigKey(ws, RBACPolicyKey); err != nil {
+		if _, err := a.fsm.State().WatchConfigKey(ws, RBACPolicyKey); err != nil {
 			a.logger.Error("watching the cluster RBAC policy failed; retrying", "error", err)
 			if !sleepCtx(ctx, time.Second) {
 				return
 			}
 			continue
 		}
-		e, err := st.ConfigEntry(RBACPolicyKey)
-		switch {
-		case errors.Is(err, fsm.ErrNotFound):
-			if a.clusterPolicy.Swap(nil) != nil {
-				a.logger.Info("cluster-wide RBAC policy removed; the auth.rbac_policy file applies", "file", a.cfg.Auth.RBACPolicy)
-			}
-			applied = 0
-		case err != nil:
-			a.logger.Error("reading the cluster RBAC policy failed", "error", err)
-		case e.GetRevision() != applied:
-			applied = e.GetRevision()
-			p, err := authz.Parse(strings.NewReader(e.GetValue()), policyResources())
-			if err != nil {
-				a.logger.Error("cluster-wide RBAC policy not applied; keeping the policy in use", "revision", e.GetRevision(), "error", err)
-				break
-			}
-			a.clusterPolicy.Store(p)
-			a.logger.Info("cluster-wide RBAC policy in force", "revision", e.GetRevision(), "rules", len(p.Rules))
-		}
+		a.syncClusterPolicy()
 		if err := ws.WatchCtx(ctx); err != nil {
 			return
+		}
+	}
+}
+
+// syncClusterPolicy puts the cluster-wide policy of the local state in
+// force and keeps a copy in the data dir. A version that does not parse
+// here (written by a newer agent) is logged; the cluster policy in use
+// stays, and without one every call is denied until it is fixed.
+func (a *Agent) syncClusterPolicy() {
+	a.policyMu.Lock()
+	defer a.policyMu.Unlock()
+	path := filepath.Join(a.dataDir, clusterPolicyFile)
+	e, err := a.fsm.State().ConfigEntry(RBACPolicyKey)
+	switch {
+	case errors.Is(err, fsm.ErrNotFound):
+		if a.clusterPolicy.Swap(nil) != nil {
+			a.logger.Info("cluster-wide RBAC policy removed; the auth.rbac_policy file applies", "file", a.cfg.Auth.RBACPolicy)
+		}
+		a.policyRevision = 0
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			a.logger.Error("removing the kept cluster RBAC policy failed", "path", path, "error", err)
+		}
+	case err != nil:
+		a.logger.Error("reading the cluster RBAC policy failed", "error", err)
+	case e.GetRevision() != a.policyRevision:
+		a.policyRevision = e.GetRevision()
+		p, err := authz.Parse(strings.NewReader(e.GetValue()), policyResources())
+		if err != nil {
+			if a.clusterPolicy.Load() == nil {
+				a.clusterPolicy.Store(&authz.Policy{}) // no rules: every call denied
+				a.logger.Error("cluster-wide RBAC policy does not parse on this agent; denying every call until it is fixed", "revision", e.GetRevision(), "error", err)
+			} else {
+				a.logger.Error("cluster-wide RBAC policy not applied; keeping the policy in use", "revision", e.GetRevision(), "error", err)
+			}
+			return
+		}
+		a.clusterPolicy.Store(p)
+		a.logger.Info("cluster-wide RBAC policy in force", "revision", e.GetRevision(), "rules", len(p.Rules))
+		if err := identity.WriteFileAtomic(path, []byte(e.GetValue()), 0o600); err != nil {
+			a.logger.Error("keeping a copy of the cluster RBAC policy failed", "path", path, "error", err)
 		}
 	}
 }

@@ -333,6 +333,15 @@ func TestAccessAuthentication(t *testing.T) {
 		t.Errorf("operator certificate (ops-* pattern), CreateVM: %v", err)
 	}
 
+	// The caller's identity reaches the backend (percent-encoded UTF-8),
+	// which makes it the owner of what it creates without one; a client's
+	// own identity header is dropped.
+	spoofed := metadata.AppendToOutgoingContext(as(ctx, e.token("józsef", "admin")), "x-pivirt-identity", "root")
+	created, err := e.vm.CreateVM(spoofed, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "by-jozsef", Vcpus: 1, MemoryMib: 256}})
+	if err != nil || created.GetVm().GetMetadata().GetOwner() != "józsef" {
+		t.Errorf("CreateVM by józsef: %v %v, want a VM owned by józsef", created, err)
+	}
+
 	// Connect and gRPC-Web go through the transcoder: the same checks,
 	// with the certificate of the TLS connection and the bearer header.
 	for _, proto := range []string{"connect", "grpcweb"} {
@@ -396,8 +405,10 @@ func TestAccessOwnerCondition(t *testing.T) {
 			t.Errorf("alice %s of bob's VM: %v, want PermissionDenied naming the VM", name, err)
 		}
 	}
-	if _, err := e.vm.GetVM(as(e.ctx(), alice), &vmv1.GetVMRequest{Id: "vm-missing"}); status.Code(err) != codes.NotFound {
-		t.Errorf("alice get of a VM that does not exist: %v, want NotFound", err)
+	// A VM that does not exist looks like someone else's: alice learns
+	// nothing of other owners' VMs.
+	if _, err := e.vm.GetVM(as(e.ctx(), alice), &vmv1.GetVMRequest{Id: "vm-missing"}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("alice get of a VM that does not exist: %v, want PermissionDenied", err)
 	}
 	// bob's VM is unchanged.
 	got, err := e.vm.GetVM(as(e.ctx(), e.token("root", "admin")), &vmv1.GetVMRequest{Id: theirs})
@@ -549,7 +560,7 @@ func TestAccessPolicyReload(t *testing.T) {
 	for name, tc := range map[string]struct{ policy, want string }{
 		"unknown verb": {strings.Replace(string(spec), `"patch"]`, `"reboot"]`, 1), `rules[1].verbs[4]: unknown "reboot"`},
 		"bad template": {strings.Replace(string(spec), `{{.user.identity}}`, `{{.user.email}}`, 1), `rules[3].conditions[0].value: bad template`},
-		"lockout":      {"apiVersion: rbac.pivirt.pilab.hu/v1\nkind: Policy\nrules:\n  - roles: [viewer]\n    resources: [\"*\"]\n    verbs: [get]\n", "no rule lets any role update the config"},
+		"lockout":      {"apiVersion: rbac.pivirt.pilab.hu/v1\nkind: Policy\nrules:\n  - roles: [viewer]\n    resources: [\"*\"]\n    verbs: [get]\n", "no rule lets any role update rbac"},
 	} {
 		_, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: tc.policy})
 		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
@@ -564,7 +575,8 @@ func TestAccessPolicyReload(t *testing.T) {
 	// the cluster policy lets the operator start but not delete, on the
 	// leader and on a follower alike.
 	other := vmv1.NewVMServiceClient(e.dialAt(e.c.Follower().APIAddr(), nil))
-	lenientCluster := strings.Replace(string(spec), `verbs: ["get", "list", "create", "update", "patch"]`, `verbs: ["get", "list", "create", "update", "patch", "start"]`, 1)
+	lenientCluster := strings.Replace(string(spec), `verbs: ["get", "list", "create", "update", "patch"]`, `verbs: ["get", "list", "create", "update", "patch", "start"]`, 1) +
+		"  - roles: [\"config-editor\"]\n    resources: [\"config\"]\n    verbs: [\"update\", \"delete\"]\n"
 	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: lenientCluster}); err != nil {
 		t.Fatal(err)
 	}
@@ -578,6 +590,20 @@ func TestAccessPolicyReload(t *testing.T) {
 		}
 		return nil
 	})
+	// Updating the config is not updating the policy: that is resource
+	// rbac.
+	editor := as(e.ctx(), e.token("eve", "config-editor"))
+	if _, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: "app.x", Value: "1"}); err != nil {
+		t.Errorf("config-editor sets a config key: %v", err)
+	}
+	for name, err := range map[string]error{
+		"set":    func() error { _, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: lenientCluster}); return err }(),
+		"delete": func() error { _, err := e.cl.DeleteConfig(editor, &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); return err }(),
+	} {
+		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), " rbac:") {
+			t.Errorf("config-editor %ss the cluster policy: %v, want PermissionDenied on rbac", name, err)
+		}
+	}
 	if _, err := e.cl.DeleteConfig(admin, &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); err != nil {
 		t.Fatal(err)
 	}
@@ -627,4 +653,82 @@ func TestEveryServedMethodHasARule(t *testing.T) {
 	if methods != 37 {
 		t.Errorf("%d methods served, want 37", methods)
 	}
+}
+
+// TestAccessClusterPolicyAfterRestart: agents without a policy file of
+// their own enforce the cluster-wide policy from the moment they restart,
+// even without a quorum (from the copy in their data dir); an agent that
+// has neither holds calls and answers Unavailable rather than let them
+// through, until it has caught up.
+func TestAccessClusterPolicyAfterRestart(t *testing.T) {
+	e := newAccessEnv(t, 3, func(cfg *config.Config) {
+		cfg.Auth.RBACPolicy = ""
+		cfg.Cluster.ForwardHoldTimeout = config.Duration(time.Second)
+	})
+	spec, err := os.ReadFile(e.policy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nobody := e.token("mallory")
+	if _, err := e.vm.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{}); err != nil {
+		t.Fatalf("without any policy an authenticated caller may list: %v", err)
+	}
+	if _, err := e.cl.SetConfig(as(e.ctx(), e.token("root", "admin")), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec)}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		conn := vmv1.NewVMServiceClient(e.dialAt(e.c.Node(i).APIAddr(), nil))
+		agenttest.Eventually(t, 10*time.Second, "the cluster policy on every node", func() error {
+			if _, err := conn.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{}); status.Code(err) != codes.PermissionDenied {
+				return fmt.Errorf("node %d: %v", i, err)
+			}
+			return nil
+		})
+	}
+	for i := range 3 {
+		e.c.Kill(i)
+	}
+	// Node 1 alone, without a quorum: the kept copy is enforced.
+	n := e.c.Restart(1, false, "")
+	conn := vmv1.NewVMServiceClient(e.dialAt(n.APIAddr(), nil))
+	for range 20 {
+		_, err := conn.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{})
+		if status.Code(err) == codes.OK {
+			t.Fatal("a caller without roles was let through after a restart without a quorum")
+		}
+		if status.Code(err) != codes.PermissionDenied {
+			// The port may not be up for the very first call.
+			continue
+		}
+	}
+	if _, err := conn.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("restarted without a quorum: %v, want PermissionDenied from the kept policy", err)
+	}
+	// Without the copy (a node that never saw the policy) it answers
+	// Unavailable.
+	e.c.Kill(1)
+	if err := os.Remove(filepath.Join(e.c.Node(1).DataDir(), "rbac-cluster-policy.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	n = e.c.Restart(1, false, "")
+	conn = vmv1.NewVMServiceClient(e.dialAt(n.APIAddr(), nil))
+	agenttest.Eventually(t, 10*time.Second, "Unavailable without a policy or a quorum", func() error {
+		_, err := conn.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{})
+		if status.Code(err) == codes.OK {
+			t.Fatal("a caller without roles was let through by a node that does not know the policy")
+		}
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "caught up") {
+			return fmt.Errorf("%v, want Unavailable saying the agent has not caught up", err)
+		}
+		return nil
+	})
+	// With the others back it catches up and enforces the policy.
+	e.c.Restart(0, false, n.GossipAddr())
+	e.c.Restart(2, false, n.GossipAddr())
+	agenttest.Eventually(t, 30*time.Second, "the policy after catching up", func() error {
+		if _, err := conn.ListVMs(as(e.ctx(), nobody), &vmv1.ListVMsRequest{}); status.Code(err) != codes.PermissionDenied {
+			return fmt.Errorf("%v, want PermissionDenied", err)
+		}
+		return nil
+	})
 }

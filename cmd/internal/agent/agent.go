@@ -124,6 +124,14 @@ type Agent struct {
 	// policy of the replicated config, which takes precedence.
 	policyFile    *authz.File
 	clusterPolicy atomic.Pointer[authz.Policy]
+	// policyMu serialises syncClusterPolicy; policyRevision is the
+	// revision of the cluster policy it last applied.
+	policyMu       sync.Mutex
+	policyRevision uint64
+	// caughtUp is closed once the agent has read the cluster policy
+	// consistently; policyUsable: calls need not wait for that.
+	caughtUp     chan struct{}
+	policyUsable atomic.Bool
 	// netPolicy is auth.network_policy; nil when none is set.
 	netPolicy *watchfile.File[*netpolicy.Set]
 

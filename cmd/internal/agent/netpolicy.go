@@ -18,15 +18,17 @@ func (a *Agent) loadNetworkPolicy() error {
 	if path == "" {
 		return nil
 	}
-	if !a.cfg.TLS.Enabled {
-		return fmt.Errorf("auth.network_policy: network policies match the identities of certificates; they need tls.enabled: true")
-	}
 	f, err := watchfile.Load("auth.network_policy", path, netpolicy.Parse, a.logger)
 	if err != nil {
 		return err
 	}
 	a.netPolicy = f
 	a.wg.Go(func() { f.Watch(a.ctx, policyWatchInterval) })
+	for name, b := range a.cfg.Backends {
+		if !b.TLS.Enabled {
+			a.logger.Warn("auth.network_policy does not apply to a plaintext backend: its connections carry no identity", "backend", name, "endpoint", b.Endpoint)
+		}
+	}
 	return nil
 }
 
@@ -46,8 +48,15 @@ func (a *Agent) checkNetworkPolicy(from, to *x509.Certificate, addr, what string
 		return nil
 	}
 	err := fmt.Errorf("network policy: no NetworkPolicy allows %s to connect to %s on port %d (%s)", names(fromIDs, from), names(toIDs, to), port, what)
-	a.logger.Warn("connection refused by network policy", "from", fromIDs, "to", toIDs, "port", port, "what", what)
+	a.logger.Warn("connection refused by network policy", "from", fromIDs, "from_cn", cn(from), "to", toIDs, "to_cn", cn(to), "port", port, "what", what)
 	return err
+}
+
+func cn(c *x509.Certificate) string {
+	if c == nil {
+		return ""
+	}
+	return c.Subject.CommonName
 }
 
 // names describes a certificate's identities for an error.

@@ -129,7 +129,7 @@ spec:
 		}
 	}
 	agenttest.Eventually(t, 10*time.Second, "the refusals logged", func() error {
-		for _, want := range []string{`from=[rogue.pivirt.internal]`, `what="internal port"`} {
+		for _, want := range []string{`from=[rogue.pivirt.internal] from_cn=pivirt-agent-rogue`, `from=[] from_cn=pivirt-agent-nameless`, `what="internal port"`} {
 			if !c.Logs().Contains(want) {
 				return fmt.Errorf("no log line with %s", want)
 			}

@@ -263,6 +263,9 @@ func (c *Config) validateRateLimiting(v *validator) {
 }
 
 func (c *Config) validateAuth(v *validator) {
+	if c.Auth.NetworkPolicy != "" && !c.TLS.Enabled {
+		v.add("auth.network_policy", "%w: network policies match the service names of TLS certificates; they need tls.enabled: true", ErrInvalid)
+	}
 	for _, pattern := range slices.Sorted(maps.Keys(c.Auth.CertificateRoles)) {
 		p := joinKey("auth.certificate_roles", pattern)
 		if prefix, _ := strings.CutSuffix(pattern, "*"); prefix == "" || strings.Contains(prefix, "*") {

@@ -179,6 +179,7 @@ func TestValidate(t *testing.T) {
 		{"snapshot retain zero", func(c *Config) { c.Snapshot.Retain = 0 }, []string{"snapshot.retain: invalid value 0: must keep at least 1 archive"}},
 		{"certificate roles pattern", func(c *Config) { c.Auth.CertificateRoles = map[string][]string{"*": {"admin"}} }, []string{`auth.certificate_roles["*"]: invalid value: "*": a certificate CN, or a CN prefix ending in "*"`}},
 		{"certificate roles empty", func(c *Config) { c.Auth.CertificateRoles = map[string][]string{"operator": nil} }, []string{"auth.certificate_roles.operator: invalid value: no roles"}},
+		{"network policy without tls", func(c *Config) { c.Auth.NetworkPolicy, c.TLS.Enabled = "/etc/np.yaml", false }, []string{"auth.network_policy: invalid value: network policies match the service names of TLS certificates"}},
 		{"rate limit zero", func(c *Config) { c.RateLimiting.Enabled, c.RateLimiting.RequestsPerSecond = true, 0 }, []string{"rate_limiting.requests_per_second: invalid value 0: must be positive"}},
 		{"rate limit off ignores values", func(c *Config) { c.RateLimiting.RequestsPerSecond = -1 }, nil},
 		{"rate limit route prefix", func(c *Config) {

@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -112,8 +113,9 @@ func (t *table[T]) put(tx *bolt.Tx, obj T) error {
 	return tx.Bucket(t.bucket).Put([]byte(obj.GetId()), b)
 }
 
-// IdentityHeader names the principal an agent calls on behalf of; an
-// object created without an owner belongs to it (pivirtd's behaviour).
+// IdentityHeader names the principal an agent calls on behalf of
+// (percent-encoded); an object created without an owner belongs to it
+// (pivirtd's behaviour).
 const IdentityHeader = "x-pivirt-identity"
 
 // create stores a new object with a new ID, times and revision. The
@@ -130,7 +132,9 @@ func (t *table[T]) create(ctx context.Context, req T) (T, error) {
 	meta := &apiv1.ObjectMeta{Owner: req.GetMetadata().GetOwner(), Labels: req.GetMetadata().GetLabels()}
 	if meta.Owner == "" {
 		if v := metadata.ValueFromIncomingContext(ctx, IdentityHeader); len(v) > 0 {
-			meta.Owner = v[0]
+			if id, err := url.PathUnescape(v[0]); err == nil {
+				meta.Owner = id
+			}
 		}
 	}
 	m.Set(m.Descriptor().Fields().ByName("metadata"), protoreflect.ValueOfMessage(meta.ProtoReflect()))
