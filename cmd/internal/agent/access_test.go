@@ -597,8 +597,14 @@ func TestAccessPolicyReload(t *testing.T) {
 		t.Errorf("config-editor sets a config key: %v", err)
 	}
 	for name, err := range map[string]error{
-		"set":    func() error { _, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: lenientCluster}); return err }(),
-		"delete": func() error { _, err := e.cl.DeleteConfig(editor, &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); return err }(),
+		"set": func() error {
+			_, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: lenientCluster})
+			return err
+		}(),
+		"delete": func() error {
+			_, err := e.cl.DeleteConfig(editor, &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey})
+			return err
+		}(),
 	} {
 		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), " rbac:") {
 			t.Errorf("config-editor %ss the cluster policy: %v, want PermissionDenied on rbac", name, err)
