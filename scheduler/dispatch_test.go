@@ -1,0 +1,231 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/fsm"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// calls records the actions a dispatcher invoked.
+type calls struct {
+	mu    sync.Mutex
+	list  []string // method vm
+	block chan struct{}
+}
+
+func (c *calls) invoke(ctx context.Context, method string, req, _ proto.Message) error {
+	if c.block != nil {
+		select {
+		case <-c.block:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	id := ""
+	switch r := req.(type) {
+	case *vmv1.PowerOnRequest:
+		id = r.GetId()
+	case *vmv1.ShutdownDefaultRequest:
+		id = r.GetId()
+	case *vmv1.RebootRequest:
+		id = r.GetId()
+	}
+	c.list = append(c.list, method[strings.LastIndexByte(method, '/')+1:]+" "+id)
+	return nil
+}
+
+func (c *calls) n() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.list)
+}
+
+func newLog(t *testing.T) *localLog {
+	t.Helper()
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &localLog{fsm: f}
+}
+
+func (l *localLog) State() *fsm.State { return l.fsm.State() }
+
+// put stores a schedule as the leader would, stamped at "at".
+func (l *localLog) put(t *testing.T, s *schedulev1.Schedule, at time.Time) {
+	t.Helper()
+	l.apply(t, &fsmv1.Command{Time: timestamppb.New(at), Op: &fsmv1.Command_PutSchedule{PutSchedule: &fsmv1.PutSchedule{Schedule: s}}})
+}
+
+func (l *localLog) apply(t *testing.T, cmd *fsmv1.Command) {
+	t.Helper()
+	data, err := fsm.Encode(cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, _, _ := l.Apply(context.Background(), data)
+	if r := res.(*fsm.Result); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+}
+
+func (l *localLog) runs(t *testing.T, id string) []*schedulev1.Run {
+	t.Helper()
+	rs, err := l.fsm.State().Runs(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rs
+}
+
+func outcomes(rs []*schedulev1.Run) map[schedulev1.RunOutcome]int {
+	out := map[schedulev1.RunOutcome]int{}
+	for _, r := range rs {
+		out[r.GetOutcome()]++
+	}
+	return out
+}
+
+// eventually polls f until it returns nil, for up to 15 s.
+func eventually(t *testing.T, what string, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(20 * time.Millisecond) // poll, bounded by the deadline
+	}
+}
+
+func start(t *testing.T, l *localLog, c *calls, cfg DispatcherConfig) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	cfg.NodeID = "node-a"
+	go func() { RunDispatcher(ctx, cfg, l, l, c.invoke); close(done) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+// TestDispatcherRuns: an @every 1s schedule runs its action once per slot,
+// recording each run (ok, attempts, latency, node); a new dispatcher (the
+// next leadership term) goes on without running a slot twice.
+func TestDispatcherRuns(t *testing.T) {
+	l := newLog(t)
+	l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_POWER_ON, Cron: "@every 1s", Enabled: true}, time.Now())
+	c := &calls{}
+	stop := start(t, l, c, DispatcherConfig{})
+	eventually(t, "three runs", func() error {
+		if n := outcomes(l.runs(t, "s1"))[schedulev1.RunOutcome_RUN_OUTCOME_OK]; n < 3 {
+			return fmt.Errorf("%d runs ok", n)
+		}
+		return nil
+	})
+	stop()
+	start(t, l, c, DispatcherConfig{})
+	eventually(t, "runs in the next term", func() error {
+		if n := outcomes(l.runs(t, "s1"))[schedulev1.RunOutcome_RUN_OUTCOME_OK]; n < 5 {
+			return fmt.Errorf("%d runs ok", n)
+		}
+		return nil
+	})
+	rs := l.runs(t, "s1")
+	seen := map[time.Time]bool{}
+	for _, r := range rs {
+		if seen[r.GetSlot().AsTime()] {
+			t.Errorf("slot %s twice", r.GetSlot().AsTime())
+		}
+		seen[r.GetSlot().AsTime()] = true
+		if r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_OK && (r.GetNode() != "node-a" || r.GetAttempts() != 1 || r.GetLatency() == nil) {
+			t.Errorf("run %v", r)
+		}
+	}
+	if c.n() < len(rs)-1 || c.list[0] != "PowerOn vm-1" {
+		t.Errorf("%d calls for %d runs: %v", c.n(), len(rs), c.list)
+	}
+}
+
+// TestDispatcherCatchUp: slots missed (ten slots of a schedule no leader
+// ran) are run or skipped by the schedule's policy, and each
+// skipped one is recorded.
+func TestDispatcherCatchUp(t *testing.T) {
+	for _, tc := range []struct {
+		policy        schedulev1.CatchUp
+		late          time.Duration // of the newest missed slot
+		calls, skipped int
+	}{
+		{schedulev1.CatchUp_CATCH_UP_SKIP, 90 * time.Second, 0, 10},
+		{schedulev1.CatchUp_CATCH_UP_SKIP, 30 * time.Second, 1, 9},
+		{schedulev1.CatchUp_CATCH_UP_LATEST_ONCE, 90 * time.Second, 1, 9},
+		{schedulev1.CatchUp_CATCH_UP_ALL, 90 * time.Second, 10, 0},
+	} {
+		t.Run(fmt.Sprintf("%s/%s", tc.policy, tc.late), func(t *testing.T) {
+			l := newLog(t)
+			// Ten slots, five minutes apart, the newest tc.late ago.
+			created := time.Now().Add(-50*time.Minute - tc.late)
+			l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 5m", Enabled: true,
+				CatchUp: tc.policy, CatchUpWindow: durationpb.New(time.Hour)}, created)
+			c := &calls{}
+			start(t, l, c, DispatcherConfig{})
+			eventually(t, "the catch-up recorded", func() error {
+				o := outcomes(l.runs(t, "s1"))
+				if o[schedulev1.RunOutcome_RUN_OUTCOME_OK] != tc.calls || o[schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED] != tc.skipped {
+					return fmt.Errorf("runs %v, want %d ok and %d skipped", o, tc.calls, tc.skipped)
+				}
+				return nil
+			})
+			if c.n() != tc.calls {
+				t.Errorf("%d calls, want %d", c.n(), tc.calls)
+			}
+			s, _ := l.fsm.State().Schedule("s1")
+			if got, want := s.GetLastSlot().AsTime(), created.Add(50*time.Minute).Truncate(time.Second); !got.Equal(want) {
+				t.Errorf("last slot %s, want %s", got, want)
+			}
+		})
+	}
+}
+
+// TestDispatcherOrphansAndOverlap: a run a lost leader left STARTED is
+// recorded as an error of unknown outcome and not repeated; with overlap
+// forbid, slots while the previous action runs are skipped.
+func TestDispatcherOrphansAndOverlap(t *testing.T) {
+	l := newLog(t)
+	now := time.Now()
+	l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_POWER_OFF, Cron: "@every 1s", Enabled: true, Overlap: schedulev1.Overlap_OVERLAP_FORBID}, now)
+	l.apply(t, &fsmv1.Command{Time: timestamppb.New(now), Op: &fsmv1.Command_ClaimSlot{ClaimSlot: &fsmv1.ClaimSlot{ScheduleId: "s1", Slot: timestamppb.New(now.Add(time.Second)), Node: "old-leader"}}})
+	c := &calls{block: make(chan struct{})}
+	start(t, l, c, DispatcherConfig{})
+	eventually(t, "the orphan closed and a slot skipped for overlap", func() error {
+		var orphan, overlap bool
+		for _, r := range l.runs(t, "s1") {
+			orphan = orphan || (r.GetNode() == "old-leader" && r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_ERROR && strings.Contains(r.GetError(), "outcome unknown"))
+			overlap = overlap || (r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED && strings.Contains(r.GetError(), "still in progress"))
+		}
+		if !orphan || !overlap {
+			return fmt.Errorf("orphan closed %v, overlap skipped %v: %v", orphan, overlap, l.runs(t, "s1"))
+		}
+		return nil
+	})
+	close(c.block)
+}
