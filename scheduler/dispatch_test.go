@@ -171,8 +171,8 @@ func TestDispatcherRuns(t *testing.T) {
 // skipped one is recorded.
 func TestDispatcherCatchUp(t *testing.T) {
 	for _, tc := range []struct {
-		policy        schedulev1.CatchUp
-		late          time.Duration // of the newest missed slot
+		policy         schedulev1.CatchUp
+		late           time.Duration // of the newest missed slot
 		calls, skipped int
 	}{
 		{schedulev1.CatchUp_CATCH_UP_SKIP, 90 * time.Second, 0, 10},
