@@ -219,3 +219,10 @@ func StreamError(err error, md ...metadata.MD) error {
 	}
 	return connectError(err, nil, metadata.Join(md...))
 }
+
+// CallGRPC makes a gRPC call with a Connect request and answers as a
+// Connect client would: headers become metadata, and a gRPC status error
+// a *connect.Error with the same code, message and details.
+func CallGRPC[Req, Res any](ctx context.Context, req *connect.Request[Req], call func(context.Context, *Req, ...grpc.CallOption) (*Res, error)) (*connect.Response[Res], error) {
+	return callGRPC(ctx, req, call)
+}

@@ -20,6 +20,7 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
 // MaxMessageBytes bounds every message exchanged between agents.
@@ -167,4 +168,10 @@ func withStatusTimeout(ctx context.Context) (context.Context, context.CancelFunc
 // converts them.
 func (p *Pool) Snapshots(addr string) clusterv1.SnapshotServiceClient {
 	return clusterv1.NewSnapshotServiceClient(p.conn(addr))
+}
+
+// Schedules returns a ScheduleService client for an agent's internal
+// address.
+func (p *Pool) Schedules(addr string) schedulev1.ScheduleServiceClient {
+	return schedulev1.NewScheduleServiceClient(p.conn(addr))
 }

@@ -17,6 +17,8 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 )
 
 // The gRPC adapters serve the agent's own services to grpc-go clients by
@@ -222,4 +224,49 @@ func toMetadata(h http.Header) metadata.MD {
 		}
 	}
 	return md
+}
+
+// NewScheduleGRPC serves h over gRPC.
+func NewScheduleGRPC(h schedulev1connect.ScheduleServiceHandler) schedulev1.ScheduleServiceServer {
+	return scheduleGRPC{h}
+}
+
+type scheduleGRPC struct {
+	h schedulev1connect.ScheduleServiceHandler
+}
+
+func (g scheduleGRPC) CreateSchedule(ctx context.Context, r *schedulev1.CreateScheduleRequest) (*schedulev1.CreateScheduleResponse, error) {
+	return unary(ctx, r, g.h.CreateSchedule)
+}
+
+func (g scheduleGRPC) GetSchedule(ctx context.Context, r *schedulev1.GetScheduleRequest) (*schedulev1.GetScheduleResponse, error) {
+	return unary(ctx, r, g.h.GetSchedule)
+}
+
+func (g scheduleGRPC) ListSchedules(ctx context.Context, r *schedulev1.ListSchedulesRequest) (*schedulev1.ListSchedulesResponse, error) {
+	return unary(ctx, r, g.h.ListSchedules)
+}
+
+func (g scheduleGRPC) UpdateSchedule(ctx context.Context, r *schedulev1.UpdateScheduleRequest) (*schedulev1.UpdateScheduleResponse, error) {
+	return unary(ctx, r, g.h.UpdateSchedule)
+}
+
+func (g scheduleGRPC) DeleteSchedule(ctx context.Context, r *schedulev1.DeleteScheduleRequest) (*schedulev1.DeleteScheduleResponse, error) {
+	return unary(ctx, r, g.h.DeleteSchedule)
+}
+
+func (g scheduleGRPC) PauseSchedule(ctx context.Context, r *schedulev1.PauseScheduleRequest) (*schedulev1.PauseScheduleResponse, error) {
+	return unary(ctx, r, g.h.PauseSchedule)
+}
+
+func (g scheduleGRPC) ResumeSchedule(ctx context.Context, r *schedulev1.ResumeScheduleRequest) (*schedulev1.ResumeScheduleResponse, error) {
+	return unary(ctx, r, g.h.ResumeSchedule)
+}
+
+func (g scheduleGRPC) ListRuns(ctx context.Context, r *schedulev1.ListRunsRequest) (*schedulev1.ListRunsResponse, error) {
+	return unary(ctx, r, g.h.ListRuns)
+}
+
+func (g scheduleGRPC) NextSlots(ctx context.Context, r *schedulev1.NextSlotsRequest) (*schedulev1.NextSlotsResponse, error) {
+	return unary(ctx, r, g.h.NextSlots)
 }

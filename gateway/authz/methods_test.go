@@ -11,6 +11,7 @@ import (
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
 
@@ -19,6 +20,7 @@ import (
 var apiPort = []protoreflect.ServiceDescriptor{
 	clusterv1.File_pivirt_cluster_v1_cluster_proto.Services().ByName("ClusterService"),
 	clusterv1.File_pivirt_cluster_v1_snapshot_proto.Services().ByName("SnapshotService"),
+	schedulev1.File_pivirt_schedule_v1_service_proto.Services().ByName("ScheduleService"),
 	vmv1.File_pivirt_vm_v1_vm_proto.Services().ByName("VMService"),
 	storagev1.File_pivirt_storage_v1_storage_proto.Services().ByName("StorageService"),
 	networkv1.File_pivirt_network_v1_network_proto.Services().ByName("NetworkService"),
@@ -40,7 +42,7 @@ func TestEveryMethodAnnotated(t *testing.T) {
 	if n < 40 {
 		t.Errorf("only %d methods enumerated", n)
 	}
-	want := []string{"cluster", "config", "keyring", "networks", "services", "snapshots", "virtualmachines", "volumes"}
+	want := []string{"cluster", "config", "keyring", "networks", "schedules", "services", "snapshots", "virtualmachines", "volumes"}
 	if got := Resources(apiPort...); len(got) != len(want) {
 		t.Errorf("Resources = %v, want %v", got, want)
 	}

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/dynamicpb"
@@ -29,6 +30,8 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 )
 
 // RBACPolicyKey is the cluster config key holding a cluster-wide RBAC
@@ -46,6 +49,7 @@ func apiDescriptors() []protoreflect.ServiceDescriptor {
 	return append([]protoreflect.ServiceDescriptor{
 		clusterv1.File_pivirt_cluster_v1_cluster_proto.Services().ByName("ClusterService"),
 		clusterv1.File_pivirt_cluster_v1_snapshot_proto.Services().ByName("SnapshotService"),
+		schedulev1.File_pivirt_schedule_v1_service_proto.Services().ByName("ScheduleService"),
 	}, apiServices...)
 }
 
@@ -160,6 +164,18 @@ func (a *Agent) accessServerOptions() []grpc.ServerOption {
 // with the service's get method, from the backend that serves it.
 func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescriptor, req protoreflect.ProtoMessage) (protoreflect.ProtoMessage, error) {
 	method := "/" + string(get.Parent().FullName()) + "/" + string(get.Name())
+	if method == schedulev1connect.ScheduleServiceGetScheduleProcedure {
+		// Served here.
+		r, ok := req.(*schedulev1.GetScheduleRequest)
+		if !ok {
+			return nil, status.Errorf(codes.Internal, "%s: request of type %T", method, req)
+		}
+		resp, err := a.schedules.GetSchedule(ctx, connect.NewRequest(r))
+		if err != nil {
+			return nil, status.Error(codes.Code(connect.CodeOf(err)), err.Error())
+		}
+		return resp.Msg, nil
+	}
 	b := a.proxy.Route(method)
 	if b == nil {
 		return nil, status.Errorf(codes.Unimplemented, "no routing rule matches %s", method)
@@ -372,3 +388,18 @@ func (a *Agent) reloadHandler(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "reloaded": reloaded})
 }
+
+// invokeBackend calls a backend method through the gateway's backend
+// clusters (the power schedules' actions).
+func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp proto.Message) error {
+	b := a.proxy.Route(method)
+	if b == nil {
+		return status.Errorf(codes.FailedPrecondition, "no routing rule sends %s to a backend", method)
+	}
+	ctx = authz.WithPrincipal(ctx, authz.Principal{Identity: SchedulerIdentity})
+	return b.Invoke(ctx, method, req, resp)
+}
+
+// SchedulerIdentity is who the power schedules' actions are made by, as
+// backends see it (x-pivirt-identity).
+const SchedulerIdentity = "pivirt-scheduler"

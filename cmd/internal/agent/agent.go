@@ -49,6 +49,8 @@ import (
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
 )
@@ -101,6 +103,9 @@ type Agent struct {
 	api    *gateway.ClusterService
 	// snapshots serves snapshot save and restore on the API port.
 	snapshots *gateway.SnapshotService
+	// schedules serves the power schedules on the API port.
+	schedules       *gateway.ScheduleService
+	scheduleMetrics *scheduler.ScheduleMetrics
 	// pauseCh and resumeCh pause leader-only work around a snapshot
 	// restore (pauseLeader, resumeLeader).
 	pauseCh  chan chan struct{}
@@ -352,6 +357,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
 	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
+	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
+	internalSchedules := gateway.NewScheduleService(internal, a.pool.Schedules)
+	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
 	if err := a.devBackends(); err != nil {
 		return err
 	}
@@ -364,6 +372,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
+		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.schedules))
 		a.registerAPIExtras(s)
 	}, append(a.proxyServerOptions(), a.accessServerOptions()...)...); err != nil {
 		return err
@@ -374,10 +383,11 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip, signer)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
-		return internalMux(internal, internalSnapshots, nodeSvc), nil
+		return internalMux(internal, internalSnapshots, internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
+		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(internalSchedules))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
 	}); err != nil {
 		return err
@@ -739,6 +749,15 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		tcfg.TermStart = termStart
 		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
 	}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		scheduler.RunDispatcher(ctx, scheduler.DispatcherConfig{
+			NodeID:  a.nodeID,
+			Logger:  a.logger,
+			Metrics: a.scheduleMetrics,
+		}, a.fsm, a.raft, a.invokeBackend)
+	}()
 }
 
 // snapshotDir is where automatic snapshot archives go.
@@ -913,17 +932,21 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux.Handle(path, h)
 	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, opts...)
 	mux.Handle(path, h)
+	path, h = schedulev1connect.NewScheduleServiceHandler(a.schedules, opts...)
+	mux.Handle(path, h)
 	if err := a.addTranscoder(mux, gs); err != nil {
 		return nil, err
 	}
 	return mux, nil
 }
 
-func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
+func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, scheduleSvc schedulev1connect.ScheduleServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
 	mux := http.NewServeMux()
 	path, h := clusterv1connect.NewClusterServiceHandler(clusterSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = clusterv1connect.NewSnapshotServiceHandler(snapshotSvc, handlerOptions()...)
+	mux.Handle(path, h)
+	path, h = schedulev1connect.NewScheduleServiceHandler(scheduleSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
 	mux.Handle(path, h)

@@ -1,0 +1,410 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/google/uuid"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/scheduler"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
+)
+
+// Schedule limits.
+const (
+	MaxHistoryLimit = 1000
+	MaxNextSlots    = 100
+)
+
+// ScheduleService serves the power schedules: writes run on the leader
+// (forwarded to its internal port from other nodes), reads are
+// linearizable (a read index from the leader, then the local state).
+type ScheduleService struct {
+	h *ClusterService
+	// remote is the ScheduleService of an agent's internal port.
+	remote func(internalAddr string) schedulev1.ScheduleServiceClient
+}
+
+var _ schedulev1connect.ScheduleServiceHandler = (*ScheduleService)(nil)
+
+// NewScheduleService serves schedules next to h (the API port's cluster
+// service, or the internal port's leader-only one).
+func NewScheduleService(h *ClusterService, remote func(internalAddr string) schedulev1.ScheduleServiceClient) *ScheduleService {
+	return &ScheduleService{h: h, remote: remote}
+}
+
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`)
+
+// validateSchedule checks what a client may set, each problem naming its
+// field (under prefix).
+func validateSchedule(s *schedulev1.Schedule, prefix string) error {
+	if s == nil {
+		return invalid(prefix, "is required")
+	}
+	if s.GetId() != "" && !idPattern.MatchString(s.GetId()) {
+		return invalid(prefix+".id", "%q: 1-128 letters, digits, '.', '_', ':' or '-'", s.GetId())
+	}
+	if !idPattern.MatchString(s.GetVmId()) {
+		return invalid(prefix+".vm_id", "%q: the ID of a VM is required", s.GetVmId())
+	}
+	if _, ok := schedulev1.Action_name[int32(s.GetAction())]; !ok || s.GetAction() == schedulev1.Action_ACTION_UNSPECIFIED {
+		return invalid(prefix+".action", "required: power-on, power-off or reboot (ACTION_POWER_ON, ACTION_POWER_OFF, ACTION_REBOOT)")
+	}
+	if _, err := scheduler.ParseSpec("@hourly", s.GetTimeZone()); err != nil {
+		return invalid(prefix+".time_zone", "%q is not an IANA time zone such as Europe/Budapest", s.GetTimeZone())
+	}
+	if _, err := scheduler.ParseSpec(s.GetCron(), s.GetTimeZone()); err != nil {
+		return invalid(prefix+".cron", "%s", strings.TrimPrefix(err.Error(), scheduler.ErrInvalidSpec.Error()+": "))
+	}
+	if _, ok := schedulev1.CatchUp_name[int32(s.GetCatchUp())]; !ok {
+		return invalid(prefix+".catch_up", "%d: skip, latest_once or all", s.GetCatchUp())
+	}
+	if _, ok := schedulev1.Overlap_name[int32(s.GetOverlap())]; !ok {
+		return invalid(prefix+".overlap", "%d: forbid or allow", s.GetOverlap())
+	}
+	if w := s.GetCatchUpWindow(); w != nil {
+		if err := w.CheckValid(); err != nil || w.AsDuration() < 0 || w.AsDuration() > scheduler.MaxCatchUpWindow {
+			return invalid(prefix+".catch_up_window", "%s: between 0 (the default, %s) and %s", w.AsDuration(), scheduler.DefaultCatchUpWindow, scheduler.MaxCatchUpWindow)
+		}
+	}
+	if s.GetHistoryLimit() > MaxHistoryLimit {
+		return invalid(prefix+".history_limit", "%d: at most %d (0: the default)", s.GetHistoryLimit(), MaxHistoryLimit)
+	}
+	return nil
+}
+
+// clientFields keeps the fields a client may set.
+func clientFields(s *schedulev1.Schedule) *schedulev1.Schedule {
+	return &schedulev1.Schedule{
+		Id: s.GetId(), VmId: s.GetVmId(), Action: s.GetAction(), Cron: strings.TrimSpace(s.GetCron()), TimeZone: s.GetTimeZone(),
+		Enabled: s.GetEnabled(), CatchUp: s.GetCatchUp(), CatchUpWindow: s.GetCatchUpWindow(), Overlap: s.GetOverlap(),
+		HistoryLimit: s.GetHistoryLimit(),
+	}
+}
+
+// onLeaderSchedules runs local on the leader, or the call on the leader's
+// internal port.
+func onLeaderSchedules[Req, Res any](ctx context.Context, s *ScheduleService, req *connect.Request[Req],
+	call func(schedulev1.ScheduleServiceClient) func(context.Context, *Req, ...grpc.CallOption) (*Res, error),
+	local func(context.Context) (*Res, error),
+) (*connect.Response[Res], error) {
+	return viaLeader(ctx, s.h, func(ctx context.Context) (*connect.Response[Res], error) {
+		res, err := local(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(res), nil
+	}, func(ctx context.Context, addr string) (*connect.Response[Res], error) {
+		resp, err := cluster.CallGRPC(ctx, forwardRequest(req), call(s.remote(addr)))
+		if err != nil {
+			return nil, err
+		}
+		return cleanResponse(resp), nil
+	})
+}
+
+// put proposes a schedule; cas is the modify index it must have (0: must
+// not exist).
+func (s *ScheduleService) put(ctx context.Context, w *clusterv1.WriteOptions, sc *schedulev1.Schedule, cas uint64) (*schedulev1.Schedule, error) {
+	res, err := s.h.propose(ctx, w, &fsmv1.Command{Op: &fsmv1.Command_PutSchedule{PutSchedule: &fsmv1.PutSchedule{Schedule: sc, CasRevision: &cas}}})
+	if err != nil {
+		return nil, err
+	}
+	if out, ok := res.Value.(*schedulev1.Schedule); ok {
+		return out, nil
+	}
+	return s.h.state.State().Schedule(sc.GetId())
+}
+
+// CreateSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) CreateSchedule(ctx context.Context, req *connect.Request[schedulev1.CreateScheduleRequest]) (*connect.Response[schedulev1.CreateScheduleResponse], error) {
+	if err := validateSchedule(req.Msg.GetSchedule(), "schedule"); err != nil {
+		return nil, toConnect(err)
+	}
+	if err := s.h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	// The ID is chosen here, so that a retry of the same write names the
+	// same schedule.
+	if req.Msg.Schedule.GetId() == "" {
+		req.Msg.Schedule.Id = "sched-" + uuid.NewString()[:8]
+	}
+	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.CreateScheduleRequest, ...grpc.CallOption) (*schedulev1.CreateScheduleResponse, error) {
+		return c.CreateSchedule
+	}, func(ctx context.Context) (*schedulev1.CreateScheduleResponse, error) {
+		out, err := s.put(ctx, req.Msg.GetWrite(), clientFields(req.Msg.GetSchedule()), 0)
+		if errors.Is(err, fsm.ErrCASConflict) {
+			return nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("schedule %q exists", req.Msg.GetSchedule().GetId()))
+		}
+		if err != nil {
+			return nil, err
+		}
+		return &schedulev1.CreateScheduleResponse{Schedule: out}, nil
+	})
+}
+
+// updatable are the fields of an update mask.
+var updatable = []string{"vm_id", "action", "cron", "time_zone", "enabled", "catch_up", "catch_up_window", "overlap", "history_limit"}
+
+// modify runs an update of schedule id on the leader: change applies to a
+// copy of the stored schedule, which is checked and proposed if the
+// schedule did not change meanwhile (expected, or the version read).
+func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
+	cur, err := s.h.state.State().Schedule(id)
+	if err != nil {
+		return nil, err
+	}
+	if expected != nil && *expected != cur.GetModifyIndex() {
+		return nil, fmt.Errorf("%w: schedule %q: expected revision %d, current %d", fsm.ErrCASConflict, id, *expected, cur.GetModifyIndex())
+	}
+	next := clientFields(cur)
+	if err := change(next); err != nil {
+		return nil, err
+	}
+	if err := validateSchedule(next, "schedule"); err != nil {
+		return nil, err
+	}
+	return s.put(ctx, w, next, cur.GetModifyIndex())
+}
+
+// UpdateSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) UpdateSchedule(ctx context.Context, req *connect.Request[schedulev1.UpdateScheduleRequest]) (*connect.Response[schedulev1.UpdateScheduleResponse], error) {
+	in := req.Msg.GetSchedule()
+	if !idPattern.MatchString(in.GetId()) {
+		return nil, toConnect(invalid("schedule.id", "%q: the ID of a schedule is required", in.GetId()))
+	}
+	paths := req.Msg.GetUpdateMask().GetPaths()
+	for i, p := range paths {
+		if !slices.Contains(updatable, p) {
+			return nil, toConnect(invalid(fmt.Sprintf("update_mask.paths[%d]", i), "%q is not updatable (%s)", p, strings.Join(updatable, ", ")))
+		}
+	}
+	if len(paths) == 0 {
+		if err := validateSchedule(in, "schedule"); err != nil {
+			return nil, toConnect(err)
+		}
+	}
+	if err := s.h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.UpdateScheduleRequest, ...grpc.CallOption) (*schedulev1.UpdateScheduleResponse, error) {
+		return c.UpdateSchedule
+	}, func(ctx context.Context) (*schedulev1.UpdateScheduleResponse, error) {
+		out, err := s.modify(ctx, req.Msg.GetWrite(), in.GetId(), req.Msg.ExpectedRevision, func(next *schedulev1.Schedule) error {
+			if len(paths) == 0 {
+				id := next.GetId()
+				proto.Reset(next)
+				proto.Merge(next, clientFields(in))
+				next.Id = id
+				return nil
+			}
+			src, dst := in.ProtoReflect(), next.ProtoReflect()
+			for _, p := range paths {
+				fd := dst.Descriptor().Fields().ByName(protoreflect.Name(p))
+				if src.Has(fd) {
+					dst.Set(fd, src.Get(fd))
+				} else {
+					dst.Clear(fd)
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		return &schedulev1.UpdateScheduleResponse{Schedule: out}, nil
+	})
+}
+
+// PauseSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) PauseSchedule(ctx context.Context, req *connect.Request[schedulev1.PauseScheduleRequest]) (*connect.Response[schedulev1.PauseScheduleResponse], error) {
+	out, err := s.setEnabled(ctx, req.Msg.GetId(), &req.Msg.Write, false, func(c schedulev1.ScheduleServiceClient, ctx context.Context) (*schedulev1.Schedule, error) {
+		r, err := cluster.CallGRPC(ctx, forwardRequest(req), c.PauseSchedule)
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg.GetSchedule(), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&schedulev1.PauseScheduleResponse{Schedule: out}), nil
+}
+
+// ResumeSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) ResumeSchedule(ctx context.Context, req *connect.Request[schedulev1.ResumeScheduleRequest]) (*connect.Response[schedulev1.ResumeScheduleResponse], error) {
+	out, err := s.setEnabled(ctx, req.Msg.GetId(), &req.Msg.Write, true, func(c schedulev1.ScheduleServiceClient, ctx context.Context) (*schedulev1.Schedule, error) {
+		r, err := cluster.CallGRPC(ctx, forwardRequest(req), c.ResumeSchedule)
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg.GetSchedule(), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&schedulev1.ResumeScheduleResponse{Schedule: out}), nil
+}
+
+func (s *ScheduleService) setEnabled(ctx context.Context, id string, w **clusterv1.WriteOptions, enabled bool, remote func(schedulev1.ScheduleServiceClient, context.Context) (*schedulev1.Schedule, error)) (*schedulev1.Schedule, error) {
+	if !idPattern.MatchString(id) {
+		return nil, toConnect(invalid("id", "%q: the ID of a schedule is required", id))
+	}
+	if err := s.h.fillWrite(w); err != nil {
+		return nil, toConnect(err)
+	}
+	return viaLeader(ctx, s.h, func(ctx context.Context) (*schedulev1.Schedule, error) {
+		return s.modify(ctx, *w, id, nil, func(next *schedulev1.Schedule) error {
+			next.Enabled = enabled
+			return nil
+		})
+	}, func(ctx context.Context, addr string) (*schedulev1.Schedule, error) {
+		return remote(s.remote(addr), ctx)
+	})
+}
+
+// DeleteSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) DeleteSchedule(ctx context.Context, req *connect.Request[schedulev1.DeleteScheduleRequest]) (*connect.Response[schedulev1.DeleteScheduleResponse], error) {
+	if !idPattern.MatchString(req.Msg.GetId()) {
+		return nil, toConnect(invalid("id", "%q: the ID of a schedule is required", req.Msg.GetId()))
+	}
+	if err := s.h.fillWrite(&req.Msg.Write); err != nil {
+		return nil, toConnect(err)
+	}
+	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.DeleteScheduleRequest, ...grpc.CallOption) (*schedulev1.DeleteScheduleResponse, error) {
+		return c.DeleteSchedule
+	}, func(ctx context.Context) (*schedulev1.DeleteScheduleResponse, error) {
+		if _, err := s.h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_DeleteSchedule{DeleteSchedule: &fsmv1.DeleteSchedule{Id: req.Msg.GetId()}}}); err != nil {
+			return nil, err
+		}
+		return &schedulev1.DeleteScheduleResponse{}, nil
+	})
+}
+
+// barrier makes the local state at least as new as what the leader had
+// committed when it was called (a linearizable read follows).
+func (s *ScheduleService) barrier(ctx context.Context) error {
+	_, err := viaLeader(ctx, s.h, func(ctx context.Context) (struct{}, error) {
+		if !s.h.leaderReady() {
+			return struct{}{}, ErrLeaderNotReady
+		}
+		idx, err := s.h.raft.ReadIndex(ctx)
+		if err != nil {
+			return struct{}{}, err
+		}
+		return struct{}{}, s.h.waitReadIndex(ctx, idx)
+	}, func(ctx context.Context, addr string) (struct{}, error) {
+		idx, err := s.h.readIndex.readIndex(ctx, addr)
+		if err != nil {
+			return struct{}{}, err
+		}
+		return struct{}{}, toConnect(s.h.waitReadIndex(ctx, idx))
+	})
+	return err
+}
+
+// GetSchedule implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) GetSchedule(ctx context.Context, req *connect.Request[schedulev1.GetScheduleRequest]) (*connect.Response[schedulev1.GetScheduleResponse], error) {
+	sc, err := s.read(ctx, req.Msg.GetId(), "id")
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&schedulev1.GetScheduleResponse{Schedule: sc}), nil
+}
+
+func (s *ScheduleService) read(ctx context.Context, id, field string) (*schedulev1.Schedule, error) {
+	if !idPattern.MatchString(id) {
+		return nil, toConnect(invalid(field, "%q: the ID of a schedule is required", id))
+	}
+	if err := s.barrier(ctx); err != nil {
+		return nil, toConnect(err)
+	}
+	sc, err := s.h.state.State().Schedule(id)
+	return sc, toConnect(err)
+}
+
+// ListSchedules implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) ListSchedules(ctx context.Context, req *connect.Request[schedulev1.ListSchedulesRequest]) (*connect.Response[schedulev1.ListSchedulesResponse], error) {
+	if v := req.Msg.GetVmId(); v != "" && !idPattern.MatchString(v) {
+		return nil, toConnect(invalid("vm_id", "%q is not a VM ID", v))
+	}
+	if err := s.barrier(ctx); err != nil {
+		return nil, toConnect(err)
+	}
+	var list []*schedulev1.Schedule
+	var err error
+	if v := req.Msg.GetVmId(); v != "" {
+		_, list, err = s.h.state.State().SchedulesByVM(v, nil)
+	} else {
+		_, list, err = s.h.state.State().Schedules(nil)
+	}
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&schedulev1.ListSchedulesResponse{Schedules: list}), nil
+}
+
+// ListRuns implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) ListRuns(ctx context.Context, req *connect.Request[schedulev1.ListRunsRequest]) (*connect.Response[schedulev1.ListRunsResponse], error) {
+	if _, err := s.read(ctx, req.Msg.GetScheduleId(), "schedule_id"); err != nil {
+		return nil, err
+	}
+	runs, err := s.h.state.State().Runs(req.Msg.GetScheduleId())
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&schedulev1.ListRunsResponse{Runs: runs}), nil
+}
+
+// NextSlots implements schedulev1connect.ScheduleServiceHandler.
+func (s *ScheduleService) NextSlots(ctx context.Context, req *connect.Request[schedulev1.NextSlotsRequest]) (*connect.Response[schedulev1.NextSlotsResponse], error) {
+	n := int(req.Msg.GetCount())
+	if n < 0 || n > MaxNextSlots {
+		return nil, toConnect(invalid("count", "%d: 1 to %d (0: 5)", n, MaxNextSlots))
+	}
+	if n == 0 {
+		n = 5
+	}
+	sc, err := s.read(ctx, req.Msg.GetId(), "id")
+	if err != nil {
+		return nil, err
+	}
+	spec, err := scheduler.ParseSpec(sc.GetCron(), sc.GetTimeZone())
+	if err != nil {
+		return nil, toConnect(fmt.Errorf("schedule %q: %w", sc.GetId(), err))
+	}
+	from := time.Now()
+	if a := scheduleAnchor(sc); a.After(from) {
+		from = a
+	}
+	out := &schedulev1.NextSlotsResponse{TimeZone: spec.Location().String()}
+	for t := spec.Next(from); !t.IsZero() && len(out.Slots) < n; t = spec.Next(t) {
+		out.Slots = append(out.Slots, timestamppb.New(t))
+	}
+	return connect.NewResponse(out), nil
+}
+
+// scheduleAnchor is the instant after which a schedule's slots are open:
+// its last slot, or its last change.
+func scheduleAnchor(sc *schedulev1.Schedule) time.Time {
+	a := sc.GetUpdatedAt().AsTime()
+	if ls := sc.GetLastSlot(); ls != nil && ls.AsTime().After(a) {
+		a = ls.AsTime()
+	}
+	return a
+}
