@@ -20,6 +20,7 @@ import (
 
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/proto/pivirt/storage/v1/storagev1connect"
 	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
 )
@@ -45,9 +46,12 @@ type clientConn struct {
 	snap clusterv1connect.SnapshotServiceClient
 	// The backend APIs the agent proxies. pvcli does not retry them: the
 	// agent retries what is safe to retry.
-	vm      vmv1connect.VMServiceClient
-	storage storagev1connect.StorageServiceClient
-	network networkv1connect.NetworkServiceClient
+	vm vmv1connect.VMServiceClient
+	// schedule is the agent's own schedule API: writes carry a client ID
+	// and sequence, so it is retried like the cluster API.
+	schedule schedulev1connect.ScheduleServiceClient
+	storage  storagev1connect.StorageServiceClient
+	network  networkv1connect.NetworkServiceClient
 }
 
 func (c *clientConn) close() { c.http.CloseIdleConnections() }
@@ -104,6 +108,11 @@ func (a *app) connect(cmd *cobra.Command) error {
 			connect.WithSendMaxBytes(maxMessageBytes),
 		),
 	}
+	a.conn.schedule = schedulev1connect.NewScheduleServiceClient(httpClient, endpoint.String(),
+		connect.WithInterceptors(append(auth, a.retryInterceptor())...),
+		connect.WithReadMaxBytes(maxMessageBytes),
+		connect.WithSendMaxBytes(maxMessageBytes),
+	)
 	backendOpts := []connect.ClientOption{connect.WithInterceptors(auth...), connect.WithReadMaxBytes(maxMessageBytes), connect.WithSendMaxBytes(maxMessageBytes)}
 	a.conn.vm = vmv1connect.NewVMServiceClient(httpClient, endpoint.String(), backendOpts...)
 	a.conn.storage = storagev1connect.NewStorageServiceClient(httpClient, endpoint.String(), backendOpts...)
