@@ -18,11 +18,11 @@ import (
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/fsm"
-	"pilab.hu/pivirt-agent/scheduler"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
+	"pilab.hu/pivirt-agent/scheduler"
 )
 
 // Schedule limits.

@@ -9,9 +9,9 @@ import (
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
-	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
 

@@ -16,9 +16,9 @@ import (
 	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
-	"pilab.hu/pivirt-agent/scheduler"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/scheduler"
 )
 
 const rebootMethod = "/pivirt.vm.v1.VMService/Reboot"
