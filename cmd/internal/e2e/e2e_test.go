@@ -171,6 +171,10 @@ func TestClusterLifecycle(t *testing.T) {
 		}
 	})
 
+	var clockID string
+	var clockCreated time.Time
+	step("a schedule every second", func(t *testing.T) { clockID, clockCreated = c.startClockSchedule(t, n1) })
+
 	var victim *node
 	step("leader killed", func(t *testing.T) {
 		var old leaderOut
@@ -241,6 +245,10 @@ func TestClusterLifecycle(t *testing.T) {
 			_, err := c.agreedLeader(t, c.nodes...)
 			return err
 		})
+	})
+
+	step("every slot of the schedule recorded once across the SIGKILL", func(t *testing.T) {
+		c.scheduleContinuity(t, n1, clockID, clockCreated)
 	})
 
 	step("follower leaves", func(t *testing.T) {

@@ -63,3 +63,71 @@ func (c *cluster) scheduleExamples(t *testing.T, n *node) {
 		t.Errorf("schedule get after delete: %s", r)
 	}
 }
+
+// runsOut is pvcli schedule runs -o json.
+type runsOut struct {
+	Runs []struct {
+		Slot    time.Time `json:"slot"`
+		Outcome string    `json:"outcome"`
+		Error   string    `json:"error"`
+	} `json:"runs"`
+}
+
+// startClockSchedule creates a schedule every second (catch-up all)
+// through n, whose runs scheduleContinuity checks later.
+func (c *cluster) startClockSchedule(t *testing.T, n *node) (id string, created time.Time) {
+	var vm struct {
+		VM vmOut `json:"vm"`
+	}
+	c.okJSON(t, n, &vm, "vm", "create", "clock-1", "--vcpus", "1", "--memory-mib", "256")
+	var s struct {
+		Schedule struct {
+			ID        string    `json:"id"`
+			UpdatedAt time.Time `json:"updatedAt"`
+		} `json:"schedule"`
+	}
+	c.okJSON(t, n, &s, "schedule", "create", "--vm", vm.VM.ID, "--action", "power-on", "--cron", "@every 1s",
+		"--catch-up", "all", "--history-limit", "1000")
+	return s.Schedule.ID, s.Schedule.UpdatedAt
+}
+
+// scheduleContinuity pauses the schedule and checks its runs: every
+// second from its creation to its last slot recorded exactly once (run or
+// skipped), none left started.
+func (c *cluster) scheduleContinuity(t *testing.T, n *node, id string, created time.Time) {
+	var runs runsOut
+	c.eventually(t, 30*time.Second, "runs of "+id+" after the restart", func() error {
+		if err := c.tryJSON(t, n, &runs, "schedule", "runs", id); err != nil {
+			return err
+		}
+		if len(runs.Runs) < 8 {
+			return fmt.Errorf("%d runs", len(runs.Runs))
+		}
+		return nil
+	})
+	c.ok(t, n, "--timeout", "30s", "schedule", "pause", id)
+	c.eventually(t, 30*time.Second, "no run of "+id+" in flight", func() error {
+		if err := c.tryJSON(t, n, &runs, "schedule", "runs", id); err != nil {
+			return err
+		}
+		for _, r := range runs.Runs {
+			if r.Outcome == "RUN_OUTCOME_STARTED" {
+				return fmt.Errorf("slot %s still started", r.Slot)
+			}
+		}
+		return nil
+	})
+	// Newest first.
+	want := created.Truncate(time.Second).Add(time.Second)
+	outcomes := map[string]int{}
+	for i := len(runs.Runs) - 1; i >= 0; i-- {
+		r := runs.Runs[i]
+		if !r.Slot.Equal(want) {
+			t.Fatalf("slot %s where %s was due: a slot is missing or doubled", r.Slot, want)
+		}
+		outcomes[r.Outcome]++
+		want = want.Add(time.Second)
+	}
+	t.Logf("schedule %s: %d consecutive slots recorded once each across the SIGKILL: %v", id, len(runs.Runs), outcomes)
+	c.ok(t, n, "schedule", "delete", id)
+}
