@@ -276,3 +276,15 @@ func (s *State) Run(scheduleID string, slot time.Time) (*schedulev1.Run, error) 
 func (s *State) ClusterCA() (*fsmv1.ClusterCA, error) {
 	return first[*fsmv1.ClusterCA](s.txn, TableCA, indexID, clusterCAKey)
 }
+
+// WriteApplied reports whether the write of a client ID and sequence was
+// applied (its dedupe record is kept): a retried write that the leader
+// rebuilds from the current state (an update) answers from the state
+// instead of proposing again.
+func (s *State) WriteApplied(clientID string, sequence uint64) (bool, error) {
+	if clientID == "" {
+		return false, nil
+	}
+	rec, err := lookupDedupe(s.txn, clientID, sequence)
+	return rec != nil, err
+}

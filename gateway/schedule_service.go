@@ -2,6 +2,8 @@ package gateway
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"regexp"
@@ -10,7 +12,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/google/uuid"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -38,6 +39,27 @@ type ScheduleService struct {
 	h *ClusterService
 	// remote is the ScheduleService of an agent's internal port.
 	remote func(internalAddr string) schedulev1.ScheduleServiceClient
+	// authorize, when set, checks that the caller may itself make the
+	// call a schedule's action makes (VMService PowerOn for power-on,
+	// ShutdownDefault and Reboot for the others) on its VM: a schedule
+	// is not a way around RBAC.
+	authorize func(ctx context.Context, procedure string, req proto.Message) error
+}
+
+// SetAuthorize sets the check of the VM calls a schedule will make (the
+// API port's instance; the internal port's takes forwarded writes
+// already checked).
+func (s *ScheduleService) SetAuthorize(f func(ctx context.Context, procedure string, req proto.Message) error) {
+	s.authorize = f
+}
+
+// authorizeVM checks the caller against the schedule's action on its VM.
+func (s *ScheduleService) authorizeVM(ctx context.Context, sc *schedulev1.Schedule) error {
+	if s.authorize == nil {
+		return nil
+	}
+	procedure, req := scheduler.ActionCall(sc.GetAction(), sc.GetVmId())
+	return s.authorize(ctx, procedure, req)
 }
 
 var _ schedulev1connect.ScheduleServiceHandler = (*ScheduleService)(nil)
@@ -139,10 +161,14 @@ func (s *ScheduleService) CreateSchedule(ctx context.Context, req *connect.Reque
 	if err := s.h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	// The ID is chosen here, so that a retry of the same write names the
-	// same schedule.
+	// The ID follows from the write's identity, so that a retry of the
+	// same write (through any node) names the same schedule.
 	if req.Msg.Schedule.GetId() == "" {
-		req.Msg.Schedule.Id = "sched-" + uuid.NewString()[:8]
+		sum := sha256.Sum256(fmt.Appendf(nil, "%s/%d", req.Msg.GetWrite().GetClientId(), req.Msg.GetWrite().GetSequence()))
+		req.Msg.Schedule.Id = "sched-" + hex.EncodeToString(sum[:6])
+	}
+	if err := s.authorizeVM(ctx, req.Msg.GetSchedule()); err != nil {
+		return nil, err
 	}
 	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.CreateScheduleRequest, ...grpc.CallOption) (*schedulev1.CreateScheduleResponse, error) {
 		return c.CreateSchedule
@@ -163,23 +189,37 @@ var updatable = []string{"vm_id", "action", "cron", "time_zone", "enabled", "cat
 
 // modify runs an update of schedule id on the leader: change applies to a
 // copy of the stored schedule, which is checked and proposed if the
-// schedule did not change meanwhile (expected, or the version read).
+// schedule did not change meanwhile (expected, when given; otherwise the
+// version read, read again when a run changed it in between). A retry of
+// a write already applied answers with the schedule as it is.
 func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
-	cur, err := s.h.state.State().Schedule(id)
-	if err != nil {
-		return nil, err
+	for attempt := 0; ; attempt++ {
+		st := s.h.state.State()
+		if done, err := st.WriteApplied(w.GetClientId(), w.GetSequence()); err != nil {
+			return nil, err
+		} else if done {
+			return st.Schedule(id)
+		}
+		cur, err := st.Schedule(id)
+		if err != nil {
+			return nil, err
+		}
+		if expected != nil && *expected != cur.GetModifyIndex() {
+			return nil, fmt.Errorf("%w: schedule %q: expected revision %d, current %d", fsm.ErrCASConflict, id, *expected, cur.GetModifyIndex())
+		}
+		next := clientFields(cur)
+		if err := change(next); err != nil {
+			return nil, err
+		}
+		if err := validateSchedule(next, "schedule"); err != nil {
+			return nil, err
+		}
+		out, err := s.put(ctx, w, next, cur.GetModifyIndex())
+		if errors.Is(err, fsm.ErrCASConflict) && expected == nil && attempt < 10 {
+			continue // a run claimed a slot in between
+		}
+		return out, err
 	}
-	if expected != nil && *expected != cur.GetModifyIndex() {
-		return nil, fmt.Errorf("%w: schedule %q: expected revision %d, current %d", fsm.ErrCASConflict, id, *expected, cur.GetModifyIndex())
-	}
-	next := clientFields(cur)
-	if err := change(next); err != nil {
-		return nil, err
-	}
-	if err := validateSchedule(next, "schedule"); err != nil {
-		return nil, err
-	}
-	return s.put(ctx, w, next, cur.GetModifyIndex())
 }
 
 // UpdateSchedule implements schedulev1connect.ScheduleServiceHandler.
@@ -201,6 +241,24 @@ func (s *ScheduleService) UpdateSchedule(ctx context.Context, req *connect.Reque
 	}
 	if err := s.h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
+	}
+	if s.authorize != nil && (len(paths) == 0 || slices.Contains(paths, "vm_id") || slices.Contains(paths, "action")) {
+		// The schedule as the update leaves it must not act beyond the
+		// caller's rights on the VM.
+		cur, err := s.read(ctx, in.GetId(), "schedule.id")
+		if err != nil {
+			return nil, err
+		}
+		after := proto.CloneOf(cur)
+		if len(paths) == 0 || slices.Contains(paths, "vm_id") {
+			after.VmId = in.GetVmId()
+		}
+		if len(paths) == 0 || slices.Contains(paths, "action") {
+			after.Action = in.GetAction()
+		}
+		if err := s.authorizeVM(ctx, after); err != nil {
+			return nil, err
+		}
 	}
 	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.UpdateScheduleRequest, ...grpc.CallOption) (*schedulev1.UpdateScheduleResponse, error) {
 		return c.UpdateSchedule

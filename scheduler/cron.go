@@ -145,10 +145,59 @@ func wallOf(t time.Time) time.Time {
 
 func sameWall(t, wall time.Time) bool { return wallOf(t).Equal(wall.Truncate(time.Second)) }
 
-// Slots lists the slots in (after, until], at most max of them (the
-// earliest), and whether there are more.
-func (s *Spec) Slots(after, until time.Time, max int) (slots []time.Time, more bool) {
-	for t := s.Next(after); !t.IsZero() && !t.After(until); t = s.Next(t) {
+// After is the first slot later than t of the schedule whose previous
+// slot (or start) is anchor. A 5-field expression's slots are fixed on the
+// calendar; "@every" slots are anchor's first slot plus whole intervals, so
+// a late wake-up or a leader change never shifts them.
+func (s *Spec) After(anchor, t time.Time) time.Time {
+	if s.every <= 0 || t.Before(anchor) {
+		return s.Next(t)
+	}
+	base := s.Next(anchor)
+	if t.Before(base) {
+		return base
+	}
+	return base.Add((t.Sub(base)/s.every + 1) * s.every)
+}
+
+// Newest is the latest slot in (anchor, until] of the schedule anchored
+// at anchor; false when there is none.
+func (s *Spec) Newest(anchor, until time.Time) (time.Time, bool) {
+	if !until.After(anchor) {
+		return time.Time{}, false
+	}
+	if s.every > 0 {
+		base := s.Next(anchor)
+		if base.After(until) {
+			return time.Time{}, false
+		}
+		return base.Add(until.Sub(base) / s.every * s.every), true
+	}
+	// Look back from until over doubling spans: a 5-field slot is at most
+	// a few years (29 February) before the next.
+	for span := time.Minute; span < 10*366*24*time.Hour; span *= 2 {
+		from := until.Add(-span)
+		if from.Before(anchor) {
+			from = anchor
+		}
+		var last time.Time
+		for t := s.Next(from); !t.IsZero() && !t.After(until); t = s.Next(t) {
+			last = t
+		}
+		if !last.IsZero() {
+			return last, true
+		}
+		if !from.After(anchor) {
+			return time.Time{}, false
+		}
+	}
+	return time.Time{}, false
+}
+
+// Slots lists the slots in (after, until] of the schedule anchored at
+// anchor, at most max of them (the earliest), and whether there are more.
+func (s *Spec) Slots(anchor, after, until time.Time, max int) (slots []time.Time, more bool) {
+	for t := s.After(anchor, after); !t.IsZero() && !t.After(until); t = s.After(anchor, t) {
 		if len(slots) == max {
 			return slots, true
 		}

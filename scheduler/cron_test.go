@@ -135,11 +135,11 @@ func TestSlotsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	from := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	got, more := s.Slots(from, from.Add(time.Hour), 100)
+	got, more := s.Slots(from, from, from.Add(time.Hour), 100)
 	if len(got) != 100 || !more || !got[0].Equal(from.Add(time.Second)) {
 		t.Errorf("Slots: %d slots (more %v), first %v", len(got), more, got[0])
 	}
-	got, more = s.Slots(from, from.Add(5*time.Second), 100)
+	got, more = s.Slots(from, from, from.Add(5*time.Second), 100)
 	if len(got) != 5 || more {
 		t.Errorf("Slots over 5 s: %d (more %v)", len(got), more)
 	}

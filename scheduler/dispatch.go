@@ -5,13 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/go-memdb"
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -45,6 +43,12 @@ func ActionName(a schedulev1.Action) string {
 		return "reboot"
 	}
 	return "unknown"
+}
+
+// ActionCall is the VM API call of an action on a VM.
+func ActionCall(a schedulev1.Action, vm string) (procedure string, req proto.Message) {
+	req, _ = actionRequest(a, vm)
+	return actionMethods[a], req
 }
 
 func actionRequest(a schedulev1.Action, vm string) (req, resp proto.Message) {
@@ -84,13 +88,18 @@ func NewScheduleMetrics(reg prometheus.Registerer) *ScheduleMetrics {
 	return m
 }
 
+// ErrNoBackend is what an Invoker returns when no backend endpoint could
+// take the call: nothing was sent, so the action is tried again (other
+// errors are not: a reboot must not run twice).
+var ErrNoBackend = errors.New("no backend endpoint available")
+
 // DispatcherConfig configures RunDispatcher.
 type DispatcherConfig struct {
 	// NodeID is recorded in each run: which node ran it.
 	NodeID string
 	// ActionTimeout bounds an action, its attempts included (default 30 s).
 	ActionTimeout time.Duration
-	// MaxAttempts of an action whose backend was unavailable (default 3).
+	// MaxAttempts of an action that found no backend endpoint (default 3).
 	MaxAttempts int
 	// MaxConcurrent bounds the actions in flight (default 64).
 	MaxConcurrent int
@@ -98,8 +107,11 @@ type DispatcherConfig struct {
 	Grace time.Duration
 	// ApplyTimeout bounds one Raft proposal (default 10 s).
 	ApplyTimeout time.Duration
-	Logger       *slog.Logger
-	Metrics      *ScheduleMetrics
+	// RetryAfter is how long a schedule whose claim failed waits before
+	// it is planned again (default 1 s).
+	RetryAfter time.Duration
+	Logger     *slog.Logger
+	Metrics    *ScheduleMetrics
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
@@ -113,9 +125,11 @@ type dispatcher struct {
 	logger *slog.Logger
 	sem    chan struct{}
 	wg     sync.WaitGroup
+	wake   chan struct{} // a worker finished
 
 	mu      sync.Mutex
 	entries map[string]*entry
+	specs   map[[2]string]*Spec // parsed (cron, zone)
 }
 
 // entry is what the dispatcher knows of a schedule.
@@ -123,24 +137,22 @@ type entry struct {
 	modify uint64 // the schedule's modify index when seen
 	sched  *schedulev1.Schedule
 	spec   *Spec
-	// dispatched is the newest slot handed to a run (claims may still be
-	// in flight): never planned again.
-	dispatched time.Time
-	running    int
-	next       time.Time
-	badSpec    string // the parse error, logged once
+	next   time.Time
+	// busy: a worker has the schedule's plan; nothing else plans it
+	// until the worker is done, and its claims are in the state.
+	busy bool
+	// retryAt holds the schedule back after a failed claim.
+	retryAt time.Time
+	badSpec string // the parse error, logged once
 }
 
-// anchor is the instant after which the schedule's slots are still open:
-// its last claimed slot, its last change (slots before an update or a
-// resume are not caught up), or a slot already handed out.
-func (e *entry) anchor() time.Time {
-	a := e.sched.GetUpdatedAt().AsTime()
-	if ls := e.sched.GetLastSlot(); ls != nil && ls.AsTime().After(a) {
+// anchor is the instant after which the schedule's slots are open: its
+// last claimed slot, or its last change (slots before an update or a
+// resume are not caught up).
+func anchor(s *schedulev1.Schedule) time.Time {
+	a := s.GetUpdatedAt().AsTime()
+	if ls := s.GetLastSlot(); ls != nil && ls.AsTime().After(a) {
 		a = ls.AsTime()
-	}
-	if e.dispatched.After(a) {
-		a = e.dispatched
 	}
 	return a
 }
@@ -151,7 +163,8 @@ func (e *entry) anchor() time.Time {
 // refuses a slot at or before the last one, so no slot runs twice, across
 // leaders too), applies the catch-up policy to slots a leader change left
 // behind (recording what it skips), calls the action through invoke, and
-// commits the outcome to the run history.
+// commits the outcome to the run history. One worker at a time handles a
+// schedule, claiming its slots in order.
 func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader, raft Proposer, invoke Invoker) {
 	if cfg.ActionTimeout <= 0 {
 		cfg.ActionTimeout = 30 * time.Second
@@ -164,6 +177,9 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 	}
 	if cfg.ApplyTimeout <= 0 {
 		cfg.ApplyTimeout = 10 * time.Second
+	}
+	if cfg.RetryAfter <= 0 {
+		cfg.RetryAfter = time.Second
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
@@ -179,7 +195,9 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 		cfg: cfg, state: state, raft: raft, invoke: invoke,
 		logger:  logger.With("component", "schedule-dispatcher"),
 		sem:     make(chan struct{}, cfg.MaxConcurrent),
+		wake:    make(chan struct{}, 1),
 		entries: make(map[string]*entry),
+		specs:   make(map[[2]string]*Spec),
 	}
 	defer d.wg.Wait()
 	d.closeOrphans(ctx)
@@ -193,8 +211,8 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 			}
 			continue
 		}
-		next := d.sync(scheds)
 		now := d.cfg.Now()
+		next := d.sync(scheds)
 		if !next.IsZero() && !next.After(now) {
 			d.dispatchDue(ctx, now)
 			continue
@@ -204,19 +222,34 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 			wait = next.Sub(now)
 		}
 		t := time.NewTimer(wait)
+		wctx, cancel := context.WithCancel(ctx)
 		select {
 		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-ws.WatchCh(ctx):
+		case <-ws.WatchCh(wctx):
+		case <-d.wake:
 		case <-t.C:
 		}
+		cancel()
 		t.Stop()
 	}
 }
 
+// spec parses (and caches) a schedule's expression.
+func (d *dispatcher) spec(s *schedulev1.Schedule) (*Spec, error) {
+	k := [2]string{s.GetCron(), s.GetTimeZone()}
+	if sp, ok := d.specs[k]; ok {
+		return sp, nil
+	}
+	sp, err := ParseSpec(s.GetCron(), s.GetTimeZone())
+	if err == nil {
+		d.specs[k] = sp
+	}
+	return sp, err
+}
+
 // sync brings the entries up to date with the schedules and returns the
-// earliest next slot.
+// earliest time one needs planning. Only schedules that changed are
+// computed again.
 func (d *dispatcher) sync(scheds []*schedulev1.Schedule) time.Time {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -229,124 +262,153 @@ func (d *dispatcher) sync(scheds []*schedulev1.Schedule) time.Time {
 			e = &entry{}
 			d.entries[s.GetId()] = e
 		}
+		if e.busy {
+			continue // its worker says when it is done
+		}
 		if e.sched == nil || e.modify != s.GetModifyIndex() {
 			e.modify, e.sched = s.GetModifyIndex(), s
-			spec, err := ParseSpec(s.GetCron(), s.GetTimeZone())
+			spec, err := d.spec(s)
 			e.spec = spec
 			if err != nil {
 				if e.badSpec != err.Error() {
-					d.logger.Error("schedule not run: its spec does not parse", "schedule", s.GetId(), "error", err)
+					d.logger.Error("schedule not run: its spec does not parse on this agent", "schedule", s.GetId(), "error", err)
 				}
 				e.badSpec = err.Error()
 			}
+			e.next = time.Time{}
+			if e.spec != nil && s.GetEnabled() {
+				e.next = e.spec.After(anchor(s), anchor(s))
+			}
 		}
-		e.next = time.Time{}
-		if e.spec != nil && s.GetEnabled() {
-			e.next = e.spec.Next(e.anchor())
+		due := e.next
+		if !due.IsZero() && e.retryAt.After(due) {
+			due = e.retryAt
 		}
-		if !e.next.IsZero() && (earliest.IsZero() || e.next.Before(earliest)) {
-			earliest = e.next
+		if !due.IsZero() && (earliest.IsZero() || due.Before(earliest)) {
+			earliest = due
 		}
 	}
 	for id, e := range d.entries {
-		if !seen[id] && e.running == 0 {
+		if !seen[id] && !e.busy {
 			delete(d.entries, id)
 		}
 	}
 	return earliest
 }
 
-// dispatchDue plans every schedule whose next slot has come and hands its
-// runs to a goroutine each.
+// dispatchDue hands every schedule whose next slot has come (and is not
+// held back) to a worker.
 func (d *dispatcher) dispatchDue(ctx context.Context, now time.Time) {
 	d.mu.Lock()
-	type job struct {
-		e       *entry
-		plan    Plan
-		overlap bool
-	}
-	var jobs []job
+	defer d.mu.Unlock()
 	for _, e := range d.entries {
-		if e.next.IsZero() || e.next.After(now) {
+		if e.busy || e.next.IsZero() || e.next.After(now) || e.retryAt.After(now) {
 			continue
 		}
-		s := e.sched
-		p := PlanSlots(e.spec, e.anchor(), now, s.GetCatchUp(), s.GetCatchUpWindow().AsDuration(), d.cfg.Grace)
+		s, spec := e.sched, e.spec
+		p := PlanSlots(spec, anchor(s), now, s.GetCatchUp(), s.GetCatchUpWindow().AsDuration(), d.cfg.Grace)
 		if p.Last().IsZero() {
+			// Nothing to do after all (the clock stepped back): look
+			// again from now.
+			e.next = spec.After(anchor(s), now)
 			continue
 		}
-		overlap := false
-		if e.running > 0 && s.GetOverlap() != schedulev1.Overlap_OVERLAP_ALLOW && len(p.Run) > 0 {
-			// The previous run is still in flight: these slots are skipped.
-			p.Skipped = append(p.Skipped, p.Run...)
-			slices.SortFunc(p.Skipped, func(a, b time.Time) int { return a.Compare(b) })
-			p.Run = nil
-			overlap = true
-		}
-		e.dispatched = p.Last()
-		e.next = time.Time{}
-		if len(p.Run) > 0 {
-			e.running++
-		}
-		jobs = append(jobs, job{e, p, overlap})
-	}
-	d.mu.Unlock()
-	for _, j := range jobs {
+		e.busy = true
 		d.wg.Add(1)
 		go func() {
 			defer d.wg.Done()
-			d.execute(ctx, j.e, j.plan, j.overlap)
+			ok := d.execute(ctx, s, spec, p)
+			d.mu.Lock()
+			e.busy = false
+			e.sched = nil // computed again from the state, which holds the claims
+			if !ok {
+				e.retryAt = d.cfg.Now().Add(d.cfg.RetryAfter)
+			}
+			d.mu.Unlock()
+			select {
+			case d.wake <- struct{}{}:
+			default:
+			}
 		}()
 	}
 }
 
-// execute claims and runs a plan's slots in order.
-func (d *dispatcher) execute(ctx context.Context, e *entry, p Plan, overlap bool) {
-	s := e.sched
-	if len(p.Run) > 0 {
-		defer func() {
-			d.mu.Lock()
-			e.running--
-			d.mu.Unlock()
-		}()
-	}
+// current re-reads a schedule before a claim: a plan stops when the
+// schedule was deleted, paused or changed since it was planned.
+func (d *dispatcher) current(planned *schedulev1.Schedule) bool {
+	s, err := d.state.State().Schedule(planned.GetId())
+	return err == nil && s.GetEnabled() && s.GetUpdatedAt().AsTime().Equal(planned.GetUpdatedAt().AsTime())
+}
+
+// execute claims and runs a plan's slots in order; false when a claim
+// failed in a way worth trying again soon.
+func (d *dispatcher) execute(ctx context.Context, s *schedulev1.Schedule, spec *Spec, p Plan) bool {
 	limit := int(s.GetHistoryLimit())
 	if limit <= 0 {
 		limit = int(fsm.DefaultConfig().MaxRunHistory)
 	}
 	skipped := p.Skipped
+	if len(skipped) > 0 {
+		d.count(s, "skipped", len(skipped))
+		d.logger.Info("schedule slots skipped by the catch-up policy", "schedule", s.GetId(), "slots", len(skipped), "older_not_listed", p.MoreSkipped)
+	}
 	if len(p.Run) == 0 {
 		// Nothing runs: the newest skipped slot is claimed and recorded
 		// as skipped, the others with it.
 		last := skipped[len(skipped)-1]
+		if !d.current(s) {
+			return true
+		}
 		if err := d.claim(ctx, s, last, newest(skipped[:len(skipped)-1], limit-1)); err != nil {
-			d.claimFailed(s, last, err)
-			return
+			return d.claimFailed(s, last, err)
 		}
-		reason := "missed: the catch-up policy skips it"
-		if overlap {
-			reason = "the previous run is still in progress (overlap forbid)"
-		}
-		d.record(ctx, &schedulev1.Run{ScheduleId: s.GetId(), Slot: timestamppb.New(last), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED, Error: reason, FinishedAt: timestamppb.New(d.cfg.Now())})
-		d.count(s, "skipped", len(skipped))
-		d.logger.Info("schedule slots skipped", "schedule", s.GetId(), "slots", len(skipped), "newest", last, "reason", reason, "more_not_listed", p.Dropped)
-		return
-	}
-	if len(skipped) > 0 {
-		d.count(s, "skipped", len(skipped))
-		d.logger.Info("schedule slots skipped by the catch-up policy", "schedule", s.GetId(), "slots", len(skipped), "more_not_listed", p.Dropped)
+		d.record(ctx, &schedulev1.Run{ScheduleId: s.GetId(), Slot: timestamppb.New(last), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
+			Error: "missed: the catch-up policy skips it", FinishedAt: timestamppb.New(d.cfg.Now())})
+		return true
 	}
 	for i, slot := range p.Run {
 		var sk []time.Time
 		if i == 0 {
 			sk = newest(skipped, limit-1)
 		}
+		// The action's place in the semaphore is taken before the claim:
+		// a claimed run is running, not waiting.
+		select {
+		case d.sem <- struct{}{}:
+		case <-ctx.Done():
+			return true
+		}
+		if !d.current(s) {
+			<-d.sem
+			return true
+		}
 		if err := d.claim(ctx, s, slot, sk); err != nil {
-			d.claimFailed(s, slot, err)
-			return
+			<-d.sem
+			return d.claimFailed(s, slot, err)
 		}
 		d.act(ctx, s, slot)
+		<-d.sem
+		if ctx.Err() != nil {
+			return true
+		}
 	}
+	if s.GetOverlap() != schedulev1.Overlap_OVERLAP_ALLOW {
+		// Slots that came due while the last run was in flight are
+		// skipped, with that reason.
+		last := p.Run[len(p.Run)-1]
+		over, more := lastSlots(spec, last, last, d.cfg.Now(), MaxListedSkips)
+		if len(over) > 0 && d.current(s) {
+			newestOver := over[len(over)-1]
+			if err := d.claim(ctx, s, newestOver, newest(over[:len(over)-1], limit-1)); err != nil {
+				return d.claimFailed(s, newestOver, err)
+			}
+			d.record(ctx, &schedulev1.Run{ScheduleId: s.GetId(), Slot: timestamppb.New(newestOver), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
+				Error: "the previous run was still in progress (overlap forbid)", FinishedAt: timestamppb.New(d.cfg.Now())})
+			d.count(s, "skipped", len(over))
+			d.logger.Info("schedule slots skipped: the previous run was still in progress", "schedule", s.GetId(), "slots", len(over), "older_not_listed", more)
+		}
+	}
+	return true
 }
 
 // newest is the last n of ts.
@@ -361,17 +423,22 @@ func (d *dispatcher) count(s *schedulev1.Schedule, result string, n int) {
 	d.cfg.Metrics.runs.WithLabelValues(ActionName(s.GetAction()), result).Add(float64(n))
 }
 
-// claimFailed logs a claim the FSM or Raft refused.
-func (d *dispatcher) claimFailed(s *schedulev1.Schedule, slot time.Time, err error) {
+// claimFailed logs a claim the FSM or Raft refused; false when the
+// schedule should be planned again soon.
+func (d *dispatcher) claimFailed(s *schedulev1.Schedule, slot time.Time, err error) bool {
 	switch {
 	case errors.Is(err, fsm.ErrSlotNotAfterLast):
-		// Claimed already (by an earlier leader, or a concurrent plan):
-		// it ran, or was skipped, once.
-		d.logger.Debug("slot claimed already", "schedule", s.GetId(), "slot", slot)
+		// One worker claims a schedule's slots, in order: the state holds
+		// a newer slot (an earlier leader's), and the next plan starts
+		// from it.
+		d.logger.Info("slot claimed already by an earlier leader", "schedule", s.GetId(), "slot", slot)
+		return true
 	case errors.Is(err, fsm.ErrNotFound):
 		d.logger.Info("schedule deleted before its slot ran", "schedule", s.GetId(), "slot", slot)
+		return true
 	default:
-		d.logger.Warn("claiming a schedule slot failed; the next leader catches it up", "schedule", s.GetId(), "slot", slot, "error", err)
+		d.logger.Warn("claiming a schedule slot failed; planning it again", "schedule", s.GetId(), "slot", slot, "error", err)
+		return false
 	}
 }
 
@@ -410,16 +477,10 @@ func (d *dispatcher) apply(ctx context.Context, cmd *fsmv1.Command) error {
 	return nil
 }
 
-// act runs a claimed slot's action and records the outcome. Attempts
-// whose backend was unavailable (the call reached no endpoint) are tried
-// again within the action timeout.
+// act runs a claimed slot's action and records the outcome. An attempt
+// that found no backend endpoint (nothing was sent) is tried again within
+// the action timeout; no other failure is, so an action never runs twice.
 func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.Time) {
-	select {
-	case d.sem <- struct{}{}:
-	case <-ctx.Done():
-		return
-	}
-	defer func() { <-d.sem }()
 	started := d.cfg.Now()
 	d.cfg.Metrics.lateness.Observe(started.Sub(slot).Seconds())
 	actx, cancel := context.WithTimeout(ctx, d.cfg.ActionTimeout)
@@ -431,7 +492,7 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 		attempts++
 		req, resp := actionRequest(s.GetAction(), s.GetVmId())
 		err = d.invoke(actx, method, req, resp)
-		if status.Code(err) != codes.Unavailable || actx.Err() != nil {
+		if !errors.Is(err, ErrNoBackend) || actx.Err() != nil {
 			break
 		}
 		if !sleep(actx, time.Duration(attempts)*200*time.Millisecond) {
@@ -451,7 +512,11 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 	}
 	result := "ok"
 	if err != nil {
-		run.Outcome, run.Error, result = schedulev1.RunOutcome_RUN_OUTCOME_ERROR, status.Convert(err).Message(), "error"
+		msg := err.Error()
+		if st, ok := status.FromError(err); ok {
+			msg = st.Message()
+		}
+		run.Outcome, run.Error, result = schedulev1.RunOutcome_RUN_OUTCOME_ERROR, msg, "error"
 		d.logger.Warn("schedule action failed", "schedule", s.GetId(), "vm", s.GetVmId(), "action", ActionName(s.GetAction()), "slot", slot, "attempts", attempts, "error", err)
 	} else {
 		d.logger.Info("schedule action done", "schedule", s.GetId(), "vm", s.GetVmId(), "action", ActionName(s.GetAction()), "slot", slot, "lateness", started.Sub(slot), "latency", finished.Sub(started))

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -23,9 +24,19 @@ type calls struct {
 	mu    sync.Mutex
 	list  []string // method vm
 	block chan struct{}
+	delay time.Duration
 }
 
 func (c *calls) invoke(ctx context.Context, method string, req, _ proto.Message) error {
+	if c.delay > 0 {
+		t := time.NewTimer(c.delay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
+	}
 	if c.block != nil {
 		select {
 		case <-c.block:
@@ -216,16 +227,156 @@ func TestDispatcherOrphansAndOverlap(t *testing.T) {
 	l.apply(t, &fsmv1.Command{Time: timestamppb.New(now), Op: &fsmv1.Command_ClaimSlot{ClaimSlot: &fsmv1.ClaimSlot{ScheduleId: "s1", Slot: timestamppb.New(now.Add(time.Second)), Node: "old-leader"}}})
 	c := &calls{block: make(chan struct{})}
 	start(t, l, c, DispatcherConfig{})
-	eventually(t, "the orphan closed and a slot skipped for overlap", func() error {
-		var orphan, overlap bool
+	var blockedSince time.Time
+	eventually(t, "the orphan closed and a run in flight", func() error {
+		var orphan, started bool
 		for _, r := range l.runs(t, "s1") {
 			orphan = orphan || (r.GetNode() == "old-leader" && r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_ERROR && strings.Contains(r.GetError(), "outcome unknown"))
-			overlap = overlap || (r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED && strings.Contains(r.GetError(), "still in progress"))
+			started = started || (r.GetNode() == "node-a" && r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_STARTED)
 		}
-		if !orphan || !overlap {
-			return fmt.Errorf("orphan closed %v, overlap skipped %v: %v", orphan, overlap, l.runs(t, "s1"))
+		if !orphan || !started {
+			return fmt.Errorf("orphan closed %v, run started %v", orphan, started)
+		}
+		blockedSince = time.Now()
+		return nil
+	})
+	// The action takes over two slots; those are skipped when it ends.
+	eventually(t, "two slots pass", func() error {
+		if time.Since(blockedSince) < 2500*time.Millisecond {
+			return fmt.Errorf("%s", time.Since(blockedSince))
 		}
 		return nil
 	})
 	close(c.block)
+	eventually(t, "the slots of the long run skipped", func() error {
+		for _, r := range l.runs(t, "s1") {
+			if r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED && strings.Contains(r.GetError(), "still in progress") {
+				return nil
+			}
+		}
+		return fmt.Errorf("no overlap skip: %v", outcomes(l.runs(t, "s1")))
+	})
+}
+
+// flakyLog fails the nth ClaimSlot proposal (as a Raft timeout would).
+type flakyLog struct {
+	*localLog
+	mu     sync.Mutex
+	claims int
+	failAt int
+}
+
+func (f *flakyLog) Apply(ctx context.Context, data []byte) (any, uint64, error) {
+	cmd, err := fsm.Decode(data)
+	if err == nil && cmd.GetClaimSlot() != nil {
+		f.mu.Lock()
+		f.claims++
+		n := f.claims
+		f.mu.Unlock()
+		if n == f.failAt {
+			return nil, 0, fmt.Errorf("timed out enqueuing operation")
+		}
+	}
+	return f.localLog.Apply(ctx, data)
+}
+
+// contiguous checks that the runs of schedule id are consecutive slots of
+// spec from the first after created: none missing, none twice.
+func contiguous(t *testing.T, l *localLog, id, expr string, created time.Time) []*schedulev1.Run {
+	t.Helper()
+	spec, err := ParseSpec(expr, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs := l.runs(t, id)
+	slices.SortFunc(rs, func(a, b *schedulev1.Run) int { return a.GetSlot().AsTime().Compare(b.GetSlot().AsTime()) })
+	want := spec.After(created, created)
+	for _, r := range rs {
+		if got := r.GetSlot().AsTime(); !got.Equal(want) {
+			t.Fatalf("slot %s where %s was due (runs %v)", got, want, outcomes(rs))
+		}
+		want = spec.After(created, want)
+	}
+	return rs
+}
+
+// TestDispatcherFailedClaim: a claim that fails (Raft timed out) is
+// planned again; the slot is not lost.
+func TestDispatcherFailedClaim(t *testing.T) {
+	l := newLog(t)
+	created := time.Now()
+	l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_POWER_ON, Cron: "@every 1s", Enabled: true}, created)
+	f := &flakyLog{localLog: l, failAt: 2}
+	c := &calls{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { RunDispatcher(ctx, DispatcherConfig{NodeID: "node-a", RetryAfter: 100 * time.Millisecond}, l, f, c.invoke); close(done) }()
+	defer func() { cancel(); <-done }()
+	eventually(t, "five slots recorded", func() error {
+		if n := len(l.runs(t, "s1")); n < 5 {
+			return fmt.Errorf("%d runs", n)
+		}
+		return nil
+	})
+	cancel()
+	<-done
+	contiguous(t, l, "s1", "@every 1s", created)
+}
+
+// TestDispatcherSlowCatchUp: with catch-up all and actions slower than
+// the interval, every slot is run or recorded as skipped (overlap), in
+// order; none is lost to a later plan overtaking an earlier one.
+func TestDispatcherSlowCatchUp(t *testing.T) {
+	l := newLog(t)
+	created := time.Now().Add(-5 * time.Second)
+	l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 1s", Enabled: true,
+		CatchUp: schedulev1.CatchUp_CATCH_UP_ALL, HistoryLimit: 1000}, created)
+	c := &calls{delay: 700 * time.Millisecond}
+	stop := start(t, l, c, DispatcherConfig{})
+	eventually(t, "twelve slots recorded", func() error {
+		if n := len(l.runs(t, "s1")); n < 12 {
+			return fmt.Errorf("%d runs: %v", n, outcomes(l.runs(t, "s1")))
+		}
+		return nil
+	})
+	stop()
+	rs := contiguous(t, l, "s1", "@every 1s", created)
+	o := outcomes(rs)
+	if o[schedulev1.RunOutcome_RUN_OUTCOME_OK] < 5 || o[schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED] == 0 {
+		t.Errorf("outcomes %v: want the five missed slots run and later ones skipped while runs were in flight", o)
+	}
+}
+
+// TestDispatcherPauseStopsAPlan: a pause stops a catch-up plan in flight
+// after its current run.
+func TestDispatcherPauseStopsAPlan(t *testing.T) {
+	l := newLog(t)
+	created := time.Now().Add(-20 * time.Second)
+	s := &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 1s", Enabled: true,
+		CatchUp: schedulev1.CatchUp_CATCH_UP_ALL, HistoryLimit: 1000}
+	l.put(t, s, created)
+	c := &calls{delay: 300 * time.Millisecond}
+	start(t, l, c, DispatcherConfig{})
+	eventually(t, "two runs", func() error {
+		if n := outcomes(l.runs(t, "s1"))[schedulev1.RunOutcome_RUN_OUTCOME_OK]; n < 2 {
+			return fmt.Errorf("%d runs", n)
+		}
+		return nil
+	})
+	paused := proto.CloneOf(s)
+	paused.Enabled = false
+	l.put(t, paused, time.Now())
+	n := c.n()
+	eventually(t, "no run after the pause", func() error {
+		if c.n() > n+1 {
+			return fmt.Errorf("%d calls after the pause", c.n()-n)
+		}
+		if rs := l.runs(t, "s1"); outcomes(rs)[schedulev1.RunOutcome_RUN_OUTCOME_STARTED] > 0 {
+			return fmt.Errorf("a run in flight")
+		}
+		return nil
+	})
+	if got := c.n(); got > n+1 || got >= 20 {
+		t.Errorf("%d calls, %d after the pause: the plan went on", got, got-n)
+	}
 }

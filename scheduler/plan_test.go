@@ -47,13 +47,35 @@ func TestPlanSlots(t *testing.T) {
 	// A week of @every 1s is taken in bounded plans, each going on from
 	// the last.
 	e, _ := ParseSpec("@every 1s", "")
-	p := PlanSlots(e, at(0, 0), at(0, 0).Add(7*24*time.Hour), schedulev1.CatchUp_CATCH_UP_ALL, MaxCatchUpWindow, 0)
-	if len(p.Run)+len(p.Skipped) != maxSlotsPerPlan || !p.Last().Equal(at(0, 0).Add(maxSlotsPerPlan*time.Second)) {
+	base := at(0, 0)
+	p := PlanSlots(e, base, base.Add(7*24*time.Hour), schedulev1.CatchUp_CATCH_UP_ALL, MaxCatchUpWindow, 0)
+	if len(p.Run) != maxSlotsPerPlan || len(p.Skipped) != 0 || !p.Last().Equal(base.Add(maxSlotsPerPlan*time.Second)) {
 		t.Errorf("a week of seconds: %d run, %d skipped, last %v", len(p.Run), len(p.Skipped), p.Last())
 	}
-	p = PlanSlots(e, at(0, 0), at(0, 0).Add(30*24*time.Hour), schedulev1.CatchUp_CATCH_UP_ALL, time.Hour, 0)
-	if len(p.Skipped) != maxSlotsPerPlan || !p.Dropped || len(p.Run) != 0 {
-		t.Errorf("a month of seconds with an hour's window: %d run, %d skipped, dropped %v", len(p.Run), len(p.Skipped), p.Dropped)
+	// A month of seconds with an hour's window: the hour runs, the rest
+	// is skipped (the newest listed).
+	now := base.Add(30 * 24 * time.Hour)
+	p = PlanSlots(e, base, now, schedulev1.CatchUp_CATCH_UP_ALL, time.Hour, 0)
+	if len(p.Run) != 3600 || len(p.Skipped) != MaxListedSkips || !p.MoreSkipped || !p.Skipped[len(p.Skipped)-1].Equal(now.Add(-time.Hour)) {
+		t.Errorf("a month of seconds, window 1h: %d run, %d skipped (more %v), newest skipped %v", len(p.Run), len(p.Skipped), p.MoreSkipped, p.Skipped[len(p.Skipped)-1])
+	}
+	// latest_once after a day away runs the true newest slot.
+	p = PlanSlots(e, base, base.Add(24*time.Hour), schedulev1.CatchUp_CATCH_UP_LATEST_ONCE, 48*time.Hour, 0)
+	if len(p.Run) != 1 || !p.Run[0].Equal(base.Add(24*time.Hour)) || len(p.Skipped) != MaxListedSkips || !p.MoreSkipped {
+		t.Errorf("latest_once after a day: run %v, %d skipped", p.Run, len(p.Skipped))
+	}
+	// @every longer than the window still runs, on its own phase.
+	two, _ := ParseSpec("@every 2h", "")
+	if p := PlanSlots(two, at(10, 0), at(12, 0).Add(30*time.Second), schedulev1.CatchUp_CATCH_UP_SKIP, 0, 0); !equal(mins(p.Run), []string{"12:00"}) {
+		t.Errorf("@every 2h due: run %v skipped %v", mins(p.Run), mins(p.Skipped))
+	}
+	if p := PlanSlots(two, at(10, 0), at(12, 30), schedulev1.CatchUp_CATCH_UP_LATEST_ONCE, 0, 0); !equal(mins(p.Run), []string{"12:00"}) {
+		t.Errorf("@every 2h latest_once: run %v skipped %v", mins(p.Run), mins(p.Skipped))
+	}
+	half, _ := ParseSpec("@every 30m", "")
+	p = PlanSlots(half, at(10, 0), at(11, 45).Add(17*time.Second), schedulev1.CatchUp_CATCH_UP_ALL, time.Hour, 0)
+	if !equal(mins(p.Run), []string{"11:00", "11:30"}) || !equal(mins(p.Skipped), []string{"10:30"}) {
+		t.Errorf("@every 30m keeps its phase: run %v skipped %v", mins(p.Run), mins(p.Skipped))
 	}
 }
 

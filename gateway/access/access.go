@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"connectrpc.com/connect"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -347,12 +348,19 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	if m.authOnly {
 		return ctx, nil, nil
 	}
+	gr, err := g.decide(ctx, c, who, m, req)
+	return ctx, gr, err
+}
+
+// decide is the policy's answer for who calling m (req: the request of a
+// unary call, for Config.Resource).
+func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *method, req protoreflect.Message) (*grant, error) {
 	if m.err != nil {
-		return ctx, nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
+		return nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
 	}
 	if g.cfg.Ready != nil {
 		if err := g.cfg.Ready(ctx); err != nil {
-			return ctx, nil, &denial{code: codes.Unavailable, msg: err.Error()}
+			return nil, &denial{code: codes.Unavailable, msg: err.Error()}
 		}
 	}
 	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
@@ -362,22 +370,42 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 		}
 	}
 	if p := g.cfg.Policy(); p != nil {
+		var err error
 		if gr.d, err = p.Decide(who, gr.resource, m.rule.GetVerb()); err != nil {
-			return ctx, nil, g.deny(c, who, m, "", "the policy's conditions cannot be evaluated: %v", err)
+			return nil, g.deny(c, who, m, "", "the policy's conditions cannot be evaluated: %v", err)
 		}
 	}
 	switch {
 	case gr.d.Denied():
-		return ctx, nil, g.denyGrant(c, gr, "", "no rule of the RBAC policy allows it")
+		return nil, g.denyGrant(c, gr, "", "no rule of the RBAC policy allows it")
 	case gr.conditional() && !gr.checksRequest() && !gr.filters():
-		return ctx, nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the method names no object to check them on")
+		return nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the method names no object to check them on")
 	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
-		return ctx, nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
+		return nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
 	}
 	if !gr.conditional() {
 		g.allowed(c.procedure, c.remote, gr, "")
 	}
-	return ctx, gr, nil
+	return gr, nil
+}
+
+// Authorize checks that the caller of ctx (the principal the guard
+// authenticated for the call in progress) may make the call procedure
+// with req themselves: the policy, and its conditions on the object.
+// Something done later on the caller's behalf (a power schedule's action)
+// is checked with it when it is set up. The error is a Connect error.
+func (g *Guard) Authorize(ctx context.Context, procedure string, req proto.Message) error {
+	who, ok := authz.PrincipalFrom(ctx)
+	if !ok {
+		return connect.NewError(connect.CodePermissionDenied, fmt.Errorf("%s: no authenticated caller to check", procedure))
+	}
+	c := call{procedure: procedure, remote: "on behalf of " + who.Identity}
+	m := g.lookup(procedure)
+	gr, err := g.decide(ctx, c, who, m, req.ProtoReflect())
+	if err == nil && gr.checksRequest() {
+		err = g.checkRequest(ctx, c, gr, req.ProtoReflect())
+	}
+	return connectError(err)
 }
 
 // limit takes a token of the caller's bucket of the route.

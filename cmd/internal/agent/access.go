@@ -32,6 +32,7 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
+	"pilab.hu/pivirt-agent/scheduler"
 )
 
 // RBACPolicyKey is the cluster config key holding a cluster-wide RBAC
@@ -395,6 +396,9 @@ func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp prot
 	b := a.proxy.Route(method)
 	if b == nil {
 		return status.Errorf(codes.FailedPrecondition, "no routing rule sends %s to a backend", method)
+	}
+	if !b.Healthy() {
+		return fmt.Errorf("backend %s: %w", b.Name(), scheduler.ErrNoBackend)
 	}
 	ctx = authz.WithPrincipal(ctx, authz.Principal{Identity: SchedulerIdentity})
 	return b.Invoke(ctx, method, req, resp)

@@ -34,6 +34,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
@@ -737,4 +738,50 @@ func TestAccessClusterPolicyAfterRestart(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestAccessSchedulesActAsTheirCreator: creating or changing a power
+// schedule needs, besides the schedules resource, the right to make the
+// schedule's VM call yourself: a vm-owner schedules her own VMs only, a
+// role without start cannot schedule a power-on.
+func TestAccessSchedulesActAsTheirCreator(t *testing.T) {
+	e := newAccessEnv(t, 1, nil)
+	spec, err := os.ReadFile(e.policy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy := string(spec) + `  - roles: ["vm-owner", "operator"]
+    resources: ["schedules"]
+    verbs: ["create", "get", "list", "update"]
+`
+	if _, err := e.cl.SetConfig(as(e.ctx(), e.token("root", "admin")), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: policy}); err != nil {
+		t.Fatal(err)
+	}
+	mine, theirs := e.createVM("alice"), e.createVM("bob")
+	sc := schedulev1.NewScheduleServiceClient(e.conn)
+	create := func(who, vm string, action schedulev1.Action) error {
+		_, err := sc.CreateSchedule(as(e.ctx(), who), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
+			VmId: vm, Action: action, Cron: "0 7 * * *", Enabled: true}})
+		return err
+	}
+	alice, olga := e.token("alice", "vm-owner"), e.token("olga", "operator")
+	agenttest.Eventually(t, 10*time.Second, "the policy with schedules in force", func() error {
+		return create(alice, mine, schedulev1.Action_ACTION_POWER_ON)
+	})
+	if err := create(alice, theirs, schedulev1.Action_ACTION_POWER_ON); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "start virtualmachines") {
+		t.Errorf("alice schedules bob's VM: %v, want PermissionDenied on start virtualmachines", err)
+	}
+	if err := create(olga, mine, schedulev1.Action_ACTION_REBOOT); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "stop virtualmachines") {
+		t.Errorf("an operator schedules a reboot: %v, want PermissionDenied on stop virtualmachines", err)
+	}
+	// Moving a schedule to someone else's VM is checked too.
+	l, err := sc.ListSchedules(as(e.ctx(), alice), &schedulev1.ListSchedulesRequest{VmId: mine})
+	if err != nil || len(l.GetSchedules()) != 1 {
+		t.Fatalf("alice's schedules: %v %v", l, err)
+	}
+	_, err = sc.UpdateSchedule(as(e.ctx(), alice), &schedulev1.UpdateScheduleRequest{
+		Schedule: &schedulev1.Schedule{Id: l.GetSchedules()[0].GetId(), VmId: theirs}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"vm_id"}}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("alice moves her schedule to bob's VM: %v, want PermissionDenied", err)
+	}
 }

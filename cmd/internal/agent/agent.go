@@ -369,6 +369,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.startAccess(); err != nil {
 		return err
 	}
+	if a.guard != nil {
+		a.schedules.SetAuthorize(a.guard.Authorize)
+	}
 	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))

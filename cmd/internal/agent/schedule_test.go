@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 	"pilab.hu/pivirt-agent/scheduler"
@@ -136,6 +137,26 @@ func TestSchedules(t *testing.T) {
 	}
 	if _, err := sc.CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: clock}); status.Code(err) != codes.AlreadyExists {
 		t.Errorf("the same ID twice: %v, want AlreadyExists", err)
+	}
+	// A retried write (same client ID and sequence) answers as the first
+	// did: one schedule, the same generated ID; a retried pause too.
+	w := &clusterv1.WriteOptions{ClientId: "test-client", Sequence: 7}
+	first, err := sc.CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{VmId: e.vmID, Action: schedulev1.Action_ACTION_REBOOT, Cron: "@daily"}, Write: w})
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := sc.CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{VmId: e.vmID, Action: schedulev1.Action_ACTION_REBOOT, Cron: "@daily"}, Write: w})
+	if err != nil || again.GetSchedule().GetId() != first.GetSchedule().GetId() {
+		t.Errorf("a retried create: %v %v, want schedule %s again", again, err, first.GetSchedule().GetId())
+	}
+	pw := &clusterv1.WriteOptions{ClientId: "test-client", Sequence: 8}
+	for range 2 {
+		if _, err := sc.PauseSchedule(e.ctx(), &schedulev1.PauseScheduleRequest{Id: first.GetSchedule().GetId(), Write: pw}); err != nil {
+			t.Errorf("a retried pause: %v", err)
+		}
+	}
+	if _, err := sc.DeleteSchedule(e.ctx(), &schedulev1.DeleteScheduleRequest{Id: first.GetSchedule().GetId()}); err != nil {
+		t.Fatal(err)
 	}
 	id := s1.GetSchedule().GetId()
 	runs := e.waitRuns(sc, id, 3)
