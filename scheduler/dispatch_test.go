@@ -310,7 +310,10 @@ func TestDispatcherFailedClaim(t *testing.T) {
 	c := &calls{}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { RunDispatcher(ctx, DispatcherConfig{NodeID: "node-a", RetryAfter: 100 * time.Millisecond}, l, f, c.invoke); close(done) }()
+	go func() {
+		RunDispatcher(ctx, DispatcherConfig{NodeID: "node-a", RetryAfter: 100 * time.Millisecond}, l, f, c.invoke)
+		close(done)
+	}()
 	defer func() { cancel(); <-done }()
 	eventually(t, "five slots recorded", func() error {
 		if n := len(l.runs(t, "s1")); n < 5 {
