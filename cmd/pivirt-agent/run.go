@@ -143,9 +143,15 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 	if err != nil {
 		return err
 	}
+	sd := notifier{logger: logger}
+	sd.ready("serving on " + a.APIAddr())
+	wdCtx, stopWatchdog := context.WithCancel(ctx)
+	defer stopWatchdog()
+	go sd.watchdog(wdCtx, a.Alive)
 	for {
 		select {
 		case <-hup:
+			sd.reloading()
 			// Certificates are re-read for new handshakes and the RBAC
 			// policy file replaced; what fails to load stays in use and is
 			// logged.
@@ -157,16 +163,20 @@ func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) erro
 			default:
 				logger.Info("SIGHUP: reloaded", "reloaded", reloaded)
 			}
+			sd.ready("serving on " + a.APIAddr())
 			continue
 		case <-a.Done():
+			sd.stopping()
 			return nil
 		case <-term:
+			sd.stopping()
 			if cfg.Cluster.LeaveOnTerminate {
 				logger.Info("SIGTERM: leaving the cluster (cluster.leave_on_terminate)")
 				return a.Leave(context.Background())
 			}
 			logger.Info("SIGTERM: shutting down without leaving")
 		case <-ctx.Done():
+			sd.stopping()
 			logger.Info("interrupted: shutting down without leaving")
 		}
 		return a.Shutdown()

@@ -1086,6 +1086,15 @@ func (a *Agent) waitRemoved(ctx context.Context) {
 	}
 }
 
+// Alive reports whether the agent is running: not stopped, and its Raft
+// node not shut down (the systemd watchdog is pinged only then).
+func (a *Agent) Alive() bool {
+	if a.stopped() || a.store == nil {
+		return false
+	}
+	return a.store.Status().State != "Shutdown"
+}
+
 func (a *Agent) stopped() bool {
 	select {
 	case <-a.done:

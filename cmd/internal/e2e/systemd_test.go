@@ -1,0 +1,124 @@
+package e2e_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestSystemdNotify runs the real agent (--dev) as systemd would with
+// Type=notify and WatchdogSec=: on a notification socket of the test it
+// says READY=1 once serving, pings WATCHDOG=1, says RELOADING=1 then
+// READY=1 around a SIGHUP, and STOPPING=1 on SIGTERM, in that order; then
+// it exits 0.
+func TestSystemdNotify(t *testing.T) {
+	bins := buildBinaries(t)
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "notify.sock")
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ports, err := freePorts(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := func(i int) string { return fmt.Sprintf("127.0.0.1:%d", ports[i]) }
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bins.agent, "--dev", "--data-dir", filepath.Join(dir, "data"),
+		"--api-addr", addr(0), "--internal-addr", addr(1), "--metrics-addr", addr(2), "--gossip-addr", addr(3), "--raft-addr", addr(4))
+	cmd.Env = append(raceEnv(), "NOTIFY_SOCKET="+sock, "WATCHDOG_USEC=400000")
+	logf, err := os.Create(filepath.Join(dir, "agent.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	cmd.Stdout, cmd.Stderr = logf, logf
+	dieWithTest(cmd)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+	}()
+
+	// next returns the next notification other than a watchdog ping,
+	// counting the pings.
+	pings := 0
+	next := func(what string) string {
+		t.Helper()
+		buf := make([]byte, 4096)
+		for {
+			if err := conn.SetReadDeadline(time.Now().Add(60 * time.Second)); err != nil {
+				t.Fatal(err)
+			}
+			n, err := conn.Read(buf)
+			if err != nil {
+				b, _ := os.ReadFile(logf.Name())
+				t.Fatalf("waiting for %s: %v; agent log:\n%s", what, err, b)
+			}
+			msg := string(buf[:n])
+			if msg == "WATCHDOG=1" {
+				pings++
+				continue
+			}
+			return msg
+		}
+	}
+	if m := next("READY=1"); !strings.HasPrefix(m, "READY=1\n") || !strings.Contains(m, "STATUS=serving on "+addr(0)) {
+		t.Fatalf("first notification %q, want READY=1 with a status", m)
+	}
+	// Pings come every 200 ms (half of WATCHDOG_USEC).
+	deadline := time.Now().Add(30 * time.Second)
+	for pings < 3 {
+		if err := conn.SetReadDeadline(deadline); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 512)
+		n, err := conn.Read(buf)
+		if err != nil {
+			t.Fatalf("%d watchdog pings, want 3: %v", pings, err)
+		}
+		if string(buf[:n]) != "WATCHDOG=1" {
+			t.Fatalf("unexpected notification %q while serving", buf[:n])
+		}
+		pings++
+	}
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	if m := next("RELOADING=1"); !strings.HasPrefix(m, "RELOADING=1\nMONOTONIC_USEC=") {
+		t.Errorf("after SIGHUP %q, want RELOADING=1 with MONOTONIC_USEC", m)
+	}
+	if m := next("READY=1 after the reload"); !strings.HasPrefix(m, "READY=1") {
+		t.Errorf("after the reload %q, want READY=1", m)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if m := next("STOPPING=1"); m != "STOPPING=1" {
+		t.Errorf("after SIGTERM %q, want STOPPING=1", m)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Errorf("agent exited with %v after SIGTERM", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("agent still running 30 s after SIGTERM")
+	}
+}
