@@ -3,9 +3,11 @@ package access
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"sync/atomic"
 	"time"
 
@@ -451,4 +453,22 @@ func (s *guardedConn) Send(m any) error {
 		return nil
 	}
 	return s.StreamingHandlerConn.Send(m)
+}
+
+// HTTPHandler guards a plain HTTP handler of the API port (/metrics):
+// the caller must be authenticated, as for reflection; no rule applies.
+func (g *Guard) HTTPHandler(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var certs []*x509.Certificate
+		if st := g.connState(r.Context()); st != nil {
+			certs = st.PeerCertificates
+		}
+		if _, err := g.cfg.Authenticator.Authenticate(r.Context(), r.Header.Get("Authorization"), certs); err != nil {
+			g.denied.WithLabelValues("unauthenticated").Inc()
+			w.Header().Set("WWW-Authenticate", "Bearer")
+			http.Error(w, err.Error(), http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }

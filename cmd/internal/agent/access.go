@@ -377,10 +377,6 @@ func (a *Agent) Reload() (reloaded []string, err error) {
 
 // reloadHandler is POST /reload.
 func (a *Agent) reloadHandler(w http.ResponseWriter, r *http.Request) {
-	if !loopbackCaller(r) {
-		writeJSON(w, http.StatusForbidden, map[string]any{"status": "error", "error": "reload answers loopback callers only"})
-		return
-	}
 	reloaded, err := a.Reload()
 	if err != nil {
 		writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(), "reloaded": reloaded,

@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -341,6 +343,23 @@ func TestAccessAuthentication(t *testing.T) {
 	created, err := e.vm.CreateVM(spoofed, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "by-jozsef", Vcpus: 1, MemoryMib: 256}})
 	if err != nil || created.GetVm().GetMetadata().GetOwner() != "józsef" {
 		t.Errorf("CreateVM by józsef: %v %v, want a VM owned by józsef", created, err)
+	}
+
+	// /metrics on the API port: authenticated callers only.
+	chainFile := filepath.Join(e.dir, identity.ChainFile)
+	for name, tc := range map[string]struct {
+		cert *tls.Certificate
+		want int
+	}{"without credentials": {nil, http.StatusUnauthorized}, "with a certificate": {e.clientCert("ops-viewer"), http.StatusOK}} {
+		resp, err := httpsClient(t, chainFile, tc.cert).Get("https://" + e.n.APIAddr() + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.want || (tc.want == http.StatusOK && !strings.Contains(string(body), "pivirt_api_access_denied_total")) {
+			t.Errorf("GET /metrics on the API port %s: %d, want %d", name, resp.StatusCode, tc.want)
+		}
 	}
 
 	// Connect and gRPC-Web go through the transcoder: the same checks,

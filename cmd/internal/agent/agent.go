@@ -26,7 +26,6 @@ import (
 	"github.com/hashicorp/raft"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/health"
@@ -937,6 +936,13 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux.Handle(path, h)
 	path, h = schedulev1connect.NewScheduleServiceHandler(a.schedules, opts...)
 	mux.Handle(path, h)
+	// The metrics also on the API port, behind its TLS and (with access
+	// control on) for authenticated callers.
+	metrics := a.metricsHandler()
+	if a.guard != nil {
+		metrics = a.guard.HTTPHandler(metrics)
+	}
+	mux.Handle("GET "+a.cfg.Server.Metrics.Path, metrics)
 	if err := a.addTranscoder(mux, gs); err != nil {
 		return nil, err
 	}
@@ -953,45 +959,6 @@ func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc 
 	mux.Handle(path, h)
 	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
 	mux.Handle(path, h)
-	return mux
-}
-
-func (a *Agent) metricsMux() http.Handler {
-	mux := http.NewServeMux()
-	mux.Handle("GET "+a.cfg.Server.Metrics.Path, promhttp.HandlerFor(a.metrics, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn)}))
-	mux.HandleFunc("GET /live", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"status": "ok"})
-	})
-	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "node_id": a.nodeID})
-	})
-	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, r *http.Request) {
-		st := a.store.Status()
-		checks := map[string]string{}
-		ready := true
-		if st.LeaderID == "" {
-			checks["leader"] = "no known leader"
-			ready = false
-		} else {
-			checks["leader"] = "ok: " + st.LeaderID
-		}
-		if st.State == "Leader" && !a.leaderReady() {
-			checks["leader_state"] = "leader barrier not complete"
-			ready = false
-		}
-		if a.tls != nil {
-			detail, ok := a.tls.check(time.Now())
-			checks["tls"] = detail
-			ready = ready && ok
-		}
-		code := http.StatusOK
-		status := "ready"
-		if !ready {
-			code, status = http.StatusServiceUnavailable, "not ready"
-		}
-		writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": st.AppliedIndex})
-	})
-	mux.HandleFunc("POST /reload", a.reloadHandler)
 	return mux
 }
 

@@ -122,6 +122,9 @@ type ListenerConfig struct {
 type MetricsConfig struct {
 	Addr string `yaml:"addr"`
 	Path string `yaml:"path"`
+	// AllowRemoteManagement lets non-loopback callers use POST /reload
+	// and /debug/*; by default they answer loopback callers only.
+	AllowRemoteManagement bool `yaml:"allow_remote_management"`
 }
 
 // TLSConfig is the top-level tls block: the agent's own mTLS identity, used between agents
@@ -191,6 +194,9 @@ type BackendConfig struct {
 	Timeout  Duration         `yaml:"timeout"`
 	Retry    RetryConfig      `yaml:"retry"`
 	TLS      BackendTLSConfig `yaml:"tls"`
+	// Required: /ready reports not ready while the backend has no
+	// available endpoint.
+	Required bool `yaml:"required"`
 }
 
 // RetryConfig is a backend's retry policy.

@@ -1,0 +1,126 @@
+package agent
+
+import (
+	"expvar"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/pprof"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// metricsMux is the operations port (8444): /metrics, /health, /live,
+// /ready, and the management endpoints POST /reload, /debug/vars and
+// /debug/pprof/*, which answer loopback callers only unless
+// server.metrics.allow_remote_management is set.
+func (a *Agent) metricsMux() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET "+a.cfg.Server.Metrics.Path, a.metricsHandler())
+	mux.HandleFunc("GET /live", func(w http.ResponseWriter, r *http.Request) {
+		if !a.Alive() {
+			writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "stopped"})
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok"})
+	})
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		st := a.store.Status()
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "node_id": a.nodeID, "node_name": a.cfg.NodeName,
+			"version": Version, "raft_state": st.State, "leader_id": st.LeaderID})
+	})
+	mux.HandleFunc("GET /ready", a.readyHandler)
+	mux.Handle("POST /reload", a.management(http.HandlerFunc(a.reloadHandler)))
+	mux.Handle("GET /debug/vars", a.management(expvar.Handler()))
+	mux.Handle("/debug/pprof/", a.management(http.HandlerFunc(pprof.Index)))
+	mux.Handle("/debug/pprof/cmdline", a.management(http.HandlerFunc(pprof.Cmdline)))
+	mux.Handle("/debug/pprof/profile", a.management(http.HandlerFunc(pprof.Profile)))
+	mux.Handle("/debug/pprof/symbol", a.management(http.HandlerFunc(pprof.Symbol)))
+	mux.Handle("/debug/pprof/trace", a.management(http.HandlerFunc(pprof.Trace)))
+	return mux
+}
+
+func (a *Agent) metricsHandler() http.Handler {
+	return promhttp.HandlerFor(a.metrics, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn)})
+}
+
+// management lets loopback callers through, others only with
+// server.metrics.allow_remote_management.
+func (a *Agent) management(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !a.cfg.Server.Metrics.AllowRemoteManagement && !loopbackCaller(r) {
+			writeJSON(w, http.StatusForbidden, map[string]any{"status": "error",
+				"error": r.URL.Path + " answers loopback callers only (server.metrics.allow_remote_management)"})
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// readyHandler is GET /ready: 200 when every check passes, else 503; the
+// body names each check and its detail.
+func (a *Agent) readyHandler(w http.ResponseWriter, r *http.Request) {
+	checks, ready := a.readiness(time.Now())
+	code, status := http.StatusOK, "ready"
+	if !ready {
+		code, status = http.StatusServiceUnavailable, "not ready"
+	}
+	writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": a.store.Status().AppliedIndex})
+}
+
+// readiness runs the checks of /ready: a known leader (and, on the
+// leader, its barrier done); the local state caught up with the commit
+// index (and, on a follower, a leader heard from recently); the TLS
+// material valid; the required backends each with an available endpoint.
+func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
+	st := a.store.Status()
+	checks := map[string]string{}
+	ready := true
+	fail := func(name, format string, args ...any) {
+		checks[name] = fmt.Sprintf(format, args...)
+		ready = false
+	}
+	if st.LeaderID == "" {
+		fail("leader", "no known leader")
+	} else {
+		checks["leader"] = "ok: " + st.LeaderID
+	}
+	if st.State == "Leader" && !a.leaderReady() {
+		fail("leader_state", "leader barrier not complete")
+	}
+	stale := 10 * a.cfg.Cluster.Raft.HeartbeatTimeout.Std()
+	switch {
+	case st.AppliedIndex < st.CommitIndex:
+		fail("fsm", "applied index %d behind the commit index %d", st.AppliedIndex, st.CommitIndex)
+	case st.State == "Follower" && (st.LastContact.IsZero() || now.Sub(st.LastContact) > stale):
+		fail("fsm", "no contact with the leader for over %s: the local state may be stale", stale)
+	default:
+		checks["fsm"] = fmt.Sprintf("ok: applied index %d", st.AppliedIndex)
+	}
+	if a.tls != nil {
+		detail, ok := a.tls.check(now)
+		checks["tls"] = detail
+		ready = ready && ok
+	}
+	for _, b := range a.backends {
+		eps := b.Endpoints()
+		avail := 0
+		for _, e := range eps {
+			if e.Status() == "healthy" {
+				avail++
+			}
+		}
+		name := "backend:" + b.Name()
+		required := a.cfg.Backends[b.Name()].Required
+		switch {
+		case b.Healthy():
+			checks[name] = fmt.Sprintf("ok: %d of %d endpoints available", avail, len(eps))
+		case required:
+			fail(name, "no endpoint available (%d configured); the backend is required", len(eps))
+		default:
+			checks[name] = fmt.Sprintf("degraded: no endpoint available (%d configured); not required", len(eps))
+		}
+	}
+	return checks, ready
+}
