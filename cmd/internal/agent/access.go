@@ -150,15 +150,16 @@ func (a *Agent) policy() *authz.Policy {
 	return nil
 }
 
-// accessServerOptions are the API port's gRPC interceptors.
+// accessServerOptions are the API port's gRPC interceptors: request
+// metrics, then access control.
 func (a *Agent) accessServerOptions() []grpc.ServerOption {
-	if a.guard == nil {
-		return nil
+	unary := []grpc.UnaryServerInterceptor{a.apiMetrics.UnaryServerInterceptor()}
+	stream := []grpc.StreamServerInterceptor{a.apiMetrics.StreamServerInterceptor()}
+	if a.guard != nil {
+		unary = append(unary, a.guard.UnaryServerInterceptor())
+		stream = append(stream, a.guard.StreamServerInterceptor())
 	}
-	return []grpc.ServerOption{
-		grpc.ChainUnaryInterceptor(a.guard.UnaryServerInterceptor()),
-		grpc.ChainStreamInterceptor(a.guard.StreamServerInterceptor()),
-	}
+	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...)}
 }
 
 // fetchObject reads the object a conditional RBAC rule is checked against,

@@ -41,6 +41,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -122,6 +123,8 @@ type Agent struct {
 	health         *health.Server
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
+	// apiMetrics counts the API port's calls.
+	apiMetrics *observe.Metrics
 	// guard is the API port's access control; nil when it is off.
 	guard *access.Guard
 	// policyFile is auth.rbac_policy; clusterPolicy the cluster-wide
@@ -365,6 +368,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.startMesh(); err != nil {
 		return err
 	}
+	a.apiMetrics = observe.New(a.metrics)
 	if err := a.startAccess(); err != nil {
 		return err
 	}
@@ -926,7 +930,7 @@ func handlerOptions() []connect.HandlerOption {
 
 func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux := http.NewServeMux()
-	opts := handlerOptions()
+	opts := append(handlerOptions(), connect.WithInterceptors(a.apiMetrics.ConnectInterceptor()))
 	if a.guard != nil {
 		opts = append(opts, connect.WithInterceptors(a.guard.ConnectInterceptor()))
 	}

@@ -6,13 +6,20 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
 
 // get fetches url and returns its status code and body.
@@ -113,5 +120,56 @@ func (s *simServer) setServing(t *testing.T, serving bool) {
 	defer cancel()
 	if _, err := s.ctl.SetServing(ctx, &simv1.SetServingRequest{Serving: serving}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestMetricsLint runs promtool check metrics on what /metrics serves
+// after calls of every kind (CI installs Debian's prometheus package;
+// elsewhere the test is skipped without promtool), and checks the spec's
+// names are there.
+func TestMetricsLint(t *testing.T) {
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("promtool is not installed (.ci/run installs Debian's prometheus package)")
+		}
+		t.Skip("promtool is not installed")
+	}
+	s := startSim(t)
+	c := agenttest.NewExpect(t, 1, withBackends(s.addr))
+	n := c.WaitLeader(20 * time.Second)
+	conn := dialPlain(t, n.APIAddr())
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	vm, err := vmv1.NewVMServiceClient(conn).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "m", Vcpus: 1, MemoryMib: 128}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vmv1.NewVMServiceClient(conn).GetVM(ctx, &vmv1.GetVMRequest{Id: "vm-missing"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("GetVM of a missing VM: %v", err)
+	}
+	if _, err := schedulev1.NewScheduleServiceClient(conn).CreateSchedule(ctx, &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
+		VmId: vm.GetVm().GetId(), Action: schedulev1.Action_ACTION_POWER_ON, Cron: "@daily", Enabled: true}}); err != nil {
+		t.Fatal(err)
+	}
+	code, body := get(t, "http://"+n.MetricsAddr()+"/metrics")
+	if code != http.StatusOK {
+		t.Fatalf("/metrics: %d", code)
+	}
+	for _, name := range []string{
+		`pivirt_api_requests_total{code="ok",method="CreateVM",service="pivirt.vm.v1.VMService"} 1`,
+		`pivirt_api_requests_total{code="not_found",method="GetVM",service="pivirt.vm.v1.VMService"} 1`,
+		`pivirt_api_requests_total{code="ok",method="CreateSchedule",service="pivirt.schedule.v1.ScheduleService"} 1`,
+		"pivirt_api_request_duration_seconds_bucket", "pivirt_mesh_requests_total", "pivirt_mesh_request_duration_seconds",
+		"pivirt_mesh_active_connections", "pivirt_schedule_lateness_seconds",
+	} {
+		if !strings.Contains(body, name) {
+			t.Errorf("/metrics has no %s", name)
+		}
+	}
+	cmd := exec.CommandContext(ctx, promtool, "check", "metrics")
+	cmd.Stdin = strings.NewReader(body)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Errorf("promtool check metrics: %v\n%s", err, out)
 	}
 }
