@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -41,8 +42,36 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		return runAgent(cmd.Context(), cfg, logger)
 	}
-	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr))
+	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
 	return root.ExecuteContext(ctx)
+}
+
+func validateCmd(stdout io.Writer) *cobra.Command {
+	var file string
+	c := &cobra.Command{
+		Use:   "validate --config FILE",
+		Short: "Check a configuration file offline: its keys and values, and the files it names (policies, certificates)",
+		Args:  cobra.NoArgs,
+		RunE: func(_ *cobra.Command, _ []string) error {
+			if file == "" {
+				return errors.New("validate: --config is required")
+			}
+			cfg, err := config.Load(file)
+			if err == nil {
+				err = cfg.Validate()
+			}
+			if err == nil {
+				err = agent.CheckFiles(cfg)
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", file, err)
+			}
+			fmt.Fprintf(stdout, "%s: ok\n", file)
+			return nil
+		},
+	}
+	c.Flags().StringVar(&file, "config", "", "configuration file to check")
+	return c
 }
 
 func versionCmd(stdout io.Writer) *cobra.Command {

@@ -41,3 +41,40 @@ func TestRecoverCommandRefuses(t *testing.T) {
 		t.Errorf("a refused recover wrote into the data dir: %v", entries)
 	}
 }
+
+// TestValidateCommand: pivirt-agent validate --config FILE checks the
+// file's keys and values and the files it names, offline.
+func TestValidateCommand(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	badPolicy := write("rbac.yaml", "apiVersion: rbac.pivirt.pilab.hu/v1\nkind: Policy\nrules:\n  - roles: [x]\n    resources: [vms]\n    verbs: [get]\n")
+	for name, tc := range map[string]struct {
+		body string
+		want string
+	}{
+		"good":                 {"data_dir: " + dir + "\ntls:\n  enabled: false\n", "ok"},
+		"bad value":            {"data_dir: " + dir + "\ntls:\n  enabled: false\nrate_limiting:\n  enabled: true\n  requests_per_second: 0\n", "rate_limiting.requests_per_second"},
+		"unknown key":          {"data_dir: " + dir + "\ntls:\n  enabled: false\nratelimiting: {}\n", "ratelimiting: unknown key"},
+		"bad policy":           {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + badPolicy + "\n", `rules[0].resources[0]: unknown "vms"`},
+		"missing certificates": {"data_dir: " + dir + "\ntls:\n  enabled: true\n  cert_file: " + dir + "/none.crt\n  key_file: " + dir + "/none.key\n  ca_file: " + dir + "/ca.pem\n", "none.crt"},
+	} {
+		path := write(strings.ReplaceAll(name, " ", "-")+".yaml", tc.body)
+		var out, errOut bytes.Buffer
+		err := Run(t.Context(), []string{"validate", "--config", path}, &out, &errOut)
+		if tc.want == "ok" {
+			if err != nil || !strings.Contains(out.String(), path+": ok") {
+				t.Errorf("%s: %v %q", name, err, out.String())
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), path) {
+			t.Errorf("%s: %v, want an error naming the file and %q", name, err, tc.want)
+		}
+	}
+}

@@ -22,11 +22,14 @@ import (
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/dynamicpb"
 
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/netpolicy"
+	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -404,3 +407,42 @@ func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp prot
 // SchedulerIdentity is who the power schedules' actions are made by, as
 // backends see it (x-pivirt-identity).
 const SchedulerIdentity = "pivirt-scheduler"
+
+// CheckFiles loads what cfg's files hold, as the agent would at start,
+// without starting anything (pivirt-agent validate): the RBAC and network
+// policy files, and the TLS certificates and keys. Every problem is
+// returned, each naming its key.
+func CheckFiles(cfg *config.Config) error {
+	var errs []error
+	if p := cfg.Auth.RBACPolicy; p != "" {
+		if _, err := authz.LoadFile(p, policyResources(), nil); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if p := cfg.Auth.NetworkPolicy; p != "" {
+		if _, err := watchfile.Load("auth.network_policy", p, netpolicy.Parse, nil); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if cfg.TLS.Enabled && !cfg.Dev {
+		srv := cfg.Server.ConnectRPC.TLS
+		for _, c := range []struct{ key, cert, keyFile, ca string }{
+			{"server.connectrpc.tls", srv.CertFile, srv.KeyFile, cmpOr(srv.ClientCAFile, srv.CAFile, cfg.TLS.CAFile)},
+			{"tls", cfg.TLS.CertFile, cfg.TLS.KeyFile, cfg.TLS.CAFile},
+		} {
+			if _, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca}); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", c.key, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func cmpOr(vals ...string) string {
+	for _, v := range vals {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
+}
