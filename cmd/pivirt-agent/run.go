@@ -15,6 +15,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway/observe"
 )
 
 // Run runs pivirt-agent with args until ctx ends, SIGTERM arrives or the
@@ -40,7 +41,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		return runAgent(cmd.Context(), cfg, logger)
+		return runAgent(cmd.Context(), cfg, logger, newAccessLogger(cfg, logger, stdout))
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
 	return root.ExecuteContext(ctx)
@@ -143,14 +144,41 @@ func newLogger(cfg *config.Config, stdout io.Writer) (*slog.Logger, error) {
 		out = f
 	}
 	opts := &slog.HandlerOptions{Level: level}
-	if cfg.Logging.Format == "text" {
-		return slog.New(slog.NewTextHandler(out, opts)), nil
-	}
-	return slog.New(slog.NewJSONHandler(out, opts)), nil
+	sampling := observe.Sampling{Initial: cfg.Logging.Sampling.Initial, Thereafter: cfg.Logging.Sampling.Thereafter}
+	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.Format, out, opts), sampling, nil)), nil
 }
 
-func runAgent(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
-	opts := agent.Options{Logger: logger}
+func handlerFor(format string, out io.Writer, opts *slog.HandlerOptions) slog.Handler {
+	if format == "text" {
+		return slog.NewTextHandler(out, opts)
+	}
+	return slog.NewJSONHandler(out, opts)
+}
+
+// newAccessLogger is logging.access_log: a line per API call, in its own
+// format, where the log goes, with the request ID; nil when disabled.
+func newAccessLogger(cfg *config.Config, logger *slog.Logger, stdout io.Writer) *slog.Logger {
+	if !cfg.Logging.AccessLog.Enabled {
+		return nil
+	}
+	out := stdout
+	switch cfg.Logging.Output {
+	case "", "stdout":
+	case "stderr":
+		out = os.Stderr
+	default:
+		// The same file, opened once more for appending.
+		f, err := os.OpenFile(cfg.Logging.Output, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o640)
+		if err != nil {
+			return logger.With("log", "access")
+		}
+		out = f
+	}
+	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
+}
+
+func runAgent(ctx context.Context, cfg *config.Config, logger, access *slog.Logger) error {
+	opts := agent.Options{Logger: logger, AccessLogger: access}
 	if cfg.Dev {
 		opts.GossipProfile = "local"
 	}

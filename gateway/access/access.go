@@ -32,6 +32,7 @@ import (
 
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	"pilab.hu/pivirt-agent/gateway/ratelimit"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 )
@@ -320,6 +321,7 @@ type call struct {
 	authorization string
 	tls           *tls.ConnectionState
 	remote        string
+	requestID     string
 }
 
 // admit authenticates the caller, applies the rate limits and decides
@@ -337,11 +339,14 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
 	if err != nil {
 		g.denied.WithLabelValues("unauthenticated").Inc()
-		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "reason", err.Error())
+		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
 		// The code says "unauthenticated" already.
 		return ctx, nil, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
 	}
 	ctx = authz.WithPrincipal(ctx, who)
+	if r, ok := observe.RequestFrom(ctx); ok {
+		r.Identity = who.Identity // for the access log
+	}
 	if err := g.limit(who, c.procedure); err != nil {
 		return ctx, nil, err
 	}
@@ -384,7 +389,7 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		return nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
 	}
 	if !gr.conditional() {
-		g.allowed(c.procedure, c.remote, gr, "")
+		g.allowed(c, gr, "")
 	}
 	return gr, nil
 }
@@ -447,7 +452,7 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 	g.denied.WithLabelValues("permission_denied").Inc()
 	reason := fmt.Sprintf(format, args...)
 	what := gr.m.full
-	attrs := []any{"audit", true, "decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "reason", reason}
+	attrs := []any{"audit", true, "decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "request_id", c.requestID, "reason", reason}
 	if gr.m.rule != nil {
 		what = fmt.Sprintf("%s %s", gr.m.rule.GetVerb(), gr.resource)
 		attrs = append(attrs, "resource", gr.resource, "verb", gr.m.rule.GetVerb())
@@ -462,14 +467,15 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 
 // allowed audit-logs an allowed call that changes something (reads are
 // logged at debug level).
-func (g *Guard) allowed(procedure, remote string, gr *grant, object string) {
+func (g *Guard) allowed(c call, gr *grant, object string) {
+	procedure, remote := c.procedure, c.remote
 	level := slog.LevelInfo
 	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" {
 		level = slog.LevelDebug
 	}
 	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",
 		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.resource,
-		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote)
+		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote, "request_id", c.requestID)
 }
 
 func rolesString(roles []string) string {
@@ -503,7 +509,7 @@ func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protore
 		if obj == nil || !gr.d.Object(obj) {
 			return g.denyGrant(c, gr, "", "the %s in the request does not meet the conditions of the rules that allow it", carried)
 		}
-		g.allowed(c.procedure, c.remote, gr, "")
+		g.allowed(c, gr, "")
 		return nil
 	}
 	id, _ := authz.FieldString(req, rule.GetIdField())
@@ -527,7 +533,7 @@ func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protore
 			return g.denyGrant(c, gr, id, "after the update it would no longer meet the conditions of the rules that allow it")
 		}
 	}
-	g.allowed(c.procedure, c.remote, gr, id)
+	g.allowed(c, gr, id)
 	return nil
 }
 

@@ -25,6 +25,7 @@ import (
 
 	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
+	"pilab.hu/pivirt-agent/gateway/observe"
 )
 
 // The codes a guard answers with (gRPC and Connect share the numbers).
@@ -119,6 +120,9 @@ func (g *Guard) connState(ctx context.Context) *tls.ConnectionState {
 // grpcCall describes the start of a grpc-go call.
 func (g *Guard) grpcCall(ctx context.Context, fullMethod string) call {
 	c := call{procedure: fullMethod, tls: g.connState(ctx)}
+	if r, ok := observe.RequestFrom(ctx); ok {
+		c.requestID = r.ID
+	}
 	if md, ok := metadata.FromIncomingContext(ctx); ok {
 		if v := md.Get("authorization"); len(v) > 0 {
 			c.authorization = v[0]
@@ -318,7 +322,11 @@ func (g *Guard) ConnectInterceptor() connect.Interceptor { return connectGuard{g
 type connectGuard struct{ g *Guard }
 
 func (i connectGuard) call(ctx context.Context, spec connect.Spec, p connect.Peer, authorization string) call {
-	return call{procedure: spec.Procedure, authorization: authorization, tls: i.g.connState(ctx), remote: p.Addr}
+	c := call{procedure: spec.Procedure, authorization: authorization, tls: i.g.connState(ctx), remote: p.Addr}
+	if r, ok := observe.RequestFrom(ctx); ok {
+		c.requestID = r.ID
+	}
+	return c
 }
 
 func (i connectGuard) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {

@@ -9,26 +9,34 @@ package observe
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"net/http"
 	"strings"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 )
 
-// Metrics are the API port's request metrics.
+// Metrics are the API port's request metrics, request IDs and access log.
 type Metrics struct {
 	requests *prometheus.CounterVec
 	duration *prometheus.HistogramVec
+	// access, when set, gets a line per call (logging.access_log).
+	access *slog.Logger
 }
 
-// New registers the metrics with reg.
-func New(reg prometheus.Registerer) *Metrics {
+// New registers the metrics with reg; access, when not nil, receives the
+// access log.
+func New(reg prometheus.Registerer, access *slog.Logger) *Metrics {
 	m := &Metrics{
+		access: access,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pivirt_api_requests_total",
 			Help: "Calls on the API port by service, method and result code (Connect/gRPC code names).",
@@ -72,10 +80,40 @@ func codeName(c connect.Code) string {
 	return c.String()
 }
 
-func (m *Metrics) observe(procedure string, code connect.Code, d time.Duration) {
+func (m *Metrics) observe(ctx context.Context, procedure, remote, protocol string, code connect.Code, d time.Duration) {
 	svc, method := labels(procedure)
 	m.requests.WithLabelValues(svc, method, codeName(code)).Inc()
 	m.duration.WithLabelValues(svc, method).Observe(d.Seconds())
+	if m.access != nil {
+		identity := ""
+		if r, ok := RequestFrom(ctx); ok {
+			identity = r.Identity
+		}
+		m.access.LogAttrs(ctx, slog.LevelInfo, "access", slog.String("method", procedure), slog.String("protocol", protocol),
+			slog.String("code", codeName(code)), slog.Duration("duration", d), slog.String("remote", remote), slog.String("identity", identity))
+	}
+}
+
+// grpcBegin takes or makes the request ID of a grpc-go call: in the
+// context (and its incoming metadata, which the proxy and the forwarding
+// pass on), and in the response headers.
+func grpcBegin(ctx context.Context) (context.Context, string) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	var given string
+	if v := md.Get(HeaderRequestID); len(v) > 0 {
+		given = v[0]
+	}
+	r := &Request{ID: requestID(given)}
+	if r.ID != given {
+		md = md.Copy()
+		md.Set(HeaderRequestID, r.ID)
+		ctx = metadata.NewIncomingContext(ctx, md)
+	}
+	remote := ""
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		remote = p.Addr.String()
+	}
+	return WithRequest(ctx, r), remote
 }
 
 // grpcCode is the code of a grpc-go handler's error (a status, or a
@@ -95,8 +133,11 @@ func grpcCode(err error) connect.Code {
 func (m *Metrics) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		start := time.Now()
+		ctx, remote := grpcBegin(ctx)
+		r, _ := RequestFrom(ctx)
+		_ = grpc.SetHeader(ctx, metadata.Pairs(HeaderRequestID, r.ID))
 		resp, err := handler(ctx, req)
-		m.observe(info.FullMethod, grpcCode(err), time.Since(start))
+		m.observe(ctx, info.FullMethod, remote, "grpc", grpcCode(err), time.Since(start))
 		return resp, err
 	}
 }
@@ -105,10 +146,29 @@ func (m *Metrics) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 func (m *Metrics) StreamServerInterceptor() grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		start := time.Now()
-		err := handler(srv, ss)
-		m.observe(info.FullMethod, grpcCode(err), time.Since(start))
+		ctx, remote := grpcBegin(ss.Context())
+		r, _ := RequestFrom(ctx)
+		_ = ss.SetHeader(metadata.Pairs(HeaderRequestID, r.ID))
+		err := handler(srv, &ctxStream{ServerStream: ss, ctx: ctx})
+		m.observe(ctx, info.FullMethod, remote, "grpc", grpcCode(err), time.Since(start))
 		return err
 	}
+}
+
+// ctxStream is a server stream with another context.
+type ctxStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *ctxStream) Context() context.Context { return s.ctx }
+
+// connectBegin takes or makes the request ID of a Connect call; it is
+// set on the request (forwarded calls carry it) and the response.
+func connectBegin(ctx context.Context, hdr http.Header) context.Context {
+	r := &Request{ID: requestID(hdr.Get(HeaderRequestID))}
+	hdr.Set(HeaderRequestID, r.ID)
+	return WithRequest(ctx, r)
 }
 
 // ConnectInterceptor measures Connect handlers.
@@ -122,8 +182,18 @@ func (c connectMetrics) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 			return next(ctx, req)
 		}
 		start := time.Now()
+		ctx = connectBegin(ctx, req.Header())
+		r, _ := RequestFrom(ctx)
 		resp, err := next(ctx, req)
-		c.m.observe(req.Spec().Procedure, codeOf(err), time.Since(start))
+		if err != nil {
+			var ce *connect.Error
+			if errors.As(err, &ce) {
+				ce.Meta().Set(HeaderRequestID, r.ID)
+			}
+		} else {
+			resp.Header().Set(HeaderRequestID, r.ID)
+		}
+		c.m.observe(ctx, req.Spec().Procedure, req.Peer().Addr, req.Peer().Protocol, codeOf(err), time.Since(start))
 		return resp, err
 	}
 }
@@ -135,8 +205,11 @@ func (connectMetrics) WrapStreamingClient(next connect.StreamingClientFunc) conn
 func (c connectMetrics) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		start := time.Now()
+		ctx = connectBegin(ctx, conn.RequestHeader())
+		r, _ := RequestFrom(ctx)
+		conn.ResponseHeader().Set(HeaderRequestID, r.ID)
 		err := next(ctx, conn)
-		c.m.observe(conn.Spec().Procedure, codeOf(err), time.Since(start))
+		c.m.observe(ctx, conn.Spec().Procedure, conn.Peer().Addr, conn.Peer().Protocol, codeOf(err), time.Since(start))
 		return err
 	}
 }

@@ -64,6 +64,9 @@ type Options struct {
 	Logger *slog.Logger
 	// GossipProfile is "lan" (default) or "local" (fast failure detection).
 	GossipProfile string
+	// AccessLogger receives the access log (logging.access_log); nil: the
+	// agent's logger.
+	AccessLogger *slog.Logger
 	// ReconcileInterval is how often the leader reconciles Raft membership
 	// with gossip when nothing changes (default 5s).
 	ReconcileInterval time.Duration
@@ -189,7 +192,9 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.Stabilization <= 0 {
 		opts.Stabilization = 10 * time.Second
 	}
-	a := &Agent{cfg: cfg, opts: opts, logger: opts.Logger, done: make(chan struct{}),
+	// Lines logged in a request's context carry its request ID.
+	logger := slog.New(observe.WithRequestIDs(opts.Logger.Handler()))
+	a := &Agent{cfg: cfg, opts: opts, logger: logger, done: make(chan struct{}),
 		pauseCh: make(chan chan struct{}), resumeCh: make(chan struct{}), loopDone: make(chan struct{})}
 	a.metrics = prometheus.NewRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -368,7 +373,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.startMesh(); err != nil {
 		return err
 	}
-	a.apiMetrics = observe.New(a.metrics)
+	var accessLog *slog.Logger
+	if a.cfg.Logging.AccessLog.Enabled {
+		accessLog = a.opts.AccessLogger
+		if accessLog == nil {
+			accessLog = a.logger.With("log", "access")
+		}
+	}
+	a.apiMetrics = observe.New(a.metrics, accessLog)
 	if err := a.startAccess(); err != nil {
 		return err
 	}

@@ -12,11 +12,16 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
@@ -172,4 +177,61 @@ func TestMetricsLint(t *testing.T) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Errorf("promtool check metrics: %v\n%s", err, out)
 	}
+}
+
+// TestRequestIDs: every API call gets a request ID — the caller's, or a
+// new one — returned in the response, passed to the backend, and on the
+// access log line of the call (logging.access_log.enabled).
+func TestRequestIDs(t *testing.T) {
+	s := startSim(t)
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withBackends(s.addr)(i, cfg)
+		cfg.Logging.AccessLog.Enabled = true
+	})
+	n := c.WaitLeader(20 * time.Second)
+	conn := dialPlain(t, n.APIAddr())
+	vms := vmv1.NewVMServiceClient(conn)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+
+	// Given by the caller: kept, returned, and sent on to the backend.
+	var hdr metadata.MD
+	_, err := vms.ListVMs(metadata.AppendToOutgoingContext(ctx, "x-request-id", "req-given-1", sim.EchoHeader, "1"), &vmv1.ListVMsRequest{}, grpc.Header(&hdr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hdr.Get("x-request-id"); len(got) == 0 || got[0] != "req-given-1" {
+		t.Errorf("response x-request-id %v, want req-given-1", got)
+	}
+	if keys := strings.Join(hdr.Get(sim.KeysHeader), ","); !strings.Contains(keys, "x-request-id") {
+		t.Errorf("the backend received the metadata keys %q, want x-request-id among them", keys)
+	}
+	// Not given: made, and returned.
+	hdr = nil
+	if _, err := clusterv1.NewClusterServiceClient(conn).Leader(ctx, &clusterv1.LeaderRequest{}, grpc.Header(&hdr)); err != nil {
+		t.Fatal(err)
+	}
+	made := hdr.Get("x-request-id")
+	if len(made) == 0 || len(made[0]) != 24 {
+		t.Fatalf("response x-request-id %v, want a new 24-hex-digit ID", made)
+	}
+	// Connect: the same, in HTTP headers.
+	api := agenttest.NewClient(agenttest.NewHTTPClient(), n.APIAddr())
+	req := connect.NewRequest(&clusterv1.LeaderRequest{})
+	req.Header().Set("X-Request-Id", "req-connect-2")
+	resp, err := api.Leader(ctx, req)
+	if err != nil || resp.Header().Get("X-Request-Id") != "req-connect-2" {
+		t.Errorf("Connect response X-Request-Id %q (%v), want req-connect-2", resp.Header().Get("X-Request-Id"), err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "access log lines", func() error {
+		for _, want := range []string{
+			`log=access method=/pivirt.vm.v1.VMService/ListVMs protocol=grpc code=ok`,
+			`request_id=req-given-1`, `request_id=req-connect-2`, "request_id=" + made[0],
+		} {
+			if !c.Logs().Contains(want) {
+				return fmt.Errorf("no access log line with %s", want)
+			}
+		}
+		return nil
+	})
 }
