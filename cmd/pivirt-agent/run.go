@@ -37,11 +37,14 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		logger, err := newLogger(cfg, stdout)
+		level := new(slog.LevelVar)
+		logger, err := newLogger(cfg, stdout, level)
 		if err != nil {
 			return err
 		}
-		return runAgent(cmd.Context(), cfg, logger, newAccessLogger(cfg, logger, stdout))
+		return runAgent(cmd.Context(), cfg, agent.Options{
+			Logger: logger, AccessLogger: newAccessLogger(cfg, logger, stdout), LogLevel: level, LoadConfig: flags.Resolve,
+		})
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
 	return root.ExecuteContext(ctx)
@@ -126,7 +129,7 @@ recovery", for the whole procedure.`,
 	return c
 }
 
-func newLogger(cfg *config.Config, stdout io.Writer) (*slog.Logger, error) {
+func newLogger(cfg *config.Config, stdout io.Writer, levelVar *slog.LevelVar) (*slog.Logger, error) {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
 		return nil, fmt.Errorf("logging.level: %w", err)
@@ -143,7 +146,8 @@ func newLogger(cfg *config.Config, stdout io.Writer) (*slog.Logger, error) {
 		}
 		out = f
 	}
-	opts := &slog.HandlerOptions{Level: level}
+	levelVar.Set(level)
+	opts := &slog.HandlerOptions{Level: levelVar}
 	sampling := observe.Sampling{Initial: cfg.Logging.Sampling.Initial, Thereafter: cfg.Logging.Sampling.Thereafter}
 	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.Format, out, opts), sampling, nil)), nil
 }
@@ -177,8 +181,8 @@ func newAccessLogger(cfg *config.Config, logger *slog.Logger, stdout io.Writer) 
 	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
 }
 
-func runAgent(ctx context.Context, cfg *config.Config, logger, access *slog.Logger) error {
-	opts := agent.Options{Logger: logger, AccessLogger: access}
+func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options) error {
+	logger := opts.Logger
 	if cfg.Dev {
 		opts.GossipProfile = "local"
 	}
@@ -209,6 +213,15 @@ func runAgent(ctx context.Context, cfg *config.Config, logger, access *slog.Logg
 		select {
 		case <-hup:
 			sd.reloading()
+			// The configuration first: refused whole when it does not
+			// load or validate; then the files it names.
+			if next, err := opts.LoadConfig(); err != nil {
+				logger.Error("SIGHUP: configuration not reloaded; the running one stays", "error", err)
+			} else if applied, restart, err := a.ReloadConfig(next); err != nil {
+				logger.Error("SIGHUP: configuration not reloaded; the running one stays", "error", err)
+			} else if len(restart) > 0 {
+				logger.Warn("SIGHUP: configuration keys that need a restart to take effect", "restart_required", restart, "applied", applied)
+			}
 			// Certificates are re-read for new handshakes and the RBAC
 			// policy file replaced; what fails to load stays in use and is
 			// logged.

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -95,13 +96,19 @@ type RouteLimit struct {
 type Guard struct {
 	cfg Config
 	// tokens seals the page tokens of filtered lists (pagetoken.go).
-	tokens   cipher.AEAD
-	defaults *ratelimit.Limiter
-	routes   []routeLimiter
-	methods  sync.Map // full method → *method
+	tokens  cipher.AEAD
+	limits  atomic.Pointer[limiters]
+	methods sync.Map // full method → *method
 
 	rateLimited *prometheus.CounterVec
 	denied      *prometheus.CounterVec
+}
+
+// limiters are the token buckets of a Limits.
+type limiters struct {
+	cfg      Limits
+	defaults *ratelimit.Limiter
+	routes   []routeLimiter
 }
 
 type routeLimiter struct {
@@ -135,14 +142,8 @@ func New(cfg Config) (g *Guard, err error) {
 	if g.tokens, err = newTokenCipher(); err != nil {
 		return nil, fmt.Errorf("access: %w", err)
 	}
-	if l := cfg.Limits.Default; l.PerSecond > 0 {
-		g.defaults = ratelimit.New(l.PerSecond, max(l.Burst, 1), 0, cfg.Now)
-	}
-	for _, r := range cfg.Limits.Routes {
-		if r.PerSecond <= 0 {
-			return nil, fmt.Errorf("access: rate limit of %s: rate must be positive", r.Prefix)
-		}
-		g.routes = append(g.routes, routeLimiter{prefix: r.Prefix, l: ratelimit.New(r.PerSecond, max(r.Burst, 1), 0, cfg.Now), Limit: r.Limit})
+	if err := g.SetLimits(cfg.Limits); err != nil {
+		return nil, err
 	}
 	if cfg.Registerer != nil {
 		for _, c := range []prometheus.Collector{g.rateLimited, g.denied} {
@@ -152,6 +153,23 @@ func New(cfg Config) (g *Guard, err error) {
 		}
 	}
 	return g, nil
+}
+
+// SetLimits replaces the rate limits (a configuration reload); the
+// buckets start full.
+func (g *Guard) SetLimits(l Limits) error {
+	set := &limiters{cfg: l}
+	if d := l.Default; d.PerSecond > 0 {
+		set.defaults = ratelimit.New(d.PerSecond, max(d.Burst, 1), 0, g.cfg.Now)
+	}
+	for _, r := range l.Routes {
+		if r.PerSecond <= 0 {
+			return fmt.Errorf("access: rate limit of %s: rate must be positive", r.Prefix)
+		}
+		set.routes = append(set.routes, routeLimiter{prefix: r.Prefix, l: ratelimit.New(r.PerSecond, max(r.Burst, 1), 0, g.cfg.Now), Limit: r.Limit})
+	}
+	g.limits.Store(set)
+	return nil
 }
 
 // Methods that need no authorization rule: health checks are open to all
@@ -415,13 +433,14 @@ func (g *Guard) Authorize(ctx context.Context, procedure string, req proto.Messa
 
 // limit takes a token of the caller's bucket of the route.
 func (g *Guard) limit(who authz.Principal, procedure string) error {
-	l, route := g.defaults, "*"
+	set := g.limits.Load()
+	l, route := set.defaults, "*"
 	var lim Limit
 	if l != nil {
-		lim = g.cfg.Limits.Default
+		lim = set.cfg.Default
 	}
 	best := -1
-	for _, r := range g.routes {
+	for _, r := range set.routes {
 		if strings.HasPrefix(procedure, r.prefix) && len(r.prefix) > best {
 			l, route, lim, best = r.l, r.prefix, r.Limit, len(r.prefix)
 		}

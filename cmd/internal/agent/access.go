@@ -116,17 +116,10 @@ func (a *Agent) startAccess() error {
 	}
 	a.wg.Go(func() { a.catchUpPolicy(a.ctx) })
 	a.wg.Go(func() { a.watchClusterPolicy(a.ctx) })
-	limits := access.Limits{}
-	if rl := a.cfg.RateLimiting; rl.Enabled {
-		limits.Default = access.Limit{PerSecond: rl.RequestsPerSecond, Burst: rl.Burst}
-		for _, r := range rl.Routes {
-			limits.Routes = append(limits.Routes, access.RouteLimit{Prefix: r.Prefix, Limit: access.Limit{PerSecond: r.RequestsPerSecond, Burst: r.Burst}})
-		}
-	}
 	g, err := access.New(access.Config{
 		Authenticator: auth,
 		Policy:        a.policy,
-		Limits:        limits,
+		Limits:        rateLimits(a.cfg.RateLimiting),
 		Fetch:         a.fetchObject,
 		Ready:         a.policyReady,
 		Resource:      configResource,
@@ -379,15 +372,43 @@ func (a *Agent) Reload() (reloaded []string, err error) {
 	return reloaded, errors.Join(errs...)
 }
 
-// reloadHandler is POST /reload.
+// reloadHandler is POST /reload: the configuration read again (when the
+// agent knows how: Options.LoadConfig) and applied where it can change
+// live, then the files it names. A configuration that does not load or
+// validate is refused whole (422, naming the key), and the running one
+// stays.
 func (a *Agent) reloadHandler(w http.ResponseWriter, r *http.Request) {
+	body := map[string]any{"status": "ok"}
+	if a.opts.LoadConfig != nil {
+		next, err := a.opts.LoadConfig()
+		if err == nil {
+			var applied, restart []string
+			if applied, restart, err = a.ReloadConfig(next); err == nil {
+				body["applied"], body["restart_required"] = nonNil(applied), nonNil(restart)
+			}
+		}
+		if err != nil {
+			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(),
+				"kept": "the running configuration stays as it was"})
+			return
+		}
+	}
 	reloaded, err := a.Reload()
+	body["reloaded"] = reloaded
 	if err != nil {
-		writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(), "reloaded": reloaded,
-			"kept": "what failed to load stays in use as it was; the rest was reloaded"})
+		body["status"], body["error"] = "error", err.Error()
+		body["kept"] = "what failed to load stays in use as it was; the rest was reloaded"
+		writeJSON(w, http.StatusUnprocessableEntity, body)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "reloaded": reloaded})
+	writeJSON(w, http.StatusOK, body)
+}
+
+func nonNil(s []string) []string {
+	if s == nil {
+		return []string{}
+	}
+	return s
 }
 
 // invokeBackend calls a backend method through the gateway's backend

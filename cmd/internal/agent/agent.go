@@ -67,6 +67,12 @@ type Options struct {
 	// AccessLogger receives the access log (logging.access_log); nil: the
 	// agent's logger.
 	AccessLogger *slog.Logger
+	// LogLevel is the level of the agent's logger, set by a configuration
+	// reload; nil: logging.level needs a restart.
+	LogLevel *slog.LevelVar
+	// LoadConfig reads the configuration again (file and flags) for POST
+	// /reload; nil: /reload reloads the files only.
+	LoadConfig func() (*config.Config, error)
 	// ReconcileInterval is how often the leader reconciles Raft membership
 	// with gossip when nothing changes (default 5s).
 	ReconcileInterval time.Duration
@@ -128,6 +134,10 @@ type Agent struct {
 	backendSources []*identity.Source
 	// apiMetrics counts the API port's calls.
 	apiMetrics *observe.Metrics
+	// current is the configuration in force after reloads; reloadMu
+	// serialises them.
+	current  atomic.Pointer[config.Config]
+	reloadMu sync.Mutex
 	// guard is the API port's access control; nil when it is off.
 	guard *access.Guard
 	// policyFile is auth.rbac_policy; clusterPolicy the cluster-wide
@@ -221,6 +231,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.openDataDir(); err != nil {
 		return err
 	}
+	a.current.Store(a.cfg)
 	a.logger = a.logger.With("node_id", a.nodeID)
 	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", Version)
 	if err := a.listen(); err != nil {

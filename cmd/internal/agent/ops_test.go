@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -24,6 +25,7 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
 
@@ -234,4 +236,52 @@ func TestRequestIDs(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestReloadConfig: a reloaded configuration applies what can change live
+// (routing.rules here), names the keys that need a restart, and is
+// refused whole when a live part cannot be applied (a route to a backend
+// that does not run), the running configuration staying.
+func TestReloadConfig(t *testing.T) {
+	s := startSim(t)
+	c := agenttest.NewExpect(t, 1, withBackends(s.addr))
+	n := c.WaitLeader(20 * time.Second)
+	conn := dialPlain(t, n.APIAddr())
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	vols := storagev1.NewStorageServiceClient(conn)
+	if _, err := vols.ListVolumes(ctx, &storagev1.ListVolumesRequest{}); err != nil {
+		t.Fatal(err)
+	}
+
+	bad := *n.Cfg
+	bad.Routing.Rules = append(slices.Clone(n.Cfg.Routing.Rules), config.RouteRule{Match: config.RouteMatch{Prefix: "/pivirt.network.v1.NetworkService"}, Route: config.RouteTarget{Cluster: "netd"}})
+	if _, _, err := n.ReloadConfig(&bad); err == nil || !strings.Contains(err.Error(), `routing.rules[2].route.cluster: "netd" is not a running backend`) {
+		t.Errorf("a route to a backend that does not run: %v", err)
+	}
+	if _, err := vols.ListVolumes(ctx, &storagev1.ListVolumesRequest{}); err != nil {
+		t.Errorf("after a refused reload the volumes route is gone: %v", err)
+	}
+
+	next := *n.Cfg
+	next.Routing.Rules = n.Cfg.Routing.Rules[:1] // the VM API only
+	next.Server.Metrics.Addr = "127.0.0.1:1"
+	next.Logging.Level = "warn"
+	applied, restart, err := n.ReloadConfig(&next)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(applied, []string{"routing.rules"}) || !slices.Equal(restart, []string{"logging.level", "server.metrics.addr"}) {
+		t.Errorf("applied %v, restart required %v", applied, restart)
+	}
+	if _, err := vols.ListVolumes(ctx, &storagev1.ListVolumesRequest{}); status.Code(err) != codes.Unimplemented {
+		t.Errorf("the volumes route after it was removed: %v, want Unimplemented", err)
+	}
+	if _, err := vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{}); err != nil {
+		t.Errorf("the VM route after the reload: %v", err)
+	}
+	// Reloading the same again changes nothing.
+	if applied, restart, err := n.ReloadConfig(&next); err != nil || len(applied) != 0 || !slices.Equal(restart, []string{"logging.level", "server.metrics.addr"}) {
+		t.Errorf("the same reload again: applied %v, restart %v, %v", applied, restart, err)
+	}
 }
