@@ -209,6 +209,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	a.metrics = prometheus.NewRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
+	a.metrics.MustRegister(newStateCollector(a))
 	return a, nil
 }
 

@@ -159,11 +159,15 @@ func TestMetricsLint(t *testing.T) {
 		VmId: vm.GetVm().GetId(), Action: schedulev1.Action_ACTION_POWER_ON, Cron: "@daily", Enabled: true}}); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := agenttest.Register(ctx, n, "web", "web-1", "10.0.0.1", 80); err != nil {
+		t.Fatal(err)
+	}
 	code, body := get(t, "http://"+n.MetricsAddr()+"/metrics")
 	if code != http.StatusOK {
 		t.Fatalf("/metrics: %d", code)
 	}
 	for _, name := range []string{
+		"service_discovery_services 1", `service_discovery_instances{health="passing",service="web"} 1`, `pivirt_gossip_members{state="alive"} 1`,
 		`pivirt_api_requests_total{code="ok",method="CreateVM",service="pivirt.vm.v1.VMService"} 1`,
 		`pivirt_api_requests_total{code="not_found",method="GetVM",service="pivirt.vm.v1.VMService"} 1`,
 		`pivirt_api_requests_total{code="ok",method="CreateSchedule",service="pivirt.schedule.v1.ScheduleService"} 1`,

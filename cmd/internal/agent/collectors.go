@@ -1,0 +1,76 @@
+package agent
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pilab.hu/pivirt-agent/cluster"
+)
+
+// stateCollector exposes, at each scrape, the replicated service registry
+// and the gossip view of this node: service_discovery_services,
+// service_discovery_instances{service,health} and
+// pivirt_gossip_members{state}.
+type stateCollector struct {
+	a                           *Agent
+	services, instances, gossip *prometheus.Desc
+}
+
+func newStateCollector(a *Agent) *stateCollector {
+	return &stateCollector{
+		a:         a,
+		services:  prometheus.NewDesc("service_discovery_services", "Services registered in the replicated registry (this node's state).", nil, nil),
+		instances: prometheus.NewDesc("service_discovery_instances", "Service instances registered, by service and health (this node's state).", []string{"service", "health"}, nil),
+		gossip:    prometheus.NewDesc("pivirt_gossip_members", "Members of the gossip ring by state, as this node sees them.", []string{"state"}, nil),
+	}
+}
+
+func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.services
+	ch <- c.instances
+	ch <- c.gossip
+}
+
+func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
+	if f := c.a.fsm; f != nil {
+		if _, insts, err := f.State().Services("", nil); err == nil {
+			type key struct{ service, health string }
+			counts := map[key]int{}
+			names := map[string]bool{}
+			for _, in := range insts {
+				names[in.GetService()] = true
+				counts[key{in.GetService(), healthName(in.GetHealth().String())}]++
+			}
+			ch <- prometheus.MustNewConstMetric(c.services, prometheus.GaugeValue, float64(len(names)))
+			for k, n := range counts {
+				ch <- prometheus.MustNewConstMetric(c.instances, prometheus.GaugeValue, float64(n), k.service, k.health)
+			}
+		}
+	}
+	if g := c.a.gossip; g != nil {
+		states := map[string]int{}
+		for _, s := range []cluster.MemberStatus{cluster.StatusAlive, cluster.StatusSuspect, cluster.StatusFailed, cluster.StatusLeft} {
+			states[s.String()] = 0
+		}
+		for _, m := range g.Members() {
+			states[m.Status.String()]++
+		}
+		for s, n := range states {
+			ch <- prometheus.MustNewConstMetric(c.gossip, prometheus.GaugeValue, float64(n), s)
+		}
+	}
+}
+
+// healthName is HEALTH_PASSING as "passing".
+func healthName(enum string) string {
+	const prefix = "HEALTH_"
+	if len(enum) > len(prefix) && enum[:len(prefix)] == prefix {
+		enum = enum[len(prefix):]
+	}
+	out := []byte(enum)
+	for i, b := range out {
+		if b >= 'A' && b <= 'Z' {
+			out[i] = b + 'a' - 'A'
+		}
+	}
+	return string(out)
+}
