@@ -4,6 +4,8 @@ import (
 	"context"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cluster"
@@ -20,6 +22,8 @@ type raftAdapter struct {
 	expect int
 	name   string
 	view   *cluster.BootstrapView
+	// applyTime observes the time of each proposal until it is applied.
+	applyTime prometheus.Observer
 }
 
 var (
@@ -69,7 +73,12 @@ func (a raftAdapter) TransferLeadership(ctx context.Context, id string) (string,
 }
 
 func (a raftAdapter) Apply(ctx context.Context, cmd []byte) (any, uint64, error) {
-	return a.s.Apply(ctx, cmd)
+	start := time.Now()
+	resp, index, err := a.s.Apply(ctx, cmd)
+	if a.applyTime != nil && err == nil {
+		a.applyTime.Observe(time.Since(start).Seconds())
+	}
+	return resp, index, err
 }
 
 func (a raftAdapter) Leader() (string, string) { return a.s.Leader() }

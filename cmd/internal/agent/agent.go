@@ -132,6 +132,8 @@ type Agent struct {
 	health         *health.Server
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
+	// raftApplyTime is pivirt_raft_apply_duration_seconds.
+	raftApplyTime prometheus.Observer
 	// apiMetrics counts the API port's calls.
 	apiMetrics *observe.Metrics
 	// current is the configuration in force after reloads; reloadMu
@@ -210,6 +212,13 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
 	a.metrics.MustRegister(newStateCollector(a))
+	apply := prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "pivirt_raft_apply_duration_seconds",
+		Help:    "Time from proposing a command through Raft on this node (the leader) until it is applied.",
+		Buckets: prometheus.ExponentialBuckets(0.0002, 2, 16),
+	})
+	a.metrics.MustRegister(apply)
+	a.raftApplyTime = apply
 	return a, nil
 }
 
@@ -289,7 +298,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("start raft: %w", err)
 	}
 	a.view = &cluster.BootstrapView{}
-	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view}
+	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime}
 
 	gcfg := cluster.DefaultGossipConfig()
 	gcfg.NodeName = a.cfg.NodeName

@@ -1,18 +1,23 @@
 package agent
 
 import (
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pilab.hu/pivirt-agent/cluster"
 )
 
-// stateCollector exposes, at each scrape, the replicated service registry
-// and the gossip view of this node: service_discovery_services,
-// service_discovery_instances{service,health} and
-// pivirt_gossip_members{state}.
+// stateCollector exposes, at each scrape, the replicated service registry,
+// the gossip view and the Raft state of this node:
+// service_discovery_services, service_discovery_instances{service,health},
+// pivirt_gossip_members{state}, pivirt_raft_leader, _term, _commit_index,
+// _applied_index and _last_contact_seconds.
 type stateCollector struct {
 	a                           *Agent
 	services, instances, gossip *prometheus.Desc
+	leader, term, commit, apply *prometheus.Desc
+	lastContact                 *prometheus.Desc
 }
 
 func newStateCollector(a *Agent) *stateCollector {
@@ -21,6 +26,12 @@ func newStateCollector(a *Agent) *stateCollector {
 		services:  prometheus.NewDesc("service_discovery_services", "Services registered in the replicated registry (this node's state).", nil, nil),
 		instances: prometheus.NewDesc("service_discovery_instances", "Service instances registered, by service and health (this node's state).", []string{"service", "health"}, nil),
 		gossip:    prometheus.NewDesc("pivirt_gossip_members", "Members of the gossip ring by state, as this node sees them.", []string{"state"}, nil),
+		leader:    prometheus.NewDesc("pivirt_raft_leader", "1 when this node is the Raft leader.", nil, nil),
+		term:      prometheus.NewDesc("pivirt_raft_term", "This node's current Raft term.", nil, nil),
+		commit:    prometheus.NewDesc("pivirt_raft_commit_index", "The highest Raft index this node knows committed.", nil, nil),
+		apply:     prometheus.NewDesc("pivirt_raft_applied_index", "The highest Raft index applied to this node's state.", nil, nil),
+		lastContact: prometheus.NewDesc("pivirt_raft_last_contact_seconds",
+			"Seconds since this follower last heard from the leader (0 on the leader).", nil, nil),
 	}
 }
 
@@ -28,9 +39,28 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.services
 	ch <- c.instances
 	ch <- c.gossip
+	for _, d := range []*prometheus.Desc{c.leader, c.term, c.commit, c.apply, c.lastContact} {
+		ch <- d
+	}
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
+	if s := c.a.store; s != nil {
+		st := s.Status()
+		leader := 0.0
+		if st.State == "Leader" {
+			leader = 1
+		}
+		since := 0.0
+		if !st.LastContact.IsZero() && st.State != "Leader" {
+			since = time.Since(st.LastContact).Seconds()
+		}
+		ch <- prometheus.MustNewConstMetric(c.leader, prometheus.GaugeValue, leader)
+		ch <- prometheus.MustNewConstMetric(c.term, prometheus.GaugeValue, float64(st.Term))
+		ch <- prometheus.MustNewConstMetric(c.commit, prometheus.GaugeValue, float64(st.CommitIndex))
+		ch <- prometheus.MustNewConstMetric(c.apply, prometheus.GaugeValue, float64(st.AppliedIndex))
+		ch <- prometheus.MustNewConstMetric(c.lastContact, prometheus.GaugeValue, since)
+	}
 	if f := c.a.fsm; f != nil {
 		if _, insts, err := f.State().Services("", nil); err == nil {
 			type key struct{ service, health string }

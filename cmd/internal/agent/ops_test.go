@@ -168,6 +168,8 @@ func TestMetricsLint(t *testing.T) {
 	}
 	for _, name := range []string{
 		"service_discovery_services 1", `service_discovery_instances{health="passing",service="web"} 1`, `pivirt_gossip_members{state="alive"} 1`,
+		"pivirt_raft_leader 1", "pivirt_raft_term ", "pivirt_raft_commit_index ", "pivirt_raft_applied_index ", "pivirt_raft_last_contact_seconds 0",
+		"pivirt_raft_apply_duration_seconds_count",
 		`pivirt_api_requests_total{code="ok",method="CreateVM",service="pivirt.vm.v1.VMService"} 1`,
 		`pivirt_api_requests_total{code="not_found",method="GetVM",service="pivirt.vm.v1.VMService"} 1`,
 		`pivirt_api_requests_total{code="ok",method="CreateSchedule",service="pivirt.schedule.v1.ScheduleService"} 1`,
