@@ -38,6 +38,7 @@ const CompressMinBytes = 1024
 // Go HTTP/2 client connection serialises its streams on.
 type Pool struct {
 	creds  credentials.TransportCredentials
+	extra  []grpc.DialOption
 	mu     sync.Mutex
 	conns  map[string]*grpc.ClientConn
 	closed bool
@@ -58,6 +59,15 @@ func NewPoolTLS(client func(host string) *tls.Config) *Pool {
 		creds = hostCredentials{client: client}
 	}
 	return &Pool{creds: creds, conns: make(map[string]*grpc.ClientConn)}
+}
+
+// WithDialOptions adds options to the connections the pool makes from
+// now on (tracing); it returns the pool.
+func (p *Pool) WithDialOptions(opts ...grpc.DialOption) *Pool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.extra = append(p.extra, opts...)
+	return p
 }
 
 // hostCredentials are TLS client credentials whose configuration names the
@@ -116,7 +126,7 @@ func (p *Pool) conn(addr string) grpc.ClientConnInterface {
 	if c, ok := p.conns[addr]; ok {
 		return c
 	}
-	c, err := grpc.NewClient("passthrough:///"+addr, dialOptions(p.creds)...)
+	c, err := grpc.NewClient("passthrough:///"+addr, append(dialOptions(p.creds), p.extra...)...)
 	if err != nil {
 		return failedConn{status.Errorf(codes.Unavailable, "peer %s: %v", addr, err)}
 	}

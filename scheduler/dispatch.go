@@ -10,6 +10,8 @@ import (
 
 	"github.com/hashicorp/go-memdb"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -112,6 +114,8 @@ type DispatcherConfig struct {
 	RetryAfter time.Duration
 	Logger     *slog.Logger
 	Metrics    *ScheduleMetrics
+	// Tracer makes a span per run (nil: none).
+	Tracer trace.Tracer
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
@@ -481,6 +485,13 @@ func (d *dispatcher) apply(ctx context.Context, cmd *fsmv1.Command) error {
 // that found no backend endpoint (nothing was sent) is tried again within
 // the action timeout; no other failure is, so an action never runs twice.
 func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.Time) {
+	if d.cfg.Tracer != nil {
+		var span trace.Span
+		ctx, span = d.cfg.Tracer.Start(ctx, "schedule.run", trace.WithAttributes(
+			attribute.String("schedule.id", s.GetId()), attribute.String("schedule.action", ActionName(s.GetAction())),
+			attribute.String("vm.id", s.GetVmId()), attribute.String("schedule.slot", slot.UTC().Format(time.RFC3339))))
+		defer span.End()
+	}
 	started := d.cfg.Now()
 	d.cfg.Metrics.lateness.Observe(started.Sub(slot).Seconds())
 	actx, cancel := context.WithTimeout(ctx, d.cfg.ActionTimeout)

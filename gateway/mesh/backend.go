@@ -58,6 +58,8 @@ type BackendConfig struct {
 	Policy string
 	// Timeout bounds each attempt (0: only the caller's deadline).
 	Timeout time.Duration
+	// DialOptions are added to every endpoint's connection (tracing).
+	DialOptions []grpc.DialOption
 	// TLS returns the client TLS configuration that verifies the server
 	// at addr (an endpoint address) as serverName; nil: plaintext (an
 	// https:// endpoint requires it).
@@ -410,17 +412,17 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 	if b.cfg.TLS != nil {
 		creds = credentials.NewTLS(b.cfg.TLS(name, addr))
 	}
-	conn, err := grpc.NewClient(target,
+	conn, err := grpc.NewClient(target, append([]grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		grpc.WithAuthority(name),
-		grpc.WithInitialWindowSize(1<<20),
-		grpc.WithInitialConnWindowSize(4<<20),
+		grpc.WithInitialWindowSize(1 << 20),
+		grpc.WithInitialConnWindowSize(4 << 20),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(b.cfg.MaxMessageBytes),
 			grpc.MaxCallSendMsgSize(b.cfg.MaxMessageBytes),
 			grpc.ForceCodecV2(Codec()),
 		),
-	)
+	}, b.cfg.DialOptions...)...)
 	if err != nil {
 		return nil, fmt.Errorf("backends.%s: %s: %w", b.cfg.Name, addr, err)
 	}

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -24,6 +26,7 @@ type raftAdapter struct {
 	view   *cluster.BootstrapView
 	// applyTime observes the time of each proposal until it is applied.
 	applyTime prometheus.Observer
+	tracer    trace.Tracer
 }
 
 var (
@@ -74,6 +77,11 @@ func (a raftAdapter) TransferLeadership(ctx context.Context, id string) (string,
 
 func (a raftAdapter) Apply(ctx context.Context, cmd []byte) (any, uint64, error) {
 	start := time.Now()
+	if a.tracer != nil {
+		var span trace.Span
+		ctx, span = a.tracer.Start(ctx, "raft.apply", trace.WithAttributes(attribute.Int("raft.command_bytes", len(cmd))))
+		defer span.End()
+	}
 	resp, index, err := a.s.Apply(ctx, cmd)
 	if a.applyTime != nil && err == nil {
 		a.applyTime.Observe(time.Since(start).Seconds())

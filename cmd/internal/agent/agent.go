@@ -67,6 +67,9 @@ type Options struct {
 	// AccessLogger receives the access log (logging.access_log); nil: the
 	// agent's logger.
 	AccessLogger *slog.Logger
+	// TraceBatchTimeout is how long spans wait to be exported (default
+	// 5 s; tests shorten it).
+	TraceBatchTimeout time.Duration
 	// LogLevel is the level of the agent's logger, set by a configuration
 	// reload; nil: logging.level needs a restart.
 	LogLevel *slog.LevelVar
@@ -132,6 +135,8 @@ type Agent struct {
 	health         *health.Server
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
+	// tracing exports spans (tracing.enabled); a no-op otherwise.
+	tracing *observe.Tracing
 	// raftApplyTime is pivirt_raft_apply_duration_seconds.
 	raftApplyTime prometheus.Observer
 	// apiMetrics counts the API port's calls.
@@ -243,6 +248,13 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	a.current.Store(a.cfg)
 	a.logger = a.logger.With("node_id", a.nodeID)
+	tc := a.cfg.Tracing
+	if a.tracing, err = observe.NewTracing(a.ctx, observe.TraceConfig{
+		Enabled: tc.Enabled, Exporter: tc.Exporter, Endpoint: tc.Endpoint, SamplingRate: tc.SamplingRate,
+		Service: "pivirt-agent", NodeID: a.nodeID, BatchTimeout: a.opts.TraceBatchTimeout,
+	}); err != nil {
+		return err
+	}
 	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", Version)
 	if err := a.listen(); err != nil {
 		return err
@@ -274,6 +286,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 	}
 
+	if tc.Enabled {
+		// Calls to other agents (forwarded writes, reads) carry the trace.
+		a.pool.WithDialOptions(a.tracing.ClientOption())
+	}
 	fcfg := fsm.DefaultConfig()
 	fcfg.Logger = a.logger
 	a.fsm, err = fsm.New(fcfg)
@@ -298,7 +314,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("start raft: %w", err)
 	}
 	a.view = &cluster.BootstrapView{}
-	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime}
+	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer()}
 
 	gcfg := cluster.DefaultGossipConfig()
 	gcfg.NodeName = a.cfg.NodeName
@@ -413,7 +429,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.schedules))
 		a.registerAPIExtras(s)
-	}, append(a.proxyServerOptions(), a.accessServerOptions()...)...); err != nil {
+	}, append(append(a.proxyServerOptions(), a.accessServerOptions()...), a.tracingServerOptions()...)...); err != nil {
 		return err
 	}
 	var signer cluster.CertificateSigner
@@ -428,7 +444,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(internalSchedules))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
-	}); err != nil {
+	}, a.tracingServerOptions()...); err != nil {
 		return err
 	}
 	a.serve(a.lnMetrics, a.metricsMux())
@@ -795,6 +811,7 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 			NodeID:  a.nodeID,
 			Logger:  a.logger,
 			Metrics: a.scheduleMetrics,
+			Tracer:  a.tracing.Tracer(),
 		}, a.fsm, a.raft, a.invokeBackend)
 	}()
 }
@@ -963,7 +980,11 @@ func handlerOptions() []connect.HandlerOption {
 
 func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux := http.NewServeMux()
-	opts := append(handlerOptions(), connect.WithInterceptors(a.apiMetrics.ConnectInterceptor()))
+	opts := handlerOptions()
+	if a.cfg.Tracing.Enabled {
+		opts = append(opts, connect.WithInterceptors(a.tracing.ConnectInterceptor()))
+	}
+	opts = append(opts, connect.WithInterceptors(a.apiMetrics.ConnectInterceptor()))
 	if a.guard != nil {
 		opts = append(opts, connect.WithInterceptors(a.guard.ConnectInterceptor()))
 	}
@@ -1168,6 +1189,13 @@ func (a *Agent) shutdownLocked() error {
 	}
 	swg.Wait()
 	a.logger.Debug("shutdown: servers stopped", "took", time.Since(began).Round(time.Millisecond))
+	if a.tracing != nil {
+		tctx, tcancel := context.WithTimeout(context.Background(), 2*time.Second)
+		if err := a.tracing.Shutdown(tctx); err != nil {
+			a.logger.Warn("exporting the last spans failed", "error", err)
+		}
+		tcancel()
+	}
 	if err := a.closeMesh(); err != nil {
 		errs = append(errs, err)
 	}

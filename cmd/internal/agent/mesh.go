@@ -75,9 +75,10 @@ func (a *Agent) startMesh() error {
 				Enabled: cb.Enabled, Consecutive5xx: cb.Thresholds.Consecutive5xx, Interval: cb.Thresholds.Interval.Std(),
 				BaseEjectionTime: cb.Thresholds.BaseEjectionTime.Std(), MaxEjectionPercent: cb.Thresholds.MaxEjectionPercent,
 			},
-			Retry:   mesh.Retry{MaxAttempts: bc.Retry.MaxAttempts, Backoff: bc.Retry.Backoff.Std()},
-			OnEject: func(string) { stats.Ejected(name) },
-			Logger:  a.logger,
+			Retry:       mesh.Retry{MaxAttempts: bc.Retry.MaxAttempts, Backoff: bc.Retry.Backoff.Std()},
+			DialOptions: a.backendDialOptions(),
+			OnEject:     func(string) { stats.Ejected(name) },
+			Logger:      a.logger,
 		})
 		if err != nil {
 			return err
@@ -339,4 +340,22 @@ func (a *Agent) devBackends() error {
 	a.cfg = &cfg
 	a.logger.Warn("dev mode: the VM, storage and network APIs go to an in-process pivirtd-sim (a simulator, not a hypervisor)", "socket", addr)
 	return nil
+}
+
+// backendDialOptions are added to the backend connections: with tracing
+// on, a span per attempt, whose context goes to the backend.
+func (a *Agent) backendDialOptions() []grpc.DialOption {
+	if !a.cfg.Tracing.Enabled {
+		return nil
+	}
+	return []grpc.DialOption{a.tracing.ClientOption()}
+}
+
+// tracingServerOptions instrument a gRPC server of the agent: a span per
+// call, continuing the caller's trace.
+func (a *Agent) tracingServerOptions() []grpc.ServerOption {
+	if !a.cfg.Tracing.Enabled {
+		return nil
+	}
+	return []grpc.ServerOption{grpc.StatsHandler(a.tracing.ServerHandler())}
 }

@@ -54,6 +54,7 @@ func Options(logger *slog.Logger) agent.Options {
 		TTLInterval:             200 * time.Millisecond,
 		Stabilization:           500 * time.Millisecond,
 		GossipReconnectInterval: time.Second,
+		TraceBatchTimeout:       200 * time.Millisecond,
 	}
 }
 
