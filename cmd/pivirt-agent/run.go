@@ -245,6 +245,9 @@ func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options) error
 				return a.Leave(context.Background())
 			}
 			logger.Info("SIGTERM: shutting down without leaving")
+			hctx, hcancel := context.WithTimeout(context.Background(), 10*time.Second)
+			a.HandOff(hctx)
+			hcancel()
 		case <-ctx.Done():
 			sd.stopping()
 			logger.Info("interrupted: shutting down without leaving")

@@ -1111,6 +1111,20 @@ func (a *Agent) waitRemoved(ctx context.Context) {
 	}
 }
 
+// HandOff transfers leadership to another voter when this node leads and
+// has peers (cluster.transfer_leadership_on_shutdown); bounded by ctx.
+func (a *Agent) HandOff(ctx context.Context) {
+	if !a.cfg.Cluster.TransferLeadershipOnShutdown || a.store == nil || a.store.Status().State != "Leader" || a.store.Status().NumPeers == 0 {
+		return
+	}
+	to, err := a.store.TransferLeadership(ctx, "")
+	if err != nil {
+		a.logger.Warn("handing leadership over before shutdown failed; the others elect a leader", "error", err)
+		return
+	}
+	a.logger.Info("leadership handed over before shutdown", "to", to)
+}
+
 // Alive reports whether the agent is running: not stopped, and its Raft
 // node not shut down (the systemd watchdog is pinged only then).
 func (a *Agent) Alive() bool {

@@ -291,3 +291,24 @@ func TestReloadConfig(t *testing.T) {
 		t.Errorf("the same reload again: applied %v, restart %v, %v", applied, restart, err)
 	}
 }
+
+// TestHandOffOnShutdown: a leader stopping without leaving hands its
+// leadership to another voter first (cluster.transfer_leadership_on_shutdown).
+func TestHandOffOnShutdown(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	leader := c.WaitLeader(60 * time.Second)
+	c.WaitPeers(60*time.Second, 3, 0)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	leader.HandOff(ctx)
+	if leader.IsLeader() {
+		t.Fatal("still the leader after handing off")
+	}
+	next := c.WaitLeader(10 * time.Second)
+	if next.NodeID() == leader.NodeID() {
+		t.Errorf("leadership stayed with %s", leader.Name)
+	}
+	if !c.Logs().Contains("leadership handed over before shutdown") {
+		t.Error("the hand-off was not logged")
+	}
+}

@@ -365,6 +365,10 @@ type ClusterConfig struct {
 	RetryInterval    Duration `yaml:"retry_interval"`
 	RetryMax         int      `yaml:"retry_max"`
 	LeaveOnTerminate bool     `yaml:"leave_on_terminate"`
+	// TransferLeadershipOnShutdown: a leader stopping without leaving
+	// (SIGTERM, systemctl stop) first hands leadership to another voter,
+	// so writes see no election timeout.
+	TransferLeadershipOnShutdown bool `yaml:"transfer_leadership_on_shutdown"`
 	// ForwardHoldTimeout is how long a request waits for a leader before failing.
 	ForwardHoldTimeout Duration `yaml:"forward_hold_timeout"`
 }
@@ -478,8 +482,9 @@ func Default() *Config {
 				SnapshotInterval:   Duration(2 * time.Minute),
 				TrailingLogs:       10240,
 			},
-			RetryInterval:      Duration(DefaultRetryInterval),
-			ForwardHoldTimeout: Duration(DefaultForwardHoldTimeout),
+			RetryInterval:                Duration(DefaultRetryInterval),
+			TransferLeadershipOnShutdown: true,
+			ForwardHoldTimeout:           Duration(DefaultForwardHoldTimeout),
 		},
 		Snapshot: SnapshotConfig{
 			Interval: Duration(DefaultSnapshotInterval),
