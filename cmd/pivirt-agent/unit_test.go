@@ -44,6 +44,21 @@ func TestSystemdUnit(t *testing.T) {
 	if err := fs.Parse(exec[1:]); err != nil || fl.ConfigFile() != "/etc/pivirt-agent/config.yaml" {
 		t.Errorf("the agent refuses ExecStart's flags %v: %v", exec[1:], err)
 	}
+	// Every ReadWritePaths entry exists when the unit starts (systemd
+	// refuses the namespace otherwise): made by a *Directory= setting.
+	made := map[string]bool{}
+	for k, dir := range map[string]string{"RuntimeDirectory": "/run/", "LogsDirectory": "/var/log/", "StateDirectory": "/var/lib/"} {
+		for _, v := range keys[k] {
+			made[dir+v] = true
+		}
+	}
+	for _, line := range keys["ReadWritePaths"] {
+		for _, p := range strings.Fields(line) {
+			if !strings.HasPrefix(p, "-") && !made[p] {
+				t.Errorf("ReadWritePaths %s: nothing makes it (a missing path stops the unit)", p)
+			}
+		}
+	}
 	if got := keys["StateDirectory"]; len(got) != 1 || "/var/lib/"+got[0] != config.DefaultDataDir {
 		t.Errorf("StateDirectory=%v does not make the default data dir %s writable", got, config.DefaultDataDir)
 	}

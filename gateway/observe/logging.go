@@ -83,7 +83,7 @@ type handler struct {
 func (h *handler) Enabled(ctx context.Context, l slog.Level) bool { return h.inner.Enabled(ctx, l) }
 
 func (h *handler) Handle(ctx context.Context, r slog.Record) error {
-	if h.sampler != nil && !h.sampler.keep(r.Level, r.Message) {
+	if h.sampler != nil && !exempt(r) && !h.sampler.keep(r.Level, r.Message) {
 		return nil
 	}
 	if req, ok := RequestFrom(ctx); ok && req.ID != "" {
@@ -99,6 +99,23 @@ func (h *handler) WithAttrs(as []slog.Attr) slog.Handler {
 
 func (h *handler) WithGroup(name string) slog.Handler {
 	return &handler{inner: h.inner.WithGroup(name), sampler: h.sampler}
+}
+
+// exempt: audit records (audit=true) and the access log are never
+// sampled away.
+func exempt(r slog.Record) bool {
+	if r.Message == "access" {
+		return true
+	}
+	audit := false
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "audit" && a.Value.Kind() == slog.KindBool && a.Value.Bool() {
+			audit = true
+			return false
+		}
+		return true
+	})
+	return audit
 }
 
 type sampleKey struct {

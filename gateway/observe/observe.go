@@ -148,20 +148,61 @@ func (m *Metrics) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		start := time.Now()
 		ctx, remote := grpcBegin(ss.Context())
 		r, _ := RequestFrom(ctx)
-		_ = ss.SetHeader(metadata.Pairs(HeaderRequestID, r.ID))
-		err := handler(srv, &ctxStream{ServerStream: ss, ctx: ctx})
+		w := &ctxStream{ServerStream: ss, ctx: ctx, id: r.ID}
+		err := handler(srv, w)
+		if !w.headerSent {
+			// No header went out (a trailers-only answer stays one): the
+			// ID goes with the trailer.
+			ss.SetTrailer(metadata.Pairs(HeaderRequestID, r.ID))
+		}
 		m.observe(ctx, info.FullMethod, remote, "grpc", grpcCode(err), time.Since(start))
 		return err
 	}
 }
 
-// ctxStream is a server stream with another context.
+// ctxStream is a server stream with the call's context, which returns
+// the request ID exactly once: with the header when one is sent (a
+// backend's own x-request-id is dropped from the headers it relays),
+// else with the trailer.
 type ctxStream struct {
 	grpc.ServerStream
-	ctx context.Context
+	ctx        context.Context
+	id         string
+	headerSent bool
 }
 
 func (s *ctxStream) Context() context.Context { return s.ctx }
+
+func withoutID(md metadata.MD) metadata.MD {
+	if len(md.Get(HeaderRequestID)) == 0 {
+		return md
+	}
+	md = md.Copy()
+	md.Delete(HeaderRequestID)
+	return md
+}
+
+func (s *ctxStream) SetHeader(md metadata.MD) error { return s.ServerStream.SetHeader(withoutID(md)) }
+
+func (s *ctxStream) SendHeader(md metadata.MD) error {
+	s.addID()
+	return s.ServerStream.SendHeader(withoutID(md))
+}
+
+func (s *ctxStream) SendMsg(m any) error {
+	s.addID()
+	return s.ServerStream.SendMsg(m)
+}
+
+func (s *ctxStream) SetTrailer(md metadata.MD) { s.ServerStream.SetTrailer(withoutID(md)) }
+
+// addID puts the ID into the header about to be sent, once.
+func (s *ctxStream) addID() {
+	if !s.headerSent {
+		s.headerSent = true
+		_ = s.ServerStream.SetHeader(metadata.Pairs(HeaderRequestID, s.id))
+	}
+}
 
 // connectBegin takes or makes the request ID of a Connect call; it is
 // set on the request (forwarded calls carry it) and the response.
@@ -219,4 +260,20 @@ func codeOf(err error) connect.Code {
 		return 0
 	}
 	return connect.CodeOf(err)
+}
+
+// RequestIDServerOptions take the request ID of calls from other agents
+// (a forwarded write carries the caller's) into their context, so that
+// what is logged for them carries it too.
+func RequestIDServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+			ctx, _ = grpcBegin(ctx)
+			return handler(ctx, req)
+		}),
+		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+			ctx, _ := grpcBegin(ss.Context())
+			return handler(srv, &ctxStream{ServerStream: ss, ctx: ctx, headerSent: true})
+		}),
+	}
 }

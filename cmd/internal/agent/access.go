@@ -372,13 +372,15 @@ func (a *Agent) Reload() (reloaded []string, err error) {
 	return reloaded, errors.Join(errs...)
 }
 
-// reloadHandler is POST /reload: the configuration read again (when the
-// agent knows how: Options.LoadConfig) and applied where it can change
-// live, then the files it names. A configuration that does not load or
-// validate is refused whole (422, naming the key), and the running one
-// stays.
+// reloadHandler is POST /reload, as SIGHUP: the configuration read again
+// (when the agent knows how: Options.LoadConfig) and applied where it can
+// change live — refused whole when it does not load, validate or apply,
+// the running one staying — then the files it names (certificates,
+// policies), reloaded either way. 200 when everything worked, else 422
+// naming what did not.
 func (a *Agent) reloadHandler(w http.ResponseWriter, r *http.Request) {
 	body := map[string]any{"status": "ok"}
+	var errs []error
 	if a.opts.LoadConfig != nil {
 		next, err := a.opts.LoadConfig()
 		if err == nil {
@@ -388,16 +390,16 @@ func (a *Agent) reloadHandler(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		if err != nil {
-			writeJSON(w, http.StatusUnprocessableEntity, map[string]any{"status": "error", "error": err.Error(),
-				"kept": "the running configuration stays as it was"})
-			return
+			errs = append(errs, fmt.Errorf("configuration not reloaded, the running one stays: %w", err))
 		}
 	}
 	reloaded, err := a.Reload()
 	body["reloaded"] = reloaded
 	if err != nil {
-		body["status"], body["error"] = "error", err.Error()
-		body["kept"] = "what failed to load stays in use as it was; the rest was reloaded"
+		errs = append(errs, fmt.Errorf("%w (what failed to load stays in use)", err))
+	}
+	if len(errs) > 0 {
+		body["status"], body["error"] = "error", errors.Join(errs...).Error()
 		writeJSON(w, http.StatusUnprocessableEntity, body)
 		return
 	}
@@ -451,8 +453,15 @@ func CheckFiles(cfg *config.Config) error {
 			{"server.connectrpc.tls", srv.CertFile, srv.KeyFile, cmpOr(srv.ClientCAFile, srv.CAFile, cfg.TLS.CAFile)},
 			{"tls", cfg.TLS.CertFile, cfg.TLS.KeyFile, cfg.TLS.CAFile},
 		} {
-			if _, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca}); err != nil {
+			src, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca})
+			if err != nil {
 				errs = append(errs, fmt.Errorf("%s: %w", c.key, err))
+				continue
+			}
+			if c.key == "tls" {
+				if err := agentIdentity(src.Leaf()); err != nil {
+					errs = append(errs, fmt.Errorf("tls.cert_file %s: %w", c.cert, err))
+				}
 			}
 		}
 	}

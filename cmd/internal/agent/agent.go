@@ -131,8 +131,11 @@ type Agent struct {
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
 	ca *clusterCA
 	// proxy forwards the backend APIs to the backend clusters.
-	proxy          *mesh.Proxy
-	health         *health.Server
+	proxy  *mesh.Proxy
+	health *health.Server
+	// healthRouted are the backend APIs routed at some point (updateHealth's
+	// alone: it runs on one goroutine).
+	healthRouted   map[string]bool
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
 	// tracing exports spans (tracing.enabled); a no-op otherwise.
@@ -444,7 +447,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(internalSchedules))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
-	}, a.tracingServerOptions()...); err != nil {
+	}, append(a.tracingServerOptions(), observe.RequestIDServerOptions()...)...); err != nil {
 		return err
 	}
 	a.serve(a.lnMetrics, a.metricsMux())

@@ -52,14 +52,21 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 			leader = 1
 		}
 		since := 0.0
-		if !st.LastContact.IsZero() && st.State != "Leader" {
-			since = time.Since(st.LastContact).Seconds()
+		if st.State != "Leader" {
+			// A follower that never heard from a leader has no sample
+			// (0 would look fresh).
+			since = -1
+			if !st.LastContact.IsZero() {
+				since = time.Since(st.LastContact).Seconds()
+			}
 		}
 		ch <- prometheus.MustNewConstMetric(c.leader, prometheus.GaugeValue, leader)
 		ch <- prometheus.MustNewConstMetric(c.term, prometheus.GaugeValue, float64(st.Term))
 		ch <- prometheus.MustNewConstMetric(c.commit, prometheus.GaugeValue, float64(st.CommitIndex))
 		ch <- prometheus.MustNewConstMetric(c.apply, prometheus.GaugeValue, float64(st.AppliedIndex))
-		ch <- prometheus.MustNewConstMetric(c.lastContact, prometheus.GaugeValue, since)
+		if since >= 0 {
+			ch <- prometheus.MustNewConstMetric(c.lastContact, prometheus.GaugeValue, since)
+		}
 	}
 	if f := c.a.fsm; f != nil {
 		if _, insts, err := f.State().Services("", nil); err == nil {

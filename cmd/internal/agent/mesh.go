@@ -263,11 +263,16 @@ func (a *Agent) updateHealth() {
 	for _, sd := range apiServices {
 		name := string(sd.FullName())
 		b := a.proxy.Route("/" + name + "/")
-		if b == nil {
-			continue
+		if b == nil && !a.healthRouted[name] {
+			continue // never routed here: unknown to this agent (NotFound)
 		}
+		if a.healthRouted == nil {
+			a.healthRouted = map[string]bool{}
+		}
+		a.healthRouted[name] = true
+		// A route a reload removed: not serving any more.
 		st := healthpb.HealthCheckResponse_NOT_SERVING
-		if b.Healthy() {
+		if b != nil && b.Healthy() {
 			st = healthpb.HealthCheckResponse_SERVING
 		}
 		a.health.SetServingStatus(name, st)

@@ -16,6 +16,7 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -286,6 +287,13 @@ func TestReloadConfig(t *testing.T) {
 	if _, err := vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{}); err != nil {
 		t.Errorf("the VM route after the reload: %v", err)
 	}
+	agenttest.Eventually(t, 10*time.Second, "the removed route's health", func() error {
+		r, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "pivirt.storage.v1.StorageService"})
+		if err != nil || r.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+			return fmt.Errorf("%v %v, want NOT_SERVING", r, err)
+		}
+		return nil
+	})
 	// Reloading the same again changes nothing.
 	if applied, restart, err := n.ReloadConfig(&next); err != nil || len(applied) != 0 || !slices.Equal(restart, []string{"logging.level", "server.metrics.addr"}) {
 		t.Errorf("the same reload again: applied %v, restart %v, %v", applied, restart, err)

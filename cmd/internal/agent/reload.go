@@ -54,16 +54,17 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 		}
 		applied = append(applied, k)
 	}
+	// The only step that can fail first, so that a refusal changes nothing.
+	if limits != nil {
+		if err := a.guard.SetLimits(*limits); err != nil {
+			return nil, nil, fmt.Errorf("rate_limiting: %w", err)
+		}
+	}
 	if level != nil {
 		a.opts.LogLevel.Set(*level)
 	}
 	if routes != nil {
 		a.proxy.SetRoutes(routes)
-	}
-	if limits != nil {
-		if err := a.guard.SetLimits(*limits); err != nil {
-			return nil, nil, fmt.Errorf("rate_limiting: %w", err)
-		}
 	}
 	a.current.Store(&merged)
 	slices.Sort(applied)
