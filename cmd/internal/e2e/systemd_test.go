@@ -3,7 +3,9 @@ package e2e_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -120,5 +122,80 @@ func TestSystemdNotify(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("agent still running 30 s after SIGTERM")
+	}
+}
+
+// TestReloadFromFile runs the real agent with a configuration file and
+// reloads it over POST /reload: a broken file is refused naming the key
+// (the running configuration stays), a valid change is applied live and
+// listed, and a key that needs a restart is reported as such.
+func TestReloadFromFile(t *testing.T) {
+	bins := buildBinaries(t)
+	dir := t.TempDir()
+	cfgFile := filepath.Join(dir, "agent.yaml")
+	write := func(body string) {
+		t.Helper()
+		if err := os.WriteFile(cfgFile, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("logging:\n  level: info\n")
+	ports, err := freePorts(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := func(i int) string { return fmt.Sprintf("127.0.0.1:%d", ports[i]) }
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bins.agent, "--dev", "--config", cfgFile, "--data-dir", filepath.Join(dir, "data"),
+		"--api-addr", addr(0), "--internal-addr", addr(1), "--metrics-addr", addr(2), "--gossip-addr", addr(3), "--raft-addr", addr(4))
+	cmd.Env = raceEnv()
+	logf, err := os.Create(filepath.Join(dir, "agent.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	cmd.Stdout, cmd.Stderr = logf, logf
+	dieWithTest(cmd)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}()
+	reload := func() (int, string) {
+		t.Helper()
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr(2)+"/reload", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		if code, _ := reload(); code == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(logf.Name())
+			t.Fatalf("the agent's /reload did not answer 200 within 60 s; log:\n%s", b)
+		}
+		time.Sleep(200 * time.Millisecond) // poll, bounded by the deadline
+	}
+	write("logging:\n  level: loud\n")
+	if code, body := reload(); code != http.StatusUnprocessableEntity || !strings.Contains(body, "logging.level") {
+		t.Errorf("a broken file: %d %s, want 422 naming logging.level", code, body)
+	}
+	write("logging:\n  level: debug\nsnapshot:\n  retain: 3\n")
+	code, body := reload()
+	if code != http.StatusOK || !strings.Contains(body, `"applied":["logging.level"]`) || !strings.Contains(body, `"restart_required":["snapshot.retain"]`) {
+		t.Errorf("a valid change: %d %s, want logging.level applied and snapshot.retain needing a restart", code, body)
 	}
 }
