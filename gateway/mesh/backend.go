@@ -483,6 +483,9 @@ func (b *Backend) pick(avoid []*Endpoint) (*Endpoint, error) {
 	}
 }
 
+// Inflight is the number of calls in flight to the cluster.
+func (b *Backend) Inflight() int64 { return b.inflight.Load() }
+
 // Healthy reports whether the cluster has an available endpoint.
 func (b *Backend) Healthy() bool {
 	for _, e := range b.Endpoints() {

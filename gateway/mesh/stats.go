@@ -128,12 +128,12 @@ func HTTPStatus(c codes.Code) int {
 // endpoints of each backend cluster by status (healthy, unhealthy,
 // ejected), read at scrape time.
 type endpointCollector struct {
-	backends []*Backend
+	backends func() []*Backend
 	desc     *prometheus.Desc
 }
 
 // RegisterEndpoints exports the endpoint counts of backends with reg.
-func RegisterEndpoints(reg prometheus.Registerer, backends []*Backend) {
+func RegisterEndpoints(reg prometheus.Registerer, backends func() []*Backend) {
 	reg.MustRegister(&endpointCollector{backends: backends, desc: prometheus.NewDesc("pivirt_mesh_endpoints",
 		"Endpoints of each backend cluster by status: healthy, unhealthy (active health checks) or ejected (circuit breaking).",
 		[]string{"service", "status"}, nil)})
@@ -142,7 +142,7 @@ func RegisterEndpoints(reg prometheus.Registerer, backends []*Backend) {
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, b := range c.backends {
+	for _, b := range c.backends() {
 		counts := map[string]int{"healthy": 0, "unhealthy": 0, "ejected": 0}
 		for _, e := range b.Endpoints() {
 			counts[e.Status()]++

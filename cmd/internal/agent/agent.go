@@ -136,8 +136,11 @@ type Agent struct {
 	// healthRouted are the backend APIs routed at some point (updateHealth's
 	// alone: it runs on one goroutine).
 	healthRouted   map[string]bool
+	// backends and backendSources change with a reload (backendsMu).
+	backendsMu     sync.RWMutex
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
+	meshStats      *mesh.Stats
 	// tracing exports spans (tracing.enabled); a no-op otherwise.
 	tracing *observe.Tracing
 	// raftApplyTime is pivirt_raft_apply_duration_seconds.

@@ -48,21 +48,51 @@ var apiServices = []protoreflect.ServiceDescriptor{
 // startMesh builds the backend clusters of the configuration and the
 // proxy that routes to them.
 func (a *Agent) startMesh() error {
-	stats := mesh.NewStats(a.metrics)
-	a.proxy = mesh.NewProxy(a.logger, stats)
-	byName := make(map[string]*mesh.Backend, len(a.cfg.Backends))
-	hc, cb := a.cfg.LoadBalancing.HealthCheck, a.cfg.CircuitBreaking
-	for _, name := range slices.Sorted(maps.Keys(a.cfg.Backends)) {
-		bc := a.cfg.Backends[name]
+	a.meshStats = mesh.NewStats(a.metrics)
+	a.proxy = mesh.NewProxy(a.logger, a.meshStats)
+	backends, routes, err := a.buildBackends(a.cfg)
+	if err != nil {
+		return err
+	}
+	a.backendsMu.Lock()
+	a.backends = backends
+	a.backendsMu.Unlock()
+	a.proxy.SetRoutes(routes)
+	mesh.RegisterEndpoints(a.metrics, a.currentBackends)
+	return nil
+}
+
+// currentBackends are the backend clusters in use.
+func (a *Agent) currentBackends() []*mesh.Backend {
+	a.backendsMu.RLock()
+	defer a.backendsMu.RUnlock()
+	return a.backends
+}
+
+// buildBackends makes the backend clusters of cfg and the routes to them;
+// on error nothing is left running.
+func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, routes []mesh.Route, err error) {
+	defer func() {
+		if err != nil {
+			for _, b := range backends {
+				_ = b.Close()
+			}
+		}
+	}()
+	byName := make(map[string]*mesh.Backend, len(cfg.Backends))
+	hc, cb := cfg.LoadBalancing.HealthCheck, cfg.CircuitBreaking
+	stats := a.meshStats
+	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
+		bc := cfg.Backends[name]
 		tlsFor, err := a.backendTLS(name, bc.TLS)
 		if err != nil {
-			return err
+			return backends, nil, err
 		}
 		b, err := mesh.NewBackend(mesh.BackendConfig{
 			Name:            name,
 			Endpoint:        bc.Endpoint,
 			Registry:        a.registryEndpoints,
-			Policy:          a.cfg.LoadBalancing.Policy,
+			Policy:          cfg.LoadBalancing.Policy,
 			Timeout:         bc.Timeout.Std(),
 			TLS:             tlsFor,
 			ServerName:      bc.TLS.ServerName,
@@ -81,23 +111,45 @@ func (a *Agent) startMesh() error {
 			Logger:      a.logger,
 		})
 		if err != nil {
-			return err
+			return backends, nil, err
 		}
-		a.backends = append(a.backends, b)
+		backends = append(backends, b)
 		byName[name] = b
 	}
-	routes := make([]mesh.Route, 0, len(a.cfg.Routing.Rules))
-	for i, r := range a.cfg.Routing.Rules {
+	routes = make([]mesh.Route, 0, len(cfg.Routing.Rules))
+	for i, r := range cfg.Routing.Rules {
 		b, ok := byName[r.Route.Cluster]
 		if !ok {
-			return fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
+			return backends, nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
 		}
 		routes = append(routes, mesh.Route{Prefix: r.Match.Prefix, Backend: b})
 	}
-	a.proxy.SetRoutes(routes)
-	mesh.RegisterEndpoints(a.metrics, a.backends)
-	return nil
+	return backends, routes, nil
 }
+
+// replaceBackends puts new backend clusters in use (a reload): new calls
+// go to them at once; the old ones are closed once their calls in flight
+// ended (at most drainTimeout).
+func (a *Agent) replaceBackends(backends []*mesh.Backend, routes []mesh.Route) {
+	a.backendsMu.Lock()
+	old := a.backends
+	a.backends = backends
+	a.backendsMu.Unlock()
+	a.proxy.SetRoutes(routes)
+	a.wg.Go(func() {
+		deadline := time.Now().Add(drainTimeout)
+		for _, b := range old {
+			for b.Inflight() > 0 && time.Now().Before(deadline) && a.ctx.Err() == nil {
+				sleepCtx(a.ctx, 50*time.Millisecond)
+			}
+			_ = b.Close()
+		}
+	})
+}
+
+// drainTimeout bounds how long replaced backend clusters keep serving
+// the calls they have.
+const drainTimeout = 30 * time.Second
 
 // registryEndpoints feeds a registry:///<service> backend with the
 // addresses of the service's instances in the replicated state (those not
@@ -156,7 +208,9 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 		if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
 			return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
 		}
-		a.backendSources = append(a.backendSources, src)
+		a.backendsMu.Lock()
+	a.backendSources = append(a.backendSources, src)
+	a.backendsMu.Unlock()
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 	}
 	return func(serverName, addr string) *tls.Config {
@@ -211,7 +265,7 @@ func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server) error {
 // closeMesh closes the backend connections.
 func (a *Agent) closeMesh() error {
 	var errs []error
-	for _, b := range a.backends {
+	for _, b := range a.currentBackends() {
 		errs = append(errs, b.Close())
 	}
 	return errors.Join(errs...)

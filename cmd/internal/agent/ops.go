@@ -103,7 +103,7 @@ func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
 		checks["tls"] = detail
 		ready = ready && ok
 	}
-	for _, b := range a.backends {
+	for _, b := range a.currentBackends() {
 		eps := b.Endpoints()
 		avail := 0
 		for _, e := range eps {

@@ -294,6 +294,35 @@ func TestReloadConfig(t *testing.T) {
 		}
 		return nil
 	})
+	// Backends, load balancing and circuit breaking: new backend clusters
+	// replace the old ones.
+	lb := next
+	lb.Backends = map[string]config.BackendConfig{}
+	for k, v := range next.Backends {
+		v.Timeout = config.Duration(3 * time.Second)
+		lb.Backends[k] = v
+	}
+	lb.LoadBalancing.Policy = "least_connections"
+	lb.CircuitBreaking.Thresholds.Consecutive5xx = 7
+	applied, _, err = n.ReloadConfig(&lb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"backends.iscsiman.timeout", "backends.pivirtd.timeout", "circuit_breaking.thresholds.consecutive_5xx", "load_balancing.policy"} {
+		if !slices.Contains(applied, want) {
+			t.Errorf("applied %v, want %s among them", applied, want)
+		}
+	}
+	for range 5 {
+		if _, err := vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{}); err != nil {
+			t.Errorf("the VM API through the new backend clusters: %v", err)
+		}
+	}
+	if _, body := get(t, "http://"+n.MetricsAddr()+"/metrics"); !strings.Contains(body, `pivirt_mesh_endpoints{service="pivirtd",status="healthy"} 1`) {
+		t.Error("the endpoint gauge does not show the new backend cluster")
+	}
+	next = lb
+
 	// Reloading the same again changes nothing.
 	if applied, restart, err := n.ReloadConfig(&next); err != nil || len(applied) != 0 || !slices.Equal(restart, []string{"logging.level", "server.metrics.addr"}) {
 		t.Errorf("the same reload again: applied %v, restart %v, %v", applied, restart, err)

@@ -12,7 +12,9 @@ import (
 
 // ReloadConfig applies a new configuration (validated) to the running
 // agent: the keys that can change live are applied — logging.level,
-// routing.rules (to running backends) and rate_limiting — and every other
+// routing.rules, backends, load_balancing and circuit_breaking (new
+// backend clusters replace the old, which finish their calls in flight),
+// and rate_limiting — and every other
 // changed key is returned as needing a restart. Nothing is applied when
 // something live cannot be (a route to a backend that does not run): the
 // error names the key.
@@ -22,12 +24,30 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 	cur := a.current.Load()
 	merged := *cur
 	var (
-		level  *slog.Level
-		routes []mesh.Route
-		limits *access.Limits
+		level    *slog.Level
+		routes   []mesh.Route
+		limits   *access.Limits
+		backends []*mesh.Backend
+		rebuild  bool
 	)
-	for _, k := range config.Diff(cur, next) {
+	changed := config.Diff(cur, next)
+	for _, k := range changed {
+		if !a.cfg.Dev && (config.Under(k, "backends") || config.Under(k, "load_balancing") || config.Under(k, "circuit_breaking")) {
+			rebuild = true
+		}
+	}
+	if rebuild {
+		// New backend clusters (and routes to them), built before anything
+		// changes: a failure leaves everything as it was.
+		var err error
+		if backends, routes, err = a.buildBackends(next); err != nil {
+			return nil, nil, err
+		}
+		merged.Backends, merged.LoadBalancing, merged.CircuitBreaking, merged.Routing = next.Backends, next.LoadBalancing, next.CircuitBreaking, next.Routing
+	}
+	for _, k := range changed {
 		switch {
+		case rebuild && (config.Under(k, "backends") || config.Under(k, "load_balancing") || config.Under(k, "circuit_breaking") || config.Under(k, "routing.rules")):
 		case k == "logging.level" && a.opts.LogLevel != nil:
 			var l slog.Level
 			if err := l.UnmarshalText([]byte(next.Logging.Level)); err != nil {
@@ -57,13 +77,19 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 	// The only step that can fail first, so that a refusal changes nothing.
 	if limits != nil {
 		if err := a.guard.SetLimits(*limits); err != nil {
+			for _, b := range backends {
+				_ = b.Close()
+			}
 			return nil, nil, fmt.Errorf("rate_limiting: %w", err)
 		}
 	}
 	if level != nil {
 		a.opts.LogLevel.Set(*level)
 	}
-	if routes != nil {
+	switch {
+	case rebuild:
+		a.replaceBackends(backends, routes)
+	case routes != nil:
 		a.proxy.SetRoutes(routes)
 	}
 	a.current.Store(&merged)
@@ -76,8 +102,9 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 
 // buildRoutes makes the proxy's routes of rules, to the running backends.
 func (a *Agent) buildRoutes(rules []config.RouteRule) ([]mesh.Route, error) {
-	byName := make(map[string]*mesh.Backend, len(a.backends))
-	for _, b := range a.backends {
+	backends := a.currentBackends()
+	byName := make(map[string]*mesh.Backend, len(backends))
+	for _, b := range backends {
 		byName[b.Name()] = b
 	}
 	routes := make([]mesh.Route, 0, len(rules))

@@ -104,7 +104,10 @@ func (a *Agent) ReloadTLS() error {
 		return nil
 	}
 	var errs []error
-	for _, s := range append(a.tls.sources(), a.backendSources...) {
+	a.backendsMu.RLock()
+	sources := append(a.tls.sources(), a.backendSources...)
+	a.backendsMu.RUnlock()
+	for _, s := range sources {
 		if err := s.Reload(); err != nil {
 			errs = append(errs, err)
 		}
