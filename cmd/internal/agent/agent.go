@@ -135,7 +135,7 @@ type Agent struct {
 	health *health.Server
 	// healthRouted are the backend APIs routed at some point (updateHealth's
 	// alone: it runs on one goroutine).
-	healthRouted   map[string]bool
+	healthRouted map[string]bool
 	// backends and backendSources change with a reload (backendsMu).
 	backendsMu     sync.RWMutex
 	backends       []*mesh.Backend

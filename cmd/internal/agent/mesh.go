@@ -209,8 +209,8 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 			return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
 		}
 		a.backendsMu.Lock()
-	a.backendSources = append(a.backendSources, src)
-	a.backendsMu.Unlock()
+		a.backendSources = append(a.backendSources, src)
+		a.backendsMu.Unlock()
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 	}
 	return func(serverName, addr string) *tls.Config {
