@@ -403,7 +403,7 @@ func (h *ClusterService) Leave(ctx context.Context, req *connect.Request[cluster
 	if h.cfg.Leave == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("leave is not available on this port"))
 	}
-	h.logger.Info("leave requested through the API")
+	h.logger.InfoContext(ctx, "leave requested through the API")
 	go h.cfg.Leave()
 	return connect.NewResponse(&clusterv1.LeaveResponse{}), nil
 }
@@ -442,11 +442,11 @@ func (h *ClusterService) RemovePeer(ctx context.Context, req *connect.Request[cl
 		if err := h.admin.RemoveServer(ctx, id); err != nil {
 			return nil, err
 		}
-		h.logger.Info("removed raft peer through the API", "node_id", id)
+		h.logger.InfoContext(ctx, "removed raft peer through the API", "node_id", id)
 		return connect.NewResponse(&clusterv1.RemovePeerResponse{Index: h.raft.RaftStatus().LastIndex}), nil
 	})
 	if connect.CodeOf(err) == connect.CodeNotFound && tried {
-		h.logger.Info("raft peer gone after a retried removal", "node_id", id)
+		h.logger.InfoContext(ctx, "raft peer gone after a retried removal", "node_id", id)
 		return connect.NewResponse(&clusterv1.RemovePeerResponse{Index: h.raft.RaftStatus().LastIndex}), nil
 	}
 	return resp, err

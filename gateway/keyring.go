@@ -70,7 +70,7 @@ func (h *ClusterService) Keyring(ctx context.Context, req *connect.Request[clust
 				failed++
 			}
 		}
-		h.logger.Info("gossip keyring operation", "op", op.String(), "members", len(out), "failed", failed)
+		h.logger.InfoContext(ctx, "gossip keyring operation", "op", op.String(), "members", len(out), "failed", failed)
 	}
 	return connect.NewResponse(&clusterv1.KeyringResponse{Nodes: out}), nil
 }

@@ -200,7 +200,7 @@ func (s *SnapshotService) saveLocal(ctx context.Context, send func(*clusterv1.Sa
 		}
 		switch {
 		case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
-			s.logger.Info("snapshot saved", "id", meta.ID, "index", meta.Index, "state_bytes", meta.Size)
+			s.logger.InfoContext(ctx, "snapshot saved", "id", meta.ID, "index", meta.Index, "state_bytes", meta.Size)
 			return nil
 		case err != nil:
 			return fmt.Errorf("write snapshot archive: %w", err)
@@ -330,7 +330,7 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	}
 	info, err := archive.Verify(bufio.NewReaderSize(f, 64<<10))
 	if err != nil {
-		s.logger.Warn("snapshot restore refused", "error", err, "bytes", size)
+		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
 		return nil, err
 	}
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
@@ -370,11 +370,11 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	if rerr != nil {
 		// The no-op raft appends after a restore failed: the followers
 		// get the state with the next entry anyway.
-		s.logger.Warn("snapshot restored; raft reported an error after it", "error", rerr)
+		s.logger.WarnContext(ctx, "snapshot restored; raft reported an error after it", "error", rerr)
 	}
 	if err := rd.Close(); err != nil {
 		// Verified before; only a change of the file since could do this.
-		s.logger.Error("snapshot archive changed after it was verified", "error", err)
+		s.logger.ErrorContext(ctx, "snapshot archive changed after it was verified", "error", err)
 	}
 	// Not the caller's context: a client that gave up must not leave the
 	// restore unmarked.
@@ -390,7 +390,7 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	for _, t := range info.State.Tables {
 		records = append(records, slog.Uint64(t.Name, t.Records))
 	}
-	s.logger.Info("snapshot restored", "id", rd.Meta.ID, "archive_index", rd.Meta.Index,
+	s.logger.InfoContext(ctx, "snapshot restored", "id", rd.Meta.ID, "archive_index", rd.Meta.Index,
 		"cluster_id", rd.Meta.ClusterID, "index", res.Index, slog.Group("records", records...))
 	return &clusterv1.RestoreSnapshotResponse{Meta: metaProto(rd.Meta), Index: res.Index}, nil
 }

@@ -167,7 +167,7 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 			// A retry holds a slot of the budget while it runs.
 			release, ok := b.retryAllowed()
 			if !ok {
-				p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
+				p.logger.DebugContext(ctx, "retry budget exhausted", "backend", b.Name(), "method", method)
 				return res.finish(ss)
 			}
 			if p.stats != nil {
@@ -184,7 +184,7 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 			return res.finish(ss) // no time left for another attempt
 		}
 		if !b.retryPossible() {
-			p.logger.Debug("retry budget exhausted", "backend", b.Name(), "method", method)
+			p.logger.DebugContext(ctx, "retry budget exhausted", "backend", b.Name(), "method", method)
 			return res.finish(ss) // no need to wait for a retry the budget refuses
 		}
 		t := time.NewTimer(wait)
