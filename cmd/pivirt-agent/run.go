@@ -37,13 +37,17 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
+		out, err := logOutput(cfg, stdout)
+		if err != nil {
+			return err
+		}
 		level := new(slog.LevelVar)
-		logger, err := newLogger(cfg, stdout, level)
+		logger, err := newLogger(cfg, out, level)
 		if err != nil {
 			return err
 		}
 		return runAgent(cmd.Context(), cfg, agent.Options{
-			Logger: logger, AccessLogger: newAccessLogger(cfg, logger, stdout), LogLevel: level, LoadConfig: flags.Resolve,
+			Logger: logger, AccessLogger: newAccessLogger(cfg, out), LogLevel: level, LoadConfig: flags.Resolve,
 		})
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
@@ -129,22 +133,25 @@ recovery", for the whole procedure.`,
 	return c
 }
 
-func newLogger(cfg *config.Config, stdout io.Writer, levelVar *slog.LevelVar) (*slog.Logger, error) {
+// logOutput is where logging.output sends the log (and the access log).
+func logOutput(cfg *config.Config, stdout io.Writer) (io.Writer, error) {
+	switch cfg.Logging.Output {
+	case "", "stdout":
+		return stdout, nil
+	case "stderr":
+		return os.Stderr, nil
+	}
+	f, err := os.OpenFile(cfg.Logging.Output, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o640)
+	if err != nil {
+		return nil, fmt.Errorf("logging.output: %w", err)
+	}
+	return f, nil
+}
+
+func newLogger(cfg *config.Config, out io.Writer, levelVar *slog.LevelVar) (*slog.Logger, error) {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
 		return nil, fmt.Errorf("logging.level: %w", err)
-	}
-	out := stdout
-	switch cfg.Logging.Output {
-	case "", "stdout":
-	case "stderr":
-		out = os.Stderr
-	default:
-		f, err := os.OpenFile(cfg.Logging.Output, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o640)
-		if err != nil {
-			return nil, fmt.Errorf("logging.output: %w", err)
-		}
-		out = f
 	}
 	levelVar.Set(level)
 	opts := &slog.HandlerOptions{Level: levelVar}
@@ -161,22 +168,9 @@ func handlerFor(format string, out io.Writer, opts *slog.HandlerOptions) slog.Ha
 
 // newAccessLogger is logging.access_log: a line per API call, in its own
 // format, where the log goes, with the request ID; nil when disabled.
-func newAccessLogger(cfg *config.Config, logger *slog.Logger, stdout io.Writer) *slog.Logger {
+func newAccessLogger(cfg *config.Config, out io.Writer) *slog.Logger {
 	if !cfg.Logging.AccessLog.Enabled {
 		return nil
-	}
-	out := stdout
-	switch cfg.Logging.Output {
-	case "", "stdout":
-	case "stderr":
-		out = os.Stderr
-	default:
-		// The same file, opened once more for appending.
-		f, err := os.OpenFile(cfg.Logging.Output, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o640)
-		if err != nil {
-			return logger.With("log", "access")
-		}
-		out = f
 	}
 	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
 }

@@ -35,22 +35,11 @@ func BenchmarkGateway(b *testing.B) {
 	ctx := b.Context()
 	out := os.Stdout
 
-	s, err := sim.Open(sim.Config{DataDir: b.TempDir(), Host: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ln, err := sim.Listen("127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	gs := grpc.NewServer(s.ServerOptions()...)
-	s.Register(gs)
-	go func() { _ = gs.Serve(ln) }()
-	b.Cleanup(func() { gs.Stop(); _ = s.Close() })
+	simAddr := startSim(b)
 
 	c := agenttest.NewExpect(b, 1, func(_ int, cfg *config.Config) {
 		cfg.Logging.Level = "warn"
-		cfg.Backends = map[string]config.BackendConfig{"pivirtd": {Endpoint: ln.Addr().String()}}
+		cfg.Backends = map[string]config.BackendConfig{"pivirtd": {Endpoint: simAddr}}
 		cfg.Routing.Rules = []config.RouteRule{{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}}}
 	})
 	node := c.WaitLeader(60 * time.Second)
@@ -62,7 +51,7 @@ func BenchmarkGateway(b *testing.B) {
 		b.Cleanup(func() { _ = cc.Close() })
 		return vmv1.NewVMServiceClient(cc)
 	}
-	direct, gateway := dial(ln.Addr().String()), dial(node.APIAddr())
+	direct, gateway := dial(simAddr), dial(node.APIAddr())
 	// The floor of any gRPC-terminating hop: a hand-written relay, typed
 	// GetVM and Console with grpc-go on both sides and nothing else.
 	rln, err := sim.Listen("127.0.0.1:0")

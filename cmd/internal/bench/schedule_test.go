@@ -31,22 +31,11 @@ const scheduleCount = 1000
 // the p99s. One run takes about two minutes whatever b.N.
 func BenchmarkScheduleLateness(b *testing.B) {
 	ctx := b.Context()
-	s, err := sim.Open(sim.Config{DataDir: b.TempDir(), Host: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ln, err := sim.Listen("127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	gs := grpc.NewServer(s.ServerOptions()...)
-	s.Register(gs)
-	go func() { _ = gs.Serve(ln) }()
-	b.Cleanup(func() { gs.Stop(); _ = s.Close() })
+	simAddr := startSim(b)
 
 	c := agenttest.NewExpect(b, 3, func(_ int, cfg *config.Config) {
 		cfg.Logging.Level = "warn"
-		cfg.Backends = map[string]config.BackendConfig{"pivirtd": {Endpoint: ln.Addr().String(), Timeout: config.Duration(30 * time.Second)}}
+		cfg.Backends = map[string]config.BackendConfig{"pivirtd": {Endpoint: simAddr, Timeout: config.Duration(30 * time.Second)}}
 		cfg.Routing.Rules = []config.RouteRule{{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}}}
 	})
 	leader := c.WaitLeader(60 * time.Second)
@@ -179,4 +168,23 @@ func waitLateness(b *testing.B, scheds schedulev1.ScheduleServiceClient, ids []s
 	}
 	slices.Sort(out)
 	return out
+}
+
+// startSim serves a simulated pivirtd on 127.0.0.1 until the benchmark
+// ends and returns its address.
+func startSim(b *testing.B) string {
+	b.Helper()
+	s, err := sim.Open(sim.Config{DataDir: b.TempDir(), Host: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ln, err := sim.Listen("127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	gs := grpc.NewServer(s.ServerOptions()...)
+	s.Register(gs)
+	go func() { _ = gs.Serve(ln) }()
+	b.Cleanup(func() { gs.Stop(); _ = s.Close() })
+	return ln.Addr().String()
 }

@@ -21,7 +21,6 @@ import (
 // READY=1 around a SIGHUP, and STOPPING=1 on SIGTERM, in that order; then
 // it exits 0.
 func TestSystemdNotify(t *testing.T) {
-	bins := buildBinaries(t)
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "notify.sock")
 	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
@@ -29,34 +28,7 @@ func TestSystemdNotify(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	ports, err := freePorts(5)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := func(i int) string { return fmt.Sprintf("127.0.0.1:%d", ports[i]) }
-	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, bins.agent, "--dev", "--data-dir", filepath.Join(dir, "data"),
-		"--api-addr", addr(0), "--internal-addr", addr(1), "--metrics-addr", addr(2), "--gossip-addr", addr(3), "--raft-addr", addr(4))
-	cmd.Env = append(raceEnv(), "NOTIFY_SOCKET="+sock, "WATCHDOG_USEC=400000")
-	logf, err := os.Create(filepath.Join(dir, "agent.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer logf.Close()
-	cmd.Stdout, cmd.Stderr = logf, logf
-	dieWithTest(cmd)
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-	}()
+	a := startDevAgent(t, dir, []string{"NOTIFY_SOCKET=" + sock, "WATCHDOG_USEC=400000"})
 
 	// next returns the next notification other than a watchdog ping,
 	// counting the pings.
@@ -70,8 +42,7 @@ func TestSystemdNotify(t *testing.T) {
 			}
 			n, err := conn.Read(buf)
 			if err != nil {
-				b, _ := os.ReadFile(logf.Name())
-				t.Fatalf("waiting for %s: %v; agent log:\n%s", what, err, b)
+				t.Fatalf("waiting for %s: %v; agent log:\n%s", what, err, a.logTail())
 			}
 			msg := string(buf[:n])
 			if msg == "WATCHDOG=1" {
@@ -81,7 +52,7 @@ func TestSystemdNotify(t *testing.T) {
 			return msg
 		}
 	}
-	if m := next("READY=1"); !strings.HasPrefix(m, "READY=1\n") || !strings.Contains(m, "STATUS=serving on "+addr(0)) {
+	if m := next("READY=1"); !strings.HasPrefix(m, "READY=1\n") || !strings.Contains(m, "STATUS=serving on "+a.api) {
 		t.Fatalf("first notification %q, want READY=1 with a status", m)
 	}
 	// Pings come every 200 ms (half of WATCHDOG_USEC).
@@ -100,7 +71,7 @@ func TestSystemdNotify(t *testing.T) {
 		}
 		pings++
 	}
-	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+	if err := a.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
 	if m := next("RELOADING=1"); !strings.HasPrefix(m, "RELOADING=1\nMONOTONIC_USEC=") {
@@ -109,16 +80,16 @@ func TestSystemdNotify(t *testing.T) {
 	if m := next("READY=1 after the reload"); !strings.HasPrefix(m, "READY=1") {
 		t.Errorf("after the reload %q, want READY=1", m)
 	}
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	if m := next("STOPPING=1"); m != "STOPPING=1" {
 		t.Errorf("after SIGTERM %q, want STOPPING=1", m)
 	}
 	select {
-	case err := <-exited:
-		if err != nil {
-			t.Errorf("agent exited with %v after SIGTERM", err)
+	case <-a.done:
+		if a.err != nil {
+			t.Errorf("agent exited with %v after SIGTERM", a.err)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("agent still running 30 s after SIGTERM")
@@ -130,7 +101,6 @@ func TestSystemdNotify(t *testing.T) {
 // (the running configuration stays), a valid change is applied live and
 // listed, and a key that needs a restart is reported as such.
 func TestReloadFromFile(t *testing.T) {
-	bins := buildBinaries(t)
 	dir := t.TempDir()
 	cfgFile := filepath.Join(dir, "agent.yaml")
 	write := func(body string) {
@@ -140,33 +110,12 @@ func TestReloadFromFile(t *testing.T) {
 		}
 	}
 	write("logging:\n  level: info\n")
-	ports, err := freePorts(5)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := func(i int) string { return fmt.Sprintf("127.0.0.1:%d", ports[i]) }
+	a := startDevAgent(t, dir, nil, "--config", cfgFile)
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, bins.agent, "--dev", "--config", cfgFile, "--data-dir", filepath.Join(dir, "data"),
-		"--api-addr", addr(0), "--internal-addr", addr(1), "--metrics-addr", addr(2), "--gossip-addr", addr(3), "--raft-addr", addr(4))
-	cmd.Env = raceEnv()
-	logf, err := os.Create(filepath.Join(dir, "agent.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer logf.Close()
-	cmd.Stdout, cmd.Stderr = logf, logf
-	dieWithTest(cmd)
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
-	}()
 	reload := func() (int, string) {
 		t.Helper()
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr(2)+"/reload", nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+a.metrics+"/reload", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -184,8 +133,7 @@ func TestReloadFromFile(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(logf.Name())
-			t.Fatalf("the agent's /reload did not answer 200 within 60 s; log:\n%s", b)
+			t.Fatalf("the agent's /reload did not answer 200 within 60 s; log:\n%s", a.logTail())
 		}
 		time.Sleep(200 * time.Millisecond) // poll, bounded by the deadline
 	}
@@ -198,4 +146,65 @@ func TestReloadFromFile(t *testing.T) {
 	if code != http.StatusOK || !strings.Contains(body, `"applied":["logging.level"]`) || !strings.Contains(body, `"restart_required":["snapshot.retain"]`) {
 		t.Errorf("a valid change: %d %s, want logging.level applied and snapshot.retain needing a restart", code, body)
 	}
+}
+
+// devAgent is a real agent (--dev, its own free ports) started by a test.
+type devAgent struct {
+	cmd  *exec.Cmd
+	done chan struct{} // closed when it exited; err is its exit error
+	err  error
+	// api, internal, metrics are its addresses.
+	api, internal, metrics string
+	log                    string
+}
+
+// startDevAgent starts the agent binary with --dev, a data dir of dir,
+// free loopback ports, env added to the environment and args; it is
+// killed, if still running, when the test ends.
+func startDevAgent(t *testing.T, dir string, env []string, args ...string) *devAgent {
+	t.Helper()
+	bins := buildBinaries(t)
+	ports, err := freePorts(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := func(i int) string { return fmt.Sprintf("127.0.0.1:%d", ports[i]) }
+	a := &devAgent{done: make(chan struct{}), api: addr(0), internal: addr(1), metrics: addr(2), log: filepath.Join(dir, "agent.log")}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	a.cmd = exec.CommandContext(ctx, bins.agent, append([]string{"--dev", "--data-dir", filepath.Join(dir, "data"),
+		"--api-addr", addr(0), "--internal-addr", addr(1), "--metrics-addr", addr(2), "--gossip-addr", addr(3), "--raft-addr", addr(4)}, args...)...)
+	a.cmd.Env = append(raceEnv(), env...)
+	logf, err := os.Create(a.log)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	a.cmd.Stdout, a.cmd.Stderr = logf, logf
+	dieWithTest(a.cmd)
+	if err := a.cmd.Start(); err != nil {
+		cancel()
+		logf.Close()
+		t.Fatal(err)
+	}
+	go func() {
+		a.err = a.cmd.Wait()
+		logf.Close()
+		cancel()
+		close(a.done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-a.done:
+		default:
+			_ = a.cmd.Process.Kill()
+			<-a.done
+		}
+	})
+	return a
+}
+
+// logTail is the agent's log, for failures.
+func (a *devAgent) logTail() string {
+	b, _ := os.ReadFile(a.log)
+	return string(b)
 }
