@@ -527,6 +527,9 @@ func (f *FSM) dedupeExpired(rec *fsmv1.DedupeRecord, now time.Time) bool {
 // pruneDedupe deletes up to maxPrunePerApply dedupe records older than the
 // window, oldest first (in the order of the dedupe queue).
 func (f *FSM) pruneDedupe(t *writeTxn, now time.Time) error {
+	if t.noPrune {
+		return nil
+	}
 	cutoff := now.Add(-f.cfg.DedupeWindow)
 	for range maxPrunePerApply {
 		rec, err := f.head.first(t)

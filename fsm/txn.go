@@ -87,6 +87,12 @@ type writeTxn struct {
 	// noOverlay[n] is set if a written record's key could not be computed:
 	// get then reads table n through txn.
 	noOverlay []bool
+
+	// track makes get remember its lookups in reads (Evaluate), and
+	// noPrune skips the pruning of expired dedupe records (an external
+	// store expires them itself).
+	track, noPrune bool
+	reads          []Read
 }
 
 func newWriteTxn() *writeTxn {
@@ -110,6 +116,8 @@ func (t *writeTxn) begin(db *memdb.MemDB) {
 	t.base = db.Txn(false)
 	t.index = 0
 	t.writes = 0
+	t.track, t.noPrune = false, false
+	t.reads = t.reads[:0]
 	clear(t.changed)
 	clear(t.noOverlay)
 	for i, m := range t.overlay {
@@ -135,9 +143,12 @@ func (t *writeTxn) abort() {
 // reset discards everything written and starts again from the same state.
 func (t *writeTxn) reset() {
 	db, index := t.db, t.index
+	track, noPrune, reads := t.track, t.noPrune, t.reads
 	t.abort()
 	t.begin(db)
 	t.index = index
+	// The reads made before the reset still decided the outcome.
+	t.track, t.noPrune, t.reads = track, noPrune, reads
 }
 
 // hasChanges reports whether any table changed.
@@ -210,6 +221,9 @@ func (t *writeTxn) get(table string, args ...any) (any, error) {
 	n, err := t.num(table)
 	if err != nil {
 		return nil, err
+	}
+	if t.track {
+		t.reads = append(t.reads, Read{Table: table, Args: slices.Clone(args)})
 	}
 	if t.noOverlay[n] {
 		return t.txn.First(table, indexID, args...)

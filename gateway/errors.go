@@ -66,6 +66,8 @@ var codeTable = []struct {
 	{store.ErrAbortedByRestore, connect.CodeAborted},
 	{store.ErrAddressInUse, connect.CodeAlreadyExists},
 	{store.ErrNothingToSnapshot, connect.CodeFailedPrecondition},
+	{store.ErrUnavailable, connect.CodeUnavailable},
+	{store.ErrUnsupported, connect.CodeFailedPrecondition},
 	{archive.ErrInvalid, connect.CodeInvalidArgument},
 	{ErrRestoreInProgress, connect.CodeFailedPrecondition},
 	{archive.ErrUnsupported, connect.CodeFailedPrecondition},

@@ -58,6 +58,15 @@ var (
 	// ErrNothingToSnapshot: the state has no applied entry yet, so there
 	// is no snapshot to take.
 	ErrNothingToSnapshot = errors.New("store: nothing to snapshot yet")
+
+	// ErrUnavailable: the external store (etcd) could not be reached or
+	// answered with an error. A write may or may not have been committed:
+	// a retry is safe for the same reason as after ErrLeadershipLost.
+	ErrUnavailable = errors.New("store: etcd unavailable")
+
+	// ErrUnsupported: the operation does not exist in this store's mode
+	// (a Raft membership change in etcd mode).
+	ErrUnsupported = errors.New("store: not supported in this mode")
 )
 
 // raftErrors is the one table from hashicorp/raft's errors to ours.

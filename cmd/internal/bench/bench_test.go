@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
@@ -122,9 +123,9 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	// one gRPC ClientConn, one HTTP/2 connection per member, round_robin
 	// per RPC. Followers forward proposals to the leader inside etcd's raft
 	// and answer linearizable reads after a ReadIndex round with the leader.
-	ec := startEtcd(b, 3)
-	etcd := ec.client(b, ec.endpoints)
-	waitWritable(b, etcd)
+	ec := etcdtest.Start(b, 3)
+	etcd := ec.Client(b)
+	etcdtest.WaitWritable(b, etcd)
 
 	// pivirt-agent: production Raft timeouts (agenttest keeps the library
 	// defaults). A gRPC client (grpc-go, as clientv3 is) with one
@@ -167,7 +168,7 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	groups := workloads(etcd, api, leader, follower)
 	fmt.Fprintf(out, "\nreplicated API benchmark: pivirt-agent (3 nodes) vs etcd (3 members), same process, 127.0.0.1\n")
 	fmt.Fprintf(out, "  %s per run, %d rounds, interleaved (odd rounds reversed), clients %v; pivirt leader node%d, follower node%d; etcd leader %s\n",
-		set.dur, set.rounds, set.clients, leader+1, follower+1, ec.leader())
+		set.dur, set.rounds, set.clients, leader+1, follower+1, ec.Leader())
 
 	// Warm-up, discarded: connections, allocator, bbolt files of both sides.
 	for _, g := range groups {

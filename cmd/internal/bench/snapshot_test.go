@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
@@ -48,9 +49,9 @@ func BenchmarkSnapshot(b *testing.B) {
 	out := os.Stdout
 	dir := b.TempDir()
 
-	ec := startEtcd(b, 3)
-	etcd := ec.client(b, ec.endpoints)
-	waitWritable(b, etcd)
+	ec := etcdtest.Start(b, 3)
+	etcd := ec.Client(b)
+	etcdtest.WaitWritable(b, etcd)
 	pc := agenttest.NewExpect(b, 3, nil)
 	leaderNode := pc.WaitLeader(60 * time.Second)
 	follower := pc.Follower()

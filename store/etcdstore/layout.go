@@ -1,0 +1,211 @@
+package etcdstore
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/url"
+	"path"
+	"strconv"
+	"strings"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	"pilab.hu/pivirt-agent/fsm"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+)
+
+// layout maps the state's tables to etcd keys (DESIGN.md, "Key layout").
+// The services live under the configured prefix (/pivirt/services); the
+// other tables beside it, under the prefix's parent (/pivirt).
+type layout struct {
+	root     string // "/pivirt"; "" when the prefix is a top-level name
+	services string // "/pivirt/services"
+}
+
+func newLayout(prefix string) layout {
+	prefix = strings.TrimRight(prefix, "/")
+	root := path.Dir(prefix)
+	if root == "/" || root == "." {
+		root = ""
+	}
+	return layout{root: root, services: prefix}
+}
+
+// Subtrees of the root, one per table that is not under the services
+// prefix.
+const (
+	dirConfig   = "/config/"
+	dirHistory  = "/config_history/"
+	dirSched    = "/schedules/"
+	dirRuns     = "/schedule_runs/"
+	dirDedupe   = "/dedupe/"
+	dirElection = "/leader"
+	dirMeta     = "/meta/"
+	keyCA       = "/ca"
+)
+
+// watchPrefix covers every key of the layout.
+func (l layout) watchPrefix() string { return l.root + "/" }
+
+func (l layout) election() string { return l.root + dirElection }
+
+// grouped tables keep every record sharing the leading key field in one etcd
+// key (a JSON list): the versions of a config key, the runs of a schedule. A
+// write then touches a few keys, within etcd's limit of operations per
+// transaction (128 by default), however many runs a catch-up records.
+func grouped(table string) bool {
+	return table == fsm.TableConfigHistory || table == fsm.TableScheduleRuns
+}
+
+// seg escapes one path segment: "/" and "%" (and whatever else is not
+// safe in a path) are percent-encoded.
+func seg(s string) string { return url.PathEscape(s) }
+
+// key returns the etcd key holding rec, a record of table.
+func (l layout) key(table string, rec proto.Message) (string, error) {
+	switch r := rec.(type) {
+	case *clusterv1.ServiceInstance:
+		if table == fsm.TableServices {
+			return l.services + "/" + seg(r.GetService()) + "/" + seg(r.GetInstanceId()), nil
+		}
+	case *clusterv1.ConfigEntry:
+		switch table {
+		case fsm.TableConfig:
+			return l.root + dirConfig + seg(r.GetKey()), nil
+		case fsm.TableConfigHistory:
+			return l.root + dirHistory + seg(r.GetKey()), nil
+		}
+	case *schedulev1.Schedule:
+		if table == fsm.TableSchedules {
+			return l.root + dirSched + seg(r.GetId()), nil
+		}
+	case *schedulev1.Run:
+		if table == fsm.TableScheduleRuns {
+			return l.root + dirRuns + seg(r.GetScheduleId()), nil
+		}
+	case *fsmv1.ClusterCA:
+		if table == fsm.TableCA {
+			return l.root + keyCA, nil
+		}
+	case *fsmv1.DedupeRecord:
+		if table == fsm.TableDedupe {
+			return l.root + dirDedupe + seg(r.GetClientId()) + "/" + strconv.FormatUint(r.GetSequence(), 10), nil
+		}
+	}
+	return "", fmt.Errorf("no etcd key for a %T in table %s", rec, table)
+}
+
+// table classifies an etcd key: the table whose records it holds, or ""
+// for a key of the layout that holds none (election, meta) or a key
+// outside it.
+func (l layout) table(key string) string {
+	switch {
+	case strings.HasPrefix(key, l.services+"/"):
+		return fsm.TableServices
+	case !strings.HasPrefix(key, l.root+"/"):
+		return ""
+	}
+	rest := key[len(l.root):]
+	switch {
+	case strings.HasPrefix(rest, dirConfig):
+		return fsm.TableConfig
+	case strings.HasPrefix(rest, dirHistory):
+		return fsm.TableConfigHistory
+	case strings.HasPrefix(rest, dirSched):
+		return fsm.TableSchedules
+	case strings.HasPrefix(rest, dirRuns):
+		return fsm.TableScheduleRuns
+	case strings.HasPrefix(rest, dirDedupe):
+		return fsm.TableDedupe
+	case rest == keyCA:
+		return fsm.TableCA
+	}
+	return ""
+}
+
+// Values are protojson with the proto field names, so that `etcdctl get
+// /pivirt/services --prefix` reads as the API does. A grouped key holds a
+// JSON list. Index fields set by the write that stores a record are left
+// out (they are the key's mod_revision, which decode puts back).
+var (
+	marshalOpts   = protojson.MarshalOptions{UseProtoNames: true}
+	unmarshalOpts = protojson.UnmarshalOptions{DiscardUnknown: true}
+)
+
+// encode returns the value of an etcd key holding recs (one record unless
+// the table is grouped). Index fields equal to fsm.PendingIndex are left
+// out.
+func encode(table string, recs []proto.Message) ([]byte, error) {
+	one := func(rec proto.Message) ([]byte, error) {
+		c := proto.Clone(rec)
+		fsm.SetIndexFields(c, fsm.PendingIndex, 0)
+		b, err := marshalOpts.Marshal(c)
+		if err != nil {
+			return nil, fmt.Errorf("encode %s record: %w", table, err)
+		}
+		// protojson may add spaces at random; compact keeps values stable.
+		var buf bytes.Buffer
+		if err := json.Compact(&buf, b); err != nil {
+			return nil, fmt.Errorf("encode %s record: %w", table, err)
+		}
+		return buf.Bytes(), nil
+	}
+	if !grouped(table) {
+		if len(recs) != 1 {
+			return nil, fmt.Errorf("encode %s: %d records for one key", table, len(recs))
+		}
+		return one(recs[0])
+	}
+	out := []byte{'['}
+	for i, rec := range recs {
+		b, err := one(rec)
+		if err != nil {
+			return nil, err
+		}
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = append(out, b...)
+	}
+	return append(out, ']'), nil
+}
+
+// decode parses the value of a key of table written at modRev; the index
+// fields left out by encode become modRev.
+func decode(table string, value []byte, modRev int64) ([]proto.Message, error) {
+	one := func(b []byte) (proto.Message, error) {
+		rec := fsm.NewRecord(table)
+		if rec == nil {
+			return nil, fmt.Errorf("decode: unknown table %q", table)
+		}
+		if err := unmarshalOpts.Unmarshal(b, rec); err != nil {
+			return nil, fmt.Errorf("decode %s record: %w", table, err)
+		}
+		fsm.SetIndexFields(rec, 0, uint64(modRev))
+		return rec, nil
+	}
+	if !grouped(table) {
+		rec, err := one(value)
+		if err != nil {
+			return nil, err
+		}
+		return []proto.Message{rec}, nil
+	}
+	var raw []json.RawMessage
+	if err := json.Unmarshal(value, &raw); err != nil {
+		return nil, fmt.Errorf("decode %s list: %w", table, err)
+	}
+	out := make([]proto.Message, 0, len(raw))
+	for _, b := range raw {
+		rec, err := one(b)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, rec)
+	}
+	return out, nil
+}
