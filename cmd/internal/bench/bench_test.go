@@ -20,8 +20,8 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
-	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
 // Knobs. The duration of one timed run is PIVIRT_BENCH_DURATION, else
