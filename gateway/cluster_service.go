@@ -94,12 +94,20 @@ type ClusterServiceConfig struct {
 	NodeName string
 	// HoldTimeout is how long a request waits for a leader.
 	HoldTimeout time.Duration
+	// Direct marks an agent whose state lives in an external store (etcd
+	// mode): it serves every request itself, writes included, and never
+	// forwards; Consensus.Leader names the schedule leader, for display.
+	Direct bool
 	// LeaderOnly marks the instance served on the internal port: it answers
 	// only when this node is the leader and never forwards.
 	LeaderOnly bool
 	// LeaderReady reports whether this leader has applied everything
 	// committed before its term (its barrier completed).
 	LeaderReady func() bool
+	// NotReady, when set, is the error of a request LeaderReady refuses
+	// (an etcd-mode agent names etcd's state); else ErrLeaderNotReady.
+	// It must be retryable (Unavailable).
+	NotReady func() error
 	// Leave starts a graceful leave and shutdown of this agent.
 	Leave func()
 	// Stopping is closed when the agent begins to shut down; requests
@@ -181,6 +189,16 @@ func NewClusterService(cfg ClusterServiceConfig, raft Consensus, admin RaftAdmin
 }
 
 func (h *ClusterService) leaderReady() bool { return h.cfg.LeaderReady() }
+
+// notReady is the error of a request refused because leaderReady is false.
+func (h *ClusterService) notReady() error {
+	if h.cfg.NotReady != nil {
+		if err := h.cfg.NotReady(); err != nil {
+			return err
+		}
+	}
+	return ErrLeaderNotReady
+}
 
 // fillWrite gives a write a client ID and sequence when the client sent
 // none, so that forwarding retries are deduplicated by the FSM.

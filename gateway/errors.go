@@ -104,7 +104,7 @@ func toConnect(err error) error {
 // sequence, so a retry of a write that did apply is answered from the
 // FSM's dedupe table instead of applying twice.
 func retryable(err error) bool {
-	if errors.Is(err, store.ErrNotLeader) || errors.Is(err, store.ErrLeadershipLost) ||
+	if errors.Is(err, store.ErrNotLeader) || errors.Is(err, store.ErrLeadershipLost) || errors.Is(err, store.ErrUnavailable) ||
 		errors.Is(err, ErrLeaderNotReady) || errors.Is(err, errNotLeaderHere) {
 		return true
 	}

@@ -82,7 +82,7 @@ func viaLeader[T any](ctx context.Context, h *ClusterService, local func(context
 	for attempt := 0; ; attempt++ {
 		id, _ := h.raft.Leader()
 		switch {
-		case id == h.cfg.NodeID:
+		case id == h.cfg.NodeID || h.cfg.Direct:
 			resp, err := local(ctx)
 			if err == nil {
 				return resp, nil
@@ -119,6 +119,10 @@ func viaLeader[T any](ctx context.Context, h *ClusterService, local func(context
 		default:
 		}
 		if time.Now().After(hold) {
+			if h.cfg.Direct {
+				return zero, connect.NewError(connect.CodeUnavailable,
+					fmt.Errorf("after waiting %s: %v", h.cfg.HoldTimeout, lastErr))
+			}
 			return zero, connect.NewError(connect.CodeUnavailable,
 				fmt.Errorf("%w after waiting %s: %v", ErrNoLeader, h.cfg.HoldTimeout, lastErr))
 		}
@@ -298,7 +302,7 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 	}
 	verified := func(ctx context.Context) (*connect.Response[Res], error) {
 		if !h.leaderReady() {
-			return nil, ErrLeaderNotReady
+			return nil, h.notReady()
 		}
 		if mode == clusterv1.Consistency_CONSISTENCY_CONSISTENT {
 			// The leader's FSM may lag its commit index, where a follower
@@ -348,11 +352,11 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 // index (store.Store.ReadIndex), at least every write this leader
 // acknowledged and everything any node may already have applied.
 func (h *ClusterService) LeaderReadIndex(ctx context.Context) (uint64, error) {
-	if id, _ := h.raft.Leader(); id != h.cfg.NodeID {
+	if id, _ := h.raft.Leader(); id != h.cfg.NodeID && !h.cfg.Direct {
 		return 0, toConnect(errNotLeaderHere)
 	}
 	if !h.leaderReady() {
-		return 0, toConnect(ErrLeaderNotReady)
+		return 0, toConnect(h.notReady())
 	}
 	idx, err := h.raft.ReadIndex(ctx)
 	if err != nil {

@@ -359,7 +359,7 @@ func (s *ScheduleService) DeleteSchedule(ctx context.Context, req *connect.Reque
 func (s *ScheduleService) barrier(ctx context.Context) error {
 	_, err := viaLeader(ctx, s.h, func(ctx context.Context) (struct{}, error) {
 		if !s.h.leaderReady() {
-			return struct{}{}, ErrLeaderNotReady
+			return struct{}{}, s.h.notReady()
 		}
 		idx, err := s.h.raft.ReadIndex(ctx)
 		if err != nil {

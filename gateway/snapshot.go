@@ -153,7 +153,7 @@ func (s *SnapshotService) save(ctx context.Context, stale bool, send func(*clust
 	}
 	_, err := viaLeader(ctx, s.cs, func(ctx context.Context) (struct{}, error) {
 		if !s.cs.leaderReady() {
-			return struct{}{}, ErrLeaderNotReady
+			return struct{}{}, s.cs.notReady()
 		}
 		return struct{}{}, final(s.saveLocal(ctx, tracked, s.cs.leaderReady))
 	}, func(ctx context.Context, internalAddr string) (struct{}, error) {
@@ -269,7 +269,7 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 	applied := false
 	resp, err := viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
 		if !s.cs.leaderReady() {
-			return nil, ErrLeaderNotReady
+			return nil, s.cs.notReady()
 		}
 		resp, err := s.restoreLocal(ctx, f, size, &applied)
 		if err != nil && applied {

@@ -11,7 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -142,7 +141,10 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	s.leader.init()
 	rev, err := s.load(ctx)
 	if err != nil {
-		return nil, err
+		// Not fatal: the Store starts not ready, serving an empty state,
+		// and loads it once etcd answers.
+		s.logger.Warn("etcd not reachable at start; retrying in the background", "error", err)
+		rev = 0
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Go(func() { s.follow(rev) })
@@ -300,41 +302,38 @@ func (s *Store) electionKey(key string, value []byte, create int64) (candidate, 
 	return candidate{value: string(value), create: create}, true
 }
 
-// follow keeps the mirror current from revision rev on, reloading it when
-// the watch cannot continue (compaction, a lost stream).
+// follow keeps the mirror current from revision rev on (0: load it
+// first), reloading it when the watch cannot continue (compaction, a lost
+// stream, etcd unreachable).
 func (s *Store) follow(rev int64) {
 	backoff := 100 * time.Millisecond
 	for s.ctx.Err() == nil {
+		if rev == 0 {
+			lctx, cancel := context.WithTimeout(s.ctx, 2*s.cfg.RequestTimeout)
+			r, err := s.load(lctx)
+			cancel()
+			if err != nil {
+				if !s.sleep(&backoff) {
+					return
+				}
+				continue
+			}
+			rev, backoff = r, 100*time.Millisecond
+		}
 		next, err := s.watch(rev)
 		if s.ctx.Err() != nil {
 			return
 		}
-		if err != nil {
-			s.synced.Store(false)
-			s.fail(err)
-			s.logger.Warn("etcd watch ended; reloading the state", "error", err, "revision", rev)
-		}
-		rev = next
 		if err == nil {
+			rev = next
 			continue
 		}
-		for s.ctx.Err() == nil {
-			t := time.NewTimer(backoff + rand.N(backoff/2+1))
-			select {
-			case <-s.ctx.Done():
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			lctx, cancel := context.WithTimeout(s.ctx, 2*s.cfg.RequestTimeout)
-			r, err := s.load(lctx)
-			cancel()
-			if err == nil {
-				rev = r
-				backoff = 100 * time.Millisecond
-				break
-			}
-			backoff = min(2*backoff, 5*time.Second)
+		s.synced.Store(false)
+		s.fail(err)
+		s.logger.Warn("etcd watch ended; reloading the state", "error", err, "revision", next)
+		rev = 0
+		if !s.sleep(&backoff) {
+			return
 		}
 	}
 }

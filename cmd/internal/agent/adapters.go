@@ -76,15 +76,29 @@ func (a raftAdapter) TransferLeadership(ctx context.Context, id string) (string,
 }
 
 func (a raftAdapter) Apply(ctx context.Context, cmd []byte) (any, uint64, error) {
+	return observeApply(ctx, a.tracer, a.applyTime, cmd, a.s.Apply)
+}
+
+// backend is what the agent's parts need from the state backend: Raft
+// (raftAdapter) or etcd (etcdAdapter).
+type backend interface {
+	gateway.Consensus
+	gateway.RaftAdmin
+	cluster.StatusSource
+}
+
+// observeApply runs apply in a span and observes its time
+// (pivirt_raft_apply_duration_seconds).
+func observeApply(ctx context.Context, tracer trace.Tracer, applyTime prometheus.Observer, cmd []byte, apply func(context.Context, []byte) (any, uint64, error)) (any, uint64, error) {
 	start := time.Now()
-	if a.tracer != nil {
+	if tracer != nil {
 		var span trace.Span
-		ctx, span = a.tracer.Start(ctx, "raft.apply", trace.WithAttributes(attribute.Int("raft.command_bytes", len(cmd))))
+		ctx, span = tracer.Start(ctx, "raft.apply", trace.WithAttributes(attribute.Int("raft.command_bytes", len(cmd))))
 		defer span.End()
 	}
-	resp, index, err := a.s.Apply(ctx, cmd)
-	if a.applyTime != nil && err == nil {
-		a.applyTime.Observe(time.Since(start).Seconds())
+	resp, index, err := apply(ctx, cmd)
+	if applyTime != nil && err == nil {
+		applyTime.Observe(time.Since(start).Seconds())
 	}
 	return resp, index, err
 }

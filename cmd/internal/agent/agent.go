@@ -26,6 +26,7 @@ import (
 	"github.com/hashicorp/raft"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/grpc"
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/health"
@@ -53,6 +54,7 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
+	"pilab.hu/pivirt-agent/store/etcdstore"
 )
 
 // Version is reported in gossip metadata.
@@ -62,6 +64,9 @@ var Version = "0.1.0-dev"
 // for tests and for the dev mode.
 type Options struct {
 	Logger *slog.Logger
+	// EtcdSessionTTL is the TTL of the etcd election session in etcd mode
+	// (how long a lost schedule leader keeps the leadership); 0: 10s.
+	EtcdSessionTTL time.Duration
 	// GossipProfile is "lan" (default) or "local" (fast failure detection).
 	GossipProfile string
 	// AccessLogger receives the access log (logging.access_log); nil: the
@@ -107,9 +112,17 @@ type Agent struct {
 	lnAPI, lnInternal, lnMetrics, lnRaft net.Listener
 	advertiseIP                          string
 
-	fsm    *fsm.FSM
-	store  *store.Store
-	raft   raftAdapter
+	fsm   *fsm.FSM
+	store *store.Store // nil in etcd mode
+	raft  raftAdapter
+	// etcd is the etcd-backed store (service_discovery.type etcd), else
+	// nil; etcdLeading is set once its schedule leadership is established.
+	etcd        *etcdstore.Store
+	etcdClient  *clientv3.Client
+	etcdLeading atomic.Bool
+	// cons is the state backend the gateway, the scheduler and the node
+	// service use: raft or an etcdAdapter.
+	cons backend
 	gossip *cluster.Gossip
 	pool   *cluster.Pool
 	api    *gateway.ClusterService
@@ -194,9 +207,6 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.ServiceDiscovery.Type != config.DiscoveryRaft {
-		return nil, fmt.Errorf("service_discovery.type: %q is not supported by this build yet; use %q (the embedded cluster)", cfg.ServiceDiscovery.Type, config.DiscoveryRaft)
-	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -265,7 +275,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.listen(); err != nil {
 		return err
 	}
-	var raftLayer raft.StreamLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+	var raftLayer raft.StreamLayer
+	if a.lnRaft != nil {
+		raftLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+	}
 	a.pool = cluster.NewPool()
 	if err := a.devPKI(); err != nil {
 		return err
@@ -284,8 +297,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
 		a.lnInternal = tls.NewListener(a.lnInternal, a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port")))
-		raftPeers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port"))
-		raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+		if a.lnRaft != nil {
+			raftPeers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port"))
+			raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+		}
 		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
 		if a.cfg.TLS.ClusterCA.Enabled {
 			a.ca = newClusterCA(a, a.cfg.TLS.ClusterCA)
@@ -302,25 +317,32 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("create state machine: %w", err)
 	}
-	scfg := store.DefaultConfig()
-	scfg.NodeID = a.nodeID
-	scfg.DataDir = a.dataDir
-	scfg.StreamLayer = raftLayer
-	scfg.FSM = a.fsm
-	scfg.Logger = a.logger
 	rc := a.cfg.Cluster.Raft
-	scfg.HeartbeatTimeout = rc.HeartbeatTimeout.Std()
-	scfg.ElectionTimeout = rc.ElectionTimeout.Std()
-	scfg.LeaderLeaseTimeout = rc.LeaderLeaseTimeout.Std()
-	scfg.SnapshotThreshold = rc.SnapshotThreshold
-	scfg.SnapshotInterval = rc.SnapshotInterval.Std()
-	scfg.TrailingLogs = rc.TrailingLogs
-	a.store, err = store.New(scfg)
-	if err != nil {
-		return fmt.Errorf("start raft: %w", err)
-	}
 	a.view = &cluster.BootstrapView{}
-	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer()}
+	if a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
+		if err := a.openEtcd(ctx); err != nil {
+			return err
+		}
+	} else {
+		scfg := store.DefaultConfig()
+		scfg.NodeID = a.nodeID
+		scfg.DataDir = a.dataDir
+		scfg.StreamLayer = raftLayer
+		scfg.FSM = a.fsm
+		scfg.Logger = a.logger
+		scfg.HeartbeatTimeout = rc.HeartbeatTimeout.Std()
+		scfg.ElectionTimeout = rc.ElectionTimeout.Std()
+		scfg.LeaderLeaseTimeout = rc.LeaderLeaseTimeout.Std()
+		scfg.SnapshotThreshold = rc.SnapshotThreshold
+		scfg.SnapshotInterval = rc.SnapshotInterval.Std()
+		scfg.TrailingLogs = rc.TrailingLogs
+		a.store, err = store.New(scfg)
+		if err != nil {
+			return fmt.Errorf("start raft: %w", err)
+		}
+		a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer()}
+		a.cons = a.raft
+	}
 
 	gcfg := cluster.DefaultGossipConfig()
 	gcfg.NodeName = a.cfg.NodeName
@@ -337,7 +359,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		Cluster:         a.cfg.Cluster.Name,
 		ID:              a.nodeID,
 		Role:            cluster.RoleServer,
-		RaftAddr:        a.store.LocalAddr(),
+		RaftAddr:        a.RaftAddr(),
 		APIAddr:         advertiseTCP(a.lnAPI, "", a.advertiseIP).String(),
 		InternalAddr:    advertiseTCP(a.lnInternal, "", a.advertiseIP).String(),
 		Version:         Version,
@@ -357,12 +379,23 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	var state gateway.StateReader = a.fsm
+	var restorer gateway.Restorer = a.store
+	if a.etcdMode() {
+		a.cons = etcdAdapter{s: a.etcd, nodeID: a.nodeID, name: a.cfg.NodeName, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer(), members: a.gossip}
+		state, restorer = a.etcd, a.etcd
+	}
 
 	hcfg := gateway.DefaultClusterServiceConfig()
 	hcfg.NodeID = a.nodeID
 	hcfg.NodeName = a.cfg.NodeName
 	hcfg.HoldTimeout = a.cfg.Cluster.ForwardHoldTimeout.Std()
 	hcfg.LeaderReady = a.leaderReady
+	if a.etcdMode() {
+		hcfg.Direct = true
+		hcfg.LeaderReady = a.etcd.Ready
+		hcfg.NotReady = a.etcdNotReady
+	}
 	hcfg.Leave = func() { _ = a.Leave(context.Background()) }
 	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
@@ -375,14 +408,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return resp.Msg.GetKeyring(), nil
 	}
 	peers := peerClients{pool: a.pool}
-	a.api, err = gateway.NewClusterService(hcfg, a.raft, a.raft, a.gossip, peers, a.fsm)
+	a.api, err = gateway.NewClusterService(hcfg, a.cons, a.cons, a.gossip, peers, state)
 	if err != nil {
 		return err
 	}
 	icfg := hcfg
 	icfg.LeaderOnly = true
 	icfg.Leave = nil
-	internal, err := gateway.NewClusterService(icfg, a.raft, a.raft, a.gossip, peers, a.fsm)
+	internal, err := gateway.NewClusterService(icfg, a.cons, a.cons, a.gossip, peers, state)
 	if err != nil {
 		return err
 	}
@@ -405,8 +438,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		ResumeLeader: a.resumeLeader,
 		Logger:       a.logger,
 	}
-	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, a.store, peers)
-	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, a.store, peers)
+	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, restorer, peers)
+	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, restorer, peers)
 	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
 	internalSchedules := gateway.NewScheduleService(internal, a.pool.Schedules)
 	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
@@ -442,7 +475,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.ca != nil {
 		signer = a.ca
 	}
-	nodeSvc := cluster.NewNodeService(a.raft, internal, a.gossip, signer)
+	nodeSvc := cluster.NewNodeService(a.cons, internal, a.gossip, signer)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
 		return internalMux(internal, internalSnapshots, internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {
@@ -514,6 +547,9 @@ func (a *Agent) listen() error {
 		{"server.metrics.addr", a.cfg.Server.Metrics.Addr, &a.lnMetrics},
 		{"cluster.raft.addr", a.cfg.Cluster.Raft.Addr, &a.lnRaft},
 	} {
+		if l.ln == &a.lnRaft && a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
+			continue // no Raft group in etcd mode
+		}
 		ln, err := net.Listen("tcp", l.addr)
 		if err != nil {
 			return fmt.Errorf("%s: listen on %s: %w", l.key, l.addr, err)
@@ -524,6 +560,9 @@ func (a *Agent) listen() error {
 	if ip == "" {
 		// Take the host of the first bind address that is not a wildcard.
 		for _, ln := range []net.Listener{a.lnRaft, a.lnInternal, a.lnAPI} {
+			if ln == nil {
+				continue
+			}
 			if t := ln.Addr().(*net.TCPAddr); !t.IP.IsUnspecified() {
 				ip = t.IP.String()
 				break
@@ -576,6 +615,9 @@ func (a *Agent) gossipAdvertise() string {
 func (a *Agent) formCluster(ctx context.Context) error {
 	rc := a.cfg.Cluster.Raft
 	switch {
+	case a.etcdMode():
+		// etcd holds the state: nothing to bootstrap. Gossip still joins
+		// the agents, for membership and the cluster's view of its nodes.
 	case rc.Bootstrap && !a.store.HasExistingState():
 		err := a.store.Bootstrap([]store.Server{{ID: a.nodeID, Address: a.store.LocalAddr(), Voter: true}})
 		if err != nil && !errors.Is(err, store.ErrAlreadyBootstrapped) {
@@ -639,7 +681,13 @@ func (a *Agent) formCluster(ctx context.Context) error {
 // from the restored state (resumeLeader).
 func (a *Agent) leaderLoop(ctx context.Context) {
 	defer close(a.loopDone)
-	ch, unsubscribe := a.store.SubscribeLeadership()
+	var ch <-chan bool
+	var unsubscribe func()
+	if a.etcdMode() {
+		ch, unsubscribe = a.etcd.SubscribeLeadership()
+	} else {
+		ch, unsubscribe = a.store.SubscribeLeadership()
+	}
 	defer unsubscribe()
 	var (
 		term    *leaderTerm
@@ -653,6 +701,7 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 		term.stop()
 		term = nil
 		a.readyTerm.Store(0)
+		a.etcdLeading.Store(false)
 		a.logger.Info("leader state revoked", "reason", why)
 	}
 	defer revoke("agent stopping")
@@ -666,7 +715,7 @@ func (a *Agent) leaderLoop(ctx context.Context) {
 			close(done)
 		case <-a.resumeCh:
 			paused--
-			if paused == 0 && leading && term == nil && a.store.IsLeader() {
+			if paused == 0 && leading && term == nil && a.isLeaderNow() {
 				a.logger.Info("re-establishing leader state after a snapshot restore")
 				term = a.startTerm(ctx)
 			}
@@ -732,6 +781,10 @@ func (a *Agent) startTerm(ctx context.Context) *leaderTerm {
 }
 
 func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
+	if a.etcdMode() {
+		a.establishEtcdLeadership(ctx, wg)
+		return
+	}
 	termStart := time.Now()
 	term := a.store.Status().Term
 	for attempt := 0; ; attempt++ {
@@ -771,19 +824,7 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		Interval:          a.opts.ReconcileInterval,
 		Logger:            a.logger,
 	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
-	if sc := a.cfg.Snapshot; sc.Interval > 0 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			scheduler.RunSnapshotter(ctx, scheduler.SnapshotterConfig{
-				Interval: sc.Interval.Std(),
-				Dir:      a.snapshotDir(),
-				Retain:   sc.Retain,
-				Logger:   a.logger,
-				Metrics:  a.snapMetrics,
-			}, a.takeSnapshot)
-		}()
-	}
+	a.startSnapshotter(ctx, wg)
 	wg.Add(3)
 	go func() {
 		defer wg.Done()
@@ -822,6 +863,35 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 	}()
 }
 
+// startSnapshotter writes automatic snapshot archives (snapshot.interval)
+// while ctx lasts.
+func (a *Agent) startSnapshotter(ctx context.Context, wg *sync.WaitGroup) {
+	sc := a.cfg.Snapshot
+	if sc.Interval <= 0 {
+		return
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		scheduler.RunSnapshotter(ctx, scheduler.SnapshotterConfig{
+			Interval: sc.Interval.Std(),
+			Dir:      a.snapshotDir(),
+			Retain:   sc.Retain,
+			Logger:   a.logger,
+			Metrics:  a.snapMetrics,
+		}, a.takeSnapshot)
+	}()
+}
+
+// isLeaderNow reports whether this node leads (Raft) or holds the schedule
+// leadership (etcd), established or not.
+func (a *Agent) isLeaderNow() bool {
+	if a.etcdMode() {
+		return a.etcd.IsLeader()
+	}
+	return a.store.IsLeader()
+}
+
 // snapshotDir is where automatic snapshot archives go.
 func (a *Agent) snapshotDir() string {
 	if d := a.cfg.Snapshot.Dir; d != "" {
@@ -840,7 +910,7 @@ const archiveTempPattern = "archive-state-*"
 // the cluster CA's table (its private key) into a temporary file, removed
 // when the returned reader is closed.
 func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, error) {
-	sm, rc, err := a.store.Snapshot(ctx)
+	sm, rc, err := a.stateSnapshot(ctx)
 	if err != nil {
 		return archive.Meta{}, nil, err
 	}
@@ -870,6 +940,30 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 	}, state, nil
 }
 
+// stateSnapshot opens a snapshot of this node's state in the fsm format:
+// a Raft user snapshot, or in etcd mode the mirror as of a revision at
+// least as new as the call.
+func (a *Agent) stateSnapshot(ctx context.Context) (snapshotMeta, io.ReadCloser, error) {
+	if a.etcdMode() {
+		rev, rc, err := a.etcd.Snapshot(ctx)
+		if err != nil {
+			return snapshotMeta{}, nil, err
+		}
+		return snapshotMeta{ID: fmt.Sprintf("etcd-%d-%d", rev, time.Now().UnixMilli()), Index: rev}, rc, nil
+	}
+	sm, rc, err := a.store.Snapshot(ctx)
+	if err != nil {
+		return snapshotMeta{}, nil, err
+	}
+	return snapshotMeta{ID: sm.ID, Index: sm.Index, Term: sm.Term}, rc, nil
+}
+
+// snapshotMeta identifies a snapshot of either mode.
+type snapshotMeta struct {
+	ID          string
+	Index, Term uint64
+}
+
 // tempFile is a temporary file removed when closed.
 type tempFile struct{ *os.File }
 
@@ -896,7 +990,7 @@ func (a *Agent) ensureClusterID(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	resp, _, err := a.store.Apply(ctx, data)
+	resp, _, err := a.cons.Apply(ctx, data)
 	if err == nil {
 		if res, ok := resp.(*fsm.Result); ok && res.Err != nil && !errors.Is(res.Err, fsm.ErrCASConflict) {
 			err = res.Err
@@ -1073,6 +1167,14 @@ func (a *Agent) Leave(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, a.opts.LeaveTimeout)
 	defer cancel()
 	a.logger.Info("leaving the cluster")
+	if a.etcdMode() {
+		// Nothing to remove: the schedule leadership (if held) goes to
+		// another agent as this one closes its etcd session.
+		if err := a.gossip.Leave(a.opts.LeaveTimeout / 3); err != nil {
+			a.logger.Warn("gossip leave", "error", err)
+		}
+		return a.shutdownLocked()
+	}
 	st := a.store.Status()
 	if st.State == "Leader" && st.NumPeers > 0 {
 		if id, err := a.store.TransferLeadership(ctx, ""); err != nil {
@@ -1120,6 +1222,16 @@ func (a *Agent) waitRemoved(ctx context.Context) {
 // HandOff transfers leadership to another voter when this node leads and
 // has peers (cluster.transfer_leadership_on_shutdown); bounded by ctx.
 func (a *Agent) HandOff(ctx context.Context) {
+	if a.etcdMode() {
+		if a.cfg.Cluster.TransferLeadershipOnShutdown && a.etcd.IsLeader() {
+			if err := a.etcd.Resign(ctx); err != nil {
+				a.logger.Warn("handing the schedule leadership over before shutdown failed", "error", err)
+				return
+			}
+			a.logger.Info("schedule leadership handed over before shutdown", "to", a.etcd.LeaderID())
+		}
+		return
+	}
 	if !a.cfg.Cluster.TransferLeadershipOnShutdown || a.store == nil || a.store.Status().State != "Leader" || a.store.Status().NumPeers == 0 {
 		return
 	}
@@ -1134,6 +1246,9 @@ func (a *Agent) HandOff(ctx context.Context) {
 // Alive reports whether the agent is running: not stopped, and its Raft
 // node not shut down (the systemd watchdog is pinged only then).
 func (a *Agent) Alive() bool {
+	if a.etcdMode() {
+		return !a.stopped()
+	}
 	if a.stopped() || a.store == nil {
 		return false
 	}
@@ -1174,6 +1289,15 @@ func (a *Agent) shutdownLocked() error {
 		if err := a.store.Close(); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if a.etcd != nil {
+		// Resigns the schedule leadership, so another agent takes it now.
+		if err := a.etcd.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if a.etcdClient != nil {
+		_ = a.etcdClient.Close()
 	}
 	a.logger.Debug("shutdown: raft stopped", "took", time.Since(began).Round(time.Millisecond))
 	// In-flight requests get a short grace; HTTP/2 connections that peers
@@ -1271,10 +1395,25 @@ func (a *Agent) InternalAddr() string {
 func (a *Agent) MetricsAddr() string { return a.lnMetrics.Addr().String() }
 
 // RaftAddr is the advertised Raft address.
-func (a *Agent) RaftAddr() string { return a.store.LocalAddr() }
+func (a *Agent) RaftAddr() string {
+	if a.store == nil {
+		return "" // etcd mode
+	}
+	return a.store.LocalAddr()
+}
 
 // GossipAddr is the advertised gossip address.
 func (a *Agent) GossipAddr() string { return a.gossip.LocalAddr() }
+
+// LeaderID returns the node ID of the leader this node knows: the Raft
+// leader, or in etcd mode the holder of the schedule leadership.
+func (a *Agent) LeaderID() string {
+	if a.etcdMode() {
+		return a.etcd.LeaderID()
+	}
+	id, _ := a.store.Leader()
+	return id
+}
 
 // IsLeader reports whether this agent is the Raft leader with its leader
 // state established.
@@ -1284,6 +1423,9 @@ func (a *Agent) IsLeader() bool { return a.leaderReady() }
 // barrier for that term completed, so its state holds every entry committed
 // before the term.
 func (a *Agent) leaderReady() bool {
+	if a.etcdMode() {
+		return a.etcd.IsLeader() && a.etcdLeading.Load()
+	}
 	return a.store.IsLeader() && a.store.Term() == a.readyTerm.Load()
 }
 

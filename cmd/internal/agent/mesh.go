@@ -305,11 +305,15 @@ func (a *Agent) registerAPIExtras(gs *grpc.Server) {
 }
 
 // updateHealth sets the grpc.health.v1 statuses: "" and the cluster API
-// are SERVING while this node knows a leader; each routed backend API is
+// are SERVING while this node knows a leader (etcd mode: follows etcd); each routed backend API is
 // SERVING while its backend cluster has an available endpoint.
 func (a *Agent) updateHealth() {
 	st := healthpb.HealthCheckResponse_NOT_SERVING
-	if id, _ := a.raft.Leader(); id != "" {
+	if a.etcdMode() {
+		if a.etcd.Ready() {
+			st = healthpb.HealthCheckResponse_SERVING
+		}
+	} else if id, _ := a.raft.Leader(); id != "" {
 		st = healthpb.HealthCheckResponse_SERVING
 	}
 	a.health.SetServingStatus("", st)

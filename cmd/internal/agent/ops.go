@@ -26,7 +26,7 @@ func (a *Agent) metricsMux() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok"})
 	})
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
-		st := a.store.Status()
+		st := a.cons.RaftStatus()
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "node_id": a.nodeID, "node_name": a.cfg.NodeName,
 			"version": Version, "raft_state": st.State, "leader_id": st.LeaderID})
 	})
@@ -66,21 +66,51 @@ func (a *Agent) readyHandler(w http.ResponseWriter, r *http.Request) {
 	if !ready {
 		code, status = http.StatusServiceUnavailable, "not ready"
 	}
-	writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": a.store.Status().AppliedIndex})
+	writeJSON(w, code, map[string]any{"status": status, "checks": checks, "applied_index": a.fsm.AppliedIndex()})
 }
 
-// readiness runs the checks of /ready: a known leader (and, on the
-// leader, its barrier done); the local state caught up with the commit
-// index (and, on a follower, a leader heard from recently); the TLS
-// material valid; the required backends each with an available endpoint.
+// readiness runs the checks of /ready: those of the state backend
+// (raftReadiness, etcdReadiness), then commonReadiness.
 func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
-	st := a.store.Status()
 	checks := map[string]string{}
 	ready := true
 	fail := func(name, format string, args ...any) {
 		checks[name] = fmt.Sprintf(format, args...)
 		ready = false
 	}
+	if a.etcdMode() {
+		a.etcdReadiness(checks, fail)
+	} else {
+		a.raftReadiness(now, checks, fail)
+	}
+	a.commonReadiness(now, checks, fail, &ready)
+	return checks, ready
+}
+
+// etcdReadiness: etcd answers and the local mirror follows it; some agent
+// holds the schedule leadership.
+func (a *Agent) etcdReadiness(checks map[string]string, fail func(name, format string, args ...any)) {
+	st := a.etcd.Status()
+	switch {
+	case !st.Healthy:
+		fail("etcd", "unreachable: %s; reads marked stale are served from the state as of revision %d", st.LastError, st.Revision)
+	case !st.Synced:
+		fail("etcd", "reachable, the local state is being loaded")
+	default:
+		checks["etcd"] = fmt.Sprintf("ok: revision %d", st.Revision)
+	}
+	if st.LeaderID == "" {
+		fail("leader", "no agent holds the schedule leadership")
+	} else {
+		checks["leader"] = "ok: " + st.LeaderID
+	}
+}
+
+// raftReadiness: a known leader (and, on the leader, its barrier done); the
+// local state caught up with the commit index (and, on a follower, a leader
+// heard from recently).
+func (a *Agent) raftReadiness(now time.Time, checks map[string]string, fail func(name, format string, args ...any)) {
+	st := a.store.Status()
 	if st.LeaderID == "" {
 		fail("leader", "no known leader")
 	} else {
@@ -98,10 +128,15 @@ func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
 	default:
 		checks["fsm"] = fmt.Sprintf("ok: applied index %d", st.AppliedIndex)
 	}
+}
+
+// commonReadiness: the TLS material valid; the required backends each with
+// an available endpoint.
+func (a *Agent) commonReadiness(now time.Time, checks map[string]string, fail func(name, format string, args ...any), ready *bool) {
 	if a.tls != nil {
 		detail, ok := a.tls.check(now)
 		checks["tls"] = detail
-		ready = ready && ok
+		*ready = *ready && ok
 	}
 	for _, b := range a.currentBackends() {
 		eps := b.Endpoints()
@@ -122,5 +157,4 @@ func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
 			checks[name] = fmt.Sprintf("degraded: no endpoint available (%d configured); not required", len(eps))
 		}
 	}
-	return checks, ready
 }

@@ -35,7 +35,13 @@ type scheduleEnv struct {
 func newScheduleEnv(t *testing.T, nodes int) *scheduleEnv {
 	t.Helper()
 	s := startSim(t)
-	c := agenttest.NewExpect(t, nodes, withBackends(s.addr))
+	return newScheduleEnvOn(t, s, agenttest.NewExpect(t, nodes, withBackends(s.addr)))
+}
+
+// newScheduleEnvOn creates the running VM on c, whose agents route the VM
+// API to s.
+func newScheduleEnvOn(t *testing.T, s *simServer, c *agenttest.Cluster) *scheduleEnv {
+	t.Helper()
 	n := c.WaitLeader(60 * time.Second)
 	vm := vmv1.NewVMServiceClient(dialPlain(t, n.APIAddr()))
 	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
@@ -231,7 +237,13 @@ func TestScheduleLeaderKills(t *testing.T) {
 	if testing.Short() {
 		t.Skip("kills leaders; skipped with -short")
 	}
-	e := newScheduleEnv(t, 3)
+	leaderKills(t, newScheduleEnv(t, 3))
+}
+
+// leaderKills runs an @every 1s schedule while the leader is stopped and
+// restarted three times, and checks that every slot from the first to the
+// last was recorded exactly once.
+func leaderKills(t *testing.T, e *scheduleEnv) {
 	leader := e.c.WaitLeader(30 * time.Second)
 	created, err := e.client(e.c.Follower()).CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
 		Id: "every-second", VmId: e.vmID, Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 1s", Enabled: true,

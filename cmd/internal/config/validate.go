@@ -177,6 +177,9 @@ func (c *Config) validateClusterCA(v *validator) {
 	if !c.TLS.Enabled {
 		v.add("tls.cluster_ca.enabled", "%w: the cluster CA renews TLS certificates; it needs tls.enabled: true", ErrInvalid)
 	}
+	if c.ServiceDiscovery.Type == DiscoveryEtcd {
+		v.add("tls.cluster_ca.enabled", "%w: the cluster CA signs on the Raft leader; with service_discovery.type \"etcd\" issue certificates with pitrust instead", ErrInvalid)
+	}
 	if ca.LeafTTL.Std() < 10*time.Second {
 		v.add("tls.cluster_ca.leaf_ttl", "%w %s: at least 10s", ErrInvalid, ca.LeafTTL)
 	}

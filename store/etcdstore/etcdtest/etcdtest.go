@@ -172,8 +172,14 @@ func (c *Cluster) close() {
 	}
 	if c.tb.Failed() {
 		if b, err := os.ReadFile(c.logFile); err == nil {
-			lines := strings.Split(string(b), "\n")
-			c.tb.Logf("last etcd log lines:\n%s", strings.Join(lines[max(len(lines)-50, 0):], "\n"))
+			// A member stopping logs its closed listeners as errors.
+			var lines []string
+			for l := range strings.SplitSeq(string(b), "\n") {
+				if l != "" && !strings.Contains(l, "closed") {
+					lines = append(lines, l)
+				}
+			}
+			c.tb.Logf("last etcd log lines:\n%s", strings.Join(lines[max(len(lines)-30, 0):], "\n"))
 		}
 	}
 }

@@ -55,6 +55,7 @@ func Options(logger *slog.Logger) agent.Options {
 		Stabilization:           500 * time.Millisecond,
 		GossipReconnectInterval: time.Second,
 		TraceBatchTimeout:       200 * time.Millisecond,
+		EtcdSessionTTL:          2 * time.Second,
 	}
 }
 
@@ -231,6 +232,31 @@ func NewExpect(tb testing.TB, n int, mutate func(i int, cfg *config.Config)) *Cl
 	return c
 }
 
+// NewEtcd starts n nodes in etcd mode (service_discovery.type etcd) on the
+// etcd at endpoints; every node after the first joins the first one's
+// gossip address. mutate may adjust each node's configuration.
+func NewEtcd(tb testing.TB, n int, endpoints []string, mutate func(i int, cfg *config.Config)) *Cluster {
+	tb.Helper()
+	c := New(tb)
+	var seed string
+	for i := range n {
+		cfg := Config(fmt.Sprintf("node%d", i+1), filepath.Join(tb.TempDir(), fmt.Sprintf("node%d", i+1)))
+		cfg.ServiceDiscovery.Type = config.DiscoveryEtcd
+		cfg.ServiceDiscovery.Etcd.Endpoints = endpoints
+		if seed != "" {
+			cfg.Cluster.Join = []string{seed}
+		}
+		if mutate != nil {
+			mutate(i, cfg)
+		}
+		node := c.Start(i, cfg)
+		if seed == "" {
+			seed = node.GossipAddr()
+		}
+	}
+	return c
+}
+
 // Kill stops node i without leaving (as a crash would, minus the lost
 // in-flight writes).
 func (c *Cluster) Kill(i int) {
@@ -252,7 +278,9 @@ func (c *Cluster) Restart(i int, newPorts bool, join string) *Node {
 		cfg.Server.ConnectRPC.Addr = old.APIAddr()
 		cfg.Server.GRPCInternal.Addr = old.InternalAddr()
 		cfg.Server.Metrics.Addr = old.MetricsAddr()
-		cfg.Cluster.Raft.Addr = old.RaftAddr()
+		if addr := old.RaftAddr(); addr != "" { // none in etcd mode
+			cfg.Cluster.Raft.Addr = addr
+		}
 		cfg.Cluster.Gossip.BindAddr = old.GossipAddr()
 	}
 	cfg.Cluster.Join = nil
@@ -297,7 +325,7 @@ func (c *Cluster) WaitLeader(timeout time.Duration) *Node {
 			return errors.New("no leader")
 		}
 		for _, n := range nodes {
-			if id, _ := n.Store().Leader(); id != leader.NodeID() {
+			if id := n.LeaderID(); id != leader.NodeID() {
 				return fmt.Errorf("%s sees leader %q, want %s", n.Name, id, leader.Name)
 			}
 		}
@@ -343,7 +371,7 @@ func (c *Cluster) WaitPeers(timeout time.Duration, voters, nonvoters int) {
 func (c *Cluster) Follower() *Node {
 	c.tb.Helper()
 	for _, n := range c.Nodes() {
-		if !n.Store().IsLeader() {
+		if !n.IsLeader() {
 			return n
 		}
 	}

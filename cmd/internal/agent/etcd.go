@@ -1,0 +1,234 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/zap"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/gateway"
+	"pilab.hu/pivirt-agent/identity"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	"pilab.hu/pivirt-agent/scheduler"
+	"pilab.hu/pivirt-agent/store"
+	"pilab.hu/pivirt-agent/store/etcdstore"
+)
+
+// etcdMode reports whether the state lives in etcd
+// (service_discovery.type: etcd) instead of the embedded Raft group.
+func (a *Agent) etcdMode() bool { return a.etcd != nil }
+
+// openEtcd connects to the etcd of service_discovery.etcd and opens the
+// etcd-backed store on a.fsm. An etcd that does not answer yet is not an
+// error: the agent starts not ready and follows etcd once it answers.
+func (a *Agent) openEtcd(ctx context.Context) error {
+	ec := a.cfg.ServiceDiscovery.Etcd
+	ccfg := clientv3.Config{
+		Endpoints: ec.Endpoints,
+		// No DialTimeout: the dial does not block, so an agent starts while
+		// etcd is down.
+		DialKeepAliveTime:    10 * time.Second,
+		DialKeepAliveTimeout: 5 * time.Second,
+		Logger:               zap.NewNop(),
+	}
+	if ec.CAFile != "" {
+		src, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile, Logger: a.logger})
+		if err != nil {
+			return fmt.Errorf("service_discovery.etcd: %w", err)
+		}
+		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
+		ccfg.TLS = src.ClientConfig("")
+	}
+	cli, err := clientv3.New(ccfg)
+	if err != nil {
+		return fmt.Errorf("service_discovery.etcd: %w", err)
+	}
+	a.etcdClient = cli
+	a.etcd, err = etcdstore.Open(ctx, etcdstore.Config{
+		Client:       cli,
+		Prefix:       ec.Prefix,
+		NodeID:       a.nodeID,
+		FSM:          a.fsm,
+		DedupeWindow: fsm.DefaultConfig().DedupeWindow,
+		SessionTTL:   a.opts.EtcdSessionTTL,
+		Logger:       a.logger,
+	})
+	if err != nil {
+		return fmt.Errorf("service_discovery.etcd: %w", err)
+	}
+	a.logger.Info("the cluster state is kept in etcd", "endpoints", ec.Endpoints, "prefix", ec.Prefix)
+	return nil
+}
+
+// etcdAdapter presents the etcd-backed store through the interfaces gateway
+// and cluster declare, as raftAdapter does for Raft. Every agent reads and
+// writes etcd itself (gateway.ClusterServiceConfig.Direct); the "leader"
+// it reports is the holder of the schedule leadership.
+type etcdAdapter struct {
+	s         *etcdstore.Store
+	nodeID    string
+	name      string
+	applyTime prometheus.Observer
+	tracer    trace.Tracer
+	members   *cluster.Gossip
+}
+
+var (
+	_ gateway.Consensus    = etcdAdapter{}
+	_ gateway.RaftAdmin    = etcdAdapter{}
+	_ cluster.StatusSource = etcdAdapter{}
+)
+
+func (e etcdAdapter) Apply(ctx context.Context, cmd []byte) (any, uint64, error) {
+	return observeApply(ctx, e.tracer, e.applyTime, cmd, e.s.Apply)
+}
+
+// Leader names the schedule leader and its internal address.
+func (e etcdAdapter) Leader() (string, string) {
+	id := e.s.LeaderID()
+	if id == "" {
+		return "", ""
+	}
+	if m, ok := e.members.MemberByID(id); ok {
+		return id, m.Meta.InternalAddr
+	}
+	return id, ""
+}
+
+func (e etcdAdapter) ReadIndex(ctx context.Context) (uint64, error) { return e.s.ReadIndex(ctx) }
+
+// RaftStatus describes the etcd mirror in Raft's terms: the state is
+// "etcd", the indexes are the etcd revision the mirror applied, and the
+// last contact is etcd's last answer (stale reads with max_stale use it).
+func (e etcdAdapter) RaftStatus() gateway.RaftStatus {
+	st := e.s.Status()
+	return gateway.RaftStatus{
+		State:        "etcd",
+		LastIndex:    st.Revision,
+		CommitIndex:  st.Revision,
+		AppliedIndex: st.Revision,
+		LastContact:  st.LastContact,
+		LeaderID:     st.LeaderID,
+	}
+}
+
+func errNoRaft(what string) error {
+	return fmt.Errorf("%w: %s: this cluster keeps its state in etcd (service_discovery.type etcd); there is no Raft group", store.ErrUnsupported, what)
+}
+
+func (e etcdAdapter) Servers(context.Context) ([]cluster.RaftServer, error) {
+	return nil, errNoRaft("raft peers")
+}
+
+func (e etcdAdapter) RemoveServer(context.Context, string) error {
+	return errNoRaft("remove a raft peer")
+}
+
+// TransferLeadership hands the schedule leadership over: this node resigns
+// and another campaigning agent takes it. A target cannot be chosen.
+func (e etcdAdapter) TransferLeadership(ctx context.Context, id string) (string, error) {
+	if id != "" && id != e.nodeID {
+		return "", fmt.Errorf("%w: in etcd mode the schedule leadership goes to the next agent in the election; a target cannot be chosen", store.ErrUnsupported)
+	}
+	if err := e.s.Resign(ctx); err != nil {
+		return "", err
+	}
+	for {
+		if l := e.s.LeaderID(); l != "" && l != e.nodeID {
+			return l, nil
+		}
+		t := time.NewTimer(20 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return "", ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+func (e etcdAdapter) NodeStatus() *nodev1.StatusResponse {
+	st := e.s.Status()
+	var contact time.Duration
+	if !st.LastContact.IsZero() {
+		contact = time.Since(st.LastContact)
+	}
+	return &nodev1.StatusResponse{
+		NodeId:       e.nodeID,
+		Name:         e.name,
+		RaftState:    "etcd",
+		LastIndex:    st.Revision,
+		CommitIndex:  st.Revision,
+		AppliedIndex: st.Revision,
+		LastContact:  durationpb.New(contact),
+		HasState:     st.Synced,
+		LeaderId:     st.LeaderID,
+	}
+}
+
+// etcdNotReady is the error of a request refused while the mirror does not
+// follow etcd.
+func (a *Agent) etcdNotReady() error {
+	st := a.etcd.Status()
+	if st.LastError != "" {
+		return fmt.Errorf("%w: %s", store.ErrUnavailable, st.LastError)
+	}
+	return fmt.Errorf("%w: the state is not loaded from etcd yet", store.ErrUnavailable)
+}
+
+// establishEtcdLeadership is the schedule leader's work in etcd mode, run
+// while this agent holds the etcd election: once its mirror has caught up
+// with etcd, the dispatcher and the snapshotter (no Raft membership, no TTL
+// reaper: etcd leases expire instances).
+func (a *Agent) establishEtcdLeadership(ctx context.Context, wg *sync.WaitGroup) {
+	for attempt := 0; ; attempt++ {
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		idx, err := a.etcd.ReadIndex(rctx)
+		if err == nil {
+			err = a.etcd.WaitApplied(rctx, idx)
+		}
+		cancel()
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		a.logger.Warn("schedule leader: catching up with etcd failed, retrying", "error", err, "attempt", attempt)
+		t := time.NewTimer(100 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+	if !a.etcd.IsLeader() {
+		return
+	}
+	a.etcdLeading.Store(true)
+	a.logger.Info("schedule leadership established", "revision", a.etcd.AppliedIndex())
+	a.startSnapshotter(ctx, wg)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		a.ensureClusterID(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		scheduler.RunDispatcher(ctx, scheduler.DispatcherConfig{
+			NodeID:  a.nodeID,
+			Logger:  a.logger,
+			Metrics: a.scheduleMetrics,
+			Tracer:  a.tracing.Tracer(),
+		}, a.etcd, a.cons, a.invokeBackend)
+	}()
+}

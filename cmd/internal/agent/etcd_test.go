@@ -1,0 +1,179 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
+)
+
+func readOpts(mode clusterv1.Consistency) *clusterv1.ReadOptions {
+	return &clusterv1.ReadOptions{Consistency: mode}
+}
+
+func instances(ctx context.Context, n *agenttest.Node, service string, mode clusterv1.Consistency) ([]*clusterv1.ServiceInstance, error) {
+	resp, err := n.API.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: service, Read: readOpts(mode)}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg.GetInstances(), nil
+}
+
+// TestEtcdMode: three agents in etcd mode over a three-member etcd serve
+// the cluster API from any node, writes and reads alike; one holds the
+// schedule leadership; /ready follows etcd; Raft-only calls say why not.
+func TestEtcdMode(t *testing.T) {
+	ec := etcdtest.Start(t, 3)
+	c := agenttest.NewEtcd(t, 3, ec.Endpoints, nil)
+	leader := c.WaitLeader(60 * time.Second)
+	nodes := c.Nodes()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	// Written through one agent, read consistently through each other.
+	for i, n := range nodes {
+		if _, err := agenttest.Register(ctx, n, "web", fmt.Sprintf("i%d", i), "127.0.0.1", uint32(8080+i)); err != nil {
+			t.Fatalf("register through %s: %v", n.Name, err)
+		}
+	}
+	for _, n := range nodes {
+		got, err := instances(ctx, n, "web", clusterv1.Consistency_CONSISTENCY_CONSISTENT)
+		if err != nil || len(got) != 3 {
+			t.Fatalf("consistent read on %s: %v (%v), want 3 instances", n.Name, got, err)
+		}
+		agenttest.Eventually(t, 10*time.Second, "default read on "+n.Name, func() error {
+			got, err := instances(ctx, n, "web", clusterv1.Consistency_CONSISTENCY_DEFAULT)
+			if err != nil || len(got) != 3 {
+				return fmt.Errorf("%d instances (%v)", len(got), err)
+			}
+			return nil
+		})
+	}
+
+	// Config compare-and-set across agents.
+	zero := uint64(0)
+	set, err := nodes[0].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "info", CasRevision: &zero}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = nodes[1].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "debug", CasRevision: &zero}))
+	if connect.CodeOf(err) != connect.CodeAborted {
+		t.Fatalf("a second create through another agent: %v, want Aborted", err)
+	}
+	rev := set.Msg.GetEntry().GetRevision()
+	if _, err := nodes[2].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "debug", CasRevision: &rev})); err != nil {
+		t.Fatalf("set with the current revision through a third agent: %v", err)
+	}
+
+	// The leader every agent names is the holder of the schedule
+	// leadership.
+	for _, n := range nodes {
+		resp, err := n.API.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{}))
+		if err != nil || resp.Msg.GetNodeId() != leader.NodeID() {
+			t.Fatalf("leader seen by %s: %v (%v), want %s", n.Name, resp, err, leader.NodeID())
+		}
+		code, body := get(t, "http://"+n.MetricsAddr()+"/ready")
+		if code != 200 || !strings.Contains(body, `"etcd":"ok: revision`) || !strings.Contains(body, `"leader":"ok: `+leader.NodeID()) {
+			t.Fatalf("/ready of %s: %d %s", n.Name, code, body)
+		}
+		if _, body := get(t, "http://"+n.MetricsAddr()+"/health"); !strings.Contains(body, `"raft_state":"etcd"`) {
+			t.Fatalf("/health of %s: %s", n.Name, body)
+		}
+	}
+	_, err = nodes[0].API.Peers(ctx, connect.NewRequest(&clusterv1.PeersRequest{}))
+	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "etcd") {
+		t.Fatalf("raft peers in etcd mode: %v, want FailedPrecondition naming etcd", err)
+	}
+
+	// Handing the schedule leadership over.
+	to, err := leader.API.TransferLeader(ctx, connect.NewRequest(&clusterv1.TransferLeaderRequest{}))
+	if err != nil || to.Msg.GetNodeId() == leader.NodeID() || to.Msg.GetNodeId() == "" {
+		t.Fatalf("transfer: %v (%v)", to, err)
+	}
+	next := c.WaitLeader(30 * time.Second)
+	if next.NodeID() != to.Msg.GetNodeId() {
+		t.Fatalf("leader %s after a transfer to %s", next.NodeID(), to.Msg.GetNodeId())
+	}
+}
+
+// TestEtcdOutage stops etcd under two agents: they report not ready,
+// serve stale reads from their last state, refuse default reads and
+// writes with Unavailable naming etcd, and recover when etcd returns.
+func TestEtcdOutage(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	c := agenttest.NewEtcd(t, 2, ec.Endpoints, nil)
+	c.WaitLeader(60 * time.Second)
+	a, b := c.Node(0), c.Node(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	if _, err := agenttest.Register(ctx, a, "web", "x", "127.0.0.1", 80); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := instances(ctx, b, "web", clusterv1.Consistency_CONSISTENCY_CONSISTENT); err != nil || len(got) != 1 {
+		t.Fatalf("before the outage: %v %v", got, err)
+	}
+
+	ec.Stop(0)
+	for _, n := range []*agenttest.Node{a, b} {
+		agenttest.Eventually(t, 20*time.Second, n.Name+" not ready", func() error {
+			code, body := get(t, "http://"+n.MetricsAddr()+"/ready")
+			if code != 503 || !strings.Contains(body, `"etcd":"unreachable`) {
+				return fmt.Errorf("%d %s", code, body)
+			}
+			return nil
+		})
+		got, err := instances(ctx, n, "web", clusterv1.Consistency_CONSISTENCY_STALE)
+		if err != nil || len(got) != 1 {
+			t.Fatalf("stale read on %s during the outage: %v (%v), want the last state", n.Name, got, err)
+		}
+	}
+	start := time.Now()
+	_, err := instances(ctx, b, "web", clusterv1.Consistency_CONSISTENCY_DEFAULT)
+	if connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "etcd") {
+		t.Fatalf("default read during the outage: %v, want Unavailable naming etcd", err)
+	}
+	if d := time.Since(start); d > 20*time.Second {
+		t.Fatalf("the refused read took %s", d)
+	}
+	_, err = agenttest.Register(ctx, a, "web", "y", "127.0.0.1", 81)
+	var ce *connect.Error
+	if !errors.As(err, &ce) || ce.Code() != connect.CodeUnavailable || !strings.Contains(err.Error(), "etcd") {
+		t.Fatalf("write during the outage: %v, want Unavailable naming etcd", err)
+	}
+
+	ec.Restart(0)
+	for _, n := range []*agenttest.Node{a, b} {
+		agenttest.Eventually(t, 45*time.Second, n.Name+" ready again", func() error {
+			if code, body := get(t, "http://"+n.MetricsAddr()+"/ready"); code != 200 {
+				return fmt.Errorf("%d %s", code, body)
+			}
+			return nil
+		})
+	}
+	if _, err := agenttest.Register(ctx, a, "web", "y", "127.0.0.1", 81); err != nil {
+		t.Fatalf("write after the outage: %v", err)
+	}
+	if got, err := instances(ctx, b, "web", clusterv1.Consistency_CONSISTENCY_CONSISTENT); err != nil || len(got) != 2 {
+		t.Fatalf("after the outage: %v %v, want 2 instances", got, err)
+	}
+}
+
+// TestEtcdScheduleLeaderKills: the schedule leadership moves through the
+// etcd election while the leading agent is stopped and restarted three
+// times; every slot runs exactly once, as in Raft mode.
+func TestEtcdScheduleLeaderKills(t *testing.T) {
+	if testing.Short() {
+		t.Skip("kills leaders; skipped with -short")
+	}
+	ec := etcdtest.Start(t, 3)
+	s := startSim(t)
+	leaderKills(t, newScheduleEnvOn(t, s, agenttest.NewEtcd(t, 3, ec.Endpoints, withBackends(s.addr))))
+}
