@@ -196,10 +196,10 @@ func (s *Store) Restore(ctx context.Context, _ uint64, _ int64, r io.Reader) err
 	if err := flush(); err != nil {
 		return err
 	}
-	if last != 0 {
-		if err := s.WaitApplied(ctx, uint64(last)); err != nil {
-			return unavailable(ctx, "restore: wait for the mirror", err)
-		}
+	// This agent's state is replaced whole, as a Raft restore replaces
+	// it: watchers re-list. The others follow the writes.
+	if err := s.reload(ctx); err != nil {
+		return unavailable(ctx, "restore: reload the state", err)
 	}
 	s.logger.Info("state restored into etcd", "keys", len(order), "deleted", len(dels), "revision", last)
 	return nil

@@ -76,6 +76,12 @@ type Store struct {
 	// resign is closed by Resign (guarded by leader.mu).
 	resign chan struct{}
 
+	// reloadReq asks follow to load the state afresh (Restore); the
+	// channel sent is closed once it has. pending holds them meanwhile
+	// (follow's alone).
+	reloadReq chan chan struct{}
+	pending   []chan struct{}
+
 	dedupeMu    sync.Mutex
 	dedupeLease clientv3.LeaseID
 	dedupeUntil time.Time // when dedupeLease stops being handed out
@@ -137,6 +143,8 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		entries: make(map[string]*entry),
 		byPK:    make(map[string]string),
 		elected: make(map[string]candidate),
+
+		reloadReq: make(chan chan struct{}),
 	}
 	s.leader.init()
 	rev, err := s.load(ctx)
@@ -319,6 +327,10 @@ func (s *Store) follow(rev int64) {
 				continue
 			}
 			rev, backoff = r, 100*time.Millisecond
+			for _, done := range s.pending {
+				close(done)
+			}
+			s.pending = nil
 		}
 		next, err := s.watch(rev)
 		if s.ctx.Err() != nil {
@@ -328,10 +340,13 @@ func (s *Store) follow(rev int64) {
 			rev = next
 			continue
 		}
+		rev = 0
+		if errors.Is(err, errReload) {
+			continue
+		}
 		s.synced.Store(false)
 		s.fail(err)
 		s.logger.Warn("etcd watch ended; reloading the state", "error", err, "revision", next)
-		rev = 0
 		if !s.sleep(&backoff) {
 			return
 		}
@@ -341,6 +356,31 @@ func (s *Store) follow(rev int64) {
 // errCompacted ends a watch whose start revision etcd compacted away.
 var errCompacted = errors.New("the watched revision was compacted")
 
+// errReload ends a watch to load the state afresh (reload).
+var errReload = errors.New("reload requested")
+
+// reload makes the mirror load the whole state from etcd again, replacing
+// it at once (watchers re-list, as after a Raft restore), and returns once
+// it has.
+func (s *Store) reload(ctx context.Context) error {
+	done := make(chan struct{})
+	select {
+	case s.reloadReq <- done:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.ctx.Done():
+		return store.ErrShutdown
+	}
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.ctx.Done():
+		return store.ErrShutdown
+	}
+}
+
 // watch follows the layout's keys from rev+1 until the stream ends. It
 // returns the revision the mirror reached and why it ended (nil: the stream
 // closed and may be reopened from there).
@@ -349,7 +389,21 @@ func (s *Store) watch(rev int64) (int64, error) {
 	defer cancel()
 	ch := s.cli.Watch(ctx, s.lay.watchPrefix(), clientv3.WithPrefix(), clientv3.WithRev(rev+1),
 		clientv3.WithProgressNotify(), clientv3.WithCreatedNotify())
-	for resp := range ch {
+	for {
+		var resp clientv3.WatchResponse
+		select {
+		case done := <-s.reloadReq:
+			s.pending = append(s.pending, done)
+			return rev, errReload
+		case r, ok := <-ch:
+			if !ok {
+				if s.ctx.Err() != nil {
+					return rev, nil
+				}
+				return rev, errors.New("the watch stream closed")
+			}
+			resp = r
+		}
 		if err := resp.Err(); err != nil {
 			if resp.CompactRevision != 0 || errors.Is(err, rpctypes.ErrCompacted) {
 				return rev, fmt.Errorf("%w: %v", errCompacted, err)
@@ -384,10 +438,6 @@ func (s *Store) watch(rev int64) (int64, error) {
 			i = j
 		}
 	}
-	if s.ctx.Err() != nil {
-		return rev, nil
-	}
-	return rev, errors.New("the watch stream closed")
 }
 
 // ingest applies the events of one revision to the mirror.

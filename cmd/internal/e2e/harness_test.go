@@ -159,6 +159,8 @@ type cluster struct {
 	nodes []*node
 	// certs is the cluster's PiTrust PKI: every port runs (mutual) TLS.
 	certs string
+	// extra is YAML appended to every agent's configuration file.
+	extra string
 
 	mu    sync.Mutex
 	procs []*proc  // every process started, for the cleanup
@@ -174,7 +176,14 @@ var errPortTaken = errors.New("a port picked for an agent was taken meanwhile")
 // retried once with new ports.
 func startCluster(t *testing.T, bins binaries) *cluster {
 	t.Helper()
-	c := &cluster{bins: bins, dir: t.TempDir()}
+	return startClusterWith(t, bins, "")
+}
+
+// startClusterWith is startCluster with extra YAML in every agent's
+// configuration file (e.g. a service_discovery block).
+func startClusterWith(t *testing.T, bins binaries, extra string) *cluster {
+	t.Helper()
+	c := &cluster{bins: bins, dir: t.TempDir(), extra: extra}
 	c.certs = makePKI(t, filepath.Join(c.dir, "certs"))
 	// Cleanups run last-in first-out. report is registered after
 	// t.TempDir's removal and before stopAll, so it runs once every process
@@ -263,7 +272,7 @@ routing:
         prefix: /pivirt.storage.v1.StorageService
       route:
         cluster: iscsiman
-`, c.certs, name, n.simAddr)
+`, c.certs, name, n.simAddr) + c.extra
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}
