@@ -122,7 +122,7 @@ type Agent struct {
 	etcdLeading atomic.Bool
 	// cons is the state backend the gateway, the scheduler and the node
 	// service use: raft or an etcdAdapter.
-	cons backend
+	cons   backend
 	gossip *cluster.Gossip
 	pool   *cluster.Pool
 	api    *gateway.ClusterService
