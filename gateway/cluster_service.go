@@ -493,7 +493,8 @@ func (h *ClusterService) TransferLeader(ctx context.Context, req *connect.Reques
 		}
 		return resp, err
 	}
-	return onLeader(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
+	// Even in Direct mode only the leader (of the schedules) can hand over.
+	return onElected(ctx, h, req, remote, func(ctx context.Context) (*connect.Response[clusterv1.TransferLeaderResponse], error) {
 		if id == h.cfg.NodeID {
 			return connect.NewResponse(&clusterv1.TransferLeaderResponse{NodeId: id}), nil
 		}

@@ -71,18 +71,39 @@ func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect
 	})
 }
 
+// onElected is onLeader through viaElected.
+func onElected[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], remote remoteCall[Req, Res], local func(context.Context) (*connect.Response[Res], error)) (*connect.Response[Res], error) {
+	return viaElected(ctx, h, local, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
+		resp, err := remote(h.peers.Cluster(internalAddr), ctx, forwardRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return cleanResponse(resp), nil
+	})
+}
+
 // viaLeader runs local when this node is the leader, else remote with the
 // leader's internal address, retrying Unavailable answers (not the leader,
 // no leader, connection failures) on whichever node leads next, up to the
 // hold timeout.
 func viaLeader[T any](ctx context.Context, h *ClusterService, local func(context.Context) (T, error), remote func(ctx context.Context, internalAddr string) (T, error)) (T, error) {
+	return routeToLeader(ctx, h, h.cfg.Direct, local, remote)
+}
+
+// viaElected is viaLeader for what only the leader can do even in Direct
+// mode (handing the schedule leadership over).
+func viaElected[T any](ctx context.Context, h *ClusterService, local func(context.Context) (T, error), remote func(ctx context.Context, internalAddr string) (T, error)) (T, error) {
+	return routeToLeader(ctx, h, false, local, remote)
+}
+
+func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, local func(context.Context) (T, error), remote func(ctx context.Context, internalAddr string) (T, error)) (T, error) {
 	var zero T
 	hold := time.Now().Add(h.cfg.HoldTimeout)
 	var lastErr error
 	for attempt := 0; ; attempt++ {
 		id, _ := h.raft.Leader()
 		switch {
-		case id == h.cfg.NodeID || h.cfg.Direct:
+		case id == h.cfg.NodeID || direct:
 			resp, err := local(ctx)
 			if err == nil {
 				return resp, nil

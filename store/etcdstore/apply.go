@@ -78,15 +78,25 @@ func (s *Store) Apply(ctx context.Context, data []byte) (any, uint64, error) {
 				return nil, 0, fmt.Errorf("%w: this node does not hold the schedule leadership", store.ErrNotLeader)
 			}
 			fenceKey = string(f.KeyBytes())
-			cmps = append(cmps, f)
+			// Not while a restore writes (restoreMarker).
+			cmps = append(cmps, f, clientv3.Compare(clientv3.CreateRevision(s.restoreMarker()), "=", 0))
 		}
 		rev, ok, err := s.commit(ctx, p, cmps)
+		if errors.Is(err, errTooLarge) {
+			// A rejected write: nothing was stored.
+			return &fsm.Result{Err: fmt.Errorf("%w: %w", fsm.ErrInvalidCommand, err)}, 0, nil
+		}
 		if err != nil {
 			return nil, 0, err
 		}
 		if !ok {
-			if leaderOnly && !s.stillLeads(ctx, fenceKey) {
-				return nil, 0, fmt.Errorf("%w: the schedule leadership moved", store.ErrLeadershipLost)
+			if leaderOnly {
+				if !s.stillLeads(ctx, fenceKey) {
+					return nil, 0, fmt.Errorf("%w: the schedule leadership moved", store.ErrLeadershipLost)
+				}
+				if s.restoring(ctx) {
+					return nil, 0, fmt.Errorf("%w: a snapshot restore is writing the state; schedules wait for it", store.ErrUnavailable)
+				}
 			}
 			// Another write changed a key this one depends on: evaluate
 			// again once the mirror has it.
@@ -124,6 +134,14 @@ func (s *Store) stillLeads(ctx context.Context, key string) bool {
 	return resp.Kvs[0].CreateRevision == rev
 }
 
+// restoring reports whether the restore marker exists.
+func (s *Store) restoring(ctx context.Context) bool {
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	resp, err := s.cli.Get(rctx, s.restoreMarker(), clientv3.WithCountOnly())
+	return err == nil && resp.Count > 0
+}
+
 // plan is the etcd transaction of an evaluated command.
 type plan struct {
 	cmps []clientv3.Cmp
@@ -142,6 +160,8 @@ type put struct {
 	lease  clientv3.LeaseID
 	grant  int64
 	dedupe bool
+	// val is the value written.
+	val []byte
 }
 
 // plan turns an evaluation into compares and operations. mu must be held
@@ -236,6 +256,19 @@ func (s *Store) plan(ev fsm.Evaluation) (plan, error) {
 			continue
 		}
 		w := put{key: key, table: g.table, recs: recs}
+		var err error
+		if grouped(g.table) {
+			var dropped int
+			w.val, dropped, err = fitGroup(g.table, recs)
+			if dropped > 0 {
+				s.logger.Warn("etcd mode keeps less history for a large key", "key", key, "left_out", dropped, "limit_bytes", maxGroupBytes)
+			}
+		} else {
+			w.val, err = encode(g.table, recs)
+		}
+		if err != nil {
+			return plan{}, err
+		}
 		switch g.table {
 		case fsm.TableServices:
 			inst, _ := recs[0].(*clusterv1.ServiceInstance)
@@ -267,10 +300,18 @@ func sameTTL(old proto.Message, inst *clusterv1.ServiceInstance) bool {
 	return ok && o.GetTtl().AsDuration() == inst.GetTtl().AsDuration()
 }
 
+// errTooLarge: etcd refuses the transaction for its size (its
+// --max-request-bytes, 1.5 MiB by default, or --max-txn-ops): the write
+// cannot be stored in etcd as it is, however often it is retried.
+var errTooLarge = errors.New("the write is larger than etcd accepts")
+
 // commit runs the transaction of p under cmps. It returns the revision of
-// the write when it succeeded, else (false) the revision etcd was at when
-// a compare failed.
+// the write when it succeeded, else (false) a revision to catch the mirror
+// up to before evaluating again.
 func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64, bool, error) {
+	// Leases granted here are revoked when the write certainly did not
+	// happen; after an answer that was lost they are left to expire, as
+	// the write may have committed with them.
 	var granted []clientv3.LeaseID
 	revoke := func() {
 		for _, id := range granted {
@@ -279,14 +320,16 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 			cancel()
 		}
 	}
-	ops := make([]clientv3.Op, 0, len(p.puts)+len(p.dels))
-	var renew []clientv3.LeaseID
-	for _, w := range p.puts {
-		val, err := encode(w.table, w.recs)
+	again := func() (int64, bool, error) {
+		rev, err := s.ReadIndex(ctx)
 		if err != nil {
-			revoke()
 			return 0, false, err
 		}
+		return int64(rev), false, nil
+	}
+	ops := make([]clientv3.Op, 0, len(p.puts)+len(p.dels))
+	for _, w := range p.puts {
+		val := w.val
 		lease := w.lease
 		switch {
 		case w.grant > 0:
@@ -295,7 +338,7 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 			cancel()
 			if err != nil {
 				revoke()
-				s.fail(err)
+				s.fail(ctx, err)
 				return 0, false, unavailable(ctx, "grant a lease", err)
 			}
 			lease = resp.ID
@@ -308,7 +351,22 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 			}
 			lease = id
 		case lease != 0:
-			renew = append(renew, lease)
+			// A write of an instance is a heartbeat: renew its TTL first,
+			// so that the lease cannot run out between the write and the
+			// renewal.
+			rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+			_, err := s.cli.KeepAliveOnce(rctx, lease)
+			cancel()
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				// Expired: the key is gone or going; evaluate again.
+				revoke()
+				return again()
+			}
+			if err != nil {
+				revoke()
+				s.fail(ctx, err)
+				return 0, false, unavailable(ctx, "renew a lease", err)
+			}
 		}
 		var opts []clientv3.OpOption
 		if lease != 0 {
@@ -322,34 +380,24 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 	resp, err := s.cli.Txn(rctx).If(cmps...).Then(ops...).Commit()
 	cancel()
-	if err != nil {
+	switch {
+	case errors.Is(err, rpctypes.ErrLeaseNotFound):
+		// A lease expired between the evaluation and the write (the key
+		// it held is gone too, or the dedupe lease ran out).
 		revoke()
-		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-			// A lease expired between the evaluation and the write (the
-			// key it held is gone too, or the dedupe lease ran out):
-			// evaluate again.
-			s.dropDedupeLease()
-			rev, rerr := s.ReadIndex(ctx)
-			if rerr != nil {
-				return 0, false, rerr
-			}
-			return int64(rev), false, nil
-		}
-		s.fail(err)
+		s.dropDedupeLease()
+		return again()
+	case errors.Is(err, rpctypes.ErrRequestTooLarge), errors.Is(err, rpctypes.ErrTooManyOps):
+		revoke()
+		return 0, false, fmt.Errorf("%w (%v)", errTooLarge, err)
+	case err != nil:
+		s.fail(ctx, err)
 		return 0, false, unavailable(ctx, "commit", err)
 	}
 	s.contact()
 	if !resp.Succeeded {
 		revoke()
 		return resp.Header.Revision, false, nil
-	}
-	for _, id := range renew {
-		// A write is a heartbeat: it renews the instance's TTL.
-		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-		if _, err := s.cli.KeepAliveOnce(rctx, id); err != nil {
-			s.logger.Debug("renew a service lease", "lease", int64(id), "error", err)
-		}
-		cancel()
 	}
 	return resp.Header.Revision, true, nil
 }
@@ -370,7 +418,7 @@ func (s *Store) dedupeLeaseID(ctx context.Context) (clientv3.LeaseID, error) {
 	defer cancel()
 	resp, err := s.cli.Grant(rctx, ttl)
 	if err != nil {
-		s.fail(err)
+		s.fail(ctx, err)
 		return 0, unavailable(ctx, "grant the dedupe lease", err)
 	}
 	s.dedupeLease, s.dedupeUntil = resp.ID, now.Add(rotate)

@@ -140,38 +140,82 @@ var (
 // the table is grouped). Index fields equal to fsm.PendingIndex are left
 // out.
 func encode(table string, recs []proto.Message) ([]byte, error) {
-	one := func(rec proto.Message) ([]byte, error) {
-		c := proto.Clone(rec)
-		fsm.SetIndexFields(c, fsm.PendingIndex, 0)
-		b, err := marshalOpts.Marshal(c)
-		if err != nil {
-			return nil, fmt.Errorf("encode %s record: %w", table, err)
-		}
-		// protojson may add spaces at random; compact keeps values stable.
-		var buf bytes.Buffer
-		if err := json.Compact(&buf, b); err != nil {
-			return nil, fmt.Errorf("encode %s record: %w", table, err)
-		}
-		return buf.Bytes(), nil
-	}
 	if !grouped(table) {
 		if len(recs) != 1 {
 			return nil, fmt.Errorf("encode %s: %d records for one key", table, len(recs))
 		}
-		return one(recs[0])
+		return encodeRecord(table, recs[0])
 	}
-	out := []byte{'['}
+	parts := make([][]byte, len(recs))
 	for i, rec := range recs {
-		b, err := one(rec)
+		b, err := encodeRecord(table, rec)
 		if err != nil {
 			return nil, err
 		}
+		parts[i] = b
+	}
+	return joinList(parts), nil
+}
+
+// encodeRecord is the JSON of one record.
+func encodeRecord(table string, rec proto.Message) ([]byte, error) {
+	c := proto.Clone(rec)
+	fsm.SetIndexFields(c, fsm.PendingIndex, 0)
+	b, err := marshalOpts.Marshal(c)
+	if err != nil {
+		return nil, fmt.Errorf("encode %s record: %w", table, err)
+	}
+	// protojson may add spaces at random; compact keeps values stable.
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, b); err != nil {
+		return nil, fmt.Errorf("encode %s record: %w", table, err)
+	}
+	return buf.Bytes(), nil
+}
+
+// joinList is the JSON list of encoded records.
+func joinList(parts [][]byte) []byte {
+	n := 2
+	for _, p := range parts {
+		n += len(p) + 1
+	}
+	out := make([]byte, 0, n)
+	out = append(out, '[')
+	for i, p := range parts {
 		if i > 0 {
 			out = append(out, ',')
 		}
-		out = append(out, b...)
+		out = append(out, p...)
 	}
-	return append(out, ']'), nil
+	return append(out, ']')
+}
+
+// maxGroupBytes bounds the value of a grouped key: with the current
+// config value beside it (512 KiB at most) a write stays within etcd's
+// default --max-request-bytes of 1.5 MiB. The oldest records of a longer
+// list are not kept (fitGroup).
+const maxGroupBytes = 768 << 10
+
+// fitGroup encodes the records of a grouped key, oldest first, leaving out
+// the oldest ones while the value would exceed maxGroupBytes (the newest
+// is always kept). It returns the value and how many were left out.
+func fitGroup(table string, recs []proto.Message) ([]byte, int, error) {
+	parts := make([][]byte, len(recs))
+	size := 2
+	for i, rec := range recs {
+		b, err := encodeRecord(table, rec)
+		if err != nil {
+			return nil, 0, err
+		}
+		parts[i] = b
+		size += len(b) + 1
+	}
+	drop := 0
+	for size > maxGroupBytes && drop < len(parts)-1 {
+		size -= len(parts[drop]) + 1
+		drop++
+	}
+	return joinList(parts[drop:]), drop, nil
 }
 
 // decode parses the value of a key of table written at modRev; the index

@@ -185,17 +185,23 @@ func (s *Store) campaign() {
 			s.leader.set(false, "", 0)
 			s.logger.Warn("schedule leadership lost: the etcd session expired")
 		case <-s.ctx.Done():
+			// Closing: the session's revocation below frees the key too;
+			// neither may hold the shutdown up for long.
 			s.leader.set(false, "", 0)
-			rctx, rcancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
+			rctx, rcancel := context.WithTimeout(context.Background(), time.Second)
 			if err := el.Resign(rctx); err != nil {
 				s.logger.Debug("resign the schedule leadership", "error", err)
 			}
 			rcancel()
-		case <-s.resignCh():
+		case done := <-s.resignReq:
 			s.leader.set(false, "", 0)
 			rctx, rcancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
-			_ = el.Resign(rctx)
+			if err := el.Resign(rctx); err != nil {
+				s.logger.Warn("resign the schedule leadership", "error", err)
+			}
 			rcancel()
+			s.logger.Info("schedule leadership resigned")
+			close(done)
 		}
 		cancel()
 		s.closeSession(sess)
@@ -203,7 +209,7 @@ func (s *Store) campaign() {
 }
 
 func (s *Store) closeSession(sess *concurrency.Session) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	// Revoking the lease deletes the election key at once, so that another
 	// node need not wait for the TTL.
@@ -211,40 +217,28 @@ func (s *Store) closeSession(sess *concurrency.Session) {
 	_ = sess.Close()
 }
 
-// resignCh is closed by Resign.
-func (s *Store) resignCh() <-chan struct{} {
-	s.leader.mu.Lock()
-	defer s.leader.mu.Unlock()
-	if s.resign == nil {
-		s.resign = make(chan struct{})
-	}
-	return s.resign
-}
-
 // Resign gives up the schedule leadership (if held) so that another node
-// takes over; this node campaigns again afterwards. It is the etcd mode's
-// leadership transfer on shutdown.
+// takes over; this node campaigns again afterwards, behind the others. It
+// is the etcd mode's leadership transfer. It returns once this node has
+// resigned.
 func (s *Store) Resign(ctx context.Context) error {
 	if !s.leader.is() {
 		return fmt.Errorf("%w: this node does not hold the schedule leadership", store.ErrNotLeader)
 	}
-	s.leader.mu.Lock()
-	if s.resign == nil {
-		s.resign = make(chan struct{})
+	done := make(chan struct{})
+	select {
+	case s.resignReq <- done:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.ctx.Done():
+		return store.ErrShutdown
 	}
-	close(s.resign)
-	s.resign = nil
-	s.leader.mu.Unlock()
-	for s.leader.is() {
-		t := time.NewTimer(10 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		case <-t.C:
-		}
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
 	}
-	return nil
 }
 
 // sleep waits for backoff (with jitter) and doubles it, up to 5s; false

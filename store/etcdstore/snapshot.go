@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"slices"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/proto"
@@ -126,60 +127,102 @@ func (s *Store) Restore(ctx context.Context, _ uint64, _ int64, r io.Reader) err
 		}
 	}
 
-	s.mu.RLock()
-	var dels []string
-	for key, e := range s.entries {
-		if _, ok := want[key]; !ok && e.table != fsm.TableDedupe {
-			dels = append(dels, key)
-		}
+	// From here on the writes go on whatever the caller does: a restore
+	// stopped half-way would leave a mix of both states.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), restoreTimeout)
+	defer cancel()
+	release, err := s.markRestoring(ctx)
+	if err != nil {
+		return err
 	}
-	s.mu.RUnlock()
-	slices.Sort(dels)
+	defer release()
+
+	// The keys to delete are read from etcd, not from this agent's
+	// mirror, which may lag writes made through other agents.
+	dels, err := s.stateKeys(ctx)
+	if err != nil {
+		return err
+	}
+	dels = slices.DeleteFunc(dels, func(k string) bool {
+		_, keep := want[k]
+		return keep || s.lay.table(k) == fsm.TableDedupe
+	})
 	// A config key and its versions go in one transaction, so that the
 	// current version's revision is the same in both.
 	slices.SortStableFunc(order, func(a, b string) int {
 		return compareRestoreKeys(s.lay, a, b)
 	})
 
-	ops := make([]clientv3.Op, 0, s.cfg.MaxTxnOps)
-	var last int64
+	var (
+		ops       = make([]clientv3.Op, 0, s.cfg.MaxTxnOps)
+		opBytes   int
+		last      int64
+		committed bool
+	)
+	defer func() {
+		if committed {
+			// This agent's state is replaced whole, as a Raft restore
+			// replaces it: watchers re-list (the others follow the
+			// writes). Also after a failure half-way: the state changed.
+			if err := s.reload(ctx); err != nil {
+				s.logger.Error("restore: reload the state", "error", err)
+			}
+		}
+	}()
 	flush := func() error {
 		if len(ops) == 0 {
 			return nil
 		}
 		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-		resp, err := s.cli.Txn(rctx).Then(ops...).Commit()
+		resp, err := s.cli.Txn(rctx).If(s.restoringCmp()).Then(ops...).Commit()
 		cancel()
 		if err != nil {
 			return unavailable(ctx, "restore", err)
 		}
+		if !resp.Succeeded {
+			return fmt.Errorf("%w: restore: the restore marker disappeared (another restore?)", store.ErrUnavailable)
+		}
+		committed = true
 		last = resp.Header.Revision
-		ops = ops[:0]
+		ops, opBytes = ops[:0], 0
 		return nil
 	}
-	for _, key := range dels {
-		if len(ops) == s.cfg.MaxTxnOps {
+	add := func(op clientv3.Op, size int) error {
+		if len(ops) > 0 && (len(ops)+1 > s.cfg.MaxTxnOps-1 || opBytes+size > restoreTxnBytes) {
 			if err := flush(); err != nil {
 				return err
 			}
 		}
-		ops = append(ops, clientv3.OpDelete(key))
+		ops = append(ops, op)
+		opBytes += size
+		return nil
+	}
+	for _, key := range dels {
+		if err := add(clientv3.OpDelete(key), len(key)); err != nil {
+			return err
+		}
 	}
 	if err := flush(); err != nil {
 		return err
 	}
 	for i, key := range order {
 		w := want[key]
-		// Keep a config key with its history: flush before a config key
-		// when the pair would not fit.
-		if n := len(ops); n == s.cfg.MaxTxnOps || (n == s.cfg.MaxTxnOps-1 && w.table == fsm.TableConfig && i+1 < len(order) && want[order[i+1]].table == fsm.TableConfigHistory) {
+		var val []byte
+		if grouped(w.table) {
+			val, _, err = fitGroup(w.table, w.recs)
+		} else {
+			val, err = encode(w.table, w.recs)
+		}
+		if err != nil {
+			return fmt.Errorf("restore: %w", err)
+		}
+		// Keep a config key with its history: flush first when the pair
+		// would not fit.
+		if w.table == fsm.TableConfig && i+1 < len(order) && want[order[i+1]].table == fsm.TableConfigHistory &&
+			(len(ops)+2 > s.cfg.MaxTxnOps-1 || opBytes+2*len(val) > restoreTxnBytes) {
 			if err := flush(); err != nil {
 				return err
 			}
-		}
-		val, err := encode(w.table, w.recs)
-		if err != nil {
-			return fmt.Errorf("restore: %w", err)
 		}
 		var opts []clientv3.OpOption
 		if inst, ok := w.recs[0].(*clusterv1.ServiceInstance); ok && inst.GetTtl().AsDuration() > 0 {
@@ -191,18 +234,96 @@ func (s *Store) Restore(ctx context.Context, _ uint64, _ int64, r io.Reader) err
 			}
 			opts = append(opts, clientv3.WithLease(lease.ID))
 		}
-		ops = append(ops, clientv3.OpPut(key, string(val), opts...))
+		if err := add(clientv3.OpPut(key, string(val), opts...), len(key)+len(val)); err != nil {
+			return err
+		}
 	}
 	if err := flush(); err != nil {
 		return err
 	}
-	// This agent's state is replaced whole, as a Raft restore replaces
-	// it: watchers re-list. The others follow the writes.
-	if err := s.reload(ctx); err != nil {
-		return unavailable(ctx, "restore: reload the state", err)
-	}
 	s.logger.Info("state restored into etcd", "keys", len(order), "deleted", len(dels), "revision", last)
 	return nil
+}
+
+// Restores write in transactions of at most restoreTxnBytes (and
+// MaxTxnOps operations, one of them the marker's compare) and give up
+// after restoreTimeout.
+const (
+	restoreTxnBytes = 1 << 20
+	restoreTimeout  = 10 * time.Minute
+)
+
+// restoreMarker is the key that exists while a restore writes: the
+// schedule leader's claims and run records are fenced by its absence, so
+// the dispatcher cannot write between the restore's transactions.
+func (s *Store) restoreMarker() string { return s.lay.root + dirMeta + "restoring" }
+
+func (s *Store) restoringCmp() clientv3.Cmp {
+	return clientv3.Compare(clientv3.Value(s.restoreMarker()), "=", s.cfg.NodeID)
+}
+
+// markRestoring creates the restore marker, held by a lease kept alive
+// until release is called (a restore whose agent dies frees the marker
+// within restoreMarkerTTL).
+func (s *Store) markRestoring(ctx context.Context) (release func(), err error) {
+	const restoreMarkerTTL = 15
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	lease, err := s.cli.Grant(rctx, restoreMarkerTTL)
+	if err != nil {
+		return nil, unavailable(ctx, "restore: grant the marker's lease", err)
+	}
+	resp, err := s.cli.Txn(rctx).
+		If(clientv3.Compare(clientv3.CreateRevision(s.restoreMarker()), "=", 0)).
+		Then(clientv3.OpPut(s.restoreMarker(), s.cfg.NodeID, clientv3.WithLease(lease.ID))).
+		Commit()
+	if err != nil {
+		return nil, unavailable(ctx, "restore: write the marker", err)
+	}
+	if !resp.Succeeded {
+		_, _ = s.cli.Revoke(rctx, lease.ID)
+		return nil, fmt.Errorf("%w: another restore is in progress (%s exists)", store.ErrUnavailable, s.restoreMarker())
+	}
+	kctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	ka, err := s.cli.KeepAlive(kctx, lease.ID)
+	if err != nil {
+		stop()
+		return nil, unavailable(ctx, "restore: keep the marker", err)
+	}
+	go func() {
+		for range ka {
+		}
+	}()
+	return func() {
+		stop()
+		rctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
+		defer cancel()
+		_, _ = s.cli.Revoke(rctx, lease.ID)
+	}, nil
+}
+
+// stateKeys lists every key of the layout's tables, from etcd.
+func (s *Store) stateKeys(ctx context.Context) ([]string, error) {
+	from := s.lay.watchPrefix()
+	end := clientv3.GetPrefixRangeEnd(from)
+	var keys []string
+	for {
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		resp, err := s.cli.Get(rctx, from, clientv3.WithRange(end), clientv3.WithKeysOnly(), clientv3.WithLimit(10000))
+		cancel()
+		if err != nil {
+			return nil, unavailable(ctx, "restore: list the keys", err)
+		}
+		for _, kv := range resp.Kvs {
+			if s.lay.table(string(kv.Key)) != "" {
+				keys = append(keys, string(kv.Key))
+			}
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return keys, nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
 }
 
 // addPut adds rec to the key that holds it in want.

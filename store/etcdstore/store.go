@@ -73,8 +73,9 @@ type Store struct {
 	lastErr     atomic.Pointer[string]
 
 	leader leadership
-	// resign is closed by Resign (guarded by leader.mu).
-	resign chan struct{}
+	// resignReq asks the campaign to resign; it closes the channel sent
+	// once it has.
+	resignReq chan chan struct{}
 
 	// reloadReq asks follow to load the state afresh (Restore); the
 	// channel sent is closed once it has. pending holds them meanwhile
@@ -145,6 +146,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		elected: make(map[string]candidate),
 
 		reloadReq: make(chan chan struct{}),
+		resignReq: make(chan chan struct{}),
 	}
 	s.leader.init()
 	rev, err := s.load(ctx)
@@ -186,8 +188,12 @@ func (s *Store) contact() {
 	s.lastContact.Store(time.Now().UnixNano())
 }
 
-// fail records an error talking to etcd.
-func (s *Store) fail(err error) {
+// fail records an error talking to etcd, unless the request ended because
+// its caller's ctx did: a cancelled call says nothing about etcd.
+func (s *Store) fail(ctx context.Context, err error) {
+	if ctx.Err() != nil {
+		return
+	}
 	msg := err.Error()
 	s.lastErr.Store(&msg)
 	s.healthy.Store(false)
@@ -226,7 +232,7 @@ func (s *Store) load(ctx context.Context) (int64, error) {
 		resp, err := s.cli.Get(rctx, from, opts...)
 		cancel()
 		if err != nil {
-			s.fail(err)
+			s.fail(ctx, err)
 			return 0, unavailable(ctx, "read the state", err)
 		}
 		s.contact()
@@ -345,7 +351,7 @@ func (s *Store) follow(rev int64) {
 			continue
 		}
 		s.synced.Store(false)
-		s.fail(err)
+		s.fail(s.ctx, err)
 		s.logger.Warn("etcd watch ended; reloading the state", "error", err, "revision", next)
 		if !s.sleep(&backoff) {
 			return
@@ -427,6 +433,13 @@ func (s *Store) watch(rev int64) (int64, error) {
 		// Events of one transaction share a revision; apply them together.
 		for i := 0; i < len(resp.Events); {
 			r := resp.Events[i].Kv.ModRevision
+			if r <= rev {
+				// A progress notification ran ahead of queued events
+				// (etcd servers before the fix of etcd-io/etcd#15220):
+				// the mirror may have answered reads too early. Load it
+				// afresh rather than go back.
+				return rev, fmt.Errorf("an event of revision %d arrived after the state reached %d", r, rev)
+			}
 			j := i
 			for j < len(resp.Events) && resp.Events[j].Kv.ModRevision == r {
 				j++
@@ -554,7 +567,7 @@ func (s *Store) probe() {
 			if s.healthy.Load() {
 				s.logger.Warn("etcd unreachable", "error", err)
 			}
-			s.fail(err)
+			s.fail(s.ctx, err)
 			continue
 		}
 		if !s.healthy.Load() && s.synced.Load() {
@@ -613,7 +626,7 @@ func (s *Store) ReadIndex(ctx context.Context) (uint64, error) {
 	defer cancel()
 	resp, err := s.cli.Get(rctx, s.lay.election(), clientv3.WithCountOnly())
 	if err != nil {
-		s.fail(err)
+		s.fail(ctx, err)
 		return 0, unavailable(ctx, "read index", err)
 	}
 	s.contact()
@@ -648,6 +661,9 @@ func (s *Store) WaitApplied(ctx context.Context, index uint64) error {
 		case err := <-done:
 			t.Stop()
 			return err
+		case <-s.ctx.Done():
+			t.Stop()
+			return store.ErrShutdown
 		case <-t.C:
 			wait = min(2*wait, 500*time.Millisecond)
 		}

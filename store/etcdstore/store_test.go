@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -456,5 +457,139 @@ func sameRecords(t *testing.T, want, got *fsm.State) {
 				t.Fatalf("%s record %d:\n got %v\nwant %v", table, i, b, a)
 			}
 		}
+	}
+}
+
+// TestLostAnswerKeepsTheInstance: writes of TTL instances whose answer is
+// lost (the caller's deadline passes mid-write) and are then retried with
+// the same identity, as the gateway does: whenever the retry reports the
+// write done, the instance is there (its lease was not revoked under a
+// write that committed).
+func TestLostAnswerKeepsTheInstance(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	s := openStores(t, ec, 1)[0]
+	lost, committed := 0, 0
+	for i := range 150 {
+		cmd := registerCmd("ttl", fmt.Sprintf("i%d", i), time.Minute)
+		cmd.ClientId, cmd.Sequence, cmd.Time = "lossy", uint64(i+1), timestamppb.Now()
+		// Deadlines from 0.5 to 15 ms: some end before the write, some
+		// while it commits, some after.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(1+i%30)*500*time.Microsecond)
+		_, applyErr := apply(ctx, t, s, cmd)
+		cancel()
+		if applyErr != nil {
+			lost++
+			if mustApply(t, s, cmd).Duplicate {
+				committed++
+			}
+		}
+		idx, err := s.ReadIndex(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.WaitApplied(context.Background(), idx); err != nil {
+			t.Fatal(err)
+		}
+		if inst, _ := s.State().Service("ttl", fmt.Sprintf("i%d", i)); inst == nil {
+			t.Fatalf("write %d reported done (answer lost first: %v) but the instance is gone", i, applyErr != nil)
+		}
+	}
+	t.Logf("%d of 150 answers lost and retried; %d of those writes had committed", lost, committed)
+	if !s.Ready() {
+		t.Fatalf("callers' deadlines made the store not ready: %+v", s.Status())
+	}
+}
+
+// TestLargeConfigHistory: config values near the size limit are written
+// again and again; etcd mode keeps as many versions as fit in one etcd
+// request instead of failing the writes.
+func TestLargeConfigHistory(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	s := openStores(t, ec, 1)[0]
+	for i := range 8 {
+		v := strings.Repeat(string(rune('a'+i)), fsm.MaxConfigValueSize)
+		mustApply(t, s, setConfigCmd("big", v))
+	}
+	e, _ := s.State().ConfigEntry("big")
+	h, _ := s.State().ConfigHistory("big")
+	if len(e.GetValue()) != fsm.MaxConfigValueSize || e.GetValue()[0] != 'h' || len(h) == 0 || h[0].GetValue() != e.GetValue() {
+		t.Fatalf("current %d bytes of %q, %d versions", len(e.GetValue()), e.GetValue()[:1], len(h))
+	}
+	t.Logf("%d versions of %d bytes kept", len(h), fsm.MaxConfigValueSize)
+}
+
+// TestCancelledCallerKeepsReady: a caller giving up says nothing about etcd.
+func TestCancelledCallerKeepsReady(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	s := openStores(t, ec, 1)[0]
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := s.ReadIndex(ctx); err == nil {
+		t.Fatal("read index with a cancelled context succeeded")
+	}
+	if _, err := apply(ctx, t, s, setConfigCmd("k", "v")); err == nil {
+		t.Fatal("apply with a cancelled context succeeded")
+	}
+	if !s.Ready() {
+		t.Fatalf("not ready after cancelled calls: %+v", s.Status())
+	}
+}
+
+// TestResignAlone: the only candidate resigns and wins again; Resign
+// returns once it resigned.
+func TestResignAlone(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	s := openStores(t, ec, 1)[0]
+	eventually(t, 10*time.Second, "leadership", func() error {
+		if !s.IsLeader() {
+			return errors.New("not leader")
+		}
+		return nil
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Resign(ctx); err != nil {
+		t.Fatalf("resign: %v", err)
+	}
+	eventually(t, 10*time.Second, "leadership again", func() error {
+		if !s.IsLeader() {
+			return errors.New("not leader")
+		}
+		return nil
+	})
+}
+
+// TestRestoreFencesTheDispatcher: while a restore's marker exists the
+// schedule leader's claims are refused, and accepted again after.
+func TestRestoreFencesTheDispatcher(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	s := openStores(t, ec, 1)[0]
+	cli := ec.Client(t)
+	eventually(t, 10*time.Second, "leadership", func() error {
+		if !s.IsLeader() {
+			return errors.New("not leader")
+		}
+		return nil
+	})
+	mustApply(t, s, &fsmv1.Command{Op: &fsmv1.Command_PutSchedule{PutSchedule: &fsmv1.PutSchedule{Schedule: &schedulev1.Schedule{
+		Id: "s", VmId: "vm", Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 1m", Enabled: true,
+	}}}})
+	claim := func(slot time.Time) (*fsm.Result, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		return apply(ctx, t, s, &fsmv1.Command{Op: &fsmv1.Command_ClaimSlot{ClaimSlot: &fsmv1.ClaimSlot{ScheduleId: "s", Slot: timestamppb.New(slot), Node: "n"}}})
+	}
+	if _, err := cli.Put(context.Background(), "/pivirt/meta/restoring", "other-node"); err != nil {
+		t.Fatal(err)
+	}
+	slot := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
+	if _, err := claim(slot); !errors.Is(err, store.ErrUnavailable) || !strings.Contains(err.Error(), "restore") {
+		t.Fatalf("claim during a restore: %v, want ErrUnavailable naming the restore", err)
+	}
+	if _, err := cli.Delete(context.Background(), "/pivirt/meta/restoring"); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := claim(slot); err != nil || res.Err != nil {
+		t.Fatalf("claim after the restore: %v %v", res, err)
 	}
 }

@@ -2,7 +2,10 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -39,13 +42,23 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 		DialKeepAliveTimeout: 5 * time.Second,
 		Logger:               zap.NewNop(),
 	}
-	if ec.CAFile != "" {
+	switch {
+	case ec.CAFile != "":
 		src, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile, Logger: a.logger})
 		if err != nil {
 			return fmt.Errorf("service_discovery.etcd: %w", err)
 		}
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 		ccfg.TLS = src.ClientConfig("")
+	case ec.CertFile != "":
+		// etcd's certificate verified against the system's roots.
+		cert, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile)
+		if err != nil {
+			return fmt.Errorf("service_discovery.etcd.cert_file: %w", err)
+		}
+		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}}
+	case slices.ContainsFunc(ec.Endpoints, func(ep string) bool { return strings.HasPrefix(ep, "https://") }):
+		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
 	}
 	cli, err := clientv3.New(ccfg)
 	if err != nil {
@@ -133,7 +146,7 @@ func (e etcdAdapter) RemoveServer(context.Context, string) error {
 }
 
 // TransferLeadership hands the schedule leadership over: this node resigns
-// and another campaigning agent takes it. A target cannot be chosen.
+// and the next agent in the election takes it. A target cannot be chosen.
 func (e etcdAdapter) TransferLeadership(ctx context.Context, id string) (string, error) {
 	if id != "" && id != e.nodeID {
 		return "", fmt.Errorf("%w: in etcd mode the schedule leadership goes to the next agent in the election; a target cannot be chosen", store.ErrUnsupported)
@@ -141,9 +154,15 @@ func (e etcdAdapter) TransferLeadership(ctx context.Context, id string) (string,
 	if err := e.s.Resign(ctx); err != nil {
 		return "", err
 	}
+	// The next candidate takes over at once; with none, this node wins
+	// again.
+	deadline := time.Now().Add(5 * time.Second)
 	for {
-		if l := e.s.LeaderID(); l != "" && l != e.nodeID {
+		switch l := e.s.LeaderID(); {
+		case l != "" && l != e.nodeID:
 			return l, nil
+		case l == e.nodeID && time.Now().After(deadline):
+			return "", fmt.Errorf("%w: no other agent campaigns for the schedule leadership; it stays here", store.ErrUnsupported)
 		}
 		t := time.NewTimer(20 * time.Millisecond)
 		select {
