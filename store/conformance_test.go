@@ -25,16 +25,6 @@ func TestConformance(t *testing.T) {
 		return f
 	})
 	c.WaitLeader(t, 10*time.Second)
-	result := func(resp any, err error) (*fsm.Result, error) {
-		if err != nil {
-			return nil, err
-		}
-		r, ok := resp.(*fsm.Result)
-		if !ok {
-			return nil, fmt.Errorf("apply returned %T", resp)
-		}
-		return r, nil
-	}
 	// onLeader runs op on the current leader, retrying across leader
 	// changes until ctx ends, as the agent's forwarding does.
 	onLeader := func(ctx context.Context, op func(*store.Store) error) error {
@@ -59,14 +49,14 @@ func TestConformance(t *testing.T) {
 			var res *fsm.Result
 			err := onLeader(ctx, func(l *store.Store) error {
 				resp, _, err := l.Apply(ctx, cmd)
-				res, err = result(resp, err)
+				res, err = conformance.Result(resp, err)
 				return err
 			})
 			return res, err
 		},
 		ApplyLocal: func(ctx context.Context, i int, cmd []byte) (*fsm.Result, error) {
 			resp, _, err := c.Store(i).Apply(ctx, cmd)
-			return result(resp, err)
+			return conformance.Result(resp, err)
 		},
 		Sync: func(ctx context.Context, i int) error {
 			var idx uint64

@@ -71,23 +71,37 @@ func ctx(t *testing.T) context.Context {
 	return c
 }
 
-func encode(t *testing.T, cmd *fsmv1.Command) []byte {
-	t.Helper()
+// Encode encodes cmd as a backend's Apply takes it, stamping the time if
+// it has none.
+func Encode(tb testing.TB, cmd *fsmv1.Command) []byte {
+	tb.Helper()
 	if cmd.Time == nil {
 		cmd.Time = timestamppb.Now()
 	}
 	b, err := fsm.Encode(cmd)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	return b
+}
+
+// Result converts what a backend's Apply returns into its *fsm.Result.
+func Result(resp any, err error) (*fsm.Result, error) {
+	if err != nil {
+		return nil, err
+	}
+	r, ok := resp.(*fsm.Result)
+	if !ok {
+		return nil, fmt.Errorf("apply returned %T", resp)
+	}
+	return r, nil
 }
 
 // write applies cmd through node i and fails the test on a transport
 // error; the outcome's error is returned.
 func write(t *testing.T, h Harness, i int, cmd *fsmv1.Command) *fsm.Result {
 	t.Helper()
-	res, err := h.Write(ctx(t), i, encode(t, cmd))
+	res, err := h.Write(ctx(t), i, Encode(t, cmd))
 	if err != nil {
 		t.Fatalf("write through node %d: %v", i, err)
 	}
@@ -255,7 +269,7 @@ func testConcurrentCAS(t *testing.T, h Harness) {
 		for i := range h.N {
 			for w := range perNode {
 				wg.Go(func() {
-					res, err := h.Write(ctx(t), i, encode(t, setConfig("race", fmt.Sprintf("r%d-n%d-w%d", round, i, w), ptr(rev))))
+					res, err := h.Write(ctx(t), i, Encode(t, setConfig("race", fmt.Sprintf("r%d-n%d-w%d", round, i, w), ptr(rev))))
 					mu.Lock()
 					defer mu.Unlock()
 					switch {
@@ -398,7 +412,7 @@ func testSlots(t *testing.T, h Harness) {
 		)
 		for range 8 {
 			wg.Go(func() {
-				res, err := h.ApplyLocal(ctx(t), l, encode(t, claim("s1", slot)))
+				res, err := h.ApplyLocal(ctx(t), l, Encode(t, claim("s1", slot)))
 				mu.Lock()
 				defer mu.Unlock()
 				switch {
@@ -422,7 +436,7 @@ func testSlots(t *testing.T, h Harness) {
 		if i == l {
 			continue
 		}
-		_, err := h.ApplyLocal(ctx(t), i, encode(t, claim("s1", base.Add(time.Hour))))
+		_, err := h.ApplyLocal(ctx(t), i, Encode(t, claim("s1", base.Add(time.Hour))))
 		if !errors.Is(err, store.ErrNotLeader) {
 			t.Fatalf("claim on node %d, which does not lead: %v, want store.ErrNotLeader", i, err)
 		}
@@ -474,11 +488,11 @@ func testHandover(t *testing.T, h Harness) {
 	}
 	slot := time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)
 	// The slot claimed before the handover cannot be claimed again.
-	res, err := h.ApplyLocal(ctx(t), next, encode(t, claim("s1", slot.Add(-58*time.Minute))))
+	res, err := h.ApplyLocal(ctx(t), next, Encode(t, claim("s1", slot.Add(-58*time.Minute))))
 	if err != nil || !errors.Is(res.Err, fsm.ErrSlotNotAfterLast) {
 		t.Fatalf("claim of an earlier slot after the handover: %v %v, want ErrSlotNotAfterLast", res, err)
 	}
-	res, err = h.ApplyLocal(ctx(t), next, encode(t, claim("s1", slot)))
+	res, err = h.ApplyLocal(ctx(t), next, Encode(t, claim("s1", slot)))
 	if err != nil || res.Err != nil {
 		t.Fatalf("new leader's claim: %v %v", res, err)
 	}

@@ -17,19 +17,9 @@ import (
 func TestConformance(t *testing.T) {
 	ec := etcdtest.Start(t, 3)
 	stores := openStores(t, ec, 3)
-	result := func(resp any, err error) (*fsm.Result, error) {
-		if err != nil {
-			return nil, err
-		}
-		r, ok := resp.(*fsm.Result)
-		if !ok {
-			return nil, fmt.Errorf("apply returned %T", resp)
-		}
-		return r, nil
-	}
 	apply := func(ctx context.Context, i int, cmd []byte) (*fsm.Result, error) {
 		resp, _, err := stores[i].Apply(ctx, cmd)
-		return result(resp, err)
+		return conformance.Result(resp, err)
 	}
 	conformance.Run(t, conformance.Harness{
 		N:          3,

@@ -225,20 +225,7 @@ func (s *Store) Resign(ctx context.Context) error {
 	if !s.leader.is() {
 		return fmt.Errorf("%w: this node does not hold the schedule leadership", store.ErrNotLeader)
 	}
-	done := make(chan struct{})
-	select {
-	case s.resignReq <- done:
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-s.ctx.Done():
-		return store.ErrShutdown
-	}
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return s.ask(ctx, s.resignReq)
 }
 
 // sleep waits for backoff (with jitter) and doubles it, up to 5s; false

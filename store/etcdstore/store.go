@@ -368,10 +368,14 @@ var errReload = errors.New("reload requested")
 // reload makes the mirror load the whole state from etcd again, replacing
 // it at once (watchers re-list, as after a Raft restore), and returns once
 // it has.
-func (s *Store) reload(ctx context.Context) error {
+func (s *Store) reload(ctx context.Context) error { return s.ask(ctx, s.reloadReq) }
+
+// ask hands a fresh channel to the goroutine receiving on req and waits
+// until it closes it.
+func (s *Store) ask(ctx context.Context, req chan<- chan struct{}) error {
 	done := make(chan struct{})
 	select {
-	case s.reloadReq <- done:
+	case req <- done:
 	case <-ctx.Done():
 		return ctx.Err()
 	case <-s.ctx.Done():

@@ -23,25 +23,14 @@ import (
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	"pilab.hu/pivirt-agent/store"
+	"pilab.hu/pivirt-agent/store/conformance"
 	"pilab.hu/pivirt-agent/store/etcdstore"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
-func cmdBytes(t *testing.T, cmd *fsmv1.Command) []byte {
-	t.Helper()
-	if cmd.Time == nil {
-		cmd.Time = timestamppb.Now()
-	}
-	b, err := fsm.Encode(cmd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 func apply(ctx context.Context, t *testing.T, s *etcdstore.Store, cmd *fsmv1.Command) (*fsm.Result, error) {
 	t.Helper()
-	resp, _, err := s.Apply(ctx, cmdBytes(t, cmd))
+	resp, _, err := s.Apply(ctx, conformance.Encode(t, cmd))
 	if err != nil {
 		return nil, err
 	}
@@ -357,7 +346,7 @@ func TestRestoreAcrossModes(t *testing.T) {
 	raftApply := func(cmd *fsmv1.Command) {
 		t.Helper()
 		idx++
-		r := src.Apply(&raft.Log{Index: idx, Type: raft.LogCommand, Data: cmdBytes(t, cmd)}).(*fsm.Result)
+		r := src.Apply(&raft.Log{Index: idx, Type: raft.LogCommand, Data: conformance.Encode(t, cmd)}).(*fsm.Result)
 		if r.Err != nil {
 			t.Fatal(r.Err)
 		}

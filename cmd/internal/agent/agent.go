@@ -787,24 +787,8 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 	}
 	termStart := time.Now()
 	term := a.store.Status().Term
-	for attempt := 0; ; attempt++ {
-		bctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		err := a.store.Barrier(bctx)
-		cancel()
-		if err == nil {
-			break
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		a.logger.Warn("leader barrier failed, retrying", "error", err, "attempt", attempt)
-		t := time.NewTimer(100 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
+	if !a.retryUntil(ctx, "leader barrier failed, retrying", a.store.Barrier) {
+		return
 	}
 	st := a.store.Status()
 	if st.Term != term || st.State != "Leader" {
@@ -824,15 +808,11 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		Interval:          a.opts.ReconcileInterval,
 		Logger:            a.logger,
 	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
-	a.startSnapshotter(ctx, wg)
-	wg.Add(3)
+	a.startLeaderWork(ctx, wg, a.fsm)
+	wg.Add(2)
 	go func() {
 		defer wg.Done()
 		rec.Run(ctx)
-	}()
-	go func() {
-		defer wg.Done()
-		a.ensureClusterID(ctx)
 	}()
 	if a.ca != nil {
 		wg.Add(1)
@@ -851,7 +831,18 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 		tcfg.TermStart = termStart
 		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
 	}()
-	wg.Add(1)
+}
+
+// startLeaderWork starts the leader's work of both modes: automatic
+// snapshots, the cluster-ID check and the schedule dispatcher reading
+// state.
+func (a *Agent) startLeaderWork(ctx context.Context, wg *sync.WaitGroup, state scheduler.StateReader) {
+	a.startSnapshotter(ctx, wg)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		a.ensureClusterID(ctx)
+	}()
 	go func() {
 		defer wg.Done()
 		scheduler.RunDispatcher(ctx, scheduler.DispatcherConfig{
@@ -859,8 +850,32 @@ func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
 			Logger:  a.logger,
 			Metrics: a.scheduleMetrics,
 			Tracer:  a.tracing.Tracer(),
-		}, a.fsm, a.raft, a.invokeBackend)
+		}, state, a.cons, a.invokeBackend)
 	}()
+}
+
+// retryUntil runs f (each attempt bounded to 30 s) until it succeeds,
+// every 100 ms, logging each failure as what; false when ctx ended first.
+func (a *Agent) retryUntil(ctx context.Context, what string, f func(context.Context) error) bool {
+	for attempt := 0; ; attempt++ {
+		actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err := f(actx)
+		cancel()
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		a.logger.Warn(what, "error", err, "attempt", attempt)
+		t := time.NewTimer(100 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+	}
 }
 
 // startSnapshotter writes automatic snapshot archives (snapshot.interval)

@@ -20,7 +20,6 @@ import (
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/identity"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
-	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
 	"pilab.hu/pivirt-agent/store/etcdstore"
 )
@@ -208,46 +207,20 @@ func (a *Agent) etcdNotReady() error {
 // with etcd, the dispatcher and the snapshotter (no Raft membership, no TTL
 // reaper: etcd leases expire instances).
 func (a *Agent) establishEtcdLeadership(ctx context.Context, wg *sync.WaitGroup) {
-	for attempt := 0; ; attempt++ {
-		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		idx, err := a.etcd.ReadIndex(rctx)
+	caughtUp := a.retryUntil(ctx, "schedule leader: catching up with etcd failed, retrying", func(ctx context.Context) error {
+		idx, err := a.etcd.ReadIndex(ctx)
 		if err == nil {
-			err = a.etcd.WaitApplied(rctx, idx)
+			err = a.etcd.WaitApplied(ctx, idx)
 		}
-		cancel()
-		if err == nil {
-			break
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		a.logger.Warn("schedule leader: catching up with etcd failed, retrying", "error", err, "attempt", attempt)
-		t := time.NewTimer(100 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
+		return err
+	})
+	if !caughtUp {
+		return
 	}
 	if !a.etcd.IsLeader() {
 		return
 	}
 	a.etcdLeading.Store(true)
 	a.logger.Info("schedule leadership established", "revision", a.etcd.AppliedIndex())
-	a.startSnapshotter(ctx, wg)
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		a.ensureClusterID(ctx)
-	}()
-	go func() {
-		defer wg.Done()
-		scheduler.RunDispatcher(ctx, scheduler.DispatcherConfig{
-			NodeID:  a.nodeID,
-			Logger:  a.logger,
-			Metrics: a.scheduleMetrics,
-			Tracer:  a.tracing.Tracer(),
-		}, a.etcd, a.cons, a.invokeBackend)
-	}()
+	a.startLeaderWork(ctx, wg, a.etcd)
 }

@@ -237,24 +237,14 @@ func NewExpect(tb testing.TB, n int, mutate func(i int, cfg *config.Config)) *Cl
 // gossip address. mutate may adjust each node's configuration.
 func NewEtcd(tb testing.TB, n int, endpoints []string, mutate func(i int, cfg *config.Config)) *Cluster {
 	tb.Helper()
-	c := New(tb)
-	var seed string
-	for i := range n {
-		cfg := Config(fmt.Sprintf("node%d", i+1), filepath.Join(tb.TempDir(), fmt.Sprintf("node%d", i+1)))
+	// bootstrap_expect, which NewExpect sets, does nothing in etcd mode.
+	return NewExpect(tb, n, func(i int, cfg *config.Config) {
 		cfg.ServiceDiscovery.Type = config.DiscoveryEtcd
 		cfg.ServiceDiscovery.Etcd.Endpoints = endpoints
-		if seed != "" {
-			cfg.Cluster.Join = []string{seed}
-		}
 		if mutate != nil {
 			mutate(i, cfg)
 		}
-		node := c.Start(i, cfg)
-		if seed == "" {
-			seed = node.GossipAddr()
-		}
-	}
-	return c
+	})
 }
 
 // Kill stops node i without leaving (as a crash would, minus the lost
