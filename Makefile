@@ -43,6 +43,11 @@ check-generate: generate ## fail if the committed generated code is stale
 	@git diff --exit-code -- proto || { echo "generated code is stale: run make generate and commit"; exit 1; }
 	@test -z "$$(git status --porcelain -- proto)" || { git status --porcelain -- proto; echo "untracked generated files: run make generate and commit"; exit 1; }
 
+.PHONY: fuzz
+FUZZTIME ?= 30s
+fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go to testdata/fuzz
+	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
+
 .PHONY: bench
 bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run
 	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -timeout 60m ./cmd/internal/bench/
