@@ -48,6 +48,11 @@ FUZZTIME ?= 30s
 fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go to testdata/fuzz
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
+.PHONY: soak
+DURATION ?= 10m
+soak: ## mixed traffic through 3 real agents with leader kills for DURATION (default 10m): errors, p99, memory
+	PIVIRT_SOAK_DURATION=$(DURATION) $(GO) test -v -count=1 -run '^TestSoak$$' -timeout 0 ./cmd/internal/e2e/ 2>&1 | grep -v '^=== '
+
 .PHONY: bench
 bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run
 	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -timeout 60m ./cmd/internal/bench/
