@@ -152,19 +152,29 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*raftboltdb.BoltS
 		return nil, nil, nil, fmt.Errorf("create raft directory: %w", err)
 	}
 	path := filepath.Join(dir, boltFile)
-	bolt, err := raftboltdb.New(raftboltdb.Options{
-		Path: path,
-		BoltOptions: &bbolt.Options{
-			Timeout:        boltOpenTimeout,
-			NoFreelistSync: cfg.NoFreelistSync,
-			FreelistType:   bbolt.FreelistMapType,
-		},
-	})
+	bopts := &bbolt.Options{
+		Timeout:        boltOpenTimeout,
+		NoFreelistSync: cfg.NoFreelistSync,
+		FreelistType:   bbolt.FreelistMapType,
+	}
+	// A damaged log is refused before Raft reads it (integrity.go).
+	err := checkBolt(path, bopts)
+	if errors.Is(err, bberrors.ErrTimeout) {
+		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
+	}
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	bolt, err := raftboltdb.New(raftboltdb.Options{Path: path, BoltOptions: bopts})
 	if errors.Is(err, bberrors.ErrTimeout) {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
 	}
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
+	}
+	if err := checkLogs(path, bolt); err != nil {
+		bolt.Close()
+		return nil, nil, nil, err
 	}
 	var logs raft.LogStore = bolt
 	if cfg.LogCacheSize > 0 {
