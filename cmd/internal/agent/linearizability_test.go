@@ -131,4 +131,3 @@ func linWaitHealed(t *testing.T, c *agenttest.Cluster) {
 		return nil
 	})
 }
-

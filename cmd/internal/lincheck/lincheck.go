@@ -63,8 +63,8 @@ type Result int
 
 const (
 	OK       Result = iota
-	NotFound           // deregister or get: no such instance
-	Unknown            // write with an ambiguous outcome
+	NotFound        // deregister or get: no such instance
+	Unknown         // write with an ambiguous outcome
 )
 
 type Output struct {
