@@ -144,6 +144,8 @@ type node struct {
 	metrics string
 	gossip  string
 	raft    string
+	// netns is the network namespace the agent runs in ("" none).
+	netns string
 
 	proc *proc // the running process; nil while the node is meant to be down
 	// sim is the node's pivirtd-sim (pivirtd and iscsiman), at simAddr.
@@ -161,6 +163,9 @@ type cluster struct {
 	certs string
 	// extra is YAML appended to every agent's configuration file.
 	extra string
+	// net, when set, runs node i in network namespace net.names[i] on
+	// address net.ips[i] (startClusterIn); else every node is on 127.0.0.1.
+	net *netnsEnv
 
 	mu    sync.Mutex
 	procs []*proc  // every process started, for the cleanup
@@ -183,8 +188,25 @@ func startCluster(t *testing.T, bins binaries) *cluster {
 // configuration file (e.g. a service_discovery block).
 func startClusterWith(t *testing.T, bins binaries, extra string) *cluster {
 	t.Helper()
-	c := &cluster{bins: bins, dir: t.TempDir(), extra: extra}
-	c.certs = makePKI(t, filepath.Join(c.dir, "certs"))
+	return startClusterOn(t, &cluster{bins: bins, dir: t.TempDir(), extra: extra})
+}
+
+// startClusterIn starts the three agents each in its network namespace of
+// env (see netns_test.go).
+func startClusterIn(t *testing.T, bins binaries, env *netnsEnv) *cluster {
+	t.Helper()
+	return startClusterOn(t, &cluster{bins: bins, dir: t.TempDir(), net: env})
+}
+
+func startClusterOn(t *testing.T, c *cluster) *cluster {
+	t.Helper()
+	var ips []net.IP
+	if c.net != nil {
+		for _, ip := range c.net.ips {
+			ips = append(ips, net.ParseIP(ip))
+		}
+	}
+	c.certs = makePKI(t, filepath.Join(c.dir, "certs"), ips...)
 	// Cleanups run last-in first-out. report is registered after
 	// t.TempDir's removal and before stopAll, so it runs once every process
 	// has stopped and while the logs still exist.
@@ -215,11 +237,16 @@ func (c *cluster) boot(t *testing.T, dir string) error {
 	if err != nil {
 		return err
 	}
-	addr := func(i int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[i])) }
 	c.nodes = nil
 	for i := range 3 {
+		host, ns := "127.0.0.1", ""
+		if c.net != nil {
+			host, ns = c.net.ips[i], c.net.names[i]
+		}
+		addr := func(k int) string { return net.JoinHostPort(host, strconv.Itoa(ports[k])) }
 		name := fmt.Sprintf("node%d", i+1)
 		n := &node{
+			netns:   ns,
 			name:    name,
 			dataDir: filepath.Join(dir, name),
 			config:  filepath.Join(dir, name+".yaml"),
@@ -333,7 +360,12 @@ func (c *cluster) start(t testing.TB, n *node, bootstrap bool) error {
 		}
 	}
 
-	p, err := c.spawn(n.log, c.bins.agent, args)
+	bin := c.bins.agent
+	if n.netns != "" {
+		args = append([]string{"netns", "exec", n.netns, bin}, args...)
+		bin = "ip"
+	}
+	p, err := c.spawn(n.log, bin, args)
 	if err != nil {
 		return fmt.Errorf("start %s: %w", n.name, err)
 	}
@@ -797,7 +829,7 @@ func freePorts(n int) ([]int, error) {
 // makePKI creates a PiTrust CA in dir with, for node1..node3, a server
 // certificate for 127.0.0.1 and an agent client certificate, and an
 // operator certificate for pvcli and the test's own clients.
-func makePKI(t testing.TB, dir string) string {
+func makePKI(t testing.TB, dir string, ips ...net.IP) string {
 	t.Helper()
 	if _, err := identity.InitCA(dir, identity.CAOptions{}); err != nil {
 		t.Fatal(err)
@@ -805,7 +837,7 @@ func makePKI(t testing.TB, dir string) string {
 	for i := 1; i <= 3; i++ {
 		name := fmt.Sprintf("node%d", i)
 		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: name + "-server",
-			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}}); err != nil {
+			DNS: []string{"localhost"}, IPs: append([]net.IP{net.ParseIP("127.0.0.1")}, ips...)}); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-" + name}); err != nil {
