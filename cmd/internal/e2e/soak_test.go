@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -164,6 +166,13 @@ func newSoakStats() *soakStats { return &soakStats{ops: map[string]*opStats{}} }
 // expectedCodes are what a caller sees while a leader is down or changing.
 var expectedCodes = []connect.Code{connect.CodeUnavailable, connect.CodeDeadlineExceeded, connect.CodeCanceled}
 
+// lostConnection reports a call whose connection broke under it (the
+// server process died): connect-go reports those as Unknown.
+func lostConnection(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.EPIPE) ||
+		(err != nil && strings.Contains(err.Error(), "connection reset by peer"))
+}
+
 // do runs one call with a 10 s deadline and records its outcome; the
 // outcome error (nil on success) is returned.
 func (s *soakStats) do(name string, f func(context.Context) error) error {
@@ -185,6 +194,9 @@ func (s *soakStats) do(name string, f func(context.Context) error) error {
 		o.lat = append(o.lat, d)
 	case slices.Contains(expectedCodes, code):
 		o.expected[code.String()]++
+	case lostConnection(err):
+		// The agent answering was SIGKILLed mid-call.
+		o.expected["connection lost"]++
 	default:
 		o.other[code.String()]++
 		if o.example == "" {
