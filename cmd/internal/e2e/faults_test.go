@@ -2,24 +2,16 @@ package e2e_test
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
-
 	"pilab.hu/pivirt-agent/cmd/internal/lincheck"
-	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
-	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // TestFaults runs lincheck's clients (register, deregister and consistent
@@ -42,80 +34,12 @@ func TestFaults(t *testing.T) {
 	}
 	bins := buildBinaries(t)
 	c := startCluster(t, bins)
-	hc := c.httpClient(t)
-	apis := make([]clusterv1connect.ClusterServiceClient, len(c.nodes))
-	for i, n := range c.nodes {
-		apis[i] = clusterv1connect.NewClusterServiceClient(hc, "https://"+n.api)
-	}
-
-	hist := lincheck.NewHistory()
-	stop := make(chan struct{})
-	var budget atomic.Int64
-	budget.Store(50000)
-	var wg sync.WaitGroup
-	stopClients := sync.OnceFunc(func() {
-		close(stop)
-		wg.Wait()
-	})
-	defer stopClients()
-	seed := rand.Uint64()
-	t.Logf("client seed %d", seed)
-	for id := range lincheck.Clients {
-		cl := lincheck.NewClient(id, fmt.Sprintf("faults-%d-%x", id, seed), rand.New(rand.NewPCG(seed, uint64(id))), apis, hist)
-		wg.Go(func() { cl.Run(t.Context(), stop, &budget) })
-	}
-	pause := func(d time.Duration) {
-		select {
-		case <-time.After(d):
-		case <-t.Context().Done():
-		}
-	}
-	// healed: one leader all agree on, and every node answers a
-	// consistent read (it has caught up with the leader).
-	healed := func(what string) {
-		t.Helper()
-		c.eventually(t, 90*time.Second, "healed after "+what, func() error {
-			if _, err := c.agreedLeader(t, c.nodes...); err != nil {
-				return err
-			}
-			for i, a := range apis {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				_, err := a.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: lincheck.Service,
-					Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT}}))
-				cancel()
-				if err != nil && connect.CodeOf(err) != connect.CodeNotFound {
-					return fmt.Errorf("%s: %w", c.nodes[i].name, err)
-				}
-			}
-			return nil
-		})
-		hist.Event(t, "healed after %s", what)
-	}
-	leader := func() *node {
-		t.Helper()
-		var l leaderOut
-		c.eventually(t, 60*time.Second, "an agreed leader", func() error {
-			var err error
-			l, err = c.agreedLeader(t, c.nodes...)
-			return err
-		})
-		return c.byAPI(t, l.APIAddr)
-	}
-	follower := func() *node {
-		l := leader()
-		for _, n := range c.nodes {
-			if n != l {
-				return n
-			}
-		}
-		return nil
-	}
-
-	pause(3 * time.Second)
+	r := startLinRun(t, c, "faults")
+	r.pause(3 * time.Second)
 
 	// 1. A paused leader.
-	l := leader()
-	hist.Event(t, "SIGSTOP leader %s", l.name)
+	l := r.leader()
+	r.event("SIGSTOP leader %s", l.name)
 	if err := l.proc.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
@@ -126,30 +50,30 @@ func TestFaults(t *testing.T) {
 		}
 		return err
 	})
-	hist.Event(t, "new leader elected; SIGCONT %s", l.name)
-	pause(2 * time.Second)
+	r.event("new leader elected; SIGCONT %s", l.name)
+	r.pause(2 * time.Second)
 	if err := l.proc.cmd.Process.Signal(syscall.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
-	healed("a stopped leader")
+	r.healed("a stopped leader")
 
 	// 2, 3. Killed during writes: the leader, then a follower.
 	for _, pick := range []struct {
 		what string
 		node func() *node
-	}{{"the leader", leader}, {"a follower", follower}} {
-		pause(2 * time.Second)
+	}{{"the leader", func() *node { return r.leader() }}, {"a follower", r.follower}} {
+		r.pause(2 * time.Second)
 		n := pick.node()
-		hist.Event(t, "SIGKILL %s %s", pick.what, n.name)
+		r.event("SIGKILL %s %s", pick.what, n.name)
 		c.kill(t, n)
-		pause(2 * time.Second)
+		r.pause(2 * time.Second)
 		c.restart(t, n)
-		hist.Event(t, "restarted %s", n.name)
-		healed("killing " + pick.what)
+		r.event("restarted %s", n.name)
+		r.healed("killing " + pick.what)
 	}
 
 	// 4. A follower's disk full.
-	if f, ok := fullDisk(t, c, follower(), hist); ok {
+	if f, ok := fullDisk(t, c, r.follower(), r.hist); ok {
 		c.eventually(t, 30*time.Second, f.name+" meeting its full disk", func() error {
 			b, err := os.ReadFile(f.log)
 			if err != nil {
@@ -160,28 +84,14 @@ func TestFaults(t *testing.T) {
 			}
 			return nil
 		})
-		pause(3 * time.Second)
+		r.pause(3 * time.Second)
 		if err := os.Remove(filepath.Join(f.dataDir, "filler")); err != nil {
 			t.Fatal(err)
 		}
-		hist.Event(t, "space freed on %s", f.name)
-		healed("a full disk")
+		r.event("space freed on %s", f.name)
+		r.healed("a full disk")
 	}
-
-	pause(3 * time.Second)
-	stopClients()
-	hist.Event(t, "clients stopped")
-	for i, a := range apis {
-		for k := range lincheck.Keys {
-			key := fmt.Sprintf("i%d", k)
-			c.eventually(t, 30*time.Second, "final read of "+key+" through "+c.nodes[i].name, func() error {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return lincheck.FinalGet(ctx, hist, a, key)
-			})
-		}
-	}
-	lincheck.Check(t, hist, 100)
+	r.finish()
 }
 
 // fullDisk moves n's data dir onto a 64 MiB tmpfs the test mounts (n is

@@ -1,7 +1,6 @@
 package e2e_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -9,15 +8,8 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
-
-	"connectrpc.com/connect"
-
-	"pilab.hu/pivirt-agent/cmd/internal/lincheck"
-	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
-	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // netnsEnv is n network namespaces the test creates, each with a veth pair
@@ -122,134 +114,59 @@ func TestPartitions(t *testing.T) {
 	env := newNetns(t, 3)
 	bins := buildBinaries(t)
 	c := startClusterIn(t, bins, env)
-	hc := c.httpClient(t)
-	apis := make([]clusterv1connect.ClusterServiceClient, len(c.nodes))
-	for i, n := range c.nodes {
-		apis[i] = clusterv1connect.NewClusterServiceClient(hc, "https://"+n.api)
-	}
-	hist := lincheck.NewHistory()
-	stop := make(chan struct{})
-	var budget atomic.Int64
-	budget.Store(50000)
-	var wg sync.WaitGroup
-	stopClients := sync.OnceFunc(func() {
-		close(stop)
-		wg.Wait()
-	})
-	defer stopClients()
-	seed := rand.Uint64()
-	t.Logf("client seed %d; namespaces %v on %v", seed, env.names, env.ips)
-	for id := range lincheck.Clients {
-		cl := lincheck.NewClient(id, fmt.Sprintf("part-%d-%x", id, seed), rand.New(rand.NewPCG(seed, uint64(id))), apis, hist)
-		wg.Go(func() { cl.Run(t.Context(), stop, &budget) })
-	}
-	pause := func(d time.Duration) {
-		select {
-		case <-time.After(d):
-		case <-t.Context().Done():
+	t.Logf("namespaces %v on %v", env.names, env.ips)
+	r := startLinRun(t, c, "part")
+	isolate := func(n *node) {
+		for _, o := range c.others(n) {
+			env.block(t, c.index(n), c.index(o))
+			env.block(t, c.index(o), c.index(n))
 		}
 	}
-	index := func(n *node) int { return c.index(n) }
-	leaderNode := func(among ...*node) *node {
-		t.Helper()
-		var l leaderOut
-		c.eventually(t, 60*time.Second, "an agreed leader", func() error {
-			var err error
-			l, err = c.agreedLeader(t, among...)
-			return err
-		})
-		return c.byAPI(t, l.APIAddr)
-	}
-	healed := func(what string) {
-		t.Helper()
-		c.eventually(t, 90*time.Second, "healed after "+what, func() error {
-			if _, err := c.agreedLeader(t, c.nodes...); err != nil {
-				return err
-			}
-			for i, a := range apis {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				_, err := a.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: lincheck.Service,
-					Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT}}))
-				cancel()
-				if err != nil && connect.CodeOf(err) != connect.CodeNotFound {
-					return fmt.Errorf("%s: %w", c.nodes[i].name, err)
-				}
-			}
-			return nil
-		})
-		hist.Event(t, "healed after %s", what)
-	}
 	survived := 0
+	r.pause(3 * time.Second)
 
-	pause(3 * time.Second)
 	// 1. The leader cut off.
-	l := leaderNode(c.nodes...)
-	li := index(l)
-	others := c.others(l)
-	for _, o := range others {
-		env.block(t, li, index(o))
-		env.block(t, index(o), li)
-	}
-	hist.Event(t, "partition: leader %s isolated from %s and %s", l.name, others[0].name, others[1].name)
+	l := r.leader()
+	isolate(l)
+	r.event("partition: leader %s isolated from the others", l.name)
 	c.eventually(t, 60*time.Second, "a leader in the majority", func() error {
-		next, err := c.agreedLeader(t, others...)
+		next, err := c.agreedLeader(t, c.others(l)...)
 		if err == nil && next.Name == l.name {
 			return errors.New("the majority still names the isolated leader")
 		}
 		return err
 	})
-	hist.Event(t, "the majority elected a leader")
-	pause(3 * time.Second)
+	r.event("the majority elected a leader")
+	r.pause(3 * time.Second)
 	env.heal(t)
-	hist.Event(t, "network healed")
-	healed("isolating the leader")
+	r.event("network healed")
+	r.healed("isolating the leader")
 	survived++
 
 	// 2. Asymmetric: the followers' packets to the leader dropped.
-	pause(2 * time.Second)
-	l = leaderNode(c.nodes...)
-	li = index(l)
+	r.pause(2 * time.Second)
+	l = r.leader()
 	for _, o := range c.others(l) {
-		env.block(t, index(o), li)
+		env.block(t, c.index(o), c.index(l))
 	}
-	hist.Event(t, "asymmetric partition: packets from the followers to leader %s dropped", l.name)
-	pause(8 * time.Second)
+	r.event("asymmetric partition: packets from the followers to leader %s dropped", l.name)
+	r.pause(8 * time.Second)
 	env.heal(t)
-	hist.Event(t, "network healed")
-	healed("an asymmetric partition")
+	r.event("network healed")
+	r.healed("an asymmetric partition")
 	survived++
 
 	// 3. A follower cut off.
-	pause(2 * time.Second)
-	l = leaderNode(c.nodes...)
-	f := c.others(l)[0]
-	fi := index(f)
-	for i := range c.nodes {
-		if i != fi {
-			env.block(t, fi, i)
-			env.block(t, i, fi)
-		}
-	}
-	hist.Event(t, "partition: follower %s isolated", f.name)
-	pause(6 * time.Second)
+	r.pause(2 * time.Second)
+	f := r.follower()
+	isolate(f)
+	r.event("partition: follower %s isolated", f.name)
+	r.pause(6 * time.Second)
 	env.heal(t)
-	hist.Event(t, "network healed")
-	healed("isolating a follower")
+	r.event("network healed")
+	r.healed("isolating a follower")
 	survived++
 
-	pause(3 * time.Second)
-	stopClients()
-	hist.Event(t, "clients stopped")
-	for i, a := range apis {
-		for k := range lincheck.Keys {
-			key := fmt.Sprintf("i%d", k)
-			c.eventually(t, 30*time.Second, "final read of "+key+" through "+c.nodes[i].name, func() error {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return lincheck.FinalGet(ctx, hist, a, key)
-			})
-		}
-	}
 	t.Logf("%d partitions survived", survived)
-	lincheck.Check(t, hist, 100)
+	r.finish()
 }
