@@ -8,6 +8,7 @@ import (
 
 	"github.com/hashicorp/raft"
 	"go.etcd.io/bbolt"
+	bberrors "go.etcd.io/bbolt/errors"
 )
 
 // ErrCorruptLog: the Raft log on disk is damaged. The node's state cannot
@@ -40,7 +41,7 @@ func checkBolt(path string, opts *bbolt.Options) (err error) {
 	}()
 	db, err := bbolt.Open(path, 0o600, &ro)
 	if err != nil {
-		if errors.Is(err, bbolt.ErrTimeout) {
+		if errors.Is(err, bberrors.ErrTimeout) {
 			return err
 		}
 		return fmt.Errorf("%w: %s: %v", ErrCorruptLog, path, err)

@@ -1,0 +1,240 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+)
+
+// Knobs of TestScale (make scale AGENTS=100 INSTANCES=100000).
+const (
+	envScaleAgents    = "PIVIRT_SCALE_AGENTS"
+	envScaleInstances = "PIVIRT_SCALE_INSTANCES"
+)
+
+// TestScale starts PIVIRT_SCALE_AGENTS agents in this process (5 Raft
+// voters, the rest non-voters; gossip on loopback ports), waits until
+// membership has converged everywhere, registers PIVIRT_SCALE_INSTANCES
+// service instances through them while blocking queries (watches) on the
+// services wait on every agent, waits until every agent holds them all and
+// every watch has woken, then stops a voter and waits until a non-voter is
+// promoted in its place. It reports the convergence times and the
+// process's memory per agent. Skipped unless PIVIRT_SCALE_AGENTS is set;
+// run without the race detector, whose memory overhead would swamp the
+// figures.
+func TestScale(t *testing.T) {
+	agents := scaleKnob(t, envScaleAgents, 0, 3, 200)
+	if agents == 0 {
+		t.Skip("set " + envScaleAgents + " (make scale)")
+	}
+	instances := scaleKnob(t, envScaleInstances, 100000, 1, 1000000)
+	rss0 := rssMiB(t)
+	start := time.Now()
+
+	// Five voters bootstrap together; the others join them.
+	voters := min(5, agents)
+	c := agenttest.New(t)
+	var seed string
+	for i := range agents {
+		cfg := agenttest.Config(fmt.Sprintf("node%03d", i+1), filepath.Join(t.TempDir(), fmt.Sprintf("node%03d", i+1)))
+		cfg.Cluster.Raft.Voters = voters
+		cfg.Cluster.Raft.DeadServerCleanup = config.Duration(5 * time.Second)
+		cfg.Logging.Level = "warn"
+		if i < voters {
+			cfg.Cluster.Raft.BootstrapExpect = voters
+		}
+		if seed != "" {
+			cfg.Cluster.Join = []string{seed}
+		}
+		n := c.Start(i, cfg)
+		if seed == "" {
+			seed = n.GossipAddr()
+		}
+	}
+	started := time.Since(start)
+	nodes := c.Nodes()
+	agenttest.Eventually(t, 5*time.Minute, fmt.Sprintf("every agent sees %d alive members", agents), func() error {
+		for _, n := range nodes {
+			alive := 0
+			for _, m := range n.Gossip().Members() {
+				if m.Status == cluster.StatusAlive {
+					alive++
+				}
+			}
+			if alive != agents {
+				return fmt.Errorf("%s sees %d alive", n.Name, alive)
+			}
+		}
+		return nil
+	})
+	gossipConverged := time.Since(start)
+	c.WaitPeers(5*time.Minute, voters, agents-voters)
+	raftConverged := time.Since(start)
+	rss1 := rssMiB(t)
+	t.Logf("%d agents started in %s; gossip converged (every agent sees all alive) after %s; Raft %d voters + %d non-voters after %s; RSS %d MiB (%.1f MiB per agent)",
+		agents, started.Round(time.Millisecond), gossipConverged.Round(time.Millisecond), voters, agents-voters, raftConverged.Round(time.Millisecond),
+		rss1, float64(rss1-rss0)/float64(agents))
+
+	// A blocking query per agent, renewed as it wakes: the watches.
+	wctx, stopWatches := context.WithCancel(context.Background())
+	defer stopWatches()
+	var woke atomic.Int64
+	var watchers sync.WaitGroup
+	for _, n := range nodes {
+		watchers.Go(func() {
+			var index uint64
+			for wctx.Err() == nil {
+				resp, err := n.API.ListServices(wctx, connect.NewRequest(&clusterv1.ListServicesRequest{Read: &clusterv1.ReadOptions{
+					Consistency: clusterv1.Consistency_CONSISTENCY_STALE, WaitIndex: index,
+				}}))
+				if err != nil {
+					if wctx.Err() == nil {
+						time.Sleep(100 * time.Millisecond) // an agent stopped: retry paced
+					}
+					continue
+				}
+				if idx := resp.Msg.GetMeta().GetIndex(); idx > index {
+					if index != 0 {
+						woke.Add(1)
+					}
+					index = idx
+				}
+			}
+		})
+	}
+
+	// The registrations, through every agent, 64 at a time.
+	regStart := time.Now()
+	var next atomic.Int64
+	var failed atomic.Int64
+	var firstErr atomic.Pointer[error]
+	var wg sync.WaitGroup
+	for w := range 64 {
+		wg.Go(func() {
+			n := nodes[w%len(nodes)]
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(instances) {
+					return
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				_, err := n.API.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
+					Service: fmt.Sprintf("svc-%03d", i%200), InstanceId: fmt.Sprintf("i-%07d", i),
+					Address: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), Port: 8080, Tags: []string{"scale"},
+				}}))
+				cancel()
+				if err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, &err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	registered := time.Since(regStart)
+	if f := failed.Load(); f > 0 {
+		t.Fatalf("%d registrations failed, the first: %v", f, *firstErr.Load())
+	}
+	agenttest.Eventually(t, 10*time.Minute, fmt.Sprintf("every agent holds %d instances", instances), func() error {
+		for _, n := range nodes {
+			_, insts, err := n.FSM().State().Services("", nil)
+			if err != nil {
+				return err
+			}
+			if len(insts) != instances {
+				return fmt.Errorf("%s holds %d", n.Name, len(insts))
+			}
+		}
+		return nil
+	})
+	applied := time.Since(regStart)
+	runtime.GC()
+	rss2 := rssMiB(t)
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	t.Logf("%d instances registered in %s (%.0f/s) through %d agents; every agent held them all after %s; %d watch wake-ups; RSS %d MiB (%.1f MiB per agent), Go heap in use %d MiB",
+		instances, registered.Round(time.Millisecond), float64(instances)/registered.Seconds(), agents, applied.Round(time.Millisecond),
+		woke.Load(), rss2, float64(rss2-rss0)/float64(agents), ms.HeapInuse>>20)
+
+	// A voter fails: a non-voter is promoted in its place.
+	if agents > voters {
+		var victim *agenttest.Node
+		for _, n := range nodes {
+			if !n.IsLeader() && isVoter(t, c, n) {
+				victim = n
+				break
+			}
+		}
+		failStart := time.Now()
+		c.Kill(c.Index(victim))
+		c.WaitPeers(5*time.Minute, voters, agents-voters-1)
+		t.Logf("voter %s stopped: removed and a non-voter promoted (%d voters again) after %s", victim.Name, voters, time.Since(failStart).Round(time.Millisecond))
+	}
+	stopWatches()
+	watchers.Wait()
+}
+
+func scaleKnob(t *testing.T, env string, def, lo, hi int) int {
+	t.Helper()
+	v := os.Getenv(env)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		t.Fatalf("%s=%q: want a number from %d to %d", env, v, lo, hi)
+	}
+	return n
+}
+
+// isVoter reports whether n is a voter in the leader's configuration.
+func isVoter(t *testing.T, c *agenttest.Cluster, n *agenttest.Node) bool {
+	t.Helper()
+	leader := c.WaitLeader(time.Minute)
+	servers, err := leader.Store().Servers(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range servers {
+		if s.ID == n.NodeID() {
+			return s.Voter
+		}
+	}
+	return false
+}
+
+// rssMiB is this process's resident memory.
+func rssMiB(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb >> 10
+		}
+	}
+	t.Fatal(errors.New("no VmRSS"))
+	return 0
+}
