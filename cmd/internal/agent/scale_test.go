@@ -32,7 +32,7 @@ const (
 // voters, the rest non-voters; gossip on loopback ports), waits until
 // membership has converged everywhere, registers PIVIRT_SCALE_INSTANCES
 // service instances through them while blocking queries (watches) on the
-// services wait on every agent, waits until every agent holds them all and
+// services wait on every agent (each on one service), waits until every agent holds them all and
 // every watch has woken, then stops a voter and waits until a non-voter is
 // promoted in its place. It reports the convergence times and the
 // process's memory per agent. Skipped unless PIVIRT_SCALE_AGENTS is set;
@@ -91,16 +91,17 @@ func TestScale(t *testing.T) {
 		agents, started.Round(time.Millisecond), gossipConverged.Round(time.Millisecond), voters, agents-voters, raftConverged.Round(time.Millisecond),
 		rss1, float64(rss1-rss0)/float64(agents))
 
-	// A blocking query per agent, renewed as it wakes: the watches.
+	// A blocking query per agent on one service, renewed as it wakes: the
+	// watches (a backend's discovery watches its own service).
 	wctx, stopWatches := context.WithCancel(context.Background())
 	defer stopWatches()
 	var woke atomic.Int64
 	var watchers sync.WaitGroup
-	for _, n := range nodes {
+	for i, n := range nodes {
 		watchers.Go(func() {
 			var index uint64
 			for wctx.Err() == nil {
-				resp, err := n.API.ListServices(wctx, connect.NewRequest(&clusterv1.ListServicesRequest{Read: &clusterv1.ReadOptions{
+				resp, err := n.API.GetService(wctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: fmt.Sprintf("svc-%03d", i%200), Read: &clusterv1.ReadOptions{
 					Consistency: clusterv1.Consistency_CONSISTENCY_STALE, WaitIndex: index,
 				}}))
 				if err != nil {
