@@ -51,13 +51,13 @@ fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go 
 .PHONY: soak
 DURATION ?= 10m
 soak: ## mixed traffic through 3 real agents with leader kills for DURATION (default 10m): errors, p99, memory
-	PIVIRT_SOAK_DURATION=$(DURATION) $(GO) test -v -count=1 -run '^TestSoak$$' -timeout 0 ./cmd/internal/e2e/ 2>&1 | grep -v '^=== '
+	PIVIRT_SOAK_DURATION=$(DURATION) $(GO) test -v -count=1 -run '^TestSoak$$' -timeout 0 ./cmd/internal/e2e/ 2>&1 | grep --line-buffered -v '^=== '
 
 .PHONY: scale
 AGENTS ?= 100
 INSTANCES ?= 100000
 scale: ## AGENTS agents (default 100) in one process register INSTANCES instances (default 100000): convergence, promotion, memory
-	PIVIRT_SCALE_AGENTS=$(AGENTS) PIVIRT_SCALE_INSTANCES=$(INSTANCES) $(GO) test -v -count=1 -run '^TestScale$$' -timeout 60m ./cmd/internal/agent/ 2>&1 | grep -v '^=== '
+	PIVIRT_SCALE_AGENTS=$(AGENTS) PIVIRT_SCALE_INSTANCES=$(INSTANCES) $(GO) test -v -count=1 -run '^TestScale$$' -timeout 60m ./cmd/internal/agent/ 2>&1 | grep --line-buffered -v '^=== '
 
 .PHONY: bench
 bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run
