@@ -43,7 +43,8 @@ type Store struct {
 	fsm       raft.FSM
 	logs      raft.LogStore // the log cache in front of bolt, when configured
 	transport *raft.NetworkTransport
-	bolt      *raftboltdb.BoltStore
+	bolt      *guardedBolt
+	stream    *trackedStream
 	snaps     *raft.FileSnapshotStore
 	log       *slog.Logger // this package's logs, component=store
 
@@ -111,8 +112,9 @@ func New(cfg Config) (s *Store, err error) {
 		return nil, fmt.Errorf("check existing raft state: %w", err)
 	}
 
+	stream := &trackedStream{StreamLayer: cfg.StreamLayer, conns: make(map[net.Conn]struct{})}
 	transport := raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
-		Stream:  cfg.StreamLayer,
+		Stream:  stream,
 		MaxPool: cfg.TransportMaxPool,
 		Timeout: cfg.TransportTimeout,
 		Logger:  logger.Named("transport"),
@@ -125,6 +127,7 @@ func New(cfg Config) (s *Store, err error) {
 		logs:            logs,
 		transport:       transport,
 		bolt:            bolt,
+		stream:          stream,
 		snaps:           snaps,
 		log:             slogger,
 		existed:         existed,
@@ -147,7 +150,7 @@ func New(cfg Config) (s *Store, err error) {
 // openStores opens the bbolt log and stable store (with the log cache in
 // front of it when configured) and the file snapshot store in dir, creating
 // dir if needed. On error nothing is left open.
-func openStores(cfg Config, dir string, logger *hclogAdapter) (*raftboltdb.BoltStore, raft.LogStore, *raft.FileSnapshotStore, error) {
+func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raft.LogStore, *raft.FileSnapshotStore, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, nil, nil, fmt.Errorf("create raft directory: %w", err)
 	}
@@ -165,17 +168,18 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*raftboltdb.BoltS
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	bolt, err := raftboltdb.New(raftboltdb.Options{Path: path, BoltOptions: bopts})
+	raw, err := raftboltdb.New(raftboltdb.Options{Path: path, BoltOptions: bopts})
 	if errors.Is(err, bberrors.ErrTimeout) {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
 	}
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
 	}
-	if err := checkLogs(path, bolt); err != nil {
-		bolt.Close()
+	if err := checkLogs(path, raw); err != nil {
+		raw.Close()
 		return nil, nil, nil, err
 	}
+	bolt := &guardedBolt{bolt: raw}
 	var logs raft.LogStore = bolt
 	if cfg.LogCacheSize > 0 {
 		if logs, err = raft.NewLogCache(cfg.LogCacheSize, bolt); err != nil {
@@ -441,6 +445,8 @@ func (s *Store) Close() error {
 		if err := s.transport.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft transport: %w", err))
 		}
+		// Heartbeats may still be handled on accepted connections (guard.go).
+		s.stream.closeAccepted()
 		s.leadership.stop()
 		if err := s.bolt.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft log: %w", err))
