@@ -57,7 +57,7 @@ soak: ## mixed traffic through 3 real agents with leader kills for DURATION (def
 AGENTS ?= 100
 INSTANCES ?= 100000
 scale: ## AGENTS agents (default 100) in one process register INSTANCES instances (default 100000): convergence, promotion, memory
-	PIVIRT_SCALE_AGENTS=$(AGENTS) PIVIRT_SCALE_INSTANCES=$(INSTANCES) $(GO) test -v -count=1 -run '^TestScale$$' -timeout 60m ./cmd/internal/agent/ 2>&1 | grep --line-buffered -v '^=== '
+	PIVIRT_SCALE_AGENTS=$(AGENTS) PIVIRT_SCALE_INSTANCES=$(INSTANCES) $(GO) test -v -count=1 -run '^TestScale$$' -timeout 90m ./cmd/internal/agent/ 2>&1 | grep --line-buffered -v '^=== '
 
 .PHONY: bench
 bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run

@@ -144,6 +144,8 @@ type Gossip struct {
 
 	stopReap chan struct{}
 	reapDone chan struct{}
+	// savedPeers is what savePeers last wrote (reapLoop's only).
+	savedPeers []byte
 
 	// closeMu serialises Leave and Shutdown: memberlist panics on a
 	// Leave after Shutdown.
@@ -431,12 +433,14 @@ func (g *Gossip) savePeers() {
 		return
 	}
 	b, err := json.Marshal(addrs)
-	if err != nil {
+	if err != nil || bytes.Equal(b, g.savedPeers) {
 		return
 	}
 	if err := writeFileAtomic(g.cfg.PeersFile, b); err != nil {
 		g.logger.Warn("save known gossip peers", "file", g.cfg.PeersFile, "error", err)
+		return
 	}
+	g.savedPeers = b
 }
 
 // LoadPeers returns the gossip addresses saved in a PeersFile; a missing

@@ -2,11 +2,15 @@ package fsm
 
 import (
 	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
 // benchInstances is how many instances the benchmarks keep in the services
@@ -125,3 +129,82 @@ func BenchmarkApplyBatch64(b *testing.B) { benchApply(b, 64) }
 // BenchmarkApplyBatch8 is the same with batches of 8 entries, closer to
 // what raft hands over under moderate load.
 func BenchmarkApplyBatch8(b *testing.B) { benchApply(b, 8) }
+
+// BenchmarkStateMemory measures what the state costs in memory: the Go heap
+// held by 100,000 registered instances (without client IDs) and, on top of
+// them, by the dedupe records of 100,000 writes with client IDs that are all
+// within the dedupe window. It reports bytes per instance and per dedupe
+// record, and the instance figure as a ratio to the instances' encoded size
+// (the reference: what a snapshot stores).
+func BenchmarkStateMemory(b *testing.B) {
+	const n = 100_000
+	entries := func(clientIDs bool, first uint64) []*raft.Log {
+		out := make([]*raft.Log, n)
+		now := t0.Add(time.Duration(first) * time.Millisecond)
+		for i := range n {
+			now = now.Add(time.Millisecond)
+			cmd := register(&clusterv1.ServiceInstance{
+				Service: fmt.Sprintf("svc-%03d", i%200), InstanceId: fmt.Sprintf("i-%07d", i), Node: "node-042",
+				Address: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), Port: 8080, Tags: []string{"scale"},
+			})
+			if clientIDs {
+				cmd = withClient(cmd, fmt.Sprintf("gw-node%03d-%08x", i%100, i%100), uint64(i+1))
+			}
+			cmd.Time = timestamppb.New(now)
+			data, err := Encode(cmd)
+			if err != nil {
+				b.Fatal(err)
+			}
+			out[i] = &raft.Log{Index: first + uint64(i), Term: 1, Type: raft.LogCommand, Data: data}
+		}
+		return out
+	}
+	heap := func() uint64 {
+		var ms runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	var perInstance, perDedupe, encoded float64
+	for b.Loop() {
+		b.StopTimer()
+		plain, withIDs := entries(false, 1), entries(true, n+1)
+		b.StartTimer()
+		h0 := heap()
+		f, err := New(DefaultConfig())
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, l := range plain {
+			if res := f.Apply(l).(*Result); res.Err != nil {
+				b.Fatal(res.Err)
+			}
+		}
+		plain = nil
+		h1 := heap()
+		// The same instances again, now with client IDs: the records are
+		// replaced one for one, the dedupe records are added.
+		for _, l := range withIDs {
+			if res := f.Apply(l).(*Result); res.Err != nil {
+				b.Fatal(res.Err)
+			}
+		}
+		withIDs = nil
+		h2 := heap()
+		_, insts, err := f.State().Services("", nil)
+		if err != nil || len(insts) != n {
+			b.Fatalf("%d instances, %v", len(insts), err)
+		}
+		size := 0
+		for _, in := range insts {
+			size += proto.Size(in)
+		}
+		perInstance = float64(h1-h0) / n
+		perDedupe = (float64(h2) - float64(h1)) / n
+		encoded = float64(size) / n
+		runtime.KeepAlive(f)
+	}
+	b.ReportMetric(perInstance, "heap-B/instance")
+	b.ReportMetric(perDedupe, "heap-B/dedupe-record")
+	b.ReportMetric(perInstance/encoded, "x-encoded-size")
+}

@@ -2,11 +2,13 @@ package agent_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
+	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,6 +28,19 @@ import (
 const (
 	envScaleAgents    = "PIVIRT_SCALE_AGENTS"
 	envScaleInstances = "PIVIRT_SCALE_INSTANCES"
+	// envScaleHeapProfile names a file for a heap profile taken once every
+	// agent holds every instance (go tool pprof -sample_index=inuse_space).
+	envScaleHeapProfile = "PIVIRT_SCALE_HEAPPROFILE"
+)
+
+// The memory budget TestScale holds the agents to: live Go heap per agent
+// after the registrations, a base plus a cost per instance held. An
+// instance costs about 570 bytes in the state and each write of the last
+// dedupe window (2 minutes) about 560 more for its dedupe record
+// (fsm.BenchmarkStateMemory); when every write is that recent, both count.
+const (
+	budgetPerAgent    = 8 << 20
+	budgetPerInstance = 1536
 )
 
 // TestScale starts PIVIRT_SCALE_AGENTS agents in this process (5 Raft
@@ -44,7 +59,17 @@ func TestScale(t *testing.T) {
 		t.Skip("set " + envScaleAgents + " (make scale)")
 	}
 	instances := scaleKnob(t, envScaleInstances, 100000, 1, 1000000)
+	// A hundred agents' states share one heap: without a limit the
+	// collector lets it grow to twice what is live.
+	if os.Getenv("GOMEMLIMIT") == "" {
+		limit := memTotal(t) / 10 * 7
+		debug.SetMemoryLimit(limit)
+		t.Logf("Go memory limit %d MiB (70%% of the machine's; set GOMEMLIMIT to change)", limit>>20)
+	}
 	rss0 := rssMiB(t)
+	var heap0 runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&heap0)
 	start := time.Now()
 
 	// Five voters bootstrap together; the others join them.
@@ -126,6 +151,7 @@ func TestScale(t *testing.T) {
 	var failed atomic.Int64
 	var firstErr atomic.Pointer[error]
 	var wg sync.WaitGroup
+	lat := make([][]time.Duration, 64) // per client
 	for w := range 64 {
 		wg.Go(func() {
 			n := nodes[w%len(nodes)]
@@ -135,11 +161,13 @@ func TestScale(t *testing.T) {
 					return
 				}
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				t0 := time.Now()
 				_, err := n.API.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
 					Service: fmt.Sprintf("svc-%03d", i%200), InstanceId: fmt.Sprintf("i-%07d", i),
 					Address: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), Port: 8080, Tags: []string{"scale"},
 				}}))
 				cancel()
+				lat[w] = append(lat[w], time.Since(t0))
 				if err != nil {
 					failed.Add(1)
 					firstErr.CompareAndSwap(nil, &err)
@@ -147,7 +175,25 @@ func TestScale(t *testing.T) {
 			}
 		})
 	}
+	progressDone := make(chan struct{})
+	go func() {
+		tick := time.NewTicker(30 * time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-progressDone:
+				return
+			case <-tick.C:
+				var ms runtime.MemStats
+				runtime.ReadMemStats(&ms)
+				done := min(next.Load(), int64(instances))
+				t.Logf("… %d registered after %s (%.0f/s); RSS %d MiB, Go heap in use %d MiB",
+					done, time.Since(regStart).Round(time.Second), float64(done)/time.Since(regStart).Seconds(), rssMiB(t), ms.HeapInuse>>20)
+			}
+		}
+	}()
 	wg.Wait()
+	close(progressDone)
 	registered := time.Since(regStart)
 	if f := failed.Load(); f > 0 {
 		t.Fatalf("%d registrations failed, the first: %v", f, *firstErr.Load())
@@ -165,13 +211,27 @@ func TestScale(t *testing.T) {
 		return nil
 	})
 	applied := time.Since(regStart)
-	runtime.GC()
+	all := slices.Sorted(slices.Values(slices.Concat(lat...)))
+	q := func(f float64) time.Duration { return all[int(f*float64(len(all)-1))].Round(time.Millisecond) }
+	t.Logf("registration latency p50 %s, p99 %s, max %s", q(0.5), q(0.99), q(1))
+	// Garbage collected and returned to the system: RSS is then what the
+	// agents hold, plus the heap's fragmentation.
+	debug.FreeOSMemory()
+	if path := os.Getenv(envScaleHeapProfile); path != "" {
+		writeHeapProfile(t, path)
+	}
 	rss2 := rssMiB(t)
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	t.Logf("%d instances registered in %s (%.0f/s) through %d agents; every agent held them all after %s; %d watch wake-ups; RSS %d MiB (%.1f MiB per agent), Go heap in use %d MiB",
-		instances, registered.Round(time.Millisecond), float64(instances)/registered.Seconds(), agents, applied.Round(time.Millisecond),
-		woke.Load(), rss2, float64(rss2-rss0)/float64(agents), ms.HeapInuse>>20)
+	live := float64(ms.HeapAlloc-heap0.HeapAlloc) / float64(agents)
+	t.Logf("%d instances registered in %s (%.0f/s) through %d agents; every agent held them all after %s; %d watch wake-ups",
+		instances, registered.Round(time.Millisecond), float64(instances)/registered.Seconds(), agents, applied.Round(time.Millisecond), woke.Load())
+	t.Logf("memory: RSS %d MiB (%.1f MiB per agent), Go heap in use %d MiB, live %.1f MiB per agent (%.0f bytes per instance per agent)",
+		rss2, float64(rss2-rss0)/float64(agents), ms.HeapInuse>>20, live/(1<<20), live/float64(instances))
+	if budget := float64(budgetPerAgent + budgetPerInstance*instances); live > budget {
+		t.Errorf("live Go heap per agent %.1f MiB exceeds the budget of %.1f MiB (%d MiB + %d bytes per instance)",
+			live/(1<<20), budget/(1<<20), budgetPerAgent>>20, budgetPerInstance)
+	}
 
 	// A voter fails: a non-voter is promoted in its place.
 	if agents > voters {
@@ -220,22 +280,46 @@ func isVoter(t *testing.T, c *agenttest.Cluster, n *agenttest.Node) bool {
 	return false
 }
 
+func writeHeapProfile(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := pprof.WriteHeapProfile(f); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+}
+
+// memTotal is the machine's memory in bytes.
+func memTotal(t *testing.T) int64 {
+	t.Helper()
+	return procKiB(t, "/proc/meminfo", "MemTotal:") << 10
+}
+
 // rssMiB is this process's resident memory.
 func rssMiB(t *testing.T) int64 {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/status")
+	return procKiB(t, "/proc/self/status", "VmRSS:") >> 10
+}
+
+// procKiB reads the "field: N kB" line of a /proc file.
+func procKiB(t *testing.T, file, field string) int64 {
+	t.Helper()
+	b, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for line := range strings.SplitSeq(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if v, ok := strings.CutPrefix(line, field); ok {
 			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
 			if err != nil {
-				t.Fatal(err)
+				t.Fatalf("%s: %s %v", file, field, err)
 			}
-			return kb >> 10
+			return kb
 		}
 	}
-	t.Fatal(errors.New("no VmRSS"))
+	t.Fatalf("%s: no %s", file, field)
 	return 0
 }
