@@ -205,7 +205,9 @@ func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	}
 	// The started run is always written, even in the (impossible) case
 	// where the trim drops it again.
-	t.touch(TableScheduleRuns)
+	if err := t.touch(TableScheduleRuns); err != nil {
+		return nil, err
+	}
 	for _, r := range keep {
 		if err := t.insert(TableScheduleRuns, r); err != nil {
 			return nil, err

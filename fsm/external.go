@@ -187,6 +187,10 @@ func (f *FSM) Replace(index uint64, records []TableRecord) error {
 			return fmt.Errorf("replace: %w", err)
 		}
 	}
+	if err := setServiceIndex(txn, serviceIndexBase, max(f.AppliedIndex(), index)); err != nil {
+		txn.Abort()
+		return fmt.Errorf("replace: %w", err)
+	}
 	txn.Commit()
 	f.mu.Lock()
 	old := f.abandonCh

@@ -473,8 +473,11 @@ var appliers = map[protoreflect.Name]applyFunc{
 // (the index table itself only records the others).
 func (f *FSM) applyRestored(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	for _, name := range Tables() {
-		if name != TableIndex {
-			t.touch(name)
+		if name == TableIndex {
+			continue
+		}
+		if err := t.touch(name); err != nil {
+			return nil, err
 		}
 	}
 	return nil, nil

@@ -47,6 +47,25 @@ const (
 	indexVM       = "vm_id"
 )
 
+// tableServiceIndex is derived state, not replicated and not in
+// snapshots (so not in tableDefs): per service, the index of the last change
+// to its instances, kept after its last instance is gone, so that a blocking
+// query on one service wakes for that service only. The row of
+// serviceIndexBase holds the index every service has at least: the index of
+// the last restore (or of a command that touched the whole services table),
+// since a restored state carries no history of the services it replaced.
+const tableServiceIndex = "service_index"
+
+// serviceIndexBase is the key of the base row of tableServiceIndex; no
+// service name contains NUL.
+const serviceIndexBase = "\x00"
+
+// serviceIndexEntry is a row of tableServiceIndex.
+type serviceIndexEntry struct {
+	Service string
+	Value   uint64
+}
+
 // indexEntry is a row of TableIndex.
 type indexEntry struct {
 	Table string
@@ -192,6 +211,9 @@ var schema = func() *memdb.DBSchema {
 	for _, t := range tableDefs {
 		s.Tables[t.name] = &memdb.TableSchema{Name: t.name, Indexes: t.indexes}
 	}
+	s.Tables[tableServiceIndex] = &memdb.TableSchema{Name: tableServiceIndex, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *serviceIndexEntry) string { return e.Service }))},
+	)}
 	if err := s.Validate(); err != nil {
 		panic(fmt.Sprintf("fsm: invalid memdb schema: %v", err))
 	}

@@ -265,16 +265,23 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
-	f.mu.Lock()
-	old := f.abandonCh
-	f.head.invalidate()
-	f.db = db
 	// The applied index never goes back: a snapshot restored by an
 	// operator carries the index of the cluster it came from, and reads
 	// waiting for an index this node already passed must not wait for
 	// entries that will never come. (The leader follows such a restore
 	// with a Restored command, which moves it on everywhere.)
-	f.setAppliedLocked(max(f.applied, hdr.GetLastIndex()))
+	applied := max(f.AppliedIndex(), hdr.GetLastIndex())
+	txn := db.Txn(true)
+	if err := setServiceIndex(txn, serviceIndexBase, applied); err != nil {
+		txn.Abort()
+		return fmt.Errorf("restore: %w", err)
+	}
+	txn.Commit()
+	f.mu.Lock()
+	old := f.abandonCh
+	f.head.invalidate()
+	f.db = db
+	f.setAppliedLocked(applied)
 	f.abandonCh = make(chan struct{})
 	f.mu.Unlock()
 	close(old)

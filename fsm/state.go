@@ -71,6 +71,29 @@ func (s *State) WatchTables(ws memdb.WatchSet, tables ...string) (uint64, error)
 	return maxIndex, nil
 }
 
+// WatchService adds to ws a channel that fires when an instance of service
+// is registered, changed or removed (and the abandon channel), and returns
+// the index of the service's last change: at least the index of the last
+// restore, and kept after its last instance is gone; 1 for a service never
+// seen (a blocking query needs an index above 0, and the service's first
+// instance comes later). Changes to other services move neither. Like
+// every blocking query, callers re-check the index after a wake-up.
+func (s *State) WatchService(ws memdb.WatchSet, service string) (uint64, error) {
+	s.watch(ws, nil)
+	var index uint64
+	for _, key := range []string{service, serviceIndexBase} {
+		ch, obj, err := s.txn.FirstWatch(tableServiceIndex, indexID, key)
+		if err != nil {
+			return 0, fmt.Errorf("watch service %q: %w", service, err)
+		}
+		s.watch(ws, ch)
+		if e, ok := obj.(*serviceIndexEntry); ok {
+			index = max(index, e.Value)
+		}
+	}
+	return max(index, 1), nil
+}
+
 // watch adds ch and the abandon channel to ws, if ws is not nil.
 func (s *State) watch(ws memdb.WatchSet, ch <-chan struct{}) {
 	if ws == nil {

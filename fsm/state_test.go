@@ -1,6 +1,7 @@
 package fsm
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"github.com/hashicorp/go-memdb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
@@ -323,5 +325,87 @@ func TestWatchConfigKey(t *testing.T) {
 	}
 	if got, _ := h.f.State().WatchConfigKey(nil, "k"); got <= rev2 {
 		t.Fatalf("index of the deleted key %d, want > %d (its last revision)", got, rev2)
+	}
+}
+
+// A service's index moves with its own instances only, stays after its
+// last instance is gone, and is at least the index of the last restore or
+// Restored command.
+func TestWatchService(t *testing.T) {
+	h := newHarness(t)
+	index := func(service string) uint64 {
+		t.Helper()
+		idx, err := h.f.State().WatchService(nil, service)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return idx
+	}
+	h.mustApply(register(instance("web", "a"))) // 1
+	h.mustApply(register(instance("api", "a"))) // 2
+	if got := index("web"); got != 1 {
+		t.Errorf("web index = %d, want 1", got)
+	}
+	if got := index("db"); got != 1 {
+		t.Errorf("index of a service never registered = %d, want 1", got)
+	}
+
+	ws := memdb.NewWatchSet()
+	if _, err := h.f.State().WatchService(ws, "web"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(setConfig("k", "v"))            // 3
+	h.mustApply(register(instance("api", "b"))) // 4
+	if got := index("web"); got != 1 {
+		t.Errorf("web index after changes to api and config = %d, want 1", got)
+	}
+	h.mustApply(heartbeat("web", "a")) // 5
+	waitFired(t, ws)
+	if got := index("web"); got != 5 {
+		t.Errorf("web index after a heartbeat = %d, want 5", got)
+	}
+
+	ws = memdb.NewWatchSet()
+	if _, err := h.f.State().WatchService(ws, "web"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(deregister("web", "a")) // 6: the last instance
+	waitFired(t, ws)
+	if got := index("web"); got != 6 {
+		t.Errorf("web index after its last instance left = %d, want 6", got)
+	}
+	if got := index("api"); got != 4 {
+		t.Errorf("api index = %d, want 4", got)
+	}
+	// A failed write changes no index.
+	if res := h.apply(deregister("web", "a")); res.Err == nil {
+		t.Fatal("deregistering a missing instance succeeded")
+	}
+	if got := index("web"); got != 6 {
+		t.Errorf("web index after a failed write = %d, want 6", got)
+	}
+
+	// Restored moves every service, listed or not.
+	restored := h.mustApply(&fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "s", SnapshotIndex: 1}}}).Index
+	for _, svc := range []string{"web", "api", "db"} {
+		if got := index(svc); got != restored {
+			t.Errorf("%s index after Restored = %d, want %d", svc, got, restored)
+		}
+	}
+
+	// A restore starts every service at the restored index; the derived
+	// table is not in snapshots.
+	snap := h.snapshot()
+	h2 := newHarness(t)
+	if err := h2.f.Restore(readCloser(snap)); err != nil {
+		t.Fatal(err)
+	}
+	for _, svc := range []string{"web", "api", "db"} {
+		if got, _ := h2.f.State().WatchService(nil, svc); got != h.f.AppliedIndex() {
+			t.Errorf("%s index after a restore = %d, want %d", svc, got, h.f.AppliedIndex())
+		}
+	}
+	if !bytes.Equal(h2.snapshot(), snap) {
+		t.Error("the restored state snapshots differently")
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/hashicorp/go-memdb"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
@@ -180,7 +181,7 @@ func (t *writeTxn) insert(table string, obj any) error {
 	}
 	t.changed[n] = t.index
 	t.remember(n, obj, obj)
-	return nil
+	return t.serviceChanged(obj)
 }
 
 func (t *writeTxn) delete(table string, obj any) error {
@@ -194,14 +195,37 @@ func (t *writeTxn) delete(table string, obj any) error {
 	}
 	t.changed[n] = t.index
 	t.remember(n, obj, nil)
+	return t.serviceChanged(obj)
+}
+
+// serviceChanged records in tableServiceIndex that the service of obj, if
+// obj is a service instance, changed at the entry being applied.
+func (t *writeTxn) serviceChanged(obj any) error {
+	inst, ok := obj.(*clusterv1.ServiceInstance)
+	if !ok {
+		return nil
+	}
+	return setServiceIndex(t.txn, inst.GetService(), t.index)
+}
+
+// setServiceIndex writes a row of tableServiceIndex.
+func setServiceIndex(txn *memdb.Txn, service string, index uint64) error {
+	if err := txn.Insert(tableServiceIndex, &serviceIndexEntry{Service: service, Value: index}); err != nil {
+		return fmt.Errorf("update index of service %q: %w", service, err)
+	}
 	return nil
 }
 
-// touch marks a table changed without writing to it.
-func (t *writeTxn) touch(table string) {
+// touch marks a table changed without writing to it. Touching the services
+// table moves the index of every service.
+func (t *writeTxn) touch(table string) error {
 	if n := tableNum(table); n >= 0 {
 		t.changed[n] = t.index
 	}
+	if table == TableServices {
+		return setServiceIndex(t.txn, serviceIndexBase, t.index)
+	}
+	return nil
 }
 
 // remember records in the overlay that the record with obj's primary key

@@ -692,11 +692,23 @@ func (h *ClusterService) ListServices(ctx context.Context, req *connect.Request[
 			return nil, toConnect(err)
 		}
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices, tablesIndex(fsm.TableServices),
+	// Filtered on one service, the index and a blocking query are that
+	// service's: changes to other services do not wake it.
+	blockOn := tablesIndex(fsm.TableServices)
+	if s := req.Msg.GetService(); s != "" {
+		blockOn = serviceIndex(s)
+	}
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices, blockOn,
 		func(ctx context.Context) (*clusterv1.ListServicesResponse, uint64, error) {
-			index, list, err := h.state.State().Services(req.Msg.GetService(), nil)
+			st := h.state.State()
+			index, list, err := st.Services(req.Msg.GetService(), nil)
 			if err != nil {
 				return nil, 0, err
+			}
+			if s := req.Msg.GetService(); s != "" {
+				if index, err = st.WatchService(nil, s); err != nil {
+					return nil, 0, err
+				}
 			}
 			return &clusterv1.ListServicesResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil
 		})
@@ -712,18 +724,22 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 			return nil, toConnect(err)
 		}
 	}
-	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService, tablesIndex(fsm.TableServices),
+	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService, serviceIndex(req.Msg.GetService()),
 		func(ctx context.Context) (*clusterv1.GetServiceResponse, uint64, error) {
 			st := h.state.State()
+			// The service's own index: what a blocking query on it waits on.
+			index, err := st.WatchService(nil, req.Msg.GetService())
+			if err != nil {
+				return nil, 0, err
+			}
 			if id := req.Msg.GetInstanceId(); id != "" {
 				inst, err := st.Service(req.Msg.GetService(), id)
 				if err != nil {
 					return nil, 0, fmt.Errorf("service %s instance %s: %w", req.Msg.GetService(), id, err)
 				}
-				index := st.Index(fsm.TableServices)
 				return &clusterv1.GetServiceResponse{Instances: []*clusterv1.ServiceInstance{inst}, Meta: h.queryMeta(index)}, index, nil
 			}
-			index, list, err := st.Services(req.Msg.GetService(), nil)
+			_, list, err := st.Services(req.Msg.GetService(), nil)
 			if err != nil {
 				return nil, 0, err
 			}

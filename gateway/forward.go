@@ -205,6 +205,12 @@ func tablesIndex(tables ...string) blockIndex {
 	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchTables(ws, tables...) }
 }
 
+// serviceIndex is the blockIndex of one service: a blocking query on it
+// wakes for changes to that service only.
+func serviceIndex(service string) blockIndex {
+	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchService(ws, service) }
+}
+
 // waitTime resolves the wait of a blocking query.
 func waitTime(ro *clusterv1.ReadOptions) (time.Duration, error) {
 	if ro.GetWaitTime() == nil {

@@ -237,11 +237,24 @@ func TestForwardingAndReadModes(t *testing.T) {
 			if took := time.Since(began); took < 300*time.Millisecond || indexOf(resp) != start {
 				t.Fatalf("%v: answered after %v with index %d; want the wait (300ms) and index %d", mode, took, indexOf(resp), start)
 			}
-			// A write wakes it with the new state.
 			type answer struct {
 				resp *connect.Response[clusterv1.ListServicesResponse]
 				err  error
 			}
+			// A write to another service does not wake it.
+			other := make(chan answer, 1)
+			began = time.Now()
+			go func() {
+				r, err := list(ctxT(t), mode, start, time.Second)
+				other <- answer{r, err}
+			}()
+			mustRegister(t, c.Nodes()[i%3], "blk-other", fmt.Sprintf("other-%d", i))
+			if a := <-other; a.err != nil {
+				t.Fatalf("%v: blocking query while another service changed: %v", mode, a.err)
+			} else if took := time.Since(began); took < time.Second || indexOf(a.resp) != start {
+				t.Fatalf("%v: a change to another service answered a blocking query on blk after %v with index %d; want the wait (1s) and index %d", mode, took, indexOf(a.resp), start)
+			}
+			// A write wakes it with the new state.
 			got := make(chan answer, 1)
 			go func() {
 				r, err := list(ctxT(t), mode, start, time.Minute)

@@ -121,6 +121,7 @@ func TestScale(t *testing.T) {
 	wctx, stopWatches := context.WithCancel(context.Background())
 	defer stopWatches()
 	var woke atomic.Int64
+	seen := make([]atomic.Uint64, len(nodes)) // the index each watch last returned
 	var watchers sync.WaitGroup
 	for i, n := range nodes {
 		watchers.Go(func() {
@@ -140,6 +141,7 @@ func TestScale(t *testing.T) {
 						woke.Add(1)
 					}
 					index = idx
+					seen[i].Store(idx)
 				}
 			}
 		})
@@ -211,6 +213,24 @@ func TestScale(t *testing.T) {
 		return nil
 	})
 	applied := time.Since(regStart)
+	// Every watch has returned its service's last change.
+	agenttest.Eventually(t, 5*time.Minute, "every watch returns its service's last change", func() error {
+		for i, n := range nodes {
+			svc := fmt.Sprintf("svc-%03d", i%200)
+			_, insts, err := n.FSM().State().Services(svc, nil)
+			if err != nil {
+				return err
+			}
+			var last uint64
+			for _, in := range insts {
+				last = max(last, in.GetModifyIndex())
+			}
+			if got := seen[i].Load(); got < last {
+				return fmt.Errorf("the watch on %s through %s returned index %d, the service changed at %d", svc, n.Name, got, last)
+			}
+		}
+		return nil
+	})
 	all := slices.Sorted(slices.Values(slices.Concat(lat...)))
 	q := func(f float64) time.Duration { return all[int(f*float64(len(all)-1))].Round(time.Millisecond) }
 	t.Logf("registration latency p50 %s, p99 %s, max %s", q(0.5), q(0.99), q(1))
