@@ -180,8 +180,8 @@ func BenchmarkStateMemory(b *testing.B) {
 				b.Fatal(res.Err)
 			}
 		}
-		plain = nil
 		h1 := heap()
+		runtime.KeepAlive(plain) // the entries count in h0, h1 and h2 alike
 		// The same instances again, now with client IDs: the records are
 		// replaced one for one, the dedupe records are added.
 		for _, l := range withIDs {
@@ -189,8 +189,8 @@ func BenchmarkStateMemory(b *testing.B) {
 				b.Fatal(res.Err)
 			}
 		}
-		withIDs = nil
 		h2 := heap()
+		runtime.KeepAlive(withIDs)
 		_, insts, err := f.State().Services("", nil)
 		if err != nil || len(insts) != n {
 			b.Fatalf("%d instances, %v", len(insts), err)

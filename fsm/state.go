@@ -73,11 +73,16 @@ func (s *State) WatchTables(ws memdb.WatchSet, tables ...string) (uint64, error)
 
 // WatchService adds to ws a channel that fires when an instance of service
 // is registered, changed or removed (and the abandon channel), and returns
-// the index of the service's last change: at least the index of the last
-// restore, and kept after its last instance is gone; 1 for a service never
-// seen (a blocking query needs an index above 0, and the service's first
-// instance comes later). Changes to other services move neither. Like
+// the index of the service's last change as this node knows it: kept after
+// its last instance is gone, at least the index of the last restore or
+// Restored command (a restored state has no history of what it replaced),
+// 1 for a service never seen. It is never below the service's last change
+// and never above the applied index, but it is not replicated: two nodes
+// may answer differently. Changes to other services move neither. Like
 // every blocking query, callers re-check the index after a wake-up.
+//
+// A row is kept for every service name seen since the last restore (or
+// the agent's start), a few dozen bytes each.
 func (s *State) WatchService(ws memdb.WatchSet, service string) (uint64, error) {
 	s.watch(ws, nil)
 	var index uint64

@@ -223,6 +223,7 @@ func (t *writeTxn) touch(table string) error {
 		t.changed[n] = t.index
 	}
 	if table == TableServices {
+		t.writes++
 		return setServiceIndex(t.txn, serviceIndexBase, t.index)
 	}
 	return nil

@@ -692,23 +692,18 @@ func (h *ClusterService) ListServices(ctx context.Context, req *connect.Request[
 			return nil, toConnect(err)
 		}
 	}
-	// Filtered on one service, the index and a blocking query are that
-	// service's: changes to other services do not wake it.
+	// Filtered on one service, a blocking query waits for a change to that
+	// service (serviceIndex); the answer's index is the services table's,
+	// the same on every node.
 	blockOn := tablesIndex(fsm.TableServices)
 	if s := req.Msg.GetService(); s != "" {
 		blockOn = serviceIndex(s)
 	}
 	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.ListServices, blockOn,
 		func(ctx context.Context) (*clusterv1.ListServicesResponse, uint64, error) {
-			st := h.state.State()
-			index, list, err := st.Services(req.Msg.GetService(), nil)
+			index, list, err := h.state.State().Services(req.Msg.GetService(), nil)
 			if err != nil {
 				return nil, 0, err
-			}
-			if s := req.Msg.GetService(); s != "" {
-				if index, err = st.WatchService(nil, s); err != nil {
-					return nil, 0, err
-				}
 			}
 			return &clusterv1.ListServicesResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil
 		})
@@ -727,11 +722,7 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.GetService, serviceIndex(req.Msg.GetService()),
 		func(ctx context.Context) (*clusterv1.GetServiceResponse, uint64, error) {
 			st := h.state.State()
-			// The service's own index: what a blocking query on it waits on.
-			index, err := st.WatchService(nil, req.Msg.GetService())
-			if err != nil {
-				return nil, 0, err
-			}
+			index := st.Index(fsm.TableServices)
 			if id := req.Msg.GetInstanceId(); id != "" {
 				inst, err := st.Service(req.Msg.GetService(), id)
 				if err != nil {

@@ -206,7 +206,10 @@ func tablesIndex(tables ...string) blockIndex {
 }
 
 // serviceIndex is the blockIndex of one service: a blocking query on it
-// wakes for changes to that service only.
+// wakes for changes to that service only. Its index is this node's
+// (fsm.State.WatchService: at least the service's last change, at most the
+// applied index); the answer carries the services table's index, which is
+// the same on every node, so a wait index from any node compares right.
 func serviceIndex(service string) blockIndex {
 	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchService(ws, service) }
 }

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
@@ -35,8 +36,8 @@ const (
 
 // The memory budget TestScale holds the agents to: live Go heap per agent
 // after the registrations, a base plus a cost per instance held. An
-// instance costs about 570 bytes in the state and each write of the last
-// dedupe window (2 minutes) about 560 more for its dedupe record
+// instance costs about 750 bytes in the state and each write of the last
+// dedupe window (2 minutes) about 570 more for its dedupe record
 // (fsm.BenchmarkStateMemory); when every write is that recent, both count.
 const (
 	budgetPerAgent    = 8 << 20
@@ -128,7 +129,7 @@ func TestScale(t *testing.T) {
 			var index uint64
 			for wctx.Err() == nil {
 				resp, err := n.API.GetService(wctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: fmt.Sprintf("svc-%03d", i%200), Read: &clusterv1.ReadOptions{
-					Consistency: clusterv1.Consistency_CONSISTENCY_STALE, WaitIndex: index,
+					Consistency: clusterv1.Consistency_CONSISTENCY_STALE, WaitIndex: index, WaitTime: durationpb.New(10 * time.Minute),
 				}}))
 				if err != nil {
 					if wctx.Err() == nil {
@@ -213,8 +214,9 @@ func TestScale(t *testing.T) {
 		return nil
 	})
 	applied := time.Since(regStart)
-	// Every watch has returned its service's last change.
-	agenttest.Eventually(t, 5*time.Minute, "every watch returns its service's last change", func() error {
+	// Every watch has returned its service's last change, woken by it: the
+	// watches wait up to 10 minutes, this check 30 seconds.
+	agenttest.Eventually(t, 30*time.Second, "every watch returns its service's last change", func() error {
 		for i, n := range nodes {
 			svc := fmt.Sprintf("svc-%03d", i%200)
 			_, insts, err := n.FSM().State().Services(svc, nil)

@@ -311,7 +311,10 @@ type ReadOptions struct {
 	// index of what the read returns (Pivirt-Index, meta.index) is above
 	// wait_index, when wait_time has passed (with the unchanged answer), or
 	// at once after a snapshot restore replaced the state (the index may then
-	// go back: a watcher starts over from the answer). 0: answer at once.
+	// go back: a watcher starts over from the answer). A read of one service
+	// (GetService, ListServices with a service) answers with the services
+	// index but waits for a change to that service after wait_index. 0:
+	// answer at once.
 	WaitIndex uint64 `protobuf:"varint,3,opt,name=wait_index,json=waitIndex,proto3" json:"wait_index,omitempty"`
 	// wait_time bounds a blocking query: default 5m, at most 10m; the server
 	// adds up to 1/16 of it as jitter and answers before the call's deadline.
