@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"runtime/metrics"
 	"runtime/pprof"
 	"slices"
 	"strconv"
@@ -189,9 +190,11 @@ func TestScale(t *testing.T) {
 			case <-tick.C:
 				var ms runtime.MemStats
 				runtime.ReadMemStats(&ms)
+				live := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+				metrics.Read(live)
 				done := min(next.Load(), int64(instances))
-				t.Logf("… %d registered after %s (%.0f/s); RSS %d MiB, Go heap in use %d MiB",
-					done, time.Since(regStart).Round(time.Second), float64(done)/time.Since(regStart).Seconds(), rssMiB(t), ms.HeapInuse>>20)
+				t.Logf("… %d registered after %s (%.0f/s); RSS %d MiB, Go heap in use %d MiB, live at the last GC %d MiB",
+					done, time.Since(regStart).Round(time.Second), float64(done)/time.Since(regStart).Seconds(), rssMiB(t), ms.HeapInuse>>20, live[0].Value.Uint64()>>20)
 			}
 		}
 	}()
