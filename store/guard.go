@@ -2,7 +2,6 @@ package store
 
 import (
 	"errors"
-	"net"
 	"sync"
 
 	"github.com/hashicorp/raft"
@@ -21,9 +20,10 @@ var errLogClosed = errors.New("raft log closed")
 // after Shutdown returned, and Raft panics when that write fails
 // ("failed to save current term: database not open", hashicorp/raft#717).
 // Close therefore waits for the calls in progress, and a term write arriving
-// after it is dropped: the server is gone, and its connections are closed
-// before the log (trackedStream), so the answer to that heartbeat is never
-// sent. A vote is never cast on this path, so no promise is lost.
+// after it is dropped: the server is gone. The heartbeat's answer may still
+// reach the leader, which is safe: a heartbeat commits nothing, and the
+// votes that make a leader unique per term are cast and persisted by the
+// run loop, which Shutdown has stopped, never on this path.
 type guardedBolt struct {
 	mu     sync.RWMutex
 	closed bool
@@ -111,58 +111,4 @@ func (g *guardedBolt) SetUint64(k []byte, v uint64) error {
 func (g *guardedBolt) GetUint64(k []byte) (v uint64, err error) {
 	err = g.read(func() (e error) { v, e = g.bolt.GetUint64(k); return })
 	return v, err
-}
-
-// trackedStream is the caller's stream layer with the connections it
-// accepted remembered, so Close can cut the ones Raft's transport still
-// serves (NetworkTransport.Close only stops accepting).
-type trackedStream struct {
-	raft.StreamLayer
-	mu     sync.Mutex
-	closed bool
-	conns  map[net.Conn]struct{}
-}
-
-func (t *trackedStream) Accept() (net.Conn, error) {
-	c, err := t.StreamLayer.Accept()
-	if err != nil {
-		return nil, err
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.closed {
-		c.Close()
-		return nil, net.ErrClosed
-	}
-	tc := &trackedConn{Conn: c, owner: t}
-	t.conns[tc] = struct{}{}
-	return tc, nil
-}
-
-// closeAccepted closes every accepted connection still open and any
-// accepted later.
-func (t *trackedStream) closeAccepted() {
-	t.mu.Lock()
-	t.closed = true
-	conns := t.conns
-	t.conns = nil
-	t.mu.Unlock()
-	for c := range conns {
-		c.(*trackedConn).Conn.Close()
-	}
-}
-
-type trackedConn struct {
-	net.Conn
-	owner *trackedStream
-	once  sync.Once
-}
-
-func (c *trackedConn) Close() error {
-	c.once.Do(func() {
-		c.owner.mu.Lock()
-		delete(c.owner.conns, c)
-		c.owner.mu.Unlock()
-	})
-	return c.Conn.Close()
 }

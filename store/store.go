@@ -44,7 +44,6 @@ type Store struct {
 	logs      raft.LogStore // the log cache in front of bolt, when configured
 	transport *raft.NetworkTransport
 	bolt      *guardedBolt
-	stream    *trackedStream
 	snaps     *raft.FileSnapshotStore
 	log       *slog.Logger // this package's logs, component=store
 
@@ -112,9 +111,8 @@ func New(cfg Config) (s *Store, err error) {
 		return nil, fmt.Errorf("check existing raft state: %w", err)
 	}
 
-	stream := &trackedStream{StreamLayer: cfg.StreamLayer, conns: make(map[net.Conn]struct{})}
 	transport := raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
-		Stream:  stream,
+		Stream:  cfg.StreamLayer,
 		MaxPool: cfg.TransportMaxPool,
 		Timeout: cfg.TransportTimeout,
 		Logger:  logger.Named("transport"),
@@ -127,7 +125,6 @@ func New(cfg Config) (s *Store, err error) {
 		logs:            logs,
 		transport:       transport,
 		bolt:            bolt,
-		stream:          stream,
 		snaps:           snaps,
 		log:             slogger,
 		existed:         existed,
@@ -445,8 +442,6 @@ func (s *Store) Close() error {
 		if err := s.transport.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft transport: %w", err))
 		}
-		// Heartbeats may still be handled on accepted connections (guard.go).
-		s.stream.closeAccepted()
 		s.leadership.stop()
 		if err := s.bolt.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft log: %w", err))
