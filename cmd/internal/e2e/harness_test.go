@@ -532,6 +532,8 @@ func (c *cluster) report(t testing.TB) {
 	}
 	for _, path := range c.logs {
 		t.Logf("--- last lines of %s ---\n%s", filepath.Base(path), tail(path, 40))
+		// Audit lines crowd out the rest under client load.
+		t.Logf("--- last warnings and errors of %s ---\n%s", filepath.Base(path), tailMatching(path, 60, "level=WARN", "level=ERROR"))
 	}
 }
 
@@ -792,6 +794,24 @@ func tail(path string, lines int) string {
 	}
 	all := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
 	return strings.Join(all[max(0, len(all)-lines):], "\n")
+}
+
+// tailMatching is the last lines of path that contain one of the words.
+func tailMatching(path string, lines int, words ...string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("(%v)", err)
+	}
+	var keep []string
+	for line := range strings.SplitSeq(strings.TrimRight(string(b), "\n"), "\n") {
+		for _, w := range words {
+			if strings.Contains(line, w) {
+				keep = append(keep, line)
+				break
+			}
+		}
+	}
+	return strings.Join(keep[max(0, len(keep)-lines):], "\n")
 }
 
 // freePorts returns n distinct loopback ports that were free for TCP and UDP
