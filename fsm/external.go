@@ -187,19 +187,9 @@ func (f *FSM) Replace(index uint64, records []TableRecord) error {
 			return fmt.Errorf("replace: %w", err)
 		}
 	}
-	if err := setServiceIndex(txn, serviceIndexBase, max(f.AppliedIndex(), index)); err != nil {
-		txn.Abort()
+	if err := f.replaceDB(txn, db, index); err != nil {
 		return fmt.Errorf("replace: %w", err)
 	}
-	txn.Commit()
-	f.mu.Lock()
-	old := f.abandonCh
-	f.head.invalidate()
-	f.db = db
-	f.setAppliedLocked(max(f.applied, index))
-	f.abandonCh = make(chan struct{})
-	f.mu.Unlock()
-	close(old)
 	return nil
 }
 

@@ -270,21 +270,10 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	// waiting for an index this node already passed must not wait for
 	// entries that will never come. (The leader follows such a restore
 	// with a Restored command, which moves it on everywhere.)
-	applied := max(f.AppliedIndex(), hdr.GetLastIndex())
 	txn := db.Txn(true)
-	if err := setServiceIndex(txn, serviceIndexBase, applied); err != nil {
-		txn.Abort()
+	if err := f.replaceDB(txn, db, hdr.GetLastIndex()); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
-	txn.Commit()
-	f.mu.Lock()
-	old := f.abandonCh
-	f.head.invalidate()
-	f.db = db
-	f.setAppliedLocked(applied)
-	f.abandonCh = make(chan struct{})
-	f.mu.Unlock()
-	close(old)
 
 	var records []any
 	for _, t := range hdr.GetTables() {
@@ -500,4 +489,26 @@ func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, 
 		txn.Commit()
 	}
 	return db, hdr, sizes, nil
+}
+
+// replaceDB commits txn, the whole new state db as of index, with the base
+// row of tableServiceIndex, and makes it the state: the applied index never
+// goes back, and the old state's watchers are woken to re-list. On error
+// txn is aborted and nothing changes.
+func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
+	applied := max(f.AppliedIndex(), index)
+	if err := setServiceIndex(txn, serviceIndexBase, applied); err != nil {
+		txn.Abort()
+		return err
+	}
+	txn.Commit()
+	f.mu.Lock()
+	old := f.abandonCh
+	f.head.invalidate()
+	f.db = db
+	f.setAppliedLocked(applied)
+	f.abandonCh = make(chan struct{})
+	f.mu.Unlock()
+	close(old)
+	return nil
 }
