@@ -16,6 +16,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -85,6 +86,9 @@ type GossipConfig struct {
 	// that a ring split by a long partition heals (memberlist alone only
 	// gossips to the dead for a short while).
 	ReconnectInterval time.Duration
+	// PushPullInterval overrides the profile's full state exchange period
+	// (memberlist's; 0 keeps the profile's, 30 s on lan).
+	PushPullInterval time.Duration
 }
 
 // DefaultGossipConfig returns the production defaults.
@@ -147,6 +151,19 @@ type Gossip struct {
 	// savedPeers is what savePeers last wrote (reapLoop's only).
 	savedPeers []byte
 
+	// selfAddr is this node's gossip address, set once memberlist runs.
+	// staleSelf is set by a join exchange in which the other side still
+	// knows this node's name at another address: the node restarted on a
+	// new address and that member keeps the old incarnation (alive,
+	// suspect, or dead for less than DeadNodeReclaimTime), so it ignored
+	// the new one. memberlist offers the new address again only at its
+	// next periodic push/pull (30 s on lan, longer in big rings); reapLoop
+	// offers it every rejoinInterval until no exchange reports the old
+	// address. rejoining is reapLoop's only.
+	selfAddr  atomic.Pointer[string]
+	staleSelf atomic.Bool
+	rejoining bool
+
 	// closeMu serialises Leave and Shutdown: memberlist panics on a
 	// Leave after Shutdown.
 	closeMu sync.Mutex
@@ -202,6 +219,9 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	mc.Alive = (*gossipGuard)(g)
 	mc.Merge = (*gossipGuard)(g)
 	mc.DeadNodeReclaimTime = cfg.DeadNodeReclaimTime
+	if cfg.PushPullInterval > 0 {
+		mc.PushPullInterval = cfg.PushPullInterval
+	}
 	mc.Logger = log.New(&slogWriter{logger: g.logger}, "", 0)
 	keys := [][]byte(nil)
 	if len(cfg.SecretKey) > 0 {
@@ -239,6 +259,8 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 		return nil, fmt.Errorf("start gossip on %s: %w", cfg.BindAddr, err)
 	}
 	g.ml = ml
+	self := g.LocalAddr()
+	g.selfAddr.Store(&self)
 	go g.reapLoop()
 	return g, nil
 }
@@ -401,6 +423,8 @@ func (g *Gossip) reapLoop() {
 	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
+	rejoin := time.NewTicker(min(interval, rejoinInterval))
+	defer rejoin.Stop()
 	for {
 		select {
 		case <-g.stopReap:
@@ -409,7 +433,50 @@ func (g *Gossip) reapLoop() {
 			g.reap(time.Now())
 			g.reconnect()
 			g.savePeers()
+		case <-rejoin.C:
+			g.offerNewAddress()
 		}
+	}
+}
+
+// rejoinInterval is how often a node that restarted on a new address offers
+// it to members that still hold the old one (see Gossip.staleSelf).
+const rejoinInterval = 2 * time.Second
+
+// offerNewAddress runs a join exchange with some alive members while the
+// last ones reported this node at an old address. An exchange carries this
+// node's state, which a member takes once the old incarnation has been dead
+// for DeadNodeReclaimTime; the exchange's answer sets staleSelf again if
+// that member still holds the old address.
+func (g *Gossip) offerNewAddress() {
+	if !g.staleSelf.Swap(false) {
+		if g.rejoining {
+			g.rejoining = false
+			g.logger.Info("gossip members know this node at its new address", "addr", g.LocalAddr())
+		}
+		return
+	}
+	if !g.rejoining {
+		g.rejoining = true
+		g.logger.Info("gossip members still know this node at an old address; offering the new one until they take it",
+			"addr", g.LocalAddr(), "reclaim_after", g.cfg.DeadNodeReclaimTime)
+	}
+	self := g.LocalAddr()
+	g.mu.Lock()
+	var addrs []string
+	for _, m := range g.members {
+		if m.Status == StatusAlive && m.Addr != self && m.Name != g.cfg.NodeName && len(addrs) < maxReconnectsPerRound {
+			addrs = append(addrs, m.Addr)
+		}
+	}
+	g.mu.Unlock()
+	for _, a := range addrs {
+		select {
+		case <-g.stopReap:
+			return
+		default:
+		}
+		_, _ = g.ml.Join([]string{a})
 	}
 }
 
@@ -548,10 +615,15 @@ func (gg *gossipGuard) NotifyAlive(n *memberlist.Node) error {
 }
 
 func (gg *gossipGuard) NotifyMerge(peers []*memberlist.Node) error {
+	self := gg.selfAddr.Load()
 	for _, n := range peers {
 		if err := gg.check(n); err != nil {
 			gg.logger.Warn("refusing to merge with another gossip ring", "error", err)
 			return err
+		}
+		if self != nil && n.Name == gg.cfg.NodeName && n.State != memberlist.StateLeft &&
+			net.JoinHostPort(n.Addr.String(), strconv.Itoa(int(n.Port))) != *self {
+			gg.staleSelf.Store(true)
 		}
 	}
 	return nil

@@ -1,0 +1,86 @@
+package cluster
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+func startGossip(t *testing.T, name string) *Gossip {
+	t.Helper()
+	cfg := DefaultGossipConfig()
+	cfg.NodeName = name
+	cfg.BindAddr = "127.0.0.1:0"
+	cfg.Profile = "local"
+	cfg.DeadNodeReclaimTime = time.Second
+	cfg.ReconnectInterval = time.Second
+	// Periodic full exchanges would eventually carry a new address too;
+	// without them only the node's own offers can.
+	cfg.PushPullInterval = time.Hour
+	cfg.Meta = NodeMeta{Cluster: "test", ID: name + "-id"}
+	g, err := NewGossip(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Shutdown() })
+	return g
+}
+
+// waitMember polls until every ring in gs reports member name with the
+// given status and address (or deadline).
+func waitMember(t *testing.T, gs []*Gossip, name string, status MemberStatus, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var err error
+		for _, g := range gs {
+			m, ok := g.MemberByID(name + "-id")
+			switch {
+			case !ok:
+				err = fmt.Errorf("%s does not know %s", g.cfg.NodeName, name)
+			case m.Status != status || (addr != "" && m.Addr != addr):
+				err = fmt.Errorf("%s sees %s %s at %s, want %s at %s", g.cfg.NodeName, name, m.Status, m.Addr, status, addr)
+			}
+			if err != nil {
+				break
+			}
+		}
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// A member killed and started again on a new address right away is still
+// alive (or suspect) at its old address in the others' view, so memberlist
+// refuses its new alive message as a conflict. The node keeps offering its
+// address until they take it, without waiting for a periodic push/pull.
+func TestRestartedMemberReclaimsItsNameOnANewAddress(t *testing.T) {
+	a, b, c := startGossip(t, "a"), startGossip(t, "b"), startGossip(t, "c")
+	for _, g := range []*Gossip{b, c} {
+		if _, err := g.Join([]string{a.LocalAddr()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitMember(t, []*Gossip{a, b, c}, "c", StatusAlive, c.LocalAddr())
+	waitMember(t, []*Gossip{a, b, c}, "b", StatusAlive, b.LocalAddr())
+
+	old := c.LocalAddr()
+	if err := c.Shutdown(); err != nil {
+		t.Fatal(err)
+	}
+	c2 := startGossip(t, "c")
+	if c2.LocalAddr() == old {
+		t.Fatalf("restart kept address %s; the test needs a new one", old)
+	}
+	if _, err := c2.Join([]string{a.LocalAddr()}); err != nil {
+		t.Fatal(err)
+	}
+	waitMember(t, []*Gossip{a, b}, "c", StatusAlive, c2.LocalAddr())
+	waitMember(t, []*Gossip{c2}, "a", StatusAlive, a.LocalAddr())
+	waitMember(t, []*Gossip{c2}, "b", StatusAlive, b.LocalAddr())
+}
