@@ -668,9 +668,23 @@ func (c *cluster) eventually(t testing.TB, timeout time.Duration, what string, c
 			return
 		}
 		if time.Now().After(deadline) {
+			c.diagnose(t)
 			t.Fatalf("%s: not within %s: %v", what, timeout, err)
 		}
 		time.Sleep(pollInterval)
+	}
+}
+
+// diagnose logs the Raft peers (state, applied index, how far each
+// trails) as every running agent reports them, for a failure's record.
+func (c *cluster) diagnose(t testing.TB) {
+	t.Helper()
+	for _, n := range c.nodes {
+		if n.proc == nil || n.proc.exited() {
+			continue
+		}
+		r := c.pvcli(t, n, "--timeout", "2s", "cluster", "peers")
+		t.Logf("cluster peers via %s (exit %d):\n%s%s", n.name, r.code, r.stdout, r.stderr)
 	}
 }
 

@@ -2,6 +2,7 @@ package e2e_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -95,16 +96,18 @@ func (r *linRun) healed(what string) {
 		if _, err := r.c.agreedLeader(r.t, r.c.nodes...); err != nil {
 			return err
 		}
+		// Every node is asked, so that a failure names all that fail.
+		var errs []error
 		for i, a := range r.apis {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			_, err := a.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: lincheck.Service,
 				Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT}}))
 			cancel()
 			if err != nil && connect.CodeOf(err) != connect.CodeNotFound {
-				return fmt.Errorf("%s: %w", r.c.nodes[i].name, err)
+				errs = append(errs, fmt.Errorf("%s: %w", r.c.nodes[i].name, err))
 			}
 		}
-		return nil
+		return errors.Join(errs...)
 	})
 	r.event("healed after %s", what)
 }
