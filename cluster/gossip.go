@@ -159,10 +159,12 @@ type Gossip struct {
 	// the new one. memberlist offers the new address again only at its
 	// next periodic push/pull (30 s on lan, longer in big rings); reapLoop
 	// offers it every rejoinInterval until no exchange reports the old
-	// address. rejoining is reapLoop's only.
-	selfAddr  atomic.Pointer[string]
-	staleSelf atomic.Bool
-	rejoining bool
+	// address. rejoining and its times are reapLoop's only.
+	selfAddr     atomic.Pointer[string]
+	staleSelf    atomic.Bool
+	rejoining    bool
+	rejoinSince  time.Time
+	rejoinWarned time.Time
 
 	// closeMu serialises Leave and Shutdown: memberlist panics on a
 	// Leave after Shutdown.
@@ -456,10 +458,18 @@ func (g *Gossip) offerNewAddress() {
 		}
 		return
 	}
-	if !g.rejoining {
-		g.rejoining = true
+	now := time.Now()
+	switch {
+	case !g.rejoining:
+		g.rejoining, g.rejoinSince, g.rejoinWarned = true, now, now
 		g.logger.Info("gossip members still know this node at an old address; offering the new one until they take it",
 			"addr", g.LocalAddr(), "reclaim_after", g.cfg.DeadNodeReclaimTime)
+	case now.Sub(g.rejoinWarned) >= time.Minute:
+		// Past any reclaim time: most likely another live node uses this
+		// node's name.
+		g.rejoinWarned = now
+		g.logger.Warn("gossip members still know this node's name at another address; is another node running with the same node_name?",
+			"addr", g.LocalAddr(), "since", now.Sub(g.rejoinSince).Round(time.Second))
 	}
 	self := g.LocalAddr()
 	g.mu.Lock()
