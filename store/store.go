@@ -116,6 +116,14 @@ func New(cfg Config) (s *Store, err error) {
 		MaxPool: cfg.TransportMaxPool,
 		Timeout: cfg.TransportTimeout,
 		Logger:  logger.Named("transport"),
+		// No pipelined replication: one AppendEntries in flight per
+		// follower. Raft's pipeline wedges once a follower rejects an
+		// append (its disk full or failing): the leader keeps sending
+		// heartbeats but never another entry to that follower, and its
+		// Shutdown hangs on the stuck goroutine (hashicorp/raft#612). With
+		// MaxAppendEntries-sized batches the pipeline gains little on a
+		// LAN (see DESIGN.md).
+		MaxRPCsInFlight: 1,
 	})
 	closers = append(closers, transport.Close)
 
