@@ -485,10 +485,15 @@ func Check(t testing.TB, hist *History, minOps int) {
 	ops, counts := hist.Snapshot()
 	writes, reads := hist.Answered()
 	var ambiguous int
+	var unusual []string // failures other than the faults' unavailability and timeouts
 	var slowest time.Duration
 	for _, op := range ops {
 		if op.Return == Ambiguous {
 			ambiguous++
+			if msg, _ := op.Metadata.(string); !strings.HasPrefix(msg, "unavailable") &&
+				!strings.HasPrefix(msg, "deadline_exceeded") && !strings.HasPrefix(msg, "canceled") && len(unusual) < 10 {
+				unusual = append(unusual, fmt.Sprintf("  client %d %v: %s", op.ClientId, op.Input, msg))
+			}
 			continue
 		}
 		slowest = max(slowest, time.Duration(op.Return-op.Call))
@@ -499,6 +504,9 @@ func Check(t testing.TB, hist *History, minOps int) {
 	}
 	t.Logf("history after %s: %d operations, %d acknowledged writes, %d reads, %d ambiguous writes; slowest answered operation %s\n%s",
 		time.Since(hist.start).Round(time.Millisecond), len(ops), writes, reads, ambiguous, slowest.Round(time.Millisecond), strings.Join(lines, "\n"))
+	if len(unusual) > 0 {
+		t.Logf("ambiguous writes that failed otherwise:\n%s", strings.Join(unusual, "\n"))
+	}
 	checkStart := time.Now()
 	res, info := porcupine.CheckOperationsVerbose(Model, ops, CheckTimeout)
 	t.Logf("porcupine: %s in %s", res, time.Since(checkStart).Round(time.Millisecond))
