@@ -472,22 +472,9 @@ func (g *Gossip) offerNewAddress() {
 			"addr", g.LocalAddr(), "since", now.Sub(g.rejoinSince).Round(time.Second))
 	}
 	self := g.LocalAddr()
-	g.mu.Lock()
-	var addrs []string
-	for _, m := range g.members {
-		if m.Status == StatusAlive && m.Addr != self && m.Name != g.cfg.NodeName && len(addrs) < maxReconnectsPerRound {
-			addrs = append(addrs, m.Addr)
-		}
-	}
-	g.mu.Unlock()
-	for _, a := range addrs {
-		select {
-		case <-g.stopReap:
-			return
-		default:
-		}
-		_, _ = g.ml.Join([]string{a})
-	}
+	g.joinSome(func(m *Member) bool {
+		return m.Status == StatusAlive && m.Addr != self && m.Name != g.cfg.NodeName
+	})
 }
 
 // savePeers records the gossip addresses of the other members that are not
@@ -552,24 +539,35 @@ const maxReconnectsPerRound = 8
 // partition longer than memberlist's gossip-to-the-dead window the two
 // halves of the ring would otherwise never merge again.
 func (g *Gossip) reconnect() {
+	for _, a := range g.joinSome(func(m *Member) bool { return m.Status == StatusFailed }) {
+		g.logger.Info("reconnected to failed member", "addr", a)
+	}
+}
+
+// joinSome runs a join exchange with each of up to maxReconnectsPerRound
+// members that pick selects, one at a time, until Shutdown; it returns the
+// addresses that answered.
+func (g *Gossip) joinSome(pick func(*Member) bool) []string {
 	g.mu.Lock()
 	var addrs []string
 	for _, m := range g.members {
-		if m.Status == StatusFailed && len(addrs) < maxReconnectsPerRound {
+		if pick(m) && len(addrs) < maxReconnectsPerRound {
 			addrs = append(addrs, m.Addr)
 		}
 	}
 	g.mu.Unlock()
+	var answered []string
 	for _, a := range addrs {
 		select {
 		case <-g.stopReap:
-			return
+			return answered
 		default:
 		}
 		if n, err := g.ml.Join([]string{a}); err == nil && n > 0 {
-			g.logger.Info("reconnected to failed member", "addr", a)
+			answered = append(answered, a)
 		}
 	}
+	return answered
 }
 
 func (g *Gossip) reap(now time.Time) {
