@@ -158,13 +158,15 @@ type Gossip struct {
 	// suspect, or dead for less than DeadNodeReclaimTime), so it ignored
 	// the new one. memberlist offers the new address again only at its
 	// next periodic push/pull (30 s on lan, longer in big rings); reapLoop
-	// offers it every rejoinInterval until no exchange reports the old
-	// address. rejoining and its times are reapLoop's only.
+	// offers it every rejoinInterval (every ReconnectInterval once past any
+	// reclaim) until no exchange reports the old address. rejoining and its
+	// times are reapLoop's only.
 	selfAddr     atomic.Pointer[string]
 	staleSelf    atomic.Bool
 	rejoining    bool
 	rejoinSince  time.Time
 	rejoinWarned time.Time
+	rejoinLast   time.Time
 
 	// closeMu serialises Leave and Shutdown: memberlist panics on a
 	// Leave after Shutdown.
@@ -419,10 +421,7 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 
 func (g *Gossip) reapLoop() {
 	defer close(g.reapDone)
-	interval := g.cfg.ReconnectInterval
-	if interval <= 0 {
-		interval = 30 * time.Second
-	}
+	interval := g.reconnectInterval()
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	rejoin := time.NewTicker(min(interval, rejoinInterval))
@@ -441,6 +440,14 @@ func (g *Gossip) reapLoop() {
 	}
 }
 
+// reconnectInterval is ReconnectInterval, 30 s if unset.
+func (g *Gossip) reconnectInterval() time.Duration {
+	if g.cfg.ReconnectInterval <= 0 {
+		return 30 * time.Second
+	}
+	return g.cfg.ReconnectInterval
+}
+
 // rejoinInterval is how often a node that restarted on a new address offers
 // it to members that still hold the old one (see Gossip.staleSelf).
 const rejoinInterval = 2 * time.Second
@@ -451,7 +458,7 @@ const rejoinInterval = 2 * time.Second
 // for DeadNodeReclaimTime; the exchange's answer sets staleSelf again if
 // that member still holds the old address.
 func (g *Gossip) offerNewAddress() {
-	if !g.staleSelf.Swap(false) {
+	if !g.staleSelf.Load() {
 		if g.rejoining {
 			g.rejoining = false
 			g.logger.Info("gossip members know this node at its new address", "addr", g.LocalAddr())
@@ -459,22 +466,34 @@ func (g *Gossip) offerNewAddress() {
 		return
 	}
 	now := time.Now()
+	// Past any reclaim (the old incarnation is declared dead within
+	// seconds, then DeadNodeReclaimTime), the old address is most likely
+	// another live node using this node's name: offer at the reconnect
+	// pace from then on, and say so once a minute.
+	overdue := g.cfg.DeadNodeReclaimTime + time.Minute
 	switch {
 	case !g.rejoining:
 		g.rejoining, g.rejoinSince, g.rejoinWarned = true, now, now
 		g.logger.Info("gossip members still know this node at an old address; offering the new one until they take it",
 			"addr", g.LocalAddr(), "reclaim_after", g.cfg.DeadNodeReclaimTime)
+	case now.Sub(g.rejoinSince) < overdue:
+	case now.Sub(g.rejoinLast) < g.reconnectInterval():
+		return
 	case now.Sub(g.rejoinWarned) >= time.Minute:
-		// Past any reclaim time: most likely another live node uses this
-		// node's name.
 		g.rejoinWarned = now
 		g.logger.Warn("gossip members still know this node's name at another address; is another node running with the same node_name?",
 			"addr", g.LocalAddr(), "since", now.Sub(g.rejoinSince).Round(time.Second))
 	}
+	g.rejoinLast = now
+	g.staleSelf.Store(false)
 	self := g.LocalAddr()
-	g.joinSome(func(m *Member) bool {
+	answered := g.joinSome(func(m *Member) bool {
 		return m.Status == StatusAlive && m.Addr != self && m.Name != g.cfg.NodeName
 	})
+	if len(answered) == 0 {
+		// Nobody confirmed the new address: offer it again.
+		g.staleSelf.Store(true)
+	}
 }
 
 // savePeers records the gossip addresses of the other members that are not
@@ -551,7 +570,10 @@ func (g *Gossip) joinSome(pick func(*Member) bool) []string {
 	g.mu.Lock()
 	var addrs []string
 	for _, m := range g.members {
-		if pick(m) && len(addrs) < maxReconnectsPerRound {
+		if len(addrs) == maxReconnectsPerRound {
+			break
+		}
+		if pick(m) {
 			addrs = append(addrs, m.Addr)
 		}
 	}

@@ -668,8 +668,10 @@ func (c *cluster) eventually(t testing.TB, timeout time.Duration, what string, c
 			return
 		}
 		if time.Now().After(deadline) {
+			// Reported first: the diagnosis may fail the test itself.
+			t.Errorf("%s: not within %s: %v", what, timeout, err)
 			c.diagnose(t)
-			t.Fatalf("%s: not within %s: %v", what, timeout, err)
+			t.FailNow()
 		}
 		time.Sleep(pollInterval)
 	}
