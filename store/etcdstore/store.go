@@ -47,7 +47,10 @@ type Config struct {
 	// MaxTxnOps is the etcd server's --max-txn-ops (default 128): restores
 	// write in transactions of at most this many operations.
 	MaxTxnOps int
-	Logger    *slog.Logger
+	// Conns, when the Client dials with its DialOptions, names the cause
+	// of connection failures in the errors the Store reports.
+	Conns  *Conns
+	Logger *slog.Logger
 }
 
 // Store is the etcd-backed state. It is safe for concurrent use.
@@ -153,7 +156,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		// Not fatal: the Store starts not ready, serving an empty state,
 		// and loads it once etcd answers.
-		s.logger.Warn("etcd not reachable at start; retrying in the background", "error", err)
+		s.logger.Warn("etcd not reachable at start; retrying in the background", "error", s.explain(err))
 		rev = 0
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
@@ -194,9 +197,20 @@ func (s *Store) fail(ctx context.Context, err error) {
 	if ctx.Err() != nil {
 		return
 	}
-	msg := err.Error()
+	msg := s.explain(err).Error()
 	s.lastErr.Store(&msg)
 	s.healthy.Store(false)
+}
+
+// explain adds why connections to etcd fail (Config.Conns) to err.
+func (s *Store) explain(err error) error {
+	if s.cfg.Conns == nil {
+		return err
+	}
+	if why := s.cfg.Conns.Err(); why != nil {
+		return fmt.Errorf("%w (connecting: %v)", err, why)
+	}
+	return err
 }
 
 // unavailable wraps an etcd client error as store.ErrUnavailable, keeping
@@ -569,7 +583,7 @@ func (s *Store) probe() {
 		}
 		if err != nil {
 			if s.healthy.Load() {
-				s.logger.Warn("etcd unreachable", "error", err)
+				s.logger.Warn("etcd unreachable", "error", s.explain(err))
 			}
 			s.fail(s.ctx, err)
 			continue

@@ -4,8 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -41,6 +39,9 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 		DialKeepAliveTimeout: 5 * time.Second,
 		Logger:               zap.NewNop(),
 	}
+	// Each TLS handshake gets the configuration for the endpoint's host
+	// (see etcdstore.Conns.DialOptions).
+	var tlsFor func(serverName string) *tls.Config
 	switch {
 	case ec.CAFile != "":
 		src, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile, Logger: a.logger})
@@ -48,17 +49,25 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 			return fmt.Errorf("service_discovery.etcd: %w", err)
 		}
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
-		ccfg.TLS = src.ClientConfig("")
+		tlsFor = src.ClientConfig
 	case ec.CertFile != "":
 		// etcd's certificate verified against the system's roots.
 		cert, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile)
 		if err != nil {
 			return fmt.Errorf("service_discovery.etcd.cert_file: %w", err)
 		}
-		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}}
-	case slices.ContainsFunc(ec.Endpoints, func(ep string) bool { return strings.HasPrefix(ep, "https://") }):
-		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
+		tlsFor = func(serverName string) *tls.Config {
+			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName, Certificates: []tls.Certificate{cert}}
+		}
+	case ec.TLS():
+		tlsFor = func(serverName string) *tls.Config {
+			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName}
+		}
 	}
+	conns := new(etcdstore.Conns)
+	// The dial options' credentials are the ones used, over those etcd's
+	// client picks from an endpoint's scheme.
+	ccfg.DialOptions = conns.DialOptions(tlsFor)
 	cli, err := clientv3.New(ccfg)
 	if err != nil {
 		return fmt.Errorf("service_discovery.etcd: %w", err)
@@ -71,6 +80,7 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 		FSM:          a.fsm,
 		DedupeWindow: fsm.DefaultConfig().DedupeWindow,
 		SessionTTL:   a.opts.EtcdSessionTTL,
+		Conns:        conns,
 		Logger:       a.logger,
 	})
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,8 @@ import (
 	"connectrpc.com/connect"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
@@ -27,12 +31,19 @@ func instances(ctx context.Context, n *agenttest.Node, service string, mode clus
 	return resp.Msg.GetInstances(), nil
 }
 
-// TestEtcdMode: three agents in etcd mode over a three-member etcd serve
-// the cluster API from any node, writes and reads alike; one holds the
-// schedule leadership; /ready follows etcd; Raft-only calls say why not.
+// TestEtcdMode: three agents in etcd mode over a three-member etcd that
+// requires client certificates over HTTPS (the spec's etcd block: https
+// endpoints, ca_file, cert_file, key_file) serve the cluster API from any
+// node, writes and reads alike; one holds the schedule leadership; /ready
+// follows etcd; Raft-only calls say why not.
 func TestEtcdMode(t *testing.T) {
-	ec := etcdtest.Start(t, 3)
-	c := agenttest.NewEtcd(t, 3, ec.Endpoints, nil)
+	pki := agenttest.EtcdPKI(t, t.TempDir())
+	ec := etcdtest.StartTLS(t, 3, pki)
+	c := agenttest.NewEtcd(t, 3, ec.Endpoints, func(_ int, cfg *config.Config) {
+		cfg.ServiceDiscovery.Etcd.CAFile = pki.CAFile
+		cfg.ServiceDiscovery.Etcd.CertFile = pki.ClientCertFile
+		cfg.ServiceDiscovery.Etcd.KeyFile = pki.ClientKeyFile
+	})
 	leader := c.WaitLeader(60 * time.Second)
 	nodes := c.Nodes()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -125,7 +136,8 @@ func TestEtcdOutage(t *testing.T) {
 	for _, n := range []*agenttest.Node{a, b} {
 		agenttest.Eventually(t, 20*time.Second, n.Name+" not ready", func() error {
 			code, body := get(t, "http://"+n.MetricsAddr()+"/ready")
-			if code != 503 || !strings.Contains(body, `"etcd":"unreachable`) {
+			// The cause, not only the requests' deadline.
+			if code != 503 || !strings.Contains(body, `"etcd":"unreachable`) || !strings.Contains(body, "connection refused") {
 				return fmt.Errorf("%d %s", code, body)
 			}
 			return nil
@@ -163,6 +175,74 @@ func TestEtcdOutage(t *testing.T) {
 	}
 	if got, err := instances(ctx, b, "web", clusterv1.Consistency_CONSISTENCY_CONSISTENT); err != nil || len(got) != 2 {
 		t.Fatalf("after the outage: %v %v, want 2 instances", got, err)
+	}
+}
+
+// TestEtcdTLSRefused: an agent whose client certificate etcd does not
+// accept and one that does not trust etcd's certificate start, report not
+// ready naming the TLS failure, and follow etcd without a restart once
+// their files are right.
+func TestEtcdTLSRefused(t *testing.T) {
+	pki := agenttest.EtcdPKI(t, t.TempDir())
+	other := agenttest.EtcdPKI(t, t.TempDir()) // a CA etcd does not know
+	ec := etcdtest.StartTLS(t, 1, pki)
+	type files struct{ ca, cert, key string }
+	good := files{pki.CAFile, pki.ClientCertFile, pki.ClientKeyFile}
+	bad := []files{
+		{pki.CAFile, other.ClientCertFile, other.ClientKeyFile}, // etcd refuses the agent
+		{other.CAFile, pki.ClientCertFile, pki.ClientKeyFile},   // the agent refuses etcd
+	}
+	want := []string{"etcd closed the connection", "certificate signed by unknown authority"}
+	copyFile := func(from, to string) {
+		t.Helper()
+		b, err := os.ReadFile(from)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := identity.WriteFileAtomic(to, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	use := make([]files, len(bad))
+	for i, f := range bad {
+		dir := t.TempDir()
+		use[i] = files{filepath.Join(dir, "ca.crt"), filepath.Join(dir, "client.crt"), filepath.Join(dir, "client.key")}
+		copyFile(f.ca, use[i].ca)
+		copyFile(f.cert, use[i].cert)
+		copyFile(f.key, use[i].key)
+	}
+	c := agenttest.NewEtcd(t, 2, ec.Endpoints, func(i int, cfg *config.Config) {
+		cfg.ServiceDiscovery.Etcd.CAFile = use[i].ca
+		cfg.ServiceDiscovery.Etcd.CertFile = use[i].cert
+		cfg.ServiceDiscovery.Etcd.KeyFile = use[i].key
+	})
+	for i, n := range c.Nodes() {
+		agenttest.Eventually(t, 20*time.Second, n.Name+" not ready, naming the TLS failure", func() error {
+			code, body := get(t, "http://"+n.MetricsAddr()+"/ready")
+			if code != 503 || !strings.Contains(body, `"etcd":"unreachable`) || !strings.Contains(body, want[i]) {
+				return fmt.Errorf("%d %s", code, body)
+			}
+			t.Logf("%s: %s", n.Name, body)
+			return nil
+		})
+	}
+	for i := range use {
+		copyFile(good.ca, use[i].ca)
+		copyFile(good.cert, use[i].cert)
+		copyFile(good.key, use[i].key)
+	}
+	for _, n := range c.Nodes() {
+		agenttest.Eventually(t, 45*time.Second, n.Name+" ready with the right files", func() error {
+			if code, body := get(t, "http://"+n.MetricsAddr()+"/ready"); code != 200 {
+				return fmt.Errorf("%d %s", code, body)
+			}
+			return nil
+		})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := agenttest.Register(ctx, c.Node(0), "web", "x", "127.0.0.1", 80); err != nil {
+		t.Fatalf("write once the files are right: %v", err)
 	}
 }
 

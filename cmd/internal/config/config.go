@@ -14,6 +14,8 @@ package config
 import (
 	"net"
 	"os"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -183,6 +185,12 @@ type EtcdConfig struct {
 	CertFile  string   `yaml:"cert_file"`
 	KeyFile   string   `yaml:"key_file"`
 	Prefix    string   `yaml:"prefix"`
+}
+
+// TLS reports whether the agent talks to etcd over TLS: with ca_file or
+// cert_file set, or https:// endpoints.
+func (e *EtcdConfig) TLS() bool {
+	return e.CAFile != "" || e.CertFile != "" || slices.ContainsFunc(e.Endpoints, func(ep string) bool { return strings.HasPrefix(ep, "https://") })
 }
 
 // BackendConfig is one backend cluster. Endpoint is unix:///abs/path, dns:///host:port,

@@ -201,6 +201,8 @@ func (c *Config) validateDiscovery(v *validator) {
 		p := "service_discovery.etcd.endpoints[" + strconv.Itoa(i) + "]"
 		if err := checkURLOrHostPort(ep, "http", "https"); err != nil {
 			v.add(p, "%w %q: %w", ErrInvalid, ep, err)
+		} else if strings.HasPrefix(ep, "http://") && e.TLS() {
+			v.add(p, "%w %q: plaintext, but the agent talks to etcd over TLS (ca_file, cert_file or an https:// endpoint is set); use https://", ErrInvalid, ep)
 		}
 	}
 	v.pair("service_discovery.etcd", e.CertFile, e.KeyFile)

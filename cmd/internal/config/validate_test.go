@@ -67,8 +67,17 @@ func TestValidate(t *testing.T) {
 		{"etcd without endpoints", func(c *Config) { c.ServiceDiscovery.Type = "etcd" }, []string{"service_discovery.etcd.endpoints: invalid value: at least one endpoint is required"}},
 		{"etcd endpoints", func(c *Config) {
 			c.ServiceDiscovery.Type = "etcd"
-			c.ServiceDiscovery.Etcd.Endpoints = []string{"https://etcd-0:2379", "http://127.0.0.1:2379", "etcd-2:2379"}
+			c.ServiceDiscovery.Etcd.Endpoints = []string{"https://etcd-0:2379", "https://127.0.0.1:2379", "etcd-2:2379"}
 		}, nil},
+		{"etcd plaintext endpoints", func(c *Config) {
+			c.ServiceDiscovery.Type = "etcd"
+			c.ServiceDiscovery.Etcd.Endpoints = []string{"http://etcd-0:2379", "etcd-1:2379"}
+		}, nil},
+		{"etcd plaintext endpoint beside TLS", func(c *Config) {
+			c.ServiceDiscovery.Type = "etcd"
+			c.ServiceDiscovery.Etcd.Endpoints = []string{"http://etcd-0:2379", "etcd-1:2379"}
+			c.ServiceDiscovery.Etcd.CAFile = "/etc/pivirt-agent/etcd/ca.crt"
+		}, []string{`service_discovery.etcd.endpoints[0]: invalid value "http://etcd-0:2379": plaintext, but the agent talks to etcd over TLS (ca_file, cert_file or an https:// endpoint is set); use https://`}},
 		{"etcd bad endpoint", func(c *Config) {
 			c.ServiceDiscovery.Type = "etcd"
 			c.ServiceDiscovery.Etcd.Endpoints = []string{"https://etcd-0:2379", "ftp://etcd-1:2379"}

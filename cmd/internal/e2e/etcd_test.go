@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
@@ -73,9 +74,12 @@ func TestMigrateBetweenModes(t *testing.T) {
 	raft1.ok(t, n, "snapshot", "save", fromRaft)
 	raft1.stopAll()
 
-	// Into etcd mode.
-	ec := etcdtest.Start(t, 3)
-	etcdYAML := "service_discovery:\n  type: etcd\n  etcd:\n    prefix: /pivirt/services\n    endpoints:\n"
+	// Into etcd mode, on an etcd that wants client certificates over
+	// HTTPS: the spec's etcd block.
+	pki := agenttest.EtcdPKI(t, filepath.Join(work, "etcd-pki"))
+	ec := etcdtest.StartTLS(t, 3, pki)
+	etcdYAML := fmt.Sprintf("service_discovery:\n  type: etcd\n  etcd:\n    prefix: /pivirt/services\n    ca_file: %s\n    cert_file: %s\n    key_file: %s\n    endpoints:\n",
+		pki.CAFile, pki.ClientCertFile, pki.ClientKeyFile)
 	for _, ep := range ec.Endpoints {
 		etcdYAML += "      - " + ep + "\n"
 	}
@@ -84,7 +88,10 @@ func TestMigrateBetweenModes(t *testing.T) {
 	for _, nd := range etcd1.nodes {
 		sameState(t, "etcd mode via "+nd.name, want, captureState(t, etcd1, nd, sched.Schedule.ID))
 	}
-	out, err := exec.Command(etcdctl, "--endpoints", strings.Join(ec.Endpoints, ","), "get", "/pivirt/services", "--prefix").CombinedOutput()
+	// The spec's troubleshooting command.
+	out, err := exec.Command(etcdctl, "--endpoints="+strings.Join(ec.Endpoints, ","),
+		"--cacert="+pki.CAFile, "--cert="+pki.ClientCertFile, "--key="+pki.ClientKeyFile,
+		"get", "/pivirt/services", "--prefix").CombinedOutput()
 	if err != nil {
 		t.Fatalf("etcdctl: %v\n%s", err, out)
 	}

@@ -6,6 +6,7 @@ package etcdtest
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"net/url"
@@ -16,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
@@ -27,6 +29,7 @@ import (
 type Cluster struct {
 	tb      testing.TB
 	logFile string
+	tls     *TLS
 
 	mu      sync.Mutex
 	cfgs    []*embed.Config
@@ -36,20 +39,58 @@ type Cluster struct {
 	Endpoints []string
 }
 
+// TLS makes the members serve their clients over HTTPS and require a client
+// certificate, as the spec's etcd deployment does (`etcdctl --cacert
+// --cert --key`).
+type TLS struct {
+	// CAFile verifies the clients' certificates; clients trust it for the
+	// members' certificate.
+	CAFile string
+	// CertFile and KeyFile are the members' server certificate, valid for
+	// 127.0.0.1.
+	CertFile, KeyFile string
+	// ClientCertFile and ClientKeyFile are a client certificate: Client's,
+	// and the one a member's HTTP gateway presents to the member itself.
+	ClientCertFile, ClientKeyFile string
+}
+
 // Start starts n members and waits until every member serves. The members
 // are closed at cleanup.
 func Start(tb testing.TB, n int) *Cluster {
 	tb.Helper()
+	return start(tb, n, nil)
+}
+
+// StartTLS is Start with the client URLs on HTTPS and client certificates
+// required.
+func StartTLS(tb testing.TB, n int, tlsFiles TLS) *Cluster {
+	tb.Helper()
+	return start(tb, n, &tlsFiles)
+}
+
+func start(tb testing.TB, n int, tlsFiles *TLS) *Cluster {
+	tb.Helper()
 	dir := tb.TempDir()
 	// Errors only, into a file: a member that is closed logs its listeners'
 	// "server closed" at error level. The tail is shown if the test fails.
-	c := &Cluster{tb: tb, logFile: filepath.Join(dir, "etcd.log")}
+	c := &Cluster{tb: tb, logFile: filepath.Join(dir, "etcd.log"), tls: tlsFiles}
+	clientScheme := "http"
+	if tlsFiles != nil {
+		clientScheme = "https"
+	}
 	var peers []string
 	for i := range n {
 		name := fmt.Sprintf("etcd%d", i+1)
 		peer := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", freePort(tb))}
-		client := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", freePort(tb))}
+		client := url.URL{Scheme: clientScheme, Host: fmt.Sprintf("127.0.0.1:%d", freePort(tb))}
 		cfg := embed.NewConfig()
+		if tlsFiles != nil {
+			cfg.ClientTLSInfo = transport.TLSInfo{
+				CertFile: tlsFiles.CertFile, KeyFile: tlsFiles.KeyFile,
+				ClientCertFile: tlsFiles.ClientCertFile, ClientKeyFile: tlsFiles.ClientKeyFile,
+				TrustedCAFile: tlsFiles.CAFile, ClientCertAuth: true,
+			}
+		}
 		cfg.Name = name
 		cfg.Dir = filepath.Join(dir, name)
 		cfg.ListenPeerUrls = []url.URL{peer}
@@ -192,9 +233,18 @@ func (c *Cluster) Client(tb testing.TB, endpoints ...string) *clientv3.Client {
 	if len(endpoints) == 0 {
 		endpoints = c.Endpoints
 	}
+	var tlsCfg *tls.Config
+	if c.tls != nil {
+		info := transport.TLSInfo{CertFile: c.tls.ClientCertFile, KeyFile: c.tls.ClientKeyFile, TrustedCAFile: c.tls.CAFile}
+		var err error
+		if tlsCfg, err = info.ClientConfig(); err != nil {
+			tb.Fatalf("etcd client TLS: %v", err)
+		}
+	}
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   endpoints,
 		DialTimeout: 5 * time.Second,
+		TLS:         tlsCfg,
 		Logger:      zap.NewNop(),
 	})
 	if err != nil {
