@@ -23,8 +23,9 @@ import (
 // and log name the cause: a refused dial, a certificate this agent or etcd
 // refused.
 type Conns struct {
+	tls    bool // set by DialOptions: a connection counts once its TLS is up
 	mu     sync.Mutex
-	failed map[string]string // endpoint address -> why its last attempt failed
+	failed map[string]string // endpoint address (host:port) -> why its last attempt failed
 }
 
 // DialOptions returns the etcd client's dial options that report to c.
@@ -33,8 +34,11 @@ type Conns struct {
 // (etcd's client shares one tls.Config between endpoints, and crypto/tls
 // does not tell a VerifyConnection which IP address it dialed).
 func (c *Conns) DialOptions(tlsConfig func(serverName string) *tls.Config) []grpc.DialOption {
+	// A dialer of our own bypasses gRPC's proxy resolver: etcd is dialed
+	// directly, whatever HTTPS_PROXY says.
 	opts := []grpc.DialOption{grpc.WithContextDialer(c.dial)}
 	if tlsConfig != nil {
+		c.tls = true
 		// After etcd's own credentials in the client's options: this one
 		// counts.
 		opts = append(opts, grpc.WithTransportCredentials(&connCreds{conns: c, config: tlsConfig}))
@@ -75,20 +79,23 @@ func (c *Conns) record(addr string, err error) {
 	c.failed[addr] = err.Error()
 }
 
-// dial connects over TCP (the endpoints are http(s) URLs or host:port).
+// dial connects over TCP: the configuration accepts http(s) URLs and
+// host:port, no unix sockets. addr is the endpoint's host:port, as the
+// authority of the TLS handshake is. The connection is returned as it is
+// (gRPC sets TCP_USER_TIMEOUT on a *net.TCPConn).
 func (c *Conns) dial(ctx context.Context, addr string) (net.Conn, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		if ctx.Err() == nil {
+		if !errors.Is(ctx.Err(), context.Canceled) { // not the client closing
 			c.record(addr, err)
 		}
 		return nil, err
 	}
-	// Plaintext: the connection counts as made once etcd says something
-	// (a TLS one once the handshake is done and etcd accepted this
-	// agent's certificate, see connCreds).
-	return &firstRead{Conn: conn, done: func(err error) { c.record(addr, err) }}, nil
+	if !c.tls {
+		c.record(addr, nil)
+	}
+	return conn, nil
 }
 
 // connCreds are TLS credentials that make a tls.Config per handshake and
@@ -99,19 +106,16 @@ type connCreds struct {
 }
 
 func (cc *connCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	// The authority is the endpoint's host:port (etcd's resolver sets it
+	// per address), the key dial records under.
 	host := authority
 	if h, _, err := net.SplitHostPort(authority); err == nil {
 		host = h
 	}
-	addr := raw.RemoteAddr().String()
-	if fr, ok := raw.(*firstRead); ok {
-		// The TLS layer reports instead.
-		fr.done = nil
-	}
 	conn, info, err := credentials.NewTLS(cc.config(host)).ClientHandshake(ctx, authority, raw)
 	if err != nil {
-		if ctx.Err() == nil {
-			cc.conns.record(addr, fmt.Errorf("TLS handshake: %w", err))
+		if !errors.Is(ctx.Err(), context.Canceled) {
+			cc.conns.record(authority, fmt.Errorf("TLS handshake: %w", err))
 		}
 		return nil, nil, err
 	}
@@ -121,7 +125,7 @@ func (cc *connCreds) ClientHandshake(ctx context.Context, authority string, raw 
 		if err != nil {
 			err = fmt.Errorf("TLS: etcd closed the connection: %w", err)
 		}
-		cc.conns.record(addr, err)
+		cc.conns.record(authority, err)
 	}}, info, nil
 }
 
@@ -165,6 +169,5 @@ func (f *firstRead) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// NetConn returns the wrapped connection (for gRPC's syscall-level
-// options).
+// NetConn returns the wrapped connection, as tls.Conn.NetConn does.
 func (f *firstRead) NetConn() net.Conn { return f.Conn }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,11 +12,14 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/store/etcdstore"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
@@ -244,6 +248,56 @@ func TestEtcdTLSRefused(t *testing.T) {
 	if _, err := agenttest.Register(ctx, c.Node(0), "web", "x", "127.0.0.1", 80); err != nil {
 		t.Fatalf("write once the files are right: %v", err)
 	}
+}
+
+// TestEtcdConnsOverTLS: the agent's etcd connections (etcdstore.Conns with
+// identity's TLS, as openEtcd builds them) to an endpoint named by host
+// name: a refused dial is named as the endpoint is, and once etcd is back
+// the connection made over TLS clears it.
+func TestEtcdConnsOverTLS(t *testing.T) {
+	pki := agenttest.EtcdPKI(t, t.TempDir())
+	ec := etcdtest.StartTLS(t, 1, pki)
+	_, port, err := net.SplitHostPort(strings.TrimPrefix(ec.Endpoints[0], "https://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: pki.ClientCertFile, KeyFile: pki.ClientKeyFile, CAFile: pki.CAFile})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns := new(etcdstore.Conns)
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:   []string{"https://localhost:" + port},
+		DialOptions: conns.DialOptions(src.ClientConfig),
+		Logger:      zap.NewNop(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cli.Close() })
+	get := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_, err := cli.Get(ctx, "k")
+		return err
+	}
+	connected := func() error {
+		if err := get(); err != nil {
+			return err
+		}
+		return conns.Err()
+	}
+	agenttest.Eventually(t, 10*time.Second, "connected over TLS", connected)
+	ec.Stop(0)
+	agenttest.Eventually(t, 20*time.Second, "the refused dial named", func() error {
+		_ = get()
+		if e := conns.Err(); e == nil || !strings.HasPrefix(e.Error(), "localhost:"+port+": dial tcp") {
+			return fmt.Errorf("conns: %v", e)
+		}
+		return nil
+	})
+	ec.Restart(0)
+	agenttest.Eventually(t, 30*time.Second, "connected again, nothing left", connected)
 }
 
 // TestEtcdScheduleLeaderKills: the schedule leadership moves through the
