@@ -159,6 +159,31 @@ func TestDedupeRejectsReusedIdentityForAnotherWrite(t *testing.T) {
 	}
 }
 
+// TestDedupeRegisterThroughAnotherNode: a registration's node defaults to
+// the agent the write came through, so a retry through another agent
+// differs in the node alone; it is answered as the same write. Another
+// address is another write.
+func TestDedupeRegisterThroughAnotherNode(t *testing.T) {
+	h := newHarness(t)
+	first := instance("web", "a")
+	first.Node = "node1"
+	h.mustApply(withClient(register(first), "c", 1))
+	retry := instance("web", "a")
+	retry.Node = "node2"
+	res := h.apply(withClient(register(retry), "c", 1))
+	if res.Err != nil || !res.Duplicate {
+		t.Fatalf("retry through another node: %+v, want a duplicate", res)
+	}
+	if got, _ := h.f.State().Service("web", "a"); got.GetNode() != "node1" {
+		t.Fatalf("node %q after the retry, want node1 (the first write's)", got.GetNode())
+	}
+	other := instance("web", "a")
+	other.Node, other.Address = "node2", "10.9.9.9"
+	if res := h.apply(withClient(register(other), "c", 1)); !errors.Is(res.Err, ErrInvalidCommand) {
+		t.Fatalf("another address under the same identity: %+v, want ErrInvalidCommand", res)
+	}
+}
+
 func TestDedupeRecordContents(t *testing.T) {
 	h := newHarness(t)
 	cmd := withClient(deregister("web", "a"), "c", 9)

@@ -263,7 +263,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 		replaced *fsmv1.DedupeRecord
 	)
 	if cmd.GetClientId() != "" {
-		digest = opDigest(l.Data)
+		digest = opDigest(l.Data, cmd)
 		// A retry of a write already applied returns the stored outcome.
 		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
 		if err != nil {
@@ -347,12 +347,17 @@ func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest
 
 // opDigest hashes the operation of an encoded command (not its identity or
 // time): the SHA-256 of the wire bytes of every top-level field of the
-// Command other than client_id, sequence and time, in order. Commands are
-// encoded deterministically (fields in number order), so this equals the
-// SHA-256 of the deterministic encoding of the command with those three
-// fields cleared, and every node computes it from the same log bytes
-// without marshalling anything. data has passed Decode, so it parses.
-func opDigest(data []byte) []byte {
+// Command other than client_id, sequence and time, in order, with a
+// register_service's instance.node cleared. Commands are encoded
+// deterministically (fields in number order), so this equals the SHA-256 of
+// the deterministic encoding of the command with those fields cleared, and
+// every node computes it from the same log bytes. data has passed Decode,
+// so it parses; cmd is its decoding.
+//
+// The node of a registration defaults to the agent the write came through
+// (the gateway fills it in), so a client's retry through another agent
+// differs there alone: it is the same write, as it is at another time.
+func opDigest(data []byte, cmd *fsmv1.Command) []byte {
 	b := data[1:]
 	h := sha256.New()
 	for len(b) > 0 {
@@ -366,6 +371,8 @@ func opDigest(data []byte) []byte {
 		}
 		switch num {
 		case fieldClientID, fieldSequence, fieldTime:
+		case fieldRegisterService:
+			h.Write(registerWithoutNode(b[:n+m], cmd.GetRegisterService()))
 		default:
 			h.Write(b[:n+m])
 		}
@@ -374,11 +381,30 @@ func opDigest(data []byte) []byte {
 	return h.Sum(make([]byte, 0, sha256.Size))
 }
 
-// Field numbers of the Command envelope, which opDigest leaves out.
+// registerWithoutNode returns the encoding of the register_service field
+// with its instance's node cleared (field, the field's wire bytes, when
+// there is no node to clear).
+func registerWithoutNode(field []byte, op *fsmv1.RegisterService) []byte {
+	if op.GetInstance().GetNode() == "" {
+		return field
+	}
+	c := proto.CloneOf(op)
+	c.Instance.Node = ""
+	body, err := marshalOpts.Marshal(c)
+	if err != nil {
+		return field
+	}
+	out := protowire.AppendTag(nil, fieldRegisterService, protowire.BytesType)
+	return protowire.AppendBytes(out, body)
+}
+
+// Field numbers of the Command envelope, which opDigest leaves out, and of
+// the register_service operation.
 const (
-	fieldClientID = 1
-	fieldSequence = 2
-	fieldTime     = 3
+	fieldClientID        = 1
+	fieldSequence        = 2
+	fieldTime            = 3
+	fieldRegisterService = 10
 )
 
 // database returns the current memdb.

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
@@ -357,6 +358,31 @@ func TestForwardingAndReadModes(t *testing.T) {
 			t.Errorf("leader-only instance on a follower: got %v, want Unavailable", err)
 		}
 	})
+	t.Run("retry through another node", func(t *testing.T) { retryThroughAnotherNode(t, f, leader) })
+}
+
+// retryThroughAnotherNode registers through a, then sends the very same
+// write (same client ID and sequence) through b, as a client does after an
+// unknown outcome: b would record the instance on itself, yet the retry is
+// answered as the write it repeats (once refused as "already used for a
+// different write").
+func retryThroughAnotherNode(t *testing.T, a, b *agenttest.Node) {
+	t.Helper()
+	req := &clusterv1.RegisterServiceRequest{
+		Instance: &clusterv1.ServiceInstance{Service: "retried", InstanceId: "r-1", Address: "127.0.0.1", Port: 6379},
+		Write:    &clusterv1.WriteOptions{ClientId: "retrying-client", Sequence: 1},
+	}
+	var got []string
+	for _, n := range []*agenttest.Node{a, b} {
+		resp, err := n.API.RegisterService(ctxT(t), connect.NewRequest(proto.CloneOf(req)))
+		if err != nil {
+			t.Fatalf("register through %s: %v", n.Name, err)
+		}
+		got = append(got, resp.Msg.GetInstance().GetNode())
+	}
+	if got[0] != a.Name || got[1] != a.Name {
+		t.Fatalf("nodes of the write and its retry: %v, want %s for both", got, a.Name)
+	}
 }
 
 func TestLeaderFailoverWritesContinueThroughFollower(t *testing.T) {

@@ -73,6 +73,8 @@ func TestEtcdMode(t *testing.T) {
 		})
 	}
 
+	retryThroughAnotherNode(t, nodes[0], nodes[1])
+
 	// Config compare-and-set across agents.
 	zero := uint64(0)
 	set, err := nodes[0].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "info", CasRevision: &zero}))
