@@ -168,7 +168,10 @@ func TestCompatibleArchives(t *testing.T) {
 			if len(info.State.Tables) != tables {
 				t.Errorf("archive holds %d tables, state format %d has %d", len(info.State.Tables), rel.state, tables)
 			}
-			// The restored state is what the commands build today.
+			// The restored state is what the commands build today, the
+			// dedupe table apart: the operation digest of its records may
+			// change definition (fsm DESIGN.md "Dedupe"); the
+			// record of the one identified write must be there.
 			var got, exp bytes.Buffer
 			if err := f.WriteSnapshot(&got); err != nil {
 				t.Fatal(err)
@@ -176,8 +179,18 @@ func TestCompatibleArchives(t *testing.T) {
 			if err := want.WriteSnapshot(&exp); err != nil {
 				t.Fatal(err)
 			}
-			if !bytes.Equal(got.Bytes(), exp.Bytes()) {
+			var gotF, expF bytes.Buffer
+			if _, _, err := fsm.FilterSnapshot(&got, &gotF, fsm.TableDedupe); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := fsm.FilterSnapshot(&exp, &expF, fsm.TableDedupe); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(gotF.Bytes(), expF.Bytes()) {
 				t.Errorf("the restored %s state differs from the state its commands build now", rel.dir)
+			}
+			if ok, err := f.State().WriteApplied("pvcli-1", 1); !ok || err != nil {
+				t.Errorf("the restored %s state lacks the dedupe record of pvcli-1/1 (%v)", rel.dir, err)
 			}
 			inst, err := f.State().Service("web", "web-1")
 			if err != nil || inst.GetMeta()["owner"] != "ops" {
