@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -554,9 +555,8 @@ func TestWriteThenFailRollsBack(t *testing.T) {
 }
 
 // TestOpDigestMatchesCopy checks the digest taken from the log bytes
-// against the digest of the deterministic encoding of a copy without the
-// envelope (how older versions computed it, and what stored dedupe records
-// hold).
+// against its definition: the digest of the deterministic encoding of a
+// copy without the envelope and without a registration's instance.node.
 func TestOpDigestMatchesCopy(t *testing.T) {
 	g := newLogGen(9, time.Minute, 0)
 	for range 300 {
@@ -583,7 +583,7 @@ func TestOpDigestMatchesCopy(t *testing.T) {
 		if !proto.Equal(cmd, before) {
 			t.Fatalf("encoding changed the command: %v, was %v", cmd, before)
 		}
-		if got := opDigest(data, cmd); !bytes.Equal(got, want[:]) {
+		if got := opDigest(data); !bytes.Equal(got, want[:]) {
 			t.Fatalf("opDigest(%v) = %x, want %x", cmd, got, want)
 		}
 		// The same operation with another identity and time has the
@@ -593,9 +593,56 @@ func TestOpDigestMatchesCopy(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := opDigest(data2, cmd); !bytes.Equal(got, want[:]) {
+		if got := opDigest(data2); !bytes.Equal(got, want[:]) {
 			t.Fatalf("digest depends on the envelope: %x, want %x", got, want)
 		}
+	}
+}
+
+// TestOpDigestLeavesOutTheNode: registrations that differ in
+// instance.node alone, unknown fields inside the instance included, have
+// one digest; the digest of one without a node or without an instance is
+// that of its bytes as they are; another address is another digest.
+func TestOpDigestLeavesOutTheNode(t *testing.T) {
+	digest := func(in *clusterv1.ServiceInstance) []byte {
+		t.Helper()
+		data, err := Encode(register(in))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return opDigest(data)
+	}
+	a := &clusterv1.ServiceInstance{Service: "web", InstanceId: "a", Node: "node1", Address: "10.0.0.1", Port: 80}
+	b := proto.CloneOf(a)
+	b.Node = "node2"
+	none := proto.CloneOf(a)
+	none.Node = ""
+	if !bytes.Equal(digest(a), digest(b)) || !bytes.Equal(digest(a), digest(none)) {
+		t.Fatal("registrations differing in the node alone have different digests")
+	}
+	raw := func(data []byte) []byte { s := sha256.Sum256(data[1:]); return s[:] }
+	for _, cmd := range []*fsmv1.Command{register(none), register(nil)} {
+		data, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(opDigest(data), raw(data)) {
+			t.Fatalf("digest of %v is not that of its bytes", cmd)
+		}
+	}
+	// An unknown field inside the instance (a newer agent's) stays in.
+	withUnknown := func(in *clusterv1.ServiceInstance) *clusterv1.ServiceInstance {
+		c := proto.CloneOf(in)
+		c.ProtoReflect().SetUnknown(protowire.AppendString(protowire.AppendTag(nil, 999, protowire.BytesType), "x"))
+		return c
+	}
+	if !bytes.Equal(digest(withUnknown(a)), digest(withUnknown(b))) || bytes.Equal(digest(withUnknown(a)), digest(a)) {
+		t.Fatal("an unknown field inside the instance: the node must be left out and the field kept")
+	}
+	other := proto.CloneOf(a)
+	other.Address = "10.0.0.2"
+	if bytes.Equal(digest(a), digest(other)) {
+		t.Fatal("another address has the same digest")
 	}
 }
 

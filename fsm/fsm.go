@@ -263,7 +263,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 		replaced *fsmv1.DedupeRecord
 	)
 	if cmd.GetClientId() != "" {
-		digest = opDigest(l.Data, cmd)
+		digest = opDigest(l.Data)
 		// A retry of a write already applied returns the stored outcome.
 		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
 		if err != nil {
@@ -348,16 +348,16 @@ func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest
 // opDigest hashes the operation of an encoded command (not its identity or
 // time): the SHA-256 of the wire bytes of every top-level field of the
 // Command other than client_id, sequence and time, in order, with a
-// register_service's instance.node cleared. Commands are encoded
-// deterministically (fields in number order), so this equals the SHA-256 of
-// the deterministic encoding of the command with those fields cleared, and
-// every node computes it from the same log bytes. data has passed Decode,
-// so it parses; cmd is its decoding.
+// register_service's instance.node left out. Commands are encoded
+// deterministically (fields in number order), so this equals the SHA-256
+// of the deterministic encoding of the command with those fields cleared,
+// and every node computes it from the same log bytes without decoding or
+// marshalling anything. data has passed Decode, so it parses.
 //
 // The node of a registration defaults to the agent the write came through
 // (the gateway fills it in), so a client's retry through another agent
 // differs there alone: it is the same write, as it is at another time.
-func opDigest(data []byte, cmd *fsmv1.Command) []byte {
+func opDigest(data []byte) []byte {
 	b := data[1:]
 	h := sha256.New()
 	for len(b) > 0 {
@@ -372,7 +372,7 @@ func opDigest(data []byte, cmd *fsmv1.Command) []byte {
 		switch num {
 		case fieldClientID, fieldSequence, fieldTime:
 		case fieldRegisterService:
-			h.Write(registerWithoutNode(b[:n+m], cmd.GetRegisterService()))
+			h.Write(withoutNested(b[:n+m], fieldInstance, fieldNode))
 		default:
 			h.Write(b[:n+m])
 		}
@@ -381,30 +381,61 @@ func opDigest(data []byte, cmd *fsmv1.Command) []byte {
 	return h.Sum(make([]byte, 0, sha256.Size))
 }
 
-// registerWithoutNode returns the encoding of the register_service field
-// with its instance's node cleared (field, the field's wire bytes, when
-// there is no node to clear).
-func registerWithoutNode(field []byte, op *fsmv1.RegisterService) []byte {
-	if op.GetInstance().GetNode() == "" {
+// withoutNested returns field (the wire bytes of one length-delimited
+// field, tag included) without the field path names inside it: path[0]
+// of its message, path[1] of that field's message, and so on; the
+// lengths around it are written again. field itself when the path is not
+// there (or does not parse).
+func withoutNested(field []byte, path ...protowire.Number) []byte {
+	num, typ, n := protowire.ConsumeTag(field)
+	if n < 0 || typ != protowire.BytesType {
 		return field
 	}
-	c := proto.CloneOf(op)
-	c.Instance.Node = ""
-	body, err := marshalOpts.Marshal(c)
-	if err != nil {
+	body, m := protowire.ConsumeBytes(field[n:])
+	if m < 0 {
 		return field
 	}
-	out := protowire.AppendTag(nil, fieldRegisterService, protowire.BytesType)
-	return protowire.AppendBytes(out, body)
+	var out []byte // the new body, once something changed
+	for rest := body; len(rest) > 0; {
+		fnum, ftyp, tn := protowire.ConsumeTag(rest)
+		if tn < 0 {
+			return field
+		}
+		vn := protowire.ConsumeFieldValue(fnum, ftyp, rest[tn:])
+		if vn < 0 {
+			return field
+		}
+		f := rest[:tn+vn]
+		switch {
+		case fnum != path[0]:
+		case len(path) == 1:
+			f = nil
+		default:
+			f = withoutNested(f, path[1:]...)
+		}
+		if out == nil && len(f) != tn+vn {
+			out = append(make([]byte, 0, len(body)), body[:len(body)-len(rest)]...)
+		}
+		if out != nil {
+			out = append(out, f...)
+		}
+		rest = rest[tn+vn:]
+	}
+	if out == nil {
+		return field
+	}
+	return protowire.AppendBytes(protowire.AppendTag(nil, num, protowire.BytesType), out)
 }
 
 // Field numbers of the Command envelope, which opDigest leaves out, and of
-// the register_service operation.
+// a registration's instance.node.
 const (
 	fieldClientID        = 1
 	fieldSequence        = 2
 	fieldTime            = 3
 	fieldRegisterService = 10
+	fieldInstance        = 1 // RegisterService.instance
+	fieldNode            = 3 // ServiceInstance.node
 )
 
 // database returns the current memdb.

@@ -414,13 +414,21 @@ func TestSnapshotFormatGolden(t *testing.T) {
 			if err := r.f.Restore(readCloser(golden)); err != nil {
 				t.Fatalf("restore the format-%d golden snapshot: %v", v, err)
 			}
-			if !reflect.DeepEqual(dumpTables(t, r.f), dumpTables(t, h.f)) {
+			// The dedupe records' digests apart: their definition may change
+			// (fsm DESIGN.md "Dedupe"), and older golden files keep the
+			// digests of their day.
+			if !reflect.DeepEqual(dumpTablesWith(t, r.f, true), dumpTablesWith(t, h.f, true)) {
 				t.Errorf("golden snapshot restores to a different state than its builder makes")
 			}
 			// Every format's state is still written as that format, byte
 			// for byte: an agent of that version reads it (rolling
-			// upgrades).
-			if !bytes.Equal(current, golden) {
+			// upgrades). The current format's golden file is what the
+			// builder makes; an older one is written again as it is.
+			written := current
+			if v < SnapshotFormatVersion {
+				written = snapshotBytes(t, r.f)
+			}
+			if !bytes.Equal(written, golden) {
 				t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading the older ones", path)
 			}
 		})

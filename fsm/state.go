@@ -305,14 +305,18 @@ func (s *State) ClusterCA() (*fsmv1.ClusterCA, error) {
 	return first[*fsmv1.ClusterCA](s.txn, TableCA, indexID, clusterCAKey)
 }
 
-// WriteApplied reports whether the write of a client ID and sequence was
-// applied (its dedupe record is kept): a retried write that the leader
-// rebuilds from the current state (an update) answers from the state
-// instead of proposing again.
-func (s *State) WriteApplied(clientID string, sequence uint64) (bool, error) {
+// WriteOutcome reports whether the write of a client ID and sequence was
+// applied (its dedupe record is kept) and, if so, its outcome: nil or the
+// error it was answered with. A retried write that the leader rebuilds
+// from the current state (an update) answers from the state instead of
+// proposing again.
+func (s *State) WriteOutcome(clientID string, sequence uint64) (found bool, outcome error, err error) {
 	if clientID == "" {
-		return false, nil
+		return false, nil, nil
 	}
 	rec, err := lookupDedupe(s.txn, clientID, sequence)
-	return rec != nil, err
+	if err != nil || rec == nil {
+		return false, nil, err
+	}
+	return true, replayError(rec.GetErrorCode(), rec.GetErrorMessage()), nil
 }

@@ -187,18 +187,35 @@ func (s *ScheduleService) CreateSchedule(ctx context.Context, req *connect.Reque
 // updatable are the fields of an update mask.
 var updatable = []string{"vm_id", "action", "cron", "time_zone", "enabled", "catch_up", "catch_up_window", "overlap", "history_limit"}
 
+// maxModifyAttempts bounds the proposals of one update that lose to slot
+// claims.
+const maxModifyAttempts = 10
+
 // modify runs an update of schedule id on the leader: change applies to a
 // copy of the stored schedule, which is checked and proposed if the
 // schedule did not change meanwhile (expected, when given; otherwise the
-// version read, read again when a run changed it in between). A retry of
-// a write already applied answers with the schedule as it is.
+// version read). Without expected, a proposal that loses to a slot claim
+// (a claim moves the schedule's revision) is made again on the new
+// version, each attempt under an identity of its own derived from the
+// write's (modifyAttempt): the FSM keeps the outcome of each, the conflict
+// included, so a retry of the same request walks those outcomes and
+// answers as the attempt that settled the update.
 func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
-	for attempt := 0; ; attempt++ {
+	for attempt := range maxModifyAttempts {
+		wa := modifyAttempt(w, attempt)
 		st := s.h.state.State()
-		if done, err := st.WriteApplied(w.GetClientId(), w.GetSequence()); err != nil {
+		found, outcome, err := st.WriteOutcome(wa.GetClientId(), wa.GetSequence())
+		if err != nil {
 			return nil, err
-		} else if done {
-			return st.Schedule(id)
+		}
+		if found {
+			if outcome == nil {
+				return st.Schedule(id)
+			}
+			if errors.Is(outcome, fsm.ErrCASConflict) && expected == nil {
+				continue // this attempt lost to a claim; the next one tells
+			}
+			return nil, outcome
 		}
 		cur, err := st.Schedule(id)
 		if err != nil {
@@ -214,12 +231,22 @@ func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions,
 		if err := validateSchedule(next, "schedule"); err != nil {
 			return nil, err
 		}
-		out, err := s.put(ctx, w, next, cur.GetModifyIndex())
-		if errors.Is(err, fsm.ErrCASConflict) && expected == nil && attempt < 10 {
+		out, err := s.put(ctx, wa, next, cur.GetModifyIndex())
+		if errors.Is(err, fsm.ErrCASConflict) && expected == nil {
 			continue // a run claimed a slot in between
 		}
 		return out, err
 	}
+	return nil, fmt.Errorf("%w: schedule %q: slots were claimed during each of %d attempts to update it", fsm.ErrCASConflict, id, maxModifyAttempts)
+}
+
+// modifyAttempt is the identity of attempt n of an update written as w:
+// w itself first, then w's client ID with "/cas<n>" and w's sequence.
+func modifyAttempt(w *clusterv1.WriteOptions, n int) *clusterv1.WriteOptions {
+	if n == 0 {
+		return w
+	}
+	return &clusterv1.WriteOptions{ClientId: fmt.Sprintf("%s/cas%d", w.GetClientId(), n), Sequence: w.GetSequence()}
 }
 
 // UpdateSchedule implements schedulev1connect.ScheduleServiceHandler.
