@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -252,25 +253,35 @@ func TestEtcdTLSRefused(t *testing.T) {
 	}
 }
 
-// TestEtcdConnsOverTLS: the agent's etcd connections (etcdstore.Conns with
-// identity's TLS, as openEtcd builds them) to an endpoint named by host
-// name: a refused dial is named as the endpoint is, and once etcd is back
-// the connection made over TLS clears it.
-func TestEtcdConnsOverTLS(t *testing.T) {
-	pki := agenttest.EtcdPKI(t, t.TempDir())
-	ec := etcdtest.StartTLS(t, 1, pki)
-	_, port, err := net.SplitHostPort(strings.TrimPrefix(ec.Endpoints[0], "https://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	src, err := identity.NewSource(identity.SourceConfig{CertFile: pki.ClientCertFile, KeyFile: pki.ClientKeyFile, CAFile: pki.CAFile})
+// TestEtcdConns: the agent's etcd connections (etcdstore.Conns, with
+// identity's TLS as openEtcd builds them, or plaintext) to an endpoint
+// named by host name: a refused dial is named as the endpoint is, and the
+// connection made once etcd is back clears it.
+func TestEtcdConns(t *testing.T) {
+	t.Run("plaintext", func(t *testing.T) {
+		ec := etcdtest.Start(t, 1)
+		testConns(t, ec, "http", nil)
+	})
+	t.Run("tls", func(t *testing.T) {
+		pki := agenttest.EtcdPKI(t, t.TempDir())
+		ec := etcdtest.StartTLS(t, 1, pki)
+		src, err := identity.NewSource(identity.SourceConfig{CertFile: pki.ClientCertFile, KeyFile: pki.ClientKeyFile, CAFile: pki.CAFile})
+		if err != nil {
+			t.Fatal(err)
+		}
+		testConns(t, ec, "https", src.ClientConfig)
+	})
+}
+
+func testConns(t *testing.T, ec *etcdtest.Cluster, scheme string, tlsFor func(string) *tls.Config) {
+	_, port, err := net.SplitHostPort(strings.TrimPrefix(ec.Endpoints[0], scheme+"://"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	conns := new(etcdstore.Conns)
 	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   []string{"https://localhost:" + port},
-		DialOptions: conns.DialOptions(src.ClientConfig),
+		Endpoints:   []string{scheme + "://localhost:" + port},
+		DialOptions: conns.DialOptions(tlsFor),
 		Logger:      zap.NewNop(),
 	})
 	if err != nil {
@@ -289,11 +300,13 @@ func TestEtcdConnsOverTLS(t *testing.T) {
 		}
 		return conns.Err()
 	}
-	agenttest.Eventually(t, 10*time.Second, "connected over TLS", connected)
+	agenttest.Eventually(t, 10*time.Second, "connected", connected)
 	ec.Stop(0)
 	agenttest.Eventually(t, 20*time.Second, "the refused dial named", func() error {
-		_ = get()
-		if e := conns.Err(); e == nil || !strings.HasPrefix(e.Error(), "localhost:"+port+": dial tcp") {
+		if get() == nil {
+			return errors.New("a get succeeded with etcd stopped")
+		}
+		if e := conns.Err(); e == nil || !strings.HasPrefix(e.Error(), "localhost:"+port+": dial tcp") || !strings.Contains(e.Error(), "connection refused") {
 			return fmt.Errorf("conns: %v", e)
 		}
 		return nil
