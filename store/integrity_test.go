@@ -1,6 +1,8 @@
 package store_test
 
 import (
+	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -121,4 +123,169 @@ func TestGarbledLogEntryRefused(t *testing.T) {
 		t.Fatalf("error %v: want ErrCorruptLog naming entry %d", err, last)
 	}
 	t.Log(err)
+}
+
+// TestRestartAfterLogOperations does what leaves gaps in a node's log — a
+// user restore, a snapshot install on a lagging follower, compaction after
+// automatic snapshots — then writes, stops every node and starts them all
+// again: every node must start and hold every write, and the next write
+// must succeed. Then the offline recovery must work on that data dir too.
+func TestRestartAfterLogOperations(t *testing.T) {
+	snapshot := func(t *testing.T, c *storetest.Cluster) {
+		c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error {
+			_, rc, err := l.Snapshot(ctx)
+			if err == nil {
+				rc.Close()
+			}
+			return err
+		})
+	}
+	ops := map[string]struct {
+		opts []storetest.Option
+		// op runs between the writes k0..k39 and "after"; it returns the
+		// keys that must be there (with value "v") and those that must not.
+		op func(t *testing.T, c *storetest.Cluster) (have, gone []string)
+	}{
+		"user restore": {
+			op: func(t *testing.T, c *storetest.Cluster) ([]string, []string) {
+				state := storetest.EncodeState(map[string]string{"restored": "v"})
+				c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error {
+					return l.Restore(ctx, 0, int64(len(state)), bytes.NewReader(state))
+				})
+				return []string{"restored"}, []string{"k0", "k39"}
+			},
+		},
+		"user restore of an archive from far ahead": {
+			op: func(t *testing.T, c *storetest.Cluster) ([]string, []string) {
+				state := storetest.EncodeState(map[string]string{"restored": "v"})
+				c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error {
+					return l.Restore(ctx, 5_000_000, int64(len(state)), bytes.NewReader(state))
+				})
+				return []string{"restored"}, []string{"k0"}
+			},
+		},
+		"snapshot install on a lagging follower": {
+			opts: []storetest.Option{storetest.WithConfig(func(_ int, cfg *store.Config) {
+				cfg.TrailingLogs, cfg.SnapshotThreshold = 5, 10
+			})},
+			op: func(t *testing.T, c *storetest.Cluster) ([]string, []string) {
+				f := c.Index(c.Followers()[0])
+				c.Stop(f)
+				for i := range 30 {
+					c.Apply(t, storetest.Set(fmt.Sprint("lag", i), "v"))
+				}
+				snapshot(t, c)
+				c.Restart(f)
+				waitValue(t, c, f, "lag29", "v")
+				return []string{"k0", "k39", "lag29"}, nil
+			},
+		},
+		"compaction after automatic snapshots": {
+			opts: []storetest.Option{storetest.WithConfig(func(_ int, cfg *store.Config) {
+				cfg.TrailingLogs, cfg.SnapshotThreshold, cfg.SnapshotInterval = 3, 8, 20*time.Millisecond
+			})},
+			op: func(t *testing.T, c *storetest.Cluster) ([]string, []string) {
+				for i := range 60 {
+					c.Apply(t, storetest.Set(fmt.Sprint("more", i), "v"))
+				}
+				storetest.WaitFor(t, waitTimeout, "a snapshot on every node", func() bool {
+					for i := range c.N() {
+						if n, _ := filepath.Glob(filepath.Join(c.DataDir(i), "raft", "snapshots", "*", "meta.json")); len(n) == 0 {
+							return false
+						}
+					}
+					return true
+				})
+				return []string{"k0", "more59"}, nil
+			},
+		},
+	}
+	for name, tc := range ops {
+		t.Run(name, func(t *testing.T) {
+			c := storetest.NewCluster(t, 3, storetest.NewKVFSM, tc.opts...)
+			c.WaitLeader(t, leaderTimeout)
+			for i := range 40 {
+				c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
+			}
+			have, gone := tc.op(t, c)
+			c.Apply(t, storetest.Set("after", "v"))
+			have = append(have, "after")
+			check := func(nodes ...int) {
+				t.Helper()
+				for _, i := range nodes {
+					for _, k := range have {
+						waitValue(t, c, i, k, "v")
+					}
+					for _, k := range gone {
+						if _, ok := kv(c, i).Get(k); ok {
+							t.Errorf("node %d has %s, which the operation removed", i, k)
+						}
+					}
+				}
+			}
+			check(0, 1, 2)
+
+			// Every node stops; every node starts again from its data dir.
+			for i := range c.N() {
+				c.Stop(i)
+			}
+			for i := range c.N() {
+				c.Restart(i)
+			}
+			c.WaitLeader(t, leaderTimeout)
+			c.Apply(t, storetest.Set("restarted", "v"))
+			have = append(have, "restarted")
+			check(0, 1, 2)
+
+			// The offline recovery of that data dir: node 0 alone.
+			for i := range c.N() {
+				c.Stop(i)
+			}
+			cfg := storetest.TestConfig()
+			cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
+			if err := store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}}); err != nil {
+				t.Fatalf("RecoverCluster after %s: %v", name, err)
+			}
+			s := c.Restart(0)
+			if l := c.WaitLeader(t, leaderTimeout); l != s {
+				t.Fatalf("leader = %s, want the recovered %s", l.ID(), s.ID())
+			}
+			c.Apply(t, storetest.Set("recovered", "v"))
+			have = append(have, "recovered")
+			check(0)
+		})
+	}
+}
+
+// TestRecoverRefusesDamage: the offline recovery refuses a damaged log
+// with the same error as a start.
+func TestRecoverRefusesDamage(t *testing.T) {
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+	c.WaitLeader(t, leaderTimeout)
+	for i := range 20 {
+		c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
+	}
+	c.Stop(0)
+	path := filepath.Join(c.DataDir(0), "raft", "raft.db")
+	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gap uint64
+	err = db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket([]byte("logs"))
+		k, _ := b.Cursor().Last()
+		gap = binary.BigEndian.Uint64(k) - 2
+		return b.Delete(binary.BigEndian.AppendUint64(nil, gap))
+	})
+	db.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := storetest.TestConfig()
+	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
+	err = store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}})
+	if !errors.Is(err, store.ErrCorruptLog) || !strings.Contains(err.Error(), fmt.Sprintf("entry %d of", gap)) || !strings.Contains(err.Error(), path) {
+		t.Fatalf("RecoverCluster on a log with entry %d missing = %v, want ErrCorruptLog naming %s and the entry", gap, err, path)
+	}
 }

@@ -91,7 +91,9 @@ func (s *Store) Servers(ctx context.Context) ([]Server, error) {
 
 // AddVoter makes id a voter at addr. Leader only. It is idempotent: a voter
 // with the same ID and address is left alone; a server with the same ID but
-// another address has its address replaced; a non-voter is promoted. Another
+// another address is removed and added again at addr (two configuration
+// changes: raft's change in place races, see DESIGN.md); a non-voter is
+// promoted. Another
 // server that holds addr under a different ID is a stale entry (its node
 // came back with a new identity) and is removed first.
 func (s *Store) AddVoter(ctx context.Context, id, addr string) error {
@@ -103,8 +105,8 @@ func (s *Store) AddVoter(ctx context.Context, id, addr string) error {
 
 // AddNonvoter adds id at addr as a non-voter, which receives the log but does
 // not vote. Leader only. It is idempotent and never demotes: an existing
-// server with the same ID keeps its suffrage and only has its address
-// replaced if it differs. A stale entry holding addr under another ID is
+// server with the same ID keeps its suffrage, and is removed and added
+// again at addr if its address differs. A stale entry holding addr under another ID is
 // removed first, as in AddVoter.
 func (s *Store) AddNonvoter(ctx context.Context, id, addr string) error {
 	if err := s.addServer(ctx, id, addr, false); err != nil {
@@ -131,6 +133,14 @@ func (s *Store) addServer(ctx context.Context, id, addr string, voter bool) erro
 			if string(srv.Address) == addr && (srv.Suffrage == raft.Voter || !voter) {
 				return nil // already as asked
 			}
+			if string(srv.Address) != addr && id != s.id {
+				// A new address for another server is a removal and an
+				// addition, never a change in place: see DESIGN.md,
+				// "Address changes". Its suffrage stays (or is raised).
+				voter = voter || srv.Suffrage == raft.Voter
+				s.log.Info("server has a new address: removing it and adding it again", "id", id, "old_address", srv.Address, "address", addr, "voter", voter)
+				stale = append(stale, srv)
+			}
 		case string(srv.Address) == addr:
 			if string(srv.ID) == s.id {
 				return ErrAddressInUse
@@ -139,11 +149,13 @@ func (s *Store) addServer(ctx context.Context, id, addr string, voter bool) erro
 		}
 	}
 	for _, srv := range stale {
-		s.log.Warn("removing server whose address is claimed by another ID", "removed_id", srv.ID, "address", addr, "new_id", id)
+		if string(srv.ID) != id {
+			s.log.Warn("removing server whose address is claimed by another ID", "removed_id", srv.ID, "address", addr, "new_id", id)
+		}
 		if err := s.changeConfig(ctx, func(timeout time.Duration) raft.Future {
 			return s.raft.RemoveServer(srv.ID, 0, timeout)
 		}); err != nil {
-			return fmt.Errorf("remove stale server %s: %w", srv.ID, err)
+			return fmt.Errorf("remove %s at its old address %s: %w", srv.ID, srv.Address, err)
 		}
 	}
 	err = s.changeConfig(ctx, func(timeout time.Duration) raft.Future {

@@ -166,7 +166,7 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raf
 		FreelistType:   bbolt.FreelistMapType,
 	}
 	// A damaged log is refused before Raft reads it (integrity.go).
-	err := checkBolt(path, bopts)
+	present, err := checkBolt(path, bopts)
 	if errors.Is(err, bberrors.ErrTimeout) {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
 	}
@@ -180,7 +180,16 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raf
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
 	}
-	if err := checkLogs(path, raw); err != nil {
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
+	if err != nil {
+		raw.Close()
+		return nil, nil, nil, fmt.Errorf("open raft snapshot store: %w", err)
+	}
+	snap, err := restorableSnapshot(filepath.Join(dir, "snapshots"), snaps)
+	if err == nil {
+		err = checkLogs(path, raw, present, snap)
+	}
+	if err != nil {
 		raw.Close()
 		return nil, nil, nil, err
 	}
@@ -191,11 +200,6 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raf
 			bolt.Close()
 			return nil, nil, nil, fmt.Errorf("create raft log cache: %w", err)
 		}
-	}
-	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
-	if err != nil {
-		bolt.Close()
-		return nil, nil, nil, fmt.Errorf("open raft snapshot store: %w", err)
 	}
 	return bolt, logs, snaps, nil
 }

@@ -8,6 +8,8 @@ import (
 	"io"
 	"net"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -811,4 +813,61 @@ func TestReadIndexSkipsEntriesTheFSMNeverSees(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestAddressChangeUnderLoad moves a follower's address back and forth
+// while the leader replicates to it. Changing a server's address in place
+// races with its replication goroutine inside hashicorp/raft (#471, #682:
+// updateLastAppended reads the peer that startStopReplication replaces);
+// under -race this test failed with the in-place change. The store removes
+// and adds the server instead, and the follower still gets every entry.
+func TestAddressChangeUnderLoad(t *testing.T) {
+	c := storetest.NewCluster(t, 3, storetest.NewKVFSM)
+	c.WaitLeader(t, leaderTimeout)
+	n := c.AddNode()
+	id, addr := c.ID(n), c.Addr(n)
+	c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error { return l.AddNonvoter(ctx, id, addr) })
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var written atomic.Int64
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				l := c.Leader()
+				if l == nil {
+					time.Sleep(5 * time.Millisecond) // between two leaders
+					continue
+				}
+				ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+				if _, _, err := l.Apply(ctx, storetest.Set(fmt.Sprintf("w%d-%d", w, i), "v")); err == nil {
+					written.Add(1)
+				}
+				cancel()
+			}
+		})
+	}
+	for i := range 16 { // ends on the real address
+		next := addr
+		if i%2 == 0 {
+			next = "127.0.0.1:1" // a closed port
+		}
+		c.OnLeader(t, waitTimeout, func(ctx context.Context, l *store.Store) error { return l.AddNonvoter(ctx, id, next) })
+		srv := servers(t, c.WaitLeader(t, leaderTimeout))[id]
+		if srv.Address != next || srv.Voter {
+			t.Fatalf("after moving to %s: %+v, want a non-voter at %s", next, srv, next)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	c.Apply(t, storetest.Set("last", "v"))
+	waitValue(t, c, n, "last", "v")
+	if got, want := kv(c, n).Len(), int(written.Load())+1; got < want {
+		t.Errorf("the moved follower holds %d keys, want at least %d", got, want)
+	}
 }
