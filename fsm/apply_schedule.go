@@ -134,7 +134,8 @@ func (f *FSM) applyDeleteSchedule(t *writeTxn, cmd *fsmv1.Command) (proto.Messag
 // applyClaimSlot records that a slot is about to run: the slot must be
 // strictly after the schedule's last_slot, which it becomes. It inserts a
 // STARTED run for the slot and a SKIPPED run for each skipped slot (each
-// strictly between the previous last_slot and the slot), then trims the
+// strictly between the previous last_slot and the slot, with the command's
+// skip_reason as its error), then trims the
 // schedule's runs to its limit. The result value is the started run.
 func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	op := cmd.GetClaimSlot()
@@ -192,6 +193,7 @@ func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 			ScheduleId:  s.GetId(),
 			Slot:        sk,
 			Outcome:     schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
+			Error:       op.GetSkipReason(),
 			Node:        op.GetNode(),
 			CreateIndex: t.index,
 			ModifyIndex: t.index,

@@ -156,8 +156,18 @@ func TestClaimSlot(t *testing.T) {
 		{
 			name:  "skipped slots",
 			setup: []*fsmv1.Command{putSchedule(schedule("s1")), claim("s1", at(100))},
-			cmd:   claim("s1", at(400), at(300), at(200)),
+			cmd: func() *fsmv1.Command {
+				c := claim("s1", at(400), at(300), at(200))
+				c.GetClaimSlot().SkipReason = "missed"
+				return c
+			}(),
 			check: func(t *testing.T, h *harness, res *Result) {
+				for _, slot := range []int{200, 300} {
+					r, err := h.f.State().Run("s1", at(slot).AsTime())
+					if err != nil || r.GetError() != "missed" {
+						t.Errorf("skipped run at(%d) = %v, %v; want the error %q", slot, r, err, "missed")
+					}
+				}
 				slots, outcomes := runSlots(t, h, "s1")
 				wantOutcomes := []schedulev1.RunOutcome{
 					schedulev1.RunOutcome_RUN_OUTCOME_STARTED, schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,

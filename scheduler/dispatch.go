@@ -363,11 +363,11 @@ func (d *dispatcher) execute(ctx context.Context, s *schedulev1.Schedule, spec *
 		if !d.current(s) {
 			return true
 		}
-		if err := d.claim(ctx, s, last, newest(skipped[:len(skipped)-1], limit-1)); err != nil {
+		if err := d.claim(ctx, s, last, newest(skipped[:len(skipped)-1], limit-1), reasonCatchUp); err != nil {
 			return d.claimFailed(s, last, err)
 		}
 		d.record(ctx, &schedulev1.Run{ScheduleId: s.GetId(), Slot: timestamppb.New(last), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
-			Error: "missed: the catch-up policy skips it", FinishedAt: timestamppb.New(d.cfg.Now())})
+			Error: reasonCatchUp, FinishedAt: timestamppb.New(d.cfg.Now())})
 		return true
 	}
 	for i, slot := range p.Run {
@@ -386,7 +386,7 @@ func (d *dispatcher) execute(ctx context.Context, s *schedulev1.Schedule, spec *
 			<-d.sem
 			return true
 		}
-		if err := d.claim(ctx, s, slot, sk); err != nil {
+		if err := d.claim(ctx, s, slot, sk, reasonCatchUp); err != nil {
 			<-d.sem
 			return d.claimFailed(s, slot, err)
 		}
@@ -403,11 +403,11 @@ func (d *dispatcher) execute(ctx context.Context, s *schedulev1.Schedule, spec *
 		over, more := lastSlots(spec, last, last, d.cfg.Now(), MaxListedSkips)
 		if len(over) > 0 && d.current(s) {
 			newestOver := over[len(over)-1]
-			if err := d.claim(ctx, s, newestOver, newest(over[:len(over)-1], limit-1)); err != nil {
+			if err := d.claim(ctx, s, newestOver, newest(over[:len(over)-1], limit-1), reasonOverlap); err != nil {
 				return d.claimFailed(s, newestOver, err)
 			}
 			d.record(ctx, &schedulev1.Run{ScheduleId: s.GetId(), Slot: timestamppb.New(newestOver), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
-				Error: "the previous run was still in progress (overlap forbid)", FinishedAt: timestamppb.New(d.cfg.Now())})
+				Error: reasonOverlap, FinishedAt: timestamppb.New(d.cfg.Now())})
 			d.count(s, "skipped", len(over))
 			d.logger.Info("schedule slots skipped: the previous run was still in progress", "schedule", s.GetId(), "slots", len(over), "older_not_listed", more)
 		}
@@ -446,9 +446,19 @@ func (d *dispatcher) claimFailed(s *schedulev1.Schedule, slot time.Time, err err
 	}
 }
 
-// claim commits (schedule, slot) through Raft.
-func (d *dispatcher) claim(ctx context.Context, s *schedulev1.Schedule, slot time.Time, skipped []time.Time) error {
+// Why a slot is skipped: the error its run is recorded with.
+const (
+	reasonCatchUp = "missed: the catch-up policy skips it"
+	reasonOverlap = "the previous run was still in progress (overlap forbid)"
+)
+
+// claim commits (schedule, slot) through Raft, with the earlier slots it
+// skips, recorded as skipped for reason.
+func (d *dispatcher) claim(ctx context.Context, s *schedulev1.Schedule, slot time.Time, skipped []time.Time, reason string) error {
 	op := &fsmv1.ClaimSlot{ScheduleId: s.GetId(), Slot: timestamppb.New(slot), Node: d.cfg.NodeID}
+	if len(skipped) > 0 {
+		op.SkipReason = reason
+	}
 	for _, t := range skipped {
 		op.Skipped = append(op.Skipped, timestamppb.New(t))
 	}

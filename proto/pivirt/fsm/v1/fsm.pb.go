@@ -918,7 +918,10 @@ type ClaimSlot struct {
 	Slot       *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=slot,proto3" json:"slot,omitempty"`
 	Node       string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
 	// skipped lists earlier slots that the catch-up policy decided not to run.
-	Skipped       []*timestamppb.Timestamp `protobuf:"bytes,4,rep,name=skipped,proto3" json:"skipped,omitempty"`
+	Skipped []*timestamppb.Timestamp `protobuf:"bytes,4,rep,name=skipped,proto3" json:"skipped,omitempty"`
+	// skip_reason is the error recorded with each skipped run: why it did not
+	// run (the catch-up policy, a run still in progress).
+	SkipReason    string `protobuf:"bytes,5,opt,name=skip_reason,json=skipReason,proto3" json:"skip_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -979,6 +982,13 @@ func (x *ClaimSlot) GetSkipped() []*timestamppb.Timestamp {
 		return x.Skipped
 	}
 	return nil
+}
+
+func (x *ClaimSlot) GetSkipReason() string {
+	if x != nil {
+		return x.SkipReason
+	}
+	return ""
 }
 
 type RecordRun struct {
@@ -1306,13 +1316,15 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\fcas_revision\x18\x02 \x01(\x04H\x00R\vcasRevision\x88\x01\x01B\x0f\n" +
 	"\r_cas_revision\" \n" +
 	"\x0eDeleteSchedule\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"\xa6\x01\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\xc7\x01\n" +
 	"\tClaimSlot\x12\x1f\n" +
 	"\vschedule_id\x18\x01 \x01(\tR\n" +
 	"scheduleId\x12.\n" +
 	"\x04slot\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04slot\x12\x12\n" +
 	"\x04node\x18\x03 \x01(\tR\x04node\x124\n" +
-	"\askipped\x18\x04 \x03(\v2\x1a.google.protobuf.TimestampR\askipped\"6\n" +
+	"\askipped\x18\x04 \x03(\v2\x1a.google.protobuf.TimestampR\askipped\x12\x1f\n" +
+	"\vskip_reason\x18\x05 \x01(\tR\n" +
+	"skipReason\"6\n" +
 	"\tRecordRun\x12)\n" +
 	"\x03run\x18\x01 \x01(\v2\x17.pivirt.schedule.v1.RunR\x03run\"\x8a\x01\n" +
 	"\x0eSnapshotHeader\x12%\n" +
