@@ -141,6 +141,11 @@ func (g *logGen) op() *fsmv1.Command {
 	if g.r.IntN(60) == 0 {
 		return &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "snap", SnapshotIndex: 3}}}
 	}
+	if g.r.IntN(40) == 0 {
+		// A refusal (without a client ID or with an unknown code: rejected).
+		return &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{
+			ErrorCode: g.pick("not_found", "cas_conflict", "bogus"), ErrorMessage: "refused"}}}
+	}
 	switch g.r.IntN(12) {
 	case 0, 1:
 		in := instance(svc, id)

@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
@@ -22,8 +23,8 @@ func TestDedupeRepeatSuccess(t *testing.T) {
 	before := dumpTables(t, h.f)
 	h.now = h.now.Add(time.Minute)
 	again := h.apply(withClient(register(instance("web", "a")), "client-1", 1))
-	if !again.Duplicate || again.Index != first.Index || again.Err != nil || again.Value != nil {
-		t.Errorf("repeat = %+v, want Duplicate, Index %d, no error, no value", again, first.Index)
+	if !again.Duplicate || again.Index != first.Index || again.Err != nil || !proto.Equal(again.Value, first.Value) {
+		t.Errorf("repeat = %+v, want Duplicate, Index %d, no error, the first write's value %v", again, first.Index, first.Value)
 	}
 	if after := dumpTables(t, h.f); !reflect.DeepEqual(before, after) {
 		t.Errorf("a duplicate changed the state:\nbefore %v\nafter  %v", before, after)
@@ -214,5 +215,145 @@ func TestErrorCodesRoundTrip(t *testing.T) {
 	}
 	if err := replayError("", ""); err != nil {
 		t.Errorf("replay of success = %v, want nil", err)
+	}
+}
+
+// TestDedupeRepeatAnswersItsOwnOutcome: a repeat of each kind of write is
+// answered with what that write did, not with the state as it is now
+// (another client changed the record in between), also after a snapshot
+// and restore, and through WriteOutcome.
+func TestDedupeRepeatAnswersItsOwnOutcome(t *testing.T) {
+	moved := instance("web", "a")
+	moved.Address = "10.9.9.9"
+	paused := schedule("s1")
+	paused.Enabled = false
+	tests := []struct {
+		name   string
+		setup  []*fsmv1.Command
+		write  *fsmv1.Command
+		after  []*fsmv1.Command // other clients' writes before the repeat
+		nilVal bool             // a delete: no value
+		errIs  error
+	}{
+		{name: "register, then deregistered", write: register(instance("web", "a")),
+			after: []*fsmv1.Command{deregister("web", "a")}},
+		{name: "register, then registered again by another client", write: register(instance("web", "a")),
+			after: []*fsmv1.Command{deregister("web", "a"), register(moved)}},
+		{name: "heartbeat, then the instance replaced", setup: []*fsmv1.Command{register(instance("web", "a"))},
+			write: heartbeat("web", "a"), after: []*fsmv1.Command{register(moved), heartbeat("web", "a")}},
+		{name: "deregister, then registered again", setup: []*fsmv1.Command{register(instance("web", "a"))},
+			write: deregister("web", "a"), after: []*fsmv1.Command{register(moved)}, nilVal: true},
+		{name: "deregister of nothing", write: deregister("web", "a"), after: []*fsmv1.Command{register(moved)},
+			nilVal: true, errIs: ErrNotFound},
+		{name: "set config, then set again", write: setConfig("k", "mine"),
+			after: []*fsmv1.Command{setConfig("k", "theirs")}},
+		{name: "set config by CAS, then set again", setup: []*fsmv1.Command{setConfig("k", "v0")},
+			write: setConfigCAS("k", "mine", 1), after: []*fsmv1.Command{setConfig("k", "theirs")}},
+		{name: "put schedule, then paused", write: putSchedule(schedule("s1")),
+			after: []*fsmv1.Command{putSchedule(paused)}},
+		{name: "claim slot, then the next", setup: []*fsmv1.Command{putSchedule(schedule("s1"))},
+			write: claim("s1", at(100)), after: []*fsmv1.Command{claim("s1", at(200))}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			for _, c := range tt.setup {
+				h.mustApply(c)
+			}
+			first := h.apply(withClient(proto.CloneOf(tt.write), "client-1", 1))
+			if !errors.Is(first.Err, tt.errIs) || (first.Err == nil && tt.errIs != nil) {
+				t.Fatalf("first = %+v, want error %v", first, tt.errIs)
+			}
+			if (first.Value == nil) != (tt.nilVal || tt.errIs != nil) {
+				t.Fatalf("first value = %v", first.Value)
+			}
+			want := proto.Clone(first.Value)
+			for i, c := range tt.after {
+				h.now = h.now.Add(time.Second)
+				h.mustApply(withClient(c, "other", uint64(i+1)))
+			}
+			check := func(where string, got *Result) {
+				t.Helper()
+				if got == nil || !got.Duplicate || got.Index != first.Index || !errors.Is(got.Err, tt.errIs) || (got.Err == nil) != (first.Err == nil) {
+					t.Fatalf("%s: %+v, want the first write's index %d and error %v", where, got, first.Index, first.Err)
+				}
+				if (want == nil) != (got.Value == nil) || (want != nil && !proto.Equal(got.Value, want)) {
+					t.Errorf("%s: value %v, want the first write's %v", where, got.Value, want)
+				}
+			}
+			h.now = h.now.Add(time.Second)
+			check("repeat", h.apply(withClient(proto.CloneOf(tt.write), "client-1", 1)))
+			res, err := h.f.State().WriteOutcome("client-1", 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e, ok := res.Value.(*clusterv1.ConfigEntry); ok {
+				// Kept without the value, which a repeat carries.
+				if e.GetValue() != "" {
+					t.Errorf("WriteOutcome keeps the config value %q", e.GetValue())
+				}
+				e = proto.CloneOf(e)
+				e.Value = tt.write.GetSetConfig().GetValue()
+				res.Value = e
+			}
+			check("WriteOutcome", res)
+
+			r := newHarness(t)
+			if err := r.f.Restore(readCloser(h.snapshot())); err != nil {
+				t.Fatal(err)
+			}
+			r.now = h.now
+			check("repeat after a restore", r.apply(withClient(proto.CloneOf(tt.write), "client-1", 1)))
+		})
+	}
+}
+
+// TestRefuseWrite: a refusal records its error under the write's identity
+// and changes nothing else; any repeat of the write, whatever operation it
+// carries, gets that error; a refusal of a write already applied gets the
+// write's outcome; a refusal needs an identity and a known code.
+func TestRefuseWrite(t *testing.T) {
+	refuse := func(code string) *fsmv1.Command {
+		return &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{ErrorCode: code, ErrorMessage: "schedule \"s1\" not found"}}}
+	}
+	h := newHarness(t)
+	before := dumpTables(t, h.f)
+	res := h.apply(withClient(refuse("not_found"), "c1", 1))
+	if !errors.Is(res.Err, ErrNotFound) || res.Err.Error() != `schedule "s1" not found` || res.Duplicate {
+		t.Fatalf("refusal = %+v, want ErrNotFound with its message", res)
+	}
+	after := dumpTables(t, h.f)
+	if len(after[TableDedupe]) != 1 {
+		t.Errorf("dedupe records after a refusal: %d, want 1", len(after[TableDedupe]))
+	}
+	delete(before, TableDedupe)
+	delete(after, TableDedupe)
+	delete(before, TableIndex)
+	delete(after, TableIndex)
+	if !reflect.DeepEqual(before, after) {
+		t.Error("a refusal changed a table other than dedupe")
+	}
+	// The write, arriving after all, is answered as refused.
+	again := h.apply(withClient(putSchedule(schedule("s1")), "c1", 1))
+	if !again.Duplicate || !errors.Is(again.Err, ErrNotFound) || again.Index != res.Index {
+		t.Errorf("repeat after the refusal = %+v, want the refusal's outcome", again)
+	}
+	if _, err := h.f.State().Schedule("s1"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("the refused write was applied: %v", err)
+	}
+	// A refusal of a write that was applied gets the write's outcome.
+	ok := h.mustApply(withClient(putSchedule(schedule("s2")), "c1", 2))
+	late := h.apply(withClient(refuse("not_found"), "c1", 2))
+	if !late.Duplicate || late.Err != nil || late.Index != ok.Index || late.Value == nil {
+		t.Errorf("refusal of an applied write = %+v, want that write's outcome", late)
+	}
+	for name, cmd := range map[string]*fsmv1.Command{
+		"no client id": refuse("not_found"),
+		"unknown code": withClient(refuse("bogus"), "c1", 3),
+		"no code":      withClient(refuse(""), "c1", 4),
+	} {
+		if r := h.apply(cmd); !errors.Is(r.Err, ErrInvalidCommand) {
+			t.Errorf("%s: %v, want ErrInvalidCommand", name, r.Err)
+		}
 	}
 }

@@ -50,6 +50,21 @@ var errorCodes = []struct {
 	{"unknown_command", ErrUnknownCommand},
 }
 
+// knownErrorCode reports whether code is one of errorCodes.
+func knownErrorCode(code string) bool {
+	for _, c := range errorCodes {
+		if c.code == code {
+			return true
+		}
+	}
+	return false
+}
+
+// ErrorCode returns the persisted outcome code of err, as RefuseWrite
+// takes it: "" for nil, "internal" for an error that is no outcome
+// sentinel.
+func ErrorCode(err error) string { return errorCode(err) }
+
 // codeInternal marks an outcome error that matches no sentinel.
 const codeInternal = "internal"
 

@@ -330,9 +330,20 @@ func PrimaryKey(table string, rec proto.Message) ([]byte, error) {
 var indexFields = []protoreflect.Name{"create_index", "modify_index", "revision", "index"}
 
 // SetIndexFields replaces, in the top-level index fields of rec
-// (create_index, modify_index, revision, index), every value equal to from
-// with to. It returns whether any changed.
+// (create_index, modify_index, revision, index) and in those of the record
+// a dedupe record keeps, every value equal to from with to. It returns
+// whether any changed.
 func SetIndexFields(rec proto.Message, from, to uint64) bool {
+	changed := setIndexFields(rec, from, to)
+	if d, ok := rec.(*fsmv1.DedupeRecord); ok {
+		if v := dedupeValue(d); v != nil {
+			changed = setIndexFields(v, from, to) || changed
+		}
+	}
+	return changed
+}
+
+func setIndexFields(rec proto.Message, from, to uint64) bool {
 	m := rec.ProtoReflect()
 	fields := m.Descriptor().Fields()
 	changed := false

@@ -15,7 +15,9 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
 var (
@@ -67,9 +69,11 @@ type Result struct {
 	// Value is the record the command wrote (ServiceInstance for
 	// register_service, heartbeat and set_service_health, ConfigEntry for
 	// set_config, Schedule for put_schedule, Run for claim_slot (the started
-	// run) and record_run), nil for deletes, errors and duplicates. It is
-	// the stored record itself, shared with readers of the state: like
-	// everything State returns, it must not be modified.
+	// run) and record_run), nil for deletes and errors. For a duplicate it
+	// is the record the original write wrote, kept with its dedupe record
+	// (nil when an older version recorded it). It is the stored record
+	// itself, shared with readers of the state: like everything State
+	// returns, it must not be modified.
 	Value proto.Message
 	// Duplicate reports that the command's (client_id, sequence) was already
 	// applied: Index and Err are the stored outcome and nothing changed.
@@ -263,22 +267,23 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 		replaced *fsmv1.DedupeRecord
 	)
 	if cmd.GetClientId() != "" {
-		digest = opDigest(l.Data)
+		// A refusal stands for whatever the write was: no digest to
+		// store or compare.
+		refusal := cmd.GetRefuseWrite() != nil
+		if !refusal {
+			digest = opDigest(l.Data)
+		}
 		// A retry of a write already applied returns the stored outcome.
 		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
 		if err != nil {
 			return &Result{Index: l.Index, Err: err}, true
 		}
 		if rec != nil && !f.dedupeExpired(rec, now) {
-			if d := rec.GetOpDigest(); len(d) > 0 && !bytes.Equal(d, digest) {
+			if d := rec.GetOpDigest(); len(d) > 0 && !refusal && !bytes.Equal(d, digest) {
 				return &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
 					ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}, true
 			}
-			return &Result{
-				Index:     rec.GetIndex(),
-				Err:       replayError(rec.GetErrorCode(), rec.GetErrorMessage()),
-				Duplicate: true,
-			}, true
+			return replayResult(rec, cmd), true
 		}
 		replaced = rec
 	}
@@ -301,7 +306,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			mark = t.writes
 		}
 	}
-	if err := f.finishEntry(t, cmd, now, digest, replaced, opErr); err != nil {
+	if err := f.finishEntry(t, cmd, now, digest, replaced, value, opErr); err != nil {
 		if t.writes != mark {
 			if writeThenFail != nil {
 				writeThenFail(l.Index, err)
@@ -318,9 +323,11 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 }
 
 // finishEntry prunes expired dedupe records and records the outcome of a
-// write with a client ID. replaced is the expired record stored under the
-// command's dedupe key, if any.
-func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced *fsmv1.DedupeRecord, opErr error) error {
+// write with a client ID: its index, its error, and the record it wrote
+// (value, shared with the table it is stored in: records are immutable).
+// replaced is the expired record stored under the command's dedupe key, if
+// any.
+func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced *fsmv1.DedupeRecord, value proto.Message, opErr error) error {
 	if err := f.pruneDedupe(t, now); err != nil {
 		return err
 	}
@@ -337,11 +344,66 @@ func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest
 	}
 	if opErr != nil {
 		rec.ErrorMessage = opErr.Error()
+	} else {
+		setDedupeValue(rec, value)
 	}
 	if err := t.insert(TableDedupe, rec); err != nil {
 		return err
 	}
 	f.head.inserted(rec, replaced)
+	return nil
+}
+
+// setDedupeValue keeps the record a write wrote in its dedupe record.
+func setDedupeValue(rec *fsmv1.DedupeRecord, value proto.Message) {
+	switch v := value.(type) {
+	case *clusterv1.ServiceInstance:
+		rec.Value = &fsmv1.DedupeRecord_Instance{Instance: v}
+	case *clusterv1.ConfigEntry:
+		// Without the value, which may be large (512 KiB) and which every
+		// repeat carries itself (the digest matched): replayResult puts it
+		// back.
+		e := proto.CloneOf(v)
+		e.Value = ""
+		rec.Value = &fsmv1.DedupeRecord_ConfigEntry{ConfigEntry: e}
+	case *schedulev1.Schedule:
+		rec.Value = &fsmv1.DedupeRecord_Schedule{Schedule: v}
+	case *schedulev1.Run:
+		rec.Value = &fsmv1.DedupeRecord_Run{Run: v}
+	}
+}
+
+// replayResult is the Result of a repeat of the write rec records. cmd is
+// the repeat, nil when there is none (WriteOutcome): a config entry's value
+// is taken from it (setDedupeValue leaves it out).
+func replayResult(rec *fsmv1.DedupeRecord, cmd *fsmv1.Command) *Result {
+	res := &Result{
+		Index:     rec.GetIndex(),
+		Err:       replayError(rec.GetErrorCode(), rec.GetErrorMessage()),
+		Value:     dedupeValue(rec),
+		Duplicate: true,
+	}
+	if e, ok := res.Value.(*clusterv1.ConfigEntry); ok && cmd.GetSetConfig() != nil {
+		e = proto.CloneOf(e)
+		e.Value = cmd.GetSetConfig().GetValue()
+		res.Value = e
+	}
+	return res
+}
+
+// dedupeValue is the record a dedupe record keeps, nil when none (a
+// delete, an error, a record of an older version).
+func dedupeValue(rec *fsmv1.DedupeRecord) proto.Message {
+	switch v := rec.GetValue().(type) {
+	case *fsmv1.DedupeRecord_Instance:
+		return v.Instance
+	case *fsmv1.DedupeRecord_ConfigEntry:
+		return v.ConfigEntry
+	case *fsmv1.DedupeRecord_Schedule:
+		return v.Schedule
+	case *fsmv1.DedupeRecord_Run:
+		return v.Run
+	}
 	return nil
 }
 
@@ -524,6 +586,21 @@ var appliers = map[protoreflect.Name]applyFunc{
 	"record_run":         (*FSM).applyRecordRun,
 	"restored":           (*FSM).applyRestored,
 	"set_cluster_ca":     (*FSM).applySetClusterCA,
+	"refuse_write":       (*FSM).applyRefuseWrite,
+}
+
+// applyRefuseWrite records a write the leader refused: its outcome is the
+// error it names, kept in its dedupe record (finishEntry) like any other
+// outcome. It needs the write's identity and a persisted error code.
+func (f *FSM) applyRefuseWrite(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
+	op := cmd.GetRefuseWrite()
+	if cmd.GetClientId() == "" {
+		return nil, invalidf("refuse_write: client_id is required")
+	}
+	if !knownErrorCode(op.GetErrorCode()) {
+		return nil, invalidf("refuse_write.error_code: %q is not an outcome code", op.GetErrorCode())
+	}
+	return nil, replayError(op.GetErrorCode(), op.GetErrorMessage())
 }
 
 // applyRestored marks a restore: every table's index becomes this entry's

@@ -306,17 +306,19 @@ func (s *State) ClusterCA() (*fsmv1.ClusterCA, error) {
 }
 
 // WriteOutcome reports whether the write of a client ID and sequence was
-// applied (its dedupe record is kept) and, if so, its outcome: nil or the
-// error it was answered with. A retried write that the leader rebuilds
-// from the current state (an update) answers from the state instead of
+// applied (its dedupe record is kept) and, if so, its outcome: the Result
+// a repeat of it gets (Duplicate set): its index, nil or the error it was
+// answered with, and the record it wrote (a config entry without its
+// value, which only the repeat carries). A retried write that the leader
+// rebuilds from the current state (an update) answers from it instead of
 // proposing again.
-func (s *State) WriteOutcome(clientID string, sequence uint64) (found bool, outcome error, err error) {
+func (s *State) WriteOutcome(clientID string, sequence uint64) (*Result, error) {
 	if clientID == "" {
-		return false, nil, nil
+		return nil, nil
 	}
 	rec, err := lookupDedupe(s.txn, clientID, sequence)
 	if err != nil || rec == nil {
-		return false, nil, err
+		return nil, err
 	}
-	return true, replayError(rec.GetErrorCode(), rec.GetErrorMessage()), nil
+	return replayResult(rec, nil), nil
 }

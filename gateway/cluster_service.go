@@ -23,6 +23,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/hashicorp/go-memdb"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -240,6 +241,25 @@ func (h *ClusterService) propose(ctx context.Context, w *clusterv1.WriteOptions,
 		return res, res.Err
 	}
 	return res, nil
+}
+
+// written is the record the answer to a write carries: the one the write
+// wrote (fsm.Result.Value), also for a repeat of it, whose dedupe record
+// keeps it, so that a retry through any agent gets the write's own outcome
+// and never the state as another writer left it since. A repeat of a write
+// that an older agent recorded keeps none: then the current record if it
+// is still the write's own (its index is the write's), else none (the
+// answer carries the write's index alone).
+func written[T proto.Message](res *fsm.Result, current func() (T, error), index func(T) uint64) T {
+	if v, ok := res.Value.(T); ok {
+		return v
+	}
+	var none T
+	cur, err := current()
+	if err != nil || index(cur) != res.Index {
+		return none
+	}
+	return cur
 }
 
 // --- membership and raft ---
@@ -623,14 +643,9 @@ func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Reque
 		if err != nil {
 			return nil, err
 		}
-		inst, _ := res.Value.(*clusterv1.ServiceInstance)
-		if inst == nil {
-			// A deduplicated repeat carries no value: read the current record.
-			inst, err = h.state.State().Service(req.Msg.GetInstance().GetService(), req.Msg.GetInstance().GetInstanceId())
-			if err != nil {
-				return nil, err
-			}
-		}
+		inst := written(res, func() (*clusterv1.ServiceInstance, error) {
+			return h.state.State().Service(req.Msg.GetInstance().GetService(), req.Msg.GetInstance().GetInstanceId())
+		}, (*clusterv1.ServiceInstance).GetModifyIndex)
 		return connect.NewResponse(&clusterv1.RegisterServiceResponse{Instance: inst, Index: res.Index}), nil
 	})
 }
@@ -675,12 +690,9 @@ func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clu
 		if err != nil {
 			return nil, err
 		}
-		inst, _ := res.Value.(*clusterv1.ServiceInstance)
-		if inst == nil {
-			if inst, err = h.state.State().Service(req.Msg.GetService(), req.Msg.GetInstanceId()); err != nil {
-				return nil, err
-			}
-		}
+		inst := written(res, func() (*clusterv1.ServiceInstance, error) {
+			return h.state.State().Service(req.Msg.GetService(), req.Msg.GetInstanceId())
+		}, (*clusterv1.ServiceInstance).GetModifyIndex)
 		return connect.NewResponse(&clusterv1.HeartbeatResponse{Instance: inst, Index: res.Index}), nil
 	})
 }
@@ -817,12 +829,9 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 		if err != nil {
 			return nil, err
 		}
-		e, _ := res.Value.(*clusterv1.ConfigEntry)
-		if e == nil {
-			if e, err = h.state.State().ConfigEntry(req.Msg.GetKey()); err != nil {
-				return nil, err
-			}
-		}
+		e := written(res, func() (*clusterv1.ConfigEntry, error) {
+			return h.state.State().ConfigEntry(req.Msg.GetKey())
+		}, (*clusterv1.ConfigEntry).GetRevision)
 		return connect.NewResponse(&clusterv1.SetConfigResponse{Entry: e}), nil
 	})
 }

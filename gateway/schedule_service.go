@@ -147,10 +147,8 @@ func (s *ScheduleService) put(ctx context.Context, w *clusterv1.WriteOptions, sc
 	if err != nil {
 		return nil, err
 	}
-	if out, ok := res.Value.(*schedulev1.Schedule); ok {
-		return out, nil
-	}
-	return s.h.state.State().Schedule(sc.GetId())
+	return written(res, func() (*schedulev1.Schedule, error) { return s.h.state.State().Schedule(sc.GetId()) },
+		(*schedulev1.Schedule).GetModifyIndex), nil
 }
 
 // CreateSchedule implements schedulev1connect.ScheduleServiceHandler.
@@ -199,45 +197,72 @@ const maxModifyAttempts = 10
 // version, each attempt under an identity of its own derived from the
 // write's (modifyAttempt): the FSM keeps the outcome of each, the conflict
 // included, so a retry of the same request walks those outcomes and
-// answers as the attempt that settled the update.
+// answers as the attempt that settled the update. An update the leader
+// refuses itself (no such schedule, not the expected revision) is
+// recorded as refused under the attempt's identity, so that a retry gets
+// that answer too instead of updating a schedule created since.
 func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
 	for attempt := range maxModifyAttempts {
 		wa := modifyAttempt(w, attempt)
 		st := s.h.state.State()
-		found, outcome, err := st.WriteOutcome(wa.GetClientId(), wa.GetSequence())
+		done, err := st.WriteOutcome(wa.GetClientId(), wa.GetSequence())
 		if err != nil {
 			return nil, err
 		}
-		if found {
-			if outcome == nil {
-				return st.Schedule(id)
+		if done == nil {
+			cur, err := st.Schedule(id)
+			var refusal error
+			switch {
+			case errors.Is(err, fsm.ErrNotFound):
+				refusal = err
+			case err != nil:
+				return nil, err
+			case expected != nil && *expected != cur.GetModifyIndex():
+				refusal = fmt.Errorf("%w: schedule %q: expected revision %d, current %d", fsm.ErrCASConflict, id, *expected, cur.GetModifyIndex())
 			}
-			if errors.Is(outcome, fsm.ErrCASConflict) && expected == nil {
-				continue // this attempt lost to a claim; the next one tells
+			if refusal == nil {
+				next := clientFields(cur)
+				if err := change(next); err != nil {
+					return nil, err
+				}
+				if err := validateSchedule(next, "schedule"); err != nil {
+					return nil, err
+				}
+				out, err := s.put(ctx, wa, next, cur.GetModifyIndex())
+				if errors.Is(err, fsm.ErrCASConflict) && expected == nil {
+					continue // a run claimed a slot in between
+				}
+				return out, err
 			}
-			return nil, outcome
+			if done, err = s.refuse(ctx, wa, refusal); err != nil {
+				return nil, err
+			}
 		}
-		cur, err := st.Schedule(id)
-		if err != nil {
-			return nil, err
+		// The attempt's outcome: recorded before, or the refusal's (which
+		// is the write's own when the write was applied meanwhile).
+		if done.Err == nil {
+			return written(done, func() (*schedulev1.Schedule, error) { return s.h.state.State().Schedule(id) },
+				(*schedulev1.Schedule).GetModifyIndex), nil
 		}
-		if expected != nil && *expected != cur.GetModifyIndex() {
-			return nil, fmt.Errorf("%w: schedule %q: expected revision %d, current %d", fsm.ErrCASConflict, id, *expected, cur.GetModifyIndex())
+		if errors.Is(done.Err, fsm.ErrCASConflict) && expected == nil {
+			continue // this attempt lost to a claim; the next one tells
 		}
-		next := clientFields(cur)
-		if err := change(next); err != nil {
-			return nil, err
-		}
-		if err := validateSchedule(next, "schedule"); err != nil {
-			return nil, err
-		}
-		out, err := s.put(ctx, wa, next, cur.GetModifyIndex())
-		if errors.Is(err, fsm.ErrCASConflict) && expected == nil {
-			continue // a run claimed a slot in between
-		}
-		return out, err
+		return nil, done.Err
 	}
 	return nil, fmt.Errorf("%w: schedule %q: slots were claimed during each of %d attempts to update it", fsm.ErrCASConflict, id, maxModifyAttempts)
+}
+
+// refuse records, through Raft, that the leader refused the write w with
+// outcome (fsm RefuseWrite), and returns the recorded outcome: the
+// refusal, or, when w was applied in the meantime, w's own.
+func (s *ScheduleService) refuse(ctx context.Context, w *clusterv1.WriteOptions, outcome error) (*fsm.Result, error) {
+	res, err := s.h.propose(ctx, w, &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{
+		ErrorCode: fsm.ErrorCode(outcome), ErrorMessage: outcome.Error(),
+	}}})
+	if res == nil {
+		return nil, err
+	}
+	return res, nil
 }
 
 // modifyAttempt is the identity of attempt n of an update written as w:

@@ -189,8 +189,8 @@ func TestCompatibleArchives(t *testing.T) {
 			if !bytes.Equal(gotF.Bytes(), expF.Bytes()) {
 				t.Errorf("the restored %s state differs from the state its commands build now", rel.dir)
 			}
-			if ok, outcome, err := f.State().WriteOutcome("pvcli-1", 1); !ok || outcome != nil || err != nil {
-				t.Errorf("the restored %s state's dedupe record of pvcli-1/1: found %v, outcome %v (%v); want a success", rel.dir, ok, outcome, err)
+			if res, err := f.State().WriteOutcome("pvcli-1", 1); res == nil || res.Err != nil || err != nil {
+				t.Errorf("the restored %s state's dedupe record of pvcli-1/1: %+v (%v); want a success", rel.dir, res, err)
 			}
 			inst, err := f.State().Service("web", "web-1")
 			if err != nil || inst.GetMeta()["owner"] != "ops" {

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-memdb"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -318,6 +319,37 @@ func testDedupe(t *testing.T, h Harness) {
 	other.ClientId, other.Sequence, other.Time = "client-a", 7, timestamppb.Now()
 	if r := write(t, h, 2, other); !errors.Is(r.Err, fsm.ErrInvalidCommand) {
 		t.Fatalf("reused identity: %v, want ErrInvalidCommand", r.Err)
+	}
+
+	// A repeat answers with what its write wrote, not with the record as
+	// other writers left it since: a registration replaced by another
+	// client's, a config key set again.
+	reg := register(&clusterv1.ServiceInstance{Service: "dedupe", InstanceId: "i1", Node: "n1", Address: "10.0.0.1", Port: 80})
+	reg.ClientId, reg.Sequence, reg.Time = "client-b", 1, timestamppb.Now()
+	mine := write(t, h, 0, reg)
+	if mine.Err != nil || mine.Value == nil {
+		t.Fatalf("register: %+v", mine)
+	}
+	want := proto.Clone(mine.Value)
+	theirs := register(&clusterv1.ServiceInstance{Service: "dedupe", InstanceId: "i1", Node: "n2", Address: "10.0.0.2", Port: 81})
+	theirs.ClientId, theirs.Sequence, theirs.Time = "client-c", 1, timestamppb.Now()
+	if r := write(t, h, 1, theirs); r.Err != nil {
+		t.Fatalf("the other client's register: %v", r.Err)
+	}
+	set := setConfig("dedupe", "again", nil)
+	set.ClientId, set.Sequence, set.Time = "client-c", 2, timestamppb.Now()
+	if r := write(t, h, 1, set); r.Err != nil {
+		t.Fatalf("set again: %v", r.Err)
+	}
+	for i := range h.N {
+		again := write(t, h, i, reg)
+		if !again.Duplicate || again.Index != mine.Index || !proto.Equal(again.Value, want) {
+			t.Fatalf("repeated register through node %d: %+v, want index %d and the write's own instance %v", i, again, mine.Index, want)
+		}
+		cfg := write(t, h, i, cmd)
+		if e, ok := cfg.Value.(*clusterv1.ConfigEntry); !ok || e.GetValue() != "once" || e.GetRevision() != first.Index {
+			t.Fatalf("repeated set_config through node %d: %+v, want value \"once\" at revision %d", i, cfg.Value, first.Index)
+		}
 	}
 }
 

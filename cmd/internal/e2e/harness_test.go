@@ -163,6 +163,10 @@ type cluster struct {
 	certs string
 	// extra is YAML appended to every agent's configuration file.
 	extra string
+	// tlsExtra is YAML added to the tls block of every agent's
+	// configuration file, indented by two spaces; {certs} stands for the
+	// certificate directory.
+	tlsExtra string
 	// net, when set, runs node i in network namespace net.names[i] on
 	// address net.ips[i] (startClusterIn); else every node is on 127.0.0.1.
 	net *netnsEnv
@@ -267,7 +271,7 @@ func (c *cluster) boot(t *testing.T, dir string) error {
   key_file: %[1]s/pivirt-agent-%[2]s.key
   verify_peer: true
   require_client_cert: true
-server:
+%[4]sserver:
   connectrpc:
     tls:
       cert_file: %[1]s/%[2]s-server.crt
@@ -299,7 +303,7 @@ routing:
         prefix: /pivirt.storage.v1.StorageService
       route:
         cluster: iscsiman
-`, c.certs, name, n.simAddr) + c.extra
+`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + c.extra
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}

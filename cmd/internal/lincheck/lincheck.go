@@ -171,6 +171,8 @@ type History struct {
 	annotations []porcupine.Annotation
 	// counts of outcomes, by kind and result or error code, for the log.
 	counts map[string]int
+	// wrong are the answers that were not their operation's outcome.
+	wrong []string
 }
 
 func NewHistory() *History {
@@ -185,6 +187,15 @@ func (h *History) Add(op porcupine.Operation, outcome string) {
 	defer h.mu.Unlock()
 	h.ops = append(h.ops, op)
 	h.counts[outcome]++
+}
+
+// Wrong records an answer that is not the outcome of its own operation;
+// Check fails the test for each.
+func (h *History) Wrong(msg string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.wrong = append(h.wrong, msg)
+	h.counts["wrong answer"]++
 }
 
 func (h *History) Count(outcome string) {
@@ -309,15 +320,26 @@ func (c *Client) register(ctx context.Context, key string) {
 		Write:    c.write(),
 	}
 	call := c.hist.Now()
+	var resp *connect.Response[clusterv1.RegisterServiceResponse]
 	err := c.call(ctx, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
-		_, err := api.RegisterService(ctx, connect.NewRequest(req))
+		var err error
+		resp, err = api.RegisterService(ctx, connect.NewRequest(req))
 		return err
 	})
 	out := Output{Result: OK}
-	if err != nil {
-		// Every failure is ambiguous, NotFound included: a retry that the
-		// FSM answers as a duplicate re-reads the instance, which may have
-		// been deregistered since.
+	switch {
+	case err == nil:
+		// The answer is the write's own outcome, also for a retry that the
+		// FSM answered as a duplicate: this write's instance, at its index.
+		if inst := resp.Msg.GetInstance(); inst.GetAddress() != in.Value || inst.GetModifyIndex() != resp.Msg.GetIndex() {
+			c.hist.Wrong(fmt.Sprintf("register(%s, %s) answered with %s at index %d (instance modify index %d)",
+				key, in.Value, inst.GetAddress(), resp.Msg.GetIndex(), inst.GetModifyIndex()))
+		}
+	case connect.CodeOf(err) == connect.CodeNotFound:
+		// Taken at face value, as a client does: the register failed. The
+		// model refuses it, since a register never fails so.
+		out.Result = NotFound
+	default:
 		out.Result = Unknown
 	}
 	c.record(in, call, out, err)
@@ -521,6 +543,12 @@ func Check(t testing.TB, hist *History, minOps int) {
 		default:
 			t.Errorf("history is not linearizable (%s); visualization: %s\n%s", res, path, Explain(info, ops))
 		}
+	}
+	hist.mu.Lock()
+	wrong := slices.Clone(hist.wrong)
+	hist.mu.Unlock()
+	if len(wrong) > 0 {
+		t.Errorf("%d answers were not their own operation's outcome:\n  %s", len(wrong), strings.Join(wrong[:min(len(wrong), 20)], "\n  "))
 	}
 	if writes <= minOps || reads <= minOps {
 		t.Errorf("too few successful operations to mean anything: %d writes and %d reads, want more than %d of each", writes, reads, minOps)

@@ -51,6 +51,7 @@ type Command struct {
 	//	*Command_RecordRun
 	//	*Command_Restored
 	//	*Command_SetClusterCa
+	//	*Command_RefuseWrite
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -222,6 +223,15 @@ func (x *Command) GetSetClusterCa() *SetClusterCA {
 	return nil
 }
 
+func (x *Command) GetRefuseWrite() *RefuseWrite {
+	if x != nil {
+		if x, ok := x.Op.(*Command_RefuseWrite); ok {
+			return x.RefuseWrite
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -274,6 +284,10 @@ type Command_SetClusterCa struct {
 	SetClusterCa *SetClusterCA `protobuf:"bytes,50,opt,name=set_cluster_ca,json=setClusterCa,proto3,oneof"`
 }
 
+type Command_RefuseWrite struct {
+	RefuseWrite *RefuseWrite `protobuf:"bytes,60,opt,name=refuse_write,json=refuseWrite,proto3,oneof"`
+}
+
 func (*Command_RegisterService) isCommand_Op() {}
 
 func (*Command_DeregisterService) isCommand_Op() {}
@@ -298,6 +312,68 @@ func (*Command_Restored) isCommand_Op() {}
 
 func (*Command_SetClusterCa) isCommand_Op() {}
 
+func (*Command_RefuseWrite) isCommand_Op() {}
+
+// RefuseWrite records the outcome of a write that the leader refused
+// without proposing it (an update of a schedule that does not exist, a
+// compare-and-set whose revision no longer holds), under the write's
+// client_id and sequence, so that a repeat of the write gets the same
+// answer instead of being applied later. It changes nothing else. Its
+// dedupe record keeps no operation digest: it stands for whatever the
+// write was.
+type RefuseWrite struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// error_code is the outcome's persisted code ("not_found", "cas_conflict").
+	ErrorCode     string `protobuf:"bytes,1,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorMessage  string `protobuf:"bytes,2,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RefuseWrite) Reset() {
+	*x = RefuseWrite{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RefuseWrite) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RefuseWrite) ProtoMessage() {}
+
+func (x *RefuseWrite) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RefuseWrite.ProtoReflect.Descriptor instead.
+func (*RefuseWrite) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *RefuseWrite) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *RefuseWrite) GetErrorMessage() string {
+	if x != nil {
+		return x.ErrorMessage
+	}
+	return ""
+}
+
 // SetClusterCA installs the built-in cluster CA (tls.cluster_ca), replacing
 // the one before. Proposed by the leader from its configured files.
 type SetClusterCA struct {
@@ -312,7 +388,7 @@ type SetClusterCA struct {
 
 func (x *SetClusterCA) Reset() {
 	*x = SetClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -324,7 +400,7 @@ func (x *SetClusterCA) String() string {
 func (*SetClusterCA) ProtoMessage() {}
 
 func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -337,7 +413,7 @@ func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterCA.ProtoReflect.Descriptor instead.
 func (*SetClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *SetClusterCA) GetCertPem() []byte {
@@ -369,7 +445,7 @@ type ClusterCA struct {
 
 func (x *ClusterCA) Reset() {
 	*x = ClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -381,7 +457,7 @@ func (x *ClusterCA) String() string {
 func (*ClusterCA) ProtoMessage() {}
 
 func (x *ClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -394,7 +470,7 @@ func (x *ClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterCA.ProtoReflect.Descriptor instead.
 func (*ClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ClusterCA) GetCertPem() []byte {
@@ -440,7 +516,7 @@ type Restored struct {
 
 func (x *Restored) Reset() {
 	*x = Restored{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -452,7 +528,7 @@ func (x *Restored) String() string {
 func (*Restored) ProtoMessage() {}
 
 func (x *Restored) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -465,7 +541,7 @@ func (x *Restored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Restored.ProtoReflect.Descriptor instead.
 func (*Restored) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Restored) GetSnapshotId() string {
@@ -491,7 +567,7 @@ type RegisterService struct {
 
 func (x *RegisterService) Reset() {
 	*x = RegisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -503,7 +579,7 @@ func (x *RegisterService) String() string {
 func (*RegisterService) ProtoMessage() {}
 
 func (x *RegisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -516,7 +592,7 @@ func (x *RegisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterService.ProtoReflect.Descriptor instead.
 func (*RegisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RegisterService) GetInstance() *v1.ServiceInstance {
@@ -536,7 +612,7 @@ type DeregisterService struct {
 
 func (x *DeregisterService) Reset() {
 	*x = DeregisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -548,7 +624,7 @@ func (x *DeregisterService) String() string {
 func (*DeregisterService) ProtoMessage() {}
 
 func (x *DeregisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -561,7 +637,7 @@ func (x *DeregisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterService.ProtoReflect.Descriptor instead.
 func (*DeregisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *DeregisterService) GetService() string {
@@ -588,7 +664,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -600,7 +676,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -613,7 +689,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Heartbeat) GetService() string {
@@ -645,7 +721,7 @@ type SetServiceHealth struct {
 
 func (x *SetServiceHealth) Reset() {
 	*x = SetServiceHealth{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -657,7 +733,7 @@ func (x *SetServiceHealth) String() string {
 func (*SetServiceHealth) ProtoMessage() {}
 
 func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -670,7 +746,7 @@ func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetServiceHealth.ProtoReflect.Descriptor instead.
 func (*SetServiceHealth) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *SetServiceHealth) GetService() string {
@@ -712,7 +788,7 @@ type SetConfig struct {
 
 func (x *SetConfig) Reset() {
 	*x = SetConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -724,7 +800,7 @@ func (x *SetConfig) String() string {
 func (*SetConfig) ProtoMessage() {}
 
 func (x *SetConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -737,7 +813,7 @@ func (x *SetConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfig.ProtoReflect.Descriptor instead.
 func (*SetConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *SetConfig) GetKey() string {
@@ -771,7 +847,7 @@ type DeleteConfig struct {
 
 func (x *DeleteConfig) Reset() {
 	*x = DeleteConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -783,7 +859,7 @@ func (x *DeleteConfig) String() string {
 func (*DeleteConfig) ProtoMessage() {}
 
 func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -796,7 +872,7 @@ func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfig.ProtoReflect.Descriptor instead.
 func (*DeleteConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DeleteConfig) GetKey() string {
@@ -824,7 +900,7 @@ type PutSchedule struct {
 
 func (x *PutSchedule) Reset() {
 	*x = PutSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -836,7 +912,7 @@ func (x *PutSchedule) String() string {
 func (*PutSchedule) ProtoMessage() {}
 
 func (x *PutSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -849,7 +925,7 @@ func (x *PutSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutSchedule.ProtoReflect.Descriptor instead.
 func (*PutSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PutSchedule) GetSchedule() *v11.Schedule {
@@ -875,7 +951,7 @@ type DeleteSchedule struct {
 
 func (x *DeleteSchedule) Reset() {
 	*x = DeleteSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -887,7 +963,7 @@ func (x *DeleteSchedule) String() string {
 func (*DeleteSchedule) ProtoMessage() {}
 
 func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -900,7 +976,7 @@ func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSchedule.ProtoReflect.Descriptor instead.
 func (*DeleteSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeleteSchedule) GetId() string {
@@ -928,7 +1004,7 @@ type ClaimSlot struct {
 
 func (x *ClaimSlot) Reset() {
 	*x = ClaimSlot{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -940,7 +1016,7 @@ func (x *ClaimSlot) String() string {
 func (*ClaimSlot) ProtoMessage() {}
 
 func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -953,7 +1029,7 @@ func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimSlot.ProtoReflect.Descriptor instead.
 func (*ClaimSlot) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ClaimSlot) GetScheduleId() string {
@@ -1000,7 +1076,7 @@ type RecordRun struct {
 
 func (x *RecordRun) Reset() {
 	*x = RecordRun{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1012,7 +1088,7 @@ func (x *RecordRun) String() string {
 func (*RecordRun) ProtoMessage() {}
 
 func (x *RecordRun) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1025,7 +1101,7 @@ func (x *RecordRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordRun.ProtoReflect.Descriptor instead.
 func (*RecordRun) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RecordRun) GetRun() *v11.Run {
@@ -1048,7 +1124,7 @@ type SnapshotHeader struct {
 
 func (x *SnapshotHeader) Reset() {
 	*x = SnapshotHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1060,7 +1136,7 @@ func (x *SnapshotHeader) String() string {
 func (*SnapshotHeader) ProtoMessage() {}
 
 func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1073,7 +1149,7 @@ func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeader.ProtoReflect.Descriptor instead.
 func (*SnapshotHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *SnapshotHeader) GetFormatVersion() uint32 {
@@ -1107,7 +1183,7 @@ type TableHeader struct {
 
 func (x *TableHeader) Reset() {
 	*x = TableHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1119,7 +1195,7 @@ func (x *TableHeader) String() string {
 func (*TableHeader) ProtoMessage() {}
 
 func (x *TableHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1132,7 +1208,7 @@ func (x *TableHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableHeader.ProtoReflect.Descriptor instead.
 func (*TableHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *TableHeader) GetName() string {
@@ -1164,14 +1240,25 @@ type DedupeRecord struct {
 	// op_digest is the SHA-256 of the write's operation, so that a client
 	// reusing a (client_id, sequence) pair for a different write is told so
 	// instead of getting the first write's outcome.
-	OpDigest      []byte `protobuf:"bytes,7,opt,name=op_digest,json=opDigest,proto3" json:"op_digest,omitempty"`
+	OpDigest []byte `protobuf:"bytes,7,opt,name=op_digest,json=opDigest,proto3" json:"op_digest,omitempty"`
+	// value is the record the write wrote (the FSM's Result.Value), which a
+	// repeat is answered with: the write's own outcome, not the current state.
+	// Empty for deletes, for errors and in records of older versions.
+	//
+	// Types that are valid to be assigned to Value:
+	//
+	//	*DedupeRecord_Instance
+	//	*DedupeRecord_ConfigEntry
+	//	*DedupeRecord_Schedule
+	//	*DedupeRecord_Run
+	Value         isDedupeRecord_Value `protobuf_oneof:"value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1183,7 +1270,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1196,7 +1283,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1248,11 +1335,82 @@ func (x *DedupeRecord) GetOpDigest() []byte {
 	return nil
 }
 
+func (x *DedupeRecord) GetValue() isDedupeRecord_Value {
+	if x != nil {
+		return x.Value
+	}
+	return nil
+}
+
+func (x *DedupeRecord) GetInstance() *v1.ServiceInstance {
+	if x != nil {
+		if x, ok := x.Value.(*DedupeRecord_Instance); ok {
+			return x.Instance
+		}
+	}
+	return nil
+}
+
+func (x *DedupeRecord) GetConfigEntry() *v1.ConfigEntry {
+	if x != nil {
+		if x, ok := x.Value.(*DedupeRecord_ConfigEntry); ok {
+			return x.ConfigEntry
+		}
+	}
+	return nil
+}
+
+func (x *DedupeRecord) GetSchedule() *v11.Schedule {
+	if x != nil {
+		if x, ok := x.Value.(*DedupeRecord_Schedule); ok {
+			return x.Schedule
+		}
+	}
+	return nil
+}
+
+func (x *DedupeRecord) GetRun() *v11.Run {
+	if x != nil {
+		if x, ok := x.Value.(*DedupeRecord_Run); ok {
+			return x.Run
+		}
+	}
+	return nil
+}
+
+type isDedupeRecord_Value interface {
+	isDedupeRecord_Value()
+}
+
+type DedupeRecord_Instance struct {
+	Instance *v1.ServiceInstance `protobuf:"bytes,8,opt,name=instance,proto3,oneof"`
+}
+
+type DedupeRecord_ConfigEntry struct {
+	ConfigEntry *v1.ConfigEntry `protobuf:"bytes,9,opt,name=config_entry,json=configEntry,proto3,oneof"`
+}
+
+type DedupeRecord_Schedule struct {
+	Schedule *v11.Schedule `protobuf:"bytes,10,opt,name=schedule,proto3,oneof"`
+}
+
+type DedupeRecord_Run struct {
+	Run *v11.Run `protobuf:"bytes,11,opt,name=run,proto3,oneof"`
+}
+
+func (*DedupeRecord_Instance) isDedupeRecord_Value() {}
+
+func (*DedupeRecord_ConfigEntry) isDedupeRecord_Value() {}
+
+func (*DedupeRecord_Schedule) isDedupeRecord_Value() {}
+
+func (*DedupeRecord_Run) isDedupeRecord_Value() {}
+
 var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\x9f\a\n" +
+	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xe0\a\n" +
 	"\aCommand\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -1272,8 +1430,13 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
 	"record_run\x18! \x01(\v2\x18.pivirt.fsm.v1.RecordRunH\x00R\trecordRun\x125\n" +
 	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestored\x12C\n" +
-	"\x0eset_cluster_ca\x182 \x01(\v2\x1b.pivirt.fsm.v1.SetClusterCAH\x00R\fsetClusterCaB\x04\n" +
-	"\x02op\"B\n" +
+	"\x0eset_cluster_ca\x182 \x01(\v2\x1b.pivirt.fsm.v1.SetClusterCAH\x00R\fsetClusterCa\x12?\n" +
+	"\frefuse_write\x18< \x01(\v2\x1a.pivirt.fsm.v1.RefuseWriteH\x00R\vrefuseWriteB\x04\n" +
+	"\x02op\"Q\n" +
+	"\vRefuseWrite\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x01 \x01(\tR\terrorCode\x12#\n" +
+	"\rerror_message\x18\x02 \x01(\tR\ferrorMessage\"B\n" +
 	"\fSetClusterCA\x12\x19\n" +
 	"\bcert_pem\x18\x01 \x01(\fR\acertPem\x12\x17\n" +
 	"\akey_pem\x18\x02 \x01(\fR\x06keyPem\"\x94\x01\n" +
@@ -1334,7 +1497,7 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"last_index\x18\x03 \x01(\x04R\tlastIndex\";\n" +
 	"\vTableHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
-	"\arecords\x18\x02 \x01(\x04R\arecords\"\xee\x01\n" +
+	"\arecords\x18\x02 \x01(\x04R\arecords\"\xe7\x03\n" +
 	"\fDedupeRecord\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12\x14\n" +
@@ -1343,7 +1506,13 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
 	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\x12.\n" +
 	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x1b\n" +
-	"\top_digest\x18\a \x01(\fR\bopDigestB1Z/pilab.hu/pivirt-agent/proto/pivirt/fsm/v1;fsmv1b\x06proto3"
+	"\top_digest\x18\a \x01(\fR\bopDigest\x12@\n" +
+	"\binstance\x18\b \x01(\v2\".pivirt.cluster.v1.ServiceInstanceH\x00R\binstance\x12C\n" +
+	"\fconfig_entry\x18\t \x01(\v2\x1e.pivirt.cluster.v1.ConfigEntryH\x00R\vconfigEntry\x12:\n" +
+	"\bschedule\x18\n" +
+	" \x01(\v2\x1c.pivirt.schedule.v1.ScheduleH\x00R\bschedule\x12+\n" +
+	"\x03run\x18\v \x01(\v2\x17.pivirt.schedule.v1.RunH\x00R\x03runB\a\n" +
+	"\x05valueB1Z/pilab.hu/pivirt-agent/proto/pivirt/fsm/v1;fsmv1b\x06proto3"
 
 var (
 	file_pivirt_fsm_v1_fsm_proto_rawDescOnce sync.Once
@@ -1357,60 +1526,67 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
-	(*SetClusterCA)(nil),          // 1: pivirt.fsm.v1.SetClusterCA
-	(*ClusterCA)(nil),             // 2: pivirt.fsm.v1.ClusterCA
-	(*Restored)(nil),              // 3: pivirt.fsm.v1.Restored
-	(*RegisterService)(nil),       // 4: pivirt.fsm.v1.RegisterService
-	(*DeregisterService)(nil),     // 5: pivirt.fsm.v1.DeregisterService
-	(*Heartbeat)(nil),             // 6: pivirt.fsm.v1.Heartbeat
-	(*SetServiceHealth)(nil),      // 7: pivirt.fsm.v1.SetServiceHealth
-	(*SetConfig)(nil),             // 8: pivirt.fsm.v1.SetConfig
-	(*DeleteConfig)(nil),          // 9: pivirt.fsm.v1.DeleteConfig
-	(*PutSchedule)(nil),           // 10: pivirt.fsm.v1.PutSchedule
-	(*DeleteSchedule)(nil),        // 11: pivirt.fsm.v1.DeleteSchedule
-	(*ClaimSlot)(nil),             // 12: pivirt.fsm.v1.ClaimSlot
-	(*RecordRun)(nil),             // 13: pivirt.fsm.v1.RecordRun
-	(*SnapshotHeader)(nil),        // 14: pivirt.fsm.v1.SnapshotHeader
-	(*TableHeader)(nil),           // 15: pivirt.fsm.v1.TableHeader
-	(*DedupeRecord)(nil),          // 16: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 18: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 19: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 20: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 21: pivirt.schedule.v1.Run
+	(*RefuseWrite)(nil),           // 1: pivirt.fsm.v1.RefuseWrite
+	(*SetClusterCA)(nil),          // 2: pivirt.fsm.v1.SetClusterCA
+	(*ClusterCA)(nil),             // 3: pivirt.fsm.v1.ClusterCA
+	(*Restored)(nil),              // 4: pivirt.fsm.v1.Restored
+	(*RegisterService)(nil),       // 5: pivirt.fsm.v1.RegisterService
+	(*DeregisterService)(nil),     // 6: pivirt.fsm.v1.DeregisterService
+	(*Heartbeat)(nil),             // 7: pivirt.fsm.v1.Heartbeat
+	(*SetServiceHealth)(nil),      // 8: pivirt.fsm.v1.SetServiceHealth
+	(*SetConfig)(nil),             // 9: pivirt.fsm.v1.SetConfig
+	(*DeleteConfig)(nil),          // 10: pivirt.fsm.v1.DeleteConfig
+	(*PutSchedule)(nil),           // 11: pivirt.fsm.v1.PutSchedule
+	(*DeleteSchedule)(nil),        // 12: pivirt.fsm.v1.DeleteSchedule
+	(*ClaimSlot)(nil),             // 13: pivirt.fsm.v1.ClaimSlot
+	(*RecordRun)(nil),             // 14: pivirt.fsm.v1.RecordRun
+	(*SnapshotHeader)(nil),        // 15: pivirt.fsm.v1.SnapshotHeader
+	(*TableHeader)(nil),           // 16: pivirt.fsm.v1.TableHeader
+	(*DedupeRecord)(nil),          // 17: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 19: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 20: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 21: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 22: pivirt.schedule.v1.Run
+	(*v1.ConfigEntry)(nil),        // 23: pivirt.cluster.v1.ConfigEntry
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	17, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
-	4,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
-	5,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
-	6,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
-	7,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
-	8,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
-	9,  // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
-	10, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
-	11, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
-	12, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
-	13, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
-	3,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
-	1,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
-	17, // 13: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
-	18, // 14: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	19, // 15: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	17, // 16: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	20, // 17: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	17, // 18: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	17, // 19: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	21, // 20: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	15, // 21: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	17, // 22: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	23, // [23:23] is the sub-list for method output_type
-	23, // [23:23] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	18, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	5,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
+	6,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
+	7,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
+	8,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
+	9,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
+	10, // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
+	11, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
+	12, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
+	13, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
+	14, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
+	4,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
+	2,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
+	1,  // 13: pivirt.fsm.v1.Command.refuse_write:type_name -> pivirt.fsm.v1.RefuseWrite
+	18, // 14: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
+	19, // 15: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	20, // 16: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	18, // 17: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	21, // 18: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	18, // 19: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	18, // 20: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	22, // 21: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	16, // 22: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	18, // 23: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	19, // 24: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	23, // 25: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	21, // 26: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	22, // 27: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	28, // [28:28] is the sub-list for method output_type
+	28, // [28:28] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -1431,17 +1607,24 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 		(*Command_RecordRun)(nil),
 		(*Command_Restored)(nil),
 		(*Command_SetClusterCa)(nil),
+		(*Command_RefuseWrite)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[8].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[9].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[10].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[11].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[17].OneofWrappers = []any{
+		(*DedupeRecord_Instance)(nil),
+		(*DedupeRecord_ConfigEntry)(nil),
+		(*DedupeRecord_Schedule)(nil),
+		(*DedupeRecord_Run)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   17,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
