@@ -53,6 +53,10 @@ DURATION ?= 10m
 soak: ## mixed traffic through 3 real agents with leader kills for DURATION (default 10m): errors, p99, memory
 	PIVIRT_SOAK_DURATION=$(DURATION) $(GO) test -v -count=1 -run '^TestSoak$$' -timeout 0 ./cmd/internal/e2e/ 2>&1 | grep --line-buffered -v '^=== '
 
+.PHONY: restart-matrix
+restart-matrix: ## every documented operation x SIGTERM|SIGKILL x all at once|rolling, restarting 3 real agents (Raft and etcd mode)
+	PIVIRT_RESTART_MATRIX=1 $(GO) test -race -v -count=1 -run '^Test(Etcd)?RestartMatrix$$' -timeout 40m ./cmd/internal/e2e/ 2>&1 | grep --line-buffered -v '^=== '
+
 .PHONY: scale
 AGENTS ?= 100
 INSTANCES ?= 100000

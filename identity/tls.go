@@ -66,6 +66,9 @@ type Source struct {
 
 	mu  sync.RWMutex
 	cur *material
+	// loaded is closed, and replaced, when a reload installs new
+	// material (Loaded).
+	loaded chan struct{}
 	// reloadMu serialises loads, so that an older load never replaces a
 	// newer one.
 	reloadMu sync.Mutex
@@ -83,7 +86,7 @@ func NewSource(cfg SourceConfig) (*Source, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Source{cfg: cfg, logger: logger.With("component", "tls")}
+	s := &Source{cfg: cfg, logger: logger.With("component", "tls"), loaded: make(chan struct{})}
 	m, err := s.load()
 	if err != nil {
 		return nil, err
@@ -166,12 +169,23 @@ func (s *Source) Reload() error {
 	}
 	s.mu.Lock()
 	s.cur = m
+	close(s.loaded)
+	s.loaded = make(chan struct{})
 	s.mu.Unlock()
 	if m.leaf != nil {
 		s.logger.Info("tls certificates loaded", "cert", s.cfg.CertFile, "subject", m.leaf.Subject.String(),
 			"not_after", m.leaf.NotAfter.UTC().Format(time.RFC3339))
 	}
 	return nil
+}
+
+// Loaded returns a channel that is closed when a reload installs new
+// material (the files changed, or were read again): whoever plans by the
+// certificate in use, such as a renewal, looks at it again.
+func (s *Source) Loaded() <-chan struct{} {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.loaded
 }
 
 // changed reports whether a file differs from the loaded material's.

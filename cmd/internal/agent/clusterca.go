@@ -241,7 +241,9 @@ func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.So
 				"renew_at", due.UTC().Format(time.RFC3339), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339))
 		}
 		if wait := time.Until(due); wait > 0 {
-			if !sleepCtx(ctx, min(wait, renewRecheck)) {
+			// Until it is due, a reload of the files (an operator replaced
+			// them) or the recheck, whichever comes first.
+			if !waitCtx(ctx, min(wait, renewRecheck), src.Loaded()) {
 				return
 			}
 			continue
@@ -348,13 +350,18 @@ func (c *clusterCA) ask(ctx context.Context, req identity.RenewalRequest) ([]byt
 }
 
 // sleepCtx waits d; false when ctx ended first.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
+func sleepCtx(ctx context.Context, d time.Duration) bool { return waitCtx(ctx, d, nil) }
+
+// waitCtx waits d, or until wake is closed; false when ctx ended first.
+func waitCtx(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
 		return false
 	case <-t.C:
+		return true
+	case <-wake:
 		return true
 	}
 }

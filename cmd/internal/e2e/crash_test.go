@@ -206,6 +206,8 @@ func TestCrashDuringRestore(t *testing.T) {
 		what := "the old state"
 		if got == target {
 			what = "the restored state"
+		} else if r.code == 0 {
+			t.Fatalf("round %d: the restore was acknowledged (%s), but the cluster holds the old state", round+1, strings.TrimSpace(r.stdout))
 		}
 		outcomes[what]++
 		t.Logf("round %d: %s and %s killed %s into a restore through %s (pvcli exit %d): the cluster holds %s",
