@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,6 +24,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"go.etcd.io/bbolt"
 
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -550,6 +552,7 @@ func (m *matrix) recover(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.stopAgents(t, sigterm, m.c.nodes...)
+	m.recoverRefusesDamage(t, m.c.nodes[0], file)
 	for _, n := range m.c.nodes {
 		out, err := exec.Command(m.c.bins.agent, "recover", "--data-dir", n.dataDir, "--peers", file).CombinedOutput()
 		if err != nil {
@@ -560,6 +563,43 @@ func (m *matrix) recover(t *testing.T) {
 		m.c.mustStart(t, n, false)
 	}
 	m.waitLeader(t)
+}
+
+// recoverRefusesDamage runs `pivirt-agent recover` on a copy of n's data
+// dir whose newest log entry is garbled: it must refuse, naming the file
+// and the entry.
+func (m *matrix) recoverRefusesDamage(t *testing.T, n *node, peers string) {
+	t.Helper()
+	cp := filepath.Join(t.TempDir(), "copy")
+	if out, err := exec.Command("cp", "-a", n.dataDir, cp).CombinedOutput(); err != nil {
+		t.Fatalf("copy %s: %v\n%s", n.dataDir, err, out)
+	}
+	path := filepath.Join(cp, "raft", "raft.db")
+	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last uint64
+	err = db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket([]byte("logs"))
+		if b == nil {
+			return errors.New("no logs bucket")
+		}
+		k, _ := b.Cursor().Last()
+		last = binary.BigEndian.Uint64(k)
+		return b.Put(k, []byte{0xc1, 0xff, 0x00})
+	})
+	if cerr := db.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(m.c.bins.agent, "recover", "--data-dir", cp, "--peers", peers).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "the raft log is damaged") || !strings.Contains(string(out), path) ||
+		!strings.Contains(string(out), fmt.Sprintf("entry %d", last)) {
+		t.Fatalf("pivirt-agent recover on a data dir with entry %d garbled: %v\n%s\nwant a refusal naming %s and the entry", last, err, out, path)
+	}
 }
 
 // keyring rotates the gossip key through a random agent, as the README
