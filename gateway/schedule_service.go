@@ -202,7 +202,8 @@ const maxModifyAttempts = 10
 // recorded as refused under the attempt's identity, so that a retry gets
 // that answer too instead of updating a schedule created since.
 func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
-	for attempt := range maxModifyAttempts {
+	synced := false // the state read is at least as new as the call
+	for attempt := 0; attempt < maxModifyAttempts; {
 		wa := modifyAttempt(w, attempt)
 		st := s.h.state.State()
 		done, err := st.WriteOutcome(wa.GetClientId(), wa.GetSequence())
@@ -230,9 +231,21 @@ func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions,
 				}
 				out, err := s.put(ctx, wa, next, cur.GetModifyIndex())
 				if errors.Is(err, fsm.ErrCASConflict) && expected == nil {
+					attempt++
 					continue // a run claimed a slot in between
 				}
 				return out, err
+			}
+			if !synced {
+				// A refusal is kept for every retry: decide it on a state
+				// that holds every write acknowledged before this call (a
+				// new leader's, or another agent's mirror in etcd mode,
+				// may lag), so the same attempt runs once more on it.
+				if err := s.barrier(ctx); err != nil {
+					return nil, err
+				}
+				synced = true
+				continue
 			}
 			if done, err = s.refuse(ctx, wa, refusal); err != nil {
 				return nil, err
@@ -245,6 +258,7 @@ func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions,
 				(*schedulev1.Schedule).GetModifyIndex), nil
 		}
 		if errors.Is(done.Err, fsm.ErrCASConflict) && expected == nil {
+			attempt++
 			continue // this attempt lost to a claim; the next one tells
 		}
 		return nil, done.Err

@@ -114,7 +114,8 @@ func walkBucket(b *bbolt.Bucket, key func(k []byte) error) error {
 func restorableSnapshot(dir string, snaps raft.SnapshotStore) (uint64, error) {
 	list, err := snaps.List()
 	if err != nil {
-		return 0, fmt.Errorf("%w: %s: list snapshots: %v", ErrCorruptLog, dir, err)
+		// Unreadable, not damaged (permissions, a missing directory).
+		return 0, fmt.Errorf("list raft snapshots in %s: %w", dir, err)
 	}
 	var errs []error
 	for _, meta := range list { // newest first

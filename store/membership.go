@@ -135,9 +135,20 @@ func (s *Store) addServer(ctx context.Context, id, addr string, voter bool) erro
 			}
 			if string(srv.Address) != addr && id != s.id {
 				// A new address for another server is a removal and an
-				// addition, never a change in place: see DESIGN.md,
-				// "Address changes". Its suffrage stays (or is raised).
+				// addition, not a change in place (DESIGN.md, "Address
+				// changes"), while the voters left without it can commit
+				// the removal. Its suffrage stays (or is raised).
 				voter = voter || srv.Suffrage == raft.Voter
+				if srv.Suffrage == raft.Voter {
+					if err := s.reach.settle(ctx); err != nil {
+						return err
+					}
+				}
+				if srv.Suffrage == raft.Voter && !s.reach.quorumWithout(cfg, raft.ServerID(s.id), srv.ID) {
+					s.log.Warn("voter has a new address; the other voters reached are no quorum without it, so it is changed in place",
+						"id", id, "old_address", srv.Address, "address", addr)
+					continue
+				}
 				s.log.Info("server has a new address: removing it and adding it again", "id", id, "old_address", srv.Address, "address", addr, "voter", voter)
 				stale = append(stale, srv)
 			}

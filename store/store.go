@@ -60,6 +60,9 @@ type Store struct {
 	closeErr  error
 
 	leadership leadership
+	// reach knows, on the leader, which servers its heartbeats fail to
+	// reach.
+	reach reach
 }
 
 // New opens (or creates) the Raft state in cfg.DataDir/raft and starts the
@@ -138,6 +141,7 @@ func New(cfg Config) (s *Store, err error) {
 		existed:         existed,
 		electionTimeout: cfg.ElectionTimeout,
 		closing:         make(chan struct{}),
+		reach:           reach{grace: 2 * cfg.HeartbeatTimeout},
 	}
 	// Raft blocks its main loop on NotifyCh until the value is taken, so a
 	// dedicated goroutine takes it at once and fans it out without blocking.
@@ -148,6 +152,7 @@ func New(cfg Config) (s *Store, err error) {
 	}
 	s.raft = r
 	s.leadership.start(notify, s.closing)
+	s.reach.start(r, raft.ServerID(cfg.NodeID), s.closing)
 	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed)
 	return s, nil
 }
@@ -455,6 +460,7 @@ func (s *Store) Close() error {
 			errs = append(errs, fmt.Errorf("close raft transport: %w", err))
 		}
 		s.leadership.stop()
+		s.reach.stop()
 		if err := s.bolt.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft log: %w", err))
 		}

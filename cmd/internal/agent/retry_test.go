@@ -32,8 +32,14 @@ const (
 	// retries, below the agents' 7s hold timeout plus an election.
 	retryAttempt = 3 * time.Second
 	retryOpTime  = 12 * time.Second
-	// retryMinLoad is how long the clients run at least.
+	// retryMinLoad is how long the clients run at least; they go on, up
+	// to retryMaxLoad in all, until retryWant writes were answered and
+	// repeated (a loaded machine answers fewer per second).
 	retryMinLoad = 6 * time.Second
+	retryMaxLoad = 60 * time.Second
+	retryWant    = 200
+	// retryEnough is the least that means anything.
+	retryEnough = 60
 )
 
 // TestRetriedWritesAnswerTheirOwnOutcome runs concurrent clients that issue
@@ -130,24 +136,37 @@ func (r *retryRun) fail(format string, args ...any) {
 func (r *retryRun) finish(t *testing.T) {
 	t.Helper()
 	linPause(t, retryMinLoad-time.Since(r.start))
+	for time.Since(r.start) < retryMaxLoad && r.checked() < retryWant {
+		linPause(t, 100*time.Millisecond) // polling interval
+	}
 	r.stop()
+	checked := r.checked()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var lines []string
-	checked := 0
 	for _, k := range slices.Sorted(maps.Keys(r.counts)) {
 		lines = append(lines, fmt.Sprintf("  %-45s %d", k, r.counts[k]))
-		if strings.HasSuffix(k, " checked") {
-			checked += r.counts[k]
-		}
 	}
 	t.Logf("after %s: %d writes answered and repeated\n%s", time.Since(r.start).Round(time.Millisecond), checked, strings.Join(lines, "\n"))
 	if len(r.wrong) > 0 {
 		t.Errorf("%d answers were not their write's own outcome:\n  %s", len(r.wrong), strings.Join(r.wrong[:min(20, len(r.wrong))], "\n  "))
 	}
-	if checked < 100 {
-		t.Errorf("only %d writes were answered and repeated: too few to mean anything", checked)
+	if checked < retryEnough {
+		t.Errorf("only %d writes were answered and repeated in %s: too few to mean anything", checked, retryMaxLoad)
 	}
+}
+
+// checked counts the writes answered and repeated so far.
+func (r *retryRun) checked() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for k, v := range r.counts {
+		if strings.HasSuffix(k, " checked") {
+			n += v
+		}
+	}
+	return n
 }
 
 // retryClient sends writes through the agents of a cluster.

@@ -131,7 +131,9 @@ func TestCrashDuringRestore(t *testing.T) {
 		api[i] = clusterv1connect.NewClusterServiceClient(hc, "https://"+n.api)
 	}
 	// holds reports which archive's state the cluster holds through every
-	// agent ("" while the agents disagree or hold a mix).
+	// agent. A consistent read that answers is the cluster's state: one
+	// that is neither archive's, or agents that disagree, fail the test at
+	// once; only a read that fails is tried again.
 	holds := func() (string, error) {
 		var got string
 		for i, n := range c.nodes {
@@ -141,6 +143,10 @@ func TestCrashDuringRestore(t *testing.T) {
 			cancel()
 			if err != nil {
 				return "", fmt.Errorf("via %s: %w", n.name, err)
+			}
+			fail := func(format string, args ...any) (string, error) {
+				t.Fatalf(format, args...)
+				return "", nil
 			}
 			var ids []string
 			for _, in := range resp.Msg.GetInstances() {
@@ -154,10 +160,10 @@ func TestCrashDuringRestore(t *testing.T) {
 				}
 			}
 			if which == "" {
-				return "", fmt.Errorf("%s holds %d instances, neither archive's state (%d or %d)", n.name, len(ids), len(states[small]), len(states[big]))
+				return fail("%s holds %d instances, neither archive's state (%d or %d): a mix", n.name, len(ids), len(states[small]), len(states[big]))
 			}
 			if got != "" && got != which {
-				return "", fmt.Errorf("agents hold different states")
+				return fail("agents answer consistent reads with different states")
 			}
 			got = which
 		}
