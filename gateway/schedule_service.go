@@ -202,7 +202,15 @@ const maxModifyAttempts = 10
 // recorded as refused under the attempt's identity, so that a retry gets
 // that answer too instead of updating a schedule created since.
 func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions, id string, expected *uint64, change func(*schedulev1.Schedule) error) (*schedulev1.Schedule, error) {
-	synced := false // the state read is at least as new as the call
+	// The update is rebuilt from the state, and a refusal is kept for
+	// every retry: read a state that holds every write committed before
+	// this call — a retry's earlier attempt included, which a new leader
+	// before its barrier, or another agent's mirror in etcd mode, may not
+	// have applied yet (rebuilt from an older state, the retry would be a
+	// different write under the same identity).
+	if err := s.barrier(ctx); err != nil {
+		return nil, err
+	}
 	for attempt := 0; attempt < maxModifyAttempts; {
 		wa := modifyAttempt(w, attempt)
 		st := s.h.state.State()
@@ -235,17 +243,6 @@ func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions,
 					continue // a run claimed a slot in between
 				}
 				return out, err
-			}
-			if !synced {
-				// A refusal is kept for every retry: decide it on a state
-				// that holds every write acknowledged before this call (a
-				// new leader's, or another agent's mirror in etcd mode,
-				// may lag), so the same attempt runs once more on it.
-				if err := s.barrier(ctx); err != nil {
-					return nil, err
-				}
-				synced = true
-				continue
 			}
 			if done, err = s.refuse(ctx, wa, refusal); err != nil {
 				return nil, err

@@ -79,10 +79,11 @@ func start(tb testing.TB, n int, tlsFiles *TLS) *Cluster {
 		clientScheme = "https"
 	}
 	var peers []string
+	ports := freePorts(tb, 2*n)
 	for i := range n {
 		name := fmt.Sprintf("etcd%d", i+1)
-		peer := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", freePort(tb))}
-		client := url.URL{Scheme: clientScheme, Host: fmt.Sprintf("127.0.0.1:%d", freePort(tb))}
+		peer := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", ports[2*i])}
+		client := url.URL{Scheme: clientScheme, Host: fmt.Sprintf("127.0.0.1:%d", ports[2*i+1])}
 		cfg := embed.NewConfig()
 		if tlsFiles != nil {
 			cfg.ClientTLSInfo = transport.TLSInfo{
@@ -273,12 +274,19 @@ func WaitWritable(tb testing.TB, cli *clientv3.Client) {
 }
 
 // freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-func freePort(tb testing.TB) int {
+// freePorts returns n distinct loopback ports that were free when picked:
+// every listener is held until all are picked, so that the kernel cannot
+// hand one port out twice (it did, for two members, under load).
+func freePorts(tb testing.TB, n int) []int {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatalf("free port: %v", err)
+	ports := make([]int, 0, n)
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			tb.Fatalf("free port: %v", err)
+		}
+		defer ln.Close()
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return ports
 }
