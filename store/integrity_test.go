@@ -3,7 +3,6 @@ package store_test
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -88,25 +87,11 @@ func TestGarbledLogEntryRefused(t *testing.T) {
 		c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
 	}
 	c.Stop(0)
-	path := filepath.Join(c.DataDir(0), "raft", "raft.db")
-	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var last uint64
-	err = db.Update(func(tx *bbolt.Tx) error {
-		b := tx.Bucket([]byte("logs"))
-		if b == nil {
-			return errors.New("no logs bucket")
-		}
-		k, _ := b.Cursor().Last()
-		last = binary.BigEndian.Uint64(k)
-		return b.Put(k, []byte{0xc1, 0xff, 0x00, 0x13})
+	storetest.EditLog(t, c.DataDir(0), func(b *bbolt.Bucket, newest uint64) error {
+		last = newest
+		return b.Put(storetest.LogKey(newest), []byte{0xc1, 0xff, 0x00, 0x13})
 	})
-	db.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg := storetest.TestConfig()
 	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -267,24 +252,14 @@ func TestRecoverRefusesDamage(t *testing.T) {
 	}
 	c.Stop(0)
 	path := filepath.Join(c.DataDir(0), "raft", "raft.db")
-	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var gap uint64
-	err = db.Update(func(tx *bbolt.Tx) error {
-		b := tx.Bucket([]byte("logs"))
-		k, _ := b.Cursor().Last()
-		gap = binary.BigEndian.Uint64(k) - 2
-		return b.Delete(binary.BigEndian.AppendUint64(nil, gap))
+	storetest.EditLog(t, c.DataDir(0), func(b *bbolt.Bucket, last uint64) error {
+		gap = last - 2
+		return b.Delete(storetest.LogKey(gap))
 	})
-	db.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg := storetest.TestConfig()
 	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
-	err = store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}})
+	err := store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}})
 	if !errors.Is(err, store.ErrCorruptLog) || !strings.Contains(err.Error(), fmt.Sprintf("entry %d of", gap)) || !strings.Contains(err.Error(), path) {
 		t.Fatalf("RecoverCluster on a log with entry %d missing = %v, want ErrCorruptLog naming %s and the entry", gap, err, path)
 	}

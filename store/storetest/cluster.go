@@ -5,6 +5,7 @@ package storetest
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/raft"
+	"go.etcd.io/bbolt"
 
 	"pilab.hu/pivirt-agent/store"
 )
@@ -405,3 +407,34 @@ func (c *Cluster) Close() {
 		c.tb.Errorf("close cluster: %v", err)
 	}
 }
+
+// EditLog opens the raft.db of a stopped node's data dir and runs edit on
+// its log bucket (raft-boltdb's "logs": 8-byte big-endian indexes to
+// entries), with the newest index stored: tests damage a log with it.
+func EditLog(tb testing.TB, dataDir string, edit func(logs *bbolt.Bucket, last uint64) error) {
+	tb.Helper()
+	db, err := bbolt.Open(filepath.Join(dataDir, "raft", "raft.db"), 0o600, &bbolt.Options{Timeout: time.Second})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	err = db.Update(func(tx *bbolt.Tx) error {
+		b := tx.Bucket([]byte("logs"))
+		if b == nil {
+			return errors.New("no logs bucket")
+		}
+		k, _ := b.Cursor().Last()
+		if k == nil {
+			return errors.New("the log is empty")
+		}
+		return edit(b, binary.BigEndian.Uint64(k))
+	})
+	if cerr := db.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		tb.Fatalf("edit the raft log in %s: %v", dataDir, err)
+	}
+}
+
+// LogKey is the key of log index i in the log bucket.
+func LogKey(i uint64) []byte { return binary.BigEndian.AppendUint64(nil, i) }

@@ -1,7 +1,6 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -19,7 +18,6 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/fsm"
-	"pilab.hu/pivirt-agent/fsm/archive"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -254,18 +252,7 @@ func writeServiceArchive(t *testing.T, path, prefix string, n int) []string {
 		}
 		ids = append(ids, in.GetService()+"/"+in.GetInstanceId())
 	}
-	var st bytes.Buffer
-	if err := f.WriteSnapshot(&st); err != nil {
-		t.Fatal(err)
-	}
-	out, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer out.Close()
-	if err := archive.Write(out, archive.Meta{ID: fmt.Sprintf("1-%d-0", n), Index: uint64(n), Term: 1, Size: int64(st.Len())}, &st); err != nil {
-		t.Fatal(err)
-	}
+	writeArchive(t, path, f, fmt.Sprintf("1-%d-0", n), uint64(n))
 	slices.Sort(ids)
 	return ids
 }

@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/base64"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,6 +29,7 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
+	"pilab.hu/pivirt-agent/store/storetest"
 )
 
 // matrixService holds the registrations the restart matrix writes.
@@ -575,26 +575,11 @@ func (m *matrix) recoverRefusesDamage(t *testing.T, n *node, peers string) {
 		t.Fatalf("copy %s: %v\n%s", n.dataDir, err, out)
 	}
 	path := filepath.Join(cp, "raft", "raft.db")
-	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var last uint64
-	err = db.Update(func(tx *bbolt.Tx) error {
-		b := tx.Bucket([]byte("logs"))
-		if b == nil {
-			return errors.New("no logs bucket")
-		}
-		k, _ := b.Cursor().Last()
-		last = binary.BigEndian.Uint64(k)
-		return b.Put(k, []byte{0xc1, 0xff, 0x00})
+	storetest.EditLog(t, cp, func(b *bbolt.Bucket, newest uint64) error {
+		last = newest
+		return b.Put(storetest.LogKey(newest), []byte{0xc1, 0xff, 0x00})
 	})
-	if cerr := db.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
 	out, err := exec.Command(m.c.bins.agent, "recover", "--data-dir", cp, "--peers", peers).CombinedOutput()
 	if err == nil || !strings.Contains(string(out), "the raft log is damaged") || !strings.Contains(string(out), path) ||
 		!strings.Contains(string(out), fmt.Sprintf("entry %d", last)) {

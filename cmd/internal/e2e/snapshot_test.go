@@ -207,6 +207,18 @@ func writeScheduleArchive(t *testing.T, path string, n int) []*schedulev1.Schedu
 			t.Fatal(res.Err)
 		}
 	}
+	writeArchive(t, path, f, "1-1000-0", uint64(n))
+	_, list, err := f.State().Schedules(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return list
+}
+
+// writeArchive writes f's state to path as an archive with the given
+// snapshot ID and index.
+func writeArchive(t *testing.T, path string, f *fsm.FSM, id string, index uint64) {
+	t.Helper()
 	var st bytes.Buffer
 	if err := f.WriteSnapshot(&st); err != nil {
 		t.Fatal(err)
@@ -216,14 +228,9 @@ func writeScheduleArchive(t *testing.T, path string, n int) []*schedulev1.Schedu
 		t.Fatal(err)
 	}
 	defer out.Close()
-	if err := archive.Write(out, archive.Meta{ID: "1-1000-0", Index: uint64(n), Term: 1, Size: int64(st.Len())}, &st); err != nil {
+	if err := archive.Write(out, archive.Meta{ID: id, Index: index, Term: 1, Size: int64(st.Len())}, &st); err != nil {
 		t.Fatal(err)
 	}
-	_, list, err := f.State().Schedules(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return list
 }
 
 // archiveState restores an archive file into a fresh FSM.
