@@ -871,35 +871,3 @@ func TestAddressChangeUnderLoad(t *testing.T) {
 		t.Errorf("the moved follower holds %d keys, want at least %d", got, want)
 	}
 }
-
-// TestVoterMovesWhileAnotherIsDown: with one of three voters down, a
-// voter that comes back on a new address must keep the cluster able to
-// commit. Removing it first (to avoid raft's in-place race) would leave a
-// configuration of the leader and the dead voter, which can commit
-// nothing; the store sees the dead voter and changes the address in
-// place instead.
-func TestVoterMovesWhileAnotherIsDown(t *testing.T) {
-	c := storetest.NewCluster(t, 3, storetest.NewKVFSM)
-	l := c.WaitLeader(t, leaderTimeout)
-	c.Apply(t, storetest.Set("before", "v"))
-	fs := c.Followers()
-	down, moving := c.Index(fs[0]), c.Index(fs[1])
-	c.Stop(down)
-	c.Stop(moving)
-	// Hold the moving node's port, so that it comes back on another one.
-	hold, err := net.Listen("tcp", c.Addr(moving))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hold.Close()
-	c.Restart(moving) // the leader records the new address (AddVoter)
-	srv := servers(t, c.WaitLeader(t, leaderTimeout))[c.ID(moving)]
-	if srv.Address != c.Addr(moving) || !srv.Voter {
-		t.Fatalf("moved server %+v, want a voter at %s", srv, c.Addr(moving))
-	}
-	c.Apply(t, storetest.Set("after", "v"))
-	waitValue(t, c, moving, "after", "v")
-	if got := c.WaitLeader(t, leaderTimeout); got != l && got.ID() == c.ID(down) {
-		t.Fatalf("the stopped node %s leads", got.ID())
-	}
-}
