@@ -22,11 +22,12 @@ test: ## run every test with the race detector (real Raft, TCP, bbolt; multi-pro
 	$(GO) test -race -timeout $(TEST_TIMEOUT) $(PKGS)
 
 .PHONY: lint
-lint: ## gofmt, go vet, staticcheck and the import-direction check of DESIGN.md
+lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test files too) and the documents' citations
 	@out="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
 	scripts/check-imports.sh
+	scripts/check-docs.sh
 
 node_modules/.bin/buf: package.json package-lock.json
 	npm ci --no-audit --no-fund

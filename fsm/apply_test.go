@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
@@ -288,3 +289,5 @@ func TestWaitApplied(t *testing.T) {
 		t.Fatalf("WaitApplied past the end = %v, want the context's deadline", err)
 	}
 }
+
+func TestSentinels(t *testing.T) { fsmtest.CheckSentinels(t, ".", Sentinels) }

@@ -14,8 +14,10 @@ import (
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
@@ -141,6 +143,14 @@ func (g *logGen) op() *fsmv1.Command {
 	if g.r.IntN(60) == 0 {
 		return &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "snap", SnapshotIndex: 3}}}
 	}
+	if g.r.IntN(80) == 0 {
+		// The cluster CA: the test CA, or a key that does not match.
+		certPEM, keyPEM := fsmtest.CA()
+		if g.r.IntN(3) == 0 {
+			keyPEM = []byte("-----BEGIN EC PRIVATE KEY-----\nbm90IGEga2V5\n-----END EC PRIVATE KEY-----\n")
+		}
+		return setClusterCA(certPEM, keyPEM)
+	}
 	if g.r.IntN(40) == 0 {
 		// A refusal (without a client ID or with an unknown code: rejected).
 		return &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{
@@ -244,6 +254,28 @@ func (g *logGen) op() *fsmv1.Command {
 			Outcome:  schedulev1.RunOutcome(g.r.IntN(5)),
 			Attempts: uint32(g.r.IntN(3)), Error: g.pick("", "boom"),
 		})
+	}
+}
+
+// TestLogGenCoversEveryCommand: the random logs of TestApplyBatchMatchesApply
+// hold every operation of fsmv1.Command (a new command needs a case in
+// logGen.op).
+func TestLogGenCoversEveryCommand(t *testing.T) {
+	seen := map[protoreflect.Name]bool{}
+	for _, l := range genLog(1, 3000, 2*time.Minute, 5, 0) {
+		cmd, err := Decode(l.Data)
+		if l.Type != raft.LogCommand || err != nil {
+			continue
+		}
+		if op := cmd.ProtoReflect().WhichOneof(opOneof); op != nil {
+			seen[op.Name()] = true
+		}
+	}
+	fields := opOneof.Fields()
+	for i := range fields.Len() {
+		if name := fields.Get(i).Name(); !seen[name] {
+			t.Errorf("the random log generator never makes %s: add it to logGen.op", name)
+		}
 	}
 }
 

@@ -2,7 +2,9 @@
 // raft.FSM that every node applies committed Raft log entries to.
 //
 // The state lives in a go-memdb database (tables services, config,
-// config_history, schedules, schedule_runs, dedupe and index, see [Tables]).
+// config_history, schedules, schedule_runs, ca, dedupe and index, see
+// [Tables]; plus service_index, derived on each node and never in
+// snapshots).
 // [FSM.Apply] decodes a command ([Decode]), dispatches it to the apply
 // function of its operation and commits all its changes in one memdb write
 // transaction; [FSM.ApplyBatch] (raft.BatchingFSM) does the same for a batch
@@ -17,6 +19,15 @@
 // may block on changes through memdb watch sets (blocking queries). A restore
 // from a snapshot replaces the whole database and closes the abandon channel
 // of the old one ([FSM.AbandonCh], [State.AbandonCh]), so watchers re-list.
+//
+// Every write with a client ID leaves a dedupe record of its outcome for
+// the dedupe window: a repeat of the write (a retry through another agent
+// after a leader change) changes nothing and answers with that outcome
+// ([State.WriteOutcome]). Snapshots ([FSM.Snapshot], [FSM.Restore]) are a
+// versioned stream of every table; [FilterSnapshot] copies one without
+// given tables (archives leave the cluster CA out). Package fsmtest has a
+// state with records in every table for the tests of the packages that
+// store or move it.
 //
 // See DESIGN.md in this directory for the reasoning and the invariants.
 package fsm

@@ -35,6 +35,14 @@ var (
 	ErrInvalidConfig = errors.New("invalid fsm config")
 )
 
+// Sentinels lists every sentinel error above, for the translations of the
+// packages that report them (the gateway's error→code table);
+// TestSentinels checks that it is complete.
+var Sentinels = []error{
+	ErrNotFound, ErrCASConflict, ErrSlotNotAfterLast, ErrStale, ErrInvalidCommand,
+	ErrUnknownCommand, ErrUnsupportedSnapshot, ErrCorruptSnapshot, ErrInvalidConfig,
+}
+
 // errorCodes maps the outcome errors stored in dedupe records to their
 // persisted codes (fsmv1.DedupeRecord.error_code). The codes are part of the
 // snapshot format: never change or reuse one.

@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"encoding/hex"
 	"errors"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -14,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
@@ -260,19 +259,8 @@ func withClient(cmd *fsmv1.Command, client string, seq uint64) *fsmv1.Command {
 	return cmd
 }
 
-// testCA returns the PEM of the committed test CA (testdata/cluster-ca).
-func testCA(t testing.TB) (certPEM, keyPEM []byte) {
-	t.Helper()
-	c, err := os.ReadFile(filepath.Join("testdata", "cluster-ca", "ca.pem"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := os.ReadFile(filepath.Join("testdata", "cluster-ca", "ca.key"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c, k
-}
+// testCA returns the PEM of the committed test CA (fsmtest.CA).
+func testCA(testing.TB) (certPEM, keyPEM []byte) { return fsmtest.CA() }
 
 func setClusterCA(certPEM, keyPEM []byte) *fsmv1.Command {
 	return &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}}

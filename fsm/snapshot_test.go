@@ -18,59 +18,41 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
-	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden snapshot in testdata")
 
 func readCloser(b []byte) io.ReadCloser { return io.NopCloser(bytes.NewReader(b)) }
 
-// populate puts records in every table through ordinary commands.
-func populateV1(h *harness) {
-	h.t.Helper()
-	step := func(cmd *fsmv1.Command) *Result {
-		h.t.Helper()
-		h.now = h.now.Add(time.Second)
-		return h.apply(cmd)
-	}
-	must := func(cmd *fsmv1.Command) {
-		h.t.Helper()
-		if res := step(cmd); res.Err != nil {
-			h.t.Fatalf("populate: %v", res.Err)
-		}
-	}
-	must(withClient(registerTTL("web", "a", 10*time.Second), "client-1", 1))
-	must(register(instance("web", "b")))
-	api := instance("api", "x")
-	api.Node, api.Meta, api.Tags = "node-3", map[string]string{"z": "1", "a": "2", "m": "3", "owner": "ops"}, nil
-	must(register(api))
-	must(withClient(heartbeat("web", "a"), "client-1", 2))
-	must(setHealth("web", "a", clusterv1.Health_HEALTH_CRITICAL, at(4)))
-	must(setConfig("routing.rules", `{"rules":[]}`))
-	must(withClient(setConfig("routing.rules", `{"rules":[{"prefix":"/"}]}`), "client-2", 1))
-	must(setConfig("log.level", "debug"))
-	s1 := schedule("s1")
-	s1.HistoryLimit = 3
-	must(putSchedule(s1))
-	must(claim("s1", at(100)))
-	must(claim("s1", at(400), at(200), at(300)))
-	must(recordRun(&schedulev1.Run{ScheduleId: "s1", Slot: at(400), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Attempts: 1, FinishedAt: at(20)}))
-	must(putSchedule(schedule("s2")))
-	if res := step(withClient(deleteConfig("missing"), "client-3", 1)); !errors.Is(res.Err, ErrNotFound) {
-		h.t.Fatalf("populate: delete missing = %v", res.Err)
-	}
-}
+// populateV1 puts records in every table of snapshot format 1 through
+// ordinary commands: the steps of fsmtest.FullState that format holds.
+func populateV1(h *harness) { populateFormat(h, 1) }
 
-// populate fills every table: the state of populateV1, then the tables
-// format 2 added.
+// populate fills every table: fsmtest.FullState.
 func populate(h *harness) {
 	h.t.Helper()
-	populateV1(h)
-	h.now = h.now.Add(time.Second)
-	if res := h.apply(setClusterCA(testCA(h.t))); res.Err != nil {
-		h.t.Fatalf("populate: %v", res.Err)
+	applySteps(h, fsmtest.FullState())
+}
+
+// populateFormat applies the steps of fsmtest.FullState whose records
+// snapshot format v holds.
+func populateFormat(h *harness, v uint32) {
+	h.t.Helper()
+	applySteps(h, fsmtest.FullState()[:fsmtest.FormatSteps[v]])
+}
+
+// applySteps applies steps at the harness's next indexes (from 1 on a new
+// harness), each with its own leader time, which becomes the harness's.
+func applySteps(h *harness, steps []fsmtest.Step) {
+	h.t.Helper()
+	for i, st := range steps {
+		h.now = st.Cmd.GetTime().AsTime()
+		if res := h.apply(st.Cmd); errorCode(res.Err) != st.WantErr {
+			h.t.Fatalf("populate: step %d (%T): outcome %v, want %q", i, st.Cmd.GetOp(), res.Err, st.WantErr)
+		}
 	}
 }
 
@@ -388,15 +370,15 @@ func TestSnapshotIsPointInTime(t *testing.T) {
 // golden file for the same state. Run with -update after a deliberate
 // change of populate.
 func TestSnapshotFormatGolden(t *testing.T) {
-	builders := map[uint32]func(*harness){1: populateV1, 2: populate}
-	if builders[SnapshotFormatVersion] == nil {
-		t.Fatalf("no state builder for format %d: add it and its golden file", SnapshotFormatVersion)
+	if last := len(fsmtest.FormatSteps) - 1; last != int(SnapshotFormatVersion) || fsmtest.FormatSteps[last] != len(fsmtest.FullState()) {
+		t.Fatalf("fsmtest.FormatSteps ends at format %d with %d steps; want format %d with all %d steps of FullState: add the new format's steps and entry, and its golden file",
+			last, fsmtest.FormatSteps[last], SnapshotFormatVersion, len(fsmtest.FullState()))
 	}
 	for v := uint32(1); v <= SnapshotFormatVersion; v++ {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			path := filepath.Join("testdata", "snapshot", fmt.Sprintf("v%d", v), "state.bin")
 			h := newHarness(t)
-			builders[v](h)
+			populateFormat(h, v)
 			current := h.snapshot()
 			if *update && v == SnapshotFormatVersion {
 				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {

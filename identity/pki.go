@@ -23,8 +23,8 @@ import (
 	"time"
 )
 
-// PiTrust file names in a CA directory (spec/agent.txt "PiTrust PKI
-// Identity Model").
+// PiTrust file names in a CA directory (the PiTrust identity model: root,
+// X1 intermediate, chain).
 const (
 	RootCertFile         = "PiRootR1.pem"
 	RootKeyFile          = "PiRootR1.key"

@@ -1,7 +1,9 @@
-// Package scheduler runs the leader-only loops: the TTL reaper of service
-// registrations now, the power-schedule dispatcher and periodic snapshots
-// later. Each loop is started once per leadership term, after the leader's
-// barrier, and stops when its context is cancelled on leadership loss.
+// Package scheduler runs the leader-only loops: the power-schedule
+// dispatcher (RunDispatcher), the TTL reaper of service registrations
+// (RunTTLReaper) and automatic snapshot archives (RunSnapshotter). Each
+// loop is started once per leadership term, after the leader's barrier
+// (cmd/internal/leader), and stops when its context is cancelled on
+// leadership loss or around a snapshot restore. See DESIGN.md.
 package scheduler
 
 import (

@@ -129,8 +129,8 @@ any node (8443, 8453, 8463):
   pvcli --endpoint https://127.0.0.1:8453 cluster members
   pvcli --endpoint https://127.0.0.1:8463 service register web --address 10.0.0.5 --port 8080 --tag v1
   pvcli --endpoint https://127.0.0.1:8443 service list --consistency consistent
-  pvcli --endpoint https://127.0.0.1:8453 config set log_level debug
-  pvcli --endpoint https://127.0.0.1:8463 config history log_level
+  pvcli --endpoint https://127.0.0.1:8453 config set maintenance.window "Sun 02:00-04:00"
+  pvcli --endpoint https://127.0.0.1:8463 config history maintenance.window
   pvcli --endpoint https://127.0.0.1:8443 snapshot save backup.tar.gz
   pvcli --endpoint https://127.0.0.1:8453 vm create web-1 --vcpus 2 --memory-mib 2048 --owner alice
   pvcli --endpoint https://127.0.0.1:8453 vm list       # each agent fronts its own (simulated) hypervisor

@@ -120,3 +120,14 @@ type timeoutError struct{ cause error }
 
 func (e *timeoutError) Error() string   { return ErrTimeout.Error() + ": " + e.cause.Error() }
 func (e *timeoutError) Unwrap() []error { return []error{ErrTimeout, e.cause} }
+
+// Sentinels lists every sentinel error of the package (those above and
+// ErrCorruptLog), for the translations of the packages that report them
+// (the gateway's error→code table); TestSentinels checks that it is
+// complete.
+var Sentinels = []error{
+	ErrNotLeader, ErrLeadershipLost, ErrShutdown, ErrTimeout, ErrAlreadyBootstrapped,
+	ErrUnknownServer, ErrNotVoter, ErrLeadershipTransferInProgress, ErrAbortedByRestore,
+	ErrAddressInUse, ErrDataDirLocked, ErrNothingToSnapshot, ErrUnavailable, ErrUnsupported,
+	ErrCorruptLog,
+}

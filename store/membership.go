@@ -135,8 +135,8 @@ func (s *Store) addServer(ctx context.Context, id, addr string, voter bool) erro
 			}
 			if string(srv.Address) != addr && id != s.id {
 				// A new address for another server is a removal and an
-				// addition, not a change in place (DESIGN.md, "Address
-				// changes"), while the voters left without it can commit
+				// addition, not a change in place (DESIGN.md, "Invariants":
+				// address changes), while the voters left without it can commit
 				// the removal. Its suffrage stays (or is raised).
 				voter = voter || srv.Suffrage == raft.Voter
 				if srv.Suffrage == raft.Voter {

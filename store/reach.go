@@ -11,8 +11,8 @@ import (
 // reach tracks, on the leader, which servers its heartbeats currently fail
 // to reach, from raft's own observations (FailedHeartbeatObservation,
 // ResumedHeartbeatObservation). Membership changes ask it whether a
-// removal would leave a quorum that can commit (see DESIGN.md, "Address
-// changes").
+// removal would leave a quorum that can commit (see DESIGN.md,
+// "Invariants": address changes).
 type reach struct {
 	grace time.Duration // how long a new leader hears nothing before it trusts the absence of failures
 

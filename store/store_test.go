@@ -15,6 +15,7 @@ import (
 
 	"github.com/hashicorp/raft"
 
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	"pilab.hu/pivirt-agent/store"
 	"pilab.hu/pivirt-agent/store/storetest"
 )
@@ -871,3 +872,5 @@ func TestAddressChangeUnderLoad(t *testing.T) {
 		t.Errorf("the moved follower holds %d keys, want at least %d", got, want)
 	}
 }
+
+func TestSentinels(t *testing.T) { fsmtest.CheckSentinels(t, ".", store.Sentinels) }

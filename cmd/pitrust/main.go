@@ -1,6 +1,6 @@
 // Command pitrust manages a PiTrust PKI on disk: the PiTrust Root CA, the X1
 // Intermediate CA and the mTLS server and client certificates they issue
-// (spec/agent.txt "PiTrust PKI Provisioning"). The work is done by package
+// (README "PiTrust certificates"). The work is done by package
 // identity; this is its command line.
 package main
 

@@ -17,7 +17,7 @@ import (
 )
 
 // DefaultDir is where the agent's configuration expects the certificates
-// (server.connectrpc.tls.*, tls.* in spec/agent.txt).
+// (server.connectrpc.tls.*, tls.* of the reference configuration).
 const DefaultDir = "/etc/pivirt/certs"
 
 // usageError is bad input: exit status 2.

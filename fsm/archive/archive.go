@@ -62,6 +62,10 @@ var (
 	ErrUnsupported = errors.New("unsupported snapshot archive")
 )
 
+// Sentinels lists the package's sentinel errors, for the gateway's
+// error→code table; TestSentinels checks that it is complete.
+var Sentinels = []error{ErrInvalid, ErrUnsupported}
+
 // Meta is meta.json.
 type Meta struct {
 	// ID is the Raft snapshot's ID.

@@ -20,6 +20,7 @@ import (
 
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
@@ -393,3 +394,5 @@ func TestInspectDir(t *testing.T) {
 		t.Errorf("InspectDir(not a snapshot dir) = %v", err)
 	}
 }
+
+func TestSentinels(t *testing.T) { fsmtest.CheckSentinels(t, ".", archive.Sentinels) }

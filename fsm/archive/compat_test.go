@@ -15,6 +15,7 @@ import (
 
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
@@ -65,14 +66,7 @@ func compatState(t *testing.T, stateFormat uint32) *fsm.FSM {
 		}}}},
 	}
 	if stateFormat >= 2 {
-		certPEM, err := os.ReadFile(filepath.Join("..", "testdata", "cluster-ca", "ca.pem"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		keyPEM, err := os.ReadFile(filepath.Join("..", "testdata", "cluster-ca", "ca.key"))
-		if err != nil {
-			t.Fatal(err)
-		}
+		certPEM, keyPEM := fsmtest.CA()
 		cmds = append(cmds, &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}})
 	}
 	for i, cmd := range cmds {

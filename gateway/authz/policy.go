@@ -1,5 +1,5 @@
 // Package authz is the gateway's role-based access control: the policy
-// file of spec/agent.txt ("RBAC Policy Example", rbac.yaml), checked
+// file (rbac.yaml; the reference policy is testdata/spec-rbac.yaml), checked
 // before use, and the decision for a principal, a resource and a verb,
 // with conditions on the target object's fields.
 package authz
@@ -16,7 +16,7 @@ import (
 	"gopkg.in/yaml.v3"
 )
 
-// The policy file's header (spec/agent.txt).
+// The policy file's header.
 const (
 	APIVersion = "rbac.pivirt.pilab.hu/v1"
 	Kind       = "Policy"

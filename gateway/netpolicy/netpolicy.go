@@ -1,6 +1,6 @@
-// Package netpolicy is the spec's NetworkPolicy (spec/service-mesh.txt
-// "Network Policies"): which service identities may connect to which, on
-// which ports. A service identity is a DNS (or URI) subject alternative
+// Package netpolicy is the NetworkPolicy of the service mesh (the
+// reference example is testdata/spec-networkpolicy.yaml): which service
+// identities may connect to which, on which ports. A service identity is a DNS (or URI) subject alternative
 // name of the peer's PiTrust certificate ("agent.pivirt.internal"). The
 // agent checks the policies in the TLS handshake: of callers on its
 // internal and Raft ports, and of the backends it calls.

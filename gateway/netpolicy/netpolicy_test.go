@@ -7,7 +7,7 @@ import (
 	"testing"
 )
 
-// TestSpecPolicy: the example of spec/service-mesh.txt, verbatim.
+// TestSpecPolicy: the reference example, verbatim.
 func TestSpecPolicy(t *testing.T) {
 	f, err := os.Open(filepath.Join("testdata", "spec-networkpolicy.yaml"))
 	if err != nil {

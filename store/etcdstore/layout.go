@@ -18,7 +18,7 @@ import (
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
-// layout maps the state's tables to etcd keys (DESIGN.md, "Key layout").
+// layout maps the state's tables to etcd keys (DESIGN.md, "Layout in etcd").
 // The services live under the configured prefix (/pivirt/services); the
 // other tables beside it, under the prefix's parent (/pivirt).
 type layout struct {

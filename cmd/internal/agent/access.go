@@ -1,19 +1,15 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/hashicorp/go-memdb"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -23,7 +19,7 @@ import (
 	"google.golang.org/protobuf/types/dynamicpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
-	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/cmd/internal/leader"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
@@ -110,18 +106,31 @@ func (a *Agent) startAccess() error {
 	} else {
 		a.logger.Warn("no auth.rbac_policy: every authenticated caller may call every method; set a policy to restrict them")
 	}
-	a.caughtUp = make(chan struct{})
-	if a.loadPersistedPolicy() || a.policyFile != nil {
-		a.policyUsable.Store(true)
+	a.clusterPolicy = leader.NewClusterPolicy(leader.PolicyConfig{
+		Key:       RBACPolicyKey,
+		Resources: policyResources(),
+		DataDir:   a.dataDir,
+		FSM:       a.fsm,
+		ReadConsistent: func(ctx context.Context) error {
+			_, err := a.api.GetConfig(ctx, connect.NewRequest(&clusterv1.GetConfigRequest{
+				Key: RBACPolicyKey, Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+			}))
+			return err
+		},
+		HoldTimeout:  a.cfg.Cluster.ForwardHoldTimeout.Std(),
+		FallbackFile: a.cfg.Auth.RBACPolicy,
+		Logger:       a.logger,
+	})
+	if a.clusterPolicy.LoadPersisted() || a.policyFile != nil {
+		a.clusterPolicy.SetUsable()
 	}
-	a.wg.Go(func() { a.catchUpPolicy(a.ctx) })
-	a.wg.Go(func() { a.watchClusterPolicy(a.ctx) })
+	a.wg.Go(func() { a.clusterPolicy.Run(a.ctx) })
 	g, err := access.New(access.Config{
 		Authenticator: auth,
 		Policy:        a.policy,
 		Limits:        rateLimits(a.cfg.RateLimiting),
 		Fetch:         a.fetchObject,
-		Ready:         a.policyReady,
+		Ready:         a.clusterPolicy.Ready,
 		Resource:      configResource,
 		ConnState:     gateway.ConnTLSFromContext,
 		Logger:        a.logger.With("component", "access"),
@@ -137,7 +146,7 @@ func (a *Agent) startAccess() error {
 // policy is the RBAC policy in force: the cluster-wide one when set, else
 // the auth.rbac_policy file's, else none.
 func (a *Agent) policy() *authz.Policy {
-	if p := a.clusterPolicy.Load(); p != nil {
+	if p := a.clusterPolicy.Policy(); p != nil {
 		return p
 	}
 	if a.policyFile != nil {
@@ -205,141 +214,6 @@ func (a *Agent) validateClusterConfig(key, value string) error {
 		return fmt.Errorf("%w: no rule lets any role update %s without conditions: the policy could never be changed or removed again", authz.ErrInvalidPolicy, RBACResource)
 	}
 	return nil
-}
-
-// clusterPolicyFile keeps, in the data dir, the last cluster-wide RBAC
-// policy this agent saw: after a restart it is enforced until the agent
-// has caught up with the cluster (which, without a quorum, may be long).
-const clusterPolicyFile = "rbac-cluster-policy.yaml"
-
-// loadPersistedPolicy puts the kept cluster-wide policy in force; false
-// when there is none (or it no longer parses).
-func (a *Agent) loadPersistedPolicy() bool {
-	path := filepath.Join(a.dataDir, clusterPolicyFile)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
-			a.logger.Error("reading the kept cluster RBAC policy failed", "path", path, "error", err)
-		}
-		return false
-	}
-	p, err := authz.Parse(bytes.NewReader(b), policyResources())
-	if err != nil {
-		a.logger.Error("the kept cluster RBAC policy does not parse; calls wait until the agent has caught up with the cluster", "path", path, "error", err)
-		return false
-	}
-	a.clusterPolicy.Store(p)
-	a.logger.Info("cluster-wide RBAC policy in force from the data dir until the agent catches up", "rules", len(p.Rules))
-	return true
-}
-
-// policyReady holds a call until the agent knows which policy is in force:
-// it has caught up with the cluster once, or has a policy of its own (the
-// auth.rbac_policy file, or the kept cluster-wide one) to enforce
-// meanwhile. A fresh agent that cannot reach a leader within
-// cluster.forward_hold_timeout answers Unavailable rather than guess.
-func (a *Agent) policyReady(ctx context.Context) error {
-	if a.policyUsable.Load() {
-		return nil
-	}
-	t := time.NewTimer(a.cfg.Cluster.ForwardHoldTimeout.Std())
-	defer t.Stop()
-	select {
-	case <-a.caughtUp:
-		return nil
-	case <-ctx.Done():
-	case <-t.C:
-	}
-	return errors.New("this agent has not caught up with the cluster yet, so it does not know which RBAC policy is in force; retry shortly")
-}
-
-// catchUpPolicy makes a consistent read of the cluster-wide policy (the
-// local state then holds everything committed before it), brings the
-// policy in force up to date and lets calls through.
-func (a *Agent) catchUpPolicy(ctx context.Context) {
-	wait := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		_, err := a.api.GetConfig(rctx, connect.NewRequest(&clusterv1.GetConfigRequest{
-			Key: RBACPolicyKey, Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
-		}))
-		cancel()
-		if err == nil || connect.CodeOf(err) == connect.CodeNotFound {
-			a.syncClusterPolicy()
-			a.policyUsable.Store(true)
-			close(a.caughtUp)
-			return
-		}
-		if !sleepCtx(ctx, wait) {
-			return
-		}
-		wait = min(2*wait, 2*time.Second)
-	}
-}
-
-// watchClusterPolicy keeps the cluster-wide RBAC policy (config key
-// auth.rbac_policy) in force as it changes, once the agent has caught up
-// (before, the local state may be older than the policy in force).
-func (a *Agent) watchClusterPolicy(ctx context.Context) {
-	select {
-	case <-a.caughtUp:
-	case <-ctx.Done():
-		return
-	}
-	for ctx.Err() == nil {
-		ws := memdb.NewWatchSet()
-		if _, err := a.fsm.State().WatchConfigKey(ws, RBACPolicyKey); err != nil {
-			a.logger.Error("watching the cluster RBAC policy failed; retrying", "error", err)
-			if !sleepCtx(ctx, time.Second) {
-				return
-			}
-			continue
-		}
-		a.syncClusterPolicy()
-		if err := ws.WatchCtx(ctx); err != nil {
-			return
-		}
-	}
-}
-
-// syncClusterPolicy puts the cluster-wide policy of the local state in
-// force and keeps a copy in the data dir. A version that does not parse
-// here (written by a newer agent) is logged; the cluster policy in use
-// stays, and without one every call is denied until it is fixed.
-func (a *Agent) syncClusterPolicy() {
-	a.policyMu.Lock()
-	defer a.policyMu.Unlock()
-	path := filepath.Join(a.dataDir, clusterPolicyFile)
-	e, err := a.fsm.State().ConfigEntry(RBACPolicyKey)
-	switch {
-	case errors.Is(err, fsm.ErrNotFound):
-		if a.clusterPolicy.Swap(nil) != nil {
-			a.logger.Info("cluster-wide RBAC policy removed; the auth.rbac_policy file applies", "file", a.cfg.Auth.RBACPolicy)
-		}
-		a.policyRevision = 0
-		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			a.logger.Error("removing the kept cluster RBAC policy failed", "path", path, "error", err)
-		}
-	case err != nil:
-		a.logger.Error("reading the cluster RBAC policy failed", "error", err)
-	case e.GetRevision() != a.policyRevision:
-		a.policyRevision = e.GetRevision()
-		p, err := authz.Parse(strings.NewReader(e.GetValue()), policyResources())
-		if err != nil {
-			if a.clusterPolicy.Load() == nil {
-				a.clusterPolicy.Store(&authz.Policy{}) // no rules: every call denied
-				a.logger.Error("cluster-wide RBAC policy does not parse on this agent; denying every call until it is fixed", "revision", e.GetRevision(), "error", err)
-			} else {
-				a.logger.Error("cluster-wide RBAC policy not applied; keeping the policy in use", "revision", e.GetRevision(), "error", err)
-			}
-			return
-		}
-		a.clusterPolicy.Store(p)
-		a.logger.Info("cluster-wide RBAC policy in force", "revision", e.GetRevision(), "rules", len(p.Rules))
-		if err := identity.WriteFileAtomic(path, []byte(e.GetValue()), 0o600); err != nil {
-			a.logger.Error("keeping a copy of the cluster RBAC policy failed", "path", path, "error", err)
-		}
-	}
 }
 
 // Reload reads the files the agent can take up without a restart again

@@ -243,8 +243,8 @@ func denied(err error) bool {
 	return c == codes.PermissionDenied || c == codes.Unauthenticated
 }
 
-// TestAccessRoles calls every kind of method as each role of the spec's
-// example policy (spec/agent.txt "RBAC Policy Example") and as a caller
+// TestAccessRoles calls every kind of method as each role of the reference
+// policy (gateway/authz/testdata/spec-rbac.yaml) and as a caller
 // without roles: each is allowed and denied exactly as the policy is
 // written, by hand below.
 func TestAccessRoles(t *testing.T) {

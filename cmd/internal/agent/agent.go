@@ -21,7 +21,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/google/uuid"
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"github.com/hashicorp/raft"
 	"github.com/prometheus/client_golang/prometheus"
@@ -31,10 +30,10 @@ import (
 	_ "google.golang.org/grpc/encoding/gzip" // gRPC clients may compress requests, as Connect clients may
 	"google.golang.org/grpc/health"
 	"google.golang.org/grpc/keepalive"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/cmd/internal/leader"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
@@ -47,7 +46,6 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
-	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
@@ -111,38 +109,39 @@ type Agent struct {
 
 	lnAPI, lnInternal, lnMetrics, lnRaft net.Listener
 	advertiseIP                          string
+	// raftLayer carries Raft over lnRaft (TCP, or mutual TLS).
+	raftLayer raft.StreamLayer
 
 	fsm   *fsm.FSM
 	store *store.Store // nil in etcd mode
 	raft  raftAdapter
 	// etcd is the etcd-backed store (service_discovery.type etcd), else
-	// nil; etcdLeading is set once its schedule leadership is established.
-	etcd        *etcdstore.Store
-	etcdClient  *clientv3.Client
-	etcdLeading atomic.Bool
+	// nil.
+	etcd       *etcdstore.Store
+	etcdClient *clientv3.Client
 	// cons is the state backend the gateway, the scheduler and the node
 	// service use: raft or an etcdAdapter.
 	cons   backend
 	gossip *cluster.Gossip
 	pool   *cluster.Pool
-	api    *gateway.ClusterService
-	// snapshots serves snapshot save and restore on the API port.
-	snapshots *gateway.SnapshotService
-	// schedules serves the power schedules on the API port.
-	schedules       *gateway.ScheduleService
-	scheduleMetrics *scheduler.ScheduleMetrics
-	// pauseCh and resumeCh pause leader-only work around a snapshot
-	// restore (pauseLeader, resumeLeader).
-	pauseCh  chan chan struct{}
-	resumeCh chan struct{}
-	loopDone chan struct{} // closed when the leader loop returned
+	// api, snapshots and schedules serve the cluster, snapshot and
+	// schedule services on the API port; internal, internalSnapshots and
+	// internalSchedules the leader-only ones on the internal port.
+	api, internal                *gateway.ClusterService
+	snapshots, internalSnapshots *gateway.SnapshotService
+	schedules, internalSchedules *gateway.ScheduleService
+	scheduleMetrics              *scheduler.ScheduleMetrics
+	// work is what a leadership term starts; terms runs one term at a
+	// time, paused around a snapshot restore.
+	work  *leader.Work
+	terms *leader.Loop
 	// tls is the TLS material; nil with tls.enabled false.
 	tls *agentTLS
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
-	ca *clusterCA
+	ca *leader.ClusterCA
 	// proxy forwards the backend APIs to the backend clusters.
 	proxy  *mesh.Proxy
 	health *health.Server
@@ -166,28 +165,18 @@ type Agent struct {
 	reloadMu sync.Mutex
 	// guard is the API port's access control; nil when it is off.
 	guard *access.Guard
-	// policyFile is auth.rbac_policy; clusterPolicy the cluster-wide
-	// policy of the replicated config, which takes precedence.
+	// policyFile is auth.rbac_policy; clusterPolicy follows the
+	// cluster-wide policy of the replicated config, which takes
+	// precedence (nil while access control is off).
 	policyFile    *authz.File
-	clusterPolicy atomic.Pointer[authz.Policy]
-	// policyMu serialises syncClusterPolicy; policyRevision is the
-	// revision of the cluster policy it last applied.
-	policyMu       sync.Mutex
-	policyRevision uint64
-	// caughtUp is closed once the agent has read the cluster policy
-	// consistently; policyUsable: calls need not wait for that.
-	caughtUp     chan struct{}
-	policyUsable atomic.Bool
+	clusterPolicy *leader.ClusterPolicy
 	// netPolicy is auth.network_policy; nil when none is set.
 	netPolicy *watchfile.File[*netpolicy.Set]
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
 
-	// readyTerm is the term whose leader barrier completed on this node;
-	// reads are served as leader only while it is the current term.
-	readyTerm atomic.Uint64
-	view      *cluster.BootstrapView
+	view *cluster.BootstrapView
 
 	// mu guards the lifecycle: Start runs under it, and Leave and Shutdown
 	// take it, so neither can run while Start is still wiring.
@@ -227,8 +216,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	}
 	// Lines logged in a request's context carry its request ID.
 	logger := slog.New(observe.WithRequestIDs(opts.Logger.Handler()))
-	a := &Agent{cfg: cfg, opts: opts, logger: logger, done: make(chan struct{}),
-		pauseCh: make(chan chan struct{}), resumeCh: make(chan struct{}), loopDone: make(chan struct{})}
+	a := &Agent{cfg: cfg, opts: opts, logger: logger, done: make(chan struct{})}
 	a.metrics = prometheus.NewRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
@@ -259,31 +247,66 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			_ = a.shutdownLocked()
 		}
 	}()
-	if err := a.openDataDir(); err != nil {
-		return err
+	// ctx bounds the steps that wait for something outside the agent.
+	openState := func() error { return a.openState(ctx) }
+	formCluster := func() error { return a.formCluster(ctx) }
+	for _, step := range []func() error{
+		a.openDataDir,     // the data dir and the node ID
+		a.startTracing,    // tracing.*
+		a.listen,          // API, internal, metrics and Raft listeners
+		a.startTLS,        // certificates, TLS on the listeners, the peer pool
+		openState,         // the FSM, and the Raft store or the etcd mirror
+		a.startGossip,     // the memberlist ring
+		a.startLeadership, // the leader term's work and the cluster CA
+		a.buildServices,   // the cluster, snapshot and schedule services
+		a.startGateway,    // backends, routing and access control
+		a.serveAll,        // the API, internal and metrics ports
+		a.runTerms,        // the leader loop
+		formCluster,       // bootstrap and join
+		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
+	} {
+		if err := step(); err != nil {
+			return err
+		}
 	}
+	if !a.cfg.TLS.Enabled {
+		a.logger.Warn("TLS IS DISABLED: the API, internal and Raft ports are plaintext; use only on a trusted network or loopback")
+	}
+	a.logger.Info("agent started",
+		"api_addr", a.APIAddr(), "internal_addr", a.InternalAddr(), "raft_addr", a.RaftAddr(),
+		"gossip_addr", a.GossipAddr(), "metrics_addr", a.MetricsAddr())
+	return nil
+}
+
+// startTracing sets up span export (tracing.*; a no-op when disabled).
+func (a *Agent) startTracing() error {
 	a.current.Store(a.cfg)
 	a.logger = a.logger.With("node_id", a.nodeID)
 	tc := a.cfg.Tracing
-	if a.tracing, err = observe.NewTracing(a.ctx, observe.TraceConfig{
+	var err error
+	a.tracing, err = observe.NewTracing(a.ctx, observe.TraceConfig{
 		Enabled: tc.Enabled, Exporter: tc.Exporter, Endpoint: tc.Endpoint, SamplingRate: tc.SamplingRate,
 		Service: "pivirt-agent", NodeID: a.nodeID, BatchTimeout: a.opts.TraceBatchTimeout,
-	}); err != nil {
+	})
+	if err != nil {
 		return err
 	}
 	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", Version)
-	if err := a.listen(); err != nil {
-		return err
-	}
-	var raftLayer raft.StreamLayer
+	return nil
+}
+
+// startTLS loads the TLS material (tls.enabled), puts TLS on the listeners
+// and builds the pool of connections to other agents.
+func (a *Agent) startTLS() error {
 	if a.lnRaft != nil {
-		raftLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
+		a.raftLayer = store.NewTCPStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP))
 	}
 	a.pool = cluster.NewPool()
 	if err := a.devPKI(); err != nil {
 		return err
 	}
 	if a.cfg.TLS.Enabled {
+		var err error
 		if a.tls, err = a.loadTLS(); err != nil {
 			return err
 		}
@@ -299,51 +322,57 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.lnInternal = tls.NewListener(a.lnInternal, a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port")))
 		if a.lnRaft != nil {
 			raftPeers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port"))
-			raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+			a.raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
 		}
 		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
-		if a.cfg.TLS.ClusterCA.Enabled {
-			a.ca = newClusterCA(a, a.cfg.TLS.ClusterCA)
-		}
 	}
-
-	if tc.Enabled {
+	if a.cfg.Tracing.Enabled {
 		// Calls to other agents (forwarded writes, reads) carry the trace.
 		a.pool.WithDialOptions(a.tracing.ClientOption())
 	}
+	return nil
+}
+
+// openState creates the FSM and opens the Raft store over it, or in etcd
+// mode the etcd-backed store that mirrors etcd into it.
+func (a *Agent) openState(ctx context.Context) error {
 	fcfg := fsm.DefaultConfig()
 	fcfg.Logger = a.logger
+	var err error
 	a.fsm, err = fsm.New(fcfg)
 	if err != nil {
 		return fmt.Errorf("create state machine: %w", err)
 	}
-	rc := a.cfg.Cluster.Raft
 	a.view = &cluster.BootstrapView{}
 	if a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
-		if err := a.openEtcd(ctx); err != nil {
-			return err
-		}
-	} else {
-		scfg := store.DefaultConfig()
-		scfg.NodeID = a.nodeID
-		scfg.DataDir = a.dataDir
-		scfg.StreamLayer = raftLayer
-		scfg.FSM = a.fsm
-		scfg.Logger = a.logger
-		scfg.HeartbeatTimeout = rc.HeartbeatTimeout.Std()
-		scfg.ElectionTimeout = rc.ElectionTimeout.Std()
-		scfg.LeaderLeaseTimeout = rc.LeaderLeaseTimeout.Std()
-		scfg.SnapshotThreshold = rc.SnapshotThreshold
-		scfg.SnapshotInterval = rc.SnapshotInterval.Std()
-		scfg.TrailingLogs = rc.TrailingLogs
-		a.store, err = store.New(scfg)
-		if err != nil {
-			return fmt.Errorf("start raft: %w", err)
-		}
-		a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer()}
-		a.cons = a.raft
+		return a.openEtcd(ctx)
 	}
+	rc := a.cfg.Cluster.Raft
+	scfg := store.DefaultConfig()
+	scfg.NodeID = a.nodeID
+	scfg.DataDir = a.dataDir
+	scfg.StreamLayer = a.raftLayer
+	scfg.FSM = a.fsm
+	scfg.Logger = a.logger
+	scfg.HeartbeatTimeout = rc.HeartbeatTimeout.Std()
+	scfg.ElectionTimeout = rc.ElectionTimeout.Std()
+	scfg.LeaderLeaseTimeout = rc.LeaderLeaseTimeout.Std()
+	scfg.SnapshotThreshold = rc.SnapshotThreshold
+	scfg.SnapshotInterval = rc.SnapshotInterval.Std()
+	scfg.TrailingLogs = rc.TrailingLogs
+	a.store, err = store.New(scfg)
+	if err != nil {
+		return fmt.Errorf("start raft: %w", err)
+	}
+	a.raft = raftAdapter{s: a.store, expect: rc.BootstrapExpect, name: a.cfg.NodeName, view: a.view, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer()}
+	a.cons = a.raft
+	return nil
+}
 
+// startGossip joins nobody yet: it starts the memberlist ring with this
+// node's meta (formCluster joins).
+func (a *Agent) startGossip() error {
+	rc := a.cfg.Cluster.Raft
 	gcfg := cluster.DefaultGossipConfig()
 	gcfg.NodeName = a.cfg.NodeName
 	gcfg.BindAddr = a.cfg.Cluster.Gossip.BindAddr
@@ -375,17 +404,92 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	// Keys installed and used through pvcli cluster keyring survive
 	// restarts here.
 	gcfg.KeyringFile = filepath.Join(a.dataDir, "gossip-keyring.json")
-	a.gossip, err = cluster.NewGossip(gcfg)
-	if err != nil {
+	var err error
+	if a.gossip, err = cluster.NewGossip(gcfg); err != nil {
 		return err
 	}
+	if a.etcdMode() {
+		a.cons = etcdAdapter{s: a.etcd, nodeID: a.nodeID, name: a.cfg.NodeName, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer(), members: a.gossip}
+	}
+	return nil
+}
+
+// startLeadership builds what a leadership term starts (leader.Work), the
+// loop that runs one term at a time, and the cluster CA
+// (tls.cluster_ca.enabled).
+func (a *Agent) startLeadership() error {
+	rc := a.cfg.Cluster.Raft
+	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
+	lc := leader.Config{
+		NodeID:   a.nodeID,
+		Logger:   a.logger,
+		Store:    a.store,
+		Etcd:     a.etcd,
+		FSM:      a.fsm,
+		Proposer: a.cons,
+		Reconcile: cluster.ReconcileConfig{
+			SelfID:            a.nodeID,
+			Voters:            rc.Voters,
+			DeadServerCleanup: rc.DeadServerCleanup.Std(),
+			Stabilization:     a.opts.Stabilization,
+			Interval:          a.opts.ReconcileInterval,
+			Logger:            a.logger,
+		},
+		Voters:      a.raft,
+		Members:     a.gossip,
+		Peers:       cluster.PoolStatus{Pool: a.pool},
+		TTLInterval: a.opts.TTLInterval,
+		Snapshots: scheduler.SnapshotterConfig{
+			Interval: a.cfg.Snapshot.Interval.Std(),
+			Dir:      a.snapshotDir(),
+			Retain:   a.cfg.Snapshot.Retain,
+			Logger:   a.logger,
+			Metrics:  a.snapMetrics,
+		},
+		TakeSnapshot: a.takeSnapshot,
+		Dispatcher: scheduler.DispatcherConfig{
+			NodeID:  a.nodeID,
+			Logger:  a.logger,
+			Metrics: a.scheduleMetrics,
+			Tracer:  a.tracing.Tracer(),
+		},
+		Invoke: a.invokeBackend,
+	}
+	if a.tls != nil && a.cfg.TLS.ClusterCA.Enabled {
+		a.ca = leader.NewClusterCA(leader.CAConfig{
+			CA:         a.cfg.TLS.ClusterCA,
+			NodeID:     a.nodeID,
+			Logger:     a.logger,
+			Trust:      a.tls.internal,
+			FSM:        a.fsm,
+			Proposer:   a.store,
+			Ready:      a.leaderReady,
+			Leader:     func() string { id, _ := a.raft.Leader(); return id },
+			Members:    a.gossip,
+			Node:       a.pool.Node,
+			Registerer: a.metrics,
+		})
+		lc.CA = a.ca
+	}
+	a.work = leader.NewWork(lc)
+	a.terms = leader.NewLoop(leader.LoopConfig{
+		Subscribe: a.work.Subscribe,
+		IsLeader:  a.work.IsLeader,
+		Start:     a.work.Start,
+		Revoked:   a.work.Revoked,
+		Logger:    a.logger,
+	})
+	return nil
+}
+
+// buildServices builds the cluster, snapshot and schedule services, each
+// twice: for the API port and, leader-only, for the internal port.
+func (a *Agent) buildServices() error {
 	var state gateway.StateReader = a.fsm
 	var restorer gateway.Restorer = a.store
 	if a.etcdMode() {
-		a.cons = etcdAdapter{s: a.etcd, nodeID: a.nodeID, name: a.cfg.NodeName, applyTime: a.raftApplyTime, tracer: a.tracing.Tracer(), members: a.gossip}
 		state, restorer = a.etcd, a.etcd
 	}
-
 	hcfg := gateway.DefaultClusterServiceConfig()
 	hcfg.NodeID = a.nodeID
 	hcfg.NodeName = a.cfg.NodeName
@@ -408,6 +512,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		return resp.Msg.GetKeyring(), nil
 	}
 	peers := peerClients{pool: a.pool}
+	var err error
 	a.api, err = gateway.NewClusterService(hcfg, a.cons, a.cons, a.gossip, peers, state)
 	if err != nil {
 		return err
@@ -415,7 +520,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	icfg := hcfg
 	icfg.LeaderOnly = true
 	icfg.Leave = nil
-	internal, err := gateway.NewClusterService(icfg, a.cons, a.cons, a.gossip, peers, state)
+	a.internal, err = gateway.NewClusterService(icfg, a.cons, a.cons, a.gossip, peers, state)
 	if err != nil {
 		return err
 	}
@@ -434,15 +539,20 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	snapCfg := gateway.SnapshotServiceConfig{
 		Take:         a.takeSnapshot,
 		TempDir:      tmp,
-		PauseLeader:  a.pauseLeader,
-		ResumeLeader: a.resumeLeader,
+		PauseLeader:  a.terms.Pause,
+		ResumeLeader: a.terms.Resume,
 		Logger:       a.logger,
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, restorer, peers)
-	internalSnapshots := gateway.NewSnapshotService(snapCfg, internal, restorer, peers)
+	a.internalSnapshots = gateway.NewSnapshotService(snapCfg, a.internal, restorer, peers)
 	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
-	internalSchedules := gateway.NewScheduleService(internal, a.pool.Schedules)
-	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
+	a.internalSchedules = gateway.NewScheduleService(a.internal, a.pool.Schedules)
+	return nil
+}
+
+// startGateway builds the backends (and the simulated ones of --dev), the
+// routing to them and the API port's access control.
+func (a *Agent) startGateway() error {
 	if err := a.devBackends(); err != nil {
 		return err
 	}
@@ -463,6 +573,13 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.guard != nil {
 		a.schedules.SetAuthorize(a.guard.Authorize)
 	}
+	return nil
+}
+
+// serveAll serves the API port (Connect, gRPC, the proxied backend APIs),
+// the internal port (the leader-only services and the node service) and
+// the metrics port.
+func (a *Agent) serveAll() error {
 	if err := a.serveSplit(a.lnAPI, a.apiMux, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
@@ -475,41 +592,38 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.ca != nil {
 		signer = a.ca
 	}
-	nodeSvc := cluster.NewNodeService(a.cons, internal, a.gossip, signer)
+	nodeSvc := cluster.NewNodeService(a.cons, a.internal, a.gossip, signer)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
-		return internalMux(internal, internalSnapshots, internalSchedules, nodeSvc), nil
+		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {
-		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(internal))
-		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(internalSnapshots))
-		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(internalSchedules))
+		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.internal))
+		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.internalSnapshots))
+		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.internalSchedules))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
 	}, append(a.tracingServerOptions(), observe.RequestIDServerOptions()...)...); err != nil {
 		return err
 	}
 	a.serve(a.lnMetrics, a.metricsMux())
+	return nil
+}
 
-	a.wg.Add(1)
-	go func() {
-		defer a.wg.Done()
-		a.leaderLoop(a.ctx)
-	}()
+// runTerms runs the leader loop until the agent stops.
+func (a *Agent) runTerms() error {
+	a.wg.Go(func() { a.terms.Run(a.ctx) })
+	return nil
+}
 
-	if err := a.formCluster(ctx); err != nil {
-		return err
+// startRenewals starts the cluster CA's renewals of this agent's server
+// and client certificates (tls.cluster_ca.enabled).
+func (a *Agent) startRenewals() error {
+	if a.ca == nil {
+		return nil
 	}
-	if !a.cfg.TLS.Enabled {
-		a.logger.Warn("TLS IS DISABLED: the API, internal and Raft ports are plaintext; use only on a trusted network or loopback")
-	}
-	if a.ca != nil {
-		// The internal source verifies against tls.ca_file, the chain the
-		// cluster CA's certificates must verify against (the API source
-		// may trust a client_ca_file of its own).
-		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "server", a.tls.internal, a.tls.api) })
-		a.wg.Go(func() { a.ca.renewLoop(a.ctx, "client", a.tls.client) })
-	}
-	a.logger.Info("agent started",
-		"api_addr", a.APIAddr(), "internal_addr", a.InternalAddr(), "raft_addr", a.RaftAddr(),
-		"gossip_addr", a.GossipAddr(), "metrics_addr", a.MetricsAddr())
+	// The internal source verifies against tls.ca_file, the chain the
+	// cluster CA's certificates must verify against (the API source may
+	// trust a client_ca_file of its own).
+	a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "server", a.tls.internal, a.tls.api) })
+	a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "client", a.tls.client) })
 	return nil
 }
 
@@ -674,239 +788,6 @@ func (a *Agent) formCluster(ctx context.Context) error {
 	return nil
 }
 
-// leaderLoop establishes leader state once per term: barrier, then the
-// membership reconciler, the TTL reaper and the snapshotter; all of it is
-// torn down the moment leadership is lost, and while a snapshot restore
-// runs on this leader (pauseLeader), after which it is established afresh
-// from the restored state (resumeLeader).
-func (a *Agent) leaderLoop(ctx context.Context) {
-	defer close(a.loopDone)
-	var ch <-chan bool
-	var unsubscribe func()
-	if a.etcdMode() {
-		ch, unsubscribe = a.etcd.SubscribeLeadership()
-	} else {
-		ch, unsubscribe = a.store.SubscribeLeadership()
-	}
-	defer unsubscribe()
-	var (
-		term    *leaderTerm
-		leading bool // the last notification said "leader"
-		paused  int  // restores in progress here
-	)
-	revoke := func(why string) {
-		if term == nil {
-			return
-		}
-		term.stop()
-		term = nil
-		a.readyTerm.Store(0)
-		a.etcdLeading.Store(false)
-		a.logger.Info("leader state revoked", "reason", why)
-	}
-	defer revoke("agent stopping")
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case done := <-a.pauseCh:
-			paused++
-			revoke("snapshot restore")
-			close(done)
-		case <-a.resumeCh:
-			paused--
-			if paused == 0 && leading && term == nil && a.isLeaderNow() {
-				a.logger.Info("re-establishing leader state after a snapshot restore")
-				term = a.startTerm(ctx)
-			}
-		case isLeader, ok := <-ch:
-			if !ok {
-				return
-			}
-			leading = isLeader
-			if !isLeader {
-				revoke("leadership lost")
-				continue
-			}
-			// A second "true" means leadership was lost and regained
-			// between two notifications: establish the new term afresh.
-			revoke("leadership regained")
-			if paused == 0 {
-				term = a.startTerm(ctx)
-			}
-		}
-	}
-}
-
-// pauseLeader stops leader-only work before a snapshot restore on this
-// leader and returns once it has stopped.
-func (a *Agent) pauseLeader() {
-	done := make(chan struct{})
-	select {
-	case a.pauseCh <- done:
-		<-done
-	case <-a.loopDone:
-	}
-}
-
-// resumeLeader ends a pause: leader-only work starts again, from the
-// (restored) state, if this node still leads.
-func (a *Agent) resumeLeader() {
-	select {
-	case a.resumeCh <- struct{}{}:
-	case <-a.loopDone:
-	}
-}
-
-// leaderTerm is the leader state of one leadership term.
-type leaderTerm struct {
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-}
-
-func (t *leaderTerm) stop() {
-	t.cancel()
-	t.wg.Wait()
-}
-
-func (a *Agent) startTerm(ctx context.Context) *leaderTerm {
-	termCtx, cancel := context.WithCancel(ctx)
-	t := &leaderTerm{cancel: cancel}
-	t.wg.Add(1)
-	go func() {
-		defer t.wg.Done()
-		a.establishLeadership(termCtx, &t.wg)
-	}()
-	return t
-}
-
-func (a *Agent) establishLeadership(ctx context.Context, wg *sync.WaitGroup) {
-	if a.etcdMode() {
-		a.establishEtcdLeadership(ctx, wg)
-		return
-	}
-	termStart := time.Now()
-	term := a.store.Status().Term
-	if !a.retryUntil(ctx, "leader barrier failed, retrying", a.store.Barrier) {
-		return
-	}
-	st := a.store.Status()
-	if st.Term != term || st.State != "Leader" {
-		// Leadership changed while the barrier ran: a fresh notification
-		// starts the next term.
-		return
-	}
-	a.readyTerm.Store(term)
-	a.logger.Info("leadership established", "term", st.Term, "index", st.AppliedIndex)
-
-	rec := cluster.NewReconciler(cluster.ReconcileConfig{
-		SelfID:            a.nodeID,
-		Voters:            a.cfg.Cluster.Raft.Voters,
-		DeadServerCleanup: a.cfg.Cluster.Raft.DeadServerCleanup.Std(),
-		Stabilization:     a.opts.Stabilization,
-		LeaderLastIndex:   func() uint64 { return a.store.Status().LastIndex },
-		Interval:          a.opts.ReconcileInterval,
-		Logger:            a.logger,
-	}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool})
-	a.startLeaderWork(ctx, wg, a.fsm)
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		rec.Run(ctx)
-	}()
-	if a.ca != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			a.ca.installLoop(ctx)
-		}()
-	}
-	go func() {
-		defer wg.Done()
-		tcfg := scheduler.DefaultTTLReaperConfig()
-		if a.opts.TTLInterval > 0 {
-			tcfg.Interval = a.opts.TTLInterval
-		}
-		tcfg.Logger = a.logger
-		tcfg.TermStart = termStart
-		scheduler.RunTTLReaper(ctx, tcfg, a.fsm, a.raft)
-	}()
-}
-
-// startLeaderWork starts the leader's work of both modes: automatic
-// snapshots, the cluster-ID check and the schedule dispatcher reading
-// state.
-func (a *Agent) startLeaderWork(ctx context.Context, wg *sync.WaitGroup, state scheduler.StateReader) {
-	a.startSnapshotter(ctx, wg)
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		a.ensureClusterID(ctx)
-	}()
-	go func() {
-		defer wg.Done()
-		scheduler.RunDispatcher(ctx, scheduler.DispatcherConfig{
-			NodeID:  a.nodeID,
-			Logger:  a.logger,
-			Metrics: a.scheduleMetrics,
-			Tracer:  a.tracing.Tracer(),
-		}, state, a.cons, a.invokeBackend)
-	}()
-}
-
-// retryUntil runs f (each attempt bounded to 30 s) until it succeeds,
-// every 100 ms, logging each failure as what; false when ctx ended first.
-func (a *Agent) retryUntil(ctx context.Context, what string, f func(context.Context) error) bool {
-	for attempt := 0; ; attempt++ {
-		actx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		err := f(actx)
-		cancel()
-		if err == nil {
-			return true
-		}
-		if ctx.Err() != nil {
-			return false
-		}
-		a.logger.Warn(what, "error", err, "attempt", attempt)
-		t := time.NewTimer(100 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return false
-		case <-t.C:
-		}
-	}
-}
-
-// startSnapshotter writes automatic snapshot archives (snapshot.interval)
-// while ctx lasts.
-func (a *Agent) startSnapshotter(ctx context.Context, wg *sync.WaitGroup) {
-	sc := a.cfg.Snapshot
-	if sc.Interval <= 0 {
-		return
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		scheduler.RunSnapshotter(ctx, scheduler.SnapshotterConfig{
-			Interval: sc.Interval.Std(),
-			Dir:      a.snapshotDir(),
-			Retain:   sc.Retain,
-			Logger:   a.logger,
-			Metrics:  a.snapMetrics,
-		}, a.takeSnapshot)
-	}()
-}
-
-// isLeaderNow reports whether this node leads (Raft) or holds the schedule
-// leadership (etcd), established or not.
-func (a *Agent) isLeaderNow() bool {
-	if a.etcdMode() {
-		return a.etcd.IsLeader()
-	}
-	return a.store.IsLeader()
-}
-
 // snapshotDir is where automatic snapshot archives go.
 func (a *Agent) snapshotDir() string {
 	if d := a.cfg.Snapshot.Dir; d != "" {
@@ -985,40 +866,6 @@ type tempFile struct{ *os.File }
 func (f *tempFile) Close() error {
 	err := f.File.Close()
 	return errors.Join(err, os.Remove(f.Name()))
-}
-
-// ensureClusterID gives the cluster its ID the first time a leader is
-// established: a random UUID under gateway.ClusterIDKey, written with
-// compare-and-set on "absent" so that two leaders in a row cannot both set
-// one. A restored snapshot brings the ID of the cluster it was taken from.
-func (a *Agent) ensureClusterID(ctx context.Context) {
-	if _, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
-		return
-	}
-	absent := uint64(0)
-	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_SetConfig{SetConfig: &fsmv1.SetConfig{
-		Key: gateway.ClusterIDKey, Value: uuid.NewString(), CasRevision: &absent,
-	}}})
-	if err != nil {
-		a.logger.Error("encode cluster id", "error", err)
-		return
-	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	resp, _, err := a.cons.Apply(ctx, data)
-	if err == nil {
-		if res, ok := resp.(*fsm.Result); ok && res.Err != nil && !errors.Is(res.Err, fsm.ErrCASConflict) {
-			err = res.Err
-		}
-	}
-	if err != nil {
-		if ctx.Err() == nil {
-			a.logger.Warn("could not set the cluster id; the next leader term tries again", "error", err)
-		}
-		return
-	}
-	id, _ := a.fsm.State().ConfigEntry(gateway.ClusterIDKey)
-	a.logger.Info("cluster id set", "cluster_id", id.GetValue())
 }
 
 func (a *Agent) serve(ln net.Listener, h http.Handler) {
@@ -1434,15 +1281,9 @@ func (a *Agent) LeaderID() string {
 // state established.
 func (a *Agent) IsLeader() bool { return a.leaderReady() }
 
-// leaderReady reports whether this node leads the current term and its
-// barrier for that term completed, so its state holds every entry committed
-// before the term.
-func (a *Agent) leaderReady() bool {
-	if a.etcdMode() {
-		return a.etcd.IsLeader() && a.etcdLeading.Load()
-	}
-	return a.store.IsLeader() && a.store.Term() == a.readyTerm.Load()
-}
+// leaderReady reports whether this node leads and its leader state is
+// established (leader.Work.Ready).
+func (a *Agent) leaderReady() bool { return a.work != nil && a.work.Ready() }
 
 // Store exposes the Raft store to tests in cmd/.
 func (a *Agent) Store() *store.Store { return a.store }

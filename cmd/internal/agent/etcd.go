@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -210,27 +209,4 @@ func (a *Agent) etcdNotReady() error {
 		return fmt.Errorf("%w: %s", store.ErrUnavailable, st.LastError)
 	}
 	return fmt.Errorf("%w: the state is not loaded from etcd yet", store.ErrUnavailable)
-}
-
-// establishEtcdLeadership is the schedule leader's work in etcd mode, run
-// while this agent holds the etcd election: once its mirror has caught up
-// with etcd, the dispatcher and the snapshotter (no Raft membership, no TTL
-// reaper: etcd leases expire instances).
-func (a *Agent) establishEtcdLeadership(ctx context.Context, wg *sync.WaitGroup) {
-	caughtUp := a.retryUntil(ctx, "schedule leader: catching up with etcd failed, retrying", func(ctx context.Context) error {
-		idx, err := a.etcd.ReadIndex(ctx)
-		if err == nil {
-			err = a.etcd.WaitApplied(ctx, idx)
-		}
-		return err
-	})
-	if !caughtUp {
-		return
-	}
-	if !a.etcd.IsLeader() {
-		return
-	}
-	a.etcdLeading.Store(true)
-	a.logger.Info("schedule leadership established", "revision", a.etcd.AppliedIndex())
-	a.startLeaderWork(ctx, wg, a.etcd)
 }

@@ -1,12 +1,14 @@
 package agent
 
 import (
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
 	"strings"
+	"time"
 
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 )
@@ -34,4 +36,14 @@ func readGossipKey(path string) ([]byte, error) {
 		return key, nil
 	}
 	return nil, fmt.Errorf("cluster.gossip.encrypt_key_file: key is %d bytes, want 16, 24 or 32", len(key))
+}
+
+// sleepCtx waits d; false when ctx ended first.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(d):
+		return true
+	}
 }

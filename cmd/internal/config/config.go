@@ -1,8 +1,8 @@
 // Package config defines the pivirt-agent configuration file (/etc/pivirt-agent/config.yaml)
 // and the command-line flags that override it.
 //
-// The YAML keys are those of spec/agent.txt "Main Config" and the agent blocks of
-// spec/service-mesh.txt, plus node_name, data_dir and the cluster block for the embedded
+// The YAML keys are those of the reference configurations (testdata/spec-agent.yaml and
+// testdata/spec-mesh.yaml), plus node_name, data_dir and the cluster block for the embedded
 // Raft/gossip cluster. Load reads a file strictly (unknown keys, wrong types, bad durations and
 // bad enum values are errors naming the full key path); Validate checks the semantics; Flags
 // applies the flags the user actually set on top.
@@ -229,7 +229,7 @@ type AuthConfig struct {
 	// RBACPolicy is the path of the RBAC policy file (rbac.yaml).
 	RBACPolicy string `yaml:"rbac_policy"`
 	// NetworkPolicy is the path of a file of NetworkPolicy documents
-	// (spec/service-mesh.txt): when set, peers on the internal and Raft
+	// (package netpolicy): when set, peers on the internal and Raft
 	// ports and the backends the agent calls must be allowed by one.
 	NetworkPolicy string `yaml:"network_policy"`
 	// CertificateRoles gives callers authenticated by a client certificate

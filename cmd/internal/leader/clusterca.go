@@ -1,4 +1,4 @@
-package agent
+package leader
 
 import (
 	"bytes"
@@ -20,11 +20,13 @@ import (
 	"golang.org/x/time/rate"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/identity"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 )
 
 const (
@@ -42,13 +44,38 @@ const (
 	caCheckInterval = 10 * time.Minute
 )
 
-// clusterCA is the built-in cluster CA of an agent (tls.cluster_ca): on
+// CAConfig wires a [ClusterCA].
+type CAConfig struct {
+	// CA is tls.cluster_ca.
+	CA     config.ClusterCAConfig
+	NodeID string
+	Logger *slog.Logger
+	// Trust is the peers' TLS source: certificates the CA signs, and the
+	// CA itself, must verify against its tls.ca_file.
+	Trust *identity.Source
+	// FSM holds the installed CA (the ca table).
+	FSM *fsm.FSM
+	// Proposer proposes the install (Raft).
+	Proposer Proposer
+	// Ready reports whether this node leads with its state established
+	// (only then does it sign).
+	Ready func() bool
+	// Leader returns the leader's node ID ("" when none is known).
+	Leader func() string
+	// Members finds the leader's internal address; Node dials it.
+	Members interface {
+		MemberByID(id string) (cluster.Member, bool)
+	}
+	Node       func(addr string) nodev1connect.NodeServiceClient
+	Registerer prometheus.Registerer
+}
+
+// ClusterCA is the built-in cluster CA of an agent (tls.cluster_ca): on
 // the leader it installs the configured intermediate into the replicated
 // state and signs renewals; on every agent it renews the agent's own server
 // and client certificates at a random 60-90% of their lifetime.
-type clusterCA struct {
-	a       *Agent
-	cfg     config.ClusterCAConfig
+type ClusterCA struct {
+	cfg     CAConfig
 	limiter *rate.Limiter
 	// signed counts the renewals this node answered as leader, by result;
 	// renewed the renewals of this node's own certificates.
@@ -60,11 +87,14 @@ type clusterCA struct {
 	cachedCert, cachedKey []byte
 }
 
-func newClusterCA(a *Agent, cfg config.ClusterCAConfig) *clusterCA {
-	c := &clusterCA{
-		a:       a,
+// NewClusterCA returns the cluster CA of cfg and registers its metrics.
+func NewClusterCA(cfg CAConfig) *ClusterCA {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	c := &ClusterCA{
 		cfg:     cfg,
-		limiter: rate.NewLimiter(rate.Limit(cfg.CSRMaxPerSecond), cfg.CSRBurst),
+		limiter: rate.NewLimiter(rate.Limit(cfg.CA.CSRMaxPerSecond), cfg.CA.CSRBurst),
 		signed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pivirt_tls_ca_signed_total",
 			Help: "Certificate renewals answered by this node as the leader's cluster CA, by result (ok, refused, rate_limited, unavailable, error).",
@@ -74,48 +104,48 @@ func newClusterCA(a *Agent, cfg config.ClusterCAConfig) *clusterCA {
 			Help: "Renewals of this agent's own certificates through the cluster CA, by certificate (server, client) and result (ok, error).",
 		}, []string{"cert", "result"}),
 	}
-	a.metrics.MustRegister(c.signed, c.renewed)
+	cfg.Registerer.MustRegister(c.signed, c.renewed)
 	return c
 }
 
 // SignRenewal implements cluster.CertificateSigner: only the leader signs,
 // at most csr_max_per_second (with csr_burst), with the CA in the state.
-func (c *clusterCA) SignRenewal(_ context.Context, req identity.RenewalRequest) ([]byte, error) {
-	if !c.a.leaderReady() {
+func (c *ClusterCA) SignRenewal(_ context.Context, req identity.RenewalRequest) ([]byte, error) {
+	if !c.cfg.Ready() {
 		c.signed.WithLabelValues("unavailable").Inc()
 		return nil, connect.NewError(connect.CodeUnavailable, errors.New("not the leader: only the leader signs renewals"))
 	}
 	if !c.limiter.Allow() {
-		wait := time.Duration(float64(time.Second) / c.cfg.CSRMaxPerSecond)
+		wait := time.Duration(float64(time.Second) / c.cfg.CA.CSRMaxPerSecond)
 		c.signed.WithLabelValues("rate_limited").Inc()
 		return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf(
-			"renewals are limited to %g per second (tls.cluster_ca.csr_max_per_second); retry in %s", c.cfg.CSRMaxPerSecond, wait.Round(time.Millisecond)))
+			"renewals are limited to %g per second (tls.cluster_ca.csr_max_per_second); retry in %s", c.cfg.CA.CSRMaxPerSecond, wait.Round(time.Millisecond)))
 	}
 	ca, err := c.authority()
 	if err != nil {
 		c.signed.WithLabelValues("error").Inc()
 		return nil, err
 	}
-	certPEM, issued, err := ca.Renew(req, c.a.tls.internal.VerifyChain, c.cfg.LeafTTL.Std(), time.Now())
+	certPEM, issued, err := ca.Renew(req, c.cfg.Trust.VerifyChain, c.cfg.CA.LeafTTL.Std(), time.Now())
 	if errors.Is(err, identity.ErrRenewalRefused) {
 		c.signed.WithLabelValues("refused").Inc()
-		c.a.logger.Warn("certificate renewal refused", "error", err)
+		c.cfg.Logger.Warn("certificate renewal refused", "error", err)
 		return nil, connect.NewError(connect.CodePermissionDenied, err)
 	}
 	if err != nil {
 		c.signed.WithLabelValues("error").Inc()
-		c.a.logger.Error("certificate renewal failed", "error", err)
+		c.cfg.Logger.Error("certificate renewal failed", "error", err)
 		return nil, connect.NewError(connect.CodeInternal, err)
 	}
 	c.signed.WithLabelValues("ok").Inc()
-	c.a.logger.Info("certificate renewed by the cluster CA", "subject", issued.Subject.String(),
+	c.cfg.Logger.Info("certificate renewed by the cluster CA", "subject", issued.Subject.String(),
 		"serial", issued.SerialNumber.Text(16), "not_after", issued.NotAfter.UTC().Format(time.RFC3339))
 	return certPEM, nil
 }
 
 // authority is the CA in the replicated state, parsed once per install.
-func (c *clusterCA) authority() (*identity.CertAuthority, error) {
-	rec, err := c.a.fsm.State().ClusterCA()
+func (c *ClusterCA) authority() (*identity.CertAuthority, error) {
+	rec, err := c.cfg.FSM.State().ClusterCA()
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInternal, err)
 	}
@@ -142,8 +172,8 @@ func (c *clusterCA) authority() (*identity.CertAuthority, error) {
 // configured files while this node leads (ctx: the leader term): at once,
 // then every caCheckInterval, so a new intermediate in the files is
 // picked up without a leader change; a failure is retried with backoff.
-func (c *clusterCA) installLoop(ctx context.Context) {
-	if c.cfg.CertFile == "" {
+func (c *ClusterCA) installLoop(ctx context.Context) {
+	if c.cfg.CA.CertFile == "" {
 		return
 	}
 	var retry time.Duration
@@ -155,7 +185,7 @@ func (c *clusterCA) installLoop(ctx context.Context) {
 			}
 			retry = min(max(2*retry, renewRetryMin), renewRetryMax)
 			wait = retry
-			c.a.logger.Error("cluster CA not installed; retrying", "retry_in", retry, "error", err)
+			c.cfg.Logger.Error("cluster CA not installed; retrying", "retry_in", retry, "error", err)
 		} else {
 			retry = 0
 		}
@@ -168,12 +198,12 @@ func (c *clusterCA) installLoop(ctx context.Context) {
 // install puts the configured intermediate into the replicated state when
 // the state holds none, or one that expires earlier. A broken file is an
 // error; the CA in the state stays.
-func (c *clusterCA) install(ctx context.Context) error {
-	certPEM, err := os.ReadFile(c.cfg.CertFile)
+func (c *ClusterCA) install(ctx context.Context) error {
+	certPEM, err := os.ReadFile(c.cfg.CA.CertFile)
 	if err != nil {
 		return fmt.Errorf("tls.cluster_ca.cert_file: %w", err)
 	}
-	keyPEM, err := os.ReadFile(c.cfg.KeyFile)
+	keyPEM, err := os.ReadFile(c.cfg.CA.KeyFile)
 	if err != nil {
 		return fmt.Errorf("tls.cluster_ca.key_file: %w", err)
 	}
@@ -181,14 +211,14 @@ func (c *clusterCA) install(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("tls.cluster_ca: %w", err)
 	}
-	if err := c.a.tls.internal.VerifyChain(ca.Chain, x509.ExtKeyUsageAny); err != nil {
-		return fmt.Errorf("tls.cluster_ca.cert_file %s does not chain to tls.ca_file, so certificates it signs would not be trusted: %w", c.cfg.CertFile, err)
+	if err := c.cfg.Trust.VerifyChain(ca.Chain, x509.ExtKeyUsageAny); err != nil {
+		return fmt.Errorf("tls.cluster_ca.cert_file %s does not chain to tls.ca_file, so certificates it signs would not be trusted: %w", c.cfg.CA.CertFile, err)
 	}
-	if left := time.Until(ca.Cert.NotAfter); left < 2*c.cfg.LeafTTL.Std() {
-		c.a.logger.Warn("the cluster CA expires soon: renewed certificates end with it; install a newer intermediate in tls.cluster_ca.cert_file",
+	if left := time.Until(ca.Cert.NotAfter); left < 2*c.cfg.CA.LeafTTL.Std() {
+		c.cfg.Logger.Warn("the cluster CA expires soon: renewed certificates end with it; install a newer intermediate in tls.cluster_ca.cert_file",
 			"subject", ca.Cert.Subject.String(), "not_after", ca.Cert.NotAfter.UTC().Format(time.RFC3339))
 	}
-	if rec, err := c.a.fsm.State().ClusterCA(); err == nil && rec != nil {
+	if rec, err := c.cfg.FSM.State().ClusterCA(); err == nil && rec != nil {
 		if chain, err := identity.ParseCertificates(rec.GetCertPem()); err == nil {
 			cur := chain[0]
 			if bytes.Equal(cur.Raw, ca.Cert.Raw) {
@@ -207,24 +237,18 @@ func (c *clusterCA) install(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	resp, _, err := c.a.store.Apply(ctx, data)
-	if err == nil {
-		if res, ok := resp.(*fsm.Result); ok && res.Err != nil {
-			err = res.Err
-		}
-	}
-	if err != nil {
+	if err := resultErr(c.cfg.Proposer.Apply(ctx, data)); err != nil {
 		return fmt.Errorf("propose the cluster CA: %w", err)
 	}
-	c.a.logger.Info("cluster CA installed", "subject", ca.Cert.Subject.String(),
+	c.cfg.Logger.Info("cluster CA installed", "subject", ca.Cert.Subject.String(),
 		"not_after", ca.Cert.NotAfter.UTC().Format(time.RFC3339))
 	return nil
 }
 
-// renewLoop renews the certificate of src (and reloads also, which reads
+// RenewLoop renews the certificate of src (and reloads also, which reads
 // the same files) at a random 60-90% of its lifetime, until ctx ends. A
 // failed renewal is retried with backoff; the certificate in use stays.
-func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.Source, also ...*identity.Source) {
+func (c *ClusterCA) RenewLoop(ctx context.Context, name string, src *identity.Source, also ...*identity.Source) {
 	var (
 		serial   string
 		fraction float64
@@ -237,7 +261,7 @@ func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.So
 			// A new certificate (renewed, or replaced by an operator).
 			serial, fraction, retry = s, 0.6+0.3*rand.Float64(), 0
 			due = identity.RenewalTime(leaf, fraction)
-			c.a.logger.Info("certificate renewal scheduled", "cert", name, "subject", leaf.Subject.String(),
+			c.cfg.Logger.Info("certificate renewal scheduled", "cert", name, "subject", leaf.Subject.String(),
 				"renew_at", due.UTC().Format(time.RFC3339), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339))
 		}
 		if wait := time.Until(due); wait > 0 {
@@ -263,7 +287,7 @@ func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.So
 			// Nothing renews an expired certificate: pitrust must.
 			level = slog.LevelError
 		}
-		c.a.logger.Log(ctx, level, "certificate renewal failed; keeping the certificate in use", "cert", name,
+		c.cfg.Logger.Log(ctx, level, "certificate renewal failed; keeping the certificate in use", "cert", name,
 			"subject", leaf.Subject.String(), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339), "retry_in", retry, "error", err)
 		// Jitter, so that agents failing together do not retry together.
 		due = time.Now().Add(retry/2 + rand.N(retry/2+1))
@@ -272,7 +296,7 @@ func (c *clusterCA) renewLoop(ctx context.Context, name string, src *identity.So
 
 // renew asks the leader's cluster CA for a new certificate for src and
 // installs it with its new key.
-func (c *clusterCA) renew(ctx context.Context, src *identity.Source, also ...*identity.Source) error {
+func (c *ClusterCA) renew(ctx context.Context, src *identity.Source, also ...*identity.Source) error {
 	cur := src.Certificate()
 	key, ok := cur.PrivateKey.(crypto.Signer)
 	if !ok {
@@ -328,19 +352,19 @@ func sameNames(a, b *x509.Certificate) bool {
 
 // ask sends a renewal to the leader: signed here when this node leads,
 // else through the leader's internal port.
-func (c *clusterCA) ask(ctx context.Context, req identity.RenewalRequest) ([]byte, error) {
-	id, _ := c.a.raft.Leader()
+func (c *ClusterCA) ask(ctx context.Context, req identity.RenewalRequest) ([]byte, error) {
+	id := c.cfg.Leader()
 	switch {
 	case id == "":
 		return nil, errors.New("no leader to sign the renewal")
-	case id == c.a.nodeID:
+	case id == c.cfg.NodeID:
 		return c.SignRenewal(ctx, req)
 	}
-	m, ok := c.a.gossip.MemberByID(id)
+	m, ok := c.cfg.Members.MemberByID(id)
 	if !ok || m.Meta.InternalAddr == "" {
 		return nil, fmt.Errorf("leader %s is not known to gossip yet", id)
 	}
-	resp, err := c.a.pool.Node(m.Meta.InternalAddr).RenewCertificate(ctx, connect.NewRequest(&nodev1.RenewCertificateRequest{
+	resp, err := c.cfg.Node(m.Meta.InternalAddr).RenewCertificate(ctx, connect.NewRequest(&nodev1.RenewCertificateRequest{
 		Csr: req.CSR, Current: req.Current, Proof: req.Proof,
 	}))
 	if err != nil {
@@ -349,19 +373,4 @@ func (c *clusterCA) ask(ctx context.Context, req identity.RenewalRequest) ([]byt
 	return resp.Msg.GetCertPem(), nil
 }
 
-// sleepCtx waits d; false when ctx ended first.
-func sleepCtx(ctx context.Context, d time.Duration) bool { return waitCtx(ctx, d, nil) }
-
-// waitCtx waits d, or until wake is closed; false when ctx ended first.
-func waitCtx(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	case <-wake:
-		return true
-	}
-}
+var _ cluster.CertificateSigner = (*ClusterCA)(nil)

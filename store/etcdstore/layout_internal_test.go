@@ -1,0 +1,78 @@
+package etcdstore
+
+import (
+	"testing"
+
+	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/proto"
+
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/fsmtest"
+)
+
+// notInEtcd are the tables of the state that etcd mode keeps no keys for,
+// and why. A table of fsm.Tables() that is neither here nor mapped by the
+// layout fails TestLayoutCoversEveryTable.
+var notInEtcd = map[string]string{
+	fsm.TableIndex: "etcd's revisions are the indexes",
+}
+
+// TestLayoutCoversEveryTable: every record of a state with records in every
+// table (fsmtest.FullState) has an etcd key, the key is classified back
+// under its table, and its value decodes to the record (index fields
+// aside, which etcd's revisions replace).
+func TestLayoutCoversEveryTable(t *testing.T) {
+	f, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, st := range fsmtest.FullState() {
+		data, err := fsm.Encode(st.Cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res := f.Apply(&raft.Log{Index: uint64(i + 1), Type: raft.LogCommand, Data: data}).(*fsm.Result)
+		if fsm.ErrorCode(res.Err) != st.WantErr {
+			t.Fatalf("step %d: %v, want %q", i, res.Err, st.WantErr)
+		}
+	}
+	lay := newLayout("/pivirt/services")
+	for _, table := range fsm.Tables() {
+		if _, ok := notInEtcd[table]; ok {
+			continue
+		}
+		recs, err := f.State().Records(table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(recs) == 0 {
+			t.Errorf("fsmtest.FullState leaves %s empty", table)
+		}
+		for _, rec := range recs {
+			key, err := lay.key(table, rec)
+			if err != nil {
+				t.Errorf("%s: %v: map the table in layout.key (or list it in notInEtcd)", table, err)
+				continue
+			}
+			if got := lay.table(key); got != table {
+				t.Errorf("%s: key %s is classified as table %q: map it in layout.table", table, key, got)
+			}
+			value, err := encode(table, []proto.Message{rec})
+			if err != nil {
+				t.Errorf("%s: %v", table, err)
+				continue
+			}
+			back, err := decode(table, value, 7)
+			if err != nil || len(back) != 1 {
+				t.Errorf("%s: decode %s: %v (%d records)", table, value, err, len(back))
+				continue
+			}
+			want, got := proto.Clone(rec), back[0]
+			fsm.ClearIndexFields(want)
+			fsm.ClearIndexFields(got)
+			if !proto.Equal(want, got) {
+				t.Errorf("%s: the key's value decodes to\n%v\nwant\n%v", table, got, want)
+			}
+		}
+	}
+}
