@@ -1,6 +1,7 @@
 // Package gateway is the agent's Connect edge: the handlers of the agent's
-// own services (forward-or-handle), and later the proxy for backend services
-// and the interceptors. Errors become Connect codes here and nowhere else.
+// own services (forward-or-handle); the proxy for the backend services is
+// gateway/mesh and access control gateway/access. Errors become Connect
+// codes here and nowhere else.
 package gateway
 
 import (

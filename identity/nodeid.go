@@ -1,5 +1,6 @@
-// Package identity holds what makes a node itself: its stable node ID and,
-// in later parts, its PKI material and the principals derived from peers.
+// Package identity holds what makes a node itself: its stable node ID, the
+// PiTrust PKI material (CA, leaves, renewals) and the reloadable TLS
+// sources every port and client of the agent is built from.
 package identity
 
 import (

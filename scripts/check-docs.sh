@@ -5,8 +5,8 @@
 #
 # A citation is <dir>/DESIGN.md, "<heading>" or <dir> DESIGN.md "<heading>"
 # (that directory's), top-level DESIGN.md, "<heading>", or a bare
-# DESIGN.md "<heading>" (optionally in parentheses; a heading starts with a
-# capital letter): in a DESIGN.md or the
+# DESIGN.md "<heading>" (the name may be in backticks, the heading in
+# parentheses; a heading starts with a capital letter): in a DESIGN.md or the
 # README it means the top-level one, in code or a script the nearest
 # DESIGN.md at or above the file. Citations may span comment lines.
 set -euo pipefail
@@ -32,7 +32,7 @@ git ls-files -z -- ':!node_modules' ':!package-lock.json' ':!*.pb.go' ':!*.conne
     $text =~ s{\n[ \t]*(?://+|#+)?[ \t]*}{ }g;
     (my $dir = $file) =~ s{/?[^/]*$}{};
     my $base = ($file =~ m{([^/]+)$})[0];
-    while ($text =~ m{(?:\b(top-level)\s+|([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)/|\b([a-z][a-z0-9_]*(?:/[a-z0-9_]+)*)\s+)?DESIGN\.md,?\s*\(?\s*"([A-Z][^"\$\\]{0,80})"}g) {
+    while ($text =~ m{(?:\b(top-level)\s+|`?([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)/|\b([a-z][a-z0-9_]*(?:/[a-z0-9_]+)*)\s+)?`?DESIGN\.md`?,?\s*\(?\s*"([A-Z][^"\$\\]{0,80})"}g) {
       my ($top, $path, $word, $section) = ($1, $2, $3, $4);
       my $doc;
       if ($top) {
