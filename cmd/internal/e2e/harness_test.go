@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -163,6 +164,11 @@ type cluster struct {
 	certs string
 	// extra is YAML appended to every agent's configuration file.
 	extra string
+	// name is cluster.name: each test cluster has one of its own, so
+	// that gossip refuses agents of another cluster (another test package
+	// runs at the same time) instead of merging with them when an address
+	// a node still knows has been taken by one of theirs.
+	name string
 	// tlsExtra is YAML added to the tls block of every agent's
 	// configuration file, indented by two spaces; {certs} stands for the
 	// certificate directory.
@@ -203,6 +209,9 @@ func startClusterIn(t *testing.T, bins binaries, env *netnsEnv) *cluster {
 }
 
 func startClusterOn(t *testing.T, c *cluster) *cluster {
+	if c.name == "" {
+		c.name = fmt.Sprintf("e2e-%08x", mrand.Uint32())
+	}
 	t.Helper()
 	var ips []net.IP
 	if c.net != nil {
@@ -303,7 +312,7 @@ routing:
         prefix: /pivirt.storage.v1.StorageService
       route:
         cluster: iscsiman
-`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + c.extra
+`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + withClusterName(c.extra, c.name)
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}
@@ -913,4 +922,18 @@ func (c *cluster) httpClient(t testing.TB) *http.Client {
 	tr := &http.Transport{TLSClientConfig: c.clientTLS(t), ForceAttemptHTTP2: true}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &http.Client{Transport: tr}
+}
+
+// withClusterName puts cluster.name into the YAML extra, in its cluster
+// block when it has one.
+func withClusterName(extra, name string) string {
+	line := "  name: " + name + "\n"
+	switch i := strings.Index("\n"+extra, "\ncluster:\n"); {
+	case i >= 0:
+		at := i + len("cluster:\n")
+		return extra[:at] + line + extra[at:]
+	case extra != "" && !strings.HasSuffix(extra, "\n"):
+		extra += "\n"
+	}
+	return extra + "cluster:\n" + line
 }

@@ -8,8 +8,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -24,12 +26,22 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
+// ClusterName is the cluster.name of every agent this test process starts:
+// its own, so that gossip refuses the agents of other test processes (the
+// other packages' tests run at the same time, e2e's agents among them)
+// instead of merging with them when an address a node still knows (its
+// peers file after a restart) has been taken by one of theirs. The tests of
+// one process never run clusters at the same time.
+var ClusterName = fmt.Sprintf("test-%d-%04x", os.Getpid(), rand.Uint32()&0xffff)
+
 // Config returns a configuration for a test node: every port on
-// 127.0.0.1:0, TLS off, Raft timeouts at the library defaults.
+// 127.0.0.1:0, TLS off, Raft timeouts at the library defaults, the
+// process's ClusterName.
 func Config(name, dataDir string) *config.Config {
 	cfg := config.Default()
 	cfg.NodeName = name
 	cfg.DataDir = dataDir
+	cfg.Cluster.Name = ClusterName
 	cfg.TLS.Enabled = false
 	cfg.Server.ConnectRPC.Addr = "127.0.0.1:0"
 	cfg.Server.GRPCInternal.Addr = "127.0.0.1:0"
