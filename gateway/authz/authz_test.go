@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/protobuf/reflect/protoreflect"
+
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
@@ -194,6 +196,51 @@ rules:
 	d, _ = p.Decide(Principal{Identity: "carol"}, "virtualmachines", "list")
 	if !d.Object((&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "carol"}}).ProtoReflect()) || d.Object((&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: "root"}}).ProtoReflect()) {
 		t.Error("NotIn condition of a \"*\" rule")
+	}
+}
+
+// TestListConditionsTakeTheIdentityWhole: an identity (or a role) with a
+// comma is one item of an In/NotIn list, never several: a subject
+// "mallory,bob" does not match bob's objects, nor escape a NotIn of
+// mallory; {{.user.roles}} alone in an item stands for each role.
+func TestListConditionsTakeTheIdentityWhole(t *testing.T) {
+	p, err := Parse(strings.NewReader(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["team"]
+    resources: ["virtualmachines"]
+    verbs: ["get"]
+    conditions:
+      - {field: metadata.owner, operator: In, value: "{{.user.identity}}, shared"}
+  - roles: ["team"]
+    resources: ["virtualmachines"]
+    verbs: ["update"]
+    conditions:
+      - {field: metadata.owner, operator: NotIn, value: "{{.user.identity}}"}
+  - roles: ["team"]
+    resources: ["virtualmachines"]
+    verbs: ["delete"]
+    conditions:
+      - {field: metadata.owner, operator: In, value: "{{.user.roles}}"}
+`), resources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	owned := func(owner string) protoreflect.Message {
+		return (&vmv1.VM{Metadata: &apiv1.ObjectMeta{Owner: owner}}).ProtoReflect()
+	}
+	mallory := Principal{Identity: "mallory,bob", Roles: []string{"team", "ops,admin"}}
+	get, _ := p.Decide(mallory, "virtualmachines", "get")
+	if get.Object(owned("bob")) || get.Object(owned("mallory")) || !get.Object(owned("mallory,bob")) || !get.Object(owned("shared")) {
+		t.Error("In: the identity was split at its comma")
+	}
+	update, _ := p.Decide(mallory, "virtualmachines", "update")
+	if !update.Object(owned("bob")) || update.Object(owned("mallory,bob")) {
+		t.Error("NotIn: the identity was split at its comma")
+	}
+	del, _ := p.Decide(mallory, "virtualmachines", "delete")
+	if !del.Object(owned("team")) || !del.Object(owned("ops,admin")) || del.Object(owned("ops")) {
+		t.Error("In {{.user.roles}}: want each role whole")
 	}
 }
 

@@ -35,6 +35,8 @@ type Decision struct {
 
 type resolved struct {
 	field, op, value string
+	// list is the value of In and NotIn, item by item.
+	list []string
 }
 
 // Denied reports whether no object at all may be touched.
@@ -54,11 +56,17 @@ func (p *Policy) Decide(who Principal, resource, verb string) (Decision, error) 
 		}
 		var conds []resolved
 		for _, c := range r.Conditions {
-			v, err := c.value(who)
+			rc := resolved{field: c.Field, op: c.Operator}
+			var err error
+			if c.Operator == OpIn || c.Operator == OpNotIn {
+				rc.list, err = c.values(who)
+			} else {
+				rc.value, err = c.value(who)
+			}
 			if err != nil {
 				return Decision{}, fmt.Errorf("condition on %s: %w", c.Field, err)
 			}
-			conds = append(conds, resolved{field: c.Field, op: c.Operator, value: v})
+			conds = append(conds, rc)
 		}
 		d.Conditional = true
 		d.conds = append(d.conds, conds)
@@ -101,9 +109,9 @@ func (c resolved) holds(obj protoreflect.Message) bool {
 	case OpNotEquals:
 		return !ok || got != c.value
 	case OpIn:
-		return ok && slices.Contains(splitList(c.value), got)
+		return ok && slices.Contains(c.list, got)
 	case OpNotIn:
-		return !ok || !slices.Contains(splitList(c.value), got)
+		return !ok || !slices.Contains(c.list, got)
 	}
 	return false
 }

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"regexp"
 	"slices"
 	"strings"
 	"text/template"
@@ -67,6 +68,9 @@ type Condition struct {
 	Value    string `yaml:"value"`
 
 	tmpl *template.Template
+	// items are the templates of an In or NotIn value, item by item
+	// (nil: the item that stands for every role).
+	items []*template.Template
 }
 
 // Parse reads a policy and checks it against the resources the API knows
@@ -142,6 +146,11 @@ func (p *Policy) validate(resources []string) error {
 				continue
 			}
 			c.tmpl = t
+			if c.Operator == OpIn || c.Operator == OpNotIn {
+				if c.items, err = parseItems(c.Value); err != nil {
+					add(cat+".value", "bad list %q: %v", c.Value, err)
+				}
+			}
 		}
 	}
 	return errors.Join(errs...)
@@ -154,9 +163,58 @@ func templateData(p Principal) map[string]any {
 
 // value renders the condition's value for p.
 func (c *Condition) value(p Principal) (string, error) {
+	return render(c.tmpl, p)
+}
+
+func render(t *template.Template, p Principal) (string, error) {
 	var b bytes.Buffer
-	if err := c.tmpl.Execute(&b, templateData(p)); err != nil {
+	if err := t.Execute(&b, templateData(p)); err != nil {
 		return "", err
 	}
 	return b.String(), nil
+}
+
+// rolesItem is the list item of an In/NotIn value that stands for every
+// role of the principal.
+var rolesItem = regexp.MustCompile(`^\{\{-?\s*\.user\.roles\s*-?\}\}$`)
+
+// parseItems splits the value of an In or NotIn condition at its commas
+// and parses each item on its own (see values).
+func parseItems(value string) ([]*template.Template, error) {
+	var items []*template.Template
+	for i, item := range splitList(value) {
+		if rolesItem.MatchString(item) {
+			items = append(items, nil)
+			continue
+		}
+		t, err := template.New(fmt.Sprint(i)).Option("missingkey=error").Parse(item)
+		if err == nil {
+			_, err = render(t, Principal{Identity: "sample", Roles: []string{"sample"}})
+		}
+		if err != nil {
+			return nil, fmt.Errorf("item %d %q: %w", i, item, err)
+		}
+		items = append(items, t)
+	}
+	return items, nil
+}
+
+// values renders the list of an In or NotIn condition for p, item by
+// item, so that a principal's identity (or a role) is one item whatever it
+// holds — a subject "mallory,bob" is never the item "bob" — and an item
+// that is just {{.user.roles}} stands for each of the principal's roles.
+func (c *Condition) values(p Principal) ([]string, error) {
+	var out []string
+	for _, t := range c.items {
+		if t == nil {
+			out = append(out, p.Roles...)
+			continue
+		}
+		v, err := render(t, p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
 }

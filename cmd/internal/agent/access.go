@@ -306,11 +306,16 @@ func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp prot
 const SchedulerIdentity = "pivirt-scheduler"
 
 // CheckFiles loads what cfg's files hold, as the agent would at start,
-// without starting anything (pivirt-agent validate): the RBAC and network
-// policy files, and the TLS certificates and keys. Every problem is
+// without starting anything (pivirt-agent validate): the gossip key, the
+// RBAC and network policy files, and the TLS certificates and keys. Every problem is
 // returned, each naming its key.
 func CheckFiles(cfg *config.Config) error {
 	var errs []error
+	if f := cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
+		if _, err := readGossipKey(f); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if p := cfg.Auth.RBACPolicy; p != "" {
 		if _, err := authz.LoadFile(p, policyResources(), nil); err != nil {
 			errs = append(errs, err)

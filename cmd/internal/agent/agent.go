@@ -982,16 +982,6 @@ func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc 
 	return mux
 }
 
-// loopbackCaller reports whether r comes from a loopback address.
-func loopbackCaller(r *http.Request) bool {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		return false
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
-}
-
 // peerClients adapts the pool to gateway.Peers.
 type peerClients struct{ pool *cluster.Pool }
 

@@ -4,8 +4,11 @@ import (
 	"expvar"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/pprof"
+	"net/netip"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -13,8 +16,10 @@ import (
 
 // metricsMux is the operations port (8444): /metrics, /health, /live,
 // /ready, and the management endpoints POST /reload, /debug/vars and
-// /debug/pprof/*, which answer loopback callers only unless
-// server.metrics.allow_remote_management is set.
+// /debug/pprof/*, which answer only the callers of
+// server.metrics.management_allow_from (this host's loopback addresses by
+// default) unless server.metrics.allow_remote_management is set, and never
+// a browser's cross-site request (management).
 func (a *Agent) metricsMux() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET "+a.cfg.Server.Metrics.Path, a.metricsHandler())
@@ -32,9 +37,11 @@ func (a *Agent) metricsMux() http.Handler {
 	})
 	mux.HandleFunc("GET /ready", a.readyHandler)
 	mux.Handle("POST /reload", a.management(http.HandlerFunc(a.reloadHandler)))
-	mux.Handle("GET /debug/vars", a.management(expvar.Handler()))
+	// Neither shows the command line (it may carry secrets): /debug/vars
+	// leaves expvar's cmdline out, and pprof's cmdline is not served.
+	mux.Handle("GET /debug/vars", a.management(http.HandlerFunc(debugVars)))
 	mux.Handle("/debug/pprof/", a.management(http.HandlerFunc(pprof.Index)))
-	mux.Handle("/debug/pprof/cmdline", a.management(http.HandlerFunc(pprof.Cmdline)))
+	mux.Handle("/debug/pprof/cmdline", http.NotFoundHandler())
 	mux.Handle("/debug/pprof/profile", a.management(http.HandlerFunc(pprof.Profile)))
 	mux.Handle("/debug/pprof/symbol", a.management(http.HandlerFunc(pprof.Symbol)))
 	mux.Handle("/debug/pprof/trace", a.management(http.HandlerFunc(pprof.Trace)))
@@ -45,17 +52,84 @@ func (a *Agent) metricsHandler() http.Handler {
 	return promhttp.HandlerFor(a.metrics, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn)})
 }
 
-// management lets loopback callers through, others only with
-// server.metrics.allow_remote_management.
+// management guards a management endpoint: the caller's address must be
+// one of server.metrics.management_allow_from (unless
+// server.metrics.allow_remote_management); the Host header an IP address
+// or localhost, so that a web page cannot reach the port through a name
+// that resolves to an allowed address (DNS rebinding); and a browser's
+// cross-site request that changes something (POST /reload from another
+// origin) is refused (net/http's CrossOriginProtection: Sec-Fetch-Site,
+// Origin against Host). Tools (curl, scripts) send neither header.
 func (a *Agent) management(h http.Handler) http.Handler {
+	mc := a.cfg.Server.Metrics
+	allowed := mc.ManagementPrefixes()
+	forbid := func(w http.ResponseWriter, msg string) {
+		writeJSON(w, http.StatusForbidden, map[string]any{"status": "error", "error": msg})
+	}
+	cop := http.NewCrossOriginProtection()
+	cop.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		forbid(w, r.URL.Path+" refuses cross-site requests from a browser (Origin "+r.Header.Get("Origin")+")")
+	}))
+	guarded := cop.Handler(h)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !a.cfg.Server.Metrics.AllowRemoteManagement && !loopbackCaller(r) {
-			writeJSON(w, http.StatusForbidden, map[string]any{"status": "error",
-				"error": r.URL.Path + " answers loopback callers only (server.metrics.allow_remote_management)"})
+		if !mc.AllowRemoteManagement && !callerIn(r, allowed) {
+			forbid(w, fmt.Sprintf("%s answers callers from %s only (server.metrics.management_allow_from, or allow_remote_management)",
+				r.URL.Path, strings.Join(mc.ManagementAllowFrom, ", ")))
 			return
 		}
-		h.ServeHTTP(w, r)
+		if !literalHost(r.Host) {
+			forbid(w, fmt.Sprintf("%s needs the address of the port in the URL (an IP address or localhost), not the name %q", r.URL.Path, r.Host))
+			return
+		}
+		guarded.ServeHTTP(w, r)
 	})
+}
+
+// callerIn reports whether r's remote address is in one of the prefixes.
+func callerIn(r *http.Request, prefixes []netip.Prefix) bool {
+	ap, err := netip.ParseAddrPort(r.RemoteAddr)
+	if err != nil {
+		return false
+	}
+	ip := ap.Addr().Unmap()
+	for _, p := range prefixes {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// literalHost reports whether a Host header names an IP address or
+// localhost (with or without a port).
+func literalHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	_, err := netip.ParseAddr(host)
+	return err == nil
+}
+
+// debugVars is expvar's /debug/vars without the command line.
+func debugVars(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	fmt.Fprint(w, "{\n")
+	first := true
+	expvar.Do(func(kv expvar.KeyValue) {
+		if kv.Key == "cmdline" {
+			return
+		}
+		if !first {
+			fmt.Fprint(w, ",\n")
+		}
+		first = false
+		fmt.Fprintf(w, "%q: %s", kv.Key, kv.Value)
+	})
+	fmt.Fprint(w, "\n}\n")
 }
 
 // readyHandler is GET /ready: 200 when every check passes, else 503; the

@@ -77,6 +77,32 @@ func TestOperationsEndpoints(t *testing.T) {
 			t.Errorf("GET %s: %d, want 200 with %q in:\n%.300s", path, code, want, body)
 		}
 	}
+	// The command line is not served; a browser's cross-site POST /reload
+	// and a name that is not an address (DNS rebinding) are refused.
+	if code, body := get(t, base+"/debug/pprof/cmdline"); code != http.StatusNotFound {
+		t.Errorf("GET /debug/pprof/cmdline: %d %q, want 404", code, body)
+	}
+	if code, body := get(t, base+"/debug/vars"); strings.Contains(body, `"cmdline"`) {
+		t.Errorf("GET /debug/vars (%d) serves the command line", code)
+	}
+	for name, set := range map[string]func(*http.Request){
+		"cross-site": func(r *http.Request) {
+			r.Header.Set("Origin", "http://evil.example")
+			r.Header.Set("Content-Type", "text/plain")
+		},
+		"rebinding host": func(r *http.Request) { r.Host = "evil.example" },
+	} {
+		req, _ := http.NewRequest(http.MethodPost, base+"/reload", strings.NewReader("{}"))
+		set(req)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusForbidden {
+			t.Errorf("POST /reload, %s: %d, want 403", name, resp.StatusCode)
+		}
+	}
 	ready := func() (int, map[string]string) {
 		code, body := get(t, base+"/ready")
 		var r struct {

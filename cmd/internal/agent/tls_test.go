@@ -280,16 +280,15 @@ func TestStartRefusesBadTLS(t *testing.T) {
 			withTLS(dir)(0, cfg)
 			cfg.Cluster.Raft.Bootstrap = true
 			tt.mutate(cfg)
+			// Refused by New (configuration) or by Start (the files).
 			a, err := agentNew(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			err = a.Start(ctx)
 			if err == nil {
-				a.Shutdown()
-				t.Fatal("the agent started")
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				if err = a.Start(ctx); err == nil {
+					a.Shutdown()
+					t.Fatal("the agent started")
+				}
 			}
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("start: %v, want an error naming %q", err, tt.want)

@@ -13,6 +13,7 @@ package config
 
 import (
 	"net"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -124,9 +125,44 @@ type ListenerConfig struct {
 type MetricsConfig struct {
 	Addr string `yaml:"addr"`
 	Path string `yaml:"path"`
-	// AllowRemoteManagement lets non-loopback callers use POST /reload
-	// and /debug/*; by default they answer loopback callers only.
+	// AllowRemoteManagement lets every caller use POST /reload and
+	// /debug/*; by default they answer the callers of
+	// ManagementAllowFrom only.
 	AllowRemoteManagement bool `yaml:"allow_remote_management"`
+	// ManagementAllowFrom are the caller addresses (IP addresses or CIDR
+	// prefixes) that POST /reload and /debug/* answer (default 127.0.0.1
+	// and ::1, as Consul's allow_write_http_from).
+	ManagementAllowFrom []string `yaml:"management_allow_from"`
+}
+
+// DefaultManagementAllowFrom are the callers the management endpoints
+// answer by default: this host's own loopback addresses.
+var DefaultManagementAllowFrom = []string{"127.0.0.1", "::1"}
+
+// ManagementPrefixes returns ManagementAllowFrom as prefixes (an address is
+// a prefix of its full length); entries that do not parse are left out
+// (Validate refuses them).
+func (m MetricsConfig) ManagementPrefixes() []netip.Prefix {
+	out := make([]netip.Prefix, 0, len(m.ManagementAllowFrom))
+	for _, s := range m.ManagementAllowFrom {
+		if p, err := parsePrefix(s); err == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// parsePrefix parses an IP address or a CIDR prefix.
+func parsePrefix(s string) (netip.Prefix, error) {
+	if strings.Contains(s, "/") {
+		p, err := netip.ParsePrefix(s)
+		return p.Masked(), err
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()), nil
 }
 
 // TLSConfig is the top-level tls block: the agent's own mTLS identity, used between agents
@@ -429,7 +465,7 @@ func Default() *Config {
 				},
 			},
 			GRPCInternal: ListenerConfig{Addr: DefaultInternalAddr},
-			Metrics:      MetricsConfig{Addr: DefaultMetricsAddr, Path: DefaultMetricsPath},
+			Metrics:      MetricsConfig{Addr: DefaultMetricsAddr, Path: DefaultMetricsPath, ManagementAllowFrom: slices.Clone(DefaultManagementAllowFrom)},
 		},
 		TLS: TLSConfig{
 			Enabled:           true,

@@ -312,7 +312,9 @@ func TestParseValues(t *testing.T) {
 		{"empty string clears default", "tls:\n  ca_file: \"\"\n",
 			func(c *Config) (any, any) { return c.TLS.CAFile, "" }},
 		{"partial section keeps sibling defaults", "server:\n  metrics:\n    path: /m\n",
-			func(c *Config) (any, any) { return c.Server.Metrics, MetricsConfig{Addr: "0.0.0.0:8444", Path: "/m"} }},
+			func(c *Config) (any, any) {
+				return c.Server.Metrics, MetricsConfig{Addr: "0.0.0.0:8444", Path: "/m", ManagementAllowFrom: DefaultManagementAllowFrom}
+			}},
 		{"null list is empty", "cluster:\n  join:\n",
 			func(c *Config) (any, any) { return len(c.Cluster.Join), 0 }},
 		{"list", "cluster:\n  retry_join: [\"a:1\", b:2]\n",

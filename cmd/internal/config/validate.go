@@ -115,6 +115,11 @@ func (c *Config) validateServer(v *validator) {
 	if !strings.HasPrefix(s.Metrics.Path, "/") {
 		v.add("server.metrics.path", "%w %q: must start with \"/\"", ErrInvalid, s.Metrics.Path)
 	}
+	for i, a := range s.Metrics.ManagementAllowFrom {
+		if _, err := parsePrefix(a); err != nil {
+			v.add(fmt.Sprintf("server.metrics.management_allow_from[%d]", i), "%w %q: want an IP address (127.0.0.1) or a CIDR prefix (10.0.0.0/8)", ErrInvalid, a)
+		}
+	}
 	v.pair("server.connectrpc.tls", s.ConnectRPC.TLS.CertFile, s.ConnectRPC.TLS.KeyFile)
 
 	// Listeners that must not share a port. Raft may share server.grpc_internal.addr (one
@@ -146,6 +151,9 @@ func (c *Config) validateTLS(v *validator) {
 	c.validateClusterCA(v)
 	if !t.Enabled {
 		return
+	}
+	if !t.VerifyPeer {
+		v.add("tls.verify_peer", "%w false: not supported, agents always verify their peers (leave it true, or set tls.enabled: false on a trusted network)", ErrInvalid)
 	}
 	if c.Dev && t.CertFile == "" && t.CAFile == "" && c.Server.ConnectRPC.TLS.CertFile == "" {
 		// --dev without certificate files: the agent makes a throw-away PKI.

@@ -39,6 +39,11 @@ func TestValidate(t *testing.T) {
 		{"api addr IPv6", func(c *Config) { c.Server.ConnectRPC.Addr = "[::1]:8443" }, nil},
 		{"internal addr empty", func(c *Config) { c.Server.GRPCInternal.Addr = "" }, []string{"server.grpc_internal.addr: invalid value: required"}},
 		{"metrics path", func(c *Config) { c.Server.Metrics.Path = "metrics" }, []string{`server.metrics.path: invalid value "metrics": must start with "/"`}},
+		{"management callers", func(c *Config) {
+			c.Server.Metrics.ManagementAllowFrom = []string{"127.0.0.1", "localhost", "10.0.0.0/33"}
+		}, []string{
+			`server.metrics.management_allow_from[1]: invalid value "localhost": want an IP address (127.0.0.1) or a CIDR prefix (10.0.0.0/8)`,
+			`server.metrics.management_allow_from[2]: invalid value "10.0.0.0/33"`}},
 		{"metrics on the api port", func(c *Config) { c.Server.Metrics.Addr = "127.0.0.1:8443" }, []string{`server.metrics.addr: invalid value "127.0.0.1:8443": same port as server.connectrpc.addr "0.0.0.0:8443"`}},
 		{"same port on different IPs", func(c *Config) {
 			c.Server.ConnectRPC.Addr = "10.0.0.1:8443"
