@@ -328,7 +328,7 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
-	info, err := archive.Verify(bufio.NewReaderSize(f, 64<<10))
+	info, err := archive.Verify(f)
 	if err != nil {
 		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
 		return nil, err

@@ -9,9 +9,12 @@ import (
 	"log"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -1047,6 +1050,37 @@ func TestPermanentTransportError(t *testing.T) {
 	} {
 		if got := permanentTransportError(tt.err); got != tt.want {
 			t.Errorf("permanentTransportError(%v) = %v, want %v", tt.err, got, tt.want)
+		}
+	}
+}
+
+// TestSnapshotFilesMustBeRegular: snapshot inspect and restore refuse a
+// FIFO (whose open would block) and a link to a device (which never ends)
+// at once, naming the file.
+func TestSnapshotFilesMustBeRegular(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo.tar.gz")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	zero := filepath.Join(dir, "zero.tar.gz")
+	if err := os.Symlink("/dev/zero", zero); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{
+		{"snapshot", "inspect", fifo}, {"snapshot", "inspect", zero},
+		{"snapshot", "restore", fifo}, {"snapshot", "restore", zero},
+	} {
+		done := make(chan cliResult, 1)
+		go func() { done <- cliRun{}.run(t, append([]string{"--endpoint", "http://127.0.0.1:1"}, args...)...) }()
+		select {
+		case r := <-done:
+			if r.err == nil || !strings.Contains(r.err.Error()+r.stdout, "not a regular file") {
+				t.Errorf("pvcli %s: %v %q, want an error saying it is not a regular file", strings.Join(args, " "), r.err, r.stdout)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("pvcli %s did not return", strings.Join(args, " "))
 		}
 	}
 }

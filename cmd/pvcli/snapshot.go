@@ -131,7 +131,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	if err := f.Close(); err != nil {
 		return fmt.Errorf("snapshot save: close %s: %w", tmp, err)
 	}
-	info, err := checkArchiveFile(tmp, archive.Check)
+	info, err := checkArchiveFile(tmp, check1)
 	if err != nil {
 		return fmt.Errorf("snapshot save: the archive received does not verify (left nothing at %s): %w", file, err)
 	}
@@ -150,14 +150,27 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 }
 
 // checkArchiveFile checks a snapshot archive file with check
-// (archive.Verify or archive.Check).
-func checkArchiveFile(path string, check func(io.Reader) (*archive.Info, error)) (*archive.Info, error) {
+// (archive.Verify, or check1 for archive.Check). Only a regular file is
+// opened: a FIFO would block the open, a device never end.
+func checkArchiveFile(path string, check func(io.ReadSeeker) (*archive.Info, error)) (*archive.Info, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return &archive.Info{}, err
+	}
+	if !st.Mode().IsRegular() {
+		return &archive.Info{}, fmt.Errorf("%s is not a regular file (%s)", path, st.Mode().Type())
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return &archive.Info{}, err
 	}
 	defer f.Close()
-	return check(bufio.NewReaderSize(f, 1<<20))
+	return check(f)
+}
+
+// check1 is archive.Check, one buffered pass.
+func check1(r io.ReadSeeker) (*archive.Info, error) {
+	return archive.Check(bufio.NewReaderSize(r, 1<<20))
 }
 
 // inspection is the output of snapshot inspect.
@@ -262,7 +275,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
 	file := args[0]
 	// Check here first: a damaged file is refused without an upload. (The
 	// leader verifies it completely before restoring.)
-	if _, err := checkArchiveFile(file, archive.Check); err != nil {
+	if _, err := checkArchiveFile(file, check1); err != nil {
 		return fmt.Errorf("snapshot restore: %s is not a valid snapshot archive: %w", file, err)
 	}
 	if err := a.connect(cmd); err != nil {

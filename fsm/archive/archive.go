@@ -22,6 +22,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"hash/crc64"
 	"io"
 	"os"
@@ -176,20 +177,37 @@ func Write(w io.Writer, meta Meta, state io.Reader) error {
 // Verify reads a whole archive from r and checks everything a restore
 // relies on: the layout (exactly the three entries, in order, and nothing
 // after them), the versions, the checksums, and state.bin as the FSM would
-// restore it. On error the Info holds what was read before the problem
-// (Meta once meta.json was read), for display.
-func Verify(r io.Reader) (*Info, error) {
-	return verify(r, fsm.InspectSnapshot)
+// restore it. It reads r twice: first the framing, the sizes and both
+// checksums in one streaming pass that keeps nothing (so a damaged or
+// forged file is refused before anything is decoded from it), then, from
+// the start again, state.bin as the FSM restores it. On error the Info
+// holds what was read before the problem (Meta once meta.json was read),
+// for display.
+func Verify(r io.ReadSeeker) (*Info, error) {
+	info, err := verify(bufio.NewReaderSize(r, 64<<10), nil)
+	if err != nil {
+		return info, err
+	}
+	if _, err := r.Seek(0, io.SeekStart); err != nil {
+		return info, fmt.Errorf("snapshot archive: %w", err)
+	}
+	full, err := verify(bufio.NewReaderSize(r, 64<<10), fsm.InspectSnapshot)
+	if err == nil && full.SHA256[StateFile] != info.SHA256[StateFile] {
+		err = invalidf("the archive changed while it was read")
+	}
+	return full, err
 }
 
-// Check is Verify in constant memory: state.bin is read one record at a
-// time (fsm.ScanSnapshot) instead of being built, so a duplicate key that
-// Restore would refuse goes unnoticed. It is the check of a file just
-// written from a live state; a restore uses Verify.
+// Check is Verify in one pass and constant memory: state.bin is read one
+// record at a time (fsm.ScanSnapshot) instead of being built, so a
+// duplicate key that Restore would refuse goes unnoticed. It is the check
+// of a file just written from a live state; a restore uses Verify.
 func Check(r io.Reader) (*Info, error) {
 	return verify(r, fsm.ScanSnapshot)
 }
 
+// verify checks an archive in one pass; inspect reads state.bin (nil: it
+// is only hashed).
 func verify(r io.Reader, inspect func(io.Reader) (*fsm.SnapshotInfo, error)) (*Info, error) {
 	info := &Info{}
 	ar, err := open(r, &info.Meta)
@@ -200,6 +218,15 @@ func verify(r io.Reader, inspect func(io.Reader) (*fsm.SnapshotInfo, error)) (*I
 	state, err := ar.state()
 	if err != nil {
 		return info, err
+	}
+	if inspect == nil {
+		if _, err := io.Copy(stateSum, state); err != nil {
+			return info, ar.framing("reading "+StateFile, err)
+		}
+		if ar.short() {
+			return info, invalidf("%s is truncated", StateFile)
+		}
+		return finishSums(info, ar, stateSum)
 	}
 	st, err := inspect(io.TeeReader(state, stateSum))
 	if err != nil {
@@ -215,6 +242,12 @@ func verify(r io.Reader, inspect func(io.Reader) (*fsm.SnapshotInfo, error)) (*I
 	if st.FormatVersion != info.Meta.StateFormatVersion {
 		return info, invalidf("%s has state format version %d, %s says %d", StateFile, st.FormatVersion, MetaFile, info.Meta.StateFormatVersion)
 	}
+	return finishSums(info, ar, stateSum)
+}
+
+// finishSums reads the rest of the archive and compares state.bin's
+// checksum (stateSum, after reading it) with the one listed.
+func finishSums(info *Info, ar *reader, stateSum hash.Hash) (*Info, error) {
 	sums, err := ar.finish()
 	info.SHA256 = sums
 	if err != nil {
@@ -488,29 +521,52 @@ type raftSnapshotMeta struct {
 
 // InspectDir verifies a snapshot directory from an agent's data dir (the
 // Raft snapshot store's meta.json and state.bin) as Verify verifies an
-// archive: the CRC-64 that Raft recorded, the size, and state.bin as the
-// FSM would restore it. The returned Meta has the fields Raft records; the
-// SHA256 map holds state.bin's checksum.
+// archive: both must be regular files (not links, FIFOs or devices), and
+// the size and the CRC-64 that Raft recorded are checked in a streaming
+// pass before state.bin is read as the FSM would restore it. The returned
+// Meta has the fields Raft records; the SHA256 map holds state.bin's
+// checksum.
 func InspectDir(dir string) (*Info, error) {
 	info := &Info{}
-	mb, err := os.ReadFile(filepath.Join(dir, MetaFile))
+	mf, err := openRegular(filepath.Join(dir, MetaFile))
 	if err != nil {
 		return info, invalidf("not a snapshot directory: %v", err)
+	}
+	mb, err := io.ReadAll(io.LimitReader(mf, maxMetaSize+1))
+	mf.Close()
+	switch {
+	case err != nil:
+		return info, invalidf("%v", err)
+	case len(mb) > maxMetaSize:
+		return info, invalidf("%s is larger than %d bytes", filepath.Join(dir, MetaFile), maxMetaSize)
 	}
 	var rm raftSnapshotMeta
 	if err := json.Unmarshal(mb, &rm); err != nil {
 		return info, invalidf("%s: %v", filepath.Join(dir, MetaFile), err)
 	}
 	info.Meta = Meta{ID: rm.ID, Index: rm.Index, Term: rm.Term, Size: rm.Size}
-	f, err := os.Open(filepath.Join(dir, StateFile))
+	f, err := openRegular(filepath.Join(dir, StateFile))
 	if err != nil {
 		return info, invalidf("%v", err)
 	}
 	defer f.Close()
+	// First the size and the CRC, keeping nothing.
 	crc := crc64.New(crc64.MakeTable(crc64.ECMA))
 	sum := sha256.New()
-	cr := &countingReader{r: f}
-	st, err := fsm.InspectSnapshot(io.TeeReader(cr, io.MultiWriter(crc, sum)))
+	n, err := io.Copy(io.MultiWriter(crc, sum), io.LimitReader(f, rm.Size+1))
+	switch {
+	case err != nil:
+		return info, invalidf("%s: %v", StateFile, err)
+	case n != rm.Size:
+		return info, invalidf("%s is %d bytes or more, %s says %d", StateFile, n, MetaFile, rm.Size)
+	case !bytes.Equal(crc.Sum(nil), rm.CRC):
+		return info, invalidf("%s CRC-64 mismatch: %s lists %x, the content has %x", StateFile, MetaFile, rm.CRC, crc.Sum(nil))
+	}
+	info.SHA256 = map[string]string{StateFile: hex.EncodeToString(sum.Sum(nil))}
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return info, invalidf("%s: %v", StateFile, err)
+	}
+	st, err := fsm.InspectSnapshot(io.LimitReader(f, rm.Size))
 	if err != nil {
 		if errors.Is(err, fsm.ErrUnsupportedSnapshot) {
 			return info, fmt.Errorf("%w: %s: %w", ErrUnsupported, StateFile, err)
@@ -519,12 +575,18 @@ func InspectDir(dir string) (*Info, error) {
 	}
 	info.State = st
 	info.Meta.StateFormatVersion = st.FormatVersion
-	info.SHA256 = map[string]string{StateFile: hex.EncodeToString(sum.Sum(nil))}
-	if cr.n != rm.Size {
-		return info, invalidf("%s is %d bytes, %s says %d", StateFile, cr.n, MetaFile, rm.Size)
-	}
-	if !bytes.Equal(crc.Sum(nil), rm.CRC) {
-		return info, invalidf("%s CRC-64 mismatch: %s lists %x, the content has %x", StateFile, MetaFile, rm.CRC, crc.Sum(nil))
-	}
 	return info, nil
+}
+
+// openRegular opens path only if it is a regular file itself (not a
+// symbolic link, a FIFO, whose open would block, or a device).
+func openRegular(path string) (*os.File, error) {
+	st, err := os.Lstat(path)
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file (%s)", path, st.Mode().Type())
+	}
+	return os.Open(path)
 }

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -295,7 +296,11 @@ func TestVerifyRefuses(t *testing.T) {
 		{"bad checksum line", build(t, []entry{meta, stEntry, {name: archive.SumsFile, data: []byte("abc  meta.json\n")}}), archive.ErrInvalid, "is not"},
 		{"checksum of unknown entry", build(t, []entry{meta, stEntry, {name: archive.SumsFile, data: append(bytes.Clone(sums.data), sumsOf(entry{name: "x", data: nil})...)}}), archive.ErrInvalid, `unknown entry "x"`},
 	}
-	for name, check := range map[string]func(io.Reader) (*archive.Info, error){"Verify": archive.Verify, "Check": archive.Check} {
+	checkers := map[string]func(io.ReadSeeker) (*archive.Info, error){
+		"Verify": archive.Verify,
+		"Check":  func(r io.ReadSeeker) (*archive.Info, error) { return archive.Check(r) },
+	}
+	for name, check := range checkers {
 		for _, tt := range tests {
 			t.Run(name+"/"+tt.name, func(t *testing.T) {
 				_, err := check(bytes.NewReader(tt.file))
@@ -322,6 +327,31 @@ func TestVerifyRefuses(t *testing.T) {
 				t.Fatalf("%s accepted the archive with byte %d of %d flipped", name, i, len(good))
 			}
 		}
+	}
+}
+
+// TestVerifyChecksSumsFirst: Verify compares the checksums before it
+// decodes anything, so a state.bin that is not what SHA256SUMS lists is
+// refused for that, whatever it holds (Check, in one pass, finds the
+// garbage first).
+func TestVerifyChecksSumsFirst(t *testing.T) {
+	st := state(t, 5)
+	good := untar(t, writeArchive(t, testMeta(len(st)), st))
+	meta := good[0]
+	var m map[string]any
+	if err := json.Unmarshal(meta.data, &m); err != nil {
+		t.Fatal(err)
+	}
+	m["size"] = 5
+	b, _ := json.Marshal(m)
+	meta = entry{name: archive.MetaFile, data: b}
+	garbage := entry{name: archive.StateFile, data: []byte("hello")}
+	file := build(t, []entry{meta, garbage, {name: archive.SumsFile, data: sumsOf(meta, good[1])}})
+	if _, err := archive.Verify(bytes.NewReader(file)); !errors.Is(err, archive.ErrInvalid) || !strings.Contains(err.Error(), "state.bin checksum mismatch") {
+		t.Errorf("Verify = %v, want the checksum mismatch before any decoding", err)
+	}
+	if _, err := archive.Check(bytes.NewReader(file)); !errors.Is(err, archive.ErrInvalid) || strings.Contains(err.Error(), "checksum") {
+		t.Errorf("Check = %v, want the decoding error", err)
 	}
 }
 
@@ -392,6 +422,53 @@ func TestInspectDir(t *testing.T) {
 	}
 	if _, err := archive.InspectDir(root); !errors.Is(err, archive.ErrInvalid) || !strings.Contains(err.Error(), "not a snapshot directory") {
 		t.Errorf("InspectDir(not a snapshot dir) = %v", err)
+	}
+}
+
+// TestInspectDirRefusesHostileFiles: a meta.json that is a link to
+// /dev/zero, or a state.bin that is a FIFO or a link, is refused at once
+// (reading /dev/zero grows without end; opening a FIFO blocks until a
+// writer comes).
+func TestInspectDirRefusesHostileFiles(t *testing.T) {
+	for name, setup := range map[string]func(dir string) error{
+		"meta.json linked to /dev/zero": func(dir string) error {
+			return os.Symlink("/dev/zero", filepath.Join(dir, archive.MetaFile))
+		},
+		"state.bin a FIFO": func(dir string) error {
+			if err := os.WriteFile(filepath.Join(dir, archive.MetaFile), []byte(`{"ID":"x","Index":1,"Term":1,"Size":10,"CRC":"AAAAAAAAAAA="}`), 0o600); err != nil {
+				return err
+			}
+			return syscall.Mkfifo(filepath.Join(dir, archive.StateFile), 0o600)
+		},
+		"state.bin linked to /dev/zero": func(dir string) error {
+			if err := os.WriteFile(filepath.Join(dir, archive.MetaFile), []byte(`{"ID":"x","Index":1,"Term":1,"Size":10,"CRC":"AAAAAAAAAAA="}`), 0o600); err != nil {
+				return err
+			}
+			return os.Symlink("/dev/zero", filepath.Join(dir, archive.StateFile))
+		},
+		"meta.json larger than its limit": func(dir string) error {
+			return os.WriteFile(filepath.Join(dir, archive.MetaFile), bytes.Repeat([]byte(" "), 1<<20), 0o600)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := setup(dir); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				_, err := archive.InspectDir(dir)
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if !errors.Is(err, archive.ErrInvalid) {
+					t.Errorf("InspectDir = %v, want ErrInvalid", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("InspectDir did not return")
+			}
+		})
 	}
 }
 
