@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -276,6 +277,11 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	if err != nil {
 		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}
+	// refused is the status that ended the client's side of a stream
+	// other than by going away: the guard refused a later message (it
+	// names another object), or it was too large. The call ends with it,
+	// not as cancelled.
+	var refused atomic.Pointer[error]
 	if req != nil {
 		if err := cs.SendMsg(req); err == nil {
 			_ = cs.CloseSend()
@@ -288,9 +294,12 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 				if err := ss.RecvMsg(f); err != nil {
 					if errors.Is(err, io.EOF) {
 						_ = cs.CloseSend()
-					} else {
-						cancel() // the client went away: so does the backend call
+						return
 					}
+					if st, ok := status.FromError(err); ok && st.Code() != codes.Canceled && st.Code() != codes.DeadlineExceeded {
+						refused.Store(&err)
+					}
+					cancel() // the client's side ended: so does the backend call
 					return
 				}
 				err := cs.SendMsg(f)
@@ -318,6 +327,12 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 		f := new(Frame)
 		err := cs.RecvMsg(f)
 		if err != nil {
+			if r := refused.Load(); r != nil {
+				// The client's stream was refused; the backend's answer
+				// (cancelled) says nothing of the backend.
+				res.err, res.clientGone = *r, true
+				return res
+			}
 			res.trailer = responseMetadata(cs.Trailer())
 			if !errors.Is(err, io.EOF) {
 				res.err, res.perTryTimeout = err, perTry(err)

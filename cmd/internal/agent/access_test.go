@@ -431,6 +431,31 @@ func TestAccessOwnerCondition(t *testing.T) {
 			t.Errorf("alice %s of bob's VM: %v, want PermissionDenied naming the VM", name, err)
 		}
 	}
+	// A console opened on her VM that then names bob's is refused with
+	// PermissionDenied naming it (not cancelled).
+	if _, err := e.vm.PowerOn(as(e.ctx(), alice), &vmv1.PowerOnRequest{Id: mine}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.vm.Console(as(e.ctx(), alice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Send(&vmv1.ConsoleRequest{Id: mine, Input: []byte("hello\n")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Recv(); err != nil {
+		t.Fatalf("alice's console on her VM: %v", err)
+	}
+	_ = s.Send(&vmv1.ConsoleRequest{Id: theirs, Input: []byte("ls\n")})
+	for {
+		if _, err = s.Recv(); err != nil {
+			break
+		}
+	}
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), theirs) {
+		t.Errorf("alice's console naming bob's VM later: %v, want PermissionDenied naming it", err)
+	}
+
 	// A VM that does not exist looks like someone else's: alice learns
 	// nothing of other owners' VMs.
 	if _, err := e.vm.GetVM(as(e.ctx(), alice), &vmv1.GetVMRequest{Id: "vm-missing"}); status.Code(err) != codes.PermissionDenied {

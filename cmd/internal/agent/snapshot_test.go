@@ -243,7 +243,7 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		}
 		viaGRPC.Write(m.GetData())
 	}
-	if _, err := archive.Verify(&viaGRPC); err != nil {
+	if _, err := archive.Verify(bytes.NewReader(viaGRPC.Bytes())); err != nil {
 		t.Errorf("the archive saved over gRPC does not verify: %v", err)
 	}
 
