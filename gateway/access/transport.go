@@ -190,7 +190,10 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 			return grpcError(err)
 		}
 		w := &guardedStream{ServerStream: ss, ctx: ctx, g: g, c: c, gr: gr}
-		if gr.checksRequest() || (gr.filters() && !info.IsClientStream) {
+		// The method's own shape, not info's: grpc-go reports every call of
+		// the UnknownServiceHandler (the proxy) as a bidi stream, so a
+		// proxied list would skip its page token's check.
+		if gr.checksRequest() || (gr.filters() && !gr.m.md.IsStreamingClient()) {
 			// The first request message names the object (or carries the
 			// page token): read and check it before the handler (or the
 			// backend) sees anything.

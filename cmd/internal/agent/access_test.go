@@ -483,6 +483,36 @@ func TestAccessOwnerCondition(t *testing.T) {
 	if err != nil || len(all.GetVms()) != 6 {
 		t.Errorf("a viewer (and vm-owner) lists every VM: %d %v, want 6", len(all.GetVms()), err)
 	}
+	// Through the proxy, page by page: alice gets each of her VMs once
+	// and nothing else; a backend's own page token (which would tell her
+	// where other owners' VMs are) is refused.
+	var paged []string
+	token := ""
+	for page := 0; page < 10; page++ {
+		resp, err := e.vm.ListVMs(as(e.ctx(), alice), &vmv1.ListVMsRequest{PageSize: 1, PageToken: token})
+		if err != nil {
+			t.Fatalf("alice's ListVMs page %d: %v", page, err)
+		}
+		for _, v := range resp.GetVms() {
+			paged = append(paged, v.GetId())
+			if v.GetMetadata().GetOwner() != "alice" {
+				t.Errorf("page %d holds %s's VM", page, v.GetMetadata().GetOwner())
+			}
+		}
+		if token = resp.GetNextPageToken(); token == "" {
+			break
+		}
+	}
+	if len(paged) != 2 {
+		t.Errorf("alice paged through %v, want her 2 VMs", paged)
+	}
+	raw, err := e.vm.ListVMs(as(e.ctx(), e.token("root", "admin")), &vmv1.ListVMsRequest{PageSize: 1})
+	if err != nil || raw.GetNextPageToken() == "" {
+		t.Fatalf("admin's first page: %v %v", raw, err)
+	}
+	if _, err := e.vm.ListVMs(as(e.ctx(), alice), &vmv1.ListVMsRequest{PageSize: 1, PageToken: raw.GetNextPageToken()}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("alice with a backend's page token: %v, want InvalidArgument", err)
+	}
 	connectVMs := vmv1connect.NewVMServiceClient(httpsClient(t, filepath.Join(e.dir, identity.ChainFile), nil), "https://"+e.n.APIAddr())
 	req := connect.NewRequest(&vmv1.ListVMsRequest{})
 	req.Header().Set("Authorization", "Bearer "+alice)
