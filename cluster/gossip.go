@@ -12,9 +12,11 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"regexp"
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -695,10 +697,22 @@ func splitHostPort(addr string) (string, int, error) {
 	return host, port, nil
 }
 
-// slogWriter adapts memberlist's "[LEVEL] memberlist: msg" log lines to slog.
+// slogWriter adapts memberlist's "[LEVEL] memberlist: msg" log lines to
+// slog. The peer's address (memberlist's "from=host:port") and any other
+// host:port leave the message for attributes, so that the same event from
+// many senders is one message, which log sampling (logging.sampling) keys
+// on: 50,000 junk packets from as many source ports are then a handful of
+// lines, not one each.
 type slogWriter struct {
 	logger *slog.Logger
 }
+
+var (
+	// fromAddr is memberlist.LogAddress's suffix.
+	fromAddr = regexp.MustCompile(` ?from=(\S+)`)
+	// hostPort is an IPv4 or bracketed IPv6 address with a port.
+	hostPort = regexp.MustCompile(`(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\]):\d{1,5}`)
+)
 
 func (w *slogWriter) Write(p []byte) (int, error) {
 	line := bytes.TrimSpace(p)
@@ -714,7 +728,17 @@ func (w *slogWriter) Write(p []byte) (int, error) {
 		}
 	}
 	line = bytes.TrimPrefix(line, []byte("memberlist: "))
-	w.logger.Log(context.Background(), level, string(line))
+	msg := string(line)
+	var attrs []any
+	if m := fromAddr.FindStringSubmatch(msg); m != nil {
+		attrs = append(attrs, "from", m[1])
+		msg = fromAddr.ReplaceAllString(msg, "")
+	}
+	if addrs := hostPort.FindAllString(msg, -1); len(addrs) > 0 {
+		attrs = append(attrs, "addrs", addrs)
+		msg = hostPort.ReplaceAllString(msg, "<addr>")
+	}
+	w.logger.Log(context.Background(), level, strings.TrimSpace(msg), attrs...)
 	return len(p), nil
 }
 

@@ -1,7 +1,11 @@
 package cluster
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
+	"log/slog"
+	"maps"
 	"testing"
 	"time"
 )
@@ -83,4 +87,39 @@ func TestRestartedMemberReclaimsItsNameOnANewAddress(t *testing.T) {
 	waitMember(t, []*Gossip{a, b}, "c", StatusAlive, c2.LocalAddr())
 	waitMember(t, []*Gossip{c2}, "a", StatusAlive, a.LocalAddr())
 	waitMember(t, []*Gossip{c2}, "b", StatusAlive, b.LocalAddr())
+}
+
+// TestGossipLogLinesKeyOnTheEvent: memberlist's lines about many senders
+// become one message with the addresses as attributes, so that log
+// sampling (which keys on the message) collapses a flood of junk packets.
+func TestGossipLogLinesKeyOnTheEvent(t *testing.T) {
+	var buf bytes.Buffer
+	w := &slogWriter{logger: slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	for port := 40000; port < 40050; port++ {
+		fmt.Fprintf(w, "[ERR] memberlist: Decrypt packet failed: cipher: message authentication failed from=10.1.2.3:%d\n", port)
+		fmt.Fprintf(w, "[WARN] memberlist: Failed to connect to [fd00::1]:%d: dial tcp [fd00::1]:%d: i/o timeout\n", port, port)
+	}
+	msgs := map[string]int{}
+	dec := json.NewDecoder(&buf)
+	for dec.More() {
+		var rec struct {
+			Msg   string   `json:"msg"`
+			From  string   `json:"from"`
+			Addrs []string `json:"addrs"`
+		}
+		if err := dec.Decode(&rec); err != nil {
+			t.Fatal(err)
+		}
+		msgs[rec.Msg]++
+		if rec.From == "" && len(rec.Addrs) == 0 {
+			t.Errorf("%q lost its address", rec.Msg)
+		}
+	}
+	want := map[string]int{
+		"Decrypt packet failed: cipher: message authentication failed": 50,
+		"Failed to connect to <addr>: dial tcp <addr>: i/o timeout":    50,
+	}
+	if !maps.Equal(msgs, want) {
+		t.Errorf("messages %v, want %v", msgs, want)
+	}
 }
