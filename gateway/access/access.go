@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -102,7 +103,24 @@ type Guard struct {
 
 	rateLimited *prometheus.CounterVec
 	denied      *prometheus.CounterVec
+	// failures limits failed authentications per source address; a
+	// source past it is refused before its credentials are checked until
+	// blocked says (authFlood).
+	failures *ratelimit.Limiter
+	blockMu  sync.Mutex
+	blocked  map[string]time.Time
 }
+
+// Failed authentications a source may make: failedAuthPerSecond on
+// average, failedAuthBurst at once. Past that its calls are refused with
+// ResourceExhausted, before any credential is checked, until a token is
+// back; each refused call is counted, and one line is logged per episode.
+const (
+	failedAuthPerSecond = 5
+	failedAuthBurst     = 20
+	// maxBlocked bounds the sources remembered as blocked.
+	maxBlocked = 100_000
+)
 
 // limiters are the token buckets of a Limits.
 type limiters struct {
@@ -139,6 +157,12 @@ func New(cfg Config) (g *Guard, err error) {
 			Help: "Calls on the API port refused by authentication (unauthenticated) or authorization (permission_denied).",
 		}, []string{"reason"}),
 	}
+	now := cfg.Now
+	if now == nil {
+		now = time.Now
+	}
+	g.failures = ratelimit.New(failedAuthPerSecond, failedAuthBurst, maxBlocked, now)
+	g.blocked = map[string]time.Time{}
 	if g.tokens, err = newTokenCipher(); err != nil {
 		return nil, fmt.Errorf("access: %w", err)
 	}
@@ -350,6 +374,12 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	if m.open {
 		return ctx, nil, nil
 	}
+	src := sourceOf(c.remote)
+	if wait, ok := g.isBlocked(src); ok {
+		g.denied.WithLabelValues("auth_flood").Inc()
+		return ctx, nil, &denial{code: codeResourceExhausted, retry: wait,
+			msg: fmt.Sprintf("too many failed authentications from %s; retry after %s", src, wait.Round(time.Millisecond))}
+	}
 	var certs []*x509.Certificate
 	if c.tls != nil {
 		certs = c.tls.PeerCertificates
@@ -357,7 +387,13 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
 	if err != nil {
 		g.denied.WithLabelValues("unauthenticated").Inc()
-		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
+		if ok, wait := g.failures.Allow(src); !ok {
+			g.block(src, wait)
+			g.cfg.Logger.Warn("audit: refusing calls from a source: too many failed authentications", "audit", true,
+				"remote", src, "per_second", failedAuthPerSecond, "burst", failedAuthBurst, "retry_after", wait)
+		} else {
+			g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
+		}
 		// The code says "unauthenticated" already.
 		return ctx, nil, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
 	}
@@ -697,4 +733,56 @@ func (gr *grant) filter(resp protoreflect.Message) bool {
 	}
 	list.Truncate(n)
 	return true
+}
+
+// sourceOf is the address part of a remote "host:port" (the source the
+// failed-authentication limit counts).
+func sourceOf(remote string) string {
+	if host, _, err := net.SplitHostPort(remote); err == nil {
+		return host
+	}
+	return remote
+}
+
+// isBlocked reports whether src is refused for failed authentications,
+// and for how long yet.
+func (g *Guard) isBlocked(src string) (time.Duration, bool) {
+	g.blockMu.Lock()
+	defer g.blockMu.Unlock()
+	until, ok := g.blocked[src]
+	if !ok {
+		return 0, false
+	}
+	if wait := until.Sub(g.now()); wait > 0 {
+		return wait, true
+	}
+	delete(g.blocked, src)
+	return 0, false
+}
+
+// block refuses src for wait; the map stays bounded (expired entries go
+// first; when none has, src is not remembered and its next failure blocks
+// it again).
+func (g *Guard) block(src string, wait time.Duration) {
+	g.blockMu.Lock()
+	defer g.blockMu.Unlock()
+	now := g.now()
+	if len(g.blocked) >= maxBlocked {
+		for k, until := range g.blocked {
+			if !until.After(now) {
+				delete(g.blocked, k)
+			}
+		}
+		if len(g.blocked) >= maxBlocked {
+			return
+		}
+	}
+	g.blocked[src] = now.Add(wait)
+}
+
+func (g *Guard) now() time.Time {
+	if g.cfg.Now != nil {
+		return g.cfg.Now()
+	}
+	return time.Now()
 }

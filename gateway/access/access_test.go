@@ -1,11 +1,13 @@
 package access
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -274,5 +276,54 @@ func TestPageTokens(t *testing.T) {
 		if err := g.openPageToken(tc.gr, req.ProtoReflect()); code(err) != codes.InvalidArgument {
 			t.Errorf("%s: %v, want InvalidArgument", name, err)
 		}
+	}
+}
+
+// TestFailedAuthenticationFlood: a source that keeps failing to
+// authenticate is refused before its credentials are checked, with one log
+// line for the episode instead of one per call; other sources are not
+// affected, and the source gets through again once its budget refills.
+func TestFailedAuthenticationFlood(t *testing.T) {
+	var logs bytes.Buffer
+	clock := time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+	g, err := New(Config{
+		Authenticator: &authn.Authenticator{CertRoles: map[string][]string{"root": {"admin"}}},
+		Logger:        slog.New(slog.NewTextHandler(&logs, nil)),
+		Now:           func() time.Time { return clock },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged := func(remote string) call {
+		return call{procedure: "/pivirt.vm.v1.VMService/GetVM", authorization: "Basic forged", remote: remote}
+	}
+	codesSeen := map[codes.Code]int{}
+	for range 5000 {
+		_, _, err := g.admit(context.Background(), forged("10.0.0.66:4000"), nil)
+		codesSeen[code(err)]++
+	}
+	// The burst's failures, and the one that exceeded it, were checked.
+	if codesSeen[codes.Unauthenticated] != failedAuthBurst+1 || codesSeen[codes.ResourceExhausted] != 5000-failedAuthBurst-1 {
+		t.Errorf("refusals %v, want %d Unauthenticated then ResourceExhausted", codesSeen, failedAuthBurst+1)
+	}
+	if n := strings.Count(logs.String(), "\n"); n > failedAuthBurst+1 {
+		t.Errorf("%d log lines for 5000 forged calls, want at most %d", n, failedAuthBurst+1)
+	}
+	if !strings.Contains(logs.String(), "too many failed authentications") {
+		t.Error("the flood is not logged")
+	}
+	// Another source, and a good certificate from it, are not affected.
+	if _, _, err := g.admit(context.Background(), forged("10.0.0.7:4000"), nil); code(err) != codes.Unauthenticated {
+		t.Errorf("another source: %v, want Unauthenticated", err)
+	}
+	good := certCall("/pivirt.vm.v1.VMService/GetVM", "root")
+	good.remote = "10.0.0.7:4001"
+	if _, _, err := g.admit(context.Background(), good, nil); err != nil {
+		t.Errorf("a good certificate from another source: %v", err)
+	}
+	// Once a token is back, the flooding source is heard again.
+	clock = clock.Add(time.Second)
+	if _, _, err := g.admit(context.Background(), forged("10.0.0.66:4001"), nil); code(err) != codes.Unauthenticated {
+		t.Errorf("the source after its budget refilled: %v, want Unauthenticated", err)
 	}
 }
