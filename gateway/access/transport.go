@@ -67,6 +67,28 @@ func grpcError(err error) error {
 	return st.Err()
 }
 
+// withheld is the error a caller whose access is limited by conditions
+// gets for a backend's err: the code stays, but the message and details of
+// the codes whose text may describe objects of others (an update that
+// renames a VM to a name taken: `vm named "x" already exists (vm-…)`)
+// are replaced. The codes about the request itself, the object's own state
+// (FailedPrecondition: "it is stopped"), the transport and the guard's own
+// refusals pass unchanged.
+func withheld(gr *grant, err error) error {
+	if err == nil || gr == nil || !gr.conditional() {
+		return err
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	switch st.Code() {
+	case codes.AlreadyExists, codes.NotFound, codes.Aborted, codes.Internal, codes.Unknown, codes.DataLoss:
+		return status.Errorf(st.Code(), "the backend refused the call (%s); its message is withheld from callers whose access the RBAC policy limits to some objects (it may describe others')", st.Code())
+	}
+	return err
+}
+
 // connectError is err as a Connect error.
 func connectError(err error) error {
 	var d *denial
@@ -226,7 +248,7 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		if f := w.first.Swap(nil); f != nil {
 			f.Free()
 		}
-		return err
+		return withheld(gr, err)
 	}
 }
 

@@ -456,6 +456,17 @@ func TestAccessOwnerCondition(t *testing.T) {
 		t.Errorf("alice's console naming bob's VM later: %v, want PermissionDenied naming it", err)
 	}
 
+	// Renaming her VM to the name of bob's fails, without the backend's
+	// text, which names bob's VM.
+	theirsVM, err := e.vm.GetVM(as(e.ctx(), e.token("root", "admin")), &vmv1.GetVMRequest{Id: theirs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.vm.UpdateVM(as(e.ctx(), alice), &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: mine, Name: theirsVM.GetVm().GetName()}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"name"}}})
+	if status.Code(err) != codes.AlreadyExists || strings.Contains(err.Error(), theirs) {
+		t.Errorf("alice renaming her VM to bob's name: %v, want AlreadyExists without bob's VM", err)
+	}
+
 	// A VM that does not exist looks like someone else's: alice learns
 	// nothing of other owners' VMs.
 	if _, err := e.vm.GetVM(as(e.ctx(), alice), &vmv1.GetVMRequest{Id: "vm-missing"}); status.Code(err) != codes.PermissionDenied {
