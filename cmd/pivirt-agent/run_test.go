@@ -56,6 +56,10 @@ func TestValidateCommand(t *testing.T) {
 	badPolicy := write("rbac.yaml", "apiVersion: rbac.pivirt.pilab.hu/v1\nkind: Policy\nrules:\n  - roles: [x]\n    resources: [vms]\n    verbs: [get]\n")
 	shortKey := write("short.key", "YWJj\n") // "abc": 3 bytes
 	notBase64 := write("garbled.key", "not base64!\n")
+	readableKey := write("readable.key", "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\n") // 32 bytes
+	if err := os.Chmod(readableKey, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for name, tc := range map[string]struct {
 		body string
 		want string
@@ -66,10 +70,11 @@ func TestValidateCommand(t *testing.T) {
 		"bad policy":           {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + badPolicy + "\n", `rules[0].resources[0]: unknown "vms"`},
 		"missing certificates": {"data_dir: " + dir + "\ntls:\n  enabled: true\n  cert_file: " + dir + "/none.crt\n  key_file: " + dir + "/none.key\n  ca_file: " + dir + "/ca.pem\n", "none.crt"},
 		// What the agent refuses at start, validate refuses too.
-		"3-byte gossip key":     {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + shortKey + "\n", "key is 3 bytes"},
-		"gossip key not base64": {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + notBase64 + "\n", "is not base64"},
-		"missing gossip key":    {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + dir + "/none.key\n", "cluster.gossip.encrypt_key_file"},
-		"verify_peer false":     {"data_dir: " + dir + "\ntls:\n  enabled: true\n  verify_peer: false\n", "tls.verify_peer"},
+		"3-byte gossip key":             {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + shortKey + "\n", "key is 3 bytes"},
+		"gossip key not base64":         {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + notBase64 + "\n", "is not base64"},
+		"missing gossip key":            {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + dir + "/none.key\n", "cluster.gossip.encrypt_key_file"},
+		"gossip key readable by others": {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + readableKey + "\n", "readable by group or others"},
+		"verify_peer false":             {"data_dir: " + dir + "\ntls:\n  enabled: true\n  verify_peer: false\n", "tls.verify_peer"},
 	} {
 		path := write(strings.ReplaceAll(name, " ", "-")+".yaml", tc.body)
 		var out, errOut bytes.Buffer

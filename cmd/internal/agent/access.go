@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"slices"
 	"strings"
@@ -311,6 +312,9 @@ const SchedulerIdentity = "pivirt-scheduler"
 // returned, each naming its key.
 func CheckFiles(cfg *config.Config) error {
 	var errs []error
+	if err := checkKeyPermissions(cfg, slog.New(slog.DiscardHandler)); err != nil {
+		errs = append(errs, err)
+	}
 	if f := cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
 		if _, err := readGossipKey(f); err != nil {
 			errs = append(errs, err)

@@ -247,12 +247,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			_ = a.shutdownLocked()
 		}
 	}()
+	keyFiles := func() error { return checkKeyPermissions(a.cfg, a.logger) }
 	// ctx bounds the steps that wait for something outside the agent.
 	openState := func() error { return a.openState(ctx) }
 	formCluster := func() error { return a.formCluster(ctx) }
 	for _, step := range []func() error{
 		a.openDataDir,     // the data dir and the node ID
 		a.startTracing,    // tracing.*
+		keyFiles,          // key files readable by group or others refused
 		a.listen,          // API, internal, metrics and Raft listeners
 		a.startTLS,        // certificates, TLS on the listeners, the peer pool
 		openState,         // the FSM, and the Raft store or the etcd mirror

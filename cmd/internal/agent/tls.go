@@ -6,7 +6,9 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -211,4 +213,24 @@ func (a *Agent) devPKI() error {
 	a.logger.Warn("dev mode: TLS with a throw-away PKI; to use pvcli: export PVCLI_ENDPOINT=https://" +
 		a.lnAPI.Addr().String() + " PVCLI_CA_FILE=" + chain + " PVCLI_CERT_FILE=" + operator.Cert + " PVCLI_KEY_FILE=" + operator.Key)
 	return nil
+}
+
+// checkKeyPermissions refuses key files that group or others may read or
+// write (tls.insecure_key_permissions: a warning instead), as ssh refuses
+// such private keys: a secret readable by every local account is not one.
+// A file that cannot be read is left to the step that reads it.
+func checkKeyPermissions(cfg *config.Config, logger *slog.Logger) error {
+	var errs []error
+	for _, kf := range cfg.KeyFiles() {
+		st, err := os.Stat(kf[1])
+		if err != nil || st.Mode().Perm()&0o077 == 0 {
+			continue
+		}
+		if cfg.TLS.InsecureKeyPermissions {
+			logger.Warn("a key file is readable by group or others (tls.insecure_key_permissions is set)", "key", kf[0], "path", kf[1], "mode", fmt.Sprintf("%#o", st.Mode().Perm()))
+			continue
+		}
+		errs = append(errs, fmt.Errorf("%s: %s is readable by group or others (mode %#o): chmod 600 it (or set tls.insecure_key_permissions: true to start anyway)", kf[0], kf[1], st.Mode().Perm()))
+	}
+	return errors.Join(errs...)
 }

@@ -271,6 +271,20 @@ func TestStartRefusesBadTLS(t *testing.T) {
 			cfg.TLS.CertFile, cfg.TLS.KeyFile = f[0], f[1]
 		}, "not an agent identity"},
 		{"verify_peer false", func(cfg *config.Config) { cfg.TLS.VerifyPeer = false }, "tls.verify_peer"},
+		{"key readable by others", func(cfg *config.Config) {
+			key := filepath.Join(t.TempDir(), "agent.key")
+			b, err := os.ReadFile(cfg.TLS.KeyFile)
+			if err == nil {
+				err = os.WriteFile(key, b, 0o644)
+			}
+			if err == nil {
+				err = os.Chmod(key, 0o644) // whatever the umask
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.TLS.KeyFile = key
+		}, "is readable by group or others (mode 0644): chmod 600 it"},
 		{"key of another certificate", func(cfg *config.Config) {
 			cfg.Server.ConnectRPC.TLS.KeyFile = cfg.TLS.KeyFile
 		}, "server.connectrpc.tls"},

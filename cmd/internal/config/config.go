@@ -12,6 +12,7 @@
 package config
 
 import (
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -135,6 +136,27 @@ type MetricsConfig struct {
 	ManagementAllowFrom []string `yaml:"management_allow_from"`
 }
 
+// KeyFiles lists the configured files that hold secret keys, by the key
+// that names them: TLS keys (the agent's, the API listener's, the cluster
+// CA's, each backend's and etcd's) and the gossip key.
+func (c *Config) KeyFiles() [][2]string {
+	var out [][2]string
+	add := func(key, path string) {
+		if path != "" {
+			out = append(out, [2]string{key, path})
+		}
+	}
+	add("tls.key_file", c.TLS.KeyFile)
+	add("server.connectrpc.tls.key_file", c.Server.ConnectRPC.TLS.KeyFile)
+	add("tls.cluster_ca.key_file", c.TLS.ClusterCA.KeyFile)
+	add("cluster.gossip.encrypt_key_file", c.Cluster.Gossip.EncryptKeyFile)
+	add("service_discovery.etcd.key_file", c.ServiceDiscovery.Etcd.KeyFile)
+	for _, name := range slices.Sorted(maps.Keys(c.Backends)) {
+		add("backends."+name+".tls.key_file", c.Backends[name].TLS.KeyFile)
+	}
+	return out
+}
+
 // DefaultManagementAllowFrom are the callers the management endpoints
 // answer by default: this host's own loopback addresses.
 var DefaultManagementAllowFrom = []string{"127.0.0.1", "::1"}
@@ -174,6 +196,10 @@ type TLSConfig struct {
 	KeyFile           string `yaml:"key_file"`
 	VerifyPeer        bool   `yaml:"verify_peer"`
 	RequireClientCert bool   `yaml:"require_client_cert"`
+	// InsecureKeyPermissions lets the agent start with key files (TLS
+	// keys, the gossip key) that group or others may read, with a
+	// warning; by default it refuses them.
+	InsecureKeyPermissions bool `yaml:"insecure_key_permissions"`
 	// ClusterCA is the optional built-in cluster CA that renews the
 	// agents' certificates.
 	ClusterCA ClusterCAConfig `yaml:"cluster_ca"`
