@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -103,23 +104,22 @@ type Guard struct {
 
 	rateLimited *prometheus.CounterVec
 	denied      *prometheus.CounterVec
-	// failures limits failed authentications per source address; a
-	// source past it is refused before its credentials are checked until
-	// blocked says (authFlood).
-	failures *ratelimit.Limiter
-	blockMu  sync.Mutex
-	blocked  map[string]time.Time
+	// failures is the budget of failed authentications per source
+	// address: a call takes a token before its credentials are checked
+	// and gives it back when they pass; floodLogged allows one log line
+	// per source and second while its budget is spent.
+	failures    *ratelimit.Budget
+	floodLogged *ratelimit.Budget
 }
 
 // Failed authentications a source may make: failedAuthPerSecond on
-// average, failedAuthBurst at once. Past that its calls are refused with
-// ResourceExhausted, before any credential is checked, until a token is
-// back; each refused call is counted, and one line is logged per episode.
+// average, failedAuthBurst at once (calls in flight count until they
+// passed). Past that its calls are refused with ResourceExhausted, before
+// any credential is checked, until a token is back; each refused call is
+// counted, and at most one line a second is logged per source.
 const (
 	failedAuthPerSecond = 5
 	failedAuthBurst     = 20
-	// maxBlocked bounds the sources remembered as blocked.
-	maxBlocked = 100_000
 )
 
 // limiters are the token buckets of a Limits.
@@ -161,8 +161,8 @@ func New(cfg Config) (g *Guard, err error) {
 	if now == nil {
 		now = time.Now
 	}
-	g.failures = ratelimit.New(failedAuthPerSecond, failedAuthBurst, maxBlocked, now)
-	g.blocked = map[string]time.Time{}
+	g.failures = ratelimit.NewBudget(failedAuthPerSecond, failedAuthBurst, 0, now)
+	g.floodLogged = ratelimit.NewBudget(1, 1, 0, now)
 	if g.tokens, err = newTokenCipher(); err != nil {
 		return nil, fmt.Errorf("access: %w", err)
 	}
@@ -374,26 +374,20 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	if m.open {
 		return ctx, nil, nil
 	}
-	src := sourceOf(c.remote)
-	if wait, ok := g.isBlocked(src); ok {
-		g.denied.WithLabelValues("auth_flood").Inc()
-		return ctx, nil, &denial{code: codeResourceExhausted, retry: wait,
-			msg: fmt.Sprintf("too many failed authentications from %s; retry after %s", src, wait.Round(time.Millisecond))}
-	}
 	var certs []*x509.Certificate
 	if c.tls != nil {
 		certs = c.tls.PeerCertificates
 	}
+	src := sourceOf(c.remote)
+	if err := g.takeAuthToken(src); err != nil {
+		return ctx, nil, err
+	}
 	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
-	if err != nil {
+	if err == nil {
+		g.failures.GiveBack(src)
+	} else {
 		g.denied.WithLabelValues("unauthenticated").Inc()
-		if ok, wait := g.failures.Allow(src); !ok {
-			g.block(src, wait)
-			g.cfg.Logger.Warn("audit: refusing calls from a source: too many failed authentications", "audit", true,
-				"remote", src, "per_second", failedAuthPerSecond, "burst", failedAuthBurst, "retry_after", wait)
-		} else {
-			g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
-		}
+		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
 		// The code says "unauthenticated" already.
 		return ctx, nil, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
 	}
@@ -735,54 +729,39 @@ func (gr *grant) filter(resp protoreflect.Message) bool {
 	return true
 }
 
-// sourceOf is the address part of a remote "host:port" (the source the
-// failed-authentication limit counts).
+// sourceOf is the source a remote "host:port" counts as for the
+// failed-authentication budget: its address, an IPv6 one by its /64 (one
+// host can use a whole /64).
 func sourceOf(remote string) string {
-	if host, _, err := net.SplitHostPort(remote); err == nil {
+	host := remote
+	if h, _, err := net.SplitHostPort(remote); err == nil {
+		host = h
+	}
+	a, err := netip.ParseAddr(host)
+	if err != nil {
 		return host
 	}
-	return remote
+	a = a.Unmap().WithZone("")
+	if a.Is6() {
+		p, _ := a.Prefix(64)
+		return p.String()
+	}
+	return a.String()
 }
 
-// isBlocked reports whether src is refused for failed authentications,
-// and for how long yet.
-func (g *Guard) isBlocked(src string) (time.Duration, bool) {
-	g.blockMu.Lock()
-	defer g.blockMu.Unlock()
-	until, ok := g.blocked[src]
-	if !ok {
-		return 0, false
+// takeAuthToken takes a token of src's failed-authentication budget for a
+// call about to be authenticated (given back when it passes); without one
+// the call is refused before its credentials are looked at.
+func (g *Guard) takeAuthToken(src string) error {
+	ok, wait := g.failures.Take(src)
+	if ok {
+		return nil
 	}
-	if wait := until.Sub(g.now()); wait > 0 {
-		return wait, true
+	g.denied.WithLabelValues("auth_flood").Inc()
+	if logged, _ := g.floodLogged.Take(src); logged {
+		g.cfg.Logger.Warn("audit: refusing calls from a source: too many failed authentications", "audit", true,
+			"remote", src, "per_second", failedAuthPerSecond, "burst", failedAuthBurst, "retry_after", wait)
 	}
-	delete(g.blocked, src)
-	return 0, false
-}
-
-// block refuses src for wait; the map stays bounded (expired entries go
-// first; when none has, src is not remembered and its next failure blocks
-// it again).
-func (g *Guard) block(src string, wait time.Duration) {
-	g.blockMu.Lock()
-	defer g.blockMu.Unlock()
-	now := g.now()
-	if len(g.blocked) >= maxBlocked {
-		for k, until := range g.blocked {
-			if !until.After(now) {
-				delete(g.blocked, k)
-			}
-		}
-		if len(g.blocked) >= maxBlocked {
-			return
-		}
-	}
-	g.blocked[src] = now.Add(wait)
-}
-
-func (g *Guard) now() time.Time {
-	if g.cfg.Now != nil {
-		return g.cfg.Now()
-	}
-	return time.Now()
+	return &denial{code: codeResourceExhausted, retry: wait,
+		msg: fmt.Sprintf("too many failed authentications from %s; retry after %s", src, wait.Round(time.Millisecond))}
 }

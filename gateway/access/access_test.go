@@ -7,8 +7,11 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -302,9 +305,8 @@ func TestFailedAuthenticationFlood(t *testing.T) {
 		_, _, err := g.admit(context.Background(), forged("10.0.0.66:4000"), nil)
 		codesSeen[code(err)]++
 	}
-	// The burst's failures, and the one that exceeded it, were checked.
-	if codesSeen[codes.Unauthenticated] != failedAuthBurst+1 || codesSeen[codes.ResourceExhausted] != 5000-failedAuthBurst-1 {
-		t.Errorf("refusals %v, want %d Unauthenticated then ResourceExhausted", codesSeen, failedAuthBurst+1)
+	if codesSeen[codes.Unauthenticated] != failedAuthBurst || codesSeen[codes.ResourceExhausted] != 5000-failedAuthBurst {
+		t.Errorf("refusals %v, want %d Unauthenticated then ResourceExhausted", codesSeen, failedAuthBurst)
 	}
 	if n := strings.Count(logs.String(), "\n"); n > failedAuthBurst+1 {
 		t.Errorf("%d log lines for 5000 forged calls, want at most %d", n, failedAuthBurst+1)
@@ -325,5 +327,44 @@ func TestFailedAuthenticationFlood(t *testing.T) {
 	clock = clock.Add(time.Second)
 	if _, _, err := g.admit(context.Background(), forged("10.0.0.66:4001"), nil); code(err) != codes.Unauthenticated {
 		t.Errorf("the source after its budget refilled: %v, want Unauthenticated", err)
+	}
+	// An IPv6 source is its /64: other addresses of it share the budget.
+	for i := range failedAuthBurst {
+		g.admit(context.Background(), forged(fmt.Sprintf("[2001:db8:1:2::%x]:4000", i+1)), nil)
+	}
+	if _, _, err := g.admit(context.Background(), forged("[2001:db8:1:2:ffff::1]:4000"), nil); code(err) != codes.ResourceExhausted {
+		t.Errorf("another address of the /64: %v, want ResourceExhausted", err)
+	}
+	if _, _, err := g.admit(context.Background(), forged("[2001:db8:1:3::1]:4000"), nil); code(err) != codes.Unauthenticated {
+		t.Errorf("another /64: %v, want Unauthenticated", err)
+	}
+}
+
+// TestFailedAuthenticationConcurrent: calls in flight at the same time
+// each hold a token of the budget, so a burst of concurrent forged calls
+// gets no more credential checks than the burst; good calls give their
+// token back and are never limited.
+func TestFailedAuthenticationConcurrent(t *testing.T) {
+	g := newGuard(t, "", Limits{}, nil)
+	var wg sync.WaitGroup
+	var checked atomic.Int32
+	for range 200 {
+		wg.Go(func() {
+			_, _, err := g.admit(context.Background(), call{procedure: "/pivirt.vm.v1.VMService/GetVM", authorization: "Basic forged", remote: "10.0.0.66:4000"}, nil)
+			if code(err) == codes.Unauthenticated {
+				checked.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if n := checked.Load(); n > failedAuthBurst {
+		t.Errorf("%d credential checks for 200 concurrent forged calls, want at most %d", n, failedAuthBurst)
+	}
+	good := certCall("/pivirt.vm.v1.VMService/GetVM", "root")
+	good.remote = "10.0.0.8:4000"
+	for range 1000 {
+		if _, _, err := g.admit(context.Background(), good, nil); err != nil {
+			t.Fatalf("a good certificate, called often: %v", err)
+		}
 	}
 }

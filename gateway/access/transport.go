@@ -496,12 +496,18 @@ func (g *Guard) HTTPHandler(h http.Handler) http.Handler {
 		if st := g.connState(r.Context()); st != nil {
 			certs = st.PeerCertificates
 		}
+		src := sourceOf(r.RemoteAddr)
+		if err := g.takeAuthToken(src); err != nil {
+			http.Error(w, err.(*denial).msg, http.StatusTooManyRequests)
+			return
+		}
 		if _, err := g.cfg.Authenticator.Authenticate(r.Context(), r.Header.Get("Authorization"), certs); err != nil {
 			g.denied.WithLabelValues("unauthenticated").Inc()
 			w.Header().Set("WWW-Authenticate", "Bearer")
 			http.Error(w, err.Error(), http.StatusUnauthorized)
 			return
 		}
+		g.failures.GiveBack(src)
 		h.ServeHTTP(w, r)
 	})
 }

@@ -242,6 +242,24 @@ rules:
 	if !del.Object(owned("team")) || !del.Object(owned("ops,admin")) || del.Object(owned("ops")) {
 		t.Error("In {{.user.roles}}: want each role whole")
 	}
+	// Text around {{.user.roles}} applies to the first and last roles, as
+	// the commas between the roles split the value (as before).
+	q, err := Parse(strings.NewReader(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["*"]
+    resources: ["virtualmachines"]
+    verbs: ["get"]
+    conditions:
+      - {field: metadata.owner, operator: In, value: "team-{{.user.roles}}"}
+`), resources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _ := q.Decide(Principal{Identity: "x", Roles: []string{"a", "b"}}, "virtualmachines", "get")
+	if !d.Object(owned("team-a")) || !d.Object(owned("b")) || d.Object(owned("team-b")) {
+		t.Error("In team-{{.user.roles}}: want team-a and b")
+	}
 }
 
 func TestFieldString(t *testing.T) {

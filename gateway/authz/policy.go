@@ -9,7 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"regexp"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"text/template"
@@ -68,9 +68,6 @@ type Condition struct {
 	Value    string `yaml:"value"`
 
 	tmpl *template.Template
-	// items are the templates of an In or NotIn value, item by item
-	// (nil: the item that stands for every role).
-	items []*template.Template
 }
 
 // Parse reads a policy and checks it against the resources the API knows
@@ -146,11 +143,6 @@ func (p *Policy) validate(resources []string) error {
 				continue
 			}
 			c.tmpl = t
-			if c.Operator == OpIn || c.Operator == OpNotIn {
-				if c.items, err = parseItems(c.Value); err != nil {
-					add(cat+".value", "bad list %q: %v", c.Value, err)
-				}
-			}
 		}
 	}
 	return errors.Join(errs...)
@@ -174,47 +166,35 @@ func render(t *template.Template, p Principal) (string, error) {
 	return b.String(), nil
 }
 
-// rolesItem is the list item of an In/NotIn value that stands for every
-// role of the principal.
-var rolesItem = regexp.MustCompile(`^\{\{-?\s*\.user\.roles\s*-?\}\}$`)
-
-// parseItems splits the value of an In or NotIn condition at its commas
-// and parses each item on its own (see values).
-func parseItems(value string) ([]*template.Template, error) {
-	var items []*template.Template
-	for i, item := range splitList(value) {
-		if rolesItem.MatchString(item) {
-			items = append(items, nil)
-			continue
-		}
-		t, err := template.New(fmt.Sprint(i)).Option("missingkey=error").Parse(item)
-		if err == nil {
-			_, err = render(t, Principal{Identity: "sample", Roles: []string{"sample"}})
-		}
-		if err != nil {
-			return nil, fmt.Errorf("item %d %q: %w", i, item, err)
-		}
-		items = append(items, t)
+// values renders the list of an In or NotIn condition for p: the value is
+// rendered with a placeholder for each principal value (the identity, each
+// role), split at its commas, and the placeholders replaced afterwards. So
+// a comma inside the identity or a role never makes two items — a subject
+// "mallory,bob" is never the item "bob" — while the commas of the value,
+// including those {{.user.roles}} puts between roles, split it as before.
+func (c *Condition) values(p Principal) ([]string, error) {
+	ph := Principal{Identity: placeholder(0)}
+	for i := range p.Roles {
+		ph.Roles = append(ph.Roles, placeholder(i+1))
+	}
+	rendered, err := render(c.tmpl, ph)
+	if err != nil {
+		return nil, err
+	}
+	pairs := []string{placeholder(0), p.Identity}
+	for i, r := range p.Roles {
+		pairs = append(pairs, placeholder(i+1), r)
+	}
+	sub := strings.NewReplacer(pairs...)
+	items := splitList(rendered)
+	for i := range items {
+		items[i] = sub.Replace(items[i])
 	}
 	return items, nil
 }
 
-// values renders the list of an In or NotIn condition for p, item by
-// item, so that a principal's identity (or a role) is one item whatever it
-// holds — a subject "mallory,bob" is never the item "bob" — and an item
-// that is just {{.user.roles}} stands for each of the principal's roles.
-func (c *Condition) values(p Principal) ([]string, error) {
-	var out []string
-	for _, t := range c.items {
-		if t == nil {
-			out = append(out, p.Roles...)
-			continue
-		}
-		v, err := render(t, p)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
+// placeholderMark makes the placeholders of values: NUL and a per-process
+// random tag, which no rendered value template holds on its own.
+var placeholderMark = fmt.Sprintf("\x00%016x", rand.Uint64())
+
+func placeholder(i int) string { return fmt.Sprintf("%s:%d\x00", placeholderMark, i) }

@@ -84,3 +84,89 @@ func (l *Limiter) Len() int {
 	defer l.mu.Unlock()
 	return len(l.buckets)
 }
+
+// Budget is a token bucket per key whose tokens can be given back: a
+// caller takes one before it does something that may fail, and gives it
+// back when it did not, so that only failures spend the budget — and
+// calls in flight at the same time each hold a token, so a burst of
+// concurrent attempts cannot overdraw it (x/time/rate cannot return a
+// token once its reservation is due, hence this small bucket of its own).
+type Budget struct {
+	perSecond float64
+	burst     float64
+	maxKeys   int
+	now       func() time.Time
+
+	mu      sync.Mutex
+	buckets map[string]*budgetBucket
+}
+
+type budgetBucket struct {
+	tokens float64
+	at     time.Time
+}
+
+// NewBudget returns a budget of perSecond tokens a second per key, at most
+// burst; maxKeys bounds the keys (0: DefaultMaxKeys); now is the clock
+// (nil: time.Now).
+func NewBudget(perSecond float64, burst, maxKeys int, now func() time.Time) *Budget {
+	if maxKeys <= 0 {
+		maxKeys = DefaultMaxKeys
+	}
+	if now == nil {
+		now = time.Now
+	}
+	return &Budget{perSecond: perSecond, burst: float64(burst), maxKeys: maxKeys, now: now, buckets: make(map[string]*budgetBucket)}
+}
+
+// Take takes a token of key's budget; without one it returns false and
+// how long until one is there.
+func (b *Budget) Take(key string) (bool, time.Duration) {
+	now := b.now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	bk := b.bucket(key, now)
+	if bk == nil {
+		return false, time.Second
+	}
+	if bk.tokens >= 1 {
+		bk.tokens--
+		return true, 0
+	}
+	return false, time.Duration((1 - bk.tokens) / b.perSecond * float64(time.Second))
+}
+
+// GiveBack returns a token taken from key's budget.
+func (b *Budget) GiveBack(key string) {
+	now := b.now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if bk := b.bucket(key, now); bk != nil {
+		bk.tokens = min(bk.tokens+1, b.burst)
+	}
+}
+
+// bucket returns key's bucket refilled to now (nil: no room for a new
+// key).
+func (b *Budget) bucket(key string, now time.Time) *budgetBucket {
+	bk, ok := b.buckets[key]
+	if !ok {
+		if len(b.buckets) >= b.maxKeys {
+			for k, o := range b.buckets {
+				if o.tokens+b.perSecond*now.Sub(o.at).Seconds() >= b.burst {
+					delete(b.buckets, k)
+				}
+			}
+		}
+		if len(b.buckets) >= b.maxKeys {
+			return nil
+		}
+		bk = &budgetBucket{tokens: b.burst, at: now}
+		b.buckets[key] = bk
+	}
+	if el := now.Sub(bk.at).Seconds(); el > 0 {
+		bk.tokens = min(bk.tokens+el*b.perSecond, b.burst)
+	}
+	bk.at = now
+	return bk
+}

@@ -59,3 +59,33 @@ func TestBucketsBounded(t *testing.T) {
 		t.Errorf("%d buckets kept, want 1", n)
 	}
 }
+
+// TestBudget: tokens taken and not given back are spent; given back, they
+// are not; concurrent takers each hold one, so they cannot overdraw it.
+func TestBudget(t *testing.T) {
+	now := time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+	b := NewBudget(5, 3, 0, func() time.Time { return now })
+	for range 10 {
+		if ok, _ := b.Take("good"); !ok {
+			t.Fatal("a budget whose tokens are given back ran out")
+		}
+		b.GiveBack("good")
+	}
+	taken := 0
+	for range 10 { // ten at once, none given back yet
+		if ok, _ := b.Take("bad"); ok {
+			taken++
+		}
+	}
+	if taken != 3 {
+		t.Fatalf("%d taken at once, want the burst of 3", taken)
+	}
+	ok, wait := b.Take("bad")
+	if ok || wait != 200*time.Millisecond {
+		t.Fatalf("Take with none left = %v, %s; want false, 200ms", ok, wait)
+	}
+	now = now.Add(200 * time.Millisecond)
+	if ok, _ := b.Take("bad"); !ok {
+		t.Fatal("no token after the refill time")
+	}
+}
