@@ -698,20 +698,25 @@ func splitHostPort(addr string) (string, int, error) {
 }
 
 // slogWriter adapts memberlist's "[LEVEL] memberlist: msg" log lines to
-// slog. The peer's address (memberlist's "from=host:port") and any other
-// host:port leave the message for attributes, so that the same event from
-// many senders is one message, which log sampling (logging.sampling) keys
-// on: 50,000 junk packets from as many source ports are then a handful of
-// lines, not one each.
+// slog. The peer's address (memberlist's trailing "from=host:port") goes to
+// the attribute "from", and the message keeps only the event: what varies
+// between occurrences — quoted text (often the sender's own: a label, a
+// node name), addresses, numbers — is replaced by "…", the line as it was
+// kept in the attribute "text". Log sampling (logging.sampling) keys on the
+// message, so 50,000 junk packets from as many source ports are a handful
+// of lines, not one each.
 type slogWriter struct {
 	logger *slog.Logger
 }
 
 var (
-	// fromAddr is memberlist.LogAddress's suffix.
-	fromAddr = regexp.MustCompile(` ?from=(\S+)`)
-	// hostPort is an IPv4 or bracketed IPv6 address with a port.
-	hostPort = regexp.MustCompile(`(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\]):\d{1,5}`)
+	// fromAddr is memberlist.LogAddress's suffix, at the end of the line
+	// (text before it may come from the sender: a label, a node name).
+	fromAddr = regexp.MustCompile(`\s*from=(\S*)$`)
+	// variable are the parts of a line that differ between occurrences of
+	// the same event: quoted text (often the sender's), addresses,
+	// numbers.
+	variable = regexp.MustCompile(`"(?:[^"\\]|\\.)*"|'[^']*'|(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\]):\d{1,5}|\b(?:0x)?[0-9A-Fa-f]*\d[0-9A-Fa-f]*\b`)
 )
 
 func (w *slogWriter) Write(p []byte) (int, error) {
@@ -728,15 +733,16 @@ func (w *slogWriter) Write(p []byte) (int, error) {
 		}
 	}
 	line = bytes.TrimPrefix(line, []byte("memberlist: "))
-	msg := string(line)
+	text := string(line)
 	var attrs []any
-	if m := fromAddr.FindStringSubmatch(msg); m != nil {
-		attrs = append(attrs, "from", m[1])
-		msg = fromAddr.ReplaceAllString(msg, "")
+	if m := fromAddr.FindStringSubmatchIndex(text); m != nil {
+		attrs = append(attrs, "from", text[m[2]:m[3]])
+		text = text[:m[0]]
 	}
-	if addrs := hostPort.FindAllString(msg, -1); len(addrs) > 0 {
-		attrs = append(attrs, "addrs", addrs)
-		msg = hostPort.ReplaceAllString(msg, "<addr>")
+	// The message is the event; what varies goes to "text" whole.
+	msg := variable.ReplaceAllString(text, "…")
+	if msg != text {
+		attrs = append(attrs, "text", text)
 	}
 	w.logger.Log(context.Background(), level, strings.TrimSpace(msg), attrs...)
 	return len(p), nil

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 )
@@ -98,26 +99,32 @@ func TestGossipLogLinesKeyOnTheEvent(t *testing.T) {
 	for port := 40000; port < 40050; port++ {
 		fmt.Fprintf(w, "[ERR] memberlist: Decrypt packet failed: cipher: message authentication failed from=10.1.2.3:%d\n", port)
 		fmt.Fprintf(w, "[WARN] memberlist: Failed to connect to [fd00::1]:%d: dial tcp [fd00::1]:%d: i/o timeout\n", port, port)
+		// Text the sender chooses cannot replace the source address.
+		fmt.Fprintf(w, "[ERR] memberlist: discarding stream with unacceptable label %q: from=6.6.6.6:%d\n", fmt.Sprintf("x%d from=1.2.3.4:5", port), port)
 	}
 	msgs := map[string]int{}
 	dec := json.NewDecoder(&buf)
 	for dec.More() {
 		var rec struct {
-			Msg   string   `json:"msg"`
-			From  string   `json:"from"`
-			Addrs []string `json:"addrs"`
+			Msg  string `json:"msg"`
+			From string `json:"from"`
+			Text string `json:"text"`
 		}
 		if err := dec.Decode(&rec); err != nil {
 			t.Fatal(err)
 		}
 		msgs[rec.Msg]++
-		if rec.From == "" && len(rec.Addrs) == 0 {
+		if rec.From == "" && !strings.Contains(rec.Text, "fd00::1") {
 			t.Errorf("%q lost its address", rec.Msg)
+		}
+		if strings.Contains(rec.Msg, "label") && !strings.HasPrefix(rec.From, "6.6.6.6:") {
+			t.Errorf("the sender's label replaced the source address: from=%q", rec.From)
 		}
 	}
 	want := map[string]int{
 		"Decrypt packet failed: cipher: message authentication failed": 50,
-		"Failed to connect to <addr>: dial tcp <addr>: i/o timeout":    50,
+		"Failed to connect to …: dial tcp …: i/o timeout":              50,
+		"discarding stream with unacceptable label …:":                 50,
 	}
 	if !maps.Equal(msgs, want) {
 		t.Errorf("messages %v, want %v", msgs, want)
