@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"os"
 	"strings"
 	"time"
 
@@ -77,8 +78,14 @@ func (a *Agent) management(h http.Handler) http.Handler {
 				r.URL.Path, strings.Join(mc.ManagementAllowFrom, ", ")))
 			return
 		}
-		if !literalHost(r.Host) {
-			forbid(w, fmt.Sprintf("%s needs the address of the port in the URL (an IP address or localhost), not the name %q", r.URL.Path, r.Host))
+		if !localHost(r.Host) {
+			forbid(w, fmt.Sprintf("%s needs the address of the port in the URL (an IP address, localhost or this host's name), not %q", r.URL.Path, r.Host))
+			return
+		}
+		// A browser's request from another site, whatever its method (an
+		// <img> can start a profile): CrossOriginProtection passes GET.
+		if site := r.Header.Get("Sec-Fetch-Site"); site != "" && site != "same-origin" && site != "none" {
+			forbid(w, r.URL.Path+" refuses requests a browser makes for another site (Sec-Fetch-Site "+site+")")
 			return
 		}
 		guarded.ServeHTTP(w, r)
@@ -91,7 +98,7 @@ func callerIn(r *http.Request, prefixes []netip.Prefix) bool {
 	if err != nil {
 		return false
 	}
-	ip := ap.Addr().Unmap()
+	ip := ap.Addr().Unmap().WithZone("")
 	for _, p := range prefixes {
 		if p.Contains(ip) {
 			return true
@@ -100,18 +107,28 @@ func callerIn(r *http.Request, prefixes []netip.Prefix) bool {
 	return false
 }
 
-// literalHost reports whether a Host header names an IP address or
-// localhost (with or without a port).
-func literalHost(host string) bool {
+// localHost reports whether a Host header names this host: an IP
+// address, localhost (and its usual aliases) or the host's own name (with
+// or without a port). A name a web page controls (DNS rebinding) is none
+// of these.
+func localHost(host string) bool {
 	if h, _, err := net.SplitHostPort(host); err == nil {
 		host = h
 	}
-	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
-	if strings.EqualFold(host, "localhost") {
+	host = strings.TrimSuffix(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]"), ".")
+	if _, err := netip.ParseAddr(host); err == nil {
 		return true
 	}
-	_, err := netip.ParseAddr(host)
-	return err == nil
+	names := []string{"localhost", "ip6-localhost", "ip6-loopback"}
+	if h, err := os.Hostname(); err == nil {
+		names = append(names, h)
+	}
+	for _, n := range names {
+		if strings.EqualFold(host, n) {
+			return true
+		}
+	}
+	return false
 }
 
 // debugVars is expvar's /debug/vars without the command line.

@@ -44,6 +44,12 @@ func TestManagementCallers(t *testing.T) {
 			headers: map[string]string{"Origin": "http://evil.example", "Content-Type": "text/plain"}, want: http.StatusForbidden},
 		{name: "cross-site POST by fetch metadata", method: http.MethodPost, remote: "127.0.0.1:5000",
 			headers: map[string]string{"Sec-Fetch-Site": "cross-site"}, want: http.StatusForbidden},
+		{name: "cross-site GET (an <img> starting a profile)", remote: "127.0.0.1:5000",
+			headers: map[string]string{"Sec-Fetch-Site": "cross-site"}, want: http.StatusForbidden},
+		{name: "localhost with a trailing dot", remote: "127.0.0.1:5000", host: "localhost.:8444", want: http.StatusOK},
+		{name: "this host's name", remote: "127.0.0.1:5000", host: hostname(t) + ":8444", want: http.StatusOK},
+		{name: "link-local caller with a zone", remote: "[fe80::1%eth0]:5000", from: []string{"fe80::/10"}, want: http.StatusOK},
+		{name: "mapped prefix", remote: "10.0.0.7:5000", from: []string{"::ffff:10.0.0.0/104"}, want: http.StatusOK},
 		{name: "same-origin POST", method: http.MethodPost, remote: "127.0.0.1:5000",
 			headers: map[string]string{"Origin": "http://127.0.0.1:8444", "Sec-Fetch-Site": "same-origin"}, want: http.StatusOK},
 	} {
@@ -91,4 +97,12 @@ func TestDebugVarsWithoutCommandLine(t *testing.T) {
 	if _, ok := vars["cmdline"]; ok || strings.Contains(rec.Body.String(), os.Args[0]) {
 		t.Error("the command line is served")
 	}
+}
+
+func hostname(t *testing.T) string {
+	h, err := os.Hostname()
+	if err != nil {
+		t.Skip(err)
+	}
+	return h
 }

@@ -178,6 +178,10 @@ func (m MetricsConfig) ManagementPrefixes() []netip.Prefix {
 func parsePrefix(s string) (netip.Prefix, error) {
 	if strings.Contains(s, "/") {
 		p, err := netip.ParsePrefix(s)
+		if err == nil && p.Addr().Is4In6() && p.Bits() >= 96 {
+			// ::ffff:10.0.0.0/104 is 10.0.0.0/8: callers are unmapped.
+			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
+		}
 		return p.Masked(), err
 	}
 	a, err := netip.ParseAddr(s)
