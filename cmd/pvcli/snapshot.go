@@ -153,14 +153,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 // (archive.Verify, or check1 for archive.Check). Only a regular file is
 // opened: a FIFO would block the open, a device never end.
 func checkArchiveFile(path string, check func(io.ReadSeeker) (*archive.Info, error)) (*archive.Info, error) {
-	st, err := os.Stat(path)
-	if err != nil {
-		return &archive.Info{}, err
-	}
-	if !st.Mode().IsRegular() {
-		return &archive.Info{}, fmt.Errorf("%s is not a regular file (%s)", path, st.Mode().Type())
-	}
-	f, err := os.Open(path)
+	f, err := archive.OpenRegular(path)
 	if err != nil {
 		return &archive.Info{}, err
 	}
@@ -283,7 +276,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
 	}
 	ctx, cancel := a.snapshotContext(cmd)
 	defer cancel()
-	f, err := os.Open(file)
+	f, err := archive.OpenRegular(file)
 	if err != nil {
 		return fmt.Errorf("snapshot restore: %w", err)
 	}

@@ -28,6 +28,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/raft"
@@ -578,15 +579,32 @@ func InspectDir(dir string) (*Info, error) {
 	return info, nil
 }
 
-// openRegular opens path only if it is a regular file itself (not a
-// symbolic link, a FIFO, whose open would block, or a device).
-func openRegular(path string) (*os.File, error) {
-	st, err := os.Lstat(path)
+// openRegular opens a file of a snapshot directory only if it is a
+// regular file itself, not a symbolic link (openFile).
+func openRegular(path string) (*os.File, error) { return openFile(path, syscall.O_NOFOLLOW) }
+
+// OpenRegular opens path for reading only if it is (or links to) a
+// regular file: not a FIFO, whose open would block until a writer comes,
+// nor a device, which never ends. The file is opened without blocking and
+// checked after the open, so it cannot be swapped in between.
+func OpenRegular(path string) (*os.File, error) { return openFile(path, 0) }
+
+func openFile(path string, flags int) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|flags, 0)
 	if err != nil {
+		if errors.Is(err, syscall.ELOOP) {
+			return nil, fmt.Errorf("%s is not a regular file (a symbolic link)", path)
+		}
+		return nil, err
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
 		return nil, err
 	}
 	if !st.Mode().IsRegular() {
+		f.Close()
 		return nil, fmt.Errorf("%s is not a regular file (%s)", path, st.Mode().Type())
 	}
-	return os.Open(path)
+	return f, nil
 }
