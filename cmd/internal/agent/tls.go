@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -215,15 +216,17 @@ func (a *Agent) devPKI() error {
 	return nil
 }
 
-// checkKeyPermissions refuses key files that group or others may read or
-// write (tls.insecure_key_permissions: a warning instead), as ssh refuses
-// such private keys: a secret readable by every local account is not one.
-// A file that cannot be read is left to the step that reads it.
+// checkKeyPermissions refuses key files that others may read or write,
+// or group may write (tls.insecure_key_permissions: a warning instead), as
+// ssh refuses such private keys: a secret every local account can read is
+// none. Group read is allowed when root owns the file (as PostgreSQL
+// allows it: root-owned keys readable by the service's group). A file that
+// cannot be read is left to the step that reads it.
 func checkKeyPermissions(cfg *config.Config, logger *slog.Logger) error {
 	var errs []error
 	for _, kf := range cfg.KeyFiles() {
 		st, err := os.Stat(kf[1])
-		if err != nil || st.Mode().Perm()&0o077 == 0 {
+		if err != nil || !insecureKeyMode(st) {
 			continue
 		}
 		if cfg.TLS.InsecureKeyPermissions {
@@ -233,4 +236,19 @@ func checkKeyPermissions(cfg *config.Config, logger *slog.Logger) error {
 		errs = append(errs, fmt.Errorf("%s: %s is readable by group or others (mode %#o): chmod 600 it (or set tls.insecure_key_permissions: true to start anyway)", kf[0], kf[1], st.Mode().Perm()))
 	}
 	return errors.Join(errs...)
+}
+
+// insecureKeyMode reports whether a key file's mode lets others read or
+// write it, or its group write it, or its group read it while root does
+// not own it.
+func insecureKeyMode(st os.FileInfo) bool {
+	perm := st.Mode().Perm()
+	if perm&0o037 != 0 {
+		return true
+	}
+	if perm&0o040 == 0 {
+		return false
+	}
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	return !ok || sys.Uid != 0
 }
