@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -53,6 +54,18 @@ func (p PoolStatus) Status(ctx context.Context, addr string) (*nodev1.StatusResp
 	return resp.Msg, nil
 }
 
+// Prove asks the agent at addr for its status with an identity proof over
+// nonce (AdmissionConfig.Ask).
+func (p PoolStatus) Prove(ctx context.Context, addr string, nonce []byte) (*nodev1.StatusResponse, error) {
+	ctx, cancel := withStatusTimeout(ctx)
+	defer cancel()
+	resp, err := p.Pool.Node(addr).Status(ctx, connect.NewRequest(&nodev1.StatusRequest{Nonce: nonce}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
 // BootstrapView is the set of servers this node would bootstrap with right
 // now; it is reported to other servers in the node status, so that all
 // candidates can confirm they agree before any of them bootstraps.
@@ -80,11 +93,17 @@ func (v *BootstrapView) set(ids []string) {
 // BootstrapConfig configures bootstrap-expect.
 type BootstrapConfig struct {
 	SelfID string
-	Expect int
-	Voters int
+	// SelfName is this node's gossip name: the one member Admission does
+	// not ask (another member claiming SelfID is asked like any other).
+	SelfName string
+	Expect   int
+	Voters   int
 	// Interval between attempts when nothing changes in gossip.
 	Interval time.Duration
 	Logger   *slog.Logger
+	// Admission, when set, counts only servers that proved their agent
+	// identity (TLS on); nil counts every server gossip shows.
+	Admission Admitter
 }
 
 // ErrBootstrapSkipped means another server already has Raft state, so this
@@ -152,12 +171,34 @@ func RunBootstrapExpect(ctx context.Context, cfg BootstrapConfig, raft Bootstrap
 // bootstrapCandidates returns the configuration to bootstrap, or nil and the
 // reason for waiting.
 func bootstrapCandidates(ctx context.Context, cfg BootstrapConfig, members Membership, peers PeerStatus, view *BootstrapView) ([]RaftServer, string, error) {
-	var servers, others []Member
+	var servers, others, claimed []Member
 	mismatch := ""
 	for _, m := range members.Members() {
-		if m.Status != StatusAlive || m.Meta.Role != RoleServer {
-			continue
+		if m.Status == StatusAlive && m.Meta.Role == RoleServer {
+			claimed = append(claimed, m)
 		}
+	}
+	// Members that do not prove their identity are not counted, neither as
+	// candidates nor as servers with state (which would stop this one).
+	var unproven []string
+	if cfg.Admission != nil {
+		var asked []Member
+		for _, m := range claimed {
+			if m.Name != cfg.SelfName {
+				asked = append(asked, m)
+			}
+		}
+		refused := admitAll(ctx, cfg.Admission, asked)
+		claimed = slices.DeleteFunc(claimed, func(m Member) bool {
+			i := slices.IndexFunc(asked, func(o Member) bool { return o.Name == m.Name })
+			if i < 0 || refused[i] == nil {
+				return false
+			}
+			unproven = append(unproven, m.Name)
+			return true
+		})
+	}
+	for _, m := range claimed {
 		switch m.Meta.BootstrapExpect {
 		case cfg.Expect:
 			servers = append(servers, m)
@@ -186,6 +227,9 @@ func bootstrapCandidates(ctx context.Context, cfg BootstrapConfig, members Membe
 		return nil, mismatch, nil
 	}
 	switch {
+	case len(servers) < cfg.Expect && len(unproven) > 0:
+		return nil, fmt.Sprintf("%d of %d expected servers seen in gossip; not counted, their agent identity is not proven: %s",
+			len(servers), cfg.Expect, strings.Join(unproven, ", ")), nil
 	case len(servers) < cfg.Expect:
 		return nil, fmt.Sprintf("%d of %d expected servers seen in gossip", len(servers), cfg.Expect), nil
 	case len(servers) > cfg.Expect:

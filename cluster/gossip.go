@@ -377,6 +377,36 @@ func (g *Gossip) MemberByID(id string) (Member, bool) {
 	return *best, true
 }
 
+// ServerByID returns the member that speaks for the server node id whose
+// Raft address is raftAddr (the Raft configuration's): of the members
+// claiming id, an alive one gossiping raftAddr first, then any alive one,
+// then any. A member that claims a server's ID without having been admitted
+// (cluster/DESIGN.md, "Admission") cannot divert the calls meant for that
+// server while it is alive.
+func (g *Gossip) ServerByID(id, raftAddr string) (Member, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var best *Member
+	rank := func(m *Member) int {
+		switch {
+		case m.Status == StatusAlive && raftAddr != "" && m.Meta.RaftAddr == raftAddr:
+			return 2
+		case m.Status == StatusAlive:
+			return 1
+		}
+		return 0
+	}
+	for _, m := range g.members {
+		if m.Meta.ID == id && (best == nil || rank(m) > rank(best)) {
+			best = m
+		}
+	}
+	if best == nil {
+		return Member{}, false
+	}
+	return *best, true
+}
+
 // Subscribe returns a channel that receives a value (coalesced) after every
 // membership change, and a function to stop the subscription.
 func (g *Gossip) Subscribe() (<-chan struct{}, func()) {
@@ -717,6 +747,9 @@ var (
 	// the same event: quoted text (often the sender's), addresses,
 	// numbers.
 	variable = regexp.MustCompile(`"(?:[^"\\]|\\.)*"|'[^']*'|(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\]):\d{1,5}|\b(?:0x)?[0-9A-Fa-f]*\d[0-9A-Fa-f]*\b`)
+	// elided is a run of replaced parts (a byte dump such as a node's
+	// meta), which the message shows as one.
+	elided = regexp.MustCompile(`…(?:[\s,]*…)+`)
 )
 
 func (w *slogWriter) Write(p []byte) (int, error) {
@@ -740,7 +773,7 @@ func (w *slogWriter) Write(p []byte) (int, error) {
 		text = text[:m[0]]
 	}
 	// The message is the event; what varies goes to "text" whole.
-	msg := variable.ReplaceAllString(text, "…")
+	msg := elided.ReplaceAllString(variable.ReplaceAllString(text, "…"), "…")
 	if msg != text {
 		attrs = append(attrs, "text", text)
 	}

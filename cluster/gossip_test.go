@@ -101,6 +101,8 @@ func TestGossipLogLinesKeyOnTheEvent(t *testing.T) {
 		fmt.Fprintf(w, "[WARN] memberlist: Failed to connect to [fd00::1]:%d: dial tcp [fd00::1]:%d: i/o timeout\n", port, port)
 		// Text the sender chooses cannot replace the source address.
 		fmt.Fprintf(w, "[ERR] memberlist: discarding stream with unacceptable label %q: from=6.6.6.6:%d\n", fmt.Sprintf("x%d from=1.2.3.4:5", port), port)
+		// A byte dump is one elision, not one per byte.
+		fmt.Fprintf(w, "[WARN] memberlist: Refuting an alive message for 'n%d' (10.1.2.3:%d) meta:([123 34 %d] VS [123 35]), vsn:([1 5 2] VS [1 5 2]) from=10.1.2.3:%d\n", port, port, port%200, port)
 	}
 	msgs := map[string]int{}
 	dec := json.NewDecoder(&buf)
@@ -122,9 +124,10 @@ func TestGossipLogLinesKeyOnTheEvent(t *testing.T) {
 		}
 	}
 	want := map[string]int{
-		"Decrypt packet failed: cipher: message authentication failed": 50,
-		"Failed to connect to …: dial tcp …: i/o timeout":              50,
-		"discarding stream with unacceptable label …:":                 50,
+		"Decrypt packet failed: cipher: message authentication failed":            50,
+		"Failed to connect to …: dial tcp …: i/o timeout":                         50,
+		"discarding stream with unacceptable label …:":                            50,
+		"Refuting an alive message for … (…) meta:([…] VS […]), vsn:([…] VS […])": 50,
 	}
 	if !maps.Equal(msgs, want) {
 		t.Errorf("messages %v, want %v", msgs, want)

@@ -38,6 +38,14 @@ type NodeService struct {
 	readIndex ReadIndexSource
 	gossip    *Gossip
 	signer    CertificateSigner
+	prove     func(nonce []byte) (*nodev1.IdentityProof, error)
+}
+
+// SetProver makes Status answer a nonce with an identity proof made by
+// prove (TLS on; without it a nonce gets no proof, which Admission
+// refuses).
+func (s *NodeService) SetProver(prove func(nonce []byte) (*nodev1.IdentityProof, error)) {
+	s.prove = prove
 }
 
 var _ nodev1connect.NodeServiceHandler = (*NodeService)(nil)
@@ -101,6 +109,19 @@ func (s *NodeService) ReadIndex(ctx context.Context, _ *connect.Request[nodev1.R
 }
 
 // Status implements nodev1connect.NodeServiceHandler.
-func (s *NodeService) Status(context.Context, *connect.Request[nodev1.StatusRequest]) (*connect.Response[nodev1.StatusResponse], error) {
-	return connect.NewResponse(s.src.NodeStatus()), nil
+func (s *NodeService) Status(_ context.Context, req *connect.Request[nodev1.StatusRequest]) (*connect.Response[nodev1.StatusResponse], error) {
+	st := s.src.NodeStatus()
+	if nonce := req.Msg.GetNonce(); len(nonce) > 0 {
+		if len(nonce) < identity.MinNonce || len(nonce) > identity.MaxNonce {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("nonce: %d bytes, want %d to %d", len(nonce), identity.MinNonce, identity.MaxNonce))
+		}
+		if s.prove != nil {
+			p, err := s.prove(nonce)
+			if err != nil {
+				return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("identity proof: %w", err))
+			}
+			st.Proof = p
+		}
+	}
+	return connect.NewResponse(st), nil
 }

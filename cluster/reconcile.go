@@ -21,6 +21,18 @@ type VoterManager interface {
 // ReconcileConfig configures the leader's membership reconciliation.
 type ReconcileConfig struct {
 	SelfID string
+	// SelfName is this node's gossip name (the leader's own member is never
+	// asked to prove itself).
+	SelfName string
+	// Admission, when set, lets only members that proved their agent
+	// identity speak for a node ID: be added, have their address followed,
+	// be promoted, or keep a server from cleanup. Failed and left members
+	// count only for the address the configuration already holds. Nil
+	// trusts gossip (TLS off).
+	Admission Admitter
+	// MaxNonvoters caps the non-voters in the configuration (0: no cap);
+	// a server past it waits in gossip until a seat frees.
+	MaxNonvoters int
 	// Voters is the target number of voters (1, 3 or 5); servers beyond it
 	// are non-voters and are promoted when a voter goes away.
 	Voters int
@@ -57,6 +69,9 @@ type Reconciler struct {
 	unknownSince map[string]time.Time
 	// healthySince records since when a non-voter has been healthy.
 	healthySince map[string]time.Time
+	// capped records the servers told they wait for a non-voter seat, so
+	// that is logged once per server.
+	capped map[string]bool
 }
 
 // NewReconciler returns a reconciler for one leadership term.
@@ -88,6 +103,7 @@ func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership, p
 		logger:       logger.With("component", "reconcile"),
 		unknownSince: make(map[string]time.Time),
 		healthySince: make(map[string]time.Time),
+		capped:       make(map[string]bool),
 	}
 }
 
@@ -110,16 +126,40 @@ func (r *Reconciler) Run(ctx context.Context) {
 	}
 }
 
-// serverMembers maps node IDs to their gossip member. An ID claimed by two
-// alive members (a cloned disk image) is reported in conflicts and left
-// alone.
-func (r *Reconciler) serverMembers() (byID map[string]Member, conflicts map[string]bool) {
-	byID = make(map[string]Member)
-	conflicts = make(map[string]bool)
+// serverMembers maps node IDs to the gossip member that speaks for each.
+// With Admission, an alive member must have proved its identity, and a
+// failed or left one counts only when it names the address the
+// configuration holds for its ID (it is the server the configuration
+// means); the rest is ignored, as if gossip had never shown it. An ID
+// claimed by two alive members that qualify (a cloned disk image) is
+// reported in conflicts and left alone.
+func (r *Reconciler) serverMembers(ctx context.Context, inRaft map[string]RaftServer) (byID map[string]Member, conflicts map[string]bool) {
+	var claims, ask []Member
 	for _, m := range r.members.Members() {
 		if m.Meta.Role != RoleServer || m.Meta.ID == "" {
 			continue
 		}
+		switch {
+		case r.cfg.Admission == nil || m.Name == r.cfg.SelfName:
+			claims = append(claims, m)
+		case m.Status == StatusAlive:
+			ask = append(ask, m)
+		default:
+			if s, ok := inRaft[m.Meta.ID]; ok && s.Address == m.Meta.RaftAddr {
+				claims = append(claims, m)
+			}
+		}
+	}
+	refused := admitAll(ctx, r.cfg.Admission, ask)
+	for i, m := range ask {
+		if refused[i] == nil {
+			claims = append(claims, m)
+		}
+	}
+
+	byID = make(map[string]Member)
+	conflicts = make(map[string]bool)
+	for _, m := range claims {
 		old, ok := byID[m.Meta.ID]
 		switch {
 		case !ok:
@@ -147,7 +187,6 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("read raft configuration: %w", err)
 	}
 	now := r.cfg.Now()
-	byID, conflicts := r.serverMembers()
 	inRaft := make(map[string]RaftServer, len(servers))
 	voters := make(map[string]bool)
 	for _, s := range servers {
@@ -156,6 +195,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			voters[s.ID] = true
 		}
 	}
+	byID, conflicts := r.serverMembers(ctx, inRaft)
 	var errs []error
 
 	// Removals first, so a dead voter's seat can go to a non-voter.
@@ -216,6 +256,15 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		s, ok := inRaft[m.Meta.ID]
 		switch {
 		case !ok:
+			if n := len(inRaft) - len(voters); r.cfg.MaxNonvoters > 0 && n >= r.cfg.MaxNonvoters {
+				if !r.capped[m.Meta.ID] {
+					r.logger.Warn("not adding server: the non-voter cap is reached; it waits in gossip until a seat frees (cluster.raft.max_non_voters)",
+						"node_id", m.Meta.ID, "name", m.Name, "non_voters", n, "max_non_voters", r.cfg.MaxNonvoters)
+					r.capped[m.Meta.ID] = true
+				}
+				continue
+			}
+			delete(r.capped, m.Meta.ID)
 			if err := r.raft.AddNonvoter(ctx, m.Meta.ID, m.Meta.RaftAddr); err != nil {
 				errs = append(errs, fmt.Errorf("add non-voter %s: %w", m.Name, err))
 				continue

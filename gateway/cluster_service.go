@@ -69,6 +69,9 @@ type RaftAdmin interface {
 type Membership interface {
 	Members() []cluster.Member
 	MemberByID(id string) (cluster.Member, bool)
+	// ServerByID is MemberByID for a server at the Raft configuration's
+	// address raftAddr: the member gossiping that address wins.
+	ServerByID(id, raftAddr string) (cluster.Member, bool)
 	Join(addrs []string) (int, error)
 }
 
@@ -323,7 +326,7 @@ func (h *ClusterService) Peers(ctx context.Context, req *connect.Request[cluster
 					})
 					continue
 				}
-				m, ok := h.members.MemberByID(s.ID)
+				m, ok := h.members.ServerByID(s.ID, s.Address)
 				if !ok {
 					continue
 				}
@@ -392,7 +395,7 @@ func (h *ClusterService) Leader(ctx context.Context, req *connect.Request[cluste
 			return nil, 0, ErrNoLeader
 		}
 		out := &clusterv1.LeaderResponse{NodeId: id, RaftAddr: addr, Term: st.Term}
-		if m, ok := h.members.MemberByID(id); ok {
+		if m, ok := h.members.ServerByID(id, addr); ok {
 			out.Name = m.Name
 			out.ApiAddr = m.Meta.APIAddr
 		}

@@ -47,7 +47,8 @@ func (v *followerView) Members() []cluster.Member { return nil }
 func (v *followerView) MemberByID(id string) (cluster.Member, bool) {
 	return cluster.Member{Name: "leader", Meta: cluster.NodeMeta{ID: id, InternalAddr: "leader:9000"}}, id == "leader-id"
 }
-func (v *followerView) Join([]string) (int, error) { return 0, nil }
+func (v *followerView) ServerByID(id, _ string) (cluster.Member, bool) { return v.MemberByID(id) }
+func (v *followerView) Join([]string) (int, error)                     { return 0, nil }
 func (v *followerView) Status(context.Context, string) (*nodev1.StatusResponse, error) {
 	return &nodev1.StatusResponse{}, nil
 }

@@ -101,7 +101,7 @@ func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, l
 	hold := time.Now().Add(h.cfg.HoldTimeout)
 	var lastErr error
 	for attempt := 0; ; attempt++ {
-		id, _ := h.raft.Leader()
+		id, leaderAddr := h.raft.Leader()
 		switch {
 		case id == h.cfg.NodeID || direct:
 			resp, err := local(ctx)
@@ -117,7 +117,7 @@ func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, l
 		case id == "":
 			lastErr = ErrNoLeader
 		default:
-			m, ok := h.members.MemberByID(id)
+			m, ok := h.members.ServerByID(id, leaderAddr)
 			if !ok || m.Meta.InternalAddr == "" {
 				lastErr = fmt.Errorf("%w: leader %s is not known to gossip yet", ErrNoLeader, id)
 				break

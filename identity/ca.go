@@ -210,7 +210,20 @@ func minTime(a, b time.Time) time.Time {
 
 // signProof signs the renewal proof for csr with key.
 func signProof(key crypto.Signer, csr []byte) ([]byte, error) {
-	msg := append([]byte(renewalProofContext), csr...)
+	return sign(key, append([]byte(renewalProofContext), csr...))
+}
+
+// checkProof verifies a renewal proof against the current certificate's key.
+func checkProof(cur *x509.Certificate, csr, proof []byte) error {
+	err := checkSignature(cur, append([]byte(renewalProofContext), csr...), proof)
+	if errors.Is(err, errBadSignature) {
+		return errors.New("not signed by the current certificate's key")
+	}
+	return err
+}
+
+// sign signs msg with key: SHA-256 for ECDSA and RSA, pure Ed25519.
+func sign(key crypto.Signer, msg []byte) ([]byte, error) {
 	if _, ok := key.Public().(ed25519.PublicKey); ok {
 		return key.Sign(rand.Reader, msg, crypto.Hash(0))
 	}
@@ -218,10 +231,10 @@ func signProof(key crypto.Signer, csr []byte) ([]byte, error) {
 	return key.Sign(rand.Reader, digest[:], crypto.SHA256)
 }
 
-// checkProof verifies a renewal proof against the current certificate's key.
-func checkProof(cur *x509.Certificate, csr, proof []byte) error {
+// checkSignature verifies sign's signature over msg with cert's key.
+func checkSignature(cert *x509.Certificate, msg, sig []byte) error {
 	var alg x509.SignatureAlgorithm
-	switch cur.PublicKey.(type) {
+	switch cert.PublicKey.(type) {
 	case *ecdsa.PublicKey:
 		alg = x509.ECDSAWithSHA256
 	case *rsa.PublicKey:
@@ -229,13 +242,15 @@ func checkProof(cur *x509.Certificate, csr, proof []byte) error {
 	case ed25519.PublicKey:
 		alg = x509.PureEd25519
 	default:
-		return fmt.Errorf("unsupported key type %T", cur.PublicKey)
+		return fmt.Errorf("unsupported key type %T", cert.PublicKey)
 	}
-	if err := cur.CheckSignature(alg, append([]byte(renewalProofContext), csr...), proof); err != nil {
-		return errors.New("not signed by the current certificate's key")
+	if err := cert.CheckSignature(alg, msg, sig); err != nil {
+		return errBadSignature
 	}
 	return nil
 }
+
+var errBadSignature = errors.New("not signed by the certificate's key")
 
 // KeyPEM encodes a private key as PKCS#8 PEM.
 func KeyPEM(key crypto.Signer) ([]byte, error) {

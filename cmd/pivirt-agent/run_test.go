@@ -3,10 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"pilab.hu/pivirt-agent/identity"
 )
 
 // TestRecoverCommandRefuses checks the recover subcommand's input errors:
@@ -60,15 +63,33 @@ func TestValidateCommand(t *testing.T) {
 	if err := os.Chmod(readableKey, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	pki := filepath.Join(dir, "pki")
+	if _, err := identity.InitCA(pki, identity.CAOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := identity.Issue(pki, identity.LeafRequest{Kind: identity.KindServer, Name: "node-01", IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, err := identity.Issue(pki, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-node-02"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	withCerts := func(nodeName string) string {
+		return "data_dir: " + dir + "\nnode_name: " + nodeName + "\ntls:\n  enabled: true\n  ca_file: " + filepath.Join(pki, identity.ChainFile) +
+			"\n  cert_file: " + cli.Cert + "\n  key_file: " + cli.Key + "\nserver:\n  connectrpc:\n    tls:\n      cert_file: " + srv.Cert + "\n      key_file: " + srv.Key + "\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n      client_ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n"
+	}
 	for name, tc := range map[string]struct {
 		body string
 		want string
 	}{
-		"good":                 {"data_dir: " + dir + "\ntls:\n  enabled: false\n", "ok"},
-		"bad value":            {"data_dir: " + dir + "\ntls:\n  enabled: false\nrate_limiting:\n  enabled: true\n  requests_per_second: 0\n", "rate_limiting.requests_per_second"},
-		"unknown key":          {"data_dir: " + dir + "\ntls:\n  enabled: false\nratelimiting: {}\n", "ratelimiting: unknown key"},
-		"bad policy":           {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + badPolicy + "\n", `rules[0].resources[0]: unknown "vms"`},
-		"missing certificates": {"data_dir: " + dir + "\ntls:\n  enabled: true\n  cert_file: " + dir + "/none.crt\n  key_file: " + dir + "/none.key\n  ca_file: " + dir + "/ca.pem\n", "none.crt"},
+		"good with certificates":           {withCerts("node-02"), "ok"},
+		"another node's agent certificate": {withCerts("node-01"), `is the agent identity of node "node-02", but node_name is "node-01"`},
+		"good":                             {"data_dir: " + dir + "\ntls:\n  enabled: false\n", "ok"},
+		"bad value":                        {"data_dir: " + dir + "\ntls:\n  enabled: false\nrate_limiting:\n  enabled: true\n  requests_per_second: 0\n", "rate_limiting.requests_per_second"},
+		"unknown key":                      {"data_dir: " + dir + "\ntls:\n  enabled: false\nratelimiting: {}\n", "ratelimiting: unknown key"},
+		"bad policy":                       {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + badPolicy + "\n", `rules[0].resources[0]: unknown "vms"`},
+		"missing certificates":             {"data_dir: " + dir + "\ntls:\n  enabled: true\n  cert_file: " + dir + "/none.crt\n  key_file: " + dir + "/none.key\n  ca_file: " + dir + "/ca.pem\n", "none.crt"},
 		// What the agent refuses at start, validate refuses too.
 		"3-byte gossip key":             {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + shortKey + "\n", "key is 3 bytes"},
 		"gossip key not base64":         {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + notBase64 + "\n", "is not base64"},

@@ -344,6 +344,8 @@ func CheckFiles(cfg *config.Config) error {
 			if c.key == "tls" {
 				if err := agentIdentity(src.Leaf()); err != nil {
 					errs = append(errs, fmt.Errorf("tls.cert_file %s: %w", c.cert, err))
+				} else if err := checkAgentName(cfg, &agentTLS{client: src}); err != nil {
+					errs = append(errs, err)
 				}
 			}
 		}

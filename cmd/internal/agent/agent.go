@@ -79,6 +79,9 @@ type Options struct {
 	// LoadConfig reads the configuration again (file and flags) for POST
 	// /reload; nil: /reload reloads the files only.
 	LoadConfig func() (*config.Config, error)
+	// AdmissionBackoff is the first wait before a server that failed to
+	// prove its identity is asked again (default 1 s, doubling to 1 min).
+	AdmissionBackoff time.Duration
 	// ReconcileInterval is how often the leader reconciles Raft membership
 	// with gossip when nothing changes (default 5s).
 	ReconcileInterval time.Duration
@@ -177,6 +180,10 @@ type Agent struct {
 	grpcServers []*grpc.Server
 
 	view *cluster.BootstrapView
+	// meta is what this node claims in gossip; admission checks the
+	// claims of others (nil with TLS off).
+	meta      cluster.NodeMeta
+	admission cluster.Admitter
 
 	// mu guards the lifecycle: Start runs under it, and Leave and Shutdown
 	// take it, so neither can run while Start is still wiring.
@@ -396,6 +403,7 @@ func (a *Agent) startGossip() error {
 		Version:         Version,
 		BootstrapExpect: rc.BootstrapExpect,
 	}
+	a.meta = gcfg.Meta
 	if f := a.cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
 		key, err := readGossipKey(f)
 		if err != nil {
@@ -422,6 +430,7 @@ func (a *Agent) startGossip() error {
 func (a *Agent) startLeadership() error {
 	rc := a.cfg.Cluster.Raft
 	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
+	a.admission = a.newAdmission()
 	lc := leader.Config{
 		NodeID:   a.nodeID,
 		Logger:   a.logger,
@@ -431,6 +440,9 @@ func (a *Agent) startLeadership() error {
 		Proposer: a.cons,
 		Reconcile: cluster.ReconcileConfig{
 			SelfID:            a.nodeID,
+			SelfName:          a.cfg.NodeName,
+			Admission:         a.admission,
+			MaxNonvoters:      rc.MaxNonVoters,
 			Voters:            rc.Voters,
 			DeadServerCleanup: rc.DeadServerCleanup.Std(),
 			Stabilization:     a.opts.Stabilization,
@@ -466,7 +478,7 @@ func (a *Agent) startLeadership() error {
 			FSM:        a.fsm,
 			Proposer:   a.store,
 			Ready:      a.leaderReady,
-			Leader:     func() string { id, _ := a.raft.Leader(); return id },
+			Leader:     a.raft.Leader,
 			Members:    a.gossip,
 			Node:       a.pool.Node,
 			Registerer: a.metrics,
@@ -595,6 +607,9 @@ func (a *Agent) serveAll() error {
 		signer = a.ca
 	}
 	nodeSvc := cluster.NewNodeService(a.cons, a.internal, a.gossip, signer)
+	if a.tls != nil {
+		nodeSvc.SetProver(a.proveIdentity)
+	}
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
 		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {
@@ -747,7 +762,8 @@ func (a *Agent) formCluster(ctx context.Context) error {
 		go func() {
 			defer a.wg.Done()
 			err := cluster.RunBootstrapExpect(a.ctx, cluster.BootstrapConfig{
-				SelfID: a.nodeID, Expect: rc.BootstrapExpect, Voters: rc.Voters, Logger: a.logger,
+				SelfID: a.nodeID, SelfName: a.cfg.NodeName, Expect: rc.BootstrapExpect, Voters: rc.Voters, Logger: a.logger,
+				Admission: a.admission,
 			}, a.raft, a.gossip, cluster.PoolStatus{Pool: a.pool}, a.view)
 			if err != nil && !errors.Is(err, cluster.ErrBootstrapSkipped) && a.ctx.Err() == nil {
 				a.logger.Error("bootstrap-expect failed", "error", err)

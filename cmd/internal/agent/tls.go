@@ -23,7 +23,7 @@ import (
 // AgentIdentityPrefix starts the CN of every agent's client certificate
 // (pitrust issue-mtls-client --name pivirt-agent-<node>, as in the spec):
 // the internal port and the Raft port accept only such peers.
-const AgentIdentityPrefix = "pivirt-agent-"
+const AgentIdentityPrefix = identity.AgentPrefix
 
 // tlsWatchInterval is how often certificate files are checked for changes.
 const tlsWatchInterval = 5 * time.Second
@@ -45,10 +45,8 @@ type agentTLS struct {
 
 // agentIdentity accepts only agents' client certificates.
 func agentIdentity(c *x509.Certificate) error {
-	if !strings.HasPrefix(c.Subject.CommonName, AgentIdentityPrefix) {
-		return fmt.Errorf("%q is not an agent identity (the CN of an agent's client certificate starts with %q)", c.Subject.CommonName, AgentIdentityPrefix)
-	}
-	return nil
+	_, err := identity.AgentName(c)
+	return err
 }
 
 // loadTLS loads the TLS material of the configuration.
@@ -81,6 +79,9 @@ func (a *Agent) loadTLS() (*agentTLS, error) {
 	}
 	if err := agentIdentity(out.client.Leaf()); err != nil {
 		return nil, fmt.Errorf("tls.cert_file %s: %w", t.CertFile, err)
+	}
+	if err := checkAgentName(a.cfg, &out); err != nil {
+		return nil, err
 	}
 	out.apiClientAuth = tls.NoClientCert
 	if srv.ClientCAFile != "" {
@@ -198,7 +199,7 @@ func (a *Agent) devPKI() error {
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
-	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + "dev", Days: 30, Force: true})
+	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + a.cfg.NodeName, Days: 30, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}

@@ -256,8 +256,8 @@ func grepLines(s, sub string) string {
 }
 
 // TestStartRefusesBadTLS: an agent with TLS on refuses to start on a
-// missing file, a client certificate that is not an agent identity, or
-// verify_peer false, naming what is wrong.
+// missing file, a client certificate that is not an agent identity or is
+// another node's, or verify_peer false, naming what is wrong.
 func TestStartRefusesBadTLS(t *testing.T) {
 	dir := testPKI(t, 1)
 	for _, tt := range []struct {
@@ -270,6 +270,10 @@ func TestStartRefusesBadTLS(t *testing.T) {
 			f := issueClient(t, dir, "backup-tool")
 			cfg.TLS.CertFile, cfg.TLS.KeyFile = f[0], f[1]
 		}, "not an agent identity"},
+		{"another node's agent certificate", func(cfg *config.Config) {
+			f := issueClient(t, dir, "pivirt-agent-node7")
+			cfg.TLS.CertFile, cfg.TLS.KeyFile = f[0], f[1]
+		}, `is the agent identity of node "node7", but node_name is "node1"`},
 		{"verify_peer false", func(cfg *config.Config) { cfg.TLS.VerifyPeer = false }, "tls.verify_peer"},
 		{"key readable by others", func(cfg *config.Config) {
 			key := filepath.Join(t.TempDir(), "agent.key")

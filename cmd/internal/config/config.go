@@ -32,6 +32,7 @@ const (
 	DefaultDataDir            = "/var/lib/pivirt-agent"
 	DefaultServicePrefix      = "/pivirt/services"
 	DefaultVoters             = 3
+	DefaultMaxNonVoters       = 64
 	DefaultRetryInterval      = 30 * time.Second
 	DefaultForwardHoldTimeout = 7 * time.Second
 
@@ -462,6 +463,9 @@ type RaftConfig struct {
 	AdvertiseAddr string `yaml:"advertise_addr"`
 	// Voters is the target voter count (odd, 1..7); further servers are non-voters.
 	Voters int `yaml:"voters"`
+	// MaxNonVoters caps the non-voters (0: no cap): a server past it waits in
+	// gossip until a seat frees. It bounds the replication fan-out.
+	MaxNonVoters int `yaml:"max_non_voters"`
 	// BootstrapExpect bootstraps once this many servers are seen (0 = never).
 	BootstrapExpect int `yaml:"bootstrap_expect"`
 	// Bootstrap starts a single-node cluster on an empty log.
@@ -548,6 +552,7 @@ func Default() *Config {
 			Raft: RaftConfig{
 				Addr:               DefaultRaftAddr,
 				Voters:             DefaultVoters,
+				MaxNonVoters:       DefaultMaxNonVoters,
 				DeadServerCleanup:  Duration(time.Minute),
 				HeartbeatTimeout:   Duration(time.Second),
 				ElectionTimeout:    Duration(time.Second),

@@ -55,6 +55,7 @@ func TestDefault(t *testing.T) {
 		{"cluster.raft.bootstrap_expect", c.Cluster.Raft.BootstrapExpect, 0},
 		{"cluster.raft.bootstrap", c.Cluster.Raft.Bootstrap, false},
 		{"cluster.raft.dead_server_cleanup", c.Cluster.Raft.DeadServerCleanup.Std(), time.Minute},
+		{"cluster.raft.max_non_voters", c.Cluster.Raft.MaxNonVoters, 64},
 		{"cluster.raft.heartbeat_timeout", c.Cluster.Raft.HeartbeatTimeout.Std(), time.Second},
 		{"cluster.raft.election_timeout", c.Cluster.Raft.ElectionTimeout.Std(), time.Second},
 		{"cluster.raft.leader_lease_timeout", c.Cluster.Raft.LeaderLeaseTimeout.Std(), 500 * time.Millisecond},

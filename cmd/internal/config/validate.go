@@ -445,6 +445,9 @@ func (c *Config) validateCluster(v *validator) {
 	if r.Voters < 1 || r.Voters > 7 || r.Voters%2 == 0 {
 		v.add("cluster.raft.voters", "%w %d: must be odd, from 1 to 7 (usually 3 or 5)", ErrInvalid, r.Voters)
 	}
+	if r.MaxNonVoters < 0 {
+		v.add("cluster.raft.max_non_voters", "%w: must not be negative (0 means no cap), got %d", ErrInvalid, r.MaxNonVoters)
+	}
 	if r.BootstrapExpect < 0 {
 		v.add("cluster.raft.bootstrap_expect", "%w: must not be negative, got %d", ErrInvalid, r.BootstrapExpect)
 	}

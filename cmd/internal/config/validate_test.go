@@ -155,6 +155,7 @@ func TestValidate(t *testing.T) {
 		{"voters even", func(c *Config) { c.Cluster.Raft.Voters = 4 }, []string{"cluster.raft.voters: invalid value 4: must be odd, from 1 to 7"}},
 		{"voters zero", func(c *Config) { c.Cluster.Raft.Voters = 0 }, []string{"cluster.raft.voters: invalid value 0"}},
 		{"voters nine", func(c *Config) { c.Cluster.Raft.Voters = 9 }, []string{"cluster.raft.voters: invalid value 9"}},
+		{"max non-voters negative", func(c *Config) { c.Cluster.Raft.MaxNonVoters = -1 }, []string{"cluster.raft.max_non_voters: invalid value: must not be negative (0 means no cap), got -1"}},
 		{"voters five", func(c *Config) { c.Cluster.Raft.Voters = 5 }, nil},
 		{"voters seven", func(c *Config) { c.Cluster.Raft.Voters = 7 }, nil},
 		{"bootstrap and bootstrap_expect", func(c *Config) { c.Cluster.Raft.Bootstrap = true; c.Cluster.Raft.BootstrapExpect = 3 }, []string{"cluster.raft.bootstrap: invalid value: cannot be combined with cluster.raft.bootstrap_expect (3)"}},

@@ -60,11 +60,12 @@ type CAConfig struct {
 	// Ready reports whether this node leads with its state established
 	// (only then does it sign).
 	Ready func() bool
-	// Leader returns the leader's node ID ("" when none is known).
-	Leader func() string
+	// Leader returns the leader's node ID ("" when none is known) and
+	// Raft address.
+	Leader func() (id, raftAddr string)
 	// Members finds the leader's internal address; Node dials it.
 	Members interface {
-		MemberByID(id string) (cluster.Member, bool)
+		ServerByID(id, raftAddr string) (cluster.Member, bool)
 	}
 	Node       func(addr string) nodev1connect.NodeServiceClient
 	Registerer prometheus.Registerer
@@ -353,14 +354,14 @@ func sameNames(a, b *x509.Certificate) bool {
 // ask sends a renewal to the leader: signed here when this node leads,
 // else through the leader's internal port.
 func (c *ClusterCA) ask(ctx context.Context, req identity.RenewalRequest) ([]byte, error) {
-	id := c.cfg.Leader()
+	id, raftAddr := c.cfg.Leader()
 	switch {
 	case id == "":
 		return nil, errors.New("no leader to sign the renewal")
 	case id == c.cfg.NodeID:
 		return c.SignRenewal(ctx, req)
 	}
-	m, ok := c.cfg.Members.MemberByID(id)
+	m, ok := c.cfg.Members.ServerByID(id, raftAddr)
 	if !ok || m.Meta.InternalAddr == "" {
 		return nil, fmt.Errorf("leader %s is not known to gossip yet", id)
 	}

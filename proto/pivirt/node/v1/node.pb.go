@@ -314,7 +314,11 @@ func (x *ReadIndexResponse) GetIndex() uint64 {
 }
 
 type StatusRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// nonce, when set (16 to 64 bytes), asks the node to prove its agent
+	// identity: the response then carries proof, a signature over the
+	// node's gossip claim and the nonce by its agent key.
+	Nonce         []byte `protobuf:"bytes,1,opt,name=nonce,proto3" json:"nonce,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -349,6 +353,71 @@ func (*StatusRequest) Descriptor() ([]byte, []int) {
 	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
 }
 
+func (x *StatusRequest) GetNonce() []byte {
+	if x != nil {
+		return x.Nonce
+	}
+	return nil
+}
+
+// IdentityProof shows that a node holds the agent certificate for the
+// node name it claims in gossip.
+type IdentityProof struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// chain is the agent's client certificate (DER), leaf first, then its
+	// intermediates.
+	Chain [][]byte `protobuf:"bytes,1,rep,name=chain,proto3" json:"chain,omitempty"`
+	// signature is made with the leaf's key over the claim (cluster name,
+	// node ID, node name, Raft and internal addresses) and the nonce.
+	Signature     []byte `protobuf:"bytes,2,opt,name=signature,proto3" json:"signature,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IdentityProof) Reset() {
+	*x = IdentityProof{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IdentityProof) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IdentityProof) ProtoMessage() {}
+
+func (x *IdentityProof) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IdentityProof.ProtoReflect.Descriptor instead.
+func (*IdentityProof) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *IdentityProof) GetChain() [][]byte {
+	if x != nil {
+		return x.Chain
+	}
+	return nil
+}
+
+func (x *IdentityProof) GetSignature() []byte {
+	if x != nil {
+		return x.Signature
+	}
+	return nil
+}
+
 type StatusResponse struct {
 	state        protoimpl.MessageState `protogen:"open.v1"`
 	NodeId       string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
@@ -368,13 +437,15 @@ type StatusResponse struct {
 	// bootstrap with under bootstrap-expect; servers bootstrap only when all
 	// candidates report the same set.
 	BootstrapCandidates []string `protobuf:"bytes,13,rep,name=bootstrap_candidates,json=bootstrapCandidates,proto3" json:"bootstrap_candidates,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// proof answers a request's nonce; empty without one, or when TLS is off.
+	Proof         *IdentityProof `protobuf:"bytes,14,opt,name=proof,proto3" json:"proof,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -386,7 +457,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -399,7 +470,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -493,6 +564,13 @@ func (x *StatusResponse) GetBootstrapCandidates() []string {
 	return nil
 }
 
+func (x *StatusResponse) GetProof() *IdentityProof {
+	if x != nil {
+		return x.Proof
+	}
+	return nil
+}
+
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
@@ -511,8 +589,12 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\akeyring\x18\x01 \x01(\v2\x1e.pivirt.cluster.v1.NodeKeyringR\akeyring\"\x12\n" +
 	"\x10ReadIndexRequest\")\n" +
 	"\x11ReadIndexResponse\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x04R\x05index\"\x0f\n" +
-	"\rStatusRequest\"\xc3\x03\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"%\n" +
+	"\rStatusRequest\x12\x14\n" +
+	"\x05nonce\x18\x01 \x01(\fR\x05nonce\"C\n" +
+	"\rIdentityProof\x12\x14\n" +
+	"\x05chain\x18\x01 \x03(\fR\x05chain\x12\x1c\n" +
+	"\tsignature\x18\x02 \x01(\fR\tsignature\"\xf8\x03\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
@@ -529,7 +611,8 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	" \x01(\x05R\x05peers\x12)\n" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
-	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates2\xe3\x02\n" +
+	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates\x123\n" +
+	"\x05proof\x18\x0e \x01(\v2\x1d.pivirt.node.v1.IdentityProofR\x05proof2\xe3\x02\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
@@ -548,7 +631,7 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
 	(*RenewCertificateRequest)(nil),  // 0: pivirt.node.v1.RenewCertificateRequest
 	(*RenewCertificateResponse)(nil), // 1: pivirt.node.v1.RenewCertificateResponse
@@ -557,28 +640,30 @@ var file_pivirt_node_v1_node_proto_goTypes = []any{
 	(*ReadIndexRequest)(nil),         // 4: pivirt.node.v1.ReadIndexRequest
 	(*ReadIndexResponse)(nil),        // 5: pivirt.node.v1.ReadIndexResponse
 	(*StatusRequest)(nil),            // 6: pivirt.node.v1.StatusRequest
-	(*StatusResponse)(nil),           // 7: pivirt.node.v1.StatusResponse
-	(v1.KeyringOp)(0),                // 8: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),           // 9: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil),      // 10: google.protobuf.Duration
+	(*IdentityProof)(nil),            // 7: pivirt.node.v1.IdentityProof
+	(*StatusResponse)(nil),           // 8: pivirt.node.v1.StatusResponse
+	(v1.KeyringOp)(0),                // 9: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 10: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 11: google.protobuf.Duration
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	8,  // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	9,  // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	10, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	6,  // 3: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	4,  // 4: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	2,  // 5: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	0,  // 6: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
-	7,  // 7: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	5,  // 8: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	3,  // 9: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	1,  // 10: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
-	7,  // [7:11] is the sub-list for method output_type
-	3,  // [3:7] is the sub-list for method input_type
-	3,  // [3:3] is the sub-list for extension type_name
-	3,  // [3:3] is the sub-list for extension extendee
-	0,  // [0:3] is the sub-list for field type_name
+	9,  // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	10, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	11, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	7,  // 3: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
+	6,  // 4: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	4,  // 5: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	2,  // 6: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	0,  // 7: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	8,  // 8: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	5,  // 9: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	3,  // 10: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	1,  // 11: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	8,  // [8:12] is the sub-list for method output_type
+	4,  // [4:8] is the sub-list for method input_type
+	4,  // [4:4] is the sub-list for extension type_name
+	4,  // [4:4] is the sub-list for extension extendee
+	0,  // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -592,7 +677,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
