@@ -29,6 +29,19 @@ const ClusterIDKey = "cluster.id"
 // snapshotChunk is the size of the data of one snapshot stream message.
 const snapshotChunk = 256 << 10
 
+// Request size limits on the API port, per message, enforced before a
+// message is decoded (gateway/access/DESIGN.md, "Before the body").
+const (
+	// MaxRequestBytes bounds a request of the cluster, snapshot and
+	// schedule services over Connect and gRPC-Web: a config value is at
+	// most 512 KiB, a snapshot chunk 256 KiB.
+	MaxRequestBytes = 1 << 20
+	// MaxGRPCRequestBytes bounds a request message over gRPC, where one
+	// limit covers the whole server: the proxied backend APIs as well (a
+	// volume upload chunk of pvcli is 256 KiB).
+	MaxGRPCRequestBytes = 4 << 20
+)
+
 // DefaultMaxRestoreSize bounds an uploaded archive unless configured.
 const DefaultMaxRestoreSize = 8 << 30
 

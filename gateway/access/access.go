@@ -72,6 +72,12 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Now is the clock of the rate limits (nil: time.Now).
 	Now func() time.Time
+	// MaxStreams bounds the streaming calls one caller may hold open at
+	// once (0: DefaultMaxStreams; negative: no bound).
+	MaxStreams int
+	// BodyTimeout bounds how long a one-message request body may take to
+	// arrive (0: DefaultBodyTimeout; negative: no bound).
+	BodyTimeout time.Duration
 }
 
 // Limits are token buckets per principal: one per route prefix listed
@@ -110,6 +116,10 @@ type Guard struct {
 	// per source and second while its budget is spent.
 	failures    *ratelimit.Budget
 	floodLogged *ratelimit.Budget
+	// streams counts each caller's open streaming calls; authenticating
+	// each source's calls between their headers and their verdict.
+	streams        counters
+	authenticating counters
 }
 
 // Failed authentications a source may make: failedAuthPerSecond on
@@ -146,6 +156,12 @@ func New(cfg Config) (g *Guard, err error) {
 	if cfg.Policy == nil {
 		cfg.Policy = func() *authz.Policy { return nil }
 	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
+	if cfg.BodyTimeout == 0 {
+		cfg.BodyTimeout = DefaultBodyTimeout
+	}
 	g = &Guard{
 		cfg: cfg,
 		rateLimited: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -154,7 +170,7 @@ func New(cfg Config) (g *Guard, err error) {
 		}, []string{"route"}),
 		denied: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pivirt_api_access_denied_total",
-			Help: "Calls on the API port refused by authentication (unauthenticated) or authorization (permission_denied).",
+			Help: "Calls on the API port refused, by reason: unauthenticated, permission_denied, auth_flood (a source's failed authentications), streams (a caller's open streams), slow_body (a request that did not arrive in time).",
 		}, []string{"reason"}),
 	}
 	now := cfg.Now
@@ -374,22 +390,12 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	if m.open {
 		return ctx, nil, nil
 	}
-	var certs []*x509.Certificate
-	if c.tls != nil {
-		certs = c.tls.PeerCertificates
-	}
-	src := sourceOf(c.remote)
-	if err := g.takeAuthToken(src); err != nil {
-		return ctx, nil, err
-	}
-	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
-	if err == nil {
-		g.failures.GiveBack(src)
-	} else {
-		g.denied.WithLabelValues("unauthenticated").Inc()
-		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
-		// The code says "unauthenticated" already.
-		return ctx, nil, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
+	who, ok := preAuthenticated(ctx, c.procedure)
+	if !ok {
+		var err error
+		if who, err = g.authenticate(ctx, c); err != nil {
+			return ctx, nil, err
+		}
 	}
 	ctx = authz.WithPrincipal(ctx, who)
 	if r, ok := observe.RequestFrom(ctx); ok {
@@ -403,6 +409,59 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	}
 	gr, err := g.decide(ctx, c, who, m, req)
 	return ctx, gr, err
+}
+
+// authenticate names the caller of c from its credentials alone (the
+// authorization header, the connection's client certificate), after taking
+// a token of the source's failed-authentication budget.
+func (g *Guard) authenticate(ctx context.Context, c call) (authz.Principal, error) {
+	var certs []*x509.Certificate
+	if c.tls != nil {
+		certs = c.tls.PeerCertificates
+	}
+	src := sourceOf(c.remote)
+	if err := g.takeAuthToken(src); err != nil {
+		return authz.Principal{}, err
+	}
+	release, err := g.authInFlight(src)
+	if err != nil {
+		g.failures.GiveBack(src) // not a failed authentication
+		return authz.Principal{}, err
+	}
+	who, err := g.cfg.Authenticator.Authenticate(ctx, c.authorization, certs)
+	release()
+	if err != nil {
+		g.denied.WithLabelValues("unauthenticated").Inc()
+		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
+		// The code says "unauthenticated" already.
+		return authz.Principal{}, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
+	}
+	g.failures.GiveBack(src)
+	return who, nil
+}
+
+// preAuth is the caller a transport authenticated from a call's headers
+// before reading its body (TapHandle, Authenticated), for admit.
+type preAuth struct {
+	procedure string
+	who       authz.Principal
+}
+
+type preAuthKey struct{}
+
+// withPreAuth records who as the authenticated caller of procedure.
+func withPreAuth(ctx context.Context, procedure string, who authz.Principal) context.Context {
+	return context.WithValue(ctx, preAuthKey{}, preAuth{procedure: procedure, who: who})
+}
+
+// preAuthenticated returns the caller authenticated before the body of
+// the call procedure was read, if any.
+func preAuthenticated(ctx context.Context, procedure string) (authz.Principal, bool) {
+	p, ok := ctx.Value(preAuthKey{}).(preAuth)
+	if !ok || p.procedure != procedure {
+		return authz.Principal{}, false
+	}
+	return p.who, true
 }
 
 // decide is the policy's answer for who calling m (req: the request of a

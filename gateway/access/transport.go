@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -124,6 +125,68 @@ func noRequest(gr *grant) error {
 	return &denial{code: codeInvalidArgument, msg: "no request message"}
 }
 
+// TapHandle authenticates a grpc-go call from its headers and the
+// connection's TLS state before anything of its body is read or decoded
+// (grpc.InTapHandle): a call without valid credentials is answered
+// Unauthenticated (or ResourceExhausted past the source's
+// failed-authentication budget) and its stream reset, whatever it was
+// about to send. The interceptors then take the caller from the context.
+// grpc-go runs the tap in the connection's reader with its lock held: a
+// verification that must fetch the issuer's keys (an unknown key ID, at
+// most once per 30 s) holds that one connection meanwhile.
+func (g *Guard) TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
+	m := g.lookup(info.FullMethodName)
+	c := call{procedure: info.FullMethodName, tls: g.connState(ctx)}
+	if v := info.Header["authorization"]; len(v) > 0 {
+		c.authorization = v[0]
+	}
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		c.remote = p.Addr.String()
+	}
+	if !m.open {
+		who, err := g.authenticate(ctx, c)
+		if err != nil {
+			return nil, grpcError(err)
+		}
+		ctx = withPreAuth(ctx, c.procedure, who)
+	}
+	return g.armBodyTimer(ctx, c, m), nil
+}
+
+// Authenticated authenticates the calls h serves (Connect, gRPC-Web and
+// the transcoded proxied APIs on the API port's HTTP side) from their
+// headers and the connection's TLS state before anything of their body is
+// read: a call without valid credentials gets its protocol's error and
+// its body stays unread. The interceptors then take the caller from the
+// request's context.
+func (g *Guard) Authenticated(h http.Handler) http.Handler {
+	errs := connect.NewErrorWriter()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		procedure := r.URL.Path
+		m := g.lookup(procedure)
+		c := call{procedure: procedure, authorization: r.Header.Get("Authorization"), tls: g.connState(r.Context()), remote: r.RemoteAddr}
+		if rq, ok := observe.RequestFrom(r.Context()); ok {
+			c.requestID = rq.ID
+		}
+		r = g.setBodyDeadline(w, r, c, m)
+		if m.open {
+			h.ServeHTTP(w, r)
+			return
+		}
+		who, err := g.authenticate(r.Context(), c)
+		if err != nil {
+			if r.ProtoMajor == 1 {
+				// Else net/http reads up to 256 KiB of the body before it
+				// answers, for the next request on the connection.
+				w.Header().Set("Connection", "close")
+			}
+			_ = errs.Write(w, r, connectError(err))
+			return
+		}
+		h.ServeHTTP(w, r.WithContext(withPreAuth(r.Context(), procedure, who)))
+	})
+}
+
 // connState is the TLS state of the connection of a request.
 func (g *Guard) connState(ctx context.Context) *tls.ConnectionState {
 	if p, ok := peer.FromContext(ctx); ok {
@@ -178,6 +241,7 @@ func protoOf(v any) protoreflect.Message {
 // itself.
 func (g *Guard) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		bodyArrived(ctx) // grpc-go decoded the request before calling us
 		c := g.grpcCall(ctx, info.FullMethod)
 		msg := protoOf(req)
 		ctx, gr, err := g.admit(ctx, c, msg)
@@ -211,6 +275,11 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		if err != nil {
 			return grpcError(err)
 		}
+		release, err := g.holdStream(ctx, c)
+		if err != nil {
+			return grpcError(err)
+		}
+		defer release()
 		w := &guardedStream{ServerStream: ss, ctx: ctx, g: g, c: c, gr: gr}
 		// The method's own shape, not info's: grpc-go reports every call of
 		// the UnknownServiceHandler (the proxy) as a bidi stream, so a
@@ -226,6 +295,7 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 				}
 				return err
 			}
+			bodyArrived(ctx)
 			req := newMessage(gr.m.md.Input())
 			err := proto.Unmarshal(f.Bytes(), req.Interface())
 			f.Free()
@@ -283,6 +353,7 @@ func (s *guardedStream) RecvMsg(m any) error {
 	if err := s.ServerStream.RecvMsg(m); err != nil {
 		return err
 	}
+	bodyArrived(s.ctx)
 	if s.gr.checksRequest() && s.gr.m.md.IsStreamingClient() {
 		return grpcError(s.sameObject(m))
 	}
@@ -359,6 +430,7 @@ func (i connectGuard) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		if req.Spec().IsClient {
 			return next(ctx, req)
 		}
+		bodyArrived(ctx) // connect-go read the request before calling us
 		c := i.call(ctx, req.Spec(), req.Peer(), req.Header().Get("Authorization"))
 		msg := protoOf(req.Any())
 		ctx, gr, err := i.g.admit(ctx, c, msg)
@@ -394,6 +466,11 @@ func (i connectGuard) WrapStreamingHandler(next connect.StreamingHandlerFunc) co
 		if err != nil {
 			return connectError(err)
 		}
+		release, err := i.g.holdStream(ctx, c)
+		if err != nil {
+			return connectError(err)
+		}
+		defer release()
 		if gr.checksRequest() || gr.filters() {
 			conn = &guardedConn{StreamingHandlerConn: conn, ctx: ctx, g: i.g, c: c, gr: gr}
 		}

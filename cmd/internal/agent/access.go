@@ -136,12 +136,22 @@ func (a *Agent) startAccess() error {
 		ConnState:     gateway.ConnTLSFromContext,
 		Logger:        a.logger.With("component", "access"),
 		Registerer:    a.metrics,
+		MaxStreams:    orNoBound(a.cfg.Server.ConnectRPC.MaxStreamsPerCaller),
+		BodyTimeout:   time.Duration(orNoBound(int64(a.cfg.Server.ConnectRPC.BodyTimeout))),
 	})
 	if err != nil {
 		return err
 	}
 	a.guard = g
 	return nil
+}
+
+// orNoBound maps a configuration's 0 ("no bound") to the guard's negative.
+func orNoBound[T int | int64](v T) T {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
 
 // policy is the RBAC policy in force: the cluster-wide one when set, else
@@ -165,7 +175,11 @@ func (a *Agent) accessServerOptions() []grpc.ServerOption {
 		unary = append(unary, a.guard.UnaryServerInterceptor())
 		stream = append(stream, a.guard.StreamServerInterceptor())
 	}
-	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...)}
+	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...)}
+	if a.guard != nil {
+		opts = append(opts, grpc.InTapHandle(a.guard.TapHandle))
+	}
+	return opts
 }
 
 // fetchObject reads the object a conditional RBAC rule is checked against,

@@ -599,7 +599,8 @@ func (a *Agent) serveAll() error {
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.schedules))
 		a.registerAPIExtras(s)
-	}, append(append(a.proxyServerOptions(), a.accessServerOptions()...), a.tracingServerOptions()...)...); err != nil {
+	}, append(append(append(a.proxyServerOptions(), a.accessServerOptions()...), a.tracingServerOptions()...),
+		grpc.MaxRecvMsgSize(gateway.MaxGRPCRequestBytes))...); err != nil {
 		return err
 	}
 	var signer cluster.CertificateSigner
@@ -960,7 +961,7 @@ func handlerOptions() []connect.HandlerOption {
 
 func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux := http.NewServeMux()
-	opts := handlerOptions()
+	opts := append(handlerOptions(), connect.WithReadMaxBytes(gateway.MaxRequestBytes))
 	if a.cfg.Tracing.Enabled {
 		opts = append(opts, connect.WithInterceptors(a.tracing.ConnectInterceptor()))
 	}
@@ -968,12 +969,20 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	if a.guard != nil {
 		opts = append(opts, connect.WithInterceptors(a.guard.ConnectInterceptor()))
 	}
+	// Callers are authenticated from the headers, before any body is read
+	// (gateway/access/DESIGN.md, "Before the body").
+	authenticated := func(h http.Handler) http.Handler {
+		if a.guard == nil {
+			return h
+		}
+		return a.guard.Authenticated(h)
+	}
 	path, h := clusterv1connect.NewClusterServiceHandler(a.api, opts...)
-	mux.Handle(path, h)
+	mux.Handle(path, authenticated(h))
 	path, h = clusterv1connect.NewSnapshotServiceHandler(a.snapshots, opts...)
-	mux.Handle(path, h)
+	mux.Handle(path, authenticated(h))
 	path, h = schedulev1connect.NewScheduleServiceHandler(a.schedules, opts...)
-	mux.Handle(path, h)
+	mux.Handle(path, authenticated(h))
 	// The metrics also on the API port, behind its TLS and (with access
 	// control on) for authenticated callers.
 	metrics := a.metricsHandler()
@@ -981,7 +990,7 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 		metrics = a.guard.HTTPHandler(metrics)
 	}
 	mux.Handle("GET "+a.cfg.Server.Metrics.Path, metrics)
-	if err := a.addTranscoder(mux, gs); err != nil {
+	if err := a.addTranscoder(mux, gs, authenticated); err != nil {
 		return nil, err
 	}
 	return mux, nil

@@ -251,13 +251,13 @@ func (a *Agent) proxyServerOptions() []grpc.ServerOption {
 
 // addTranscoder serves the backend APIs to Connect and gRPC-Web clients on
 // mux, through gs (the API port's gRPC server).
-func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server) error {
+func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server, wrap func(http.Handler) http.Handler) error {
 	t, err := mesh.NewTranscoder(apiServices, gs, cluster.MaxMessageBytes)
 	if err != nil {
 		return err
 	}
 	for _, sd := range apiServices {
-		mux.Handle("/"+string(sd.FullName())+"/", t)
+		mux.Handle("/"+string(sd.FullName())+"/", wrap(t))
 	}
 	return nil
 }

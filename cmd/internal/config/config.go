@@ -33,6 +33,10 @@ const (
 	DefaultServicePrefix      = "/pivirt/services"
 	DefaultVoters             = 3
 	DefaultMaxNonVoters       = 64
+	// DefaultMaxStreamsPerCaller and DefaultBodyTimeout bound what one
+	// caller holds on the API port (server.connectrpc).
+	DefaultMaxStreamsPerCaller = 128
+	DefaultBodyTimeout         = 30 * time.Second
 	DefaultRetryInterval      = 30 * time.Second
 	DefaultForwardHoldTimeout = 7 * time.Second
 
@@ -107,6 +111,12 @@ type ServerConfig struct {
 type ConnectRPCConfig struct {
 	Addr string          `yaml:"addr"`
 	TLS  ServerTLSConfig `yaml:"tls"`
+	// MaxStreamsPerCaller bounds the streaming calls (watches, consoles,
+	// uploads) one caller may hold open at once; 0 means no bound.
+	MaxStreamsPerCaller int `yaml:"max_streams_per_caller"`
+	// BodyTimeout is how long the request of a call that sends one
+	// message may take to arrive; 0 means no bound.
+	BodyTimeout Duration `yaml:"body_timeout"`
 }
 
 // ServerTLSConfig holds the server certificate of the external listener.
@@ -497,6 +507,8 @@ func Default() *Config {
 					CAFile:       "/etc/pivirt/certs/ca-chain.pem",
 					ClientCAFile: "/etc/pivirt/certs/ca-chain.pem",
 				},
+				MaxStreamsPerCaller: DefaultMaxStreamsPerCaller,
+				BodyTimeout:         Duration(DefaultBodyTimeout),
 			},
 			GRPCInternal: ListenerConfig{Addr: DefaultInternalAddr},
 			Metrics:      MetricsConfig{Addr: DefaultMetricsAddr, Path: DefaultMetricsPath, ManagementAllowFrom: slices.Clone(DefaultManagementAllowFrom)},

@@ -24,6 +24,8 @@ func TestDefault(t *testing.T) {
 		{"node_name", c.NodeName, hostname},
 		{"data_dir", c.DataDir, "/var/lib/pivirt-agent"},
 		{"server.connectrpc.addr", c.Server.ConnectRPC.Addr, "0.0.0.0:8443"},
+		{"server.connectrpc.max_streams_per_caller", c.Server.ConnectRPC.MaxStreamsPerCaller, 128},
+		{"server.connectrpc.body_timeout", c.Server.ConnectRPC.BodyTimeout.Std(), 30 * time.Second},
 		{"server.connectrpc.tls.cert_file", c.Server.ConnectRPC.TLS.CertFile, "/etc/pivirt/certs/agent-server.crt"},
 		{"server.grpc_internal.addr", c.Server.GRPCInternal.Addr, "0.0.0.0:9000"},
 		{"server.metrics.addr", c.Server.Metrics.Addr, "0.0.0.0:8444"},

@@ -110,6 +110,10 @@ func (c *Config) validateNode(v *validator) {
 func (c *Config) validateServer(v *validator) {
 	s := &c.Server
 	v.listenAddr("server.connectrpc.addr", s.ConnectRPC.Addr, false)
+	if s.ConnectRPC.MaxStreamsPerCaller < 0 {
+		v.add("server.connectrpc.max_streams_per_caller", "%w: must not be negative (0 means no bound), got %d", ErrInvalid, s.ConnectRPC.MaxStreamsPerCaller)
+	}
+	v.nonNegative("server.connectrpc.body_timeout", s.ConnectRPC.BodyTimeout)
 	v.listenAddr("server.grpc_internal.addr", s.GRPCInternal.Addr, false)
 	v.listenAddr("server.metrics.addr", s.Metrics.Addr, false)
 	if !strings.HasPrefix(s.Metrics.Path, "/") {
