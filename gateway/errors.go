@@ -70,6 +70,7 @@ var codeTable = []struct {
 	{store.ErrUnsupported, connect.CodeFailedPrecondition},
 	{archive.ErrInvalid, connect.CodeInvalidArgument},
 	{ErrRestoreInProgress, connect.CodeFailedPrecondition},
+	{ErrRestoreRefused, connect.CodeInvalidArgument},
 	{archive.ErrUnsupported, connect.CodeFailedPrecondition},
 	{ErrNoLeader, connect.CodeUnavailable},
 	{ErrStopping, connect.CodeUnavailable},

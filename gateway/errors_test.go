@@ -54,7 +54,7 @@ var notInCalls = map[error]string{
 func TestCodeTableCoversSentinels(t *testing.T) {
 	lists := map[string][]error{
 		"fsm": fsm.Sentinels, "store": store.Sentinels, "archive": archive.Sentinels,
-		"gateway": {ErrNoLeader, ErrLeaderNotReady, ErrStopping, errNotLeaderHere, ErrRestoreInProgress},
+		"gateway": {ErrNoLeader, ErrLeaderNotReady, ErrStopping, errNotLeaderHere, ErrRestoreInProgress, ErrRestoreRefused},
 	}
 	for pkg, list := range lists {
 		for _, err := range list {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -71,7 +72,13 @@ type SnapshotServiceConfig struct {
 	// restore on this leader and returns once it stopped; ResumeLeader
 	// starts it again, rebuilt from the (restored) state. Both may be nil.
 	PauseLeader, ResumeLeader func()
-	Logger                    *slog.Logger
+	// Authorize, when set, checks that the caller of ctx may do verb on
+	// resource (the RBAC policy): a restore needs update on every resource
+	// whose records it changes (rbac for the cluster-wide policy). Nil
+	// checks nothing (access control off, or the internal port, where the
+	// relaying agent checked).
+	Authorize func(ctx context.Context, resource, verb string) error
+	Logger    *slog.Logger
 }
 
 // SnapshotService implements pivirt.cluster.v1.SnapshotService over Connect
@@ -105,6 +112,12 @@ func NewSnapshotService(cfg SnapshotServiceConfig, cs *ClusterService, snap Rest
 // SaveSnapshot implements clusterv1connect.SnapshotServiceHandler.
 func (s *SnapshotService) SaveSnapshot(ctx context.Context, req *connect.Request[clusterv1.SaveSnapshotRequest], stream *connect.ServerStream[clusterv1.SaveSnapshotResponse]) error {
 	return s.save(ctx, req.Msg.GetStale(), stream.Send)
+}
+
+// SetAuthorize sets SnapshotServiceConfig.Authorize; call it before the
+// service serves.
+func (s *SnapshotService) SetAuthorize(f func(ctx context.Context, resource, verb string) error) {
+	s.cfg.Authorize = f
 }
 
 // RestoreSnapshot implements clusterv1connect.SnapshotServiceHandler.
@@ -262,7 +275,11 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		f.Close()
 		os.Remove(f.Name())
 	}()
-	var size int64
+	var (
+		size   int64
+		dryRun bool
+		rights *clusterv1.RestoreRights
+	)
 	for {
 		m, err := recv()
 		if errors.Is(err, io.EOF) {
@@ -270,6 +287,10 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		}
 		if err != nil {
 			return nil, toConnect(notApplied(err))
+		}
+		dryRun = dryRun || m.GetDryRun()
+		if m.GetRights() != nil && s.cs.cfg.LeaderOnly {
+			rights = m.GetRights() // from the relaying agent
 		}
 		size += int64(len(m.GetData()))
 		if size > s.cfg.MaxRestoreSize {
@@ -279,12 +300,33 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 			return nil, toConnect(notApplied(fmt.Errorf("snapshot restore: spool the upload: %w", err)))
 		}
 	}
+	// The caller's rights are checked where the caller is known: here. A
+	// leader reached over the internal port checks that its own plan
+	// changes nothing beyond the resources checked here.
+	check := func(ctx context.Context, plan *clusterv1.RestorePlan) error {
+		switch {
+		case s.cfg.Authorize != nil:
+			for _, r := range plan.GetResources() {
+				if err := s.cfg.Authorize(ctx, r, "update"); err != nil {
+					return err
+				}
+			}
+		case rights != nil:
+			for _, r := range plan.GetResources() {
+				if !slices.Contains(rights.GetResources(), r) {
+					return connect.NewError(connect.CodePermissionDenied, fmt.Errorf(
+						"the restore changes %s, which the caller was not checked for (the state changed while it was relayed); try again", r))
+				}
+			}
+		}
+		return nil
+	}
 	applied := false
 	resp, err := viaLeader(ctx, s.cs, func(ctx context.Context) (*clusterv1.RestoreSnapshotResponse, error) {
 		if !s.cs.leaderReady() {
 			return nil, s.cs.notReady()
 		}
-		resp, err := s.restoreLocal(ctx, f, size, &applied)
+		resp, err := s.restoreLocal(ctx, f, size, &applied, dryRun, check)
 		if err != nil && applied {
 			// The state was replaced: a retry would restore it again
 			// over whatever was written since.
@@ -292,9 +334,21 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		}
 		return resp, err
 	}, func(ctx context.Context, internalAddr string) (*clusterv1.RestoreSnapshotResponse, error) {
-		// The leader verifies what it restores; verifying here too would
-		// only double the time and memory (verifying builds the state).
-		return s.restoreRemote(ctx, internalAddr, f)
+		var rights *clusterv1.RestoreRights
+		if s.cfg.Authorize != nil {
+			// Checked here against this node's state; the leader
+			// verifies and plans again against its own.
+			plan, err := s.plan(ctx, f, size)
+			if err != nil {
+				return nil, notApplied(err)
+			}
+			plan.close()
+			if err := check(ctx, plan.plan); err != nil {
+				return nil, notApplied(err)
+			}
+			rights = &clusterv1.RestoreRights{Resources: plan.plan.GetResources()}
+		}
+		return s.restoreRemote(ctx, internalAddr, f, dryRun, rights)
 	})
 	if err != nil && !applied && s.cs.cfg.LeaderOnly {
 		// This leader-only instance restores nothing but here: whatever
@@ -337,25 +391,20 @@ func notApplied(err error) error {
 // when it returns the restore is committed and every table's index is above
 // any index served before. *applied is set once the state was replaced;
 // from then on an error does not mean nothing happened.
-func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int64, applied *bool) (*clusterv1.RestoreSnapshotResponse, error) {
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return nil, err
-	}
-	info, err := archive.Verify(f)
-	if err != nil {
-		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
-		return nil, err
-	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return nil, err
-	}
-	rd, err := archive.NewReader(bufio.NewReaderSize(f, 64<<10))
+func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int64, applied *bool, dryRun bool,
+	check func(context.Context, *clusterv1.RestorePlan) error) (*clusterv1.RestoreSnapshotResponse, error) {
+	plan, err := s.plan(ctx, f, size)
 	if err != nil {
 		return nil, err
 	}
-	state, err := rd.State()
-	if err != nil {
+	defer plan.close()
+	if err := check(ctx, plan.plan); err != nil {
+		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "resources", plan.plan.GetResources())
 		return nil, err
+	}
+	meta := metaProto(plan.meta)
+	if dryRun {
+		return &clusterv1.RestoreSnapshotResponse{Meta: meta, Plan: plan.plan}, nil
 	}
 
 	if s.cfg.PauseLeader != nil {
@@ -368,7 +417,7 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 		}
 	}()
 	replaced := s.cs.state.State().AbandonCh()
-	rerr := s.snap.Restore(ctx, rd.Meta.Index, rd.Meta.Size, state)
+	rerr := s.snap.Restore(ctx, plan.index, plan.size, plan.state)
 	select {
 	case <-replaced:
 		*applied = true
@@ -385,27 +434,56 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 		// get the state with the next entry anyway.
 		s.logger.WarnContext(ctx, "snapshot restored; raft reported an error after it", "error", rerr)
 	}
-	if err := rd.Close(); err != nil {
-		// Verified before; only a change of the file since could do this.
-		s.logger.ErrorContext(ctx, "snapshot archive changed after it was verified", "error", err)
-	}
 	// Not the caller's context: a client that gave up must not leave the
 	// restore unmarked.
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), restoreMarkTimeout)
 	defer cancel()
 	res, err := s.cs.propose(mctx, nil, &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
-		SnapshotId: rd.Meta.ID, SnapshotIndex: rd.Meta.Index,
+		SnapshotId: plan.meta.ID, SnapshotIndex: plan.meta.Index,
 	}}})
 	if err != nil {
 		return nil, fmt.Errorf("snapshot restored, but committing its marker failed (indexes move on with the next write): %w", err)
 	}
 	var records []any
-	for _, t := range info.State.Tables {
-		records = append(records, slog.Uint64(t.Name, t.Records))
+	for _, t := range plan.plan.GetTables() {
+		records = append(records, slog.Uint64(t.GetTable(), t.GetRecords()))
 	}
-	s.logger.InfoContext(ctx, "snapshot restored", "id", rd.Meta.ID, "archive_index", rd.Meta.Index,
-		"cluster_id", rd.Meta.ClusterID, "index", res.Index, slog.Group("records", records...))
-	return &clusterv1.RestoreSnapshotResponse{Meta: metaProto(rd.Meta), Index: res.Index}, nil
+	s.logger.InfoContext(ctx, "snapshot restored", "id", plan.meta.ID, "archive_index", plan.meta.Index,
+		"cluster_id", plan.meta.ClusterID, "index", res.Index, slog.Group("records", records...),
+		"config_keys_changed", plan.plan.GetConfigKeys(), "rbac_policy_changed", plan.plan.GetRbacPolicyChanged(),
+		"archive_cluster_id", plan.plan.GetArchiveClusterId(), "ca_ignored", plan.plan.GetCaIgnored())
+	return &clusterv1.RestoreSnapshotResponse{Meta: meta, Index: res.Index, Plan: plan.plan}, nil
+}
+
+// plan verifies the spooled archive f and plans its restore against this
+// node's state.
+func (s *SnapshotService) plan(ctx context.Context, f *os.File, size int64) (*restorePlan, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	if _, err := archive.Verify(f); err != nil {
+		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
+		return nil, err
+	}
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	rd, err := archive.NewReader(bufio.NewReaderSize(f, 64<<10))
+	if err != nil {
+		return nil, err
+	}
+	defer rd.Close()
+	state, err := rd.State()
+	if err != nil {
+		return nil, err
+	}
+	p, err := s.planRestore(ctx, state, s.cs.state.State())
+	if err != nil {
+		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
+		return nil, err
+	}
+	p.meta = rd.Meta
+	return p, nil
 }
 
 // restoreMarkTimeout bounds committing the Restored command.
@@ -414,7 +492,7 @@ const restoreMarkTimeout = 30 * time.Second
 // restoreRemote uploads the archive to the leader. A failure after the
 // whole upload went out that the leader did not mark as "not applied" (a
 // connection lost while the leader worked) is ambiguous, and final.
-func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File) (*clusterv1.RestoreSnapshotResponse, error) {
+func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File, dryRun bool, rights *clusterv1.RestoreRights) (*clusterv1.RestoreSnapshotResponse, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
@@ -425,11 +503,15 @@ func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string
 		return nil, cluster.StreamError(err)
 	}
 	buf := make([]byte, snapshotChunk)
-	for {
+	for first := true; ; first = false {
 		n, rerr := io.ReadFull(f, buf)
-		if n > 0 {
+		if n > 0 || first {
 			// SendMsg may hold on to the message: a new slice each time.
-			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: append([]byte(nil), buf[:n]...)}); err != nil {
+			m := &clusterv1.RestoreSnapshotRequest{Data: append([]byte(nil), buf[:n]...)}
+			if first {
+				m.DryRun, m.Rights = dryRun, rights
+			}
+			if err := stream.Send(m); err != nil {
 				if errors.Is(err, io.EOF) {
 					// The leader ended the call: its status says why.
 					break

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -40,6 +41,22 @@ SHA256SUMS. It is written to FILE.tmp, verified, then renamed to FILE.`,
 		}),
 	}
 	save.Flags().BoolVar(&stale, "stale", false, "take the snapshot on the agent asked, even if it is not the leader (it may lag)")
+	var dryRun bool
+	restore := &cobra.Command{
+		Use:   "restore FILE",
+		Short: "Replace the state of the whole cluster with a snapshot archive",
+		Long: `restore checks FILE and uploads it through the agent asked to the leader, which
+verifies all of it before it restores it. The cluster keeps its current
+membership, its cluster CA and its cluster.id, so an archive of another cluster
+restores. Every record of the archive must pass the checks its write would (the
+RBAC policy must parse, config values 512 KiB at most, ...), and the caller needs
+update on every resource the restore changes (rbac for the cluster-wide RBAC
+policy). A refused archive leaves the cluster as it was. --dry-run shows what the
+restore would change, and changes nothing.`,
+		Args: positional("FILE"),
+		RunE: a.command(func(cmd *cobra.Command, args []string) error { return a.snapshotRestore(cmd, args, dryRun) }),
+	}
+	restore.Flags().BoolVar(&dryRun, "dry-run", false, "check the archive and the caller's rights and show what would change, without changing anything")
 	return groupCmd("snapshot", "Save, inspect and restore snapshots of the replicated state",
 		save,
 		&cobra.Command{
@@ -48,16 +65,7 @@ SHA256SUMS. It is written to FILE.tmp, verified, then renamed to FILE.`,
 			Args:  positional("FILE"),
 			RunE:  a.command(a.snapshotInspect),
 		},
-		&cobra.Command{
-			Use:   "restore FILE",
-			Short: "Replace the state of the whole cluster with a snapshot archive",
-			Long: `restore checks FILE and uploads it through the agent asked to the leader, which
-verifies all of it before it restores it. The cluster keeps its current
-membership, so an archive of another cluster restores. A bad archive is refused
-and the cluster is left as it was.`,
-			Args: positional("FILE"),
-			RunE: a.command(a.snapshotRestore),
-		},
+		restore,
 	)
 }
 
@@ -264,7 +272,7 @@ func inspectTable(w io.Writer, in inspection) {
 	}
 }
 
-func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
+func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) error {
 	file := args[0]
 	// Check here first: a damaged file is refused without an upload. (The
 	// leader verifies it completely before restoring.)
@@ -283,10 +291,10 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
 	defer f.Close()
 	stream := a.conn.snap.RestoreSnapshot(ctx)
 	buf := make([]byte, snapshotChunk)
-	for {
+	for first := true; ; first = false {
 		n, rerr := io.ReadFull(f, buf)
 		if n > 0 {
-			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: buf[:n]}); err != nil {
+			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: buf[:n], DryRun: first && dryRun}); err != nil {
 				if errors.Is(err, io.EOF) {
 					break // the agent ended the call; CloseAndReceive says why
 				}
@@ -310,9 +318,40 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string) error {
 		if m.GetClusterId() != "" {
 			from = " of cluster " + m.GetClusterId()
 		}
-		fmt.Fprintf(w, "Restored snapshot %s (index %d%s); the cluster holds it from index %d\n",
-			m.GetId(), m.GetIndex(), from, resp.Msg.GetIndex())
+		if dryRun {
+			fmt.Fprintf(w, "Dry run: restoring snapshot %s (index %d%s) would change:\n", m.GetId(), m.GetIndex(), from)
+		} else {
+			fmt.Fprintf(w, "Restored snapshot %s (index %d%s); the cluster holds it from index %d\n",
+				m.GetId(), m.GetIndex(), from, resp.Msg.GetIndex())
+		}
+		writePlan(w, resp.Msg.GetPlan())
 	})
+}
+
+// writePlan shows what a restore changes.
+func writePlan(w io.Writer, p *clusterv1.RestorePlan) {
+	if p == nil {
+		return
+	}
+	fmt.Fprintln(w, "TABLE\tADDED\tREMOVED\tCHANGED\tRECORDS")
+	for _, t := range p.GetTables() {
+		fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d\n", t.GetTable(), t.GetAdded(), t.GetRemoved(), t.GetChanged(), t.GetRecords())
+	}
+	if keys := p.GetConfigKeys(); len(keys) > 0 {
+		fmt.Fprintf(w, "Config keys changed: %s\n", strings.Join(keys, ", "))
+	}
+	if p.GetRbacPolicyChanged() {
+		fmt.Fprintln(w, "The cluster-wide RBAC policy (auth.rbac_policy) changes.")
+	}
+	if r := p.GetResources(); len(r) > 0 {
+		fmt.Fprintf(w, "Rights needed: update on %s\n", strings.Join(r, ", "))
+	}
+	if id := p.GetArchiveClusterId(); id != "" {
+		fmt.Fprintf(w, "The archive is of cluster %s; this cluster keeps its own cluster.id.\n", id)
+	}
+	if p.GetCaIgnored() {
+		fmt.Fprintln(w, "The archive carries a cluster CA; this cluster keeps its own.")
+	}
 }
 
 // renderValue writes a plain Go value in the --output format (JSON and

@@ -294,6 +294,21 @@ func TestHealthCheckUnejects(t *testing.T) {
 	}
 	defer b.Close()
 	e := b.Endpoints()[0]
+	// The health loop checks once at start: wait for that check, so it
+	// cannot land among the ones below.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		e.state.mu.Lock()
+		done := e.state.hcSuccess > 0
+		e.state.mu.Unlock()
+		if done {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the health loop's first check did not run")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	b.report(e, codes.Internal, false)
 	if e.Status() != "ejected" {
 		t.Fatalf("status %s after a failure with consecutive_5xx 1", e.Status())

@@ -38,7 +38,7 @@ import (
 // RBACPolicyKey is the cluster config key holding a cluster-wide RBAC
 // policy (the text of an rbac.yaml): when set, every agent enforces it in
 // place of its auth.rbac_policy file.
-const RBACPolicyKey = "auth.rbac_policy"
+const RBACPolicyKey = gateway.RBACPolicyKey
 
 // policyWatchInterval is how often the auth.rbac_policy file is checked
 // for changes.
@@ -57,7 +57,7 @@ func apiDescriptors() []protoreflect.ServiceDescriptor {
 // RBACResource is the resource of the cluster-wide RBAC policy (the config
 // key auth.rbac_policy): changing who may do what is not an ordinary
 // config update.
-const RBACResource = "rbac"
+const RBACResource = gateway.RBACResource
 
 // policyResources are the resources a policy may name.
 func policyResources() []string {
@@ -143,6 +143,10 @@ func (a *Agent) startAccess() error {
 		return err
 	}
 	a.guard = g
+	// A restore needs the rights of every resource it changes, checked on
+	// the agent the caller called (the internal port's instance trusts the
+	// relaying agent's check).
+	a.snapshots.SetAuthorize(g.AuthorizeResource)
 	return nil
 }
 

@@ -122,8 +122,9 @@ func records(t *testing.T, n *agenttest.Node) (services []string, config map[str
 // through a follower (forwarded to the leader), over Connect and gRPC, and
 // with --stale; refuses damaged archives on another cluster without
 // touching it; then restores the archive into that cluster through a
-// follower and finds every record on every node, with indexes that moved
-// forward and consistent reads and writes that work.
+// follower and finds every record on every node (cluster B keeps its own
+// cluster.id), with indexes that moved forward and consistent reads and
+// writes that work.
 func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -250,6 +251,12 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 	// Cluster B, with state of its own.
 	b := agenttest.NewExpect(t, 3, nil)
 	leaderB := b.WaitLeader(30 * time.Second)
+	// Cluster B keeps its own cluster.id through the restore.
+	agenttest.Eventually(t, 10*time.Second, "cluster B has an id", func() error {
+		e, err := leaderB.FSM().State().ConfigEntry(gateway.ClusterIDKey)
+		wantConfig[gateway.ClusterIDKey] = e.GetValue()
+		return err
+	})
 	if _, err := agenttest.Register(ctx, leaderB, "other", "o-1", "10.9.9.9", 9); err != nil {
 		t.Fatal(err)
 	}
@@ -307,6 +314,9 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Error("a blocking query on cluster B was not woken by the restore")
+	}
+	if p := resp.GetPlan(); p.GetArchiveClusterId() != clusterA || p.GetTables() == nil {
+		t.Errorf("restore plan %v; want cluster A's id %s named as the archive's", p, clusterA)
 	}
 	if resp.GetMeta().GetId() != info.Meta.ID || resp.GetIndex() <= max(beforeIndex, info.Meta.Index) {
 		t.Errorf("restore response %v; want archive %s at an index above cluster B's %d and the archive's %d", resp, info.Meta.ID, beforeIndex, info.Meta.Index)

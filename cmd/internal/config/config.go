@@ -23,22 +23,22 @@ import (
 
 // Default listen addresses and other defaults shared by Default, ApplyDev and the flag help.
 const (
-	DefaultAPIAddr            = "0.0.0.0:8443"
-	DefaultInternalAddr       = "0.0.0.0:9000"
-	DefaultMetricsAddr        = "0.0.0.0:8444"
-	DefaultMetricsPath        = "/metrics"
-	DefaultGossipAddr         = "0.0.0.0:7946"
-	DefaultRaftAddr           = "0.0.0.0:8300"
-	DefaultDataDir            = "/var/lib/pivirt-agent"
-	DefaultServicePrefix      = "/pivirt/services"
-	DefaultVoters             = 3
-	DefaultMaxNonVoters       = 64
+	DefaultAPIAddr       = "0.0.0.0:8443"
+	DefaultInternalAddr  = "0.0.0.0:9000"
+	DefaultMetricsAddr   = "0.0.0.0:8444"
+	DefaultMetricsPath   = "/metrics"
+	DefaultGossipAddr    = "0.0.0.0:7946"
+	DefaultRaftAddr      = "0.0.0.0:8300"
+	DefaultDataDir       = "/var/lib/pivirt-agent"
+	DefaultServicePrefix = "/pivirt/services"
+	DefaultVoters        = 3
+	DefaultMaxNonVoters  = 64
 	// DefaultMaxStreamsPerCaller and DefaultBodyTimeout bound what one
 	// caller holds on the API port (server.connectrpc).
 	DefaultMaxStreamsPerCaller = 128
 	DefaultBodyTimeout         = 30 * time.Second
-	DefaultRetryInterval      = 30 * time.Second
-	DefaultForwardHoldTimeout = 7 * time.Second
+	DefaultRetryInterval       = 30 * time.Second
+	DefaultForwardHoldTimeout  = 7 * time.Second
 
 	// DefaultClusterName is the cluster name unless cluster.name is set.
 	DefaultClusterName = "pivirt"

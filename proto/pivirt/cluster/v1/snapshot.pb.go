@@ -233,8 +233,16 @@ func (x *SnapshotMeta) GetCreatedAt() *timestamppb.Timestamp {
 }
 
 type RestoreSnapshotRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Data          []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Data  []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// dry_run, in any message, checks the archive and reports what the
+	// restore would change (plan) without changing anything.
+	DryRun bool `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// rights, set only by an agent relaying a restore to the leader over
+	// the internal port (ignored on the API port): the RBAC resources the
+	// caller was checked for on the relaying agent. The leader refuses a
+	// restore that would change any other.
+	Rights        *RestoreRights `protobuf:"bytes,3,opt,name=rights,proto3" json:"rights,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -276,20 +284,81 @@ func (x *RestoreSnapshotRequest) GetData() []byte {
 	return nil
 }
 
+func (x *RestoreSnapshotRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *RestoreSnapshotRequest) GetRights() *RestoreRights {
+	if x != nil {
+		return x.Rights
+	}
+	return nil
+}
+
+type RestoreRights struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Resources     []string               `protobuf:"bytes,1,rep,name=resources,proto3" json:"resources,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreRights) Reset() {
+	*x = RestoreRights{}
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreRights) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreRights) ProtoMessage() {}
+
+func (x *RestoreRights) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreRights.ProtoReflect.Descriptor instead.
+func (*RestoreRights) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *RestoreRights) GetResources() []string {
+	if x != nil {
+		return x.Resources
+	}
+	return nil
+}
+
 type RestoreSnapshotResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// meta is the restored archive's meta.json.
 	Meta *SnapshotMeta `protobuf:"bytes,1,opt,name=meta,proto3" json:"meta,omitempty"`
 	// index is the Raft index at which the cluster now holds the restored
-	// state.
-	Index         uint64 `protobuf:"varint,2,opt,name=index,proto3" json:"index,omitempty"`
+	// state (0 for a dry run).
+	Index uint64 `protobuf:"varint,2,opt,name=index,proto3" json:"index,omitempty"`
+	// plan is what the restore changed, or would change (dry run), against
+	// the leader's state of the moment.
+	Plan          *RestorePlan `protobuf:"bytes,3,opt,name=plan,proto3" json:"plan,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RestoreSnapshotResponse) Reset() {
 	*x = RestoreSnapshotResponse{}
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -301,7 +370,7 @@ func (x *RestoreSnapshotResponse) String() string {
 func (*RestoreSnapshotResponse) ProtoMessage() {}
 
 func (x *RestoreSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -314,7 +383,7 @@ func (x *RestoreSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*RestoreSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RestoreSnapshotResponse) GetMeta() *SnapshotMeta {
@@ -327,6 +396,188 @@ func (x *RestoreSnapshotResponse) GetMeta() *SnapshotMeta {
 func (x *RestoreSnapshotResponse) GetIndex() uint64 {
 	if x != nil {
 		return x.Index
+	}
+	return 0
+}
+
+func (x *RestoreSnapshotResponse) GetPlan() *RestorePlan {
+	if x != nil {
+		return x.Plan
+	}
+	return nil
+}
+
+// RestorePlan describes a restore: the archive's state as it is restored
+// (checked by the write path's rules, with this cluster's CA and
+// cluster.id kept) against the current state.
+type RestorePlan struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Tables []*TableChange         `protobuf:"bytes,1,rep,name=tables,proto3" json:"tables,omitempty"`
+	// config_keys are the config keys the restore adds, changes or removes.
+	ConfigKeys []string `protobuf:"bytes,2,rep,name=config_keys,json=configKeys,proto3" json:"config_keys,omitempty"`
+	// rbac_policy_changed: the cluster-wide RBAC policy (auth.rbac_policy)
+	// changes; the caller needed update on rbac.
+	RbacPolicyChanged bool `protobuf:"varint,3,opt,name=rbac_policy_changed,json=rbacPolicyChanged,proto3" json:"rbac_policy_changed,omitempty"`
+	// resources are the RBAC resources whose records change; the caller
+	// needed update on each.
+	Resources []string `protobuf:"bytes,4,rep,name=resources,proto3" json:"resources,omitempty"`
+	// archive_cluster_id is the archive's cluster.id when it is not this
+	// cluster's (this cluster's is kept).
+	ArchiveClusterId string `protobuf:"bytes,5,opt,name=archive_cluster_id,json=archiveClusterId,proto3" json:"archive_cluster_id,omitempty"`
+	// ca_ignored: the archive carried a cluster CA, which is never taken
+	// from an upload (this cluster's is kept).
+	CaIgnored     bool `protobuf:"varint,6,opt,name=ca_ignored,json=caIgnored,proto3" json:"ca_ignored,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestorePlan) Reset() {
+	*x = RestorePlan{}
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestorePlan) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestorePlan) ProtoMessage() {}
+
+func (x *RestorePlan) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestorePlan.ProtoReflect.Descriptor instead.
+func (*RestorePlan) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RestorePlan) GetTables() []*TableChange {
+	if x != nil {
+		return x.Tables
+	}
+	return nil
+}
+
+func (x *RestorePlan) GetConfigKeys() []string {
+	if x != nil {
+		return x.ConfigKeys
+	}
+	return nil
+}
+
+func (x *RestorePlan) GetRbacPolicyChanged() bool {
+	if x != nil {
+		return x.RbacPolicyChanged
+	}
+	return false
+}
+
+func (x *RestorePlan) GetResources() []string {
+	if x != nil {
+		return x.Resources
+	}
+	return nil
+}
+
+func (x *RestorePlan) GetArchiveClusterId() string {
+	if x != nil {
+		return x.ArchiveClusterId
+	}
+	return ""
+}
+
+func (x *RestorePlan) GetCaIgnored() bool {
+	if x != nil {
+		return x.CaIgnored
+	}
+	return false
+}
+
+// TableChange counts the records of one table a restore adds, removes and
+// changes.
+type TableChange struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Table   string                 `protobuf:"bytes,1,opt,name=table,proto3" json:"table,omitempty"`
+	Added   uint64                 `protobuf:"varint,2,opt,name=added,proto3" json:"added,omitempty"`
+	Removed uint64                 `protobuf:"varint,3,opt,name=removed,proto3" json:"removed,omitempty"`
+	Changed uint64                 `protobuf:"varint,4,opt,name=changed,proto3" json:"changed,omitempty"`
+	// records is the table's record count after the restore.
+	Records       uint64 `protobuf:"varint,5,opt,name=records,proto3" json:"records,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TableChange) Reset() {
+	*x = TableChange{}
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TableChange) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TableChange) ProtoMessage() {}
+
+func (x *TableChange) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TableChange.ProtoReflect.Descriptor instead.
+func (*TableChange) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *TableChange) GetTable() string {
+	if x != nil {
+		return x.Table
+	}
+	return ""
+}
+
+func (x *TableChange) GetAdded() uint64 {
+	if x != nil {
+		return x.Added
+	}
+	return 0
+}
+
+func (x *TableChange) GetRemoved() uint64 {
+	if x != nil {
+		return x.Removed
+	}
+	return 0
+}
+
+func (x *TableChange) GetChanged() uint64 {
+	if x != nil {
+		return x.Changed
+	}
+	return 0
+}
+
+func (x *TableChange) GetRecords() uint64 {
+	if x != nil {
+		return x.Records
 	}
 	return 0
 }
@@ -352,12 +603,32 @@ const file_pivirt_cluster_v1_snapshot_proto_rawDesc = "" +
 	"\ragent_version\x18\a \x01(\tR\fagentVersion\x12\x12\n" +
 	"\x04size\x18\b \x01(\x03R\x04size\x129\n" +
 	"\n" +
-	"created_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\",\n" +
+	"created_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\x7f\n" +
 	"\x16RestoreSnapshotRequest\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data\"d\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x17\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\x128\n" +
+	"\x06rights\x18\x03 \x01(\v2 .pivirt.cluster.v1.RestoreRightsR\x06rights\"-\n" +
+	"\rRestoreRights\x12\x1c\n" +
+	"\tresources\x18\x01 \x03(\tR\tresources\"\x98\x01\n" +
 	"\x17RestoreSnapshotResponse\x123\n" +
 	"\x04meta\x18\x01 \x01(\v2\x1f.pivirt.cluster.v1.SnapshotMetaR\x04meta\x12\x14\n" +
-	"\x05index\x18\x02 \x01(\x04R\x05index2\x90\x02\n" +
+	"\x05index\x18\x02 \x01(\x04R\x05index\x122\n" +
+	"\x04plan\x18\x03 \x01(\v2\x1e.pivirt.cluster.v1.RestorePlanR\x04plan\"\x81\x02\n" +
+	"\vRestorePlan\x126\n" +
+	"\x06tables\x18\x01 \x03(\v2\x1e.pivirt.cluster.v1.TableChangeR\x06tables\x12\x1f\n" +
+	"\vconfig_keys\x18\x02 \x03(\tR\n" +
+	"configKeys\x12.\n" +
+	"\x13rbac_policy_changed\x18\x03 \x01(\bR\x11rbacPolicyChanged\x12\x1c\n" +
+	"\tresources\x18\x04 \x03(\tR\tresources\x12,\n" +
+	"\x12archive_cluster_id\x18\x05 \x01(\tR\x10archiveClusterId\x12\x1d\n" +
+	"\n" +
+	"ca_ignored\x18\x06 \x01(\bR\tcaIgnored\"\x87\x01\n" +
+	"\vTableChange\x12\x14\n" +
+	"\x05table\x18\x01 \x01(\tR\x05table\x12\x14\n" +
+	"\x05added\x18\x02 \x01(\x04R\x05added\x12\x18\n" +
+	"\aremoved\x18\x03 \x01(\x04R\aremoved\x12\x18\n" +
+	"\achanged\x18\x04 \x01(\x04R\achanged\x12\x18\n" +
+	"\arecords\x18\x05 \x01(\x04R\arecords2\x90\x02\n" +
 	"\x0fSnapshotService\x12w\n" +
 	"\fSaveSnapshot\x12&.pivirt.cluster.v1.SaveSnapshotRequest\x1a'.pivirt.cluster.v1.SaveSnapshotResponse\"\x14\xca\xf3\x18\x10\n" +
 	"\tsnapshots\x12\x03get0\x01\x12\x83\x01\n" +
@@ -376,28 +647,34 @@ func file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP() []byte {
 	return file_pivirt_cluster_v1_snapshot_proto_rawDescData
 }
 
-var file_pivirt_cluster_v1_snapshot_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_pivirt_cluster_v1_snapshot_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_pivirt_cluster_v1_snapshot_proto_goTypes = []any{
 	(*SaveSnapshotRequest)(nil),     // 0: pivirt.cluster.v1.SaveSnapshotRequest
 	(*SaveSnapshotResponse)(nil),    // 1: pivirt.cluster.v1.SaveSnapshotResponse
 	(*SnapshotMeta)(nil),            // 2: pivirt.cluster.v1.SnapshotMeta
 	(*RestoreSnapshotRequest)(nil),  // 3: pivirt.cluster.v1.RestoreSnapshotRequest
-	(*RestoreSnapshotResponse)(nil), // 4: pivirt.cluster.v1.RestoreSnapshotResponse
-	(*timestamppb.Timestamp)(nil),   // 5: google.protobuf.Timestamp
+	(*RestoreRights)(nil),           // 4: pivirt.cluster.v1.RestoreRights
+	(*RestoreSnapshotResponse)(nil), // 5: pivirt.cluster.v1.RestoreSnapshotResponse
+	(*RestorePlan)(nil),             // 6: pivirt.cluster.v1.RestorePlan
+	(*TableChange)(nil),             // 7: pivirt.cluster.v1.TableChange
+	(*timestamppb.Timestamp)(nil),   // 8: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_snapshot_proto_depIdxs = []int32{
 	2, // 0: pivirt.cluster.v1.SaveSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
-	5, // 1: pivirt.cluster.v1.SnapshotMeta.created_at:type_name -> google.protobuf.Timestamp
-	2, // 2: pivirt.cluster.v1.RestoreSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
-	0, // 3: pivirt.cluster.v1.SnapshotService.SaveSnapshot:input_type -> pivirt.cluster.v1.SaveSnapshotRequest
-	3, // 4: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:input_type -> pivirt.cluster.v1.RestoreSnapshotRequest
-	1, // 5: pivirt.cluster.v1.SnapshotService.SaveSnapshot:output_type -> pivirt.cluster.v1.SaveSnapshotResponse
-	4, // 6: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:output_type -> pivirt.cluster.v1.RestoreSnapshotResponse
-	5, // [5:7] is the sub-list for method output_type
-	3, // [3:5] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	8, // 1: pivirt.cluster.v1.SnapshotMeta.created_at:type_name -> google.protobuf.Timestamp
+	4, // 2: pivirt.cluster.v1.RestoreSnapshotRequest.rights:type_name -> pivirt.cluster.v1.RestoreRights
+	2, // 3: pivirt.cluster.v1.RestoreSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
+	6, // 4: pivirt.cluster.v1.RestoreSnapshotResponse.plan:type_name -> pivirt.cluster.v1.RestorePlan
+	7, // 5: pivirt.cluster.v1.RestorePlan.tables:type_name -> pivirt.cluster.v1.TableChange
+	0, // 6: pivirt.cluster.v1.SnapshotService.SaveSnapshot:input_type -> pivirt.cluster.v1.SaveSnapshotRequest
+	3, // 7: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:input_type -> pivirt.cluster.v1.RestoreSnapshotRequest
+	1, // 8: pivirt.cluster.v1.SnapshotService.SaveSnapshot:output_type -> pivirt.cluster.v1.SaveSnapshotResponse
+	5, // 9: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:output_type -> pivirt.cluster.v1.RestoreSnapshotResponse
+	8, // [8:10] is the sub-list for method output_type
+	6, // [6:8] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_snapshot_proto_init() }
@@ -411,7 +688,7 @@ func file_pivirt_cluster_v1_snapshot_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_snapshot_proto_rawDesc), len(file_pivirt_cluster_v1_snapshot_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1,0 +1,273 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+
+	"google.golang.org/protobuf/proto"
+
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/fsm/archive"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+)
+
+// RBACPolicyKey is the config key of the cluster-wide RBAC policy, guarded
+// as the resource RBACResource rather than config.
+const (
+	RBACPolicyKey = "auth.rbac_policy"
+	RBACResource  = "rbac"
+)
+
+// restorePlan is what restoring an archive changes: the archive's state as
+// it would be restored — every record checked by the rules of the write
+// path, this cluster's CA and cluster.id kept — written out as a snapshot
+// stream, and what it changes against the current state.
+type restorePlan struct {
+	plan *clusterv1.RestorePlan
+	// state is the snapshot stream to restore, in a temporary file, and
+	// its size; close removes it.
+	state *os.File
+	size  int64
+	index uint64
+	meta  archive.Meta
+}
+
+func (p *restorePlan) close() {
+	if p != nil && p.state != nil {
+		p.state.Close()
+		os.Remove(p.state.Name())
+	}
+}
+
+// ErrRestoreRefused: the archive's state does not pass the write path's
+// checks.
+var ErrRestoreRefused = errors.New("snapshot restore refused")
+
+// planRestore builds the state an archive's state stream would restore
+// and compares it with current. The stream was verified (archive.Verify).
+func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, current *fsm.State) (*restorePlan, error) {
+	scratch, err := fsm.New(fsm.DefaultConfig())
+	if err != nil {
+		return nil, err
+	}
+	if err := scratch.Restore(io.NopCloser(archived)); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrRestoreRefused, err)
+	}
+	next := scratch.State()
+	out := &clusterv1.RestorePlan{}
+
+	// The archive's records, checked as writes are; this cluster's CA and
+	// cluster.id instead of the archive's.
+	var records []fsm.TableRecord
+	var errs []error
+	for _, table := range fsm.Tables() {
+		if table == fsm.TableIndex {
+			continue
+		}
+		recs, err := next.Records(table)
+		if err != nil {
+			return nil, err
+		}
+		if table == fsm.TableCA {
+			out.CaIgnored = len(recs) > 0
+			if recs, err = current.Records(table); err != nil {
+				return nil, err
+			}
+		}
+		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
+			// This cluster's cluster.id, and its history, stay.
+			cur, err := current.Records(table)
+			if err != nil {
+				return nil, err
+			}
+			for _, r := range cur {
+				if r.(*clusterv1.ConfigEntry).GetKey() == ClusterIDKey {
+					records = append(records, fsm.TableRecord{Table: table, Record: r})
+				}
+			}
+		}
+		for _, r := range recs {
+			keep, err := s.checkRestored(table, r, current, out)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			if keep {
+				records = append(records, fsm.TableRecord{Table: table, Record: r})
+			}
+		}
+	}
+	if len(errs) > 0 {
+		if len(errs) > 10 {
+			errs = append(errs[:10], fmt.Errorf("and %d more", len(errs)-10))
+		}
+		return nil, fmt.Errorf("%w: the archive's state does not pass the checks of the write path: %w", ErrRestoreRefused, errors.Join(errs...))
+	}
+	index := next.AppliedIndex()
+	if err := scratch.Replace(index, records); err != nil {
+		return nil, err
+	}
+	final := scratch.State()
+	if err := diffStates(current, final, out); err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	p := &restorePlan{plan: out, index: index}
+	if p.state, err = os.CreateTemp(s.cfg.TempDir, RestoreTempPattern); err != nil {
+		return nil, fmt.Errorf("snapshot restore: %w", err)
+	}
+	cw := &countingWriter{w: p.state}
+	if err := final.WriteSnapshot(cw); err != nil {
+		p.close()
+		return nil, fmt.Errorf("snapshot restore: write the state to restore: %w", err)
+	}
+	p.size = cw.n
+	if _, err := p.state.Seek(0, io.SeekStart); err != nil {
+		p.close()
+		return nil, err
+	}
+	return p, nil
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n += int64(n)
+	return n, err
+}
+
+// checkRestored checks one restored record with the write path's rules
+// and says whether it is kept (the archive's cluster.id is not).
+func (s *SnapshotService) checkRestored(table string, r proto.Message, current *fsm.State, out *clusterv1.RestorePlan) (bool, error) {
+	switch v := r.(type) {
+	case *clusterv1.ServiceInstance:
+		if err := s.cs.validateInstance(proto.Clone(v).(*clusterv1.ServiceInstance), nil); err != nil {
+			return false, fmt.Errorf("service %s/%s: %w", v.GetService(), v.GetInstanceId(), err)
+		}
+	case *schedulev1.Schedule:
+		if err := validateSchedule(v, "schedule "+v.GetId()); err != nil {
+			return false, err
+		}
+	case *clusterv1.ConfigEntry:
+		key := v.GetKey()
+		if err := checkConfigKey(key); err != nil {
+			return false, fmt.Errorf("config %q: %w", key, err)
+		}
+		if len(v.GetValue()) > MaxConfigValueBytes {
+			return false, fmt.Errorf("config %s: %d bytes is over the %d-byte limit", key, len(v.GetValue()), MaxConfigValueBytes)
+		}
+		if key == ClusterIDKey {
+			if table == fsm.TableConfig {
+				if cur, err := current.ConfigEntry(ClusterIDKey); err != nil || cur.GetValue() != v.GetValue() {
+					out.ArchiveClusterId = v.GetValue()
+				}
+			}
+			return false, nil // this cluster's is kept
+		}
+		if table == fsm.TableConfig && s.cs.cfg.ValidateConfig != nil {
+			if err := s.cs.cfg.ValidateConfig(key, v.GetValue()); err != nil {
+				return false, fmt.Errorf("config %s: %w", key, err)
+			}
+		}
+	}
+	return true, nil
+}
+
+// resourceOf is the RBAC resource guarding a table's records.
+func resourceOf(table string) string {
+	switch table {
+	case fsm.TableServices:
+		return "services"
+	case fsm.TableConfig, fsm.TableConfigHistory:
+		return "config"
+	case fsm.TableSchedules, fsm.TableScheduleRuns:
+		return "schedules"
+	}
+	return ""
+}
+
+// diffStates counts, per table, the records final adds, removes and
+// changes against current, and names the config keys and resources.
+func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
+	resources := map[string]bool{}
+	for _, table := range fsm.Tables() {
+		if table == fsm.TableIndex {
+			continue
+		}
+		before, err := byKey(current, table)
+		if err != nil {
+			return err
+		}
+		after, err := byKey(final, table)
+		if err != nil {
+			return err
+		}
+		ch := &clusterv1.TableChange{Table: table, Records: uint64(len(after))}
+		changedKey := func(k string, rec proto.Message) {
+			if e, ok := rec.(*clusterv1.ConfigEntry); ok && table == fsm.TableConfig {
+				out.ConfigKeys = append(out.ConfigKeys, e.GetKey())
+				if e.GetKey() == RBACPolicyKey {
+					out.RbacPolicyChanged = true
+					resources[RBACResource] = true
+					return
+				}
+			}
+			if r := resourceOf(table); r != "" {
+				resources[r] = true
+			}
+		}
+		for k, a := range after {
+			b, ok := before[k]
+			switch {
+			case !ok:
+				ch.Added++
+				changedKey(k, a)
+			case !proto.Equal(a, b):
+				ch.Changed++
+				changedKey(k, a)
+			}
+		}
+		for k, b := range before {
+			if _, ok := after[k]; !ok {
+				ch.Removed++
+				changedKey(k, b)
+			}
+		}
+		out.Tables = append(out.Tables, ch)
+	}
+	slices.Sort(out.ConfigKeys)
+	for r := range resources {
+		out.Resources = append(out.Resources, r)
+	}
+	slices.Sort(out.Resources)
+	return nil
+}
+
+func byKey(st *fsm.State, table string) (map[string]proto.Message, error) {
+	recs, err := st.Records(table)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]proto.Message, len(recs))
+	for _, r := range recs {
+		k, err := fsm.PrimaryKey(table, r)
+		if err != nil {
+			return nil, err
+		}
+		out[string(k)] = r
+	}
+	return out, nil
+}
