@@ -49,6 +49,10 @@ FUZZTIME ?= 30s
 fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go to testdata/fuzz
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
+.PHONY: security
+security: ## the security suite: every attack of the README's threat model against real agents (make test runs these too)
+	scripts/security.sh
+
 .PHONY: soak
 DURATION ?= 10m
 soak: ## mixed traffic through 3 real agents with leader kills for DURATION (default 10m): errors, p99, memory

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	mrand "math/rand/v2"
 	"strings"
 	"sync"
 	"time"
@@ -21,13 +22,20 @@ import (
 // all. Gossip alone (anyone with the gossip key) never suffices.
 type Admitter interface {
 	Admit(ctx context.Context, m Member) error
+	// Proven reports whether m's exact claim (its name included) proved
+	// itself to this node before, without asking: what a member that is
+	// no longer alive is judged by.
+	Proven(m Member) bool
 }
 
 // AdmissionConfig configures an Admission.
 type AdmissionConfig struct {
 	// Ask sends a status query carrying nonce to a member's internal
-	// address (PoolStatus.Prove).
-	Ask func(ctx context.Context, internalAddr string, nonce []byte) (*nodev1.StatusResponse, error)
+	// address (PoolStatus.Prove); Forget, when set, drops what Ask keeps
+	// for an address that failed (the pool's connection), so made-up
+	// addresses leave nothing behind.
+	Ask    func(ctx context.Context, internalAddr string, nonce []byte) (*nodev1.StatusResponse, error)
+	Forget func(internalAddr string)
 	// Verify checks a certificate chain against the cluster's CAs of the
 	// moment (identity.Source.VerifyChain of tls.ca_file).
 	Verify identity.ChainVerifier
@@ -59,7 +67,9 @@ type Admission struct {
 }
 
 type admissionEntry struct {
-	proven  bool
+	proven bool
+	known  bool // proven at some point
+
 	until   time.Time // proven: trusted until; failed: next attempt
 	backoff time.Duration
 	err     error
@@ -141,8 +151,12 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 			a.logger.Info("server proved its agent identity", "name", m.Name, "node_id", claim.NodeID,
 				"raft_addr", claim.RaftAddr, "internal_addr", claim.InternalAddr)
 		}
-		*e = admissionEntry{proven: true, until: now.Add(a.cfg.TTL), seen: now}
+		*e = admissionEntry{proven: true, known: true, until: now.Add(a.cfg.TTL), seen: now}
 		return nil
+	}
+	e.proven = false
+	if a.cfg.Forget != nil {
+		a.cfg.Forget(claim.InternalAddr)
 	}
 	err = fmt.Errorf("%w: %s (node id %s) %v", ErrNotAdmitted, m.Name, claim.NodeID, err)
 	if e.err == nil || e.err.Error() != err.Error() {
@@ -151,8 +165,16 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 			"internal_addr", claim.InternalAddr, "error", err)
 	}
 	e.backoff = min(max(2*e.backoff, a.cfg.MinBackoff), a.cfg.MaxBackoff)
-	e.proven, e.err, e.until = false, err, now.Add(e.backoff)
+	e.err, e.until = err, now.Add(e.backoff)
 	return err
+}
+
+// Proven implements Admitter.
+func (a *Admission) Proven(m Member) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.claims[claimKey(m.Claim())]
+	return e != nil && e.known
 }
 
 // prove asks the member at its claimed internal address to sign the claim
@@ -184,7 +206,7 @@ func (a *Admission) pruneLocked(now time.Time) {
 	}
 	stale := now.Add(-2 * max(a.cfg.TTL, a.cfg.MaxBackoff))
 	for k, e := range a.claims {
-		if e.seen.Before(stale) || (!e.proven && !now.Before(e.until)) {
+		if e.seen.Before(stale) || (!e.known && !now.Before(e.until)) {
 			delete(a.claims, k)
 		}
 	}
@@ -192,25 +214,34 @@ func (a *Admission) pruneLocked(now time.Time) {
 		if len(a.claims) < maxAdmissionEntries {
 			return
 		}
-		if !e.proven {
+		if !e.known {
 			delete(a.claims, k)
 		}
 	}
 }
 
 // admitAll checks members concurrently, at most admitParallel at a time,
-// and returns the error of each that was not admitted, by index.
+// within admitPassTime (members not reached meanwhile are refused this
+// time and asked on a later pass, in another order), and returns the
+// error of each that was not admitted, by index.
 func admitAll(ctx context.Context, adm Admitter, ms []Member) map[int]error {
 	out := make(map[int]error)
 	if adm == nil || len(ms) == 0 {
 		return out
 	}
+	ctx, cancel := context.WithTimeout(ctx, admitPassTime)
+	defer cancel()
 	var (
 		mu  sync.Mutex
 		wg  sync.WaitGroup
 		sem = make(chan struct{}, admitParallel)
 	)
-	for i, m := range ms {
+	for _, i := range mrand.Perm(len(ms)) {
+		m := ms[i]
+		if ctx.Err() != nil {
+			out[i] = fmt.Errorf("%w: %s not asked in this pass", ErrNotAdmitted, m.Name)
+			continue
+		}
 		wg.Add(1)
 		sem <- struct{}{}
 		go func() {
@@ -226,5 +257,10 @@ func admitAll(ctx context.Context, adm Admitter, ms []Member) map[int]error {
 	return out
 }
 
-// admitParallel bounds the identity queries one pass sends at once.
-const admitParallel = 8
+// admitParallel bounds the identity queries one pass sends at once, and
+// admitPassTime the time a pass spends on them, so members that cannot
+// prove anything cannot stall the reconciler.
+const (
+	admitParallel = 8
+	admitPassTime = 3 * time.Second
+)

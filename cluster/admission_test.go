@@ -163,10 +163,13 @@ func (f fakeAdmitter) Admit(_ context.Context, m Member) error {
 	return ErrNotAdmitted
 }
 
+func (f fakeAdmitter) Proven(m Member) bool { return f[m.Name] }
+
 func TestReconcileAdmitsOnlyProvenServers(t *testing.T) {
 	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
 	long := now.Add(-time.Hour)
 	v := func(id, addr string) RaftServer { return RaftServer{ID: id, Address: addr, Voter: true} }
+	nv := func(id string) RaftServer { return RaftServer{ID: id, Address: "addr-" + id} }
 	impostor := func(name, id, raftAddr string, st MemberStatus) Member {
 		return Member{Name: name, Status: st, Since: long, Meta: NodeMeta{ID: id, Role: RoleServer, RaftAddr: raftAddr, InternalAddr: "int-" + name}}
 	}
@@ -191,7 +194,7 @@ func TestReconcileAdmitsOnlyProvenServers(t *testing.T) {
 			name:    "an unproven claim of a failed voter's id does not move its address or keep it from cleanup",
 			raft:    []RaftServer{v("a", "addr-a"), v("b", "addr-b"), v("c", "addr-c"), v("d", "addr-d")},
 			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("d", StatusAlive, long), member("c", StatusFailed, long), impostor("n-c2", "c", "10.0.0.66:8300", StatusAlive)},
-			proven:  fakeAdmitter{"n-b": true, "n-d": true},
+			proven:  fakeAdmitter{"n-b": true, "n-c": true, "n-d": true},
 			cleanup: time.Minute,
 			want:    "a:v@addr-a b:v@addr-b d:v@addr-d ",
 		},
@@ -217,11 +220,26 @@ func TestReconcileAdmitsOnlyProvenServers(t *testing.T) {
 			want:    "a:v@addr-a b:v@old ",
 		},
 		{
-			name:    "a left member counts only for the address the configuration holds",
+			name:    "a left member counts only when its claim was proven (a made-up one copying the address too)",
 			raft:    []RaftServer{v("a", "addr-a"), v("b", "addr-b"), v("c", "addr-c")},
-			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), impostor("evil", "c", "10.0.0.66:8300", StatusLeft)},
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), impostor("evil", "c", "addr-c", StatusLeft)},
 			proven:  fakeAdmitter{"n-b": true},
 			want:    "a:v@addr-a b:v@addr-b c:v@addr-c ",
+		},
+		{
+			name:    "a proven server that left is removed",
+			raft:    []RaftServer{v("a", "addr-a"), v("b", "addr-b"), v("c", "addr-c")},
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusLeft, long)},
+			proven:  fakeAdmitter{"n-b": true, "n-c": true},
+			want:    "a:v@addr-a b:v@addr-b ",
+		},
+		{
+			name:    "an alive server that cannot prove itself (an older version) keeps its place, unpromoted",
+			raft:    []RaftServer{v("a", "addr-a"), v("b", "addr-b"), nv("c")},
+			members: []Member{member("a", StatusAlive, long), member("b", StatusAlive, long), member("c", StatusAlive, long)},
+			proven:  fakeAdmitter{"n-b": true},
+			cleanup: time.Minute, peersFor: []string{"c"},
+			want: "a:v@addr-a b:v@addr-b c:n@addr-c ",
 		},
 		{
 			name:    "the non-voter cap holds newcomers back",
@@ -282,5 +300,27 @@ func TestServerByID(t *testing.T) {
 	}
 	if _, ok := g.ServerByID("id-3", "raft-3"); ok {
 		t.Fatal("found a member for an unknown id")
+	}
+}
+
+// TestUnprovenLiveServerIsNotCleanedUp: a live server of the configuration
+// that cannot prove itself (an older version during an upgrade) is never
+// taken for gone, however long it stays unproven.
+func TestUnprovenLiveServerIsNotCleanedUp(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	clock := now
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true}, RaftServer{ID: "b", Address: "addr-b", Voter: true},
+		RaftServer{ID: "c", Address: "addr-c", Voter: true}, RaftServer{ID: "d", Address: "addr-d"})
+	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now), member("c", StatusAlive, now), member("d", StatusAlive, now)}
+	r := NewReconciler(ReconcileConfig{SelfID: "a", SelfName: "n-a", Voters: 3, DeadServerCleanup: time.Minute, Admission: fakeAdmitter{"n-b": true},
+		Now: func() time.Time { return clock }}, raft, members, healthyPeers("b", "c", "d"))
+	for _, after := range []time.Duration{0, 2 * time.Minute, time.Hour} {
+		clock = now.Add(after)
+		if err := r.Reconcile(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if got := raft.summary(); got != "a:v@addr-a b:v@addr-b c:v@addr-c d:n@addr-d " {
+			t.Fatalf("after %s: %s", after, got)
+		}
 	}
 }

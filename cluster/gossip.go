@@ -380,9 +380,12 @@ func (g *Gossip) MemberByID(id string) (Member, bool) {
 // ServerByID returns the member that speaks for the server node id whose
 // Raft address is raftAddr (the Raft configuration's): of the members
 // claiming id, an alive one gossiping raftAddr first, then any alive one,
-// then any. A member that claims a server's ID without having been admitted
-// (cluster/DESIGN.md, "Admission") cannot divert the calls meant for that
-// server while it is alive.
+// then any; among equals, the one in its state longest. A member claiming a
+// server's ID at another address cannot draw the calls meant for that
+// server while it is alive. One that copies the address as well can make
+// some of them fail, not receive them: calls verify the server
+// certificate of the internal address they dial (cluster/DESIGN.md,
+// "Admission").
 func (g *Gossip) ServerByID(id, raftAddr string) (Member, bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -397,7 +400,10 @@ func (g *Gossip) ServerByID(id, raftAddr string) (Member, bool) {
 		return 0
 	}
 	for _, m := range g.members {
-		if m.Meta.ID == id && (best == nil || rank(m) > rank(best)) {
+		if m.Meta.ID != id {
+			continue
+		}
+		if best == nil || rank(m) > rank(best) || (rank(m) == rank(best) && m.Since.Before(best.Since)) {
 			best = m
 		}
 	}

@@ -134,6 +134,18 @@ func (p *Pool) conn(addr string) grpc.ClientConnInterface {
 	return c
 }
 
+// Forget closes and drops the connection to addr, if any (an address a
+// member claimed and could not back); the next use dials again.
+func (p *Pool) Forget(addr string) {
+	p.mu.Lock()
+	c, ok := p.conns[addr]
+	delete(p.conns, addr)
+	p.mu.Unlock()
+	if ok {
+		_ = c.Close()
+	}
+}
+
 // failedConn fails every call with err.
 type failedConn struct{ err error }
 

@@ -72,6 +72,9 @@ type Reconciler struct {
 	// capped records the servers told they wait for a non-voter seat, so
 	// that is logged once per server.
 	capped map[string]bool
+	// unproven are the IDs of this pass spoken for by an alive member that
+	// did not prove its identity (serverMembers): not promoted.
+	unproven map[string]bool
 }
 
 // NewReconciler returns a reconciler for one leadership term.
@@ -144,16 +147,28 @@ func (r *Reconciler) serverMembers(ctx context.Context, inRaft map[string]RaftSe
 			claims = append(claims, m)
 		case m.Status == StatusAlive:
 			ask = append(ask, m)
-		default:
-			if s, ok := inRaft[m.Meta.ID]; ok && s.Address == m.Meta.RaftAddr {
-				claims = append(claims, m)
-			}
+		case r.cfg.Admission.Proven(m):
+			claims = append(claims, m)
 		}
 	}
 	refused := admitAll(ctx, r.cfg.Admission, ask)
+	proven := make(map[string]bool)
 	for i, m := range ask {
 		if refused[i] == nil {
 			claims = append(claims, m)
+			proven[m.Meta.ID] = true
+		}
+	}
+	// An alive member that has not proven itself but names the address the
+	// configuration holds for its ID (a server of an older version, or one
+	// whose proof fails for now) keeps its server from cleanup, unless a
+	// proven member speaks for that ID; it never changes the configuration
+	// (r.unproven).
+	r.unproven = make(map[string]bool)
+	for i, m := range ask {
+		if s, ok := inRaft[m.Meta.ID]; ok && refused[i] != nil && !proven[m.Meta.ID] && s.Address == m.Meta.RaftAddr {
+			claims = append(claims, m)
+			r.unproven[m.Meta.ID] = true
 		}
 	}
 
@@ -289,7 +304,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	// Promotions of healthy non-voters.
 	for _, m := range alive {
 		s, ok := inRaft[m.Meta.ID]
-		if !ok || s.Voter {
+		if !ok || s.Voter || r.unproven[m.Meta.ID] {
 			continue
 		}
 		if !r.healthy(ctx, m, now) {

@@ -74,8 +74,14 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		if err != nil {
 			return nil, err
 		}
-		if table == fsm.TableCA {
+		switch table {
+		case fsm.TableCA:
 			out.CaIgnored = len(recs) > 0
+			fallthrough
+		case fsm.TableDedupe:
+			// This cluster's own: a CA is never taken from an upload, and
+			// a made-up dedupe record would answer a later write as done
+			// without applying it.
 			if recs, err = current.Records(table); err != nil {
 				return nil, err
 			}
@@ -217,10 +223,12 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 		}
 		ch := &clusterv1.TableChange{Table: table, Records: uint64(len(after))}
 		changedKey := func(k string, rec proto.Message) {
-			if e, ok := rec.(*clusterv1.ConfigEntry); ok && table == fsm.TableConfig {
-				out.ConfigKeys = append(out.ConfigKeys, e.GetKey())
+			if e, ok := rec.(*clusterv1.ConfigEntry); ok {
+				if table == fsm.TableConfig {
+					out.ConfigKeys = append(out.ConfigKeys, e.GetKey())
+				}
 				if e.GetKey() == RBACPolicyKey {
-					out.RbacPolicyChanged = true
+					out.RbacPolicyChanged = out.RbacPolicyChanged || table == fsm.TableConfig
 					resources[RBACResource] = true
 					return
 				}

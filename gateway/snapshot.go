@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"slices"
 	"sync"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/fsm/archive"
+	"pilab.hu/pivirt-agent/gateway/authz"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -130,11 +130,38 @@ func (s *SnapshotService) RestoreSnapshot(ctx context.Context, stream *connect.C
 			return nil, io.EOF
 		}
 		return stream.Msg(), nil
-	})
+	}, false)
 	if err != nil {
 		return nil, err
 	}
 	return connect.NewResponse(resp), nil
+}
+
+// PlanRestore implements clusterv1connect.SnapshotServiceHandler.
+func (s *SnapshotService) PlanRestore(ctx context.Context, stream *connect.ClientStream[clusterv1.PlanRestoreRequest]) (*connect.Response[clusterv1.PlanRestoreResponse], error) {
+	resp, err := s.restore(ctx, func() (*clusterv1.RestoreSnapshotRequest, error) {
+		if !stream.Receive() {
+			if err := stream.Err(); err != nil {
+				return nil, err
+			}
+			return nil, io.EOF
+		}
+		return planRequest(stream.Msg()), nil
+	}, true)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(planResponse(resp)), nil
+}
+
+// planRequest and planResponse carry PlanRestore's messages through the
+// restore path.
+func planRequest(m *clusterv1.PlanRestoreRequest) *clusterv1.RestoreSnapshotRequest {
+	return &clusterv1.RestoreSnapshotRequest{Data: m.GetData(), Caller: m.GetCaller()}
+}
+
+func planResponse(r *clusterv1.RestoreSnapshotResponse) *clusterv1.PlanRestoreResponse {
+	return &clusterv1.PlanRestoreResponse{Meta: r.GetMeta(), Plan: r.GetPlan()}
 }
 
 // NewSnapshotGRPC serves s over gRPC.
@@ -150,11 +177,25 @@ func (g snapshotGRPC) SaveSnapshot(req *clusterv1.SaveSnapshotRequest, stream gr
 }
 
 func (g snapshotGRPC) RestoreSnapshot(stream grpc.ClientStreamingServer[clusterv1.RestoreSnapshotRequest, clusterv1.RestoreSnapshotResponse]) error {
-	resp, err := g.s.restore(stream.Context(), stream.Recv)
+	resp, err := g.s.restore(stream.Context(), stream.Recv, false)
 	if err != nil {
 		return grpcError(stream.Context(), err)
 	}
 	return stream.SendAndClose(resp)
+}
+
+func (g snapshotGRPC) PlanRestore(stream grpc.ClientStreamingServer[clusterv1.PlanRestoreRequest, clusterv1.PlanRestoreResponse]) error {
+	resp, err := g.s.restore(stream.Context(), func() (*clusterv1.RestoreSnapshotRequest, error) {
+		m, err := stream.Recv()
+		if err != nil {
+			return nil, err
+		}
+		return planRequest(m), nil
+	}, true)
+	if err != nil {
+		return grpcError(stream.Context(), err)
+	}
+	return stream.SendAndClose(planResponse(resp))
 }
 
 // --- save ---
@@ -262,7 +303,9 @@ func (s *SnapshotService) saveRemote(ctx context.Context, internalAddr string, s
 // verify all of it and restore it (relaying the file when the leader is
 // another node). Nothing is touched unless the whole archive verified. One
 // restore runs at a time on a node.
-func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.RestoreSnapshotRequest, error)) (*clusterv1.RestoreSnapshotResponse, error) {
+// restore spools an upload and restores it on the leader; with dryRun it
+// only plans the restore (PlanRestore).
+func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.RestoreSnapshotRequest, error), dryRun bool) (*clusterv1.RestoreSnapshotResponse, error) {
 	if !s.restoring.TryLock() {
 		return nil, toConnect(notApplied(ErrRestoreInProgress))
 	}
@@ -277,8 +320,7 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 	}()
 	var (
 		size   int64
-		dryRun bool
-		rights *clusterv1.RestoreRights
+		caller *clusterv1.RestoreCaller
 	)
 	for {
 		m, err := recv()
@@ -288,9 +330,8 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		if err != nil {
 			return nil, toConnect(notApplied(err))
 		}
-		dryRun = dryRun || m.GetDryRun()
-		if m.GetRights() != nil && s.cs.cfg.LeaderOnly {
-			rights = m.GetRights() // from the relaying agent
+		if m.GetCaller() != nil && s.cs.cfg.LeaderOnly {
+			caller = m.GetCaller() // from the relaying agent
 		}
 		size += int64(len(m.GetData()))
 		if size > s.cfg.MaxRestoreSize {
@@ -300,23 +341,23 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 			return nil, toConnect(notApplied(fmt.Errorf("snapshot restore: spool the upload: %w", err)))
 		}
 	}
-	// The caller's rights are checked where the caller is known: here. A
-	// leader reached over the internal port checks that its own plan
-	// changes nothing beyond the resources checked here.
+	// The caller needs update on every resource the leader's plan
+	// changes. An agent relaying the restore passes its authenticated
+	// caller over the internal port (agents only).
 	check := func(ctx context.Context, plan *clusterv1.RestorePlan) error {
-		switch {
-		case s.cfg.Authorize != nil:
-			for _, r := range plan.GetResources() {
-				if err := s.cfg.Authorize(ctx, r, "update"); err != nil {
-					return err
-				}
+		if s.cfg.Authorize == nil {
+			return nil
+		}
+		if s.cs.cfg.LeaderOnly {
+			if caller == nil {
+				return connect.NewError(connect.CodeFailedPrecondition, errors.New(
+					"the agent that relayed this restore did not pass its caller (an older version?): restore through an upgraded agent or the leader"))
 			}
-		case rights != nil:
-			for _, r := range plan.GetResources() {
-				if !slices.Contains(rights.GetResources(), r) {
-					return connect.NewError(connect.CodePermissionDenied, fmt.Errorf(
-						"the restore changes %s, which the caller was not checked for (the state changed while it was relayed); try again", r))
-				}
+			ctx = authz.WithPrincipal(ctx, authz.Principal{Identity: caller.GetIdentity(), Roles: caller.GetRoles()})
+		}
+		for _, r := range plan.GetResources() {
+			if err := s.cfg.Authorize(ctx, r, "update"); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -334,21 +375,14 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		}
 		return resp, err
 	}, func(ctx context.Context, internalAddr string) (*clusterv1.RestoreSnapshotResponse, error) {
-		var rights *clusterv1.RestoreRights
-		if s.cfg.Authorize != nil {
-			// Checked here against this node's state; the leader
-			// verifies and plans again against its own.
-			plan, err := s.plan(ctx, f, size)
-			if err != nil {
-				return nil, notApplied(err)
-			}
-			plan.close()
-			if err := check(ctx, plan.plan); err != nil {
-				return nil, notApplied(err)
-			}
-			rights = &clusterv1.RestoreRights{Resources: plan.plan.GetResources()}
+		var relayed *clusterv1.RestoreCaller
+		if who, ok := authz.PrincipalFrom(ctx); ok && s.cfg.Authorize != nil {
+			relayed = &clusterv1.RestoreCaller{Identity: who.Identity, Roles: who.Roles}
 		}
-		return s.restoreRemote(ctx, internalAddr, f, dryRun, rights)
+		if dryRun {
+			return s.planRemote(ctx, internalAddr, f, relayed)
+		}
+		return s.restoreRemote(ctx, internalAddr, f, relayed)
 	})
 	if err != nil && !applied && s.cs.cfg.LeaderOnly {
 		// This leader-only instance restores nothing but here: whatever
@@ -492,7 +526,7 @@ const restoreMarkTimeout = 30 * time.Second
 // restoreRemote uploads the archive to the leader. A failure after the
 // whole upload went out that the leader did not mark as "not applied" (a
 // connection lost while the leader worked) is ambiguous, and final.
-func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File, dryRun bool, rights *clusterv1.RestoreRights) (*clusterv1.RestoreSnapshotResponse, error) {
+func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string, f *os.File, caller *clusterv1.RestoreCaller) (*clusterv1.RestoreSnapshotResponse, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
@@ -509,7 +543,7 @@ func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string
 			// SendMsg may hold on to the message: a new slice each time.
 			m := &clusterv1.RestoreSnapshotRequest{Data: append([]byte(nil), buf[:n]...)}
 			if first {
-				m.DryRun, m.Rights = dryRun, rights
+				m.Caller = caller
 			}
 			if err := stream.Send(m); err != nil {
 				if errors.Is(err, io.EOF) {
@@ -537,6 +571,47 @@ func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string
 		return nil, err
 	}
 	return resp, nil
+}
+
+// planRemote has the leader plan the restore of the archive f
+// (PlanRestore): nothing is applied, so every failure is final.
+func (s *SnapshotService) planRemote(ctx context.Context, internalAddr string, f *os.File, caller *clusterv1.RestoreCaller) (*clusterv1.RestoreSnapshotResponse, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := s.peers.Snapshots(internalAddr).PlanRestore(ctx)
+	if err != nil {
+		return nil, cluster.StreamError(err)
+	}
+	buf := make([]byte, snapshotChunk)
+	for first := true; ; first = false {
+		n, rerr := io.ReadFull(f, buf)
+		if n > 0 || first {
+			m := &clusterv1.PlanRestoreRequest{Data: append([]byte(nil), buf[:n]...)}
+			if first {
+				m.Caller = caller
+			}
+			if err := stream.Send(m); err != nil {
+				if errors.Is(err, io.EOF) {
+					break
+				}
+				return nil, cluster.StreamError(err)
+			}
+		}
+		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
+			break
+		}
+		if rerr != nil {
+			return nil, rerr
+		}
+	}
+	resp, err := stream.CloseAndRecv()
+	if err != nil {
+		return nil, notApplied(cluster.StreamError(err, stream.Trailer()))
+	}
+	return &clusterv1.RestoreSnapshotResponse{Meta: resp.GetMeta(), Plan: resp.GetPlan()}, nil
 }
 
 func metaProto(m archive.Meta) *clusterv1.SnapshotMeta {

@@ -14,6 +14,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/proto"
 	"gopkg.in/yaml.v3"
 
 	"pilab.hu/pivirt-agent/fsm/archive"
@@ -289,14 +290,40 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
 	defer f.Close()
-	stream := a.conn.snap.RestoreSnapshot(ctx)
+	// A dry run is its own method (PlanRestore), so an agent that does
+	// not know it refuses it instead of restoring.
+	var (
+		send   func(data []byte) error
+		finish func() (proto.Message, *clusterv1.SnapshotMeta, *clusterv1.RestorePlan, uint64, error)
+	)
+	if dryRun {
+		planned := a.conn.snap.PlanRestore(ctx)
+		send = func(d []byte) error { return planned.Send(&clusterv1.PlanRestoreRequest{Data: d}) }
+		finish = func() (proto.Message, *clusterv1.SnapshotMeta, *clusterv1.RestorePlan, uint64, error) {
+			r, err := planned.CloseAndReceive()
+			if err != nil {
+				return nil, nil, nil, 0, err
+			}
+			return r.Msg, r.Msg.GetMeta(), r.Msg.GetPlan(), 0, nil
+		}
+	} else {
+		restored := a.conn.snap.RestoreSnapshot(ctx)
+		send = func(d []byte) error { return restored.Send(&clusterv1.RestoreSnapshotRequest{Data: d}) }
+		finish = func() (proto.Message, *clusterv1.SnapshotMeta, *clusterv1.RestorePlan, uint64, error) {
+			r, err := restored.CloseAndReceive()
+			if err != nil {
+				return nil, nil, nil, 0, err
+			}
+			return r.Msg, r.Msg.GetMeta(), r.Msg.GetPlan(), r.Msg.GetIndex(), nil
+		}
+	}
 	buf := make([]byte, snapshotChunk)
-	for first := true; ; first = false {
+	for {
 		n, rerr := io.ReadFull(f, buf)
 		if n > 0 {
-			if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: buf[:n], DryRun: first && dryRun}); err != nil {
+			if err := send(buf[:n]); err != nil {
 				if errors.Is(err, io.EOF) {
-					break // the agent ended the call; CloseAndReceive says why
+					break // the agent ended the call; the answer says why
 				}
 				return fmt.Errorf("snapshot restore: upload: %w", err)
 			}
@@ -308,12 +335,11 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 			return fmt.Errorf("snapshot restore: read %s: %w", file, rerr)
 		}
 	}
-	resp, err := stream.CloseAndReceive()
+	msg, m, plan, index, err := finish()
 	if err != nil {
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
-	m := resp.Msg.GetMeta()
-	return a.render(resp.Msg, func(w io.Writer) {
+	return a.render(msg, func(w io.Writer) {
 		from := ""
 		if m.GetClusterId() != "" {
 			from = " of cluster " + m.GetClusterId()
@@ -322,9 +348,9 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 			fmt.Fprintf(w, "Dry run: restoring snapshot %s (index %d%s) would change:\n", m.GetId(), m.GetIndex(), from)
 		} else {
 			fmt.Fprintf(w, "Restored snapshot %s (index %d%s); the cluster holds it from index %d\n",
-				m.GetId(), m.GetIndex(), from, resp.Msg.GetIndex())
+				m.GetId(), m.GetIndex(), from, index)
 		}
-		writePlan(w, resp.Msg.GetPlan())
+		writePlan(w, plan)
 	})
 }
 

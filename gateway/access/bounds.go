@@ -62,7 +62,9 @@ func (c *counters) give(key string) {
 // identity; a source address for the open methods, which need no
 // credentials) until release is called.
 func (g *Guard) holdStream(ctx context.Context, c call) (release func(), err error) {
-	if g.cfg.MaxStreams < 0 {
+	// grpc-go reports every call of the proxy as a stream: the method's
+	// own shape decides.
+	if md := g.lookup(c.procedure).md; g.cfg.MaxStreams < 0 || (md != nil && !md.IsStreamingClient() && !md.IsStreamingServer()) {
 		return func() {}, nil
 	}
 	key := "source " + sourceOf(c.remote)
@@ -101,6 +103,8 @@ func (g *Guard) armBodyTimer(ctx context.Context, c call, m *method) context.Con
 		g.slowBody(c)
 		cancel()
 	})
+	// A call that ends first (refused, failed) stops it too.
+	context.AfterFunc(ctx, func() { t.Stop() })
 	return context.WithValue(ctx, bodyDoneKey{}, &bodyWatch{stop: func() { t.Stop() }})
 }
 

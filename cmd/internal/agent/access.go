@@ -143,10 +143,11 @@ func (a *Agent) startAccess() error {
 		return err
 	}
 	a.guard = g
-	// A restore needs the rights of every resource it changes, checked on
-	// the agent the caller called (the internal port's instance trusts the
-	// relaying agent's check).
+	// A restore needs the rights of every resource it changes, checked by
+	// the leader against its plan: for the caller of this port, or the
+	// caller an agent relayed to the internal port.
 	a.snapshots.SetAuthorize(g.AuthorizeResource)
+	a.internalSnapshots.SetAuthorize(g.AuthorizeResource)
 	return nil
 }
 

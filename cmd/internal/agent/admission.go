@@ -21,6 +21,7 @@ func (a *Agent) newAdmission() cluster.Admitter {
 	}
 	return cluster.NewAdmission(cluster.AdmissionConfig{
 		Ask:        cluster.PoolStatus{Pool: a.pool}.Prove,
+		Forget:     a.pool.Forget,
 		Verify:     a.tls.internal.VerifyChain,
 		MinBackoff: a.opts.AdmissionBackoff,
 		Logger:     a.logger,

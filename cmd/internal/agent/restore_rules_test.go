@@ -54,13 +54,30 @@ func serviceRecord(service, id string) fsm.TableRecord {
 		Health: clusterv1.Health_HEALTH_PASSING, CreateIndex: 400, ModifyIndex: 400, RegisteredAt: timestamppb.Now()}}
 }
 
-// restoreArchive uploads data through the API port (gRPC) as the caller of ctx.
+// restoreArchive uploads data through the API port (gRPC) as the caller
+// of ctx; a dry run plans the restore (PlanRestore).
 func (e *accessEnv) restoreArchive(ctx context.Context, data []byte, dryRun bool) (*clusterv1.RestoreSnapshotResponse, error) {
-	stream, err := clusterv1.NewSnapshotServiceClient(e.conn).RestoreSnapshot(ctx)
+	client := clusterv1.NewSnapshotServiceClient(e.conn)
+	if dryRun {
+		stream, err := client.PlanRestore(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if err := stream.Send(&clusterv1.PlanRestoreRequest{Data: data}); err != nil {
+			_, err = stream.CloseAndRecv()
+			return nil, err
+		}
+		r, err := stream.CloseAndRecv()
+		if err != nil {
+			return nil, err
+		}
+		return &clusterv1.RestoreSnapshotResponse{Meta: r.GetMeta(), Plan: r.GetPlan()}, nil
+	}
+	stream, err := client.RestoreSnapshot(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: data, DryRun: dryRun}); err != nil {
+	if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: data}); err != nil {
 		_, err = stream.CloseAndRecv()
 		return nil, err
 	}
@@ -141,11 +158,27 @@ func TestRestoreObeysTheWritePath(t *testing.T) {
 		})
 	}
 
+	// A caller field sent on the API port (it is for agents relaying over
+	// the internal port) changes nothing: bob stays bob.
+	forged := archiveOf(t, configRecord(agent.RBACPolicyKey, permissive))
+	stream, err := clusterv1.NewSnapshotServiceClient(e.conn).RestoreSnapshot(backup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&clusterv1.RestoreSnapshotRequest{Data: forged, Caller: &clusterv1.RestoreCaller{Identity: "root", Roles: []string{"admin"}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.CloseAndRecv(); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a restore with a forged caller field: %v, want PermissionDenied", err)
+	}
+	unchanged("forged caller field")
+
 	// Another cluster's archive with its CA and key: restored, with this
 	// cluster's CA and cluster.id kept. A dry run first changes nothing.
 	certPEM, keyPEM := fsmtest.CA()
 	foreign := archiveOf(t, serviceRecord("web", "w1"), configRecord("cluster.id", "another-cluster"),
-		fsm.TableRecord{Table: fsm.TableCA, Record: &fsmv1.ClusterCA{CertPem: certPEM, KeyPem: keyPEM, Index: 300}})
+		fsm.TableRecord{Table: fsm.TableCA, Record: &fsmv1.ClusterCA{CertPem: certPEM, KeyPem: keyPEM, Index: 300}},
+		fsm.TableRecord{Table: fsm.TableDedupe, Record: &fsmv1.DedupeRecord{ClientId: "planted", Sequence: 1, Time: timestamppb.New(time.Now().Add(24 * time.Hour))}})
 	dry, err := e.restoreArchive(backup, foreign, true)
 	if err != nil {
 		t.Fatalf("dry run: %v", err)
@@ -171,6 +204,15 @@ func TestRestoreObeysTheWritePath(t *testing.T) {
 	for i := range ca {
 		if !proto.Equal(ca[i], caBefore[i]) {
 			t.Fatal("the archive's CA replaced the cluster's")
+		}
+	}
+	dedupe, err := leader.FSM().State().Records(fsm.TableDedupe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range dedupe {
+		if r.(*fsmv1.DedupeRecord).GetClientId() == "planted" {
+			t.Fatal("the archive's dedupe record was restored")
 		}
 	}
 }

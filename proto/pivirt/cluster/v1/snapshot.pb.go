@@ -235,14 +235,10 @@ func (x *SnapshotMeta) GetCreatedAt() *timestamppb.Timestamp {
 type RestoreSnapshotRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Data  []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
-	// dry_run, in any message, checks the archive and reports what the
-	// restore would change (plan) without changing anything.
-	DryRun bool `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
-	// rights, set only by an agent relaying a restore to the leader over
-	// the internal port (ignored on the API port): the RBAC resources the
-	// caller was checked for on the relaying agent. The leader refuses a
-	// restore that would change any other.
-	Rights        *RestoreRights `protobuf:"bytes,3,opt,name=rights,proto3" json:"rights,omitempty"`
+	// caller is set only by an agent relaying a restore to the leader over
+	// the internal port (ignored on the API port): the caller it
+	// authenticated, whose rights the leader checks against its plan.
+	Caller        *RestoreCaller `protobuf:"bytes,2,opt,name=caller,proto3" json:"caller,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -284,41 +280,36 @@ func (x *RestoreSnapshotRequest) GetData() []byte {
 	return nil
 }
 
-func (x *RestoreSnapshotRequest) GetDryRun() bool {
+func (x *RestoreSnapshotRequest) GetCaller() *RestoreCaller {
 	if x != nil {
-		return x.DryRun
-	}
-	return false
-}
-
-func (x *RestoreSnapshotRequest) GetRights() *RestoreRights {
-	if x != nil {
-		return x.Rights
+		return x.Caller
 	}
 	return nil
 }
 
-type RestoreRights struct {
+// PlanRestoreRequest is RestoreSnapshotRequest's twin for PlanRestore.
+type PlanRestoreRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Resources     []string               `protobuf:"bytes,1,rep,name=resources,proto3" json:"resources,omitempty"`
+	Data          []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	Caller        *RestoreCaller         `protobuf:"bytes,2,opt,name=caller,proto3" json:"caller,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
-func (x *RestoreRights) Reset() {
-	*x = RestoreRights{}
+func (x *PlanRestoreRequest) Reset() {
+	*x = PlanRestoreRequest{}
 	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
 
-func (x *RestoreRights) String() string {
+func (x *PlanRestoreRequest) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*RestoreRights) ProtoMessage() {}
+func (*PlanRestoreRequest) ProtoMessage() {}
 
-func (x *RestoreRights) ProtoReflect() protoreflect.Message {
+func (x *PlanRestoreRequest) ProtoReflect() protoreflect.Message {
 	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
@@ -330,14 +321,126 @@ func (x *RestoreRights) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use RestoreRights.ProtoReflect.Descriptor instead.
-func (*RestoreRights) Descriptor() ([]byte, []int) {
+// Deprecated: Use PlanRestoreRequest.ProtoReflect.Descriptor instead.
+func (*PlanRestoreRequest) Descriptor() ([]byte, []int) {
 	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{4}
 }
 
-func (x *RestoreRights) GetResources() []string {
+func (x *PlanRestoreRequest) GetData() []byte {
 	if x != nil {
-		return x.Resources
+		return x.Data
+	}
+	return nil
+}
+
+func (x *PlanRestoreRequest) GetCaller() *RestoreCaller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+type PlanRestoreResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// meta is the archive's meta.json.
+	Meta          *SnapshotMeta `protobuf:"bytes,1,opt,name=meta,proto3" json:"meta,omitempty"`
+	Plan          *RestorePlan  `protobuf:"bytes,2,opt,name=plan,proto3" json:"plan,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PlanRestoreResponse) Reset() {
+	*x = PlanRestoreResponse{}
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PlanRestoreResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PlanRestoreResponse) ProtoMessage() {}
+
+func (x *PlanRestoreResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PlanRestoreResponse.ProtoReflect.Descriptor instead.
+func (*PlanRestoreResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *PlanRestoreResponse) GetMeta() *SnapshotMeta {
+	if x != nil {
+		return x.Meta
+	}
+	return nil
+}
+
+func (x *PlanRestoreResponse) GetPlan() *RestorePlan {
+	if x != nil {
+		return x.Plan
+	}
+	return nil
+}
+
+type RestoreCaller struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Identity      string                 `protobuf:"bytes,1,opt,name=identity,proto3" json:"identity,omitempty"`
+	Roles         []string               `protobuf:"bytes,2,rep,name=roles,proto3" json:"roles,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreCaller) Reset() {
+	*x = RestoreCaller{}
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreCaller) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreCaller) ProtoMessage() {}
+
+func (x *RestoreCaller) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreCaller.ProtoReflect.Descriptor instead.
+func (*RestoreCaller) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RestoreCaller) GetIdentity() string {
+	if x != nil {
+		return x.Identity
+	}
+	return ""
+}
+
+func (x *RestoreCaller) GetRoles() []string {
+	if x != nil {
+		return x.Roles
 	}
 	return nil
 }
@@ -347,10 +450,10 @@ type RestoreSnapshotResponse struct {
 	// meta is the restored archive's meta.json.
 	Meta *SnapshotMeta `protobuf:"bytes,1,opt,name=meta,proto3" json:"meta,omitempty"`
 	// index is the Raft index at which the cluster now holds the restored
-	// state (0 for a dry run).
+	// state.
 	Index uint64 `protobuf:"varint,2,opt,name=index,proto3" json:"index,omitempty"`
-	// plan is what the restore changed, or would change (dry run), against
-	// the leader's state of the moment.
+	// plan is what the restore changed, against the leader's state of the
+	// moment.
 	Plan          *RestorePlan `protobuf:"bytes,3,opt,name=plan,proto3" json:"plan,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -358,7 +461,7 @@ type RestoreSnapshotResponse struct {
 
 func (x *RestoreSnapshotResponse) Reset() {
 	*x = RestoreSnapshotResponse{}
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -370,7 +473,7 @@ func (x *RestoreSnapshotResponse) String() string {
 func (*RestoreSnapshotResponse) ProtoMessage() {}
 
 func (x *RestoreSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[5]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -383,7 +486,7 @@ func (x *RestoreSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*RestoreSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RestoreSnapshotResponse) GetMeta() *SnapshotMeta {
@@ -433,7 +536,7 @@ type RestorePlan struct {
 
 func (x *RestorePlan) Reset() {
 	*x = RestorePlan{}
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -445,7 +548,7 @@ func (x *RestorePlan) String() string {
 func (*RestorePlan) ProtoMessage() {}
 
 func (x *RestorePlan) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[6]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -458,7 +561,7 @@ func (x *RestorePlan) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestorePlan.ProtoReflect.Descriptor instead.
 func (*RestorePlan) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RestorePlan) GetTables() []*TableChange {
@@ -519,7 +622,7 @@ type TableChange struct {
 
 func (x *TableChange) Reset() {
 	*x = TableChange{}
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -531,7 +634,7 @@ func (x *TableChange) String() string {
 func (*TableChange) ProtoMessage() {}
 
 func (x *TableChange) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[7]
+	mi := &file_pivirt_cluster_v1_snapshot_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -544,7 +647,7 @@ func (x *TableChange) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableChange.ProtoReflect.Descriptor instead.
 func (*TableChange) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *TableChange) GetTable() string {
@@ -603,13 +706,19 @@ const file_pivirt_cluster_v1_snapshot_proto_rawDesc = "" +
 	"\ragent_version\x18\a \x01(\tR\fagentVersion\x12\x12\n" +
 	"\x04size\x18\b \x01(\x03R\x04size\x129\n" +
 	"\n" +
-	"created_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\x7f\n" +
+	"created_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"f\n" +
 	"\x16RestoreSnapshotRequest\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data\x12\x17\n" +
-	"\adry_run\x18\x02 \x01(\bR\x06dryRun\x128\n" +
-	"\x06rights\x18\x03 \x01(\v2 .pivirt.cluster.v1.RestoreRightsR\x06rights\"-\n" +
-	"\rRestoreRights\x12\x1c\n" +
-	"\tresources\x18\x01 \x03(\tR\tresources\"\x98\x01\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x128\n" +
+	"\x06caller\x18\x02 \x01(\v2 .pivirt.cluster.v1.RestoreCallerR\x06caller\"b\n" +
+	"\x12PlanRestoreRequest\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x128\n" +
+	"\x06caller\x18\x02 \x01(\v2 .pivirt.cluster.v1.RestoreCallerR\x06caller\"~\n" +
+	"\x13PlanRestoreResponse\x123\n" +
+	"\x04meta\x18\x01 \x01(\v2\x1f.pivirt.cluster.v1.SnapshotMetaR\x04meta\x122\n" +
+	"\x04plan\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.RestorePlanR\x04plan\"A\n" +
+	"\rRestoreCaller\x12\x1a\n" +
+	"\bidentity\x18\x01 \x01(\tR\bidentity\x12\x14\n" +
+	"\x05roles\x18\x02 \x03(\tR\x05roles\"\x98\x01\n" +
 	"\x17RestoreSnapshotResponse\x123\n" +
 	"\x04meta\x18\x01 \x01(\v2\x1f.pivirt.cluster.v1.SnapshotMetaR\x04meta\x12\x14\n" +
 	"\x05index\x18\x02 \x01(\x04R\x05index\x122\n" +
@@ -628,12 +737,14 @@ const file_pivirt_cluster_v1_snapshot_proto_rawDesc = "" +
 	"\x05added\x18\x02 \x01(\x04R\x05added\x12\x18\n" +
 	"\aremoved\x18\x03 \x01(\x04R\aremoved\x12\x18\n" +
 	"\achanged\x18\x04 \x01(\x04R\achanged\x12\x18\n" +
-	"\arecords\x18\x05 \x01(\x04R\arecords2\x90\x02\n" +
+	"\arecords\x18\x05 \x01(\x04R\arecords2\x86\x03\n" +
 	"\x0fSnapshotService\x12w\n" +
 	"\fSaveSnapshot\x12&.pivirt.cluster.v1.SaveSnapshotRequest\x1a'.pivirt.cluster.v1.SaveSnapshotResponse\"\x14\xca\xf3\x18\x10\n" +
 	"\tsnapshots\x12\x03get0\x01\x12\x83\x01\n" +
 	"\x0fRestoreSnapshot\x12).pivirt.cluster.v1.RestoreSnapshotRequest\x1a*.pivirt.cluster.v1.RestoreSnapshotResponse\"\x17\xca\xf3\x18\x13\n" +
-	"\tsnapshots\x12\x06update(\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\tsnapshots\x12\x06update(\x01\x12t\n" +
+	"\vPlanRestore\x12%.pivirt.cluster.v1.PlanRestoreRequest\x1a&.pivirt.cluster.v1.PlanRestoreResponse\"\x14\xca\xf3\x18\x10\n" +
+	"\tsnapshots\x12\x03get(\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_snapshot_proto_rawDescOnce sync.Once
@@ -647,34 +758,41 @@ func file_pivirt_cluster_v1_snapshot_proto_rawDescGZIP() []byte {
 	return file_pivirt_cluster_v1_snapshot_proto_rawDescData
 }
 
-var file_pivirt_cluster_v1_snapshot_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_pivirt_cluster_v1_snapshot_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_pivirt_cluster_v1_snapshot_proto_goTypes = []any{
 	(*SaveSnapshotRequest)(nil),     // 0: pivirt.cluster.v1.SaveSnapshotRequest
 	(*SaveSnapshotResponse)(nil),    // 1: pivirt.cluster.v1.SaveSnapshotResponse
 	(*SnapshotMeta)(nil),            // 2: pivirt.cluster.v1.SnapshotMeta
 	(*RestoreSnapshotRequest)(nil),  // 3: pivirt.cluster.v1.RestoreSnapshotRequest
-	(*RestoreRights)(nil),           // 4: pivirt.cluster.v1.RestoreRights
-	(*RestoreSnapshotResponse)(nil), // 5: pivirt.cluster.v1.RestoreSnapshotResponse
-	(*RestorePlan)(nil),             // 6: pivirt.cluster.v1.RestorePlan
-	(*TableChange)(nil),             // 7: pivirt.cluster.v1.TableChange
-	(*timestamppb.Timestamp)(nil),   // 8: google.protobuf.Timestamp
+	(*PlanRestoreRequest)(nil),      // 4: pivirt.cluster.v1.PlanRestoreRequest
+	(*PlanRestoreResponse)(nil),     // 5: pivirt.cluster.v1.PlanRestoreResponse
+	(*RestoreCaller)(nil),           // 6: pivirt.cluster.v1.RestoreCaller
+	(*RestoreSnapshotResponse)(nil), // 7: pivirt.cluster.v1.RestoreSnapshotResponse
+	(*RestorePlan)(nil),             // 8: pivirt.cluster.v1.RestorePlan
+	(*TableChange)(nil),             // 9: pivirt.cluster.v1.TableChange
+	(*timestamppb.Timestamp)(nil),   // 10: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_snapshot_proto_depIdxs = []int32{
-	2, // 0: pivirt.cluster.v1.SaveSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
-	8, // 1: pivirt.cluster.v1.SnapshotMeta.created_at:type_name -> google.protobuf.Timestamp
-	4, // 2: pivirt.cluster.v1.RestoreSnapshotRequest.rights:type_name -> pivirt.cluster.v1.RestoreRights
-	2, // 3: pivirt.cluster.v1.RestoreSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
-	6, // 4: pivirt.cluster.v1.RestoreSnapshotResponse.plan:type_name -> pivirt.cluster.v1.RestorePlan
-	7, // 5: pivirt.cluster.v1.RestorePlan.tables:type_name -> pivirt.cluster.v1.TableChange
-	0, // 6: pivirt.cluster.v1.SnapshotService.SaveSnapshot:input_type -> pivirt.cluster.v1.SaveSnapshotRequest
-	3, // 7: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:input_type -> pivirt.cluster.v1.RestoreSnapshotRequest
-	1, // 8: pivirt.cluster.v1.SnapshotService.SaveSnapshot:output_type -> pivirt.cluster.v1.SaveSnapshotResponse
-	5, // 9: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:output_type -> pivirt.cluster.v1.RestoreSnapshotResponse
-	8, // [8:10] is the sub-list for method output_type
-	6, // [6:8] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	2,  // 0: pivirt.cluster.v1.SaveSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
+	10, // 1: pivirt.cluster.v1.SnapshotMeta.created_at:type_name -> google.protobuf.Timestamp
+	6,  // 2: pivirt.cluster.v1.RestoreSnapshotRequest.caller:type_name -> pivirt.cluster.v1.RestoreCaller
+	6,  // 3: pivirt.cluster.v1.PlanRestoreRequest.caller:type_name -> pivirt.cluster.v1.RestoreCaller
+	2,  // 4: pivirt.cluster.v1.PlanRestoreResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
+	8,  // 5: pivirt.cluster.v1.PlanRestoreResponse.plan:type_name -> pivirt.cluster.v1.RestorePlan
+	2,  // 6: pivirt.cluster.v1.RestoreSnapshotResponse.meta:type_name -> pivirt.cluster.v1.SnapshotMeta
+	8,  // 7: pivirt.cluster.v1.RestoreSnapshotResponse.plan:type_name -> pivirt.cluster.v1.RestorePlan
+	9,  // 8: pivirt.cluster.v1.RestorePlan.tables:type_name -> pivirt.cluster.v1.TableChange
+	0,  // 9: pivirt.cluster.v1.SnapshotService.SaveSnapshot:input_type -> pivirt.cluster.v1.SaveSnapshotRequest
+	3,  // 10: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:input_type -> pivirt.cluster.v1.RestoreSnapshotRequest
+	4,  // 11: pivirt.cluster.v1.SnapshotService.PlanRestore:input_type -> pivirt.cluster.v1.PlanRestoreRequest
+	1,  // 12: pivirt.cluster.v1.SnapshotService.SaveSnapshot:output_type -> pivirt.cluster.v1.SaveSnapshotResponse
+	7,  // 13: pivirt.cluster.v1.SnapshotService.RestoreSnapshot:output_type -> pivirt.cluster.v1.RestoreSnapshotResponse
+	5,  // 14: pivirt.cluster.v1.SnapshotService.PlanRestore:output_type -> pivirt.cluster.v1.PlanRestoreResponse
+	12, // [12:15] is the sub-list for method output_type
+	9,  // [9:12] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_snapshot_proto_init() }
@@ -688,7 +806,7 @@ func file_pivirt_cluster_v1_snapshot_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_snapshot_proto_rawDesc), len(file_pivirt_cluster_v1_snapshot_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	SnapshotService_SaveSnapshot_FullMethodName    = "/pivirt.cluster.v1.SnapshotService/SaveSnapshot"
 	SnapshotService_RestoreSnapshot_FullMethodName = "/pivirt.cluster.v1.SnapshotService/RestoreSnapshot"
+	SnapshotService_PlanRestore_FullMethodName     = "/pivirt.cluster.v1.SnapshotService/PlanRestore"
 )
 
 // SnapshotServiceClient is the client API for SnapshotService service.
@@ -42,6 +43,11 @@ type SnapshotServiceClient interface {
 	// touched; a bad archive is refused and the cluster is left as it was.
 	// The current Raft membership is kept.
 	RestoreSnapshot(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[RestoreSnapshotRequest, RestoreSnapshotResponse], error)
+	// PlanRestore checks an archive as RestoreSnapshot would (the archive,
+	// every record by its write's rules, the caller's rights on every
+	// resource the restore changes) and answers what it would change,
+	// without changing anything: pvcli snapshot restore --dry-run.
+	PlanRestore(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[PlanRestoreRequest, PlanRestoreResponse], error)
 }
 
 type snapshotServiceClient struct {
@@ -84,6 +90,19 @@ func (c *snapshotServiceClient) RestoreSnapshot(ctx context.Context, opts ...grp
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type SnapshotService_RestoreSnapshotClient = grpc.ClientStreamingClient[RestoreSnapshotRequest, RestoreSnapshotResponse]
 
+func (c *snapshotServiceClient) PlanRestore(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[PlanRestoreRequest, PlanRestoreResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &SnapshotService_ServiceDesc.Streams[2], SnapshotService_PlanRestore_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[PlanRestoreRequest, PlanRestoreResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type SnapshotService_PlanRestoreClient = grpc.ClientStreamingClient[PlanRestoreRequest, PlanRestoreResponse]
+
 // SnapshotServiceServer is the server API for SnapshotService service.
 // All implementations should embed UnimplementedSnapshotServiceServer
 // for forward compatibility.
@@ -103,6 +122,11 @@ type SnapshotServiceServer interface {
 	// touched; a bad archive is refused and the cluster is left as it was.
 	// The current Raft membership is kept.
 	RestoreSnapshot(grpc.ClientStreamingServer[RestoreSnapshotRequest, RestoreSnapshotResponse]) error
+	// PlanRestore checks an archive as RestoreSnapshot would (the archive,
+	// every record by its write's rules, the caller's rights on every
+	// resource the restore changes) and answers what it would change,
+	// without changing anything: pvcli snapshot restore --dry-run.
+	PlanRestore(grpc.ClientStreamingServer[PlanRestoreRequest, PlanRestoreResponse]) error
 }
 
 // UnimplementedSnapshotServiceServer should be embedded to have
@@ -117,6 +141,9 @@ func (UnimplementedSnapshotServiceServer) SaveSnapshot(*SaveSnapshotRequest, grp
 }
 func (UnimplementedSnapshotServiceServer) RestoreSnapshot(grpc.ClientStreamingServer[RestoreSnapshotRequest, RestoreSnapshotResponse]) error {
 	return status.Error(codes.Unimplemented, "method RestoreSnapshot not implemented")
+}
+func (UnimplementedSnapshotServiceServer) PlanRestore(grpc.ClientStreamingServer[PlanRestoreRequest, PlanRestoreResponse]) error {
+	return status.Error(codes.Unimplemented, "method PlanRestore not implemented")
 }
 func (UnimplementedSnapshotServiceServer) testEmbeddedByValue() {}
 
@@ -156,6 +183,13 @@ func _SnapshotService_RestoreSnapshot_Handler(srv interface{}, stream grpc.Serve
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type SnapshotService_RestoreSnapshotServer = grpc.ClientStreamingServer[RestoreSnapshotRequest, RestoreSnapshotResponse]
 
+func _SnapshotService_PlanRestore_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(SnapshotServiceServer).PlanRestore(&grpc.GenericServerStream[PlanRestoreRequest, PlanRestoreResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type SnapshotService_PlanRestoreServer = grpc.ClientStreamingServer[PlanRestoreRequest, PlanRestoreResponse]
+
 // SnapshotService_ServiceDesc is the grpc.ServiceDesc for SnapshotService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -172,6 +206,11 @@ var SnapshotService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "RestoreSnapshot",
 			Handler:       _SnapshotService_RestoreSnapshot_Handler,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "PlanRestore",
+			Handler:       _SnapshotService_PlanRestore_Handler,
 			ClientStreams: true,
 		},
 	},

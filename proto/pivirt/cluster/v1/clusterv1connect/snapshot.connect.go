@@ -39,6 +39,9 @@ const (
 	// SnapshotServiceRestoreSnapshotProcedure is the fully-qualified name of the SnapshotService's
 	// RestoreSnapshot RPC.
 	SnapshotServiceRestoreSnapshotProcedure = "/pivirt.cluster.v1.SnapshotService/RestoreSnapshot"
+	// SnapshotServicePlanRestoreProcedure is the fully-qualified name of the SnapshotService's
+	// PlanRestore RPC.
+	SnapshotServicePlanRestoreProcedure = "/pivirt.cluster.v1.SnapshotService/PlanRestore"
 )
 
 // SnapshotServiceClient is a client for the pivirt.cluster.v1.SnapshotService service.
@@ -53,6 +56,11 @@ type SnapshotServiceClient interface {
 	// touched; a bad archive is refused and the cluster is left as it was.
 	// The current Raft membership is kept.
 	RestoreSnapshot(context.Context) *connect.ClientStreamForClient[v1.RestoreSnapshotRequest, v1.RestoreSnapshotResponse]
+	// PlanRestore checks an archive as RestoreSnapshot would (the archive,
+	// every record by its write's rules, the caller's rights on every
+	// resource the restore changes) and answers what it would change,
+	// without changing anything: pvcli snapshot restore --dry-run.
+	PlanRestore(context.Context) *connect.ClientStreamForClient[v1.PlanRestoreRequest, v1.PlanRestoreResponse]
 }
 
 // NewSnapshotServiceClient constructs a client for the pivirt.cluster.v1.SnapshotService service.
@@ -78,6 +86,12 @@ func NewSnapshotServiceClient(httpClient connect.HTTPClient, baseURL string, opt
 			connect.WithSchema(snapshotServiceMethods.ByName("RestoreSnapshot")),
 			connect.WithClientOptions(opts...),
 		),
+		planRestore: connect.NewClient[v1.PlanRestoreRequest, v1.PlanRestoreResponse](
+			httpClient,
+			baseURL+SnapshotServicePlanRestoreProcedure,
+			connect.WithSchema(snapshotServiceMethods.ByName("PlanRestore")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -85,6 +99,7 @@ func NewSnapshotServiceClient(httpClient connect.HTTPClient, baseURL string, opt
 type snapshotServiceClient struct {
 	saveSnapshot    *connect.Client[v1.SaveSnapshotRequest, v1.SaveSnapshotResponse]
 	restoreSnapshot *connect.Client[v1.RestoreSnapshotRequest, v1.RestoreSnapshotResponse]
+	planRestore     *connect.Client[v1.PlanRestoreRequest, v1.PlanRestoreResponse]
 }
 
 // SaveSnapshot calls pivirt.cluster.v1.SnapshotService.SaveSnapshot.
@@ -95,6 +110,11 @@ func (c *snapshotServiceClient) SaveSnapshot(ctx context.Context, req *connect.R
 // RestoreSnapshot calls pivirt.cluster.v1.SnapshotService.RestoreSnapshot.
 func (c *snapshotServiceClient) RestoreSnapshot(ctx context.Context) *connect.ClientStreamForClient[v1.RestoreSnapshotRequest, v1.RestoreSnapshotResponse] {
 	return c.restoreSnapshot.CallClientStream(ctx)
+}
+
+// PlanRestore calls pivirt.cluster.v1.SnapshotService.PlanRestore.
+func (c *snapshotServiceClient) PlanRestore(ctx context.Context) *connect.ClientStreamForClient[v1.PlanRestoreRequest, v1.PlanRestoreResponse] {
+	return c.planRestore.CallClientStream(ctx)
 }
 
 // SnapshotServiceHandler is an implementation of the pivirt.cluster.v1.SnapshotService service.
@@ -109,6 +129,11 @@ type SnapshotServiceHandler interface {
 	// touched; a bad archive is refused and the cluster is left as it was.
 	// The current Raft membership is kept.
 	RestoreSnapshot(context.Context, *connect.ClientStream[v1.RestoreSnapshotRequest]) (*connect.Response[v1.RestoreSnapshotResponse], error)
+	// PlanRestore checks an archive as RestoreSnapshot would (the archive,
+	// every record by its write's rules, the caller's rights on every
+	// resource the restore changes) and answers what it would change,
+	// without changing anything: pvcli snapshot restore --dry-run.
+	PlanRestore(context.Context, *connect.ClientStream[v1.PlanRestoreRequest]) (*connect.Response[v1.PlanRestoreResponse], error)
 }
 
 // NewSnapshotServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -130,12 +155,20 @@ func NewSnapshotServiceHandler(svc SnapshotServiceHandler, opts ...connect.Handl
 		connect.WithSchema(snapshotServiceMethods.ByName("RestoreSnapshot")),
 		connect.WithHandlerOptions(opts...),
 	)
+	snapshotServicePlanRestoreHandler := connect.NewClientStreamHandler(
+		SnapshotServicePlanRestoreProcedure,
+		svc.PlanRestore,
+		connect.WithSchema(snapshotServiceMethods.ByName("PlanRestore")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.SnapshotService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SnapshotServiceSaveSnapshotProcedure:
 			snapshotServiceSaveSnapshotHandler.ServeHTTP(w, r)
 		case SnapshotServiceRestoreSnapshotProcedure:
 			snapshotServiceRestoreSnapshotHandler.ServeHTTP(w, r)
+		case SnapshotServicePlanRestoreProcedure:
+			snapshotServicePlanRestoreHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -151,4 +184,8 @@ func (UnimplementedSnapshotServiceHandler) SaveSnapshot(context.Context, *connec
 
 func (UnimplementedSnapshotServiceHandler) RestoreSnapshot(context.Context, *connect.ClientStream[v1.RestoreSnapshotRequest]) (*connect.Response[v1.RestoreSnapshotResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.SnapshotService.RestoreSnapshot is not implemented"))
+}
+
+func (UnimplementedSnapshotServiceHandler) PlanRestore(context.Context, *connect.ClientStream[v1.PlanRestoreRequest]) (*connect.Response[v1.PlanRestoreResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.SnapshotService.PlanRestore is not implemented"))
 }

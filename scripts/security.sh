@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs the security suite: each attack of the README's threat model as a
+# test against real agents (or the real part it targets), with the race
+# detector. Fails when a listed test no longer exists, so the list cannot
+# drift from the code.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests=(
+  # membership: the gossip key alone admits no server
+  TestGossipKeyAloneAdmitsNoServer TestNodeProof TestAgentName TestAdmission
+  TestReconcileAdmitsOnlyProvenServers TestBootstrapCountsOnlyProvenServers TestServerByID
+  # nothing is read before authentication; bounds on what a caller holds
+  TestNothingIsReadBeforeAuthentication TestSlowBodiesAreCut TestStreamsPerCallerAreBounded
+  TestFailedAuthenticationFlood TestFailedAuthenticationConcurrent
+  # restores obey the write path; archives are verified before anything is built
+  TestRestoreObeysTheWritePath TestVerifyChecksSumsFirst TestInspectDirRefusesHostileFiles
+  TestSnapshotFilesMustBeRegular
+  # RBAC: roles, conditions, paging through the proxy, identities taken whole
+  TestAccessRoles TestAccessOwnerCondition TestListConditionsTakeTheIdentityWhole
+  # TLS, key files, the management port, log floods
+  TestHandshakes TestStartRefusesBadTLS TestKeyPermissions TestManagementCallers
+  TestDebugVarsWithoutCommandLine TestGossipLogLinesKeyOnTheEvent
+)
+pattern="^($(IFS='|'; echo "${tests[*]}"))\$"
+found=$(go test -list "$pattern" ./... | grep -E '^Test' | sort -u)
+missing=()
+for t in "${tests[@]}"; do
+  grep -qx "$t" <<<"$found" || missing+=("$t")
+done
+if ((${#missing[@]})); then
+  echo "security suite: no such test: ${missing[*]}" >&2
+  exit 1
+fi
+go test -race -count=1 -timeout 20m -run "$pattern" ./...
