@@ -495,7 +495,8 @@ func (s *SnapshotService) plan(ctx context.Context, f *os.File, size int64) (*re
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
-	if _, err := archive.Verify(f); err != nil {
+	// The state may not decompress to more than an upload may be.
+	if _, err := archive.VerifyWithin(f, s.cfg.MaxRestoreSize); err != nil {
 		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
 		return nil, err
 	}

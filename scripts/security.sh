@@ -13,7 +13,7 @@ tests=(
   TestNothingIsReadBeforeAuthentication TestSlowBodiesAreCut TestStreamsPerCallerAreBounded
   TestFailedAuthenticationFlood TestFailedAuthenticationConcurrent
   # restores obey the write path; archives are verified before anything is built
-  TestRestoreObeysTheWritePath TestVerifyChecksSumsFirst TestInspectDirRefusesHostileFiles
+  TestRestoreObeysTheWritePath TestVerifyChecksSumsFirst TestVerifyWithinRefusesABomb TestInspectDirRefusesHostileFiles
   TestSnapshotFilesMustBeRegular
   # RBAC: roles, conditions, paging through the proxy, identities taken whole
   TestAccessRoles TestAccessOwnerCondition TestListConditionsTakeTheIdentityWhole

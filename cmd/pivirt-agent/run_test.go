@@ -75,15 +75,27 @@ func TestValidateCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	withCerts := func(nodeName string) string {
+	withCerts := func(nodeName string, tlsLines ...string) string {
 		return "data_dir: " + dir + "\nnode_name: " + nodeName + "\ntls:\n  enabled: true\n  ca_file: " + filepath.Join(pki, identity.ChainFile) +
-			"\n  cert_file: " + cli.Cert + "\n  key_file: " + cli.Key + "\nserver:\n  connectrpc:\n    tls:\n      cert_file: " + srv.Cert + "\n      key_file: " + srv.Key + "\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n      client_ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n"
+			"\n  cert_file: " + cli.Cert + "\n  key_file: " + cli.Key + "\n" + strings.Join(tlsLines, "") + "server:\n  connectrpc:\n    tls:\n      cert_file: " + srv.Cert + "\n      key_file: " + srv.Key + "\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n      client_ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n"
+	}
+	otherPKI := filepath.Join(dir, "other-pki")
+	if _, err := identity.InitCA(otherPKI, identity.CAOptions{}); err != nil {
+		t.Fatal(err)
 	}
 	for name, tc := range map[string]struct {
 		body string
 		want string
 	}{
-		"good with certificates":           {withCerts("node-02"), "ok"},
+		"good with certificates": {withCerts("node-02"), "ok"},
+		"good cluster ca": {withCerts("node-02", "  cluster_ca:\n    enabled: true\n    cert_file: "+filepath.Join(pki, identity.IntermediateCertFile)+
+			"\n    key_file: "+filepath.Join(pki, identity.IntermediateKeyFile)+"\n"), "ok"},
+		"cluster ca of another chain": {withCerts("node-02", "  cluster_ca:\n    enabled: true\n    cert_file: "+filepath.Join(otherPKI, identity.IntermediateCertFile)+
+			"\n    key_file: "+filepath.Join(otherPKI, identity.IntermediateKeyFile)+"\n"), "does not chain to tls.ca_file"},
+		"backend tls files": {withCerts("node-02") + "backends:\n  pivirtd:\n    endpoint: unix:///run/pivirtd/pivirtd.sock\n    tls:\n      enabled: true\n      ca_file: " + dir + "/none.pem\n",
+			"backends.pivirtd.tls"},
+		"etcd tls files": {withCerts("node-02") + "service_discovery:\n  type: etcd\n  etcd:\n    endpoints: [\"https://127.0.0.1:2379\"]\n    ca_file: " + dir + "/none.pem\n",
+			"service_discovery.etcd"},
 		"another node's agent certificate": {withCerts("node-01"), `is the agent identity of node "node-02", but node_name is "node-01"`},
 		"good":                             {"data_dir: " + dir + "\ntls:\n  enabled: false\n", "ok"},
 		"bad value":                        {"data_dir: " + dir + "\ntls:\n  enabled: false\nrate_limiting:\n  enabled: true\n  requests_per_second: 0\n", "rate_limiting.requests_per_second"},

@@ -184,7 +184,25 @@ func Write(w io.Writer, meta Meta, state io.Reader) error {
 // the start again, state.bin as the FSM restores it. On error the Info
 // holds what was read before the problem (Meta once meta.json was read),
 // for display.
-func Verify(r io.ReadSeeker) (*Info, error) {
+func Verify(r io.ReadSeeker) (*Info, error) { return VerifyWithin(r, 0) }
+
+// VerifyWithin is Verify for an archive whose state.bin may hold at most
+// maxState bytes (0: no bound): a larger one — a small archive that
+// decompresses to more than the reader can hold — is refused on the
+// sizes its headers declare, before any of it is decompressed.
+func VerifyWithin(r io.ReadSeeker, maxState int64) (*Info, error) {
+	info := &Info{}
+	if maxState > 0 {
+		if _, err := open(bufio.NewReaderSize(r, 64<<10), &info.Meta); err != nil {
+			return info, err
+		}
+		if info.Meta.Size > maxState {
+			return info, invalidf("%s is %d bytes uncompressed, more than the %d this reader accepts", StateFile, info.Meta.Size, maxState)
+		}
+		if _, err := r.Seek(0, io.SeekStart); err != nil {
+			return info, fmt.Errorf("snapshot archive: %w", err)
+		}
+	}
 	info, err := verify(bufio.NewReaderSize(r, 64<<10), nil)
 	if err != nil {
 		return info, err

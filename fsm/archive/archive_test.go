@@ -355,6 +355,24 @@ func TestVerifyChecksSumsFirst(t *testing.T) {
 	}
 }
 
+// TestVerifyWithinRefusesABomb: a 64 MiB state that compresses to a few
+// hundred KiB, with valid checksums, is refused on its declared size before
+// it is decompressed, and passes without the bound.
+func TestVerifyWithinRefusesABomb(t *testing.T) {
+	st := append(state(t, 5), make([]byte, 64<<20)...) // zeros compress well; the decoder never gets there
+	file := writeArchive(t, testMeta(len(st)), st)
+	if len(file) > 1<<20 {
+		t.Fatalf("the archive is %d bytes, not a bomb", len(file))
+	}
+	_, err := archive.VerifyWithin(bytes.NewReader(file), 1<<20)
+	if !errors.Is(err, archive.ErrInvalid) || !strings.Contains(err.Error(), "more than the 1048576 this reader accepts") {
+		t.Fatalf("VerifyWithin = %v, want a refusal on the declared size", err)
+	}
+	if _, err := archive.VerifyWithin(bytes.NewReader(file), 0); err == nil || strings.Contains(err.Error(), "this reader accepts") {
+		t.Fatalf("without a bound: %v, want the state's own decoding error", err)
+	}
+}
+
 // TestReaderChecksState: a Reader whose state was tampered with fails on
 // Close.
 func TestReaderChecksState(t *testing.T) {

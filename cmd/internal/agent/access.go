@@ -2,10 +2,14 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -349,6 +353,7 @@ func CheckFiles(cfg *config.Config) error {
 			errs = append(errs, err)
 		}
 	}
+	errs = append(errs, checkOtherTLSFiles(cfg)...)
 	if cfg.TLS.Enabled && !cfg.Dev {
 		srv := cfg.Server.ConnectRPC.TLS
 		for _, c := range []struct{ key, cert, keyFile, ca string }{
@@ -366,10 +371,74 @@ func CheckFiles(cfg *config.Config) error {
 				} else if err := checkAgentName(cfg, &agentTLS{client: src}); err != nil {
 					errs = append(errs, err)
 				}
+				if err := checkClusterCAFiles(cfg, src); err != nil {
+					errs = append(errs, err)
+				}
 			}
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// checkOtherTLSFiles loads the TLS files of the backends and of etcd as
+// the agent does at start.
+func checkOtherTLSFiles(cfg *config.Config) []error {
+	var errs []error
+	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
+		bt := cfg.Backends[name].TLS
+		if !bt.Enabled {
+			continue
+		}
+		cert, key, ca, err := backendFiles(cfg, name, bt)
+		if err == nil {
+			_, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca})
+			if err != nil {
+				err = fmt.Errorf("backends.%s.tls: %w", name, err)
+			}
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if ec := cfg.ServiceDiscovery.Etcd; cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
+		switch {
+		case ec.CAFile != "":
+			if _, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile}); err != nil {
+				errs = append(errs, fmt.Errorf("service_discovery.etcd: %w", err))
+			}
+		case ec.CertFile != "":
+			if _, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile); err != nil {
+				errs = append(errs, fmt.Errorf("service_discovery.etcd.cert_file: %w", err))
+			}
+		}
+	}
+	return errs
+}
+
+// checkClusterCAFiles checks tls.cluster_ca's intermediate as a leader
+// installing it would: it parses with its key and chains to tls.ca_file
+// (trust: the tls block's source).
+func checkClusterCAFiles(cfg *config.Config, trust *identity.Source) error {
+	cc := cfg.TLS.ClusterCA
+	if !cc.Enabled || cc.CertFile == "" {
+		return nil
+	}
+	certPEM, err := os.ReadFile(cc.CertFile)
+	if err != nil {
+		return fmt.Errorf("tls.cluster_ca.cert_file: %w", err)
+	}
+	keyPEM, err := os.ReadFile(cc.KeyFile)
+	if err != nil {
+		return fmt.Errorf("tls.cluster_ca.key_file: %w", err)
+	}
+	ca, err := identity.ParseCertAuthority(certPEM, keyPEM)
+	if err != nil {
+		return fmt.Errorf("tls.cluster_ca: %w", err)
+	}
+	if err := trust.VerifyChain(ca.Chain, x509.ExtKeyUsageAny); err != nil {
+		return fmt.Errorf("tls.cluster_ca.cert_file %s does not chain to tls.ca_file, so certificates it signs would not be trusted: %w", cc.CertFile, err)
+	}
+	return nil
 }
 
 func cmpOr(vals ...string) string {

@@ -186,25 +186,34 @@ func (a *Agent) registryEndpoints(ctx context.Context, service string, update fu
 // block's: the agent's own client identity and CA chain. With
 // auth.network_policy set, a backend whose certificate no policy lets the
 // agent's identity reach on the endpoint's port is refused.
+// backendFiles are the certificate, key and CA files of a backend's TLS:
+// the backend's own, else the top-level tls block's.
+func backendFiles(cfg *config.Config, name string, bt config.BackendTLSConfig) (cert, key, ca string, err error) {
+	cert, key, ca = bt.CertFile, bt.KeyFile, bt.CAFile
+	if cert == "" {
+		cert, key = cfg.TLS.CertFile, cfg.TLS.KeyFile
+	}
+	if ca == "" {
+		ca = cfg.TLS.CAFile
+	}
+	if ca == "" {
+		return "", "", "", fmt.Errorf("backends.%s.tls.ca_file: required (the tls block has no ca_file either)", name)
+	}
+	return cert, key, ca, nil
+}
+
 func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, error) {
 	if !bt.Enabled {
 		return nil, nil
 	}
-	cert, key, ca := bt.CertFile, bt.KeyFile, bt.CAFile
-	if cert == "" {
-		cert, key = a.cfg.TLS.CertFile, a.cfg.TLS.KeyFile
-	}
-	if ca == "" {
-		ca = a.cfg.TLS.CAFile
-	}
-	if ca == "" {
-		return nil, fmt.Errorf("backends.%s.tls.ca_file: required (the tls block has no ca_file either)", name)
+	cert, key, ca, err := backendFiles(a.cfg, name, bt)
+	if err != nil {
+		return nil, err
 	}
 	src := (*identity.Source)(nil)
 	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
 		src = a.tls.client
 	} else {
-		var err error
 		if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
 			return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
 		}
