@@ -108,6 +108,16 @@ func TestGossipKeyAloneAdmitsNoServer(t *testing.T) {
 	victimID := victim.NodeID()
 	c.Kill(vi)
 	imps = append(imps, startImpostor(t, victim.Name+"-again", victimID, leader.GossipAddr(), key))
+	// Failure detection is not slowed by the crowd: the stopped server is
+	// seen failed as soon as without it (the local profile: seconds).
+	agenttest.Eventually(t, 30*time.Second, "the stopped server seen failed", func() error {
+		for _, m := range leader.Gossip().Members() {
+			if m.Name == victim.Name && m.Status != cluster.StatusFailed && m.Status != cluster.StatusLeft {
+				return fmt.Errorf("%s is %v", m.Name, m.Status)
+			}
+		}
+		return nil
+	})
 
 	// Every impostor is asked (its internal address dialled) at least twice:
 	// two reconciliations looked at it. (Unless the configuration changed,
