@@ -142,6 +142,7 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 		// starts the next term.
 		return
 	}
+	w.completeRestore(ctx)
 	w.readyTerm.Store(term)
 	w.cfg.Logger.Info("leadership established", "term", st.Term, "index", st.AppliedIndex)
 
@@ -196,10 +197,38 @@ func (w *Work) startCommon(ctx context.Context, wg *sync.WaitGroup, state schedu
 	wg.Go(func() { scheduler.RunDispatcher(ctx, w.cfg.Dispatcher, state, w.cfg.Proposer, w.cfg.Invoke) })
 }
 
+// completeRestore writes the Restored marker of a snapshot restore whose
+// leader stopped between installing the state and committing the marker:
+// the state then sits at a Raft index its FSM never reaches (the FSM holds
+// the archive's index; no entry follows the restore), so every consistent
+// read would wait for it until the next write. The marker moves every
+// table's index past the restore, as the restore itself would have.
+func (w *Work) completeRestore(ctx context.Context) {
+	s := w.cfg.Store
+	idx, err := s.ReadIndex(ctx)
+	if err != nil || w.cfg.FSM.AppliedIndex() >= idx {
+		return
+	}
+	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
+		SnapshotIndex: w.cfg.FSM.AppliedIndex(),
+	}}})
+	if err != nil {
+		w.cfg.Logger.Error("encode restore marker", "error", err)
+		return
+	}
+	w.cfg.Logger.Warn("completing a snapshot restore whose marker was not committed (its leader stopped)",
+		"fsm_index", w.cfg.FSM.AppliedIndex(), "raft_index", idx)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := resultErr(w.cfg.Proposer.Apply(ctx, data)); err != nil && ctx.Err() == nil {
+		w.cfg.Logger.Warn("could not complete the snapshot restore; the next leader term tries again", "error", err)
+	}
+}
+
 // ensureClusterID gives the cluster its ID the first time a leader is
 // established: a random UUID under gateway.ClusterIDKey, written with
 // compare-and-set on "absent" so that two leaders in a row cannot both set
-// one. A restored snapshot brings the ID of the cluster it was taken from.
+// one. A snapshot restore keeps the cluster's ID.
 func (w *Work) ensureClusterID(ctx context.Context) {
 	if _, err := w.cfg.FSM.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
 		return
