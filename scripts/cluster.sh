@@ -67,6 +67,7 @@ start() {
       echo $! >"$dir/$name-sim.pid"
     fi
     cat >"$dir/$name.yaml" <<YAML
+node_name: $name   # the node its agent certificate names
 tls:
   enabled: true
   ca_file: $certs/ca-chain.pem
