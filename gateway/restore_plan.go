@@ -131,28 +131,18 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	if p.state, err = os.CreateTemp(s.cfg.TempDir, RestoreTempPattern); err != nil {
 		return nil, fmt.Errorf("snapshot restore: %w", err)
 	}
-	cw := &countingWriter{w: p.state}
-	if err := final.WriteSnapshot(cw); err != nil {
+	if err := final.WriteSnapshot(p.state); err != nil {
 		p.close()
 		return nil, fmt.Errorf("snapshot restore: write the state to restore: %w", err)
 	}
-	p.size = cw.n
-	if _, err := p.state.Seek(0, io.SeekStart); err != nil {
+	if p.size, err = p.state.Seek(0, io.SeekCurrent); err == nil {
+		_, err = p.state.Seek(0, io.SeekStart)
+	}
+	if err != nil {
 		p.close()
 		return nil, err
 	}
 	return p, nil
-}
-
-type countingWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (c *countingWriter) Write(b []byte) (int, error) {
-	n, err := c.w.Write(b)
-	c.n += int64(n)
-	return n, err
 }
 
 // checkRestored checks one restored record with the write path's rules

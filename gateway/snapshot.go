@@ -537,29 +537,14 @@ func (s *SnapshotService) restoreRemote(ctx context.Context, internalAddr string
 	if err != nil {
 		return nil, cluster.StreamError(err)
 	}
-	buf := make([]byte, snapshotChunk)
-	for first := true; ; first = false {
-		n, rerr := io.ReadFull(f, buf)
-		if n > 0 || first {
-			// SendMsg may hold on to the message: a new slice each time.
-			m := &clusterv1.RestoreSnapshotRequest{Data: append([]byte(nil), buf[:n]...)}
-			if first {
-				m.Caller = caller
-			}
-			if err := stream.Send(m); err != nil {
-				if errors.Is(err, io.EOF) {
-					// The leader ended the call: its status says why.
-					break
-				}
-				return nil, cluster.StreamError(err)
-			}
+	if err := upload(f, func(data []byte, first bool) error {
+		m := &clusterv1.RestoreSnapshotRequest{Data: data}
+		if first {
+			m.Caller = caller
 		}
-		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
-			break
-		}
-		if rerr != nil {
-			return nil, rerr
-		}
+		return stream.Send(m)
+	}); err != nil {
+		return nil, err
 	}
 	resp, err := stream.CloseAndRecv()
 	if err != nil {
@@ -586,33 +571,45 @@ func (s *SnapshotService) planRemote(ctx context.Context, internalAddr string, f
 	if err != nil {
 		return nil, cluster.StreamError(err)
 	}
-	buf := make([]byte, snapshotChunk)
-	for first := true; ; first = false {
-		n, rerr := io.ReadFull(f, buf)
-		if n > 0 || first {
-			m := &clusterv1.PlanRestoreRequest{Data: append([]byte(nil), buf[:n]...)}
-			if first {
-				m.Caller = caller
-			}
-			if err := stream.Send(m); err != nil {
-				if errors.Is(err, io.EOF) {
-					break
-				}
-				return nil, cluster.StreamError(err)
-			}
+	if err := upload(f, func(data []byte, first bool) error {
+		m := &clusterv1.PlanRestoreRequest{Data: data}
+		if first {
+			m.Caller = caller
 		}
-		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
-			break
-		}
-		if rerr != nil {
-			return nil, rerr
-		}
+		return stream.Send(m)
+	}); err != nil {
+		return nil, err
 	}
 	resp, err := stream.CloseAndRecv()
 	if err != nil {
 		return nil, notApplied(cluster.StreamError(err, stream.Trailer()))
 	}
 	return &clusterv1.RestoreSnapshotResponse{Meta: resp.GetMeta(), Plan: resp.GetPlan()}, nil
+}
+
+// upload sends the archive f in snapshotChunk pieces (at least one message,
+// which carries what goes first). A send that meets io.EOF means the leader
+// ended the call: the caller's CloseAndRecv has its status.
+func upload(f *os.File, send func(data []byte, first bool) error) error {
+	buf := make([]byte, snapshotChunk)
+	for first := true; ; first = false {
+		n, rerr := io.ReadFull(f, buf)
+		if n > 0 || first {
+			// SendMsg may hold on to the message: a new slice each time.
+			if err := send(append([]byte(nil), buf[:n]...), first); err != nil {
+				if errors.Is(err, io.EOF) {
+					return nil
+				}
+				return cluster.StreamError(err)
+			}
+		}
+		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
+			return nil
+		}
+		if rerr != nil {
+			return rerr
+		}
+	}
 }
 
 func metaProto(m archive.Meta) *clusterv1.SnapshotMeta {

@@ -81,6 +81,28 @@ func (e *accessEnv) forged() string {
 
 const registerPath = "/pivirt.cluster.v1.ClusterService/RegisterService"
 
+// dripRequest is a RegisterService call whose body drips in until done:
+// Connect JSON, or gRPC announcing a message of grpcLen bytes.
+func (e *accessEnv) dripRequest(t *testing.T, grpc bool, grpcLen uint32, done <-chan struct{}) (*http.Request, *dripBody) {
+	t.Helper()
+	body := &dripBody{first: []byte(`{"instance":{"service":"`), done: done}
+	if grpc {
+		var prefix [5]byte
+		binary.BigEndian.PutUint32(prefix[1:], grpcLen)
+		body.first = prefix[:]
+	}
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, "https://"+e.n.APIAddr()+registerPath, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if grpc {
+		req.Header.Set("Content-Type", "application/grpc")
+		req.Header.Set("Te", "trailers")
+	}
+	return req, body
+}
+
 // TestNothingIsReadBeforeAuthentication is the attack of a caller without
 // valid credentials who sends bodies that never end or are huge: every call
 // is answered as soon as its headers are in, over Connect (HTTP/1.1 and
@@ -112,21 +134,7 @@ func TestNothingIsReadBeforeAuthentication(t *testing.T) {
 		{"grpc, no credentials", true, true, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			body := &dripBody{first: []byte(`{"instance":{"service":"`), done: done}
-			if tc.grpc {
-				var prefix [5]byte
-				binary.BigEndian.PutUint32(prefix[1:], 15<<20) // a 15 MiB message that never comes
-				body.first = prefix[:]
-			}
-			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, "https://"+e.n.APIAddr()+registerPath, body)
-			if err != nil {
-				t.Fatal(err)
-			}
-			req.Header.Set("Content-Type", "application/json")
-			if tc.grpc {
-				req.Header.Set("Content-Type", "application/grpc")
-				req.Header.Set("Te", "trailers")
-			}
+			req, _ := e.dripRequest(t, tc.grpc, 15<<20, done) // gRPC: a 15 MiB message that never comes
 			if tc.token != "" {
 				req.Header.Set("Authorization", "Bearer "+tc.token)
 			}
@@ -203,21 +211,7 @@ func TestSlowBodiesAreCut(t *testing.T) {
 		grpc bool
 	}{{"connect http/1.1", false, false}, {"connect http/2", true, false}, {"grpc", true, true}} {
 		t.Run(tc.name, func(t *testing.T) {
-			body := &dripBody{first: []byte(`{"instance":{"service":"`), done: done}
-			if tc.grpc {
-				var prefix [5]byte
-				binary.BigEndian.PutUint32(prefix[1:], 100)
-				body.first = prefix[:]
-			}
-			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, "https://"+e.n.APIAddr()+registerPath, body)
-			if err != nil {
-				t.Fatal(err)
-			}
-			req.Header.Set("Content-Type", "application/json")
-			if tc.grpc {
-				req.Header.Set("Content-Type", "application/grpc")
-				req.Header.Set("Te", "trailers")
-			}
+			req, body := e.dripRequest(t, tc.grpc, 100, done)
 			start := time.Now()
 			resp, err := e.apiTransport(tc.h2, operator).Do(req)
 			if err == nil {
