@@ -3,6 +3,7 @@ package agent_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
@@ -118,10 +120,15 @@ func TestRestoreObeysTheWritePath(t *testing.T) {
 		_, err = st.ConfigEntry(agent.RBACPolicyKey)
 		return clusterID, ca, err == nil
 	}
-	idBefore, caBefore, _ := state()
-	if idBefore == "" {
-		t.Fatal("the cluster has no cluster.id")
-	}
+	// The first leader sets cluster.id just after its term starts.
+	var idBefore string
+	var caBefore []proto.Message
+	agenttest.Eventually(t, 30*time.Second, "the cluster has a cluster.id", func() error {
+		if idBefore, caBefore, _ = state(); idBefore == "" {
+			return errors.New("no cluster.id yet")
+		}
+		return nil
+	})
 	unchanged := func(what string) {
 		t.Helper()
 		id, ca, policySet := state()
