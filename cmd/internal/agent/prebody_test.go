@@ -304,13 +304,13 @@ func TestStreamsPerCallerAreBounded(t *testing.T) {
 	cancels[0]()
 	cancels = cancels[1:]
 	var last error
-	for range 50 { // the closed stream's place comes back once its handler returned
+	// The closed stream's place comes back once its handler returned.
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		c, err := open("alice")
 		if last = err; err == nil {
 			cancels = append(cancels, c)
 			break
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 	if last != nil {
 		t.Fatalf("a place freed by a closed stream: %v", last)
