@@ -122,6 +122,10 @@ func (g grpcNode) RenewCertificate(ctx context.Context, r *connect.Request[nodev
 	return callGRPC(ctx, r, g.c.RenewCertificate)
 }
 
+func (g grpcNode) ReportPlacements(ctx context.Context, r *connect.Request[nodev1.ReportPlacementsRequest]) (*connect.Response[nodev1.ReportPlacementsResponse], error) {
+	return callGRPC(ctx, r, g.c.ReportPlacements)
+}
+
 func (g grpcNode) Keyring(ctx context.Context, r *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {
 	return callGRPC(ctx, r, g.c.Keyring)
 }

@@ -59,6 +59,10 @@ func (nodeServer) RenewCertificate(context.Context, *nodev1.RenewCertificateRequ
 	return &nodev1.RenewCertificateResponse{CertPem: []byte("pem")}, nil
 }
 
+func (nodeServer) ReportPlacements(context.Context, *nodev1.ReportPlacementsRequest) (*nodev1.ReportPlacementsResponse, error) {
+	return &nodev1.ReportPlacementsResponse{}, nil
+}
+
 func first(v []string) string {
 	if len(v) == 0 {
 		return ""

@@ -10,6 +10,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 )
@@ -39,6 +40,29 @@ type NodeService struct {
 	gossip    *Gossip
 	signer    CertificateSigner
 	prove     func(nonce []byte) (*nodev1.IdentityProof, error)
+	place     func(ctx context.Context, op *fsmv1.SetPlacements) error
+}
+
+// SetPlacementSink makes ReportPlacements record a node's report with
+// place (on the leader: a Raft proposal; its errors are Connect errors).
+// Without one, ReportPlacements fails with Unimplemented.
+func (s *NodeService) SetPlacementSink(place func(ctx context.Context, op *fsmv1.SetPlacements) error) {
+	s.place = place
+}
+
+// ReportPlacements implements nodev1connect.NodeServiceHandler.
+func (s *NodeService) ReportPlacements(ctx context.Context, req *connect.Request[nodev1.ReportPlacementsRequest]) (*connect.Response[nodev1.ReportPlacementsResponse], error) {
+	if s.place == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this node keeps no placement catalog"))
+	}
+	op := req.Msg.GetPlacements()
+	if op == nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("placements: required"))
+	}
+	if err := s.place(ctx, op); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&nodev1.ReportPlacementsResponse{}), nil
 }
 
 // SetProver makes Status answer a nonce with an identity proof made by

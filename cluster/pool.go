@@ -134,6 +134,11 @@ func (p *Pool) conn(addr string) grpc.ClientConnInterface {
 	return c
 }
 
+// Conn is the connection to an agent's internal address (the placement
+// routing relays calls to other nodes' backends over it, with its own
+// codec per call).
+func (p *Pool) Conn(addr string) grpc.ClientConnInterface { return p.conn(addr) }
+
 // Forget closes and drops the connection to addr, if any (an address a
 // member claimed and could not back); the next use dials again.
 func (p *Pool) Forget(addr string) {

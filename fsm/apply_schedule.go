@@ -304,6 +304,9 @@ func (f *FSM) applyRecordRun(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	run.Attempts = in.GetAttempts()
 	run.Latency = in.GetLatency()
 	run.FinishedAt = in.GetFinishedAt()
+	if in.GetHost() != "" {
+		run.Host = in.GetHost()
+	}
 	run.ModifyIndex = t.index
 	if err := t.insert(TableScheduleRuns, run); err != nil {
 		return nil, err

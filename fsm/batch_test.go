@@ -151,6 +151,9 @@ func (g *logGen) op() *fsmv1.Command {
 		}
 		return setClusterCA(certPEM, keyPEM)
 	}
+	if g.r.IntN(30) == 0 {
+		return g.setPlacements()
+	}
 	if g.r.IntN(40) == 0 {
 		// A refusal (without a client ID or with an unknown code: rejected).
 		return &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{
@@ -255,6 +258,59 @@ func (g *logGen) op() *fsmv1.Command {
 			Attempts: uint32(g.r.IntN(3)), Error: g.pick("", "boom"),
 		})
 	}
+}
+
+// setPlacements returns a set_placements of one of two nodes: upserts
+// (moves between the nodes included), deletes, full listings, repeats,
+// and sometimes an invalid field.
+func (g *logGen) setPlacements() *fsmv1.Command {
+	kinds := PlacementKinds()
+	op := &fsmv1.SetPlacements{Node: g.pick("n1", "n2")}
+	used := map[string]bool{}
+	entry := func() *fsmv1.Placement {
+		e := &fsmv1.Placement{Kind: kinds[g.r.IntN(2)], Id: g.pick("a", "b", "c", "d")}
+		if used[e.Kind+"/"+e.Id] {
+			return nil
+		}
+		used[e.Kind+"/"+e.Id] = true
+		return e
+	}
+	for range g.r.IntN(4) {
+		if e := entry(); e != nil {
+			op.Upsert = append(op.Upsert, e)
+		}
+	}
+	for range g.r.IntN(2) {
+		if e := entry(); e != nil {
+			op.Delete = append(op.Delete, e)
+		}
+	}
+	if g.r.IntN(3) == 0 {
+		op.FullKinds = []string{kinds[g.r.IntN(2)]}
+	}
+	switch g.r.IntN(12) {
+	case 0:
+		op.Node = ""
+	case 1:
+		op.Upsert = append(op.Upsert, &fsmv1.Placement{Kind: "pods", Id: "x"})
+	case 2:
+		op.FullKinds = []string{"volumes", "volumes"}
+	case 3:
+		op.Delete = append(op.Delete, &fsmv1.Placement{Kind: "volumes", Id: "bad\x00id"})
+	case 4, 5:
+		// A repeat in one list (valid), or an entry in both (not).
+		if len(op.Upsert) > 0 {
+			op.Upsert = append(op.Upsert, op.Upsert[0])
+		}
+		if len(op.Delete) > 0 {
+			op.Delete = append(op.Delete, op.Delete[0])
+		}
+	case 6:
+		if len(op.Upsert) > 0 {
+			op.Delete = append(op.Delete, op.Upsert[0])
+		}
+	}
+	return &fsmv1.Command{Op: &fsmv1.Command_SetPlacements{SetPlacements: op}}
 }
 
 // TestLogGenCoversEveryCommand: the random logs of TestApplyBatchMatchesApply
@@ -708,6 +764,7 @@ func TestIndexKeys(t *testing.T) {
 	sched := &schedulev1.Schedule{Id: "s", VmId: "vm"}
 	run := &schedulev1.Run{ScheduleId: "s", Slot: ts}
 	rec := &fsmv1.DedupeRecord{ClientId: "c", Sequence: 9, Time: ts}
+	pl := &fsmv1.Placement{Kind: "volumes", Id: "v", Node: "n1"}
 	tests := []struct {
 		table, index string
 		obj          any
@@ -719,6 +776,8 @@ func TestIndexKeys(t *testing.T) {
 		{TableSchedules, indexID, sched, []byte("s\x00")},
 		{TableSchedules, indexVM, sched, []byte("vm\x00")},
 		{TableScheduleRuns, indexID, run, cat([]byte("s\x00"), tkey)},
+		{TablePlacements, indexID, pl, []byte("volumes\x00v\x00")},
+		{TablePlacements, indexNode, pl, []byte("n1\x00")},
 		{TableDedupe, indexID, rec, cat([]byte("c\x00"), u64(9))},
 		{TableIndex, indexID, &indexEntry{Table: "services"}, []byte("services\x00")},
 	}
@@ -751,6 +810,7 @@ func TestIndexKeys(t *testing.T) {
 		{func() ([]byte, error) { return serviceID.PrefixFromArgs("web", "a") }, []byte("web\x00a\x00")},
 		{func() ([]byte, error) { return configHistoryID.PrefixFromArgs("k") }, []byte("k\x00")},
 		{func() ([]byte, error) { return runID.PrefixFromArgs("s") }, []byte("s\x00")},
+		{func() ([]byte, error) { return placementID.PrefixFromArgs("volumes") }, []byte("volumes\x00")},
 		{func() ([]byte, error) { return serviceID.PrefixFromArgs() }, []byte{}},
 	} {
 		if got, err := tc.got(); err != nil || !bytes.Equal(got, tc.want) {

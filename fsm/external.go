@@ -227,6 +227,8 @@ func NewRecord(table string) proto.Message {
 		return &schedulev1.Run{}
 	case TableCA:
 		return &fsmv1.ClusterCA{}
+	case TablePlacements:
+		return &fsmv1.Placement{}
 	case TableDedupe:
 		return &fsmv1.DedupeRecord{}
 	}
@@ -297,6 +299,13 @@ func KeyRecord(table string, args ...any) (proto.Message, error) {
 		return &schedulev1.Run{ScheduleId: id, Slot: slot}, nil
 	case TableCA:
 		return &fsmv1.ClusterCA{}, nil
+	case TablePlacements:
+		kind, err := str(0)
+		if err != nil {
+			return nil, err
+		}
+		id, err := str(1)
+		return &fsmv1.Placement{Kind: kind, Id: id}, err
 	case TableDedupe:
 		id, err := str(0)
 		if err != nil {

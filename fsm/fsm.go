@@ -587,6 +587,7 @@ var appliers = map[protoreflect.Name]applyFunc{
 	"restored":           (*FSM).applyRestored,
 	"set_cluster_ca":     (*FSM).applySetClusterCA,
 	"refuse_write":       (*FSM).applyRefuseWrite,
+	"set_placements":     (*FSM).applySetPlacements,
 }
 
 // applyRefuseWrite records a write the leader refused: its outcome is the

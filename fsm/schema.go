@@ -29,6 +29,9 @@ const (
 	TableScheduleRuns = "schedule_runs"
 	// TableCA holds the cluster CA, *fsmv1.ClusterCA: at most one record.
 	TableCA = "ca"
+	// TablePlacements is the placement catalog: *fsmv1.Placement, keyed by
+	// (kind, id), the node whose backend holds each object.
+	TablePlacements = "placements"
 	// TableDedupe holds *fsmv1.DedupeRecord, keyed by (client_id, sequence).
 	TableDedupe = "dedupe"
 	// TableIndex records, per table, the last Raft index that changed it.
@@ -45,6 +48,7 @@ const (
 	// radix tree on every write.
 	indexIDPrefix = indexID + "_prefix"
 	indexVM       = "vm_id"
+	indexNode     = "node"
 )
 
 // tableServiceIndex is derived state, not replicated and not in
@@ -103,6 +107,10 @@ var (
 		strField((*schedulev1.Run).GetScheduleId),
 		timeField((*schedulev1.Run).GetSlot),
 	)
+	placementID = keyIndex(
+		strField((*fsmv1.Placement).GetKind),
+		strField((*fsmv1.Placement).GetId),
+	)
 	dedupeID = keyIndex(
 		strField((*fsmv1.DedupeRecord).GetClientId),
 		uintField((*fsmv1.DedupeRecord).GetSequence),
@@ -156,6 +164,14 @@ var tableDefs = []tableDef{
 		codec: protoCodec[*fsmv1.ClusterCA](),
 	},
 	{
+		name: TablePlacements,
+		indexes: indexes(
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: placementID},
+			&memdb.IndexSchema{Name: indexNode, Indexer: placementID.secondary(strField((*fsmv1.Placement).GetNode))},
+		),
+		codec: protoCodec[*fsmv1.Placement](),
+	},
+	{
 		name: TableDedupe,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: dedupeID},
@@ -173,7 +189,7 @@ var tableDefs = []tableDef{
 
 // tableSince is the snapshot format that added a table; the others exist
 // since format 1.
-var tableSince = map[string]uint32{TableCA: 2}
+var tableSince = map[string]uint32{TableCA: 2, TablePlacements: 3}
 
 // formatFor is the oldest snapshot format that can hold the given
 // non-empty tables: a snapshot is written in it, so that agents of an

@@ -29,9 +29,9 @@ import (
 const (
 	snapshotMagic = "PVSN"
 	// SnapshotFormatVersion is the snapshot format this version writes, and
-	// the newest it restores. Format 2 added the ca table; format 1
-	// snapshots restore with it empty.
-	SnapshotFormatVersion uint32 = 2
+	// the newest it restores. Format 2 added the ca table, format 3 the
+	// placements table; older snapshots restore with them empty.
+	SnapshotFormatVersion uint32 = 3
 
 	// maxHeaderSize and maxRecordSize bound what a restore allocates for one
 	// length prefix, so garbage cannot ask for gigabytes.

@@ -449,17 +449,34 @@ func TestFilterSnapshot(t *testing.T) {
 }
 
 // TestSnapshotFormatFollowsUse: a state whose newer tables were never
-// used is written in format 1; a Restored command (which touches every
-// table) or a cluster CA makes it format 2.
+// used is written in the oldest format that holds it: format 1 without a
+// cluster CA, format 2 with one, format 3 once the placement catalog has an
+// entry; a Restored command (which touches every table) makes it the
+// newest. A placement listing that changes nothing keeps the format.
 func TestSnapshotFormatFollowsUse(t *testing.T) {
+	format := func(h *harness) uint32 { return binary.BigEndian.Uint32(h.snapshot()[4:8]) }
 	h := newHarness(t)
 	populateV1(h)
-	if v := binary.BigEndian.Uint32(h.snapshot()[4:8]); v != 1 {
+	if v := format(h); v != 1 {
 		t.Errorf("format %d without a cluster CA, want 1", v)
 	}
 	h.mustApply(&fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "x", SnapshotIndex: 1}}})
-	if v := binary.BigEndian.Uint32(h.snapshot()[4:8]); v != 2 {
-		t.Errorf("format %d after a Restored command, want 2", v)
+	if v := format(h); v != SnapshotFormatVersion {
+		t.Errorf("format %d after a Restored command, want %d", v, SnapshotFormatVersion)
+	}
+
+	h = newHarness(t)
+	populateFormat(h, 2)
+	if v := format(h); v != 2 {
+		t.Errorf("format %d with a cluster CA, want 2", v)
+	}
+	h.mustApply(setPlacements("n1", []string{"virtualmachines", "volumes"}))
+	if v := format(h); v != 2 {
+		t.Errorf("format %d after an empty listing that changed nothing, want 2", v)
+	}
+	h.mustApply(setPlacements("n1", nil, placement("volumes", "v1")))
+	if v := format(h); v != 3 {
+		t.Errorf("format %d with a placement, want 3", v)
 	}
 }
 

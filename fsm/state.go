@@ -305,6 +305,39 @@ func (s *State) ClusterCA() (*fsmv1.ClusterCA, error) {
 	return first[*fsmv1.ClusterCA](s.txn, TableCA, indexID, clusterCAKey)
 }
 
+// Placement returns the placement catalog's entry of an object: the node
+// whose backend holds it, or nil when no node reported it.
+func (s *State) Placement(kind, id string) (*fsmv1.Placement, error) {
+	return first[*fsmv1.Placement](s.txn, TablePlacements, indexID, kind, id)
+}
+
+// Placements lists the placement catalog's entries of one kind, or of
+// every kind when kind is "", sorted by kind then ID.
+func (s *State) Placements(kind string, ws memdb.WatchSet) (uint64, []*fsmv1.Placement, error) {
+	var (
+		out []*fsmv1.Placement
+		err error
+	)
+	if kind == "" {
+		out, err = list[*fsmv1.Placement](s, ws, TablePlacements, indexID)
+	} else {
+		out, err = list[*fsmv1.Placement](s, ws, TablePlacements, indexIDPrefix, kind)
+	}
+	if err != nil {
+		return 0, nil, err
+	}
+	return s.Index(TablePlacements), out, nil
+}
+
+// PlacementsByNode lists the placement catalog's entries a node holds,
+// sorted by kind then ID.
+func (s *State) PlacementsByNode(node string) ([]*fsmv1.Placement, error) {
+	if node == "" {
+		return nil, nil
+	}
+	return list[*fsmv1.Placement](s, nil, TablePlacements, indexNode, node)
+}
+
 // WriteOutcome reports whether the write of a client ID and sequence was
 // applied (its dedupe record is kept) and, if so, its outcome: the Result
 // a repeat of it gets (Duplicate set): its index, nil or the error it was

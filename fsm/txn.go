@@ -30,10 +30,12 @@ func tableNum(name string) int {
 		return 4
 	case TableCA:
 		return 5
-	case TableDedupe:
+	case TablePlacements:
 		return 6
-	case TableIndex:
+	case TableDedupe:
 		return 7
+	case TableIndex:
+		return 8
 	}
 	return -1
 }

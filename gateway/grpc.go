@@ -125,6 +125,10 @@ func (g nodeGRPC) Keyring(ctx context.Context, r *nodev1.KeyringRequest) (*nodev
 	return unary(ctx, r, g.h.Keyring)
 }
 
+func (g nodeGRPC) ReportPlacements(ctx context.Context, r *nodev1.ReportPlacementsRequest) (*nodev1.ReportPlacementsResponse, error) {
+	return unary(ctx, r, g.h.ReportPlacements)
+}
+
 func (g nodeGRPC) RenewCertificate(ctx context.Context, r *nodev1.RenewCertificateRequest) (*nodev1.RenewCertificateResponse, error) {
 	return unary(ctx, r, g.h.RenewCertificate)
 }

@@ -78,10 +78,13 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		case fsm.TableCA:
 			out.CaIgnored = len(recs) > 0
 			fallthrough
-		case fsm.TableDedupe:
-			// This cluster's own: a CA is never taken from an upload, and
-			// a made-up dedupe record would answer a later write as done
-			// without applying it.
+		case fsm.TableDedupe, fsm.TablePlacements:
+			// This cluster's own: a CA is never taken from an upload, a
+			// made-up dedupe record would answer a later write as done
+			// without applying it, and the placement catalog says what
+			// the nodes' backends hold now, which a restore does not
+			// change (the nodes' next listings correct any entry that
+			// moves meanwhile).
 			if recs, err = current.Records(table); err != nil {
 				return nil, err
 			}

@@ -44,6 +44,28 @@ type ScheduleService struct {
 	// ShutdownDefault and Reboot for the others) on its VM: a schedule
 	// is not a way around RBAC.
 	authorize func(ctx context.Context, procedure string, req proto.Message) error
+	// vmExists, when set, checks that a schedule's VM exists (on any
+	// node) before the schedule is written.
+	vmExists func(ctx context.Context, vmID string) error
+}
+
+// SetVMCheck sets the check that a schedule's VM exists (the API port's
+// instance). check returns a Connect error: NotFound when no node holds
+// the VM.
+func (s *ScheduleService) SetVMCheck(check func(ctx context.Context, vmID string) error) {
+	s.vmExists = check
+}
+
+// checkVM refuses a schedule for a VM that does not exist.
+func (s *ScheduleService) checkVM(ctx context.Context, vmID string) error {
+	if s.vmExists == nil {
+		return nil
+	}
+	err := s.vmExists(ctx, vmID)
+	if connect.CodeOf(err) == connect.CodeNotFound {
+		return toConnect(invalid("schedule.vm_id", "%q: no node holds this VM (pvcli vm list shows the VMs of every node)", vmID))
+	}
+	return err
 }
 
 // SetAuthorize sets the check of the VM calls a schedule will make (the
@@ -166,6 +188,9 @@ func (s *ScheduleService) CreateSchedule(ctx context.Context, req *connect.Reque
 		req.Msg.Schedule.Id = "sched-" + hex.EncodeToString(sum[:6])
 	}
 	if err := s.authorizeVM(ctx, req.Msg.GetSchedule()); err != nil {
+		return nil, err
+	}
+	if err := s.checkVM(ctx, req.Msg.GetSchedule().GetVmId()); err != nil {
 		return nil, err
 	}
 	return onLeaderSchedules(ctx, s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.CreateScheduleRequest, ...grpc.CallOption) (*schedulev1.CreateScheduleResponse, error) {
@@ -320,6 +345,11 @@ func (s *ScheduleService) UpdateSchedule(ctx context.Context, req *connect.Reque
 			after.Action = in.GetAction()
 		}
 		if err := s.authorizeVM(ctx, after); err != nil {
+			return nil, err
+		}
+	}
+	if len(paths) == 0 || slices.Contains(paths, "vm_id") {
+		if err := s.checkVM(ctx, in.GetVmId()); err != nil {
 			return nil, err
 		}
 	}

@@ -24,8 +24,9 @@ import (
 )
 
 // Invoker calls a backend method: the gateway's backend clusters, so that
-// health checks, ejection and load balancing apply.
-type Invoker func(ctx context.Context, method string, req, resp proto.Message) error
+// health checks, ejection and load balancing apply, on the node that holds
+// the VM. It returns that node's name ("" when none was reached).
+type Invoker func(ctx context.Context, method string, req, resp proto.Message) (host string, err error)
 
 // The VM API methods of the actions.
 var actionMethods = map[schedulev1.Action]string{
@@ -507,12 +508,15 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 	actx, cancel := context.WithTimeout(ctx, d.cfg.ActionTimeout)
 	defer cancel()
 	method := actionMethods[s.GetAction()]
-	var err error
+	var (
+		err  error
+		host string
+	)
 	attempts := 0
 	for attempts < d.cfg.MaxAttempts {
 		attempts++
 		req, resp := actionRequest(s.GetAction(), s.GetVmId())
-		err = d.invoke(actx, method, req, resp)
+		host, err = d.invoke(actx, method, req, resp)
 		if !errors.Is(err, ErrNoBackend) || actx.Err() != nil {
 			break
 		}
@@ -529,7 +533,7 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 	run := &schedulev1.Run{
 		ScheduleId: s.GetId(), Slot: timestamppb.New(slot), Attempts: uint32(attempts),
 		Latency: durationpb.New(finished.Sub(started)), FinishedAt: timestamppb.New(finished),
-		Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK,
+		Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Host: host,
 	}
 	result := "ok"
 	if err != nil {

@@ -27,7 +27,12 @@ type calls struct {
 	delay time.Duration
 }
 
-func (c *calls) invoke(ctx context.Context, method string, req, _ proto.Message) error {
+// invoke is the dispatcher's Invoker: every VM is on node-a.
+func (c *calls) invoke(ctx context.Context, method string, req, resp proto.Message) (string, error) {
+	return "node-a", c.call(ctx, method, req, resp)
+}
+
+func (c *calls) call(ctx context.Context, method string, req, _ proto.Message) error {
 	if c.delay > 0 {
 		t := time.NewTimer(c.delay)
 		select {

@@ -97,14 +97,6 @@ backends:
   iscsiman:
     endpoint: unix://$sock
     timeout: 10s
-routing:
-  rules:
-    - match: {prefix: /pivirt.vm.v1.VMService}
-      route: {cluster: pivirtd}
-    - match: {prefix: /pivirt.network.v1.NetworkService}
-      route: {cluster: pivirtd}
-    - match: {prefix: /pivirt.storage.v1.StorageService}
-      route: {cluster: iscsiman}
 YAML
     "$bin/pivirt-agent" --config "$dir/$name.yaml" \
       --node-name "$name" --data-dir "$dir/$name" \

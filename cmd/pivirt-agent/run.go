@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
@@ -75,11 +77,33 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 				return fmt.Errorf("%s: %w", file, err)
 			}
 			fmt.Fprintf(stdout, "%s: ok\n", file)
+			describeMesh(stdout, cfg)
 			return nil
 		},
 	}
 	c.Flags().StringVar(&file, "config", "", "configuration file to check")
 	return c
+}
+
+// describeMesh prints the backends with their scope and the routes in
+// force (the defaults when the file has no routing block), and the APIs
+// left without a backend.
+func describeMesh(w io.Writer, cfg *config.Config) {
+	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
+		b := cfg.Backends[name]
+		fmt.Fprintf(w, "backend %s: %s, scope %s\n", name, b.Endpoint, b.EffectiveScope())
+	}
+	rules, unrouted := cfg.EffectiveRoutes()
+	origin := "routing.rules"
+	if len(cfg.Routing.Rules) == 0 {
+		origin = "default route"
+	}
+	for _, r := range rules {
+		fmt.Fprintf(w, "%s: %s -> %s\n", origin, r.Match.Prefix, r.Route.Cluster)
+	}
+	for _, u := range unrouted {
+		fmt.Fprintf(w, "not served: %s\n", u)
+	}
 }
 
 func versionCmd(stdout io.Writer) *cobra.Command {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"net/http"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -152,4 +153,25 @@ func truncate(s string) string {
 	}
 	r := []rune(s)
 	return string(r[:maxValueWidth-3]) + "..."
+}
+
+// unavailableNodesHeader is the response header in which a cluster-wide
+// list or watch names the nodes it could not reach
+// (mesh.UnavailableNodesHeader).
+const unavailableNodesHeader = "Pivirt-Unavailable-Nodes"
+
+// warnUnavailable prints, once per node, a warning that an answer lacks the
+// objects of the nodes its header names, rather than showing less in
+// silence.
+func (a *app) warnUnavailable(h http.Header) {
+	for _, n := range h.Values(unavailableNodesHeader) {
+		if a.warned == nil {
+			a.warned = map[string]bool{}
+		}
+		if a.warned[n] {
+			continue
+		}
+		a.warned[n] = true
+		fmt.Fprintf(a.stderr, "Warning: the objects of a node that did not answer are not shown (%s)\n", n)
+	}
 }

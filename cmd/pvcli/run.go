@@ -164,6 +164,8 @@ type app struct {
 
 	conn      *clientConn // built on first use
 	inCommand bool        // a command body started running
+	// warned: the unavailable nodes already named (warnUnavailable).
+	warned map[string]bool
 }
 
 func (a *app) close() {

@@ -44,6 +44,7 @@ func parseSize(flag, s string) (uint64, error) {
 func (a *app) newVolumeCmd() *cobra.Command {
 	var (
 		owner, size, newName string
+		host                 string
 		labels               []string
 		revision             uint64
 	)
@@ -65,7 +66,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 			}
 			vol := &storagev1.Volume{Name: args[0], SizeBytes: n, Metadata: &apiv1.ObjectMeta{Owner: owner, Labels: l}}
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.storage.CreateVolume(ctx, connect.NewRequest(&storagev1.CreateVolumeRequest{Volume: vol}))
+				resp, err := c.storage.CreateVolume(ctx, connect.NewRequest(&storagev1.CreateVolumeRequest{Volume: vol, Host: host}))
 				if err != nil {
 					return err
 				}
@@ -75,6 +76,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 	}
 	create.Flags().StringVar(&size, "size", "", "size, e.g. 20GiB (required)")
 	create.Flags().StringVar(&owner, "owner", "", "identity the volume belongs to (metadata.owner)")
+	create.Flags().StringVar(&host, "host", "", "node to create the volume on (default: the node of --endpoint)")
 	create.Flags().StringArrayVar(&labels, "label", nil, "label KEY=VALUE (repeatable)")
 
 	update := &cobra.Command{
@@ -117,7 +119,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 	update.Flags().StringArrayVar(&labels, "label", nil, "label KEY=VALUE (repeatable; replaces the labels)")
 	update.Flags().Uint64Var(&revision, "expected-revision", 0, "fail unless the volume is at this metadata.revision")
 
-	var listOwner string
+	var listOwner, listHost string
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List volumes",
@@ -125,10 +127,11 @@ func (a *app) newVolumeCmd() *cobra.Command {
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
 				all, err := allPages(func(token string) ([]*storagev1.Volume, string, error) {
-					resp, err := c.storage.ListVolumes(ctx, connect.NewRequest(&storagev1.ListVolumesRequest{Owner: listOwner, PageToken: token, PageSize: listPageSize}))
+					resp, err := c.storage.ListVolumes(ctx, connect.NewRequest(&storagev1.ListVolumesRequest{Owner: listOwner, Host: listHost, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
 						return nil, "", err
 					}
+					a.warnUnavailable(resp.Header())
 					return resp.Msg.GetVolumes(), resp.Msg.GetNextPageToken(), nil
 				})
 				if err != nil {
@@ -139,6 +142,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 		}),
 	}
 	list.Flags().StringVar(&listOwner, "owner", "", "only the volumes of this owner")
+	list.Flags().StringVar(&listHost, "host", "", "only the volumes of this node")
 
 	return groupCmd("volume", "Manage volumes (proxied to the iscsiman backend)",
 		list,
@@ -220,13 +224,13 @@ func (a *app) newVolumeCmd() *cobra.Command {
 
 func volumeTable(vols ...*storagev1.Volume) func(io.Writer) {
 	return func(w io.Writer) {
-		row(w, "ID", "NAME", "SIZE_BYTES", "WRITTEN_BYTES", "IQN", "OWNER", "REVISION")
+		row(w, "ID", "NAME", "SIZE_BYTES", "WRITTEN_BYTES", "IQN", "HOST", "OWNER", "REVISION")
 		for _, v := range vols {
 			if v == nil {
 				continue
 			}
 			row(w, v.GetId(), v.GetName(), formatUint(v.GetSizeBytes()), formatUint(v.GetWrittenBytes()), v.GetIqn(),
-				v.GetMetadata().GetOwner(), formatUint(v.GetMetadata().GetRevision()))
+				v.GetHost(), v.GetMetadata().GetOwner(), formatUint(v.GetMetadata().GetRevision()))
 		}
 	}
 }
@@ -234,6 +238,7 @@ func volumeTable(vols ...*storagev1.Volume) func(io.Writer) {
 func (a *app) newNetworkCmd() *cobra.Command {
 	var (
 		cidr, owner, newName string
+		host                 string
 		vlan, mtu            uint32
 		labels               []string
 		revision             uint64
@@ -252,7 +257,7 @@ func (a *app) newNetworkCmd() *cobra.Command {
 			}
 			n := &networkv1.Network{Name: args[0], Cidr: cidr, Vlan: vlan, Mtu: mtu, Metadata: &apiv1.ObjectMeta{Owner: owner, Labels: l}}
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.network.CreateNetwork(ctx, connect.NewRequest(&networkv1.CreateNetworkRequest{Network: n}))
+				resp, err := c.network.CreateNetwork(ctx, connect.NewRequest(&networkv1.CreateNetworkRequest{Network: n, Host: host}))
 				if err != nil {
 					return err
 				}
@@ -298,7 +303,7 @@ func (a *app) newNetworkCmd() *cobra.Command {
 	update.Flags().StringArrayVar(&labels, "label", nil, "label KEY=VALUE (repeatable; replaces the labels)")
 	update.Flags().Uint64Var(&revision, "expected-revision", 0, "fail unless the network is at this metadata.revision")
 
-	var listOwner string
+	var listOwner, listHost string
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List networks",
@@ -306,10 +311,11 @@ func (a *app) newNetworkCmd() *cobra.Command {
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
 				all, err := allPages(func(token string) ([]*networkv1.Network, string, error) {
-					resp, err := c.network.ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{Owner: listOwner, PageToken: token, PageSize: listPageSize}))
+					resp, err := c.network.ListNetworks(ctx, connect.NewRequest(&networkv1.ListNetworksRequest{Owner: listOwner, Host: listHost, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
 						return nil, "", err
 					}
+					a.warnUnavailable(resp.Header())
 					return resp.Msg.GetNetworks(), resp.Msg.GetNextPageToken(), nil
 				})
 				if err != nil {
@@ -320,6 +326,7 @@ func (a *app) newNetworkCmd() *cobra.Command {
 		}),
 	}
 	list.Flags().StringVar(&listOwner, "owner", "", "only the networks of this owner")
+	list.Flags().StringVar(&listHost, "host", "", "only the networks of this node")
 
 	return groupCmd("network", "Manage virtual networks (proxied to the pivirtd backend)",
 		list,
@@ -358,13 +365,13 @@ func (a *app) newNetworkCmd() *cobra.Command {
 
 func networkTable(nets ...*networkv1.Network) func(io.Writer) {
 	return func(w io.Writer) {
-		row(w, "ID", "NAME", "CIDR", "VLAN", "MTU", "OWNER", "REVISION")
+		row(w, "ID", "NAME", "CIDR", "VLAN", "MTU", "HOST", "OWNER", "REVISION")
 		for _, n := range nets {
 			if n == nil {
 				continue
 			}
 			row(w, n.GetId(), n.GetName(), n.GetCidr(), strconv.FormatUint(uint64(n.GetVlan()), 10), strconv.FormatUint(uint64(n.GetMtu()), 10),
-				n.GetMetadata().GetOwner(), formatUint(n.GetMetadata().GetRevision()))
+				n.GetHost(), n.GetMetadata().GetOwner(), formatUint(n.GetMetadata().GetRevision()))
 		}
 	}
 }

@@ -19,7 +19,7 @@ import (
 )
 
 func (a *app) newVMCmd() *cobra.Command {
-	var owner string
+	var owner, listHost string
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List VMs",
@@ -27,10 +27,11 @@ func (a *app) newVMCmd() *cobra.Command {
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
 				all, err := allPages(func(token string) ([]*vmv1.VM, string, error) {
-					resp, err := c.vm.ListVMs(ctx, connect.NewRequest(&vmv1.ListVMsRequest{Owner: owner, PageToken: token, PageSize: listPageSize}))
+					resp, err := c.vm.ListVMs(ctx, connect.NewRequest(&vmv1.ListVMsRequest{Owner: owner, Host: listHost, PageToken: token, PageSize: listPageSize}))
 					if err != nil {
 						return nil, "", err
 					}
+					a.warnUnavailable(resp.Header())
 					return resp.Msg.GetVms(), resp.Msg.GetNextPageToken(), nil
 				})
 				if err != nil {
@@ -41,24 +42,30 @@ func (a *app) newVMCmd() *cobra.Command {
 		}),
 	}
 	list.Flags().StringVar(&owner, "owner", "", "only the VMs of this owner")
+	list.Flags().StringVar(&listHost, "host", "", "only the VMs of this node")
 
-	var watchOwner string
+	var watchOwner, watchHost string
 	watch := &cobra.Command{
 		Use:   "watch",
 		Short: "Print the VMs, then every change, until interrupted (or --timeout)",
 		Args:  positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
-				stream, err := c.vm.WatchVMs(ctx, connect.NewRequest(&vmv1.WatchVMsRequest{Owner: watchOwner}))
+				stream, err := c.vm.WatchVMs(ctx, connect.NewRequest(&vmv1.WatchVMsRequest{Owner: watchOwner, Host: watchHost}))
 				if err != nil {
 					return err
 				}
 				defer stream.Close()
+				warned := false
 				for stream.Receive() {
+					if !warned {
+						a.warnUnavailable(stream.ResponseHeader())
+						warned = true
+					}
 					ev := stream.Msg()
 					if err := a.render(ev, func(w io.Writer) {
 						vm := ev.GetVm()
-						row(w, enumName(ev.GetType()), vm.GetId(), vm.GetName(), enumName(vm.GetPowerState()), vm.GetMetadata().GetOwner())
+						row(w, enumName(ev.GetType()), vm.GetId(), vm.GetName(), enumName(vm.GetPowerState()), vm.GetHost(), vm.GetMetadata().GetOwner())
 					}); err != nil {
 						return err
 					}
@@ -71,6 +78,7 @@ func (a *app) newVMCmd() *cobra.Command {
 		}),
 	}
 	watch.Flags().StringVar(&watchOwner, "owner", "", "only the VMs of this owner")
+	watch.Flags().StringVar(&watchHost, "host", "", "only the VMs of this node")
 
 	power := func(use, short string, call func(ctx context.Context, c *clientConn, id string) (*vmv1.VM, error)) *cobra.Command {
 		return &cobra.Command{
@@ -169,6 +177,7 @@ type vmFlags struct {
 	networks  []string
 	owner     string
 	labels    []string
+	host      string
 }
 
 func (f *vmFlags) register(cmd *cobra.Command, create bool) {
@@ -183,6 +192,7 @@ func (f *vmFlags) register(cmd *cobra.Command, create bool) {
 	fs.StringArrayVar(&f.labels, "label", nil, "label KEY=VALUE (repeatable)")
 	if create {
 		fs.StringVar(&f.owner, "owner", "", "identity the VM belongs to (metadata.owner)")
+		fs.StringVar(&f.host, "host", "", "node to create the VM on (default: the node of --endpoint)")
 	}
 }
 
@@ -200,7 +210,7 @@ func (a *app) newVMCreateCmd() *cobra.Command {
 			vm := &vmv1.VM{Name: args[0], Vcpus: f.vcpus, MemoryMib: f.memoryMiB, Disks: f.disks, Networks: f.networks,
 				Metadata: &apiv1.ObjectMeta{Owner: f.owner, Labels: labels}}
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.vm.CreateVM(ctx, connect.NewRequest(&vmv1.CreateVMRequest{Vm: vm}))
+				resp, err := c.vm.CreateVM(ctx, connect.NewRequest(&vmv1.CreateVMRequest{Vm: vm, Host: f.host}))
 				if err != nil {
 					return err
 				}

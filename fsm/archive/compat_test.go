@@ -32,11 +32,12 @@ var released = []struct {
 }{
 	{1, 1, "v1"},
 	{1, 2, "v1-state2"},
+	{1, 3, "v1-state3"},
 }
 
 // tableSince is the state format that added a table (those not listed
 // exist since format 1).
-var tableSince = map[string]uint32{fsm.TableCA: 2}
+var tableSince = map[string]uint32{fsm.TableCA: 2, fsm.TablePlacements: 3}
 
 // compatState is the state every compatibility archive of a state format
 // holds: a record in every table of that format.
@@ -68,6 +69,12 @@ func compatState(t *testing.T, stateFormat uint32) *fsm.FSM {
 	if stateFormat >= 2 {
 		certPEM, keyPEM := fsmtest.CA()
 		cmds = append(cmds, &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}})
+	}
+	if stateFormat >= 3 {
+		cmds = append(cmds, &fsmv1.Command{Op: &fsmv1.Command_SetPlacements{SetPlacements: &fsmv1.SetPlacements{
+			Node: "node1", FullKinds: []string{"virtualmachines"},
+			Upsert: []*fsmv1.Placement{{Kind: "virtualmachines", Id: "vm-1"}, {Kind: "volumes", Id: "pool/vm-1-disk0"}},
+		}}})
 	}
 	for i, cmd := range cmds {
 		cmd.Time = ts(i)

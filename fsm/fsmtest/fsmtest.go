@@ -49,9 +49,10 @@ type Step struct {
 // FormatSteps[v] is how many of the first steps of FullState fill the
 // tables of snapshot format v: its golden state. Format 1: services,
 // config, config_history, schedules, schedule_runs, dedupe, index; format 2
-// added ca. The last entry is the current format: every step. A new format
-// appends its steps to FullState and an entry here.
-var FormatSteps = []int{1: 14, 2: 15}
+// added ca, format 3 placements. The last entry is the current format:
+// every step. A new format appends its steps to FullState and an entry
+// here.
+var FormatSteps = []int{1: 14, 2: 15, 3: 17}
 
 // FullState returns the steps that put records in every table of the
 // state: applied in order at consecutive indexes from 1, step i at leader
@@ -84,6 +85,12 @@ func FullState() []Step {
 	claim := func(slot *timestamppb.Timestamp, skipped ...*timestamppb.Timestamp) *fsmv1.Command {
 		return &fsmv1.Command{Op: &fsmv1.Command_ClaimSlot{ClaimSlot: &fsmv1.ClaimSlot{
 			ScheduleId: "s1", Slot: slot, Node: "node-2", Skipped: skipped,
+		}}}
+	}
+	placement := func(kind, id string) *fsmv1.Placement { return &fsmv1.Placement{Kind: kind, Id: id} }
+	setPlacements := func(node string, full []string, upsert ...*fsmv1.Placement) *fsmv1.Command {
+		return &fsmv1.Command{Op: &fsmv1.Command_SetPlacements{SetPlacements: &fsmv1.SetPlacements{
+			Node: node, Upsert: upsert, FullKinds: full,
 		}}}
 	}
 	client := func(cmd *fsmv1.Command, id string, seq uint64) *fsmv1.Command {
@@ -120,6 +127,12 @@ func FullState() []Step {
 		{Cmd: client(&fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{Key: "missing"}}}, "client-3", 1), WantErr: "not_found"},
 		// Format 2.
 		{Cmd: &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}}},
+		// Format 3: node-1's full listing of VMs, then node-2 takes one of
+		// them (a migration) and reports a volume and a network.
+		{Cmd: client(setPlacements("node-1", []string{"virtualmachines"},
+			placement("virtualmachines", "vm-a"), placement("virtualmachines", "vm-b"), placement("volumes", "pool/disk 1")), "client-4", 1)},
+		{Cmd: setPlacements("node-2", nil,
+			placement("virtualmachines", "vm-b"), placement("volumes", "pool/disk 2"), placement("networks", "br0"))},
 	}
 	for i := range steps {
 		steps[i].Cmd.Time = At(i + 1)

@@ -46,6 +46,11 @@ const drainLimit = 10 * time.Minute
 type BackendConfig struct {
 	// Name is the cluster's name (backends.<name>).
 	Name string
+	// NodeScoped: the cluster is this node's own daemon (backends.<name>.scope
+	// node): the objects it holds live on this node, and the proxy routes
+	// calls naming objects of other nodes to those nodes' agents
+	// (SetPlacement).
+	NodeScoped bool
 	// Endpoint is unix:///abs/path, dns:///host:port, host:port,
 	// https://host[:port] or registry:///<service> (the instances of a
 	// service in the replicated registry, through Registry).
@@ -287,6 +292,9 @@ func (b *Backend) now() time.Time { return b.cfg.Now() }
 
 // Name is the cluster's name.
 func (b *Backend) Name() string { return b.cfg.Name }
+
+// NodeScoped reports whether the cluster is this node's own daemon.
+func (b *Backend) NodeScoped() bool { return b.cfg.NodeScoped }
 
 // serverName is the name an endpoint's certificate must carry.
 func (b *Backend) serverName(addr string) string {
@@ -535,6 +543,17 @@ func (b *Backend) Close() error {
 // String describes the backend for logs.
 func (b *Backend) String() string {
 	return b.cfg.Name + " (" + b.cfg.Endpoint + ", " + strconv.Itoa(len(b.Endpoints())) + " endpoints)"
+}
+
+// Conn is the connection to an available endpoint, for a long-lived call
+// of the agent's own (the placement catalog's watch); messages go with the
+// proto codec. It fails when no endpoint is available.
+func (b *Backend) Conn() (grpc.ClientConnInterface, error) {
+	ep, err := b.pick(nil)
+	if err != nil {
+		return nil, status.Error(codes.Unavailable, err.Error())
+	}
+	return ep.conn, nil
 }
 
 // Invoke makes one unary call to an endpoint of the cluster on behalf of

@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/dynamicpb"
 
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 )
@@ -18,6 +19,17 @@ type methodInfo struct {
 	// idempotent: the method's authorization verb is get or list, so it
 	// may be tried again.
 	idempotent bool
+	// rule is the method's authz annotation (nil: none); input and
+	// output its message types.
+	rule          *apiv1.Authorization
+	input, output protoreflect.MessageDescriptor
+	// listField holds a list method's objects.
+	listField protoreflect.FieldDescriptor
+	// getter reads one object of the method's resource by ID
+	// ("/pkg.Service/GetX"; "" when the service has none), with its
+	// request and response types.
+	getter              string
+	getterIn, getterOut protoreflect.MessageDescriptor
 }
 
 var methodCache sync.Map // full method name → methodInfo
@@ -36,9 +48,21 @@ func lookupMethod(fullMethod string) methodInfo {
 		if d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc)); err == nil {
 			if sd, ok := d.(protoreflect.ServiceDescriptor); ok {
 				if md := sd.Methods().ByName(protoreflect.Name(method)); md != nil {
-					info = methodInfo{known: true, clientStreams: md.IsStreamingClient(), serverStreams: md.IsStreamingServer()}
-					if a, ok := proto.GetExtension(md.Options(), apiv1.E_Authz).(*apiv1.Authorization); ok && a != nil {
+					info = methodInfo{known: true, clientStreams: md.IsStreamingClient(), serverStreams: md.IsStreamingServer(),
+						input: md.Input(), output: md.Output()}
+					if a := authzOf(md); a != nil {
+						info.rule = a
 						info.idempotent = a.GetVerb() == "get" || a.GetVerb() == "list"
+						if a.GetListField() != "" {
+							info.listField = md.Output().Fields().ByName(protoreflect.Name(a.GetListField()))
+							if info.listField != nil && (!info.listField.IsList() || info.listField.Message() == nil) {
+								info.listField = nil
+							}
+						}
+						if g := getterOf(sd, a.GetResource()); g != nil {
+							info.getter = "/" + string(sd.FullName()) + "/" + string(g.Name())
+							info.getterIn, info.getterOut = g.Input(), g.Output()
+						}
 					}
 				}
 			}
@@ -49,4 +73,36 @@ func lookupMethod(fullMethod string) methodInfo {
 		methodCache.Store(fullMethod, info)
 	}
 	return info
+}
+
+// authzOf is a method's authz annotation, nil when it has none.
+func authzOf(md protoreflect.MethodDescriptor) *apiv1.Authorization {
+	a, ok := proto.GetExtension(md.Options(), apiv1.E_Authz).(*apiv1.Authorization)
+	if !ok || a == nil || a.GetResource() == "" {
+		return nil
+	}
+	return a
+}
+
+// getterOf is the unary method of sd that reads one object of resource
+// by its "id" field.
+func getterOf(sd protoreflect.ServiceDescriptor, resource string) protoreflect.MethodDescriptor {
+	for i := range sd.Methods().Len() {
+		md := sd.Methods().Get(i)
+		a := authzOf(md)
+		if a == nil || a.GetResource() != resource || a.GetVerb() != "get" || a.GetIdField() != "id" || md.IsStreamingClient() || md.IsStreamingServer() {
+			continue
+		}
+		return md
+	}
+	return nil
+}
+
+// newMessage makes an empty message of md: the generated type when the
+// program links it, else a dynamic one.
+func newMessage(md protoreflect.MessageDescriptor) protoreflect.Message {
+	if mt, err := protoregistry.GlobalTypes.FindMessageByName(md.FullName()); err == nil {
+		return mt.New()
+	}
+	return dynamicpb.NewMessage(md)
 }

@@ -38,6 +38,12 @@ type Proxy struct {
 	routes []Route
 	logger *slog.Logger
 	stats  *Stats
+	// placement routes the calls of node-scoped backends by object
+	// (SetPlacement); nil: every call goes to this node's backend.
+	placement atomic.Pointer[Placement]
+	// local is set on the internal port's proxy (SetLocal): this node's
+	// name.
+	local string
 }
 
 // NewProxy returns a proxy with no routes. stats may be nil.
@@ -97,7 +103,15 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 		return status.Errorf(codes.Unimplemented, "unknown method %s: no routing rule matches it", method)
 	}
 	start := time.Now()
-	err := p.forward(ss, method, b)
+	var err error
+	switch pl := p.placement.Load(); {
+	case p.local != "":
+		err = p.serveForPeer(ss, method, b)
+	case pl != nil && b.NodeScoped():
+		err = p.place(ss, method, b, *pl)
+	default:
+		err = p.forward(ss, method, b, nil)
+	}
 	if p.stats != nil {
 		p.stats.observe(b.Name(), status.Code(err), time.Since(start))
 	}
@@ -107,8 +121,10 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 // forward sends the call to b. A call with one request message (unary or
 // server streaming, known from the schema) is read first and, when
 // idempotent, may be tried again (Retry); any other call makes one attempt
-// relayed as a stream in both directions.
-func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
+// relayed as a stream in both directions. first, when set, is the call's
+// first request message, already read (the placement routing reads it to
+// find the object); forward owns it.
+func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend, first *Frame) error {
 	b.inflight.Add(1)
 	defer b.inflight.Add(-1)
 	if p.stats != nil {
@@ -126,13 +142,16 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 		if info.idempotent {
 			attempts = max(1, b.cfg.Retry.MaxAttempts)
 		}
-		return p.forwardRetrying(ctx, ss, method, b, attempts, unary)
+		return p.forwardRetrying(ctx, ss, method, b, attempts, unary, first)
+	}
+	if first != nil {
+		defer first.Free()
 	}
 	ep, err := b.pick(nil)
 	if err != nil {
 		return status.Error(codes.Unavailable, err.Error())
 	}
-	res := p.attempt(ctx, ss, method, b, ep, nil, false)
+	res := p.attempt(ctx, ss, method, b, ep, nil, first, false)
 	return res.finish(ss)
 }
 
@@ -140,13 +159,12 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend) error {
 // (at most maxAttempts) until one succeeds, sends anything to the client,
 // fails with a code not worth retrying, or attempts, budget or deadline
 // run out.
-func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, maxAttempts int, unary bool) error {
-	req := new(Frame)
-	if err := ss.RecvMsg(req); err != nil {
-		if errors.Is(err, io.EOF) {
-			return status.Error(codes.InvalidArgument, "no request message")
+func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, maxAttempts int, unary bool, req *Frame) error {
+	if req == nil {
+		var err error
+		if req, err = recvFirst(ss); err != nil {
+			return err
 		}
-		return err
 	}
 	defer req.Free()
 	var (
@@ -163,7 +181,7 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 		}
 		tried = append(tried, ep)
 		if n == 1 {
-			res = p.attempt(ctx, ss, method, b, ep, req, unary)
+			res = p.attempt(ctx, ss, method, b, ep, req, nil, unary)
 		} else {
 			// A retry holds a slot of the budget while it runs.
 			release, ok := b.retryAllowed()
@@ -174,7 +192,7 @@ func (p *Proxy) forwardRetrying(ctx context.Context, ss grpc.ServerStream, metho
 			if p.stats != nil {
 				p.stats.retry(b.Name())
 			}
-			res = p.attempt(ctx, ss, method, b, ep, req, unary)
+			res = p.attempt(ctx, ss, method, b, ep, req, nil, unary)
 			release()
 		}
 		if res.err == nil || res.sent || res.clientGone || n >= maxAttempts || !res.retryable() {
@@ -236,13 +254,25 @@ func (r attemptResult) finish(ss grpc.ServerStream) error {
 	return r.err
 }
 
+// recvFirst reads a call's first request message.
+func recvFirst(ss grpc.ServerStream) (*Frame, error) {
+	req := new(Frame)
+	if err := ss.RecvMsg(req); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, status.Error(codes.InvalidArgument, "no request message")
+		}
+		return nil, err
+	}
+	return req, nil
+}
+
 // attempt makes one call on ep. With req set it sends that message and
 // closes the request side; otherwise it relays the client's messages as
-// they come. The backend's header goes to the client as soon as it
-// arrives (after that the call is the backend's: no retry), its messages
-// as they come. With timeout set, backends.<name>.timeout bounds the
-// attempt.
-func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, ep *Endpoint, req *Frame, timeout bool) (res attemptResult) {
+// they come (first, when set, before them: the first message, already
+// read). The backend's header goes to the client as soon as it arrives
+// (after that the call is the backend's: no retry), its messages as they
+// come. With timeout set, backends.<name>.timeout bounds the attempt.
+func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string, b *Backend, ep *Endpoint, req, first *Frame, timeout bool) (res attemptResult) {
 	ep.active.Add(1)
 	defer ep.active.Add(-1)
 	defer func() {
@@ -277,6 +307,19 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	if err != nil {
 		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}
+	res = relay(cancel, ss, cs, req, first)
+	if res.err != nil && !res.clientGone && perTry(res.err) {
+		res.perTryTimeout = true
+		res.err = status.Errorf(codes.DeadlineExceeded, "backend %s: attempt timed out after %s (backends.%s.timeout)", b.Name(), b.cfg.Timeout, b.Name())
+	}
+	return res
+}
+
+// relay runs a call on cs for the client's stream ss: req (one message,
+// then the request side closes), or the client's messages as they come
+// (first before them when set); the answer's header, messages and trailer
+// back. cancel ends cs's call.
+func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream, req, first *Frame) (res attemptResult) {
 	// refused is the status that ended the client's side of a stream
 	// other than by going away: the guard refused a later message (it
 	// names another object), or it was too large. The call ends with it,
@@ -289,6 +332,11 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	} else {
 		// Client to backend.
 		go func() {
+			if first != nil {
+				if err := cs.SendMsg(first); err != nil {
+					return
+				}
+			}
 			for {
 				f := new(Frame)
 				if err := ss.RecvMsg(f); err != nil {
@@ -335,10 +383,7 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 			}
 			res.trailer = responseMetadata(cs.Trailer())
 			if !errors.Is(err, io.EOF) {
-				res.err, res.perTryTimeout = err, perTry(err)
-				if res.perTryTimeout {
-					res.err = status.Errorf(codes.DeadlineExceeded, "backend %s: attempt timed out after %s (backends.%s.timeout)", b.Name(), b.cfg.Timeout, b.Name())
-				}
+				res.err = err
 			}
 			return res
 		}

@@ -2,7 +2,10 @@ package mesh
 
 import (
 	"fmt"
+	"mime"
 	"net/http"
+	"slices"
+	"strings"
 
 	"connectrpc.com/vanguard"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -31,5 +34,41 @@ func NewTranscoder(services []protoreflect.ServiceDescriptor, grpcHandler http.H
 	if err != nil {
 		return nil, fmt.Errorf("transcoder: %w", err)
 	}
-	return t, nil
+	return connectDefaults(t), nil
+}
+
+// supportedContentTypes are the content types of the protocols the
+// transcoder serves (Connect unary and streaming, gRPC-Web; gRPC goes to
+// the gRPC server directly).
+var supportedContentTypes = []string{
+	"application/proto", "application/json",
+	"application/connect+proto", "application/connect+json",
+	"application/grpc-web", "application/grpc-web+proto", "application/grpc-web+json", "application/grpc-web-text",
+}
+
+// connectDefaults accepts what connect-go accepts on the agent's own
+// services: a Connect unary POST (application/proto or application/json)
+// without the optional Connect-Protocol-Version header, which vanguard
+// would not recognise (it answers a bare 404). A request in no supported
+// protocol gets 415 naming the supported content types.
+func connectDefaults(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			next.ServeHTTP(w, r) // Connect GET: ?encoding=…&message=…
+			return
+		}
+		ct, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+		if r.Method != http.MethodPost || !slices.Contains(supportedContentTypes, ct) {
+			w.Header().Set("Accept-Post", strings.Join(supportedContentTypes, ", "))
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusUnsupportedMediaType)
+			_, _ = fmt.Fprintf(w, `{"code":"unimplemented","message":%q}`,
+				fmt.Sprintf("%s %s with content type %q: this endpoint speaks Connect (POST with %s; GET for idempotent methods), gRPC-Web and gRPC", r.Method, r.URL.Path, r.Header.Get("Content-Type"), strings.Join(supportedContentTypes[:4], ", ")))
+			return
+		}
+		if (ct == "application/proto" || ct == "application/json") && r.Header.Get("Connect-Protocol-Version") == "" {
+			r.Header.Set("Connect-Protocol-Version", "1")
+		}
+		next.ServeHTTP(w, r)
+	})
 }

@@ -60,6 +60,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("ConcurrentCAS", func(t *testing.T) { testConcurrentCAS(t, h) })
 	t.Run("Dedupe", func(t *testing.T) { testDedupe(t, h) })
 	t.Run("Watches", func(t *testing.T) { testWatches(t, h) })
+	t.Run("Placements", func(t *testing.T) { testPlacements(t, h) })
 	t.Run("SlotExactlyOnce", func(t *testing.T) { testSlots(t, h) })
 	t.Run("LeadershipHandover", func(t *testing.T) { testHandover(t, h) })
 }
@@ -349,6 +350,84 @@ func testDedupe(t *testing.T, h Harness) {
 		cfg := write(t, h, i, cmd)
 		if e, ok := cfg.Value.(*clusterv1.ConfigEntry); !ok || e.GetValue() != "once" || e.GetRevision() != first.Index {
 			t.Fatalf("repeated set_config through node %d: %+v, want value \"once\" at revision %d", i, cfg.Value, first.Index)
+		}
+	}
+}
+
+// testPlacements: every node records its objects in the placement
+// catalog at once; an object moves to the node that reports it; a full
+// listing drops only the lister's entries; a listing that changes nothing
+// moves no index.
+func testPlacements(t *testing.T, h Harness) {
+	const vm = "virtualmachines"
+	listing := func(node string, full bool, ids ...string) *fsmv1.Command {
+		op := &fsmv1.SetPlacements{Node: node}
+		if full {
+			op.FullKinds = []string{vm}
+		}
+		for _, id := range ids {
+			op.Upsert = append(op.Upsert, &fsmv1.Placement{Kind: vm, Id: id})
+		}
+		return &fsmv1.Command{Op: &fsmv1.Command_SetPlacements{SetPlacements: op}}
+	}
+	held := func(i int) []string {
+		var ids []string
+		for j := range 5 {
+			ids = append(ids, fmt.Sprintf("vm-%d-%d", i, j))
+		}
+		return ids
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, h.N)
+	for i := range h.N {
+		wg.Go(func() {
+			res, err := h.Write(ctx(t), i, Encode(t, listing(fmt.Sprint("node-", i), true, held(i)...)))
+			if err == nil {
+				err = res.Err
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("node %d's listing: %v", i, err)
+		}
+	}
+	if r := write(t, h, 1, listing("node-1", false, "vm-0-0")); r.Err != nil {
+		t.Fatalf("move: %v", r.Err)
+	}
+	if r := write(t, h, 2, listing("node-0", true, held(0)[1:4]...)); r.Err != nil {
+		t.Fatalf("node-0's full listing: %v", r.Err)
+	}
+	var index uint64
+	for i := range h.N {
+		st := synced(t, h, i)
+		idx, all, err := st.Placements(vm, nil)
+		if err != nil || len(all) != 3*5-1 {
+			t.Fatalf("node %d: %d placements (%v), want 14", i, len(all), err)
+		}
+		if p, _ := st.Placement(vm, "vm-0-0"); p.GetNode() != "node-1" {
+			t.Fatalf("node %d places the moved VM on %q, want node-1", i, p.GetNode())
+		}
+		if p, _ := st.Placement(vm, "vm-0-4"); p != nil {
+			t.Fatalf("node %d keeps the VM node-0's listing dropped: %v", i, p)
+		}
+		for n, want := range []int{3, 6, 5} {
+			if got, _ := st.PlacementsByNode(fmt.Sprint("node-", n)); len(got) != want {
+				t.Fatalf("node %d: node-%d holds %d entries, want %d", i, n, len(got), want)
+			}
+		}
+		if i == 0 {
+			index = idx
+		}
+	}
+	if r := write(t, h, 0, listing("node-2", true, held(2)...)); r.Err != nil {
+		t.Fatalf("an unchanged listing: %v", r.Err)
+	}
+	for i := range h.N {
+		if idx, _, _ := synced(t, h, i).Placements(vm, nil); idx != index {
+			t.Fatalf("node %d: the placements' index moved from %d to %d on an unchanged listing", i, index, idx)
 		}
 	}
 }

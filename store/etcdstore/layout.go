@@ -42,6 +42,7 @@ const (
 	dirHistory  = "/config_history/"
 	dirSched    = "/schedules/"
 	dirRuns     = "/schedule_runs/"
+	dirPlace    = "/placements/"
 	dirDedupe   = "/dedupe/"
 	dirElection = "/leader"
 	dirMeta     = "/meta/"
@@ -91,6 +92,10 @@ func (l layout) key(table string, rec proto.Message) (string, error) {
 		if table == fsm.TableCA {
 			return l.root + keyCA, nil
 		}
+	case *fsmv1.Placement:
+		if table == fsm.TablePlacements {
+			return l.root + dirPlace + seg(r.GetKind()) + "/" + seg(r.GetId()), nil
+		}
 	case *fsmv1.DedupeRecord:
 		if table == fsm.TableDedupe {
 			return l.root + dirDedupe + seg(r.GetClientId()) + "/" + strconv.FormatUint(r.GetSequence(), 10), nil
@@ -119,6 +124,8 @@ func (l layout) table(key string) string {
 		return fsm.TableSchedules
 	case strings.HasPrefix(rest, dirRuns):
 		return fsm.TableScheduleRuns
+	case strings.HasPrefix(rest, dirPlace):
+		return fsm.TablePlacements
 	case strings.HasPrefix(rest, dirDedupe):
 		return fsm.TableDedupe
 	case rest == keyCA:

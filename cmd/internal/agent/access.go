@@ -207,17 +207,14 @@ func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescript
 		}
 		return resp.Msg, nil
 	}
-	b := a.proxy.Route(method)
-	if b == nil {
-		return nil, status.Errorf(codes.Unimplemented, "no routing rule matches %s", method)
-	}
 	var resp protoreflect.ProtoMessage
 	if mt, err := protoregistry.GlobalTypes.FindMessageByName(get.Output().FullName()); err == nil {
 		resp = mt.New().Interface()
 	} else {
 		resp = dynamicpb.NewMessage(get.Output())
 	}
-	if err := b.Invoke(ctx, method, req, resp); err != nil {
+	// Where the object lives: the conditions read it on its node.
+	if _, err := a.proxy.Invoke(ctx, method, req, resp); err != nil {
 		return nil, err
 	}
 	return resp, nil
@@ -312,17 +309,19 @@ func nonNil(s []string) []string {
 }
 
 // invokeBackend calls a backend method through the gateway's backend
-// clusters (the power schedules' actions).
-func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp proto.Message) error {
+// clusters (the power schedules' actions), on the node that holds the
+// call's object; it returns that node's name.
+func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp proto.Message) (string, error) {
 	b := a.proxy.Route(method)
 	if b == nil {
-		return status.Errorf(codes.FailedPrecondition, "no routing rule sends %s to a backend", method)
-	}
-	if !b.Healthy() {
-		return fmt.Errorf("backend %s: %w", b.Name(), scheduler.ErrNoBackend)
+		return "", status.Errorf(codes.FailedPrecondition, "no routing rule sends %s to a backend", method)
 	}
 	ctx = authz.WithPrincipal(ctx, authz.Principal{Identity: SchedulerIdentity})
-	return b.Invoke(ctx, method, req, resp)
+	node, err := a.proxy.Invoke(ctx, method, req, resp)
+	if err != nil && status.Code(err) == codes.Unavailable && !b.Healthy() && (node == "" || node == a.cfg.NodeName) {
+		return node, fmt.Errorf("backend %s: %w", b.Name(), scheduler.ErrNoBackend)
+	}
+	return node, err
 }
 
 // SchedulerIdentity is who the power schedules' actions are made by, as

@@ -82,6 +82,8 @@ type Options struct {
 	// AdmissionBackoff is the first wait before a server that failed to
 	// prove its identity is asked again (default 1 s, doubling to 1 min).
 	AdmissionBackoff time.Duration
+	// CatalogSync is the placement catalog's anti-entropy period (0: 30 s).
+	CatalogSync time.Duration
 	// ReconcileInterval is how often the leader reconciles Raft membership
 	// with gossip when nothing changes (default 5s).
 	ReconcileInterval time.Duration
@@ -146,8 +148,11 @@ type Agent struct {
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
 	ca *leader.ClusterCA
 	// proxy forwards the backend APIs to the backend clusters.
-	proxy  *mesh.Proxy
-	health *health.Server
+	proxy *mesh.Proxy
+	// peerProxy serves, on the internal port, the calls other agents
+	// route to this node's node-scoped backends.
+	peerProxy *mesh.Proxy
+	health    *health.Server
 	// healthRouted are the backend APIs routed at some point (updateHealth's
 	// alone: it runs on one goroutine).
 	healthRouted map[string]bool
@@ -273,6 +278,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.runTerms,        // the leader loop
 		formCluster,       // bootstrap and join
 		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
+		a.runCatalog,      // the placement catalog of this node's backends
 	} {
 		if err := step(); err != nil {
 			return err
@@ -587,6 +593,7 @@ func (a *Agent) startGateway() error {
 	if a.guard != nil {
 		a.schedules.SetAuthorize(a.guard.Authorize)
 	}
+	a.schedules.SetVMCheck(a.vmExists)
 	return nil
 }
 
@@ -611,6 +618,7 @@ func (a *Agent) serveAll() error {
 	if a.tls != nil {
 		nodeSvc.SetProver(a.proveIdentity)
 	}
+	nodeSvc.SetPlacementSink(a.proposePlacements)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
 		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {
@@ -618,7 +626,8 @@ func (a *Agent) serveAll() error {
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.internalSnapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.internalSchedules))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
-	}, append(a.tracingServerOptions(), observe.RequestIDServerOptions()...)...); err != nil {
+	}, append(append(a.tracingServerOptions(), observe.RequestIDServerOptions()...),
+		grpc.UnknownServiceHandler(a.peerProxy.Handle), grpc.ForceServerCodecV2(mesh.Codec()))...); err != nil {
 		return err
 	}
 	a.serve(a.lnMetrics, a.metricsMux())

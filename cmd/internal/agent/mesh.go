@@ -50,6 +50,9 @@ var apiServices = []protoreflect.ServiceDescriptor{
 func (a *Agent) startMesh() error {
 	a.meshStats = mesh.NewStats(a.metrics)
 	a.proxy = mesh.NewProxy(a.logger, a.meshStats)
+	a.peerProxy = mesh.NewProxy(a.logger, a.meshStats)
+	a.peerProxy.SetLocal(a.cfg.NodeName)
+	a.proxy.SetPlacement(placement{a})
 	backends, routes, err := a.buildBackends(a.cfg)
 	if err != nil {
 		return err
@@ -57,9 +60,30 @@ func (a *Agent) startMesh() error {
 	a.backendsMu.Lock()
 	a.backends = backends
 	a.backendsMu.Unlock()
-	a.proxy.SetRoutes(routes)
+	a.setRoutes(routes)
 	mesh.RegisterEndpoints(a.metrics, a.currentBackends)
+	a.logRoutes(a.cfg)
 	return nil
+}
+
+// setRoutes puts routes in use on the API port's proxy and on the
+// internal port's (the calls other agents route to this node).
+func (a *Agent) setRoutes(routes []mesh.Route) {
+	a.proxy.SetRoutes(routes)
+	a.peerProxy.SetRoutes(routes)
+}
+
+// logRoutes says at start (and after a reload) which APIs are routed
+// where, and which APIs no backend serves.
+func (a *Agent) logRoutes(cfg *config.Config) {
+	rules, unrouted := cfg.EffectiveRoutes()
+	for _, r := range rules {
+		a.logger.Info("routing", "prefix", r.Match.Prefix, "backend", r.Route.Cluster,
+			"scope", cfg.Backends[r.Route.Cluster].EffectiveScope(), "default", len(cfg.Routing.Rules) == 0)
+	}
+	for _, u := range unrouted {
+		a.logger.Warn("API not served: no backend for it", "service", u)
+	}
 }
 
 // currentBackends are the backend clusters in use.
@@ -91,6 +115,7 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 		b, err := mesh.NewBackend(mesh.BackendConfig{
 			Name:            name,
 			Endpoint:        bc.Endpoint,
+			NodeScoped:      bc.EffectiveScope() == config.ScopeNode,
 			Registry:        a.registryEndpoints,
 			Policy:          cfg.LoadBalancing.Policy,
 			Timeout:         bc.Timeout.Std(),
@@ -116,8 +141,9 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 		backends = append(backends, b)
 		byName[name] = b
 	}
-	routes = make([]mesh.Route, 0, len(cfg.Routing.Rules))
-	for i, r := range cfg.Routing.Rules {
+	rules, _ := cfg.EffectiveRoutes()
+	routes = make([]mesh.Route, 0, len(rules))
+	for i, r := range rules {
 		b, ok := byName[r.Route.Cluster]
 		if !ok {
 			return backends, nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
@@ -135,7 +161,7 @@ func (a *Agent) replaceBackends(backends []*mesh.Backend, routes []mesh.Route) {
 	old := a.backends
 	a.backends = backends
 	a.backendsMu.Unlock()
-	a.proxy.SetRoutes(routes)
+	a.setRoutes(routes)
 	a.wg.Go(func() {
 		deadline := time.Now().Add(drainTimeout)
 		for _, b := range old {
@@ -375,8 +401,8 @@ const devSimSocket = "pivirtd-sim.sock"
 
 // devBackends gives --dev, when no backends are configured, an in-process
 // pivirtd-sim (pivirtd and iscsiman) on a unix socket in the data dir,
-// routed to as the local cluster routes: the VM and network APIs to
-// pivirtd, volumes to iscsiman.
+// routed to by the default routes: the VM and network APIs to pivirtd,
+// volumes to iscsiman.
 func (a *Agent) devBackends() error {
 	if !a.cfg.Dev || len(a.cfg.Backends) > 0 || len(a.cfg.Routing.Rules) > 0 {
 		return nil
@@ -403,11 +429,6 @@ func (a *Agent) devBackends() error {
 	cfg.Backends = map[string]config.BackendConfig{
 		"pivirtd":  {Endpoint: addr, Timeout: config.Duration(30 * time.Second), Retry: config.RetryConfig{MaxAttempts: 3, Backoff: config.Duration(100 * time.Millisecond)}},
 		"iscsiman": {Endpoint: addr, Timeout: config.Duration(10 * time.Second)},
-	}
-	cfg.Routing.Rules = []config.RouteRule{
-		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[0].FullName())}, Route: config.RouteTarget{Cluster: "pivirtd"}},
-		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[2].FullName())}, Route: config.RouteTarget{Cluster: "pivirtd"}},
-		{Match: config.RouteMatch{Prefix: "/" + string(apiServices[1].FullName())}, Route: config.RouteTarget{Cluster: "iscsiman"}},
 	}
 	a.cfg = &cfg
 	a.logger.Warn("dev mode: the VM, storage and network APIs go to an in-process pivirtd-sim (a simulator, not a hypervisor)", "socket", addr)

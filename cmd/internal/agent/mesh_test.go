@@ -85,12 +85,13 @@ func startSimAt(t *testing.T, addr string, opts ...grpc.ServerOption) *simServer
 }
 
 // withBackends routes the VM API to pivirtd and volumes to iscsiman, both
-// served by one simulator at addr; networks are not routed.
+// served by one simulator at addr that every node shares (scope cluster);
+// networks are not routed.
 func withBackends(addr string) func(int, *config.Config) {
 	return func(_ int, cfg *config.Config) {
 		cfg.Backends = map[string]config.BackendConfig{
-			"pivirtd":  {Endpoint: addr, Timeout: config.Duration(10 * time.Second)},
-			"iscsiman": {Endpoint: addr},
+			"pivirtd":  {Endpoint: addr, Timeout: config.Duration(10 * time.Second), Scope: config.ScopeCluster},
+			"iscsiman": {Endpoint: addr, Scope: config.ScopeCluster},
 		}
 		cfg.Routing.Rules = []config.RouteRule{
 			{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}},

@@ -57,7 +57,7 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 			merged.Logging.Level = next.Logging.Level
 		case config.Under(k, "routing.rules") && !a.cfg.Dev:
 			if routes == nil {
-				if routes, err = a.buildRoutes(next.Routing.Rules); err != nil {
+				if routes, err = a.buildRoutes(effectiveRules(next)); err != nil {
 					return nil, nil, err
 				}
 				merged.Routing = next.Routing
@@ -90,7 +90,7 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 	case rebuild:
 		a.replaceBackends(backends, routes)
 	case routes != nil:
-		a.proxy.SetRoutes(routes)
+		a.setRoutes(routes)
 	}
 	a.current.Store(&merged)
 	slices.Sort(applied)
@@ -128,4 +128,11 @@ func rateLimits(rl config.RateLimitingConfig) access.Limits {
 		}
 	}
 	return l
+}
+
+// effectiveRules are cfg's routing rules in force (the defaults without a
+// routing block).
+func effectiveRules(cfg *config.Config) []config.RouteRule {
+	rules, _ := cfg.EffectiveRoutes()
+	return rules
 }

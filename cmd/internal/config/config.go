@@ -276,12 +276,62 @@ func (e *EtcdConfig) TLS() bool {
 // Retry.MaxAttempts means a single attempt.
 type BackendConfig struct {
 	Endpoint string           `yaml:"endpoint"`
+	// Scope is "node" (the daemon of this node: the objects it holds live on
+	// this node, and calls naming them are routed to this node's agent) or
+	// "cluster" (one service for the whole cluster, load-balanced). Empty:
+	// node for a unix:// endpoint, cluster otherwise (EffectiveScope).
+	Scope    string           `yaml:"scope" enum:",node,cluster"`
 	Timeout  Duration         `yaml:"timeout"`
 	Retry    RetryConfig      `yaml:"retry"`
 	TLS      BackendTLSConfig `yaml:"tls"`
 	// Required: /ready reports not ready while the backend has no
 	// available endpoint.
 	Required bool `yaml:"required"`
+}
+
+// Backend scopes (backends.<name>.scope).
+const (
+	ScopeNode    = "node"
+	ScopeCluster = "cluster"
+)
+
+// EffectiveScope is the backend's scope: the configured one, else node for
+// a daemon on a local socket (unix://) and cluster for anything reached
+// over the network.
+func (b BackendConfig) EffectiveScope() string {
+	if b.Scope != "" {
+		return b.Scope
+	}
+	if strings.HasPrefix(b.Endpoint, "unix://") {
+		return ScopeNode
+	}
+	return ScopeCluster
+}
+
+// DefaultRoutes are the routes of a configuration without a routing block:
+// each API to the backend that serves it in a PiVirt deployment.
+var DefaultRoutes = []struct{ Service, Backend string }{
+	{"pivirt.vm.v1.VMService", "pivirtd"},
+	{"pivirt.network.v1.NetworkService", "pivirtd"},
+	{"pivirt.storage.v1.StorageService", "iscsiman"},
+}
+
+// EffectiveRoutes are the routing rules in force: routing.rules when the
+// file has any, else DefaultRoutes for the backends that are configured.
+// unrouted lists the default services left without a route because their
+// backend is not configured.
+func (c *Config) EffectiveRoutes() (rules []RouteRule, unrouted []string) {
+	if len(c.Routing.Rules) > 0 {
+		return c.Routing.Rules, nil
+	}
+	for _, d := range DefaultRoutes {
+		if _, ok := c.Backends[d.Backend]; !ok {
+			unrouted = append(unrouted, d.Service+" (backends."+d.Backend+" is not configured)")
+			continue
+		}
+		rules = append(rules, RouteRule{Match: RouteMatch{Prefix: "/" + d.Service + "/"}, Route: RouteTarget{Cluster: d.Backend}})
+	}
+	return rules, unrouted
 }
 
 // RetryConfig is a backend's retry policy.

@@ -105,7 +105,7 @@ func Open(cfg Config) (*Simulator, error) {
 				return nil, err
 			}
 			s.vm = &vmService{vms: vms, host: host, watch: newBroadcaster()}
-			s.network = &networkService{networks: nets}
+			s.network = &networkService{networks: nets, host: host}
 			s.services = append(s.services, vmv1.VMService_ServiceDesc.ServiceName, networkv1.NetworkService_ServiceDesc.ServiceName)
 		case RoleIscsiman:
 			vols := &table[*storagev1.Volume]{db: db, bucket: []byte("volumes"), kind: "volume", validate: validateVolume, newT: func() *storagev1.Volume { return new(storagev1.Volume) }, now: now,
@@ -114,7 +114,7 @@ func Open(cfg Config) (*Simulator, error) {
 				db.Close()
 				return nil, err
 			}
-			s.storage = &storageService{volumes: vols}
+			s.storage = &storageService{volumes: vols, host: host}
 			s.services = append(s.services, storagev1.StorageService_ServiceDesc.ServiceName)
 		default:
 			db.Close()

@@ -27,6 +27,7 @@ const (
 // counted, not kept.
 type storageService struct {
 	volumes *table[*storagev1.Volume]
+	host    string // the node the volumes are on
 }
 
 func validateVolume(v *storagev1.Volume) error {
@@ -58,7 +59,7 @@ func (s *storageService) GetVolume(_ context.Context, r *storagev1.GetVolumeRequ
 func (s *storageService) CreateVolume(ctx context.Context, r *storagev1.CreateVolumeRequest) (*storagev1.CreateVolumeResponse, error) {
 	in := proto.Clone(r.GetVolume()).(*storagev1.Volume)
 	if in != nil {
-		in.WrittenBytes, in.Sha256, in.Iqn = 0, "", ""
+		in.WrittenBytes, in.Sha256, in.Iqn, in.Host = 0, "", "", s.host
 	}
 	v, err := s.volumes.create(ctx, in)
 	if err != nil {
@@ -149,6 +150,7 @@ func (s *storageService) UploadVolume(stream grpc.ClientStreamingServer[storagev
 // networkService plays pivirtd's network API.
 type networkService struct {
 	networks *table[*networkv1.Network]
+	host     string // the node the networks are on
 }
 
 func validateNetwork(n *networkv1.Network) error {
@@ -188,7 +190,11 @@ func (s *networkService) GetNetwork(_ context.Context, r *networkv1.GetNetworkRe
 }
 
 func (s *networkService) CreateNetwork(ctx context.Context, r *networkv1.CreateNetworkRequest) (*networkv1.CreateNetworkResponse, error) {
-	n, err := s.networks.create(ctx, r.GetNetwork())
+	in := proto.Clone(r.GetNetwork()).(*networkv1.Network)
+	if in != nil {
+		in.Host = s.host
+	}
+	n, err := s.networks.create(ctx, in)
 	if err != nil {
 		return nil, err
 	}

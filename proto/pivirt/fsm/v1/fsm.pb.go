@@ -52,6 +52,7 @@ type Command struct {
 	//	*Command_Restored
 	//	*Command_SetClusterCa
 	//	*Command_RefuseWrite
+	//	*Command_SetPlacements
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -232,6 +233,15 @@ func (x *Command) GetRefuseWrite() *RefuseWrite {
 	return nil
 }
 
+func (x *Command) GetSetPlacements() *SetPlacements {
+	if x != nil {
+		if x, ok := x.Op.(*Command_SetPlacements); ok {
+			return x.SetPlacements
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -288,6 +298,10 @@ type Command_RefuseWrite struct {
 	RefuseWrite *RefuseWrite `protobuf:"bytes,60,opt,name=refuse_write,json=refuseWrite,proto3,oneof"`
 }
 
+type Command_SetPlacements struct {
+	SetPlacements *SetPlacements `protobuf:"bytes,70,opt,name=set_placements,json=setPlacements,proto3,oneof"`
+}
+
 func (*Command_RegisterService) isCommand_Op() {}
 
 func (*Command_DeregisterService) isCommand_Op() {}
@@ -314,6 +328,149 @@ func (*Command_SetClusterCa) isCommand_Op() {}
 
 func (*Command_RefuseWrite) isCommand_Op() {}
 
+func (*Command_SetPlacements) isCommand_Op() {}
+
+// Placement is one entry of the placement catalog: an object held by a
+// node-scoped backend (a VM, a volume, a network) and the node whose
+// backend holds it. Only what routing needs: a power-state change is not
+// a catalog write.
+type Placement struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// kind is the object's RBAC resource: "virtualmachines", "volumes" or
+	// "networks".
+	Kind string `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"`
+	Id   string `protobuf:"bytes,2,opt,name=id,proto3" json:"id,omitempty"`
+	// node is the name of the node holding the object.
+	Node          string `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Placement) Reset() {
+	*x = Placement{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Placement) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Placement) ProtoMessage() {}
+
+func (x *Placement) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Placement.ProtoReflect.Descriptor instead.
+func (*Placement) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Placement) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *Placement) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Placement) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+// SetPlacements records what one node's backends hold. upsert entries
+// place objects on node (their own node field is ignored); delete entries
+// (kind and id) are removed when node holds them. For each kind in
+// full_kinds, upsert is the node's whole listing of that kind: the node's
+// other entries of that kind are removed. An object another node held
+// before moves to node (a migration).
+type SetPlacements struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Upsert        []*Placement           `protobuf:"bytes,2,rep,name=upsert,proto3" json:"upsert,omitempty"`
+	Delete        []*Placement           `protobuf:"bytes,3,rep,name=delete,proto3" json:"delete,omitempty"`
+	FullKinds     []string               `protobuf:"bytes,4,rep,name=full_kinds,json=fullKinds,proto3" json:"full_kinds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetPlacements) Reset() {
+	*x = SetPlacements{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetPlacements) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetPlacements) ProtoMessage() {}
+
+func (x *SetPlacements) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetPlacements.ProtoReflect.Descriptor instead.
+func (*SetPlacements) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *SetPlacements) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *SetPlacements) GetUpsert() []*Placement {
+	if x != nil {
+		return x.Upsert
+	}
+	return nil
+}
+
+func (x *SetPlacements) GetDelete() []*Placement {
+	if x != nil {
+		return x.Delete
+	}
+	return nil
+}
+
+func (x *SetPlacements) GetFullKinds() []string {
+	if x != nil {
+		return x.FullKinds
+	}
+	return nil
+}
+
 // RefuseWrite records the outcome of a write that the leader refused
 // without proposing it (an update of a schedule that does not exist, a
 // compare-and-set whose revision no longer holds), under the write's
@@ -332,7 +489,7 @@ type RefuseWrite struct {
 
 func (x *RefuseWrite) Reset() {
 	*x = RefuseWrite{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -344,7 +501,7 @@ func (x *RefuseWrite) String() string {
 func (*RefuseWrite) ProtoMessage() {}
 
 func (x *RefuseWrite) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -357,7 +514,7 @@ func (x *RefuseWrite) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefuseWrite.ProtoReflect.Descriptor instead.
 func (*RefuseWrite) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *RefuseWrite) GetErrorCode() string {
@@ -388,7 +545,7 @@ type SetClusterCA struct {
 
 func (x *SetClusterCA) Reset() {
 	*x = SetClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -400,7 +557,7 @@ func (x *SetClusterCA) String() string {
 func (*SetClusterCA) ProtoMessage() {}
 
 func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -413,7 +570,7 @@ func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterCA.ProtoReflect.Descriptor instead.
 func (*SetClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SetClusterCA) GetCertPem() []byte {
@@ -445,7 +602,7 @@ type ClusterCA struct {
 
 func (x *ClusterCA) Reset() {
 	*x = ClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -457,7 +614,7 @@ func (x *ClusterCA) String() string {
 func (*ClusterCA) ProtoMessage() {}
 
 func (x *ClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -470,7 +627,7 @@ func (x *ClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterCA.ProtoReflect.Descriptor instead.
 func (*ClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ClusterCA) GetCertPem() []byte {
@@ -516,7 +673,7 @@ type Restored struct {
 
 func (x *Restored) Reset() {
 	*x = Restored{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -528,7 +685,7 @@ func (x *Restored) String() string {
 func (*Restored) ProtoMessage() {}
 
 func (x *Restored) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -541,7 +698,7 @@ func (x *Restored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Restored.ProtoReflect.Descriptor instead.
 func (*Restored) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Restored) GetSnapshotId() string {
@@ -567,7 +724,7 @@ type RegisterService struct {
 
 func (x *RegisterService) Reset() {
 	*x = RegisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -579,7 +736,7 @@ func (x *RegisterService) String() string {
 func (*RegisterService) ProtoMessage() {}
 
 func (x *RegisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -592,7 +749,7 @@ func (x *RegisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterService.ProtoReflect.Descriptor instead.
 func (*RegisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RegisterService) GetInstance() *v1.ServiceInstance {
@@ -612,7 +769,7 @@ type DeregisterService struct {
 
 func (x *DeregisterService) Reset() {
 	*x = DeregisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -624,7 +781,7 @@ func (x *DeregisterService) String() string {
 func (*DeregisterService) ProtoMessage() {}
 
 func (x *DeregisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -637,7 +794,7 @@ func (x *DeregisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterService.ProtoReflect.Descriptor instead.
 func (*DeregisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DeregisterService) GetService() string {
@@ -664,7 +821,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -676,7 +833,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -689,7 +846,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Heartbeat) GetService() string {
@@ -721,7 +878,7 @@ type SetServiceHealth struct {
 
 func (x *SetServiceHealth) Reset() {
 	*x = SetServiceHealth{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -733,7 +890,7 @@ func (x *SetServiceHealth) String() string {
 func (*SetServiceHealth) ProtoMessage() {}
 
 func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -746,7 +903,7 @@ func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetServiceHealth.ProtoReflect.Descriptor instead.
 func (*SetServiceHealth) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *SetServiceHealth) GetService() string {
@@ -788,7 +945,7 @@ type SetConfig struct {
 
 func (x *SetConfig) Reset() {
 	*x = SetConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -800,7 +957,7 @@ func (x *SetConfig) String() string {
 func (*SetConfig) ProtoMessage() {}
 
 func (x *SetConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -813,7 +970,7 @@ func (x *SetConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfig.ProtoReflect.Descriptor instead.
 func (*SetConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SetConfig) GetKey() string {
@@ -847,7 +1004,7 @@ type DeleteConfig struct {
 
 func (x *DeleteConfig) Reset() {
 	*x = DeleteConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -859,7 +1016,7 @@ func (x *DeleteConfig) String() string {
 func (*DeleteConfig) ProtoMessage() {}
 
 func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -872,7 +1029,7 @@ func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfig.ProtoReflect.Descriptor instead.
 func (*DeleteConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeleteConfig) GetKey() string {
@@ -900,7 +1057,7 @@ type PutSchedule struct {
 
 func (x *PutSchedule) Reset() {
 	*x = PutSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -912,7 +1069,7 @@ func (x *PutSchedule) String() string {
 func (*PutSchedule) ProtoMessage() {}
 
 func (x *PutSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -925,7 +1082,7 @@ func (x *PutSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutSchedule.ProtoReflect.Descriptor instead.
 func (*PutSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PutSchedule) GetSchedule() *v11.Schedule {
@@ -951,7 +1108,7 @@ type DeleteSchedule struct {
 
 func (x *DeleteSchedule) Reset() {
 	*x = DeleteSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -963,7 +1120,7 @@ func (x *DeleteSchedule) String() string {
 func (*DeleteSchedule) ProtoMessage() {}
 
 func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -976,7 +1133,7 @@ func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSchedule.ProtoReflect.Descriptor instead.
 func (*DeleteSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteSchedule) GetId() string {
@@ -1004,7 +1161,7 @@ type ClaimSlot struct {
 
 func (x *ClaimSlot) Reset() {
 	*x = ClaimSlot{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1016,7 +1173,7 @@ func (x *ClaimSlot) String() string {
 func (*ClaimSlot) ProtoMessage() {}
 
 func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1029,7 +1186,7 @@ func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimSlot.ProtoReflect.Descriptor instead.
 func (*ClaimSlot) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ClaimSlot) GetScheduleId() string {
@@ -1076,7 +1233,7 @@ type RecordRun struct {
 
 func (x *RecordRun) Reset() {
 	*x = RecordRun{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1088,7 +1245,7 @@ func (x *RecordRun) String() string {
 func (*RecordRun) ProtoMessage() {}
 
 func (x *RecordRun) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1101,7 +1258,7 @@ func (x *RecordRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordRun.ProtoReflect.Descriptor instead.
 func (*RecordRun) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RecordRun) GetRun() *v11.Run {
@@ -1124,7 +1281,7 @@ type SnapshotHeader struct {
 
 func (x *SnapshotHeader) Reset() {
 	*x = SnapshotHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1136,7 +1293,7 @@ func (x *SnapshotHeader) String() string {
 func (*SnapshotHeader) ProtoMessage() {}
 
 func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1149,7 +1306,7 @@ func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeader.ProtoReflect.Descriptor instead.
 func (*SnapshotHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SnapshotHeader) GetFormatVersion() uint32 {
@@ -1183,7 +1340,7 @@ type TableHeader struct {
 
 func (x *TableHeader) Reset() {
 	*x = TableHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1195,7 +1352,7 @@ func (x *TableHeader) String() string {
 func (*TableHeader) ProtoMessage() {}
 
 func (x *TableHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1208,7 +1365,7 @@ func (x *TableHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableHeader.ProtoReflect.Descriptor instead.
 func (*TableHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *TableHeader) GetName() string {
@@ -1258,7 +1415,7 @@ type DedupeRecord struct {
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1270,7 +1427,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1283,7 +1440,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{17}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1410,7 +1567,7 @@ var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xe0\a\n" +
+	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xa7\b\n" +
 	"\aCommand\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -1431,8 +1588,19 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"record_run\x18! \x01(\v2\x18.pivirt.fsm.v1.RecordRunH\x00R\trecordRun\x125\n" +
 	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestored\x12C\n" +
 	"\x0eset_cluster_ca\x182 \x01(\v2\x1b.pivirt.fsm.v1.SetClusterCAH\x00R\fsetClusterCa\x12?\n" +
-	"\frefuse_write\x18< \x01(\v2\x1a.pivirt.fsm.v1.RefuseWriteH\x00R\vrefuseWriteB\x04\n" +
-	"\x02op\"Q\n" +
+	"\frefuse_write\x18< \x01(\v2\x1a.pivirt.fsm.v1.RefuseWriteH\x00R\vrefuseWrite\x12E\n" +
+	"\x0eset_placements\x18F \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsH\x00R\rsetPlacementsB\x04\n" +
+	"\x02op\"C\n" +
+	"\tPlacement\x12\x12\n" +
+	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x0e\n" +
+	"\x02id\x18\x02 \x01(\tR\x02id\x12\x12\n" +
+	"\x04node\x18\x03 \x01(\tR\x04node\"\xa6\x01\n" +
+	"\rSetPlacements\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x120\n" +
+	"\x06upsert\x18\x02 \x03(\v2\x18.pivirt.fsm.v1.PlacementR\x06upsert\x120\n" +
+	"\x06delete\x18\x03 \x03(\v2\x18.pivirt.fsm.v1.PlacementR\x06delete\x12\x1d\n" +
+	"\n" +
+	"full_kinds\x18\x04 \x03(\tR\tfullKinds\"Q\n" +
 	"\vRefuseWrite\x12\x1d\n" +
 	"\n" +
 	"error_code\x18\x01 \x01(\tR\terrorCode\x12#\n" +
@@ -1526,67 +1694,72 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
-	(*RefuseWrite)(nil),           // 1: pivirt.fsm.v1.RefuseWrite
-	(*SetClusterCA)(nil),          // 2: pivirt.fsm.v1.SetClusterCA
-	(*ClusterCA)(nil),             // 3: pivirt.fsm.v1.ClusterCA
-	(*Restored)(nil),              // 4: pivirt.fsm.v1.Restored
-	(*RegisterService)(nil),       // 5: pivirt.fsm.v1.RegisterService
-	(*DeregisterService)(nil),     // 6: pivirt.fsm.v1.DeregisterService
-	(*Heartbeat)(nil),             // 7: pivirt.fsm.v1.Heartbeat
-	(*SetServiceHealth)(nil),      // 8: pivirt.fsm.v1.SetServiceHealth
-	(*SetConfig)(nil),             // 9: pivirt.fsm.v1.SetConfig
-	(*DeleteConfig)(nil),          // 10: pivirt.fsm.v1.DeleteConfig
-	(*PutSchedule)(nil),           // 11: pivirt.fsm.v1.PutSchedule
-	(*DeleteSchedule)(nil),        // 12: pivirt.fsm.v1.DeleteSchedule
-	(*ClaimSlot)(nil),             // 13: pivirt.fsm.v1.ClaimSlot
-	(*RecordRun)(nil),             // 14: pivirt.fsm.v1.RecordRun
-	(*SnapshotHeader)(nil),        // 15: pivirt.fsm.v1.SnapshotHeader
-	(*TableHeader)(nil),           // 16: pivirt.fsm.v1.TableHeader
-	(*DedupeRecord)(nil),          // 17: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 19: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 20: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 21: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 22: pivirt.schedule.v1.Run
-	(*v1.ConfigEntry)(nil),        // 23: pivirt.cluster.v1.ConfigEntry
+	(*Placement)(nil),             // 1: pivirt.fsm.v1.Placement
+	(*SetPlacements)(nil),         // 2: pivirt.fsm.v1.SetPlacements
+	(*RefuseWrite)(nil),           // 3: pivirt.fsm.v1.RefuseWrite
+	(*SetClusterCA)(nil),          // 4: pivirt.fsm.v1.SetClusterCA
+	(*ClusterCA)(nil),             // 5: pivirt.fsm.v1.ClusterCA
+	(*Restored)(nil),              // 6: pivirt.fsm.v1.Restored
+	(*RegisterService)(nil),       // 7: pivirt.fsm.v1.RegisterService
+	(*DeregisterService)(nil),     // 8: pivirt.fsm.v1.DeregisterService
+	(*Heartbeat)(nil),             // 9: pivirt.fsm.v1.Heartbeat
+	(*SetServiceHealth)(nil),      // 10: pivirt.fsm.v1.SetServiceHealth
+	(*SetConfig)(nil),             // 11: pivirt.fsm.v1.SetConfig
+	(*DeleteConfig)(nil),          // 12: pivirt.fsm.v1.DeleteConfig
+	(*PutSchedule)(nil),           // 13: pivirt.fsm.v1.PutSchedule
+	(*DeleteSchedule)(nil),        // 14: pivirt.fsm.v1.DeleteSchedule
+	(*ClaimSlot)(nil),             // 15: pivirt.fsm.v1.ClaimSlot
+	(*RecordRun)(nil),             // 16: pivirt.fsm.v1.RecordRun
+	(*SnapshotHeader)(nil),        // 17: pivirt.fsm.v1.SnapshotHeader
+	(*TableHeader)(nil),           // 18: pivirt.fsm.v1.TableHeader
+	(*DedupeRecord)(nil),          // 19: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 21: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 22: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 23: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 24: pivirt.schedule.v1.Run
+	(*v1.ConfigEntry)(nil),        // 25: pivirt.cluster.v1.ConfigEntry
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	18, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
-	5,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
-	6,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
-	7,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
-	8,  // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
-	9,  // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
-	10, // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
-	11, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
-	12, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
-	13, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
-	14, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
-	4,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
-	2,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
-	1,  // 13: pivirt.fsm.v1.Command.refuse_write:type_name -> pivirt.fsm.v1.RefuseWrite
-	18, // 14: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
-	19, // 15: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	20, // 16: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	18, // 17: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	21, // 18: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	18, // 19: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	18, // 20: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	22, // 21: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	16, // 22: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	18, // 23: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	19, // 24: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	23, // 25: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	21, // 26: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
-	22, // 27: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
-	28, // [28:28] is the sub-list for method output_type
-	28, // [28:28] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	20, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	7,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
+	8,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
+	9,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
+	10, // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
+	11, // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
+	12, // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
+	13, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
+	14, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
+	15, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
+	16, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
+	6,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
+	4,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
+	3,  // 13: pivirt.fsm.v1.Command.refuse_write:type_name -> pivirt.fsm.v1.RefuseWrite
+	2,  // 14: pivirt.fsm.v1.Command.set_placements:type_name -> pivirt.fsm.v1.SetPlacements
+	1,  // 15: pivirt.fsm.v1.SetPlacements.upsert:type_name -> pivirt.fsm.v1.Placement
+	1,  // 16: pivirt.fsm.v1.SetPlacements.delete:type_name -> pivirt.fsm.v1.Placement
+	20, // 17: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
+	21, // 18: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	22, // 19: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	20, // 20: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	23, // 21: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	20, // 22: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	20, // 23: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	24, // 24: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	18, // 25: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	20, // 26: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	21, // 27: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	25, // 28: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	23, // 29: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	24, // 30: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	31, // [31:31] is the sub-list for method output_type
+	31, // [31:31] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -1608,11 +1781,12 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 		(*Command_Restored)(nil),
 		(*Command_SetClusterCa)(nil),
 		(*Command_RefuseWrite)(nil),
+		(*Command_SetPlacements)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[9].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[10].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[11].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[17].OneofWrappers = []any{
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[12].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[13].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[19].OneofWrappers = []any{
 		(*DedupeRecord_Instance)(nil),
 		(*DedupeRecord_ConfigEntry)(nil),
 		(*DedupeRecord_Schedule)(nil),
@@ -1624,7 +1798,7 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   18,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -36,7 +36,9 @@ type Network struct {
 	// vlan is 1-4094, or 0 for an untagged network.
 	Vlan uint32 `protobuf:"varint,5,opt,name=vlan,proto3" json:"vlan,omitempty"`
 	// mtu is 576-9216; 0 means 1500.
-	Mtu           uint32 `protobuf:"varint,6,opt,name=mtu,proto3" json:"mtu,omitempty"`
+	Mtu uint32 `protobuf:"varint,6,opt,name=mtu,proto3" json:"mtu,omitempty"`
+	// host is the node whose backend holds the network (output only).
+	Host          string `protobuf:"bytes,7,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -113,11 +115,20 @@ func (x *Network) GetMtu() uint32 {
 	return 0
 }
 
+func (x *Network) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
 type ListNetworksRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	PageSize      int32                  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	PageToken     string                 `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
-	Owner         string                 `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	PageSize  int32                  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PageToken string                 `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	Owner     string                 `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, lists only the networks of that node.
+	Host          string `protobuf:"bytes,4,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -169,6 +180,13 @@ func (x *ListNetworksRequest) GetPageToken() string {
 func (x *ListNetworksRequest) GetOwner() string {
 	if x != nil {
 		return x.Owner
+	}
+	return ""
+}
+
+func (x *ListNetworksRequest) GetHost() string {
+	if x != nil {
+		return x.Host
 	}
 	return ""
 }
@@ -314,8 +332,11 @@ func (x *GetNetworkResponse) GetNetwork() *Network {
 }
 
 type CreateNetworkRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Network       *Network               `protobuf:"bytes,1,opt,name=network,proto3" json:"network,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Network *Network               `protobuf:"bytes,1,opt,name=network,proto3" json:"network,omitempty"`
+	// host is the node to create the network on (a node name); empty: the
+	// node whose agent was asked.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -355,6 +376,13 @@ func (x *CreateNetworkRequest) GetNetwork() *Network {
 		return x.Network
 	}
 	return nil
+}
+
+func (x *CreateNetworkRequest) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
 }
 
 type CreateNetworkResponse struct {
@@ -589,28 +617,31 @@ var File_pivirt_network_v1_network_proto protoreflect.FileDescriptor
 
 const file_pivirt_network_v1_network_proto_rawDesc = "" +
 	"\n" +
-	"\x1fpivirt/network/v1/network.proto\x12\x11pivirt.network.v1\x1a google/protobuf/field_mask.proto\x1a\x17pivirt/api/v1/api.proto\"\x9e\x01\n" +
+	"\x1fpivirt/network/v1/network.proto\x12\x11pivirt.network.v1\x1a google/protobuf/field_mask.proto\x1a\x17pivirt/api/v1/api.proto\"\xb2\x01\n" +
 	"\aNetwork\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x125\n" +
 	"\bmetadata\x18\x03 \x01(\v2\x19.pivirt.api.v1.ObjectMetaR\bmetadata\x12\x12\n" +
 	"\x04cidr\x18\x04 \x01(\tR\x04cidr\x12\x12\n" +
 	"\x04vlan\x18\x05 \x01(\rR\x04vlan\x12\x10\n" +
-	"\x03mtu\x18\x06 \x01(\rR\x03mtu\"g\n" +
+	"\x03mtu\x18\x06 \x01(\rR\x03mtu\x12\x12\n" +
+	"\x04host\x18\a \x01(\tR\x04host\"{\n" +
 	"\x13ListNetworksRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
 	"page_token\x18\x02 \x01(\tR\tpageToken\x12\x14\n" +
-	"\x05owner\x18\x03 \x01(\tR\x05owner\"v\n" +
+	"\x05owner\x18\x03 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x04 \x01(\tR\x04host\"v\n" +
 	"\x14ListNetworksResponse\x126\n" +
 	"\bnetworks\x18\x01 \x03(\v2\x1a.pivirt.network.v1.NetworkR\bnetworks\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"#\n" +
 	"\x11GetNetworkRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"J\n" +
 	"\x12GetNetworkResponse\x124\n" +
-	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\"L\n" +
+	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\"`\n" +
 	"\x14CreateNetworkRequest\x124\n" +
-	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\"M\n" +
+	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"M\n" +
 	"\x15CreateNetworkResponse\x124\n" +
 	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\"\xd1\x01\n" +
 	"\x14UpdateNetworkRequest\x124\n" +

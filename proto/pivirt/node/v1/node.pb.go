@@ -14,6 +14,7 @@ import (
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	v1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	v11 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -571,11 +572,91 @@ func (x *StatusResponse) GetProof() *IdentityProof {
 	return nil
 }
 
+type ReportPlacementsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Placements    *v11.SetPlacements     `protobuf:"bytes,1,opt,name=placements,proto3" json:"placements,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReportPlacementsRequest) Reset() {
+	*x = ReportPlacementsRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReportPlacementsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReportPlacementsRequest) ProtoMessage() {}
+
+func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReportPlacementsRequest.ProtoReflect.Descriptor instead.
+func (*ReportPlacementsRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ReportPlacementsRequest) GetPlacements() *v11.SetPlacements {
+	if x != nil {
+		return x.Placements
+	}
+	return nil
+}
+
+type ReportPlacementsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReportPlacementsResponse) Reset() {
+	*x = ReportPlacementsResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReportPlacementsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReportPlacementsResponse) ProtoMessage() {}
+
+func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReportPlacementsResponse.ProtoReflect.Descriptor instead.
+func (*ReportPlacementsResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
+}
+
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\"[\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a\x17pivirt/fsm/v1/fsm.proto\"[\n" +
 	"\x17RenewCertificateRequest\x12\x10\n" +
 	"\x03csr\x18\x01 \x01(\fR\x03csr\x12\x18\n" +
 	"\acurrent\x18\x02 \x03(\fR\acurrent\x12\x14\n" +
@@ -612,12 +693,18 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
 	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates\x123\n" +
-	"\x05proof\x18\x0e \x01(\v2\x1d.pivirt.node.v1.IdentityProofR\x05proof2\xe3\x02\n" +
+	"\x05proof\x18\x0e \x01(\v2\x1d.pivirt.node.v1.IdentityProofR\x05proof\"W\n" +
+	"\x17ReportPlacementsRequest\x12<\n" +
+	"\n" +
+	"placements\x18\x01 \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsR\n" +
+	"placements\"\x1a\n" +
+	"\x18ReportPlacementsResponse2\xcc\x03\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
 	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00\x12g\n" +
-	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00\x12g\n" +
+	"\x10ReportPlacements\x12'.pivirt.node.v1.ReportPlacementsRequest\x1a(.pivirt.node.v1.ReportPlacementsResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -631,7 +718,7 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
 	(*RenewCertificateRequest)(nil),  // 0: pivirt.node.v1.RenewCertificateRequest
 	(*RenewCertificateResponse)(nil), // 1: pivirt.node.v1.RenewCertificateResponse
@@ -642,28 +729,34 @@ var file_pivirt_node_v1_node_proto_goTypes = []any{
 	(*StatusRequest)(nil),            // 6: pivirt.node.v1.StatusRequest
 	(*IdentityProof)(nil),            // 7: pivirt.node.v1.IdentityProof
 	(*StatusResponse)(nil),           // 8: pivirt.node.v1.StatusResponse
-	(v1.KeyringOp)(0),                // 9: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),           // 10: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil),      // 11: google.protobuf.Duration
+	(*ReportPlacementsRequest)(nil),  // 9: pivirt.node.v1.ReportPlacementsRequest
+	(*ReportPlacementsResponse)(nil), // 10: pivirt.node.v1.ReportPlacementsResponse
+	(v1.KeyringOp)(0),                // 11: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 12: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 13: google.protobuf.Duration
+	(*v11.SetPlacements)(nil),        // 14: pivirt.fsm.v1.SetPlacements
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	9,  // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	10, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	11, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	11, // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	12, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	13, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
 	7,  // 3: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
-	6,  // 4: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	4,  // 5: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	2,  // 6: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	0,  // 7: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
-	8,  // 8: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	5,  // 9: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	3,  // 10: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	1,  // 11: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
-	8,  // [8:12] is the sub-list for method output_type
-	4,  // [4:8] is the sub-list for method input_type
-	4,  // [4:4] is the sub-list for extension type_name
-	4,  // [4:4] is the sub-list for extension extendee
-	0,  // [0:4] is the sub-list for field type_name
+	14, // 4: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
+	6,  // 5: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	4,  // 6: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	2,  // 7: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	0,  // 8: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	9,  // 9: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
+	8,  // 10: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	5,  // 11: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	3,  // 12: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	1,  // 13: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	10, // 14: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
+	10, // [10:15] is the sub-list for method output_type
+	5,  // [5:10] is the sub-list for method input_type
+	5,  // [5:5] is the sub-list for extension type_name
+	5,  // [5:5] is the sub-list for extension extendee
+	0,  // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -677,7 +770,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -26,6 +26,7 @@ const (
 	NodeService_ReadIndex_FullMethodName        = "/pivirt.node.v1.NodeService/ReadIndex"
 	NodeService_Keyring_FullMethodName          = "/pivirt.node.v1.NodeService/Keyring"
 	NodeService_RenewCertificate_FullMethodName = "/pivirt.node.v1.NodeService/RenewCertificate"
+	NodeService_ReportPlacements_FullMethodName = "/pivirt.node.v1.NodeService/ReportPlacements"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -49,6 +50,10 @@ type NodeServiceClient interface {
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
 	// refused renewal, ResourceExhausted above the signing rate.
 	RenewCertificate(ctx context.Context, in *RenewCertificateRequest, opts ...grpc.CallOption) (*RenewCertificateResponse, error)
+	// ReportPlacements records, on the leader, what the calling node's
+	// backends hold (the placement catalog). A node that is not the leader
+	// answers FailedPrecondition.
+	ReportPlacements(ctx context.Context, in *ReportPlacementsRequest, opts ...grpc.CallOption) (*ReportPlacementsResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -99,6 +104,16 @@ func (c *nodeServiceClient) RenewCertificate(ctx context.Context, in *RenewCerti
 	return out, nil
 }
 
+func (c *nodeServiceClient) ReportPlacements(ctx context.Context, in *ReportPlacementsRequest, opts ...grpc.CallOption) (*ReportPlacementsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReportPlacementsResponse)
+	err := c.cc.Invoke(ctx, NodeService_ReportPlacements_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -120,6 +135,10 @@ type NodeServiceServer interface {
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
 	// refused renewal, ResourceExhausted above the signing rate.
 	RenewCertificate(context.Context, *RenewCertificateRequest) (*RenewCertificateResponse, error)
+	// ReportPlacements records, on the leader, what the calling node's
+	// backends hold (the placement catalog). A node that is not the leader
+	// answers FailedPrecondition.
+	ReportPlacements(context.Context, *ReportPlacementsRequest) (*ReportPlacementsResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -140,6 +159,9 @@ func (UnimplementedNodeServiceServer) Keyring(context.Context, *KeyringRequest) 
 }
 func (UnimplementedNodeServiceServer) RenewCertificate(context.Context, *RenewCertificateRequest) (*RenewCertificateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RenewCertificate not implemented")
+}
+func (UnimplementedNodeServiceServer) ReportPlacements(context.Context, *ReportPlacementsRequest) (*ReportPlacementsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReportPlacements not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -233,6 +255,24 @@ func _NodeService_RenewCertificate_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_ReportPlacements_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReportPlacementsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).ReportPlacements(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_ReportPlacements_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).ReportPlacements(ctx, req.(*ReportPlacementsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -255,6 +295,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RenewCertificate",
 			Handler:    _NodeService_RenewCertificate_Handler,
+		},
+		{
+			MethodName: "ReportPlacements",
+			Handler:    _NodeService_ReportPlacements_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

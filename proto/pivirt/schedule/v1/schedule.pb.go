@@ -394,18 +394,21 @@ func (x *Schedule) GetModifyIndex() uint64 {
 
 // Run is one execution (or recorded skip) of a schedule slot.
 type Run struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	ScheduleId    string                 `protobuf:"bytes,1,opt,name=schedule_id,json=scheduleId,proto3" json:"schedule_id,omitempty"`
-	Slot          *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=slot,proto3" json:"slot,omitempty"`
-	Outcome       RunOutcome             `protobuf:"varint,3,opt,name=outcome,proto3,enum=pivirt.schedule.v1.RunOutcome" json:"outcome,omitempty"`
-	Error         string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
-	Attempts      uint32                 `protobuf:"varint,5,opt,name=attempts,proto3" json:"attempts,omitempty"`
-	Latency       *durationpb.Duration   `protobuf:"bytes,6,opt,name=latency,proto3" json:"latency,omitempty"`
-	Node          string                 `protobuf:"bytes,7,opt,name=node,proto3" json:"node,omitempty"`
-	StartedAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
-	FinishedAt    *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=finished_at,json=finishedAt,proto3" json:"finished_at,omitempty"`
-	CreateIndex   uint64                 `protobuf:"varint,10,opt,name=create_index,json=createIndex,proto3" json:"create_index,omitempty"`
-	ModifyIndex   uint64                 `protobuf:"varint,11,opt,name=modify_index,json=modifyIndex,proto3" json:"modify_index,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	ScheduleId  string                 `protobuf:"bytes,1,opt,name=schedule_id,json=scheduleId,proto3" json:"schedule_id,omitempty"`
+	Slot        *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=slot,proto3" json:"slot,omitempty"`
+	Outcome     RunOutcome             `protobuf:"varint,3,opt,name=outcome,proto3,enum=pivirt.schedule.v1.RunOutcome" json:"outcome,omitempty"`
+	Error       string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	Attempts    uint32                 `protobuf:"varint,5,opt,name=attempts,proto3" json:"attempts,omitempty"`
+	Latency     *durationpb.Duration   `protobuf:"bytes,6,opt,name=latency,proto3" json:"latency,omitempty"`
+	Node        string                 `protobuf:"bytes,7,opt,name=node,proto3" json:"node,omitempty"`
+	StartedAt   *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	FinishedAt  *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=finished_at,json=finishedAt,proto3" json:"finished_at,omitempty"`
+	CreateIndex uint64                 `protobuf:"varint,10,opt,name=create_index,json=createIndex,proto3" json:"create_index,omitempty"`
+	ModifyIndex uint64                 `protobuf:"varint,11,opt,name=modify_index,json=modifyIndex,proto3" json:"modify_index,omitempty"`
+	// host is the node (by name) whose backend ran the action: the node
+	// holding the VM. Empty when no node was reached.
+	Host          string `protobuf:"bytes,12,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -517,6 +520,13 @@ func (x *Run) GetModifyIndex() uint64 {
 	return 0
 }
 
+func (x *Run) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
 var File_pivirt_schedule_v1_schedule_proto protoreflect.FileDescriptor
 
 const file_pivirt_schedule_v1_schedule_proto_rawDesc = "" +
@@ -540,7 +550,7 @@ const file_pivirt_schedule_v1_schedule_proto_rawDesc = "" +
 	"\n" +
 	"updated_at\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12!\n" +
 	"\fcreate_index\x18\x0e \x01(\x04R\vcreateIndex\x12!\n" +
-	"\fmodify_index\x18\x0f \x01(\x04R\vmodifyIndex\"\xc9\x03\n" +
+	"\fmodify_index\x18\x0f \x01(\x04R\vmodifyIndex\"\xdd\x03\n" +
 	"\x03Run\x12\x1f\n" +
 	"\vschedule_id\x18\x01 \x01(\tR\n" +
 	"scheduleId\x12.\n" +
@@ -556,7 +566,8 @@ const file_pivirt_schedule_v1_schedule_proto_rawDesc = "" +
 	"finishedAt\x12!\n" +
 	"\fcreate_index\x18\n" +
 	" \x01(\x04R\vcreateIndex\x12!\n" +
-	"\fmodify_index\x18\v \x01(\x04R\vmodifyIndex*^\n" +
+	"\fmodify_index\x18\v \x01(\x04R\vmodifyIndex\x12\x12\n" +
+	"\x04host\x18\f \x01(\tR\x04host*^\n" +
 	"\x06Action\x12\x16\n" +
 	"\x12ACTION_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fACTION_POWER_ON\x10\x01\x12\x14\n" +

@@ -37,7 +37,9 @@ type Volume struct {
 	// written_bytes is how much was uploaded.
 	WrittenBytes uint64 `protobuf:"varint,6,opt,name=written_bytes,json=writtenBytes,proto3" json:"written_bytes,omitempty"`
 	// sha256 is the hex digest of the uploaded image, when one was.
-	Sha256        string `protobuf:"bytes,7,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	Sha256 string `protobuf:"bytes,7,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	// host is the node whose backend holds the volume (output only).
+	Host          string `protobuf:"bytes,8,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -121,11 +123,20 @@ func (x *Volume) GetSha256() string {
 	return ""
 }
 
+func (x *Volume) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
 type ListVolumesRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	PageSize      int32                  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	PageToken     string                 `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
-	Owner         string                 `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	PageSize  int32                  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PageToken string                 `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	Owner     string                 `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, lists only the volumes of that node.
+	Host          string `protobuf:"bytes,4,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -177,6 +188,13 @@ func (x *ListVolumesRequest) GetPageToken() string {
 func (x *ListVolumesRequest) GetOwner() string {
 	if x != nil {
 		return x.Owner
+	}
+	return ""
+}
+
+func (x *ListVolumesRequest) GetHost() string {
+	if x != nil {
+		return x.Host
 	}
 	return ""
 }
@@ -322,8 +340,11 @@ func (x *GetVolumeResponse) GetVolume() *Volume {
 }
 
 type CreateVolumeRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Volume        *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Volume *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	// host is the node to create the volume on (a node name); empty: the
+	// node whose agent was asked.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -363,6 +384,13 @@ func (x *CreateVolumeRequest) GetVolume() *Volume {
 		return x.Volume
 	}
 	return nil
+}
+
+func (x *CreateVolumeRequest) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
 }
 
 type CreateVolumeResponse struct {
@@ -693,7 +721,7 @@ var File_pivirt_storage_v1_storage_proto protoreflect.FileDescriptor
 
 const file_pivirt_storage_v1_storage_proto_rawDesc = "" +
 	"\n" +
-	"\x1fpivirt/storage/v1/storage.proto\x12\x11pivirt.storage.v1\x1a google/protobuf/field_mask.proto\x1a\x17pivirt/api/v1/api.proto\"\xd1\x01\n" +
+	"\x1fpivirt/storage/v1/storage.proto\x12\x11pivirt.storage.v1\x1a google/protobuf/field_mask.proto\x1a\x17pivirt/api/v1/api.proto\"\xe5\x01\n" +
 	"\x06Volume\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x125\n" +
@@ -702,21 +730,24 @@ const file_pivirt_storage_v1_storage_proto_rawDesc = "" +
 	"size_bytes\x18\x04 \x01(\x04R\tsizeBytes\x12\x10\n" +
 	"\x03iqn\x18\x05 \x01(\tR\x03iqn\x12#\n" +
 	"\rwritten_bytes\x18\x06 \x01(\x04R\fwrittenBytes\x12\x16\n" +
-	"\x06sha256\x18\a \x01(\tR\x06sha256\"f\n" +
+	"\x06sha256\x18\a \x01(\tR\x06sha256\x12\x12\n" +
+	"\x04host\x18\b \x01(\tR\x04host\"z\n" +
 	"\x12ListVolumesRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
 	"page_token\x18\x02 \x01(\tR\tpageToken\x12\x14\n" +
-	"\x05owner\x18\x03 \x01(\tR\x05owner\"r\n" +
+	"\x05owner\x18\x03 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x04 \x01(\tR\x04host\"r\n" +
 	"\x13ListVolumesResponse\x123\n" +
 	"\avolumes\x18\x01 \x03(\v2\x19.pivirt.storage.v1.VolumeR\avolumes\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\"\n" +
 	"\x10GetVolumeRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"F\n" +
 	"\x11GetVolumeResponse\x121\n" +
-	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\"H\n" +
+	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\"\\\n" +
 	"\x13CreateVolumeRequest\x121\n" +
-	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\"I\n" +
+	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"I\n" +
 	"\x14CreateVolumeResponse\x121\n" +
 	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\"\xcd\x01\n" +
 	"\x13UpdateVolumeRequest\x121\n" +

@@ -252,7 +252,9 @@ type ListVMsRequest struct {
 	PageSize  int32  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	PageToken string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// owner, when set, lists only the VMs of that owner.
-	Owner         string `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	Owner string `protobuf:"bytes,3,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, lists only the VMs of that node.
+	Host          string `protobuf:"bytes,4,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -304,6 +306,13 @@ func (x *ListVMsRequest) GetPageToken() string {
 func (x *ListVMsRequest) GetOwner() string {
 	if x != nil {
 		return x.Owner
+	}
+	return ""
+}
+
+func (x *ListVMsRequest) GetHost() string {
+	if x != nil {
+		return x.Host
 	}
 	return ""
 }
@@ -449,8 +458,11 @@ func (x *GetVMResponse) GetVm() *VM {
 }
 
 type CreateVMRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Vm    *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	// host is the node to create the VM on (a node name); empty: vm.host,
+	// else the node whose agent was asked.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -490,6 +502,13 @@ func (x *CreateVMRequest) GetVm() *VM {
 		return x.Vm
 	}
 	return nil
+}
+
+func (x *CreateVMRequest) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
 }
 
 type CreateVMResponse struct {
@@ -1086,7 +1105,9 @@ func (x *RebootResponse) GetVm() *VM {
 type WatchVMsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// owner, when set, watches only the VMs of that owner.
-	Owner         string `protobuf:"bytes,1,opt,name=owner,proto3" json:"owner,omitempty"`
+	Owner string `protobuf:"bytes,1,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, watches only the VMs of that node.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1124,6 +1145,13 @@ func (*WatchVMsRequest) Descriptor() ([]byte, []int) {
 func (x *WatchVMsRequest) GetOwner() string {
 	if x != nil {
 		return x.Owner
+	}
+	return ""
+}
+
+func (x *WatchVMsRequest) GetHost() string {
+	if x != nil {
+		return x.Host
 	}
 	return ""
 }
@@ -1293,21 +1321,23 @@ const file_pivirt_vm_v1_vm_proto_rawDesc = "" +
 	"\bnetworks\x18\a \x03(\tR\bnetworks\x129\n" +
 	"\vpower_state\x18\b \x01(\x0e2\x18.pivirt.vm.v1.PowerStateR\n" +
 	"powerState\x12\x12\n" +
-	"\x04host\x18\t \x01(\tR\x04host\"b\n" +
+	"\x04host\x18\t \x01(\tR\x04host\"v\n" +
 	"\x0eListVMsRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
 	"page_token\x18\x02 \x01(\tR\tpageToken\x12\x14\n" +
-	"\x05owner\x18\x03 \x01(\tR\x05owner\"]\n" +
+	"\x05owner\x18\x03 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x04 \x01(\tR\x04host\"]\n" +
 	"\x0fListVMsResponse\x12\"\n" +
 	"\x03vms\x18\x01 \x03(\v2\x10.pivirt.vm.v1.VMR\x03vms\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x1e\n" +
 	"\fGetVMRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"1\n" +
 	"\rGetVMResponse\x12 \n" +
-	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"3\n" +
+	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"G\n" +
 	"\x0fCreateVMRequest\x12 \n" +
-	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"4\n" +
+	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"4\n" +
 	"\x10CreateVMResponse\x12 \n" +
 	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"\xb8\x01\n" +
 	"\x0fUpdateVMRequest\x12 \n" +
@@ -1337,9 +1367,10 @@ const file_pivirt_vm_v1_vm_proto_rawDesc = "" +
 	"\rRebootRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"2\n" +
 	"\x0eRebootResponse\x12 \n" +
-	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"'\n" +
+	"\x02vm\x18\x01 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\";\n" +
 	"\x0fWatchVMsRequest\x12\x14\n" +
-	"\x05owner\x18\x01 \x01(\tR\x05owner\"a\n" +
+	"\x05owner\x18\x01 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"a\n" +
 	"\x10WatchVMsResponse\x12+\n" +
 	"\x04type\x18\x01 \x01(\x0e2\x17.pivirt.vm.v1.EventTypeR\x04type\x12 \n" +
 	"\x02vm\x18\x02 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"6\n" +

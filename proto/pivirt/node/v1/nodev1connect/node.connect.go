@@ -44,6 +44,9 @@ const (
 	// NodeServiceRenewCertificateProcedure is the fully-qualified name of the NodeService's
 	// RenewCertificate RPC.
 	NodeServiceRenewCertificateProcedure = "/pivirt.node.v1.NodeService/RenewCertificate"
+	// NodeServiceReportPlacementsProcedure is the fully-qualified name of the NodeService's
+	// ReportPlacements RPC.
+	NodeServiceReportPlacementsProcedure = "/pivirt.node.v1.NodeService/ReportPlacements"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -65,6 +68,10 @@ type NodeServiceClient interface {
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
 	// refused renewal, ResourceExhausted above the signing rate.
 	RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error)
+	// ReportPlacements records, on the leader, what the calling node's
+	// backends hold (the placement catalog). A node that is not the leader
+	// answers FailedPrecondition.
+	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -102,6 +109,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("RenewCertificate")),
 			connect.WithClientOptions(opts...),
 		),
+		reportPlacements: connect.NewClient[v1.ReportPlacementsRequest, v1.ReportPlacementsResponse](
+			httpClient,
+			baseURL+NodeServiceReportPlacementsProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("ReportPlacements")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -111,6 +124,7 @@ type nodeServiceClient struct {
 	readIndex        *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
 	keyring          *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
 	renewCertificate *connect.Client[v1.RenewCertificateRequest, v1.RenewCertificateResponse]
+	reportPlacements *connect.Client[v1.ReportPlacementsRequest, v1.ReportPlacementsResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -133,6 +147,11 @@ func (c *nodeServiceClient) RenewCertificate(ctx context.Context, req *connect.R
 	return c.renewCertificate.CallUnary(ctx, req)
 }
 
+// ReportPlacements calls pivirt.node.v1.NodeService.ReportPlacements.
+func (c *nodeServiceClient) ReportPlacements(ctx context.Context, req *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error) {
+	return c.reportPlacements.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
@@ -152,6 +171,10 @@ type NodeServiceHandler interface {
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
 	// refused renewal, ResourceExhausted above the signing rate.
 	RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error)
+	// ReportPlacements records, on the leader, what the calling node's
+	// backends hold (the placement catalog). A node that is not the leader
+	// answers FailedPrecondition.
+	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -185,6 +208,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("RenewCertificate")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceReportPlacementsHandler := connect.NewUnaryHandler(
+		NodeServiceReportPlacementsProcedure,
+		svc.ReportPlacements,
+		connect.WithSchema(nodeServiceMethods.ByName("ReportPlacements")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
@@ -195,6 +224,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceKeyringHandler.ServeHTTP(w, r)
 		case NodeServiceRenewCertificateProcedure:
 			nodeServiceRenewCertificateHandler.ServeHTTP(w, r)
+		case NodeServiceReportPlacementsProcedure:
+			nodeServiceReportPlacementsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -218,4 +249,8 @@ func (UnimplementedNodeServiceHandler) Keyring(context.Context, *connect.Request
 
 func (UnimplementedNodeServiceHandler) RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.RenewCertificate is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ReportPlacements is not implemented"))
 }

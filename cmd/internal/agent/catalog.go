@@ -1,0 +1,296 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/gateway/mesh"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// The placement catalog: each agent tells the cluster which objects its
+// node-scoped backends hold (cmd/internal/agent/DESIGN.md, "Placement
+// catalog"). A full listing at start, after each reconnect of the VM watch
+// and every catalogSync (anti-entropy); a VM watch event starts one at
+// once. Only the difference against the catalog is proposed.
+
+// catalogList is a placed kind and how to list its IDs.
+type catalogList struct {
+	kind   string
+	method string
+	ids    func(ctx context.Context, b *mesh.Backend, method string) ([]string, error)
+}
+
+var catalogLists = []catalogList{
+	{"virtualmachines", "/pivirt.vm.v1.VMService/ListVMs", func(ctx context.Context, b *mesh.Backend, method string) ([]string, error) {
+		return listIDs(ctx, b, method, func(tok string) proto.Message { return &vmv1.ListVMsRequest{PageSize: 1000, PageToken: tok} },
+			func() proto.Message { return &vmv1.ListVMsResponse{} },
+			func(m proto.Message) ([]string, string) {
+				r := m.(*vmv1.ListVMsResponse)
+				ids := make([]string, len(r.GetVms()))
+				for i, v := range r.GetVms() {
+					ids[i] = v.GetId()
+				}
+				return ids, r.GetNextPageToken()
+			})
+	}},
+	{"volumes", "/pivirt.storage.v1.StorageService/ListVolumes", func(ctx context.Context, b *mesh.Backend, method string) ([]string, error) {
+		return listIDs(ctx, b, method, func(tok string) proto.Message { return &storagev1.ListVolumesRequest{PageSize: 1000, PageToken: tok} },
+			func() proto.Message { return &storagev1.ListVolumesResponse{} },
+			func(m proto.Message) ([]string, string) {
+				r := m.(*storagev1.ListVolumesResponse)
+				ids := make([]string, len(r.GetVolumes()))
+				for i, v := range r.GetVolumes() {
+					ids[i] = v.GetId()
+				}
+				return ids, r.GetNextPageToken()
+			})
+	}},
+	{"networks", "/pivirt.network.v1.NetworkService/ListNetworks", func(ctx context.Context, b *mesh.Backend, method string) ([]string, error) {
+		return listIDs(ctx, b, method, func(tok string) proto.Message { return &networkv1.ListNetworksRequest{PageSize: 1000, PageToken: tok} },
+			func() proto.Message { return &networkv1.ListNetworksResponse{} },
+			func(m proto.Message) ([]string, string) {
+				r := m.(*networkv1.ListNetworksResponse)
+				ids := make([]string, len(r.GetNetworks()))
+				for i, v := range r.GetNetworks() {
+					ids[i] = v.GetId()
+				}
+				return ids, r.GetNextPageToken()
+			})
+	}},
+}
+
+// listIDs reads every page of a list from b.
+func listIDs(ctx context.Context, b *mesh.Backend, method string, req func(token string) proto.Message, resp func() proto.Message, ids func(proto.Message) ([]string, string)) ([]string, error) {
+	var out []string
+	tok := ""
+	for range 10_000 {
+		r := resp()
+		if err := b.Invoke(ctx, method, req(tok), r); err != nil {
+			return nil, err
+		}
+		page, next := ids(r)
+		out = append(out, page...)
+		if next == "" {
+			return out, nil
+		}
+		tok = next
+	}
+	return nil, fmt.Errorf("%s: the list did not end after 10000 pages", method)
+}
+
+// Catalog timing.
+const (
+	// catalogSync is the anti-entropy period: a full listing compared
+	// with the catalog.
+	catalogSync = 30 * time.Second
+	// catalogDebounce gathers the events of a burst into one listing.
+	catalogDebounce = 200 * time.Millisecond
+	// catalogBatch bounds the entries of one proposal: in etcd mode each
+	// entry is a key of the command's transaction, and etcd allows 128
+	// operations per transaction by default.
+	catalogBatch     = 5000
+	catalogBatchEtcd = 100
+)
+
+// runCatalog keeps this node's entries of the placement catalog in step
+// with its node-scoped backends until the agent stops.
+func (a *Agent) runCatalog() error {
+	trigger := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case trigger <- struct{}{}:
+		default:
+		}
+	}
+	a.wg.Go(func() { a.watchVMsForCatalog(a.ctx, poke) })
+	a.wg.Go(func() {
+		interval := a.opts.CatalogSync
+		if interval <= 0 {
+			interval = catalogSync
+		}
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		poke()
+		for {
+			select {
+			case <-a.ctx.Done():
+				return
+			case <-t.C:
+			case <-trigger:
+				if !sleepCtx(a.ctx, catalogDebounce) {
+					return
+				}
+			}
+			a.syncCatalog(a.ctx)
+		}
+	})
+	return nil
+}
+
+// watchVMsForCatalog pokes the catalog on every change its VM backend
+// reports, and after every (re)connect of the watch.
+func (a *Agent) watchVMsForCatalog(ctx context.Context, poke func()) {
+	const method = "/pivirt.vm.v1.VMService/WatchVMs"
+	wait := time.Second
+	for ctx.Err() == nil {
+		b := a.proxy.Route(method)
+		if b == nil || !b.NodeScoped() {
+			if !sleepCtx(ctx, catalogSync) {
+				return
+			}
+			continue
+		}
+		err := func() error {
+			conn, err := b.Conn()
+			if err != nil {
+				return err
+			}
+			wctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			stream, err := vmv1.NewVMServiceClient(conn).WatchVMs(wctx, &vmv1.WatchVMsRequest{})
+			if err != nil {
+				return err
+			}
+			poke() // (re)connected: list again
+			for {
+				ev, err := stream.Recv()
+				if err != nil {
+					return err
+				}
+				wait = time.Second
+				if ev.GetType() == vmv1.EventType_EVENT_TYPE_CREATED || ev.GetType() == vmv1.EventType_EVENT_TYPE_DELETED {
+					poke()
+				}
+			}
+		}()
+		if ctx.Err() != nil {
+			return
+		}
+		a.logger.Debug("placement catalog: VM watch ended; opening it again", "error", err, "in", wait)
+		if !sleepCtx(ctx, wait) {
+			return
+		}
+		wait = min(2*wait, catalogSync)
+	}
+}
+
+// syncCatalog lists each placed kind on this node's backend and proposes
+// the difference against the catalog. A kind whose backend cannot be
+// listed is left as it is.
+func (a *Agent) syncCatalog(ctx context.Context) {
+	self := a.cfg.NodeName
+	held, err := a.fsm.State().PlacementsByNode(self)
+	if err != nil {
+		a.logger.Warn("placement catalog: reading it failed", "error", err)
+		return
+	}
+	for _, cl := range catalogLists {
+		b := a.proxy.Route(cl.method)
+		if b == nil || !b.NodeScoped() {
+			continue
+		}
+		lctx, cancel := context.WithTimeout(ctx, time.Minute)
+		ids, err := cl.ids(lctx, b, cl.method)
+		cancel()
+		if err != nil {
+			if ctx.Err() == nil {
+				a.logger.Debug("placement catalog: listing the backend failed; the catalog stays as it is", "kind", cl.kind, "backend", b.Name(), "error", err)
+			}
+			continue
+		}
+		have := map[string]bool{}
+		for _, p := range held {
+			if p.GetKind() == cl.kind {
+				have[p.GetId()] = true
+			}
+		}
+		op := &fsmv1.SetPlacements{Node: self}
+		state := a.fsm.State()
+		for _, id := range ids {
+			if have[id] {
+				delete(have, id)
+				continue
+			}
+			if p, err := state.Placement(cl.kind, id); err == nil && p != nil && p.GetNode() == self {
+				continue
+			}
+			op.Upsert = append(op.Upsert, &fsmv1.Placement{Kind: cl.kind, Id: id, Node: self})
+		}
+		for _, id := range slices.Sorted(maps.Keys(have)) {
+			op.Delete = append(op.Delete, &fsmv1.Placement{Kind: cl.kind, Id: id})
+		}
+		size := catalogBatch
+		if a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
+			size = catalogBatchEtcd
+		}
+		for len(op.Upsert)+len(op.Delete) > 0 {
+			batch := &fsmv1.SetPlacements{Node: self}
+			n := min(len(op.Upsert), size)
+			batch.Upsert, op.Upsert = op.Upsert[:n], op.Upsert[n:]
+			m := min(len(op.Delete), size-n)
+			batch.Delete, op.Delete = op.Delete[:m], op.Delete[m:]
+			if err := a.reportPlacements(ctx, batch); err != nil {
+				if ctx.Err() == nil {
+					a.logger.Info("placement catalog: recording this node's objects failed; trying again later", "kind", cl.kind, "error", err)
+				}
+				break
+			}
+			a.logger.Debug("placement catalog updated", "kind", cl.kind, "added", len(batch.Upsert), "removed", len(batch.Delete))
+		}
+	}
+}
+
+// reportPlacements records op: proposed here on the leader (and in etcd
+// mode, where every agent writes), else sent to the leader's internal port.
+func (a *Agent) reportPlacements(ctx context.Context, op *fsmv1.SetPlacements) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	id, addr := a.cons.Leader()
+	if a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd || id == a.nodeID {
+		return a.proposePlacements(ctx, op)
+	}
+	if id == "" {
+		return errors.New("no cluster leader")
+	}
+	m, ok := a.gossip.ServerByID(id, addr)
+	if !ok || m.Meta.InternalAddr == "" {
+		return fmt.Errorf("leader %s is not known to gossip yet", id)
+	}
+	_, err := a.pool.Node(m.Meta.InternalAddr).ReportPlacements(ctx, connect.NewRequest(&nodev1.ReportPlacementsRequest{Placements: op}))
+	return err
+}
+
+// proposePlacements is ReportPlacements on this node: a Raft proposal on
+// the leader (in etcd mode, a write of this agent).
+func (a *Agent) proposePlacements(ctx context.Context, op *fsmv1.SetPlacements) error {
+	if id, _ := a.cons.Leader(); a.cfg.ServiceDiscovery.Type != config.DiscoveryEtcd && id != a.nodeID {
+		return connect.NewError(connect.CodeFailedPrecondition, errors.New("not the leader"))
+	}
+	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_SetPlacements{SetPlacements: op}})
+	if err != nil {
+		return connect.NewError(connect.CodeInternal, err)
+	}
+	resp, _, err := a.cons.Apply(ctx, data)
+	if err != nil {
+		return connect.NewError(connect.CodeUnavailable, err)
+	}
+	if r, ok := resp.(*fsm.Result); ok && r.Err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, r.Err)
+	}
+	return nil
+}

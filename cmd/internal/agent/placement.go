@@ -1,0 +1,99 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+
+	"pilab.hu/pivirt-agent/cluster"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// placement is the agent's side of mesh.Placement: the replicated
+// placement catalog, the gossip ring's members and the connection pool.
+type placement struct{ a *Agent }
+
+func (p placement) Self() string { return p.a.cfg.NodeName }
+
+func (p placement) Locate(kind, id string) (string, bool) {
+	pl, err := p.a.fsm.State().Placement(kind, id)
+	if err != nil || pl == nil {
+		return "", false
+	}
+	return pl.GetNode(), true
+}
+
+// Nodes are the cluster's servers in the gossip ring, whatever their
+// status (a node that is down is named as unreachable, not left out).
+func (p placement) Nodes() []string {
+	nodes := []string{p.Self()}
+	if p.a.gossip != nil {
+		for _, m := range p.a.gossip.Members() {
+			if m.Meta.InternalAddr != "" && !slices.Contains(nodes, m.Name) {
+				nodes = append(nodes, m.Name)
+			}
+		}
+	}
+	slices.Sort(nodes)
+	return nodes
+}
+
+// peerAdmitTimeout bounds proving a member's identity before the first
+// call routed to it.
+const peerAdmitTimeout = 3 * time.Second
+
+// Peer is the connection to node's agent: a member of the ring that is
+// alive and, with TLS, proved that the name is its own (its agent
+// certificate signs its gossip claim), so that callers' requests reach
+// only that node.
+func (p placement) Peer(node string) (grpc.ClientConnInterface, error) {
+	var (
+		m     cluster.Member
+		found bool
+	)
+	if p.a.gossip != nil {
+		for _, c := range p.a.gossip.Members() {
+			if c.Name == node {
+				m, found = c, true
+				break
+			}
+		}
+	}
+	switch {
+	case !found:
+		return nil, fmt.Errorf("node %s is not a member of the cluster", node)
+	case m.Status != cluster.StatusAlive:
+		return nil, fmt.Errorf("node %s is %s since %s", node, m.Status, m.Since.UTC().Format(time.RFC3339))
+	case m.Meta.InternalAddr == "":
+		return nil, fmt.Errorf("node %s advertises no internal address", node)
+	}
+	if p.a.admission != nil && !p.a.admission.Proven(m) {
+		ctx, cancel := context.WithTimeout(p.a.ctx, peerAdmitTimeout)
+		defer cancel()
+		if err := p.a.admission.Admit(ctx, m); err != nil {
+			return nil, fmt.Errorf("node %s has not proven its identity: %w", node, err)
+		}
+	}
+	return p.a.pool.Conn(m.Meta.InternalAddr), nil
+}
+
+// vmExists checks, with GetVM where the VM lives, that a schedule's VM
+// exists. Without a route for the VM API there is nothing to ask: the
+// schedule's runs will say so.
+func (a *Agent) vmExists(ctx context.Context, id string) error {
+	const method = "/pivirt.vm.v1.VMService/GetVM"
+	if a.proxy.Route(method) == nil {
+		return nil
+	}
+	_, err := a.proxy.Invoke(ctx, method, &vmv1.GetVMRequest{Id: id}, &vmv1.GetVMResponse{})
+	if err != nil {
+		st := status.Convert(err)
+		return connect.NewError(connect.Code(st.Code()), fmt.Errorf("checking that vm %s exists: %s", id, st.Message()))
+	}
+	return nil
+}

@@ -1,0 +1,475 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	"pilab.hu/pivirt-agent/gateway/mesh"
+	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
+	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
+)
+
+// placedCluster is n agents, each with its own pivirtd-sim (pivirtd and
+// iscsiman) on a unix socket, as the spec deploys them: node-scoped
+// backends by default, the default routes (no routing block).
+type placedCluster struct {
+	c    *agenttest.Cluster
+	sims []*sim.Simulator
+	// direct are gRPC connections to each node's simulator, bypassing the
+	// agents.
+	direct []*grpc.ClientConn
+	// api are gRPC connections to each node's API port.
+	api []*grpc.ClientConn
+}
+
+func startPlacedCluster(t *testing.T, n int) *placedCluster {
+	t.Helper()
+	pc := &placedCluster{}
+	socks := make([]string, n)
+	for i := range n {
+		name := fmt.Sprintf("node%d", i+1)
+		s, err := sim.Open(sim.Config{DataDir: t.TempDir(), Host: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		socks[i] = "unix://" + filepath.Join(t.TempDir(), "sim.sock")
+		ln, err := sim.Listen(socks[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		gs := grpc.NewServer(s.ServerOptions()...)
+		s.Register(gs)
+		served := make(chan struct{})
+		go func() { _ = gs.Serve(ln); close(served) }()
+		conn, err := grpc.NewClient(socks[i], grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			conn.Close()
+			gs.Stop()
+			<-served
+			_ = s.Close()
+		})
+		pc.sims = append(pc.sims, s)
+		pc.direct = append(pc.direct, conn)
+	}
+	pc.c = agenttest.NewExpect(t, n, func(i int, cfg *config.Config) {
+		cfg.Backends = map[string]config.BackendConfig{
+			"pivirtd":  {Endpoint: socks[i], Timeout: config.Duration(10 * time.Second)},
+			"iscsiman": {Endpoint: socks[i], Timeout: config.Duration(10 * time.Second)},
+		}
+	})
+	pc.c.WaitLeader(30 * time.Second)
+	pc.c.WaitPeers(30*time.Second, n, 0)
+	for _, node := range pc.c.Nodes() {
+		conn, err := grpc.NewClient(node.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		pc.api = append(pc.api, conn)
+	}
+	return pc
+}
+
+func (pc *placedCluster) vm(i int) vmv1.VMServiceClient { return vmv1.NewVMServiceClient(pc.api[i]) }
+
+// TestPlacementRoutesByObject: VMs, volumes and networks on every node,
+// reached through every node, over gRPC and Connect (binary and JSON).
+func TestPlacementRoutesByObject(t *testing.T) {
+	pc := startPlacedCluster(t, 3)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+
+	// One VM, volume and network on each node, each created through the
+	// next node with host naming its node.
+	var vms, vols, nets []string
+	for i := range 3 {
+		host := fmt.Sprintf("node%d", i+1)
+		via := (i + 1) % 3
+		r, err := pc.vm(via).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-" + host, Vcpus: 1, MemoryMib: 512}, Host: host})
+		if err != nil {
+			t.Fatalf("create a VM on %s through node%d: %v", host, via+1, err)
+		}
+		if r.GetVm().GetHost() != host {
+			t.Fatalf("VM created on %s, want %s", r.GetVm().GetHost(), host)
+		}
+		vms = append(vms, r.GetVm().GetId())
+		v, err := storagev1.NewStorageServiceClient(pc.api[via]).CreateVolume(ctx, &storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "vol-" + host, SizeBytes: 1 << 30}, Host: host})
+		if err != nil || v.GetVolume().GetHost() != host {
+			t.Fatalf("create a volume on %s through node%d: %v, %v", host, via+1, v, err)
+		}
+		vols = append(vols, v.GetVolume().GetId())
+		nw, err := networkv1.NewNetworkServiceClient(pc.api[via]).CreateNetwork(ctx, &networkv1.CreateNetworkRequest{Network: &networkv1.Network{Name: "net-" + host, Cidr: fmt.Sprintf("10.%d.0.0/24", i)}, Host: host})
+		if err != nil || nw.GetNetwork().GetHost() != host {
+			t.Fatalf("create a network on %s through node%d: %v, %v", host, via+1, nw, err)
+		}
+		nets = append(nets, nw.GetNetwork().GetId())
+	}
+	// An unknown host is refused, naming the nodes.
+	if _, err := pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-x", Vcpus: 1, MemoryMib: 512}, Host: "node9"}); toStatus(err).Code() != codes.InvalidArgument || !strings.Contains(err.Error(), "node1, node2, node3") {
+		t.Errorf("create on node9: %v, want InvalidArgument naming the nodes", err)
+	}
+
+	// Every object through every node, over gRPC, Connect and Connect JSON.
+	for via := range 3 {
+		base := "http://" + pc.c.Node(via).APIAddr()
+		hc := agenttest.NewHTTPClient()
+		clients := map[string]vmv1connect.VMServiceClient{
+			"connect":      vmv1connect.NewVMServiceClient(hc, base),
+			"connect-json": vmv1connect.NewVMServiceClient(hc, base, connect.WithProtoJSON()),
+		}
+		for i, id := range vms {
+			want := fmt.Sprintf("node%d", i+1)
+			var hdr metadata.MD
+			r, err := pc.vm(via).GetVM(ctx, &vmv1.GetVMRequest{Id: id}, grpc.Header(&hdr))
+			if err != nil || r.GetVm().GetHost() != want {
+				t.Fatalf("GetVM %s (on %s) through node%d: %v, %v", id, want, via+1, r, err)
+			}
+			if via != i && !slices.Contains(hdr.Get(mesh.NodeHeader), want) {
+				t.Errorf("GetVM %s through node%d: header %s = %v, want %s", id, via+1, mesh.NodeHeader, hdr.Get(mesh.NodeHeader), want)
+			}
+			if _, err := pc.vm(via).PowerOn(ctx, &vmv1.PowerOnRequest{Id: id}); err != nil {
+				t.Fatalf("PowerOn %s through node%d: %v", id, via+1, err)
+			}
+			// A bidi stream across the hop.
+			out, err := grpcVM{pc.vm(via)}.console(ctx, id, []string{"uptime"})
+			if err != nil || len(out) < 2 {
+				t.Fatalf("console of %s through node%d: %v %v", id, via+1, out, err)
+			}
+			if _, err := pc.vm(via).PowerOff(ctx, &vmv1.PowerOffRequest{Id: id}); err != nil {
+				t.Fatalf("PowerOff %s through node%d: %v", id, via+1, err)
+			}
+			for name, cl := range clients {
+				r, err := cl.GetVM(ctx, connect.NewRequest(&vmv1.GetVMRequest{Id: id}))
+				if err != nil || r.Msg.GetVm().GetHost() != want {
+					t.Fatalf("%s GetVM %s through node%d: %v", name, id, via+1, err)
+				}
+			}
+		}
+		for i, id := range vols {
+			r, err := storagev1.NewStorageServiceClient(pc.api[via]).GetVolume(ctx, &storagev1.GetVolumeRequest{Id: id})
+			if err != nil || r.GetVolume().GetHost() != fmt.Sprintf("node%d", i+1) {
+				t.Fatalf("GetVolume %s through node%d: %v, %v", id, via+1, r, err)
+			}
+			// A client stream across the hop.
+			up, err := storagev1.NewStorageServiceClient(pc.api[via]).UploadVolume(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for k := range 3 {
+				req := &storagev1.UploadVolumeRequest{Chunk: []byte("chunk")}
+				if k == 0 {
+					req.Id = id
+				}
+				if err := up.Send(req); err != nil {
+					t.Fatalf("upload to %s through node%d: %v", id, via+1, err)
+				}
+			}
+			if r, err := up.CloseAndRecv(); err != nil || r.GetVolume().GetWrittenBytes() == 0 {
+				t.Fatalf("upload to %s through node%d: %v, %v", id, via+1, r, err)
+			}
+		}
+		for i, id := range nets {
+			r, err := networkv1.NewNetworkServiceClient(pc.api[via]).GetNetwork(ctx, &networkv1.GetNetworkRequest{Id: id})
+			if err != nil || r.GetNetwork().GetHost() != fmt.Sprintf("node%d", i+1) {
+				t.Fatalf("GetNetwork %s through node%d: %v, %v", id, via+1, r, err)
+			}
+		}
+
+		// Lists hold every node's objects, ordered by ID; pages continue
+		// through any node.
+		all, err := pc.vm(via).ListVMs(ctx, &vmv1.ListVMsRequest{})
+		if err != nil || len(all.GetVms()) != 3 {
+			t.Fatalf("ListVMs through node%d: %v, %v", via+1, all, err)
+		}
+		got := []string{}
+		for _, v := range all.GetVms() {
+			got = append(got, v.GetId())
+		}
+		if !slices.IsSorted(got) || !slices.Equal(slices.Sorted(slices.Values(vms)), got) {
+			t.Errorf("ListVMs through node%d: %v, want %v ordered", via+1, got, vms)
+		}
+		var paged []string
+		tok := ""
+		for k := range 4 {
+			r, err := pc.vm((via+k)%3).ListVMs(ctx, &vmv1.ListVMsRequest{PageSize: 1, PageToken: tok})
+			if err != nil {
+				t.Fatalf("page %d: %v", k, err)
+			}
+			for _, v := range r.GetVms() {
+				paged = append(paged, v.GetId())
+			}
+			if tok = r.GetNextPageToken(); tok == "" {
+				break
+			}
+		}
+		if !slices.Equal(paged, got) {
+			t.Errorf("paged through every node: %v, want %v", paged, got)
+		}
+		one, err := pc.vm(via).ListVMs(ctx, &vmv1.ListVMsRequest{Host: "node2"})
+		if err != nil || len(one.GetVms()) != 1 || one.GetVms()[0].GetHost() != "node2" {
+			t.Errorf("ListVMs host node2 through node%d: %v, %v", via+1, one, err)
+		}
+		vl, err := storagev1.NewStorageServiceClient(pc.api[via]).ListVolumes(ctx, &storagev1.ListVolumesRequest{})
+		if err != nil || len(vl.GetVolumes()) != 3 {
+			t.Errorf("ListVolumes through node%d: %v, %v", via+1, vl, err)
+		}
+		nl, err := networkv1.NewNetworkServiceClient(pc.api[via]).ListNetworks(ctx, &networkv1.ListNetworksRequest{})
+		if err != nil || len(nl.GetNetworks()) != 3 {
+			t.Errorf("ListNetworks through node%d: %v, %v", via+1, nl, err)
+		}
+	}
+
+	// The catalog learns every object on every node.
+	agenttest.Eventually(t, 30*time.Second, "the placement catalog holds every object", func() error {
+		for _, n := range pc.c.Nodes() {
+			for i, id := range vms {
+				p, err := n.FSM().State().Placement("virtualmachines", id)
+				if err != nil || p.GetNode() != fmt.Sprintf("node%d", i+1) {
+					return fmt.Errorf("%s: placement of %s = %v, %v", n.Name, id, p, err)
+				}
+			}
+			for i, id := range vols {
+				p, err := n.FSM().State().Placement("volumes", id)
+				if err != nil || p.GetNode() != fmt.Sprintf("node%d", i+1) {
+					return fmt.Errorf("%s: placement of %s = %v, %v", n.Name, id, p, err)
+				}
+			}
+		}
+		return nil
+	})
+
+	// A VM made behind the agents' backs, on node3's simulator, is found
+	// through node1.
+	hidden, err := vmv1.NewVMServiceClient(pc.direct[2]).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-hidden", Vcpus: 1, MemoryMib: 256}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := pc.vm(0).GetVM(ctx, &vmv1.GetVMRequest{Id: hidden.GetVm().GetId()}); err != nil || r.GetVm().GetHost() != "node3" {
+		t.Errorf("GetVM of a VM made on node3's backend directly, through node1: %v, %v", r, err)
+	}
+	if _, err := pc.vm(0).GetVM(ctx, &vmv1.GetVMRequest{Id: "vm-nowhere"}); toStatus(err).Code() != codes.NotFound {
+		t.Errorf("GetVM of an unknown VM: %v, want NotFound", err)
+	}
+
+	// A watch through node1 sees changes on every node.
+	wctx, wcancel := context.WithCancel(ctx)
+	defer wcancel()
+	w, err := pc.vm(0).WatchVMs(wctx, &vmv1.WatchVMsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	existing := 0
+	for existing < 4 {
+		ev, err := w.Recv()
+		if err != nil {
+			t.Fatalf("watch: %v", err)
+		}
+		if ev.GetType() == vmv1.EventType_EVENT_TYPE_EXISTING {
+			existing++
+		}
+	}
+	if _, err := pc.vm(1).DeleteVM(ctx, &vmv1.DeleteVMRequest{Id: vms[2]}); err != nil {
+		t.Fatalf("delete a node3 VM through node2: %v", err)
+	}
+	for {
+		ev, err := w.Recv()
+		if err != nil {
+			t.Fatalf("watch: %v", err)
+		}
+		if ev.GetType() == vmv1.EventType_EVENT_TYPE_DELETED && ev.GetVm().GetId() == vms[2] {
+			break
+		}
+	}
+	wcancel()
+
+	// node3 stops: its objects answer Unavailable naming it; the others
+	// keep working; lists name the missing node.
+	pc.c.Kill(2)
+	for via := range 2 {
+		if _, err := pc.vm(via).GetVM(ctx, &vmv1.GetVMRequest{Id: hidden.GetVm().GetId()}); toStatus(err).Code() != codes.Unavailable || !strings.Contains(err.Error(), "node3") {
+			t.Errorf("GetVM of a node3 VM through node%d with node3 down: %v, want Unavailable naming node3", via+1, err)
+		}
+		for i := range 2 {
+			if _, err := pc.vm(via).GetVM(ctx, &vmv1.GetVMRequest{Id: vms[i]}); err != nil {
+				t.Errorf("GetVM of a node%d VM through node%d with node3 down: %v", i+1, via+1, err)
+			}
+		}
+		var hdr metadata.MD
+		r, err := pc.vm(via).ListVMs(ctx, &vmv1.ListVMsRequest{}, grpc.Header(&hdr))
+		if err != nil || len(r.GetVms()) != 2 {
+			t.Errorf("ListVMs through node%d with node3 down: %v, %v", via+1, r, err)
+		}
+		if u := hdr.Get(mesh.UnavailableNodesHeader); len(u) != 1 || !strings.HasPrefix(u[0], "node3") {
+			t.Errorf("ListVMs through node%d with node3 down: %s = %v, want node3", via+1, mesh.UnavailableNodesHeader, u)
+		}
+	}
+}
+
+// TestProxiedConnectJSONWithoutProtocolHeader: a plain JSON POST (no
+// Connect-Protocol-Version header) works on the proxied APIs as on the
+// cluster APIs.
+func TestProxiedConnectJSONWithoutProtocolHeader(t *testing.T) {
+	pc := startPlacedCluster(t, 1)
+	url := "http://" + pc.c.Node(0).APIAddr() + "/pivirt.vm.v1.VMService/ListVMs"
+	resp, err := http.Post(url, "application/json", strings.NewReader("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("POST %s without Connect-Protocol-Version: %s", url, resp.Status)
+	}
+	// Another protocol: 415 naming what is supported, not a bare 404.
+	bad, err := http.Post(url, "text/plain", strings.NewReader("hello"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(bad.Body)
+	bad.Body.Close()
+	if bad.StatusCode != http.StatusUnsupportedMediaType || !strings.Contains(string(body), "application/json") {
+		t.Errorf("POST text/plain: %s %s, want 415 naming the supported content types", bad.Status, body)
+	}
+}
+
+// TestSchedulesActOnTheVMsNode: a schedule for a VM on each of three
+// nodes, across three leader changes: every slot once, run by the VM's
+// node, never "not found". A schedule for a VM no node holds is refused.
+func TestSchedulesActOnTheVMsNode(t *testing.T) {
+	pc := startPlacedCluster(t, 3)
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	sc := func(n *agenttest.Node) schedulev1.ScheduleServiceClient {
+		return schedulev1.NewScheduleServiceClient(dialPlain(t, n.APIAddr()))
+	}
+	leader := pc.c.WaitLeader(30 * time.Second)
+	if _, err := sc(leader).CreateSchedule(ctx, &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
+		VmId: "vm-nowhere", Action: schedulev1.Action_ACTION_REBOOT, Cron: "@daily", Enabled: true,
+	}}); toStatus(err).Code() != codes.InvalidArgument || !strings.Contains(err.Error(), "schedule.vm_id") {
+		t.Errorf("a schedule for a VM no node holds: %v, want InvalidArgument naming schedule.vm_id", err)
+	}
+	var ids []string
+	for i := range 3 {
+		host := fmt.Sprintf("node%d", i+1)
+		r, err := pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "sched-" + host, Vcpus: 1, MemoryMib: 256}, Host: host})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pc.vm(0).PowerOn(ctx, &vmv1.PowerOnRequest{Id: r.GetVm().GetId()}); err != nil {
+			t.Fatal(err)
+		}
+		id := "every-second-" + host
+		if _, err := sc(pc.c.Node((i+1)%3)).CreateSchedule(ctx, &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
+			Id: id, VmId: r.GetVm().GetId(), Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 1s", Enabled: true,
+			CatchUp: schedulev1.CatchUp_CATCH_UP_ALL, HistoryLimit: 1000,
+		}}); err != nil {
+			t.Fatalf("create the schedule of %s's VM: %v", host, err)
+		}
+		ids = append(ids, id)
+	}
+	okRuns := func(c schedulev1.ScheduleServiceClient, id string) int {
+		r, err := c.ListRuns(ctx, &schedulev1.ListRunsRequest{ScheduleId: id})
+		if err != nil {
+			return 0
+		}
+		return runOutcomes(r.GetRuns())[schedulev1.RunOutcome_RUN_OUTCOME_OK]
+	}
+	want := 0
+	for round := range 3 {
+		want += 2
+		agenttest.Eventually(t, 60*time.Second, fmt.Sprintf("%d ok runs of every schedule", want), func() error {
+			for _, id := range ids {
+				if n := okRuns(sc(leader), id); n < want {
+					return fmt.Errorf("%s: %d ok runs", id, n)
+				}
+			}
+			return nil
+		})
+		i := pc.c.Index(leader)
+		pc.c.Kill(i)
+		leader = pc.c.WaitLeader(30 * time.Second)
+		pc.c.Restart(i, false, leader.GossipAddr())
+		t.Logf("round %d: leader %s stopped and restarted; new leader %s", round, pc.c.Node(i).Name, leader.Name)
+	}
+	want += 2
+	agenttest.Eventually(t, 60*time.Second, "ok runs after the last leader change", func() error {
+		for _, id := range ids {
+			if n := okRuns(sc(leader), id); n < want {
+				return fmt.Errorf("%s: %d ok runs", id, n)
+			}
+		}
+		return nil
+	})
+	for _, id := range ids {
+		if _, err := sc(leader).PauseSchedule(ctx, &schedulev1.PauseScheduleRequest{Id: id}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, id := range ids {
+		host := fmt.Sprintf("node%d", i+1)
+		var runs []*schedulev1.Run
+		agenttest.Eventually(t, 15*time.Second, "no run in flight", func() error {
+			r, err := sc(leader).ListRuns(ctx, &schedulev1.ListRunsRequest{ScheduleId: id})
+			if err != nil {
+				return err
+			}
+			runs = r.GetRuns()
+			if n := runOutcomes(runs)[schedulev1.RunOutcome_RUN_OUTCOME_STARTED]; n > 0 {
+				return fmt.Errorf("%d runs started", n)
+			}
+			return nil
+		})
+		slots := map[time.Time]bool{}
+		unknown := 0
+		for _, r := range runs {
+			if slots[r.GetSlot().AsTime()] {
+				t.Errorf("%s: slot %s recorded twice", id, r.GetSlot().AsTime())
+			}
+			slots[r.GetSlot().AsTime()] = true
+			switch {
+			case strings.Contains(r.GetError(), "not found"):
+				t.Errorf("%s: run at %s: %s", id, r.GetSlot().AsTime(), r.GetError())
+			case strings.Contains(r.GetError(), "outcome unknown"):
+				unknown++
+			case r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_ERROR:
+				// Only while the VM's node was down.
+				if !strings.Contains(r.GetError(), "is on "+host+", which is unreachable") {
+					t.Errorf("%s: run at %s failed: %s", id, r.GetSlot().AsTime(), r.GetError())
+				}
+			case r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_OK && r.GetHost() != host:
+				t.Errorf("%s: run at %s recorded host %q, want %s", id, r.GetSlot().AsTime(), r.GetHost(), host)
+			}
+		}
+		st, err := simv1.NewSimulatorServiceClient(pc.direct[i]).Stats(ctx, &simv1.StatsRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		calls, ok := int(st.GetCalls()[rebootMethod]), runOutcomes(runs)[schedulev1.RunOutcome_RUN_OUTCOME_OK]
+		if calls < ok || calls > ok+unknown {
+			t.Errorf("%s: %d reboots on %s's backend for %d ok runs and %d of unknown outcome", id, calls, host, ok, unknown)
+		}
+		t.Logf("%s: %d slots: %v (%d of unknown outcome); %d reboots on %s", id, len(runs), runOutcomes(runs), unknown, calls, host)
+	}
+}

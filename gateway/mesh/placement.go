@@ -1,0 +1,677 @@
+package mesh
+
+import (
+	"cmp"
+	"context"
+	"encoding/base64"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"pilab.hu/pivirt-agent/gateway/authz"
+)
+
+// Placement tells the proxy where the objects of node-scoped backends live
+// and how to reach the other nodes' agents (the agent implements it with
+// the replicated placement catalog, gossip and its connection pool).
+type Placement interface {
+	// Self is this node's name.
+	Self() string
+	// Locate names the node holding an object of a kind (the object's
+	// RBAC resource: "virtualmachines", "volumes", "networks"); ok is
+	// false when the catalog does not know the object.
+	Locate(kind, id string) (node string, ok bool)
+	// Nodes are the names of the cluster's nodes, this one included,
+	// sorted.
+	Nodes() []string
+	// Peer is the connection to a node's agent (its internal port), or an
+	// error saying why the node cannot be reached (unknown, not alive).
+	Peer(node string) (grpc.ClientConnInterface, error)
+}
+
+// Headers of placement routing.
+const (
+	// NodeHeader names the node whose backend answered a call that a peer
+	// agent served for this one (response header).
+	NodeHeader = "pivirt-node"
+	// UnavailableNodesHeader lists the nodes ("node: reason", one value
+	// each) that a cluster-wide list or watch could not reach: the
+	// answer holds the objects of every other node (response header).
+	UnavailableNodesHeader = "pivirt-unavailable-nodes"
+)
+
+// Bounds of cluster-wide calls.
+const (
+	// lookupTimeout bounds asking the nodes for an object the catalog
+	// does not know.
+	lookupTimeout = 5 * time.Second
+	// listTimeout bounds one node's part of a cluster-wide list, within
+	// the caller's deadline.
+	listTimeout = 10 * time.Second
+	// listPage is the page size of the calls a cluster-wide list makes
+	// to each node.
+	listPage = 1000
+	// Page sizes of a cluster-wide list: as the APIs document.
+	defaultPageSize, maxPageSize = 100, 1000
+)
+
+// SetPlacement turns on routing by object for node-scoped backends: a
+// call naming an object goes to the node the catalog names, lists and
+// watches span every node, a create goes to the node it names. nil turns
+// it off (every call goes to this node's backend).
+func (p *Proxy) SetPlacement(pl Placement) {
+	if pl == nil {
+		p.placement.Store(nil)
+		return
+	}
+	p.placement.Store(&pl)
+}
+
+// SetLocal makes p the proxy of the internal port: it serves calls that
+// other agents route to this node (self), on node-scoped backends only,
+// without routing them further. The caller's identity comes from the
+// calling agent's identity headers (the internal port admits agents only).
+func (p *Proxy) SetLocal(self string) { p.local = self }
+
+// serveForPeer serves a call another agent routed here.
+func (p *Proxy) serveForPeer(ss grpc.ServerStream, method string, b *Backend) error {
+	if !b.NodeScoped() {
+		return status.Errorf(codes.Unimplemented, "%s: backend %s is not node-scoped; the calling agent reaches it itself", method, b.Name())
+	}
+	ctx := ss.Context()
+	md, _ := metadata.FromIncomingContext(ctx)
+	if ids := md.Get(IdentityHeader); len(ids) == 1 {
+		who := authz.Principal{}
+		who.Identity, _ = url.PathUnescape(ids[0])
+		if roles := md.Get(RolesHeader); len(roles) == 1 && roles[0] != "" {
+			for r := range strings.SplitSeq(roles[0], ",") {
+				role, _ := url.PathUnescape(r)
+				who.Roles = append(who.Roles, role)
+			}
+		}
+		ctx = authz.WithPrincipal(ctx, who)
+	}
+	if err := ss.SetHeader(metadata.Pairs(NodeHeader, p.local)); err != nil {
+		return err
+	}
+	return p.forward(&ctxStream{ServerStream: ss, ctx: ctx}, method, b, nil)
+}
+
+// ctxStream is a server stream with another context.
+type ctxStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *ctxStream) Context() context.Context { return s.ctx }
+
+// place routes a call of a node-scoped backend by the object it names.
+func (p *Proxy) place(ss grpc.ServerStream, method string, b *Backend, pl Placement) error {
+	info := lookupMethod(method)
+	r := info.rule
+	if !info.known || r == nil {
+		return p.forward(ss, method, b, nil)
+	}
+	switch {
+	case r.GetIdField() != "":
+		first, err := recvFirst(ss)
+		if err != nil {
+			return err
+		}
+		req, err := info.decodeRequest(first)
+		if err != nil {
+			first.Free()
+			return err
+		}
+		id := stringAt(req, r.GetIdField())
+		if id == "" {
+			return p.forward(ss, method, b, first) // the backend names what is missing
+		}
+		node, err := p.locate(ss.Context(), pl, b, info, id)
+		if err != nil {
+			first.Free()
+			return err
+		}
+		return p.toNode(ss, method, b, pl, node, first, info.object(id))
+	case r.GetVerb() == "create":
+		first, err := recvFirst(ss)
+		if err != nil {
+			return err
+		}
+		req, err := info.decodeRequest(first)
+		if err != nil {
+			first.Free()
+			return err
+		}
+		host := stringAt(req, "host")
+		if host == "" && r.GetObjectField() != "" {
+			host = stringAt(req, r.GetObjectField()+".host")
+		}
+		if host != "" && host != pl.Self() && !slices.Contains(pl.Nodes(), host) {
+			first.Free()
+			return status.Errorf(codes.InvalidArgument, "host %q: no such node (nodes: %s)", host, strings.Join(pl.Nodes(), ", "))
+		}
+		return p.toNode(ss, method, b, pl, host, first, "the new "+info.singular())
+	case r.GetVerb() == "list" && info.serverStreams && !info.clientStreams:
+		return p.watchAll(ss, method, b, pl, info)
+	case r.GetVerb() == "list" && !info.serverStreams && !info.clientStreams && r.GetListField() != "":
+		return p.listAll(ss, method, b, pl, info)
+	}
+	return p.forward(ss, method, b, nil)
+}
+
+// toNode sends the call to node's backend: this node's own, or another
+// node's through its agent. what names the object for errors.
+func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Placement, node string, first *Frame, what string) error {
+	if node == "" || node == pl.Self() {
+		return p.forward(ss, method, b, first)
+	}
+	defer first.Free()
+	conn, err := pl.Peer(node)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, err)
+	}
+	ctx, cancel := context.WithCancel(outgoingContext(ss.Context()))
+	defer cancel()
+	info := lookupMethod(method)
+	var req *Frame
+	if info.known && !info.clientStreams {
+		req, first = first, nil
+	}
+	cs, err := conn.NewStream(ctx, bidi, method, grpc.ForceCodecV2(Codec()))
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, err)
+	}
+	res := relay(cancel, ss, cs, req, first)
+	if !res.sent && !res.clientGone && status.Code(res.err) == codes.Unavailable {
+		// No header came: the node's agent did not answer (its
+		// answers always carry NodeHeader).
+		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, status.Convert(res.err).Message())
+	}
+	return res.finish(ss)
+}
+
+// locate finds the node holding an object: the catalog's answer, else
+// the nodes are asked (an object made behind the agents' backs, or so
+// recently that the catalog has not heard of it yet). "" means this node:
+// its backend answers NotFound when no node holds the object.
+func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info methodInfo, id string) (string, error) {
+	if node, ok := pl.Locate(info.rule.GetResource(), id); ok {
+		return node, nil
+	}
+	if info.getter == "" {
+		return "", nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
+	type answer struct {
+		node string
+		err  error
+	}
+	nodes := pl.Nodes()
+	answers := make(chan answer, len(nodes))
+	for _, node := range nodes {
+		go func() {
+			req := newMessage(info.getterIn)
+			setString(req, "id", id)
+			resp := newMessage(info.getterOut)
+			answers <- answer{node, p.invokeOn(ctx, pl, b, node, info.getter, req.Interface(), resp.Interface())}
+		}()
+	}
+	var unreachable []string
+	for range nodes {
+		a := <-answers
+		switch status.Code(a.err) {
+		case codes.OK:
+			return a.node, nil
+		case codes.NotFound:
+		default:
+			unreachable = append(unreachable, a.node+": "+status.Convert(a.err).Message())
+		}
+	}
+	if len(unreachable) > 0 {
+		slices.Sort(unreachable)
+		return "", status.Errorf(codes.Unavailable, "%s is not in the placement catalog and not on the nodes that answered; not every node could be asked (%s)", info.object(id), strings.Join(unreachable, "; "))
+	}
+	return "", nil
+}
+
+// invokeOn makes a unary call on node's backend.
+func (p *Proxy) invokeOn(ctx context.Context, pl Placement, b *Backend, node, method string, req, resp proto.Message) error {
+	if node == pl.Self() {
+		return b.Invoke(ctx, method, req, resp)
+	}
+	conn, err := pl.Peer(node)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "node %s is unreachable: %v", node, err)
+	}
+	return conn.Invoke(outgoingContext(ctx), method, req, resp)
+}
+
+// Invoke makes a unary call for the agent itself (the power schedules'
+// actions, the objects RBAC conditions are checked against) where the
+// call's object lives, as a client's call would go. It returns the node
+// that served it.
+func (p *Proxy) Invoke(ctx context.Context, method string, req, resp proto.Message) (node string, err error) {
+	b := p.Route(method)
+	if b == nil {
+		return "", status.Errorf(codes.Unimplemented, "no routing rule matches %s", method)
+	}
+	plp := p.placement.Load()
+	info := lookupMethod(method)
+	if plp == nil || !b.NodeScoped() || info.rule == nil || info.rule.GetIdField() == "" {
+		return "", b.Invoke(ctx, method, req, resp)
+	}
+	pl := *plp
+	id := stringAt(req.ProtoReflect(), info.rule.GetIdField())
+	node = pl.Self()
+	if id != "" {
+		found, err := p.locate(ctx, pl, b, info, id)
+		if err != nil {
+			return "", err
+		}
+		if found != "" {
+			node = found
+		}
+	}
+	err = p.invokeOn(ctx, pl, b, node, method, req, resp)
+	if node != pl.Self() && status.Code(err) == codes.Unavailable {
+		err = status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", info.object(id), node, status.Convert(err).Message())
+	}
+	return node, err
+}
+
+// listAll answers a list with the objects of every node (or of the node
+// the request's host names), merged and ordered by ID, a page at a time.
+// Page tokens are the last ID returned, so they work through any node.
+// Nodes that did not answer are named in UnavailableNodesHeader.
+func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo) error {
+	first, err := recvFirst(ss)
+	if err != nil {
+		return err
+	}
+	req, err := info.decodeRequest(first)
+	first.Free()
+	if err != nil {
+		return err
+	}
+	size := int(intAt(req, "page_size"))
+	switch {
+	case size < 0:
+		return status.Errorf(codes.InvalidArgument, "page_size %d: must not be negative", size)
+	case size == 0:
+		size = defaultPageSize
+	case size > maxPageSize:
+		size = maxPageSize
+	}
+	after, err := decodePageToken(stringAt(req, "page_token"))
+	if err != nil {
+		return err
+	}
+	nodes, err := hostFilter(pl, stringAt(req, "host"))
+	if err != nil {
+		return err
+	}
+	sub := proto.Clone(req.Interface()).ProtoReflect()
+	clearField(sub, "page_token")
+	clearField(sub, "host")
+	setInt(sub, "page_size", listPage)
+
+	ctx := ss.Context()
+	type part struct {
+		node  string
+		items []protoreflect.Message
+		err   error
+	}
+	parts := make([]part, len(nodes))
+	var wg sync.WaitGroup
+	for i, node := range nodes {
+		wg.Go(func() {
+			nctx, cancel := context.WithTimeout(ctx, listTimeout)
+			defer cancel()
+			items, err := p.listNode(nctx, pl, b, node, method, sub, info)
+			parts[i] = part{node, items, err}
+		})
+	}
+	wg.Wait()
+	var (
+		items   []protoreflect.Message
+		missing []string
+		lastErr error
+	)
+	for _, pt := range parts {
+		if pt.err != nil {
+			if status.Code(pt.err) == codes.InvalidArgument || status.Code(pt.err) == codes.PermissionDenied {
+				return pt.err // the request's own fault: every node would say so
+			}
+			missing = append(missing, pt.node+": "+status.Convert(pt.err).Message())
+			lastErr = pt.err
+			continue
+		}
+		items = append(items, pt.items...)
+	}
+	if len(missing) == len(parts) && lastErr != nil {
+		return status.Errorf(status.Code(lastErr), "no node answered the list: %s", strings.Join(missing, "; "))
+	}
+	slices.SortStableFunc(items, func(x, y protoreflect.Message) int { return cmp.Compare(stringAt(x, "id"), stringAt(y, "id")) })
+	start, _ := slices.BinarySearchFunc(items, after, func(m protoreflect.Message, id string) int {
+		if stringAt(m, "id") <= id {
+			return -1
+		}
+		return 1
+	})
+	if after == "" {
+		start = 0
+	}
+	end := min(start+size, len(items))
+	resp := newMessage(info.output)
+	list := resp.Mutable(info.listField).List()
+	for _, it := range items[start:end] {
+		list.Append(protoreflect.ValueOfMessage(it))
+	}
+	if end < len(items) {
+		setString(resp, "next_page_token", encodePageToken(stringAt(items[end-1], "id")))
+	}
+	if len(missing) > 0 {
+		if err := ss.SetHeader(metadata.MD{UnavailableNodesHeader: missing}); err != nil {
+			return err
+		}
+	}
+	out, err := proto.Marshal(resp.Interface())
+	if err != nil {
+		return status.Errorf(codes.Internal, "encode the merged list: %v", err)
+	}
+	return ss.SendMsg(NewFrame(out))
+}
+
+// listNode reads every object of one node's list, page by page, with the
+// node's name in each object's host field when it has one and the
+// backend left it empty.
+func (p *Proxy) listNode(ctx context.Context, pl Placement, b *Backend, node, method string, req protoreflect.Message, info methodInfo) ([]protoreflect.Message, error) {
+	req = proto.Clone(req.Interface()).ProtoReflect()
+	var items []protoreflect.Message
+	for range 10_000 { // bound: 10 million objects
+		resp := newMessage(info.output)
+		if err := p.invokeOn(ctx, pl, b, node, method, req.Interface(), resp.Interface()); err != nil {
+			return nil, err
+		}
+		l := resp.Get(info.listField).List()
+		for i := range l.Len() {
+			it := l.Get(i).Message()
+			if f := it.Descriptor().Fields().ByName("host"); f != nil && it.Get(f).String() == "" {
+				it.Set(f, protoreflect.ValueOfString(node))
+			}
+			items = append(items, it)
+		}
+		next := stringAt(resp, "next_page_token")
+		if next == "" {
+			return items, nil
+		}
+		setString(req, "page_token", next)
+	}
+	return nil, status.Errorf(codes.ResourceExhausted, "node %s: the list did not end after 10000 pages", node)
+}
+
+// watchAll streams the changes of every node (or of the node the
+// request's host names): a watch on each node, their events relayed as
+// they come. A node's watch that fails is opened again (its existing
+// objects come again); the call ends when the caller ends it. Nodes that
+// could not be watched at the start are named in UnavailableNodesHeader.
+func (p *Proxy) watchAll(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo) error {
+	first, err := recvFirst(ss)
+	if err != nil {
+		return err
+	}
+	req, err := info.decodeRequest(first)
+	first.Free()
+	if err != nil {
+		return err
+	}
+	nodes, err := hostFilter(pl, stringAt(req, "host"))
+	if err != nil {
+		return err
+	}
+	clearField(req, "host")
+	body, err := proto.Marshal(req.Interface())
+	if err != nil {
+		return status.Errorf(codes.Internal, "encode the watch request: %v", err)
+	}
+	ctx, cancel := context.WithCancel(ss.Context())
+	defer cancel()
+
+	type opened struct {
+		node string
+		cs   grpc.ClientStream
+		err  error
+	}
+	open := func(node string) (grpc.ClientStream, error) {
+		var conn grpc.ClientConnInterface
+		if node == pl.Self() {
+			ep, err := b.pick(nil)
+			if err != nil {
+				return nil, status.Error(codes.Unavailable, err.Error())
+			}
+			conn = ep.conn
+		} else {
+			c, err := pl.Peer(node)
+			if err != nil {
+				return nil, status.Errorf(codes.Unavailable, "node %s is unreachable: %v", node, err)
+			}
+			conn = c
+		}
+		cs, err := conn.NewStream(outgoingContext(ctx), bidi, method, grpc.ForceCodecV2(Codec()))
+		if err != nil {
+			return nil, err
+		}
+		if err := cs.SendMsg(NewFrame(body)); err != nil {
+			return nil, err
+		}
+		if err := cs.CloseSend(); err != nil {
+			return nil, err
+		}
+		if _, err := cs.Header(); err != nil {
+			return nil, err
+		}
+		return cs, nil
+	}
+	results := make(chan opened, len(nodes))
+	for _, node := range nodes {
+		go func() {
+			cs, err := open(node)
+			results <- opened{node, cs, err}
+		}()
+	}
+	var (
+		streams []opened
+		missing []string
+	)
+	for range nodes {
+		o := <-results
+		if o.err != nil {
+			missing = append(missing, o.node+": "+status.Convert(o.err).Message())
+		}
+		streams = append(streams, o)
+	}
+	if len(missing) == len(nodes) {
+		return status.Errorf(codes.Unavailable, "no node could be watched: %s", strings.Join(missing, "; "))
+	}
+	md := metadata.MD{}
+	if len(missing) > 0 {
+		slices.Sort(missing)
+		md.Set(UnavailableNodesHeader, missing...)
+	}
+	if err := ss.SendHeader(md); err != nil {
+		return err
+	}
+	var (
+		sendMu  sync.Mutex
+		sendErr = make(chan error, 1)
+		wg      sync.WaitGroup
+	)
+	for _, o := range streams {
+		wg.Go(func() {
+			cs := o.cs
+			wait := time.Second
+			for ctx.Err() == nil {
+				if cs == nil {
+					t := time.NewTimer(wait)
+					select {
+					case <-ctx.Done():
+						t.Stop()
+						return
+					case <-t.C:
+					}
+					wait = min(2*wait, 30*time.Second)
+					var err error
+					if cs, err = open(o.node); err != nil {
+						p.logger.DebugContext(ctx, "watch of a node failed; trying again", "node", o.node, "error", err)
+						continue
+					}
+					wait = time.Second
+				}
+				for {
+					f := new(Frame)
+					if err := cs.RecvMsg(f); err != nil {
+						if ctx.Err() == nil {
+							p.logger.InfoContext(ctx, "watch of a node ended; opening it again", "node", o.node, "error", err)
+						}
+						cs = nil
+						break
+					}
+					sendMu.Lock()
+					err := ss.SendMsg(f)
+					sendMu.Unlock()
+					f.Free()
+					if err != nil {
+						select {
+						case sendErr <- err:
+						default:
+						}
+						cancel()
+						return
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	select {
+	case err := <-sendErr:
+		return err
+	default:
+	}
+	return status.FromContextError(ss.Context().Err()).Err()
+}
+
+// hostFilter is the nodes a list or watch covers: every node, or the one
+// host names.
+func hostFilter(pl Placement, host string) ([]string, error) {
+	nodes := pl.Nodes()
+	if host == "" {
+		return nodes, nil
+	}
+	if host != pl.Self() && !slices.Contains(nodes, host) {
+		return nil, status.Errorf(codes.InvalidArgument, "host %q: no such node (nodes: %s)", host, strings.Join(nodes, ", "))
+	}
+	return []string{host}, nil
+}
+
+// pageTokenPrefix marks the page tokens of cluster-wide lists.
+const pageTokenPrefix = "after:"
+
+func encodePageToken(lastID string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(pageTokenPrefix + lastID))
+}
+
+func decodePageToken(tok string) (string, error) {
+	if tok == "" {
+		return "", nil
+	}
+	b, err := base64.RawURLEncoding.DecodeString(tok)
+	after, ok := strings.CutPrefix(string(b), pageTokenPrefix)
+	if err != nil || !ok || after == "" {
+		return "", status.Errorf(codes.InvalidArgument, "page_token %q: not a token of this API (use the next_page_token of the previous page)", tok)
+	}
+	return after, nil
+}
+
+// decodeRequest decodes a request message of the method.
+func (m methodInfo) decodeRequest(f *Frame) (protoreflect.Message, error) {
+	msg := newMessage(m.input)
+	if err := proto.Unmarshal(f.Bytes(), msg.Interface()); err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "request of %s: %v", m.input.FullName(), err)
+	}
+	return msg, nil
+}
+
+// object names an object of the method's resource for errors ("vm vm-1").
+func (m methodInfo) object(id string) string {
+	return m.singular() + " " + id
+}
+
+// singular is the resource's object, as errors name it.
+func (m methodInfo) singular() string {
+	switch r := m.rule.GetResource(); r {
+	case "virtualmachines":
+		return "vm"
+	default:
+		return strings.TrimSuffix(r, "s")
+	}
+}
+
+// stringAt is the string at a dotted field path of m ("" when a field
+// is missing or not a string).
+func stringAt(m protoreflect.Message, path string) string {
+	for {
+		name, rest, more := strings.Cut(path, ".")
+		fd := m.Descriptor().Fields().ByName(protoreflect.Name(name))
+		if fd == nil {
+			return ""
+		}
+		if !more {
+			if fd.Kind() != protoreflect.StringKind || fd.IsList() {
+				return ""
+			}
+			return m.Get(fd).String()
+		}
+		if fd.Message() == nil || fd.IsList() || fd.IsMap() || !m.Has(fd) {
+			return ""
+		}
+		m, path = m.Get(fd).Message(), rest
+	}
+}
+
+func intAt(m protoreflect.Message, name string) int64 {
+	fd := m.Descriptor().Fields().ByName(protoreflect.Name(name))
+	if fd == nil || fd.Kind() != protoreflect.Int32Kind {
+		return 0
+	}
+	return m.Get(fd).Int()
+}
+
+func setString(m protoreflect.Message, name, v string) {
+	if fd := m.Descriptor().Fields().ByName(protoreflect.Name(name)); fd != nil && fd.Kind() == protoreflect.StringKind {
+		m.Set(fd, protoreflect.ValueOfString(v))
+	}
+}
+
+func setInt(m protoreflect.Message, name string, v int32) {
+	if fd := m.Descriptor().Fields().ByName(protoreflect.Name(name)); fd != nil && fd.Kind() == protoreflect.Int32Kind {
+		m.Set(fd, protoreflect.ValueOfInt32(v))
+	}
+}
+
+func clearField(m protoreflect.Message, name string) {
+	if fd := m.Descriptor().Fields().ByName(protoreflect.Name(name)); fd != nil {
+		m.Clear(fd)
+	}
+}
