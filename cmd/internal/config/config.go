@@ -275,15 +275,15 @@ func (e *EtcdConfig) TLS() bool {
 // registry holds for that service). A zero Timeout means no per-try timeout; a zero
 // Retry.MaxAttempts means a single attempt.
 type BackendConfig struct {
-	Endpoint string           `yaml:"endpoint"`
+	Endpoint string `yaml:"endpoint"`
 	// Scope is "node" (the daemon of this node: the objects it holds live on
 	// this node, and calls naming them are routed to this node's agent) or
 	// "cluster" (one service for the whole cluster, load-balanced). Empty:
 	// node for a unix:// endpoint, cluster otherwise (EffectiveScope).
-	Scope    string           `yaml:"scope" enum:",node,cluster"`
-	Timeout  Duration         `yaml:"timeout"`
-	Retry    RetryConfig      `yaml:"retry"`
-	TLS      BackendTLSConfig `yaml:"tls"`
+	Scope   string           `yaml:"scope" enum:",node,cluster"`
+	Timeout Duration         `yaml:"timeout"`
+	Retry   RetryConfig      `yaml:"retry"`
+	TLS     BackendTLSConfig `yaml:"tls"`
 	// Required: /ready reports not ready while the backend has no
 	// available endpoint.
 	Required bool `yaml:"required"`
