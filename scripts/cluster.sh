@@ -126,7 +126,8 @@ any node (8443, 8453, 8463):
   pvcli --endpoint https://127.0.0.1:8463 config history maintenance.window
   pvcli --endpoint https://127.0.0.1:8443 snapshot save backup.tar.gz
   pvcli --endpoint https://127.0.0.1:8453 vm create web-1 --vcpus 2 --memory-mib 2048 --owner alice
-  pvcli --endpoint https://127.0.0.1:8453 vm list       # each agent fronts its own (simulated) hypervisor
+  pvcli --endpoint https://127.0.0.1:8443 vm create db-1 --host node3   # on node3's (simulated) hypervisor
+  pvcli --endpoint https://127.0.0.1:8463 vm list       # the VMs of every node, through any node
   go tool grpcurl -cacert $certs/ca-chain.pem -cert $certs/operator.crt -key $certs/operator.key 127.0.0.1:8443 list
   pitrust inspect $certs/node1-server.crt
   kill \$(cat $dir/node1.pid)      # kill a node, then keep using the others

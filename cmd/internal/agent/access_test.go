@@ -61,6 +61,14 @@ type accessEnv struct {
 
 func newAccessEnv(t *testing.T, nodes int, mutate func(*config.Config)) *accessEnv {
 	t.Helper()
+	s := startSim(t)
+	return newAccessEnvWith(t, nodes, withBackends(s.addr), mutate)
+}
+
+// newAccessEnvWith is newAccessEnv with the backends backends gives each
+// node.
+func newAccessEnvWith(t *testing.T, nodes int, backends func(int, *config.Config), mutate func(*config.Config)) *accessEnv {
+	t.Helper()
 	e := &accessEnv{t: t, dir: testPKI(t, nodes), is: oidctest.New(t)}
 	e.key = e.is.NewKey(t, "k1", jose.RS256, true)
 	spec, err := os.ReadFile(filepath.Join("..", "..", "..", "gateway", "authz", "testdata", "spec-rbac.yaml"))
@@ -71,10 +79,9 @@ func newAccessEnv(t *testing.T, nodes int, mutate func(*config.Config)) *accessE
 	if err := os.WriteFile(e.policy, spec, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	s := startSim(t)
 	e.c = agenttest.NewExpect(t, nodes, func(i int, cfg *config.Config) {
 		withTLS(e.dir)(i, cfg)
-		withBackends(s.addr)(i, cfg)
+		backends(i, cfg)
 		cfg.Auth.OIDC = config.OIDCConfig{IssuerURL: e.is.URL, ClientID: oidctest.Audience}
 		cfg.Auth.RBACPolicy = e.policy
 		cfg.Auth.CertificateRoles = map[string][]string{"ops-viewer": {"viewer"}, "ops-*": {"operator"}}

@@ -9,6 +9,9 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -24,9 +27,10 @@ import (
 
 // The placement catalog: each agent tells the cluster which objects its
 // node-scoped backends hold (cmd/internal/agent/DESIGN.md, "Placement
-// catalog"). A full listing at start, after each reconnect of the VM watch
-// and every catalogSync (anti-entropy); a VM watch event starts one at
-// once. Only the difference against the catalog is proposed.
+// catalog"). A full listing at start, after each reconnect of a backend's
+// watch and every catalogSync (anti-entropy); a watch event that creates
+// or deletes an object starts one at once. Only the difference against
+// the catalog is proposed.
 
 // catalogList is a placed kind and how to list its IDs.
 type catalogList struct {
@@ -117,7 +121,9 @@ func (a *Agent) runCatalog() error {
 		default:
 		}
 	}
-	a.wg.Go(func() { a.watchVMsForCatalog(a.ctx, poke) })
+	for _, w := range catalogWatches {
+		a.wg.Go(func() { a.watchForCatalog(a.ctx, w, poke) })
+	}
 	a.wg.Go(func() {
 		interval := a.opts.CatalogSync
 		if interval <= 0 {
@@ -142,13 +148,58 @@ func (a *Agent) runCatalog() error {
 	return nil
 }
 
-// watchVMsForCatalog pokes the catalog on every change its VM backend
-// reports, and after every (re)connect of the watch.
-func (a *Agent) watchVMsForCatalog(ctx context.Context, poke func()) {
-	const method = "/pivirt.vm.v1.VMService/WatchVMs"
+// catalogWatch is a placed kind's watch: open starts it on a backend
+// connection; recv reports whether the next event created or deleted an
+// object.
+type catalogWatch struct {
+	method string
+	open   func(ctx context.Context, conn grpc.ClientConnInterface) (recv func() (bool, error), err error)
+}
+
+var catalogWatches = []catalogWatch{
+	{"/pivirt.vm.v1.VMService/WatchVMs", func(ctx context.Context, conn grpc.ClientConnInterface) (func() (bool, error), error) {
+		st, err := vmv1.NewVMServiceClient(conn).WatchVMs(ctx, &vmv1.WatchVMsRequest{})
+		if err != nil {
+			return nil, err
+		}
+		return func() (bool, error) {
+			ev, err := st.Recv()
+			t := ev.GetType()
+			return t == vmv1.EventType_EVENT_TYPE_CREATED || t == vmv1.EventType_EVENT_TYPE_DELETED, err
+		}, nil
+	}},
+	{"/pivirt.storage.v1.StorageService/WatchVolumes", func(ctx context.Context, conn grpc.ClientConnInterface) (func() (bool, error), error) {
+		st, err := storagev1.NewStorageServiceClient(conn).WatchVolumes(ctx, &storagev1.WatchVolumesRequest{})
+		if err != nil {
+			return nil, err
+		}
+		return func() (bool, error) {
+			ev, err := st.Recv()
+			t := ev.GetType()
+			return t == storagev1.EventType_EVENT_TYPE_CREATED || t == storagev1.EventType_EVENT_TYPE_DELETED, err
+		}, nil
+	}},
+	{"/pivirt.network.v1.NetworkService/WatchNetworks", func(ctx context.Context, conn grpc.ClientConnInterface) (func() (bool, error), error) {
+		st, err := networkv1.NewNetworkServiceClient(conn).WatchNetworks(ctx, &networkv1.WatchNetworksRequest{})
+		if err != nil {
+			return nil, err
+		}
+		return func() (bool, error) {
+			ev, err := st.Recv()
+			t := ev.GetType()
+			return t == networkv1.EventType_EVENT_TYPE_CREATED || t == networkv1.EventType_EVENT_TYPE_DELETED, err
+		}, nil
+	}},
+}
+
+// watchForCatalog pokes the catalog on every object its node-scoped
+// backend reports created or deleted, and after every (re)connect of the
+// watch. A backend without the watch (Unimplemented) is left to the
+// periodic listing.
+func (a *Agent) watchForCatalog(ctx context.Context, w catalogWatch, poke func()) {
 	wait := time.Second
 	for ctx.Err() == nil {
-		b := a.proxy.Route(method)
+		b := a.proxy.Route(w.method)
 		if b == nil || !b.NodeScoped() {
 			if !sleepCtx(ctx, catalogSync) {
 				return
@@ -162,18 +213,22 @@ func (a *Agent) watchVMsForCatalog(ctx context.Context, poke func()) {
 			}
 			wctx, cancel := context.WithCancel(ctx)
 			defer cancel()
-			stream, err := vmv1.NewVMServiceClient(conn).WatchVMs(wctx, &vmv1.WatchVMsRequest{})
+			recv, err := w.open(wctx, conn)
 			if err != nil {
 				return err
 			}
-			poke() // (re)connected: list again
+			first := true
 			for {
-				ev, err := stream.Recv()
+				changed, err := recv()
 				if err != nil {
 					return err
 				}
+				if first {
+					poke() // (re)connected: list again
+					first = false
+				}
 				wait = time.Second
-				if ev.GetType() == vmv1.EventType_EVENT_TYPE_CREATED || ev.GetType() == vmv1.EventType_EVENT_TYPE_DELETED {
+				if changed {
 					poke()
 				}
 			}
@@ -181,7 +236,10 @@ func (a *Agent) watchVMsForCatalog(ctx context.Context, poke func()) {
 		if ctx.Err() != nil {
 			return
 		}
-		a.logger.Debug("placement catalog: VM watch ended; opening it again", "error", err, "in", wait)
+		if status.Code(err) == codes.Unimplemented {
+			wait = catalogSync
+		}
+		a.logger.Debug("placement catalog: watch ended; opening it again", "method", w.method, "error", err, "in", wait)
 		if !sleepCtx(ctx, wait) {
 			return
 		}

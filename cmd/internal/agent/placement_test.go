@@ -21,6 +21,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
 	"pilab.hu/pivirt-agent/gateway/mesh"
+	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
@@ -33,8 +34,7 @@ import (
 // iscsiman) on a unix socket, as the spec deploys them: node-scoped
 // backends by default, the default routes (no routing block).
 type placedCluster struct {
-	c    *agenttest.Cluster
-	sims []*sim.Simulator
+	c *agenttest.Cluster
 	// direct are gRPC connections to each node's simulator, bypassing the
 	// agents.
 	direct []*grpc.ClientConn
@@ -47,31 +47,12 @@ func startPlacedCluster(t *testing.T, n int) *placedCluster {
 	pc := &placedCluster{}
 	socks := make([]string, n)
 	for i := range n {
-		name := fmt.Sprintf("node%d", i+1)
-		s, err := sim.Open(sim.Config{DataDir: t.TempDir(), Host: name})
-		if err != nil {
-			t.Fatal(err)
-		}
-		socks[i] = "unix://" + filepath.Join(t.TempDir(), "sim.sock")
-		ln, err := sim.Listen(socks[i])
-		if err != nil {
-			t.Fatal(err)
-		}
-		gs := grpc.NewServer(s.ServerOptions()...)
-		s.Register(gs)
-		served := make(chan struct{})
-		go func() { _ = gs.Serve(ln); close(served) }()
+		socks[i] = startNodeSim(t, fmt.Sprintf("node%d", i+1))
 		conn, err := grpc.NewClient(socks[i], grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() {
-			conn.Close()
-			gs.Stop()
-			<-served
-			_ = s.Close()
-		})
-		pc.sims = append(pc.sims, s)
+		t.Cleanup(func() { conn.Close() })
 		pc.direct = append(pc.direct, conn)
 	}
 	pc.c = agenttest.NewExpect(t, n, func(i int, cfg *config.Config) {
@@ -326,6 +307,53 @@ func TestPlacementRoutesByObject(t *testing.T) {
 			t.Errorf("ListVMs through node%d with node3 down: %s = %v, want node3", via+1, mesh.UnavailableNodesHeader, u)
 		}
 	}
+
+	// While node3's agent is down its backend changes (the drift a
+	// partition leaves): a VM deleted, one made. Back, node3 repairs the
+	// catalog at start.
+	sim3 := vmv1.NewVMServiceClient(pc.direct[2])
+	if _, err := sim3.DeleteVM(ctx, &vmv1.DeleteVMRequest{Id: hidden.GetVm().GetId()}); err != nil {
+		t.Fatal(err)
+	}
+	late, err := sim3.CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-late", Vcpus: 1, MemoryMib: 256}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc.c.Restart(2, false, pc.c.Node(0).GossipAddr())
+	agenttest.Eventually(t, 30*time.Second, "node3's drift repaired in the catalog", func() error {
+		st := pc.c.Node(0).FSM().State()
+		if p, err := st.Placement("virtualmachines", hidden.GetVm().GetId()); err != nil || p != nil {
+			return fmt.Errorf("the VM deleted on node3 is still placed: %v, %v", p, err)
+		}
+		if p, err := st.Placement("virtualmachines", late.GetVm().GetId()); err != nil || p.GetNode() != "node3" {
+			return fmt.Errorf("the VM made on node3 is placed %v, %v", p, err)
+		}
+		return nil
+	})
+
+	// A volume watch through node2 sees a volume made on node1.
+	vctx, vcancel := context.WithCancel(ctx)
+	defer vcancel()
+	vw, err := storagev1.NewStorageServiceClient(pc.api[1]).WatchVolumes(vctx, &storagev1.WatchVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nv, err := storagev1.NewStorageServiceClient(pc.api[2]).CreateVolume(ctx, &storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "vol-watched", SizeBytes: 1 << 20}, Host: "node1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		ev, err := vw.Recv()
+		if err != nil {
+			t.Fatalf("volume watch through node2: %v", err)
+		}
+		if ev.GetType() == storagev1.EventType_EVENT_TYPE_CREATED && ev.GetVolume().GetId() == nv.GetVolume().GetId() {
+			if ev.GetVolume().GetHost() != "node1" {
+				t.Errorf("watched volume on %q, want node1", ev.GetVolume().GetHost())
+			}
+			break
+		}
+	}
 }
 
 // TestProxiedConnectJSONWithoutProtocolHeader: a plain JSON POST (no
@@ -472,4 +500,97 @@ func TestSchedulesActOnTheVMsNode(t *testing.T) {
 		}
 		t.Logf("%s: %d slots: %v (%d of unknown outcome); %d reboots on %s", id, len(runs), runOutcomes(runs), unknown, calls, host)
 	}
+}
+
+// TestPlacementKeepsAccessControl: with TLS, OIDC and the spec's RBAC
+// policy, a vm-owner's conditions hold for VMs on other nodes (read where
+// the VM lives), lists through any node are filtered, and the hop between
+// agents runs over mutual TLS to members that proved their names.
+func TestPlacementKeepsAccessControl(t *testing.T) {
+	socks := make([]string, 3)
+	for i := range 3 {
+		socks[i] = startNodeSim(t, fmt.Sprintf("node%d", i+1))
+	}
+	e := newAccessEnvWith(t, 3, func(i int, cfg *config.Config) {
+		cfg.Backends = map[string]config.BackendConfig{
+			"pivirtd": {Endpoint: socks[i], Timeout: config.Duration(10 * time.Second)},
+		}
+	}, nil)
+	e.c.WaitPeers(30*time.Second, 3, 0)
+	admin := as(e.ctx(), e.token("root", "admin"))
+	mine := map[string]bool{}
+	var theirs []string
+	for i := range 3 {
+		for _, owner := range []string{"alice", "bob"} {
+			r, err := e.vm.CreateVM(admin, &vmv1.CreateVMRequest{Vm: &vmv1.VM{
+				Name: fmt.Sprintf("%s-node%d", owner, i+1), Vcpus: 1, MemoryMib: 256, Metadata: &apiv1.ObjectMeta{Owner: owner},
+			}, Host: fmt.Sprintf("node%d", i+1)})
+			if err != nil {
+				t.Fatalf("create %s's VM on node%d: %v", owner, i+1, err)
+			}
+			if owner == "alice" {
+				mine[r.GetVm().GetId()] = true
+			} else {
+				theirs = append(theirs, r.GetVm().GetId())
+			}
+		}
+	}
+	alice := e.token("alice", "vm-owner")
+	for _, n := range e.c.Nodes() {
+		vm := vmv1.NewVMServiceClient(e.dialAt(n.APIAddr(), nil))
+		for id := range mine {
+			if r, err := vm.GetVM(as(e.ctx(), alice), &vmv1.GetVMRequest{Id: id}); err != nil || r.GetVm().GetMetadata().GetOwner() != "alice" {
+				t.Errorf("alice reads her VM %s through %s: %v, %v", id, n.Name, r, err)
+			}
+			if _, err := vm.PowerOn(as(e.ctx(), alice), &vmv1.PowerOnRequest{Id: id}); err != nil && toStatus(err).Code() != codes.FailedPrecondition {
+				t.Errorf("alice starts her VM %s through %s: %v", id, n.Name, err) // FailedPrecondition: running already
+			}
+		}
+		for _, id := range theirs {
+			if _, err := vm.PowerOn(as(e.ctx(), alice), &vmv1.PowerOnRequest{Id: id}); toStatus(err).Code() != codes.PermissionDenied {
+				t.Errorf("alice starts bob's VM %s through %s: %v, want PermissionDenied", id, n.Name, err)
+			}
+		}
+		r, err := vm.ListVMs(as(e.ctx(), alice), &vmv1.ListVMsRequest{})
+		if err != nil {
+			t.Fatalf("alice lists through %s: %v", n.Name, err)
+		}
+		got := map[string]bool{}
+		for _, v := range r.GetVms() {
+			got[v.GetId()] = true
+		}
+		if len(got) != len(mine) {
+			t.Errorf("alice lists through %s: %v, want her %d VMs on every node", n.Name, got, len(mine))
+		}
+		for id := range mine {
+			if !got[id] {
+				t.Errorf("alice lists through %s: %s missing", n.Name, id)
+			}
+		}
+	}
+}
+
+// startNodeSim serves a pivirtd-sim for node name on a unix socket; it
+// returns the endpoint.
+func startNodeSim(t *testing.T, name string) string {
+	t.Helper()
+	s, err := sim.Open(sim.Config{DataDir: t.TempDir(), Host: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := "unix://" + filepath.Join(t.TempDir(), "sim.sock")
+	ln, err := sim.Listen(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer(s.ServerOptions()...)
+	s.Register(gs)
+	served := make(chan struct{})
+	go func() { _ = gs.Serve(ln); close(served) }()
+	t.Cleanup(func() {
+		gs.Stop()
+		<-served
+		_ = s.Close()
+	})
+	return addr
 }

@@ -104,8 +104,8 @@ func Open(cfg Config) (*Simulator, error) {
 				db.Close()
 				return nil, err
 			}
-			s.vm = &vmService{vms: vms, host: host, watch: newBroadcaster()}
-			s.network = &networkService{networks: nets, host: host}
+			s.vm = &vmService{vms: vms, host: host, watch: newHub[*vmv1.VM]()}
+			s.network = &networkService{networks: nets, host: host, watch: newHub[*networkv1.Network]()}
 			s.services = append(s.services, vmv1.VMService_ServiceDesc.ServiceName, networkv1.NetworkService_ServiceDesc.ServiceName)
 		case RoleIscsiman:
 			vols := &table[*storagev1.Volume]{db: db, bucket: []byte("volumes"), kind: "volume", validate: validateVolume, newT: func() *storagev1.Volume { return new(storagev1.Volume) }, now: now,
@@ -114,7 +114,7 @@ func Open(cfg Config) (*Simulator, error) {
 				db.Close()
 				return nil, err
 			}
-			s.storage = &storageService{volumes: vols, host: host}
+			s.storage = &storageService{volumes: vols, host: host, watch: newHub[*storagev1.Volume]()}
 			s.services = append(s.services, storagev1.StorageService_ServiceDesc.ServiceName)
 		default:
 			db.Close()
@@ -172,6 +172,10 @@ func (s *Simulator) Close() error {
 	s.health.Shutdown()
 	if s.vm != nil {
 		s.vm.watch.close()
+		s.network.watch.close()
+	}
+	if s.storage != nil {
+		s.storage.watch.close()
 	}
 	return s.db.Close()
 }

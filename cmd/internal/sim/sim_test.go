@@ -347,6 +347,52 @@ func TestVolumesAndNetworks(t *testing.T) {
 	}
 }
 
+// TestWatchVolumesAndNetworks: the storage and network watches send what
+// exists, then every change, with the node's name in host.
+func TestWatchVolumesAndNetworks(t *testing.T) {
+	e := start(t, t.TempDir())
+	c := ctx(t)
+	old, err := e.vol.CreateVolume(c, &storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "old", SizeBytes: 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vw, err := e.vol.WatchVolumes(c, &storagev1.WatchVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nw, err := e.net.WatchNetworks(c, &networkv1.WatchNetworksRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev, err := vw.Recv(); err != nil || ev.GetType() != storagev1.EventType_EVENT_TYPE_EXISTING || ev.GetVolume().GetId() != old.GetVolume().GetId() || ev.GetVolume().GetHost() != "node-a" {
+		t.Fatalf("first volume event: %v, %v", ev, err)
+	}
+	v, err := e.vol.CreateVolume(c, &storagev1.CreateVolumeRequest{Volume: &storagev1.Volume{Name: "new", SizeBytes: 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.vol.DeleteVolume(c, &storagev1.DeleteVolumeRequest{Id: v.GetVolume().GetId()}); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []storagev1.EventType{storagev1.EventType_EVENT_TYPE_CREATED, storagev1.EventType_EVENT_TYPE_DELETED} {
+		if ev, err := vw.Recv(); err != nil || ev.GetType() != want || ev.GetVolume().GetId() != v.GetVolume().GetId() {
+			t.Fatalf("volume event: %v, %v, want %s of %s", ev, err, want, v.GetVolume().GetId())
+		}
+	}
+	n, err := e.net.CreateNetwork(c, &networkv1.CreateNetworkRequest{Network: &networkv1.Network{Name: "n", Cidr: "10.0.0.0/24"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.net.DeleteNetwork(c, &networkv1.DeleteNetworkRequest{Id: n.GetNetwork().GetId()}); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []networkv1.EventType{networkv1.EventType_EVENT_TYPE_CREATED, networkv1.EventType_EVENT_TYPE_DELETED} {
+		if ev, err := nw.Recv(); err != nil || ev.GetType() != want || ev.GetNetwork().GetId() != n.GetNetwork().GetId() || ev.GetNetwork().GetHost() != "node-a" {
+			t.Fatalf("network event: %v, %v, want %s of %s", ev, err, want, n.GetNetwork().GetId())
+		}
+	}
+}
+
 func TestFaultsHealthAndStats(t *testing.T) {
 	e := start(t, t.TempDir())
 	c := ctx(t)

@@ -28,6 +28,15 @@ const (
 type storageService struct {
 	volumes *table[*storagev1.Volume]
 	host    string // the node the volumes are on
+	watch   *hub[*storagev1.Volume]
+}
+
+// WatchVolumes sends every volume (of the owner, when set) as EXISTING,
+// then every change, until the client leaves or falls behind.
+func (s *storageService) WatchVolumes(r *storagev1.WatchVolumesRequest, stream grpc.ServerStreamingServer[storagev1.WatchVolumesResponse]) error {
+	return watch(stream.Context(), s.volumes, s.watch, r.GetOwner(), func(kind int32, v *storagev1.Volume) error {
+		return stream.Send(&storagev1.WatchVolumesResponse{Type: storagev1.EventType(kind), Volume: v})
+	})
 }
 
 func validateVolume(v *storagev1.Volume) error {
@@ -72,6 +81,7 @@ func (s *storageService) CreateVolume(ctx context.Context, r *storagev1.CreateVo
 	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventCreated, v)
 	return &storagev1.CreateVolumeResponse{Volume: v}, nil
 }
 
@@ -89,13 +99,16 @@ func (s *storageService) UpdateVolume(_ context.Context, r *storagev1.UpdateVolu
 	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventUpdated, v)
 	return &storagev1.UpdateVolumeResponse{Volume: v}, nil
 }
 
 func (s *storageService) DeleteVolume(_ context.Context, r *storagev1.DeleteVolumeRequest) (*storagev1.DeleteVolumeResponse, error) {
-	if _, err := s.volumes.delete(r.GetId()); err != nil {
+	v, err := s.volumes.delete(r.GetId())
+	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventDeleted, v)
 	return &storagev1.DeleteVolumeResponse{}, nil
 }
 
@@ -144,6 +157,7 @@ func (s *storageService) UploadVolume(stream grpc.ClientStreamingServer[storagev
 	if err != nil {
 		return err
 	}
+	s.watch.publish(eventUpdated, v)
 	return stream.SendAndClose(&storagev1.UploadVolumeResponse{Volume: v})
 }
 
@@ -151,6 +165,15 @@ func (s *storageService) UploadVolume(stream grpc.ClientStreamingServer[storagev
 type networkService struct {
 	networks *table[*networkv1.Network]
 	host     string // the node the networks are on
+	watch    *hub[*networkv1.Network]
+}
+
+// WatchNetworks sends every network (of the owner, when set) as EXISTING,
+// then every change, until the client leaves or falls behind.
+func (s *networkService) WatchNetworks(r *networkv1.WatchNetworksRequest, stream grpc.ServerStreamingServer[networkv1.WatchNetworksResponse]) error {
+	return watch(stream.Context(), s.networks, s.watch, r.GetOwner(), func(kind int32, n *networkv1.Network) error {
+		return stream.Send(&networkv1.WatchNetworksResponse{Type: networkv1.EventType(kind), Network: n})
+	})
 }
 
 func validateNetwork(n *networkv1.Network) error {
@@ -198,6 +221,7 @@ func (s *networkService) CreateNetwork(ctx context.Context, r *networkv1.CreateN
 	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventCreated, n)
 	return &networkv1.CreateNetworkResponse{Network: n}, nil
 }
 
@@ -208,12 +232,15 @@ func (s *networkService) UpdateNetwork(_ context.Context, r *networkv1.UpdateNet
 	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventUpdated, n)
 	return &networkv1.UpdateNetworkResponse{Network: n}, nil
 }
 
 func (s *networkService) DeleteNetwork(_ context.Context, r *networkv1.DeleteNetworkRequest) (*networkv1.DeleteNetworkResponse, error) {
-	if _, err := s.networks.delete(r.GetId()); err != nil {
+	n, err := s.networks.delete(r.GetId())
+	if err != nil {
 		return nil, err
 	}
+	s.watch.publish(eventDeleted, n)
 	return &networkv1.DeleteNetworkResponse{}, nil
 }

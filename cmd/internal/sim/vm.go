@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -29,7 +28,7 @@ const (
 type vmService struct {
 	vms   *table[*vmv1.VM]
 	host  string
-	watch *broadcaster
+	watch *hub[*vmv1.VM]
 }
 
 func validateVM(vm *vmv1.VM) error {
@@ -80,7 +79,7 @@ func (s *vmService) CreateVM(ctx context.Context, r *vmv1.CreateVMRequest) (*vmv
 	if err != nil {
 		return nil, err
 	}
-	s.watch.publish(vmv1.EventType_EVENT_TYPE_CREATED, vm)
+	s.watch.publish(eventCreated, vm)
 	return &vmv1.CreateVMResponse{Vm: vm}, nil
 }
 
@@ -91,7 +90,7 @@ func (s *vmService) UpdateVM(_ context.Context, r *vmv1.UpdateVMRequest) (*vmv1.
 	if err != nil {
 		return nil, err
 	}
-	s.watch.publish(vmv1.EventType_EVENT_TYPE_UPDATED, vm)
+	s.watch.publish(eventUpdated, vm)
 	return &vmv1.UpdateVMResponse{Vm: vm}, nil
 }
 
@@ -106,7 +105,7 @@ func (s *vmService) DeleteVM(_ context.Context, r *vmv1.DeleteVMRequest) (*vmv1.
 	if vm, err = s.vms.delete(r.GetId()); err != nil {
 		return nil, err
 	}
-	s.watch.publish(vmv1.EventType_EVENT_TYPE_DELETED, vm)
+	s.watch.publish(eventDeleted, vm)
 	return &vmv1.DeleteVMResponse{}, nil
 }
 
@@ -124,7 +123,7 @@ func (s *vmService) power(id, action string, to vmv1.PowerState, from ...vmv1.Po
 	if err != nil {
 		return nil, err
 	}
-	s.watch.publish(vmv1.EventType_EVENT_TYPE_UPDATED, vm)
+	s.watch.publish(eventUpdated, vm)
 	return vm, nil
 }
 
@@ -172,48 +171,9 @@ func (s *vmService) Reboot(_ context.Context, r *vmv1.RebootRequest) (*vmv1.Rebo
 // WatchVMs sends every VM (of the owner, when set) as EXISTING, then
 // every change, until the client leaves or falls behind.
 func (s *vmService) WatchVMs(r *vmv1.WatchVMsRequest, stream grpc.ServerStreamingServer[vmv1.WatchVMsResponse]) error {
-	// Subscribed before listing, so no change is missed; a change the
-	// listing already shows is not sent again.
-	sub := s.watch.subscribe()
-	defer s.watch.unsubscribe(sub)
-	listed := make(map[string]uint64)
-	for token := ""; ; {
-		vms, next, err := s.vms.list(maxPageSize, token, r.GetOwner())
-		if err != nil {
-			return err
-		}
-		for _, vm := range vms {
-			listed[vm.GetId()] = vm.GetMetadata().GetRevision()
-			if err := stream.Send(&vmv1.WatchVMsResponse{Type: vmv1.EventType_EVENT_TYPE_EXISTING, Vm: vm}); err != nil {
-				return err
-			}
-		}
-		if token = next; token == "" {
-			break
-		}
-	}
-	for {
-		select {
-		case <-stream.Context().Done():
-			return stream.Context().Err()
-		case ev, ok := <-sub.ch:
-			if !ok {
-				if sub.overflow {
-					return status.Errorf(codes.ResourceExhausted, "watch fell more than %d events behind: watch again", watchBuffer)
-				}
-				return status.Error(codes.Unavailable, errStopped.Error())
-			}
-			if r.GetOwner() != "" && ev.GetVm().GetMetadata().GetOwner() != r.GetOwner() {
-				continue
-			}
-			if rev, ok := listed[ev.GetVm().GetId()]; ok && ev.GetType() != vmv1.EventType_EVENT_TYPE_DELETED && ev.GetVm().GetMetadata().GetRevision() <= rev {
-				continue
-			}
-			if err := stream.Send(ev); err != nil {
-				return err
-			}
-		}
-	}
+	return watch(stream.Context(), s.vms, s.watch, r.GetOwner(), func(kind int32, vm *vmv1.VM) error {
+		return stream.Send(&vmv1.WatchVMsResponse{Type: vmv1.EventType(kind), Vm: vm})
+	})
 }
 
 // Console echoes the input of a running VM's serial console after a
@@ -248,70 +208,6 @@ func (s *vmService) Console(stream grpc.BidiStreamingServer[vmv1.ConsoleRequest,
 		} else if err != nil {
 			return err
 		}
-	}
-}
-
-// broadcaster fans VM events out to watchers.
-type broadcaster struct {
-	mu     sync.Mutex
-	subs   map[*subscriber]struct{}
-	closed bool
-}
-
-type subscriber struct {
-	ch       chan *vmv1.WatchVMsResponse
-	overflow bool
-}
-
-func newBroadcaster() *broadcaster {
-	return &broadcaster{subs: make(map[*subscriber]struct{})}
-}
-
-func (b *broadcaster) subscribe() *subscriber {
-	s := &subscriber{ch: make(chan *vmv1.WatchVMsResponse, watchBuffer)}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		close(s.ch)
-		return s
-	}
-	b.subs[s] = struct{}{}
-	return s
-}
-
-func (b *broadcaster) unsubscribe(s *subscriber) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if _, ok := b.subs[s]; ok {
-		delete(b.subs, s)
-		close(s.ch)
-	}
-}
-
-// publish offers an event to every watcher; one that is full is dropped
-// (its stream ends with ResourceExhausted).
-func (b *broadcaster) publish(t vmv1.EventType, vm *vmv1.VM) {
-	ev := &vmv1.WatchVMsResponse{Type: t, Vm: vm}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for s := range b.subs {
-		select {
-		case s.ch <- ev:
-		default:
-			s.overflow = true
-			delete(b.subs, s)
-			close(s.ch)
-		}
-	}
-}
-
-func (b *broadcaster) close() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.closed = true
-	for s := range b.subs {
-		delete(b.subs, s)
-		close(s.ch)
 	}
 }
 

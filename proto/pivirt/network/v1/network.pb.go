@@ -26,6 +26,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type EventType int32
+
+const (
+	EventType_EVENT_TYPE_UNSPECIFIED EventType = 0
+	// EVENT_TYPE_EXISTING is a network that existed when the watch started.
+	EventType_EVENT_TYPE_EXISTING EventType = 1
+	EventType_EVENT_TYPE_CREATED  EventType = 2
+	EventType_EVENT_TYPE_UPDATED  EventType = 3
+	EventType_EVENT_TYPE_DELETED  EventType = 4
+)
+
+// Enum value maps for EventType.
+var (
+	EventType_name = map[int32]string{
+		0: "EVENT_TYPE_UNSPECIFIED",
+		1: "EVENT_TYPE_EXISTING",
+		2: "EVENT_TYPE_CREATED",
+		3: "EVENT_TYPE_UPDATED",
+		4: "EVENT_TYPE_DELETED",
+	}
+	EventType_value = map[string]int32{
+		"EVENT_TYPE_UNSPECIFIED": 0,
+		"EVENT_TYPE_EXISTING":    1,
+		"EVENT_TYPE_CREATED":     2,
+		"EVENT_TYPE_UPDATED":     3,
+		"EVENT_TYPE_DELETED":     4,
+	}
+)
+
+func (x EventType) Enum() *EventType {
+	p := new(EventType)
+	*p = x
+	return p
+}
+
+func (x EventType) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (EventType) Descriptor() protoreflect.EnumDescriptor {
+	return file_pivirt_network_v1_network_proto_enumTypes[0].Descriptor()
+}
+
+func (EventType) Type() protoreflect.EnumType {
+	return &file_pivirt_network_v1_network_proto_enumTypes[0]
+}
+
+func (x EventType) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use EventType.Descriptor instead.
+func (EventType) EnumDescriptor() ([]byte, []int) {
+	return file_pivirt_network_v1_network_proto_rawDescGZIP(), []int{0}
+}
+
 type Network struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -613,6 +669,112 @@ func (*DeleteNetworkResponse) Descriptor() ([]byte, []int) {
 	return file_pivirt_network_v1_network_proto_rawDescGZIP(), []int{10}
 }
 
+type WatchNetworksRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// owner, when set, watches only the networks of that owner.
+	Owner string `protobuf:"bytes,1,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, watches only the networks of that node.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchNetworksRequest) Reset() {
+	*x = WatchNetworksRequest{}
+	mi := &file_pivirt_network_v1_network_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchNetworksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchNetworksRequest) ProtoMessage() {}
+
+func (x *WatchNetworksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_network_v1_network_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchNetworksRequest.ProtoReflect.Descriptor instead.
+func (*WatchNetworksRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_network_v1_network_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *WatchNetworksRequest) GetOwner() string {
+	if x != nil {
+		return x.Owner
+	}
+	return ""
+}
+
+func (x *WatchNetworksRequest) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
+type WatchNetworksResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Type          EventType              `protobuf:"varint,1,opt,name=type,proto3,enum=pivirt.network.v1.EventType" json:"type,omitempty"`
+	Network       *Network               `protobuf:"bytes,2,opt,name=network,proto3" json:"network,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchNetworksResponse) Reset() {
+	*x = WatchNetworksResponse{}
+	mi := &file_pivirt_network_v1_network_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchNetworksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchNetworksResponse) ProtoMessage() {}
+
+func (x *WatchNetworksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_network_v1_network_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchNetworksResponse.ProtoReflect.Descriptor instead.
+func (*WatchNetworksResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_network_v1_network_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *WatchNetworksResponse) GetType() EventType {
+	if x != nil {
+		return x.Type
+	}
+	return EventType_EVENT_TYPE_UNSPECIFIED
+}
+
+func (x *WatchNetworksResponse) GetNetwork() *Network {
+	if x != nil {
+		return x.Network
+	}
+	return nil
+}
+
 var File_pivirt_network_v1_network_proto protoreflect.FileDescriptor
 
 const file_pivirt_network_v1_network_proto_rawDesc = "" +
@@ -654,7 +816,19 @@ const file_pivirt_network_v1_network_proto_rawDesc = "" +
 	"\anetwork\x18\x01 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork\"&\n" +
 	"\x14DeleteNetworkRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x17\n" +
-	"\x15DeleteNetworkResponse2\x94\x05\n" +
+	"\x15DeleteNetworkResponse\"@\n" +
+	"\x14WatchNetworksRequest\x12\x14\n" +
+	"\x05owner\x18\x01 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"\x7f\n" +
+	"\x15WatchNetworksResponse\x120\n" +
+	"\x04type\x18\x01 \x01(\x0e2\x1c.pivirt.network.v1.EventTypeR\x04type\x124\n" +
+	"\anetwork\x18\x02 \x01(\v2\x1a.pivirt.network.v1.NetworkR\anetwork*\x88\x01\n" +
+	"\tEventType\x12\x1a\n" +
+	"\x16EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x17\n" +
+	"\x13EVENT_TYPE_EXISTING\x10\x01\x12\x16\n" +
+	"\x12EVENT_TYPE_CREATED\x10\x02\x12\x16\n" +
+	"\x12EVENT_TYPE_UPDATED\x10\x03\x12\x16\n" +
+	"\x12EVENT_TYPE_DELETED\x10\x042\x9a\x06\n" +
 	"\x0eNetworkService\x12\x7f\n" +
 	"\fListNetworks\x12&.pivirt.network.v1.ListNetworksRequest\x1a'.pivirt.network.v1.ListNetworksResponse\"\x1e\xca\xf3\x18\x1a\n" +
 	"\bnetworks\x12\x04list*\bnetworks\x12r\n" +
@@ -665,7 +839,9 @@ const file_pivirt_network_v1_network_proto_rawDesc = "" +
 	"\bnetworks\x12\x06create\"\anetwork\x12\x86\x01\n" +
 	"\rUpdateNetwork\x12'.pivirt.network.v1.UpdateNetworkRequest\x1a(.pivirt.network.v1.UpdateNetworkResponse\"\"\xca\xf3\x18\x1e\n" +
 	"\bnetworks\x12\x06update\x1a\n" +
-	"network.id\x12~\n" +
+	"network.id\x12\x83\x01\n" +
+	"\rWatchNetworks\x12'.pivirt.network.v1.WatchNetworksRequest\x1a(.pivirt.network.v1.WatchNetworksResponse\"\x1d\xca\xf3\x18\x19\n" +
+	"\bnetworks\x12\x04list*\anetwork0\x01\x12~\n" +
 	"\rDeleteNetwork\x12'.pivirt.network.v1.DeleteNetworkRequest\x1a(.pivirt.network.v1.DeleteNetworkResponse\"\x1a\xca\xf3\x18\x16\n" +
 	"\bnetworks\x12\x06delete\x1a\x02idB9Z7pilab.hu/pivirt-agent/proto/pivirt/network/v1;networkv1b\x06proto3"
 
@@ -681,46 +857,54 @@ func file_pivirt_network_v1_network_proto_rawDescGZIP() []byte {
 	return file_pivirt_network_v1_network_proto_rawDescData
 }
 
-var file_pivirt_network_v1_network_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_pivirt_network_v1_network_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_pivirt_network_v1_network_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_pivirt_network_v1_network_proto_goTypes = []any{
-	(*Network)(nil),               // 0: pivirt.network.v1.Network
-	(*ListNetworksRequest)(nil),   // 1: pivirt.network.v1.ListNetworksRequest
-	(*ListNetworksResponse)(nil),  // 2: pivirt.network.v1.ListNetworksResponse
-	(*GetNetworkRequest)(nil),     // 3: pivirt.network.v1.GetNetworkRequest
-	(*GetNetworkResponse)(nil),    // 4: pivirt.network.v1.GetNetworkResponse
-	(*CreateNetworkRequest)(nil),  // 5: pivirt.network.v1.CreateNetworkRequest
-	(*CreateNetworkResponse)(nil), // 6: pivirt.network.v1.CreateNetworkResponse
-	(*UpdateNetworkRequest)(nil),  // 7: pivirt.network.v1.UpdateNetworkRequest
-	(*UpdateNetworkResponse)(nil), // 8: pivirt.network.v1.UpdateNetworkResponse
-	(*DeleteNetworkRequest)(nil),  // 9: pivirt.network.v1.DeleteNetworkRequest
-	(*DeleteNetworkResponse)(nil), // 10: pivirt.network.v1.DeleteNetworkResponse
-	(*v1.ObjectMeta)(nil),         // 11: pivirt.api.v1.ObjectMeta
-	(*fieldmaskpb.FieldMask)(nil), // 12: google.protobuf.FieldMask
+	(EventType)(0),                // 0: pivirt.network.v1.EventType
+	(*Network)(nil),               // 1: pivirt.network.v1.Network
+	(*ListNetworksRequest)(nil),   // 2: pivirt.network.v1.ListNetworksRequest
+	(*ListNetworksResponse)(nil),  // 3: pivirt.network.v1.ListNetworksResponse
+	(*GetNetworkRequest)(nil),     // 4: pivirt.network.v1.GetNetworkRequest
+	(*GetNetworkResponse)(nil),    // 5: pivirt.network.v1.GetNetworkResponse
+	(*CreateNetworkRequest)(nil),  // 6: pivirt.network.v1.CreateNetworkRequest
+	(*CreateNetworkResponse)(nil), // 7: pivirt.network.v1.CreateNetworkResponse
+	(*UpdateNetworkRequest)(nil),  // 8: pivirt.network.v1.UpdateNetworkRequest
+	(*UpdateNetworkResponse)(nil), // 9: pivirt.network.v1.UpdateNetworkResponse
+	(*DeleteNetworkRequest)(nil),  // 10: pivirt.network.v1.DeleteNetworkRequest
+	(*DeleteNetworkResponse)(nil), // 11: pivirt.network.v1.DeleteNetworkResponse
+	(*WatchNetworksRequest)(nil),  // 12: pivirt.network.v1.WatchNetworksRequest
+	(*WatchNetworksResponse)(nil), // 13: pivirt.network.v1.WatchNetworksResponse
+	(*v1.ObjectMeta)(nil),         // 14: pivirt.api.v1.ObjectMeta
+	(*fieldmaskpb.FieldMask)(nil), // 15: google.protobuf.FieldMask
 }
 var file_pivirt_network_v1_network_proto_depIdxs = []int32{
-	11, // 0: pivirt.network.v1.Network.metadata:type_name -> pivirt.api.v1.ObjectMeta
-	0,  // 1: pivirt.network.v1.ListNetworksResponse.networks:type_name -> pivirt.network.v1.Network
-	0,  // 2: pivirt.network.v1.GetNetworkResponse.network:type_name -> pivirt.network.v1.Network
-	0,  // 3: pivirt.network.v1.CreateNetworkRequest.network:type_name -> pivirt.network.v1.Network
-	0,  // 4: pivirt.network.v1.CreateNetworkResponse.network:type_name -> pivirt.network.v1.Network
-	0,  // 5: pivirt.network.v1.UpdateNetworkRequest.network:type_name -> pivirt.network.v1.Network
-	12, // 6: pivirt.network.v1.UpdateNetworkRequest.update_mask:type_name -> google.protobuf.FieldMask
-	0,  // 7: pivirt.network.v1.UpdateNetworkResponse.network:type_name -> pivirt.network.v1.Network
-	1,  // 8: pivirt.network.v1.NetworkService.ListNetworks:input_type -> pivirt.network.v1.ListNetworksRequest
-	3,  // 9: pivirt.network.v1.NetworkService.GetNetwork:input_type -> pivirt.network.v1.GetNetworkRequest
-	5,  // 10: pivirt.network.v1.NetworkService.CreateNetwork:input_type -> pivirt.network.v1.CreateNetworkRequest
-	7,  // 11: pivirt.network.v1.NetworkService.UpdateNetwork:input_type -> pivirt.network.v1.UpdateNetworkRequest
-	9,  // 12: pivirt.network.v1.NetworkService.DeleteNetwork:input_type -> pivirt.network.v1.DeleteNetworkRequest
-	2,  // 13: pivirt.network.v1.NetworkService.ListNetworks:output_type -> pivirt.network.v1.ListNetworksResponse
-	4,  // 14: pivirt.network.v1.NetworkService.GetNetwork:output_type -> pivirt.network.v1.GetNetworkResponse
-	6,  // 15: pivirt.network.v1.NetworkService.CreateNetwork:output_type -> pivirt.network.v1.CreateNetworkResponse
-	8,  // 16: pivirt.network.v1.NetworkService.UpdateNetwork:output_type -> pivirt.network.v1.UpdateNetworkResponse
-	10, // 17: pivirt.network.v1.NetworkService.DeleteNetwork:output_type -> pivirt.network.v1.DeleteNetworkResponse
-	13, // [13:18] is the sub-list for method output_type
-	8,  // [8:13] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	14, // 0: pivirt.network.v1.Network.metadata:type_name -> pivirt.api.v1.ObjectMeta
+	1,  // 1: pivirt.network.v1.ListNetworksResponse.networks:type_name -> pivirt.network.v1.Network
+	1,  // 2: pivirt.network.v1.GetNetworkResponse.network:type_name -> pivirt.network.v1.Network
+	1,  // 3: pivirt.network.v1.CreateNetworkRequest.network:type_name -> pivirt.network.v1.Network
+	1,  // 4: pivirt.network.v1.CreateNetworkResponse.network:type_name -> pivirt.network.v1.Network
+	1,  // 5: pivirt.network.v1.UpdateNetworkRequest.network:type_name -> pivirt.network.v1.Network
+	15, // 6: pivirt.network.v1.UpdateNetworkRequest.update_mask:type_name -> google.protobuf.FieldMask
+	1,  // 7: pivirt.network.v1.UpdateNetworkResponse.network:type_name -> pivirt.network.v1.Network
+	0,  // 8: pivirt.network.v1.WatchNetworksResponse.type:type_name -> pivirt.network.v1.EventType
+	1,  // 9: pivirt.network.v1.WatchNetworksResponse.network:type_name -> pivirt.network.v1.Network
+	2,  // 10: pivirt.network.v1.NetworkService.ListNetworks:input_type -> pivirt.network.v1.ListNetworksRequest
+	4,  // 11: pivirt.network.v1.NetworkService.GetNetwork:input_type -> pivirt.network.v1.GetNetworkRequest
+	6,  // 12: pivirt.network.v1.NetworkService.CreateNetwork:input_type -> pivirt.network.v1.CreateNetworkRequest
+	8,  // 13: pivirt.network.v1.NetworkService.UpdateNetwork:input_type -> pivirt.network.v1.UpdateNetworkRequest
+	12, // 14: pivirt.network.v1.NetworkService.WatchNetworks:input_type -> pivirt.network.v1.WatchNetworksRequest
+	10, // 15: pivirt.network.v1.NetworkService.DeleteNetwork:input_type -> pivirt.network.v1.DeleteNetworkRequest
+	3,  // 16: pivirt.network.v1.NetworkService.ListNetworks:output_type -> pivirt.network.v1.ListNetworksResponse
+	5,  // 17: pivirt.network.v1.NetworkService.GetNetwork:output_type -> pivirt.network.v1.GetNetworkResponse
+	7,  // 18: pivirt.network.v1.NetworkService.CreateNetwork:output_type -> pivirt.network.v1.CreateNetworkResponse
+	9,  // 19: pivirt.network.v1.NetworkService.UpdateNetwork:output_type -> pivirt.network.v1.UpdateNetworkResponse
+	13, // 20: pivirt.network.v1.NetworkService.WatchNetworks:output_type -> pivirt.network.v1.WatchNetworksResponse
+	11, // 21: pivirt.network.v1.NetworkService.DeleteNetwork:output_type -> pivirt.network.v1.DeleteNetworkResponse
+	16, // [16:22] is the sub-list for method output_type
+	10, // [10:16] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_network_v1_network_proto_init() }
@@ -734,13 +918,14 @@ func file_pivirt_network_v1_network_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_network_v1_network_proto_rawDesc), len(file_pivirt_network_v1_network_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   11,
+			NumEnums:      1,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_pivirt_network_v1_network_proto_goTypes,
 		DependencyIndexes: file_pivirt_network_v1_network_proto_depIdxs,
+		EnumInfos:         file_pivirt_network_v1_network_proto_enumTypes,
 		MessageInfos:      file_pivirt_network_v1_network_proto_msgTypes,
 	}.Build()
 	File_pivirt_network_v1_network_proto = out.File

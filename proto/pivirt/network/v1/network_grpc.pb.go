@@ -26,6 +26,7 @@ const (
 	NetworkService_GetNetwork_FullMethodName    = "/pivirt.network.v1.NetworkService/GetNetwork"
 	NetworkService_CreateNetwork_FullMethodName = "/pivirt.network.v1.NetworkService/CreateNetwork"
 	NetworkService_UpdateNetwork_FullMethodName = "/pivirt.network.v1.NetworkService/UpdateNetwork"
+	NetworkService_WatchNetworks_FullMethodName = "/pivirt.network.v1.NetworkService/WatchNetworks"
 	NetworkService_DeleteNetwork_FullMethodName = "/pivirt.network.v1.NetworkService/DeleteNetwork"
 )
 
@@ -38,6 +39,8 @@ type NetworkServiceClient interface {
 	CreateNetwork(ctx context.Context, in *CreateNetworkRequest, opts ...grpc.CallOption) (*CreateNetworkResponse, error)
 	// UpdateNetwork changes name, labels or mtu.
 	UpdateNetwork(ctx context.Context, in *UpdateNetworkRequest, opts ...grpc.CallOption) (*UpdateNetworkResponse, error)
+	// WatchNetworks sends every network as EXISTING, then every change.
+	WatchNetworks(ctx context.Context, in *WatchNetworksRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchNetworksResponse], error)
 	DeleteNetwork(ctx context.Context, in *DeleteNetworkRequest, opts ...grpc.CallOption) (*DeleteNetworkResponse, error)
 }
 
@@ -89,6 +92,25 @@ func (c *networkServiceClient) UpdateNetwork(ctx context.Context, in *UpdateNetw
 	return out, nil
 }
 
+func (c *networkServiceClient) WatchNetworks(ctx context.Context, in *WatchNetworksRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchNetworksResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &NetworkService_ServiceDesc.Streams[0], NetworkService_WatchNetworks_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchNetworksRequest, WatchNetworksResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NetworkService_WatchNetworksClient = grpc.ServerStreamingClient[WatchNetworksResponse]
+
 func (c *networkServiceClient) DeleteNetwork(ctx context.Context, in *DeleteNetworkRequest, opts ...grpc.CallOption) (*DeleteNetworkResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(DeleteNetworkResponse)
@@ -108,6 +130,8 @@ type NetworkServiceServer interface {
 	CreateNetwork(context.Context, *CreateNetworkRequest) (*CreateNetworkResponse, error)
 	// UpdateNetwork changes name, labels or mtu.
 	UpdateNetwork(context.Context, *UpdateNetworkRequest) (*UpdateNetworkResponse, error)
+	// WatchNetworks sends every network as EXISTING, then every change.
+	WatchNetworks(*WatchNetworksRequest, grpc.ServerStreamingServer[WatchNetworksResponse]) error
 	DeleteNetwork(context.Context, *DeleteNetworkRequest) (*DeleteNetworkResponse, error)
 }
 
@@ -129,6 +153,9 @@ func (UnimplementedNetworkServiceServer) CreateNetwork(context.Context, *CreateN
 }
 func (UnimplementedNetworkServiceServer) UpdateNetwork(context.Context, *UpdateNetworkRequest) (*UpdateNetworkResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method UpdateNetwork not implemented")
+}
+func (UnimplementedNetworkServiceServer) WatchNetworks(*WatchNetworksRequest, grpc.ServerStreamingServer[WatchNetworksResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchNetworks not implemented")
 }
 func (UnimplementedNetworkServiceServer) DeleteNetwork(context.Context, *DeleteNetworkRequest) (*DeleteNetworkResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DeleteNetwork not implemented")
@@ -225,6 +252,17 @@ func _NetworkService_UpdateNetwork_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NetworkService_WatchNetworks_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchNetworksRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(NetworkServiceServer).WatchNetworks(m, &grpc.GenericServerStream[WatchNetworksRequest, WatchNetworksResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NetworkService_WatchNetworksServer = grpc.ServerStreamingServer[WatchNetworksResponse]
+
 func _NetworkService_DeleteNetwork_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(DeleteNetworkRequest)
 	if err := dec(in); err != nil {
@@ -271,6 +309,12 @@ var NetworkService_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _NetworkService_DeleteNetwork_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchNetworks",
+			Handler:       _NetworkService_WatchNetworks_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "pivirt/network/v1/network.proto",
 }

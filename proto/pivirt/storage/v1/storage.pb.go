@@ -26,6 +26,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type EventType int32
+
+const (
+	EventType_EVENT_TYPE_UNSPECIFIED EventType = 0
+	// EVENT_TYPE_EXISTING is a volume that existed when the watch started.
+	EventType_EVENT_TYPE_EXISTING EventType = 1
+	EventType_EVENT_TYPE_CREATED  EventType = 2
+	EventType_EVENT_TYPE_UPDATED  EventType = 3
+	EventType_EVENT_TYPE_DELETED  EventType = 4
+)
+
+// Enum value maps for EventType.
+var (
+	EventType_name = map[int32]string{
+		0: "EVENT_TYPE_UNSPECIFIED",
+		1: "EVENT_TYPE_EXISTING",
+		2: "EVENT_TYPE_CREATED",
+		3: "EVENT_TYPE_UPDATED",
+		4: "EVENT_TYPE_DELETED",
+	}
+	EventType_value = map[string]int32{
+		"EVENT_TYPE_UNSPECIFIED": 0,
+		"EVENT_TYPE_EXISTING":    1,
+		"EVENT_TYPE_CREATED":     2,
+		"EVENT_TYPE_UPDATED":     3,
+		"EVENT_TYPE_DELETED":     4,
+	}
+)
+
+func (x EventType) Enum() *EventType {
+	p := new(EventType)
+	*p = x
+	return p
+}
+
+func (x EventType) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (EventType) Descriptor() protoreflect.EnumDescriptor {
+	return file_pivirt_storage_v1_storage_proto_enumTypes[0].Descriptor()
+}
+
+func (EventType) Type() protoreflect.EnumType {
+	return &file_pivirt_storage_v1_storage_proto_enumTypes[0]
+}
+
+func (x EventType) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use EventType.Descriptor instead.
+func (EventType) EnumDescriptor() ([]byte, []int) {
+	return file_pivirt_storage_v1_storage_proto_rawDescGZIP(), []int{0}
+}
+
 type Volume struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Id        string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -717,6 +773,112 @@ func (x *UploadVolumeResponse) GetVolume() *Volume {
 	return nil
 }
 
+type WatchVolumesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// owner, when set, watches only the volumes of that owner.
+	Owner string `protobuf:"bytes,1,opt,name=owner,proto3" json:"owner,omitempty"`
+	// host, when set, watches only the volumes of that node.
+	Host          string `protobuf:"bytes,2,opt,name=host,proto3" json:"host,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchVolumesRequest) Reset() {
+	*x = WatchVolumesRequest{}
+	mi := &file_pivirt_storage_v1_storage_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchVolumesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchVolumesRequest) ProtoMessage() {}
+
+func (x *WatchVolumesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_storage_v1_storage_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchVolumesRequest.ProtoReflect.Descriptor instead.
+func (*WatchVolumesRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_storage_v1_storage_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *WatchVolumesRequest) GetOwner() string {
+	if x != nil {
+		return x.Owner
+	}
+	return ""
+}
+
+func (x *WatchVolumesRequest) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
+type WatchVolumesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Type          EventType              `protobuf:"varint,1,opt,name=type,proto3,enum=pivirt.storage.v1.EventType" json:"type,omitempty"`
+	Volume        *Volume                `protobuf:"bytes,2,opt,name=volume,proto3" json:"volume,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchVolumesResponse) Reset() {
+	*x = WatchVolumesResponse{}
+	mi := &file_pivirt_storage_v1_storage_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchVolumesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchVolumesResponse) ProtoMessage() {}
+
+func (x *WatchVolumesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_storage_v1_storage_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchVolumesResponse.ProtoReflect.Descriptor instead.
+func (*WatchVolumesResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_storage_v1_storage_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *WatchVolumesResponse) GetType() EventType {
+	if x != nil {
+		return x.Type
+	}
+	return EventType_EVENT_TYPE_UNSPECIFIED
+}
+
+func (x *WatchVolumesResponse) GetVolume() *Volume {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
 var File_pivirt_storage_v1_storage_proto protoreflect.FileDescriptor
 
 const file_pivirt_storage_v1_storage_proto_rawDesc = "" +
@@ -765,7 +927,19 @@ const file_pivirt_storage_v1_storage_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05chunk\x18\x02 \x01(\fR\x05chunk\"I\n" +
 	"\x14UploadVolumeResponse\x121\n" +
-	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume2\xfa\x05\n" +
+	"\x06volume\x18\x01 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume\"?\n" +
+	"\x13WatchVolumesRequest\x12\x14\n" +
+	"\x05owner\x18\x01 \x01(\tR\x05owner\x12\x12\n" +
+	"\x04host\x18\x02 \x01(\tR\x04host\"{\n" +
+	"\x14WatchVolumesResponse\x120\n" +
+	"\x04type\x18\x01 \x01(\x0e2\x1c.pivirt.storage.v1.EventTypeR\x04type\x121\n" +
+	"\x06volume\x18\x02 \x01(\v2\x19.pivirt.storage.v1.VolumeR\x06volume*\x88\x01\n" +
+	"\tEventType\x12\x1a\n" +
+	"\x16EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x17\n" +
+	"\x13EVENT_TYPE_EXISTING\x10\x01\x12\x16\n" +
+	"\x12EVENT_TYPE_CREATED\x10\x02\x12\x16\n" +
+	"\x12EVENT_TYPE_UPDATED\x10\x03\x12\x16\n" +
+	"\x12EVENT_TYPE_DELETED\x10\x042\xfa\x06\n" +
 	"\x0eStorageService\x12z\n" +
 	"\vListVolumes\x12%.pivirt.storage.v1.ListVolumesRequest\x1a&.pivirt.storage.v1.ListVolumesResponse\"\x1c\xca\xf3\x18\x18\n" +
 	"\avolumes\x12\x04list*\avolumes\x12n\n" +
@@ -776,7 +950,9 @@ const file_pivirt_storage_v1_storage_proto_rawDesc = "" +
 	"\fUpdateVolume\x12&.pivirt.storage.v1.UpdateVolumeRequest\x1a'.pivirt.storage.v1.UpdateVolumeResponse\" \xca\xf3\x18\x1c\n" +
 	"\avolumes\x12\x06update\x1a\tvolume.id\x12z\n" +
 	"\fDeleteVolume\x12&.pivirt.storage.v1.DeleteVolumeRequest\x1a'.pivirt.storage.v1.DeleteVolumeResponse\"\x19\xca\xf3\x18\x15\n" +
-	"\avolumes\x12\x06delete\x1a\x02id\x12|\n" +
+	"\avolumes\x12\x06delete\x1a\x02id\x12~\n" +
+	"\fWatchVolumes\x12&.pivirt.storage.v1.WatchVolumesRequest\x1a'.pivirt.storage.v1.WatchVolumesResponse\"\x1b\xca\xf3\x18\x17\n" +
+	"\avolumes\x12\x04list*\x06volume0\x01\x12|\n" +
 	"\fUploadVolume\x12&.pivirt.storage.v1.UploadVolumeRequest\x1a'.pivirt.storage.v1.UploadVolumeResponse\"\x19\xca\xf3\x18\x15\n" +
 	"\avolumes\x12\x06update\x1a\x02id(\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/storage/v1;storagev1b\x06proto3"
 
@@ -792,51 +968,59 @@ func file_pivirt_storage_v1_storage_proto_rawDescGZIP() []byte {
 	return file_pivirt_storage_v1_storage_proto_rawDescData
 }
 
-var file_pivirt_storage_v1_storage_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_pivirt_storage_v1_storage_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_pivirt_storage_v1_storage_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_pivirt_storage_v1_storage_proto_goTypes = []any{
-	(*Volume)(nil),                // 0: pivirt.storage.v1.Volume
-	(*ListVolumesRequest)(nil),    // 1: pivirt.storage.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),   // 2: pivirt.storage.v1.ListVolumesResponse
-	(*GetVolumeRequest)(nil),      // 3: pivirt.storage.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),     // 4: pivirt.storage.v1.GetVolumeResponse
-	(*CreateVolumeRequest)(nil),   // 5: pivirt.storage.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),  // 6: pivirt.storage.v1.CreateVolumeResponse
-	(*UpdateVolumeRequest)(nil),   // 7: pivirt.storage.v1.UpdateVolumeRequest
-	(*UpdateVolumeResponse)(nil),  // 8: pivirt.storage.v1.UpdateVolumeResponse
-	(*DeleteVolumeRequest)(nil),   // 9: pivirt.storage.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),  // 10: pivirt.storage.v1.DeleteVolumeResponse
-	(*UploadVolumeRequest)(nil),   // 11: pivirt.storage.v1.UploadVolumeRequest
-	(*UploadVolumeResponse)(nil),  // 12: pivirt.storage.v1.UploadVolumeResponse
-	(*v1.ObjectMeta)(nil),         // 13: pivirt.api.v1.ObjectMeta
-	(*fieldmaskpb.FieldMask)(nil), // 14: google.protobuf.FieldMask
+	(EventType)(0),                // 0: pivirt.storage.v1.EventType
+	(*Volume)(nil),                // 1: pivirt.storage.v1.Volume
+	(*ListVolumesRequest)(nil),    // 2: pivirt.storage.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),   // 3: pivirt.storage.v1.ListVolumesResponse
+	(*GetVolumeRequest)(nil),      // 4: pivirt.storage.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),     // 5: pivirt.storage.v1.GetVolumeResponse
+	(*CreateVolumeRequest)(nil),   // 6: pivirt.storage.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),  // 7: pivirt.storage.v1.CreateVolumeResponse
+	(*UpdateVolumeRequest)(nil),   // 8: pivirt.storage.v1.UpdateVolumeRequest
+	(*UpdateVolumeResponse)(nil),  // 9: pivirt.storage.v1.UpdateVolumeResponse
+	(*DeleteVolumeRequest)(nil),   // 10: pivirt.storage.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),  // 11: pivirt.storage.v1.DeleteVolumeResponse
+	(*UploadVolumeRequest)(nil),   // 12: pivirt.storage.v1.UploadVolumeRequest
+	(*UploadVolumeResponse)(nil),  // 13: pivirt.storage.v1.UploadVolumeResponse
+	(*WatchVolumesRequest)(nil),   // 14: pivirt.storage.v1.WatchVolumesRequest
+	(*WatchVolumesResponse)(nil),  // 15: pivirt.storage.v1.WatchVolumesResponse
+	(*v1.ObjectMeta)(nil),         // 16: pivirt.api.v1.ObjectMeta
+	(*fieldmaskpb.FieldMask)(nil), // 17: google.protobuf.FieldMask
 }
 var file_pivirt_storage_v1_storage_proto_depIdxs = []int32{
-	13, // 0: pivirt.storage.v1.Volume.metadata:type_name -> pivirt.api.v1.ObjectMeta
-	0,  // 1: pivirt.storage.v1.ListVolumesResponse.volumes:type_name -> pivirt.storage.v1.Volume
-	0,  // 2: pivirt.storage.v1.GetVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
-	0,  // 3: pivirt.storage.v1.CreateVolumeRequest.volume:type_name -> pivirt.storage.v1.Volume
-	0,  // 4: pivirt.storage.v1.CreateVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
-	0,  // 5: pivirt.storage.v1.UpdateVolumeRequest.volume:type_name -> pivirt.storage.v1.Volume
-	14, // 6: pivirt.storage.v1.UpdateVolumeRequest.update_mask:type_name -> google.protobuf.FieldMask
-	0,  // 7: pivirt.storage.v1.UpdateVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
-	0,  // 8: pivirt.storage.v1.UploadVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
-	1,  // 9: pivirt.storage.v1.StorageService.ListVolumes:input_type -> pivirt.storage.v1.ListVolumesRequest
-	3,  // 10: pivirt.storage.v1.StorageService.GetVolume:input_type -> pivirt.storage.v1.GetVolumeRequest
-	5,  // 11: pivirt.storage.v1.StorageService.CreateVolume:input_type -> pivirt.storage.v1.CreateVolumeRequest
-	7,  // 12: pivirt.storage.v1.StorageService.UpdateVolume:input_type -> pivirt.storage.v1.UpdateVolumeRequest
-	9,  // 13: pivirt.storage.v1.StorageService.DeleteVolume:input_type -> pivirt.storage.v1.DeleteVolumeRequest
-	11, // 14: pivirt.storage.v1.StorageService.UploadVolume:input_type -> pivirt.storage.v1.UploadVolumeRequest
-	2,  // 15: pivirt.storage.v1.StorageService.ListVolumes:output_type -> pivirt.storage.v1.ListVolumesResponse
-	4,  // 16: pivirt.storage.v1.StorageService.GetVolume:output_type -> pivirt.storage.v1.GetVolumeResponse
-	6,  // 17: pivirt.storage.v1.StorageService.CreateVolume:output_type -> pivirt.storage.v1.CreateVolumeResponse
-	8,  // 18: pivirt.storage.v1.StorageService.UpdateVolume:output_type -> pivirt.storage.v1.UpdateVolumeResponse
-	10, // 19: pivirt.storage.v1.StorageService.DeleteVolume:output_type -> pivirt.storage.v1.DeleteVolumeResponse
-	12, // 20: pivirt.storage.v1.StorageService.UploadVolume:output_type -> pivirt.storage.v1.UploadVolumeResponse
-	15, // [15:21] is the sub-list for method output_type
-	9,  // [9:15] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	16, // 0: pivirt.storage.v1.Volume.metadata:type_name -> pivirt.api.v1.ObjectMeta
+	1,  // 1: pivirt.storage.v1.ListVolumesResponse.volumes:type_name -> pivirt.storage.v1.Volume
+	1,  // 2: pivirt.storage.v1.GetVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
+	1,  // 3: pivirt.storage.v1.CreateVolumeRequest.volume:type_name -> pivirt.storage.v1.Volume
+	1,  // 4: pivirt.storage.v1.CreateVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
+	1,  // 5: pivirt.storage.v1.UpdateVolumeRequest.volume:type_name -> pivirt.storage.v1.Volume
+	17, // 6: pivirt.storage.v1.UpdateVolumeRequest.update_mask:type_name -> google.protobuf.FieldMask
+	1,  // 7: pivirt.storage.v1.UpdateVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
+	1,  // 8: pivirt.storage.v1.UploadVolumeResponse.volume:type_name -> pivirt.storage.v1.Volume
+	0,  // 9: pivirt.storage.v1.WatchVolumesResponse.type:type_name -> pivirt.storage.v1.EventType
+	1,  // 10: pivirt.storage.v1.WatchVolumesResponse.volume:type_name -> pivirt.storage.v1.Volume
+	2,  // 11: pivirt.storage.v1.StorageService.ListVolumes:input_type -> pivirt.storage.v1.ListVolumesRequest
+	4,  // 12: pivirt.storage.v1.StorageService.GetVolume:input_type -> pivirt.storage.v1.GetVolumeRequest
+	6,  // 13: pivirt.storage.v1.StorageService.CreateVolume:input_type -> pivirt.storage.v1.CreateVolumeRequest
+	8,  // 14: pivirt.storage.v1.StorageService.UpdateVolume:input_type -> pivirt.storage.v1.UpdateVolumeRequest
+	10, // 15: pivirt.storage.v1.StorageService.DeleteVolume:input_type -> pivirt.storage.v1.DeleteVolumeRequest
+	14, // 16: pivirt.storage.v1.StorageService.WatchVolumes:input_type -> pivirt.storage.v1.WatchVolumesRequest
+	12, // 17: pivirt.storage.v1.StorageService.UploadVolume:input_type -> pivirt.storage.v1.UploadVolumeRequest
+	3,  // 18: pivirt.storage.v1.StorageService.ListVolumes:output_type -> pivirt.storage.v1.ListVolumesResponse
+	5,  // 19: pivirt.storage.v1.StorageService.GetVolume:output_type -> pivirt.storage.v1.GetVolumeResponse
+	7,  // 20: pivirt.storage.v1.StorageService.CreateVolume:output_type -> pivirt.storage.v1.CreateVolumeResponse
+	9,  // 21: pivirt.storage.v1.StorageService.UpdateVolume:output_type -> pivirt.storage.v1.UpdateVolumeResponse
+	11, // 22: pivirt.storage.v1.StorageService.DeleteVolume:output_type -> pivirt.storage.v1.DeleteVolumeResponse
+	15, // 23: pivirt.storage.v1.StorageService.WatchVolumes:output_type -> pivirt.storage.v1.WatchVolumesResponse
+	13, // 24: pivirt.storage.v1.StorageService.UploadVolume:output_type -> pivirt.storage.v1.UploadVolumeResponse
+	18, // [18:25] is the sub-list for method output_type
+	11, // [11:18] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_storage_v1_storage_proto_init() }
@@ -850,13 +1034,14 @@ func file_pivirt_storage_v1_storage_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_storage_v1_storage_proto_rawDesc), len(file_pivirt_storage_v1_storage_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   13,
+			NumEnums:      1,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_pivirt_storage_v1_storage_proto_goTypes,
 		DependencyIndexes: file_pivirt_storage_v1_storage_proto_depIdxs,
+		EnumInfos:         file_pivirt_storage_v1_storage_proto_enumTypes,
 		MessageInfos:      file_pivirt_storage_v1_storage_proto_msgTypes,
 	}.Build()
 	File_pivirt_storage_v1_storage_proto = out.File

@@ -27,6 +27,7 @@ const (
 	StorageService_CreateVolume_FullMethodName = "/pivirt.storage.v1.StorageService/CreateVolume"
 	StorageService_UpdateVolume_FullMethodName = "/pivirt.storage.v1.StorageService/UpdateVolume"
 	StorageService_DeleteVolume_FullMethodName = "/pivirt.storage.v1.StorageService/DeleteVolume"
+	StorageService_WatchVolumes_FullMethodName = "/pivirt.storage.v1.StorageService/WatchVolumes"
 	StorageService_UploadVolume_FullMethodName = "/pivirt.storage.v1.StorageService/UploadVolume"
 )
 
@@ -42,6 +43,8 @@ type StorageServiceClient interface {
 	DeleteVolume(ctx context.Context, in *DeleteVolumeRequest, opts ...grpc.CallOption) (*DeleteVolumeResponse, error)
 	// UploadVolume writes an image into a volume: the first request names
 	// the volume, every request carries the next chunk.
+	// WatchVolumes sends every volume as EXISTING, then every change.
+	WatchVolumes(ctx context.Context, in *WatchVolumesRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchVolumesResponse], error)
 	UploadVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[UploadVolumeRequest, UploadVolumeResponse], error)
 }
 
@@ -103,9 +106,28 @@ func (c *storageServiceClient) DeleteVolume(ctx context.Context, in *DeleteVolum
 	return out, nil
 }
 
+func (c *storageServiceClient) WatchVolumes(ctx context.Context, in *WatchVolumesRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchVolumesResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StorageService_ServiceDesc.Streams[0], StorageService_WatchVolumes_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchVolumesRequest, WatchVolumesResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StorageService_WatchVolumesClient = grpc.ServerStreamingClient[WatchVolumesResponse]
+
 func (c *storageServiceClient) UploadVolume(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[UploadVolumeRequest, UploadVolumeResponse], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &StorageService_ServiceDesc.Streams[0], StorageService_UploadVolume_FullMethodName, cOpts...)
+	stream, err := c.cc.NewStream(ctx, &StorageService_ServiceDesc.Streams[1], StorageService_UploadVolume_FullMethodName, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -128,6 +150,8 @@ type StorageServiceServer interface {
 	DeleteVolume(context.Context, *DeleteVolumeRequest) (*DeleteVolumeResponse, error)
 	// UploadVolume writes an image into a volume: the first request names
 	// the volume, every request carries the next chunk.
+	// WatchVolumes sends every volume as EXISTING, then every change.
+	WatchVolumes(*WatchVolumesRequest, grpc.ServerStreamingServer[WatchVolumesResponse]) error
 	UploadVolume(grpc.ClientStreamingServer[UploadVolumeRequest, UploadVolumeResponse]) error
 }
 
@@ -152,6 +176,9 @@ func (UnimplementedStorageServiceServer) UpdateVolume(context.Context, *UpdateVo
 }
 func (UnimplementedStorageServiceServer) DeleteVolume(context.Context, *DeleteVolumeRequest) (*DeleteVolumeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DeleteVolume not implemented")
+}
+func (UnimplementedStorageServiceServer) WatchVolumes(*WatchVolumesRequest, grpc.ServerStreamingServer[WatchVolumesResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchVolumes not implemented")
 }
 func (UnimplementedStorageServiceServer) UploadVolume(grpc.ClientStreamingServer[UploadVolumeRequest, UploadVolumeResponse]) error {
 	return status.Error(codes.Unimplemented, "method UploadVolume not implemented")
@@ -266,6 +293,17 @@ func _StorageService_DeleteVolume_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _StorageService_WatchVolumes_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchVolumesRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(StorageServiceServer).WatchVolumes(m, &grpc.GenericServerStream[WatchVolumesRequest, WatchVolumesResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StorageService_WatchVolumesServer = grpc.ServerStreamingServer[WatchVolumesResponse]
+
 func _StorageService_UploadVolume_Handler(srv interface{}, stream grpc.ServerStream) error {
 	return srv.(StorageServiceServer).UploadVolume(&grpc.GenericServerStream[UploadVolumeRequest, UploadVolumeResponse]{ServerStream: stream})
 }
@@ -302,6 +340,11 @@ var StorageService_ServiceDesc = grpc.ServiceDesc{
 		},
 	},
 	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchVolumes",
+			Handler:       _StorageService_WatchVolumes_Handler,
+			ServerStreams: true,
+		},
 		{
 			StreamName:    "UploadVolume",
 			Handler:       _StorageService_UploadVolume_Handler,

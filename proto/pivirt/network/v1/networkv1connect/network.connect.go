@@ -47,6 +47,9 @@ const (
 	// NetworkServiceUpdateNetworkProcedure is the fully-qualified name of the NetworkService's
 	// UpdateNetwork RPC.
 	NetworkServiceUpdateNetworkProcedure = "/pivirt.network.v1.NetworkService/UpdateNetwork"
+	// NetworkServiceWatchNetworksProcedure is the fully-qualified name of the NetworkService's
+	// WatchNetworks RPC.
+	NetworkServiceWatchNetworksProcedure = "/pivirt.network.v1.NetworkService/WatchNetworks"
 	// NetworkServiceDeleteNetworkProcedure is the fully-qualified name of the NetworkService's
 	// DeleteNetwork RPC.
 	NetworkServiceDeleteNetworkProcedure = "/pivirt.network.v1.NetworkService/DeleteNetwork"
@@ -59,6 +62,8 @@ type NetworkServiceClient interface {
 	CreateNetwork(context.Context, *connect.Request[v1.CreateNetworkRequest]) (*connect.Response[v1.CreateNetworkResponse], error)
 	// UpdateNetwork changes name, labels or mtu.
 	UpdateNetwork(context.Context, *connect.Request[v1.UpdateNetworkRequest]) (*connect.Response[v1.UpdateNetworkResponse], error)
+	// WatchNetworks sends every network as EXISTING, then every change.
+	WatchNetworks(context.Context, *connect.Request[v1.WatchNetworksRequest]) (*connect.ServerStreamForClient[v1.WatchNetworksResponse], error)
 	DeleteNetwork(context.Context, *connect.Request[v1.DeleteNetworkRequest]) (*connect.Response[v1.DeleteNetworkResponse], error)
 }
 
@@ -97,6 +102,12 @@ func NewNetworkServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(networkServiceMethods.ByName("UpdateNetwork")),
 			connect.WithClientOptions(opts...),
 		),
+		watchNetworks: connect.NewClient[v1.WatchNetworksRequest, v1.WatchNetworksResponse](
+			httpClient,
+			baseURL+NetworkServiceWatchNetworksProcedure,
+			connect.WithSchema(networkServiceMethods.ByName("WatchNetworks")),
+			connect.WithClientOptions(opts...),
+		),
 		deleteNetwork: connect.NewClient[v1.DeleteNetworkRequest, v1.DeleteNetworkResponse](
 			httpClient,
 			baseURL+NetworkServiceDeleteNetworkProcedure,
@@ -112,6 +123,7 @@ type networkServiceClient struct {
 	getNetwork    *connect.Client[v1.GetNetworkRequest, v1.GetNetworkResponse]
 	createNetwork *connect.Client[v1.CreateNetworkRequest, v1.CreateNetworkResponse]
 	updateNetwork *connect.Client[v1.UpdateNetworkRequest, v1.UpdateNetworkResponse]
+	watchNetworks *connect.Client[v1.WatchNetworksRequest, v1.WatchNetworksResponse]
 	deleteNetwork *connect.Client[v1.DeleteNetworkRequest, v1.DeleteNetworkResponse]
 }
 
@@ -135,6 +147,11 @@ func (c *networkServiceClient) UpdateNetwork(ctx context.Context, req *connect.R
 	return c.updateNetwork.CallUnary(ctx, req)
 }
 
+// WatchNetworks calls pivirt.network.v1.NetworkService.WatchNetworks.
+func (c *networkServiceClient) WatchNetworks(ctx context.Context, req *connect.Request[v1.WatchNetworksRequest]) (*connect.ServerStreamForClient[v1.WatchNetworksResponse], error) {
+	return c.watchNetworks.CallServerStream(ctx, req)
+}
+
 // DeleteNetwork calls pivirt.network.v1.NetworkService.DeleteNetwork.
 func (c *networkServiceClient) DeleteNetwork(ctx context.Context, req *connect.Request[v1.DeleteNetworkRequest]) (*connect.Response[v1.DeleteNetworkResponse], error) {
 	return c.deleteNetwork.CallUnary(ctx, req)
@@ -147,6 +164,8 @@ type NetworkServiceHandler interface {
 	CreateNetwork(context.Context, *connect.Request[v1.CreateNetworkRequest]) (*connect.Response[v1.CreateNetworkResponse], error)
 	// UpdateNetwork changes name, labels or mtu.
 	UpdateNetwork(context.Context, *connect.Request[v1.UpdateNetworkRequest]) (*connect.Response[v1.UpdateNetworkResponse], error)
+	// WatchNetworks sends every network as EXISTING, then every change.
+	WatchNetworks(context.Context, *connect.Request[v1.WatchNetworksRequest], *connect.ServerStream[v1.WatchNetworksResponse]) error
 	DeleteNetwork(context.Context, *connect.Request[v1.DeleteNetworkRequest]) (*connect.Response[v1.DeleteNetworkResponse], error)
 }
 
@@ -181,6 +200,12 @@ func NewNetworkServiceHandler(svc NetworkServiceHandler, opts ...connect.Handler
 		connect.WithSchema(networkServiceMethods.ByName("UpdateNetwork")),
 		connect.WithHandlerOptions(opts...),
 	)
+	networkServiceWatchNetworksHandler := connect.NewServerStreamHandler(
+		NetworkServiceWatchNetworksProcedure,
+		svc.WatchNetworks,
+		connect.WithSchema(networkServiceMethods.ByName("WatchNetworks")),
+		connect.WithHandlerOptions(opts...),
+	)
 	networkServiceDeleteNetworkHandler := connect.NewUnaryHandler(
 		NetworkServiceDeleteNetworkProcedure,
 		svc.DeleteNetwork,
@@ -197,6 +222,8 @@ func NewNetworkServiceHandler(svc NetworkServiceHandler, opts ...connect.Handler
 			networkServiceCreateNetworkHandler.ServeHTTP(w, r)
 		case NetworkServiceUpdateNetworkProcedure:
 			networkServiceUpdateNetworkHandler.ServeHTTP(w, r)
+		case NetworkServiceWatchNetworksProcedure:
+			networkServiceWatchNetworksHandler.ServeHTTP(w, r)
 		case NetworkServiceDeleteNetworkProcedure:
 			networkServiceDeleteNetworkHandler.ServeHTTP(w, r)
 		default:
@@ -222,6 +249,10 @@ func (UnimplementedNetworkServiceHandler) CreateNetwork(context.Context, *connec
 
 func (UnimplementedNetworkServiceHandler) UpdateNetwork(context.Context, *connect.Request[v1.UpdateNetworkRequest]) (*connect.Response[v1.UpdateNetworkResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.network.v1.NetworkService.UpdateNetwork is not implemented"))
+}
+
+func (UnimplementedNetworkServiceHandler) WatchNetworks(context.Context, *connect.Request[v1.WatchNetworksRequest], *connect.ServerStream[v1.WatchNetworksResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.network.v1.NetworkService.WatchNetworks is not implemented"))
 }
 
 func (UnimplementedNetworkServiceHandler) DeleteNetwork(context.Context, *connect.Request[v1.DeleteNetworkRequest]) (*connect.Response[v1.DeleteNetworkResponse], error) {

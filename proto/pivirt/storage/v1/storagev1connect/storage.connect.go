@@ -50,6 +50,9 @@ const (
 	// StorageServiceDeleteVolumeProcedure is the fully-qualified name of the StorageService's
 	// DeleteVolume RPC.
 	StorageServiceDeleteVolumeProcedure = "/pivirt.storage.v1.StorageService/DeleteVolume"
+	// StorageServiceWatchVolumesProcedure is the fully-qualified name of the StorageService's
+	// WatchVolumes RPC.
+	StorageServiceWatchVolumesProcedure = "/pivirt.storage.v1.StorageService/WatchVolumes"
 	// StorageServiceUploadVolumeProcedure is the fully-qualified name of the StorageService's
 	// UploadVolume RPC.
 	StorageServiceUploadVolumeProcedure = "/pivirt.storage.v1.StorageService/UploadVolume"
@@ -65,6 +68,8 @@ type StorageServiceClient interface {
 	DeleteVolume(context.Context, *connect.Request[v1.DeleteVolumeRequest]) (*connect.Response[v1.DeleteVolumeResponse], error)
 	// UploadVolume writes an image into a volume: the first request names
 	// the volume, every request carries the next chunk.
+	// WatchVolumes sends every volume as EXISTING, then every change.
+	WatchVolumes(context.Context, *connect.Request[v1.WatchVolumesRequest]) (*connect.ServerStreamForClient[v1.WatchVolumesResponse], error)
 	UploadVolume(context.Context) *connect.ClientStreamForClient[v1.UploadVolumeRequest, v1.UploadVolumeResponse]
 }
 
@@ -109,6 +114,12 @@ func NewStorageServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(storageServiceMethods.ByName("DeleteVolume")),
 			connect.WithClientOptions(opts...),
 		),
+		watchVolumes: connect.NewClient[v1.WatchVolumesRequest, v1.WatchVolumesResponse](
+			httpClient,
+			baseURL+StorageServiceWatchVolumesProcedure,
+			connect.WithSchema(storageServiceMethods.ByName("WatchVolumes")),
+			connect.WithClientOptions(opts...),
+		),
 		uploadVolume: connect.NewClient[v1.UploadVolumeRequest, v1.UploadVolumeResponse](
 			httpClient,
 			baseURL+StorageServiceUploadVolumeProcedure,
@@ -125,6 +136,7 @@ type storageServiceClient struct {
 	createVolume *connect.Client[v1.CreateVolumeRequest, v1.CreateVolumeResponse]
 	updateVolume *connect.Client[v1.UpdateVolumeRequest, v1.UpdateVolumeResponse]
 	deleteVolume *connect.Client[v1.DeleteVolumeRequest, v1.DeleteVolumeResponse]
+	watchVolumes *connect.Client[v1.WatchVolumesRequest, v1.WatchVolumesResponse]
 	uploadVolume *connect.Client[v1.UploadVolumeRequest, v1.UploadVolumeResponse]
 }
 
@@ -153,6 +165,11 @@ func (c *storageServiceClient) DeleteVolume(ctx context.Context, req *connect.Re
 	return c.deleteVolume.CallUnary(ctx, req)
 }
 
+// WatchVolumes calls pivirt.storage.v1.StorageService.WatchVolumes.
+func (c *storageServiceClient) WatchVolumes(ctx context.Context, req *connect.Request[v1.WatchVolumesRequest]) (*connect.ServerStreamForClient[v1.WatchVolumesResponse], error) {
+	return c.watchVolumes.CallServerStream(ctx, req)
+}
+
 // UploadVolume calls pivirt.storage.v1.StorageService.UploadVolume.
 func (c *storageServiceClient) UploadVolume(ctx context.Context) *connect.ClientStreamForClient[v1.UploadVolumeRequest, v1.UploadVolumeResponse] {
 	return c.uploadVolume.CallClientStream(ctx)
@@ -168,6 +185,8 @@ type StorageServiceHandler interface {
 	DeleteVolume(context.Context, *connect.Request[v1.DeleteVolumeRequest]) (*connect.Response[v1.DeleteVolumeResponse], error)
 	// UploadVolume writes an image into a volume: the first request names
 	// the volume, every request carries the next chunk.
+	// WatchVolumes sends every volume as EXISTING, then every change.
+	WatchVolumes(context.Context, *connect.Request[v1.WatchVolumesRequest], *connect.ServerStream[v1.WatchVolumesResponse]) error
 	UploadVolume(context.Context, *connect.ClientStream[v1.UploadVolumeRequest]) (*connect.Response[v1.UploadVolumeResponse], error)
 }
 
@@ -208,6 +227,12 @@ func NewStorageServiceHandler(svc StorageServiceHandler, opts ...connect.Handler
 		connect.WithSchema(storageServiceMethods.ByName("DeleteVolume")),
 		connect.WithHandlerOptions(opts...),
 	)
+	storageServiceWatchVolumesHandler := connect.NewServerStreamHandler(
+		StorageServiceWatchVolumesProcedure,
+		svc.WatchVolumes,
+		connect.WithSchema(storageServiceMethods.ByName("WatchVolumes")),
+		connect.WithHandlerOptions(opts...),
+	)
 	storageServiceUploadVolumeHandler := connect.NewClientStreamHandler(
 		StorageServiceUploadVolumeProcedure,
 		svc.UploadVolume,
@@ -226,6 +251,8 @@ func NewStorageServiceHandler(svc StorageServiceHandler, opts ...connect.Handler
 			storageServiceUpdateVolumeHandler.ServeHTTP(w, r)
 		case StorageServiceDeleteVolumeProcedure:
 			storageServiceDeleteVolumeHandler.ServeHTTP(w, r)
+		case StorageServiceWatchVolumesProcedure:
+			storageServiceWatchVolumesHandler.ServeHTTP(w, r)
 		case StorageServiceUploadVolumeProcedure:
 			storageServiceUploadVolumeHandler.ServeHTTP(w, r)
 		default:
@@ -255,6 +282,10 @@ func (UnimplementedStorageServiceHandler) UpdateVolume(context.Context, *connect
 
 func (UnimplementedStorageServiceHandler) DeleteVolume(context.Context, *connect.Request[v1.DeleteVolumeRequest]) (*connect.Response[v1.DeleteVolumeResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.storage.v1.StorageService.DeleteVolume is not implemented"))
+}
+
+func (UnimplementedStorageServiceHandler) WatchVolumes(context.Context, *connect.Request[v1.WatchVolumesRequest], *connect.ServerStream[v1.WatchVolumesResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.storage.v1.StorageService.WatchVolumes is not implemented"))
 }
 
 func (UnimplementedStorageServiceHandler) UploadVolume(context.Context, *connect.ClientStream[v1.UploadVolumeRequest]) (*connect.Response[v1.UploadVolumeResponse], error) {
