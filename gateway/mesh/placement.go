@@ -478,9 +478,8 @@ func (p *Proxy) watchAll(ss grpc.ServerStream, method string, b *Backend, pl Pla
 		if err := cs.CloseSend(); err != nil {
 			return nil, err
 		}
-		if _, err := cs.Header(); err != nil {
-			return nil, err
-		}
+		// Not waiting for the header: a backend sends it with its first
+		// event, which an empty node never has.
 		return cs, nil
 	}
 	results := make(chan opened, len(nodes))

@@ -125,6 +125,7 @@ func TestClusterLifecycle(t *testing.T) {
 	step("curl and openssl as in the README", func(t *testing.T) { c.docsExamples(t, n1) })
 
 	step("VM, volume and network APIs through the gateway", func(t *testing.T) { c.gatewayExamples(t, n2) })
+	step("every node's objects through every node", func(t *testing.T) { c.placementExamples(t) })
 	step("power schedules with pvcli", func(t *testing.T) { c.scheduleExamples(t, n3) })
 
 	step("config compare-and-set and history", func(t *testing.T) {

@@ -298,20 +298,6 @@ backends:
       backoff: 50ms
   iscsiman:
     endpoint: unix://%[3]s
-routing:
-  rules:
-    - match:
-        prefix: /pivirt.vm.v1.VMService
-      route:
-        cluster: pivirtd
-    - match:
-        prefix: /pivirt.network.v1.NetworkService
-      route:
-        cluster: pivirtd
-    - match:
-        prefix: /pivirt.storage.v1.StorageService
-      route:
-        cluster: iscsiman
 `, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + withClusterName(c.extra, c.name)
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err

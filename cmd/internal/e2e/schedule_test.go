@@ -8,11 +8,10 @@ import (
 )
 
 // scheduleExamples runs the README's pvcli schedule commands through node
-// n: a reboot every second is run by the leader and its runs recorded;
-// bad input is refused naming the field; next, pause and delete. (Each
-// agent here has a pivirtd-sim of its own, and the leader acts through
-// its backends: unless n leads, the VM is not found there and the runs
-// record that error, which is still a run recorded once.)
+// n: a reboot every second is run by the leader on the VM's node (each
+// agent here has a pivirtd-sim of its own) and its runs recorded, ok, with
+// that node; bad input is refused naming the field; next, pause and
+// delete.
 func (c *cluster) scheduleExamples(t *testing.T, n *node) {
 	var created struct {
 		VM vmOut `json:"vm"`
@@ -38,11 +37,22 @@ func (c *cluster) scheduleExamples(t *testing.T, n *node) {
 			Runs []struct {
 				Outcome string `json:"outcome"`
 				Node    string `json:"node"`
+				Host    string `json:"host"`
+				Error   string `json:"error"`
 			} `json:"runs"`
 		}
 		c.okJSON(t, n, &runs, "schedule", "runs", id)
-		if len(runs.Runs) > 0 && (runs.Runs[len(runs.Runs)-1].Outcome == "RUN_OUTCOME_OK" || runs.Runs[len(runs.Runs)-1].Outcome == "RUN_OUTCOME_ERROR") {
-			break
+		if len(runs.Runs) > 0 {
+			last := runs.Runs[len(runs.Runs)-1]
+			if last.Outcome == "RUN_OUTCOME_ERROR" {
+				t.Fatalf("a run of %s failed: %s", id, last.Error)
+			}
+			if last.Outcome == "RUN_OUTCOME_OK" {
+				if last.Host != n.name {
+					t.Errorf("run of %s recorded host %q, want %s (the VM's node)", id, last.Host, n.name)
+				}
+				break
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("no run of %s within 30 s: %+v", id, runs.Runs)
