@@ -123,3 +123,32 @@ func TestValidateCommand(t *testing.T) {
 		}
 	}
 }
+
+// TestValidateShowsRoutes: validate prints the backends with their scope,
+// the routes in force (the defaults without a routing block, as the spec's
+// example configuration has none) and the APIs no backend serves.
+func TestValidateShowsRoutes(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "agent.yaml")
+	body := "data_dir: " + dir + "\ntls:\n  enabled: false\nbackends:\n  pivirtd:\n    endpoint: unix:///run/pivirtd/pivirtd.sock\n    timeout: 30s\n" +
+		"  osinfodb:\n    endpoint: https://osinfodb.pilab.hu:8443\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var out, errOut bytes.Buffer
+	if err := Run(t.Context(), []string{"validate", "--config", path}, &out, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		path + ": ok",
+		"backend pivirtd: unix:///run/pivirtd/pivirtd.sock, scope node",
+		"backend osinfodb: https://osinfodb.pilab.hu:8443, scope cluster",
+		"default route: /pivirt.vm.v1.VMService/ -> pivirtd",
+		"default route: /pivirt.network.v1.NetworkService/ -> pivirtd",
+		"not served: pivirt.storage.v1.StorageService (backends.iscsiman is not configured)",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("validate printed\n%s\nwant a line %q", out.String(), want)
+		}
+	}
+}

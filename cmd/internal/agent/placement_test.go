@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -28,6 +29,7 @@ import (
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
 // placedCluster is n agents, each with its own pivirtd-sim (pivirtd and
@@ -44,6 +46,15 @@ type placedCluster struct {
 
 func startPlacedCluster(t *testing.T, n int) *placedCluster {
 	t.Helper()
+	return startPlacedClusterWith(t, n, func(mutate func(int, *config.Config)) *agenttest.Cluster {
+		return agenttest.NewExpect(t, n, mutate)
+	})
+}
+
+// startPlacedClusterWith is startPlacedCluster with the cluster newCluster
+// starts (Raft or etcd mode).
+func startPlacedClusterWith(t *testing.T, n int, newCluster func(mutate func(int, *config.Config)) *agenttest.Cluster) *placedCluster {
+	t.Helper()
 	pc := &placedCluster{}
 	socks := make([]string, n)
 	for i := range n {
@@ -55,14 +66,16 @@ func startPlacedCluster(t *testing.T, n int) *placedCluster {
 		t.Cleanup(func() { conn.Close() })
 		pc.direct = append(pc.direct, conn)
 	}
-	pc.c = agenttest.NewExpect(t, n, func(i int, cfg *config.Config) {
+	pc.c = newCluster(func(i int, cfg *config.Config) {
 		cfg.Backends = map[string]config.BackendConfig{
 			"pivirtd":  {Endpoint: socks[i], Timeout: config.Duration(10 * time.Second)},
 			"iscsiman": {Endpoint: socks[i], Timeout: config.Duration(10 * time.Second)},
 		}
 	})
 	pc.c.WaitLeader(30 * time.Second)
-	pc.c.WaitPeers(30*time.Second, n, 0)
+	if pc.c.Node(0).Cfg.ServiceDiscovery.Type != config.DiscoveryEtcd {
+		pc.c.WaitPeers(30*time.Second, n, 0)
+	}
 	for _, node := range pc.c.Nodes() {
 		conn, err := grpc.NewClient(node.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
@@ -139,8 +152,20 @@ func TestPlacementRoutesByObject(t *testing.T) {
 			if err != nil || len(out) < 2 {
 				t.Fatalf("console of %s through node%d: %v %v", id, via+1, out, err)
 			}
+			if _, err := pc.vm(via).Reboot(ctx, &vmv1.RebootRequest{Id: id}); err != nil {
+				t.Fatalf("Reboot %s through node%d: %v", id, via+1, err)
+			}
 			if _, err := pc.vm(via).PowerOff(ctx, &vmv1.PowerOffRequest{Id: id}); err != nil {
 				t.Fatalf("PowerOff %s through node%d: %v", id, via+1, err)
+			}
+			if r, err := pc.vm(via).UpdateVM(ctx, &vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: id, Vcpus: uint32(via + 2)}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"vcpus"}}}); err != nil || r.GetVm().GetVcpus() != uint32(via+2) {
+				t.Fatalf("UpdateVM %s through node%d: %v, %v", id, via+1, r, err)
+			}
+			if _, err := clients["connect-json"].PowerOn(ctx, connect.NewRequest(&vmv1.PowerOnRequest{Id: id})); err != nil {
+				t.Fatalf("connect-json PowerOn %s through node%d: %v", id, via+1, err)
+			}
+			if _, err := clients["connect"].ShutdownDefault(ctx, connect.NewRequest(&vmv1.ShutdownDefaultRequest{Id: id})); err != nil {
+				t.Fatalf("connect ShutdownDefault %s through node%d: %v", id, via+1, err)
 			}
 			for name, cl := range clients {
 				r, err := cl.GetVM(ctx, connect.NewRequest(&vmv1.GetVMRequest{Id: id}))
@@ -172,10 +197,20 @@ func TestPlacementRoutesByObject(t *testing.T) {
 				t.Fatalf("upload to %s through node%d: %v, %v", id, via+1, r, err)
 			}
 		}
+		for i, id := range vols {
+			r, err := storagev1.NewStorageServiceClient(pc.api[via]).UpdateVolume(ctx, &storagev1.UpdateVolumeRequest{Volume: &storagev1.Volume{Id: id, SizeBytes: uint64(2+via) << 30}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"size_bytes"}}})
+			if err != nil || r.GetVolume().GetHost() != fmt.Sprintf("node%d", i+1) {
+				t.Fatalf("UpdateVolume %s through node%d: %v, %v", id, via+1, r, err)
+			}
+		}
 		for i, id := range nets {
 			r, err := networkv1.NewNetworkServiceClient(pc.api[via]).GetNetwork(ctx, &networkv1.GetNetworkRequest{Id: id})
 			if err != nil || r.GetNetwork().GetHost() != fmt.Sprintf("node%d", i+1) {
 				t.Fatalf("GetNetwork %s through node%d: %v, %v", id, via+1, r, err)
+			}
+			u, err := networkv1.NewNetworkServiceClient(pc.api[via]).UpdateNetwork(ctx, &networkv1.UpdateNetworkRequest{Network: &networkv1.Network{Id: id, Mtu: uint32(1400 + via)}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"mtu"}}})
+			if err != nil || u.GetNetwork().GetMtu() != uint32(1400+via) {
+				t.Fatalf("UpdateNetwork %s through node%d: %v, %v", id, via+1, u, err)
 			}
 		}
 
@@ -275,6 +310,12 @@ func TestPlacementRoutesByObject(t *testing.T) {
 	if _, err := pc.vm(1).DeleteVM(ctx, &vmv1.DeleteVMRequest{Id: vms[2]}); err != nil {
 		t.Fatalf("delete a node3 VM through node2: %v", err)
 	}
+	if _, err := storagev1.NewStorageServiceClient(pc.api[0]).DeleteVolume(ctx, &storagev1.DeleteVolumeRequest{Id: vols[1]}); err != nil {
+		t.Fatalf("delete a node2 volume through node1: %v", err)
+	}
+	if _, err := networkv1.NewNetworkServiceClient(pc.api[2]).DeleteNetwork(ctx, &networkv1.DeleteNetworkRequest{Id: nets[0]}); err != nil {
+		t.Fatalf("delete a node1 network through node3: %v", err)
+	}
 	for {
 		ev, err := w.Recv()
 		if err != nil {
@@ -347,7 +388,8 @@ func TestPlacementRoutesByObject(t *testing.T) {
 		if err != nil {
 			t.Fatalf("volume watch through node2: %v", err)
 		}
-		if ev.GetType() == storagev1.EventType_EVENT_TYPE_CREATED && ev.GetVolume().GetId() == nv.GetVolume().GetId() {
+		// CREATED, or EXISTING when node1's watch started after the create.
+		if ev.GetType() != storagev1.EventType_EVENT_TYPE_DELETED && ev.GetVolume().GetId() == nv.GetVolume().GetId() {
 			if ev.GetVolume().GetHost() != "node1" {
 				t.Errorf("watched volume on %q, want node1", ev.GetVolume().GetHost())
 			}
@@ -593,4 +635,97 @@ func startNodeSim(t *testing.T, name string) string {
 		_ = s.Close()
 	})
 	return addr
+}
+
+// waitPlaced waits until every node's catalog places each VM of want on
+// its node.
+func (pc *placedCluster) waitPlaced(t *testing.T, want map[string]string) {
+	t.Helper()
+	agenttest.Eventually(t, 30*time.Second, "the catalog places every VM on every node", func() error {
+		for _, n := range pc.c.Nodes() {
+			for id, node := range want {
+				p, err := n.FSM().State().Placement("virtualmachines", id)
+				if err != nil || p.GetNode() != node {
+					return fmt.Errorf("%s: placement of %s = %v, %v; want %s", n.Name, id, p, err, node)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// TestPlacementSurvivesRestoreAndRestarts: a restore keeps the cluster's
+// catalog (it describes what the backends hold now, not what the archive
+// held), and after every agent restarts the catalog and routing by object
+// still hold.
+func TestPlacementSurvivesRestoreAndRestarts(t *testing.T) {
+	pc := startPlacedCluster(t, 3)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	create := func(host string) string {
+		r, err := pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-" + host, Vcpus: 1, MemoryMib: 256}, Host: host})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.GetVm().GetId()
+	}
+	want := map[string]string{create("node2"): "node2"}
+	pc.waitPlaced(t, want)
+	_, archive, err := saveSnapshot(ctx, pc.c.Node(0), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want[create("node3")] = "node3"
+	pc.waitPlaced(t, want)
+	if _, err := restoreSnapshot(ctx, pc.c.Node(1), archive); err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	pc.waitPlaced(t, want)
+	for i := range 3 {
+		pc.c.Kill(i)
+		pc.c.Restart(i, false, pc.c.Node((i+1)%3).GossipAddr())
+	}
+	pc.c.WaitLeader(30 * time.Second)
+	pc.waitPlaced(t, want)
+	for via := range 3 {
+		for id, node := range want {
+			r, err := pc.vm(via).GetVM(ctx, &vmv1.GetVMRequest{Id: id})
+			if err != nil || r.GetVm().GetHost() != node {
+				t.Errorf("GetVM %s through node%d after the restarts: %v, %v", id, via+1, r, err)
+			}
+		}
+	}
+}
+
+// TestPlacementInEtcdMode: the catalog is kept in etcd, and routing by
+// object works as in Raft mode.
+func TestPlacementInEtcdMode(t *testing.T) {
+	ec := etcdtest.Start(t, 1)
+	pc := startPlacedClusterWith(t, 3, func(mutate func(int, *config.Config)) *agenttest.Cluster {
+		return agenttest.NewEtcd(t, 3, ec.Endpoints, mutate)
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	want := map[string]string{}
+	for i := range 3 {
+		host := fmt.Sprintf("node%d", i+1)
+		r, err := pc.vm((i+1)%3).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "vm-" + host, Vcpus: 1, MemoryMib: 256}, Host: host})
+		if err != nil {
+			t.Fatalf("create on %s: %v", host, err)
+		}
+		want[r.GetVm().GetId()] = host
+	}
+	pc.waitPlaced(t, want)
+	for via := range 3 {
+		for id, node := range want {
+			r, err := pc.vm(via).GetVM(ctx, &vmv1.GetVMRequest{Id: id})
+			if err != nil || r.GetVm().GetHost() != node {
+				t.Errorf("GetVM %s through node%d: %v, %v", id, via+1, r, err)
+			}
+		}
+		l, err := pc.vm(via).ListVMs(ctx, &vmv1.ListVMsRequest{})
+		if err != nil || len(l.GetVms()) != 3 {
+			t.Errorf("ListVMs through node%d: %v, %v", via+1, l, err)
+		}
+	}
 }

@@ -58,7 +58,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "odd map key is quoted in the path",
 			doc:  "backends:\n  \"my.backend\":\n    endpont: x\n",
-			want: `config.yaml: backends["my.backend"].endpont: unknown key (known: endpoint, timeout, retry, tls, required)`,
+			want: `config.yaml: backends["my.backend"].endpont: unknown key (known: endpoint, scope, timeout, retry, tls, required)`,
 		},
 
 		// Wrong types.

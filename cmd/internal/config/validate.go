@@ -241,11 +241,6 @@ func (c *Config) validateBackends(v *validator) {
 			v.add(p+".endpoint", "%w %q: %w", ErrInvalid, b.Endpoint, err)
 		}
 		v.nonNegative(p+".timeout", b.Timeout)
-		switch b.Scope {
-		case "", ScopeNode, ScopeCluster:
-		default:
-			v.add(p+".scope", "%w %q: must be \"node\" or \"cluster\"", ErrInvalid, b.Scope)
-		}
 		if b.EffectiveScope() == ScopeNode && strings.HasPrefix(b.Endpoint, "registry:///") {
 			v.add(p+".scope", "%w: a node-scoped backend is this node's own daemon; registry:/// spreads calls over the instances of a service (use scope: cluster)", ErrInvalid)
 		}

@@ -5,6 +5,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -93,6 +94,13 @@ func TestValidate(t *testing.T) {
 
 		// Backends.
 		{"backend without endpoint", func(c *Config) { c.Backends = map[string]BackendConfig{"pivirtd": {}} }, []string{"backends.pivirtd.endpoint: invalid value: required"}},
+		{"backend scope unknown", func(c *Config) { c.Backends = map[string]BackendConfig{"p": {Endpoint: "a:1", Scope: "global"}} }, []string{`backends.p.scope: invalid value "global" (allowed: "", node, cluster)`}},
+		{"node-scoped registry backend", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"p": {Endpoint: "registry:///pivirtd", Scope: ScopeNode}}
+		}, []string{"backends.p.scope: invalid value: a node-scoped backend is this node's own daemon"}},
+		{"cluster-scoped unix backend", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"p": {Endpoint: "unix:///run/p.sock", Scope: ScopeCluster}}
+		}, nil},
 		{"backend bad name", func(c *Config) { c.Backends = map[string]BackendConfig{"x y": {Endpoint: "a:1"}} }, []string{`backends["x y"]: invalid value: backend name "x y" must be`}},
 		{"backend name starting with a dash", func(c *Config) { c.Backends = map[string]BackendConfig{"-x": {Endpoint: "a:1"}} }, []string{`backends.-x: invalid value: backend name "-x" must be`}},
 		{"backend negative values", func(c *Config) {
@@ -317,4 +325,41 @@ func unjoin(err error) []error {
 		return j.Unwrap()
 	}
 	return []error{err}
+}
+
+// TestEffectiveScopesAndRoutes: a unix:// backend is node-scoped, anything
+// else cluster-scoped, unless configured; without a routing block the
+// default routes serve the configured backends and name the APIs left
+// without one.
+func TestEffectiveScopesAndRoutes(t *testing.T) {
+	for endpoint, want := range map[string]string{
+		"unix:///run/pivirtd/pivirtd.sock": ScopeNode, "dns:///pivirtd.pilab.hu:9001": ScopeCluster,
+		"https://osinfodb.pilab.hu:8443": ScopeCluster, "10.0.0.1:9001": ScopeCluster, "registry:///pivirtd": ScopeCluster,
+	} {
+		if got := (BackendConfig{Endpoint: endpoint}).EffectiveScope(); got != want {
+			t.Errorf("scope of %s = %s, want %s", endpoint, got, want)
+		}
+	}
+	if got := (BackendConfig{Endpoint: "unix:///x.sock", Scope: ScopeCluster}).EffectiveScope(); got != ScopeCluster {
+		t.Errorf("configured scope not kept: %s", got)
+	}
+
+	c := Default()
+	c.Backends = map[string]BackendConfig{"pivirtd": {Endpoint: "unix:///run/pivirtd/pivirtd.sock"}}
+	rules, unrouted := c.EffectiveRoutes()
+	var got []string
+	for _, r := range rules {
+		got = append(got, r.Match.Prefix+" "+r.Route.Cluster)
+	}
+	want := []string{"/pivirt.vm.v1.VMService/ pivirtd", "/pivirt.network.v1.NetworkService/ pivirtd"}
+	if !slices.Equal(got, want) {
+		t.Errorf("default routes %v, want %v", got, want)
+	}
+	if len(unrouted) != 1 || !strings.Contains(unrouted[0], "pivirt.storage.v1.StorageService (backends.iscsiman is not configured)") {
+		t.Errorf("unrouted %v, want the storage API naming backends.iscsiman", unrouted)
+	}
+	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: RouteTarget{Cluster: "pivirtd"}}}
+	if rules, unrouted := c.EffectiveRoutes(); len(rules) != 1 || unrouted != nil {
+		t.Errorf("with routing.rules: %v %v, want the file's rules alone", rules, unrouted)
+	}
 }
