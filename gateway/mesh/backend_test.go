@@ -74,18 +74,28 @@ func TestNewBackendRefuses(t *testing.T) {
 }
 
 func TestLookupMethod(t *testing.T) {
-	for method, want := range map[string]methodInfo{
-		"/pivirt.vm.v1.VMService/GetVM":                  {known: true, idempotent: true},
-		"/pivirt.vm.v1.VMService/ListVMs":                {known: true, idempotent: true},
-		"/pivirt.vm.v1.VMService/CreateVM":               {known: true},
-		"/pivirt.vm.v1.VMService/PowerOn":                {known: true},
-		"/pivirt.vm.v1.VMService/WatchVMs":               {known: true, serverStreams: true, idempotent: true},
-		"/pivirt.vm.v1.VMService/Console":                {known: true, clientStreams: true, serverStreams: true},
-		"/pivirt.storage.v1.StorageService/UploadVolume": {known: true, clientStreams: true},
+	type shape struct {
+		known, clientStreams, serverStreams, idempotent bool
+		verb, getter, listField                         string
+	}
+	for method, want := range map[string]shape{
+		"/pivirt.vm.v1.VMService/GetVM":                  {known: true, idempotent: true, verb: "get", getter: "/pivirt.vm.v1.VMService/GetVM"},
+		"/pivirt.vm.v1.VMService/ListVMs":                {known: true, idempotent: true, verb: "list", getter: "/pivirt.vm.v1.VMService/GetVM", listField: "vms"},
+		"/pivirt.vm.v1.VMService/CreateVM":               {known: true, verb: "create", getter: "/pivirt.vm.v1.VMService/GetVM"},
+		"/pivirt.vm.v1.VMService/PowerOn":                {known: true, verb: "start", getter: "/pivirt.vm.v1.VMService/GetVM"},
+		"/pivirt.vm.v1.VMService/WatchVMs":               {known: true, serverStreams: true, idempotent: true, verb: "list", getter: "/pivirt.vm.v1.VMService/GetVM"},
+		"/pivirt.vm.v1.VMService/Console":                {known: true, clientStreams: true, serverStreams: true, verb: "console", getter: "/pivirt.vm.v1.VMService/GetVM"},
+		"/pivirt.storage.v1.StorageService/UploadVolume": {known: true, clientStreams: true, verb: "update", getter: "/pivirt.storage.v1.StorageService/GetVolume"},
 		"/pivirt.nope.v1.Nope/Call":                      {},
 		"nonsense":                                       {},
 	} {
-		if got := lookupMethod(method); got != want {
+		m := lookupMethod(method)
+		got := shape{known: m.known, clientStreams: m.clientStreams, serverStreams: m.serverStreams, idempotent: m.idempotent,
+			verb: m.rule.GetVerb(), getter: m.getter}
+		if m.listField != nil {
+			got.listField = string(m.listField.Name())
+		}
+		if got != want {
 			t.Errorf("lookupMethod(%q) = %+v, want %+v", method, got, want)
 		}
 	}

@@ -1,0 +1,44 @@
+package mesh
+
+import (
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+func TestPageTokens(t *testing.T) {
+	for _, id := range []string{"vm-1", "a/b c", "ünïcode"} {
+		got, err := decodePageToken(encodePageToken(id))
+		if err != nil || got != id {
+			t.Errorf("round trip of %q: %q, %v", id, got, err)
+		}
+	}
+	if got, err := decodePageToken(""); err != nil || got != "" {
+		t.Errorf("empty token: %q, %v", got, err)
+	}
+	for _, tok := range []string{"garbage!", "dm0tMQ", encodePageToken("")} {
+		_, err := decodePageToken(tok)
+		if st := status.Convert(err); st.Code() != codes.InvalidArgument || !strings.Contains(st.Message(), "page_token") {
+			t.Errorf("token %q: %v, want InvalidArgument naming page_token", tok, err)
+		}
+	}
+}
+
+func TestFieldPaths(t *testing.T) {
+	req := (&vmv1.CreateVMRequest{Vm: &vmv1.VM{Host: "node2", Name: "x"}}).ProtoReflect()
+	if got := stringAt(req, "vm.host"); got != "node2" {
+		t.Errorf("vm.host = %q", got)
+	}
+	for _, path := range []string{"host", "vm.vcpus", "vm.metadata.owner", "nope", "vm.nope.x"} {
+		if got := stringAt(req, path); got != "" {
+			t.Errorf("%s = %q, want empty", path, got)
+		}
+	}
+	if got := lookupMethod("/pivirt.vm.v1.VMService/UpdateVM"); stringAt((&vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "vm-1"}}).ProtoReflect(), got.rule.GetIdField()) != "vm-1" {
+		t.Errorf("the id_field of UpdateVM (%q) does not read the VM's ID", got.rule.GetIdField())
+	}
+}
