@@ -186,13 +186,13 @@ func (a *app) newScheduleCmd() *cobra.Command {
 					return err
 				}
 				return a.render(resp.Msg, func(w io.Writer) {
-					row(w, "SLOT", "OUTCOME", "NODE", "ATTEMPTS", "LATENCY", "ERROR")
+					row(w, "SLOT", "OUTCOME", "LEADER", "HOST", "ATTEMPTS", "LATENCY", "ERROR")
 					for _, r := range resp.Msg.GetRuns() {
 						lat := ""
 						if r.GetLatency() != nil {
 							lat = r.GetLatency().AsDuration().Round(time.Millisecond).String()
 						}
-						row(w, r.GetSlot().AsTime().UTC().Format(time.RFC3339), enumName(r.GetOutcome()), r.GetNode(), strconv.Itoa(int(r.GetAttempts())), lat, r.GetError())
+						row(w, r.GetSlot().AsTime().UTC().Format(time.RFC3339), enumName(r.GetOutcome()), r.GetNode(), r.GetHost(), strconv.Itoa(int(r.GetAttempts())), lat, r.GetError())
 					}
 				})
 			})

@@ -178,7 +178,7 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	defer first.Free()
 	conn, err := pl.Peer(node)
 	if err != nil {
-		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, err)
+		return unreachable(what, node, err)
 	}
 	ctx, cancel := context.WithCancel(outgoingContext(ss.Context()))
 	defer cancel()
@@ -189,13 +189,13 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	}
 	cs, err := conn.NewStream(ctx, bidi, method, grpc.ForceCodecV2(Codec()))
 	if err != nil {
-		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, err)
+		return unreachable(what, node, err)
 	}
 	res := relay(cancel, ss, cs, req, first)
 	if !res.sent && !res.clientGone && status.Code(res.err) == codes.Unavailable {
 		// No header came: the node's agent did not answer (its
 		// answers always carry NodeHeader).
-		return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", what, node, status.Convert(res.err).Message())
+		return unreachable(what, node, res.err)
 	}
 	return res.finish(ss)
 }
@@ -285,9 +285,20 @@ func (p *Proxy) Invoke(ctx context.Context, method string, req, resp proto.Messa
 	}
 	err = p.invokeOn(ctx, pl, b, node, method, req, resp)
 	if node != pl.Self() && status.Code(err) == codes.Unavailable {
-		err = status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %v", info.object(id), node, status.Convert(err).Message())
+		err = unreachable(info.object(id), node, err)
 	}
 	return node, err
+}
+
+// unreachable is the error of a call whose object is on a node that
+// cannot be reached: Unavailable, naming the object and the node, never
+// NotFound.
+func unreachable(what, node string, err error) error {
+	msg := err.Error()
+	if st, ok := status.FromError(err); ok {
+		msg = st.Message()
+	}
+	return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %s", what, node, msg)
 }
 
 // listAll answers a list with the objects of every node (or of the node
