@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
@@ -728,4 +729,67 @@ func TestPlacementInEtcdMode(t *testing.T) {
 			t.Errorf("ListVMs through node%d: %v, %v", via+1, l, err)
 		}
 	}
+}
+
+// TestPlacementHopKeepsDeadlines: the caller's deadline crosses the hop to
+// the node that holds the object, and a cancelled watch ends on that
+// node's backend too.
+func TestPlacementHopKeepsDeadlines(t *testing.T) {
+	pc := startPlacedCluster(t, 2)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	r, err := pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "slow", Vcpus: 1, MemoryMib: 256}, Host: "node2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctl := simv1.NewSimulatorServiceClient(pc.direct[1])
+	if _, err := ctl.SetFault(ctx, &simv1.SetFaultRequest{Fault: &simv1.Fault{Method: "/pivirt.vm.v1.VMService/GetVM", Delay: durationpb.New(20 * time.Second)}}); err != nil {
+		t.Fatal(err)
+	}
+	dctx, dcancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer dcancel()
+	start := time.Now()
+	var hdr metadata.MD
+	_, err = pc.vm(0).GetVM(dctx, &vmv1.GetVMRequest{Id: r.GetVm().GetId()}, grpc.Header(&hdr))
+	if toStatus(err).Code() != codes.DeadlineExceeded || time.Since(start) > 5*time.Second {
+		t.Errorf("GetVM of a node2 VM through node1 with a 500 ms deadline, node2's backend taking 20 s: %v after %s", err, time.Since(start))
+	}
+	if _, err := ctl.ClearFaults(ctx, &simv1.ClearFaultsRequest{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A watch through node1 cancelled by its caller leaves no watch open
+	// on node2's backend: node2's agent keeps one (the catalog's), the
+	// cancelled one is gone.
+	openWatches := func() int {
+		st, err := ctl.Stats(ctx, &simv1.StatsRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int(st.GetActive()["/pivirt.vm.v1.VMService/WatchVMs"])
+	}
+	agenttest.Eventually(t, 10*time.Second, "node2's catalog watch open", func() error {
+		if n := openWatches(); n != 1 {
+			return fmt.Errorf("%d watches open on node2's backend", n)
+		}
+		return nil
+	})
+	wctx, wcancel := context.WithCancel(ctx)
+	w, err := pc.vm(0).WatchVMs(wctx, &vmv1.WatchVMsRequest{Host: "node2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	if n := openWatches(); n != 2 {
+		t.Errorf("%d watches open on node2's backend during the watch, want 2", n)
+	}
+	wcancel()
+	agenttest.Eventually(t, 10*time.Second, "the cancelled watch ended on node2's backend", func() error {
+		if n := openWatches(); n != 1 {
+			return fmt.Errorf("%d watches open on node2's backend", n)
+		}
+		return nil
+	})
 }

@@ -92,7 +92,7 @@ func Open(cfg Config) (*Simulator, error) {
 		return nil, fmt.Errorf("open %s: %w (is another pivirtd-sim using this data dir?)", filepath.Join(cfg.DataDir, "sim.db"), err)
 	}
 	s := &Simulator{db: db, logger: logger, health: health.NewServer()}
-	s.faults.stats = stats{calls: map[string]uint64{}, failed: map[string]uint64{}}
+	s.faults.stats = stats{calls: map[string]uint64{}, failed: map[string]uint64{}, active: map[string]uint64{}}
 	for _, r := range roles {
 		switch r {
 		case RolePivirtd:
@@ -140,6 +140,7 @@ func (s *Simulator) ServerOptions() []grpc.ServerOption {
 			if err := s.faults.apply(ctx, info.FullMethod); err != nil {
 				return nil, err
 			}
+			defer s.faults.running(info.FullMethod)()
 			return h(ctx, req)
 		}),
 		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
@@ -147,6 +148,7 @@ func (s *Simulator) ServerOptions() []grpc.ServerOption {
 			if err := s.faults.apply(ss.Context(), info.FullMethod); err != nil {
 				return err
 			}
+			defer s.faults.running(info.FullMethod)()
 			return h(srv, ss)
 		}),
 	}
@@ -221,7 +223,7 @@ type fault struct {
 }
 
 type stats struct {
-	calls, failed map[string]uint64
+	calls, failed, active map[string]uint64
 }
 
 // matches reports whether a fault's method pattern covers method.
@@ -233,6 +235,20 @@ func matches(pattern, method string) bool {
 		return strings.HasPrefix(method, pattern)
 	default:
 		return pattern == method
+	}
+}
+
+// running counts a call in progress until the returned func is called.
+func (f *faults) running(method string) func() {
+	f.mu.Lock()
+	f.stats.active[method]++
+	f.mu.Unlock()
+	return func() {
+		f.mu.Lock()
+		if f.stats.active[method]--; f.stats.active[method] == 0 {
+			delete(f.stats.active, method)
+		}
+		f.mu.Unlock()
 	}
 }
 
@@ -360,8 +376,9 @@ func (c *control) Stats(context.Context, *simv1.StatsRequest) (*simv1.StatsRespo
 	f := &c.s.faults
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	out := &simv1.StatsResponse{Calls: map[string]uint64{}, Failed: map[string]uint64{}}
+	out := &simv1.StatsResponse{Calls: map[string]uint64{}, Failed: map[string]uint64{}, Active: map[string]uint64{}}
 	maps.Copy(out.Calls, f.stats.calls)
 	maps.Copy(out.Failed, f.stats.failed)
+	maps.Copy(out.Active, f.stats.active)
 	return out, nil
 }

@@ -397,7 +397,10 @@ type StatsResponse struct {
 	// calls by full method name.
 	Calls map[string]uint64 `protobuf:"bytes,1,rep,name=calls,proto3" json:"calls,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// failed counts the calls a fault failed, by full method name.
-	Failed        map[string]uint64 `protobuf:"bytes,2,rep,name=failed,proto3" json:"failed,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	Failed map[string]uint64 `protobuf:"bytes,2,rep,name=failed,proto3" json:"failed,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// active counts the calls in progress (a watch, a console), by full
+	// method name.
+	Active        map[string]uint64 `protobuf:"bytes,3,rep,name=active,proto3" json:"active,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -446,6 +449,13 @@ func (x *StatsResponse) GetFailed() map[string]uint64 {
 	return nil
 }
 
+func (x *StatsResponse) GetActive() map[string]uint64 {
+	if x != nil {
+		return x.Active
+	}
+	return nil
+}
+
 var File_pivirt_sim_v1_sim_proto protoreflect.FileDescriptor
 
 const file_pivirt_sim_v1_sim_proto_rawDesc = "" +
@@ -467,15 +477,19 @@ const file_pivirt_sim_v1_sim_proto_rawDesc = "" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x18\n" +
 	"\aserving\x18\x02 \x01(\bR\aserving\"\x14\n" +
 	"\x12SetServingResponse\"\x0e\n" +
-	"\fStatsRequest\"\x85\x02\n" +
+	"\fStatsRequest\"\x82\x03\n" +
 	"\rStatsResponse\x12=\n" +
 	"\x05calls\x18\x01 \x03(\v2'.pivirt.sim.v1.StatsResponse.CallsEntryR\x05calls\x12@\n" +
-	"\x06failed\x18\x02 \x03(\v2(.pivirt.sim.v1.StatsResponse.FailedEntryR\x06failed\x1a8\n" +
+	"\x06failed\x18\x02 \x03(\v2(.pivirt.sim.v1.StatsResponse.FailedEntryR\x06failed\x12@\n" +
+	"\x06active\x18\x03 \x03(\v2(.pivirt.sim.v1.StatsResponse.ActiveEntryR\x06active\x1a8\n" +
 	"\n" +
 	"CallsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\x1a9\n" +
 	"\vFailedEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\x1a9\n" +
+	"\vActiveEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x012\xd4\x02\n" +
 	"\x10SimulatorService\x12M\n" +
@@ -497,7 +511,7 @@ func file_pivirt_sim_v1_sim_proto_rawDescGZIP() []byte {
 	return file_pivirt_sim_v1_sim_proto_rawDescData
 }
 
-var file_pivirt_sim_v1_sim_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_pivirt_sim_v1_sim_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_pivirt_sim_v1_sim_proto_goTypes = []any{
 	(*Fault)(nil),               // 0: pivirt.sim.v1.Fault
 	(*SetFaultRequest)(nil),     // 1: pivirt.sim.v1.SetFaultRequest
@@ -510,26 +524,28 @@ var file_pivirt_sim_v1_sim_proto_goTypes = []any{
 	(*StatsResponse)(nil),       // 8: pivirt.sim.v1.StatsResponse
 	nil,                         // 9: pivirt.sim.v1.StatsResponse.CallsEntry
 	nil,                         // 10: pivirt.sim.v1.StatsResponse.FailedEntry
-	(*durationpb.Duration)(nil), // 11: google.protobuf.Duration
+	nil,                         // 11: pivirt.sim.v1.StatsResponse.ActiveEntry
+	(*durationpb.Duration)(nil), // 12: google.protobuf.Duration
 }
 var file_pivirt_sim_v1_sim_proto_depIdxs = []int32{
-	11, // 0: pivirt.sim.v1.Fault.delay:type_name -> google.protobuf.Duration
+	12, // 0: pivirt.sim.v1.Fault.delay:type_name -> google.protobuf.Duration
 	0,  // 1: pivirt.sim.v1.SetFaultRequest.fault:type_name -> pivirt.sim.v1.Fault
 	9,  // 2: pivirt.sim.v1.StatsResponse.calls:type_name -> pivirt.sim.v1.StatsResponse.CallsEntry
 	10, // 3: pivirt.sim.v1.StatsResponse.failed:type_name -> pivirt.sim.v1.StatsResponse.FailedEntry
-	1,  // 4: pivirt.sim.v1.SimulatorService.SetFault:input_type -> pivirt.sim.v1.SetFaultRequest
-	3,  // 5: pivirt.sim.v1.SimulatorService.ClearFaults:input_type -> pivirt.sim.v1.ClearFaultsRequest
-	5,  // 6: pivirt.sim.v1.SimulatorService.SetServing:input_type -> pivirt.sim.v1.SetServingRequest
-	7,  // 7: pivirt.sim.v1.SimulatorService.Stats:input_type -> pivirt.sim.v1.StatsRequest
-	2,  // 8: pivirt.sim.v1.SimulatorService.SetFault:output_type -> pivirt.sim.v1.SetFaultResponse
-	4,  // 9: pivirt.sim.v1.SimulatorService.ClearFaults:output_type -> pivirt.sim.v1.ClearFaultsResponse
-	6,  // 10: pivirt.sim.v1.SimulatorService.SetServing:output_type -> pivirt.sim.v1.SetServingResponse
-	8,  // 11: pivirt.sim.v1.SimulatorService.Stats:output_type -> pivirt.sim.v1.StatsResponse
-	8,  // [8:12] is the sub-list for method output_type
-	4,  // [4:8] is the sub-list for method input_type
-	4,  // [4:4] is the sub-list for extension type_name
-	4,  // [4:4] is the sub-list for extension extendee
-	0,  // [0:4] is the sub-list for field type_name
+	11, // 4: pivirt.sim.v1.StatsResponse.active:type_name -> pivirt.sim.v1.StatsResponse.ActiveEntry
+	1,  // 5: pivirt.sim.v1.SimulatorService.SetFault:input_type -> pivirt.sim.v1.SetFaultRequest
+	3,  // 6: pivirt.sim.v1.SimulatorService.ClearFaults:input_type -> pivirt.sim.v1.ClearFaultsRequest
+	5,  // 7: pivirt.sim.v1.SimulatorService.SetServing:input_type -> pivirt.sim.v1.SetServingRequest
+	7,  // 8: pivirt.sim.v1.SimulatorService.Stats:input_type -> pivirt.sim.v1.StatsRequest
+	2,  // 9: pivirt.sim.v1.SimulatorService.SetFault:output_type -> pivirt.sim.v1.SetFaultResponse
+	4,  // 10: pivirt.sim.v1.SimulatorService.ClearFaults:output_type -> pivirt.sim.v1.ClearFaultsResponse
+	6,  // 11: pivirt.sim.v1.SimulatorService.SetServing:output_type -> pivirt.sim.v1.SetServingResponse
+	8,  // 12: pivirt.sim.v1.SimulatorService.Stats:output_type -> pivirt.sim.v1.StatsResponse
+	9,  // [9:13] is the sub-list for method output_type
+	5,  // [5:9] is the sub-list for method input_type
+	5,  // [5:5] is the sub-list for extension type_name
+	5,  // [5:5] is the sub-list for extension extendee
+	0,  // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_sim_v1_sim_proto_init() }
@@ -543,7 +559,7 @@ func file_pivirt_sim_v1_sim_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_sim_v1_sim_proto_rawDesc), len(file_pivirt_sim_v1_sim_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
