@@ -25,9 +25,11 @@ import (
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/storage/v1/storagev1connect"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/vm/v1/vmv1connect"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
@@ -197,6 +199,21 @@ func TestPlacementRoutesByObject(t *testing.T) {
 			if r, err := up.CloseAndRecv(); err != nil || r.GetVolume().GetWrittenBytes() == 0 {
 				t.Fatalf("upload to %s through node%d: %v, %v", id, via+1, r, err)
 			}
+		}
+		for i, id := range vols {
+			r, err := storagev1connect.NewStorageServiceClient(hc, base, connect.WithProtoJSON()).GetVolume(ctx, connect.NewRequest(&storagev1.GetVolumeRequest{Id: id}))
+			if err != nil || r.Msg.GetVolume().GetHost() != fmt.Sprintf("node%d", i+1) {
+				t.Fatalf("connect-json GetVolume %s through node%d: %v", id, via+1, err)
+			}
+		}
+		for i, id := range nets {
+			r, err := networkv1connect.NewNetworkServiceClient(hc, base).GetNetwork(ctx, connect.NewRequest(&networkv1.GetNetworkRequest{Id: id}))
+			if err != nil || r.Msg.GetNetwork().GetHost() != fmt.Sprintf("node%d", i+1) {
+				t.Fatalf("connect GetNetwork %s through node%d: %v", id, via+1, err)
+			}
+		}
+		if r, err := storagev1connect.NewStorageServiceClient(hc, base, connect.WithProtoJSON()).ListVolumes(ctx, connect.NewRequest(&storagev1.ListVolumesRequest{})); err != nil || len(r.Msg.GetVolumes()) != 3 {
+			t.Fatalf("connect-json ListVolumes through node%d: %v", via+1, err)
 		}
 		for i, id := range vols {
 			r, err := storagev1.NewStorageServiceClient(pc.api[via]).UpdateVolume(ctx, &storagev1.UpdateVolumeRequest{Volume: &storagev1.Volume{Id: id, SizeBytes: uint64(2+via) << 30}, UpdateMask: &fieldmaskpb.FieldMask{Paths: []string{"size_bytes"}}})
