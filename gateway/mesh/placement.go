@@ -211,6 +211,7 @@ func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info metho
 	if info.getter == "" {
 		return "", nil
 	}
+	caller := ctx
 	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
 	type answer struct {
@@ -237,6 +238,11 @@ func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info metho
 		default:
 			unreachable = append(unreachable, a.node+": "+status.Convert(a.err).Message())
 		}
+	}
+	if err := caller.Err(); err != nil {
+		// The caller's deadline or cancellation ended the lookup: that
+		// is the answer, not the nodes it interrupted.
+		return "", status.FromContextError(err).Err()
 	}
 	if len(unreachable) > 0 {
 		slices.Sort(unreachable)

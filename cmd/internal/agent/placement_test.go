@@ -759,6 +759,7 @@ func TestPlacementHopKeepsDeadlines(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pc.waitPlaced(t, map[string]string{r.GetVm().GetId(): "node2"})
 	ctl := simv1.NewSimulatorServiceClient(pc.direct[1])
 	if _, err := ctl.SetFault(ctx, &simv1.SetFaultRequest{Fault: &simv1.Fault{Method: "/pivirt.vm.v1.VMService/GetVM", Delay: durationpb.New(20 * time.Second)}}); err != nil {
 		t.Fatal(err)
@@ -770,6 +771,18 @@ func TestPlacementHopKeepsDeadlines(t *testing.T) {
 	_, err = pc.vm(0).GetVM(dctx, &vmv1.GetVMRequest{Id: r.GetVm().GetId()}, grpc.Header(&hdr))
 	if toStatus(err).Code() != codes.DeadlineExceeded || time.Since(start) > 5*time.Second {
 		t.Errorf("GetVM of a node2 VM through node1 with a 500 ms deadline, node2's backend taking 20 s: %v after %s", err, time.Since(start))
+	}
+	// A VM made behind the agents' backs (not in the catalog): the
+	// lookup on the nodes stops at the caller's deadline too.
+	hidden, err := vmv1.NewVMServiceClient(pc.direct[1]).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "hidden", Vcpus: 1, MemoryMib: 256}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lctx, lcancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer lcancel()
+	start = time.Now()
+	if _, err := pc.vm(0).GetVM(lctx, &vmv1.GetVMRequest{Id: hidden.GetVm().GetId()}); toStatus(err).Code() != codes.DeadlineExceeded || time.Since(start) > 5*time.Second {
+		t.Errorf("GetVM of a VM the catalog may not know, node2's backend taking 20 s, 500 ms deadline: %v after %s", err, time.Since(start))
 	}
 	if _, err := ctl.ClearFaults(ctx, &simv1.ClearFaultsRequest{}); err != nil {
 		t.Fatal(err)
