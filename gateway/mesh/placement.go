@@ -123,13 +123,8 @@ func (p *Proxy) place(ss grpc.ServerStream, method string, b *Backend, pl Placem
 	}
 	switch {
 	case r.GetIdField() != "":
-		first, err := recvFirst(ss)
+		first, req, err := recvRequest(ss, info)
 		if err != nil {
-			return err
-		}
-		req, err := info.decodeRequest(first)
-		if err != nil {
-			first.Free()
 			return err
 		}
 		id := stringAt(req, r.GetIdField())
@@ -143,13 +138,8 @@ func (p *Proxy) place(ss grpc.ServerStream, method string, b *Backend, pl Placem
 		}
 		return p.toNode(ss, method, b, pl, node, first, info.object(id))
 	case r.GetVerb() == "create":
-		first, err := recvFirst(ss)
+		first, req, err := recvRequest(ss, info)
 		if err != nil {
-			return err
-		}
-		req, err := info.decodeRequest(first)
-		if err != nil {
-			first.Free()
 			return err
 		}
 		host := stringAt(req, "host")
@@ -312,15 +302,11 @@ func unreachable(what, node string, err error) error {
 // Page tokens are the last ID returned, so they work through any node.
 // Nodes that did not answer are named in UnavailableNodesHeader.
 func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo) error {
-	first, err := recvFirst(ss)
+	first, req, err := recvRequest(ss, info)
 	if err != nil {
 		return err
 	}
-	req, err := info.decodeRequest(first)
 	first.Free()
-	if err != nil {
-		return err
-	}
 	size := int(intAt(req, "page_size"))
 	switch {
 	case size < 0:
@@ -444,15 +430,11 @@ func (p *Proxy) listNode(ctx context.Context, pl Placement, b *Backend, node, me
 // objects come again); the call ends when the caller ends it. Nodes that
 // could not be watched at the start are named in UnavailableNodesHeader.
 func (p *Proxy) watchAll(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo) error {
-	first, err := recvFirst(ss)
+	first, req, err := recvRequest(ss, info)
 	if err != nil {
 		return err
 	}
-	req, err := info.decodeRequest(first)
 	first.Free()
-	if err != nil {
-		return err
-	}
 	nodes, err := hostFilter(pl, stringAt(req, "host"))
 	if err != nil {
 		return err
@@ -618,6 +600,21 @@ func decodePageToken(tok string) (string, error) {
 		return "", status.Errorf(codes.InvalidArgument, "page_token %q: not a token of this API (use the next_page_token of the previous page)", tok)
 	}
 	return after, nil
+}
+
+// recvRequest reads and decodes a call's first request message. The frame
+// is the caller's to forward or free.
+func recvRequest(ss grpc.ServerStream, info methodInfo) (*Frame, protoreflect.Message, error) {
+	first, err := recvFirst(ss)
+	if err != nil {
+		return nil, nil, err
+	}
+	req, err := info.decodeRequest(first)
+	if err != nil {
+		first.Free()
+		return nil, nil, err
+	}
+	return first, req, nil
 }
 
 // decodeRequest decodes a request message of the method.

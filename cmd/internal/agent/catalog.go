@@ -132,17 +132,32 @@ func (a *Agent) runCatalog() error {
 		t := time.NewTicker(interval)
 		defer t.Stop()
 		poke()
+		// A sync that could not record everything (no leader yet, a
+		// backend down) is tried again soon, backing off to interval.
+		var (
+			retry  time.Duration
+			retryT = time.NewTimer(time.Hour)
+		)
+		retryT.Stop()
+		defer retryT.Stop()
 		for {
 			select {
 			case <-a.ctx.Done():
 				return
 			case <-t.C:
+			case <-retryT.C:
 			case <-trigger:
 				if !sleepCtx(a.ctx, catalogDebounce) {
 					return
 				}
 			}
-			a.syncCatalog(a.ctx)
+			retryT.Stop()
+			if a.syncCatalog(a.ctx) {
+				retry = 0
+				continue
+			}
+			retry = min(max(2*retry, time.Second), interval)
+			retryT.Reset(retry)
 		}
 	})
 	return nil
@@ -249,14 +264,16 @@ func (a *Agent) watchForCatalog(ctx context.Context, w catalogWatch, poke func()
 
 // syncCatalog lists each placed kind on this node's backend and proposes
 // the difference against the catalog. A kind whose backend cannot be
-// listed is left as it is.
-func (a *Agent) syncCatalog(ctx context.Context) {
+// listed is left as it is. It reports whether everything was listed and
+// recorded.
+func (a *Agent) syncCatalog(ctx context.Context) (done bool) {
 	self := a.cfg.NodeName
 	held, err := a.fsm.State().PlacementsByNode(self)
 	if err != nil {
 		a.logger.Warn("placement catalog: reading it failed", "error", err)
-		return
+		return false
 	}
+	done = true
 	for _, cl := range catalogLists {
 		b := a.proxy.Route(cl.method)
 		if b == nil || !b.NodeScoped() {
@@ -269,6 +286,7 @@ func (a *Agent) syncCatalog(ctx context.Context) {
 			if ctx.Err() == nil {
 				a.logger.Debug("placement catalog: listing the backend failed; the catalog stays as it is", "kind", cl.kind, "backend", b.Name(), "error", err)
 			}
+			done = false
 			continue
 		}
 		have := map[string]bool{}
@@ -295,22 +313,36 @@ func (a *Agent) syncCatalog(ctx context.Context) {
 		size := catalogBatch
 		if a.cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
 			size = catalogBatchEtcd
+		} else if len(op.Upsert)+len(op.Delete) > 0 && len(ids) <= catalogBatch {
+			// In Raft mode a change is recorded as the node's whole
+			// listing of the kind: the leader removes what the listing
+			// lacks even when this node's state is behind (just
+			// restarted) and the difference above missed it. Unchanged
+			// entries cost nothing to apply.
+			op.Upsert, op.Delete = op.Upsert[:0], nil
+			for _, id := range ids {
+				op.Upsert = append(op.Upsert, &fsmv1.Placement{Kind: cl.kind, Id: id, Node: self})
+			}
+			op.FullKinds = []string{cl.kind}
 		}
-		for len(op.Upsert)+len(op.Delete) > 0 {
-			batch := &fsmv1.SetPlacements{Node: self}
+		for len(op.Upsert)+len(op.Delete) > 0 || len(op.FullKinds) > 0 {
+			batch := &fsmv1.SetPlacements{Node: self, FullKinds: op.FullKinds}
+			op.FullKinds = nil
 			n := min(len(op.Upsert), size)
 			batch.Upsert, op.Upsert = op.Upsert[:n], op.Upsert[n:]
 			m := min(len(op.Delete), size-n)
 			batch.Delete, op.Delete = op.Delete[:m], op.Delete[m:]
 			if err := a.reportPlacements(ctx, batch); err != nil {
 				if ctx.Err() == nil {
-					a.logger.Info("placement catalog: recording this node's objects failed; trying again later", "kind", cl.kind, "error", err)
+					a.logger.Info("placement catalog: recording this node's objects failed; trying again soon", "kind", cl.kind, "error", err)
 				}
+				done = false
 				break
 			}
-			a.logger.Debug("placement catalog updated", "kind", cl.kind, "added", len(batch.Upsert), "removed", len(batch.Delete))
+			a.logger.Debug("placement catalog updated", "kind", cl.kind, "upserted", len(batch.Upsert), "removed", len(batch.Delete), "whole_listing", len(batch.FullKinds) > 0)
 		}
 	}
+	return done
 }
 
 // reportPlacements records op: proposed here on the leader (and in etcd

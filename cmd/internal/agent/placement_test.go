@@ -517,18 +517,7 @@ func TestSchedulesActOnTheVMsNode(t *testing.T) {
 	}
 	for i, id := range ids {
 		host := fmt.Sprintf("node%d", i+1)
-		var runs []*schedulev1.Run
-		agenttest.Eventually(t, 15*time.Second, "no run in flight", func() error {
-			r, err := sc(leader).ListRuns(ctx, &schedulev1.ListRunsRequest{ScheduleId: id})
-			if err != nil {
-				return err
-			}
-			runs = r.GetRuns()
-			if n := runOutcomes(runs)[schedulev1.RunOutcome_RUN_OUTCOME_STARTED]; n > 0 {
-				return fmt.Errorf("%d runs started", n)
-			}
-			return nil
-		})
+		runs := settledRuns(t, ctx, sc(leader), id)
 		slots := map[time.Time]bool{}
 		unknown := 0
 		for _, r := range runs {

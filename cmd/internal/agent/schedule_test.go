@@ -76,6 +76,25 @@ func (e *scheduleEnv) ctx() context.Context {
 	return ctx
 }
 
+// settledRuns waits until no run of schedule id is in flight (the
+// schedule paused) and returns its runs.
+func settledRuns(t *testing.T, ctx context.Context, c schedulev1.ScheduleServiceClient, id string) []*schedulev1.Run {
+	t.Helper()
+	var runs []*schedulev1.Run
+	agenttest.Eventually(t, 15*time.Second, "no run in flight", func() error {
+		r, err := c.ListRuns(ctx, &schedulev1.ListRunsRequest{ScheduleId: id})
+		if err != nil {
+			return err
+		}
+		runs = r.GetRuns()
+		if n := runOutcomes(runs)[schedulev1.RunOutcome_RUN_OUTCOME_STARTED]; n > 0 {
+			return fmt.Errorf("%d runs started", n)
+		}
+		return nil
+	})
+	return runs
+}
+
 func runOutcomes(runs []*schedulev1.Run) map[schedulev1.RunOutcome]int {
 	out := map[schedulev1.RunOutcome]int{}
 	for _, r := range runs {
@@ -263,23 +282,13 @@ func leaderKills(t *testing.T, e *scheduleEnv) {
 		e.c.Restart(i, false, leader.GossipAddr())
 		t.Logf("round %d: leader %s stopped and restarted; new leader %s", round, e.c.Node(i).Name, leader.Name)
 	}
-	runs := e.waitRuns(e.client(leader), id, okRuns+2)
+	e.waitRuns(e.client(leader), id, okRuns+2)
 	// Settle: stop the schedule so that no run is in flight while
 	// counting backend calls.
 	if _, err := e.client(leader).PauseSchedule(e.ctx(), &schedulev1.PauseScheduleRequest{Id: id}); err != nil {
 		t.Fatal(err)
 	}
-	agenttest.Eventually(t, 15*time.Second, "no run in flight", func() error {
-		r, err := e.client(leader).ListRuns(e.ctx(), &schedulev1.ListRunsRequest{ScheduleId: id})
-		if err != nil {
-			return err
-		}
-		runs = r.GetRuns()
-		if n := runOutcomes(runs)[schedulev1.RunOutcome_RUN_OUTCOME_STARTED]; n > 0 {
-			return fmt.Errorf("%d runs started", n)
-		}
-		return nil
-	})
+	runs := settledRuns(t, e.ctx(), e.client(leader), id)
 	spec, err := scheduler.ParseSpec("@every 1s", "")
 	if err != nil {
 		t.Fatal(err)
