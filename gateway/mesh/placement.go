@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/base64"
+	"errors"
 	"net/url"
 	"slices"
 	"strings"
@@ -204,6 +205,13 @@ func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info metho
 	caller := ctx
 	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
 	defer cancel()
+	// callerBound: the caller's deadline comes before the lookup's own,
+	// so a node's Canceled or DeadlineExceeded is the caller's deadline
+	// (the node may notice it first: grpc-timeout rounds), not the node's
+	// fault.
+	lookupDeadline, _ := ctx.Deadline()
+	callerDeadline, callerBound := caller.Deadline()
+	callerBound = callerBound && !callerDeadline.After(lookupDeadline)
 	type answer struct {
 		node string
 		err  error
@@ -218,21 +226,29 @@ func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info metho
 			answers <- answer{node, p.invokeOn(ctx, pl, b, node, info.getter, req.Interface(), resp.Interface())}
 		}()
 	}
-	var unreachable []string
+	var (
+		unreachable []string
+		interrupted bool
+	)
 	for range nodes {
 		a := <-answers
-		switch status.Code(a.err) {
-		case codes.OK:
+		switch code := status.Code(a.err); {
+		case code == codes.OK:
 			return a.node, nil
-		case codes.NotFound:
+		case code == codes.NotFound:
+		case callerBound && (code == codes.Canceled || code == codes.DeadlineExceeded):
+			interrupted = true
 		default:
 			unreachable = append(unreachable, a.node+": "+status.Convert(a.err).Message())
 		}
 	}
-	if err := caller.Err(); err != nil {
+	if err := caller.Err(); err != nil || interrupted {
 		// The caller's deadline or cancellation ended the lookup: that
 		// is the answer, not the nodes it interrupted.
-		return "", status.FromContextError(err).Err()
+		if errors.Is(err, context.Canceled) {
+			return "", status.FromContextError(err).Err()
+		}
+		return "", status.Errorf(codes.DeadlineExceeded, "the deadline passed while the nodes were asked for %s (it is not in the placement catalog yet)", info.object(id))
 	}
 	if len(unreachable) > 0 {
 		slices.Sort(unreachable)
