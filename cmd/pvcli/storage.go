@@ -144,8 +144,29 @@ func (a *app) newVolumeCmd() *cobra.Command {
 	list.Flags().StringVar(&listOwner, "owner", "", "only the volumes of this owner")
 	list.Flags().StringVar(&listHost, "host", "", "only the volumes of this node")
 
+	var watchOwner, watchHost string
+	watch := &cobra.Command{
+		Use:   "watch",
+		Short: "Print the volumes of every node, then every change, until interrupted (or --timeout)",
+		Args:  positional(),
+		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
+			return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
+				stream, err := c.storage.WatchVolumes(ctx, connect.NewRequest(&storagev1.WatchVolumesRequest{Owner: watchOwner, Host: watchHost}))
+				if err != nil {
+					return err
+				}
+				return printWatch(ctx, a, stream, func(w io.Writer, ev *storagev1.WatchVolumesResponse) {
+					v := ev.GetVolume()
+					row(w, enumName(ev.GetType()), v.GetId(), v.GetName(), formatUint(v.GetSizeBytes()), v.GetHost(), v.GetMetadata().GetOwner())
+				})
+			})
+		}),
+	}
+	watch.Flags().StringVar(&watchOwner, "owner", "", "only the volumes of this owner")
+	watch.Flags().StringVar(&watchHost, "host", "", "only the volumes of this node")
+
 	return groupCmd("volume", "Manage volumes (proxied to the iscsiman backend)",
-		list,
+		list, watch,
 		&cobra.Command{
 			Use:   "get ID",
 			Short: "Show a volume",
@@ -269,6 +290,7 @@ func (a *app) newNetworkCmd() *cobra.Command {
 	create.Flags().Uint32Var(&vlan, "vlan", 0, "VLAN 1-4094 (0: untagged)")
 	create.Flags().Uint32Var(&mtu, "mtu", 0, "MTU 576-9216 (0: 1500)")
 	create.Flags().StringVar(&owner, "owner", "", "identity the network belongs to (metadata.owner)")
+	create.Flags().StringVar(&host, "host", "", "node to create the network on (default: the node of --endpoint)")
 	create.Flags().StringArrayVar(&labels, "label", nil, "label KEY=VALUE (repeatable)")
 
 	update := &cobra.Command{
@@ -328,8 +350,29 @@ func (a *app) newNetworkCmd() *cobra.Command {
 	list.Flags().StringVar(&listOwner, "owner", "", "only the networks of this owner")
 	list.Flags().StringVar(&listHost, "host", "", "only the networks of this node")
 
+	var watchOwner, watchHost string
+	watch := &cobra.Command{
+		Use:   "watch",
+		Short: "Print the networks of every node, then every change, until interrupted (or --timeout)",
+		Args:  positional(),
+		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
+			return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
+				stream, err := c.network.WatchNetworks(ctx, connect.NewRequest(&networkv1.WatchNetworksRequest{Owner: watchOwner, Host: watchHost}))
+				if err != nil {
+					return err
+				}
+				return printWatch(ctx, a, stream, func(w io.Writer, ev *networkv1.WatchNetworksResponse) {
+					n := ev.GetNetwork()
+					row(w, enumName(ev.GetType()), n.GetId(), n.GetName(), n.GetCidr(), n.GetHost(), n.GetMetadata().GetOwner())
+				})
+			})
+		}),
+	}
+	watch.Flags().StringVar(&watchOwner, "owner", "", "only the networks of this owner")
+	watch.Flags().StringVar(&watchHost, "host", "", "only the networks of this node")
+
 	return groupCmd("network", "Manage virtual networks (proxied to the pivirtd backend)",
-		list,
+		list, watch,
 		&cobra.Command{
 			Use:   "get ID",
 			Short: "Show a network",

@@ -11,6 +11,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/fieldmaskpb"
 
@@ -47,7 +48,7 @@ func (a *app) newVMCmd() *cobra.Command {
 	var watchOwner, watchHost string
 	watch := &cobra.Command{
 		Use:   "watch",
-		Short: "Print the VMs, then every change, until interrupted (or --timeout)",
+		Short: "Print the VMs of every node, then every change, until interrupted (or --timeout)",
 		Args:  positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
@@ -55,25 +56,10 @@ func (a *app) newVMCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				defer stream.Close()
-				warned := false
-				for stream.Receive() {
-					if !warned {
-						a.warnUnavailable(stream.ResponseHeader())
-						warned = true
-					}
-					ev := stream.Msg()
-					if err := a.render(ev, func(w io.Writer) {
-						vm := ev.GetVm()
-						row(w, enumName(ev.GetType()), vm.GetId(), vm.GetName(), enumName(vm.GetPowerState()), vm.GetHost(), vm.GetMetadata().GetOwner())
-					}); err != nil {
-						return err
-					}
-				}
-				if err := stream.Err(); err != nil && !(ctx.Err() != nil && a.opts.timeoutSet) {
-					return err
-				}
-				return nil
+				return printWatch(ctx, a, stream, func(w io.Writer, ev *vmv1.WatchVMsResponse) {
+					vm := ev.GetVm()
+					row(w, enumName(ev.GetType()), vm.GetId(), vm.GetName(), enumName(vm.GetPowerState()), vm.GetHost(), vm.GetMetadata().GetOwner())
+				})
 			})
 		}),
 	}
@@ -262,6 +248,31 @@ func (a *app) newVMUpdateCmd() *cobra.Command {
 
 // listPageSize is the page size of list commands (the backends' maximum).
 const listPageSize = 1000
+
+// printWatch prints a watch's events as they come (each rendered by
+// line, or as JSON), warning once of the nodes the watch could not reach,
+// until the stream ends; the end of --timeout is not an error.
+func printWatch[M any, PM interface {
+	*M
+	proto.Message
+}](ctx context.Context, a *app, stream *connect.ServerStreamForClient[M], line func(io.Writer, PM)) error {
+	defer stream.Close()
+	warned := false
+	for stream.Receive() {
+		if !warned {
+			a.warnUnavailable(stream.ResponseHeader())
+			warned = true
+		}
+		ev := PM(stream.Msg())
+		if err := a.render(ev, func(w io.Writer) { line(w, ev) }); err != nil {
+			return err
+		}
+	}
+	if err := stream.Err(); err != nil && !(ctx.Err() != nil && a.opts.timeoutSet) {
+		return err
+	}
+	return nil
+}
 
 // allPages collects every page of a list: page returns one page's items
 // and the next page's token ("" after the last).

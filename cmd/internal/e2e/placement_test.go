@@ -95,4 +95,16 @@ func (c *cluster) placementExamples(t *testing.T) {
 	if placed != len(nodes) {
 		t.Errorf("volume list through %s: %d placed volumes, want %d: %+v", nodes[0].name, placed, len(nodes), vols.Volumes)
 	}
+	// The watches print the objects of every node, then changes, until
+	// --timeout.
+	w := c.ok(t, nodes[1], "volume", "watch", "--timeout", "2s").stdout
+	for _, host := range nodes {
+		if !strings.Contains(w, "placed-"+host.name) {
+			t.Errorf("volume watch through %s printed %q, want placed-%s", nodes[1].name, w, host.name)
+		}
+	}
+	c.ok(t, nodes[0], "network", "create", "placed-net", "--cidr", "10.77.0.0/24", "--host", nodes[2].name)
+	if w := c.ok(t, nodes[1], "network", "watch", "--timeout", "2s").stdout; !strings.Contains(w, "placed-net") || !strings.Contains(w, nodes[2].name) {
+		t.Errorf("network watch through %s printed %q, want placed-net on %s", nodes[1].name, w, nodes[2].name)
+	}
 }
