@@ -119,9 +119,11 @@ type ClusterServiceConfig struct {
 	// waiting for a leader then fail at once instead of holding the
 	// shutdown up.
 	Stopping <-chan struct{}
-	// ValidateConfig checks a cluster config document on the leader before
-	// it is proposed. Nil accepts any value.
-	ValidateConfig func(key, value string) error
+	// ValidateConfig checks a change of the cluster config before it is
+	// proposed: on the node the caller asked (ctx then carries the caller's
+	// authz.Principal, for the checks of the caller's own rights) and again
+	// on the leader. Nil accepts any change.
+	ValidateConfig func(ctx context.Context, c ConfigChange) error
 	// Keyring runs one gossip keyring operation on the member with the
 	// given internal address (NodeService.Keyring). Nil: Keyring answers
 	// Unimplemented.
@@ -759,6 +761,32 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 
 // --- config ---
 
+// ConfigChange is a change of the cluster config ValidateConfig checks.
+type ConfigChange struct {
+	Key, Value string
+	// Delete: the key is to be deleted (Value is empty).
+	Delete bool
+	// Force: the caller accepts losing its own rights (--force).
+	Force bool
+	// Restore: the value comes from a snapshot archive (written by any
+	// version; keys this version does not know are accepted).
+	Restore bool
+}
+
+// validateChange runs ValidateConfig; its refusal is InvalidArgument.
+func (h *ClusterService) validateChange(ctx context.Context, c ConfigChange) error {
+	if h.cfg.ValidateConfig == nil {
+		return nil
+	}
+	if err := h.cfg.ValidateConfig(ctx, c); err != nil {
+		if ce := new(connect.Error); errors.As(err, &ce) {
+			return err
+		}
+		return invalid("value", "%v", err)
+	}
+	return nil
+}
+
 var configKeyPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}$`)
 
 // MaxConfigValueBytes bounds one config document.
@@ -818,14 +846,27 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 	if len(req.Msg.GetValue()) > MaxConfigValueBytes {
 		return nil, toConnect(invalid("value", "%d bytes is over the %d-byte limit", len(req.Msg.GetValue()), MaxConfigValueBytes))
 	}
+	change := ConfigChange{Key: req.Msg.GetKey(), Value: req.Msg.GetValue(), Force: req.Msg.GetForce()}
+	// Checked here first, where the caller is known (its rights after the
+	// change), then again on the leader.
+	if err := h.validateChange(ctx, change); err != nil {
+		return nil, toConnect(err)
+	}
+	if req.Msg.GetDryRun() {
+		// Nothing is stored: the answer is the version stored now, as this
+		// node knows it, for the caller to compare with its value.
+		e, err := h.state.State().ConfigEntry(req.Msg.GetKey())
+		if err != nil && !errors.Is(err, fsm.ErrNotFound) {
+			return nil, toConnect(err)
+		}
+		return connect.NewResponse(&clusterv1.SetConfigResponse{Entry: e, DryRun: true}), nil
+	}
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.SetConfig, func(ctx context.Context) (*connect.Response[clusterv1.SetConfigResponse], error) {
-		if h.cfg.ValidateConfig != nil {
-			if err := h.cfg.ValidateConfig(req.Msg.GetKey(), req.Msg.GetValue()); err != nil {
-				return nil, invalid("value", "%v", err)
-			}
+		if err := h.validateChange(ctx, change); err != nil {
+			return nil, err
 		}
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_SetConfig{
 			SetConfig: &fsmv1.SetConfig{Key: req.Msg.GetKey(), Value: req.Msg.GetValue(), CasRevision: req.Msg.CasRevision},
@@ -847,6 +888,10 @@ func (h *ClusterService) DeleteConfig(ctx context.Context, req *connect.Request[
 	}
 	if req.Msg.GetKey() == ClusterIDKey {
 		return nil, toConnect(invalid("key", "%s is set by the cluster itself and cannot be changed", ClusterIDKey))
+	}
+	change := ConfigChange{Key: req.Msg.GetKey(), Delete: true, Force: req.Msg.GetForce()}
+	if err := h.validateChange(ctx, change); err != nil {
+		return nil, toConnect(err)
 	}
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)

@@ -102,7 +102,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 			}
 		}
 		for _, r := range recs {
-			keep, err := s.checkRestored(table, r, current, out)
+			keep, err := s.checkRestored(ctx, table, r, current, out)
 			if err != nil {
 				errs = append(errs, err)
 				continue
@@ -150,7 +150,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 
 // checkRestored checks one restored record with the write path's rules
 // and says whether it is kept (the archive's cluster.id is not).
-func (s *SnapshotService) checkRestored(table string, r proto.Message, current *fsm.State, out *clusterv1.RestorePlan) (bool, error) {
+func (s *SnapshotService) checkRestored(ctx context.Context, table string, r proto.Message, current *fsm.State, out *clusterv1.RestorePlan) (bool, error) {
 	switch v := r.(type) {
 	case *clusterv1.ServiceInstance:
 		if err := s.cs.validateInstance(proto.Clone(v).(*clusterv1.ServiceInstance), nil); err != nil {
@@ -177,7 +177,7 @@ func (s *SnapshotService) checkRestored(table string, r proto.Message, current *
 			return false, nil // this cluster's is kept
 		}
 		if table == fsm.TableConfig && s.cs.cfg.ValidateConfig != nil {
-			if err := s.cs.cfg.ValidateConfig(key, v.GetValue()); err != nil {
+			if err := s.cs.cfg.ValidateConfig(ctx, ConfigChange{Key: key, Value: v.GetValue(), Restore: true}); err != nil {
 				return false, fmt.Errorf("config %s: %w", key, err)
 			}
 		}

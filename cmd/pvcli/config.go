@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"connectrpc.com/connect"
+	"github.com/pmezard/go-difflib/difflib"
 	"github.com/spf13/cobra"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -30,6 +31,7 @@ func (a *app) newConfigCmd() *cobra.Command {
 		},
 		a.newConfigSetCmd(),
 		a.newConfigDeleteCmd(),
+		a.newConfigRollbackCmd(),
 		&cobra.Command{
 			Use:   "history KEY",
 			Short: "List the retained versions of a key, newest first",
@@ -60,13 +62,23 @@ func (c *casFlag) get(cmd *cobra.Command) *uint64 {
 
 func (a *app) newConfigSetCmd() *cobra.Command {
 	var (
-		file string
-		cas  casFlag
+		file          string
+		cas           casFlag
+		dryRun, force bool
 	)
 	c := &cobra.Command{
 		Use:   "set KEY [VALUE]",
 		Short: "Set a key to VALUE or to the contents of --file (- reads stdin)",
-		Args:  setArgs,
+		Long: `Set a cluster setting (logging.level, routing.rules, load_balancing,
+circuit_breaking, rate_limiting, backends.<name>.timeout, backends.<name>.retry,
+auth.certificate_roles, auth.rbac_policy) or a free-form key under kv/.
+
+A setting's value is the YAML (or JSON) of that key as it would appear in the
+agent's configuration file; every agent applies it on top of its file within
+a second, unless its file pins the key (pinned_settings). A value that does
+not validate is refused and nothing is stored. --dry-run shows the change and
+the validation result without storing anything.`,
+		Args: setArgs,
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
 			value, err := a.configValue(args[1:], file, cmd.Flags().Changed("file"))
 			if err != nil {
@@ -77,11 +89,15 @@ func (a *app) newConfigSetCmd() *cobra.Command {
 				Value:       value,
 				CasRevision: cas.get(cmd),
 				Write:       a.writeOptions(),
+				DryRun:      dryRun,
+				Force:       force,
 			}
 			return a.configSet(cmd, req)
 		}),
 	}
 	c.Flags().StringVarP(&file, "file", "f", "", "read the value from this file (- = stdin)")
+	c.Flags().BoolVar(&dryRun, "dry-run", false, "validate and show the change without storing it")
+	c.Flags().BoolVar(&force, "force", false, "store an RBAC policy even if it takes away your own right to change it")
 	cas.register(c)
 	return c
 }
@@ -131,20 +147,116 @@ func (a *app) configSet(cmd *cobra.Command, req *clusterv1.SetConfigRequest) err
 		if err != nil {
 			return err
 		}
+		if resp.Msg.GetDryRun() {
+			return a.render(resp.Msg, func(w io.Writer) {
+				cur := resp.Msg.GetEntry()
+				from := fmt.Sprintf("%s (revision %d)", req.Key, cur.GetRevision())
+				if cur == nil {
+					from = req.Key + " (not set)"
+				}
+				fmt.Fprint(w, unifiedDiff(cur.GetValue(), req.Value, from, req.Key+" (new)"))
+				fmt.Fprintf(w, "Valid: %s would be set (dry run: nothing stored)\n", req.Key)
+			})
+		}
 		return a.render(resp.Msg, func(w io.Writer) {
 			fmt.Fprintf(w, "Set %s (revision %d)\n", req.Key, resp.Msg.GetEntry().GetRevision())
 		})
 	})
 }
 
+// unifiedDiff is the change from a to b as a unified diff ("" when equal).
+func unifiedDiff(a, b, fromName, toName string) string {
+	if a == b {
+		return "(no change)\n"
+	}
+	out, err := difflib.GetUnifiedDiffString(difflib.UnifiedDiff{
+		A: difflib.SplitLines(withNewline(a)), B: difflib.SplitLines(withNewline(b)),
+		FromFile: fromName, ToFile: toName, Context: 3,
+	})
+	if err != nil {
+		return err.Error() + "\n"
+	}
+	return out
+}
+
+func withNewline(s string) string {
+	if s == "" || strings.HasSuffix(s, "\n") {
+		return s
+	}
+	return s + "\n"
+}
+
+func (a *app) newConfigRollbackCmd() *cobra.Command {
+	var (
+		to            uint64
+		dryRun, force bool
+	)
+	c := &cobra.Command{
+		Use:   "rollback KEY [--to REVISION]",
+		Short: "Set a key back to an earlier version from its history (default: the one before the current)",
+		Long: `Set KEY back to an earlier value from "pvcli config history KEY": the version
+before the current one, or the one written at --to REVISION. The old value is
+validated as a new write would be, and written only if the key is still at the
+revision read (a concurrent change makes the rollback fail; run it again).`,
+		Args: positional("KEY"),
+		RunE: a.command(func(cmd *cobra.Command, args []string) error {
+			var target, current *clusterv1.ConfigEntry
+			err := a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+				resp, err := api.ConfigHistory(ctx, connect.NewRequest(&clusterv1.ConfigHistoryRequest{
+					Key: args[0], Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_DEFAULT},
+				}))
+				if err != nil {
+					return err
+				}
+				hist := resp.Msg.GetEntries() // newest first
+				if len(hist) == 0 {
+					return fmt.Errorf("%s has no history (not set)", args[0])
+				}
+				current = hist[0]
+				var revs []string
+				for _, e := range hist[1:] {
+					revs = append(revs, formatUint(e.GetRevision()))
+					if (!cmd.Flags().Changed("to") && target == nil) || e.GetRevision() == to {
+						target = e
+					}
+				}
+				switch {
+				case len(hist) == 1:
+					return fmt.Errorf("%s has no earlier version than revision %d (delete it to go back to each node's file)", args[0], current.GetRevision())
+				case target == nil && to == current.GetRevision():
+					return fmt.Errorf("revision %d is the current version of %s", to, args[0])
+				case target == nil:
+					return fmt.Errorf("%s has no version at revision %d; earlier versions kept: %s", args[0], to, strings.Join(revs, ", "))
+				}
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+			rev := current.GetRevision()
+			return a.configSet(cmd, &clusterv1.SetConfigRequest{
+				Key: args[0], Value: target.GetValue(), CasRevision: &rev,
+				Write: a.writeOptions(), DryRun: dryRun, Force: force,
+			})
+		}),
+	}
+	c.Flags().Uint64Var(&to, "to", 0, "the revision to go back to (default: the version before the current)")
+	c.Flags().BoolVar(&dryRun, "dry-run", false, "validate and show the change without storing it")
+	c.Flags().BoolVar(&force, "force", false, "store an RBAC policy even if it takes away your own right to change it")
+	return c
+}
+
 func (a *app) newConfigDeleteCmd() *cobra.Command {
-	var cas casFlag
+	var (
+		cas   casFlag
+		force bool
+	)
 	c := &cobra.Command{
 		Use:   "delete KEY",
 		Short: "Delete a key",
 		Args:  positional("KEY"),
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
-			req := &clusterv1.DeleteConfigRequest{Key: args[0], CasRevision: cas.get(cmd), Write: a.writeOptions()}
+			req := &clusterv1.DeleteConfigRequest{Key: args[0], CasRevision: cas.get(cmd), Write: a.writeOptions(), Force: force}
 			return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
 				resp, err := api.DeleteConfig(ctx, connect.NewRequest(req))
 				if err != nil {
@@ -157,6 +269,7 @@ func (a *app) newConfigDeleteCmd() *cobra.Command {
 		}),
 	}
 	cas.register(c)
+	c.Flags().BoolVar(&force, "force", false, "delete the cluster RBAC policy even if the policy that then applies takes away your right to set one")
 	return c
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 
 	"pilab.hu/pivirt-agent/gateway/authz"
 )
@@ -21,7 +22,13 @@ type Authenticator struct {
 	// name, or a prefix ending in "*" ("pivirt-agent-*"). A certificate
 	// matching several entries gets the roles of all.
 	CertRoles map[string][]string
+	// live replaces CertRoles once SetCertRoles was called.
+	live atomic.Pointer[map[string][]string]
 }
+
+// SetCertRoles replaces CertRoles for the requests authenticated from now
+// on (auth.certificate_roles changed live).
+func (a *Authenticator) SetCertRoles(m map[string][]string) { a.live.Store(&m) }
 
 // Authenticate returns the principal of a request from its Authorization
 // header value and its verified peer certificates (leaf first).
@@ -45,7 +52,11 @@ func (a *Authenticator) Authenticate(ctx context.Context, authorization string, 
 
 func (a *Authenticator) certRoles(cn string) []string {
 	var out []string
-	for pattern, roles := range a.CertRoles {
+	table := a.CertRoles
+	if m := a.live.Load(); m != nil {
+		table = *m
+	}
+	for pattern, roles := range table {
 		prefix, wild := strings.CutSuffix(pattern, "*")
 		if pattern == cn || wild && strings.HasPrefix(cn, prefix) {
 			for _, r := range roles {

@@ -91,6 +91,7 @@ func (a *Agent) startAccess() error {
 		return nil
 	}
 	auth := &authn.Authenticator{CertRoles: ac.CertificateRoles}
+	a.authn = auth
 	if ac.OIDC.IssuerURL != "" {
 		a.wg.Add(1)
 		auth.OIDC = authn.Discover(a.ctx, authn.OIDCConfig{
@@ -220,21 +221,89 @@ func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescript
 	return resp, nil
 }
 
-// validateClusterConfig checks cluster config documents the agent reads
-// before they are stored: a cluster-wide RBAC policy must parse, validate,
-// and leave some role able to change it again.
-func (a *Agent) validateClusterConfig(key, value string) error {
-	if key != RBACPolicyKey {
+// validateClusterConfig checks a change of the cluster config before it
+// is stored: a cluster setting must decode and validate
+// (config.ParseSetting, the code that applies it); other keys must be
+// free-form (config.FreeFormPrefix). A cluster-wide RBAC policy must parse
+// and leave some role able to change it again; and, unless forced, the
+// caller must keep its own right to change it.
+func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChange) error {
+	if c.Key == RBACPolicyKey {
+		var next *authz.Policy // after the change; nil: none, every call allowed
+		if !c.Delete {
+			p, err := authz.Parse(strings.NewReader(c.Value), policyResources())
+			if err != nil {
+				return err
+			}
+			if !p.Grants(RBACResource, "update") {
+				return fmt.Errorf("%w: no rule lets any role update %s without conditions: the policy could never be changed or removed again", authz.ErrInvalidPolicy, RBACResource)
+			}
+			next = p
+		} else if a.policyFile != nil {
+			next = a.policyFile.Policy() // the file's applies again
+		}
+		if c.Restore || c.Force {
+			return nil
+		}
+		return a.checkLockOut(ctx, next, c.Delete)
+	}
+	if c.Delete {
 		return nil
 	}
-	p, err := authz.Parse(strings.NewReader(value), policyResources())
-	if err != nil {
-		return err
+	if c.Restore {
+		// An archive may hold keys of any version: only the settings this
+		// version knows are checked.
+		if _, _, ok, err := config.LookupSetting(c.Key); err != nil || !ok {
+			return nil
+		}
 	}
-	if !p.Grants(RBACResource, "update") {
-		return fmt.Errorf("%w: no rule lets any role update %s without conditions: the policy could never be changed or removed again", authz.ErrInvalidPolicy, RBACResource)
+	_, err := config.ParseSetting(c.Key, c.Value)
+	return err
+}
+
+// checkLockOut refuses a change of the RBAC policy after which the caller
+// of this request could no longer change the policy: it names every right
+// the caller would lose. Without a caller in ctx (a call relayed by another
+// agent, checked there; access control off) there is nothing to check.
+func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting bool) error {
+	who, ok := authz.PrincipalFrom(ctx)
+	if !ok {
+		return nil
 	}
-	return nil
+	allowed := func(p *authz.Policy, resource, verb string) bool {
+		if p == nil {
+			return true
+		}
+		d, err := p.Decide(who, resource, verb)
+		return err == nil && d.Allowed
+	}
+	cur := a.policy()
+	var lost []string
+	for _, r := range policyResources() {
+		var verbs []string
+		for _, v := range authz.Verbs {
+			if allowed(cur, r, v) && !allowed(next, r, v) {
+				verbs = append(verbs, v)
+			}
+		}
+		if len(verbs) > 0 {
+			lost = append(lost, r+" ("+strings.Join(verbs, ", ")+")")
+		}
+	}
+	if allowed(next, RBACResource, "update") {
+		return nil
+	}
+	what := "this policy"
+	if deleting {
+		what = "deleting the cluster policy (the auth.rbac_policy file then applies)"
+	}
+	roles := "none"
+	if len(who.Roles) > 0 {
+		roles = strings.Join(who.Roles, ", ")
+	}
+	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
+		"%s would lock you out: %s (roles %s) could no longer update %s, so could not change or remove it again; you would lose: %s. Give one of your roles update on %s in the policy, or pass --force (force: true) to store it anyway",
+		what, who.Identity, roles, RBACResource, strings.Join(lost, "; "), RBACResource))
 }
 
 // Reload reads the files the agent can take up without a restart again

@@ -233,7 +233,7 @@ func (e *accessEnv) ops(target string) map[string]func(ctx context.Context) erro
 			return err
 		},
 		"config update": func(ctx context.Context) error {
-			_, err := e.cl.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: "test.access", Value: "x"})
+			_, err := e.cl.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: "kv/test.access", Value: "x"})
 			return err
 		},
 		"config list": func(ctx context.Context) error {
@@ -315,7 +315,7 @@ func TestAccessAuthentication(t *testing.T) {
 	if _, err := e.vm.ListVMs(ctx, &vmv1.ListVMsRequest{}); status.Code(err) != codes.Unauthenticated || !strings.Contains(err.Error(), "no credentials") {
 		t.Errorf("ListVMs without credentials: %v, want Unauthenticated saying no credentials", err)
 	}
-	if _, err := e.cl.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: "a", Value: "b"}); status.Code(err) != codes.Unauthenticated {
+	if _, err := e.cl.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: "kv/a", Value: "b"}); status.Code(err) != codes.Unauthenticated {
 		t.Errorf("SetConfig without credentials: %v, want Unauthenticated", err)
 	}
 	agenttest.Eventually(t, 10*time.Second, "a health check without credentials", func() error {
@@ -692,7 +692,7 @@ func TestAccessPolicyReload(t *testing.T) {
 	// Updating the config is not updating the policy: that is resource
 	// rbac.
 	editor := as(e.ctx(), e.token("eve", "config-editor"))
-	if _, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: "app.x", Value: "1"}); err != nil {
+	if _, err := e.cl.SetConfig(editor, &clusterv1.SetConfigRequest{Key: "kv/app.x", Value: "1"}); err != nil {
 		t.Errorf("config-editor sets a config key: %v", err)
 	}
 	for name, err := range map[string]error{

@@ -38,6 +38,7 @@ import (
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/access"
+	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
@@ -171,6 +172,12 @@ type Agent struct {
 	// serialises them.
 	current  atomic.Pointer[config.Config]
 	reloadMu sync.Mutex
+	// fileCfg is the configuration of the file and flags, without the
+	// cluster settings; settings follows the cluster settings.
+	fileCfg  atomic.Pointer[config.Config]
+	settings *settingsStatus
+	// authn names the API port's callers; nil when access control is off.
+	authn *authn.Authenticator
 	// guard is the API port's access control; nil when it is off.
 	guard *access.Guard
 	// policyFile is auth.rbac_policy; clusterPolicy follows the
@@ -240,6 +247,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	})
 	a.metrics.MustRegister(apply)
 	a.raftApplyTime = apply
+	a.settings = newSettingsStatus(a.metrics)
 	return a, nil
 }
 
@@ -265,6 +273,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	formCluster := func() error { return a.formCluster(ctx) }
 	for _, step := range []func() error{
 		a.openDataDir,     // the data dir and the node ID
+		a.loadSettings,    // the cluster settings this node last applied, on top of the file
 		a.startTracing,    // tracing.*
 		keyFiles,          // key files readable by group or others refused
 		a.listen,          // API, internal, metrics and Raft listeners
@@ -279,6 +288,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		formCluster,       // bootstrap and join
 		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
 		a.runCatalog,      // the placement catalog of this node's backends
+		a.runSettings,     // the cluster settings, applied as they change
 	} {
 		if err := step(); err != nil {
 			return err

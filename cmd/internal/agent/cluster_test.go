@@ -163,7 +163,7 @@ func TestForwardingAndReadModes(t *testing.T) {
 	})
 	t.Run("config-cas", func(t *testing.T) {
 		set := func(value string, cas *uint64) (*clusterv1.ConfigEntry, error) {
-			resp, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: value, CasRevision: cas}))
+			resp, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/log_level", Value: value, CasRevision: cas}))
 			if err != nil {
 				return nil, err
 			}
@@ -184,7 +184,7 @@ func TestForwardingAndReadModes(t *testing.T) {
 		if _, err := set("warn", &rev); connect.CodeOf(err) != connect.CodeAborted {
 			t.Fatalf("update with a stale revision: got %v, want Aborted", err)
 		}
-		hist, err := f.API.ConfigHistory(ctxT(t), connect.NewRequest(&clusterv1.ConfigHistoryRequest{Key: "log_level"}))
+		hist, err := f.API.ConfigHistory(ctxT(t), connect.NewRequest(&clusterv1.ConfigHistoryRequest{Key: "kv/log_level"}))
 		if err != nil {
 			t.Fatalf("history: %v", err)
 		}
@@ -276,21 +276,21 @@ func TestForwardingAndReadModes(t *testing.T) {
 			}
 		}
 		// A config key blocks on its own revision.
-		set, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "blk", Value: "1"}))
+		set, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/blk", Value: "1"}))
 		if err != nil {
 			t.Fatal(err)
 		}
 		rev := set.Msg.GetEntry().GetRevision()
 		gotCfg := make(chan *clusterv1.ConfigEntry, 1)
 		go func() {
-			r, err := f.API.GetConfig(ctxT(t), connect.NewRequest(&clusterv1.GetConfigRequest{Key: "blk",
+			r, err := f.API.GetConfig(ctxT(t), connect.NewRequest(&clusterv1.GetConfigRequest{Key: "kv/blk",
 				Read: &clusterv1.ReadOptions{WaitIndex: rev, WaitTime: durationpb.New(time.Minute)}}))
 			if err != nil {
 				t.Error(err)
 			}
 			gotCfg <- r.Msg.GetEntry()
 		}()
-		if _, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "blk", Value: "2"})); err != nil {
+		if _, err := f.API.SetConfig(ctxT(t), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/blk", Value: "2"})); err != nil {
 			t.Fatal(err)
 		}
 		select {

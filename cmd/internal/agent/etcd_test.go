@@ -78,16 +78,16 @@ func TestEtcdMode(t *testing.T) {
 
 	// Config compare-and-set across agents.
 	zero := uint64(0)
-	set, err := nodes[0].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "info", CasRevision: &zero}))
+	set, err := nodes[0].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/log_level", Value: "info", CasRevision: &zero}))
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = nodes[1].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "debug", CasRevision: &zero}))
+	_, err = nodes[1].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/log_level", Value: "debug", CasRevision: &zero}))
 	if connect.CodeOf(err) != connect.CodeAborted {
 		t.Fatalf("a second create through another agent: %v, want Aborted", err)
 	}
 	rev := set.Msg.GetEntry().GetRevision()
-	if _, err := nodes[2].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log_level", Value: "debug", CasRevision: &rev})); err != nil {
+	if _, err := nodes[2].API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/log_level", Value: "debug", CasRevision: &rev})); err != nil {
 		t.Fatalf("set with the current revision through a third agent: %v", err)
 	}
 

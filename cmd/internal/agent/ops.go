@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"expvar"
 	"fmt"
 	"log/slog"
@@ -12,7 +13,10 @@ import (
 	"strings"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
 // metricsMux is the operations port (8444): /metrics, /health, /live,
@@ -38,6 +42,7 @@ func (a *Agent) metricsMux() http.Handler {
 	})
 	mux.HandleFunc("GET /ready", a.readyHandler)
 	mux.Handle("POST /reload", a.management(http.HandlerFunc(a.reloadHandler)))
+	mux.Handle("POST /rbac/reset", a.management(http.HandlerFunc(a.rbacResetHandler)))
 	// Neither shows the command line (it may carry secrets): /debug/vars
 	// leaves expvar's cmdline out, and pprof's cmdline is not served.
 	mux.Handle("GET /debug/vars", a.management(http.HandlerFunc(debugVars)))
@@ -47,6 +52,30 @@ func (a *Agent) metricsMux() http.Handler {
 	mux.Handle("/debug/pprof/symbol", a.management(http.HandlerFunc(pprof.Symbol)))
 	mux.Handle("/debug/pprof/trace", a.management(http.HandlerFunc(pprof.Trace)))
 	return mux
+}
+
+// rbacResetHandler is POST /rbac/reset, the break-glass path out of a
+// cluster-wide RBAC policy that locks everyone out: it deletes the policy
+// (the auth.rbac_policy file of each node applies again) without any RBAC
+// check. Whoever reaches this node's operations port from an allowed
+// address (loopback by default: someone on the node) may; the call is
+// audited. It needs a leader, like every write.
+func (a *Agent) rbacResetHandler(w http.ResponseWriter, r *http.Request) {
+	a.logger.Warn("audit: break-glass: removing the cluster-wide RBAC policy through the operations port",
+		"audit", true, "decision", "allow", "method", "POST /rbac/reset", "resource", RBACResource, "verb", "delete", "remote", r.RemoteAddr)
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	resp, err := a.api.DeleteConfig(ctx, connect.NewRequest(&clusterv1.DeleteConfigRequest{Key: RBACPolicyKey}))
+	switch {
+	case connect.CodeOf(err) == connect.CodeNotFound:
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "removed": false, "detail": "no cluster-wide RBAC policy is set"})
+	case err != nil:
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "error", "error": "the cluster-wide RBAC policy was not removed: " + err.Error()})
+	default:
+		a.logger.Warn("audit: break-glass: cluster-wide RBAC policy removed", "audit", true, "index", resp.Msg.GetIndex(), "remote", r.RemoteAddr)
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "removed": true, "index": resp.Msg.GetIndex(),
+			"detail": "each node's auth.rbac_policy file applies again"})
+	}
 }
 
 func (a *Agent) metricsHandler() http.Handler {
@@ -247,5 +276,15 @@ func (a *Agent) commonReadiness(now time.Time, checks map[string]string, fail fu
 		default:
 			checks[name] = fmt.Sprintf("degraded: no endpoint available (%d configured); not required", len(eps))
 		}
+	}
+	// The cluster settings: a node that cannot apply them keeps serving
+	// with the last good ones, so this check reports without failing.
+	switch st := a.SettingsStatus(); {
+	case st.Error != "":
+		checks["config"] = fmt.Sprintf("degraded: cluster settings of revision %d not applied, serving with revision %d: %s", st.FailedRevision, st.Revision, st.Error)
+	case len(st.Keys) == 0:
+		checks["config"] = "ok: no cluster settings"
+	default:
+		checks["config"] = fmt.Sprintf("ok: cluster settings of revision %d applied (%s)", st.Revision, strings.Join(st.Keys, ", "))
 	}
 }

@@ -33,7 +33,7 @@ func TestDisasterRecovery(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := leader.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "log.level", Value: "warn"})); err != nil {
+	if _, err := leader.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/log.level", Value: "warn"})); err != nil {
 		t.Fatal(err)
 	}
 	wantIndex := leader.FSM().AppliedIndex()

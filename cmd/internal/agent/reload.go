@@ -10,17 +10,34 @@ import (
 	"pilab.hu/pivirt-agent/gateway/mesh"
 )
 
-// ReloadConfig applies a new configuration (validated) to the running
-// agent: the keys that can change live are applied — logging.level,
+// ReloadConfig applies a new configuration file (validated) to the running
+// agent, with the cluster settings in force on top of it (except those it
+// pins): the keys that can change live are applied — logging.level,
 // routing.rules, backends, load_balancing and circuit_breaking (new
 // backend clusters replace the old, which finish their calls in flight),
-// and rate_limiting — and every other
-// changed key is returned as needing a restart. Nothing is applied when
-// something live cannot be (a route to a backend that does not run): the
-// error names the key.
-func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, err error) {
+// rate_limiting and auth.certificate_roles — and every other changed key is
+// returned as needing a restart. Nothing is applied when something live
+// cannot be (a route to a backend that does not run, a cluster setting
+// that does not apply to the new file): the error names the key.
+func (a *Agent) ReloadConfig(file *config.Config) (applied, restart []string, err error) {
 	a.reloadMu.Lock()
 	defer a.reloadMu.Unlock()
+	a.settings.mu.Lock()
+	values := a.settings.values
+	a.settings.mu.Unlock()
+	next, _, err := config.ApplySettings(file, values)
+	if err != nil {
+		return nil, nil, fmt.Errorf("the cluster settings in force do not apply to this file: %w", err)
+	}
+	if applied, restart, err = a.applyConfig(next); err == nil {
+		a.fileCfg.Store(file)
+	}
+	return applied, restart, err
+}
+
+// applyConfig puts next (a file with the cluster settings on top) in force
+// where it differs from the configuration in force; reloadMu is held.
+func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err error) {
 	cur := a.current.Load()
 	merged := *cur
 	var (
@@ -29,6 +46,8 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 		limits   *access.Limits
 		backends []*mesh.Backend
 		rebuild  bool
+		// certRoles: auth.certificate_roles changed.
+		certRoles bool
 	)
 	changed := config.Diff(cur, next)
 	for _, k := range changed {
@@ -62,6 +81,9 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 				}
 				merged.Routing = next.Routing
 			}
+		case config.Under(k, "auth.certificate_roles") && a.authn != nil:
+			certRoles = true
+			merged.Auth.CertificateRoles = next.Auth.CertificateRoles
 		case config.Under(k, "rate_limiting") && a.guard != nil:
 			if limits == nil {
 				l := rateLimits(next.RateLimiting)
@@ -85,6 +107,9 @@ func (a *Agent) ReloadConfig(next *config.Config) (applied, restart []string, er
 	}
 	if level != nil {
 		a.opts.LogLevel.Set(*level)
+	}
+	if certRoles {
+		a.authn.SetCertRoles(next.Auth.CertificateRoles)
 	}
 	switch {
 	case rebuild:

@@ -329,7 +329,7 @@ func (c *retryClient) bestEffort(ctx context.Context, f func(ctx context.Context
 // pick builds a random write on one of the shared objects.
 func (c *retryClient) pick(ctx context.Context) write {
 	key := c.rng.IntN(retryKeys)
-	inst, cfgKey, sched := fmt.Sprintf("i%d", key), fmt.Sprintf("retry.k%d", key), fmt.Sprintf("rs%d", key)
+	inst, cfgKey, sched := fmt.Sprintf("i%d", key), fmt.Sprintf("kv/retry.k%d", key), fmt.Sprintf("rs%d", key)
 	unique := fmt.Sprintf("%s-%d", c.id, c.seq+1)
 	reregister := func(ctx context.Context) {
 		c.bestEffort(ctx, func(ctx context.Context, i int) error {

@@ -143,7 +143,7 @@ func TestSnapshotSaveRestoreAcrossClusters(t *testing.T) {
 	}})); err != nil {
 		t.Fatal(err)
 	}
-	for _, kv := range [][2]string{{"log.level", "debug"}, {"routing.rules", `{"rules":[]}`}} {
+	for _, kv := range [][2]string{{"kv/log.level", "debug"}, {"routing.rules", `[]`}} {
 		if _, err := leaderA.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: kv[0], Value: kv[1]})); err != nil {
 			t.Fatal(err)
 		}

@@ -85,7 +85,7 @@ func TestTracing(t *testing.T) {
 	if _, err := vm.ListVMs(metadata.AppendToOutgoingContext(ctx, "traceparent", "00-"+parentTrace+"-00f067aa0ba902b7-01"), &vmv1.ListVMsRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "trace.test", Value: "1"})); err != nil {
+	if _, err := n.API.SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "kv/trace.test", Value: "1"})); err != nil {
 		t.Fatal(err)
 	}
 	const method = "pivirt.vm.v1.VMService/ListVMs"

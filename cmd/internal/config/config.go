@@ -78,6 +78,11 @@ type Config struct {
 	Cluster         ClusterConfig            `yaml:"cluster"`
 	Snapshot        SnapshotConfig           `yaml:"snapshot"`
 
+	// PinnedSettings are cluster settings this node's file decides: the
+	// cluster's value of a pinned key is not applied here
+	// ("backends.<name>.retry" pins every backend's).
+	PinnedSettings []string `yaml:"pinned_settings"`
+
 	// Dev is set by --dev (ApplyDev): a single loopback node with a throw-away PKI. Not a
 	// file key.
 	Dev bool `yaml:"-"`

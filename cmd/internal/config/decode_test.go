@@ -23,7 +23,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "unknown top-level key",
 			doc:  "nodename: x\n",
-			want: "config.yaml: nodename: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot)",
+			want: "config.yaml: nodename: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot, pinned_settings)",
 		},
 		{
 			name: "unknown key depth 2",
@@ -53,7 +53,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "dev is not a file key",
 			doc:  "dev: true\n",
-			want: "config.yaml: dev: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot)",
+			want: "config.yaml: dev: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot, pinned_settings)",
 		},
 		{
 			name: "odd map key is quoted in the path",
@@ -223,7 +223,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "merge key",
 			doc:  "base: &b {endpoint: x:1}\nbackends:\n  a:\n    <<: *b\n",
-			want: "config.yaml: base: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot)\n" +
+			want: "config.yaml: base: unknown key (known: node_name, data_dir, server, tls, service_discovery, backends, auth, logging, tracing, routing, load_balancing, circuit_breaking, rate_limiting, cluster, snapshot, pinned_settings)\n" +
 				`config.yaml: backends.a["<<"]: invalid value: merge keys (<<) are not supported`,
 		},
 

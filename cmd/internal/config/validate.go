@@ -25,6 +25,11 @@ import (
 // file system only to check that cluster.gossip.encrypt_key_file exists.
 func (c *Config) Validate() error {
 	v := &validator{}
+	c.validateAll(v)
+	return errors.Join(v.errs...)
+}
+
+func (c *Config) validateAll(v *validator) {
 	v.enums(reflect.ValueOf(c).Elem(), "")
 	c.validateNode(v)
 	c.validateServer(v)
@@ -38,7 +43,20 @@ func (c *Config) Validate() error {
 	c.validateMesh(v)
 	c.validateCluster(v)
 	c.validateSnapshot(v)
-	return errors.Join(v.errs...)
+	c.validatePinned(v)
+}
+
+// validatePinned checks pinned_settings: each names a cluster setting.
+func (c *Config) validatePinned(v *validator) {
+	for i, p := range c.PinnedSettings {
+		known := slices.Contains(SettingKeys(), p)
+		if s, _, ok, err := LookupSetting(p); err == nil && ok && !s.Document {
+			known = true
+		}
+		if !known {
+			v.add(fmt.Sprintf("pinned_settings[%d]", i), "%w %q: not a cluster setting (settings: %s)", ErrInvalid, p, strings.Join(SettingKeys(), ", "))
+		}
+	}
 }
 
 func (c *Config) validateSnapshot(v *validator) {
@@ -53,7 +71,13 @@ func (c *Config) validateSnapshot(v *validator) {
 	}
 }
 
-type validator struct{ errs []error }
+type validator struct {
+	errs []error
+	// setting: a cluster setting is checked on its own; what it names
+	// elsewhere in the configuration (a route's backend) is checked where
+	// it is applied.
+	setting bool
+}
 
 func (v *validator) add(path, format string, args ...any) {
 	v.errs = append(v.errs, &FieldError{Path: path, Err: fmt.Errorf(format, args...)})
@@ -367,7 +391,7 @@ func (c *Config) validateMesh(v *validator) {
 			v.add(p+".route.cluster", "%w: required", ErrInvalid)
 		} else if err := checkName(r.Route.Cluster); err != nil {
 			v.add(p+".route.cluster", "%w %q: %w", ErrInvalid, r.Route.Cluster, err)
-		} else if _, ok := c.Backends[r.Route.Cluster]; !ok {
+		} else if _, ok := c.Backends[r.Route.Cluster]; !ok && !v.setting {
 			names := slices.Sorted(maps.Keys(c.Backends))
 			v.add(p+".route.cluster", "%w %q: not a backend (backends: %s)", ErrInvalid, r.Route.Cluster, strings.Join(names, ", "))
 		}

@@ -130,19 +130,19 @@ func TestClusterLifecycle(t *testing.T) {
 
 	step("config compare-and-set and history", func(t *testing.T) {
 		var first, second setConfigOut
-		c.okJSON(t, n3, &first, "config", "set", "log_level", "debug")
-		if first.Entry.Key != "log_level" || first.Entry.Value != "debug" || first.Entry.Revision == 0 {
-			t.Fatalf("config set log_level debug returned %+v, want key log_level, value debug, a revision", first.Entry)
+		c.okJSON(t, n3, &first, "config", "set", "logging.level", "debug")
+		if first.Entry.Key != "logging.level" || first.Entry.Value != "debug" || first.Entry.Revision == 0 {
+			t.Fatalf("config set logging.level debug returned %+v, want key logging.level, value debug, a revision", first.Entry)
 		}
 		rev1 := strconv.FormatUint(first.Entry.Revision, 10)
 
-		c.okJSON(t, n3, &second, "config", "set", "log_level", "info", "--cas", rev1)
+		c.okJSON(t, n3, &second, "config", "set", "logging.level", "info", "--cas", rev1)
 		if second.Entry.Value != "info" || second.Entry.Revision <= first.Entry.Revision {
-			t.Fatalf("config set log_level info --cas %s returned %+v, want value info and a revision above %s",
+			t.Fatalf("config set logging.level info --cas %s returned %+v, want value info and a revision above %s",
 				rev1, second.Entry, rev1)
 		}
 
-		r := c.pvcli(t, n3, "config", "set", "log_level", "warn", "--cas", rev1)
+		r := c.pvcli(t, n3, "config", "set", "logging.level", "warn", "--cas", rev1)
 		if r.code == 0 {
 			t.Errorf("%s\nwant a non-zero exit status: revision %s is no longer current", r, rev1)
 		}
@@ -150,15 +150,15 @@ func TestClusterLifecycle(t *testing.T) {
 			t.Errorf("%s\nwant an aborted error on stderr", r)
 		}
 
-		if got := c.ok(t, n3, "config", "get", "log_level").stdout; got != "info\n" {
-			t.Errorf("config get log_level after the failed compare-and-set = %q, want %q", got, "info\n")
+		if got := c.ok(t, n3, "config", "get", "logging.level").stdout; got != "info\n" {
+			t.Errorf("config get logging.level after the failed compare-and-set = %q, want %q", got, "info\n")
 		}
 
 		var h historyOut
-		c.okJSON(t, n3, &h, "config", "history", "log_level")
+		c.okJSON(t, n3, &h, "config", "history", "logging.level")
 		want := []configEntryOut{second.Entry, first.Entry}
 		if !slices.Equal(h.Entries, want) {
-			t.Errorf("config history log_level = %+v, want newest first %+v", h.Entries, want)
+			t.Errorf("config history logging.level = %+v, want newest first %+v", h.Entries, want)
 		}
 	})
 

@@ -41,8 +41,8 @@ func TestMigrateBetweenModes(t *testing.T) {
 	raft1 := startCluster(t, bins)
 	n := raft1.nodes[0]
 	registerMany(t, raft1, services)
-	raft1.ok(t, n, "config", "set", "routing.note", "first")
-	raft1.ok(t, n, "config", "set", "routing.note", "second")
+	raft1.ok(t, n, "config", "set", "kv/routing.note", "first")
+	raft1.ok(t, n, "config", "set", "kv/routing.note", "second")
 	var vm struct {
 		VM vmOut `json:"vm"`
 	}
@@ -100,9 +100,9 @@ func TestMigrateBetweenModes(t *testing.T) {
 		t.Fatalf("etcdctl get /pivirt/services --prefix printed %d lines, want a key and a JSON value for each of %d instances; first: %q", len(lines), services, lines[:min(2, len(lines))])
 	}
 	// The state is live in etcd mode: a write, then saved again.
-	etcd1.ok(t, etcd1.nodes[2], "config", "set", "routing.note", "third")
+	etcd1.ok(t, etcd1.nodes[2], "config", "set", "kv/routing.note", "third")
 	want.history = append([]string{"third"}, want.history...)
-	want.config["routing.note"] = "third"
+	want.config["kv/routing.note"] = "third"
 	fromEtcd := filepath.Join(work, "from-etcd.tar.gz")
 	etcd1.ok(t, etcd1.nodes[0], "snapshot", "save", fromEtcd)
 	etcd1.stopAll()
@@ -173,7 +173,7 @@ func captureState(t *testing.T, c *cluster, n *node, scheduleID string) clusterS
 			Value string `json:"value"`
 		} `json:"entries"`
 	}
-	c.okJSON(t, n, &hist, "config", "history", "routing.note", "--consistency", "consistent")
+	c.okJSON(t, n, &hist, "config", "history", "kv/routing.note", "--consistency", "consistent")
 	for _, e := range hist.Entries {
 		st.history = append(st.history, e.Value)
 	}

@@ -337,7 +337,7 @@ type casCounter struct {
 	acked atomic.Int64 // the highest value acknowledged written
 }
 
-const soakKey = "soak.counter"
+const soakKey = "kv/soak.counter"
 
 func (cc *casCounter) run(ctx context.Context, api []clusterv1connect.ClusterServiceClient, st *soakStats) {
 	for ctx.Err() == nil {

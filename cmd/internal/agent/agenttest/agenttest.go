@@ -106,6 +106,23 @@ func (b *LogBuffer) Write(p []byte) (int, error) {
 	return b.buf.Write(p)
 }
 
+// Len is how much the buffer holds: a mark for Since.
+func (b *LogBuffer) Len() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Len()
+}
+
+// Since returns what was written after mark (everything after a reset).
+func (b *LogBuffer) Since(mark int) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if mark > b.buf.Len() {
+		mark = 0
+	}
+	return b.buf.String()[mark:]
+}
+
 // Tail returns the last n lines.
 func (b *LogBuffer) Tail(n int) string {
 	b.mu.Lock()
@@ -148,13 +165,29 @@ func (c *Cluster) Logs() *LogBuffer { return c.logs }
 
 // Logger returns a logger writing into the cluster's log buffer.
 func (c *Cluster) Logger(name string) *slog.Logger {
-	return slog.New(slog.NewTextHandler(c.logs, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", name)
+	return c.logger(name, nil)
+}
+
+// logger is Logger at a level the agent may change (nil: debug).
+func (c *Cluster) logger(name string, level *slog.LevelVar) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: slog.LevelDebug}
+	if level != nil {
+		opts.Level = level
+	}
+	return slog.New(slog.NewTextHandler(c.logs, opts)).With("node", name)
 }
 
 // Start starts node i (a new slot when i == len(nodes)) with cfg.
 func (c *Cluster) Start(i int, cfg *config.Config) *Node {
 	c.tb.Helper()
-	a, err := agent.New(cfg, Options(c.Logger(cfg.NodeName)))
+	// The agent sets its logger's level (logging.level, live).
+	level := new(slog.LevelVar)
+	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
+		c.tb.Fatalf("agent %s: logging.level: %v", cfg.NodeName, err)
+	}
+	opts := Options(c.logger(cfg.NodeName, level))
+	opts.LogLevel = level
+	a, err := agent.New(cfg, opts)
 	if err != nil {
 		c.tb.Fatalf("new agent %s: %v", cfg.NodeName, err)
 	}

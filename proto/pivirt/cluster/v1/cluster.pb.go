@@ -2351,8 +2351,14 @@ type SetConfigRequest struct {
 	Value string                 `protobuf:"bytes,2,opt,name=value,proto3" json:"value,omitempty"`
 	// cas_revision, when present, makes the write conditional: it succeeds only
 	// if the current revision equals it (0 = the key must not exist).
-	CasRevision   *uint64       `protobuf:"varint,3,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
-	Write         *WriteOptions `protobuf:"bytes,4,opt,name=write,proto3" json:"write,omitempty"`
+	CasRevision *uint64       `protobuf:"varint,3,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
+	Write       *WriteOptions `protobuf:"bytes,4,opt,name=write,proto3" json:"write,omitempty"`
+	// dry_run validates the value (and the caller's rights after the change)
+	// without storing it; the answer holds the version stored now.
+	DryRun bool `protobuf:"varint,5,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// force stores an RBAC policy that would leave the caller unable to
+	// change it again.
+	Force         bool `protobuf:"varint,6,opt,name=force,proto3" json:"force,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2415,9 +2421,26 @@ func (x *SetConfigRequest) GetWrite() *WriteOptions {
 	return nil
 }
 
+func (x *SetConfigRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *SetConfigRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
+	}
+	return false
+}
+
 type SetConfigResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Entry         *ConfigEntry           `protobuf:"bytes,1,opt,name=entry,proto3" json:"entry,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// entry is the version written; with dry_run, the version stored now
+	// (none when the key does not exist).
+	Entry         *ConfigEntry `protobuf:"bytes,1,opt,name=entry,proto3" json:"entry,omitempty"`
+	DryRun        bool         `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2459,11 +2482,21 @@ func (x *SetConfigResponse) GetEntry() *ConfigEntry {
 	return nil
 }
 
+func (x *SetConfigResponse) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
 type DeleteConfigRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	CasRevision   *uint64                `protobuf:"varint,2,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
-	Write         *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Key         string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	CasRevision *uint64                `protobuf:"varint,2,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
+	Write       *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	// force deletes an RBAC policy even when the policy in force after it
+	// would leave the caller unable to set one again.
+	Force         bool `protobuf:"varint,4,opt,name=force,proto3" json:"force,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2517,6 +2550,13 @@ func (x *DeleteConfigRequest) GetWrite() *WriteOptions {
 		return x.Write
 	}
 	return nil
+}
+
+func (x *DeleteConfigRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
+	}
+	return false
 }
 
 type DeleteConfigResponse struct {
@@ -2993,19 +3033,23 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x04read\x18\x01 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"\x80\x01\n" +
 	"\x12ListConfigResponse\x128\n" +
 	"\aentries\x18\x01 \x03(\v2\x1e.pivirt.cluster.v1.ConfigEntryR\aentries\x120\n" +
-	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"\xaa\x01\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"\xd9\x01\n" +
 	"\x10SetConfigRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value\x12&\n" +
 	"\fcas_revision\x18\x03 \x01(\x04H\x00R\vcasRevision\x88\x01\x01\x125\n" +
-	"\x05write\x18\x04 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05writeB\x0f\n" +
-	"\r_cas_revision\"I\n" +
+	"\x05write\x18\x04 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\x12\x17\n" +
+	"\adry_run\x18\x05 \x01(\bR\x06dryRun\x12\x14\n" +
+	"\x05force\x18\x06 \x01(\bR\x05forceB\x0f\n" +
+	"\r_cas_revision\"b\n" +
 	"\x11SetConfigResponse\x124\n" +
-	"\x05entry\x18\x01 \x01(\v2\x1e.pivirt.cluster.v1.ConfigEntryR\x05entry\"\x97\x01\n" +
+	"\x05entry\x18\x01 \x01(\v2\x1e.pivirt.cluster.v1.ConfigEntryR\x05entry\x12\x17\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xad\x01\n" +
 	"\x13DeleteConfigRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12&\n" +
 	"\fcas_revision\x18\x02 \x01(\x04H\x00R\vcasRevision\x88\x01\x01\x125\n" +
-	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05writeB\x0f\n" +
+	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\x12\x14\n" +
+	"\x05force\x18\x04 \x01(\bR\x05forceB\x0f\n" +
 	"\r_cas_revision\",\n" +
 	"\x14DeleteConfigResponse\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x04R\x05index\"\\\n" +

@@ -1,0 +1,213 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-memdb"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/identity"
+)
+
+// SettingsFile keeps, in the data dir, the last cluster settings this agent
+// applied, so that a restart serves with them before it has caught up.
+const SettingsFile = "cluster-settings.json"
+
+// keptSettings is SettingsFile's content.
+type keptSettings struct {
+	Revision uint64            `json:"revision"`
+	Settings map[string]string `json:"settings"`
+}
+
+// settingsStatus is where this node stands with the cluster settings.
+type settingsStatus struct {
+	mu sync.Mutex
+	// values and revision: the settings in force and the config revision
+	// they were read at (0: none applied from the cluster yet).
+	values   map[string]string
+	revision uint64
+	// failed: the revision that could not be applied, and why.
+	failed    uint64
+	failedErr error
+
+	revisionGauge prometheus.Gauge
+	failingGauge  prometheus.Gauge
+	applyTotal    *prometheus.CounterVec
+}
+
+func newSettingsStatus(reg prometheus.Registerer) *settingsStatus {
+	s := &settingsStatus{
+		revisionGauge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "pivirt_config_settings_revision",
+			Help: "Config revision of the cluster settings this agent applied.",
+		}),
+		failingGauge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "pivirt_config_settings_failing",
+			Help: "1 while the latest cluster settings could not be applied on this agent (it serves with the last good ones).",
+		}),
+		applyTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pivirt_config_settings_apply_total",
+			Help: "Changes of the cluster settings this agent applied (result ok) or could not apply (result error).",
+		}, []string{"result"}),
+	}
+	reg.MustRegister(s.revisionGauge, s.failingGauge, s.applyTotal)
+	return s
+}
+
+// SettingsStatus is this agent's state of the cluster settings.
+type SettingsStatus struct {
+	// Revision is the config revision of the settings in force.
+	Revision uint64
+	// Keys are the settings in force from the cluster.
+	Keys []string
+	// FailedRevision and Error: the latest settings could not be applied.
+	FailedRevision uint64
+	Error          string
+}
+
+// SettingsStatus reports this agent's state of the cluster settings.
+func (a *Agent) SettingsStatus() SettingsStatus {
+	s := a.settings
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := SettingsStatus{Revision: s.revision, Keys: slices.Sorted(maps.Keys(s.values)), FailedRevision: s.failed}
+	if s.failedErr != nil {
+		st.Error = s.failedErr.Error()
+	}
+	return st
+}
+
+// loadSettings puts the kept cluster settings on top of the file before
+// anything is built from the configuration: a restarted agent serves with
+// the settings it last applied (the replicated state may take a while to
+// catch up, or never without a quorum).
+func (a *Agent) loadSettings() error {
+	a.fileCfg.Store(a.cfg)
+	path := filepath.Join(a.dataDir, SettingsFile)
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	var kept keptSettings
+	if err == nil {
+		err = json.Unmarshal(b, &kept)
+	}
+	if err != nil {
+		a.logger.Error("the kept cluster settings do not load; starting with the file's values until the agent catches up", "path", path, "error", err)
+		return nil
+	}
+	next, applied, err := config.ApplySettings(a.cfg, kept.Settings)
+	if err != nil {
+		a.logger.Error("the kept cluster settings do not apply to this configuration; starting with the file's values until the agent catches up", "path", path, "revision", kept.Revision, "error", err)
+		a.settings.fail(kept.Revision, err)
+		return nil
+	}
+	a.cfg = next
+	if a.opts.LogLevel != nil {
+		if err := a.opts.LogLevel.UnmarshalText([]byte(next.Logging.Level)); err != nil {
+			return fmt.Errorf("logging.level: %w", err)
+		}
+	}
+	a.settings.ok(kept.Revision, kept.Settings)
+	a.logger.Info("cluster settings in force from the data dir until the agent catches up", "revision", kept.Revision, "settings", applied)
+	return nil
+}
+
+func (s *settingsStatus) ok(revision uint64, values map[string]string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.values, s.revision, s.failed, s.failedErr = values, revision, 0, nil
+	s.revisionGauge.Set(float64(revision))
+	s.failingGauge.Set(0)
+}
+
+func (s *settingsStatus) fail(revision uint64, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.failed, s.failedErr = revision, err
+	s.failingGauge.Set(1)
+}
+
+// runSettings applies the cluster settings of the replicated state on top
+// of the file's configuration, now and after every change of the config
+// table, until the agent stops. A set that does not apply here leaves the
+// settings in force as they were, and is reported (SettingsStatus, /ready,
+// pivirt_config_settings_failing) until a later change applies.
+func (a *Agent) runSettings() error {
+	a.wg.Go(func() {
+		for a.ctx.Err() == nil {
+			ws := memdb.NewWatchSet()
+			index, entries, err := a.fsm.State().ConfigEntries(ws)
+			if err != nil {
+				a.logger.Error("reading the cluster settings failed; retrying", "error", err)
+				if !sleepCtx(a.ctx, time.Second) {
+					return
+				}
+				continue
+			}
+			values := map[string]string{}
+			for _, e := range entries {
+				if s, _, ok, err := config.LookupSetting(e.GetKey()); err == nil && ok && !s.Document {
+					values[e.GetKey()] = e.GetValue()
+				}
+			}
+			a.syncSettings(index, values)
+			if err := ws.WatchCtx(a.ctx); err != nil {
+				return
+			}
+		}
+	})
+	return nil
+}
+
+// syncSettings applies values (read at config revision index) unless they
+// are what is in force.
+func (a *Agent) syncSettings(index uint64, values map[string]string) {
+	a.reloadMu.Lock()
+	defer a.reloadMu.Unlock()
+	s := a.settings
+	s.mu.Lock()
+	same := maps.Equal(s.values, values) && s.failedErr == nil
+	// A restarted node's state starts behind the settings it kept (Raft
+	// applies the log past the last snapshot once it hears from a leader):
+	// it never goes back to them.
+	behind := index < s.revision
+	s.mu.Unlock()
+	if same || behind {
+		return
+	}
+	next, keys, err := config.ApplySettings(a.fileCfg.Load(), values)
+	if err == nil {
+		_, _, err = a.applyConfig(next)
+	}
+	if err != nil {
+		s.mu.Lock()
+		repeated := s.failed == index
+		s.mu.Unlock()
+		s.fail(index, err)
+		if !repeated {
+			s.applyTotal.WithLabelValues("error").Inc()
+			a.logger.Error("cluster settings not applied on this node; serving with the last good ones until a change applies", "revision", index, "error", err)
+		}
+		return
+	}
+	s.ok(index, values)
+	s.applyTotal.WithLabelValues("ok").Inc()
+	a.logger.Info("cluster settings applied", "revision", index, "settings", keys)
+	b, err := json.Marshal(keptSettings{Revision: index, Settings: values})
+	if err == nil {
+		err = identity.WriteFileAtomic(filepath.Join(a.dataDir, SettingsFile), b, 0o600)
+	}
+	if err != nil {
+		a.logger.Error("keeping a copy of the cluster settings failed", "error", err)
+	}
+}

@@ -1,0 +1,329 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
+	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+)
+
+// TestClusterSettings: each cluster setting set through one node is applied
+// on every node within a bounded time, seen in what the nodes do (debug
+// lines, where VM calls go, a rate limit, certificate roles); invalid values
+// are refused with nothing stored; a node that cannot apply a setting keeps
+// serving with the last good ones and says so; a restarted node serves
+// with the stored settings from its first call; a file pins a key.
+func TestClusterSettings(t *testing.T) {
+	simA, simB := startSim(t), startSim(t)
+	e := newAccessEnvWith(t, 3, func(i int, cfg *config.Config) {
+		withBackends(simA.addr)(i, cfg)
+		// Every node but node3 also has the backend "other" (a second
+		// simulator); node3 cannot apply a route to it.
+		if i != 2 {
+			cfg.Backends["other"] = config.BackendConfig{Endpoint: simB.addr, Scope: config.ScopeCluster}
+		}
+		cfg.Logging.Level = "info"
+		if i == 1 {
+			cfg.PinnedSettings = []string{"backends.<name>.timeout"}
+		}
+	}, nil)
+	admin := func() context.Context { return as(e.ctx(), e.token("root", "admin")) }
+	nodes := e.c.Nodes()
+	set := func(key, value string) *clusterv1.ConfigEntry {
+		t.Helper()
+		resp, err := clusterv1.NewClusterServiceClient(e.dialAt(nodes[2].APIAddr(), nil)).SetConfig(admin(), &clusterv1.SetConfigRequest{Key: key, Value: value})
+		if err != nil {
+			t.Fatalf("set %s: %v", key, err)
+		}
+		return resp.GetEntry()
+	}
+	applied := func(what string, rev uint64, check func(n *agenttest.Node) error) {
+		t.Helper()
+		agenttest.Eventually(t, 5*time.Second, what+" on every node", func() error {
+			for _, n := range e.c.Nodes() {
+				if st := n.SettingsStatus(); st.Revision < rev && st.FailedRevision < rev {
+					return fmt.Errorf("%s at revision %d, want %d", n.Name, st.Revision, rev)
+				}
+				if check != nil {
+					if err := check(n); err != nil {
+						return fmt.Errorf("%s: %w", n.Name, err)
+					}
+				}
+			}
+			return nil
+		})
+	}
+
+	// logging.level: debug lines appear on every node (reads are audited at
+	// debug level).
+	read := func(n *agenttest.Node) {
+		t.Helper()
+		if _, err := clusterv1.NewClusterServiceClient(e.dialAt(n.APIAddr(), nil)).ListServices(admin(), &clusterv1.ListServicesRequest{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	debugOf := func(mark int, n *agenttest.Node) bool {
+		for _, line := range strings.Split(e.c.Logs().Since(mark), "\n") {
+			if strings.Contains(line, "level=DEBUG") && strings.Contains(line, "node="+n.Name+" ") {
+				return true
+			}
+		}
+		return false
+	}
+	mark := e.c.Logs().Len()
+	for _, n := range nodes {
+		read(n)
+	}
+	for _, n := range nodes {
+		if debugOf(0, n) {
+			t.Fatalf("%s logs debug lines at logging.level info", n.Name)
+		}
+	}
+	rev := set("logging.level", "debug").GetRevision()
+	applied("logging.level debug", rev, func(n *agenttest.Node) error {
+		read(n)
+		if !debugOf(mark, n) {
+			return fmt.Errorf("no debug line")
+		}
+		return nil
+	})
+
+	// Refused at write, nothing stored.
+	for _, tc := range []struct{ key, value, want string }{
+		{"logging.level", "verbose", `logging.level: invalid value "verbose" (allowed: debug, info, warn, error)`},
+		{"log_level", "debug", `log_level: unknown key: cluster settings: logging.level, routing.rules`},
+		{"rate_limiting", "{enabled: true, requests_per_second: 0, burst: 1}", "rate_limiting.requests_per_second: invalid value 0: must be positive"},
+		{"routing.rules", "[{match: {prefix: /x}, route: {clustre: other}}]", "routing.rules[0].route.clustre: unknown key (known: cluster)"},
+		{"backends.pivirtd.endpoint", "unix:///elsewhere", "not a cluster setting (a key of each node's file, set there)"},
+	} {
+		_, err := e.cl.SetConfig(admin(), &clusterv1.SetConfigRequest{Key: tc.key, Value: tc.value})
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("set %s %q: %v, want InvalidArgument with %q", tc.key, tc.value, err, tc.want)
+		}
+	}
+	if h, err := e.cl.ConfigHistory(admin(), &clusterv1.ConfigHistoryRequest{Key: "logging.level"}); err != nil || len(h.GetEntries()) != 1 || h.GetEntries()[0].GetValue() != "debug" {
+		t.Errorf("logging.level history after refused writes: %v %v", h.GetEntries(), err)
+	}
+	for _, key := range []string{"log_level", "rate_limiting"} {
+		if _, err := e.cl.GetConfig(admin(), &clusterv1.GetConfigRequest{Key: key}); status.Code(err) != codes.NotFound {
+			t.Errorf("a refused %s was stored: %v", key, err)
+		}
+	}
+	// A dry run validates and stores nothing.
+	if resp, err := e.cl.SetConfig(admin(), &clusterv1.SetConfigRequest{Key: "logging.level", Value: "warn", DryRun: true}); err != nil || !resp.GetDryRun() || resp.GetEntry().GetValue() != "debug" {
+		t.Errorf("dry run: %v %v, want the stored version (debug)", resp, err)
+	}
+	if _, err := e.cl.SetConfig(admin(), &clusterv1.SetConfigRequest{Key: "logging.level", Value: "loud", DryRun: true}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("dry run of an invalid value: %v", err)
+	}
+	if r, err := e.cl.GetConfig(admin(), &clusterv1.GetConfigRequest{Key: "logging.level"}); err != nil || r.GetEntry().GetRevision() != rev {
+		t.Errorf("after dry runs: %v %v, want revision %d", r.GetEntry(), err, rev)
+	}
+
+	// routing.rules: VM calls move to the other backend on node1 and node2;
+	// node3 has no backend "other", keeps its routes and reports it.
+	vmClient := func(n *agenttest.Node) vmv1.VMServiceClient {
+		return vmv1.NewVMServiceClient(e.dialAt(n.APIAddr(), nil))
+	}
+	e.createVM("alice") // on simA, through the file's routes
+	countVMs := func(n *agenttest.Node) (int, error) {
+		r, err := vmClient(n).ListVMs(admin(), &vmv1.ListVMsRequest{})
+		return len(r.GetVms()), err
+	}
+	for _, n := range nodes {
+		if got, err := countVMs(n); err != nil || got != 1 {
+			t.Fatalf("%s lists %d VMs (%v) before the route moves, want 1", n.Name, got, err)
+		}
+	}
+	rules := "- match: {prefix: /pivirt.vm.v1.VMService}\n  route: {cluster: other}\n- match: {prefix: /pivirt.storage.v1.StorageService}\n  route: {cluster: iscsiman}\n"
+	rev = set("routing.rules", rules).GetRevision()
+	applied("routing.rules", rev, func(n *agenttest.Node) error {
+		want := 0 // simB has none
+		if n.Name == "node3" {
+			want = 1
+		}
+		if got, err := countVMs(n); err != nil || got != want {
+			return fmt.Errorf("lists %d VMs (%v), want %d", got, err, want)
+		}
+		return nil
+	})
+	st := nodes[2].SettingsStatus()
+	if st.FailedRevision != rev || !strings.Contains(st.Error, `routing.rules[0].route.cluster: invalid value "other": not a backend (backends: iscsiman, pivirtd)`) {
+		t.Errorf("node3's status: %+v", st)
+	}
+	ready := httpGet(t, "http://"+nodes[2].MetricsAddr()+"/ready")
+	if !strings.Contains(ready, "degraded: cluster settings of revision") || !strings.Contains(ready, `\"ready\"`) && !strings.Contains(ready, `"status":"ready"`) {
+		t.Errorf("node3 /ready: %s", ready)
+	}
+	if m := httpGet(t, "http://"+nodes[2].MetricsAddr()+"/metrics"); !strings.Contains(m, "pivirt_config_settings_failing 1") {
+		t.Error("node3 does not report pivirt_config_settings_failing 1")
+	}
+	if m := httpGet(t, "http://"+nodes[0].MetricsAddr()+"/metrics"); !strings.Contains(m, "pivirt_config_settings_failing 0") || !strings.Contains(m, fmt.Sprintf("pivirt_config_settings_revision %d", rev)) {
+		t.Error("node1 does not report the revision applied")
+	}
+
+	// A node that fails keeps the other settings it had, and retries on the
+	// next change: deleting routing.rules applies everywhere again.
+	del, err := clusterv1.NewClusterServiceClient(e.dialAt(nodes[0].APIAddr(), nil)).DeleteConfig(admin(), &clusterv1.DeleteConfigRequest{Key: "routing.rules"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied("routing.rules deleted", del.GetIndex(), func(n *agenttest.Node) error {
+		if st := n.SettingsStatus(); st.Error != "" {
+			return fmt.Errorf("still failing: %s", st.Error)
+		}
+		if got, err := countVMs(n); err != nil || got != 1 {
+			return fmt.Errorf("lists %d VMs (%v), want 1", got, err)
+		}
+		return nil
+	})
+
+	// rate_limiting: a limit set once refuses on every node.
+	set("rate_limiting", "{enabled: true, requests_per_second: 1000, burst: 1000, routes: [{prefix: /pivirt.cluster.v1.ClusterService/Members, requests_per_second: 0.01, burst: 2}]}")
+	for _, n := range nodes {
+		cl := clusterv1.NewClusterServiceClient(e.dialAt(n.APIAddr(), nil))
+		viewer := as(e.ctx(), e.token("rate-"+n.Name, "viewer"))
+		agenttest.Eventually(t, 5*time.Second, "the rate limit on "+n.Name, func() error {
+			for range 3 {
+				if _, err := cl.Members(viewer, &clusterv1.MembersRequest{}); status.Code(err) == codes.ResourceExhausted {
+					return nil
+				}
+			}
+			return fmt.Errorf("3 calls passed")
+		})
+	}
+
+	// auth.certificate_roles: a certificate's roles change on every node.
+	cert := e.clientCert("ops-carol")
+	agenttest.Eventually(t, 5*time.Second, "the file's certificate roles", func() error {
+		_, err := vmv1.NewVMServiceClient(e.dialAt(nodes[1].APIAddr(), cert)).DeleteVM(e.ctx(), &vmv1.DeleteVMRequest{Id: "none"})
+		if status.Code(err) != codes.PermissionDenied {
+			return fmt.Errorf("an operator deletes: %v", err)
+		}
+		return nil
+	})
+	set("auth.certificate_roles", "{'ops-*': [admin]}")
+	for _, n := range nodes {
+		vms := vmv1.NewVMServiceClient(e.dialAt(n.APIAddr(), cert))
+		agenttest.Eventually(t, 5*time.Second, "admin by certificate on "+n.Name, func() error {
+			if _, err := vms.DeleteVM(e.ctx(), &vmv1.DeleteVMRequest{Id: "none"}); status.Code(err) != codes.NotFound {
+				return fmt.Errorf("delete: %v, want NotFound (allowed)", err)
+			}
+			return nil
+		})
+	}
+
+	// backends.<name>.timeout: node2 pins it.
+	rev = set("backends.pivirtd.timeout", "3s").GetRevision()
+	applied("backends.pivirtd.timeout", rev, nil)
+	for i, n := range nodes {
+		st := n.SettingsStatus()
+		if st.Error != "" {
+			t.Errorf("%s: %s", n.Name, st.Error)
+		}
+		if !strings.Contains(strings.Join(st.Keys, ","), "backends.pivirtd.timeout") {
+			t.Errorf("%s: keys %v", n.Name, st.Keys)
+		}
+		_ = i
+	}
+
+	// A restart serves with the stored settings from its first call, before
+	// it has caught up: node1 is restarted with the cluster down to it alone
+	// (no quorum), and its rate limit and routes hold at once.
+	if _, err := os.Stat(filepath.Join(nodes[0].DataDir(), agent.SettingsFile)); err != nil {
+		t.Fatal(err)
+	}
+	e.c.Kill(1)
+	e.c.Kill(2)
+	e.c.Kill(0)
+	n1 := e.c.Restart(0, false, "")
+	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 4 {
+		t.Errorf("restarted node1's settings: %+v, want revision %d and 4 keys", st, rev)
+	}
+	cl := clusterv1.NewClusterServiceClient(e.dialAt(n1.APIAddr(), nil))
+	viewer := as(e.ctx(), e.token("after-restart", "viewer"))
+	var errs []error
+	for range 3 {
+		_, err := cl.Members(viewer, &clusterv1.MembersRequest{})
+		if errs = append(errs, err); status.Code(err) == codes.ResourceExhausted {
+			break
+		}
+	}
+	if status.Code(errs[len(errs)-1]) != codes.ResourceExhausted {
+		t.Errorf("the restarted node does not apply the stored rate limit: %v", errs)
+	}
+	if !strings.Contains(e.c.Logs().Since(mark), "cluster settings in force from the data dir") {
+		t.Error("no log line of the kept settings")
+	}
+}
+
+// TestRBACLockOut: a cluster RBAC policy that would take away the caller's
+// own right to change it is refused, naming the rights lost, unless
+// forced; the break-glass path on the operations port removes it, audited.
+func TestRBACLockOut(t *testing.T) {
+	e := newAccessEnv(t, 1, func(cfg *config.Config) {
+		cfg.Auth.RBACPolicy = "" // the quick start: every authenticated caller may do everything
+	})
+	spec, err := os.ReadFile(filepath.Join("..", "..", "..", "gateway", "authz", "testdata", "spec-rbac.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	operator := clusterv1.NewClusterServiceClient(e.dial(e.clientCert("operator"))) // no roles
+	_, err = operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec)})
+	for _, want := range []string{"this policy would lock you out: operator (roles none) could no longer update rbac", "you would lose: ", "rbac (get, list, create, update, patch, delete", "pass --force"} {
+		if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), want) {
+			t.Errorf("the spec's policy set by a caller without roles: %v, want FailedPrecondition with %q", err, want)
+		}
+	}
+	if _, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec), DryRun: true}); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("dry run of the lock-out: %v", err)
+	}
+	if _, err := e.cl.GetConfig(as(e.ctx(), e.token("root", "admin")), &clusterv1.GetConfigRequest{Key: agent.RBACPolicyKey}); status.Code(err) != codes.NotFound {
+		t.Errorf("a refused policy was stored: %v", err)
+	}
+	// An admin keeps its rights under the spec's policy.
+	admin := as(e.ctx(), e.token("root", "admin"))
+	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec), DryRun: true}); err != nil {
+		t.Errorf("an admin's dry run: %v", err)
+	}
+	// Forced, the operator locks itself out: it can no longer delete it.
+	if _, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec), Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 5*time.Second, "the operator locked out", func() error {
+		_, err := operator.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey})
+		if status.Code(err) != codes.PermissionDenied {
+			return fmt.Errorf("delete: %v", err)
+		}
+		return nil
+	})
+	// An admin deleting it would fall back to no policy: nothing to lose.
+	// Break-glass on the operations port, from this host only.
+	mark := e.c.Logs().Len()
+	code, body := httpPost(t, "http://"+e.n.MetricsAddr()+"/rbac/reset")
+	if code != 200 || !strings.Contains(body, `"removed":true`) {
+		t.Fatalf("POST /rbac/reset: %d %s", code, body)
+	}
+	if !strings.Contains(e.c.Logs().Since(mark), "audit: break-glass: cluster-wide RBAC policy removed") {
+		t.Error("the break-glass removal is not audited")
+	}
+	agenttest.Eventually(t, 5*time.Second, "the operator back in", func() error {
+		_, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: "kv/back", Value: "in"})
+		return err
+	})
+	if code, body := httpPost(t, "http://"+e.n.MetricsAddr()+"/rbac/reset"); code != 200 || !strings.Contains(body, `"removed":false`) {
+		t.Errorf("POST /rbac/reset without a policy: %d %s", code, body)
+	}
+}
