@@ -126,6 +126,14 @@ func (g grpcNode) ReportPlacements(ctx context.Context, r *connect.Request[nodev
 	return callGRPC(ctx, r, g.c.ReportPlacements)
 }
 
+func (g grpcNode) ConfigStatus(ctx context.Context, r *connect.Request[nodev1.ConfigStatusRequest]) (*connect.Response[nodev1.ConfigStatusResponse], error) {
+	return callGRPC(ctx, r, g.c.ConfigStatus)
+}
+
+func (g grpcCluster) ConfigStatus(ctx context.Context, r *connect.Request[clusterv1.ConfigStatusRequest]) (*connect.Response[clusterv1.ConfigStatusResponse], error) {
+	return callGRPC(ctx, r, g.c.ConfigStatus)
+}
+
 func (g grpcNode) Keyring(ctx context.Context, r *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {
 	return callGRPC(ctx, r, g.c.Keyring)
 }

@@ -63,6 +63,10 @@ func (nodeServer) ReportPlacements(context.Context, *nodev1.ReportPlacementsRequ
 	return &nodev1.ReportPlacementsResponse{}, nil
 }
 
+func (nodeServer) ConfigStatus(context.Context, *nodev1.ConfigStatusRequest) (*nodev1.ConfigStatusResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "test")
+}
+
 func first(v []string) string {
 	if len(v) == 0 {
 		return ""

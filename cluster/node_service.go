@@ -41,6 +41,22 @@ type NodeService struct {
 	signer    CertificateSigner
 	prove     func(nonce []byte) (*nodev1.IdentityProof, error)
 	place     func(ctx context.Context, op *fsmv1.SetPlacements) error
+	config    func() *clusterv1.NodeConfigStatus
+}
+
+// SetConfigStatus makes ConfigStatus answer with status (this node's state
+// of the cluster settings). Without it, ConfigStatus fails with
+// Unimplemented.
+func (s *NodeService) SetConfigStatus(status func() *clusterv1.NodeConfigStatus) {
+	s.config = status
+}
+
+// ConfigStatus implements nodev1connect.NodeServiceHandler.
+func (s *NodeService) ConfigStatus(context.Context, *connect.Request[nodev1.ConfigStatusRequest]) (*connect.Response[nodev1.ConfigStatusResponse], error) {
+	if s.config == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this node does not follow the cluster settings"))
+	}
+	return connect.NewResponse(&nodev1.ConfigStatusResponse{Status: s.config()}), nil
 }
 
 // SetPlacementSink makes ReportPlacements record a node's report with

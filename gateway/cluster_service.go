@@ -128,7 +128,11 @@ type ClusterServiceConfig struct {
 	// given internal address (NodeService.Keyring). Nil: Keyring answers
 	// Unimplemented.
 	Keyring func(ctx context.Context, internalAddr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error)
-	Logger  *slog.Logger
+	// ConfigStatus asks the member with the given internal address for its
+	// state of the cluster settings (NodeService.ConfigStatus). Nil:
+	// ConfigStatus answers Unimplemented.
+	ConfigStatus func(ctx context.Context, internalAddr string) (*clusterv1.NodeConfigStatus, error)
+	Logger       *slog.Logger
 }
 
 // DefaultClusterServiceConfig returns the defaults.

@@ -121,6 +121,14 @@ func (g nodeGRPC) Status(ctx context.Context, r *nodev1.StatusRequest) (*nodev1.
 	return unary(ctx, r, g.h.Status)
 }
 
+func (g nodeGRPC) ConfigStatus(ctx context.Context, r *nodev1.ConfigStatusRequest) (*nodev1.ConfigStatusResponse, error) {
+	return unary(ctx, r, g.h.ConfigStatus)
+}
+
+func (g clusterGRPC) ConfigStatus(ctx context.Context, r *clusterv1.ConfigStatusRequest) (*clusterv1.ConfigStatusResponse, error) {
+	return unary(ctx, r, g.h.ConfigStatus)
+}
+
 func (g nodeGRPC) Keyring(ctx context.Context, r *nodev1.KeyringRequest) (*nodev1.KeyringResponse, error) {
 	return unary(ctx, r, g.h.Keyring)
 }

@@ -75,6 +75,43 @@ func (h *ClusterService) Keyring(ctx context.Context, req *connect.Request[clust
 	return connect.NewResponse(&clusterv1.KeyringResponse{Nodes: out}), nil
 }
 
+// ConfigStatus implements clusterv1connect.ClusterServiceHandler: every
+// live member is asked (through its internal port, this node's included)
+// at once.
+func (h *ClusterService) ConfigStatus(ctx context.Context, _ *connect.Request[clusterv1.ConfigStatusRequest]) (*connect.Response[clusterv1.ConfigStatusResponse], error) {
+	if h.cfg.ConfigStatus == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent does not follow the cluster settings"))
+	}
+	var (
+		mu  sync.Mutex
+		out []*clusterv1.NodeConfigStatus
+		wg  sync.WaitGroup
+	)
+	for _, m := range h.members.Members() {
+		if m.Status != cluster.StatusAlive || m.Meta.InternalAddr == "" {
+			continue
+		}
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, keyringTimeout)
+			defer cancel()
+			st, err := h.cfg.ConfigStatus(cctx, m.Meta.InternalAddr)
+			if st == nil {
+				st = &clusterv1.NodeConfigStatus{}
+			}
+			st.Node, st.NodeId = m.Name, m.Meta.ID
+			if err != nil {
+				st.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+			}
+			mu.Lock()
+			out = append(out, st)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	slices.SortFunc(out, func(a, b *clusterv1.NodeConfigStatus) int { return strings.Compare(a.GetNode(), b.GetNode()) })
+	return connect.NewResponse(&clusterv1.ConfigStatusResponse{Nodes: out}), nil
+}
+
 // errorMessage is a Connect error's message, or the error's text.
 func errorMessage(err error) string {
 	if ce, ok := err.(*connect.Error); ok {

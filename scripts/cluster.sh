@@ -85,6 +85,9 @@ server:
 cluster:
   gossip:
     encrypt_key_file: $dir/gossip.key
+auth:
+  certificate_roles:
+    operator: [admin]   # the operator certificate of pvcli: keeps its rights under any RBAC policy that grants admin
 logging:
   format: text
 backends:
@@ -122,8 +125,10 @@ any node (8443, 8453, 8463):
   pvcli --endpoint https://127.0.0.1:8453 cluster members
   pvcli --endpoint https://127.0.0.1:8463 service register web --address 10.0.0.5 --port 8080 --tag v1
   pvcli --endpoint https://127.0.0.1:8443 service list --consistency consistent
-  pvcli --endpoint https://127.0.0.1:8453 config set maintenance.window "Sun 02:00-04:00"
-  pvcli --endpoint https://127.0.0.1:8463 config history maintenance.window
+  pvcli --endpoint https://127.0.0.1:8453 config set logging.level debug   # every agent logs at debug within a second
+  pvcli --endpoint https://127.0.0.1:8463 config status                     # which settings each node applied
+  pvcli --endpoint https://127.0.0.1:8453 config set kv/maintenance.window "Sun 02:00-04:00"
+  pvcli --endpoint https://127.0.0.1:8463 config history kv/maintenance.window
   pvcli --endpoint https://127.0.0.1:8443 snapshot save backup.tar.gz
   pvcli --endpoint https://127.0.0.1:8453 vm create web-1 --vcpus 2 --memory-mib 2048 --owner alice
   pvcli --endpoint https://127.0.0.1:8443 vm create db-1 --host node3   # on node3's (simulated) hypervisor

@@ -33,6 +33,12 @@ func (a *app) newConfigCmd() *cobra.Command {
 		a.newConfigDeleteCmd(),
 		a.newConfigRollbackCmd(),
 		&cobra.Command{
+			Use:   "status",
+			Short: "Show, per node, the cluster settings it applied and any it could not apply",
+			Args:  positional(),
+			RunE:  a.command(a.configStatus),
+		},
+		&cobra.Command{
 			Use:   "history KEY",
 			Short: "List the retained versions of a key, newest first",
 			Args:  positional("KEY"),
@@ -310,6 +316,32 @@ func (a *app) configList(cmd *cobra.Command, _ []string) error {
 			row(w, "KEY", "REVISION", "UPDATED", "VALUE")
 			for _, e := range resp.Msg.GetEntries() {
 				row(w, e.GetKey(), formatUint(e.GetRevision()), formatTime(e.GetUpdatedAt()), truncate(e.GetValue()))
+			}
+		})
+	})
+}
+
+func (a *app) configStatus(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.ConfigStatus(ctx, connect.NewRequest(&clusterv1.ConfigStatusRequest{}))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, func(w io.Writer) {
+			row(w, "NODE", "REVISION", "STATUS", "SETTINGS")
+			for _, n := range resp.Msg.GetNodes() {
+				st := "ok"
+				switch {
+				case n.GetError() != "":
+					st = "unreachable: " + n.GetError()
+				case n.GetApplyError() != "":
+					st = fmt.Sprintf("revision %d not applied: %s", n.GetFailedRevision(), n.GetApplyError())
+				}
+				keys := strings.Join(n.GetKeys(), ",")
+				if keys == "" {
+					keys = "-"
+				}
+				row(w, n.GetNode(), formatUint(n.GetRevision()), st, keys)
 			}
 		})
 	})

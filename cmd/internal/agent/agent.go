@@ -541,6 +541,13 @@ func (a *Agent) buildServices() error {
 		}
 		return resp.Msg.GetKeyring(), nil
 	}
+	hcfg.ConfigStatus = func(ctx context.Context, addr string) (*clusterv1.NodeConfigStatus, error) {
+		resp, err := a.pool.Node(addr).ConfigStatus(ctx, connect.NewRequest(&nodev1.ConfigStatusRequest{}))
+		if err != nil {
+			return nil, err
+		}
+		return resp.Msg.GetStatus(), nil
+	}
 	peers := peerClients{pool: a.pool}
 	var err error
 	a.api, err = gateway.NewClusterService(hcfg, a.cons, a.cons, a.gossip, peers, state)
@@ -629,6 +636,7 @@ func (a *Agent) serveAll() error {
 		nodeSvc.SetProver(a.proveIdentity)
 	}
 	nodeSvc.SetPlacementSink(a.proposePlacements)
+	nodeSvc.SetConfigStatus(a.nodeConfigStatus)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
 		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, nodeSvc), nil
 	}, func(s *grpc.Server) {

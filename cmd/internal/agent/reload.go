@@ -81,6 +81,9 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 				}
 				merged.Routing = next.Routing
 			}
+		case k == "pinned_settings":
+			// Taken into account by ApplySettings, which made next.
+			merged.PinnedSettings = next.PinnedSettings
 		case config.Under(k, "auth.certificate_roles") && a.authn != nil:
 			certRoles = true
 			merged.Auth.CertificateRoles = next.Auth.CertificateRoles

@@ -16,6 +16,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
 // SettingsFile keeps, in the data dir, the last cluster settings this agent
@@ -84,6 +85,12 @@ func (a *Agent) SettingsStatus() SettingsStatus {
 		st.Error = s.failedErr.Error()
 	}
 	return st
+}
+
+// nodeConfigStatus is SettingsStatus for NodeService.ConfigStatus.
+func (a *Agent) nodeConfigStatus() *clusterv1.NodeConfigStatus {
+	st := a.SettingsStatus()
+	return &clusterv1.NodeConfigStatus{Node: a.cfg.NodeName, NodeId: a.nodeID, Revision: st.Revision, Keys: st.Keys, FailedRevision: st.FailedRevision, ApplyError: st.Error}
 }
 
 // loadSettings puts the kept cluster settings on top of the file before

@@ -17,6 +17,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
 // TestClusterSettings: each cluster setting set through one node is applied
@@ -25,7 +26,14 @@ import (
 // are refused with nothing stored; a node that cannot apply a setting keeps
 // serving with the last good ones and says so; a restarted node serves
 // with the stored settings from its first call; a file pins a key.
-func TestClusterSettings(t *testing.T) {
+func TestClusterSettings(t *testing.T) { testClusterSettings(t, nil) }
+
+// TestEtcdClusterSettings is TestClusterSettings in etcd mode.
+func TestEtcdClusterSettings(t *testing.T) {
+	testClusterSettings(t, etcdtest.Start(t, 1).Endpoints)
+}
+
+func testClusterSettings(t *testing.T, etcd []string) {
 	simA, simB := startSim(t), startSim(t)
 	e := newAccessEnvWith(t, 3, func(i int, cfg *config.Config) {
 		withBackends(simA.addr)(i, cfg)
@@ -35,6 +43,10 @@ func TestClusterSettings(t *testing.T) {
 			cfg.Backends["other"] = config.BackendConfig{Endpoint: simB.addr, Scope: config.ScopeCluster}
 		}
 		cfg.Logging.Level = "info"
+		if etcd != nil {
+			cfg.ServiceDiscovery.Type = config.DiscoveryEtcd
+			cfg.ServiceDiscovery.Etcd.Endpoints = etcd
+		}
 		if i == 1 {
 			cfg.PinnedSettings = []string{"backends.<name>.timeout"}
 		}
@@ -162,6 +174,16 @@ func TestClusterSettings(t *testing.T) {
 	st := nodes[2].SettingsStatus()
 	if st.FailedRevision != rev || !strings.Contains(st.Error, `routing.rules[0].route.cluster: invalid value "other": not a backend (backends: iscsiman, pivirtd)`) {
 		t.Errorf("node3's status: %+v", st)
+	}
+	cs, err := e.cl.ConfigStatus(admin(), &clusterv1.ConfigStatusRequest{})
+	if err != nil || len(cs.GetNodes()) != 3 {
+		t.Fatalf("config status: %v %v", cs, err)
+	}
+	for _, n := range cs.GetNodes() {
+		failing := n.GetApplyError() != ""
+		if n.GetError() != "" || failing != (n.GetNode() == "node3") || n.GetRevision() == 0 {
+			t.Errorf("config status of %s: %v", n.GetNode(), n)
+		}
 	}
 	ready := httpGet(t, "http://"+nodes[2].MetricsAddr()+"/ready")
 	if !strings.Contains(ready, "degraded: cluster settings of revision") || !strings.Contains(ready, `\"ready\"`) && !strings.Contains(ready, `"status":"ready"`) {

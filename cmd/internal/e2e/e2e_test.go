@@ -3,6 +3,7 @@ package e2e_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"reflect"
 	"slices"
 	"strconv"
@@ -160,6 +161,53 @@ func TestClusterLifecycle(t *testing.T) {
 		if !slices.Equal(h.Entries, want) {
 			t.Errorf("config history logging.level = %+v, want newest first %+v", h.Entries, want)
 		}
+	})
+
+	step("cluster settings: validated, applied on every node, rolled back", func(t *testing.T) {
+		for _, bad := range [][]string{
+			{"logging.level", "verbose", `logging.level: invalid value "verbose" (allowed: debug, info, warn, error)`},
+			{"log_level", "debug", `free-form keys go under "kv/"`},
+		} {
+			r := c.pvcli(t, n2, "config", "set", bad[0], bad[1])
+			if r.code == 0 || !strings.Contains(r.stderr, bad[2]) {
+				t.Errorf("%s\nwant a refusal naming %q", r, bad[2])
+			}
+		}
+		if r := c.ok(t, n2, "config", "set", "logging.level", "debug", "--dry-run"); !strings.Contains(r.stdout, "-info") || !strings.Contains(r.stdout, "+debug") || !strings.Contains(r.stdout, "dry run: nothing stored") {
+			t.Errorf("%s\nwant the diff info -> debug and nothing stored", r)
+		}
+		if got := c.ok(t, n1, "config", "get", "logging.level").stdout; got != "info\n" {
+			t.Errorf("after the dry run logging.level = %q", got)
+		}
+		// Rolled back to the version before (debug): debug lines appear on
+		// every node (reads are audited at debug level).
+		marks := map[*node]int64{}
+		for _, n := range c.nodes {
+			if fi, err := os.Stat(n.log); err == nil {
+				marks[n] = fi.Size()
+			}
+		}
+		c.ok(t, n2, "config", "rollback", "logging.level")
+		c.eventually(t, 10*time.Second, "debug lines on every node", func() error {
+			for _, n := range c.nodes {
+				c.ok(t, n, "service", "list")
+				b, err := os.ReadFile(n.log)
+				if err != nil {
+					return err
+				}
+				if !strings.Contains(string(b[min(int64(len(b)), marks[n]):]), "level=DEBUG") {
+					return fmt.Errorf("%s logs no debug line", n.name)
+				}
+			}
+			return nil
+		})
+		r := c.ok(t, n3, "config", "status")
+		for _, n := range c.nodes {
+			if !strings.Contains(r.stdout, n.name) || strings.Contains(r.stdout, "not applied") || !strings.Contains(r.stdout, "logging.level") {
+				t.Errorf("%s\nwant %s with logging.level applied", r, n.name)
+			}
+		}
+		c.ok(t, n3, "config", "delete", "logging.level")
 	})
 
 	step("bad input is a usage error", func(t *testing.T) {

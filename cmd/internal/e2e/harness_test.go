@@ -286,6 +286,9 @@ func (c *cluster) boot(t *testing.T, dir string) error {
       cert_file: %[1]s/%[2]s-server.crt
       key_file: %[1]s/%[2]s-server.key
       client_ca_file: %[1]s/ca-chain.pem
+auth:
+  certificate_roles:
+    operator: [admin]
 logging:
   format: text
   level: info

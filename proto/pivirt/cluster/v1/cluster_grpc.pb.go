@@ -37,6 +37,7 @@ const (
 	ClusterService_DeleteConfig_FullMethodName      = "/pivirt.cluster.v1.ClusterService/DeleteConfig"
 	ClusterService_ConfigHistory_FullMethodName     = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
 	ClusterService_Keyring_FullMethodName           = "/pivirt.cluster.v1.ClusterService/Keyring"
+	ClusterService_ConfigStatus_FullMethodName      = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -76,6 +77,10 @@ type ClusterServiceClient interface {
 	// remove a key that is not in use. Keys never leave the agents: they are
 	// listed by fingerprint.
 	Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error)
+	// ConfigStatus reports, for every live member, which cluster settings it
+	// applied (the config revision it applied them at) and the error of a
+	// newer revision it could not apply.
+	ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -266,6 +271,16 @@ func (c *clusterServiceClient) Keyring(ctx context.Context, in *KeyringRequest, 
 	return out, nil
 }
 
+func (c *clusterServiceClient) ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ConfigStatusResponse)
+	err := c.cc.Invoke(ctx, ClusterService_ConfigStatus_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations should embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -303,6 +318,10 @@ type ClusterServiceServer interface {
 	// remove a key that is not in use. Keys never leave the agents: they are
 	// listed by fingerprint.
 	Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error)
+	// ConfigStatus reports, for every live member, which cluster settings it
+	// applied (the config revision it applied them at) and the error of a
+	// newer revision it could not apply.
+	ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error)
 }
 
 // UnimplementedClusterServiceServer should be embedded to have
@@ -365,6 +384,9 @@ func (UnimplementedClusterServiceServer) ConfigHistory(context.Context, *ConfigH
 }
 func (UnimplementedClusterServiceServer) Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Keyring not implemented")
+}
+func (UnimplementedClusterServiceServer) ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ConfigStatus not implemented")
 }
 func (UnimplementedClusterServiceServer) testEmbeddedByValue() {}
 
@@ -710,6 +732,24 @@ func _ClusterService_Keyring_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_ConfigStatus_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ConfigStatusRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).ConfigStatus(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_ConfigStatus_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).ConfigStatus(ctx, req.(*ConfigStatusRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -788,6 +828,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Keyring",
 			Handler:    _ClusterService_Keyring_Handler,
+		},
+		{
+			MethodName: "ConfigStatus",
+			Handler:    _ClusterService_ConfigStatus_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

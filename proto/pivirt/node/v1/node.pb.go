@@ -27,6 +27,86 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type ConfigStatusRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConfigStatusRequest) Reset() {
+	*x = ConfigStatusRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConfigStatusRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConfigStatusRequest) ProtoMessage() {}
+
+func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
+func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+type ConfigStatusResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Status        *v1.NodeConfigStatus   `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConfigStatusResponse) Reset() {
+	*x = ConfigStatusResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConfigStatusResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConfigStatusResponse) ProtoMessage() {}
+
+func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
+func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ConfigStatusResponse) GetStatus() *v1.NodeConfigStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
 type RenewCertificateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// csr is a PKCS#10 request (DER) signed with the new key; only its
@@ -42,7 +122,7 @@ type RenewCertificateRequest struct {
 
 func (x *RenewCertificateRequest) Reset() {
 	*x = RenewCertificateRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -54,7 +134,7 @@ func (x *RenewCertificateRequest) String() string {
 func (*RenewCertificateRequest) ProtoMessage() {}
 
 func (x *RenewCertificateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -67,7 +147,7 @@ func (x *RenewCertificateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewCertificateRequest.ProtoReflect.Descriptor instead.
 func (*RenewCertificateRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *RenewCertificateRequest) GetCsr() []byte {
@@ -101,7 +181,7 @@ type RenewCertificateResponse struct {
 
 func (x *RenewCertificateResponse) Reset() {
 	*x = RenewCertificateResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -113,7 +193,7 @@ func (x *RenewCertificateResponse) String() string {
 func (*RenewCertificateResponse) ProtoMessage() {}
 
 func (x *RenewCertificateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -126,7 +206,7 @@ func (x *RenewCertificateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewCertificateResponse.ProtoReflect.Descriptor instead.
 func (*RenewCertificateResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *RenewCertificateResponse) GetCertPem() []byte {
@@ -146,7 +226,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -158,7 +238,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -171,7 +251,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *KeyringRequest) GetOp() v1.KeyringOp {
@@ -197,7 +277,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -209,7 +289,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -222,7 +302,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *KeyringResponse) GetKeyring() *v1.NodeKeyring {
@@ -240,7 +320,7 @@ type ReadIndexRequest struct {
 
 func (x *ReadIndexRequest) Reset() {
 	*x = ReadIndexRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -252,7 +332,7 @@ func (x *ReadIndexRequest) String() string {
 func (*ReadIndexRequest) ProtoMessage() {}
 
 func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -265,7 +345,7 @@ func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
 func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
 }
 
 type ReadIndexResponse struct {
@@ -279,7 +359,7 @@ type ReadIndexResponse struct {
 
 func (x *ReadIndexResponse) Reset() {
 	*x = ReadIndexResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -291,7 +371,7 @@ func (x *ReadIndexResponse) String() string {
 func (*ReadIndexResponse) ProtoMessage() {}
 
 func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -304,7 +384,7 @@ func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
 func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ReadIndexResponse) GetIndex() uint64 {
@@ -326,7 +406,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -338,7 +418,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -351,7 +431,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StatusRequest) GetNonce() []byte {
@@ -377,7 +457,7 @@ type IdentityProof struct {
 
 func (x *IdentityProof) Reset() {
 	*x = IdentityProof{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -389,7 +469,7 @@ func (x *IdentityProof) String() string {
 func (*IdentityProof) ProtoMessage() {}
 
 func (x *IdentityProof) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -402,7 +482,7 @@ func (x *IdentityProof) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IdentityProof.ProtoReflect.Descriptor instead.
 func (*IdentityProof) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *IdentityProof) GetChain() [][]byte {
@@ -446,7 +526,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -458,7 +538,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -471,7 +551,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -581,7 +661,7 @@ type ReportPlacementsRequest struct {
 
 func (x *ReportPlacementsRequest) Reset() {
 	*x = ReportPlacementsRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -593,7 +673,7 @@ func (x *ReportPlacementsRequest) String() string {
 func (*ReportPlacementsRequest) ProtoMessage() {}
 
 func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -606,7 +686,7 @@ func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsRequest.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ReportPlacementsRequest) GetPlacements() *v11.SetPlacements {
@@ -624,7 +704,7 @@ type ReportPlacementsResponse struct {
 
 func (x *ReportPlacementsResponse) Reset() {
 	*x = ReportPlacementsResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -636,7 +716,7 @@ func (x *ReportPlacementsResponse) String() string {
 func (*ReportPlacementsResponse) ProtoMessage() {}
 
 func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -649,14 +729,17 @@ func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsResponse.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{12}
 }
 
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a\x17pivirt/fsm/v1/fsm.proto\"[\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a\x17pivirt/fsm/v1/fsm.proto\"\x15\n" +
+	"\x13ConfigStatusRequest\"S\n" +
+	"\x14ConfigStatusResponse\x12;\n" +
+	"\x06status\x18\x01 \x01(\v2#.pivirt.cluster.v1.NodeConfigStatusR\x06status\"[\n" +
 	"\x17RenewCertificateRequest\x12\x10\n" +
 	"\x03csr\x18\x01 \x01(\fR\x03csr\x12\x18\n" +
 	"\acurrent\x18\x02 \x03(\fR\acurrent\x12\x14\n" +
@@ -698,13 +781,14 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
 	"placements\x18\x01 \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsR\n" +
 	"placements\"\x1a\n" +
-	"\x18ReportPlacementsResponse2\xcc\x03\n" +
+	"\x18ReportPlacementsResponse2\xa9\x04\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
 	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00\x12g\n" +
 	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00\x12g\n" +
-	"\x10ReportPlacements\x12'.pivirt.node.v1.ReportPlacementsRequest\x1a(.pivirt.node.v1.ReportPlacementsResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\x10ReportPlacements\x12'.pivirt.node.v1.ReportPlacementsRequest\x1a(.pivirt.node.v1.ReportPlacementsResponse\"\x00\x12[\n" +
+	"\fConfigStatus\x12#.pivirt.node.v1.ConfigStatusRequest\x1a$.pivirt.node.v1.ConfigStatusResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -718,45 +802,51 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
-	(*RenewCertificateRequest)(nil),  // 0: pivirt.node.v1.RenewCertificateRequest
-	(*RenewCertificateResponse)(nil), // 1: pivirt.node.v1.RenewCertificateResponse
-	(*KeyringRequest)(nil),           // 2: pivirt.node.v1.KeyringRequest
-	(*KeyringResponse)(nil),          // 3: pivirt.node.v1.KeyringResponse
-	(*ReadIndexRequest)(nil),         // 4: pivirt.node.v1.ReadIndexRequest
-	(*ReadIndexResponse)(nil),        // 5: pivirt.node.v1.ReadIndexResponse
-	(*StatusRequest)(nil),            // 6: pivirt.node.v1.StatusRequest
-	(*IdentityProof)(nil),            // 7: pivirt.node.v1.IdentityProof
-	(*StatusResponse)(nil),           // 8: pivirt.node.v1.StatusResponse
-	(*ReportPlacementsRequest)(nil),  // 9: pivirt.node.v1.ReportPlacementsRequest
-	(*ReportPlacementsResponse)(nil), // 10: pivirt.node.v1.ReportPlacementsResponse
-	(v1.KeyringOp)(0),                // 11: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),           // 12: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil),      // 13: google.protobuf.Duration
-	(*v11.SetPlacements)(nil),        // 14: pivirt.fsm.v1.SetPlacements
+	(*ConfigStatusRequest)(nil),      // 0: pivirt.node.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),     // 1: pivirt.node.v1.ConfigStatusResponse
+	(*RenewCertificateRequest)(nil),  // 2: pivirt.node.v1.RenewCertificateRequest
+	(*RenewCertificateResponse)(nil), // 3: pivirt.node.v1.RenewCertificateResponse
+	(*KeyringRequest)(nil),           // 4: pivirt.node.v1.KeyringRequest
+	(*KeyringResponse)(nil),          // 5: pivirt.node.v1.KeyringResponse
+	(*ReadIndexRequest)(nil),         // 6: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),        // 7: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),            // 8: pivirt.node.v1.StatusRequest
+	(*IdentityProof)(nil),            // 9: pivirt.node.v1.IdentityProof
+	(*StatusResponse)(nil),           // 10: pivirt.node.v1.StatusResponse
+	(*ReportPlacementsRequest)(nil),  // 11: pivirt.node.v1.ReportPlacementsRequest
+	(*ReportPlacementsResponse)(nil), // 12: pivirt.node.v1.ReportPlacementsResponse
+	(*v1.NodeConfigStatus)(nil),      // 13: pivirt.cluster.v1.NodeConfigStatus
+	(v1.KeyringOp)(0),                // 14: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 15: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 16: google.protobuf.Duration
+	(*v11.SetPlacements)(nil),        // 17: pivirt.fsm.v1.SetPlacements
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	11, // 0: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	12, // 1: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	13, // 2: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	7,  // 3: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
-	14, // 4: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
-	6,  // 5: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	4,  // 6: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	2,  // 7: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	0,  // 8: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
-	9,  // 9: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
-	8,  // 10: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	5,  // 11: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	3,  // 12: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	1,  // 13: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
-	10, // 14: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
-	10, // [10:15] is the sub-list for method output_type
-	5,  // [5:10] is the sub-list for method input_type
-	5,  // [5:5] is the sub-list for extension type_name
-	5,  // [5:5] is the sub-list for extension extendee
-	0,  // [0:5] is the sub-list for field type_name
+	13, // 0: pivirt.node.v1.ConfigStatusResponse.status:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	14, // 1: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	15, // 2: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	16, // 3: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	9,  // 4: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
+	17, // 5: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
+	8,  // 6: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	6,  // 7: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	4,  // 8: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	2,  // 9: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	11, // 10: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
+	0,  // 11: pivirt.node.v1.NodeService.ConfigStatus:input_type -> pivirt.node.v1.ConfigStatusRequest
+	10, // 12: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	7,  // 13: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	5,  // 14: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	3,  // 15: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	12, // 16: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
+	1,  // 17: pivirt.node.v1.NodeService.ConfigStatus:output_type -> pivirt.node.v1.ConfigStatusResponse
+	12, // [12:18] is the sub-list for method output_type
+	6,  // [6:12] is the sub-list for method input_type
+	6,  // [6:6] is the sub-list for extension type_name
+	6,  // [6:6] is the sub-list for extension extendee
+	0,  // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -770,7 +860,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,6 +27,7 @@ const (
 	NodeService_Keyring_FullMethodName          = "/pivirt.node.v1.NodeService/Keyring"
 	NodeService_RenewCertificate_FullMethodName = "/pivirt.node.v1.NodeService/RenewCertificate"
 	NodeService_ReportPlacements_FullMethodName = "/pivirt.node.v1.NodeService/ReportPlacements"
+	NodeService_ConfigStatus_FullMethodName     = "/pivirt.node.v1.NodeService/ConfigStatus"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -54,6 +55,8 @@ type NodeServiceClient interface {
 	// backends hold (the placement catalog). A node that is not the leader
 	// answers FailedPrecondition.
 	ReportPlacements(ctx context.Context, in *ReportPlacementsRequest, opts ...grpc.CallOption) (*ReportPlacementsResponse, error)
+	// ConfigStatus reports this node's state of the cluster settings.
+	ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -114,6 +117,16 @@ func (c *nodeServiceClient) ReportPlacements(ctx context.Context, in *ReportPlac
 	return out, nil
 }
 
+func (c *nodeServiceClient) ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ConfigStatusResponse)
+	err := c.cc.Invoke(ctx, NodeService_ConfigStatus_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -139,6 +152,8 @@ type NodeServiceServer interface {
 	// backends hold (the placement catalog). A node that is not the leader
 	// answers FailedPrecondition.
 	ReportPlacements(context.Context, *ReportPlacementsRequest) (*ReportPlacementsResponse, error)
+	// ConfigStatus reports this node's state of the cluster settings.
+	ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -162,6 +177,9 @@ func (UnimplementedNodeServiceServer) RenewCertificate(context.Context, *RenewCe
 }
 func (UnimplementedNodeServiceServer) ReportPlacements(context.Context, *ReportPlacementsRequest) (*ReportPlacementsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReportPlacements not implemented")
+}
+func (UnimplementedNodeServiceServer) ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ConfigStatus not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -273,6 +291,24 @@ func _NodeService_ReportPlacements_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_ConfigStatus_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ConfigStatusRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).ConfigStatus(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_ConfigStatus_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).ConfigStatus(ctx, req.(*ConfigStatusRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -299,6 +335,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReportPlacements",
 			Handler:    _NodeService_ReportPlacements_Handler,
+		},
+		{
+			MethodName: "ConfigStatus",
+			Handler:    _NodeService_ConfigStatus_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

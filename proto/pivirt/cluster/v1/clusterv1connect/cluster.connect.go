@@ -81,6 +81,9 @@ const (
 	ClusterServiceConfigHistoryProcedure = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
 	// ClusterServiceKeyringProcedure is the fully-qualified name of the ClusterService's Keyring RPC.
 	ClusterServiceKeyringProcedure = "/pivirt.cluster.v1.ClusterService/Keyring"
+	// ClusterServiceConfigStatusProcedure is the fully-qualified name of the ClusterService's
+	// ConfigStatus RPC.
+	ClusterServiceConfigStatusProcedure = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
 )
 
 // ClusterServiceClient is a client for the pivirt.cluster.v1.ClusterService service.
@@ -114,6 +117,10 @@ type ClusterServiceClient interface {
 	// remove a key that is not in use. Keys never leave the agents: they are
 	// listed by fingerprint.
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// ConfigStatus reports, for every live member, which cluster settings it
+	// applied (the config revision it applied them at) and the error of a
+	// newer revision it could not apply.
+	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
 }
 
 // NewClusterServiceClient constructs a client for the pivirt.cluster.v1.ClusterService service. By
@@ -235,6 +242,12 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(clusterServiceMethods.ByName("Keyring")),
 			connect.WithClientOptions(opts...),
 		),
+		configStatus: connect.NewClient[v1.ConfigStatusRequest, v1.ConfigStatusResponse](
+			httpClient,
+			baseURL+ClusterServiceConfigStatusProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("ConfigStatus")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -258,6 +271,7 @@ type clusterServiceClient struct {
 	deleteConfig      *connect.Client[v1.DeleteConfigRequest, v1.DeleteConfigResponse]
 	configHistory     *connect.Client[v1.ConfigHistoryRequest, v1.ConfigHistoryResponse]
 	keyring           *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
+	configStatus      *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
 }
 
 // Members calls pivirt.cluster.v1.ClusterService.Members.
@@ -350,6 +364,11 @@ func (c *clusterServiceClient) Keyring(ctx context.Context, req *connect.Request
 	return c.keyring.CallUnary(ctx, req)
 }
 
+// ConfigStatus calls pivirt.cluster.v1.ClusterService.ConfigStatus.
+func (c *clusterServiceClient) ConfigStatus(ctx context.Context, req *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
+	return c.configStatus.CallUnary(ctx, req)
+}
+
 // ClusterServiceHandler is an implementation of the pivirt.cluster.v1.ClusterService service.
 type ClusterServiceHandler interface {
 	// Members is the gossip view of the node asked (never forwarded).
@@ -381,6 +400,10 @@ type ClusterServiceHandler interface {
 	// remove a key that is not in use. Keys never leave the agents: they are
 	// listed by fingerprint.
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// ConfigStatus reports, for every live member, which cluster settings it
+	// applied (the config revision it applied them at) and the error of a
+	// newer revision it could not apply.
+	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
 }
 
 // NewClusterServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -498,6 +521,12 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		connect.WithSchema(clusterServiceMethods.ByName("Keyring")),
 		connect.WithHandlerOptions(opts...),
 	)
+	clusterServiceConfigStatusHandler := connect.NewUnaryHandler(
+		ClusterServiceConfigStatusProcedure,
+		svc.ConfigStatus,
+		connect.WithSchema(clusterServiceMethods.ByName("ConfigStatus")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.ClusterService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ClusterServiceMembersProcedure:
@@ -536,6 +565,8 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceConfigHistoryHandler.ServeHTTP(w, r)
 		case ClusterServiceKeyringProcedure:
 			clusterServiceKeyringHandler.ServeHTTP(w, r)
+		case ClusterServiceConfigStatusProcedure:
+			clusterServiceConfigStatusHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -615,4 +646,8 @@ func (UnimplementedClusterServiceHandler) ConfigHistory(context.Context, *connec
 
 func (UnimplementedClusterServiceHandler) Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.Keyring is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ConfigStatus is not implemented"))
 }

@@ -47,6 +47,9 @@ const (
 	// NodeServiceReportPlacementsProcedure is the fully-qualified name of the NodeService's
 	// ReportPlacements RPC.
 	NodeServiceReportPlacementsProcedure = "/pivirt.node.v1.NodeService/ReportPlacements"
+	// NodeServiceConfigStatusProcedure is the fully-qualified name of the NodeService's ConfigStatus
+	// RPC.
+	NodeServiceConfigStatusProcedure = "/pivirt.node.v1.NodeService/ConfigStatus"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -72,6 +75,8 @@ type NodeServiceClient interface {
 	// backends hold (the placement catalog). A node that is not the leader
 	// answers FailedPrecondition.
 	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
+	// ConfigStatus reports this node's state of the cluster settings.
+	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -115,6 +120,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("ReportPlacements")),
 			connect.WithClientOptions(opts...),
 		),
+		configStatus: connect.NewClient[v1.ConfigStatusRequest, v1.ConfigStatusResponse](
+			httpClient,
+			baseURL+NodeServiceConfigStatusProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("ConfigStatus")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -125,6 +136,7 @@ type nodeServiceClient struct {
 	keyring          *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
 	renewCertificate *connect.Client[v1.RenewCertificateRequest, v1.RenewCertificateResponse]
 	reportPlacements *connect.Client[v1.ReportPlacementsRequest, v1.ReportPlacementsResponse]
+	configStatus     *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -152,6 +164,11 @@ func (c *nodeServiceClient) ReportPlacements(ctx context.Context, req *connect.R
 	return c.reportPlacements.CallUnary(ctx, req)
 }
 
+// ConfigStatus calls pivirt.node.v1.NodeService.ConfigStatus.
+func (c *nodeServiceClient) ConfigStatus(ctx context.Context, req *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
+	return c.configStatus.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
@@ -175,6 +192,8 @@ type NodeServiceHandler interface {
 	// backends hold (the placement catalog). A node that is not the leader
 	// answers FailedPrecondition.
 	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
+	// ConfigStatus reports this node's state of the cluster settings.
+	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -214,6 +233,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("ReportPlacements")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceConfigStatusHandler := connect.NewUnaryHandler(
+		NodeServiceConfigStatusProcedure,
+		svc.ConfigStatus,
+		connect.WithSchema(nodeServiceMethods.ByName("ConfigStatus")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
@@ -226,6 +251,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceRenewCertificateHandler.ServeHTTP(w, r)
 		case NodeServiceReportPlacementsProcedure:
 			nodeServiceReportPlacementsHandler.ServeHTTP(w, r)
+		case NodeServiceConfigStatusProcedure:
+			nodeServiceConfigStatusHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -253,4 +280,8 @@ func (UnimplementedNodeServiceHandler) RenewCertificate(context.Context, *connec
 
 func (UnimplementedNodeServiceHandler) ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ReportPlacements is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ConfigStatus is not implemented"))
 }

@@ -1,0 +1,151 @@
+package config
+
+import (
+	"fmt"
+	"reflect"
+	"strings"
+)
+
+// LiveKeys are the keys (and key prefixes) a running agent applies without
+// a restart, from its file (POST /reload, SIGHUP) or as cluster settings.
+var LiveKeys = []string{"logging.level", "routing", "backends", "load_balancing", "circuit_breaking", "rate_limiting", "auth.certificate_roles", "pinned_settings"}
+
+// RefRow is one row of the configuration reference.
+type RefRow struct {
+	// Key is the key path; "<name>" stands for a map key, "[]" for a list
+	// item.
+	Key, Type, Default string
+	// Live: applied without a restart.
+	Live bool
+	// Setting: also a cluster setting (the cluster's value applies unless
+	// the file pins it).
+	Setting bool
+}
+
+// Reference lists every key of the file, from the Config type and
+// Default(): its type, default, whether it changes live and whether it is
+// a cluster setting. The README's reference is generated from it.
+func Reference() []RefRow {
+	var rows []RefRow
+	def := reflect.ValueOf(Default()).Elem()
+	var walk func(t reflect.Type, v reflect.Value, path string)
+	walk = func(t reflect.Type, v reflect.Value, path string) {
+		for _, f := range fieldsOf(t) {
+			p := joinKey(path, f.name)
+			ft := t.Field(f.index).Type
+			var fv reflect.Value
+			if v.IsValid() {
+				fv = v.Field(f.index)
+			}
+			switch {
+			case ft.Kind() == reflect.Struct && ft != reflect.TypeFor[Duration]():
+				walk(ft, fv, p)
+			case ft.Kind() == reflect.Map && ft.Elem().Kind() == reflect.Struct:
+				rows = append(rows, row(p, ft, fv, f.enum))
+				walk(ft.Elem(), reflect.Value{}, p+".<name>")
+			case ft.Kind() == reflect.Slice && ft.Elem().Kind() == reflect.Struct:
+				rows = append(rows, row(p, ft, fv, f.enum))
+				walk(ft.Elem(), reflect.Value{}, p+"[]")
+			default:
+				rows = append(rows, row(p, ft, fv, f.enum))
+			}
+		}
+	}
+	walk(typeOfConfig, def, "")
+	return rows
+}
+
+func row(path string, t reflect.Type, v reflect.Value, enum []string) RefRow {
+	r := RefRow{Key: path, Type: typeName(t, enum)}
+	if v.IsValid() && !v.IsZero() {
+		switch x := v.Interface().(type) {
+		case Duration:
+			r.Default = x.String()
+		case []string:
+			r.Default = "[" + strings.Join(x, ", ") + "]"
+		default:
+			if v.Kind() != reflect.Map && v.Kind() != reflect.Slice {
+				r.Default = fmt.Sprint(x)
+			}
+		}
+	}
+	if path == "node_name" {
+		r.Default = "the host name"
+	}
+	for _, k := range LiveKeys {
+		if Under(strings.ReplaceAll(path, "[]", ""), k) {
+			r.Live = true
+		}
+	}
+	for _, s := range Settings {
+		if path == s.Key || strings.HasPrefix(path, s.Key+".") || strings.HasPrefix(path, s.Key+"[]") {
+			r.Setting = true
+		}
+	}
+	return r
+}
+
+func typeName(t reflect.Type, enum []string) string {
+	if len(enum) > 0 {
+		var vals []string
+		for _, e := range enum {
+			if e == "" {
+				e = `""`
+			}
+			vals = append(vals, e)
+		}
+		return strings.Join(vals, " \\| ")
+	}
+	switch {
+	case t == reflect.TypeFor[Duration]():
+		return "duration"
+	case t.Kind() == reflect.Slice && t.Elem().Kind() == reflect.Struct:
+		return "list"
+	case t.Kind() == reflect.Slice:
+		return "list of " + typeName(t.Elem(), nil)
+	case t.Kind() == reflect.Map && t.Elem().Kind() == reflect.Struct:
+		return "map"
+	case t.Kind() == reflect.Map:
+		return "map of " + typeName(t.Elem(), nil)
+	case t.Kind() == reflect.Float64:
+		return "number"
+	case t.Kind() == reflect.Int || t.Kind() == reflect.Uint64:
+		return "integer"
+	}
+	return t.Kind().String()
+}
+
+// ReferenceMarkdown is Reference as the README's table.
+func ReferenceMarkdown() string {
+	var b strings.Builder
+	b.WriteString("| key | type | default | live | cluster setting |\n|---|---|---|---|---|\n")
+	for _, r := range Reference() {
+		live, setting := "restart", ""
+		if r.Live {
+			live = "live"
+		}
+		if r.Setting {
+			setting = "yes"
+		}
+		def := r.Default
+		if def != "" {
+			def = "`" + def + "`"
+		}
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s |\n", r.Key, r.Type, def, live, setting)
+	}
+	return b.String()
+}
+
+// SettingsMarkdown is the README's table of the cluster settings.
+func SettingsMarkdown() string {
+	var b strings.Builder
+	b.WriteString("| key | value | changes |\n|---|---|---|\n")
+	for _, s := range Settings {
+		value := "YAML of the key, as in the file"
+		if s.Document {
+			value = "a document of its own"
+		}
+		fmt.Fprintf(&b, "| `%s` | %s | %s |\n", s.Key, value, s.Doc)
+	}
+	return b.String()
+}
