@@ -149,13 +149,25 @@ func (a *app) configValue(args []string, file string, fileSet bool) (string, err
 
 func (a *app) configSet(cmd *cobra.Command, req *clusterv1.SetConfigRequest) error {
 	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		var cur *clusterv1.ConfigEntry
+		if req.DryRun {
+			// The version to compare with, read like any read (from the
+			// leader by default): the node asked may not have the latest.
+			got, err := api.GetConfig(ctx, connect.NewRequest(&clusterv1.GetConfigRequest{Key: req.Key, Read: a.readOptions()}))
+			switch {
+			case err == nil:
+				cur = got.Msg.GetEntry()
+			case connect.CodeOf(err) != connect.CodeNotFound:
+				return err
+			}
+		}
 		resp, err := api.SetConfig(ctx, connect.NewRequest(req))
 		if err != nil {
 			return err
 		}
 		if resp.Msg.GetDryRun() {
+			resp.Msg.Entry = cur
 			return a.render(resp.Msg, func(w io.Writer) {
-				cur := resp.Msg.GetEntry()
 				from := fmt.Sprintf("%s (revision %d)", req.Key, cur.GetRevision())
 				if cur == nil {
 					from = req.Key + " (not set)"
@@ -175,21 +187,20 @@ func unifiedDiff(a, b, fromName, toName string) string {
 	if a == b {
 		return "(no change)\n"
 	}
+	lines := func(s string) []string {
+		if s == "" {
+			return nil
+		}
+		return difflib.SplitLines(strings.TrimSuffix(s, "\n")) // each line ends in "\n"
+	}
 	out, err := difflib.GetUnifiedDiffString(difflib.UnifiedDiff{
-		A: difflib.SplitLines(withNewline(a)), B: difflib.SplitLines(withNewline(b)),
+		A: lines(a), B: lines(b),
 		FromFile: fromName, ToFile: toName, Context: 3,
 	})
 	if err != nil {
 		return err.Error() + "\n"
 	}
 	return out
-}
-
-func withNewline(s string) string {
-	if s == "" || strings.HasSuffix(s, "\n") {
-		return s
-	}
-	return s + "\n"
 }
 
 func (a *app) newConfigRollbackCmd() *cobra.Command {

@@ -250,14 +250,16 @@ func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChang
 	if c.Delete {
 		return nil
 	}
-	if c.Restore {
+	_, _, ok, err := config.LookupSetting(c.Key)
+	switch {
+	case c.Restore && (err != nil || !ok):
 		// An archive may hold keys of any version: only the settings this
 		// version knows are checked.
-		if _, _, ok, err := config.LookupSetting(c.Key); err != nil || !ok {
-			return nil
-		}
+		return nil
+	case err != nil:
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("key: %w", err))
 	}
-	_, err := config.ParseSetting(c.Key, c.Value)
+	_, err = config.ParseSetting(c.Key, c.Value)
 	return err
 }
 
@@ -279,6 +281,7 @@ func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting b
 	}
 	cur := a.policy()
 	var lost []string
+	everything := true
 	for _, r := range policyResources() {
 		var verbs []string
 		for _, v := range authz.Verbs {
@@ -286,9 +289,18 @@ func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting b
 				verbs = append(verbs, v)
 			}
 		}
-		if len(verbs) > 0 {
+		switch {
+		case len(verbs) == len(authz.Verbs):
+			lost = append(lost, r+" (every verb)")
+		case len(verbs) > 0:
 			lost = append(lost, r+" ("+strings.Join(verbs, ", ")+")")
+			everything = false
+		default:
+			everything = false
 		}
+	}
+	if everything {
+		lost = []string{"every verb on every resource"}
 	}
 	if allowed(next, RBACResource, "update") {
 		return nil

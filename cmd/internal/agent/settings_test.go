@@ -304,7 +304,7 @@ func TestRBACLockOut(t *testing.T) {
 	}
 	operator := clusterv1.NewClusterServiceClient(e.dial(e.clientCert("operator"))) // no roles
 	_, err = operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec)})
-	for _, want := range []string{"this policy would lock you out: operator (roles none) could no longer update rbac", "you would lose: ", "rbac (get, list, create, update, patch, delete", "pass --force"} {
+	for _, want := range []string{"this policy would lock you out: operator (roles none) could no longer update rbac", "you would lose: ", "you would lose: every verb on every resource", "pass --force"} {
 		if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), want) {
 			t.Errorf("the spec's policy set by a caller without roles: %v, want FailedPrecondition with %q", err, want)
 		}
