@@ -43,13 +43,13 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		level := new(slog.LevelVar)
-		logger, err := newLogger(cfg, out, level)
+		levels := new(observe.Levels)
+		logger, err := newLogger(cfg, out, levels)
 		if err != nil {
 			return err
 		}
 		return runAgent(cmd.Context(), cfg, agent.Options{
-			Logger: logger, AccessLogger: newAccessLogger(cfg, out), LogLevel: level, LoadConfig: flags.Resolve,
+			Logger: logger, AccessLogger: newAccessLogger(cfg, out), Levels: levels, LoadConfig: flags.Resolve,
 		})
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
@@ -172,15 +172,20 @@ func logOutput(cfg *config.Config, stdout io.Writer) (io.Writer, error) {
 	return f, nil
 }
 
-func newLogger(cfg *config.Config, out io.Writer, levelVar *slog.LevelVar) (*slog.Logger, error) {
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
-		return nil, fmt.Errorf("logging.level: %w", err)
+// newLogger is the agent's logger at levels that change live
+// (logging.level, logging.components).
+func newLogger(cfg *config.Config, out io.Writer, levels *observe.Levels) (*slog.Logger, error) {
+	level, comps, err := cfg.Logging.SlogLevels()
+	if err != nil {
+		return nil, err
 	}
-	levelVar.Set(level)
-	opts := &slog.HandlerOptions{Level: levelVar}
+	levels.SetLevel(level)
+	levels.SetComponents(comps)
+	// The inner handler passes every level (Raft's trace included);
+	// levels decides.
+	opts := &slog.HandlerOptions{Level: slog.LevelDebug - 4}
 	sampling := observe.Sampling{Initial: cfg.Logging.Sampling.Initial, Thereafter: cfg.Logging.Sampling.Thereafter}
-	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.Format, out, opts), sampling, nil)), nil
+	return slog.New(observe.NewHandler(levels.Handler(handlerFor(cfg.Logging.Format, out, opts)), sampling, nil)), nil
 }
 
 func handlerFor(format string, out io.Writer, opts *slog.HandlerOptions) slog.Handler {

@@ -46,3 +46,36 @@ func TestRequestIDAccepted(t *testing.T) {
 		}
 	}
 }
+
+func TestComponentLevels(t *testing.T) {
+	var buf bytes.Buffer
+	var levels Levels
+	levels.SetLevel(slog.LevelInfo)
+	log := slog.New(levels.Handler(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug})))
+	raft, access := log.With(ComponentKey, "raft"), log.With("node", "n1").With(ComponentKey, "access")
+	lines := func() string { defer buf.Reset(); return buf.String() }
+
+	log.Debug("d0")
+	raft.Debug("d1")
+	access.Info("i1")
+	if got := lines(); strings.Contains(got, "d0") || strings.Contains(got, "d1") || !strings.Contains(got, "i1") {
+		t.Errorf("at info: %q", got)
+	}
+	levels.SetComponents(map[string]slog.Level{"raft": slog.LevelDebug, "access": slog.LevelWarn})
+	log.Debug("d2")
+	raft.Debug("d3")
+	access.Info("i2")
+	access.Warn("w2")
+	if got := lines(); strings.Contains(got, "d2") || !strings.Contains(got, "d3") || strings.Contains(got, "i2") || !strings.Contains(got, "w2") {
+		t.Errorf("with component levels: %q", got)
+	}
+	if raft.Enabled(context.Background(), slog.LevelDebug) != true || access.Enabled(context.Background(), slog.LevelInfo) {
+		t.Error("Enabled does not follow the component levels")
+	}
+	levels.SetComponents(nil)
+	levels.SetLevel(slog.LevelDebug)
+	access.Debug("d4")
+	if got := lines(); !strings.Contains(got, "d4") {
+		t.Errorf("after the components are removed: %q", got)
+	}
+}

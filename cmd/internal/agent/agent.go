@@ -74,9 +74,9 @@ type Options struct {
 	// TraceBatchTimeout is how long spans wait to be exported (default
 	// 5 s; tests shorten it).
 	TraceBatchTimeout time.Duration
-	// LogLevel is the level of the agent's logger, set by a configuration
-	// reload; nil: logging.level needs a restart.
-	LogLevel *slog.LevelVar
+	// Levels are the levels of the agent's logger (logging.level,
+	// logging.components), set live; nil: they need a restart.
+	Levels *observe.Levels
 	// LoadConfig reads the configuration again (file and flags) for POST
 	// /reload; nil: /reload reloads the files only.
 	LoadConfig func() (*config.Config, error)

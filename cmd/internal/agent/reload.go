@@ -47,7 +47,8 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 		backends []*mesh.Backend
 		rebuild  bool
 		// certRoles: auth.certificate_roles changed.
-		certRoles bool
+		certRoles  bool
+		components map[string]slog.Level
 	)
 	changed := config.Diff(cur, next)
 	for _, k := range changed {
@@ -67,13 +68,15 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 	for _, k := range changed {
 		switch {
 		case rebuild && (config.Under(k, "backends") || config.Under(k, "load_balancing") || config.Under(k, "circuit_breaking") || config.Under(k, "routing.rules")):
-		case k == "logging.level" && a.opts.LogLevel != nil:
-			var l slog.Level
-			if err := l.UnmarshalText([]byte(next.Logging.Level)); err != nil {
-				return nil, nil, fmt.Errorf("logging.level: %w", err)
+		case (k == "logging.level" || config.Under(k, "logging.components")) && a.opts.Levels != nil:
+			if level == nil {
+				l, comps, err := next.Logging.SlogLevels()
+				if err != nil {
+					return nil, nil, err
+				}
+				level, components = &l, comps
+				merged.Logging.Level, merged.Logging.Components = next.Logging.Level, next.Logging.Components
 			}
-			level = &l
-			merged.Logging.Level = next.Logging.Level
 		case config.Under(k, "routing.rules") && !a.cfg.Dev:
 			if routes == nil {
 				if routes, err = a.buildRoutes(effectiveRules(next)); err != nil {
@@ -109,7 +112,8 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 		}
 	}
 	if level != nil {
-		a.opts.LogLevel.Set(*level)
+		a.opts.Levels.SetLevel(*level)
+		a.opts.Levels.SetComponents(components)
 	}
 	if certRoles {
 		a.authn.SetCertRoles(next.Auth.CertificateRoles)

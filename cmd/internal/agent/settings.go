@@ -3,7 +3,6 @@ package agent
 import (
 	"encoding/json"
 	"errors"
-	"fmt"
 	"maps"
 	"os"
 	"path/filepath"
@@ -119,10 +118,13 @@ func (a *Agent) loadSettings() error {
 		return nil
 	}
 	a.cfg = next
-	if a.opts.LogLevel != nil {
-		if err := a.opts.LogLevel.UnmarshalText([]byte(next.Logging.Level)); err != nil {
-			return fmt.Errorf("logging.level: %w", err)
+	if a.opts.Levels != nil {
+		level, comps, err := next.Logging.SlogLevels()
+		if err != nil {
+			return err
 		}
+		a.opts.Levels.SetLevel(level)
+		a.opts.Levels.SetComponents(comps)
 	}
 	a.settings.ok(kept.Revision, kept.Settings)
 	a.logger.Info("cluster settings in force from the data dir until the agent catches up", "revision", kept.Revision, "settings", applied)

@@ -112,10 +112,24 @@ func testClusterSettings(t *testing.T, etcd []string) {
 		return nil
 	})
 
+	// logging.components: the access component back at info on every node
+	// (its audit lines of reads are debug), the rest stays at debug.
+	applied("logging.components", set("logging.components", "{access: info}").GetRevision(), nil)
+	mark = e.c.Logs().Len()
+	for _, n := range nodes {
+		read(n)
+	}
+	if strings.Contains(e.c.Logs().Since(mark), "audit: call allowed") {
+		t.Errorf("reads audited at debug after logging.components {access: info}:\n%s", e.c.Logs().Since(mark))
+	}
+	if _, err := e.cl.SetConfig(admin(), &clusterv1.SetConfigRequest{Key: "logging.components", Value: "{access: loud}"}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), `logging.components.access: invalid value "loud" (allowed: debug, info, warn, error)`) {
+		t.Errorf("a component at a level that does not exist: %v", err)
+	}
+
 	// Refused at write, nothing stored.
 	for _, tc := range []struct{ key, value, want string }{
 		{"logging.level", "verbose", `logging.level: invalid value "verbose" (allowed: debug, info, warn, error)`},
-		{"log_level", "debug", `log_level: unknown key: cluster settings: logging.level, routing.rules`},
+		{"log_level", "debug", `key: log_level: unknown key: cluster settings: logging.level, logging.components, routing.rules`},
 		{"rate_limiting", "{enabled: true, requests_per_second: 0, burst: 1}", "rate_limiting.requests_per_second: invalid value 0: must be positive"},
 		{"routing.rules", "[{match: {prefix: /x}, route: {clustre: other}}]", "routing.rules[0].route.clustre: unknown key (known: cluster)"},
 		{"backends.pivirtd.endpoint", "unix:///elsewhere", "not a cluster setting (a key of each node's file, set there)"},
@@ -271,8 +285,8 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	e.c.Kill(2)
 	e.c.Kill(0)
 	n1 := e.c.Restart(0, false, "")
-	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 4 {
-		t.Errorf("restarted node1's settings: %+v, want revision %d and 4 keys", st, rev)
+	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 5 {
+		t.Errorf("restarted node1's settings: %+v, want revision %d and 5 keys", st, rev)
 	}
 	cl := clusterv1.NewClusterServiceClient(e.dialAt(n1.APIAddr(), nil))
 	viewer := as(e.ctx(), e.token("after-restart", "viewer"))

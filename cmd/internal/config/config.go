@@ -12,6 +12,8 @@
 package config
 
 import (
+	"fmt"
+	"log/slog"
 	"maps"
 	"net"
 	"net/netip"
@@ -384,10 +386,30 @@ type OIDCConfig struct {
 // LoggingConfig is the logging block. Output is "stdout", "stderr" or an absolute file path.
 type LoggingConfig struct {
 	Level     string          `yaml:"level" enum:"debug,info,warn,error"`
+	// Components are levels of their own for parts of the agent (the
+	// component attribute of their log lines: raft, gossip, access, ...).
+	Components map[string]string `yaml:"components"`
 	Format    string          `yaml:"format" enum:"json,text"`
 	Output    string          `yaml:"output"`
 	Sampling  SamplingConfig  `yaml:"sampling"`
 	AccessLog AccessLogConfig `yaml:"access_log"`
+}
+
+// SlogLevels parses Level and Components.
+func (l LoggingConfig) SlogLevels() (slog.Level, map[string]slog.Level, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(l.Level)); err != nil {
+		return 0, nil, fmt.Errorf("logging.level: %w", err)
+	}
+	comps := make(map[string]slog.Level, len(l.Components))
+	for name, v := range l.Components {
+		var cl slog.Level
+		if err := cl.UnmarshalText([]byte(v)); err != nil {
+			return 0, nil, fmt.Errorf("%s: %w", joinKey("logging.components", name), err)
+		}
+		comps[name] = cl
+	}
+	return level, comps, nil
 }
 
 // SamplingConfig logs the first Initial entries with the same message each second, then

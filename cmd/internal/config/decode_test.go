@@ -232,7 +232,7 @@ func TestParseErrors(t *testing.T) {
 			name: "several problems at once",
 			doc:  "logging:\n  level: loud\n  formatt: json\ncluster:\n  retry_max: many\n",
 			want: `config.yaml: logging.level: invalid value "loud" (allowed: debug, info, warn, error)` + "\n" +
-				"config.yaml: logging.formatt: unknown key (known: level, format, output, sampling, access_log)\n" +
+				"config.yaml: logging.formatt: unknown key (known: level, components, format, output, sampling, access_log)\n" +
 				`config.yaml: cluster.retry_max: wrong type: expected an integer, got string "many"`,
 		},
 	}

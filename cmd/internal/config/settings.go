@@ -41,6 +41,10 @@ type Setting struct {
 // Settings are the cluster settings, in the order the reference lists them.
 var Settings = []Setting{
 	{Key: "logging.level", Doc: "the agents' log level", set: func(d, s *Config, _ string) error { d.Logging.Level = s.Logging.Level; return nil }},
+	{Key: "logging.components", Doc: "levels of their own for components of the agents (`{raft: warn, access: debug}`)", set: func(d, s *Config, _ string) error {
+		d.Logging.Components = maps.Clone(s.Logging.Components)
+		return nil
+	}},
 	{Key: "routing.rules", Doc: "which backend serves which API (method prefixes); replaces the file's rules, or the default routes", set: func(d, s *Config, _ string) error {
 		d.Routing.Rules = slices.Clone(s.Routing.Rules)
 		return nil

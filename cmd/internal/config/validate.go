@@ -71,6 +71,8 @@ func (c *Config) validateSnapshot(v *validator) {
 	}
 }
 
+var componentName = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)
+
 type validator struct {
 	errs []error
 	// setting: a cluster setting is checked on its own; what it names
@@ -348,6 +350,15 @@ func (c *Config) validateAuth(v *validator) {
 
 func (c *Config) validateLogging(v *validator) {
 	l := &c.Logging
+	for _, name := range slices.Sorted(maps.Keys(l.Components)) {
+		p := joinKey("logging.components", name)
+		if !componentName.MatchString(name) {
+			v.add(p, "%w: component %q: lowercase letters, digits and '-' (the component of the log lines: raft, gossip, access, ...)", ErrInvalid, name)
+		}
+		if err := checkEnum(l.Components[name], enumOf(reflect.TypeFor[LoggingConfig](), "level")); err != nil {
+			v.add(p, "%w", err)
+		}
+	}
 	if out := l.Output; out != "stdout" && out != "stderr" && !filepath.IsAbs(out) {
 		v.add("logging.output", "%w %q: must be \"stdout\", \"stderr\" or an absolute file path", ErrInvalid, out)
 	}

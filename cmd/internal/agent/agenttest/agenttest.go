@@ -22,6 +22,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
@@ -168,25 +169,27 @@ func (c *Cluster) Logger(name string) *slog.Logger {
 	return c.logger(name, nil)
 }
 
-// logger is Logger at a level the agent may change (nil: debug).
-func (c *Cluster) logger(name string, level *slog.LevelVar) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: slog.LevelDebug}
-	if level != nil {
-		opts.Level = level
+// logger is Logger at levels the agent may change (nil: debug).
+func (c *Cluster) logger(name string, levels *observe.Levels) *slog.Logger {
+	h := slog.Handler(slog.NewTextHandler(c.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	if levels != nil {
+		h = levels.Handler(h)
 	}
-	return slog.New(slog.NewTextHandler(c.logs, opts)).With("node", name)
+	return slog.New(h).With("node", name)
 }
 
 // Start starts node i (a new slot when i == len(nodes)) with cfg.
 func (c *Cluster) Start(i int, cfg *config.Config) *Node {
 	c.tb.Helper()
-	// The agent sets its logger's level (logging.level, live).
-	level := new(slog.LevelVar)
+	// The agent sets its logger's levels (logging.level, live).
+	levels := new(observe.Levels)
+	var level slog.Level
 	if err := level.UnmarshalText([]byte(cfg.Logging.Level)); err != nil {
 		c.tb.Fatalf("agent %s: logging.level: %v", cfg.NodeName, err)
 	}
-	opts := Options(c.logger(cfg.NodeName, level))
-	opts.LogLevel = level
+	levels.SetLevel(level)
+	opts := Options(c.logger(cfg.NodeName, levels))
+	opts.Levels = levels
 	a, err := agent.New(cfg, opts)
 	if err != nil {
 		c.tb.Fatalf("new agent %s: %v", cfg.NodeName, err)
