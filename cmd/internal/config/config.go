@@ -385,14 +385,14 @@ type OIDCConfig struct {
 
 // LoggingConfig is the logging block. Output is "stdout", "stderr" or an absolute file path.
 type LoggingConfig struct {
-	Level     string          `yaml:"level" enum:"debug,info,warn,error"`
+	Level string `yaml:"level" enum:"debug,info,warn,error"`
 	// Components are levels of their own for parts of the agent (the
 	// component attribute of their log lines: raft, gossip, access, ...).
 	Components map[string]string `yaml:"components"`
-	Format    string          `yaml:"format" enum:"json,text"`
-	Output    string          `yaml:"output"`
-	Sampling  SamplingConfig  `yaml:"sampling"`
-	AccessLog AccessLogConfig `yaml:"access_log"`
+	Format     string            `yaml:"format" enum:"json,text"`
+	Output     string            `yaml:"output"`
+	Sampling   SamplingConfig    `yaml:"sampling"`
+	AccessLog  AccessLogConfig   `yaml:"access_log"`
 }
 
 // SlogLevels parses Level and Components.
