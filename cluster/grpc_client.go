@@ -130,6 +130,14 @@ func (g grpcNode) ConfigStatus(ctx context.Context, r *connect.Request[nodev1.Co
 	return callGRPC(ctx, r, g.c.ConfigStatus)
 }
 
+func (g grpcCluster) CheckAccess(ctx context.Context, r *connect.Request[clusterv1.CheckAccessRequest]) (*connect.Response[clusterv1.CheckAccessResponse], error) {
+	return callGRPC(ctx, r, g.c.CheckAccess)
+}
+
+func (g grpcCluster) CheckNetworkPolicy(ctx context.Context, r *connect.Request[clusterv1.CheckNetworkPolicyRequest]) (*connect.Response[clusterv1.CheckNetworkPolicyResponse], error) {
+	return callGRPC(ctx, r, g.c.CheckNetworkPolicy)
+}
+
 func (g grpcCluster) ConfigStatus(ctx context.Context, r *connect.Request[clusterv1.ConfigStatusRequest]) (*connect.Response[clusterv1.ConfigStatusResponse], error) {
 	return callGRPC(ctx, r, g.c.ConfigStatus)
 }

@@ -132,7 +132,11 @@ type ClusterServiceConfig struct {
 	// state of the cluster settings (NodeService.ConfigStatus). Nil:
 	// ConfigStatus answers Unimplemented.
 	ConfigStatus func(ctx context.Context, internalAddr string) (*clusterv1.NodeConfigStatus, error)
-	Logger       *slog.Logger
+	// CheckAccess and CheckNetworkPolicy answer the checks of the same
+	// name with the policies in force on this node. Nil: Unimplemented.
+	CheckAccess        func(ctx context.Context, req *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error)
+	CheckNetworkPolicy func(ctx context.Context, req *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error)
+	Logger             *slog.Logger
 }
 
 // DefaultClusterServiceConfig returns the defaults.

@@ -125,6 +125,14 @@ func (g nodeGRPC) ConfigStatus(ctx context.Context, r *nodev1.ConfigStatusReques
 	return unary(ctx, r, g.h.ConfigStatus)
 }
 
+func (g clusterGRPC) CheckAccess(ctx context.Context, r *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error) {
+	return unary(ctx, r, g.h.CheckAccess)
+}
+
+func (g clusterGRPC) CheckNetworkPolicy(ctx context.Context, r *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error) {
+	return unary(ctx, r, g.h.CheckNetworkPolicy)
+}
+
 func (g clusterGRPC) ConfigStatus(ctx context.Context, r *clusterv1.ConfigStatusRequest) (*clusterv1.ConfigStatusResponse, error) {
 	return unary(ctx, r, g.h.ConfigStatus)
 }

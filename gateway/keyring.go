@@ -112,6 +112,41 @@ func (h *ClusterService) ConfigStatus(ctx context.Context, _ *connect.Request[cl
 	return connect.NewResponse(&clusterv1.ConfigStatusResponse{Nodes: out}), nil
 }
 
+// CheckAccess implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) CheckAccess(ctx context.Context, req *connect.Request[clusterv1.CheckAccessRequest]) (*connect.Response[clusterv1.CheckAccessResponse], error) {
+	if h.cfg.CheckAccess == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent has no access control to check"))
+	}
+	if req.Msg.GetMethod() == "" {
+		return nil, toConnect(invalid("method", "is required (\"/pivirt.vm.v1.VMService/DeleteVM\" or \"VMService/DeleteVM\")"))
+	}
+	resp, err := h.cfg.CheckAccess(ctx, req.Msg)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	resp.Node = h.cfg.NodeName
+	return connect.NewResponse(resp), nil
+}
+
+// CheckNetworkPolicy implements clusterv1connect.ClusterServiceHandler.
+func (h *ClusterService) CheckNetworkPolicy(ctx context.Context, req *connect.Request[clusterv1.CheckNetworkPolicyRequest]) (*connect.Response[clusterv1.CheckNetworkPolicyResponse], error) {
+	if h.cfg.CheckNetworkPolicy == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent has no network policy to check"))
+	}
+	switch {
+	case req.Msg.GetFrom() == "" || req.Msg.GetTo() == "":
+		return nil, toConnect(invalid("from", "from and to are required: service identities, as the DNS or URI names of certificates"))
+	case req.Msg.GetPort() == 0 || req.Msg.GetPort() > 65535:
+		return nil, toConnect(invalid("port", "%d: want 1 to 65535", req.Msg.GetPort()))
+	}
+	resp, err := h.cfg.CheckNetworkPolicy(ctx, req.Msg)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	resp.Node = h.cfg.NodeName
+	return connect.NewResponse(resp), nil
+}
+
 // errorMessage is a Connect error's message, or the error's text.
 func errorMessage(err error) string {
 	if ce, ok := err.(*connect.Error); ok {

@@ -339,7 +339,7 @@ func (a *app) configStatus(cmd *cobra.Command, _ []string) error {
 			return err
 		}
 		return a.render(resp.Msg, func(w io.Writer) {
-			row(w, "NODE", "REVISION", "STATUS", "SETTINGS")
+			row(w, "NODE", "REVISION", "STATUS", "SETTINGS", "PINNED")
 			for _, n := range resp.Msg.GetNodes() {
 				st := "ok"
 				switch {
@@ -352,7 +352,11 @@ func (a *app) configStatus(cmd *cobra.Command, _ []string) error {
 				if keys == "" {
 					keys = "-"
 				}
-				row(w, n.GetNode(), formatUint(n.GetRevision()), st, keys)
+				pinned := strings.Join(n.GetPinned(), ",")
+				if pinned == "" {
+					pinned = "-"
+				}
+				row(w, n.GetNode(), formatUint(n.GetRevision()), st, keys, pinned)
 			}
 		})
 	})

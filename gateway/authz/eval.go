@@ -182,3 +182,25 @@ func PrincipalFrom(ctx context.Context) (Principal, bool) {
 	p, ok := ctx.Value(principalKey{}).(Principal)
 	return p, ok
 }
+
+// Matching lists the rules that grant verb on resource to who, each as
+// "rules[N]: roles [...] resources [...] verbs [...]" with its conditions
+// (rendered for who): what decides Decide's answer.
+func (p *Policy) Matching(who Principal, resource, verb string) []string {
+	var out []string
+	for i, r := range p.Rules {
+		if !matchAny(r.Roles, who.Roles) || !match(r.Resources, resource) || !match(r.Verbs, verb) {
+			continue
+		}
+		s := fmt.Sprintf("rules[%d]: roles [%s] resources [%s] verbs [%s]", i, strings.Join(r.Roles, ", "), strings.Join(r.Resources, ", "), strings.Join(r.Verbs, ", "))
+		for _, c := range r.Conditions {
+			v, err := c.value(who)
+			if err != nil {
+				v = c.Value
+			}
+			s += fmt.Sprintf(" if %s %s %q", c.Field, c.Operator, v)
+		}
+		out = append(out, s)
+	}
+	return out
+}

@@ -42,7 +42,7 @@ func TestEveryMethodAnnotated(t *testing.T) {
 	if n < 40 {
 		t.Errorf("only %d methods enumerated", n)
 	}
-	want := []string{"cluster", "config", "keyring", "networks", "schedules", "services", "snapshots", "virtualmachines", "volumes"}
+	want := []string{"cluster", "config", "keyring", "networks", "rbac", "schedules", "services", "snapshots", "virtualmachines", "volumes"}
 	if got := Resources(apiPort...); len(got) != len(want) {
 		t.Errorf("Resources = %v, want %v", got, want)
 	}

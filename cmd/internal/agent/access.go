@@ -65,7 +65,7 @@ const RBACResource = gateway.RBACResource
 
 // policyResources are the resources a policy may name.
 func policyResources() []string {
-	return slices.Sorted(slices.Values(append(authz.Resources(apiDescriptors()...), RBACResource)))
+	return slices.Compact(slices.Sorted(slices.Values(append(authz.Resources(apiDescriptors()...), RBACResource))))
 }
 
 // configResource guards the cluster-wide RBAC policy as the resource rbac:
@@ -250,6 +250,12 @@ func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChang
 	if c.Delete {
 		return nil
 	}
+	if c.Key == NetworkPolicyKey {
+		if _, err := netpolicy.Parse(strings.NewReader(c.Value)); err != nil {
+			return fmt.Errorf("%s: %w", NetworkPolicyKey, err)
+		}
+		return nil
+	}
 	_, _, ok, err := config.LookupSetting(c.Key)
 	switch {
 	case c.Restore && (err != nil || !ok):
@@ -316,6 +322,69 @@ func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting b
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
 		"%s would lock you out: %s (roles %s) could no longer update %s, so could not change or remove it again; you would lose: %s. Give one of your roles update on %s in the policy, or pass --force (force: true) to store it anyway",
 		what, who.Identity, roles, RBACResource, strings.Join(lost, "; "), RBACResource))
+}
+
+// checkAccess answers ClusterService.CheckAccess with the guard and the
+// policy in force here.
+func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error) {
+	if a.guard == nil {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("access control is off on this agent: every call is allowed"))
+	}
+	method, err := fullMethod(req.GetMethod())
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("method: %w", err))
+	}
+	who := authz.Principal{Identity: req.GetIdentity(), Roles: req.GetRoles()}
+	e, err := a.guard.Explain(who, method, req.GetObjectJson())
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	source := "none"
+	switch {
+	case a.clusterPolicy.Policy() != nil:
+		source = "cluster"
+	case a.policyFile != nil:
+		source = "file"
+	}
+	return &clusterv1.CheckAccessResponse{
+		Allowed: e.Allowed, Method: method, Resource: e.Resource, Verb: e.Verb, Decision: e.Decision,
+		Rules: e.Rules, Source: source, Detail: e.Detail,
+	}, nil
+}
+
+// fullMethod resolves "VMService/DeleteVM" (a service of the API by its
+// short name) or "pivirt.vm.v1.VMService/DeleteVM" to
+// "/pivirt.vm.v1.VMService/DeleteVM".
+func fullMethod(m string) (string, error) {
+	m = strings.TrimPrefix(m, "/")
+	svc, name, ok := strings.Cut(m, "/")
+	if !ok || svc == "" || name == "" {
+		return "", fmt.Errorf("%q: want Service/Method (\"VMService/DeleteVM\" or \"pivirt.vm.v1.VMService/DeleteVM\")", m)
+	}
+	if !strings.Contains(svc, ".") {
+		var matches []string
+		for _, sd := range apiDescriptors() {
+			if string(sd.Name()) == svc {
+				matches = append(matches, string(sd.FullName()))
+			}
+		}
+		if len(matches) != 1 {
+			return "", fmt.Errorf("%q: no service of the API is named %s (use the full name, pivirt.vm.v1.VMService)", m, svc)
+		}
+		svc = matches[0]
+	}
+	return "/" + svc + "/" + name, nil
+}
+
+// checkNetworkPolicyRPC answers ClusterService.CheckNetworkPolicy with the
+// network policy in force here.
+func (a *Agent) checkNetworkPolicyRPC(_ context.Context, req *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error) {
+	pol, source := a.networkPolicy()
+	if pol == nil {
+		return &clusterv1.CheckNetworkPolicyResponse{Allowed: true, Source: "none"}, nil
+	}
+	ok, name := pol.Allows([]string{req.GetFrom()}, []string{req.GetTo()}, int(req.GetPort()))
+	return &clusterv1.CheckNetworkPolicyResponse{Allowed: ok, Policy: name, Source: source}, nil
 }
 
 // Reload reads the files the agent can take up without a restart again

@@ -187,6 +187,12 @@ type Agent struct {
 	clusterPolicy *leader.ClusterPolicy
 	// netPolicy is auth.network_policy; nil when none is set.
 	netPolicy *watchfile.File[*netpolicy.Set]
+	// clusterNetPolicy is the cluster setting auth.network_policy, which
+	// takes precedence; netPolicyChanged wakes its enforcement on open
+	// connections (peerConns).
+	clusterNetPolicy atomic.Pointer[netpolicy.Set]
+	netPolicyChanged chan struct{}
+	peerConns        connTracker
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
@@ -344,11 +350,15 @@ func (a *Agent) startTLS() error {
 			return err
 		}
 		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
-		a.lnInternal = tls.NewListener(a.lnInternal, a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port")))
+		// Agents' connections are tracked: a network policy that no longer
+		// allows one closes it (netpolicy.go).
+		a.lnInternal = tls.NewListener(a.track(a.lnInternal, "internal port"), recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port"))))
 		if a.lnRaft != nil {
-			raftPeers := a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port"))
-			a.raftLayer = cluster.NewTLSStreamLayer(a.lnRaft, advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+			raftPeers := recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port")))
+			a.raftLayer = cluster.NewTLSStreamLayer(a.track(a.lnRaft, "raft port"), advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
 		}
+		a.netPolicyChanged = make(chan struct{}, 1)
+		a.wg.Go(a.watchNetworkPolicy)
 		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
 	}
 	if a.cfg.Tracing.Enabled {
@@ -548,6 +558,8 @@ func (a *Agent) buildServices() error {
 		}
 		return resp.Msg.GetStatus(), nil
 	}
+	hcfg.CheckAccess = a.checkAccess
+	hcfg.CheckNetworkPolicy = a.checkNetworkPolicyRPC
 	peers := peerClients{pool: a.pool}
 	var err error
 	a.api, err = gateway.NewClusterService(hcfg, a.cons, a.cons, a.gossip, peers, state)

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,9 +18,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
@@ -168,4 +171,133 @@ spec:
 func withName(b config.BackendTLSConfig, name string) config.BackendTLSConfig {
 	b.ServerName = name
 	return b
+}
+
+// TestClusterNetworkPolicy: auth.network_policy as a cluster setting is
+// validated at write, enforced by every node on new handshakes and on the
+// connections already open (closed, with a log line naming both
+// identities), and its removal lets the refused peer in again.
+func TestClusterNetworkPolicy(t *testing.T) {
+	dir := testPKI(t, 3)
+	chain := filepath.Join(dir, identity.ChainFile)
+	issue := func(req identity.LeafRequest) identity.LeafFiles {
+		t.Helper()
+		req.Force = true
+		f, err := identity.Issue(dir, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	agentSvc := []string{"agent.pivirt.internal"}
+	for i := 1; i <= 3; i++ {
+		issue(identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i), DNS: agentSvc})
+		issue(identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i), DNS: agentSvc, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	}
+	c := agenttest.NewExpect(t, 3, withTLS(dir))
+	c.WaitLeader(60 * time.Second)
+	c.WaitPeers(60*time.Second, 3, 0)
+	n := c.Follower()
+
+	// A monitor with an agent identity of another service keeps a
+	// connection open to n's internal port.
+	f := issue(identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-monitor", DNS: []string{"monitor.pivirt.internal"}})
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: f.Cert, KeyFile: f.Key, CAFile: chain})
+	if err != nil {
+		t.Fatal(err)
+	}
+	monitor := cluster.NewPoolTLS(src.ClientConfig).Node(n.InternalAddr())
+	ask := func() error {
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		defer cancel()
+		_, err := monitor.Status(ctx, connect.NewRequest(&nodev1.StatusRequest{}))
+		return err
+	}
+	if err := ask(); err != nil {
+		t.Fatalf("the monitor without a network policy: %v", err)
+	}
+
+	conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+		RootCAs: mustPool(t, chain), MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*apiClientCert(t, dir)},
+	})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	api := clusterv1.NewClusterServiceClient(conn)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	if _, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: "kind: NetworkPolicy\nspec: {ingress: [{from: [{service: x}], ports: [{port: 70000}]}]}\n"}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "70000") {
+		t.Errorf("an invalid network policy: %v, want InvalidArgument naming the port", err)
+	}
+	set, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: `apiVersion: pivirt.pilab.hu/v1
+kind: NetworkPolicy
+metadata:
+  name: agents
+spec:
+  ingress:
+    - from:
+        - service: "agent.pivirt.internal"
+      to:
+        - service: "agent.pivirt.internal"
+`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The check answers as the connections are treated.
+	check := func(from, to string, port uint32) *clusterv1.CheckNetworkPolicyResponse {
+		t.Helper()
+		r, err := api.CheckNetworkPolicy(ctx, &clusterv1.CheckNetworkPolicyRequest{From: from, To: to, Port: port})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	agenttest.Eventually(t, 5*time.Second, "the cluster's policy in force on "+n.Name, func() error {
+		if r := check("monitor.pivirt.internal", "agent.pivirt.internal", 9000); r.GetAllowed() || r.GetSource() != "cluster" {
+			return fmt.Errorf("monitor -> agent: %v", r)
+		}
+		return nil
+	})
+	if r := check("agent.pivirt.internal", "agent.pivirt.internal", 8300); !r.GetAllowed() || r.GetPolicy() != "agents" {
+		t.Errorf("agent -> agent: %v", r)
+	}
+	if _, err := api.CheckNetworkPolicy(ctx, &clusterv1.CheckNetworkPolicyRequest{From: "a", To: "b", Port: 70000}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("port 70000: %v", err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "the monitor's open connection closed", func() error {
+		if !c.Logs().Contains(`msg="closing a connection the network policy no longer allows" node=` + n.Name) {
+			return fmt.Errorf("no log line of the closed connection on %s", n.Name)
+		}
+		return nil
+	})
+	if !c.Logs().Contains(`from=[monitor.pivirt.internal] from_cn=pivirt-agent-monitor to=[agent.pivirt.internal]`) {
+		t.Error("the closed connection's log line does not name both identities")
+	}
+	if err := ask(); err == nil {
+		t.Error("the monitor is answered under a policy that does not allow it")
+	}
+	// The agents still form a cluster: a write through n, on every node.
+	for _, node := range c.Nodes() {
+		if st := node.SettingsStatus(); st.Error != "" || st.Revision < set.GetEntry().GetRevision() {
+			agenttest.Eventually(t, 5*time.Second, node.Name+" applies the policy", func() error {
+				if st := node.SettingsStatus(); st.Error != "" || st.Revision < set.GetEntry().GetRevision() {
+					return fmt.Errorf("%+v", st)
+				}
+				return nil
+			})
+		}
+	}
+	if _, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: "kv/after-policy", Value: "1"}); err != nil {
+		t.Errorf("a write under the agents' policy: %v", err)
+	}
+
+	// Removed: the monitor is let in again.
+	if _, err := api.DeleteConfig(ctx, &clusterv1.DeleteConfigRequest{Key: agent.NetworkPolicyKey}); err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 10*time.Second, "the monitor let in again", ask)
+	if r := check("monitor.pivirt.internal", "agent.pivirt.internal", 9000); !r.GetAllowed() || r.GetSource() != "none" {
+		t.Errorf("monitor -> agent without a policy: %v", r)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
@@ -89,7 +91,8 @@ func (a *Agent) SettingsStatus() SettingsStatus {
 // nodeConfigStatus is SettingsStatus for NodeService.ConfigStatus.
 func (a *Agent) nodeConfigStatus() *clusterv1.NodeConfigStatus {
 	st := a.SettingsStatus()
-	return &clusterv1.NodeConfigStatus{Node: a.cfg.NodeName, NodeId: a.nodeID, Revision: st.Revision, Keys: st.Keys, FailedRevision: st.FailedRevision, ApplyError: st.Error}
+	return &clusterv1.NodeConfigStatus{Node: a.cfg.NodeName, NodeId: a.nodeID, Revision: st.Revision, Keys: st.Keys, FailedRevision: st.FailedRevision, ApplyError: st.Error,
+		Pinned: a.fileCfg.Load().PinnedSettings}
 }
 
 // loadSettings puts the kept cluster settings on top of the file before
@@ -112,12 +115,17 @@ func (a *Agent) loadSettings() error {
 		return nil
 	}
 	next, applied, err := config.ApplySettings(a.cfg, kept.Settings)
+	var np *netpolicy.Set
+	if err == nil {
+		np, err = a.settingsNetPolicy(a.cfg, kept.Settings)
+	}
 	if err != nil {
 		a.logger.Error("the kept cluster settings do not apply to this configuration; starting with the file's values until the agent catches up", "path", path, "revision", kept.Revision, "error", err)
 		a.settings.fail(kept.Revision, err)
 		return nil
 	}
 	a.cfg = next
+	a.clusterNetPolicy.Store(np)
 	if a.opts.Levels != nil {
 		level, comps, err := next.Logging.SlogLevels()
 		if err != nil {
@@ -165,7 +173,7 @@ func (a *Agent) runSettings() error {
 			}
 			values := map[string]string{}
 			for _, e := range entries {
-				if s, _, ok, err := config.LookupSetting(e.GetKey()); err == nil && ok && !s.Document {
+				if s, _, ok, err := config.LookupSetting(e.GetKey()); err == nil && ok && (!s.Document || e.GetKey() == NetworkPolicyKey) {
 					values[e.GetKey()] = e.GetValue()
 				}
 			}
@@ -194,9 +202,20 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	if same || behind {
 		return
 	}
-	next, keys, err := config.ApplySettings(a.fileCfg.Load(), values)
+	file := a.fileCfg.Load()
+	next, keys, err := config.ApplySettings(file, values)
+	var np *netpolicy.Set
+	if err == nil {
+		np, err = a.settingsNetPolicy(file, values)
+	}
 	if err == nil {
 		_, _, err = a.applyConfig(next)
+	}
+	if err == nil {
+		a.setClusterNetPolicy(np)
+		if np != nil {
+			keys = append(keys, NetworkPolicyKey)
+		}
 	}
 	if err != nil {
 		s.mu.Lock()
@@ -218,5 +237,39 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	}
 	if err != nil {
 		a.logger.Error("keeping a copy of the cluster settings failed", "error", err)
+	}
+}
+
+// settingsNetPolicy is the cluster's network policy of values, parsed; nil
+// when none is set or the file pins auth.network_policy.
+func (a *Agent) settingsNetPolicy(file *config.Config, values map[string]string) (*netpolicy.Set, error) {
+	doc, ok := values[NetworkPolicyKey]
+	if !ok || file.Pinned(NetworkPolicyKey) {
+		return nil, nil
+	}
+	if !file.TLS.Enabled {
+		return nil, &config.SettingError{Key: NetworkPolicyKey, Err: errors.New("network policies match the names of TLS certificates; this node runs with tls.enabled false")}
+	}
+	p, err := netpolicy.Parse(strings.NewReader(doc))
+	if err != nil {
+		return nil, &config.SettingError{Key: NetworkPolicyKey, Err: err}
+	}
+	return p, nil
+}
+
+// setClusterNetPolicy puts the cluster's network policy in force (nil:
+// the file's applies again) and, when it changed, enforces it on the open
+// connections at once.
+func (a *Agent) setClusterNetPolicy(p *netpolicy.Set) {
+	old := a.clusterNetPolicy.Swap(p)
+	if old == p || a.netPolicyChanged == nil {
+		return
+	}
+	if old == nil || p == nil {
+		a.logger.Info("network policy in force", "source", map[bool]string{true: "cluster", false: "file"}[p != nil])
+	}
+	select {
+	case a.netPolicyChanged <- struct{}{}:
+	default:
 	}
 }

@@ -103,7 +103,10 @@ func testClusterSettings(t *testing.T, etcd []string) {
 			t.Fatalf("%s logs debug lines at logging.level info", n.Name)
 		}
 	}
+	began := time.Now()
 	rev := set("logging.level", "debug").GetRevision()
+	applied("logging.level revision", rev, nil)
+	t.Logf("logging.level applied on every node %s after the write returned", time.Since(began).Round(time.Millisecond))
 	applied("logging.level debug", rev, func(n *agenttest.Node) error {
 		read(n)
 		if !debugOf(mark, n) {
@@ -195,7 +198,8 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	}
 	for _, n := range cs.GetNodes() {
 		failing := n.GetApplyError() != ""
-		if n.GetError() != "" || failing != (n.GetNode() == "node3") || n.GetRevision() == 0 {
+		pinned := strings.Join(n.GetPinned(), ",") == "backends.<name>.timeout"
+		if n.GetError() != "" || failing != (n.GetNode() == "node3") || n.GetRevision() == 0 || pinned != (n.GetNode() == "node2") {
 			t.Errorf("config status of %s: %v", n.GetNode(), n)
 		}
 	}
@@ -361,5 +365,53 @@ func TestRBACLockOut(t *testing.T) {
 	})
 	if code, body := httpPost(t, "http://"+e.n.MetricsAddr()+"/rbac/reset"); code != 200 || !strings.Contains(body, `"removed":false`) {
 		t.Errorf("POST /rbac/reset without a policy: %d %s", code, body)
+	}
+}
+
+// TestAccessChecks: CheckAccess answers what the RBAC policy in force
+// decides for a principal and a method (and an object, for rules with
+// conditions), naming the rules; nothing is called.
+func TestAccessChecks(t *testing.T) {
+	e := newAccessEnv(t, 1, nil) // the spec's policy, in the file
+	admin := as(e.ctx(), e.token("root", "admin"))
+	for _, tc := range []struct {
+		identity, method, object string
+		roles                    []string
+		allowed                  bool
+		decision, rule           string
+	}{
+		{"root", "VMService/DeleteVM", "", []string{"admin"}, true, "allowed", "rules[0]: roles [admin] resources [*] verbs [*]"},
+		{"olga", "pivirt.vm.v1.VMService/DeleteVM", "", []string{"operator"}, false, "denied", ""},
+		{"olga", "/pivirt.vm.v1.VMService/CreateVM", "", []string{"operator"}, true, "allowed", "rules[1]: roles [operator]"},
+		{"alice", "VMService/UpdateVM", "", []string{"vm-owner"}, false, "conditional", `if metadata.owner Equals "alice"`},
+		{"alice", "VMService/UpdateVM", `{"metadata": {"owner": "alice"}}`, []string{"vm-owner"}, true, "conditional", "rules[3]"},
+		{"alice", "VMService/UpdateVM", `{"metadata": {"owner": "bob"}}`, []string{"vm-owner"}, false, "conditional", "rules[3]"},
+		{"", "grpc.health.v1.Health/Check", "", nil, true, "open", ""},
+	} {
+		r, err := e.cl.CheckAccess(admin, &clusterv1.CheckAccessRequest{Identity: tc.identity, Roles: tc.roles, Method: tc.method, ObjectJson: tc.object})
+		if err != nil {
+			t.Errorf("%s %v %s: %v", tc.identity, tc.roles, tc.method, err)
+			continue
+		}
+		if r.GetAllowed() != tc.allowed || r.GetDecision() != tc.decision || r.GetSource() != "file" && tc.decision != "open" || !strings.Contains(strings.Join(r.GetRules(), "\n"), tc.rule) {
+			t.Errorf("%s %v %s %s: %v", tc.identity, tc.roles, tc.method, tc.object, r)
+		}
+	}
+	for method, want := range map[string]string{
+		"VMService/Reboot2":   "not a method of the API",
+		"NoService/DeleteVM":  "no service of the API is named NoService",
+		"DeleteVM":            "want Service/Method",
+		"VMService/UpdateVM ": "not a method of the API",
+	} {
+		if _, err := e.cl.CheckAccess(admin, &clusterv1.CheckAccessRequest{Identity: "x", Method: method}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), want) {
+			t.Errorf("method %q: %v, want InvalidArgument with %q", method, err, want)
+		}
+	}
+	if _, err := e.cl.CheckAccess(admin, &clusterv1.CheckAccessRequest{Identity: "alice", Roles: []string{"vm-owner"}, Method: "VMService/UpdateVM", ObjectJson: "{owner"}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "not the JSON of a pivirt.vm.v1.VM") {
+		t.Errorf("a bad object: %v", err)
+	}
+	// It needs get on rbac.
+	if _, err := e.cl.CheckAccess(as(e.ctx(), e.token("olga", "operator")), &clusterv1.CheckAccessRequest{Identity: "x", Method: "VMService/GetVM"}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("an operator checks access: %v, want PermissionDenied", err)
 	}
 }

@@ -67,6 +67,7 @@ var Settings = []Setting{
 		return nil
 	}},
 	{Key: "auth.rbac_policy", Doc: "the RBAC policy (the text of an rbac.yaml), enforced by every agent in place of its auth.rbac_policy file", Document: true},
+	{Key: "auth.network_policy", Doc: "the network policies (the text of NetworkPolicy documents), enforced by every agent in place of its auth.network_policy file, on new and open connections", Document: true},
 }
 
 // reservedPrefixes are the keys (and key prefixes) that belong to the

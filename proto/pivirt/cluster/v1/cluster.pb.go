@@ -2708,6 +2708,328 @@ func (x *ConfigHistoryResponse) GetMeta() *QueryMeta {
 	return nil
 }
 
+type CheckAccessRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// identity and roles of the principal to check (as a token or a
+	// certificate would give them).
+	Identity string   `protobuf:"bytes,1,opt,name=identity,proto3" json:"identity,omitempty"`
+	Roles    []string `protobuf:"bytes,2,rep,name=roles,proto3" json:"roles,omitempty"`
+	// method: "/pivirt.vm.v1.VMService/DeleteVM", or "VMService/DeleteVM".
+	Method string `protobuf:"bytes,3,opt,name=method,proto3" json:"method,omitempty"`
+	// object_json: the object the call is about (the resource's message in
+	// its JSON form, e.g. a VM), for rules with conditions.
+	ObjectJson    string `protobuf:"bytes,4,opt,name=object_json,json=objectJson,proto3" json:"object_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckAccessRequest) Reset() {
+	*x = CheckAccessRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckAccessRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckAccessRequest) ProtoMessage() {}
+
+func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckAccessRequest.ProtoReflect.Descriptor instead.
+func (*CheckAccessRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *CheckAccessRequest) GetIdentity() string {
+	if x != nil {
+		return x.Identity
+	}
+	return ""
+}
+
+func (x *CheckAccessRequest) GetRoles() []string {
+	if x != nil {
+		return x.Roles
+	}
+	return nil
+}
+
+func (x *CheckAccessRequest) GetMethod() string {
+	if x != nil {
+		return x.Method
+	}
+	return ""
+}
+
+func (x *CheckAccessRequest) GetObjectJson() string {
+	if x != nil {
+		return x.ObjectJson
+	}
+	return ""
+}
+
+type CheckAccessResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// allowed: the call is allowed (for object_json's object, when the
+	// rules that allow it have conditions).
+	Allowed  bool   `protobuf:"varint,1,opt,name=allowed,proto3" json:"allowed,omitempty"`
+	Method   string `protobuf:"bytes,2,opt,name=method,proto3" json:"method,omitempty"`
+	Resource string `protobuf:"bytes,3,opt,name=resource,proto3" json:"resource,omitempty"`
+	Verb     string `protobuf:"bytes,4,opt,name=verb,proto3" json:"verb,omitempty"`
+	// decision: "allowed", "denied", "conditional" (allowed on objects that
+	// meet the conditions; object_json tells for one), "open" (no
+	// credentials needed), "authenticated" (any authenticated caller).
+	Decision string `protobuf:"bytes,5,opt,name=decision,proto3" json:"decision,omitempty"`
+	// rules: the policy's rules that grant it, as "rules[N]: roles … resources … verbs … [conditions]".
+	Rules []string `protobuf:"bytes,6,rep,name=rules,proto3" json:"rules,omitempty"`
+	// source: where the policy in force comes from: "cluster", "file" or
+	// "none" (every authenticated caller may call every method).
+	Source        string `protobuf:"bytes,7,opt,name=source,proto3" json:"source,omitempty"`
+	Node          string `protobuf:"bytes,8,opt,name=node,proto3" json:"node,omitempty"`
+	Detail        string `protobuf:"bytes,9,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckAccessResponse) Reset() {
+	*x = CheckAccessResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckAccessResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckAccessResponse) ProtoMessage() {}
+
+func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckAccessResponse.ProtoReflect.Descriptor instead.
+func (*CheckAccessResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *CheckAccessResponse) GetAllowed() bool {
+	if x != nil {
+		return x.Allowed
+	}
+	return false
+}
+
+func (x *CheckAccessResponse) GetMethod() string {
+	if x != nil {
+		return x.Method
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetResource() string {
+	if x != nil {
+		return x.Resource
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetVerb() string {
+	if x != nil {
+		return x.Verb
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetDecision() string {
+	if x != nil {
+		return x.Decision
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetRules() []string {
+	if x != nil {
+		return x.Rules
+	}
+	return nil
+}
+
+func (x *CheckAccessResponse) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *CheckAccessResponse) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+type CheckNetworkPolicyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// from and to: service identities (the DNS or URI names of
+	// certificates).
+	From          string `protobuf:"bytes,1,opt,name=from,proto3" json:"from,omitempty"`
+	To            string `protobuf:"bytes,2,opt,name=to,proto3" json:"to,omitempty"`
+	Port          uint32 `protobuf:"varint,3,opt,name=port,proto3" json:"port,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckNetworkPolicyRequest) Reset() {
+	*x = CheckNetworkPolicyRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckNetworkPolicyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckNetworkPolicyRequest) ProtoMessage() {}
+
+func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
+func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *CheckNetworkPolicyRequest) GetFrom() string {
+	if x != nil {
+		return x.From
+	}
+	return ""
+}
+
+func (x *CheckNetworkPolicyRequest) GetTo() string {
+	if x != nil {
+		return x.To
+	}
+	return ""
+}
+
+func (x *CheckNetworkPolicyRequest) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+type CheckNetworkPolicyResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Allowed bool                   `protobuf:"varint,1,opt,name=allowed,proto3" json:"allowed,omitempty"`
+	// policy: the NetworkPolicy (metadata.name) that allows it.
+	Policy string `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`
+	// source: "cluster", "file" or "none" (no policy: every connection
+	// allowed).
+	Source        string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
+	Node          string `protobuf:"bytes,4,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckNetworkPolicyResponse) Reset() {
+	*x = CheckNetworkPolicyResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckNetworkPolicyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckNetworkPolicyResponse) ProtoMessage() {}
+
+func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
+func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
+	if x != nil {
+		return x.Allowed
+	}
+	return false
+}
+
+func (x *CheckNetworkPolicyResponse) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
+}
+
+func (x *CheckNetworkPolicyResponse) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *CheckNetworkPolicyResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
 type ConfigStatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2716,7 +3038,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2728,7 +3050,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2741,7 +3063,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
 }
 
 type ConfigStatusResponse struct {
@@ -2754,7 +3076,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2766,7 +3088,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2779,7 +3101,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -2805,14 +3127,17 @@ type NodeConfigStatus struct {
 	FailedRevision uint64 `protobuf:"varint,5,opt,name=failed_revision,json=failedRevision,proto3" json:"failed_revision,omitempty"`
 	ApplyError     string `protobuf:"bytes,6,opt,name=apply_error,json=applyError,proto3" json:"apply_error,omitempty"`
 	// error: the node could not be asked.
-	Error         string `protobuf:"bytes,7,opt,name=error,proto3" json:"error,omitempty"`
+	Error string `protobuf:"bytes,7,opt,name=error,proto3" json:"error,omitempty"`
+	// pinned: the settings the node's file keeps to itself
+	// (pinned_settings).
+	Pinned        []string `protobuf:"bytes,8,rep,name=pinned,proto3" json:"pinned,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2824,7 +3149,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2837,7 +3162,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -2889,6 +3214,13 @@ func (x *NodeConfigStatus) GetError() string {
 	return ""
 }
 
+func (x *NodeConfigStatus) GetPinned() []string {
+	if x != nil {
+		return x.Pinned
+	}
+	return nil
+}
+
 type KeyringRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Op    KeyringOp              `protobuf:"varint,1,opt,name=op,proto3,enum=pivirt.cluster.v1.KeyringOp" json:"op,omitempty"`
@@ -2900,7 +3232,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2912,7 +3244,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2925,7 +3257,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -2953,7 +3285,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2965,7 +3297,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2978,7 +3310,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -3003,7 +3335,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3015,7 +3347,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3028,7 +3360,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -3239,10 +3571,35 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"\x83\x01\n" +
 	"\x15ConfigHistoryResponse\x128\n" +
 	"\aentries\x18\x01 \x03(\v2\x1e.pivirt.cluster.v1.ConfigEntryR\aentries\x120\n" +
-	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"\x15\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"\x7f\n" +
+	"\x12CheckAccessRequest\x12\x1a\n" +
+	"\bidentity\x18\x01 \x01(\tR\bidentity\x12\x14\n" +
+	"\x05roles\x18\x02 \x03(\tR\x05roles\x12\x16\n" +
+	"\x06method\x18\x03 \x01(\tR\x06method\x12\x1f\n" +
+	"\vobject_json\x18\x04 \x01(\tR\n" +
+	"objectJson\"\xed\x01\n" +
+	"\x13CheckAccessResponse\x12\x18\n" +
+	"\aallowed\x18\x01 \x01(\bR\aallowed\x12\x16\n" +
+	"\x06method\x18\x02 \x01(\tR\x06method\x12\x1a\n" +
+	"\bresource\x18\x03 \x01(\tR\bresource\x12\x12\n" +
+	"\x04verb\x18\x04 \x01(\tR\x04verb\x12\x1a\n" +
+	"\bdecision\x18\x05 \x01(\tR\bdecision\x12\x14\n" +
+	"\x05rules\x18\x06 \x03(\tR\x05rules\x12\x16\n" +
+	"\x06source\x18\a \x01(\tR\x06source\x12\x12\n" +
+	"\x04node\x18\b \x01(\tR\x04node\x12\x16\n" +
+	"\x06detail\x18\t \x01(\tR\x06detail\"S\n" +
+	"\x19CheckNetworkPolicyRequest\x12\x12\n" +
+	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
+	"\x02to\x18\x02 \x01(\tR\x02to\x12\x12\n" +
+	"\x04port\x18\x03 \x01(\rR\x04port\"z\n" +
+	"\x1aCheckNetworkPolicyResponse\x12\x18\n" +
+	"\aallowed\x18\x01 \x01(\bR\aallowed\x12\x16\n" +
+	"\x06policy\x18\x02 \x01(\tR\x06policy\x12\x16\n" +
+	"\x06source\x18\x03 \x01(\tR\x06source\x12\x12\n" +
+	"\x04node\x18\x04 \x01(\tR\x04node\"\x15\n" +
 	"\x13ConfigStatusRequest\"Q\n" +
 	"\x14ConfigStatusResponse\x129\n" +
-	"\x05nodes\x18\x01 \x03(\v2#.pivirt.cluster.v1.NodeConfigStatusR\x05nodes\"\xcf\x01\n" +
+	"\x05nodes\x18\x01 \x03(\v2#.pivirt.cluster.v1.NodeConfigStatusR\x05nodes\"\xe7\x01\n" +
 	"\x10NodeConfigStatus\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x1a\n" +
@@ -3251,7 +3608,8 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0ffailed_revision\x18\x05 \x01(\x04R\x0efailedRevision\x12\x1f\n" +
 	"\vapply_error\x18\x06 \x01(\tR\n" +
 	"applyError\x12\x14\n" +
-	"\x05error\x18\a \x01(\tR\x05error\"P\n" +
+	"\x05error\x18\a \x01(\tR\x05error\x12\x16\n" +
+	"\x06pinned\x18\b \x03(\tR\x06pinned\"P\n" +
 	"\x0eKeyringRequest\x12,\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1c.pivirt.cluster.v1.KeyringOpR\x02op\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\"G\n" +
@@ -3290,7 +3648,7 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
 	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
 	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
-	"\x11KEYRING_OP_REMOVE\x10\x042\xe3\x10\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\xd9\x12\n" +
 	"\x0eClusterService\x12d\n" +
 	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x12\xca\xf3\x18\x0e\n" +
 	"\acluster\x12\x03get\x12^\n" +
@@ -3332,7 +3690,11 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\aKeyring\x12!.pivirt.cluster.v1.KeyringRequest\x1a\".pivirt.cluster.v1.KeyringResponse\"\x15\xca\xf3\x18\x11\n" +
 	"\akeyring\x12\x06update\x12s\n" +
 	"\fConfigStatus\x12&.pivirt.cluster.v1.ConfigStatusRequest\x1a'.pivirt.cluster.v1.ConfigStatusResponse\"\x12\xca\xf3\x18\x0e\n" +
-	"\x06config\x12\x04listB9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\x06config\x12\x04list\x12m\n" +
+	"\vCheckAccess\x12%.pivirt.cluster.v1.CheckAccessRequest\x1a&.pivirt.cluster.v1.CheckAccessResponse\"\x0f\xca\xf3\x18\v\n" +
+	"\x04rbac\x12\x03get\x12\x84\x01\n" +
+	"\x12CheckNetworkPolicy\x12,.pivirt.cluster.v1.CheckNetworkPolicyRequest\x1a-.pivirt.cluster.v1.CheckNetworkPolicyResponse\"\x11\xca\xf3\x18\r\n" +
+	"\x06config\x12\x03getB9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_cluster_proto_rawDescOnce sync.Once
@@ -3347,83 +3709,87 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 48)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
-	(Consistency)(0),                  // 0: pivirt.cluster.v1.Consistency
-	(MemberStatus)(0),                 // 1: pivirt.cluster.v1.MemberStatus
-	(RaftState)(0),                    // 2: pivirt.cluster.v1.RaftState
-	(Health)(0),                       // 3: pivirt.cluster.v1.Health
-	(KeyringOp)(0),                    // 4: pivirt.cluster.v1.KeyringOp
-	(*ReadOptions)(nil),               // 5: pivirt.cluster.v1.ReadOptions
-	(*WriteOptions)(nil),              // 6: pivirt.cluster.v1.WriteOptions
-	(*QueryMeta)(nil),                 // 7: pivirt.cluster.v1.QueryMeta
-	(*Member)(nil),                    // 8: pivirt.cluster.v1.Member
-	(*MembersRequest)(nil),            // 9: pivirt.cluster.v1.MembersRequest
-	(*MembersResponse)(nil),           // 10: pivirt.cluster.v1.MembersResponse
-	(*Peer)(nil),                      // 11: pivirt.cluster.v1.Peer
-	(*PeersRequest)(nil),              // 12: pivirt.cluster.v1.PeersRequest
-	(*PeersResponse)(nil),             // 13: pivirt.cluster.v1.PeersResponse
-	(*LeaderRequest)(nil),             // 14: pivirt.cluster.v1.LeaderRequest
-	(*LeaderResponse)(nil),            // 15: pivirt.cluster.v1.LeaderResponse
-	(*JoinRequest)(nil),               // 16: pivirt.cluster.v1.JoinRequest
-	(*JoinResponse)(nil),              // 17: pivirt.cluster.v1.JoinResponse
-	(*LeaveRequest)(nil),              // 18: pivirt.cluster.v1.LeaveRequest
-	(*LeaveResponse)(nil),             // 19: pivirt.cluster.v1.LeaveResponse
-	(*RemovePeerRequest)(nil),         // 20: pivirt.cluster.v1.RemovePeerRequest
-	(*RemovePeerResponse)(nil),        // 21: pivirt.cluster.v1.RemovePeerResponse
-	(*TransferLeaderRequest)(nil),     // 22: pivirt.cluster.v1.TransferLeaderRequest
-	(*TransferLeaderResponse)(nil),    // 23: pivirt.cluster.v1.TransferLeaderResponse
-	(*ServiceInstance)(nil),           // 24: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),    // 25: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),   // 26: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),  // 27: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil), // 28: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),          // 29: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 30: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),       // 31: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),      // 32: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),         // 33: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),        // 34: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),               // 35: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),          // 36: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),         // 37: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),         // 38: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),        // 39: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),          // 40: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),         // 41: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),       // 42: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),      // 43: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),      // 44: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),     // 45: pivirt.cluster.v1.ConfigHistoryResponse
-	(*ConfigStatusRequest)(nil),       // 46: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),      // 47: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),          // 48: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),            // 49: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),           // 50: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),               // 51: pivirt.cluster.v1.NodeKeyring
-	nil,                               // 52: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),       // 53: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),     // 54: google.protobuf.Timestamp
+	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
+	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
+	(RaftState)(0),                     // 2: pivirt.cluster.v1.RaftState
+	(Health)(0),                        // 3: pivirt.cluster.v1.Health
+	(KeyringOp)(0),                     // 4: pivirt.cluster.v1.KeyringOp
+	(*ReadOptions)(nil),                // 5: pivirt.cluster.v1.ReadOptions
+	(*WriteOptions)(nil),               // 6: pivirt.cluster.v1.WriteOptions
+	(*QueryMeta)(nil),                  // 7: pivirt.cluster.v1.QueryMeta
+	(*Member)(nil),                     // 8: pivirt.cluster.v1.Member
+	(*MembersRequest)(nil),             // 9: pivirt.cluster.v1.MembersRequest
+	(*MembersResponse)(nil),            // 10: pivirt.cluster.v1.MembersResponse
+	(*Peer)(nil),                       // 11: pivirt.cluster.v1.Peer
+	(*PeersRequest)(nil),               // 12: pivirt.cluster.v1.PeersRequest
+	(*PeersResponse)(nil),              // 13: pivirt.cluster.v1.PeersResponse
+	(*LeaderRequest)(nil),              // 14: pivirt.cluster.v1.LeaderRequest
+	(*LeaderResponse)(nil),             // 15: pivirt.cluster.v1.LeaderResponse
+	(*JoinRequest)(nil),                // 16: pivirt.cluster.v1.JoinRequest
+	(*JoinResponse)(nil),               // 17: pivirt.cluster.v1.JoinResponse
+	(*LeaveRequest)(nil),               // 18: pivirt.cluster.v1.LeaveRequest
+	(*LeaveResponse)(nil),              // 19: pivirt.cluster.v1.LeaveResponse
+	(*RemovePeerRequest)(nil),          // 20: pivirt.cluster.v1.RemovePeerRequest
+	(*RemovePeerResponse)(nil),         // 21: pivirt.cluster.v1.RemovePeerResponse
+	(*TransferLeaderRequest)(nil),      // 22: pivirt.cluster.v1.TransferLeaderRequest
+	(*TransferLeaderResponse)(nil),     // 23: pivirt.cluster.v1.TransferLeaderResponse
+	(*ServiceInstance)(nil),            // 24: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),     // 25: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),    // 26: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),   // 27: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil),  // 28: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),           // 29: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),          // 30: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),        // 31: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),       // 32: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),          // 33: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),         // 34: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),                // 35: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),           // 36: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),          // 37: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),          // 38: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),         // 39: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),           // 40: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),          // 41: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),        // 42: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),       // 43: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),       // 44: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),      // 45: pivirt.cluster.v1.ConfigHistoryResponse
+	(*CheckAccessRequest)(nil),         // 46: pivirt.cluster.v1.CheckAccessRequest
+	(*CheckAccessResponse)(nil),        // 47: pivirt.cluster.v1.CheckAccessResponse
+	(*CheckNetworkPolicyRequest)(nil),  // 48: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 49: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 50: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 51: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 52: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 53: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 54: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 55: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 56: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 57: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 58: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	53, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	53, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	53, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	57, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	57, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	57, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
 	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	53, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	57, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
 	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
 	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	52, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	56, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
 	3,  // 14: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	53, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	54, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	54, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	57, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	58, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	58, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
 	24, // 18: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
 	6,  // 19: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
 	24, // 20: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
@@ -3436,7 +3802,7 @@ var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	5,  // 27: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	24, // 28: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
 	7,  // 29: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	54, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	58, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
 	5,  // 31: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	35, // 32: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
 	7,  // 33: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
@@ -3449,9 +3815,9 @@ var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	5,  // 40: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	35, // 41: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
 	7,  // 42: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	48, // 43: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	52, // 43: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
 	4,  // 44: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	51, // 45: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	55, // 45: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
 	9,  // 46: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
 	12, // 47: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
 	14, // 48: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
@@ -3469,29 +3835,33 @@ var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	40, // 60: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
 	42, // 61: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
 	44, // 62: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	49, // 63: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	46, // 64: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	10, // 65: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 66: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 67: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 68: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 69: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 70: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	23, // 71: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	26, // 72: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	28, // 73: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	30, // 74: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	32, // 75: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	34, // 76: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	37, // 77: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	39, // 78: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	41, // 79: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	43, // 80: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	45, // 81: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	50, // 82: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	47, // 83: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	65, // [65:84] is the sub-list for method output_type
-	46, // [46:65] is the sub-list for method input_type
+	53, // 63: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	50, // 64: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	46, // 65: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	48, // 66: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	10, // 67: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 68: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 69: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 70: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 71: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 72: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	23, // 73: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	26, // 74: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	28, // 75: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	30, // 76: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	32, // 77: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	34, // 78: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	37, // 79: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	39, // 80: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	41, // 81: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	43, // 82: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	45, // 83: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	54, // 84: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	51, // 85: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	47, // 86: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	49, // 87: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	67, // [67:88] is the sub-list for method output_type
+	46, // [46:67] is the sub-list for method input_type
 	46, // [46:46] is the sub-list for extension type_name
 	46, // [46:46] is the sub-list for extension extendee
 	0,  // [0:46] is the sub-list for field type_name
@@ -3510,7 +3880,7 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   48,
+			NumMessages:   52,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

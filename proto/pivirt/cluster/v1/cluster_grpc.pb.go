@@ -19,25 +19,27 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ClusterService_Members_FullMethodName           = "/pivirt.cluster.v1.ClusterService/Members"
-	ClusterService_Peers_FullMethodName             = "/pivirt.cluster.v1.ClusterService/Peers"
-	ClusterService_Leader_FullMethodName            = "/pivirt.cluster.v1.ClusterService/Leader"
-	ClusterService_Join_FullMethodName              = "/pivirt.cluster.v1.ClusterService/Join"
-	ClusterService_Leave_FullMethodName             = "/pivirt.cluster.v1.ClusterService/Leave"
-	ClusterService_RemovePeer_FullMethodName        = "/pivirt.cluster.v1.ClusterService/RemovePeer"
-	ClusterService_TransferLeader_FullMethodName    = "/pivirt.cluster.v1.ClusterService/TransferLeader"
-	ClusterService_RegisterService_FullMethodName   = "/pivirt.cluster.v1.ClusterService/RegisterService"
-	ClusterService_DeregisterService_FullMethodName = "/pivirt.cluster.v1.ClusterService/DeregisterService"
-	ClusterService_Heartbeat_FullMethodName         = "/pivirt.cluster.v1.ClusterService/Heartbeat"
-	ClusterService_ListServices_FullMethodName      = "/pivirt.cluster.v1.ClusterService/ListServices"
-	ClusterService_GetService_FullMethodName        = "/pivirt.cluster.v1.ClusterService/GetService"
-	ClusterService_GetConfig_FullMethodName         = "/pivirt.cluster.v1.ClusterService/GetConfig"
-	ClusterService_ListConfig_FullMethodName        = "/pivirt.cluster.v1.ClusterService/ListConfig"
-	ClusterService_SetConfig_FullMethodName         = "/pivirt.cluster.v1.ClusterService/SetConfig"
-	ClusterService_DeleteConfig_FullMethodName      = "/pivirt.cluster.v1.ClusterService/DeleteConfig"
-	ClusterService_ConfigHistory_FullMethodName     = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
-	ClusterService_Keyring_FullMethodName           = "/pivirt.cluster.v1.ClusterService/Keyring"
-	ClusterService_ConfigStatus_FullMethodName      = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
+	ClusterService_Members_FullMethodName            = "/pivirt.cluster.v1.ClusterService/Members"
+	ClusterService_Peers_FullMethodName              = "/pivirt.cluster.v1.ClusterService/Peers"
+	ClusterService_Leader_FullMethodName             = "/pivirt.cluster.v1.ClusterService/Leader"
+	ClusterService_Join_FullMethodName               = "/pivirt.cluster.v1.ClusterService/Join"
+	ClusterService_Leave_FullMethodName              = "/pivirt.cluster.v1.ClusterService/Leave"
+	ClusterService_RemovePeer_FullMethodName         = "/pivirt.cluster.v1.ClusterService/RemovePeer"
+	ClusterService_TransferLeader_FullMethodName     = "/pivirt.cluster.v1.ClusterService/TransferLeader"
+	ClusterService_RegisterService_FullMethodName    = "/pivirt.cluster.v1.ClusterService/RegisterService"
+	ClusterService_DeregisterService_FullMethodName  = "/pivirt.cluster.v1.ClusterService/DeregisterService"
+	ClusterService_Heartbeat_FullMethodName          = "/pivirt.cluster.v1.ClusterService/Heartbeat"
+	ClusterService_ListServices_FullMethodName       = "/pivirt.cluster.v1.ClusterService/ListServices"
+	ClusterService_GetService_FullMethodName         = "/pivirt.cluster.v1.ClusterService/GetService"
+	ClusterService_GetConfig_FullMethodName          = "/pivirt.cluster.v1.ClusterService/GetConfig"
+	ClusterService_ListConfig_FullMethodName         = "/pivirt.cluster.v1.ClusterService/ListConfig"
+	ClusterService_SetConfig_FullMethodName          = "/pivirt.cluster.v1.ClusterService/SetConfig"
+	ClusterService_DeleteConfig_FullMethodName       = "/pivirt.cluster.v1.ClusterService/DeleteConfig"
+	ClusterService_ConfigHistory_FullMethodName      = "/pivirt.cluster.v1.ClusterService/ConfigHistory"
+	ClusterService_Keyring_FullMethodName            = "/pivirt.cluster.v1.ClusterService/Keyring"
+	ClusterService_ConfigStatus_FullMethodName       = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
+	ClusterService_CheckAccess_FullMethodName        = "/pivirt.cluster.v1.ClusterService/CheckAccess"
+	ClusterService_CheckNetworkPolicy_FullMethodName = "/pivirt.cluster.v1.ClusterService/CheckNetworkPolicy"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -81,6 +83,14 @@ type ClusterServiceClient interface {
 	// applied (the config revision it applied them at) and the error of a
 	// newer revision it could not apply.
 	ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error)
+	// CheckAccess answers whether the RBAC policy in force on the node asked
+	// lets a principal make a call, and which rules decide; nothing is
+	// called.
+	CheckAccess(ctx context.Context, in *CheckAccessRequest, opts ...grpc.CallOption) (*CheckAccessResponse, error)
+	// CheckNetworkPolicy answers whether the network policy in force on the
+	// node asked allows a connection between two service identities on a
+	// port, and which policy allows it.
+	CheckNetworkPolicy(ctx context.Context, in *CheckNetworkPolicyRequest, opts ...grpc.CallOption) (*CheckNetworkPolicyResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -281,6 +291,26 @@ func (c *clusterServiceClient) ConfigStatus(ctx context.Context, in *ConfigStatu
 	return out, nil
 }
 
+func (c *clusterServiceClient) CheckAccess(ctx context.Context, in *CheckAccessRequest, opts ...grpc.CallOption) (*CheckAccessResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CheckAccessResponse)
+	err := c.cc.Invoke(ctx, ClusterService_CheckAccess_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) CheckNetworkPolicy(ctx context.Context, in *CheckNetworkPolicyRequest, opts ...grpc.CallOption) (*CheckNetworkPolicyResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CheckNetworkPolicyResponse)
+	err := c.cc.Invoke(ctx, ClusterService_CheckNetworkPolicy_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations should embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -322,6 +352,14 @@ type ClusterServiceServer interface {
 	// applied (the config revision it applied them at) and the error of a
 	// newer revision it could not apply.
 	ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error)
+	// CheckAccess answers whether the RBAC policy in force on the node asked
+	// lets a principal make a call, and which rules decide; nothing is
+	// called.
+	CheckAccess(context.Context, *CheckAccessRequest) (*CheckAccessResponse, error)
+	// CheckNetworkPolicy answers whether the network policy in force on the
+	// node asked allows a connection between two service identities on a
+	// port, and which policy allows it.
+	CheckNetworkPolicy(context.Context, *CheckNetworkPolicyRequest) (*CheckNetworkPolicyResponse, error)
 }
 
 // UnimplementedClusterServiceServer should be embedded to have
@@ -387,6 +425,12 @@ func (UnimplementedClusterServiceServer) Keyring(context.Context, *KeyringReques
 }
 func (UnimplementedClusterServiceServer) ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ConfigStatus not implemented")
+}
+func (UnimplementedClusterServiceServer) CheckAccess(context.Context, *CheckAccessRequest) (*CheckAccessResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CheckAccess not implemented")
+}
+func (UnimplementedClusterServiceServer) CheckNetworkPolicy(context.Context, *CheckNetworkPolicyRequest) (*CheckNetworkPolicyResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CheckNetworkPolicy not implemented")
 }
 func (UnimplementedClusterServiceServer) testEmbeddedByValue() {}
 
@@ -750,6 +794,42 @@ func _ClusterService_ConfigStatus_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_CheckAccess_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CheckAccessRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).CheckAccess(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_CheckAccess_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).CheckAccess(ctx, req.(*CheckAccessRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_CheckNetworkPolicy_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CheckNetworkPolicyRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).CheckNetworkPolicy(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_CheckNetworkPolicy_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).CheckNetworkPolicy(ctx, req.(*CheckNetworkPolicyRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -832,6 +912,14 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ConfigStatus",
 			Handler:    _ClusterService_ConfigStatus_Handler,
+		},
+		{
+			MethodName: "CheckAccess",
+			Handler:    _ClusterService_CheckAccess_Handler,
+		},
+		{
+			MethodName: "CheckNetworkPolicy",
+			Handler:    _ClusterService_CheckNetworkPolicy_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

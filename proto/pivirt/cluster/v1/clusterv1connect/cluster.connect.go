@@ -84,6 +84,12 @@ const (
 	// ClusterServiceConfigStatusProcedure is the fully-qualified name of the ClusterService's
 	// ConfigStatus RPC.
 	ClusterServiceConfigStatusProcedure = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
+	// ClusterServiceCheckAccessProcedure is the fully-qualified name of the ClusterService's
+	// CheckAccess RPC.
+	ClusterServiceCheckAccessProcedure = "/pivirt.cluster.v1.ClusterService/CheckAccess"
+	// ClusterServiceCheckNetworkPolicyProcedure is the fully-qualified name of the ClusterService's
+	// CheckNetworkPolicy RPC.
+	ClusterServiceCheckNetworkPolicyProcedure = "/pivirt.cluster.v1.ClusterService/CheckNetworkPolicy"
 )
 
 // ClusterServiceClient is a client for the pivirt.cluster.v1.ClusterService service.
@@ -121,6 +127,14 @@ type ClusterServiceClient interface {
 	// applied (the config revision it applied them at) and the error of a
 	// newer revision it could not apply.
 	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
+	// CheckAccess answers whether the RBAC policy in force on the node asked
+	// lets a principal make a call, and which rules decide; nothing is
+	// called.
+	CheckAccess(context.Context, *connect.Request[v1.CheckAccessRequest]) (*connect.Response[v1.CheckAccessResponse], error)
+	// CheckNetworkPolicy answers whether the network policy in force on the
+	// node asked allows a connection between two service identities on a
+	// port, and which policy allows it.
+	CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error)
 }
 
 // NewClusterServiceClient constructs a client for the pivirt.cluster.v1.ClusterService service. By
@@ -248,30 +262,44 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(clusterServiceMethods.ByName("ConfigStatus")),
 			connect.WithClientOptions(opts...),
 		),
+		checkAccess: connect.NewClient[v1.CheckAccessRequest, v1.CheckAccessResponse](
+			httpClient,
+			baseURL+ClusterServiceCheckAccessProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("CheckAccess")),
+			connect.WithClientOptions(opts...),
+		),
+		checkNetworkPolicy: connect.NewClient[v1.CheckNetworkPolicyRequest, v1.CheckNetworkPolicyResponse](
+			httpClient,
+			baseURL+ClusterServiceCheckNetworkPolicyProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("CheckNetworkPolicy")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // clusterServiceClient implements ClusterServiceClient.
 type clusterServiceClient struct {
-	members           *connect.Client[v1.MembersRequest, v1.MembersResponse]
-	peers             *connect.Client[v1.PeersRequest, v1.PeersResponse]
-	leader            *connect.Client[v1.LeaderRequest, v1.LeaderResponse]
-	join              *connect.Client[v1.JoinRequest, v1.JoinResponse]
-	leave             *connect.Client[v1.LeaveRequest, v1.LeaveResponse]
-	removePeer        *connect.Client[v1.RemovePeerRequest, v1.RemovePeerResponse]
-	transferLeader    *connect.Client[v1.TransferLeaderRequest, v1.TransferLeaderResponse]
-	registerService   *connect.Client[v1.RegisterServiceRequest, v1.RegisterServiceResponse]
-	deregisterService *connect.Client[v1.DeregisterServiceRequest, v1.DeregisterServiceResponse]
-	heartbeat         *connect.Client[v1.HeartbeatRequest, v1.HeartbeatResponse]
-	listServices      *connect.Client[v1.ListServicesRequest, v1.ListServicesResponse]
-	getService        *connect.Client[v1.GetServiceRequest, v1.GetServiceResponse]
-	getConfig         *connect.Client[v1.GetConfigRequest, v1.GetConfigResponse]
-	listConfig        *connect.Client[v1.ListConfigRequest, v1.ListConfigResponse]
-	setConfig         *connect.Client[v1.SetConfigRequest, v1.SetConfigResponse]
-	deleteConfig      *connect.Client[v1.DeleteConfigRequest, v1.DeleteConfigResponse]
-	configHistory     *connect.Client[v1.ConfigHistoryRequest, v1.ConfigHistoryResponse]
-	keyring           *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
-	configStatus      *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
+	members            *connect.Client[v1.MembersRequest, v1.MembersResponse]
+	peers              *connect.Client[v1.PeersRequest, v1.PeersResponse]
+	leader             *connect.Client[v1.LeaderRequest, v1.LeaderResponse]
+	join               *connect.Client[v1.JoinRequest, v1.JoinResponse]
+	leave              *connect.Client[v1.LeaveRequest, v1.LeaveResponse]
+	removePeer         *connect.Client[v1.RemovePeerRequest, v1.RemovePeerResponse]
+	transferLeader     *connect.Client[v1.TransferLeaderRequest, v1.TransferLeaderResponse]
+	registerService    *connect.Client[v1.RegisterServiceRequest, v1.RegisterServiceResponse]
+	deregisterService  *connect.Client[v1.DeregisterServiceRequest, v1.DeregisterServiceResponse]
+	heartbeat          *connect.Client[v1.HeartbeatRequest, v1.HeartbeatResponse]
+	listServices       *connect.Client[v1.ListServicesRequest, v1.ListServicesResponse]
+	getService         *connect.Client[v1.GetServiceRequest, v1.GetServiceResponse]
+	getConfig          *connect.Client[v1.GetConfigRequest, v1.GetConfigResponse]
+	listConfig         *connect.Client[v1.ListConfigRequest, v1.ListConfigResponse]
+	setConfig          *connect.Client[v1.SetConfigRequest, v1.SetConfigResponse]
+	deleteConfig       *connect.Client[v1.DeleteConfigRequest, v1.DeleteConfigResponse]
+	configHistory      *connect.Client[v1.ConfigHistoryRequest, v1.ConfigHistoryResponse]
+	keyring            *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
+	configStatus       *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
+	checkAccess        *connect.Client[v1.CheckAccessRequest, v1.CheckAccessResponse]
+	checkNetworkPolicy *connect.Client[v1.CheckNetworkPolicyRequest, v1.CheckNetworkPolicyResponse]
 }
 
 // Members calls pivirt.cluster.v1.ClusterService.Members.
@@ -369,6 +397,16 @@ func (c *clusterServiceClient) ConfigStatus(ctx context.Context, req *connect.Re
 	return c.configStatus.CallUnary(ctx, req)
 }
 
+// CheckAccess calls pivirt.cluster.v1.ClusterService.CheckAccess.
+func (c *clusterServiceClient) CheckAccess(ctx context.Context, req *connect.Request[v1.CheckAccessRequest]) (*connect.Response[v1.CheckAccessResponse], error) {
+	return c.checkAccess.CallUnary(ctx, req)
+}
+
+// CheckNetworkPolicy calls pivirt.cluster.v1.ClusterService.CheckNetworkPolicy.
+func (c *clusterServiceClient) CheckNetworkPolicy(ctx context.Context, req *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error) {
+	return c.checkNetworkPolicy.CallUnary(ctx, req)
+}
+
 // ClusterServiceHandler is an implementation of the pivirt.cluster.v1.ClusterService service.
 type ClusterServiceHandler interface {
 	// Members is the gossip view of the node asked (never forwarded).
@@ -404,6 +442,14 @@ type ClusterServiceHandler interface {
 	// applied (the config revision it applied them at) and the error of a
 	// newer revision it could not apply.
 	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
+	// CheckAccess answers whether the RBAC policy in force on the node asked
+	// lets a principal make a call, and which rules decide; nothing is
+	// called.
+	CheckAccess(context.Context, *connect.Request[v1.CheckAccessRequest]) (*connect.Response[v1.CheckAccessResponse], error)
+	// CheckNetworkPolicy answers whether the network policy in force on the
+	// node asked allows a connection between two service identities on a
+	// port, and which policy allows it.
+	CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error)
 }
 
 // NewClusterServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -527,6 +573,18 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		connect.WithSchema(clusterServiceMethods.ByName("ConfigStatus")),
 		connect.WithHandlerOptions(opts...),
 	)
+	clusterServiceCheckAccessHandler := connect.NewUnaryHandler(
+		ClusterServiceCheckAccessProcedure,
+		svc.CheckAccess,
+		connect.WithSchema(clusterServiceMethods.ByName("CheckAccess")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceCheckNetworkPolicyHandler := connect.NewUnaryHandler(
+		ClusterServiceCheckNetworkPolicyProcedure,
+		svc.CheckNetworkPolicy,
+		connect.WithSchema(clusterServiceMethods.ByName("CheckNetworkPolicy")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.ClusterService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ClusterServiceMembersProcedure:
@@ -567,6 +625,10 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceKeyringHandler.ServeHTTP(w, r)
 		case ClusterServiceConfigStatusProcedure:
 			clusterServiceConfigStatusHandler.ServeHTTP(w, r)
+		case ClusterServiceCheckAccessProcedure:
+			clusterServiceCheckAccessHandler.ServeHTTP(w, r)
+		case ClusterServiceCheckNetworkPolicyProcedure:
+			clusterServiceCheckNetworkPolicyHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -650,4 +712,12 @@ func (UnimplementedClusterServiceHandler) Keyring(context.Context, *connect.Requ
 
 func (UnimplementedClusterServiceHandler) ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ConfigStatus is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) CheckAccess(context.Context, *connect.Request[v1.CheckAccessRequest]) (*connect.Response[v1.CheckAccessResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.CheckAccess is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.CheckNetworkPolicy is not implemented"))
 }
