@@ -47,7 +47,11 @@ Nothing is called. The exit status is 0 when allowed, 1 when denied.`,
 					if r.GetAllowed() {
 						verdict = "ALLOWED"
 					}
-					fmt.Fprintf(w, "%s: %s (roles %s) %s (%s %s), by the %s policy on %s: %s\n", verdict, identity, orNone(roles), r.GetMethod(), r.GetVerb(), r.GetResource(), r.GetSource(), r.GetNode(), r.GetDecision())
+					by := fmt.Sprintf("the %s's RBAC policy on %s", r.GetSource(), r.GetNode())
+					if r.GetSource() == "none" {
+						by = "no RBAC policy on " + r.GetNode()
+					}
+					fmt.Fprintf(w, "%s: %s (roles %s) %s (%s %s), %s: %s\n", verdict, identity, orNone(roles), r.GetMethod(), r.GetVerb(), r.GetResource(), by, r.GetDecision())
 					for _, rule := range r.GetRules() {
 						fmt.Fprintf(w, "  %s\n", rule)
 					}
