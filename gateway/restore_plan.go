@@ -185,6 +185,13 @@ func (s *SnapshotService) checkRestored(ctx context.Context, table string, r pro
 	return true, nil
 }
 
+// SecurityKeys are the config keys that decide who may do what: changing
+// them needs the rights on the resource RBACResource, not on config.
+var SecurityKeys = []string{RBACPolicyKey, "auth.certificate_roles", "auth.network_policy"}
+
+// IsSecurityKey reports whether key is one of SecurityKeys.
+func IsSecurityKey(key string) bool { return slices.Contains(SecurityKeys, key) }
+
 // resourceOf is the RBAC resource guarding a table's records.
 func resourceOf(table string) string {
 	switch table {
@@ -220,8 +227,10 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 				if table == fsm.TableConfig {
 					out.ConfigKeys = append(out.ConfigKeys, e.GetKey())
 				}
-				if e.GetKey() == RBACPolicyKey {
-					out.RbacPolicyChanged = out.RbacPolicyChanged || table == fsm.TableConfig
+				if IsSecurityKey(e.GetKey()) {
+					if e.GetKey() == RBACPolicyKey {
+						out.RbacPolicyChanged = out.RbacPolicyChanged || table == fsm.TableConfig
+					}
 					resources[RBACResource] = true
 					return
 				}

@@ -45,17 +45,23 @@ func (a *Authenticator) Authenticate(ctx context.Context, authorization string, 
 	}
 	if len(peer) > 0 && peer[0].Subject.CommonName != "" {
 		cn := peer[0].Subject.CommonName
-		return authz.Principal{Identity: cn, Roles: a.certRoles(cn)}, nil
+		return authz.Principal{Identity: cn, Roles: a.certRoles(cn), Certificate: true}, nil
 	}
 	return authz.Principal{}, fmt.Errorf("%w: no credentials: send a bearer token (Authorization: Bearer …) or a client certificate of the PiTrust chain", ErrUnauthenticated)
 }
 
 func (a *Authenticator) certRoles(cn string) []string {
-	var out []string
 	table := a.CertRoles
 	if m := a.live.Load(); m != nil {
 		table = *m
 	}
+	return RolesFor(table, cn)
+}
+
+// RolesFor are the roles a certificate roles table (auth.certificate_roles:
+// CN or CN prefix ending in "*" → roles) gives the certificate CN cn.
+func RolesFor(table map[string][]string, cn string) []string {
+	var out []string
 	for pattern, roles := range table {
 		prefix, wild := strings.CutSuffix(pattern, "*")
 		if pattern == cn || wild && strings.HasPrefix(cn, prefix) {

@@ -19,6 +19,9 @@ type Principal struct {
 	// claim), or a client certificate's CN.
 	Identity string
 	Roles    []string
+	// Certificate: authenticated by a client certificate, whose roles come
+	// from auth.certificate_roles.
+	Certificate bool
 }
 
 // Decision is what a policy says of a principal, a resource and a verb.

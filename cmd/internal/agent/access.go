@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net"
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -68,13 +70,14 @@ func policyResources() []string {
 	return slices.Compact(slices.Sorted(slices.Values(append(authz.Resources(apiDescriptors()...), RBACResource))))
 }
 
-// configResource guards the cluster-wide RBAC policy as the resource rbac:
-// SetConfig and DeleteConfig of auth.rbac_policy need update and delete on
-// rbac, not on config.
+// configResource guards the keys that decide who may do what
+// (gateway.SecurityKeys: auth.rbac_policy, auth.certificate_roles,
+// auth.network_policy) as the resource rbac: SetConfig and DeleteConfig of
+// them need update and delete on rbac, not on config.
 func configResource(procedure string, req protoreflect.Message) (string, bool) {
 	switch procedure {
 	case clusterv1connect.ClusterServiceSetConfigProcedure, clusterv1connect.ClusterServiceDeleteConfigProcedure:
-		if key, ok := authz.FieldString(req, "key"); ok && key == RBACPolicyKey {
+		if key, ok := authz.FieldString(req, "key"); ok && gateway.IsSecurityKey(key) {
 			return RBACResource, true
 		}
 	}
@@ -224,11 +227,14 @@ func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescript
 // validateClusterConfig checks a change of the cluster config before it
 // is stored: a cluster setting must decode and validate
 // (config.ParseSetting, the code that applies it); other keys must be
-// free-form (config.FreeFormPrefix). A cluster-wide RBAC policy must parse
-// and leave some role able to change it again; and, unless forced, the
-// caller must keep its own right to change it.
+// free-form (config.FreeFormPrefix). A change of a key that decides who may
+// do what (gateway.SecurityKeys) must not, unless forced, leave the caller
+// unable to change the RBAC policy again (checkLockOut), nor a network
+// policy cut the agents off from each other (checkAgentsReach); a
+// cluster-wide RBAC policy must also leave some role able to change it.
 func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChange) error {
-	if c.Key == RBACPolicyKey {
+	switch c.Key {
+	case RBACPolicyKey:
 		var next *authz.Policy // after the change; nil: none, every call allowed
 		if !c.Delete {
 			p, err := authz.Parse(strings.NewReader(c.Value), policyResources())
@@ -245,15 +251,51 @@ func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChang
 		if c.Restore || c.Force {
 			return nil
 		}
-		return a.checkLockOut(ctx, next, c.Delete)
-	}
-	if c.Delete {
-		return nil
-	}
-	if c.Key == NetworkPolicyKey {
-		if _, err := netpolicy.Parse(strings.NewReader(c.Value)); err != nil {
+		what := "this policy"
+		if c.Delete {
+			what = "deleting the cluster policy (the auth.rbac_policy file then applies)"
+		}
+		return a.checkLockOut(ctx, what, next, nil)
+	case NetworkPolicyKey:
+		if c.Delete {
+			return nil
+		}
+		p, err := netpolicy.Parse(strings.NewReader(c.Value))
+		if err != nil {
 			return fmt.Errorf("%s: %w", NetworkPolicyKey, err)
 		}
+		if c.Restore || c.Force {
+			return nil
+		}
+		return a.checkAgentsReach(p)
+	case CertificateRolesKey:
+		// The table in force on this node after the change: the value, or
+		// the file's once the key is deleted, or the file's if it pins it.
+		table := a.fileCfg.Load().Auth.CertificateRoles
+		if !c.Delete {
+			cfg, err := config.ParseSetting(c.Key, c.Value)
+			if err != nil {
+				return err
+			}
+			if !a.fileCfg.Load().Pinned(c.Key) {
+				table = cfg.Auth.CertificateRoles
+			}
+		}
+		if c.Restore || c.Force {
+			return nil
+		}
+		what := "these certificate roles"
+		if c.Delete {
+			what = "deleting the cluster's certificate roles (each node's auth.certificate_roles then applies)"
+		}
+		return a.checkLockOut(ctx, what, a.policy(), func(who authz.Principal) []string {
+			if !who.Certificate {
+				return who.Roles // a token's roles are the token's
+			}
+			return authn.RolesFor(table, who.Identity)
+		})
+	}
+	if c.Delete {
 		return nil
 	}
 	_, _, ok, err := config.LookupSetting(c.Key)
@@ -269,29 +311,41 @@ func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChang
 	return err
 }
 
-// checkLockOut refuses a change of the RBAC policy after which the caller
-// of this request could no longer change the policy: it names every right
-// the caller would lose. Without a caller in ctx (a call relayed by another
-// agent, checked there; access control off) there is nothing to check.
-func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting bool) error {
+// CertificateRolesKey is the cluster setting auth.certificate_roles.
+const CertificateRolesKey = "auth.certificate_roles"
+
+// checkLockOut refuses a change after which the caller of this request
+// could no longer update the RBAC policy although it can now: next is the
+// policy in force after it, roles (nil: unchanged) the caller's roles
+// after it. The refusal names every right the caller would lose. Without a
+// caller in ctx (a call relayed by another agent, checked there; access
+// control off) there is nothing to check.
+func (a *Agent) checkLockOut(ctx context.Context, what string, next *authz.Policy, roles func(authz.Principal) []string) error {
 	who, ok := authz.PrincipalFrom(ctx)
 	if !ok {
 		return nil
 	}
-	allowed := func(p *authz.Policy, resource, verb string) bool {
+	after := who
+	if roles != nil {
+		after.Roles = roles(who)
+	}
+	allowed := func(p *authz.Policy, w authz.Principal, resource, verb string) bool {
 		if p == nil {
 			return true
 		}
-		d, err := p.Decide(who, resource, verb)
+		d, err := p.Decide(w, resource, verb)
 		return err == nil && d.Allowed
 	}
 	cur := a.policy()
+	if !allowed(cur, who, RBACResource, "update") || allowed(next, after, RBACResource, "update") {
+		return nil
+	}
 	var lost []string
 	everything := true
 	for _, r := range policyResources() {
 		var verbs []string
 		for _, v := range authz.Verbs {
-			if allowed(cur, r, v) && !allowed(next, r, v) {
+			if allowed(cur, who, r, v) && !allowed(next, after, r, v) {
 				verbs = append(verbs, v)
 			}
 		}
@@ -308,20 +362,61 @@ func (a *Agent) checkLockOut(ctx context.Context, next *authz.Policy, deleting b
 	if everything {
 		lost = []string{"every verb on every resource"}
 	}
-	if allowed(next, RBACResource, "update") {
-		return nil
-	}
-	what := "this policy"
-	if deleting {
-		what = "deleting the cluster policy (the auth.rbac_policy file then applies)"
-	}
-	roles := "none"
-	if len(who.Roles) > 0 {
-		roles = strings.Join(who.Roles, ", ")
+	roleDesc := "roles " + rolesList(who.Roles)
+	if roles != nil {
+		roleDesc += ", then " + rolesList(after.Roles)
 	}
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
-		"%s would lock you out: %s (roles %s) could no longer update %s, so could not change or remove it again; you would lose: %s. Give one of your roles update on %s in the policy, or pass --force (force: true) to store it anyway",
-		what, who.Identity, roles, RBACResource, strings.Join(lost, "; "), RBACResource))
+		"%s would lock you out: %s (%s) could no longer update %s, so could not change or remove it again; you would lose: %s. Keep update on %s for one of your roles, or pass --force (force: true) to store it anyway",
+		what, who.Identity, roleDesc, RBACResource, strings.Join(lost, "; "), RBACResource))
+}
+
+func rolesList(roles []string) string {
+	if len(roles) == 0 {
+		return "none"
+	}
+	return strings.Join(roles, ", ")
+}
+
+// checkAgentsReach refuses a network policy that would not let this
+// node's agent identity reach the agents' internal and Raft ports (of
+// every member, as gossip advertises them): every node enforces the
+// cluster's policy on the connections already open, so it would cut the
+// cluster apart and no write could undo it. Other agents are taken to
+// hold certificates of the same service names as this one.
+func (a *Agent) checkAgentsReach(p *netpolicy.Set) error {
+	if a.tls == nil {
+		return nil
+	}
+	from, to := netpolicy.Identities(a.tls.client.Leaf()), netpolicy.Identities(a.tls.internal.Leaf())
+	ports := map[int]string{}
+	addPort := func(addr, what string) {
+		if _, port, err := net.SplitHostPort(addr); err == nil {
+			if n, err := strconv.Atoi(port); err == nil {
+				ports[n] = what
+			}
+		}
+	}
+	addPort(a.InternalAddr(), "internal")
+	addPort(a.RaftAddr(), "raft")
+	if a.gossip != nil {
+		for _, m := range a.gossip.Members() {
+			addPort(m.Meta.InternalAddr, "internal")
+			addPort(m.Meta.RaftAddr, "raft")
+		}
+	}
+	var cut []string
+	for _, port := range slices.Sorted(maps.Keys(ports)) {
+		if ok, _ := p.Allows(from, to, port); !ok {
+			cut = append(cut, fmt.Sprintf("%s port %d", ports[port], port))
+		}
+	}
+	if len(cut) == 0 {
+		return nil
+	}
+	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
+		"this network policy would cut the agents off from each other: no NetworkPolicy allows %s to connect to %s on the %s, and every node closes the connections it no longer allows; allow them, or pass --force (force: true) to store it anyway",
+		names(from, a.tls.client.Leaf()), names(to, a.tls.internal.Leaf()), strings.Join(cut, ", ")))
 }
 
 // checkAccess answers ClusterService.CheckAccess with the guard and the
@@ -345,6 +440,9 @@ func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest
 		source = "cluster"
 	case a.policyFile != nil:
 		source = "file"
+	}
+	if method == clusterv1connect.ClusterServiceSetConfigProcedure || method == clusterv1connect.ClusterServiceDeleteConfigProcedure {
+		e.Detail = strings.TrimSpace(e.Detail + " (for the keys " + strings.Join(gateway.SecurityKeys, ", ") + " the resource is " + RBACResource + ", not config)")
 	}
 	return &clusterv1.CheckAccessResponse{
 		Allowed: e.Allowed, Method: method, Resource: e.Resource, Verb: e.Verb, Decision: e.Decision,

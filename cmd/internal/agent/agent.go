@@ -191,7 +191,12 @@ type Agent struct {
 	// takes precedence; netPolicyChanged wakes its enforcement on open
 	// connections (peerConns).
 	clusterNetPolicy atomic.Pointer[netpolicy.Set]
-	netPolicyChanged chan struct{}
+	// clusterNetPolicyDoc is its text (reloadMu).
+	clusterNetPolicyDoc string
+	netPolicyChanged    chan struct{}
+	// settingsKick makes the settings follower apply the replicated
+	// settings again (after a file reload).
+	settingsKick chan struct{}
 	peerConns        connTracker
 
 	servers     []*http.Server
@@ -254,6 +259,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	a.metrics.MustRegister(apply)
 	a.raftApplyTime = apply
 	a.settings = newSettingsStatus(a.metrics)
+	a.settingsKick = make(chan struct{}, 1)
 	return a, nil
 }
 

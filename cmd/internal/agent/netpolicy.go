@@ -178,13 +178,13 @@ func recordPeer(base *tls.Config) *tls.Config {
 		}
 		verify := c.VerifyConnection
 		c.VerifyConnection = func(cs tls.ConnectionState) error {
-			if err := verify(cs); err != nil {
-				return err
-			}
+			// Recorded before the check: a policy that changes meanwhile
+			// either is the one the check reads, or finds the peer
+			// recorded when it goes over the open connections.
 			if tc, ok := hello.Conn.(*trackedConn); ok && len(cs.PeerCertificates) > 0 {
 				tc.peer.Store(cs.PeerCertificates[0])
 			}
-			return nil
+			return verify(cs)
 		}
 		return c, nil
 	}

@@ -230,6 +230,18 @@ func TestClusterNetworkPolicy(t *testing.T) {
 	if _, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: "kind: NetworkPolicy\nspec: {ingress: [{from: [{service: x}], ports: [{port: 70000}]}]}\n"}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "70000") {
 		t.Errorf("an invalid network policy: %v, want InvalidArgument naming the port", err)
 	}
+	// A policy that would cut the agents off from each other is refused.
+	if _, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: `apiVersion: pivirt.pilab.hu/v1
+kind: NetworkPolicy
+metadata:
+  name: monitor-only
+spec:
+  ingress:
+    - from:
+        - service: "monitor.pivirt.internal"
+`}); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "would cut the agents off from each other: no NetworkPolicy allows agent.pivirt.internal to connect to agent.pivirt.internal on the internal port") {
+		t.Errorf("a policy that cuts the agents apart: %v", err)
+	}
 	set, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: `apiVersion: pivirt.pilab.hu/v1
 kind: NetworkPolicy
 metadata:

@@ -42,7 +42,7 @@ func (a *Agent) metricsMux() http.Handler {
 	})
 	mux.HandleFunc("GET /ready", a.readyHandler)
 	mux.Handle("POST /reload", a.management(http.HandlerFunc(a.reloadHandler)))
-	mux.Handle("POST /rbac/reset", a.management(http.HandlerFunc(a.rbacResetHandler)))
+	mux.Handle("POST /rbac/reset", a.management(loopbackOnly(http.HandlerFunc(a.rbacResetHandler))))
 	// Neither shows the command line (it may carry secrets): /debug/vars
 	// leaves expvar's cmdline out, and pprof's cmdline is not served.
 	mux.Handle("GET /debug/vars", a.management(http.HandlerFunc(debugVars)))
@@ -54,12 +54,30 @@ func (a *Agent) metricsMux() http.Handler {
 	return mux
 }
 
+// loopbackOnly answers only callers on this host (a loopback address),
+// whatever server.metrics.management_allow_from and
+// allow_remote_management say: they open the port's other management
+// endpoints, not this one.
+func loopbackOnly(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host, _, err := net.SplitHostPort(r.RemoteAddr)
+		ip, perr := netip.ParseAddr(host)
+		if err != nil || perr != nil || !ip.Unmap().IsLoopback() {
+			writeJSON(w, http.StatusForbidden, map[string]any{"status": "error",
+				"error": r.URL.Path + " answers callers on this host only (a loopback address), whatever server.metrics.management_allow_from says"})
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
 // rbacResetHandler is POST /rbac/reset, the break-glass path out of a
 // cluster-wide RBAC policy that locks everyone out: it deletes the policy
 // (the auth.rbac_policy file of each node applies again) without any RBAC
 // check. Whoever reaches this node's operations port from an allowed
-// address (loopback by default: someone on the node) may; the call is
-// audited. It needs a leader, like every write.
+// address may; the call is
+// audited. It answers loopback callers only (loopbackOnly). It needs a
+// leader, like every write.
 func (a *Agent) rbacResetHandler(w http.ResponseWriter, r *http.Request) {
 	a.logger.Warn("audit: break-glass: removing the cluster-wide RBAC policy through the operations port",
 		"audit", true, "decision", "allow", "method", "POST /rbac/reset", "resource", RBACResource, "verb", "delete", "remote", r.RemoteAddr)

@@ -106,3 +106,28 @@ func hostname(t *testing.T) string {
 	}
 	return h
 }
+
+// TestRBACResetIsLoopbackOnly: the break-glass endpoint answers callers on
+// this host only, even where the operations port's other management
+// endpoints are opened to the network.
+func TestRBACResetIsLoopbackOnly(t *testing.T) {
+	ok := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	for remote, want := range map[string]int{
+		"127.0.0.1:5000":          http.StatusOK,
+		"[::1]:5000":              http.StatusOK,
+		"[::ffff:127.0.0.1]:5000": http.StatusOK,
+		"10.0.0.7:5000":           http.StatusForbidden,
+		"[fe80::1%eth0]:5000":     http.StatusForbidden,
+	} {
+		cfg := config.Default()
+		cfg.Server.Metrics.AllowRemoteManagement = true
+		a := &Agent{cfg: cfg}
+		req := httptest.NewRequest(http.MethodPost, "http://127.0.0.1:8444/rbac/reset", nil)
+		req.RemoteAddr = remote
+		rec := httptest.NewRecorder()
+		a.management(loopbackOnly(ok)).ServeHTTP(rec, req)
+		if rec.Code != want || want != http.StatusOK && !strings.Contains(rec.Body.String(), "answers callers on this host only") {
+			t.Errorf("%s: %d %s, want %d", remote, rec.Code, rec.Body, want)
+		}
+	}
+}

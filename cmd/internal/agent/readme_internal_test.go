@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 
+	"pilab.hu/pivirt-agent/gateway"
+
 	"pilab.hu/pivirt-agent/gateway/authz"
 )
 
@@ -31,10 +33,15 @@ func accessTable(t *testing.T) []string {
 			byGrant[k] = append(byGrant[k], fmt.Sprintf("`%s/%s`", sd.Name(), md.Name()))
 		}
 	}
-	// The cluster-wide policy is guarded as its own resource.
+	// The keys that decide who may do what are guarded as their own
+	// resource.
+	keys := make([]string, len(gateway.SecurityKeys))
+	for i, k := range gateway.SecurityKeys {
+		keys[i] = "`" + k + "`"
+	}
 	for verb, method := range map[string]string{"update": "SetConfig", "delete": "DeleteConfig"} {
 		k := [2]string{RBACResource, verb}
-		byGrant[k] = append(byGrant[k], fmt.Sprintf("`ClusterService/%s` of `%s`", method, RBACPolicyKey))
+		byGrant[k] = append(byGrant[k], fmt.Sprintf("`ClusterService/%s` of %s", method, strings.Join(keys, ", ")))
 	}
 	var rows []string
 	for k, methods := range byGrant {

@@ -26,13 +26,25 @@ func (a *Agent) ReloadConfig(file *config.Config) (applied, restart []string, er
 	values := a.settings.values
 	a.settings.mu.Unlock()
 	next, _, err := config.ApplySettings(file, values)
+	if err == nil {
+		_, err = a.settingsNetPolicy(file, values)
+	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("the cluster settings in force do not apply to this file: %w", err)
 	}
-	if applied, restart, err = a.applyConfig(next); err == nil {
-		a.fileCfg.Store(file)
+	if applied, restart, err = a.applyConfig(next); err != nil {
+		return nil, nil, err
 	}
-	return applied, restart, err
+	a.fileCfg.Store(file)
+	// The file may pin or unpin auth.network_policy.
+	np, _ := a.settingsNetPolicy(file, values)
+	a.setClusterNetPolicy(values[NetworkPolicyKey], np)
+	// A change of the cluster settings that failed may apply to this file.
+	select {
+	case a.settingsKick <- struct{}{}:
+	default:
+	}
+	return applied, restart, nil
 }
 
 // applyConfig puts next (a file with the cluster settings on top) in force

@@ -40,6 +40,9 @@ type settingsStatus struct {
 	// failed: the revision that could not be applied, and why.
 	failed    uint64
 	failedErr error
+	// floor: no state older than this revision is applied (the kept
+	// settings' revision, also when they did not apply).
+	floor uint64
 
 	revisionGauge prometheus.Gauge
 	failingGauge  prometheus.Gauge
@@ -122,10 +125,14 @@ func (a *Agent) loadSettings() error {
 	if err != nil {
 		a.logger.Error("the kept cluster settings do not apply to this configuration; starting with the file's values until the agent catches up", "path", path, "revision", kept.Revision, "error", err)
 		a.settings.fail(kept.Revision, err)
+		a.settings.floor = kept.Revision // nothing older is applied
 		return nil
 	}
 	a.cfg = next
 	a.clusterNetPolicy.Store(np)
+	if np != nil {
+		a.clusterNetPolicyDoc = kept.Settings[NetworkPolicyKey]
+	}
 	if a.opts.Levels != nil {
 		level, comps, err := next.Logging.SlogLevels()
 		if err != nil {
@@ -143,6 +150,7 @@ func (s *settingsStatus) ok(revision uint64, values map[string]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.values, s.revision, s.failed, s.failedErr = values, revision, 0, nil
+	s.floor = max(s.floor, revision)
 	s.revisionGauge.Set(float64(revision))
 	s.failingGauge.Set(0)
 }
@@ -178,6 +186,7 @@ func (a *Agent) runSettings() error {
 				}
 			}
 			a.syncSettings(index, values)
+			ws.Add(a.settingsKick)
 			if err := ws.WatchCtx(a.ctx); err != nil {
 				return
 			}
@@ -197,7 +206,7 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	// A restarted node's state starts behind the settings it kept (Raft
 	// applies the log past the last snapshot once it hears from a leader):
 	// it never goes back to them.
-	behind := index < s.revision
+	behind := index < s.revision || index < s.floor
 	s.mu.Unlock()
 	if same || behind {
 		return
@@ -212,7 +221,7 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 		_, _, err = a.applyConfig(next)
 	}
 	if err == nil {
-		a.setClusterNetPolicy(np)
+		a.setClusterNetPolicy(values[NetworkPolicyKey], np)
 		if np != nil {
 			keys = append(keys, NetworkPolicyKey)
 		}
@@ -257,12 +266,19 @@ func (a *Agent) settingsNetPolicy(file *config.Config, values map[string]string)
 	return p, nil
 }
 
-// setClusterNetPolicy puts the cluster's network policy in force (nil:
-// the file's applies again) and, when it changed, enforces it on the open
-// connections at once.
-func (a *Agent) setClusterNetPolicy(p *netpolicy.Set) {
+// setClusterNetPolicy puts the cluster's network policy (p, parsed from
+// doc; nil: the file's applies again) in force when its text changed, and
+// enforces it on the open connections at once. reloadMu is held.
+func (a *Agent) setClusterNetPolicy(doc string, p *netpolicy.Set) {
+	if p == nil {
+		doc = ""
+	}
+	if doc == a.clusterNetPolicyDoc && (p == nil) == (a.clusterNetPolicy.Load() == nil) {
+		return
+	}
+	a.clusterNetPolicyDoc = doc
 	old := a.clusterNetPolicy.Swap(p)
-	if old == p || a.netPolicyChanged == nil {
+	if a.netPolicyChanged == nil {
 		return
 	}
 	if old == nil || p == nil {

@@ -366,6 +366,31 @@ func TestRBACLockOut(t *testing.T) {
 	if code, body := httpPost(t, "http://"+e.n.MetricsAddr()+"/rbac/reset"); code != 200 || !strings.Contains(body, `"removed":false`) {
 		t.Errorf("POST /rbac/reset without a policy: %d %s", code, body)
 	}
+
+	// auth.certificate_roles decides who may do what too: it needs rights
+	// on rbac, and a change that takes the caller's own right to change the
+	// policy away is refused.
+	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.cl.SetConfig(admin, &clusterv1.SetConfigRequest{Key: "auth.certificate_roles", Value: "{'ops-*': [admin]}"}); err != nil {
+		t.Fatal(err)
+	}
+	carol := clusterv1.NewClusterServiceClient(e.dial(e.clientCert("ops-carol")))
+	agenttest.Eventually(t, 5*time.Second, "ops-carol an admin by certificate", func() error {
+		_, err := carol.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: "kv/carol", Value: "admin"})
+		return err
+	})
+	_, err = carol.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: "auth.certificate_roles", Value: "{'ops-*': [viewer]}"})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "these certificate roles would lock you out: ops-carol (roles admin, then viewer) could no longer update rbac") {
+		t.Errorf("certificate roles that demote their writer: %v", err)
+	}
+	if _, err := e.cl.SetConfig(as(e.ctx(), e.token("olga", "operator")), &clusterv1.SetConfigRequest{Key: "auth.certificate_roles", Value: "{'olga': [admin]}"}); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "may not update rbac") {
+		t.Errorf("an operator sets certificate roles: %v, want PermissionDenied on rbac", err)
+	}
+	if r, err := e.cl.CheckAccess(admin, &clusterv1.CheckAccessRequest{Identity: "x", Roles: []string{"admin"}, Method: "ClusterService/SetConfig"}); err != nil || !strings.Contains(r.GetDetail(), "the resource is rbac, not config") {
+		t.Errorf("CheckAccess of SetConfig: %v %v", r, err)
+	}
 }
 
 // TestAccessChecks: CheckAccess answers what the RBAC policy in force
