@@ -197,7 +197,7 @@ type Agent struct {
 	// settingsKick makes the settings follower apply the replicated
 	// settings again (after a file reload).
 	settingsKick chan struct{}
-	peerConns        connTracker
+	peerConns    connTracker
 
 	servers     []*http.Server
 	grpcServers []*grpc.Server
