@@ -33,10 +33,12 @@ type keptSettings struct {
 // settingsStatus is where this node stands with the cluster settings.
 type settingsStatus struct {
 	mu sync.Mutex
-	// values and revision: the settings in force and the config revision
-	// they were read at (0: none applied from the cluster yet).
+	// values and revision: the cluster's settings and the config revision
+	// they were read at (0: none applied from the cluster yet); applied:
+	// the keys of them in force here (not those the file pins).
 	values   map[string]string
 	revision uint64
+	applied  []string
 	// failed: the revision that could not be applied, and why.
 	failed    uint64
 	failedErr error
@@ -72,7 +74,8 @@ func newSettingsStatus(reg prometheus.Registerer) *settingsStatus {
 type SettingsStatus struct {
 	// Revision is the config revision of the settings in force.
 	Revision uint64
-	// Keys are the settings in force from the cluster.
+	// Keys are the cluster's settings in force here (not those the file
+	// pins).
 	Keys []string
 	// FailedRevision and Error: the latest settings could not be applied.
 	FailedRevision uint64
@@ -84,7 +87,7 @@ func (a *Agent) SettingsStatus() SettingsStatus {
 	s := a.settings
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := SettingsStatus{Revision: s.revision, Keys: slices.Sorted(maps.Keys(s.values)), FailedRevision: s.failed}
+	st := SettingsStatus{Revision: s.revision, Keys: slices.Clone(s.applied), FailedRevision: s.failed}
 	if s.failedErr != nil {
 		st.Error = s.failedErr.Error()
 	}
@@ -141,15 +144,19 @@ func (a *Agent) loadSettings() error {
 		a.opts.Levels.SetLevel(level)
 		a.opts.Levels.SetComponents(comps)
 	}
-	a.settings.ok(kept.Revision, kept.Settings)
+	if np != nil {
+		applied = append(applied, NetworkPolicyKey)
+	}
+	a.settings.ok(kept.Revision, kept.Settings, applied)
 	a.logger.Info("cluster settings in force from the data dir until the agent catches up", "revision", kept.Revision, "settings", applied)
 	return nil
 }
 
-func (s *settingsStatus) ok(revision uint64, values map[string]string) {
+func (s *settingsStatus) ok(revision uint64, values map[string]string, applied []string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.values, s.revision, s.failed, s.failedErr = values, revision, 0, nil
+	s.applied = slices.Sorted(slices.Values(applied))
 	s.floor = max(s.floor, revision)
 	s.revisionGauge.Set(float64(revision))
 	s.failingGauge.Set(0)
@@ -237,7 +244,7 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 		}
 		return
 	}
-	s.ok(index, values)
+	s.ok(index, values, keys)
 	s.applyTotal.WithLabelValues("ok").Inc()
 	a.logger.Info("cluster settings applied", "revision", index, "settings", keys)
 	b, err := json.Marshal(keptSettings{Revision: index, Settings: values})

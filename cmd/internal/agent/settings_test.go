@@ -5,17 +5,20 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
@@ -265,19 +268,37 @@ func testClusterSettings(t *testing.T, etcd []string) {
 		})
 	}
 
-	// backends.<name>.timeout: node2 pins it.
-	rev = set("backends.pivirtd.timeout", "3s").GetRevision()
+	// backends.<name>.timeout and retry, seen in the calls: node2 pins the
+	// timeout (its file's 10s stays), the others time a slow backend out.
+	rev = set("backends.pivirtd.timeout", "300ms").GetRevision()
 	applied("backends.pivirtd.timeout", rev, nil)
-	for i, n := range nodes {
-		st := n.SettingsStatus()
-		if st.Error != "" {
-			t.Errorf("%s: %s", n.Name, st.Error)
+	for _, n := range nodes {
+		pinned := n.Name == "node2"
+		if st := n.SettingsStatus(); st.Error != "" || slices.Contains(st.Keys, "backends.pivirtd.timeout") == pinned {
+			t.Errorf("%s: %+v", n.Name, st)
 		}
-		if !strings.Contains(strings.Join(st.Keys, ","), "backends.pivirtd.timeout") {
-			t.Errorf("%s: keys %v", n.Name, st.Keys)
-		}
-		_ = i
 	}
+	simA.fault(t, &simv1.Fault{Method: listVMs, Delay: durationpb.New(time.Second)})
+	for _, n := range nodes {
+		_, err := vmClient(n).ListVMs(admin(), &vmv1.ListVMsRequest{})
+		if pinned := n.Name == "node2"; (err == nil) != pinned {
+			t.Errorf("ListVMs through %s with a backend 1s slow: %v (the timeout is pinned there: %v)", n.Name, err, pinned)
+		}
+	}
+	simA.fault(t, nil)
+	rev = set("backends.pivirtd.retry", "{max_attempts: 4, backoff: 1ms}").GetRevision()
+	applied("backends.pivirtd.retry", rev, nil)
+	simA.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Unavailable)})
+	for _, n := range nodes {
+		_, before := simA.stats(t, listVMs)
+		if _, err := vmClient(n).ListVMs(admin(), &vmv1.ListVMsRequest{}); status.Code(err) != codes.Unavailable {
+			t.Errorf("ListVMs through %s with the backend unavailable: %v", n.Name, err)
+		}
+		if _, after := simA.stats(t, listVMs); after-before != 4 {
+			t.Errorf("ListVMs through %s: %d attempts, want the 4 of backends.pivirtd.retry", n.Name, after-before)
+		}
+	}
+	simA.fault(t, nil)
 
 	// A restart serves with the stored settings from its first call, before
 	// it has caught up: node1 is restarted with the cluster down to it alone
@@ -289,8 +310,8 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	e.c.Kill(2)
 	e.c.Kill(0)
 	n1 := e.c.Restart(0, false, "")
-	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 5 {
-		t.Errorf("restarted node1's settings: %+v, want revision %d and 5 keys", st, rev)
+	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 6 {
+		t.Errorf("restarted node1's settings: %+v, want revision %d and 6 keys", st, rev)
 	}
 	cl := clusterv1.NewClusterServiceClient(e.dialAt(n1.APIAddr(), nil))
 	viewer := as(e.ctx(), e.token("after-restart", "viewer"))
