@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	mrand "math/rand/v2"
 	"net"
@@ -17,6 +18,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -56,6 +58,8 @@ const (
 type matrixOp struct {
 	name string
 	do   func(m *matrix, t *testing.T)
+	// after, when set, checks after the restart what the operation left.
+	after func(m *matrix, t *testing.T)
 }
 
 // matrixCase is an operation with a way to stop and a way to start.
@@ -129,9 +133,10 @@ func TestEtcdRestartMatrix(t *testing.T) {
 	m := &matrix{c: startClusterWith(t, bins, etcdYAML), want: map[string]bool{}, dir: t.TempDir(), client: fmt.Sprintf("matrix-%x", mrand.Uint64())}
 	m.connect(t)
 	ops := []matrixOp{
-		{"etcd snapshot restore", func(m *matrix, t *testing.T) { m.restore(t, m.follower(t)) }},
+		{"etcd snapshot restore", func(m *matrix, t *testing.T) { m.restore(t, m.follower(t)) }, nil},
+		{"cluster setting", (*matrix).setting, (*matrix).settingApplied},
 	}
-	m.runCases(t, ops, matrixCases(ops, []matrixCase{{"etcd snapshot restore", sigkill, allAt}}))
+	m.runCases(t, ops, matrixCases(ops, []matrixCase{{"etcd snapshot restore", sigkill, allAt}, {"cluster setting", sigkill, rolling}}))
 }
 
 // matrix is the cluster of the restart matrix and what it must hold.
@@ -145,6 +150,10 @@ type matrix struct {
 	want map[string]bool
 	// key is the gossip key in use (keyring rotation).
 	key string
+	// level and levelRev: the cluster setting logging.level the "cluster
+	// setting" operation wrote, and its revision.
+	level    string
+	levelRev uint64
 }
 
 func newMatrix(t *testing.T, bins binaries) *matrix {
@@ -213,6 +222,9 @@ func (m *matrix) runCases(t *testing.T, ops []matrixOp, cases []matrixCase) {
 			m.rollingRestart(t, mc.stop)
 		}
 		m.verify(t, name)
+		if ops[i].after != nil {
+			ops[i].after(m, t)
+		}
 		m.write(t)
 		t.Logf("%-60s ok in %s (%d registrations checked on every node)", name, time.Since(began).Round(100*time.Millisecond), len(m.want))
 	}
@@ -459,18 +471,19 @@ func logCount(t *testing.T, n *node, s string) int {
 
 func (m *matrix) raftOps() []matrixOp {
 	return []matrixOp{
-		{"snapshot restore through the leader", func(m *matrix, t *testing.T) { m.restore(t, m.leader(t)) }},
-		{"snapshot restore through a follower", func(m *matrix, t *testing.T) { m.restore(t, m.follower(t)) }},
-		{"automatic snapshots and log compaction", (*matrix).compaction},
-		{"snapshot install on a lagging follower", (*matrix).installSnapshot},
-		{"recover", (*matrix).recover},
-		{"keyring install, use and remove", (*matrix).keyring},
-		{"certificate rotation", (*matrix).rotateCerts},
-		{"cluster-CA renewal", (*matrix).caRenewal},
-		{"POST /reload", (*matrix).reload},
-		{"cluster leave and rejoin", (*matrix).leaveRejoin},
-		{"remove-peer", (*matrix).removePeer},
-		{"transfer-leader", (*matrix).transferLeader},
+		{"snapshot restore through the leader", func(m *matrix, t *testing.T) { m.restore(t, m.leader(t)) }, nil},
+		{"snapshot restore through a follower", func(m *matrix, t *testing.T) { m.restore(t, m.follower(t)) }, nil},
+		{"automatic snapshots and log compaction", (*matrix).compaction, nil},
+		{"snapshot install on a lagging follower", (*matrix).installSnapshot, nil},
+		{"recover", (*matrix).recover, nil},
+		{"keyring install, use and remove", (*matrix).keyring, nil},
+		{"certificate rotation", (*matrix).rotateCerts, nil},
+		{"cluster-CA renewal", (*matrix).caRenewal, nil},
+		{"POST /reload", (*matrix).reload, nil},
+		{"cluster setting", (*matrix).setting, (*matrix).settingApplied},
+		{"cluster leave and rejoin", (*matrix).leaveRejoin, nil},
+		{"remove-peer", (*matrix).removePeer, nil},
+		{"transfer-leader", (*matrix).transferLeader, nil},
 	}
 }
 
@@ -708,6 +721,53 @@ func (m *matrix) reload(t *testing.T) {
 			t.Fatal(err)
 		}
 		m.postReload(t, n)
+	}
+}
+
+// setting changes the cluster setting logging.level (debug, then info,
+// then debug, …) through a random agent.
+func (m *matrix) setting(t *testing.T) {
+	t.Helper()
+	m.level = map[string]string{"": "debug", "debug": "info", "info": "debug"}[m.level]
+	m.c.eventually(t, 60*time.Second, "config set logging.level "+m.level, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		resp, err := m.api[mrand.IntN(len(m.api))].SetConfig(ctx, connect.NewRequest(&clusterv1.SetConfigRequest{Key: "logging.level", Value: m.level}))
+		if err != nil {
+			return err
+		}
+		m.levelRev = resp.Msg.GetEntry().GetRevision()
+		return nil
+	})
+}
+
+// readyConfig matches the config check of /ready.
+var readyConfig = regexp.MustCompile(`"config":"ok: cluster settings of revision (\d+) applied \(([^)]*)\)"`)
+
+// settingApplied checks that every restarted agent applies the setting,
+// at its revision or later, and logs at that level.
+func (m *matrix) settingApplied(t *testing.T) {
+	t.Helper()
+	for _, n := range m.c.nodes {
+		m.c.eventually(t, 30*time.Second, n.name+" applies logging.level "+m.level, func() error {
+			resp, err := http.Get("http://" + n.metrics + "/ready")
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			var b strings.Builder
+			if _, err := io.Copy(&b, resp.Body); err != nil {
+				return err
+			}
+			g := readyConfig.FindStringSubmatch(b.String())
+			if g == nil {
+				return fmt.Errorf("/ready: %s", b.String())
+			}
+			if rev, _ := strconv.ParseUint(g[1], 10, 64); rev < m.levelRev || !strings.Contains(g[2], "logging.level") {
+				return fmt.Errorf("/ready: settings of revision %s (%s), want logging.level at revision %d or later", g[1], g[2], m.levelRev)
+			}
+			return nil
+		})
 	}
 }
 
