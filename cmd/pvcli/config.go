@@ -11,6 +11,7 @@ import (
 	"github.com/pmezard/go-difflib/difflib"
 	"github.com/spf13/cobra"
 
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
@@ -75,9 +76,8 @@ func (a *app) newConfigSetCmd() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "set KEY [VALUE]",
 		Short: "Set a key to VALUE or to the contents of --file (- reads stdin)",
-		Long: `Set a cluster setting (logging.level, routing.rules, load_balancing,
-circuit_breaking, rate_limiting, backends.<name>.timeout, backends.<name>.retry,
-auth.certificate_roles, auth.rbac_policy) or a free-form key under kv/.
+		Long: `Set a cluster setting (` + strings.Join(config.SettingKeys(), ", ") + `)
+or a free-form key under kv/.
 
 A setting's value is the YAML (or JSON) of that key as it would appear in the
 agent's configuration file; every agent applies it on top of its file within
