@@ -26,6 +26,7 @@ import (
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
+	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
 // TestNetworkPolicy: with auth.network_policy, agents whose certificates
@@ -177,7 +178,15 @@ func withName(b config.BackendTLSConfig, name string) config.BackendTLSConfig {
 // validated at write, enforced by every node on new handshakes and on the
 // connections already open (closed, with a log line naming both
 // identities), and its removal lets the refused peer in again.
-func TestClusterNetworkPolicy(t *testing.T) {
+func TestClusterNetworkPolicy(t *testing.T) { testClusterNetworkPolicy(t, nil) }
+
+// TestEtcdClusterNetworkPolicy is TestClusterNetworkPolicy in etcd mode
+// (the internal port only: no Raft port).
+func TestEtcdClusterNetworkPolicy(t *testing.T) {
+	testClusterNetworkPolicy(t, etcdtest.Start(t, 1).Endpoints)
+}
+
+func testClusterNetworkPolicy(t *testing.T, etcd []string) {
 	dir := testPKI(t, 3)
 	chain := filepath.Join(dir, identity.ChainFile)
 	issue := func(req identity.LeafRequest) identity.LeafFiles {
@@ -194,9 +203,17 @@ func TestClusterNetworkPolicy(t *testing.T) {
 		issue(identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i), DNS: agentSvc})
 		issue(identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i), DNS: agentSvc, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
 	}
-	c := agenttest.NewExpect(t, 3, withTLS(dir))
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		withTLS(dir)(i, cfg)
+		if etcd != nil {
+			cfg.ServiceDiscovery.Type = config.DiscoveryEtcd
+			cfg.ServiceDiscovery.Etcd.Endpoints = etcd
+		}
+	})
 	c.WaitLeader(60 * time.Second)
-	c.WaitPeers(60*time.Second, 3, 0)
+	if etcd == nil {
+		c.WaitPeers(60*time.Second, 3, 0)
+	}
 	n := c.Follower()
 
 	// A monitor with an agent identity of another service keeps a

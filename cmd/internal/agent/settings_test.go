@@ -300,6 +300,21 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	}
 	simA.fault(t, nil)
 
+	// circuit_breaking: two failures in a row eject the only endpoint, on
+	// every node.
+	rev = set("circuit_breaking", "{enabled: true, thresholds: {consecutive_5xx: 2, interval: 100ms, base_ejection_time: 30s, max_ejection_percent: 100}}").GetRevision()
+	applied("circuit_breaking", rev, nil)
+	simA.fault(t, &simv1.Fault{Method: listVMs, Code: uint32(codes.Internal), Message: "disk on fire"})
+	for _, n := range nodes {
+		for range 2 {
+			_, _ = vmClient(n).ListVMs(admin(), &vmv1.ListVMsRequest{})
+		}
+		if m := httpGet(t, "http://"+n.MetricsAddr()+"/metrics"); !strings.Contains(m, `pivirt_mesh_endpoints{service="pivirtd",status="ejected"} 1`) {
+			t.Errorf("%s did not eject the failing endpoint under the cluster's circuit_breaking", n.Name)
+		}
+	}
+	simA.fault(t, nil)
+
 	// A restart serves with the stored settings from its first call, before
 	// it has caught up: node1 is restarted with the cluster down to it alone
 	// (no quorum), and its rate limit and routes hold at once.
@@ -310,8 +325,8 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	e.c.Kill(2)
 	e.c.Kill(0)
 	n1 := e.c.Restart(0, false, "")
-	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 6 {
-		t.Errorf("restarted node1's settings: %+v, want revision %d and 6 keys", st, rev)
+	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 7 {
+		t.Errorf("restarted node1's settings: %+v, want revision %d and 7 keys", st, rev)
 	}
 	cl := clusterv1.NewClusterServiceClient(e.dialAt(n1.APIAddr(), nil))
 	viewer := as(e.ctx(), e.token("after-restart", "viewer"))
