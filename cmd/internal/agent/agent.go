@@ -161,7 +161,10 @@ type Agent struct {
 	backendsMu     sync.RWMutex
 	backends       []*mesh.Backend
 	backendSources []*identity.Source
-	meshStats      *mesh.Stats
+	// backendSourceByFiles: the source of each set of files (cert, key,
+	// CA) of backendSources.
+	backendSourceByFiles map[[3]string]*identity.Source
+	meshStats            *mesh.Stats
 	// tracing exports spans (tracing.enabled); a no-op otherwise.
 	tracing *observe.Tracing
 	// raftApplyTime is pivirt_raft_apply_duration_seconds.

@@ -240,13 +240,24 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
 		src = a.tls.client
 	} else {
-		if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
-			return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
-		}
+		// One source (and one watcher) per set of files, however often the
+		// backends are rebuilt (reloads, network policy changes).
+		files := [3]string{cert, key, ca}
 		a.backendsMu.Lock()
-		a.backendSources = append(a.backendSources, src)
+		src = a.backendSourceByFiles[files]
+		if src == nil {
+			if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
+				a.backendsMu.Unlock()
+				return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
+			}
+			if a.backendSourceByFiles == nil {
+				a.backendSourceByFiles = map[[3]string]*identity.Source{}
+			}
+			a.backendSourceByFiles[files] = src
+			a.backendSources = append(a.backendSources, src)
+			a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
+		}
 		a.backendsMu.Unlock()
-		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 	}
 	return func(serverName, addr string) *tls.Config {
 		c := src.ClientConfig(serverName)

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -28,6 +29,9 @@ const SettingsFile = "cluster-settings.json"
 type keptSettings struct {
 	Revision uint64            `json:"revision"`
 	Settings map[string]string `json:"settings"`
+	// ClusterID is the cluster's cluster.id when they were kept: a data
+	// dir moved to another cluster does not hold that one back.
+	ClusterID string `json:"cluster_id,omitempty"`
 }
 
 // settingsStatus is where this node stands with the cluster settings.
@@ -45,6 +49,8 @@ type settingsStatus struct {
 	// floor: no state older than this revision is applied (the kept
 	// settings' revision, also when they did not apply).
 	floor uint64
+	// clusterID: the cluster the revisions belong to ("" until known).
+	clusterID string
 
 	revisionGauge prometheus.Gauge
 	failingGauge  prometheus.Gauge
@@ -120,6 +126,7 @@ func (a *Agent) loadSettings() error {
 		a.logger.Error("the kept cluster settings do not load; starting with the file's values until the agent catches up", "path", path, "error", err)
 		return nil
 	}
+	a.settings.clusterID = kept.ClusterID
 	next, applied, err := config.ApplySettings(a.cfg, kept.Settings)
 	var np *netpolicy.Set
 	if err == nil {
@@ -208,7 +215,19 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	a.reloadMu.Lock()
 	defer a.reloadMu.Unlock()
 	s := a.settings
+	clusterID := ""
+	if e, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
+		clusterID = e.GetValue()
+	}
 	s.mu.Lock()
+	if s.clusterID != "" && clusterID != "" && s.clusterID != clusterID {
+		// Kept in another cluster: its revisions mean nothing here.
+		a.logger.Warn("the kept cluster settings are another cluster's; following this cluster's", "kept_cluster_id", s.clusterID, "cluster_id", clusterID)
+		s.revision, s.floor = 0, 0
+	}
+	if clusterID != "" {
+		s.clusterID = clusterID
+	}
 	same := maps.Equal(s.values, values) && s.failedErr == nil
 	// A restarted node's state starts behind the settings it kept (Raft
 	// applies the log past the last snapshot once it hears from a leader):
@@ -247,7 +266,10 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	s.ok(index, values, keys)
 	s.applyTotal.WithLabelValues("ok").Inc()
 	a.logger.Info("cluster settings applied", "revision", index, "settings", keys)
-	b, err := json.Marshal(keptSettings{Revision: index, Settings: values})
+	s.mu.Lock()
+	kept := keptSettings{Revision: index, Settings: values, ClusterID: s.clusterID}
+	s.mu.Unlock()
+	b, err := json.Marshal(kept)
 	if err == nil {
 		err = identity.WriteFileAtomic(filepath.Join(a.dataDir, SettingsFile), b, 0o600)
 	}

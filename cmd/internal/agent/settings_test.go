@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -474,5 +475,38 @@ func TestAccessChecks(t *testing.T) {
 	// It needs get on rbac.
 	if _, err := e.cl.CheckAccess(as(e.ctx(), e.token("olga", "operator")), &clusterv1.CheckAccessRequest{Identity: "x", Method: "VMService/GetVM"}); status.Code(err) != codes.PermissionDenied {
 		t.Errorf("an operator checks access: %v, want PermissionDenied", err)
+	}
+}
+
+// TestKeptSettingsOfAnotherCluster: settings kept in a data dir that came
+// from another cluster (another cluster.id) do not hold the node back:
+// their revisions mean nothing here.
+func TestKeptSettingsOfAnotherCluster(t *testing.T) {
+	c := agenttest.NewExpect(t, 1, nil)
+	n := c.WaitLeader(20 * time.Second)
+	set, err := n.API.SetConfig(t.Context(), connect.NewRequest(&clusterv1.SetConfigRequest{Key: "logging.level", Value: "warn"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agenttest.Eventually(t, 5*time.Second, "logging.level applied", func() error {
+		if st := n.SettingsStatus(); st.Revision < set.Msg.GetEntry().GetRevision() {
+			return fmt.Errorf("%+v", st)
+		}
+		return nil
+	})
+	c.Kill(0)
+	kept := `{"revision": 1000000000, "settings": {"logging.level": "debug"}, "cluster_id": "another-cluster"}`
+	if err := os.WriteFile(filepath.Join(c.Dir(0), agent.SettingsFile), []byte(kept), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n = c.Restart(0, false, "")
+	agenttest.Eventually(t, 20*time.Second, "this cluster's settings applied", func() error {
+		if st := n.SettingsStatus(); st.Revision >= 1000000000 || st.Revision < set.Msg.GetEntry().GetRevision() {
+			return fmt.Errorf("%+v", st)
+		}
+		return nil
+	})
+	if !c.Logs().Contains("the kept cluster settings are another cluster's") {
+		t.Error("no log line of the other cluster's settings")
 	}
 }
