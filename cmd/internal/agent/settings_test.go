@@ -316,6 +316,27 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	}
 	simA.fault(t, nil)
 
+	// load_balancing: fast health checks mark a NOT_SERVING backend
+	// unhealthy on every node; without health checks it is used again.
+	if _, err := simA.ctl.SetServing(e.ctx(), &simv1.SetServingRequest{Serving: false}); err != nil {
+		t.Fatal(err)
+	}
+	set("load_balancing", "{policy: round_robin, health_check: {enabled: true, interval: 100ms, timeout: 100ms, healthy_threshold: 1, unhealthy_threshold: 1}}")
+	endpoints := func(status string) func(n *agenttest.Node) error {
+		return func(n *agenttest.Node) error {
+			if m := httpGet(t, "http://"+n.MetricsAddr()+"/metrics"); !strings.Contains(m, `pivirt_mesh_endpoints{service="pivirtd",status="`+status+`"} 1`) {
+				return fmt.Errorf("pivirtd's endpoint not %s", status)
+			}
+			return nil
+		}
+	}
+	applied("load_balancing with health checks", 0, endpoints("unhealthy"))
+	set("load_balancing", "{policy: round_robin, health_check: {enabled: false}}")
+	applied("load_balancing without health checks", 0, endpoints("healthy"))
+	if _, err := simA.ctl.SetServing(e.ctx(), &simv1.SetServingRequest{Serving: true}); err != nil {
+		t.Fatal(err)
+	}
+
 	// A restart serves with the stored settings from its first call, before
 	// it has caught up: node1 is restarted with the cluster down to it alone
 	// (no quorum), and its rate limit and routes hold at once.
@@ -326,8 +347,8 @@ func testClusterSettings(t *testing.T, etcd []string) {
 	e.c.Kill(2)
 	e.c.Kill(0)
 	n1 := e.c.Restart(0, false, "")
-	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 7 {
-		t.Errorf("restarted node1's settings: %+v, want revision %d and 7 keys", st, rev)
+	if st := n1.SettingsStatus(); st.Revision < rev || len(st.Keys) != 8 {
+		t.Errorf("restarted node1's settings: %+v, want revision %d and 8 keys", st, rev)
 	}
 	cl := clusterv1.NewClusterServiceClient(e.dialAt(n1.APIAddr(), nil))
 	viewer := as(e.ctx(), e.token("after-restart", "viewer"))
