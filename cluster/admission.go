@@ -239,7 +239,10 @@ func admitAll(ctx context.Context, adm Admitter, ms []Member) map[int]error {
 	for _, i := range mrand.Perm(len(ms)) {
 		m := ms[i]
 		if ctx.Err() != nil {
+			// Checks already running write out too.
+			mu.Lock()
 			out[i] = fmt.Errorf("%w: %s not asked in this pass", ErrNotAdmitted, m.Name)
+			mu.Unlock()
 			continue
 		}
 		wg.Add(1)

@@ -324,3 +324,36 @@ func TestUnprovenLiveServerIsNotCleanedUp(t *testing.T) {
 		}
 	}
 }
+
+// slowAdmitter answers every member when the pass's time is up.
+type slowAdmitter struct{}
+
+func (slowAdmitter) Admit(ctx context.Context, m Member) error {
+	<-ctx.Done()
+	return fmt.Errorf("%s: %w", m.Name, ctx.Err())
+}
+
+func (slowAdmitter) Proven(Member) bool { return false }
+
+// TestAdmitAllPassRunsOut: members not asked before the pass's time ran
+// out are refused as not asked, while the checks in flight end at the same
+// moment (under -race: they share the result map safely).
+func TestAdmitAllPassRunsOut(t *testing.T) {
+	ms := make([]Member, 3*admitParallel)
+	for i := range ms {
+		ms[i] = Member{Name: fmt.Sprintf("m%d", i)}
+	}
+	out := admitAll(t.Context(), slowAdmitter{}, ms)
+	if len(out) != len(ms) {
+		t.Fatalf("%d members refused, want all %d", len(out), len(ms))
+	}
+	notAsked := 0
+	for _, err := range out {
+		if errors.Is(err, ErrNotAdmitted) {
+			notAsked++
+		}
+	}
+	if notAsked == 0 {
+		t.Error("no member was left unasked when the pass ran out")
+	}
+}
