@@ -370,9 +370,18 @@ func testClusterSettings(t *testing.T, etcd []string) {
 // TestRBACLockOut: a cluster RBAC policy that would take away the caller's
 // own right to change it is refused, naming the rights lost, unless
 // forced; the break-glass path on the operations port removes it, audited.
-func TestRBACLockOut(t *testing.T) {
+func TestRBACLockOut(t *testing.T) { testRBACLockOut(t, nil) }
+
+// TestEtcdRBACLockOut is TestRBACLockOut in etcd mode.
+func TestEtcdRBACLockOut(t *testing.T) { testRBACLockOut(t, etcdtest.Start(t, 1).Endpoints) }
+
+func testRBACLockOut(t *testing.T, etcd []string) {
 	e := newAccessEnv(t, 1, func(cfg *config.Config) {
 		cfg.Auth.RBACPolicy = "" // the quick start: every authenticated caller may do everything
+		if etcd != nil {
+			cfg.ServiceDiscovery.Type = config.DiscoveryEtcd
+			cfg.ServiceDiscovery.Etcd.Endpoints = etcd
+		}
 	})
 	spec, err := os.ReadFile(filepath.Join("..", "..", "..", "gateway", "authz", "testdata", "spec-rbac.yaml"))
 	if err != nil {
