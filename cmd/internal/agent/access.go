@@ -84,6 +84,19 @@ func configResource(procedure string, req protoreflect.Message) (string, bool) {
 	return "", false
 }
 
+// breakGlass lets this node's own agent certificate (CN
+// pivirt-agent-<node_name>) delete the cluster-wide RBAC policy whatever
+// the policy says: the way out of a policy that locks every operator out,
+// for someone on the node (the key file is readable only there). Whoever
+// holds it can already act as the node inside the cluster.
+func (a *Agent) breakGlass(procedure string, req protoreflect.Message, who authz.Principal) bool {
+	if procedure != clusterv1connect.ClusterServiceDeleteConfigProcedure || !who.Certificate || who.Identity != identity.AgentPrefix+a.cfg.NodeName {
+		return false
+	}
+	key, ok := authz.FieldString(req, "key")
+	return ok && key == RBACPolicyKey
+}
+
 // startAccess builds the API port's access control. It is off (every call
 // allowed, with a warning) only when nothing could authenticate a caller:
 // tls.enabled false and neither auth.oidc nor auth.rbac_policy set.
@@ -141,6 +154,7 @@ func (a *Agent) startAccess() error {
 		Fetch:         a.fetchObject,
 		Ready:         a.clusterPolicy.Ready,
 		Resource:      configResource,
+		BreakGlass:    a.breakGlass,
 		ConnState:     gateway.ConnTLSFromContext,
 		Logger:        a.logger.With("component", "access"),
 		Registerer:    a.metrics,

@@ -409,16 +409,56 @@ func testRBACLockOut(t *testing.T, etcd []string) {
 	if _, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec), Force: true}); err != nil {
 		t.Fatal(err)
 	}
+	// A read probes for the policy in force (a delete tried before it is
+	// would succeed).
 	agenttest.Eventually(t, 5*time.Second, "the operator locked out", func() error {
-		_, err := operator.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey})
-		if status.Code(err) != codes.PermissionDenied {
-			return fmt.Errorf("delete: %v", err)
+		if _, err := operator.ListConfig(e.ctx(), &clusterv1.ListConfigRequest{}); status.Code(err) != codes.PermissionDenied {
+			return fmt.Errorf("list: %v", err)
 		}
 		return nil
 	})
-	// An admin deleting it would fall back to no policy: nothing to lose.
-	// Break-glass on the operations port, from this host only.
+	if _, err := operator.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("the locked-out operator deletes the policy: %v", err)
+	}
+	// Break-glass with the node's own agent certificate: it may delete the
+	// cluster policy (and nothing else the policy does not allow); another
+	// node's agent certificate may not.
+	self := clusterv1.NewClusterServiceClient(e.dial(e.clientCert("pivirt-agent-" + e.n.Name)))
+	other := clusterv1.NewClusterServiceClient(e.dial(e.clientCert("pivirt-agent-elsewhere")))
+	if _, err := other.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("another node's agent certificate deletes the cluster policy: %v", err)
+	}
+	if _, err := self.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: "kv/x", Value: "1"}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("the node's agent certificate writes another key: %v", err)
+	}
 	mark := e.c.Logs().Len()
+	if _, err := self.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); err != nil {
+		t.Fatalf("break-glass with the node's agent certificate: %v", err)
+	}
+	if !strings.Contains(e.c.Logs().Since(mark), "audit: break-glass: call allowed whatever the RBAC policy") {
+		t.Error("the break-glass deletion is not audited")
+	}
+	agenttest.Eventually(t, 5*time.Second, "the operator back in", func() error {
+		_, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: "kv/back", Value: "in"})
+		return err
+	})
+	if _, err := operator.SetConfig(e.ctx(), &clusterv1.SetConfigRequest{Key: agent.RBACPolicyKey, Value: string(spec), Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	// A read probes for the policy in force (a delete tried before it is
+	// would succeed).
+	agenttest.Eventually(t, 5*time.Second, "the operator locked out again", func() error {
+		if _, err := operator.ListConfig(e.ctx(), &clusterv1.ListConfigRequest{}); status.Code(err) != codes.PermissionDenied {
+			return fmt.Errorf("list: %v", err)
+		}
+		return nil
+	})
+	if _, err := operator.DeleteConfig(e.ctx(), &clusterv1.DeleteConfigRequest{Key: agent.RBACPolicyKey}); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("the locked-out operator deletes the policy: %v", err)
+	}
+
+	// Break-glass on the operations port, from this host only.
+	mark = e.c.Logs().Len()
 	code, body := httpPost(t, "http://"+e.n.MetricsAddr()+"/rbac/reset")
 	if code != 200 || !strings.Contains(body, `"removed":true`) {
 		t.Fatalf("POST /rbac/reset: %d %s", code, body)
