@@ -18,8 +18,9 @@ type RefRow struct {
 	// Live: applied without a restart.
 	Live bool
 	// Setting: also a cluster setting (the cluster's value applies unless
-	// the file pins it).
-	Setting bool
+	// the file pins it); Document: the setting holds the document the file
+	// key names (a policy's text, not its path).
+	Setting, Document bool
 }
 
 // Reference lists every key of the file, from the Config type and
@@ -79,7 +80,10 @@ func row(path string, t reflect.Type, v reflect.Value, enum []string) RefRow {
 	}
 	for _, s := range Settings {
 		if path == s.Key || strings.HasPrefix(path, s.Key+".") || strings.HasPrefix(path, s.Key+"[]") {
-			r.Setting = true
+			r.Setting, r.Document = true, s.Document
+			if s.Document {
+				r.Type = "file path"
+			}
 		}
 	}
 	return r
@@ -124,7 +128,11 @@ func ReferenceMarkdown() string {
 		if r.Live {
 			live = "live"
 		}
-		if r.Setting {
+		switch {
+		case r.Document:
+			setting = "yes (the file's text)"
+			live = "live (the file's text)"
+		case r.Setting:
 			setting = "yes"
 		}
 		def := r.Default
