@@ -36,33 +36,17 @@ func (h *ClusterService) Keyring(ctx context.Context, req *connect.Request[clust
 	if h.cfg.Keyring == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent does not manage a gossip keyring"))
 	}
-	var (
-		mu  sync.Mutex
-		out []*clusterv1.NodeKeyring
-		wg  sync.WaitGroup
-	)
-	for _, m := range h.members.Members() {
-		if m.Status != cluster.StatusAlive || m.Meta.InternalAddr == "" {
-			continue
+	out := eachMember(ctx, h.members.Members(), func(ctx context.Context, m cluster.Member) *clusterv1.NodeKeyring {
+		nk, err := h.cfg.Keyring(ctx, m.Meta.InternalAddr, op, req.Msg.GetKey())
+		if nk == nil {
+			nk = &clusterv1.NodeKeyring{}
 		}
-		wg.Go(func() {
-			cctx, cancel := context.WithTimeout(ctx, keyringTimeout)
-			defer cancel()
-			nk, err := h.cfg.Keyring(cctx, m.Meta.InternalAddr, op, req.Msg.GetKey())
-			if nk == nil {
-				nk = &clusterv1.NodeKeyring{}
-			}
-			nk.Node, nk.NodeId = m.Name, m.Meta.ID
-			if err != nil {
-				nk.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
-			}
-			mu.Lock()
-			out = append(out, nk)
-			mu.Unlock()
-		})
-	}
-	wg.Wait()
-	slices.SortFunc(out, func(a, b *clusterv1.NodeKeyring) int { return strings.Compare(a.GetNode(), b.GetNode()) })
+		nk.Node, nk.NodeId = m.Name, m.Meta.ID
+		if err != nil {
+			nk.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+		}
+		return nk
+	})
 	if op != clusterv1.KeyringOp_KEYRING_OP_LIST {
 		failed := 0
 		for _, nk := range out {
@@ -82,33 +66,17 @@ func (h *ClusterService) ConfigStatus(ctx context.Context, _ *connect.Request[cl
 	if h.cfg.ConfigStatus == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent does not follow the cluster settings"))
 	}
-	var (
-		mu  sync.Mutex
-		out []*clusterv1.NodeConfigStatus
-		wg  sync.WaitGroup
-	)
-	for _, m := range h.members.Members() {
-		if m.Status != cluster.StatusAlive || m.Meta.InternalAddr == "" {
-			continue
+	out := eachMember(ctx, h.members.Members(), func(ctx context.Context, m cluster.Member) *clusterv1.NodeConfigStatus {
+		st, err := h.cfg.ConfigStatus(ctx, m.Meta.InternalAddr)
+		if st == nil {
+			st = &clusterv1.NodeConfigStatus{}
 		}
-		wg.Go(func() {
-			cctx, cancel := context.WithTimeout(ctx, keyringTimeout)
-			defer cancel()
-			st, err := h.cfg.ConfigStatus(cctx, m.Meta.InternalAddr)
-			if st == nil {
-				st = &clusterv1.NodeConfigStatus{}
-			}
-			st.Node, st.NodeId = m.Name, m.Meta.ID
-			if err != nil {
-				st.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
-			}
-			mu.Lock()
-			out = append(out, st)
-			mu.Unlock()
-		})
-	}
-	wg.Wait()
-	slices.SortFunc(out, func(a, b *clusterv1.NodeConfigStatus) int { return strings.Compare(a.GetNode(), b.GetNode()) })
+		st.Node, st.NodeId = m.Name, m.Meta.ID
+		if err != nil {
+			st.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+		}
+		return st
+	})
 	return connect.NewResponse(&clusterv1.ConfigStatusResponse{Nodes: out}), nil
 }
 
@@ -145,6 +113,33 @@ func (h *ClusterService) CheckNetworkPolicy(ctx context.Context, req *connect.Re
 	}
 	resp.Node = h.cfg.NodeName
 	return connect.NewResponse(resp), nil
+}
+
+// eachMember runs ask on every live member (through its internal port,
+// this node's included) at once, each within keyringTimeout, and returns
+// the answers by node name.
+func eachMember[T interface{ GetNode() string }](ctx context.Context, members []cluster.Member, ask func(context.Context, cluster.Member) T) []T {
+	var (
+		mu  sync.Mutex
+		out []T
+		wg  sync.WaitGroup
+	)
+	for _, m := range members {
+		if m.Status != cluster.StatusAlive || m.Meta.InternalAddr == "" {
+			continue
+		}
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, keyringTimeout)
+			defer cancel()
+			r := ask(cctx, m)
+			mu.Lock()
+			out = append(out, r)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	slices.SortFunc(out, func(a, b T) int { return strings.Compare(a.GetNode(), b.GetNode()) })
+	return out
 }
 
 // errorMessage is a Connect error's message, or the error's text.

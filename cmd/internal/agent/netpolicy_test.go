@@ -37,22 +37,8 @@ import (
 // backend's port) and is refused by one on a port no policy lists. Every
 // refusal is logged.
 func TestNetworkPolicy(t *testing.T) {
-	dir := testPKI(t, 3)
+	dir, issue := agentServicePKI(t, 3)
 	chain := filepath.Join(dir, identity.ChainFile)
-	issue := func(req identity.LeafRequest) identity.LeafFiles {
-		t.Helper()
-		req.Force = true
-		f, err := identity.Issue(dir, req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return f
-	}
-	agentSvc := []string{"agent.pivirt.internal"}
-	for i := 1; i <= 3; i++ {
-		issue(identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i), DNS: agentSvc})
-		issue(identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i), DNS: agentSvc, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
-	}
 	backend := func(name string) *simServer {
 		f := issue(identity.LeafRequest{Kind: identity.KindServer, Name: name, DNS: []string{name}})
 		src, err := identity.NewSource(identity.SourceConfig{CertFile: f.Cert, KeyFile: f.Key, CAFile: chain})
@@ -169,6 +155,34 @@ spec:
 	}
 }
 
+// agentServicePKI is a test PKI whose nodes' agent and server certificates
+// name the service agent.pivirt.internal (what network policies match),
+// and a function that issues more leaves of it.
+func agentServicePKI(t *testing.T, nodes int) (string, func(identity.LeafRequest) identity.LeafFiles) {
+	t.Helper()
+	dir := testPKI(t, nodes)
+	issue := func(req identity.LeafRequest) identity.LeafFiles {
+		t.Helper()
+		req.Force = true
+		f, err := identity.Issue(dir, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	agentSvc := []string{"agent.pivirt.internal"}
+	for i := 1; i <= nodes; i++ {
+		issue(identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i), DNS: agentSvc})
+		issue(identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i), DNS: agentSvc, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	}
+	return dir, issue
+}
+
+func portOf(addr string) string {
+	_, port, _ := net.SplitHostPort(addr)
+	return port
+}
+
 func withName(b config.BackendTLSConfig, name string) config.BackendTLSConfig {
 	b.ServerName = name
 	return b
@@ -187,22 +201,8 @@ func TestEtcdClusterNetworkPolicy(t *testing.T) {
 }
 
 func testClusterNetworkPolicy(t *testing.T, etcd []string) {
-	dir := testPKI(t, 3)
+	dir, issue := agentServicePKI(t, 3)
 	chain := filepath.Join(dir, identity.ChainFile)
-	issue := func(req identity.LeafRequest) identity.LeafFiles {
-		t.Helper()
-		req.Force = true
-		f, err := identity.Issue(dir, req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return f
-	}
-	agentSvc := []string{"agent.pivirt.internal"}
-	for i := 1; i <= 3; i++ {
-		issue(identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i), DNS: agentSvc})
-		issue(identity.LeafRequest{Kind: identity.KindServer, Name: fmt.Sprintf("node%d-server", i), DNS: agentSvc, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
-	}
 	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
 		withTLS(dir)(i, cfg)
 		if etcd != nil {
@@ -256,7 +256,8 @@ spec:
   ingress:
     - from:
         - service: "monitor.pivirt.internal"
-`}); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "would cut the agents off from each other: no NetworkPolicy allows agent.pivirt.internal to connect to agent.pivirt.internal on the internal port") {
+`}); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "would cut the agents off from each other: no NetworkPolicy allows agent.pivirt.internal to connect to agent.pivirt.internal on the ") ||
+		!strings.Contains(err.Error(), "internal port "+portOf(n.InternalAddr())) || etcd == nil && !strings.Contains(err.Error(), "raft port "+portOf(n.RaftAddr())) {
 		t.Errorf("a policy that cuts the agents apart: %v", err)
 	}
 	set, err := api.SetConfig(ctx, &clusterv1.SetConfigRequest{Key: agent.NetworkPolicyKey, Value: `apiVersion: pivirt.pilab.hu/v1
