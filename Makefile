@@ -8,6 +8,9 @@ BIN       := bin
 PKGS      := ./...
 TEST_TIMEOUT ?= 20m
 BENCHTIME ?= 5s
+VERSION   ?= 0.1.0-dev
+REVISION  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+LDFLAGS   := -X pilab.hu/pivirt-agent/cmd/internal/version.Version=$(VERSION) -X pilab.hu/pivirt-agent/cmd/internal/version.Revision=$(REVISION)
 
 .PHONY: help
 help: ## show this help
@@ -15,7 +18,7 @@ help: ## show this help
 
 .PHONY: build
 build: ## build pivirt-agent, pvcli, pitrust and pivirtd-sim into bin/
-	$(GO) build -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
 
 .PHONY: test
 test: ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries)

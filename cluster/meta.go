@@ -14,14 +14,17 @@ const (
 // memberlist's 512-byte meta limit, so keys are short.
 type NodeMeta struct {
 	// Cluster is the cluster name; members of another cluster are refused.
-	Cluster         string `json:"c"`
-	ID              string `json:"id"`
-	Role            string `json:"r"`
-	RaftAddr        string `json:"ra"`
-	APIAddr         string `json:"aa"`
-	InternalAddr    string `json:"ia"`
-	Version         string `json:"v"`
-	BootstrapExpect int    `json:"be,omitempty"`
+	Cluster      string `json:"c"`
+	ID           string `json:"id"`
+	Role         string `json:"r"`
+	RaftAddr     string `json:"ra"`
+	APIAddr      string `json:"aa"`
+	InternalAddr string `json:"ia"`
+	Version      string `json:"v"`
+	// Protocol is the agent protocol version (absent from agents that
+	// predate it).
+	Protocol        int `json:"p,omitempty"`
+	BootstrapExpect int `json:"be,omitempty"`
 	// Leaving is set just before a graceful leave, so that members can tell
 	// a departure from a failure (memberlist reports both as "leave").
 	Leaving bool `json:"l,omitempty"`

@@ -7,14 +7,12 @@ package gateway
 import (
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -284,7 +282,10 @@ func (h *ClusterService) Members(ctx context.Context, req *connect.Request[clust
 	for _, m := range h.members.Members() {
 		out.Members = append(out.Members, memberProto(m))
 	}
-	return connect.NewResponse(out), nil
+	resp := connect.NewResponse(out)
+	// The member answering: pvcli version reports its version.
+	resp.Header().Set(HeaderServedBy, h.cfg.NodeName)
+	return resp, nil
 }
 
 func memberProto(m cluster.Member) *clusterv1.Member {
@@ -310,6 +311,7 @@ func memberProto(m cluster.Member) *clusterv1.Member {
 		InternalAddr:    m.Meta.InternalAddr,
 		Version:         m.Meta.Version,
 		BootstrapExpect: int32(m.Meta.BootstrapExpect),
+		Protocol:        int32(m.Meta.Protocol),
 	}
 }
 
@@ -570,18 +572,22 @@ func checkName(field, v string) error {
 	return nil
 }
 
-func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance, w *clusterv1.WriteOptions) error {
+func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 	if in == nil {
 		return invalid("instance", "is required")
 	}
 	if err := checkName("instance.service", in.GetService()); err != nil {
 		return err
 	}
+	if in.GetNode() == "" {
+		in.Node = h.cfg.NodeName
+	}
 	if in.GetInstanceId() == "" {
-		// Derived from the write's identity, so a retry of the same write
-		// (on any node) names the same instance.
-		sum := sha256.Sum256([]byte(w.GetClientId() + "/" + strconv.FormatUint(w.GetSequence(), 10)))
-		in.InstanceId = in.GetService() + "-" + hex.EncodeToString(sum[:4])
+		// One instance of a service per node by default, as Consul's
+		// service name is its default ID on an agent: registering again
+		// replaces it. A retry through another node is answered as the
+		// write it repeats, whatever this node would have chosen.
+		in.InstanceId = in.GetService() + "-" + in.GetNode()
 	}
 	if err := checkName("instance.instance_id", in.GetInstanceId()); err != nil {
 		return err
@@ -619,9 +625,6 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance, w *clus
 			return invalid("instance.meta", "key %q: keys are 1-128 and values at most 512 printable characters", k)
 		}
 	}
-	if in.GetNode() == "" {
-		in.Node = h.cfg.NodeName
-	}
 	// Server-owned fields.
 	in.Health = clusterv1.Health_HEALTH_UNSPECIFIED
 	in.RegisteredAt, in.LastHeartbeat = nil, nil
@@ -647,7 +650,7 @@ func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Reque
 	if err := h.fillWrite(&req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
-	if err := h.validateInstance(req.Msg.GetInstance(), req.Msg.GetWrite()); err != nil {
+	if err := h.validateInstance(req.Msg.GetInstance()); err != nil {
 		return nil, toConnect(err)
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.RegisterService, func(ctx context.Context) (*connect.Response[clusterv1.RegisterServiceResponse], error) {

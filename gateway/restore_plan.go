@@ -153,7 +153,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 func (s *SnapshotService) checkRestored(ctx context.Context, table string, r proto.Message, current *fsm.State, out *clusterv1.RestorePlan) (bool, error) {
 	switch v := r.(type) {
 	case *clusterv1.ServiceInstance:
-		if err := s.cs.validateInstance(proto.Clone(v).(*clusterv1.ServiceInstance), nil); err != nil {
+		if err := s.cs.validateInstance(proto.Clone(v).(*clusterv1.ServiceInstance)); err != nil {
 			return false, fmt.Errorf("service %s/%s: %w", v.GetService(), v.GetInstanceId(), err)
 		}
 	case *schedulev1.Schedule:

@@ -11,6 +11,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
+
 	"github.com/spf13/cobra"
 
 	"pilab.hu/pivirt-agent/identity"
@@ -51,13 +53,14 @@ Keep the root key offline once the intermediate exists.`,
 			return cmd.Help()
 		},
 	}
+	version.AddFlag(root, version.Get("pitrust"))
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
 	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
-		verifyCmd(&dir, stdout), inspectCmd(stdout))
+		verifyCmd(&dir, stdout), inspectCmd(stdout), versionCmd(stdout))
 	err := root.ExecuteContext(ctx)
 	if err != nil && strings.HasPrefix(err.Error(), "unknown command") {
 		err = &usageError{err}
@@ -266,5 +269,16 @@ func expiry(days int) string {
 		return fmt.Sprintf("expires in %d days: renew it", days)
 	default:
 		return fmt.Sprintf("%d days left", days)
+	}
+}
+
+func versionCmd(stdout io.Writer) *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		Run: func(*cobra.Command, []string) {
+			fmt.Fprintln(stdout, version.Get("pitrust"))
+		},
 	}
 }

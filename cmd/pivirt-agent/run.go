@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
+
 	"github.com/spf13/cobra"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
@@ -30,6 +32,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		SilenceErrors: true,
 		Args:          cobra.NoArgs,
 	}
+	version.AddFlag(root, version.Agent())
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
@@ -112,7 +115,7 @@ func versionCmd(stdout io.Writer) *cobra.Command {
 		Short: "Print the version",
 		Args:  cobra.NoArgs,
 		Run: func(*cobra.Command, []string) {
-			fmt.Fprintln(stdout, "pivirt-agent", agent.Version)
+			fmt.Fprintln(stdout, version.Agent())
 		},
 	}
 }

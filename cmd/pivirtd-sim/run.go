@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
+
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -66,6 +68,7 @@ sets the health status, for tests; --delay and --fail-* set a fault from the sta
 			return serve(cmd.Context(), o, stdout)
 		},
 	}
+	version.AddFlag(cmd, version.Get("pivirtd-sim"))
 	cmd.SetArgs(args)
 	cmd.SetOut(stdout)
 	cmd.SetErr(stderr)

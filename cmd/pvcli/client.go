@@ -40,8 +40,10 @@ var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-C
 
 // clientConn is the API client of one invocation.
 type clientConn struct {
-	http *http.Client
-	api  clusterv1connect.ClusterServiceClient
+	// endpoint is the agent's base URL.
+	endpoint string
+	http     *http.Client
+	api      clusterv1connect.ClusterServiceClient
 	// snap streams snapshots; streams are not retried by the interceptor.
 	snap clusterv1connect.SnapshotServiceClient
 	// The backend APIs the agent proxies. pvcli does not retry them: the
@@ -95,7 +97,8 @@ func (a *app) connect(cmd *cobra.Command) error {
 		auth = append(auth, bearer(token))
 	}
 	a.conn = &clientConn{
-		http: httpClient,
+		endpoint: endpoint.String(),
+		http:     httpClient,
 		api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
 			connect.WithInterceptors(append(auth, a.retryInterceptor())...),
 			connect.WithReadMaxBytes(maxMessageBytes),

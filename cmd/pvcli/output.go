@@ -63,6 +63,12 @@ func marshalYAML(msg proto.Message) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
 	}
+	return jsonToYAML(js)
+}
+
+// jsonToYAML converts a JSON document to block-style YAML in the same
+// key order.
+func jsonToYAML(js []byte) ([]byte, error) {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(js, &doc); err != nil {
 		return nil, fmt.Errorf("convert JSON to YAML: %w", err)

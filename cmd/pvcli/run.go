@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
+
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -180,13 +182,6 @@ func newClientID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// randomSuffix returns a short random hex string for generated IDs.
-func randomSuffix() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
-}
-
 func (a *app) newRootCmd() *cobra.Command {
 	a.opts.output = enumFlag{value: "table", allowed: outputFormats}
 	a.opts.consistency = enumFlag{value: "default", allowed: consistencyModes}
@@ -231,7 +226,8 @@ the agent retries what is safe to retry.`,
 	f.StringVar(&a.opts.token, "token", "", "OIDC bearer token sent as Authorization: Bearer (https://, or http:// to loopback only); env "+envToken)
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
-		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd())
+		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd())
+	version.AddFlag(root, version.Get("pvcli"))
 	return root
 }
 

@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -304,22 +306,15 @@ func TestServiceRegisterDefaultID(t *testing.T) {
 	fake := newFakeCluster()
 	url := fake.start(t)
 	runCLI(t, url, "service", "register", "web", "--address", "10.0.0.7", "--port", "80").mustSucceed(t)
-	runCLI(t, url, "service", "register", "web", "--address", "10.0.0.7", "--port", "80").mustSucceed(t)
 
 	calls := fake.recorded()
-	if len(calls) != 2 {
-		t.Fatalf("got %d calls, want 2", len(calls))
+	if len(calls) != 1 {
+		t.Fatalf("got %d calls, want 1", len(calls))
 	}
-	var ids []string
-	for _, c := range calls {
-		id := c.msg.(*clusterv1.RegisterServiceRequest).GetInstance().GetInstanceId()
-		if !regexp.MustCompile(`^web-[0-9a-f]{8}$`).MatchString(id) {
-			t.Errorf("instance_id = %q, want web-<8 hex digits>", id)
-		}
-		ids = append(ids, id)
-	}
-	if ids[0] == ids[1] {
-		t.Errorf("two registrations got the same generated ID %q", ids[0])
+	// Without --id the agent names the instance SERVICE-NODE, so that
+	// registering again replaces it.
+	if id := calls[0].msg.(*clusterv1.RegisterServiceRequest).GetInstance().GetInstanceId(); id != "" {
+		t.Errorf("instance_id = %q, want empty (the agent's default)", id)
 	}
 }
 
@@ -1083,4 +1078,62 @@ func TestSnapshotFilesMustBeRegular(t *testing.T) {
 			t.Fatalf("pvcli %s did not return", strings.Join(args, " "))
 		}
 	}
+}
+
+func TestVersion(t *testing.T) {
+	t.Parallel()
+	fake := newFakeCluster()
+	fake.header.Set("Pivirt-Served-By", "node2")
+	fake.respond(clusterv1connect.ClusterServiceMembersProcedure, &clusterv1.MembersResponse{Members: []*clusterv1.Member{
+		{Name: "node1", Version: "0.9.0", Protocol: 1, Status: clusterv1.MemberStatus_MEMBER_STATUS_ALIVE},
+		{Name: "node2", Version: "1.0.0", Protocol: 1, Status: clusterv1.MemberStatus_MEMBER_STATUS_ALIVE},
+		{Name: "node3", Version: "1.0.0", Protocol: 1, Status: clusterv1.MemberStatus_MEMBER_STATUS_ALIVE},
+	}})
+	url := fake.start(t)
+
+	r := runCLI(t, url, "version").mustSucceed(t)
+	for _, want := range []string{"pvcli 0.1.0-dev (", "agent pivirt-agent 1.0.0 (protocol 1) on node2 at " + url, "other members run 0.9.0 (protocol 1): [node1]"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("version output lacks %q:\n%s", want, r.stdout)
+		}
+	}
+	var out struct {
+		Client struct{ Program, Version string }
+		Agent  struct {
+			Node, Version string
+			Protocol      int
+		}
+	}
+	if err := json.Unmarshal([]byte(runCLI(t, url, "version", "-o", "json").mustSucceed(t).stdout), &out); err != nil {
+		t.Fatal(err)
+	}
+	if out.Client.Program != "pvcli" || out.Agent.Node != "node2" || out.Agent.Version != "1.0.0" || out.Agent.Protocol != 1 {
+		t.Errorf("version -o json = %+v", out)
+	}
+
+	// --version and --client need no agent; an agent that cannot be
+	// reached is an error after the client's own line.
+	closed := "http://127.0.0.1:" + strconv.Itoa(closedPort(t))
+	if r := runCLI(t, closed, "--version").mustSucceed(t); !strings.HasPrefix(r.stdout, "pvcli 0.1.0-dev (") {
+		t.Errorf("--version = %q", r.stdout)
+	}
+	if r := runCLI(t, closed, "version", "--client").mustSucceed(t); strings.Contains(r.stdout, "agent") {
+		t.Errorf("version --client = %q, want the client only", r.stdout)
+	}
+	r = runCLI(t, closed, "version")
+	if r.err == nil || !strings.HasPrefix(r.stdout, "pvcli ") || !strings.Contains(r.stderr, "no agent version") {
+		t.Errorf("version against a closed port: err %v, stdout %q, stderr %q", r.err, r.stdout, r.stderr)
+	}
+}
+
+// closedPort is a port on 127.0.0.1 that nothing listens on.
+func closedPort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	return port
 }

@@ -74,7 +74,7 @@ func (a *app) newServiceRegisterCmd() *cobra.Command {
 	f.StringArrayVar(&o.tags, "tag", nil, "tag of the instance (repeatable)")
 	f.StringArrayVar(&o.meta, "meta", nil, "metadata KEY=VALUE (repeatable)")
 	f.DurationVar(&o.ttl, "ttl", 0, "heartbeat interval the instance promises; missed, it turns critical (0 = no TTL)")
-	f.StringVar(&o.id, "id", "", "instance ID (default NAME-<random>)")
+	f.StringVar(&o.id, "id", "", "instance ID (default NAME-NODE: registering again without --id replaces the service's instance on that node)")
 	f.StringVar(&o.node, "node", "", "node the instance runs on (default: the node asked)")
 	return c
 }
@@ -105,9 +105,6 @@ func (o *registerOptions) instance(name string) (*clusterv1.ServiceInstance, err
 		Address:    o.address,
 		Port:       uint32(o.port),
 		Tags:       o.tags,
-	}
-	if inst.InstanceId == "" {
-		inst.InstanceId = name + "-" + randomSuffix()
 	}
 	if len(o.meta) > 0 {
 		inst.Meta = make(map[string]string, len(o.meta))

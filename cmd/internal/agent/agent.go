@@ -34,6 +34,7 @@ import (
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/leader"
+	"pilab.hu/pivirt-agent/cmd/internal/version"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway"
@@ -55,9 +56,6 @@ import (
 	"pilab.hu/pivirt-agent/store"
 	"pilab.hu/pivirt-agent/store/etcdstore"
 )
-
-// Version is reported in gossip metadata.
-var Version = "0.1.0-dev"
 
 // Options are knobs that are not part of the configuration file: they exist
 // for tests and for the dev mode.
@@ -331,7 +329,7 @@ func (a *Agent) startTracing() error {
 	if err != nil {
 		return err
 	}
-	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", Version)
+	a.logger.Info("starting pivirt-agent", "node_name", a.cfg.NodeName, "data_dir", a.dataDir, "version", version.Version, "protocol", version.Protocol)
 	return nil
 }
 
@@ -435,7 +433,8 @@ func (a *Agent) startGossip() error {
 		RaftAddr:        a.RaftAddr(),
 		APIAddr:         advertiseTCP(a.lnAPI, "", a.advertiseIP).String(),
 		InternalAddr:    advertiseTCP(a.lnInternal, "", a.advertiseIP).String(),
-		Version:         Version,
+		Version:         version.Version,
+		Protocol:        version.Protocol,
 		BootstrapExpect: rc.BootstrapExpect,
 	}
 	a.meta = gcfg.Meta
@@ -883,7 +882,7 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 		return archive.Meta{}, nil, err
 	}
 	state := &tempFile{File: tmp}
-	version, size, err := fsm.FilterSnapshot(rc, tmp, fsm.TableCA)
+	stateVersion, size, err := fsm.FilterSnapshot(rc, tmp, fsm.TableCA)
 	if err == nil {
 		_, err = tmp.Seek(0, io.SeekStart)
 	}
@@ -897,8 +896,8 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 	}
 	return archive.Meta{
 		ID: sm.ID, Index: sm.Index, Term: sm.Term,
-		FormatVersion: archive.FormatVersion, StateFormatVersion: version,
-		ClusterID: clusterID, AgentVersion: Version,
+		FormatVersion: archive.FormatVersion, StateFormatVersion: stateVersion,
+		ClusterID: clusterID, AgentVersion: version.Version,
 		Size: size, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
 	}, state, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -359,6 +360,32 @@ func TestForwardingAndReadModes(t *testing.T) {
 		}
 	})
 	t.Run("retry through another node", func(t *testing.T) { retryThroughAnotherNode(t, f, leader) })
+	t.Run("register without an ID replaces the node's instance", func(t *testing.T) {
+		// The default instance ID is SERVICE-NODE: registering again on
+		// a node replaces its instance; another node adds its own.
+		for _, r := range []struct {
+			n    *agenttest.Node
+			addr string
+		}{{f, "10.0.0.1"}, {f, "10.0.0.2"}, {leader, "10.0.0.3"}} {
+			if _, err := agenttest.Register(ctxT(t), r.n, "noid", "", r.addr, 80); err != nil {
+				t.Fatalf("register noid through %s: %v", r.n.Name, err)
+			}
+		}
+		resp, err := f.API.GetService(ctxT(t), connect.NewRequest(&clusterv1.GetServiceRequest{
+			Service: "noid", Read: &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT},
+		}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]string{}
+		for _, in := range resp.Msg.GetInstances() {
+			got[in.GetInstanceId()] = in.GetNode() + " " + in.GetAddress()
+		}
+		want := map[string]string{"noid-" + f.Name: f.Name + " 10.0.0.2", "noid-" + leader.Name: leader.Name + " 10.0.0.3"}
+		if !maps.Equal(got, want) {
+			t.Errorf("instances %v, want %v", got, want)
+		}
+	})
 }
 
 // retryThroughAnotherNode registers through a, then sends the very same

@@ -16,6 +16,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
@@ -38,7 +39,7 @@ func (a *Agent) metricsMux() http.Handler {
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		st := a.cons.RaftStatus()
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "node_id": a.nodeID, "node_name": a.cfg.NodeName,
-			"version": Version, "raft_state": st.State, "leader_id": st.LeaderID})
+			"version": version.Version, "raft_state": st.State, "leader_id": st.LeaderID})
 	})
 	mux.HandleFunc("GET /ready", a.readyHandler)
 	mux.Handle("POST /reload", a.management(http.HandlerFunc(a.reloadHandler)))

@@ -517,8 +517,11 @@ type Member struct {
 	InternalAddr    string                 `protobuf:"bytes,8,opt,name=internal_addr,json=internalAddr,proto3" json:"internal_addr,omitempty"`
 	Version         string                 `protobuf:"bytes,9,opt,name=version,proto3" json:"version,omitempty"`
 	BootstrapExpect int32                  `protobuf:"varint,10,opt,name=bootstrap_expect,json=bootstrapExpect,proto3" json:"bootstrap_expect,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// protocol is the agent protocol version the member speaks (0: not
+	// reported, an agent older than the field).
+	Protocol      int32 `protobuf:"varint,11,opt,name=protocol,proto3" json:"protocol,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Member) Reset() {
@@ -617,6 +620,13 @@ func (x *Member) GetVersion() string {
 func (x *Member) GetBootstrapExpect() int32 {
 	if x != nil {
 		return x.BootstrapExpect
+	}
+	return 0
+}
+
+func (x *Member) GetProtocol() int32 {
+	if x != nil {
+		return x.Protocol
 	}
 	return 0
 }
@@ -3416,7 +3426,7 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x05index\x18\x01 \x01(\x04R\x05index\x12<\n" +
 	"\flast_contact\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\vlastContact\x12!\n" +
 	"\fknown_leader\x18\x03 \x01(\bR\vknownLeader\x12\x1b\n" +
-	"\tserved_by\x18\x04 \x01(\tR\bservedBy\"\xc5\x02\n" +
+	"\tserved_by\x18\x04 \x01(\tR\bservedBy\"\xe1\x02\n" +
 	"\x06Member\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x1f\n" +
@@ -3429,7 +3439,8 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\rinternal_addr\x18\b \x01(\tR\finternalAddr\x12\x18\n" +
 	"\aversion\x18\t \x01(\tR\aversion\x12)\n" +
 	"\x10bootstrap_expect\x18\n" +
-	" \x01(\x05R\x0fbootstrapExpect\"\x10\n" +
+	" \x01(\x05R\x0fbootstrapExpect\x12\x1a\n" +
+	"\bprotocol\x18\v \x01(\x05R\bprotocol\"\x10\n" +
 	"\x0eMembersRequest\"F\n" +
 	"\x0fMembersResponse\x123\n" +
 	"\amembers\x18\x01 \x03(\v2\x19.pivirt.cluster.v1.MemberR\amembers\"\xec\x02\n" +
