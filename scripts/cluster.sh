@@ -122,6 +122,8 @@ The cluster is up, with mutual TLS on every port and encrypted gossip. Try, agai
 any node (8443, 8453, 8463):
   export PATH="$bin:\$PATH"
   export PVCLI_CA_FILE=$certs/ca-chain.pem PVCLI_CERT_FILE=$certs/operator.crt PVCLI_KEY_FILE=$certs/operator.key
+  export PVCLI_ENDPOINT=127.0.0.1:8443,127.0.0.1:8453,127.0.0.1:8463   # the next when one is down
+  pvcli version
   pvcli --endpoint https://127.0.0.1:8453 cluster members
   pvcli --endpoint https://127.0.0.1:8463 service register web --address 10.0.0.5 --port 8080 --tag v1
   pvcli --endpoint https://127.0.0.1:8443 service list --consistency consistent

@@ -40,9 +40,9 @@ var metaHeaders = []string{"Pivirt-Index", "Pivirt-Known-Leader", "Pivirt-Last-C
 
 // clientConn is the API client of one invocation.
 type clientConn struct {
-	// endpoint is the agent's base URL.
-	endpoint string
-	http     *http.Client
+	// endpoints picks the agent of each request among --endpoint's.
+	endpoints *failoverTransport
+	http      *http.Client
 	api      clusterv1connect.ClusterServiceClient
 	// snap streams snapshots; streams are not retried by the interceptor.
 	snap clusterv1connect.SnapshotServiceClient
@@ -81,24 +81,29 @@ func (a *app) connect(cmd *cobra.Command) error {
 	if a.conn != nil {
 		return nil
 	}
-	endpoint, err := a.endpoint(cmd)
+	t, err := a.resolveTarget(cmd)
 	if err != nil {
 		return err
 	}
-	httpClient, err := newHTTPClient(endpoint, a.tlsOptions(cmd))
+	endpoint := t.endpoints[0]
+	base, err := newHTTPClient(endpoint, t.tls)
 	if err != nil {
 		return err
 	}
+	failover := &failoverTransport{base: base.Transport, endpoints: t.endpoints, app: a}
+	httpClient := &http.Client{Transport: failover}
 	var auth []connect.Interceptor
-	if token := a.token(cmd); token != "" {
-		if endpoint.Scheme != "https" && !loopbackHost(endpoint.Hostname()) {
-			return usagef("--token needs an https:// endpoint: a bearer token sent in clear text to %s could be taken and replayed", endpoint.Host)
+	if t.token != "" {
+		for _, ep := range t.endpoints {
+			if ep.Scheme != "https" && !loopbackHost(ep.Hostname()) {
+				return usagef("--token needs an https:// endpoint: a bearer token sent in clear text to %s could be taken and replayed", ep.Host)
+			}
 		}
-		auth = append(auth, bearer(token))
+		auth = append(auth, bearer(t.token))
 	}
 	a.conn = &clientConn{
-		endpoint: endpoint.String(),
-		http:     httpClient,
+		endpoints: failover,
+		http:      httpClient,
 		api: clusterv1connect.NewClusterServiceClient(httpClient, endpoint.String(),
 			connect.WithInterceptors(append(auth, a.retryInterceptor())...),
 			connect.WithReadMaxBytes(maxMessageBytes),
@@ -138,20 +143,54 @@ func (a *app) backendCall(cmd *cobra.Command, stream bool, fn func(ctx context.C
 	return fn(ctx, a.conn)
 }
 
-// endpoint resolves the agent address: --endpoint, else $PVCLI_ENDPOINT,
-// else the default.
-func (a *app) endpoint(cmd *cobra.Command) (*url.URL, error) {
-	raw, source := a.opts.endpoint, "--endpoint"
-	if !cmd.Flags().Changed("endpoint") {
-		if env := a.getenv(envEndpoint); env != "" {
-			raw, source = env, envEndpoint
-		}
-	}
-	u, err := parseEndpoint(raw)
+// target is where and how pvcli reaches the cluster.
+type target struct {
+	endpoints []*url.URL
+	tls       tlsOptions
+	token     string
+}
+
+// resolveTarget resolves the endpoints, TLS files and token: each from its
+// flag, else its environment variable, else the context in force (--context,
+// $PVCLI_CONTEXT or the configuration file's current context), else the
+// default. An endpoint without a scheme is https:// when a CA file or a
+// client certificate is given, else http://.
+func (a *app) resolveTarget(cmd *cobra.Command) (*target, error) {
+	ctx, ctxName, err := a.activeContext(cmd)
 	if err != nil {
-		return nil, usagef("invalid %s %q: %v; want http://HOST:PORT, https://HOST:PORT or HOST:PORT", source, raw, err)
+		return nil, err
 	}
-	return u, nil
+	if ctx == nil {
+		ctx = &cliContext{}
+	}
+	t := &target{tls: a.tlsOptions(cmd, ctx), token: a.token(cmd, ctx)}
+
+	raw, source := splitEndpoints(a.opts.endpoint), "--endpoint"
+	switch {
+	case cmd.Flags().Changed("endpoint"):
+	case a.getenv(envEndpoint) != "":
+		raw, source = splitEndpoints(a.getenv(envEndpoint)), envEndpoint
+	case len(ctx.Endpoints) > 0:
+		raw, source = ctx.Endpoints, "context "+ctxName+" endpoints"
+	}
+	if len(raw) == 0 {
+		return nil, usagef("invalid %s: no endpoint given; want http://HOST:PORT, https://HOST:PORT or HOST:PORT, several separated by commas", source)
+	}
+	scheme := "http"
+	if t.tls.caFile != "" || (t.tls.certFile != "" && !t.tls.defaulted) {
+		scheme = "https"
+	}
+	for _, r := range raw {
+		u, err := parseEndpoint(r, scheme)
+		if err != nil {
+			return nil, usagef("invalid %s %q: %v; want http://HOST:PORT, https://HOST:PORT or HOST:PORT", source, r, err)
+		}
+		if len(t.endpoints) > 0 && u.Scheme != t.endpoints[0].Scheme {
+			return nil, usagef("invalid %s: %s and %s mix http:// and https://; the agents of one cluster speak one of them", source, t.endpoints[0], u)
+		}
+		t.endpoints = append(t.endpoints, u)
+	}
+	return t, nil
 }
 
 // loopbackHost reports whether host is a loopback address or localhost.
@@ -164,8 +203,8 @@ func loopbackHost(host string) bool {
 }
 
 // parseEndpoint accepts http://HOST[:PORT][/PATH], https://... and HOST:PORT,
-// which means http://HOST:PORT.
-func parseEndpoint(raw string) (*url.URL, error) {
+// which means scheme://HOST:PORT.
+func parseEndpoint(raw, scheme string) (*url.URL, error) {
 	if !strings.Contains(raw, "://") {
 		host, port, err := net.SplitHostPort(raw)
 		if err != nil {
@@ -174,7 +213,7 @@ func parseEndpoint(raw string) (*url.URL, error) {
 		if host == "" || port == "" {
 			return nil, fmt.Errorf("host and port must not be empty")
 		}
-		raw = "http://" + raw
+		raw = scheme + "://" + raw
 	}
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -201,17 +240,20 @@ const (
 )
 
 // tlsOptions resolves the TLS flags, each from its environment variable
-// when the flag was not given; without a certificate given, the files
-// of defaultCertFile and defaultKeyFile are used when both exist.
-func (a *app) tlsOptions(cmd *cobra.Command) tlsOptions {
+// when the flag was not given, else from the context; without a
+// certificate given, the files of defaultCertFile and defaultKeyFile are
+// used when both exist.
+func (a *app) tlsOptions(cmd *cobra.Command, c *cliContext) tlsOptions {
 	o := a.opts.tls
 	for _, f := range []struct {
-		flag, env string
-		v         *string
-	}{{"ca-file", envCAFile, &o.caFile}, {"cert-file", envCertFile, &o.certFile}, {"key-file", envKeyFile, &o.keyFile}} {
+		flag, env, ctx string
+		v              *string
+	}{{"ca-file", envCAFile, c.CAFile, &o.caFile}, {"cert-file", envCertFile, c.CertFile, &o.certFile}, {"key-file", envKeyFile, c.KeyFile, &o.keyFile}} {
 		if !cmd.Flags().Changed(f.flag) {
 			if v := a.getenv(f.env); v != "" {
 				*f.v = v
+			} else if f.ctx != "" {
+				*f.v = a.expandHome(f.ctx)
 			}
 		}
 	}
@@ -231,12 +273,15 @@ func fileExists(path string) bool {
 	return err == nil && st.Mode().IsRegular()
 }
 
-// token resolves --token, else PVCLI_TOKEN.
-func (a *app) token(cmd *cobra.Command) string {
+// token resolves --token, else PVCLI_TOKEN, else the context's.
+func (a *app) token(cmd *cobra.Command, c *cliContext) string {
 	if cmd.Flags().Changed("token") {
 		return a.opts.token
 	}
-	return a.getenv(envToken)
+	if v := a.getenv(envToken); v != "" {
+		return v
+	}
+	return c.Token
 }
 
 // bearer sends the token as Authorization: Bearer on every call.

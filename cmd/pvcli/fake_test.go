@@ -3,10 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/pem"
 	"errors"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -52,21 +54,44 @@ func newFakeCluster() *fakeCluster {
 // start serves f over h2c (and HTTP/1.1) on 127.0.0.1 and returns its URL.
 func (f *fakeCluster) start(t testing.TB) string {
 	t.Helper()
-	mux := http.NewServeMux()
-	mux.Handle(clusterv1connect.NewClusterServiceHandler(f))
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		f.mu.Lock()
-		f.httpMajor = append(f.httpMajor, r.ProtoMajor)
-		f.auth = append(f.auth, r.Header.Get("Authorization"))
-		f.mu.Unlock()
-		mux.ServeHTTP(w, r)
-	}))
+	srv := httptest.NewUnstartedServer(f.handler())
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetHTTP1(true)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)
 	srv.Start()
 	t.Cleanup(srv.Close)
 	return srv.URL
+}
+
+// handler serves f's ClusterService, recording each request's protocol
+// and Authorization header.
+func (f *fakeCluster) handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle(clusterv1connect.NewClusterServiceHandler(f))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.mu.Lock()
+		f.httpMajor = append(f.httpMajor, r.ProtoMajor)
+		f.auth = append(f.auth, r.Header.Get("Authorization"))
+		f.mu.Unlock()
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// startTLS serves f over TLS (HTTP/2 through ALPN) on 127.0.0.1 and returns
+// its host:port and a file holding the PEM of its certificate, a CA file
+// that trusts it.
+func (f *fakeCluster) startTLS(t testing.TB) (hostPort, caFile string) {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(f.handler())
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	caFile = filepath.Join(t.TempDir(), "ca.pem")
+	block := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	if err := os.WriteFile(caFile, block, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimPrefix(srv.URL, "https://"), caFile
 }
 
 func (f *fakeCluster) failNext(procedure string, errs ...error) {

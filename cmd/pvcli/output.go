@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -36,6 +37,31 @@ func (a *app) render(msg proto.Message, table func(w io.Writer)) error {
 		b, err := marshalYAML(msg)
 		if err != nil {
 			return err
+		}
+		_, err = a.stdout.Write(b)
+		return err
+	default:
+		tw := tabwriter.NewWriter(a.stdout, 0, 4, 3, ' ', 0)
+		table(tw)
+		return tw.Flush()
+	}
+}
+
+// renderValue writes v, a value of plain Go types, in the --output format
+// (JSON through encoding/json, YAML converted from that JSON); table writes
+// the table form.
+func (a *app) renderValue(v any, table func(w io.Writer)) error {
+	switch a.opts.output.value {
+	case "json", "yaml":
+		b, err := json.MarshalIndent(v, "", "  ")
+		if err != nil {
+			return err
+		}
+		b = append(b, '\n')
+		if a.opts.output.value == "yaml" {
+			if b, err = jsonToYAML(b); err != nil {
+				return err
+			}
 		}
 		_, err = a.stdout.Write(b)
 		return err

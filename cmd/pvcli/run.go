@@ -29,7 +29,7 @@ const (
 	envCertFile     = "PVCLI_CERT_FILE"
 	envKeyFile      = "PVCLI_KEY_FILE"
 	envToken        = "PVCLI_TOKEN"
-	defaultEndpoint = "http://127.0.0.1:8443"
+	defaultEndpoint = "127.0.0.1:8443"
 	defaultTimeout  = 15 * time.Second
 )
 
@@ -138,6 +138,7 @@ func usagef(format string, args ...any) error {
 // globalOptions are the persistent flags of the root command.
 type globalOptions struct {
 	endpoint    string
+	context     string
 	output      enumFlag
 	consistency enumFlag
 	maxStale    time.Duration
@@ -210,7 +211,8 @@ the agent retries what is safe to retry.`,
 
 	f := root.PersistentFlags()
 	f.StringVar(&a.opts.endpoint, "endpoint", defaultEndpoint,
-		"agent API address: http://HOST:PORT, https://HOST:PORT or HOST:PORT (= http://HOST:PORT); env "+envEndpoint)
+		"agent API addresses, comma-separated, tried in turn when one cannot be reached: http://HOST:PORT, https://HOST:PORT or HOST:PORT (https:// when a CA or client certificate is given, else http://); env "+envEndpoint)
+	f.StringVar(&a.opts.context, "context", "", "context of the pvcli configuration file to use (default: its current context); env "+envContext)
 	f.VarP(&a.opts.output, "output", "o", "output format: "+strings.Join(outputFormats, "|"))
 	f.Var(&a.opts.consistency, "consistency", "read consistency: "+strings.Join(consistencyModes, "|"))
 	f.DurationVar(&a.opts.maxStale, "max-stale", 0,
@@ -226,7 +228,7 @@ the agent retries what is safe to retry.`,
 	f.StringVar(&a.opts.token, "token", "", "OIDC bearer token sent as Authorization: Bearer (https://, or http:// to loopback only); env "+envToken)
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
-		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd())
+		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd(), a.newContextCmd())
 	version.AddFlag(root, version.Get("pvcli"))
 	return root
 }

@@ -920,7 +920,7 @@ func TestParseEndpoint(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.in, func(t *testing.T) {
 			t.Parallel()
-			u, err := parseEndpoint(tt.in)
+			u, err := parseEndpoint(tt.in, "http")
 			switch {
 			case tt.want == "" && err == nil:
 				t.Errorf("parseEndpoint(%q) = %s, want an error", tt.in, u)

@@ -3,19 +3,16 @@ package main
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/proto"
-	"gopkg.in/yaml.v3"
 
 	"pilab.hu/pivirt-agent/fsm/archive"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -377,30 +374,5 @@ func writePlan(w io.Writer, p *clusterv1.RestorePlan) {
 	}
 	if p.GetCaIgnored() {
 		fmt.Fprintln(w, "The archive carries a cluster CA; this cluster keeps its own.")
-	}
-}
-
-// renderValue writes a plain Go value in the --output format (JSON and
-// YAML through their struct tags).
-func (a *app) renderValue(v any, table func(w io.Writer)) error {
-	switch a.opts.output.value {
-	case "json":
-		b, err := json.MarshalIndent(v, "", "  ")
-		if err != nil {
-			return err
-		}
-		_, err = a.stdout.Write(append(b, '\n'))
-		return err
-	case "yaml":
-		b, err := yaml.Marshal(v)
-		if err != nil {
-			return err
-		}
-		_, err = a.stdout.Write(b)
-		return err
-	default:
-		tw := tabwriter.NewWriter(a.stdout, 0, 4, 3, ' ', 0)
-		table(tw)
-		return tw.Flush()
 	}
 }

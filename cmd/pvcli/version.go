@@ -2,8 +2,8 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
+	"io"
 	"time"
 
 	"connectrpc.com/connect"
@@ -61,7 +61,7 @@ line, as kubectl version does.`,
 					return err
 				}
 				out.Agent = agentVersionOf(resp.Header().Get("Pivirt-Served-By"), resp.Msg.GetMembers())
-				out.Agent.Endpoint = a.conn.endpoint
+				out.Agent.Endpoint = a.conn.endpoints.current().String()
 				return nil
 			})
 			if err != nil {
@@ -105,28 +105,13 @@ func agentVersionOf(served string, members []*clusterv1.Member) *agentVersion {
 }
 
 func (a *app) printVersion(out versionOutput) error {
-	switch a.opts.output.value {
-	case "json", "yaml":
-		b, err := json.MarshalIndent(out, "", "  ")
-		if err != nil {
-			return err
-		}
-		if a.opts.output.value == "yaml" {
-			if b, err = jsonToYAML(b); err != nil {
-				return err
+	return a.renderValue(out, func(w io.Writer) {
+		fmt.Fprintln(w, out.Client.String())
+		if av := out.Agent; av != nil {
+			fmt.Fprintf(w, "agent pivirt-agent %s (protocol %d) on %s at %s\n", av.Version, av.Protocol, av.Node, av.Endpoint)
+			for _, m := range av.Mixed {
+				fmt.Fprintf(w, "other members run %s\n", m)
 			}
-			_, err = a.stdout.Write(b)
-			return err
 		}
-		_, err = a.stdout.Write(append(b, '\n'))
-		return err
-	}
-	fmt.Fprintln(a.stdout, out.Client.String())
-	if av := out.Agent; av != nil {
-		fmt.Fprintf(a.stdout, "agent pivirt-agent %s (protocol %d) on %s at %s\n", av.Version, av.Protocol, av.Node, av.Endpoint)
-		for _, m := range av.Mixed {
-			fmt.Fprintf(a.stdout, "other members run %s\n", m)
-		}
-	}
-	return nil
+	})
 }

@@ -594,15 +594,29 @@ func (r result) String() string {
 // pvcli runs the pvcli binary against n's API address.
 func (c *cluster) pvcli(t testing.TB, n *node, args ...string) result {
 	t.Helper()
-	args = append([]string{"--endpoint", "https://" + n.api}, args...)
+	return c.pvcliEnv(t, c.operatorEnv(), append([]string{"--endpoint", "https://" + n.api}, args...)...)
+}
+
+// operatorEnv is the quick start's exports: the CA chain and the operator's
+// client certificate.
+func (c *cluster) operatorEnv() []string {
+	return []string{
+		"PVCLI_CA_FILE=" + filepath.Join(c.certs, identity.ChainFile),
+		"PVCLI_CERT_FILE=" + filepath.Join(c.certs, "operator.crt"),
+		"PVCLI_KEY_FILE=" + filepath.Join(c.certs, "operator.key"),
+	}
+}
+
+// pvcliEnv runs the pvcli binary with args and env added to the test's
+// environment, a pvcli configuration file of the user's own excepted.
+func (c *cluster) pvcliEnv(t testing.TB, env []string, args ...string) result {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), pvcliBackstop)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, c.bins.pvcli, args...)
 	var stdout, stderr bytes.Buffer
-	cmd.Env = append(raceEnv(),
-		"PVCLI_CA_FILE="+filepath.Join(c.certs, identity.ChainFile),
-		"PVCLI_CERT_FILE="+filepath.Join(c.certs, "operator.crt"),
-		"PVCLI_KEY_FILE="+filepath.Join(c.certs, "operator.key"))
+	cmd.Env = append(raceEnv(), "PVCLI_CONFIG="+filepath.Join(c.certs, "no-pvcli-config.yaml"), "PVCLI_ENDPOINT=", "PVCLI_CONTEXT=", "PVCLI_TOKEN=")
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout = &stdout
 	cmd.Stderr = &stderr
 	cmd.WaitDelay = time.Second
