@@ -43,7 +43,7 @@ type clientConn struct {
 	// endpoints picks the agent of each request among --endpoint's.
 	endpoints *failoverTransport
 	http      *http.Client
-	api      clusterv1connect.ClusterServiceClient
+	api       clusterv1connect.ClusterServiceClient
 	// snap streams snapshots; streams are not retried by the interceptor.
 	snap clusterv1connect.SnapshotServiceClient
 	// The backend APIs the agent proxies. pvcli does not retry them: the
