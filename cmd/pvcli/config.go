@@ -18,6 +18,7 @@ import (
 
 func (a *app) newConfigCmd() *cobra.Command {
 	return groupCmd("config", "Read and change the versioned cluster-wide configuration",
+		a.newConfigWatchCmd(),
 		&cobra.Command{
 			Use:   "get KEY",
 			Short: "Print the current value of a key (the whole entry with --output json|yaml)",
@@ -323,13 +324,17 @@ func (a *app) configList(cmd *cobra.Command, _ []string) error {
 		if err != nil {
 			return err
 		}
-		return a.render(resp.Msg, func(w io.Writer) {
-			row(w, "KEY", "REVISION", "UPDATED", "VALUE")
-			for _, e := range resp.Msg.GetEntries() {
-				row(w, e.GetKey(), formatUint(e.GetRevision()), formatTime(e.GetUpdatedAt()), truncate(e.GetValue()))
-			}
-		})
+		return a.render(resp.Msg, configTable(resp.Msg.GetEntries()))
 	})
+}
+
+func configTable(entries []*clusterv1.ConfigEntry) func(io.Writer) {
+	return func(w io.Writer) {
+		row(w, "KEY", "REVISION", "UPDATED", "VALUE")
+		for _, e := range entries {
+			row(w, e.GetKey(), formatUint(e.GetRevision()), formatTime(e.GetUpdatedAt()), truncate(e.GetValue()))
+		}
+	}
 }
 
 func (a *app) configStatus(cmd *cobra.Command, _ []string) error {

@@ -19,6 +19,7 @@ import (
 func (a *app) newServiceCmd() *cobra.Command {
 	return groupCmd("service", "Register, inspect and deregister service instances",
 		a.newServiceRegisterCmd(),
+		a.newServiceWatchCmd(),
 		&cobra.Command{
 			Use:   "deregister NAME ID",
 			Short: "Remove a service instance",

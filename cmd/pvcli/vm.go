@@ -264,11 +264,12 @@ func printWatch[M any, PM interface {
 			warned = true
 		}
 		ev := PM(stream.Msg())
-		if err := a.render(ev, func(w io.Writer) { line(w, ev) }); err != nil {
+		if err := a.renderEvent(ev, func(w io.Writer) { line(w, ev) }); err != nil {
 			return err
 		}
 	}
-	if err := stream.Err(); err != nil && !(ctx.Err() != nil && a.opts.timeoutSet) {
+	// Ctrl-C, or the end of --timeout, ends a watch: not an error.
+	if err := stream.Err(); err != nil && ctx.Err() == nil {
 		return err
 	}
 	return nil

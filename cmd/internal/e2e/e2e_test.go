@@ -125,6 +125,7 @@ func TestClusterLifecycle(t *testing.T) {
 
 	step("curl and openssl as in the README", func(t *testing.T) { c.docsExamples(t, n1) })
 	step("endpoint lists, contexts and version", func(t *testing.T) { c.toolkitExamples(t) })
+	step("service watch and config watch", func(t *testing.T) { c.watchExamples(t) })
 
 	step("VM, volume and network APIs through the gateway", func(t *testing.T) { c.gatewayExamples(t, n2) })
 	step("every node's objects through every node", func(t *testing.T) { c.placementExamples(t) })
