@@ -210,7 +210,7 @@ func parsePrefix(s string) (netip.Prefix, error) {
 }
 
 // TLSConfig is the top-level tls block: the agent's own mTLS identity, used between agents
-// and towards backends. Enabled false turns TLS off everywhere (dev mode).
+// and towards backends. Enabled false turns TLS off everywhere (--dev keeps it on, with a throw-away PKI).
 type TLSConfig struct {
 	Enabled           bool   `yaml:"enabled"`
 	CAFile            string `yaml:"ca_file"`
