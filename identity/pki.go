@@ -19,6 +19,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 )
@@ -66,6 +67,27 @@ const (
 	KindServer Kind = "mtls-server"
 	KindClient Kind = "mtls-client"
 )
+
+// Usage is an extended key usage a leaf is issued for.
+type Usage string
+
+// Leaf usages: TLS server and TLS client authentication.
+const (
+	UsageServer Usage = "server"
+	UsageClient Usage = "client"
+)
+
+// usage is a Kind's own usage.
+func (k Kind) usage() Usage {
+	if k == KindClient {
+		return UsageClient
+	}
+	return UsageServer
+}
+
+// PrevSuffix is appended to the names of the files a reissue keeps
+// (LeafRequest.KeepPrevious): <name>.crt.prev, <name>.key.prev.
+const PrevSuffix = ".prev"
 
 // CAOptions configures InitCA.
 type CAOptions struct {
@@ -163,8 +185,16 @@ func InitCA(dir string, opts CAOptions) (CAFiles, error) {
 // LeafRequest describes a leaf certificate to issue.
 type LeafRequest struct {
 	Kind Kind
-	// Name is the subject CN and the file name stem: <Name>.crt, <Name>.key.
+	// Name is the subject CN and, without File, the file name stem:
+	// <Name>.crt, <Name>.key.
 	Name string
+	// File, when set, is the file name stem instead of Name (pitrust
+	// --out): <File>.crt, <File>.key.
+	File string
+	// Usages are the extended key usages (server, client or both); empty
+	// means the Kind's own, which must be among them. A certificate with
+	// the server usage needs names (DNS or IPs), whatever its Kind.
+	Usages []Usage
 	// DNS and IPs are the subject alternative names (a server certificate
 	// without any gets Name as its DNS name when Name is a host name). A
 	// client certificate may carry DNS names: the service identities
@@ -176,8 +206,12 @@ type LeafRequest struct {
 	// Validity, when set, is the lifetime instead of Days (short-lived
 	// certificates, e.g. in tests of renewal).
 	Validity time.Duration
-	// Force replaces existing files.
+	// Force replaces existing files, keeping nothing of them.
 	Force bool
+	// KeepPrevious replaces existing files after copying them to
+	// <File>.crt.prev and <File>.key.prev (the key 0600), which replace
+	// older copies. Force wins over it.
+	KeepPrevious bool
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
@@ -185,6 +219,9 @@ type LeafRequest struct {
 // LeafFiles are the paths Issue wrote.
 type LeafFiles struct {
 	Cert, Key string
+	// PrevCert and PrevKey are the copies of the files replaced
+	// (KeepPrevious); empty when there was no such file.
+	PrevCert, PrevKey string
 }
 
 var (
@@ -196,17 +233,19 @@ var (
 )
 
 // Issue issues a leaf certificate signed by the X1 intermediate CA in dir,
-// and writes <dir>/<name>.crt (the leaf followed by the intermediate, so
-// that a peer holding only the root can build the chain) and <name>.key
-// (0600). Without Force nothing is written if either file exists.
+// and writes <dir>/<file>.crt (the leaf followed by the intermediate, so
+// that a peer holding only the root can build the chain) and <file>.key
+// (0600), <file> being File or else Name. Existing files are replaced
+// with Force, copied to <file>.crt.prev and <file>.key.prev first with
+// KeepPrevious; otherwise nothing is written if either file exists.
 func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	now := clock(req.Now)
 	days := orDefault(req.Days, DefaultLeafDays)
 	if err := checkLeaf(&req, days); err != nil {
 		return LeafFiles{}, err
 	}
-	files := LeafFiles{Cert: filepath.Join(dir, req.Name+".crt"), Key: filepath.Join(dir, req.Name+".key")}
-	if !req.Force {
+	files := LeafFiles{Cert: filepath.Join(dir, req.File+".crt"), Key: filepath.Join(dir, req.File+".key")}
+	if !req.Force && !req.KeepPrevious {
 		if err := noneExist(files.Cert, files.Key); err != nil {
 			return LeafFiles{}, err
 		}
@@ -242,11 +281,12 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 		DNSNames:              req.DNS,
 		IPAddresses:           req.IPs,
 	}
-	switch req.Kind {
-	case KindServer:
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-	case KindClient:
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+	for _, u := range req.Usages {
+		if u == UsageServer {
+			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
+		} else {
+			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
+		}
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, key.Public(), caKey)
 	if err != nil {
@@ -254,6 +294,17 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return LeafFiles{}, err
+	}
+	if req.KeepPrevious && !req.Force {
+		// The old key first, as Source.Replace does: a reader between the
+		// new key and the new certificate finds the old pair's key in
+		// <key>.prev.
+		if files.PrevCert, err = keepPrevious(files.Cert, 0o644); err != nil {
+			return LeafFiles{}, err
+		}
+		if files.PrevKey, err = keepPrevious(files.Key, 0o600); err != nil {
+			return LeafFiles{}, err
+		}
 	}
 	if err := WriteFileAtomic(files.Key, keyPEM(key), 0o600); err != nil {
 		return LeafFiles{}, err
@@ -264,7 +315,25 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	return files, nil
 }
 
-// checkLeaf validates a leaf request, naming the offending flag.
+// keepPrevious copies path, if it exists, to path.prev with mode perm
+// and returns the copy's path ("" when there was nothing to keep).
+func keepPrevious(path string, perm fs.FileMode) (string, error) {
+	b, err := os.ReadFile(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("keep the previous %s: %w", path, err)
+	}
+	prev := path + PrevSuffix
+	if err := WriteFileAtomic(prev, b, perm); err != nil {
+		return "", fmt.Errorf("keep the previous %s: %w", path, err)
+	}
+	return prev, nil
+}
+
+// checkLeaf validates a leaf request, naming the offending flag, and
+// fills in the file name stem and the usages.
 func checkLeaf(req *LeafRequest, days int) error {
 	if req.Kind != KindServer && req.Kind != KindClient {
 		return fmt.Errorf("%w: kind %q", ErrInvalidRequest, req.Kind)
@@ -272,11 +341,20 @@ func checkLeaf(req *LeafRequest, days int) error {
 	if !leafNamePattern.MatchString(req.Name) {
 		return fmt.Errorf("%w: name %q: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit", ErrInvalidRequest, req.Name)
 	}
+	if req.File == "" {
+		req.File = req.Name
+	} else if !leafNamePattern.MatchString(req.File) {
+		return fmt.Errorf("%w: out %q: a file name without directory or extension (1-128 letters, digits, '.', '_' or '-', starting with a letter or digit); the files go to the CA directory", ErrInvalidRequest, req.File)
+	}
 	for _, ca := range []string{strings.TrimSuffix(RootCertFile, ".pem"), strings.TrimSuffix(IntermediateCertFile, ".pem"), strings.TrimSuffix(ChainFile, ".pem")} {
-		if strings.EqualFold(req.Name, ca) {
-			return fmt.Errorf("%w: name %q is the CA's own file name", ErrInvalidRequest, req.Name)
+		if strings.EqualFold(req.File, ca) {
+			return fmt.Errorf("%w: file name %q is the CA's own file name", ErrInvalidRequest, req.File)
 		}
 	}
+	if err := checkUsages(req); err != nil {
+		return err
+	}
+	server := slices.Contains(req.Usages, UsageServer)
 	if err := checkDays("days", days); err != nil {
 		return err
 	}
@@ -290,16 +368,64 @@ func checkLeaf(req *LeafRequest, days int) error {
 			return fmt.Errorf("%w: ip: empty address", ErrInvalidRequest)
 		}
 	}
-	if req.Kind == KindClient && len(req.IPs) > 0 {
+	if !server && len(req.IPs) > 0 {
 		return fmt.Errorf("%w: a client certificate names its holder in its CN (and its service in --dns); --ip is for server certificates", ErrInvalidRequest)
 	}
-	if req.Kind == KindServer && len(req.DNS) == 0 && len(req.IPs) == 0 {
+	if server && len(req.DNS) == 0 && len(req.IPs) == 0 {
 		if !validDNSName(req.Name) {
 			return fmt.Errorf("%w: a server certificate needs --dns or --ip (name %q is not a host name)", ErrInvalidRequest, req.Name)
 		}
 		req.DNS = []string{req.Name}
 	}
 	return nil
+}
+
+// checkUsages checks req.Usages (the Kind's own when empty), sorted and
+// without repeats: server, then client.
+func checkUsages(req *LeafRequest) error {
+	own := req.Kind.usage()
+	if len(req.Usages) == 0 {
+		req.Usages = []Usage{own}
+		return nil
+	}
+	var server, client bool
+	for _, u := range req.Usages {
+		switch u {
+		case UsageServer:
+			server = true
+		case UsageClient:
+			client = true
+		default:
+			return fmt.Errorf("%w: usage %q: want server, client or both (server,client)", ErrInvalidRequest, u)
+		}
+	}
+	if !slices.Contains(req.Usages, own) {
+		return fmt.Errorf("%w: usage %s: an %s certificate is always for %s authentication (add %s, or issue an %s certificate)",
+			ErrInvalidRequest, joinUsages(req.Usages), req.Kind, own, own, otherKind(req.Kind))
+	}
+	req.Usages = nil
+	if server {
+		req.Usages = append(req.Usages, UsageServer)
+	}
+	if client {
+		req.Usages = append(req.Usages, UsageClient)
+	}
+	return nil
+}
+
+func joinUsages(us []Usage) string {
+	s := make([]string, len(us))
+	for i, u := range us {
+		s[i] = string(u)
+	}
+	return strings.Join(s, ",")
+}
+
+func otherKind(k Kind) Kind {
+	if k == KindServer {
+		return KindClient
+	}
+	return KindServer
 }
 
 func validDNSName(s string) bool {
@@ -463,14 +589,17 @@ func Describe(c *x509.Certificate, now time.Time) CertInfo {
 type VerifyResult struct {
 	// Chain is the verified chain, leaf first, explained.
 	Chain []CertInfo `json:"chain"`
-	// Usage is the extended key usage the chain was verified for.
+	// Usage names the extended key usages the chain was verified for,
+	// each on its own: "server authentication", "client authentication"
+	// or "server and client authentication".
 	Usage string `json:"usage"`
 }
 
 // Verify checks the first certificate of certPath against the roots in
 // caPath (e.g. ca-chain.pem; its non-self-signed certificates and the
 // certificates after the leaf in certPath serve as intermediates) at now,
-// for the leaf's own purpose (server or client authentication), and, when
+// for each of the leaf's own purposes (server and/or client
+// authentication), and, when
 // dnsName is set, for that name. The error says why a certificate is not
 // trusted: expired, signed by another CA, wrong usage or name.
 func Verify(certPath, caPath, dnsName string, now time.Time) (*VerifyResult, error) {
@@ -494,20 +623,29 @@ func Verify(certPath, caPath, dnsName string, now time.Time) (*VerifyResult, err
 		inter.AddCert(c)
 	}
 	leaf := certs[0]
-	usage := x509.ExtKeyUsageAny
-	usageName := "any"
-	switch {
-	case hasExtUsage(leaf, x509.ExtKeyUsageServerAuth):
-		usage, usageName = x509.ExtKeyUsageServerAuth, "server authentication"
-	case hasExtUsage(leaf, x509.ExtKeyUsageClientAuth):
-		usage, usageName = x509.ExtKeyUsageClientAuth, "client authentication"
+	// Each of the leaf's usages on its own: a chain check passes when any
+	// one of the usages asked for matches.
+	var usages []x509.ExtKeyUsage
+	var names []string
+	if hasExtUsage(leaf, x509.ExtKeyUsageServerAuth) {
+		usages, names = append(usages, x509.ExtKeyUsageServerAuth), append(names, "server")
 	}
-	chains, err := leaf.Verify(x509.VerifyOptions{
-		Roots: roots, Intermediates: inter, CurrentTime: now, DNSName: dnsName,
-		KeyUsages: []x509.ExtKeyUsage{usage},
-	})
-	if err != nil {
-		return nil, explainVerifyError(leaf, err, now)
+	if hasExtUsage(leaf, x509.ExtKeyUsageClientAuth) {
+		usages, names = append(usages, x509.ExtKeyUsageClientAuth), append(names, "client")
+	}
+	usageName := strings.Join(names, " and ") + " authentication"
+	if len(usages) == 0 {
+		usages, usageName = []x509.ExtKeyUsage{x509.ExtKeyUsageAny}, "any"
+	}
+	var chains [][]*x509.Certificate
+	for _, usage := range usages {
+		chains, err = leaf.Verify(x509.VerifyOptions{
+			Roots: roots, Intermediates: inter, CurrentTime: now, DNSName: dnsName,
+			KeyUsages: []x509.ExtKeyUsage{usage},
+		})
+		if err != nil {
+			return nil, explainVerifyError(leaf, err, now)
+		}
 	}
 	res := &VerifyResult{Usage: usageName}
 	for _, c := range chains[0] {

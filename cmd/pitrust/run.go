@@ -39,10 +39,13 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
   PiRootR1.pem, PiRootR1.key   PiTrust Root CA
   PiCA.pem, PiCA.key           PiTrust X1 Intermediate CA, signed by the root
   ca-chain.pem                 the intermediate and the root: what peers trust
-  <name>.crt, <name>.key       leaves signed by X1 (the .crt also holds X1)
+  <name>.crt, <name>.key       leaves signed by X1 (the .crt also holds X1;
+                               --out NAME names the files instead of --name)
+  <name>.crt.prev, .key.prev   what the last reissue of <name> replaced
 
-Keys are ECDSA P-256, written 0600; nothing is overwritten without --force.
-Keep the root key offline once the intermediate exists.`,
+Keys are ECDSA P-256, written 0600. Issuing a leaf again replaces its files and
+keeps the old ones as .prev (--force: keep nothing). init never replaces a CA
+without --force. Keep the root key offline once the intermediate exists.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Args:          cobra.ArbitraryArgs,
@@ -95,17 +98,35 @@ func initCmd(dir *string, stdout io.Writer) *cobra.Command {
 
 func issueCmd(dir *string, kind identity.Kind, stdout io.Writer) *cobra.Command {
 	var (
-		req identity.LeafRequest
-		ips []string
+		req    identity.LeafRequest
+		ips    []string
+		usages []string
 	)
 	req.Kind = kind
+	own := strings.TrimPrefix(string(kind), "mtls-")
 	c := &cobra.Command{
 		Use:   "issue-" + string(kind) + " --name NAME",
-		Short: "Issue an mTLS " + strings.TrimPrefix(string(kind), "mtls-") + " certificate signed by the X1 intermediate CA",
-		Args:  cobra.NoArgs,
+		Short: "Issue an mTLS " + own + " certificate signed by the X1 intermediate CA",
+		Long: "Issue an mTLS " + own + ` certificate signed by the X1 intermediate CA, written to
+<dir>/<out>.crt and <out>.key (0600); --out defaults to --name. A certificate
+for both ends of mutual TLS takes --usage server,client (a server usage needs
+--dns or --ip, or a --name that is a host name).
+
+Issuing again under the same file name replaces the files and keeps the old
+ones as <out>.crt.prev and <out>.key.prev (the key 0600), replacing older
+copies, so that the previous pair can be put back; --force replaces the files
+keeping nothing.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if req.Name == "" {
 				return &usageError{fmt.Errorf("--name is required")}
+			}
+			req.Usages = nil
+			for _, u := range usages {
+				if u != string(identity.UsageServer) && u != string(identity.UsageClient) {
+					return &usageError{fmt.Errorf("--usage %q: want server, client or both (--usage server,client)", u)}
+				}
+				req.Usages = append(req.Usages, identity.Usage(u))
 			}
 			if req.Days < 1 {
 				return &usageError{fmt.Errorf("--days %d: must be at least 1", req.Days)}
@@ -128,15 +149,27 @@ func issueCmd(dir *string, kind identity.Kind, stdout io.Writer) *cobra.Command 
 			info := identity.Describe(certs[0], time.Now())
 			fmt.Fprintf(stdout, "Issued %s for %s, valid until %s\n  %s\n  %s (key)\n", kind, info.Subject,
 				info.NotAfter.Format(time.RFC3339), files.Cert, files.Key)
+			fmt.Fprintf(stdout, "  usage: %s\n", strings.Join(info.ExtKeyUsage, ", "))
 			if sans := append(append([]string(nil), info.DNSNames...), info.IPAddresses...); len(sans) > 0 {
 				fmt.Fprintf(stdout, "  names: %s\n", strings.Join(sans, ", "))
+			}
+			if files.PrevCert != "" || files.PrevKey != "" {
+				fmt.Fprintf(stdout, "  the files replaced are kept as:\n")
+				for _, p := range []string{files.PrevCert, files.PrevKey} {
+					if p != "" {
+						fmt.Fprintf(stdout, "    %s\n", p)
+					}
+				}
 			}
 			return nil
 		},
 	}
-	c.Flags().StringVar(&req.Name, "name", "", "certificate name: its CN and the file names <name>.crt and <name>.key")
+	req.KeepPrevious = true
+	c.Flags().StringVar(&req.Name, "name", "", "certificate name: its CN, and the file names unless --out is given")
+	c.Flags().StringVar(&req.File, "out", "", "file name stem in --dir: <out>.crt and <out>.key (default: --name), e.g. agent-server")
+	c.Flags().StringSliceVar(&usages, "usage", []string{own}, "what the certificate is for: server, client, or both (server,client)")
 	c.Flags().IntVar(&req.Days, "days", identity.DefaultLeafDays, "lifetime in days")
-	c.Flags().BoolVar(&req.Force, "force", false, "replace an existing certificate and key of that name")
+	c.Flags().BoolVar(&req.Force, "force", false, "replace existing files of that name without keeping them (by default they are kept as <out>.crt.prev and <out>.key.prev)")
 	if kind == identity.KindServer {
 		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "DNS name the server answers to (repeatable; default: --name when it is a host name)")
 		c.Flags().StringArrayVar(&ips, "ip", nil, "IP address the server answers on (repeatable)")

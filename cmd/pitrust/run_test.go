@@ -3,12 +3,16 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func run(t *testing.T, args ...string) (string, error) {
@@ -111,5 +115,170 @@ func TestPitrustRefuses(t *testing.T) {
 	}
 	if after, _ := os.ReadFile(key); !bytes.Equal(after, before) {
 		t.Error("a refused command changed the CA key")
+	}
+}
+
+// TestPitrustOutUsageReissue: --out names the files, --usage
+// server,client makes one certificate that serves both ends of a real
+// mutual TLS handshake, and issuing again keeps the replaced pair as
+// .prev (keys 0600) unless --force.
+func TestPitrustOutUsageReissue(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := run(t, "init", "--dir", dir); err != nil {
+		t.Fatal(err)
+	}
+	issue := func(extra ...string) string {
+		t.Helper()
+		out, err := run(t, append([]string{"issue-mtls-server", "--dir", dir, "--name", "pivirt-agent-node-01", "--dns", "localhost", "--ip", "127.0.0.1",
+			"--usage", "server,client", "--out", "agent-server"}, extra...)...)
+		if err != nil {
+			t.Fatalf("issue-mtls-server --out agent-server: %v", err)
+		}
+		return out
+	}
+	read := func(name string) []byte {
+		t.Helper()
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	keyModes := func(names ...string) {
+		t.Helper()
+		for _, n := range names {
+			if st, err := os.Stat(filepath.Join(dir, n)); err != nil || st.Mode().Perm() != 0o600 {
+				t.Errorf("%s: %v, want mode 0600", n, err)
+			}
+		}
+	}
+
+	out := issue()
+	if !strings.Contains(out, "agent-server.crt") || !strings.Contains(out, "usage: server authentication, client authentication") || strings.Contains(out, ".prev") {
+		t.Errorf("first issue printed %q", out)
+	}
+	for _, f := range []string{"pivirt-agent-node-01.crt", "pivirt-agent-node-01.key", "agent-server.crt.prev", "agent-server.key.prev"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			t.Errorf("%s was written", f)
+		}
+	}
+	keyModes("agent-server.key")
+	cert := filepath.Join(dir, "agent-server.crt")
+	if out, err := run(t, "verify", "--dir", dir, "--name", "127.0.0.1", cert); err != nil || !strings.Contains(out, "for server and client authentication") {
+		t.Errorf("verify: %q, %v", out, err)
+	}
+	pair, err := tls.LoadX509KeyPair(cert, filepath.Join(dir, "agent-server.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pair.Leaf.Subject.CommonName != "pivirt-agent-node-01" {
+		t.Errorf("CN %q, want the --name", pair.Leaf.Subject.CommonName)
+	}
+	handshake(t, filepath.Join(dir, "ca-chain.pem"), pair)
+
+	// Reissue: the old pair is kept as .prev; again: .prev is the one
+	// just replaced.
+	for i := range 2 {
+		oldCert, oldKey := read("agent-server.crt"), read("agent-server.key")
+		out = issue()
+		if !strings.Contains(out, "agent-server.crt.prev") || !strings.Contains(out, "agent-server.key.prev") {
+			t.Errorf("reissue %d printed %q, want the .prev files named", i+1, out)
+		}
+		if !bytes.Equal(read("agent-server.crt.prev"), oldCert) || !bytes.Equal(read("agent-server.key.prev"), oldKey) {
+			t.Errorf("reissue %d: the .prev files are not the pair it replaced", i+1)
+		}
+		if bytes.Equal(read("agent-server.crt"), oldCert) || bytes.Equal(read("agent-server.key"), oldKey) {
+			t.Errorf("reissue %d did not replace the pair", i+1)
+		}
+		keyModes("agent-server.key", "agent-server.key.prev")
+		if _, err := tls.LoadX509KeyPair(filepath.Join(dir, "agent-server.crt.prev"), filepath.Join(dir, "agent-server.key.prev")); err != nil {
+			t.Errorf("reissue %d: the kept pair does not load: %v", i+1, err)
+		}
+	}
+
+	// --force keeps nothing: the .prev files stay those of the last
+	// reissue.
+	prevCert, prevKey, oldCert := read("agent-server.crt.prev"), read("agent-server.key.prev"), read("agent-server.crt")
+	if out := issue("--force"); strings.Contains(out, ".prev") {
+		t.Errorf("--force printed %q", out)
+	}
+	if bytes.Equal(read("agent-server.crt"), oldCert) || !bytes.Equal(read("agent-server.crt.prev"), prevCert) || !bytes.Equal(read("agent-server.key.prev"), prevKey) {
+		t.Error("--force: want the pair replaced and the .prev files untouched")
+	}
+	keyModes("agent-server.key", "agent-server.key.prev")
+	pair, err = tls.LoadX509KeyPair(cert, filepath.Join(dir, "agent-server.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	handshake(t, filepath.Join(dir, "ca-chain.pem"), pair)
+
+	// The default usages stay one each.
+	if out, err := run(t, "issue-mtls-client", "--dir", dir, "--name", "pivirt-agent-node-02", "--out", "agent-client"); err != nil || !strings.Contains(out, "usage: client authentication\n") {
+		t.Errorf("issue-mtls-client --out agent-client: %q, %v", out, err)
+	}
+	var ue *usageError
+	for _, tt := range []struct {
+		args  []string
+		want  string
+		usage bool
+	}{
+		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--usage", "server,peer"}, `--usage "peer": want server, client or both`, true},
+		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--usage", "client"}, "always for server authentication", false},
+		{[]string{"issue-mtls-client", "--dir", dir, "--name", "c", "--usage", "server"}, "always for client authentication", false},
+		{[]string{"issue-mtls-client", "--dir", dir, "--name", "node_1", "--usage", "client,server"}, "needs --dns or --ip", false},
+		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--out", "../a"}, `out "../a": a file name without directory`, false},
+		{[]string{"issue-mtls-server", "--dir", dir, "--name", "a.example", "--out", "PiCA"}, `"PiCA" is the CA's own file name`, false},
+	} {
+		_, err := run(t, tt.args...)
+		if err == nil || !strings.Contains(err.Error(), tt.want) || errors.As(err, &ue) != tt.usage {
+			t.Errorf("pitrust %s = %v (usage error: %v), want an error containing %q (usage error: %v)",
+				strings.Join(tt.args, " "), err, errors.As(err, &ue), tt.want, tt.usage)
+		}
+	}
+}
+
+// handshake runs mutual TLS on 127.0.0.1 with pair on both ends, each
+// verifying the other against caFile for its own role.
+func handshake(t *testing.T, caFile string, pair tls.Certificate) {
+	t.Helper()
+	pem, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		t.Fatal("no CA in " + caFile)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{
+		Certificates: []tls.Certificate{pair}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	served := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			served <- err
+			return
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		served <- c.(*tls.Conn).Handshake()
+	}()
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 10 * time.Second}, "tcp", ln.Addr().String(), &tls.Config{
+		Certificates: []tls.Certificate{pair}, RootCAs: pool, ServerName: "127.0.0.1", MinVersion: tls.VersionTLS12,
+	})
+	if err != nil {
+		t.Fatalf("client handshake with the certificate as server: %v", err)
+	}
+	// The server's verdict on the client certificate arrives with the
+	// first read under TLS 1.3.
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	_, _ = conn.Read(make([]byte, 1))
+	conn.Close()
+	if err := <-served; err != nil {
+		t.Fatalf("server handshake with the certificate as client: %v", err)
 	}
 }

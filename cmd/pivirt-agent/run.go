@@ -53,7 +53,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		return runAgent(cmd.Context(), cfg, agent.Options{
 			Logger: logger, AccessLogger: newAccessLogger(cfg, out), Levels: levels, LoadConfig: flags.Resolve,
-		})
+		}, stderr)
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
 	return root.ExecuteContext(ctx)
@@ -207,7 +207,31 @@ func newAccessLogger(cfg *config.Config, out io.Writer) *slog.Logger {
 	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
 }
 
-func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options) error {
+// devBanner tells the operator of a --dev agent how to reach it with
+// pvcli: lines to paste into a shell, not a log line.
+func devBanner(w io.Writer, c agent.DevCredentials) {
+	dataDir := c.DataDir
+	if c.TempDataDir {
+		dataDir += " (temporary: removed on exit)"
+	}
+	fmt.Fprintf(w, `
+pivirt-agent --dev: one throw-away node on 127.0.0.1 (not for production)
+  TLS is on, with a throw-away PiTrust PKI in its data dir
+  data dir: %s
+
+To use pvcli, run in your shell:
+
+  export PVCLI_ENDPOINT=%s
+  export PVCLI_CA_FILE=%s
+  export PVCLI_CERT_FILE=%s
+  export PVCLI_KEY_FILE=%s
+
+then, e.g.: pvcli cluster leader
+
+`, dataDir, c.Endpoint, c.CAFile, c.CertFile, c.KeyFile)
+}
+
+func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options, stderr io.Writer) error {
 	logger := opts.Logger
 	if cfg.Dev {
 		opts.GossipProfile = "local"
@@ -229,6 +253,9 @@ func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options) error
 	cancel()
 	if err != nil {
 		return err
+	}
+	if creds, ok := a.DevCredentials(); ok {
+		devBanner(stderr, creds)
 	}
 	sd := notifier{logger: logger}
 	sd.ready("serving on " + a.APIAddr())

@@ -3,13 +3,23 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
+	"connectrpc.com/connect"
+
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // TestRecoverCommandRefuses checks the recover subcommand's input errors:
@@ -150,5 +160,173 @@ func TestValidateShowsRoutes(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("validate printed\n%s\nwant a line %q", out.String(), want)
 		}
+	}
+}
+
+// syncBuffer is a bytes.Buffer for a writer in another goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestDevHelp: the help of --dev says what dev mode does: TLS on, with a
+// throw-away PKI, and a --config that sets its keys refused.
+func TestDevHelp(t *testing.T) {
+	var out, errOut bytes.Buffer
+	if err := Run(t.Context(), []string{"--help"}, &out, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	var line string
+	for l := range strings.Lines(out.String()) {
+		if strings.Contains(l, "--dev") {
+			line = l
+		}
+	}
+	for _, want := range []string{"127.0.0.1", "TLS on with a throw-away PKI", "printed to stderr", "refuses a --config that sets the keys it sets"} {
+		if !strings.Contains(line, want) {
+			t.Errorf("--dev help %q does not say %q", line, want)
+		}
+	}
+	if strings.Contains(line, "TLS off") {
+		t.Errorf("--dev help %q says TLS is off", line)
+	}
+}
+
+// TestDevRefusesConfigKeys: pivirt-agent --dev --config FILE refuses a
+// file that sets keys dev mode would ignore, naming them, before it
+// starts anything.
+func TestDevRefusesConfigKeys(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "agent.yaml")
+	if err := os.WriteFile(file, []byte("tls:\n  enabled: false\ncluster:\n  retry_join: [\"10.0.0.2:7946\"]\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// A context already done: were the file accepted, the agent would stop
+	// at once rather than run on.
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	var out, errOut bytes.Buffer
+	err := Run(ctx, []string{"--dev", "--config", file, "--data-dir", filepath.Join(dir, "data"), "--api-addr", "127.0.0.1:0", "--internal-addr", "127.0.0.1:0",
+		"--metrics-addr", "127.0.0.1:0", "--gossip-addr", "127.0.0.1:0", "--raft-addr", "127.0.0.1:0"}, &out, &errOut)
+	if err == nil || !strings.Contains(err.Error(), "would ignore the file's values: tls.enabled (line 2), cluster.retry_join (line 4); remove them from the file") {
+		t.Errorf("pivirt-agent --dev --config with tls.enabled and cluster.retry_join = %v, want a refusal naming both", err)
+	}
+	if _, serr := os.Stat(filepath.Join(dir, "data")); serr == nil {
+		t.Error("the refused agent made its data dir")
+	}
+}
+
+// TestDevBanner runs pivirt-agent --dev in-process: it prints a banner to
+// stderr with the export PVCLI_… lines, one per line, that reach the node
+// over TLS with the throw-away PKI; the log does not carry them, and does
+// not warn that the certificates it just made expire soon.
+func TestDevBanner(t *testing.T) {
+	dir := t.TempDir()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var out, errOut syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- Run(ctx, []string{"--dev", "--data-dir", dir, "--api-addr", "127.0.0.1:0", "--internal-addr", "127.0.0.1:0",
+			"--metrics-addr", "127.0.0.1:0", "--gossip-addr", "127.0.0.1:0", "--raft-addr", "127.0.0.1:0"}, &out, &errOut)
+	}()
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("pivirt-agent --dev: %v", err)
+			}
+		}
+	}
+	defer stop()
+
+	env := map[string]string{}
+	deadline := time.Now().Add(90 * time.Second)
+	for len(env) < 4 {
+		select {
+		case err := <-done:
+			stopped = true
+			t.Fatalf("pivirt-agent --dev exited: %v\nstderr:\n%s\nlog:\n%s", err, errOut.String(), out.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no export PVCLI_ lines on stderr within 90 s; stderr:\n%s\nlog:\n%s", errOut.String(), out.String())
+		}
+		for l := range strings.Lines(errOut.String()) {
+			if k, v, ok := strings.Cut(strings.TrimPrefix(strings.TrimSpace(l), "export "), "="); ok && strings.HasPrefix(strings.TrimSpace(l), "export PVCLI_") {
+				env[k] = v
+			}
+		}
+		if len(env) < 4 {
+			time.Sleep(50 * time.Millisecond) // poll, bounded by the deadline
+		}
+	}
+	banner := errOut.String()
+	for _, want := range []string{"pivirt-agent --dev", "TLS is on", "data dir: " + dir + "\n", "To use pvcli"} {
+		if !strings.Contains(banner, want) {
+			t.Errorf("banner %q does not say %q", banner, want)
+		}
+	}
+	if ep := env["PVCLI_ENDPOINT"]; !strings.HasPrefix(ep, "https://127.0.0.1:") || strings.HasSuffix(ep, ":0") {
+		t.Errorf("PVCLI_ENDPOINT=%s, want the API port's https address", ep)
+	}
+	for _, k := range []string{"PVCLI_CA_FILE", "PVCLI_CERT_FILE", "PVCLI_KEY_FILE"} {
+		if !strings.HasPrefix(env[k], filepath.Join(dir, agent.DevPKIDir)+"/") {
+			t.Errorf("%s=%s, want a file of the dev PKI in %s", k, env[k], dir)
+		}
+	}
+
+	// The lines as pvcli would use them: the node answers over mutual TLS.
+	op, err := tls.LoadX509KeyPair(env["PVCLI_CERT_FILE"], env["PVCLI_KEY_FILE"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := os.ReadFile(env["PVCLI_CA_FILE"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(ca)
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{op}, MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true}
+	defer tr.CloseIdleConnections()
+	api := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: tr, Timeout: 10 * time.Second}, env["PVCLI_ENDPOINT"])
+	deadline = time.Now().Add(60 * time.Second)
+	for {
+		_, err := api.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{}))
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dev node did not answer with the banner's settings within 60 s: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond) // poll, bounded by the deadline
+	}
+
+	// Stopped, the agent has run its certificate check (at start, before
+	// waiting a day): the whole log is in.
+	stop()
+	log := out.String()
+	if strings.Contains(log, "PVCLI_") {
+		t.Error("the log carries the pvcli settings; they belong in the banner")
+	}
+	if strings.Contains(log, "need renewal") || strings.Contains(log, "renew soon") {
+		t.Errorf("dev mode warns about its own certificates:\n%s", log)
+	}
+	if !strings.Contains(log, "dev mode: TLS with a throw-away PKI") {
+		t.Errorf("the log does not say dev mode made a PKI:\n%s", log)
 	}
 }

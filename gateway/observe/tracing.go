@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/exporters/zipkin" //lint:ignore SA1019 deprecated upstream (removal planned for 2027); tracing.exporter: zipkin is built on it until then
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -28,7 +29,7 @@ import (
 // the exporter it speaks, the ratio of traces sampled.
 type TraceConfig struct {
 	Enabled      bool
-	Exporter     string // "", "otlp" or "jaeger"
+	Exporter     string // "", "otlp", "jaeger" or "zipkin"
 	Endpoint     string
 	SamplingRate float64
 	Service      string // service.name
@@ -71,14 +72,53 @@ func collectorTarget(exporter, endpoint string) (addr string, secure bool, err e
 	return net.JoinHostPort(host, port), secure, nil
 }
 
-// NewTracing starts the exporter of cfg (nothing when disabled).
-func NewTracing(ctx context.Context, cfg TraceConfig) (*Tracing, error) {
-	t := &Tracing{provider: noop.NewTracerProvider(), propagator: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})}
-	if !cfg.Enabled {
-		return t, nil
+// ZipkinSpansPath is the path of a Zipkin collector's v2 span API, used
+// when a zipkin endpoint names none.
+const ZipkinSpansPath = "/api/v2/spans"
+
+// zipkinExportTimeout bounds one POST of spans to a Zipkin collector.
+const zipkinExportTimeout = 10 * time.Second
+
+// IsZipkinEndpoint reports whether endpoint names a Zipkin collector's v2
+// span API (…/api/v2/spans): the exporter chosen for it when none is set.
+func IsZipkinEndpoint(endpoint string) bool {
+	u, err := url.Parse(endpoint)
+	return err == nil && strings.Contains(endpoint, "://") && strings.HasSuffix(strings.TrimSuffix(u.Path, "/"), ZipkinSpansPath)
+}
+
+// ZipkinURL is the URL spans are posted to for a zipkin endpoint: an
+// http(s) URL, its path ZipkinSpansPath when it has none.
+func ZipkinURL(endpoint string) (string, error) {
+	u, err := url.Parse(endpoint)
+	if err != nil || !strings.Contains(endpoint, "://") {
+		return "", fmt.Errorf("tracing.endpoint %q: the zipkin exporter posts spans over HTTP: give a URL, e.g. http://zipkin:9411%s", endpoint, ZipkinSpansPath)
 	}
-	if cfg.Exporter == "zipkin" {
-		return nil, fmt.Errorf("tracing.exporter: zipkin is not supported (otlp, or a Jaeger collector's endpoint)")
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return "", fmt.Errorf("tracing.endpoint %q: scheme %q: the zipkin exporter needs http or https, e.g. http://zipkin:9411%s", endpoint, u.Scheme, ZipkinSpansPath)
+	}
+	if u.Host == "" {
+		return "", fmt.Errorf("tracing.endpoint %q: the host is missing, e.g. http://zipkin:9411%s", endpoint, ZipkinSpansPath)
+	}
+	if u.Path == "" || u.Path == "/" {
+		u.Path = ZipkinSpansPath
+	}
+	return u.String(), nil
+}
+
+// newExporter is cfg's span exporter: Zipkin's JSON v2 over HTTP for
+// exporter zipkin (or an endpoint ending in /api/v2/spans), else OTLP over
+// gRPC.
+func newExporter(ctx context.Context, cfg TraceConfig) (sdktrace.SpanExporter, error) {
+	if cfg.Exporter == "zipkin" || (cfg.Exporter == "" && IsZipkinEndpoint(cfg.Endpoint)) {
+		target, err := ZipkinURL(cfg.Endpoint)
+		if err != nil {
+			return nil, err
+		}
+		exp, err := zipkin.New(target, zipkin.WithClient(&http.Client{Timeout: zipkinExportTimeout}))
+		if err != nil {
+			return nil, fmt.Errorf("tracing: %w", err)
+		}
+		return exp, nil
 	}
 	addr, secure, err := collectorTarget(cfg.Exporter, cfg.Endpoint)
 	if err != nil {
@@ -91,6 +131,19 @@ func NewTracing(ctx context.Context, cfg TraceConfig) (*Tracing, error) {
 	exp, err := otlptracegrpc.New(ctx, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("tracing: %w", err)
+	}
+	return exp, nil
+}
+
+// NewTracing starts the exporter of cfg (nothing when disabled).
+func NewTracing(ctx context.Context, cfg TraceConfig) (*Tracing, error) {
+	t := &Tracing{provider: noop.NewTracerProvider(), propagator: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})}
+	if !cfg.Enabled {
+		return t, nil
+	}
+	exp, err := newExporter(ctx, cfg)
+	if err != nil {
+		return nil, err
 	}
 	batch := cfg.BatchTimeout
 	if batch <= 0 {

@@ -110,6 +110,8 @@ type Agent struct {
 	nodeID  string
 	dataDir string
 	tempDir bool
+	// devCreds are the dev PKI's pvcli settings (--dev); zero otherwise.
+	devCreds DevCredentials
 
 	lnAPI, lnInternal, lnMetrics, lnRaft net.Listener
 	advertiseIP                          string

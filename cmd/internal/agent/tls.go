@@ -182,6 +182,32 @@ func (a *Agent) watchExpiry(ctx context.Context) {
 // DevPKIDir is where --dev makes its throw-away PiTrust PKI, in the data dir.
 const DevPKIDir = "dev-pki"
 
+// devCertDays is the lifetime of the dev PKI's certificates: past
+// identity.ExpiryWarning, so that a dev node does not warn about the
+// certificates it has just made (they are made again at each start).
+const devCertDays = 90
+
+// DevCredentials are what pvcli needs to reach a --dev agent through its
+// throw-away PKI: the API endpoint and the operator's certificate.
+type DevCredentials struct {
+	// Endpoint is https://<the API port's address>.
+	Endpoint string
+	// CAFile, CertFile and KeyFile are the dev PKI's chain and the
+	// operator certificate and key, for PVCLI_CA_FILE, PVCLI_CERT_FILE
+	// and PVCLI_KEY_FILE.
+	CAFile, CertFile, KeyFile string
+	// DataDir is the data dir the PKI is in; TempDataDir reports that it
+	// is a temporary one, removed on exit.
+	DataDir     string
+	TempDataDir bool
+}
+
+// DevCredentials reports the dev PKI's credentials; false unless the agent
+// made one (--dev without certificate files).
+func (a *Agent) DevCredentials() (DevCredentials, bool) {
+	return a.devCreds, a.devCreds.Endpoint != ""
+}
+
 // devPKI makes a throw-away PiTrust PKI for --dev in the data dir (a CA, a
 // server certificate for 127.0.0.1 and localhost, this agent's client
 // certificate and an operator certificate for pvcli) and points the TLS
@@ -191,19 +217,19 @@ func (a *Agent) devPKI() error {
 		return nil
 	}
 	dir := filepath.Join(a.dataDir, DevPKIDir)
-	if _, err := identity.InitCA(dir, identity.CAOptions{RootDays: 31, IntermediateDays: 31, Force: true}); err != nil {
+	if _, err := identity.InitCA(dir, identity.CAOptions{RootDays: devCertDays + 2, IntermediateDays: devCertDays + 1, Force: true}); err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
 	server, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "dev-server",
-		DNS: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Days: 30, Force: true})
+		DNS: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Days: devCertDays, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
-	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + a.cfg.NodeName, Days: 30, Force: true})
+	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + a.cfg.NodeName, Days: devCertDays, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
-	operator, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator", Days: 30, Force: true})
+	operator, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator", Days: devCertDays, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
@@ -212,8 +238,10 @@ func (a *Agent) devPKI() error {
 	cfg.TLS.CAFile, cfg.TLS.CertFile, cfg.TLS.KeyFile = chain, client.Cert, client.Key
 	cfg.Server.ConnectRPC.TLS = config.ServerTLSConfig{CertFile: server.Cert, KeyFile: server.Key, CAFile: chain, ClientCAFile: chain}
 	a.cfg = &cfg
-	a.logger.Warn("dev mode: TLS with a throw-away PKI; to use pvcli: export PVCLI_ENDPOINT=https://" +
-		a.lnAPI.Addr().String() + " PVCLI_CA_FILE=" + chain + " PVCLI_CERT_FILE=" + operator.Cert + " PVCLI_KEY_FILE=" + operator.Key)
+	a.devCreds = DevCredentials{Endpoint: "https://" + a.lnAPI.Addr().String(), CAFile: chain, CertFile: operator.Cert, KeyFile: operator.Key,
+		DataDir: a.dataDir, TempDataDir: a.tempDir}
+	// pivirt-agent prints the pvcli settings to stderr (DevCredentials).
+	a.logger.Info("dev mode: TLS with a throw-away PKI", "dir", dir, "operator_cert", operator.Cert)
 	return nil
 }
 

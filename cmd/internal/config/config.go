@@ -210,7 +210,7 @@ func parsePrefix(s string) (netip.Prefix, error) {
 }
 
 // TLSConfig is the top-level tls block: the agent's own mTLS identity, used between agents
-// and towards backends. Enabled false turns TLS off everywhere (dev mode).
+// and towards backends. Enabled false turns TLS off everywhere (--dev keeps it on, with a throw-away PKI).
 type TLSConfig struct {
 	Enabled           bool   `yaml:"enabled"`
 	CAFile            string `yaml:"ca_file"`
@@ -425,8 +425,12 @@ type AccessLogConfig struct {
 	Format  string `yaml:"format" enum:"json,text"`
 }
 
-// TracingConfig is OpenTelemetry tracing. An empty Exporter lets the telemetry code choose
-// from the endpoint.
+// TracingConfig is OpenTelemetry tracing. Exporter otlp sends OTLP over gRPC to Endpoint
+// (host:port or http(s)://host:port), jaeger to the OTLP port of the Jaeger collector
+// Endpoint names, zipkin posts Zipkin v2 JSON to Endpoint, an http(s) URL
+// (http://zipkin:9411/api/v2/spans; /api/v2/spans when it has no path). An empty Exporter
+// lets the telemetry code choose from the endpoint (zipkin for a URL ending in
+// /api/v2/spans, else OTLP).
 type TracingConfig struct {
 	Enabled      bool    `yaml:"enabled"`
 	Exporter     string  `yaml:"exporter" enum:",otlp,jaeger,zipkin"`

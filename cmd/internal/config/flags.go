@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"slices"
 	"time"
@@ -84,7 +85,7 @@ func Register(fs *pflag.FlagSet) *Flags {
 	fs.BoolVar(&f.leaveOnTerminate, FlagLeaveOnTerminate, false, "leave the cluster gracefully on SIGTERM (cluster.leave_on_terminate)")
 	fs.StringVar(&f.logLevel, FlagLogLevel, "info", "log level: debug, info, warn or error (logging.level)")
 	fs.StringVar(&f.logFormat, FlagLogFormat, "json", "log format: json or text (logging.format)")
-	fs.BoolVar(&f.dev, FlagDev, false, "development mode: one self-bootstrapped node on 127.0.0.1, TLS off, temporary data dir; explicit flags still win")
+	fs.BoolVar(&f.dev, FlagDev, false, "development mode: one node on 127.0.0.1, bootstrapped alone, TLS on with a throw-away PKI (pvcli's settings printed to stderr), a temporary data dir, a simulated backend unless backends are configured; refuses a --config that sets the keys it sets (addresses, tls, cluster); explicit flags win")
 	return f
 }
 
@@ -172,12 +173,23 @@ func (f *Flags) Apply(cfg *Config) error {
 // Resolve is the agent's whole configuration step: Load the --config file (Default() without
 // one), Apply the flags, then Validate. Call it again on reload to re-read the file with the
 // same flags on top.
+//
+// With --dev, a file that sets keys dev mode sets itself (DevKeys) is refused, naming
+// them, unless the key's flag is given too: dev mode would silently ignore them.
 func (f *Flags) Resolve() (*Config, error) {
 	cfg := Default()
 	if f.configFile != "" {
-		var err error
-		if cfg, err = Load(f.configFile); err != nil {
+		data, err := os.ReadFile(f.configFile)
+		if err != nil {
+			return nil, fmt.Errorf("read config file: %w", err)
+		}
+		if cfg, err = Parse(data, f.configFile); err != nil {
 			return nil, err
+		}
+		if f.fs.Changed(FlagDev) && f.dev {
+			if err := devConflicts(f.configFile, data, f.fs.Changed); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if err := f.Apply(cfg); err != nil {

@@ -375,11 +375,20 @@ func (c *Config) validateTracing(v *validator) {
 	if r := t.SamplingRate; !(r >= 0 && r <= 1) {
 		v.add("tracing.sampling_rate", "%w %v: must be between 0 and 1", ErrInvalid, r)
 	}
-	if t.Endpoint != "" {
+	switch {
+	case t.Endpoint != "" && t.Exporter == "zipkin":
+		// Zipkin takes spans as JSON over HTTP: a URL, no bare host:port.
+		const example = "e.g. http://zipkin:9411/api/v2/spans"
+		if !strings.Contains(t.Endpoint, "://") {
+			v.add("tracing.endpoint", "%w %q: tracing.exporter zipkin posts spans over HTTP and needs a URL, %s", ErrInvalid, t.Endpoint, example)
+		} else if err := checkURLOrHostPort(t.Endpoint, "http", "https"); err != nil {
+			v.add("tracing.endpoint", "%w %q: %w (tracing.exporter zipkin needs an http or https URL, %s)", ErrInvalid, t.Endpoint, err, example)
+		}
+	case t.Endpoint != "":
 		if err := checkURLOrHostPort(t.Endpoint, "http", "https"); err != nil {
 			v.add("tracing.endpoint", "%w %q: %w", ErrInvalid, t.Endpoint, err)
 		}
-	} else if t.Enabled {
+	case t.Enabled:
 		v.add("tracing.endpoint", "%w: required when tracing.enabled is true", ErrInvalid)
 	}
 }

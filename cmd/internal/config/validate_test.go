@@ -131,6 +131,24 @@ func TestValidate(t *testing.T) {
 		{"tracing otlp host:port", func(c *Config) {
 			c.Tracing = TracingConfig{Enabled: true, Exporter: "otlp", Endpoint: "otel-collector:4317", SamplingRate: 0.5}
 		}, nil},
+		{"tracing zipkin URL", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin", Endpoint: "http://127.0.0.1:9411/api/v2/spans", SamplingRate: 0.5}
+		}, nil},
+		{"tracing zipkin https without a path", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin", Endpoint: "https://zipkin.pilab.hu"}
+		}, nil},
+		{"tracing zipkin host:port", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin", Endpoint: "zipkin:9411"}
+		}, []string{`tracing.endpoint: invalid value "zipkin:9411": tracing.exporter zipkin posts spans over HTTP and needs a URL, e.g. http://zipkin:9411/api/v2/spans`}},
+		{"tracing zipkin other scheme", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin", Endpoint: "grpc://zipkin:9411/api/v2/spans"}
+		}, []string{`tracing.endpoint: invalid value "grpc://zipkin:9411/api/v2/spans": scheme must be one of http, https (tracing.exporter zipkin needs an http or https URL`}},
+		{"tracing zipkin without a host", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin", Endpoint: "http:///api/v2/spans"}
+		}, []string{`tracing.endpoint: invalid value "http:///api/v2/spans": the host is missing`}},
+		{"tracing zipkin without an endpoint", func(c *Config) {
+			c.Tracing = TracingConfig{Enabled: true, Exporter: "zipkin"}
+		}, []string{"tracing.endpoint: invalid value: required when tracing.enabled is true"}},
 
 		// Routing, load balancing, circuit breaking.
 		{"route prefix without slash", func(c *Config) {
