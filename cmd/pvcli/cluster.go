@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
@@ -46,15 +47,15 @@ func (a *app) newClusterCmd() *cobra.Command {
 			RunE:  a.command(a.clusterLeave),
 		},
 		&cobra.Command{
-			Use:   "remove-peer ID",
-			Short: "Remove a server (by node ID) from the Raft configuration",
-			Args:  positional("ID"),
+			Use:   "remove-peer NODE",
+			Short: "Remove a server (by node name or node ID) from the Raft configuration",
+			Args:  positional("NODE"),
 			RunE:  a.command(a.clusterRemovePeer),
 		},
 		&cobra.Command{
-			Use:   "transfer-leader [ID]",
-			Short: "Hand Raft leadership to the given server, or to the most up-to-date voter",
-			Args:  positional("[ID]"),
+			Use:   "transfer-leader [NODE]",
+			Short: "Hand Raft leadership to the given server (node name or node ID), or to the most up-to-date voter",
+			Args:  positional("[NODE]"),
 			RunE:  a.command(a.clusterTransferLeader),
 		},
 		a.newKeyringCmd(),
@@ -134,22 +135,30 @@ func (a *app) clusterLeave(cmd *cobra.Command, _ []string) error {
 
 func (a *app) clusterRemovePeer(cmd *cobra.Command, args []string) error {
 	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
-		resp, err := api.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: args[0]}))
+		id, name, err := resolvePeer(ctx, api, args[0])
+		if err != nil {
+			return err
+		}
+		resp, err := api.RemovePeer(ctx, connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: id}))
 		if err != nil {
 			return err
 		}
 		return a.render(resp.Msg, func(w io.Writer) {
-			fmt.Fprintf(w, "Removed peer %s (index %d)\n", args[0], resp.Msg.GetIndex())
+			fmt.Fprintf(w, "Removed peer %s (index %d)\n", peerLabel(id, name), resp.Msg.GetIndex())
 		})
 	})
 }
 
 func (a *app) clusterTransferLeader(cmd *cobra.Command, args []string) error {
-	req := &clusterv1.TransferLeaderRequest{}
-	if len(args) > 0 {
-		req.NodeId = args[0]
-	}
 	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		req := &clusterv1.TransferLeaderRequest{}
+		if len(args) > 0 {
+			id, _, err := resolvePeer(ctx, api, args[0])
+			if err != nil {
+				return err
+			}
+			req.NodeId = id
+		}
 		resp, err := api.TransferLeader(ctx, connect.NewRequest(req))
 		if err != nil {
 			return err
@@ -158,4 +167,41 @@ func (a *app) clusterTransferLeader(cmd *cobra.Command, args []string) error {
 			fmt.Fprintf(w, "Leadership transferred to %s\n", resp.Msg.GetNodeId())
 		})
 	})
+}
+
+// resolvePeer turns a node ID or node name into the node ID of a Raft
+// peer. An argument that is a peer's ID is taken as is; else a peer whose
+// gossip name it is. When the peers cannot be read, the argument goes to
+// the agent as an ID, which says whether it is one.
+func resolvePeer(ctx context.Context, api clusterv1connect.ClusterServiceClient, arg string) (id, name string, err error) {
+	resp, err := api.Peers(ctx, connect.NewRequest(&clusterv1.PeersRequest{}))
+	if err != nil || len(resp.Msg.GetPeers()) == 0 {
+		return arg, "", nil // the agent reports an unknown ID itself
+	}
+	var byName []*clusterv1.Peer
+	var known []string
+	for _, p := range resp.Msg.GetPeers() {
+		if p.GetNodeId() == arg {
+			return arg, p.GetName(), nil
+		}
+		if p.GetName() == arg {
+			byName = append(byName, p)
+		}
+		known = append(known, peerLabel(p.GetNodeId(), p.GetName()))
+	}
+	switch len(byName) {
+	case 1:
+		return byName[0].GetNodeId(), arg, nil
+	case 0:
+		return "", "", fmt.Errorf("%q is neither the node ID nor the name of a Raft peer; the peers are: %s", arg, strings.Join(known, ", "))
+	default:
+		return "", "", fmt.Errorf("%d Raft peers are named %q (a node rebuilt with a new ID?): give the node ID of one: %s", len(byName), arg, strings.Join(known, ", "))
+	}
+}
+
+func peerLabel(id, name string) string {
+	if name == "" {
+		return id
+	}
+	return name + " (" + id + ")"
 }

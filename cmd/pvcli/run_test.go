@@ -284,6 +284,9 @@ func TestRequestMapping(t *testing.T) {
 			r.mustSucceed(t)
 
 			calls := fake.recorded()
+			if len(calls) == 2 && calls[0].procedure == clusterv1connect.ClusterServicePeersProcedure {
+				calls = calls[1:] // a node name or ID looked up first
+			}
 			if len(calls) != 1 {
 				t.Fatalf("got %d calls, want 1: %v", len(calls), calls)
 			}
@@ -520,7 +523,7 @@ func TestBadInput(t *testing.T) {
 		{name: "bad endpoint from env", env: map[string]string{envEndpoint: "http://"}, args: []string{"cluster", "members"}, wantErr: `invalid PVCLI_ENDPOINT "http://": missing host`},
 		{name: "members takes no argument", args: []string{"cluster", "members", "x"}, wantErr: `unexpected argument "x" (usage: pvcli cluster members`},
 		{name: "join without address", args: []string{"cluster", "join"}, wantErr: "missing argument ADDR"},
-		{name: "remove-peer without ID", args: []string{"cluster", "remove-peer"}, wantErr: "missing argument ID (usage: pvcli cluster remove-peer ID"},
+		{name: "remove-peer without ID", args: []string{"cluster", "remove-peer"}, wantErr: "missing argument NODE (usage: pvcli cluster remove-peer NODE"},
 		{name: "transfer-leader two IDs", args: []string{"cluster", "transfer-leader", "a", "b"}, wantErr: `unexpected argument "b"`},
 		{name: "register without name", args: []string{"service", "register", "--address", "a", "--port", "1"}, wantErr: "missing argument NAME"},
 		{name: "register without address", args: []string{"service", "register", "web", "--port", "80"}, wantErr: "missing --address"},
@@ -1136,4 +1139,33 @@ func closedPort(t testing.TB) int {
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 	return port
+}
+
+// TestPeerByName: remove-peer and transfer-leader take a node's name as
+// well as its ID; an unknown one names the peers.
+func TestPeerByName(t *testing.T) {
+	t.Parallel()
+	fake := newFakeCluster()
+	fake.respond(clusterv1connect.ClusterServicePeersProcedure, &clusterv1.PeersResponse{Peers: []*clusterv1.Peer{
+		{NodeId: "id-1", Name: "node1"}, {NodeId: "id-2", Name: "node2"},
+	}})
+	url := fake.start(t)
+	runCLI(t, url, "cluster", "remove-peer", "node2").mustSucceed(t)
+	runCLI(t, url, "cluster", "transfer-leader", "id-1").mustSucceed(t)
+	var got []string
+	for _, c := range fake.recorded() {
+		switch m := c.msg.(type) {
+		case *clusterv1.RemovePeerRequest:
+			got = append(got, "remove "+m.GetNodeId())
+		case *clusterv1.TransferLeaderRequest:
+			got = append(got, "transfer "+m.GetNodeId())
+		}
+	}
+	if strings.Join(got, ",") != "remove id-2,transfer id-1" {
+		t.Errorf("requests %v, want remove id-2 and transfer id-1", got)
+	}
+	r := runCLI(t, url, "cluster", "remove-peer", "node9")
+	if r.err == nil || !strings.Contains(r.stderr, `"node9" is neither the node ID nor the name of a Raft peer; the peers are: node1 (id-1), node2 (id-2)`) {
+		t.Errorf("unknown peer: %v, %q", r.err, r.stderr)
+	}
 }
