@@ -145,8 +145,11 @@ type Gossip struct {
 
 	mu      sync.Mutex
 	members map[string]*Member
-	subs    map[chan struct{}]struct{}
-	meta    []byte
+	// forced are the members a force-leave named while this node still saw
+	// them alive: their failure, when it comes, is taken as a leave.
+	forced map[string]bool
+	subs   map[chan struct{}]struct{}
+	meta   []byte
 
 	stopReap chan struct{}
 	reapDone chan struct{}
@@ -357,6 +360,38 @@ func (g *Gossip) Members() []Member {
 	return out
 }
 
+// ErrNoSuchMember is ForceLeave's error for a name no member has.
+var ErrNoSuchMember = errors.New("no such gossip member")
+
+// ForceLeave marks the failed member name as left, as if it had left
+// gracefully: it is forgotten after ForgetAfter, and the leader removes
+// its Raft server. A member this node still sees alive (its failure
+// detection lags the node that asked) is marked left when it fails here;
+// pending reports that. memberlist keeps its own view: should the node
+// come back, its alive message makes it a member again.
+func (g *Gossip) ForceLeave(name string) (pending bool, err error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	m, ok := g.members[name]
+	switch {
+	case !ok:
+		return false, fmt.Errorf("%w %q", ErrNoSuchMember, name)
+	case m.Status == StatusLeft:
+		return false, nil
+	case m.Status != StatusFailed:
+		if g.forced == nil {
+			g.forced = make(map[string]bool)
+		}
+		g.forced[name] = true
+		g.logger.Info("gossip member to be taken as left once it fails here", "member", name, "status", m.Status.String())
+		return true, nil
+	}
+	m.Status, m.Since = StatusLeft, time.Now()
+	g.logger.Info("gossip member forced to leave", "member", name)
+	g.notifyLocked()
+	return false, nil
+}
+
 // MemberByID returns the member whose meta carries the node ID.
 func (g *Gossip) MemberByID(id string) (Member, bool) {
 	g.mu.Lock()
@@ -449,6 +484,13 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 	if !ok {
 		m = &Member{Name: n.Name}
 		g.members[n.Name] = m
+	}
+	switch {
+	case status == StatusAlive:
+		delete(g.forced, n.Name) // back: a member again
+	case status == StatusFailed && g.forced[n.Name]:
+		status = StatusLeft
+		delete(g.forced, n.Name)
 	}
 	if m.Status != status {
 		m.Since = time.Now()

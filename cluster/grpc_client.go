@@ -102,6 +102,14 @@ func (g grpcCluster) ConfigHistory(ctx context.Context, r *connect.Request[clust
 	return callGRPC(ctx, r, g.c.ConfigHistory)
 }
 
+func (g grpcCluster) ForceLeave(ctx context.Context, r *connect.Request[clusterv1.ForceLeaveRequest]) (*connect.Response[clusterv1.ForceLeaveResponse], error) {
+	return callGRPC(ctx, r, g.c.ForceLeave)
+}
+
+func (g grpcCluster) AutopilotState(ctx context.Context, r *connect.Request[clusterv1.AutopilotStateRequest]) (*connect.Response[clusterv1.AutopilotStateResponse], error) {
+	return callGRPC(ctx, r, g.c.AutopilotState)
+}
+
 func (g grpcCluster) Keyring(ctx context.Context, r *connect.Request[clusterv1.KeyringRequest]) (*connect.Response[clusterv1.KeyringResponse], error) {
 	return callGRPC(ctx, r, g.c.Keyring)
 }
@@ -140,6 +148,10 @@ func (g grpcCluster) CheckNetworkPolicy(ctx context.Context, r *connect.Request[
 
 func (g grpcCluster) ConfigStatus(ctx context.Context, r *connect.Request[clusterv1.ConfigStatusRequest]) (*connect.Response[clusterv1.ConfigStatusResponse], error) {
 	return callGRPC(ctx, r, g.c.ConfigStatus)
+}
+
+func (g grpcNode) ForceLeave(ctx context.Context, r *connect.Request[nodev1.ForceLeaveRequest]) (*connect.Response[nodev1.ForceLeaveResponse], error) {
+	return callGRPC(ctx, r, g.c.ForceLeave)
 }
 
 func (g grpcNode) Keyring(ctx context.Context, r *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {

@@ -55,6 +55,10 @@ func (nodeServer) Keyring(context.Context, *nodev1.KeyringRequest) (*nodev1.Keyr
 	return &nodev1.KeyringResponse{}, nil
 }
 
+func (nodeServer) ForceLeave(context.Context, *nodev1.ForceLeaveRequest) (*nodev1.ForceLeaveResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "test")
+}
+
 func (nodeServer) RenewCertificate(context.Context, *nodev1.RenewCertificateRequest) (*nodev1.RenewCertificateResponse, error) {
 	return &nodev1.RenewCertificateResponse{CertPem: []byte("pem")}, nil
 }

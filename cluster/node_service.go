@@ -108,6 +108,16 @@ func (s *NodeService) RenewCertificate(ctx context.Context, req *connect.Request
 	return connect.NewResponse(&nodev1.RenewCertificateResponse{CertPem: certPEM}), nil
 }
 
+// ForceLeave implements nodev1connect.NodeServiceHandler: the failed
+// member is marked left in this node's member table.
+func (s *NodeService) ForceLeave(_ context.Context, req *connect.Request[nodev1.ForceLeaveRequest]) (*connect.Response[nodev1.ForceLeaveResponse], error) {
+	pending, err := s.gossip.ForceLeave(req.Msg.GetNode())
+	if err != nil {
+		return nil, connect.NewError(connect.CodeNotFound, err)
+	}
+	return connect.NewResponse(&nodev1.ForceLeaveResponse{Pending: pending}), nil
+}
+
 // Keyring implements nodev1connect.NodeServiceHandler: one keyring
 // operation on this node.
 func (s *NodeService) Keyring(_ context.Context, req *connect.Request[nodev1.KeyringRequest]) (*connect.Response[nodev1.KeyringResponse], error) {

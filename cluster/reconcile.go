@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sort"
+	"sync"
 	"time"
 )
 
@@ -75,6 +76,49 @@ type Reconciler struct {
 	// unproven are the IDs of this pass spoken for by an alive member that
 	// did not prove its identity (serverMembers): not promoted.
 	unproven map[string]bool
+
+	// report is what the last pass found of each server (Report).
+	reportMu sync.Mutex
+	report   map[string]ServerReport
+}
+
+// ServerReport is what the reconciler's last pass found of one server
+// (autopilot state).
+type ServerReport struct {
+	// Status says where the server stands: "voter", "promoted", or why a
+	// non-voter was not promoted, or why a server was not added or removed.
+	Status string
+	// HealthySince is when a non-voter was first seen reachable and caught
+	// up (zero when it is not, and for voters).
+	HealthySince time.Time
+}
+
+// ReconcileReport is the reconciler's settings and the last pass's
+// findings, by node ID.
+type ReconcileReport struct {
+	Voters            int
+	Stabilization     time.Duration
+	MaxTrailingLogs   uint64
+	DeadServerCleanup time.Duration
+	MaxNonvoters      int
+	Servers           map[string]ServerReport
+}
+
+// Report is the settings and what the last pass found (Servers nil before
+// the first pass).
+func (r *Reconciler) Report() ReconcileReport {
+	r.reportMu.Lock()
+	defer r.reportMu.Unlock()
+	out := ReconcileReport{Voters: r.cfg.Voters, Stabilization: r.cfg.Stabilization, MaxTrailingLogs: r.cfg.MaxTrailingLogs,
+		DeadServerCleanup: r.cfg.DeadServerCleanup, MaxNonvoters: r.cfg.MaxNonvoters}
+	if r.report == nil {
+		return out // no pass yet
+	}
+	out.Servers = make(map[string]ServerReport, len(r.report))
+	for id, s := range r.report {
+		out.Servers[id] = s
+	}
+	return out
 }
 
 // NewReconciler returns a reconciler for one leadership term.
@@ -212,6 +256,20 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	}
 	byID, conflicts := r.serverMembers(ctx, inRaft)
 	var errs []error
+	report := make(map[string]ServerReport)
+	defer func() {
+		for id, s := range inRaft {
+			if _, ok := report[id]; !ok && s.Voter {
+				report[id] = ServerReport{Status: "voter"}
+			}
+		}
+		r.reportMu.Lock()
+		r.report = report
+		r.reportMu.Unlock()
+	}()
+	for id := range conflicts {
+		report[id] = ServerReport{Status: "left alone: two live members claim this node ID (was a data dir copied?)"}
+	}
 
 	// Removals first, so a dead voter's seat can go to a non-voter.
 	for _, s := range servers {
@@ -246,6 +304,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		if s.Voter && !r.safeToRemoveVoter(voters, byID, s.ID) {
 			r.logger.Warn("not removing voter: the remaining live voters would not form a quorum",
 				"node_id", s.ID, "reason", reason)
+			report[s.ID] = ServerReport{Status: "voter, " + reason + "; not removed: the remaining live voters would not form a quorum"}
 			continue
 		}
 		if err := r.raft.RemoveServer(ctx, s.ID); err != nil {
@@ -272,6 +331,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		switch {
 		case !ok:
 			if n := len(inRaft) - len(voters); r.cfg.MaxNonvoters > 0 && n >= r.cfg.MaxNonvoters {
+				report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: waits in gossip, the non-voter cap of %d is reached (cluster.raft.max_non_voters)", r.cfg.MaxNonvoters)}
 				if !r.capped[m.Meta.ID] {
 					r.logger.Warn("not adding server: the non-voter cap is reached; it waits in gossip until a seat frees (cluster.raft.max_non_voters)",
 						"node_id", m.Meta.ID, "name", m.Name, "non_voters", n, "max_non_voters", r.cfg.MaxNonvoters)
@@ -304,48 +364,79 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	// Promotions of healthy non-voters.
 	for _, m := range alive {
 		s, ok := inRaft[m.Meta.ID]
-		if !ok || s.Voter || r.unproven[m.Meta.ID] {
+		if !ok || s.Voter {
 			continue
 		}
-		if !r.healthy(ctx, m, now) {
+		if r.unproven[m.Meta.ID] {
+			report[s.ID] = ServerReport{Status: "non-voter, not promoted: its member has not proven its agent identity"}
+			continue
+		}
+		ok, why := r.healthy(ctx, m, now)
+		rep := ServerReport{HealthySince: r.healthySince[m.Meta.ID]}
+		if !ok {
+			rep.Status = "non-voter, not promoted: " + why
+			report[s.ID] = rep
 			continue
 		}
 		if len(voters) >= r.cfg.Voters {
+			rep.Status = fmt.Sprintf("non-voter, healthy: the cluster has its %d voters (cluster.raft.voters); promoted when a voter goes", r.cfg.Voters)
+			report[s.ID] = rep
 			continue
 		}
 		if err := r.raft.AddVoter(ctx, s.ID, s.Address); err != nil {
 			errs = append(errs, fmt.Errorf("promote %s: %w", m.Name, err))
+			rep.Status = fmt.Sprintf("non-voter, promotion failed: %v", err)
+			report[s.ID] = rep
 			continue
 		}
 		voters[s.ID] = true
 		delete(r.healthySince, s.ID)
+		report[s.ID] = ServerReport{Status: "voter (promoted in the last pass)"}
 		r.logger.Info("promoted non-voter", "node_id", s.ID, "name", m.Name)
+	}
+	for id, s := range inRaft {
+		if _, done := report[id]; !done && !s.Voter {
+			if m, ok := byID[id]; ok {
+				report[id] = ServerReport{Status: "non-voter, not promoted: its member is " + m.Status.String()}
+			} else {
+				report[id] = ServerReport{Status: "non-voter, not promoted: unknown to gossip"}
+			}
+		}
 	}
 	return errors.Join(errs...)
 }
 
 // healthy reports whether a non-voter has answered its status query caught
-// up with the leader for at least the stabilization time.
-func (r *Reconciler) healthy(ctx context.Context, m Member, now time.Time) bool {
+// up with the leader for at least the stabilization time, and why not.
+func (r *Reconciler) healthy(ctx context.Context, m Member, now time.Time) (bool, string) {
 	if r.peers == nil {
-		return true
+		return true, ""
 	}
 	st, err := r.peers.Status(ctx, m.Meta.InternalAddr)
-	ok := err == nil && st.GetNodeId() == m.Meta.ID
-	if ok {
-		last := r.cfg.LeaderLastIndex()
-		ok = last <= st.GetLastIndex() || last-st.GetLastIndex() <= r.cfg.MaxTrailingLogs
+	why := ""
+	switch {
+	case err != nil:
+		why = fmt.Sprintf("unreachable on its internal port %s: %v", m.Meta.InternalAddr, err)
+	case st.GetNodeId() != m.Meta.ID:
+		why = fmt.Sprintf("its internal port %s answers as node %s", m.Meta.InternalAddr, st.GetNodeId())
+	default:
+		if last := r.cfg.LeaderLastIndex(); last > st.GetLastIndex() && last-st.GetLastIndex() > r.cfg.MaxTrailingLogs {
+			why = fmt.Sprintf("behind the leader by %d log entries (at most %d)", last-st.GetLastIndex(), r.cfg.MaxTrailingLogs)
+		}
 	}
-	if !ok {
+	if why != "" {
 		delete(r.healthySince, m.Meta.ID)
-		return false
+		return false, why
 	}
 	since, seen := r.healthySince[m.Meta.ID]
 	if !seen {
 		r.healthySince[m.Meta.ID] = now
 		since = now
 	}
-	return now.Sub(since) >= r.cfg.Stabilization
+	if stable := now.Sub(since); stable < r.cfg.Stabilization {
+		return false, fmt.Sprintf("stabilizing: healthy for %s of the %s needed", stable.Round(time.Second), r.cfg.Stabilization)
+	}
+	return true, ""
 }
 
 // safeToRemoveVoter reports whether the voters left after removing victim

@@ -126,6 +126,14 @@ type ClusterServiceConfig struct {
 	// given internal address (NodeService.Keyring). Nil: Keyring answers
 	// Unimplemented.
 	Keyring func(ctx context.Context, internalAddr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error)
+	// ForceLeave marks the failed member name as left on the member with
+	// the given internal address (NodeService.ForceLeave). Nil: ForceLeave
+	// answers Unimplemented.
+	ForceLeave func(ctx context.Context, internalAddr, name string) (pending bool, err error)
+	// Autopilot is the leader's reconciler report; false when this node
+	// runs none (not the leader, or etcd mode). Nil: AutopilotState answers
+	// Unimplemented.
+	Autopilot func() (cluster.ReconcileReport, bool)
 	// ConfigStatus asks the member with the given internal address for its
 	// state of the cluster settings (NodeService.ConfigStatus). Nil:
 	// ConfigStatus answers Unimplemented.
@@ -319,56 +327,67 @@ func memberProto(m cluster.Member) *clusterv1.Member {
 func (h *ClusterService) Peers(ctx context.Context, req *connect.Request[clusterv1.PeersRequest]) (*connect.Response[clusterv1.PeersResponse], error) {
 	return read(ctx, h, req, req.Msg.GetRead(), clusterv1connect.ClusterServiceClient.Peers, nil,
 		func(ctx context.Context) (*clusterv1.PeersResponse, uint64, error) {
-			servers, err := h.admin.Servers(ctx)
+			peers, applied, err := h.peerList(ctx)
 			if err != nil {
 				return nil, 0, err
 			}
-			self := h.raft.RaftStatus()
-			peers := make([]*clusterv1.Peer, len(servers))
-			var wg sync.WaitGroup
-			for i, s := range servers {
-				p := &clusterv1.Peer{NodeId: s.ID, Address: s.Address, Voter: s.Voter, State: clusterv1.RaftState_RAFT_STATE_UNREACHABLE}
-				peers[i] = p
-				if s.ID == h.cfg.NodeID {
-					p.Name = h.cfg.NodeName
-					fillPeer(p, &nodev1.StatusResponse{
-						RaftState: self.State, Term: self.Term, LastIndex: self.LastIndex,
-						CommitIndex: self.CommitIndex, AppliedIndex: self.AppliedIndex,
-						LastContact: contactProto(self),
-					})
-					continue
-				}
-				m, ok := h.members.ServerByID(s.ID, s.Address)
-				if !ok {
-					continue
-				}
-				p.Name = m.Name
-				if m.Status != cluster.StatusAlive && m.Status != cluster.StatusSuspect {
-					continue
-				}
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					st, err := h.peers.Status(ctx, m.Meta.InternalAddr)
-					if err == nil {
-						fillPeer(p, st)
-					}
-				}()
-			}
-			wg.Wait()
-			var leaderLast uint64
-			for _, p := range peers {
-				if p.State == clusterv1.RaftState_RAFT_STATE_LEADER {
-					leaderLast = p.LastIndex
-				}
-			}
-			for _, p := range peers {
-				if p.State != clusterv1.RaftState_RAFT_STATE_UNREACHABLE && leaderLast > p.LastIndex {
-					p.Trailing = leaderLast - p.LastIndex
-				}
-			}
-			return &clusterv1.PeersResponse{Peers: peers, Meta: h.queryMeta(self.AppliedIndex)}, self.AppliedIndex, nil
+			return &clusterv1.PeersResponse{Peers: peers, Meta: h.queryMeta(applied)}, applied, nil
 		})
+}
+
+// peerList is the Raft configuration with each server's state as it
+// reports it (unreachable when it does not answer), and this node's
+// applied index.
+func (h *ClusterService) peerList(ctx context.Context) ([]*clusterv1.Peer, uint64, error) {
+	servers, err := h.admin.Servers(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	self := h.raft.RaftStatus()
+	peers := make([]*clusterv1.Peer, len(servers))
+	var wg sync.WaitGroup
+	for i, s := range servers {
+		p := &clusterv1.Peer{NodeId: s.ID, Address: s.Address, Voter: s.Voter, State: clusterv1.RaftState_RAFT_STATE_UNREACHABLE}
+		peers[i] = p
+		if s.ID == h.cfg.NodeID {
+			p.Name = h.cfg.NodeName
+			fillPeer(p, &nodev1.StatusResponse{
+				RaftState: self.State, Term: self.Term, LastIndex: self.LastIndex,
+				CommitIndex: self.CommitIndex, AppliedIndex: self.AppliedIndex,
+				LastContact: contactProto(self),
+			})
+			continue
+		}
+		m, ok := h.members.ServerByID(s.ID, s.Address)
+		if !ok {
+			continue
+		}
+		p.Name = m.Name
+		if m.Status != cluster.StatusAlive && m.Status != cluster.StatusSuspect {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st, err := h.peers.Status(ctx, m.Meta.InternalAddr)
+			if err == nil {
+				fillPeer(p, st)
+			}
+		}()
+	}
+	wg.Wait()
+	var leaderLast uint64
+	for _, p := range peers {
+		if p.State == clusterv1.RaftState_RAFT_STATE_LEADER {
+			leaderLast = p.LastIndex
+		}
+	}
+	for _, p := range peers {
+		if p.State != clusterv1.RaftState_RAFT_STATE_UNREACHABLE && leaderLast > p.LastIndex {
+			p.Trailing = leaderLast - p.LastIndex
+		}
+	}
+	return peers, self.AppliedIndex, nil
 }
 
 func contactProto(st RaftStatus) *durationpb.Duration {

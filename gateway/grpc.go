@@ -100,6 +100,14 @@ func (g clusterGRPC) DeleteConfig(ctx context.Context, r *clusterv1.DeleteConfig
 	return unary(ctx, r, g.h.DeleteConfig)
 }
 
+func (g clusterGRPC) ForceLeave(ctx context.Context, r *clusterv1.ForceLeaveRequest) (*clusterv1.ForceLeaveResponse, error) {
+	return unary(ctx, r, g.h.ForceLeave)
+}
+
+func (g clusterGRPC) AutopilotState(ctx context.Context, r *clusterv1.AutopilotStateRequest) (*clusterv1.AutopilotStateResponse, error) {
+	return unary(ctx, r, g.h.AutopilotState)
+}
+
 func (g clusterGRPC) Keyring(ctx context.Context, r *clusterv1.KeyringRequest) (*clusterv1.KeyringResponse, error) {
 	return unary(ctx, r, g.h.Keyring)
 }
@@ -135,6 +143,10 @@ func (g clusterGRPC) CheckNetworkPolicy(ctx context.Context, r *clusterv1.CheckN
 
 func (g clusterGRPC) ConfigStatus(ctx context.Context, r *clusterv1.ConfigStatusRequest) (*clusterv1.ConfigStatusResponse, error) {
 	return unary(ctx, r, g.h.ConfigStatus)
+}
+
+func (g nodeGRPC) ForceLeave(ctx context.Context, r *nodev1.ForceLeaveRequest) (*nodev1.ForceLeaveResponse, error) {
+	return unary(ctx, r, g.h.ForceLeave)
 }
 
 func (g nodeGRPC) Keyring(ctx context.Context, r *nodev1.KeyringRequest) (*nodev1.KeyringResponse, error) {

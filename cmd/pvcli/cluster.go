@@ -58,8 +58,96 @@ func (a *app) newClusterCmd() *cobra.Command {
 			Args:  positional("[NODE]"),
 			RunE:  a.command(a.clusterTransferLeader),
 		},
+		&cobra.Command{
+			Use:   "force-leave NODE",
+			Short: "Mark a failed gossip member as left on every member; the leader then removes its Raft server",
+			Long: `force-leave tells every live member that the failed member NODE (its gossip
+name, as pvcli cluster members shows it) has left: it is shown as left and
+forgotten like a member that left gracefully, and the leader removes its Raft
+server at once when the remaining voters keep a quorum. A member that is alive
+is refused: run pvcli cluster leave against it instead. Should NODE come back,
+it rejoins.`,
+			Args: positional("NODE"),
+			RunE: a.command(a.clusterForceLeave),
+		},
 		a.newKeyringCmd(),
 	)
+}
+
+func (a *app) clusterForceLeave(cmd *cobra.Command, args []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.ForceLeave(ctx, connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: args[0]}))
+		if err != nil {
+			return err
+		}
+		failed := 0
+		for _, n := range resp.Msg.GetNodes() {
+			if n.GetError() != "" {
+				failed++
+			}
+		}
+		if err := a.render(resp.Msg, func(w io.Writer) {
+			row(w, "NODE", "RESULT")
+			for _, n := range resp.Msg.GetNodes() {
+				result := args[0] + " marked left"
+				if n.GetPending() {
+					result = "still sees " + args[0] + " alive: marked left once it fails there"
+				}
+				row(w, n.GetNode(), orText(n.GetError(), result))
+			}
+		}); err != nil {
+			return err
+		}
+		if failed > 0 {
+			return fmt.Errorf("%d of %d members could not be told; run force-leave again once they are reachable", failed, len(resp.Msg.GetNodes()))
+		}
+		return nil
+	})
+}
+
+func orText(s, otherwise string) string {
+	if s == "" {
+		return otherwise
+	}
+	return s
+}
+
+func (a *app) newOperatorCmd() *cobra.Command {
+	return groupCmd("operator", "Cluster operator tools",
+		groupCmd("autopilot", "How the leader manages the Raft servers",
+			&cobra.Command{
+				Use:   "state",
+				Short: "Each server's health, voter status and stabilization, and why a non-voter was or was not promoted",
+				Args:  positional(),
+				RunE:  a.command(a.autopilotState),
+			},
+		),
+	)
+}
+
+func (a *app) autopilotState(cmd *cobra.Command, _ []string) error {
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.AutopilotState(ctx, connect.NewRequest(&clusterv1.AutopilotStateRequest{}))
+		if err != nil {
+			return err
+		}
+		st := resp.Msg
+		return a.render(st, func(w io.Writer) {
+			fmt.Fprintf(w, "Healthy:\t%t\n", st.GetHealthy())
+			fmt.Fprintf(w, "Failure tolerance:\t%d\n", st.GetFailureTolerance())
+			fmt.Fprintf(w, "Leader:\t%s\n", st.GetLeader())
+			fmt.Fprintf(w, "Voters target:\t%d\n", st.GetVotersTarget())
+			fmt.Fprintf(w, "Stabilization:\t%s\n", formatDuration(st.GetStabilization()))
+			fmt.Fprintf(w, "Max trailing logs:\t%d\n", st.GetMaxTrailingLogs())
+			fmt.Fprintf(w, "Dead server cleanup:\t%s\n\n", formatDuration(st.GetDeadServerCleanup()))
+			row(w, "NAME", "ID", "ADDRESS", "VOTER", "GOSSIP", "HEALTHY", "STABLE-SINCE", "TRAILING", "LAST-CONTACT", "STATUS")
+			for _, s := range st.GetServers() {
+				row(w, s.GetName(), s.GetNodeId(), s.GetAddress(), strconv.FormatBool(s.GetVoter()), enumName(s.GetGossipStatus()),
+					strconv.FormatBool(s.GetHealthy()), formatTime(s.GetStableSince()), formatUint(s.GetTrailing()),
+					formatDuration(s.GetLastContact()), s.GetStatus())
+			}
+		})
+	})
 }
 
 func (a *app) clusterMembers(cmd *cobra.Command, _ []string) error {

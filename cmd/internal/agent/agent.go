@@ -554,6 +554,16 @@ func (a *Agent) buildServices() error {
 	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
 	hcfg.ValidateConfig = a.validateClusterConfig
+	hcfg.ForceLeave = func(ctx context.Context, addr, name string) (bool, error) {
+		resp, err := a.pool.Node(addr).ForceLeave(ctx, connect.NewRequest(&nodev1.ForceLeaveRequest{Node: name}))
+		if err != nil {
+			return false, err
+		}
+		return resp.Msg.GetPending(), nil
+	}
+	if a.etcd == nil {
+		hcfg.Autopilot = a.work.Reconciler
+	}
 	hcfg.Keyring = func(ctx context.Context, addr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error) {
 		resp, err := a.pool.Node(addr).Keyring(ctx, connect.NewRequest(&nodev1.KeyringRequest{Op: op, Key: key}))
 		if err != nil {

@@ -639,3 +639,112 @@ func first(v []string) string {
 	}
 	return v[0]
 }
+
+// TestAutopilotStateAndForceLeave: autopilot state tells each server's
+// health and why the fourth server stays a non-voter; force-leave marks a
+// killed voter left on every member, and the leader then removes it and
+// promotes the non-voter, long before dead_server_cleanup would.
+func TestAutopilotStateAndForceLeave(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, func(i int, cfg *config.Config) {
+		cfg.Cluster.Raft.DeadServerCleanup = config.Duration(time.Hour)
+	})
+	c.WaitLeader(waitFor)
+	c.WaitPeers(waitFor, 3, 0)
+	cfg := agenttest.Config("node4", filepath.Join(t.TempDir(), "node4"))
+	cfg.Cluster.Raft.DeadServerCleanup = config.Duration(time.Hour)
+	cfg.Cluster.Join = []string{c.Node(0).GossipAddr()}
+	n4 := c.Start(3, cfg)
+	c.WaitPeers(waitFor, 3, 1)
+
+	state := func(n *agenttest.Node) (*clusterv1.AutopilotStateResponse, error) {
+		resp, err := n.API.AutopilotState(ctxT(t), connect.NewRequest(&clusterv1.AutopilotStateRequest{}))
+		if err != nil {
+			return nil, err
+		}
+		return resp.Msg, nil
+	}
+	byName := func(st *clusterv1.AutopilotStateResponse, name string) *clusterv1.AutopilotServer {
+		for _, s := range st.GetServers() {
+			if s.GetName() == name {
+				return s
+			}
+		}
+		return nil
+	}
+	leader := c.WaitLeader(waitFor)
+	var victim *agenttest.Node
+	for _, n := range c.Nodes() {
+		if n != leader && n != n4 {
+			victim = n
+		}
+	}
+	agenttest.Eventually(t, waitFor, "autopilot state with a healthy non-voter node4", func() error {
+		st, err := state(victim) // a follower forwards to the leader
+		if err != nil {
+			return err
+		}
+		s4 := byName(st, "node4")
+		switch {
+		case len(st.GetServers()) != 4 || s4 == nil:
+			return fmt.Errorf("servers %v", st.GetServers())
+		case !st.GetHealthy() || st.GetFailureTolerance() != 1 || st.GetLeader() != leader.Name || st.GetVotersTarget() != 3:
+			return fmt.Errorf("healthy %t, failure tolerance %d, leader %q, voters target %d", st.GetHealthy(), st.GetFailureTolerance(), st.GetLeader(), st.GetVotersTarget())
+		case s4.GetVoter() || !s4.GetHealthy() || s4.GetStableSince() == nil || !strings.Contains(s4.GetStatus(), "the cluster has its 3 voters"):
+			return fmt.Errorf("node4: %v", s4)
+		case byName(st, leader.Name).GetStatus() != "leader" || byName(st, victim.Name).GetStatus() != "voter":
+			return fmt.Errorf("statuses: %v", st.GetServers())
+		}
+		return nil
+	})
+
+	_, err := leader.API.ForceLeave(ctxT(t), connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: victim.Name}))
+	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "pvcli cluster leave") {
+		t.Errorf("force-leave of an alive member: %v, want FailedPrecondition pointing to leave", err)
+	}
+	_, err = leader.API.ForceLeave(ctxT(t), connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: "node9"}))
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Errorf("force-leave of an unknown member: %v, want NotFound", err)
+	}
+
+	c.Kill(c.Index(victim))
+	agenttest.Eventually(t, waitFor, victim.Name+" failed in gossip and unhealthy in autopilot", func() error {
+		st, err := state(n4)
+		if err != nil {
+			return err
+		}
+		if s := byName(st, victim.Name); st.GetHealthy() || s == nil || s.GetHealthy() ||
+			s.GetGossipStatus() != clusterv1.MemberStatus_MEMBER_STATUS_FAILED {
+			return fmt.Errorf("healthy %t, %s: %v", st.GetHealthy(), victim.Name, s)
+		}
+		return nil
+	})
+	resp, err := n4.API.ForceLeave(ctxT(t), connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: victim.Name}))
+	if err != nil {
+		t.Fatalf("force-leave %s: %v", victim.Name, err)
+	}
+	if len(resp.Msg.GetNodes()) != 3 {
+		t.Errorf("force-leave told %d members, want the 3 live ones: %v", len(resp.Msg.GetNodes()), resp.Msg.GetNodes())
+	}
+	for _, n := range resp.Msg.GetNodes() {
+		if n.GetError() != "" {
+			t.Errorf("force-leave on %s: %s", n.GetNode(), n.GetError())
+		}
+	}
+	c.WaitPeers(waitFor, 3, 0)
+	// A member that still saw the victim alive when told marks it left
+	// once its own failure detection agrees.
+	agenttest.Eventually(t, waitFor, victim.Name+" left on every member", func() error {
+		for _, n := range c.Nodes() {
+			members, err := n.API.Members(ctxT(t), connect.NewRequest(&clusterv1.MembersRequest{}))
+			if err != nil {
+				return err
+			}
+			for _, m := range members.Msg.GetMembers() {
+				if m.GetName() == victim.Name && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_LEFT {
+					return fmt.Errorf("%s sees %s %v, want left", n.Name, victim.Name, m.GetStatus())
+				}
+			}
+		}
+		return nil
+	})
+}

@@ -75,6 +75,20 @@ type Work struct {
 	// established.
 	readyTerm   atomic.Uint64
 	etcdLeading atomic.Bool
+	// reconciler is the membership reconciler of the current term (Raft
+	// mode, on the leader), nil outside one.
+	reconciler atomic.Pointer[cluster.Reconciler]
+}
+
+// Reconciler is the report of the current term's membership reconciler;
+// false when this node runs none (not the leader, or etcd mode).
+func (w *Work) Reconciler() (cluster.ReconcileReport, bool) {
+	rec := w.reconciler.Load()
+	if rec == nil {
+		return cluster.ReconcileReport{}, false
+	}
+	rep := rec.Report()
+	return rep, rep.Servers != nil
 }
 
 // NewWork returns the term work of cfg.
@@ -150,7 +164,11 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 	rc.LeaderLastIndex = func() uint64 { return s.Status().LastIndex }
 	rec := cluster.NewReconciler(rc, w.cfg.Voters, w.cfg.Members, w.cfg.Peers)
 	w.startCommon(ctx, wg, w.cfg.FSM)
-	wg.Go(func() { rec.Run(ctx) })
+	w.reconciler.Store(rec)
+	wg.Go(func() {
+		defer w.reconciler.CompareAndSwap(rec, nil)
+		rec.Run(ctx)
+	})
 	if w.cfg.CA != nil {
 		wg.Go(func() { w.cfg.CA.installLoop(ctx) })
 	}

@@ -26,6 +26,8 @@ const (
 	ClusterService_Leave_FullMethodName              = "/pivirt.cluster.v1.ClusterService/Leave"
 	ClusterService_RemovePeer_FullMethodName         = "/pivirt.cluster.v1.ClusterService/RemovePeer"
 	ClusterService_TransferLeader_FullMethodName     = "/pivirt.cluster.v1.ClusterService/TransferLeader"
+	ClusterService_ForceLeave_FullMethodName         = "/pivirt.cluster.v1.ClusterService/ForceLeave"
+	ClusterService_AutopilotState_FullMethodName     = "/pivirt.cluster.v1.ClusterService/AutopilotState"
 	ClusterService_RegisterService_FullMethodName    = "/pivirt.cluster.v1.ClusterService/RegisterService"
 	ClusterService_DeregisterService_FullMethodName  = "/pivirt.cluster.v1.ClusterService/DeregisterService"
 	ClusterService_Heartbeat_FullMethodName          = "/pivirt.cluster.v1.ClusterService/Heartbeat"
@@ -64,6 +66,14 @@ type ClusterServiceClient interface {
 	RemovePeer(ctx context.Context, in *RemovePeerRequest, opts ...grpc.CallOption) (*RemovePeerResponse, error)
 	// TransferLeader hands leadership to the named server, or to any.
 	TransferLeader(ctx context.Context, in *TransferLeaderRequest, opts ...grpc.CallOption) (*TransferLeaderResponse, error)
+	// ForceLeave marks a failed gossip member as left on every live member
+	// (Consul's force-leave): it is shown as left and forgotten like a member
+	// that left, and the leader removes its Raft server at once, quorum
+	// permitting. An alive member is refused; one that comes back rejoins.
+	ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error)
+	// AutopilotState reports, from the leader, each server's health, voter
+	// status and stabilization, and why a non-voter was or was not promoted.
+	AutopilotState(ctx context.Context, in *AutopilotStateRequest, opts ...grpc.CallOption) (*AutopilotStateResponse, error)
 	RegisterService(ctx context.Context, in *RegisterServiceRequest, opts ...grpc.CallOption) (*RegisterServiceResponse, error)
 	DeregisterService(ctx context.Context, in *DeregisterServiceRequest, opts ...grpc.CallOption) (*DeregisterServiceResponse, error)
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
@@ -165,6 +175,26 @@ func (c *clusterServiceClient) TransferLeader(ctx context.Context, in *TransferL
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(TransferLeaderResponse)
 	err := c.cc.Invoke(ctx, ClusterService_TransferLeader_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ForceLeaveResponse)
+	err := c.cc.Invoke(ctx, ClusterService_ForceLeave_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) AutopilotState(ctx context.Context, in *AutopilotStateRequest, opts ...grpc.CallOption) (*AutopilotStateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AutopilotStateResponse)
+	err := c.cc.Invoke(ctx, ClusterService_AutopilotState_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -333,6 +363,14 @@ type ClusterServiceServer interface {
 	RemovePeer(context.Context, *RemovePeerRequest) (*RemovePeerResponse, error)
 	// TransferLeader hands leadership to the named server, or to any.
 	TransferLeader(context.Context, *TransferLeaderRequest) (*TransferLeaderResponse, error)
+	// ForceLeave marks a failed gossip member as left on every live member
+	// (Consul's force-leave): it is shown as left and forgotten like a member
+	// that left, and the leader removes its Raft server at once, quorum
+	// permitting. An alive member is refused; one that comes back rejoins.
+	ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error)
+	// AutopilotState reports, from the leader, each server's health, voter
+	// status and stabilization, and why a non-voter was or was not promoted.
+	AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error)
 	RegisterService(context.Context, *RegisterServiceRequest) (*RegisterServiceResponse, error)
 	DeregisterService(context.Context, *DeregisterServiceRequest) (*DeregisterServiceResponse, error)
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
@@ -389,6 +427,12 @@ func (UnimplementedClusterServiceServer) RemovePeer(context.Context, *RemovePeer
 }
 func (UnimplementedClusterServiceServer) TransferLeader(context.Context, *TransferLeaderRequest) (*TransferLeaderResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method TransferLeader not implemented")
+}
+func (UnimplementedClusterServiceServer) ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ForceLeave not implemented")
+}
+func (UnimplementedClusterServiceServer) AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method AutopilotState not implemented")
 }
 func (UnimplementedClusterServiceServer) RegisterService(context.Context, *RegisterServiceRequest) (*RegisterServiceResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RegisterService not implemented")
@@ -574,6 +618,42 @@ func _ClusterService_TransferLeader_Handler(srv interface{}, ctx context.Context
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(ClusterServiceServer).TransferLeader(ctx, req.(*TransferLeaderRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_ForceLeave_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ForceLeaveRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).ForceLeave(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_ForceLeave_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).ForceLeave(ctx, req.(*ForceLeaveRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_AutopilotState_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AutopilotStateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).AutopilotState(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_AutopilotState_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).AutopilotState(ctx, req.(*AutopilotStateRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -864,6 +944,14 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "TransferLeader",
 			Handler:    _ClusterService_TransferLeader_Handler,
+		},
+		{
+			MethodName: "ForceLeave",
+			Handler:    _ClusterService_ForceLeave_Handler,
+		},
+		{
+			MethodName: "AutopilotState",
+			Handler:    _ClusterService_AutopilotState_Handler,
 		},
 		{
 			MethodName: "RegisterService",

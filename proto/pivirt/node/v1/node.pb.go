@@ -216,6 +216,96 @@ func (x *RenewCertificateResponse) GetCertPem() []byte {
 	return nil
 }
 
+type ForceLeaveRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForceLeaveRequest) Reset() {
+	*x = ForceLeaveRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForceLeaveRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForceLeaveRequest) ProtoMessage() {}
+
+func (x *ForceLeaveRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForceLeaveRequest.ProtoReflect.Descriptor instead.
+func (*ForceLeaveRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ForceLeaveRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+type ForceLeaveResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// pending: this node still sees the member alive; it takes its failure,
+	// when it comes, as a leave.
+	Pending       bool `protobuf:"varint,1,opt,name=pending,proto3" json:"pending,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForceLeaveResponse) Reset() {
+	*x = ForceLeaveResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForceLeaveResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForceLeaveResponse) ProtoMessage() {}
+
+func (x *ForceLeaveResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForceLeaveResponse.ProtoReflect.Descriptor instead.
+func (*ForceLeaveResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ForceLeaveResponse) GetPending() bool {
+	if x != nil {
+		return x.Pending
+	}
+	return false
+}
+
 type KeyringRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Op            v1.KeyringOp           `protobuf:"varint,1,opt,name=op,proto3,enum=pivirt.cluster.v1.KeyringOp" json:"op,omitempty"`
@@ -226,7 +316,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -238,7 +328,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -251,7 +341,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *KeyringRequest) GetOp() v1.KeyringOp {
@@ -277,7 +367,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -289,7 +379,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -302,7 +392,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *KeyringResponse) GetKeyring() *v1.NodeKeyring {
@@ -320,7 +410,7 @@ type ReadIndexRequest struct {
 
 func (x *ReadIndexRequest) Reset() {
 	*x = ReadIndexRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -332,7 +422,7 @@ func (x *ReadIndexRequest) String() string {
 func (*ReadIndexRequest) ProtoMessage() {}
 
 func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -345,7 +435,7 @@ func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
 func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
 }
 
 type ReadIndexResponse struct {
@@ -359,7 +449,7 @@ type ReadIndexResponse struct {
 
 func (x *ReadIndexResponse) Reset() {
 	*x = ReadIndexResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -371,7 +461,7 @@ func (x *ReadIndexResponse) String() string {
 func (*ReadIndexResponse) ProtoMessage() {}
 
 func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -384,7 +474,7 @@ func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
 func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ReadIndexResponse) GetIndex() uint64 {
@@ -406,7 +496,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -418,7 +508,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -431,7 +521,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StatusRequest) GetNonce() []byte {
@@ -457,7 +547,7 @@ type IdentityProof struct {
 
 func (x *IdentityProof) Reset() {
 	*x = IdentityProof{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -469,7 +559,7 @@ func (x *IdentityProof) String() string {
 func (*IdentityProof) ProtoMessage() {}
 
 func (x *IdentityProof) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -482,7 +572,7 @@ func (x *IdentityProof) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IdentityProof.ProtoReflect.Descriptor instead.
 func (*IdentityProof) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *IdentityProof) GetChain() [][]byte {
@@ -526,7 +616,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -538,7 +628,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -551,7 +641,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -661,7 +751,7 @@ type ReportPlacementsRequest struct {
 
 func (x *ReportPlacementsRequest) Reset() {
 	*x = ReportPlacementsRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -673,7 +763,7 @@ func (x *ReportPlacementsRequest) String() string {
 func (*ReportPlacementsRequest) ProtoMessage() {}
 
 func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -686,7 +776,7 @@ func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsRequest.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ReportPlacementsRequest) GetPlacements() *v11.SetPlacements {
@@ -704,7 +794,7 @@ type ReportPlacementsResponse struct {
 
 func (x *ReportPlacementsResponse) Reset() {
 	*x = ReportPlacementsResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -716,7 +806,7 @@ func (x *ReportPlacementsResponse) String() string {
 func (*ReportPlacementsResponse) ProtoMessage() {}
 
 func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -729,7 +819,7 @@ func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsResponse.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{14}
 }
 
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
@@ -745,7 +835,11 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\acurrent\x18\x02 \x03(\fR\acurrent\x12\x14\n" +
 	"\x05proof\x18\x03 \x01(\fR\x05proof\"5\n" +
 	"\x18RenewCertificateResponse\x12\x19\n" +
-	"\bcert_pem\x18\x01 \x01(\fR\acertPem\"P\n" +
+	"\bcert_pem\x18\x01 \x01(\fR\acertPem\"'\n" +
+	"\x11ForceLeaveRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\".\n" +
+	"\x12ForceLeaveResponse\x12\x18\n" +
+	"\apending\x18\x01 \x01(\bR\apending\"P\n" +
 	"\x0eKeyringRequest\x12,\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1c.pivirt.cluster.v1.KeyringOpR\x02op\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\"K\n" +
@@ -781,11 +875,13 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
 	"placements\x18\x01 \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsR\n" +
 	"placements\"\x1a\n" +
-	"\x18ReportPlacementsResponse2\xa9\x04\n" +
+	"\x18ReportPlacementsResponse2\x80\x05\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
-	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00\x12g\n" +
+	"\aKeyring\x12\x1e.pivirt.node.v1.KeyringRequest\x1a\x1f.pivirt.node.v1.KeyringResponse\"\x00\x12U\n" +
+	"\n" +
+	"ForceLeave\x12!.pivirt.node.v1.ForceLeaveRequest\x1a\".pivirt.node.v1.ForceLeaveResponse\"\x00\x12g\n" +
 	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00\x12g\n" +
 	"\x10ReportPlacements\x12'.pivirt.node.v1.ReportPlacementsRequest\x1a(.pivirt.node.v1.ReportPlacementsResponse\"\x00\x12[\n" +
 	"\fConfigStatus\x12#.pivirt.node.v1.ConfigStatusRequest\x1a$.pivirt.node.v1.ConfigStatusResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
@@ -802,48 +898,52 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
 	(*ConfigStatusRequest)(nil),      // 0: pivirt.node.v1.ConfigStatusRequest
 	(*ConfigStatusResponse)(nil),     // 1: pivirt.node.v1.ConfigStatusResponse
 	(*RenewCertificateRequest)(nil),  // 2: pivirt.node.v1.RenewCertificateRequest
 	(*RenewCertificateResponse)(nil), // 3: pivirt.node.v1.RenewCertificateResponse
-	(*KeyringRequest)(nil),           // 4: pivirt.node.v1.KeyringRequest
-	(*KeyringResponse)(nil),          // 5: pivirt.node.v1.KeyringResponse
-	(*ReadIndexRequest)(nil),         // 6: pivirt.node.v1.ReadIndexRequest
-	(*ReadIndexResponse)(nil),        // 7: pivirt.node.v1.ReadIndexResponse
-	(*StatusRequest)(nil),            // 8: pivirt.node.v1.StatusRequest
-	(*IdentityProof)(nil),            // 9: pivirt.node.v1.IdentityProof
-	(*StatusResponse)(nil),           // 10: pivirt.node.v1.StatusResponse
-	(*ReportPlacementsRequest)(nil),  // 11: pivirt.node.v1.ReportPlacementsRequest
-	(*ReportPlacementsResponse)(nil), // 12: pivirt.node.v1.ReportPlacementsResponse
-	(*v1.NodeConfigStatus)(nil),      // 13: pivirt.cluster.v1.NodeConfigStatus
-	(v1.KeyringOp)(0),                // 14: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),           // 15: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil),      // 16: google.protobuf.Duration
-	(*v11.SetPlacements)(nil),        // 17: pivirt.fsm.v1.SetPlacements
+	(*ForceLeaveRequest)(nil),        // 4: pivirt.node.v1.ForceLeaveRequest
+	(*ForceLeaveResponse)(nil),       // 5: pivirt.node.v1.ForceLeaveResponse
+	(*KeyringRequest)(nil),           // 6: pivirt.node.v1.KeyringRequest
+	(*KeyringResponse)(nil),          // 7: pivirt.node.v1.KeyringResponse
+	(*ReadIndexRequest)(nil),         // 8: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),        // 9: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),            // 10: pivirt.node.v1.StatusRequest
+	(*IdentityProof)(nil),            // 11: pivirt.node.v1.IdentityProof
+	(*StatusResponse)(nil),           // 12: pivirt.node.v1.StatusResponse
+	(*ReportPlacementsRequest)(nil),  // 13: pivirt.node.v1.ReportPlacementsRequest
+	(*ReportPlacementsResponse)(nil), // 14: pivirt.node.v1.ReportPlacementsResponse
+	(*v1.NodeConfigStatus)(nil),      // 15: pivirt.cluster.v1.NodeConfigStatus
+	(v1.KeyringOp)(0),                // 16: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 17: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 18: google.protobuf.Duration
+	(*v11.SetPlacements)(nil),        // 19: pivirt.fsm.v1.SetPlacements
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	13, // 0: pivirt.node.v1.ConfigStatusResponse.status:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	14, // 1: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	15, // 2: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	16, // 3: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	9,  // 4: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
-	17, // 5: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
-	8,  // 6: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	6,  // 7: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	4,  // 8: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	2,  // 9: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
-	11, // 10: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
-	0,  // 11: pivirt.node.v1.NodeService.ConfigStatus:input_type -> pivirt.node.v1.ConfigStatusRequest
-	10, // 12: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	7,  // 13: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	5,  // 14: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	3,  // 15: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
-	12, // 16: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
-	1,  // 17: pivirt.node.v1.NodeService.ConfigStatus:output_type -> pivirt.node.v1.ConfigStatusResponse
-	12, // [12:18] is the sub-list for method output_type
-	6,  // [6:12] is the sub-list for method input_type
+	15, // 0: pivirt.node.v1.ConfigStatusResponse.status:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	16, // 1: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	17, // 2: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	18, // 3: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	11, // 4: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
+	19, // 5: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
+	10, // 6: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	8,  // 7: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	6,  // 8: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	4,  // 9: pivirt.node.v1.NodeService.ForceLeave:input_type -> pivirt.node.v1.ForceLeaveRequest
+	2,  // 10: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	13, // 11: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
+	0,  // 12: pivirt.node.v1.NodeService.ConfigStatus:input_type -> pivirt.node.v1.ConfigStatusRequest
+	12, // 13: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	9,  // 14: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	7,  // 15: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	5,  // 16: pivirt.node.v1.NodeService.ForceLeave:output_type -> pivirt.node.v1.ForceLeaveResponse
+	3,  // 17: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	14, // 18: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
+	1,  // 19: pivirt.node.v1.NodeService.ConfigStatus:output_type -> pivirt.node.v1.ConfigStatusResponse
+	13, // [13:20] is the sub-list for method output_type
+	6,  // [6:13] is the sub-list for method input_type
 	6,  // [6:6] is the sub-list for extension type_name
 	6,  // [6:6] is the sub-list for extension extendee
 	0,  // [0:6] is the sub-list for field type_name
@@ -860,7 +960,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

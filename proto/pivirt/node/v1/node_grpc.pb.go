@@ -25,6 +25,7 @@ const (
 	NodeService_Status_FullMethodName           = "/pivirt.node.v1.NodeService/Status"
 	NodeService_ReadIndex_FullMethodName        = "/pivirt.node.v1.NodeService/ReadIndex"
 	NodeService_Keyring_FullMethodName          = "/pivirt.node.v1.NodeService/Keyring"
+	NodeService_ForceLeave_FullMethodName       = "/pivirt.node.v1.NodeService/ForceLeave"
 	NodeService_RenewCertificate_FullMethodName = "/pivirt.node.v1.NodeService/RenewCertificate"
 	NodeService_ReportPlacements_FullMethodName = "/pivirt.node.v1.NodeService/ReportPlacements"
 	NodeService_ConfigStatus_FullMethodName     = "/pivirt.node.v1.NodeService/ConfigStatus"
@@ -46,6 +47,9 @@ type NodeServiceClient interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(ctx context.Context, in *KeyringRequest, opts ...grpc.CallOption) (*KeyringResponse, error)
+	// ForceLeave marks a failed member as left in this node's member table
+	// only (the node asked by a client fans it out to every member).
+	ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error)
 	// RenewCertificate signs a renewal of a certificate the caller holds with
 	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
@@ -91,6 +95,16 @@ func (c *nodeServiceClient) Keyring(ctx context.Context, in *KeyringRequest, opt
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(KeyringResponse)
 	err := c.cc.Invoke(ctx, NodeService_Keyring_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *nodeServiceClient) ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ForceLeaveResponse)
+	err := c.cc.Invoke(ctx, NodeService_ForceLeave_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -143,6 +157,9 @@ type NodeServiceServer interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error)
+	// ForceLeave marks a failed member as left in this node's member table
+	// only (the node asked by a client fans it out to every member).
+	ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error)
 	// RenewCertificate signs a renewal of a certificate the caller holds with
 	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
@@ -171,6 +188,9 @@ func (UnimplementedNodeServiceServer) ReadIndex(context.Context, *ReadIndexReque
 }
 func (UnimplementedNodeServiceServer) Keyring(context.Context, *KeyringRequest) (*KeyringResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Keyring not implemented")
+}
+func (UnimplementedNodeServiceServer) ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ForceLeave not implemented")
 }
 func (UnimplementedNodeServiceServer) RenewCertificate(context.Context, *RenewCertificateRequest) (*RenewCertificateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RenewCertificate not implemented")
@@ -255,6 +275,24 @@ func _NodeService_Keyring_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_ForceLeave_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ForceLeaveRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).ForceLeave(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_ForceLeave_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).ForceLeave(ctx, req.(*ForceLeaveRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _NodeService_RenewCertificate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(RenewCertificateRequest)
 	if err := dec(in); err != nil {
@@ -327,6 +365,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Keyring",
 			Handler:    _NodeService_Keyring_Handler,
+		},
+		{
+			MethodName: "ForceLeave",
+			Handler:    _NodeService_ForceLeave_Handler,
 		},
 		{
 			MethodName: "RenewCertificate",

@@ -49,6 +49,12 @@ const (
 	// ClusterServiceTransferLeaderProcedure is the fully-qualified name of the ClusterService's
 	// TransferLeader RPC.
 	ClusterServiceTransferLeaderProcedure = "/pivirt.cluster.v1.ClusterService/TransferLeader"
+	// ClusterServiceForceLeaveProcedure is the fully-qualified name of the ClusterService's ForceLeave
+	// RPC.
+	ClusterServiceForceLeaveProcedure = "/pivirt.cluster.v1.ClusterService/ForceLeave"
+	// ClusterServiceAutopilotStateProcedure is the fully-qualified name of the ClusterService's
+	// AutopilotState RPC.
+	ClusterServiceAutopilotStateProcedure = "/pivirt.cluster.v1.ClusterService/AutopilotState"
 	// ClusterServiceRegisterServiceProcedure is the fully-qualified name of the ClusterService's
 	// RegisterService RPC.
 	ClusterServiceRegisterServiceProcedure = "/pivirt.cluster.v1.ClusterService/RegisterService"
@@ -108,6 +114,14 @@ type ClusterServiceClient interface {
 	RemovePeer(context.Context, *connect.Request[v1.RemovePeerRequest]) (*connect.Response[v1.RemovePeerResponse], error)
 	// TransferLeader hands leadership to the named server, or to any.
 	TransferLeader(context.Context, *connect.Request[v1.TransferLeaderRequest]) (*connect.Response[v1.TransferLeaderResponse], error)
+	// ForceLeave marks a failed gossip member as left on every live member
+	// (Consul's force-leave): it is shown as left and forgotten like a member
+	// that left, and the leader removes its Raft server at once, quorum
+	// permitting. An alive member is refused; one that comes back rejoins.
+	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
+	// AutopilotState reports, from the leader, each server's health, voter
+	// status and stabilization, and why a non-voter was or was not promoted.
+	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
 	RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error)
 	DeregisterService(context.Context, *connect.Request[v1.DeregisterServiceRequest]) (*connect.Response[v1.DeregisterServiceResponse], error)
 	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.HeartbeatResponse], error)
@@ -188,6 +202,18 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			httpClient,
 			baseURL+ClusterServiceTransferLeaderProcedure,
 			connect.WithSchema(clusterServiceMethods.ByName("TransferLeader")),
+			connect.WithClientOptions(opts...),
+		),
+		forceLeave: connect.NewClient[v1.ForceLeaveRequest, v1.ForceLeaveResponse](
+			httpClient,
+			baseURL+ClusterServiceForceLeaveProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("ForceLeave")),
+			connect.WithClientOptions(opts...),
+		),
+		autopilotState: connect.NewClient[v1.AutopilotStateRequest, v1.AutopilotStateResponse](
+			httpClient,
+			baseURL+ClusterServiceAutopilotStateProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("AutopilotState")),
 			connect.WithClientOptions(opts...),
 		),
 		registerService: connect.NewClient[v1.RegisterServiceRequest, v1.RegisterServiceResponse](
@@ -286,6 +312,8 @@ type clusterServiceClient struct {
 	leave              *connect.Client[v1.LeaveRequest, v1.LeaveResponse]
 	removePeer         *connect.Client[v1.RemovePeerRequest, v1.RemovePeerResponse]
 	transferLeader     *connect.Client[v1.TransferLeaderRequest, v1.TransferLeaderResponse]
+	forceLeave         *connect.Client[v1.ForceLeaveRequest, v1.ForceLeaveResponse]
+	autopilotState     *connect.Client[v1.AutopilotStateRequest, v1.AutopilotStateResponse]
 	registerService    *connect.Client[v1.RegisterServiceRequest, v1.RegisterServiceResponse]
 	deregisterService  *connect.Client[v1.DeregisterServiceRequest, v1.DeregisterServiceResponse]
 	heartbeat          *connect.Client[v1.HeartbeatRequest, v1.HeartbeatResponse]
@@ -335,6 +363,16 @@ func (c *clusterServiceClient) RemovePeer(ctx context.Context, req *connect.Requ
 // TransferLeader calls pivirt.cluster.v1.ClusterService.TransferLeader.
 func (c *clusterServiceClient) TransferLeader(ctx context.Context, req *connect.Request[v1.TransferLeaderRequest]) (*connect.Response[v1.TransferLeaderResponse], error) {
 	return c.transferLeader.CallUnary(ctx, req)
+}
+
+// ForceLeave calls pivirt.cluster.v1.ClusterService.ForceLeave.
+func (c *clusterServiceClient) ForceLeave(ctx context.Context, req *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
+	return c.forceLeave.CallUnary(ctx, req)
+}
+
+// AutopilotState calls pivirt.cluster.v1.ClusterService.AutopilotState.
+func (c *clusterServiceClient) AutopilotState(ctx context.Context, req *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error) {
+	return c.autopilotState.CallUnary(ctx, req)
 }
 
 // RegisterService calls pivirt.cluster.v1.ClusterService.RegisterService.
@@ -423,6 +461,14 @@ type ClusterServiceHandler interface {
 	RemovePeer(context.Context, *connect.Request[v1.RemovePeerRequest]) (*connect.Response[v1.RemovePeerResponse], error)
 	// TransferLeader hands leadership to the named server, or to any.
 	TransferLeader(context.Context, *connect.Request[v1.TransferLeaderRequest]) (*connect.Response[v1.TransferLeaderResponse], error)
+	// ForceLeave marks a failed gossip member as left on every live member
+	// (Consul's force-leave): it is shown as left and forgotten like a member
+	// that left, and the leader removes its Raft server at once, quorum
+	// permitting. An alive member is refused; one that comes back rejoins.
+	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
+	// AutopilotState reports, from the leader, each server's health, voter
+	// status and stabilization, and why a non-voter was or was not promoted.
+	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
 	RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error)
 	DeregisterService(context.Context, *connect.Request[v1.DeregisterServiceRequest]) (*connect.Response[v1.DeregisterServiceResponse], error)
 	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.HeartbeatResponse], error)
@@ -499,6 +545,18 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		ClusterServiceTransferLeaderProcedure,
 		svc.TransferLeader,
 		connect.WithSchema(clusterServiceMethods.ByName("TransferLeader")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceForceLeaveHandler := connect.NewUnaryHandler(
+		ClusterServiceForceLeaveProcedure,
+		svc.ForceLeave,
+		connect.WithSchema(clusterServiceMethods.ByName("ForceLeave")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceAutopilotStateHandler := connect.NewUnaryHandler(
+		ClusterServiceAutopilotStateProcedure,
+		svc.AutopilotState,
+		connect.WithSchema(clusterServiceMethods.ByName("AutopilotState")),
 		connect.WithHandlerOptions(opts...),
 	)
 	clusterServiceRegisterServiceHandler := connect.NewUnaryHandler(
@@ -601,6 +659,10 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceRemovePeerHandler.ServeHTTP(w, r)
 		case ClusterServiceTransferLeaderProcedure:
 			clusterServiceTransferLeaderHandler.ServeHTTP(w, r)
+		case ClusterServiceForceLeaveProcedure:
+			clusterServiceForceLeaveHandler.ServeHTTP(w, r)
+		case ClusterServiceAutopilotStateProcedure:
+			clusterServiceAutopilotStateHandler.ServeHTTP(w, r)
 		case ClusterServiceRegisterServiceProcedure:
 			clusterServiceRegisterServiceHandler.ServeHTTP(w, r)
 		case ClusterServiceDeregisterServiceProcedure:
@@ -664,6 +726,14 @@ func (UnimplementedClusterServiceHandler) RemovePeer(context.Context, *connect.R
 
 func (UnimplementedClusterServiceHandler) TransferLeader(context.Context, *connect.Request[v1.TransferLeaderRequest]) (*connect.Response[v1.TransferLeaderResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.TransferLeader is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ForceLeave is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.AutopilotState is not implemented"))
 }
 
 func (UnimplementedClusterServiceHandler) RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error) {

@@ -41,6 +41,8 @@ const (
 	NodeServiceReadIndexProcedure = "/pivirt.node.v1.NodeService/ReadIndex"
 	// NodeServiceKeyringProcedure is the fully-qualified name of the NodeService's Keyring RPC.
 	NodeServiceKeyringProcedure = "/pivirt.node.v1.NodeService/Keyring"
+	// NodeServiceForceLeaveProcedure is the fully-qualified name of the NodeService's ForceLeave RPC.
+	NodeServiceForceLeaveProcedure = "/pivirt.node.v1.NodeService/ForceLeave"
 	// NodeServiceRenewCertificateProcedure is the fully-qualified name of the NodeService's
 	// RenewCertificate RPC.
 	NodeServiceRenewCertificateProcedure = "/pivirt.node.v1.NodeService/RenewCertificate"
@@ -66,6 +68,9 @@ type NodeServiceClient interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// ForceLeave marks a failed member as left in this node's member table
+	// only (the node asked by a client fans it out to every member).
+	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
 	// RenewCertificate signs a renewal of a certificate the caller holds with
 	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
@@ -108,6 +113,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
 			connect.WithClientOptions(opts...),
 		),
+		forceLeave: connect.NewClient[v1.ForceLeaveRequest, v1.ForceLeaveResponse](
+			httpClient,
+			baseURL+NodeServiceForceLeaveProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("ForceLeave")),
+			connect.WithClientOptions(opts...),
+		),
 		renewCertificate: connect.NewClient[v1.RenewCertificateRequest, v1.RenewCertificateResponse](
 			httpClient,
 			baseURL+NodeServiceRenewCertificateProcedure,
@@ -134,6 +145,7 @@ type nodeServiceClient struct {
 	status           *connect.Client[v1.StatusRequest, v1.StatusResponse]
 	readIndex        *connect.Client[v1.ReadIndexRequest, v1.ReadIndexResponse]
 	keyring          *connect.Client[v1.KeyringRequest, v1.KeyringResponse]
+	forceLeave       *connect.Client[v1.ForceLeaveRequest, v1.ForceLeaveResponse]
 	renewCertificate *connect.Client[v1.RenewCertificateRequest, v1.RenewCertificateResponse]
 	reportPlacements *connect.Client[v1.ReportPlacementsRequest, v1.ReportPlacementsResponse]
 	configStatus     *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
@@ -152,6 +164,11 @@ func (c *nodeServiceClient) ReadIndex(ctx context.Context, req *connect.Request[
 // Keyring calls pivirt.node.v1.NodeService.Keyring.
 func (c *nodeServiceClient) Keyring(ctx context.Context, req *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
 	return c.keyring.CallUnary(ctx, req)
+}
+
+// ForceLeave calls pivirt.node.v1.NodeService.ForceLeave.
+func (c *nodeServiceClient) ForceLeave(ctx context.Context, req *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
+	return c.forceLeave.CallUnary(ctx, req)
 }
 
 // RenewCertificate calls pivirt.node.v1.NodeService.RenewCertificate.
@@ -183,6 +200,9 @@ type NodeServiceHandler interface {
 	// Keyring applies a gossip keyring operation to this node only (the
 	// node asked by a client fans it out to every member).
 	Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error)
+	// ForceLeave marks a failed member as left in this node's member table
+	// only (the node asked by a client fans it out to every member).
+	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
 	// RenewCertificate signs a renewal of a certificate the caller holds with
 	// the cluster CA (tls.cluster_ca). Leader only (Unavailable elsewhere);
 	// FailedPrecondition without a cluster CA, PermissionDenied for a
@@ -221,6 +241,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("Keyring")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceForceLeaveHandler := connect.NewUnaryHandler(
+		NodeServiceForceLeaveProcedure,
+		svc.ForceLeave,
+		connect.WithSchema(nodeServiceMethods.ByName("ForceLeave")),
+		connect.WithHandlerOptions(opts...),
+	)
 	nodeServiceRenewCertificateHandler := connect.NewUnaryHandler(
 		NodeServiceRenewCertificateProcedure,
 		svc.RenewCertificate,
@@ -247,6 +273,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceReadIndexHandler.ServeHTTP(w, r)
 		case NodeServiceKeyringProcedure:
 			nodeServiceKeyringHandler.ServeHTTP(w, r)
+		case NodeServiceForceLeaveProcedure:
+			nodeServiceForceLeaveHandler.ServeHTTP(w, r)
 		case NodeServiceRenewCertificateProcedure:
 			nodeServiceRenewCertificateHandler.ServeHTTP(w, r)
 		case NodeServiceReportPlacementsProcedure:
@@ -272,6 +300,10 @@ func (UnimplementedNodeServiceHandler) ReadIndex(context.Context, *connect.Reque
 
 func (UnimplementedNodeServiceHandler) Keyring(context.Context, *connect.Request[v1.KeyringRequest]) (*connect.Response[v1.KeyringResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.Keyring is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ForceLeave is not implemented"))
 }
 
 func (UnimplementedNodeServiceHandler) RenewCertificate(context.Context, *connect.Request[v1.RenewCertificateRequest]) (*connect.Response[v1.RenewCertificateResponse], error) {
