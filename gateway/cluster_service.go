@@ -44,6 +44,9 @@ type RaftStatus struct {
 	// LastContact is when a follower last heard from the leader.
 	LastContact time.Time
 	LeaderID    string
+	// NoLeaderSince is, while no leader is known, since when (zero when
+	// unknown).
+	NoLeaderSince time.Time
 }
 
 // Consensus is the replicated log as the handlers use it.

@@ -58,8 +58,9 @@ type remoteCall[Req, Res any] func(clusterv1connect.ClusterServiceClient, contex
 
 // onLeader runs local on the leader. A node that is not the leader forwards
 // the request to the leader's internal port; without a known leader it waits
-// up to the hold timeout (polling with jitter) and then fails with
-// Unavailable naming the missing leader. The leader-only handler of the
+// up to the hold timeout, or until shortly before the call's deadline
+// (polling with jitter), and then fails with Unavailable saying what this
+// node knows of the cluster (noleader.go). The leader-only handler of the
 // internal port never forwards.
 func onLeader[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], remote remoteCall[Req, Res], local func(context.Context) (*connect.Response[Res], error)) (*connect.Response[Res], error) {
 	return viaLeader(ctx, h, local, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
@@ -98,7 +99,13 @@ func viaElected[T any](ctx context.Context, h *ClusterService, local func(contex
 
 func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, local func(context.Context) (T, error), remote func(ctx context.Context, internalAddr string) (T, error)) (T, error) {
 	var zero T
-	hold := time.Now().Add(h.cfg.HoldTimeout)
+	start := time.Now()
+	// The wait ends at the hold timeout, or earlier so that the caller
+	// gets the reason before its own deadline.
+	giveUp, cut := start.Add(h.cfg.HoldTimeout), false
+	if d, ok := ctx.Deadline(); ok && d.Add(-leaderWaitMargin).Before(giveUp) {
+		giveUp, cut = d.Add(-leaderWaitMargin), true
+	}
 	var lastErr error
 	for attempt := 0; ; attempt++ {
 		id, leaderAddr := h.raft.Leader()
@@ -139,13 +146,8 @@ func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, l
 			return zero, toConnect(fmt.Errorf("%w: %v", ErrStopping, lastErr))
 		default:
 		}
-		if time.Now().After(hold) {
-			if h.cfg.Direct {
-				return zero, connect.NewError(connect.CodeUnavailable,
-					fmt.Errorf("after waiting %s: %v", h.cfg.HoldTimeout, lastErr))
-			}
-			return zero, connect.NewError(connect.CodeUnavailable,
-				fmt.Errorf("%w after waiting %s: %v", ErrNoLeader, h.cfg.HoldTimeout, lastErr))
+		if time.Now().After(giveUp) {
+			return zero, h.gaveUp(time.Since(start), cut, lastErr)
 		}
 		wait := time.Duration(25+rand.IntN(50)) * time.Millisecond
 		if attempt > 10 {

@@ -12,21 +12,34 @@ import (
 // to reach, from raft's own observations (FailedHeartbeatObservation,
 // ResumedHeartbeatObservation). Membership changes ask it whether a
 // removal would leave a quorum that can commit (see DESIGN.md,
-// "Invariants": address changes).
+// "Invariants": address changes). On every node it also follows since when
+// the node has known no leader (LeaderObservation), which the errors of
+// requests that found none report.
 type reach struct {
 	grace time.Duration // how long a new leader hears nothing before it trusts the absence of failures
+	// lastContact is raft's LastContact: a follower's last contact with
+	// its leader.
+	lastContact func() time.Time
 
 	mu      sync.Mutex
 	failing map[raft.ServerID]bool
 	since   time.Time // when the current leadership began; zero when not leader
-	obs     *raft.Observer
-	done    chan struct{}
+	// noLeader is since when this node knows no leader (for a follower
+	// that lost its leader, its last contact with it); zero while it knows
+	// one. leaderKnown is when the leader it knows (knew) became known,
+	// selfLed whether that was this node.
+	noLeader    time.Time
+	leaderKnown time.Time
+	selfLed     bool
+	obs         *raft.Observer
+	done        chan struct{}
 }
 
 // start registers the observer on r and follows its observations until
 // closing is closed.
 func (p *reach) start(r *raft.Raft, self raft.ServerID, closing <-chan struct{}) {
 	p.failing = map[raft.ServerID]bool{}
+	p.lastContact = r.LastContact
 	ch := make(chan raft.Observation, 64)
 	p.obs = raft.NewObserver(ch, false, func(o *raft.Observation) bool {
 		switch o.Data.(type) {
@@ -36,6 +49,12 @@ func (p *reach) start(r *raft.Raft, self raft.ServerID, closing <-chan struct{})
 		return false
 	})
 	r.RegisterObserver(p.obs)
+	// No leader yet, unless one was observed already.
+	p.mu.Lock()
+	if _, id := r.LeaderWithID(); id == "" && p.leaderKnown.IsZero() && p.noLeader.IsZero() {
+		p.noLeader = time.Now()
+	}
+	p.mu.Unlock()
 	p.done = make(chan struct{})
 	go func() {
 		defer close(p.done)
@@ -63,11 +82,30 @@ func (p *reach) observe(o raft.Observation, self raft.ServerID) {
 		if d.LeaderID == self {
 			p.since = time.Now()
 		}
+		switch {
+		case d.LeaderID != "":
+			p.noLeader, p.leaderKnown, p.selfLed = time.Time{}, time.Now(), d.LeaderID == self
+		case p.noLeader.IsZero():
+			// A leader's own LastContact is older than its term: it
+			// lost its leadership now.
+			p.noLeader = time.Now()
+			if c := p.lastContact(); !p.selfLed && c.After(p.leaderKnown) && c.Before(p.noLeader) {
+				p.noLeader = c
+			}
+		}
 	case raft.FailedHeartbeatObservation:
 		p.failing[d.PeerID] = true
 	case raft.ResumedHeartbeatObservation:
 		delete(p.failing, d.PeerID)
 	}
+}
+
+// noLeaderSince is since when this node has known no leader; zero while it
+// knows one (or has not yet observed the loss).
+func (p *reach) noLeaderSince() time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.noLeader
 }
 
 // stop waits for the observing goroutine (closing must already be closed).

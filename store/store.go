@@ -385,6 +385,10 @@ type Role struct {
 	AppliedIndex uint64    // highest index handed to the FSM
 	LastContact  time.Time // last contact from the leader; zero on the leader or if never
 	LeaderID     string    // current leader's ID, "" if unknown
+	// NoLeaderSince is, while no leader is known, since when: a
+	// follower's last contact with the leader it lost, the time a leader
+	// stepped down, or the start. Zero while a leader is known.
+	NoLeaderSince time.Time
 }
 
 // Role returns the current Role.
@@ -399,6 +403,9 @@ func (s *Store) Role() Role {
 	}
 	_, id := s.raft.LeaderWithID()
 	r.LeaderID = string(id)
+	if id == "" {
+		r.NoLeaderSince = s.reach.noLeaderSince()
+	}
 	if state != raft.Leader {
 		r.LastContact = s.raft.LastContact()
 	}

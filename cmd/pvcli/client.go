@@ -380,13 +380,16 @@ func newHTTPClient(endpoint *url.URL, opts tlsOptions) (*http.Client, error) {
 // leader, leader change, agent restarting, connection refused) with jittered
 // exponential backoff until the deadline. The request is resent unchanged,
 // so a write keeps its client ID and sequence number and the cluster applies
-// it at most once.
+// it at most once. The agent's answer that there is no leader comes after it
+// waited for one: it is retried only while another wait as long fits before
+// the deadline, so that the answer printed is one of a whole wait.
 func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 	return func(next connect.UnaryFunc) connect.UnaryFunc {
 		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
 			backoff := retryInitialBackoff
 			var unavailable error
 			for attempt := 1; ; attempt++ {
+				start := time.Now()
 				resp, err := next(ctx, req)
 				if err == nil {
 					a.printMeta(resp.Header())
@@ -397,11 +400,15 @@ func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 					if permanentTransportError(err) {
 						return nil, err
 					}
+					if deadline, ok := ctx.Deadline(); ok && noLeader(err) && time.Until(deadline) < time.Since(start) {
+						return nil, err
+					}
 					unavailable = err
 				case connect.CodeDeadlineExceeded:
-					// The deadline ran out during a retry: the reason for
-					// retrying says more than "deadline exceeded".
-					if unavailable != nil && ctx.Err() != nil {
+					// The deadline ran out during a retry (the agent may
+					// answer so just before this side notices): the reason
+					// for retrying says more than "deadline exceeded".
+					if unavailable != nil {
 						return nil, unavailable
 					}
 					return nil, err

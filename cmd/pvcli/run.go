@@ -91,8 +91,33 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 		if wait, ok := retryDelay(err); ok {
 			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
 		}
+	case connect.CodeUnavailable:
+		if noLeader(err) {
+			fmt.Fprintln(stderr, "The cluster has no leader: writes and default or consistent reads wait for one. A read with --consistency stale is answered by the agent asked, from its own copy of the state (--max-stale bounds how old). A leader is elected once a majority of the voters reach each other again: start the stopped agents or mend the network.")
+		}
 	}
 	return err
+}
+
+// reasonNoLeader is the google.rpc.ErrorInfo reason of an agent's error
+// for a request that found no leader (gateway.ReasonNoLeader).
+const reasonNoLeader = "NO_LEADER"
+
+// noLeader reports whether err is an agent's answer that the cluster has
+// no leader, after the agent waited for one.
+func noLeader(err error) bool {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return false
+	}
+	for _, d := range ce.Details() {
+		if v, err := d.Value(); err == nil {
+			if ei, ok := v.(*errdetails.ErrorInfo); ok && ei.GetReason() == reasonNoLeader {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // retryDelay is the RetryInfo hint of an error, when it carries one.

@@ -216,24 +216,25 @@ func (g *Guard) SetLimits(l Limits) error {
 	return nil
 }
 
-// Methods that need no authorization rule: health checks are open to all
-// (load balancers and grpc-health-probe carry no credentials), reflection
-// to every authenticated caller (it describes the API, nothing stored).
-// Exact names: grpc-go hands an unknown method of a known service to the
-// proxy, so a prefix would open the proxy to any name under it.
-var (
-	openMethods     = []string{"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List"}
-	authOnlyMethods = []string{"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
-)
+// openMethods need neither credentials nor an authorization rule: health
+// checks (load balancers, Kubernetes probes and grpc-health-probe carry no
+// credentials) and server reflection, which grpcurl asks before any call
+// (the health check included) and which describes the API's types and the
+// names of the routed APIs, nothing stored. Exact names: grpc-go hands an
+// unknown method of a known service to the proxy, so a prefix would open the
+// proxy to any name under it.
+var openMethods = []string{
+	"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List",
+	"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+}
 
 // method is what the guard knows of a method.
 type method struct {
-	full     string
-	open     bool // no credentials needed
-	authOnly bool // credentials, no rule
-	md       protoreflect.MethodDescriptor
-	rule     *apiv1.Authorization
-	err      error // no (valid) annotation: denied
+	full string
+	open bool // no credentials needed, no rule
+	md   protoreflect.MethodDescriptor
+	rule *apiv1.Authorization
+	err  error // no (valid) annotation: denied
 	// get reads the object of an id_field method; object is the
 	// object's type (the list method's items), found in get's response.
 	get    protoreflect.MethodDescriptor
@@ -250,8 +251,6 @@ func (g *Guard) lookup(full string) *method {
 	switch {
 	case slices.Contains(openMethods, full):
 		m.open = true
-	case slices.Contains(authOnlyMethods, full):
-		m.authOnly = true
 	default:
 		m.md = findMethod(full)
 		if m.md == nil {
@@ -407,9 +406,6 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	}
 	if err := g.limit(who, c.procedure); err != nil {
 		return ctx, nil, err
-	}
-	if m.authOnly {
-		return ctx, nil, nil
 	}
 	gr, err := g.decide(ctx, c, who, m, req)
 	return ctx, gr, err

@@ -89,8 +89,8 @@ rules:
         value: "x"
 `
 
-// TestAdmit: open, authenticated-only and unannotated methods; a
-// conditional rule on a method with no object to check is a denial.
+// TestAdmit: open and unannotated methods; a conditional rule on a method
+// with no object to check is a denial.
 func TestAdmit(t *testing.T) {
 	g := newGuard(t, ownerPolicy, Limits{}, nil)
 	ctx := context.Background()
@@ -100,8 +100,11 @@ func TestAdmit(t *testing.T) {
 		want codes.Code
 	}{
 		{"health without credentials", call{procedure: "/grpc.health.v1.Health/Check"}, codes.OK},
-		{"reflection without credentials", call{procedure: "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"}, codes.Unauthenticated},
+		{"reflection without credentials", call{procedure: "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"}, codes.OK},
+		{"reflection v1alpha without credentials", call{procedure: "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}, codes.OK},
 		{"reflection of a caller without roles", certCall("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "nobody"), codes.OK},
+		{"another method of reflection's service", call{procedure: "/grpc.reflection.v1.ServerReflection/Other"}, codes.Unauthenticated},
+		{"another method of health's service", call{procedure: "/grpc.health.v1.Health/Other"}, codes.Unauthenticated},
 		{"an unannotated method, even for admin", certCall("/pivirt.sim.v1.SimulatorService/SetFault", "root"), codes.PermissionDenied},
 		{"an unknown method", certCall("/no.Such/Method", "root"), codes.PermissionDenied},
 		{"admin", certCall("/pivirt.cluster.v1.ClusterService/SetConfig", "root"), codes.OK},

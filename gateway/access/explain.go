@@ -17,8 +17,7 @@ var ErrCheck = errors.New("cannot check")
 // without calling it.
 type Explanation struct {
 	Resource, Verb string
-	// Decision: "allowed", "denied", "conditional", "open" or
-	// "authenticated".
+	// Decision: "allowed", "denied", "conditional" or "open".
 	Decision string
 	// Allowed: the call is allowed (on the object given, for a conditional
 	// decision).
@@ -37,8 +36,6 @@ func (g *Guard) Explain(who authz.Principal, procedure, objectJSON string) (Expl
 	switch {
 	case m.open:
 		return Explanation{Decision: "open", Allowed: true, Detail: "no credentials are needed"}, nil
-	case m.authOnly:
-		return Explanation{Decision: "authenticated", Allowed: true, Detail: "any authenticated caller may call it; no RBAC rule applies"}, nil
 	case m.md == nil:
 		return Explanation{}, fmt.Errorf("%w: %s is not a method of the API", ErrCheck, procedure)
 	case m.err != nil:

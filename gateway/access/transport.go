@@ -566,7 +566,7 @@ func (s *guardedConn) Send(m any) error {
 }
 
 // HTTPHandler guards a plain HTTP handler of the API port (/metrics):
-// the caller must be authenticated, as for reflection; no rule applies.
+// the caller must be authenticated; no rule applies.
 func (g *Guard) HTTPHandler(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var certs []*x509.Certificate

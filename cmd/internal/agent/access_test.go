@@ -720,7 +720,8 @@ func TestAccessPolicyReload(t *testing.T) {
 // TestEveryServedMethodHasARule lists, through server reflection, every
 // service the API port serves or routes, and checks that each method
 // carries an authorization annotation, except health checks and
-// reflection (built in, not RBAC resources).
+// reflection (built in, not RBAC resources), whose methods are the only
+// open ones: the guard decides "open" for exactly those.
 func TestEveryServedMethodHasARule(t *testing.T) {
 	e := newAccessEnv(t, 1, nil)
 	stream, err := reflectionpb.NewServerReflectionClient(e.conn).ServerReflectionInfo(as(e.ctx(), e.token("root", "viewer")))
@@ -735,11 +736,9 @@ func TestEveryServedMethodHasARule(t *testing.T) {
 		t.Fatal(err)
 	}
 	builtIn := []string{"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+	admin := as(e.ctx(), e.token("root", "admin"))
 	var methods int
 	for _, s := range resp.GetListServicesResponse().GetService() {
-		if slices.Contains(builtIn, s.GetName()) {
-			continue
-		}
 		d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(s.GetName()))
 		if err != nil {
 			t.Errorf("service %s: %v", s.GetName(), err)
@@ -747,8 +746,20 @@ func TestEveryServedMethodHasARule(t *testing.T) {
 		}
 		sd := d.(protoreflect.ServiceDescriptor)
 		for i := range sd.Methods().Len() {
+			md := sd.Methods().Get(i)
+			r, err := e.cl.CheckAccess(admin, &clusterv1.CheckAccessRequest{Identity: "nobody", Method: "/" + string(md.FullName().Parent()) + "/" + string(md.Name())})
+			if err != nil {
+				t.Errorf("check %s: %v", md.FullName(), err)
+				continue
+			}
+			if open := r.GetDecision() == "open"; open != slices.Contains(builtIn, s.GetName()) {
+				t.Errorf("%s: decision %q; only the methods of %v are open", md.FullName(), r.GetDecision(), builtIn)
+			}
+			if slices.Contains(builtIn, s.GetName()) {
+				continue
+			}
 			methods++
-			if _, err := authz.MethodRule(sd.Methods().Get(i)); err != nil {
+			if _, err := authz.MethodRule(md); err != nil {
 				t.Error(err)
 			}
 		}

@@ -119,6 +119,8 @@ func (a raftAdapter) RaftStatus() gateway.RaftStatus {
 		AppliedIndex: st.AppliedIndex,
 		LastContact:  st.LastContact,
 		LeaderID:     st.LeaderID,
+		// A no-leader error says since when (gateway/forward.go).
+		NoLeaderSince: st.NoLeaderSince,
 	}
 }
 

@@ -358,7 +358,9 @@ func (a *Agent) startTLS() error {
 		if err := a.loadNetworkPolicy(); err != nil {
 			return err
 		}
-		a.lnAPI = tls.NewListener(a.lnAPI, a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
+		// A plaintext client (curl http://, grpcurl -plaintext) is told to
+		// use TLS instead of seeing its connection dropped.
+		a.lnAPI = tls.NewListener(gateway.RefusePlaintext(a.lnAPI, a.logger), a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
 		// Agents' connections are tracked: a network policy that no longer
 		// allows one closes it (netpolicy.go).
 		a.lnInternal = tls.NewListener(a.track(a.lnInternal, "internal port"), recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port"))))

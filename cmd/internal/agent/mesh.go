@@ -32,6 +32,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	storagev1 "pilab.hu/pivirt-agent/proto/pivirt/storage/v1"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
@@ -350,9 +351,10 @@ func (a *Agent) registerAPIExtras(gs *grpc.Server) {
 	})
 }
 
-// updateHealth sets the grpc.health.v1 statuses: "" and the cluster API
-// are SERVING while this node knows a leader (etcd mode: follows etcd); each routed backend API is
-// SERVING while its backend cluster has an available endpoint.
+// updateHealth sets the grpc.health.v1 statuses: "" and the agent's own
+// APIs (cluster, snapshots, schedules) are SERVING while this node knows a
+// leader (etcd mode: follows etcd); each routed backend API is SERVING
+// while its backend cluster has an available endpoint.
 func (a *Agent) updateHealth() {
 	st := healthpb.HealthCheckResponse_NOT_SERVING
 	if a.etcdMode() {
@@ -363,7 +365,9 @@ func (a *Agent) updateHealth() {
 		st = healthpb.HealthCheckResponse_SERVING
 	}
 	a.health.SetServingStatus("", st)
-	a.health.SetServingStatus(clusterv1.ClusterService_ServiceDesc.ServiceName, st)
+	for _, name := range []string{clusterv1.ClusterService_ServiceDesc.ServiceName, clusterv1.SnapshotService_ServiceDesc.ServiceName, schedulev1.ScheduleService_ServiceDesc.ServiceName} {
+		a.health.SetServingStatus(name, st)
+	}
 	for _, sd := range apiServices {
 		name := string(sd.FullName())
 		b := a.proxy.Route("/" + name + "/")
