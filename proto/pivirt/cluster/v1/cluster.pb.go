@@ -3231,8 +3231,8 @@ type CheckAccessResponse struct {
 	Resource string `protobuf:"bytes,3,opt,name=resource,proto3" json:"resource,omitempty"`
 	Verb     string `protobuf:"bytes,4,opt,name=verb,proto3" json:"verb,omitempty"`
 	// decision: "allowed", "denied", "conditional" (allowed on objects that
-	// meet the conditions; object_json tells for one), "open" (no
-	// credentials needed), "authenticated" (any authenticated caller).
+	// meet the conditions; object_json tells for one) or "open" (no
+	// credentials needed: health checks and server reflection).
 	Decision string `protobuf:"bytes,5,opt,name=decision,proto3" json:"decision,omitempty"`
 	// rules: the policy's rules that grant it, as "rules[N]: roles … resources … verbs … [conditions]".
 	Rules []string `protobuf:"bytes,6,rep,name=rules,proto3" json:"rules,omitempty"`
