@@ -85,6 +85,7 @@ func (a *app) connect(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
+	a.target = t
 	endpoint := t.endpoints[0]
 	base, err := newHTTPClient(endpoint, t.tls)
 	if err != nil {

@@ -92,6 +92,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
 		}
 	case connect.CodeUnavailable:
+		if tlsRefusal(err) && a.target != nil {
+			explainCertRefusal(stderr, a.target.tls, time.Now())
+		}
 		if noLeader(err) {
 			fmt.Fprintln(stderr, "The cluster has no leader: writes and default or consistent reads wait for one. A read with --consistency stale is answered by the agent asked, from its own copy of the state (--max-stale bounds how old). A leader is elected once a majority of the voters reach each other again: start the stopped agents or mend the network.")
 		}
@@ -191,6 +194,7 @@ type app struct {
 	seq      atomic.Uint64
 
 	conn      *clientConn // built on first use
+	target    *target     // where and how conn reaches the cluster
 	inCommand bool        // a command body started running
 	// warned: the unavailable nodes already named (warnUnavailable).
 	warned map[string]bool
