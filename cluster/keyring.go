@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	"github.com/hashicorp/memberlist"
 
@@ -39,6 +40,32 @@ func ParseGossipKey(s string) ([]byte, error) {
 func KeyFingerprint(key []byte) string {
 	sum := sha256.Sum256(key)
 	return hex.EncodeToString(sum[:8])
+}
+
+// IsKeyFingerprint reports whether s has the form of a KeyFingerprint (16
+// hex digits); a gossip key never has (base64 of 16 bytes or more).
+func IsKeyFingerprint(s string) bool {
+	if len(s) != 16 {
+		return false
+	}
+	_, err := hex.DecodeString(s)
+	return err == nil
+}
+
+// KeyByFingerprint is the installed key whose KeyFingerprint is fp.
+func (g *Gossip) KeyByFingerprint(fp string) ([]byte, error) {
+	kr := g.keyring
+	if kr == nil {
+		return nil, ErrGossipNotEncrypted
+	}
+	var have []string
+	for _, k := range kr.GetKeys() {
+		if KeyFingerprint(k) == fp {
+			return k, nil
+		}
+		have = append(have, KeyFingerprint(k))
+	}
+	return nil, fmt.Errorf("no installed gossip key has the fingerprint %s (installed: %s)", fp, strings.Join(have, ", "))
 }
 
 // keyringFile is the on-disk keyring: the keys in base64, primary first.

@@ -129,8 +129,14 @@ func (s *NodeService) Keyring(_ context.Context, req *connect.Request[nodev1.Key
 	if op == clusterv1.KeyringOp_KEYRING_OP_LIST {
 		st, err = s.gossip.Keyring()
 	} else {
-		key, perr := ParseGossipKey(req.Msg.GetKey())
-		if perr != nil {
+		var key []byte
+		var perr error
+		if IsKeyFingerprint(req.Msg.GetKey()) && op != clusterv1.KeyringOp_KEYRING_OP_INSTALL {
+			// use and remove name an installed key by its fingerprint.
+			if key, perr = s.gossip.KeyByFingerprint(req.Msg.GetKey()); perr != nil {
+				return nil, connect.NewError(connect.CodeFailedPrecondition, perr)
+			}
+		} else if key, perr = ParseGossipKey(req.Msg.GetKey()); perr != nil {
 			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("key: %w", perr))
 		}
 		name, ok := map[clusterv1.KeyringOp]string{

@@ -26,7 +26,14 @@ func (h *ClusterService) Keyring(ctx context.Context, req *connect.Request[clust
 	op := req.Msg.GetOp()
 	switch op {
 	case clusterv1.KeyringOp_KEYRING_OP_LIST:
-	case clusterv1.KeyringOp_KEYRING_OP_INSTALL, clusterv1.KeyringOp_KEYRING_OP_USE, clusterv1.KeyringOp_KEYRING_OP_REMOVE:
+	case clusterv1.KeyringOp_KEYRING_OP_USE, clusterv1.KeyringOp_KEYRING_OP_REMOVE:
+		if cluster.IsKeyFingerprint(req.Msg.GetKey()) {
+			break // an installed key, as keyring list shows it
+		}
+		if _, err := cluster.ParseGossipKey(req.Msg.GetKey()); err != nil {
+			return nil, toConnect(invalid("key", "%v; use and remove take the key or its fingerprint (pvcli cluster keyring list)", err))
+		}
+	case clusterv1.KeyringOp_KEYRING_OP_INSTALL:
 		if _, err := cluster.ParseGossipKey(req.Msg.GetKey()); err != nil {
 			return nil, toConnect(invalid("key", "%v", err))
 		}

@@ -38,8 +38,8 @@ func (a *app) newKeyringCmd() *cobra.Command {
 	return groupCmd("keyring", "Rotate the gossip encryption key on every member: install, use, remove",
 		op("list", "List each member's gossip keys (by fingerprint) and the one in use", clusterv1.KeyringOp_KEYRING_OP_LIST),
 		op("install KEY", "Install a base64 key on every member (it decrypts from now on)", clusterv1.KeyringOp_KEYRING_OP_INSTALL),
-		op("use KEY", "Make an installed key the one every member encrypts with", clusterv1.KeyringOp_KEYRING_OP_USE),
-		op("remove KEY", "Remove a key that is no longer in use from every member", clusterv1.KeyringOp_KEYRING_OP_REMOVE),
+		op("use KEY|FINGERPRINT", "Make an installed key (the key, or its fingerprint as list shows it) the one every member encrypts with", clusterv1.KeyringOp_KEYRING_OP_USE),
+		op("remove KEY|FINGERPRINT", "Remove a key that is no longer in use (the key, or its fingerprint as list shows it) from every member", clusterv1.KeyringOp_KEYRING_OP_REMOVE),
 		&cobra.Command{
 			Use:   "generate",
 			Short: "Print a new random 32-byte key, base64 (offline)",

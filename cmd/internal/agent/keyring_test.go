@@ -82,8 +82,15 @@ func TestGossipKeyRotation(t *testing.T) {
 	}
 	expect("list", keyring(clusterv1.KeyringOp_KEYRING_OP_LIST, ""), fp1, fp1)
 	expect("install", keyring(clusterv1.KeyringOp_KEYRING_OP_INSTALL, key2), fp1, fp1, fp2)
-	expect("use", keyring(clusterv1.KeyringOp_KEYRING_OP_USE, key2), fp2, fp1, fp2)
-	expect("remove", keyring(clusterv1.KeyringOp_KEYRING_OP_REMOVE, key1), fp2, fp2)
+	// use and remove take a key or its fingerprint, as list shows it.
+	expect("use", keyring(clusterv1.KeyringOp_KEYRING_OP_USE, fp2), fp2, fp1, fp2)
+	expect("remove", keyring(clusterv1.KeyringOp_KEYRING_OP_REMOVE, fp1), fp2, fp2)
+	for _, n := range keyring(clusterv1.KeyringOp_KEYRING_OP_USE, fp1) {
+		if !strings.Contains(n.GetError(), "no installed gossip key has the fingerprint "+fp1) {
+			t.Errorf("%s: use of a removed key's fingerprint: %q", n.GetNode(), n.GetError())
+		}
+	}
+	expect("use by key", keyring(clusterv1.KeyringOp_KEYRING_OP_USE, key2), fp2, fp2)
 
 	// The primary key cannot be removed; a bad key is refused up front.
 	for _, n := range keyring(clusterv1.KeyringOp_KEYRING_OP_REMOVE, key2) {
