@@ -363,6 +363,9 @@ type grant struct {
 	who      authz.Principal
 	d        authz.Decision
 	resource string // the annotation's, unless Config.Resource names another
+	// auditPending: the allowed call's audit line waits for the first
+	// request message, which names the object (call.readsFirst).
+	auditPending bool
 }
 
 // conditional: the call is allowed only on objects its conditions accept.
@@ -383,6 +386,10 @@ type call struct {
 	tls           *tls.ConnectionState
 	remote        string
 	requestID     string
+	// readsFirst: the caller reads a stream's first message before the
+	// handler runs when the grant asks for it (auditPending), so that an
+	// allowed call's audit line can name its object.
+	readsFirst bool
 }
 
 // admit authenticates the caller, applies the rate limits and decides
@@ -492,18 +499,56 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 			return nil, g.deny(c, who, m, "", "the policy's conditions cannot be evaluated: %v", err)
 		}
 	}
+	object := objectName(m, req)
 	switch {
 	case gr.d.Denied():
-		return nil, g.denyGrant(c, gr, "", "no rule of the RBAC policy allows it")
+		return nil, g.denyGrant(c, gr, object, "no rule of the RBAC policy allows it")
 	case gr.conditional() && !gr.checksRequest() && !gr.filters():
-		return nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the method names no object to check them on")
+		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the method names no object to check them on")
 	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
-		return nil, g.denyGrant(c, gr, "", "the rules that allow it have conditions, and the service has no get method to read the object with")
+		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the service has no get method to read the object with")
 	}
 	if !gr.conditional() {
-		g.allowed(c, gr, "")
+		if req == nil && c.readsFirst && m.rule.GetIdField() != "" && m.md != nil && !m.md.IsStreamingClient() {
+			gr.auditPending = true
+		} else {
+			g.allowed(c, gr, object)
+		}
 	}
 	return gr, nil
+}
+
+// objectFields are the request fields that name the object of a method
+// without an id_field, in the order tried.
+var objectFields = []string{"key", "id", "name", "node_id", "node", "instance.instance_id", "schedule.id"}
+
+// objectName is what the audit log names as the object of a call: the
+// method's id_field, else a field that names one (a config key, a
+// service instance, a node), "" when the request names none.
+func objectName(m *method, req protoreflect.Message) string {
+	if req == nil || m.rule == nil {
+		return ""
+	}
+	if f := m.rule.GetIdField(); f != "" {
+		id, _ := authz.FieldString(req, f)
+		return id
+	}
+	if svc, _ := authz.FieldString(req, "service"); svc != "" {
+		if id, _ := authz.FieldString(req, "instance_id"); id != "" {
+			return svc + "/" + id
+		}
+		return svc
+	}
+	if svc, _ := authz.FieldString(req, "instance.service"); svc != "" {
+		id, _ := authz.FieldString(req, "instance.instance_id")
+		return strings.TrimSuffix(svc+"/"+id, "/")
+	}
+	for _, f := range objectFields {
+		if v, _ := authz.FieldString(req, f); v != "" {
+			return v
+		}
+	}
+	return ""
 }
 
 // Authorize checks that the caller of ctx (the principal the guard

@@ -271,6 +271,7 @@ func (g *Guard) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		c := g.grpcCall(ss.Context(), info.FullMethod)
+		c.readsFirst = true
 		ctx, gr, err := g.admit(ss.Context(), c, nil)
 		if err != nil {
 			return grpcError(err)
@@ -284,7 +285,7 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		// The method's own shape, not info's: grpc-go reports every call of
 		// the UnknownServiceHandler (the proxy) as a bidi stream, so a
 		// proxied list would skip its page token's check.
-		if gr.checksRequest() || (gr.filters() && !gr.m.md.IsStreamingClient()) {
+		if gr.checksRequest() || (gr.filters() && !gr.m.md.IsStreamingClient()) || (gr != nil && gr.auditPending) {
 			// The first request message names the object (or carries the
 			// page token): read and check it before the handler (or the
 			// backend) sees anything.
@@ -304,6 +305,9 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 			}
 			if err := g.checkUnary(ctx, c, gr, req); err != nil {
 				return grpcError(err)
+			}
+			if gr.auditPending {
+				g.allowed(c, gr, objectName(gr.m, req))
 			}
 			b, err := proto.Marshal(req.Interface())
 			if err != nil {

@@ -305,6 +305,20 @@ func TestAccessRoles(t *testing.T) {
 	if !e.c.Logs().Contains("audit: call denied") {
 		t.Error("no denial in the audit log")
 	}
+	// The audit lines of allowed calls name the object of calls that
+	// name one: the admin's stop (allowed without conditions) too.
+	stops := 0
+	for _, l := range strings.Split(e.c.Logs().Since(0), "\n") {
+		if strings.Contains(l, "audit: call allowed") && strings.Contains(l, "VMService/PowerOff") {
+			stops++
+			if !strings.Contains(l, "object="+target) {
+				t.Errorf("audit line of a stop does not name the VM %s: %s", target, l)
+			}
+		}
+	}
+	if stops == 0 {
+		t.Error("no audit line of a stop")
+	}
 }
 
 // TestAccessAuthentication: no credentials, bad tokens and certificates
@@ -766,8 +780,8 @@ func TestEveryServedMethodHasARule(t *testing.T) {
 	}
 	// Cluster 21 + snapshots 2 + schedules 9 + VMs 11 + volumes 7
 	// (networks are not routed here).
-	if methods != 51 {
-		t.Errorf("%d methods served, want 51", methods)
+	if methods != 53 {
+		t.Errorf("%d methods served, want 53", methods)
 	}
 }
 
