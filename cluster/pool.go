@@ -197,6 +197,13 @@ func (p *Pool) Snapshots(addr string) clusterv1.SnapshotServiceClient {
 	return clusterv1.NewSnapshotServiceClient(p.conn(addr))
 }
 
+// Agents returns an AgentService client (grpc-go, streaming) for an
+// agent's internal address. Its errors are gRPC statuses; StreamError
+// converts them.
+func (p *Pool) Agents(addr string) clusterv1.AgentServiceClient {
+	return clusterv1.NewAgentServiceClient(p.conn(addr))
+}
+
 // Schedules returns a ScheduleService client for an agent's internal
 // address.
 func (p *Pool) Schedules(addr string) schedulev1.ScheduleServiceClient {

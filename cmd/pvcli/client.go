@@ -46,6 +46,8 @@ type clientConn struct {
 	api       clusterv1connect.ClusterServiceClient
 	// snap streams snapshots; streams are not retried by the interceptor.
 	snap clusterv1connect.SnapshotServiceClient
+	// agent streams an agent's log and support bundle (not retried).
+	agent clusterv1connect.AgentServiceClient
 	// The backend APIs the agent proxies. pvcli does not retry them: the
 	// agent retries what is safe to retry.
 	vm vmv1connect.VMServiceClient
@@ -119,6 +121,11 @@ func (a *app) connect(cmd *cobra.Command) error {
 	}
 	a.conn.schedule = schedulev1connect.NewScheduleServiceClient(httpClient, endpoint.String(),
 		connect.WithInterceptors(append(auth, a.retryInterceptor())...),
+		connect.WithReadMaxBytes(maxMessageBytes),
+		connect.WithSendMaxBytes(maxMessageBytes),
+	)
+	a.conn.agent = clusterv1connect.NewAgentServiceClient(httpClient, endpoint.String(),
+		connect.WithInterceptors(auth...),
 		connect.WithReadMaxBytes(maxMessageBytes),
 		connect.WithSendMaxBytes(maxMessageBytes),
 	)

@@ -21,6 +21,7 @@ var apiPort = []protoreflect.ServiceDescriptor{
 	clusterv1.File_pivirt_cluster_v1_cluster_proto.Services().ByName("ClusterService"),
 	clusterv1.File_pivirt_cluster_v1_snapshot_proto.Services().ByName("SnapshotService"),
 	schedulev1.File_pivirt_schedule_v1_service_proto.Services().ByName("ScheduleService"),
+	clusterv1.File_pivirt_cluster_v1_agent_proto.Services().ByName("AgentService"),
 	vmv1.File_pivirt_vm_v1_vm_proto.Services().ByName("VMService"),
 	storagev1.File_pivirt_storage_v1_storage_proto.Services().ByName("StorageService"),
 	networkv1.File_pivirt_network_v1_network_proto.Services().ByName("NetworkService"),
@@ -42,7 +43,7 @@ func TestEveryMethodAnnotated(t *testing.T) {
 	if n < 40 {
 		t.Errorf("only %d methods enumerated", n)
 	}
-	want := []string{"cluster", "config", "keyring", "networks", "rbac", "schedules", "services", "snapshots", "virtualmachines", "volumes"}
+	want := []string{"agent", "cluster", "config", "keyring", "networks", "rbac", "schedules", "services", "snapshots", "virtualmachines", "volumes"}
 	if got := Resources(apiPort...); len(got) != len(want) {
 		t.Errorf("Resources = %v, want %v", got, want)
 	}

@@ -27,7 +27,7 @@ const (
 const Wildcard = "*"
 
 // Verbs are the verbs a rule may name (and Wildcard).
-var Verbs = []string{"get", "list", "create", "update", "patch", "delete", "start", "stop", "console"}
+var Verbs = []string{"get", "list", "create", "update", "patch", "delete", "start", "stop", "console", "monitor", "debug"}
 
 // Operators of conditions.
 const (

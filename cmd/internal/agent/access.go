@@ -57,6 +57,7 @@ func apiDescriptors() []protoreflect.ServiceDescriptor {
 		clusterv1.File_pivirt_cluster_v1_cluster_proto.Services().ByName("ClusterService"),
 		clusterv1.File_pivirt_cluster_v1_snapshot_proto.Services().ByName("SnapshotService"),
 		schedulev1.File_pivirt_schedule_v1_service_proto.Services().ByName("ScheduleService"),
+		clusterv1.File_pivirt_cluster_v1_agent_proto.Services().ByName("AgentService"),
 	}, apiServices...)
 }
 

@@ -106,6 +106,9 @@ type Agent struct {
 	cfg    *config.Config
 	opts   Options
 	logger *slog.Logger
+	// tee copies the logger's records to monitors (pvcli monitor) and
+	// keeps the last ones (pvcli debug).
+	tee *observe.Tee
 
 	nodeID  string
 	dataDir string
@@ -135,6 +138,9 @@ type Agent struct {
 	// internalSchedules the leader-only ones on the internal port.
 	api, internal                *gateway.ClusterService
 	snapshots, internalSnapshots *gateway.SnapshotService
+	// agentSvc and internalAgentSvc serve AgentService (monitor, support
+	// bundle) on the API port and, for this node only, the internal port.
+	agentSvc, internalAgentSvc   *gateway.AgentService
 	schedules, internalSchedules *gateway.ScheduleService
 	scheduleMetrics              *scheduler.ScheduleMetrics
 	// work is what a leadership term starts; terms runs one term at a
@@ -247,9 +253,12 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	if opts.Stabilization <= 0 {
 		opts.Stabilization = 10 * time.Second
 	}
-	// Lines logged in a request's context carry its request ID.
-	logger := slog.New(observe.WithRequestIDs(opts.Logger.Handler()))
-	a := &Agent{cfg: cfg, opts: opts, logger: logger, done: make(chan struct{})}
+	// Lines logged in a request's context carry its request ID; the tee
+	// copies them to monitors and keeps the last ones for support
+	// bundles.
+	tee := observe.NewTee()
+	logger := slog.New(tee.Handler(observe.WithRequestIDs(opts.Logger.Handler())))
+	a := &Agent{cfg: cfg, opts: opts, logger: logger, tee: tee, done: make(chan struct{})}
 	a.metrics = prometheus.NewRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
@@ -618,6 +627,10 @@ func (a *Agent) buildServices() error {
 	a.internalSnapshots = gateway.NewSnapshotService(snapCfg, a.internal, restorer, peers)
 	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
 	a.internalSchedules = gateway.NewScheduleService(a.internal, a.pool.Schedules)
+	acfg := gateway.AgentServiceConfig{NodeName: a.cfg.NodeName, Tee: a.tee, DebugFiles: a.debugFiles, Logger: a.logger}
+	a.agentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)
+	acfg.Local = true
+	a.internalAgentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)
 	return nil
 }
 
@@ -656,6 +669,7 @@ func (a *Agent) serveAll() error {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.api))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.snapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.schedules))
+		clusterv1.RegisterAgentServiceServer(s, gateway.NewAgentGRPC(a.agentSvc))
 		a.registerAPIExtras(s)
 	}, append(append(append(a.proxyServerOptions(), a.accessServerOptions()...), a.tracingServerOptions()...),
 		grpc.MaxRecvMsgSize(gateway.MaxGRPCRequestBytes))...); err != nil {
@@ -672,11 +686,12 @@ func (a *Agent) serveAll() error {
 	nodeSvc.SetPlacementSink(a.proposePlacements)
 	nodeSvc.SetConfigStatus(a.nodeConfigStatus)
 	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
-		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, nodeSvc), nil
+		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, a.internalAgentSvc, nodeSvc), nil
 	}, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.internalSnapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.internalSchedules))
+		clusterv1.RegisterAgentServiceServer(s, gateway.NewAgentGRPC(a.internalAgentSvc))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
 	}, append(append(a.tracingServerOptions(), observe.RequestIDServerOptions()...),
 		grpc.UnknownServiceHandler(a.peerProxy.Handle), grpc.ForceServerCodecV2(mesh.Codec()))...); err != nil {
@@ -1044,6 +1059,8 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux.Handle(path, authenticated(h))
 	path, h = schedulev1connect.NewScheduleServiceHandler(a.schedules, opts...)
 	mux.Handle(path, authenticated(h))
+	path, h = clusterv1connect.NewAgentServiceHandler(a.agentSvc, opts...)
+	mux.Handle(path, authenticated(h))
 	// The metrics also on the API port, behind its TLS and (with access
 	// control on) for authenticated callers.
 	metrics := a.metricsHandler()
@@ -1057,13 +1074,15 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	return mux, nil
 }
 
-func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, scheduleSvc schedulev1connect.ScheduleServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
+func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, scheduleSvc schedulev1connect.ScheduleServiceHandler, agentSvc clusterv1connect.AgentServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
 	mux := http.NewServeMux()
 	path, h := clusterv1connect.NewClusterServiceHandler(clusterSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = clusterv1connect.NewSnapshotServiceHandler(snapshotSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = schedulev1connect.NewScheduleServiceHandler(scheduleSvc, handlerOptions()...)
+	mux.Handle(path, h)
+	path, h = clusterv1connect.NewAgentServiceHandler(agentSvc, handlerOptions()...)
 	mux.Handle(path, h)
 	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
 	mux.Handle(path, h)

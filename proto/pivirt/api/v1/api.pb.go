@@ -116,7 +116,7 @@ type Authorization struct {
 	// "volumes" or "networks".
 	Resource string `protobuf:"bytes,1,opt,name=resource,proto3" json:"resource,omitempty"`
 	// verb is one of get, list, create, update, patch, delete, start, stop,
-	// console.
+	// console, monitor, debug.
 	Verb string `protobuf:"bytes,2,opt,name=verb,proto3" json:"verb,omitempty"`
 	// id_field names the request field holding the target object's ID
 	// (get, update, delete and actions on one object).
