@@ -235,7 +235,7 @@ then, e.g.: pvcli cluster leader
 	fmt.Fprintf(w, `A development OIDC issuer serves on %s (auth.oidc of this node; its key
 is in %s). To call with a bearer token instead of the certificate:
 
-  export TOKEN=$(pitrust dev-token --dir %s --user alice --roles vm-owner)
+  export TOKEN=$(pitrust dev-token --dir %s --user alice --roles vm-owner)   # or: pvcli login --dir ... --print
   pvcli --endpoint %s --ca-file %s --token "$TOKEN" cluster leader
   curl --cacert %s -H "authorization: Bearer $TOKEN" -H "content-type: application/json" -d '{}' %s/pivirt.cluster.v1.ClusterService/Leader
 

@@ -228,7 +228,7 @@ the agent retries what is safe to retry.`,
 	f.StringVar(&a.opts.token, "token", "", "OIDC bearer token sent as Authorization: Bearer (https://, or http:// to loopback only); env "+envToken)
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
-		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd(), a.newContextCmd())
+		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd(), a.newContextCmd(), a.newLoginCmd())
 	version.AddFlag(root, version.Get("pvcli"))
 	return root
 }

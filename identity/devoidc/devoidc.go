@@ -7,6 +7,7 @@
 package devoidc
 
 import (
+	"context"
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -19,9 +20,11 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -54,6 +57,9 @@ const (
 	// DefaultTTL and MaxTTL bound a token's lifetime.
 	DefaultTTL = time.Hour
 	MaxTTL     = 12 * time.Hour
+	// Marker is a field of the discovery document, true: how a client
+	// (pvcli login) tells the development issuer from a real one.
+	Marker = "pivirt_dev_issuer"
 )
 
 // ErrInvalid wraps every refusal of a token request; the message says why.
@@ -262,6 +268,7 @@ func (is *Issuer) Handler() http.Handler {
 			"subject_types_supported":               []string{"public"},
 			"id_token_signing_alg_values_supported": []string{string(jose.ES256)},
 			"claims_supported":                      []string{"sub", "preferred_username", RolesClaim},
+			Marker:                                  true,
 		})
 	})
 	mux.HandleFunc("GET /keys", func(w http.ResponseWriter, _ *http.Request) {
@@ -304,6 +311,75 @@ func (is *Issuer) token(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Cache-Control", "no-store")
 	writeJSON(w, http.StatusOK, map[string]any{"access_token": raw, "id_token": raw, "token_type": "Bearer", "expires_in": int(time.Until(exp).Seconds())})
+}
+
+// Fetch asks the development issuer at issuerURL for a token with the
+// client secret of its directory: discovery first, which must carry Marker
+// (another issuer is refused, saying so), then the token endpoint. Only
+// loopback http:// issuers are asked: the secret travels in clear text.
+func Fetch(ctx context.Context, client *http.Client, issuerURL, secret string, r Request) (string, time.Time, error) {
+	u, err := url.Parse(issuerURL)
+	if err != nil || u.Scheme != "http" || u.Host == "" {
+		return "", time.Time{}, fmt.Errorf("issuer %q: not the development issuer's http://127.0.0.1:PORT URL", issuerURL)
+	}
+	if ip := net.ParseIP(u.Hostname()); ip == nil || !ip.IsLoopback() {
+		return "", time.Time{}, fmt.Errorf("issuer %q: the development issuer serves on loopback only", issuerURL)
+	}
+	var meta map[string]any
+	if err := getJSON(ctx, client, strings.TrimSuffix(issuerURL, "/")+"/.well-known/openid-configuration", &meta); err != nil {
+		return "", time.Time{}, err
+	}
+	ep, _ := meta["token_endpoint"].(string)
+	if meta[Marker] != true || ep == "" {
+		return "", time.Time{}, fmt.Errorf("%s is not a PiVirt development OIDC issuer (its discovery document has no %s)", issuerURL, Marker)
+	}
+	form := url.Values{"grant_type": {"client_credentials"}, "user": {r.User}, "roles": {strings.Join(r.Roles, ",")}}
+	if r.TTL != 0 {
+		form.Set("ttl", r.TTL.String())
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ep, strings.NewReader(form.Encode()))
+	if err != nil {
+		return "", time.Time{}, err
+	}
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.SetBasicAuth(Audience, secret)
+	resp, err := client.Do(req)
+	if err != nil {
+		return "", time.Time{}, err
+	}
+	defer resp.Body.Close()
+	var body struct {
+		AccessToken string `json:"access_token"`
+		ExpiresIn   int    `json:"expires_in"`
+		Error       string `json:"error"`
+		Description string `json:"error_description"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&body); err != nil {
+		return "", time.Time{}, fmt.Errorf("token endpoint %s: %s: %w", ep, resp.Status, err)
+	}
+	if resp.StatusCode != http.StatusOK || body.AccessToken == "" {
+		return "", time.Time{}, fmt.Errorf("token endpoint %s: %s: %s: %s", ep, resp.Status, body.Error, body.Description)
+	}
+	return body.AccessToken, time.Now().Add(time.Duration(body.ExpiresIn) * time.Second), nil
+}
+
+func getJSON(ctx context.Context, client *http.Client, u string, v any) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", u, resp.Status)
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(v); err != nil {
+		return fmt.Errorf("%s: %w", u, err)
+	}
+	return nil
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {
