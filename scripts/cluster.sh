@@ -3,10 +3,12 @@
 # in bin/, with mutual TLS on every port and encrypted gossip: a development
 # PiTrust PKI and a gossip key are made in .cluster/ on first start. Each
 # agent proxies the VM, storage and network APIs to its own pivirtd-sim (a
-# simulated pivirtd and iscsiman) on a unix socket. Data and logs go to
-# .cluster/ in the repository.
+# simulated pivirtd and iscsiman) on a unix socket. A development OIDC issuer
+# (pitrust dev-issuer, its key in .cluster/certs/) serves on 127.0.0.1:8440 and
+# the agents take its tokens (auth.oidc), with the spec's example RBAC policy.
+# Data and logs go to .cluster/ in the repository.
 #
-#   scripts/cluster.sh start    start node1..node3, wait for a leader, print commands to try
+#   scripts/cluster.sh start    start the issuer and node1..node3, wait for a leader, print commands to try
 #   scripts/cluster.sh stop     stop them (SIGTERM, then SIGKILL after 10s)
 #   scripts/cluster.sh status   show which are running
 set -euo pipefail
@@ -23,6 +25,7 @@ nodes=(
 )
 
 certs="$dir/certs"
+issuer_addr=127.0.0.1:8440
 
 running() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -50,10 +53,57 @@ pvcli() {
   PVCLI_CA_FILE="$certs/ca-chain.pem" PVCLI_CERT_FILE="$certs/operator.crt" PVCLI_KEY_FILE="$certs/operator.key" "$bin/pvcli" "$@"
 }
 
+# issuer starts the development OIDC issuer (its key and client secret are
+# made in $certs on first start) and waits until it has recorded its URL.
+issuer() {
+  if running "$dir/dev-issuer.pid"; then
+    echo "dev-issuer already running (pid $(cat "$dir/dev-issuer.pid"))"
+    return 0
+  fi
+  rm -f "$certs/dev-oidc.issuer"
+  "$bin/pitrust" dev-issuer --dir "$certs" --addr "$issuer_addr" >"$dir/dev-issuer.log" 2>&1 &
+  echo $! >"$dir/dev-issuer.pid"
+  for _ in $(seq 1 50); do
+    [[ -s "$certs/dev-oidc.issuer" ]] && { echo "started dev-issuer (pid $(cat "$dir/dev-issuer.pid")): http://$issuer_addr"; return 0; }
+    running "$dir/dev-issuer.pid" || break
+    sleep 0.1
+  done
+  echo "dev-issuer did not start:"; cat "$dir/dev-issuer.log"; exit 1
+}
+
+# policy writes the spec's example RBAC policy, which the agents enforce:
+# the operator certificate has admin (auth.certificate_roles), a token the
+# roles it names.
+policy() {
+  cat >"$dir/rbac.yaml" <<'YAML'
+apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["admin"]
+    resources: ["*"]
+    verbs: ["*"]
+  - roles: ["operator"]
+    resources: ["virtualmachines", "volumes", "networks"]
+    verbs: ["get", "list", "create", "update", "patch"]
+  - roles: ["viewer"]
+    resources: ["*"]
+    verbs: ["get", "list"]
+  - roles: ["vm-owner"]
+    resources: ["virtualmachines"]
+    verbs: ["get", "list", "update", "patch", "start", "stop", "console"]
+    conditions:
+      - field: "metadata.owner"
+        operator: "Equals"
+        value: "{{.user.identity}}"
+YAML
+}
+
 start() {
   [[ -x "$bin/pivirt-agent" && -x "$bin/pvcli" && -x "$bin/pitrust" && -x "$bin/pivirtd-sim" ]] || { echo "build first: make build"; exit 1; }
   mkdir -p "$dir"
   pki
+  issuer
+  policy
   for spec in "${nodes[@]}"; do
     read -r name api internal metrics gossip raft <<<"$spec"
     if running "$dir/$name.pid"; then
@@ -74,7 +124,7 @@ tls:
   cert_file: $certs/pivirt-agent-$name.crt
   key_file: $certs/pivirt-agent-$name.key
   verify_peer: true
-  require_client_cert: true
+  require_client_cert: false   # 8443 also takes a bearer token alone; every call still needs a token or a certificate
 server:
   connectrpc:
     tls:
@@ -86,6 +136,10 @@ cluster:
   gossip:
     encrypt_key_file: $dir/gossip.key
 auth:
+  oidc:                 # the development issuer of pitrust dev-issuer: never for a real deployment
+    issuer_url: http://$issuer_addr
+    client_id: pivirt-agent
+  rbac_policy: $dir/rbac.yaml
   certificate_roles:
     operator: [admin]   # the operator certificate of pvcli: keeps its rights under any RBAC policy that grants admin
 logging:
@@ -138,6 +192,14 @@ any node (8443, 8453, 8463):
   go tool grpcurl -cacert $certs/ca-chain.pem -cert $certs/operator.crt -key $certs/operator.key 127.0.0.1:8443 list
   pitrust inspect $certs/node1-server.crt
   kill \$(cat $dir/node1.pid)      # kill a node, then keep using the others
+
+Or with a bearer token of the development OIDC issuer (http://$issuer_addr, its key in
+$certs), whose roles the spec's RBAC policy in $dir/rbac.yaml judges:
+  export TOKEN=\$(pitrust dev-token --dir $certs --user alice --roles vm-owner)   # --ttl 1h by default
+  pvcli login --dir $certs --user alice --roles vm-owner   # or save one in the current pvcli context (--print: print it)
+  pvcli --endpoint https://127.0.0.1:8443 --token "\$TOKEN" vm list   # alice's VMs only (with PVCLI_CA_FILE set)
+  curl --cacert $certs/ca-chain.pem -H "authorization: Bearer \$TOKEN" -H "content-type: application/json" \\
+    -d '{}' https://127.0.0.1:8443/pivirt.vm.v1.VMService/ListVMs
 Stop everything with: make cluster-stop
 MSG
       return 0
@@ -154,7 +216,7 @@ MSG
 }
 
 stop() {
-  for spec in "${nodes[@]}"; do
+  for spec in "${nodes[@]}" dev-issuer; do
     read -r name _ <<<"$spec"
     for proc in "$name" "$name-sim"; do
       pidf="$dir/$proc.pid"
@@ -175,6 +237,7 @@ status() {
     read -r name api _ <<<"$spec"
     if running "$dir/$name.pid"; then echo "$name running (pid $(cat "$dir/$name.pid")), api 127.0.0.1:$api"; else echo "$name stopped"; fi
   done
+  if running "$dir/dev-issuer.pid"; then echo "dev-issuer running (pid $(cat "$dir/dev-issuer.pid")), http://$issuer_addr"; else echo "dev-issuer stopped"; fi
 }
 
 case "${1:-}" in

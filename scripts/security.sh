@@ -20,6 +20,8 @@ tests=(
   # TLS, key files, the management port, log floods
   TestHandshakes TestStartRefusesBadTLS TestKeyPermissions TestManagementCallers
   TestDebugVarsWithoutCommandLine TestGossipLogLinesKeyOnTheEvent
+  # the development OIDC issuer: loopback only, its secret required, another key's tokens refused
+  TestDevIssuerAndToken TestDevIssuerTokens TestLogin
 )
 pattern="^($(IFS='|'; echo "${tests[*]}"))\$"
 found=$(go test -list "$pattern" ./... | grep -E '^Test' | sort -u)

@@ -42,6 +42,8 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
   <name>.crt, <name>.key       leaves signed by X1 (the .crt also holds X1;
                                --out NAME names the files instead of --name)
   <name>.crt.prev, .key.prev   what the last reissue of <name> replaced
+  dev-oidc.key, .secret        the development OIDC issuer's signing key and
+                               client secret (dev-issuer, dev-token)
 
 Keys are ECDSA P-256, written 0600. Issuing a leaf again replaces its files and
 keeps the old ones as .prev (--force: keep nothing). init never replaces a CA
@@ -63,7 +65,7 @@ without --force. Keep the root key offline once the intermediate exists.`,
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
 	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
-		verifyCmd(&dir, stdout), inspectCmd(stdout), versionCmd(stdout))
+		verifyCmd(&dir, stdout), inspectCmd(stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout))
 	err := root.ExecuteContext(ctx)
 	if err != nil && strings.HasPrefix(err.Error(), "unknown command") {
 		err = &usageError{err}

@@ -7,12 +7,20 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
+	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/coreos/go-oidc/v3/oidc"
+
+	"pilab.hu/pivirt-agent/identity/devoidc"
 )
 
 func run(t *testing.T, args ...string) (string, error) {
@@ -280,5 +288,137 @@ func handshake(t *testing.T, caFile string, pair tls.Certificate) {
 	conn.Close()
 	if err := <-served; err != nil {
 		t.Fatalf("server handshake with the certificate as client: %v", err)
+	}
+}
+
+// TestDevIssuerAndToken runs pitrust dev-issuer on 127.0.0.1 and mints
+// tokens with pitrust dev-token from its directory: go-oidc, discovering
+// the issuer, verifies them (iss, aud, signature by the served JWKS) and
+// reads the user and roles; a token of another directory's key does not
+// verify; the token endpoint answers only with the directory's secret; the
+// issuer listens only on loopback.
+func TestDevIssuerAndToken(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "certs")
+	if _, err := run(t, "dev-token", "--dir", dir, "--user", "alice"); err == nil || !strings.Contains(err.Error(), "dev-issuer") {
+		t.Errorf("dev-token without a key = %v, want an error saying how to make one", err)
+	}
+	if _, err := run(t, "dev-issuer", "--dir", dir, "--addr", "0.0.0.0:0"); err == nil || !strings.Contains(err.Error(), "loopback") {
+		t.Errorf("dev-issuer --addr 0.0.0.0:0 = %v, want a refusal: loopback only", err)
+	}
+
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		done <- Run(ctx, []string{"dev-issuer", "--dir", dir, "--addr", "127.0.0.1:0"}, io.Discard, io.Discard)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("dev-issuer: %v", err)
+		}
+	}()
+	var issuer string
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		b, _ := os.ReadFile(filepath.Join(dir, devoidc.IssuerFile))
+		if issuer = strings.TrimSpace(string(b)); strings.HasPrefix(issuer, "http://127.0.0.1:") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dev-issuer recorded no URL in %s within 10 s", dir)
+		}
+		time.Sleep(20 * time.Millisecond) // poll, bounded by the deadline
+	}
+	for _, f := range []string{devoidc.KeyFile, devoidc.SecretFile} {
+		if st, err := os.Stat(filepath.Join(dir, f)); err != nil || st.Mode().Perm() != 0o600 {
+			t.Errorf("%s: %v, want mode 0600", f, err)
+		}
+	}
+
+	out, err := run(t, "dev-token", "--dir", dir, "--user", "alice", "--roles", "vm-owner,viewer", "--ttl", "30m")
+	if err != nil {
+		t.Fatalf("dev-token: %v", err)
+	}
+	raw := strings.TrimSuffix(out, "\n")
+	if strings.ContainsAny(raw, " \n") {
+		t.Fatalf("dev-token printed %q, want the token alone on a line", out)
+	}
+	provider, err := oidc.NewProvider(ctx, issuer)
+	if err != nil {
+		t.Fatalf("discovery of %s: %v", issuer, err)
+	}
+	verifier := provider.Verifier(&oidc.Config{ClientID: devoidc.Audience})
+	tok, err := verifier.Verify(ctx, raw)
+	if err != nil {
+		t.Fatalf("the dev token does not verify: %v", err)
+	}
+	var claims struct {
+		Sub   string   `json:"sub"`
+		Roles []string `json:"roles"`
+	}
+	if err := tok.Claims(&claims); err != nil || claims.Sub != "alice" || !slices.Equal(claims.Roles, []string{"vm-owner", "viewer"}) {
+		t.Errorf("claims %+v (%v), want sub alice, roles [vm-owner viewer]", claims, err)
+	}
+	if life := time.Until(tok.Expiry); life > 30*time.Minute || life < 29*time.Minute {
+		t.Errorf("the token expires in %s, want --ttl 30m", life)
+	}
+
+	// Another directory's key, with this issuer's iss: refused.
+	other := filepath.Join(t.TempDir(), "other")
+	if _, err := devoidc.LoadOrCreateKey(other); err != nil {
+		t.Fatal(err)
+	}
+	forged, err := run(t, "dev-token", "--dir", other, "--issuer", issuer, "--user", "mallory", "--roles", "admin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := verifier.Verify(ctx, strings.TrimSpace(forged)); err == nil {
+		t.Error("a token of another key verifies")
+	}
+	for _, args := range [][]string{
+		{"--user", "alice", "--ttl", "13h"},
+		{"--user", "alice", "--ttl", "0s"},
+		{"--user", "alice", "--roles", "x;admin"},
+		{"--roles", "admin"},
+	} {
+		if _, err := run(t, append([]string{"dev-token", "--dir", dir}, args...)...); err == nil {
+			t.Errorf("dev-token %v: no error", args)
+		}
+	}
+
+	// The token endpoint, with and without the directory's secret.
+	secret, err := os.ReadFile(filepath.Join(dir, devoidc.SecretFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	post := func(secret string) (int, map[string]any) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, issuer+"/token",
+			strings.NewReader(url.Values{"grant_type": {"client_credentials"}, "user": {"bob"}, "roles": {"viewer"}}.Encode()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		req.SetBasicAuth(devoidc.Audience, secret)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var body map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&body)
+		return resp.StatusCode, body
+	}
+	if code, body := post("wrong"); code != http.StatusUnauthorized || body["error"] != "invalid_client" {
+		t.Errorf("token endpoint with a wrong secret: %d %v, want 401 invalid_client", code, body)
+	}
+	code, body := post(strings.TrimSpace(string(secret)))
+	at, _ := body["access_token"].(string)
+	if code != http.StatusOK || body["token_type"] != "Bearer" || at == "" {
+		t.Fatalf("token endpoint: %d %v", code, body)
+	}
+	if tok, err := verifier.Verify(ctx, at); err != nil {
+		t.Errorf("the token endpoint's token does not verify: %v", err)
+	} else if tok.Subject != "bob" {
+		t.Errorf("the token endpoint's token has subject %q, want bob", tok.Subject)
 	}
 }

@@ -229,6 +229,17 @@ To use pvcli, run in your shell:
 then, e.g.: pvcli cluster leader
 
 `, dataDir, c.Endpoint, c.CAFile, c.CertFile, c.KeyFile)
+	if c.IssuerURL == "" {
+		return
+	}
+	fmt.Fprintf(w, `A development OIDC issuer serves on %s (auth.oidc of this node; its key
+is in %s). To call with a bearer token instead of the certificate:
+
+  export TOKEN=$(pitrust dev-token --dir %s --user alice --roles vm-owner)   # or: pvcli login --dir ... --print
+  pvcli --endpoint %s --ca-file %s --token "$TOKEN" cluster leader
+  curl --cacert %s -H "authorization: Bearer $TOKEN" -H "content-type: application/json" -d '{}' %s/pivirt.cluster.v1.ClusterService/Leader
+
+`, c.IssuerURL, c.IssuerDir, c.IssuerDir, c.Endpoint, c.CAFile, c.CAFile, c.Endpoint)
 }
 
 func runAgent(ctx context.Context, cfg *config.Config, opts agent.Options, stderr io.Writer) error {

@@ -18,6 +18,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/identity"
+	"pilab.hu/pivirt-agent/identity/devoidc"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
@@ -314,6 +315,61 @@ func TestDevBanner(t *testing.T) {
 			t.Fatalf("the dev node did not answer with the banner's settings within 60 s: %v", err)
 		}
 		time.Sleep(100 * time.Millisecond) // poll, bounded by the deadline
+	}
+
+	// The development OIDC issuer: the banner's dev-token line, as pitrust
+	// runs it (its key and recorded URL in the named directory), gives a
+	// token the node takes without a client certificate; a token of another
+	// key, and no credentials at all, are refused.
+	var tokenDir string
+	for l := range strings.Lines(banner) {
+		if _, rest, ok := strings.Cut(l, "export TOKEN=$(pitrust dev-token --dir "); ok {
+			tokenDir, _, _ = strings.Cut(rest, " ")
+		}
+	}
+	if tokenDir != filepath.Join(dir, agent.DevPKIDir) {
+		t.Fatalf("banner %q: no export TOKEN=$(pitrust dev-token --dir %s ...) line", banner, filepath.Join(dir, agent.DevPKIDir))
+	}
+	for _, want := range []string{"development OIDC issuer serves on http://127.0.0.1:", `-H "authorization: Bearer $TOKEN"`, `--token "$TOKEN"`} {
+		if !strings.Contains(banner, want) {
+			t.Errorf("banner %q does not say %q", banner, want)
+		}
+	}
+	mint := func(dir string) string {
+		t.Helper()
+		key, err := devoidc.LoadOrCreateKey(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		iss, err := devoidc.IssuerURL(tokenDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw, _, err := key.Mint(devoidc.Request{Issuer: iss, User: "alice", Roles: []string{"vm-owner"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return raw
+	}
+	certless := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true}
+	defer certless.CloseIdleConnections()
+	bearerAPI := func(token string) error {
+		c := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: certless, Timeout: 10 * time.Second}, env["PVCLI_ENDPOINT"])
+		req := connect.NewRequest(&clusterv1.LeaderRequest{})
+		if token != "" {
+			req.Header().Set("Authorization", "Bearer "+token)
+		}
+		_, err := c.Leader(ctx, req)
+		return err
+	}
+	if err := bearerAPI(mint(tokenDir)); err != nil {
+		t.Errorf("a dev token without a client certificate: %v", err)
+	}
+	if err := bearerAPI(mint(t.TempDir())); connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("a token of another key: %v, want Unauthenticated", err)
+	}
+	if err := bearerAPI(""); connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("neither token nor certificate: %v, want Unauthenticated", err)
 	}
 
 	// Stopped, the agent has run its certificate check (at start, before

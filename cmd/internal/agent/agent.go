@@ -354,6 +354,9 @@ func (a *Agent) startTLS() error {
 	if err := a.devPKI(); err != nil {
 		return err
 	}
+	if err := a.devIssuer(); err != nil {
+		return err
+	}
 	if a.cfg.TLS.Enabled {
 		var err error
 		if a.tls, err = a.loadTLS(); err != nil {

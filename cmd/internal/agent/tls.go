@@ -200,6 +200,10 @@ type DevCredentials struct {
 	// is a temporary one, removed on exit.
 	DataDir     string
 	TempDataDir bool
+	// IssuerURL is the development OIDC issuer's URL, and IssuerDir the
+	// directory of its key (pitrust dev-token --dir); empty when the
+	// --config file names an issuer of its own.
+	IssuerURL, IssuerDir string
 }
 
 // DevCredentials reports the dev PKI's credentials; false unless the agent

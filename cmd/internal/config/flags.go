@@ -85,7 +85,7 @@ func Register(fs *pflag.FlagSet) *Flags {
 	fs.BoolVar(&f.leaveOnTerminate, FlagLeaveOnTerminate, false, "leave the cluster gracefully on SIGTERM (cluster.leave_on_terminate)")
 	fs.StringVar(&f.logLevel, FlagLogLevel, "info", "log level: debug, info, warn or error (logging.level)")
 	fs.StringVar(&f.logFormat, FlagLogFormat, "json", "log format: json or text (logging.format)")
-	fs.BoolVar(&f.dev, FlagDev, false, "development mode: one node on 127.0.0.1, bootstrapped alone, TLS on with a throw-away PKI (pvcli's settings printed to stderr), a temporary data dir, a simulated backend unless backends are configured; refuses a --config that sets the keys it sets (addresses, tls, cluster); explicit flags win")
+	fs.BoolVar(&f.dev, FlagDev, false, "development mode: one node on 127.0.0.1, bootstrapped alone, TLS on with a throw-away PKI (pvcli's settings printed to stderr), a development OIDC issuer on 127.0.0.1 for bearer tokens (pitrust dev-token) unless auth.oidc is configured, a temporary data dir, a simulated backend unless backends are configured; refuses a --config that sets the keys it sets (addresses, tls, cluster); explicit flags win")
 	return f
 }
 
