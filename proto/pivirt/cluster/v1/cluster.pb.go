@@ -201,7 +201,8 @@ type Health int32
 const (
 	Health_HEALTH_UNSPECIFIED Health = 0
 	Health_HEALTH_PASSING     Health = 1
-	// HEALTH_CRITICAL: a TTL instance missed its heartbeat.
+	// HEALTH_CRITICAL: a TTL instance missed its heartbeat, or its check
+	// failed (or has not passed yet).
 	Health_HEALTH_CRITICAL Health = 2
 )
 
@@ -1397,6 +1398,139 @@ func (x *TransferLeaderResponse) GetNodeId() string {
 	return ""
 }
 
+// HealthCheck is a check the agent on the instance's node runs against the
+// instance: exactly one of http, tcp and grpc.
+type HealthCheck struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// http is an http:// or https:// URL; a GET answered 2xx or 3xx passes.
+	Http string `protobuf:"bytes,1,opt,name=http,proto3" json:"http,omitempty"`
+	// tcp is a host:port; the check passes when a connection opens.
+	Tcp string `protobuf:"bytes,2,opt,name=tcp,proto3" json:"tcp,omitempty"`
+	// grpc is a host:port serving grpc.health.v1.Health; the check passes
+	// when Check answers SERVING.
+	Grpc string `protobuf:"bytes,3,opt,name=grpc,proto3" json:"grpc,omitempty"`
+	// grpc_service is the service name the grpc check asks about (empty: the
+	// server as a whole).
+	GrpcService string `protobuf:"bytes,4,opt,name=grpc_service,json=grpcService,proto3" json:"grpc_service,omitempty"`
+	// grpc_use_tls dials the grpc check with TLS.
+	GrpcUseTls bool `protobuf:"varint,5,opt,name=grpc_use_tls,json=grpcUseTls,proto3" json:"grpc_use_tls,omitempty"`
+	// tls_skip_verify skips the verification of the certificate of an
+	// https:// or TLS grpc check.
+	TlsSkipVerify bool `protobuf:"varint,6,opt,name=tls_skip_verify,json=tlsSkipVerify,proto3" json:"tls_skip_verify,omitempty"`
+	// interval between probes (default 10s).
+	Interval *durationpb.Duration `protobuf:"bytes,7,opt,name=interval,proto3" json:"interval,omitempty"`
+	// timeout of one probe (default 5s, and below interval).
+	Timeout *durationpb.Duration `protobuf:"bytes,8,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	// success_before_passing is how many probes in a row must pass before a
+	// critical instance turns passing (default 1).
+	SuccessBeforePassing uint32 `protobuf:"varint,9,opt,name=success_before_passing,json=successBeforePassing,proto3" json:"success_before_passing,omitempty"`
+	// failures_before_critical is how many probes in a row must fail before a
+	// passing instance turns critical (default 1).
+	FailuresBeforeCritical uint32 `protobuf:"varint,10,opt,name=failures_before_critical,json=failuresBeforeCritical,proto3" json:"failures_before_critical,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
+}
+
+func (x *HealthCheck) Reset() {
+	*x = HealthCheck{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HealthCheck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HealthCheck) ProtoMessage() {}
+
+func (x *HealthCheck) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
+func (*HealthCheck) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *HealthCheck) GetHttp() string {
+	if x != nil {
+		return x.Http
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetTcp() string {
+	if x != nil {
+		return x.Tcp
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpc() string {
+	if x != nil {
+		return x.Grpc
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpcService() string {
+	if x != nil {
+		return x.GrpcService
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpcUseTls() bool {
+	if x != nil {
+		return x.GrpcUseTls
+	}
+	return false
+}
+
+func (x *HealthCheck) GetTlsSkipVerify() bool {
+	if x != nil {
+		return x.TlsSkipVerify
+	}
+	return false
+}
+
+func (x *HealthCheck) GetInterval() *durationpb.Duration {
+	if x != nil {
+		return x.Interval
+	}
+	return nil
+}
+
+func (x *HealthCheck) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+func (x *HealthCheck) GetSuccessBeforePassing() uint32 {
+	if x != nil {
+		return x.SuccessBeforePassing
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetFailuresBeforeCritical() uint32 {
+	if x != nil {
+		return x.FailuresBeforeCritical
+	}
+	return 0
+}
+
 // ServiceInstance is stored under /pivirt/services/<service>/<instance_id>.
 type ServiceInstance struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
@@ -1414,13 +1548,24 @@ type ServiceInstance struct {
 	LastHeartbeat *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=last_heartbeat,json=lastHeartbeat,proto3" json:"last_heartbeat,omitempty"`
 	CreateIndex   uint64                 `protobuf:"varint,12,opt,name=create_index,json=createIndex,proto3" json:"create_index,omitempty"`
 	ModifyIndex   uint64                 `protobuf:"varint,13,opt,name=modify_index,json=modifyIndex,proto3" json:"modify_index,omitempty"`
+	// check, when set, is run by the agent on the instance's node, which
+	// reports each change of its result. An instance with a check starts
+	// critical until its check passes.
+	Check *HealthCheck `protobuf:"bytes,14,opt,name=check,proto3" json:"check,omitempty"`
+	// deregister_critical_after, when set, deregisters an instance that has
+	// been critical for longer (the leader does it).
+	DeregisterCriticalAfter *durationpb.Duration `protobuf:"bytes,15,opt,name=deregister_critical_after,json=deregisterCriticalAfter,proto3" json:"deregister_critical_after,omitempty"`
+	// output is what the last reported check result said (server-owned).
+	Output string `protobuf:"bytes,16,opt,name=output,proto3" json:"output,omitempty"`
+	// health_since is when health last changed (server-owned).
+	HealthSince   *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=health_since,json=healthSince,proto3" json:"health_since,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ServiceInstance) Reset() {
 	*x = ServiceInstance{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[19]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1432,7 +1577,7 @@ func (x *ServiceInstance) String() string {
 func (*ServiceInstance) ProtoMessage() {}
 
 func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[19]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1445,7 +1590,7 @@ func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServiceInstance.ProtoReflect.Descriptor instead.
 func (*ServiceInstance) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{19}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ServiceInstance) GetService() string {
@@ -1539,6 +1684,34 @@ func (x *ServiceInstance) GetModifyIndex() uint64 {
 	return 0
 }
 
+func (x *ServiceInstance) GetCheck() *HealthCheck {
+	if x != nil {
+		return x.Check
+	}
+	return nil
+}
+
+func (x *ServiceInstance) GetDeregisterCriticalAfter() *durationpb.Duration {
+	if x != nil {
+		return x.DeregisterCriticalAfter
+	}
+	return nil
+}
+
+func (x *ServiceInstance) GetOutput() string {
+	if x != nil {
+		return x.Output
+	}
+	return ""
+}
+
+func (x *ServiceInstance) GetHealthSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.HealthSince
+	}
+	return nil
+}
+
 type RegisterServiceRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Instance      *ServiceInstance       `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
@@ -1549,7 +1722,7 @@ type RegisterServiceRequest struct {
 
 func (x *RegisterServiceRequest) Reset() {
 	*x = RegisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1561,7 +1734,7 @@ func (x *RegisterServiceRequest) String() string {
 func (*RegisterServiceRequest) ProtoMessage() {}
 
 func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1574,7 +1747,7 @@ func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*RegisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{20}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RegisterServiceRequest) GetInstance() *ServiceInstance {
@@ -1601,7 +1774,7 @@ type RegisterServiceResponse struct {
 
 func (x *RegisterServiceResponse) Reset() {
 	*x = RegisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1613,7 +1786,7 @@ func (x *RegisterServiceResponse) String() string {
 func (*RegisterServiceResponse) ProtoMessage() {}
 
 func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1626,7 +1799,7 @@ func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*RegisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{21}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RegisterServiceResponse) GetInstance() *ServiceInstance {
@@ -1654,7 +1827,7 @@ type DeregisterServiceRequest struct {
 
 func (x *DeregisterServiceRequest) Reset() {
 	*x = DeregisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1666,7 +1839,7 @@ func (x *DeregisterServiceRequest) String() string {
 func (*DeregisterServiceRequest) ProtoMessage() {}
 
 func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1679,7 +1852,7 @@ func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{22}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DeregisterServiceRequest) GetService() string {
@@ -1712,7 +1885,7 @@ type DeregisterServiceResponse struct {
 
 func (x *DeregisterServiceResponse) Reset() {
 	*x = DeregisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1897,7 @@ func (x *DeregisterServiceResponse) String() string {
 func (*DeregisterServiceResponse) ProtoMessage() {}
 
 func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1910,7 @@ func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *DeregisterServiceResponse) GetIndex() uint64 {
@@ -1748,17 +1921,23 @@ func (x *DeregisterServiceResponse) GetIndex() uint64 {
 }
 
 type HeartbeatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Service       string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
-	InstanceId    string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	Write         *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Service    string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
+	InstanceId string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	Write      *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	// health is the result to record: unset or HEALTH_PASSING is a heartbeat,
+	// HEALTH_CRITICAL reports a failed check (the check runner of the
+	// instance's node sends it).
+	Health Health `protobuf:"varint,4,opt,name=health,proto3,enum=pivirt.cluster.v1.Health" json:"health,omitempty"`
+	// output says why (a check's answer or error); at most 1024 bytes.
+	Output        string `protobuf:"bytes,5,opt,name=output,proto3" json:"output,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1770,7 +1949,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1783,7 +1962,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *HeartbeatRequest) GetService() string {
@@ -1807,6 +1986,20 @@ func (x *HeartbeatRequest) GetWrite() *WriteOptions {
 	return nil
 }
 
+func (x *HeartbeatRequest) GetHealth() Health {
+	if x != nil {
+		return x.Health
+	}
+	return Health_HEALTH_UNSPECIFIED
+}
+
+func (x *HeartbeatRequest) GetOutput() string {
+	if x != nil {
+		return x.Output
+	}
+	return ""
+}
+
 type HeartbeatResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Instance      *ServiceInstance       `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
@@ -1817,7 +2010,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1829,7 +2022,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1842,7 +2035,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *HeartbeatResponse) GetInstance() *ServiceInstance {
@@ -1870,7 +2063,7 @@ type ListServicesRequest struct {
 
 func (x *ListServicesRequest) Reset() {
 	*x = ListServicesRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1882,7 +2075,7 @@ func (x *ListServicesRequest) String() string {
 func (*ListServicesRequest) ProtoMessage() {}
 
 func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1895,7 +2088,7 @@ func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesRequest.ProtoReflect.Descriptor instead.
 func (*ListServicesRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListServicesRequest) GetService() string {
@@ -1922,7 +2115,7 @@ type ListServicesResponse struct {
 
 func (x *ListServicesResponse) Reset() {
 	*x = ListServicesResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1934,7 +2127,7 @@ func (x *ListServicesResponse) String() string {
 func (*ListServicesResponse) ProtoMessage() {}
 
 func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1947,7 +2140,7 @@ func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesResponse.ProtoReflect.Descriptor instead.
 func (*ListServicesResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListServicesResponse) GetInstances() []*ServiceInstance {
@@ -1976,7 +2169,7 @@ type GetServiceRequest struct {
 
 func (x *GetServiceRequest) Reset() {
 	*x = GetServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1988,7 +2181,7 @@ func (x *GetServiceRequest) String() string {
 func (*GetServiceRequest) ProtoMessage() {}
 
 func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2001,7 +2194,7 @@ func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceRequest.ProtoReflect.Descriptor instead.
 func (*GetServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *GetServiceRequest) GetService() string {
@@ -2035,7 +2228,7 @@ type GetServiceResponse struct {
 
 func (x *GetServiceResponse) Reset() {
 	*x = GetServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2047,7 +2240,7 @@ func (x *GetServiceResponse) String() string {
 func (*GetServiceResponse) ProtoMessage() {}
 
 func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2060,7 +2253,7 @@ func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceResponse.ProtoReflect.Descriptor instead.
 func (*GetServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *GetServiceResponse) GetInstances() []*ServiceInstance {
@@ -2092,7 +2285,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2104,7 +2297,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2117,7 +2310,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -2165,7 +2358,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2177,7 +2370,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2190,7 +2383,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *GetConfigRequest) GetKey() string {
@@ -2217,7 +2410,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2229,7 +2422,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2242,7 +2435,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *GetConfigResponse) GetEntry() *ConfigEntry {
@@ -2268,7 +2461,7 @@ type ListConfigRequest struct {
 
 func (x *ListConfigRequest) Reset() {
 	*x = ListConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2280,7 +2473,7 @@ func (x *ListConfigRequest) String() string {
 func (*ListConfigRequest) ProtoMessage() {}
 
 func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2293,7 +2486,7 @@ func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigRequest.ProtoReflect.Descriptor instead.
 func (*ListConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ListConfigRequest) GetRead() *ReadOptions {
@@ -2313,7 +2506,7 @@ type ListConfigResponse struct {
 
 func (x *ListConfigResponse) Reset() {
 	*x = ListConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2325,7 +2518,7 @@ func (x *ListConfigResponse) String() string {
 func (*ListConfigResponse) ProtoMessage() {}
 
 func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2338,7 +2531,7 @@ func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigResponse.ProtoReflect.Descriptor instead.
 func (*ListConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListConfigResponse) GetEntries() []*ConfigEntry {
@@ -2375,7 +2568,7 @@ type SetConfigRequest struct {
 
 func (x *SetConfigRequest) Reset() {
 	*x = SetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2387,7 +2580,7 @@ func (x *SetConfigRequest) String() string {
 func (*SetConfigRequest) ProtoMessage() {}
 
 func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2400,7 +2593,7 @@ func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SetConfigRequest) GetKey() string {
@@ -2457,7 +2650,7 @@ type SetConfigResponse struct {
 
 func (x *SetConfigResponse) Reset() {
 	*x = SetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2469,7 +2662,7 @@ func (x *SetConfigResponse) String() string {
 func (*SetConfigResponse) ProtoMessage() {}
 
 func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2482,7 +2675,7 @@ func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *SetConfigResponse) GetEntry() *ConfigEntry {
@@ -2513,7 +2706,7 @@ type DeleteConfigRequest struct {
 
 func (x *DeleteConfigRequest) Reset() {
 	*x = DeleteConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2525,7 +2718,7 @@ func (x *DeleteConfigRequest) String() string {
 func (*DeleteConfigRequest) ProtoMessage() {}
 
 func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2538,7 +2731,7 @@ func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigRequest.ProtoReflect.Descriptor instead.
 func (*DeleteConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *DeleteConfigRequest) GetKey() string {
@@ -2578,7 +2771,7 @@ type DeleteConfigResponse struct {
 
 func (x *DeleteConfigResponse) Reset() {
 	*x = DeleteConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2590,7 +2783,7 @@ func (x *DeleteConfigResponse) String() string {
 func (*DeleteConfigResponse) ProtoMessage() {}
 
 func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2603,7 +2796,7 @@ func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigResponse.ProtoReflect.Descriptor instead.
 func (*DeleteConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DeleteConfigResponse) GetIndex() uint64 {
@@ -2623,7 +2816,7 @@ type ConfigHistoryRequest struct {
 
 func (x *ConfigHistoryRequest) Reset() {
 	*x = ConfigHistoryRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2635,7 +2828,7 @@ func (x *ConfigHistoryRequest) String() string {
 func (*ConfigHistoryRequest) ProtoMessage() {}
 
 func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2648,7 +2841,7 @@ func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryRequest.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ConfigHistoryRequest) GetKey() string {
@@ -2676,7 +2869,7 @@ type ConfigHistoryResponse struct {
 
 func (x *ConfigHistoryResponse) Reset() {
 	*x = ConfigHistoryResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2688,7 +2881,7 @@ func (x *ConfigHistoryResponse) String() string {
 func (*ConfigHistoryResponse) ProtoMessage() {}
 
 func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2701,7 +2894,7 @@ func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryResponse.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ConfigHistoryResponse) GetEntries() []*ConfigEntry {
@@ -2735,7 +2928,7 @@ type CheckAccessRequest struct {
 
 func (x *CheckAccessRequest) Reset() {
 	*x = CheckAccessRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2747,7 +2940,7 @@ func (x *CheckAccessRequest) String() string {
 func (*CheckAccessRequest) ProtoMessage() {}
 
 func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2760,7 +2953,7 @@ func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessRequest.ProtoReflect.Descriptor instead.
 func (*CheckAccessRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *CheckAccessRequest) GetIdentity() string {
@@ -2816,7 +3009,7 @@ type CheckAccessResponse struct {
 
 func (x *CheckAccessResponse) Reset() {
 	*x = CheckAccessResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2828,7 +3021,7 @@ func (x *CheckAccessResponse) String() string {
 func (*CheckAccessResponse) ProtoMessage() {}
 
 func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2841,7 +3034,7 @@ func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessResponse.ProtoReflect.Descriptor instead.
 func (*CheckAccessResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *CheckAccessResponse) GetAllowed() bool {
@@ -2920,7 +3113,7 @@ type CheckNetworkPolicyRequest struct {
 
 func (x *CheckNetworkPolicyRequest) Reset() {
 	*x = CheckNetworkPolicyRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2932,7 +3125,7 @@ func (x *CheckNetworkPolicyRequest) String() string {
 func (*CheckNetworkPolicyRequest) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2945,7 +3138,7 @@ func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *CheckNetworkPolicyRequest) GetFrom() string {
@@ -2984,7 +3177,7 @@ type CheckNetworkPolicyResponse struct {
 
 func (x *CheckNetworkPolicyResponse) Reset() {
 	*x = CheckNetworkPolicyResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2996,7 +3189,7 @@ func (x *CheckNetworkPolicyResponse) String() string {
 func (*CheckNetworkPolicyResponse) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3009,7 +3202,7 @@ func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
@@ -3048,7 +3241,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3060,7 +3253,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3073,7 +3266,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
 }
 
 type ConfigStatusResponse struct {
@@ -3086,7 +3279,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3098,7 +3291,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3111,7 +3304,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -3147,7 +3340,7 @@ type NodeConfigStatus struct {
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3159,7 +3352,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3172,7 +3365,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -3242,7 +3435,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3254,7 +3447,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3267,7 +3460,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -3295,7 +3488,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3307,7 +3500,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3320,7 +3513,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -3345,7 +3538,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3357,7 +3550,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3370,7 +3563,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -3485,7 +3678,20 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x15TransferLeaderRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"1\n" +
 	"\x16TransferLeaderResponse\x12\x17\n" +
-	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"\xc7\x04\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"\x90\x03\n" +
+	"\vHealthCheck\x12\x12\n" +
+	"\x04http\x18\x01 \x01(\tR\x04http\x12\x10\n" +
+	"\x03tcp\x18\x02 \x01(\tR\x03tcp\x12\x12\n" +
+	"\x04grpc\x18\x03 \x01(\tR\x04grpc\x12!\n" +
+	"\fgrpc_service\x18\x04 \x01(\tR\vgrpcService\x12 \n" +
+	"\fgrpc_use_tls\x18\x05 \x01(\bR\n" +
+	"grpcUseTls\x12&\n" +
+	"\x0ftls_skip_verify\x18\x06 \x01(\bR\rtlsSkipVerify\x125\n" +
+	"\binterval\x18\a \x01(\v2\x19.google.protobuf.DurationR\binterval\x123\n" +
+	"\atimeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\atimeout\x124\n" +
+	"\x16success_before_passing\x18\t \x01(\rR\x14successBeforePassing\x128\n" +
+	"\x18failures_before_critical\x18\n" +
+	" \x01(\rR\x16failuresBeforeCritical\"\xab\x06\n" +
 	"\x0fServiceInstance\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
@@ -3501,7 +3707,11 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\fregisteredAt\x12A\n" +
 	"\x0elast_heartbeat\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\rlastHeartbeat\x12!\n" +
 	"\fcreate_index\x18\f \x01(\x04R\vcreateIndex\x12!\n" +
-	"\fmodify_index\x18\r \x01(\x04R\vmodifyIndex\x1a7\n" +
+	"\fmodify_index\x18\r \x01(\x04R\vmodifyIndex\x124\n" +
+	"\x05check\x18\x0e \x01(\v2\x1e.pivirt.cluster.v1.HealthCheckR\x05check\x12U\n" +
+	"\x19deregister_critical_after\x18\x0f \x01(\v2\x19.google.protobuf.DurationR\x17deregisterCriticalAfter\x12\x16\n" +
+	"\x06output\x18\x10 \x01(\tR\x06output\x12=\n" +
+	"\fhealth_since\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\vhealthSince\x1a7\n" +
 	"\tMetaEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8f\x01\n" +
@@ -3517,12 +3727,14 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"instanceId\x125\n" +
 	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"1\n" +
 	"\x19DeregisterServiceResponse\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x04R\x05index\"\x84\x01\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"\xcf\x01\n" +
 	"\x10HeartbeatRequest\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
 	"instanceId\x125\n" +
-	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"i\n" +
+	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\x121\n" +
+	"\x06health\x18\x04 \x01(\x0e2\x19.pivirt.cluster.v1.HealthR\x06health\x12\x16\n" +
+	"\x06output\x18\x05 \x01(\tR\x06output\"i\n" +
 	"\x11HeartbeatResponse\x12>\n" +
 	"\binstance\x18\x01 \x01(\v2\".pivirt.cluster.v1.ServiceInstanceR\binstance\x12\x14\n" +
 	"\x05index\x18\x02 \x01(\x04R\x05index\"c\n" +
@@ -3720,7 +3932,7 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
@@ -3746,136 +3958,143 @@ var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(*RemovePeerResponse)(nil),         // 21: pivirt.cluster.v1.RemovePeerResponse
 	(*TransferLeaderRequest)(nil),      // 22: pivirt.cluster.v1.TransferLeaderRequest
 	(*TransferLeaderResponse)(nil),     // 23: pivirt.cluster.v1.TransferLeaderResponse
-	(*ServiceInstance)(nil),            // 24: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),     // 25: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),    // 26: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),   // 27: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil),  // 28: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),           // 29: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),          // 30: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),        // 31: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),       // 32: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),          // 33: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),         // 34: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),                // 35: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),           // 36: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),          // 37: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),          // 38: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),         // 39: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),           // 40: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),          // 41: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),        // 42: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),       // 43: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),       // 44: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),      // 45: pivirt.cluster.v1.ConfigHistoryResponse
-	(*CheckAccessRequest)(nil),         // 46: pivirt.cluster.v1.CheckAccessRequest
-	(*CheckAccessResponse)(nil),        // 47: pivirt.cluster.v1.CheckAccessResponse
-	(*CheckNetworkPolicyRequest)(nil),  // 48: pivirt.cluster.v1.CheckNetworkPolicyRequest
-	(*CheckNetworkPolicyResponse)(nil), // 49: pivirt.cluster.v1.CheckNetworkPolicyResponse
-	(*ConfigStatusRequest)(nil),        // 50: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),       // 51: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),           // 52: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),             // 53: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),            // 54: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),                // 55: pivirt.cluster.v1.NodeKeyring
-	nil,                                // 56: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),        // 57: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),      // 58: google.protobuf.Timestamp
+	(*HealthCheck)(nil),                // 24: pivirt.cluster.v1.HealthCheck
+	(*ServiceInstance)(nil),            // 25: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),     // 26: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),    // 27: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),   // 28: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil),  // 29: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),           // 30: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),          // 31: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),        // 32: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),       // 33: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),          // 34: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),         // 35: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),                // 36: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),           // 37: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),          // 38: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),          // 39: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),         // 40: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),           // 41: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),          // 42: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),        // 43: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),       // 44: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),       // 45: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),      // 46: pivirt.cluster.v1.ConfigHistoryResponse
+	(*CheckAccessRequest)(nil),         // 47: pivirt.cluster.v1.CheckAccessRequest
+	(*CheckAccessResponse)(nil),        // 48: pivirt.cluster.v1.CheckAccessResponse
+	(*CheckNetworkPolicyRequest)(nil),  // 49: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 50: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 51: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 52: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 53: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 54: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 55: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 56: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 57: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 58: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 59: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	57, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	57, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	57, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	58, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	58, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	58, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
 	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	57, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	58, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
 	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
 	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	56, // 13: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
-	3,  // 14: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	57, // 15: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	58, // 16: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	58, // 17: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	24, // 18: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 19: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	24, // 20: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 21: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	6,  // 22: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	24, // 23: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 24: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	24, // 25: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 26: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 27: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	24, // 28: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 29: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	58, // 30: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	5,  // 31: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	35, // 32: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 33: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 34: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	35, // 35: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 36: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	6,  // 37: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	35, // 38: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 39: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 40: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	35, // 41: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 42: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	52, // 43: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	4,  // 44: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	55, // 45: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
-	9,  // 46: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	12, // 47: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	14, // 48: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	16, // 49: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	18, // 50: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	20, // 51: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	22, // 52: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	25, // 53: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	27, // 54: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	29, // 55: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	31, // 56: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	33, // 57: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	36, // 58: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	38, // 59: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	40, // 60: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	42, // 61: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	44, // 62: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	53, // 63: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	50, // 64: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	46, // 65: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
-	48, // 66: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
-	10, // 67: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 68: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 69: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 70: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 71: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 72: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	23, // 73: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	26, // 74: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	28, // 75: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	30, // 76: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	32, // 77: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	34, // 78: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	37, // 79: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	39, // 80: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	41, // 81: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	43, // 82: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	45, // 83: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	54, // 84: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	51, // 85: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	47, // 86: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
-	49, // 87: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
-	67, // [67:88] is the sub-list for method output_type
-	46, // [46:67] is the sub-list for method input_type
-	46, // [46:46] is the sub-list for extension type_name
-	46, // [46:46] is the sub-list for extension extendee
-	0,  // [0:46] is the sub-list for field type_name
+	58, // 13: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
+	58, // 14: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
+	57, // 15: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	3,  // 16: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
+	58, // 17: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	59, // 18: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	59, // 19: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	24, // 20: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
+	58, // 21: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
+	59, // 22: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
+	25, // 23: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 24: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	25, // 25: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 26: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	6,  // 27: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	3,  // 28: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
+	25, // 29: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 30: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	25, // 31: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 32: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 33: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	25, // 34: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 35: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	59, // 36: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 37: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	36, // 38: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 39: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 40: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	36, // 41: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 42: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,  // 43: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	36, // 44: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 45: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	5,  // 46: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	36, // 47: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 48: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	53, // 49: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	4,  // 50: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	56, // 51: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	9,  // 52: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	12, // 53: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	14, // 54: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	16, // 55: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	18, // 56: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	20, // 57: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	22, // 58: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	26, // 59: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	28, // 60: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	30, // 61: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	32, // 62: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	34, // 63: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	37, // 64: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	39, // 65: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	41, // 66: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	43, // 67: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	45, // 68: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	54, // 69: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	51, // 70: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	47, // 71: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	49, // 72: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	10, // 73: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 74: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 75: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 76: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 77: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 78: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	23, // 79: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	27, // 80: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	29, // 81: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	31, // 82: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	33, // 83: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	35, // 84: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	38, // 85: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	40, // 86: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	42, // 87: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	44, // 88: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	46, // 89: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	55, // 90: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	52, // 91: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	48, // 92: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	50, // 93: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	73, // [73:94] is the sub-list for method output_type
+	52, // [52:73] is the sub-list for method input_type
+	52, // [52:52] is the sub-list for extension type_name
+	52, // [52:52] is the sub-list for extension extendee
+	0,  // [0:52] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -3883,15 +4102,15 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 	if File_pivirt_cluster_v1_cluster_proto != nil {
 		return
 	}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[35].OneofWrappers = []any{}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[37].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[36].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[38].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   52,
+			NumMessages:   53,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
