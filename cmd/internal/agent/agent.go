@@ -207,6 +207,8 @@ type Agent struct {
 	// settingsKick makes the settings follower apply the replicated
 	// settings again (after a file reload).
 	settingsKick chan struct{}
+	// servicesKick makes the services directory be read again (a reload).
+	servicesKick chan struct{}
 	peerConns    connTracker
 
 	servers     []*http.Server
@@ -270,6 +272,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	a.raftApplyTime = apply
 	a.settings = newSettingsStatus(a.metrics)
 	a.settingsKick = make(chan struct{}, 1)
+	a.servicesKick = make(chan struct{}, 1)
 	return a, nil
 }
 
@@ -311,6 +314,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
 		a.runCatalog,      // the placement catalog of this node's backends
 		a.runChecks,       // the checks of the service instances registered with this node
+		a.runServicesDir,  // the service definitions of service_discovery.services_dir
 		a.runSettings,     // the cluster settings, applied as they change
 	} {
 		if err := step(); err != nil {
