@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -24,6 +25,20 @@ func mustGetService(t *writeTxn, service, instanceID string) (*clusterv1.Service
 		return nil, fmt.Errorf("%w: service %q instance %q", ErrNotFound, service, instanceID)
 	}
 	return inst, nil
+}
+
+// HealthSince returns when inst's health last changed: its health_since;
+// when unset, for a TTL instance the reaper marked critical its last
+// heartbeat plus its TTL, else its registration.
+func HealthSince(inst *clusterv1.ServiceInstance) *timestamppb.Timestamp {
+	switch {
+	case inst.GetHealthSince() != nil:
+		return inst.GetHealthSince()
+	case inst.GetHealth() == clusterv1.Health_HEALTH_CRITICAL && inst.GetTtl().AsDuration() > 0 && inst.GetLastHeartbeat() != nil:
+		return timestamppb.New(inst.GetLastHeartbeat().AsTime().Add(inst.GetTtl().AsDuration()))
+	default:
+		return inst.GetRegisteredAt()
+	}
 }
 
 // applyRegisterService inserts or replaces an instance. A re-registration of
@@ -54,12 +69,37 @@ func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Messa
 	if err := checkDuration(p+".ttl", in.GetTtl()); err != nil {
 		return nil, err
 	}
+	if err := checkDuration(p+".deregister_critical_after", in.GetDeregisterCriticalAfter()); err != nil {
+		return nil, err
+	}
+	if err := checkDuration(p+".check.interval", in.GetCheck().GetInterval()); err != nil {
+		return nil, err
+	}
+	if err := checkDuration(p+".check.timeout", in.GetCheck().GetTimeout()); err != nil {
+		return nil, err
+	}
 	old, err := getService(t, in.GetService(), in.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	inst := in
-	inst.Health = clusterv1.Health_HEALTH_PASSING
+	// An instance with a check is critical until its check passes; a
+	// registration that keeps the check keeps its result.
+	inst.Health, inst.Output = clusterv1.Health_HEALTH_PASSING, ""
+	if in.GetCheck() != nil {
+		inst.Health, inst.Output = clusterv1.Health_HEALTH_CRITICAL, "not checked yet"
+		if old != nil && proto.Equal(old.GetCheck(), in.GetCheck()) {
+			inst.Health, inst.Output = old.GetHealth(), old.GetOutput()
+		}
+	}
+	switch {
+	case old != nil && old.GetHealth() == inst.GetHealth():
+		inst.HealthSince = old.GetHealthSince()
+	case old == nil && inst.GetHealth() == clusterv1.Health_HEALTH_PASSING:
+		inst.HealthSince = nil // passing since registered_at
+	default:
+		inst.HealthSince = cmd.GetTime()
+	}
 	inst.LastHeartbeat = cmd.GetTime()
 	inst.ModifyIndex = t.index
 	if old != nil {
@@ -83,15 +123,22 @@ func (f *FSM) applyDeregisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Mes
 	if err := checkID("deregister_service.instance_id", op.GetInstanceId()); err != nil {
 		return nil, err
 	}
+	if err := checkTime("deregister_service.critical_since", op.GetCriticalSince(), false); err != nil {
+		return nil, err
+	}
 	inst, err := mustGetService(t, op.GetService(), op.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
+	if since := op.GetCriticalSince(); since != nil && (inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || compareTime(HealthSince(inst), since) != 0) {
+		return nil, fmt.Errorf("%w: service %q instance %q: %s since %s, command expected critical since %s",
+			ErrStale, op.GetService(), op.GetInstanceId(), inst.GetHealth(), formatTime(HealthSince(inst)), formatTime(since))
+	}
 	return nil, t.delete(TableServices, inst)
 }
 
-// applyHeartbeat sets last_heartbeat to the command time and health to
-// passing.
+// applyHeartbeat sets last_heartbeat to the command time, health to the
+// command's (unset: passing) and output to the command's.
 func (f *FSM) applyHeartbeat(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	op := cmd.GetHeartbeat()
 	if err := checkID("heartbeat.service", op.GetService()); err != nil {
@@ -100,13 +147,28 @@ func (f *FSM) applyHeartbeat(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	if err := checkID("heartbeat.instance_id", op.GetInstanceId()); err != nil {
 		return nil, err
 	}
+	health := op.GetHealth()
+	switch health {
+	case clusterv1.Health_HEALTH_UNSPECIFIED:
+		health = clusterv1.Health_HEALTH_PASSING
+	case clusterv1.Health_HEALTH_PASSING, clusterv1.Health_HEALTH_CRITICAL:
+	default:
+		return nil, invalidf("heartbeat.health: %s, must be HEALTH_PASSING or HEALTH_CRITICAL", health)
+	}
+	if len(op.GetOutput()) > MaxOutputSize {
+		return nil, invalidf("heartbeat.output: %d bytes, at most %d", len(op.GetOutput()), MaxOutputSize)
+	}
 	old, err := mustGetService(t, op.GetService(), op.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	inst := proto.CloneOf(old)
 	inst.LastHeartbeat = cmd.GetTime()
-	inst.Health = clusterv1.Health_HEALTH_PASSING
+	if old.GetHealth() != health {
+		inst.HealthSince = cmd.GetTime()
+	}
+	inst.Health = health
+	inst.Output = op.GetOutput()
 	inst.ModifyIndex = t.index
 	if err := t.insert(TableServices, inst); err != nil {
 		return nil, err
@@ -148,6 +210,9 @@ func (f *FSM) applySetServiceHealth(t *writeTxn, cmd *fsmv1.Command) (proto.Mess
 	}
 	inst := proto.CloneOf(old)
 	inst.Health = op.GetHealth()
+	// Unset: HealthSince works it out from the TTL, as the reaper's
+	// decision did (snapshots of earlier versions hold no other value).
+	inst.HealthSince = nil
 	inst.ModifyIndex = t.index
 	if err := t.insert(TableServices, inst); err != nil {
 		return nil, err

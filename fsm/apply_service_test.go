@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -167,5 +168,148 @@ func TestSetServiceHealth(t *testing.T) {
 		{name: "missing last_heartbeat", setup: []*fsmv1.Command{register(instance("web", "a"))}, cmd: setHealth("web", "a", clusterv1.Health_HEALTH_CRITICAL, nil), wantErr: ErrInvalidCommand, check: wantField("set_service_health.last_heartbeat")},
 		{name: "missing service", cmd: setHealth("", "a", clusterv1.Health_HEALTH_CRITICAL, at(1)), wantErr: ErrInvalidCommand, check: wantField("set_service_health.service")},
 		{name: "missing instance_id", cmd: setHealth("web", "", clusterv1.Health_HEALTH_CRITICAL, at(1)), wantErr: ErrInvalidCommand, check: wantField("set_service_health.instance_id")},
+	})
+}
+
+// withCheck is instance(service, id) with a TCP check and
+// deregister_critical_after.
+func withCheck(service, id, target string) *clusterv1.ServiceInstance {
+	in := instance(service, id)
+	in.Check = &clusterv1.HealthCheck{Tcp: target, Interval: durationpb.New(time.Second)}
+	in.DeregisterCriticalAfter = durationpb.New(time.Minute)
+	return in
+}
+
+func checkResult(service, id string, health clusterv1.Health, output string) *fsmv1.Command {
+	return &fsmv1.Command{Op: &fsmv1.Command_Heartbeat{Heartbeat: &fsmv1.Heartbeat{Service: service, InstanceId: id, Health: health, Output: output}}}
+}
+
+func deregisterIfCritical(service, id string, since *timestamppb.Timestamp) *fsmv1.Command {
+	return &fsmv1.Command{Op: &fsmv1.Command_DeregisterService{DeregisterService: &fsmv1.DeregisterService{Service: service, InstanceId: id, CriticalSince: since}}}
+}
+
+// TestServiceCheckHealth: an instance with a check starts critical, check
+// results (heartbeats with a health) move it and its health_since, a
+// registration that keeps the check keeps its result, and a conditional
+// deregistration applies only to the critical spell it names.
+func TestServiceCheckHealth(t *testing.T) {
+	runApplyCases(t, []applyCase{
+		{
+			name: "a check starts critical",
+			cmd:  register(withCheck("web", "a", "127.0.0.1:1")),
+			check: func(t *testing.T, h *harness, res *Result) {
+				got := storedInstance(t, h, "web", "a")
+				if got.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || got.GetOutput() == "" || !proto.Equal(got.GetHealthSince(), at(1)) {
+					t.Errorf("stored = %v, want critical since at(1) with an output", got)
+				}
+			},
+		},
+		{
+			name:  "a passing result",
+			setup: []*fsmv1.Command{register(withCheck("web", "a", "127.0.0.1:1"))},
+			cmd:   checkResult("web", "a", clusterv1.Health_HEALTH_PASSING, "connected"),
+			check: func(t *testing.T, h *harness, res *Result) {
+				got := storedInstance(t, h, "web", "a")
+				if got.GetHealth() != clusterv1.Health_HEALTH_PASSING || got.GetOutput() != "connected" || !proto.Equal(got.GetHealthSince(), at(2)) {
+					t.Errorf("stored = %v, want passing since at(2), output connected", got)
+				}
+			},
+		},
+		{
+			name: "the same check registered again keeps the result",
+			setup: []*fsmv1.Command{
+				register(withCheck("web", "a", "127.0.0.1:1")),
+				checkResult("web", "a", clusterv1.Health_HEALTH_PASSING, "connected"),
+			},
+			cmd: register(withCheck("web", "a", "127.0.0.1:1")),
+			check: func(t *testing.T, h *harness, res *Result) {
+				got := storedInstance(t, h, "web", "a")
+				if got.GetHealth() != clusterv1.Health_HEALTH_PASSING || got.GetOutput() != "connected" || !proto.Equal(got.GetHealthSince(), at(2)) {
+					t.Errorf("stored = %v, want passing since at(2), output connected", got)
+				}
+			},
+		},
+		{
+			name: "another check starts critical again",
+			setup: []*fsmv1.Command{
+				register(withCheck("web", "a", "127.0.0.1:1")),
+				checkResult("web", "a", clusterv1.Health_HEALTH_PASSING, "connected"),
+			},
+			cmd: register(withCheck("web", "a", "127.0.0.1:2")),
+			check: func(t *testing.T, h *harness, res *Result) {
+				got := storedInstance(t, h, "web", "a")
+				if got.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || !proto.Equal(got.GetHealthSince(), at(3)) {
+					t.Errorf("stored = %v, want critical since at(3)", got)
+				}
+			},
+		},
+		{
+			name: "a critical result keeps health_since of the spell",
+			setup: []*fsmv1.Command{
+				register(withCheck("web", "a", "127.0.0.1:1")),
+			},
+			cmd: checkResult("web", "a", clusterv1.Health_HEALTH_CRITICAL, "refused"),
+			check: func(t *testing.T, h *harness, res *Result) {
+				got := storedInstance(t, h, "web", "a")
+				if got.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || got.GetOutput() != "refused" || !proto.Equal(got.GetHealthSince(), at(1)) {
+					t.Errorf("stored = %v, want critical since at(1), output refused", got)
+				}
+				if got := h.f.State().CriticalExpired(at(1).AsTime().Add(time.Minute + time.Nanosecond)); len(got) != 1 {
+					t.Errorf("CriticalExpired a minute later = %v, want the instance", got)
+				}
+				if got := h.f.State().CriticalExpired(at(1).AsTime().Add(time.Minute)); len(got) != 0 {
+					t.Errorf("CriticalExpired at the minute = %v, want none", got)
+				}
+			},
+		},
+		{
+			name:  "deregister if critical since",
+			setup: []*fsmv1.Command{register(withCheck("web", "a", "127.0.0.1:1"))},
+			cmd:   deregisterIfCritical("web", "a", at(1)),
+			check: func(t *testing.T, h *harness, res *Result) {
+				if _, err := h.f.State().Service("web", "a"); !errors.Is(err, ErrNotFound) {
+					t.Errorf("Service after deregister: %v, want ErrNotFound", err)
+				}
+			},
+		},
+		{
+			name: "deregister if critical since: it passed in between",
+			setup: []*fsmv1.Command{
+				register(withCheck("web", "a", "127.0.0.1:1")),
+				checkResult("web", "a", clusterv1.Health_HEALTH_PASSING, ""),
+			},
+			cmd:     deregisterIfCritical("web", "a", at(1)),
+			wantErr: ErrStale,
+		},
+		{
+			name: "deregister if critical since: another spell",
+			setup: []*fsmv1.Command{
+				register(withCheck("web", "a", "127.0.0.1:1")),
+				checkResult("web", "a", clusterv1.Health_HEALTH_PASSING, ""),
+				checkResult("web", "a", clusterv1.Health_HEALTH_CRITICAL, ""),
+			},
+			cmd:     deregisterIfCritical("web", "a", at(1)),
+			wantErr: ErrStale,
+		},
+		{
+			name: "deregister if critical since: a TTL instance the reaper marked",
+			setup: []*fsmv1.Command{
+				registerTTL("web", "a", time.Second),
+				setHealth("web", "a", clusterv1.Health_HEALTH_CRITICAL, at(1)),
+			},
+			cmd: deregisterIfCritical("web", "a", timestamppb.New(at(1).AsTime().Add(time.Second))),
+			check: func(t *testing.T, h *harness, res *Result) {
+				if _, err := h.f.State().Service("web", "a"); !errors.Is(err, ErrNotFound) {
+					t.Errorf("Service after deregister: %v, want ErrNotFound", err)
+				}
+			},
+		},
+		{name: "unknown health", setup: []*fsmv1.Command{register(instance("web", "a"))}, cmd: checkResult("web", "a", clusterv1.Health(7), ""), wantErr: ErrInvalidCommand, check: wantField("heartbeat.health")},
+		{name: "output too long", setup: []*fsmv1.Command{register(instance("web", "a"))}, cmd: checkResult("web", "a", clusterv1.Health_HEALTH_CRITICAL, strings.Repeat("x", MaxOutputSize+1)), wantErr: ErrInvalidCommand, check: wantField("heartbeat.output")},
+		{name: "negative deregister_critical_after", cmd: register(func() *clusterv1.ServiceInstance {
+			in := instance("web", "a")
+			in.DeregisterCriticalAfter = durationpb.New(-time.Second)
+			return in
+		}()), wantErr: ErrInvalidCommand, check: wantField("instance.deregister_critical_after")},
 	})
 }

@@ -195,6 +195,28 @@ func (s *State) ExpiredTTL(now time.Time) []*clusterv1.ServiceInstance {
 	return out
 }
 
+// CriticalExpired returns the critical instances with a positive
+// deregister_critical_after that have been critical for longer than it at
+// now, sorted by service then instance ID. The leader's reaper deregisters
+// them.
+func (s *State) CriticalExpired(now time.Time) []*clusterv1.ServiceInstance {
+	it, err := s.txn.Get(TableServices, indexID)
+	if err != nil {
+		return nil
+	}
+	var out []*clusterv1.ServiceInstance
+	for _, inst := range collect[*clusterv1.ServiceInstance](it) {
+		after := inst.GetDeregisterCriticalAfter().AsDuration()
+		if inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || after <= 0 {
+			continue
+		}
+		if since := HealthSince(inst); since != nil && since.AsTime().Add(after).Before(now) {
+			out = append(out, inst)
+		}
+	}
+	return out
+}
+
 // ConfigEntry returns the current version of a config key, or ErrNotFound.
 func (s *State) ConfigEntry(key string) (*clusterv1.ConfigEntry, error) {
 	e, err := first[*clusterv1.ConfigEntry](s.txn, TableConfig, indexID, key)

@@ -21,6 +21,9 @@ const (
 	MaxConfigValueSize = 512 << 10
 	// MaxPort is the largest port a service instance may register.
 	MaxPort = 65535
+	// MaxOutputSize bounds the output of a check result (a heartbeat's),
+	// in bytes.
+	MaxOutputSize = 1024
 )
 
 // invalidf returns an ErrInvalidCommand with a message naming the field.

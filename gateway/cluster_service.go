@@ -146,6 +146,11 @@ type ClusterServiceConfig struct {
 	CheckAccess        func(ctx context.Context, req *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error)
 	CheckNetworkPolicy func(ctx context.Context, req *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error)
 	Logger             *slog.Logger
+	// MinCheckInterval and MinDeregisterCriticalAfter lower the bounds of
+	// a registration's check interval and deregister_critical_after
+	// (tests); zero: MinCheckInterval and MinDeregisterCriticalAfter.
+	MinCheckInterval           time.Duration
+	MinDeregisterCriticalAfter time.Duration
 }
 
 // DefaultClusterServiceConfig returns the defaults.
@@ -647,8 +652,12 @@ func (h *ClusterService) validateInstance(in *clusterv1.ServiceInstance) error {
 			return invalid("instance.meta", "key %q: keys are 1-128 and values at most 512 printable characters", k)
 		}
 	}
+	if err := h.validateCheck(in); err != nil {
+		return err
+	}
 	// Server-owned fields.
 	in.Health = clusterv1.Health_HEALTH_UNSPECIFIED
+	in.Output, in.HealthSince = "", nil
 	in.RegisteredAt, in.LastHeartbeat = nil, nil
 	in.CreateIndex, in.ModifyIndex = 0, 0
 	return nil
@@ -722,9 +731,17 @@ func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clu
 	if err := h.checkInstanceWrite(req.Msg.GetService(), req.Msg.GetInstanceId(), &req.Msg.Write); err != nil {
 		return nil, toConnect(err)
 	}
+	switch req.Msg.GetHealth() {
+	case clusterv1.Health_HEALTH_UNSPECIFIED, clusterv1.Health_HEALTH_PASSING, clusterv1.Health_HEALTH_CRITICAL:
+	default:
+		return nil, toConnect(invalid("health", "%s must be HEALTH_PASSING or HEALTH_CRITICAL (or unset: passing)", req.Msg.GetHealth()))
+	}
+	if n := len(req.Msg.GetOutput()); n > fsm.MaxOutputSize || !utf8.ValidString(req.Msg.GetOutput()) {
+		return nil, toConnect(invalid("output", "must be valid UTF-8 of at most %d bytes (it has %d)", fsm.MaxOutputSize, n))
+	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_Heartbeat{
-			Heartbeat: &fsmv1.Heartbeat{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId()},
+			Heartbeat: &fsmv1.Heartbeat{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId(), Health: req.Msg.GetHealth(), Output: req.Msg.GetOutput()},
 		}})
 		if err != nil {
 			return nil, err

@@ -1,6 +1,7 @@
 // Package scheduler runs the leader-only loops: the power-schedule
 // dispatcher (RunDispatcher), the TTL reaper of service registrations
-// (RunTTLReaper) and automatic snapshot archives (RunSnapshotter). Each
+// (RunTTLReaper), the reaper of instances critical for too long
+// (RunCriticalReaper) and automatic snapshot archives (RunSnapshotter). Each
 // loop is started once per leadership term, after the leader's barrier
 // (cmd/internal/leader), and stops when its context is cancelled on
 // leadership loss or around a snapshot restore. See DESIGN.md.
@@ -99,7 +100,7 @@ func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, r
 }
 
 func expire(ctx context.Context, cfg TTLReaperConfig, raft Proposer, inst *clusterv1.ServiceInstance) error {
-	data, err := fsm.Encode(&fsmv1.Command{
+	return apply(ctx, cfg, raft, &fsmv1.Command{
 		Time: timestamppb.New(cfg.Now()),
 		Op: &fsmv1.Command_SetServiceHealth{SetServiceHealth: &fsmv1.SetServiceHealth{
 			Service:       inst.GetService(),
@@ -108,6 +109,11 @@ func expire(ctx context.Context, cfg TTLReaperConfig, raft Proposer, inst *clust
 			LastHeartbeat: inst.GetLastHeartbeat(),
 		}},
 	})
+}
+
+// apply proposes cmd within cfg.ApplyTimeout and returns its outcome.
+func apply(ctx context.Context, cfg TTLReaperConfig, raft Proposer, cmd *fsmv1.Command) error {
+	data, err := fsm.Encode(cmd)
 	if err != nil {
 		return fmt.Errorf("encode: %w", err)
 	}
@@ -121,4 +127,64 @@ func expire(ctx context.Context, cfg TTLReaperConfig, raft Proposer, inst *clust
 		return r.Err
 	}
 	return nil
+}
+
+// RunCriticalReaper deregisters service instances that have been critical
+// for longer than their deregister_critical_after, until ctx ends. It runs
+// on the leader in both modes, so an instance whose node is gone goes too.
+// The command names the critical spell it saw (fsm.HealthSince), so a check
+// that passed in between wins (fsm.ErrStale). cfg is the TTL reaper's:
+// TermStart holds deregistrations back for deregister_critical_after from
+// the term's start, as the TTL reaper does.
+func RunCriticalReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, raft Proposer) {
+	if cfg.Interval <= 0 {
+		cfg.Interval = time.Second
+	}
+	if cfg.ApplyTimeout <= 0 {
+		cfg.ApplyTimeout = 5 * time.Second
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	logger = logger.With("component", "critical-reaper")
+	t := time.NewTicker(cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		now := cfg.Now()
+		for _, inst := range state.State().CriticalExpired(now) {
+			after := inst.GetDeregisterCriticalAfter().AsDuration()
+			if !cfg.TermStart.IsZero() && now.Before(cfg.TermStart.Add(after)) {
+				continue
+			}
+			since := fsm.HealthSince(inst)
+			err := apply(ctx, cfg, raft, &fsmv1.Command{
+				Time: timestamppb.New(now),
+				Op: &fsmv1.Command_DeregisterService{DeregisterService: &fsmv1.DeregisterService{
+					Service: inst.GetService(), InstanceId: inst.GetInstanceId(), CriticalSince: since,
+				}},
+			})
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				if errors.Is(err, fsm.ErrStale) || errors.Is(err, fsm.ErrNotFound) {
+					continue // it passed, or went, after the scan
+				}
+				logger.Warn("deregister critical service instance", "service", inst.GetService(), "instance", inst.GetInstanceId(), "error", err)
+				continue
+			}
+			logger.Info("deregistered a service instance critical for longer than its deregister_critical_after",
+				"service", inst.GetService(), "instance", inst.GetInstanceId(), "node", inst.GetNode(),
+				"critical_since", since.AsTime(), "deregister_critical_after", after)
+		}
+	}
 }

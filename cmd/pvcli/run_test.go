@@ -600,6 +600,7 @@ var (
 		{
 			Service: "web", InstanceId: "web-2", Address: "10.0.0.8", Port: 8081,
 			Health: clusterv1.Health_HEALTH_CRITICAL, CreateIndex: 6, ModifyIndex: 6,
+			Check: &clusterv1.HealthCheck{Tcp: "10.0.0.8:8081"}, Output: "TCP connect 10.0.0.8:8081: connection refused",
 		},
 	}
 	configEntries = []*clusterv1.ConfigEntry{
@@ -666,9 +667,9 @@ func TestOutputFormats(t *testing.T) {
 			procedure: clusterv1connect.ClusterServiceListServicesProcedure,
 			response:  &clusterv1.ListServicesResponse{Instances: instances, Meta: meta},
 			table: [][]string{
-				{"SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "TAGS", "NODE", "TTL", "INDEX"},
-				{"web", "web-1", "10.0.0.7", "8080", "passing", "blue,v2", "node-1", "10s", "9"},
-				{"web", "web-2", "10.0.0.8", "8081", "critical", "-", "-", "-", "6"},
+				{"SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "CHECK", "TAGS", "NODE", "TTL", "INDEX"},
+				{"web", "web-1", "10.0.0.7", "8080", "passing", "-", "blue,v2", "node-1", "10s", "9"},
+				{"web", "web-2", "10.0.0.8", "8081", "critical", "tcp://10.0.0.8:8081", "-", "-", "-", "6"},
 			},
 		},
 		{
@@ -677,8 +678,8 @@ func TestOutputFormats(t *testing.T) {
 			procedure: clusterv1connect.ClusterServiceRegisterServiceProcedure,
 			response:  &clusterv1.RegisterServiceResponse{Instance: instances[0], Index: 9},
 			table: [][]string{
-				{"SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "TAGS", "NODE", "TTL", "INDEX"},
-				{"web", "web-1", "10.0.0.7", "8080", "passing", "blue,v2", "node-1", "10s", "9"},
+				{"SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "CHECK", "TAGS", "NODE", "TTL", "INDEX"},
+				{"web", "web-1", "10.0.0.7", "8080", "passing", "-", "blue,v2", "node-1", "10s", "9"},
 			},
 		},
 		{
@@ -1167,5 +1168,65 @@ func TestPeerByName(t *testing.T) {
 	r := runCLI(t, url, "cluster", "remove-peer", "node9")
 	if r.err == nil || !strings.Contains(r.stderr, `"node9" is neither the node ID nor the name of a Raft peer; the peers are: node1 (id-1), node2 (id-2)`) {
 		t.Errorf("unknown peer: %v, %q", r.err, r.stderr)
+	}
+}
+
+// TestServiceRegisterFile: --file reads a YAML or JSON definition, check
+// included, into the request; a bad file is refused naming it and the
+// field, and flags that the file decides do not go with it.
+func TestServiceRegisterFile(t *testing.T) {
+	t.Parallel()
+	fake := newFakeCluster()
+	url := fake.start(t)
+	dir := t.TempDir()
+	web := filepath.Join(dir, "web.yaml")
+	if err := os.WriteFile(web, []byte(`name: web
+address: 10.0.0.7
+port: 8080
+tags: [v2]
+deregister_critical_after: 10m
+check:
+  http: http://10.0.0.7:8080/health
+  interval: 5s
+  failures_before_critical: 3
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runCLI(t, url, "service", "register", "--file", web, "--node", "node-2").mustSucceed(t)
+	calls := fake.recorded()
+	if len(calls) != 1 {
+		t.Fatalf("got %d calls, want 1", len(calls))
+	}
+	got := calls[0].msg.(*clusterv1.RegisterServiceRequest).GetInstance()
+	want := &clusterv1.ServiceInstance{
+		Service: "web", Node: "node-2", Address: "10.0.0.7", Port: 8080, Tags: []string{"v2"},
+		DeregisterCriticalAfter: durationpb.New(10 * time.Minute),
+		Check:                   &clusterv1.HealthCheck{Http: "http://10.0.0.7:8080/health", Interval: durationpb.New(5 * time.Second), FailuresBeforeCritical: 3},
+	}
+	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
+		t.Errorf("instance (-want +got):\n%s", diff)
+	}
+
+	bad := filepath.Join(dir, "bad.json")
+	if err := os.WriteFile(bad, []byte(`{"name": "db", "address": "10.0.0.8", "port": 5432, "check": {"tcp": "10.0.0.8:5432", "interval": "often"}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args    []string
+		wantErr string
+	}{
+		{[]string{"service", "register", "--file", bad}, "bad.json"},
+		{[]string{"service", "register", "--file", bad}, "duration"},
+		{[]string{"service", "register", "--file", web, "--port", "80"}, "--port and --file do not go together"},
+		{[]string{"service", "register", "web", "--file", web}, "NAME and --file do not go together"},
+		{[]string{"service", "register", "--file", filepath.Join(dir, "none.yaml")}, "none.yaml"},
+	} {
+		r := runCLI(t, url, tc.args...)
+		if r.err == nil || !strings.Contains(r.stderr+r.err.Error(), tc.wantErr) {
+			t.Errorf("%v: err %v, stderr %q; want an error saying %q", tc.args, r.err, r.stderr, tc.wantErr)
+		}
+	}
+	if n := len(fake.recorded()); n != 1 {
+		t.Errorf("%d calls after the refused ones, want 1", n)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"pilab.hu/pivirt-agent/cmd/internal/servicedef"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
@@ -56,15 +57,30 @@ type registerOptions struct {
 	ttl     time.Duration
 	id      string
 	node    string
+	file    string
 }
 
 func (a *app) newServiceRegisterCmd() *cobra.Command {
 	var o registerOptions
 	c := &cobra.Command{
-		Use:   "register NAME --address ADDR --port PORT",
-		Short: "Register (or replace) a service instance",
-		Args:  positional("NAME"),
+		Use:   "register NAME --address ADDR --port PORT | register --file DEFINITION",
+		Short: "Register (or replace) a service instance, from flags or a definition file (YAML or JSON, with its check)",
+		Args:  positional("[NAME]"),
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
+			if o.file != "" {
+				for _, f := range []string{"address", "port", "tag", "meta", "ttl", "id"} {
+					if cmd.Flags().Changed(f) {
+						return usagef("--%s and --file do not go together: the file defines the instance", f)
+					}
+				}
+				if len(args) > 0 {
+					return usagef("NAME and --file do not go together: the file's name field names the service")
+				}
+				return a.serviceRegisterFile(cmd, &o)
+			}
+			if len(args) == 0 {
+				return usagef("missing argument NAME (or --file)")
+			}
 			o.portSet = cmd.Flags().Changed("port")
 			return a.serviceRegister(cmd, args[0], &o)
 		}),
@@ -76,8 +92,26 @@ func (a *app) newServiceRegisterCmd() *cobra.Command {
 	f.StringArrayVar(&o.meta, "meta", nil, "metadata KEY=VALUE (repeatable)")
 	f.DurationVar(&o.ttl, "ttl", 0, "heartbeat interval the instance promises; missed, it turns critical (0 = no TTL)")
 	f.StringVar(&o.id, "id", "", "instance ID (default NAME-NODE: registering again without --id replaces the service's instance on that node)")
-	f.StringVar(&o.node, "node", "", "node the instance runs on (default: the node asked)")
+	f.StringVar(&o.node, "node", "", "node the instance runs on, whose agent runs its check (default: the node asked)")
+	f.StringVarP(&o.file, "file", "f", "", "service definition file, YAML or JSON: name, id, address, port, tags, meta, ttl, check {http|tcp|grpc, interval, timeout, ...}, deregister_critical_after")
 	return c
+}
+
+// serviceRegisterFile registers the instance a definition file defines.
+func (a *app) serviceRegisterFile(cmd *cobra.Command, o *registerOptions) error {
+	inst, err := servicedef.ReadFile(o.file)
+	if err != nil {
+		return usagef("%v", err)
+	}
+	inst.Node = o.node
+	req := &clusterv1.RegisterServiceRequest{Instance: inst, Write: a.writeOptions()}
+	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
+		resp, err := api.RegisterService(ctx, connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		return a.render(resp.Msg, instancesTable(resp.Msg.GetInstance()))
+	})
 }
 
 // instance validates the register flags and builds the instance.
@@ -195,14 +229,31 @@ func (a *app) serviceHeartbeat(cmd *cobra.Command, args []string) error {
 
 func instancesTable(instances ...*clusterv1.ServiceInstance) func(io.Writer) {
 	return func(w io.Writer) {
-		row(w, "SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "TAGS", "NODE", "TTL", "INDEX")
+		row(w, "SERVICE", "ID", "ADDRESS", "PORT", "HEALTH", "CHECK", "TAGS", "NODE", "TTL", "INDEX")
 		for _, in := range instances {
 			if in == nil {
 				continue
 			}
 			row(w, in.GetService(), in.GetInstanceId(), in.GetAddress(), strconv.FormatUint(uint64(in.GetPort()), 10),
-				enumName(in.GetHealth()), strings.Join(in.GetTags(), ","), in.GetNode(),
+				enumName(in.GetHealth()), checkName(in.GetCheck()), strings.Join(in.GetTags(), ","), in.GetNode(),
 				formatDuration(in.GetTtl()), formatUint(in.GetModifyIndex()))
 		}
+	}
+}
+
+// checkName is a check in a table cell: its URL, tcp://HOST:PORT or
+// grpc://HOST:PORT[/SERVICE] (the output is in -o json).
+func checkName(c *clusterv1.HealthCheck) string {
+	switch {
+	case c == nil:
+		return "-"
+	case c.GetHttp() != "":
+		return c.GetHttp()
+	case c.GetTcp() != "":
+		return "tcp://" + c.GetTcp()
+	case c.GetGrpcService() != "":
+		return "grpc://" + c.GetGrpc() + "/" + c.GetGrpcService()
+	default:
+		return "grpc://" + c.GetGrpc()
 	}
 }

@@ -91,8 +91,15 @@ type Options struct {
 	DeadNodeReclaimTime time.Duration
 	// LeaveTimeout bounds a graceful leave (default 10s).
 	LeaveTimeout time.Duration
-	// TTLInterval is the TTL reaper's scan interval (default 1s).
+	// TTLInterval is the TTL reaper's scan interval (default 1s); the
+	// reaper of deregister_critical_after scans as often.
 	TTLInterval time.Duration
+	// MinCheckInterval and MinDeregisterCriticalAfter lower the bounds a
+	// registration's check interval and deregister_critical_after are
+	// refused below (0: 1s and 1m). For tests only: a probe more often
+	// than every second is a load on the service, not a check.
+	MinCheckInterval           time.Duration
+	MinDeregisterCriticalAfter time.Duration
 	// Stabilization is how long a new server must be healthy before it
 	// is promoted to voter (default 10s).
 	Stabilization time.Duration
@@ -206,6 +213,8 @@ type Agent struct {
 	// settingsKick makes the settings follower apply the replicated
 	// settings again (after a file reload).
 	settingsKick chan struct{}
+	// servicesKick makes the services directory be read again (a reload).
+	servicesKick chan struct{}
 	peerConns    connTracker
 
 	servers     []*http.Server
@@ -272,6 +281,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	a.raftApplyTime = apply
 	a.settings = newSettingsStatus(a.metrics)
 	a.settingsKick = make(chan struct{}, 1)
+	a.servicesKick = make(chan struct{}, 1)
 	return a, nil
 }
 
@@ -312,6 +322,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		formCluster,       // bootstrap and join
 		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
 		a.runCatalog,      // the placement catalog of this node's backends
+		a.runChecks,       // the checks of the service instances registered with this node
+		a.runServicesDir,  // the service definitions of service_discovery.services_dir
 		a.runSettings,     // the cluster settings, applied as they change
 	} {
 		if err := step(); err != nil {
@@ -593,6 +605,8 @@ func (a *Agent) buildServices() error {
 		return resp.Msg.GetStatus(), nil
 	}
 	hcfg.CheckAccess = a.checkAccess
+	hcfg.MinCheckInterval = a.opts.MinCheckInterval
+	hcfg.MinDeregisterCriticalAfter = a.opts.MinDeregisterCriticalAfter
 	hcfg.CheckNetworkPolicy = a.checkNetworkPolicyRPC
 	peers := peerClients{pool: a.pool}
 	var err error

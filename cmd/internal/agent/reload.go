@@ -44,6 +44,11 @@ func (a *Agent) ReloadConfig(file *config.Config) (applied, restart []string, er
 	case a.settingsKick <- struct{}{}:
 	default:
 	}
+	// The services directory is read again on every reload.
+	select {
+	case a.servicesKick <- struct{}{}:
+	default:
+	}
 	return applied, restart, nil
 }
 
@@ -96,6 +101,9 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 				}
 				merged.Routing = next.Routing
 			}
+		case k == "service_discovery.services_dir":
+			// Read again by the services directory's loop (ReloadConfig).
+			merged.ServiceDiscovery.ServicesDir = next.ServiceDiscovery.ServicesDir
 		case k == "pinned_settings":
 			// Taken into account by ApplySettings, which made next.
 			merged.PinnedSettings = next.PinnedSettings

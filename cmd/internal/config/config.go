@@ -259,6 +259,11 @@ const (
 type ServiceDiscoveryConfig struct {
 	Type string     `yaml:"type" enum:"raft,etcd"`
 	Etcd EtcdConfig `yaml:"etcd"`
+	// ServicesDir is a directory of service definition files (*.yaml, *.yml, *.json: one
+	// instance each, as `pvcli service register --file` takes them) that the agent registers
+	// for its node at start and on every reload; an instance whose file left the directory is
+	// deregistered. Empty: none.
+	ServicesDir string `yaml:"services_dir"`
 }
 
 // EtcdConfig is the etcd client used when service_discovery.type is "etcd". Prefix is also

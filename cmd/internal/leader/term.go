@@ -163,7 +163,7 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 	rc := w.cfg.Reconcile
 	rc.LeaderLastIndex = func() uint64 { return s.Status().LastIndex }
 	rec := cluster.NewReconciler(rc, w.cfg.Voters, w.cfg.Members, w.cfg.Peers)
-	w.startCommon(ctx, wg, w.cfg.FSM)
+	w.startCommon(ctx, wg, w.cfg.FSM, termStart)
 	w.reconciler.Store(rec)
 	wg.Go(func() {
 		defer w.reconciler.CompareAndSwap(rec, nil)
@@ -201,18 +201,28 @@ func (w *Work) startEtcd(ctx context.Context, wg *sync.WaitGroup) {
 	}
 	w.etcdLeading.Store(true)
 	w.cfg.Logger.Info("schedule leadership established", "revision", e.AppliedIndex())
-	w.startCommon(ctx, wg, e)
+	w.startCommon(ctx, wg, e, time.Now())
 }
 
 // startCommon starts the leader's work of both modes: automatic
-// snapshots, the cluster-ID check and the schedule dispatcher reading
-// state.
-func (w *Work) startCommon(ctx context.Context, wg *sync.WaitGroup, state scheduler.StateReader) {
+// snapshots, the cluster-ID check, the schedule dispatcher reading state
+// and the reaper of instances critical for longer than their
+// deregister_critical_after.
+func (w *Work) startCommon(ctx context.Context, wg *sync.WaitGroup, state scheduler.StateReader, termStart time.Time) {
 	if sc := w.cfg.Snapshots; sc.Interval > 0 {
 		wg.Go(func() { scheduler.RunSnapshotter(ctx, sc, w.cfg.TakeSnapshot) })
 	}
 	wg.Go(func() { w.ensureClusterID(ctx) })
 	wg.Go(func() { scheduler.RunDispatcher(ctx, w.cfg.Dispatcher, state, w.cfg.Proposer, w.cfg.Invoke) })
+	wg.Go(func() {
+		tcfg := scheduler.DefaultTTLReaperConfig()
+		if w.cfg.TTLInterval > 0 {
+			tcfg.Interval = w.cfg.TTLInterval
+		}
+		tcfg.Logger = w.cfg.Logger
+		tcfg.TermStart = termStart
+		scheduler.RunCriticalReaper(ctx, tcfg, state, w.cfg.Proposer)
+	})
 }
 
 // completeRestore writes the Restored marker of a snapshot restore whose

@@ -59,16 +59,18 @@ func Config(name, dataDir string) *config.Config {
 // reconciliation.
 func Options(logger *slog.Logger) agent.Options {
 	return agent.Options{
-		Logger:                  logger,
-		GossipProfile:           "local",
-		ReconcileInterval:       500 * time.Millisecond,
-		DeadNodeReclaimTime:     time.Second,
-		LeaveTimeout:            5 * time.Second,
-		TTLInterval:             200 * time.Millisecond,
-		Stabilization:           500 * time.Millisecond,
-		GossipReconnectInterval: time.Second,
-		TraceBatchTimeout:       200 * time.Millisecond,
-		EtcdSessionTTL:          2 * time.Second,
+		Logger:                     logger,
+		GossipProfile:              "local",
+		ReconcileInterval:          500 * time.Millisecond,
+		DeadNodeReclaimTime:        time.Second,
+		LeaveTimeout:               5 * time.Second,
+		TTLInterval:                200 * time.Millisecond,
+		MinCheckInterval:           100 * time.Millisecond,
+		MinDeregisterCriticalAfter: 500 * time.Millisecond,
+		Stabilization:              500 * time.Millisecond,
+		GossipReconnectInterval:    time.Second,
+		TraceBatchTimeout:          200 * time.Millisecond,
+		EtcdSessionTTL:             2 * time.Second,
 	}
 }
 

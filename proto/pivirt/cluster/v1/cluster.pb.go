@@ -201,7 +201,8 @@ type Health int32
 const (
 	Health_HEALTH_UNSPECIFIED Health = 0
 	Health_HEALTH_PASSING     Health = 1
-	// HEALTH_CRITICAL: a TTL instance missed its heartbeat.
+	// HEALTH_CRITICAL: a TTL instance missed its heartbeat, or its check
+	// failed (or has not passed yet).
 	Health_HEALTH_CRITICAL Health = 2
 )
 
@@ -1828,6 +1829,139 @@ func (x *TransferLeaderResponse) GetNodeId() string {
 	return ""
 }
 
+// HealthCheck is a check the agent on the instance's node runs against the
+// instance: exactly one of http, tcp and grpc.
+type HealthCheck struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// http is an http:// or https:// URL; a GET answered 2xx or 3xx passes.
+	Http string `protobuf:"bytes,1,opt,name=http,proto3" json:"http,omitempty"`
+	// tcp is a host:port; the check passes when a connection opens.
+	Tcp string `protobuf:"bytes,2,opt,name=tcp,proto3" json:"tcp,omitempty"`
+	// grpc is a host:port serving grpc.health.v1.Health; the check passes
+	// when Check answers SERVING.
+	Grpc string `protobuf:"bytes,3,opt,name=grpc,proto3" json:"grpc,omitempty"`
+	// grpc_service is the service name the grpc check asks about (empty: the
+	// server as a whole).
+	GrpcService string `protobuf:"bytes,4,opt,name=grpc_service,json=grpcService,proto3" json:"grpc_service,omitempty"`
+	// grpc_use_tls dials the grpc check with TLS.
+	GrpcUseTls bool `protobuf:"varint,5,opt,name=grpc_use_tls,json=grpcUseTls,proto3" json:"grpc_use_tls,omitempty"`
+	// tls_skip_verify skips the verification of the certificate of an
+	// https:// or TLS grpc check.
+	TlsSkipVerify bool `protobuf:"varint,6,opt,name=tls_skip_verify,json=tlsSkipVerify,proto3" json:"tls_skip_verify,omitempty"`
+	// interval between probes (default 10s).
+	Interval *durationpb.Duration `protobuf:"bytes,7,opt,name=interval,proto3" json:"interval,omitempty"`
+	// timeout of one probe (default 5s, and below interval).
+	Timeout *durationpb.Duration `protobuf:"bytes,8,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	// success_before_passing is how many probes in a row must pass before a
+	// critical instance turns passing (default 1).
+	SuccessBeforePassing uint32 `protobuf:"varint,9,opt,name=success_before_passing,json=successBeforePassing,proto3" json:"success_before_passing,omitempty"`
+	// failures_before_critical is how many probes in a row must fail before a
+	// passing instance turns critical (default 1).
+	FailuresBeforeCritical uint32 `protobuf:"varint,10,opt,name=failures_before_critical,json=failuresBeforeCritical,proto3" json:"failures_before_critical,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
+}
+
+func (x *HealthCheck) Reset() {
+	*x = HealthCheck{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HealthCheck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HealthCheck) ProtoMessage() {}
+
+func (x *HealthCheck) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
+func (*HealthCheck) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *HealthCheck) GetHttp() string {
+	if x != nil {
+		return x.Http
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetTcp() string {
+	if x != nil {
+		return x.Tcp
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpc() string {
+	if x != nil {
+		return x.Grpc
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpcService() string {
+	if x != nil {
+		return x.GrpcService
+	}
+	return ""
+}
+
+func (x *HealthCheck) GetGrpcUseTls() bool {
+	if x != nil {
+		return x.GrpcUseTls
+	}
+	return false
+}
+
+func (x *HealthCheck) GetTlsSkipVerify() bool {
+	if x != nil {
+		return x.TlsSkipVerify
+	}
+	return false
+}
+
+func (x *HealthCheck) GetInterval() *durationpb.Duration {
+	if x != nil {
+		return x.Interval
+	}
+	return nil
+}
+
+func (x *HealthCheck) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+func (x *HealthCheck) GetSuccessBeforePassing() uint32 {
+	if x != nil {
+		return x.SuccessBeforePassing
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetFailuresBeforeCritical() uint32 {
+	if x != nil {
+		return x.FailuresBeforeCritical
+	}
+	return 0
+}
+
 // ServiceInstance is stored under /pivirt/services/<service>/<instance_id>.
 type ServiceInstance struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
@@ -1845,13 +1979,24 @@ type ServiceInstance struct {
 	LastHeartbeat *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=last_heartbeat,json=lastHeartbeat,proto3" json:"last_heartbeat,omitempty"`
 	CreateIndex   uint64                 `protobuf:"varint,12,opt,name=create_index,json=createIndex,proto3" json:"create_index,omitempty"`
 	ModifyIndex   uint64                 `protobuf:"varint,13,opt,name=modify_index,json=modifyIndex,proto3" json:"modify_index,omitempty"`
+	// check, when set, is run by the agent on the instance's node, which
+	// reports each change of its result. An instance with a check starts
+	// critical until its check passes.
+	Check *HealthCheck `protobuf:"bytes,14,opt,name=check,proto3" json:"check,omitempty"`
+	// deregister_critical_after, when set, deregisters an instance that has
+	// been critical for longer (the leader does it).
+	DeregisterCriticalAfter *durationpb.Duration `protobuf:"bytes,15,opt,name=deregister_critical_after,json=deregisterCriticalAfter,proto3" json:"deregister_critical_after,omitempty"`
+	// output is what the last reported check result said (server-owned).
+	Output string `protobuf:"bytes,16,opt,name=output,proto3" json:"output,omitempty"`
+	// health_since is when health last changed (server-owned).
+	HealthSince   *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=health_since,json=healthSince,proto3" json:"health_since,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ServiceInstance) Reset() {
 	*x = ServiceInstance{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1863,7 +2008,7 @@ func (x *ServiceInstance) String() string {
 func (*ServiceInstance) ProtoMessage() {}
 
 func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1876,7 +2021,7 @@ func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServiceInstance.ProtoReflect.Descriptor instead.
 func (*ServiceInstance) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ServiceInstance) GetService() string {
@@ -1970,6 +2115,34 @@ func (x *ServiceInstance) GetModifyIndex() uint64 {
 	return 0
 }
 
+func (x *ServiceInstance) GetCheck() *HealthCheck {
+	if x != nil {
+		return x.Check
+	}
+	return nil
+}
+
+func (x *ServiceInstance) GetDeregisterCriticalAfter() *durationpb.Duration {
+	if x != nil {
+		return x.DeregisterCriticalAfter
+	}
+	return nil
+}
+
+func (x *ServiceInstance) GetOutput() string {
+	if x != nil {
+		return x.Output
+	}
+	return ""
+}
+
+func (x *ServiceInstance) GetHealthSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.HealthSince
+	}
+	return nil
+}
+
 type RegisterServiceRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Instance      *ServiceInstance       `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
@@ -1980,7 +2153,7 @@ type RegisterServiceRequest struct {
 
 func (x *RegisterServiceRequest) Reset() {
 	*x = RegisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1992,7 +2165,7 @@ func (x *RegisterServiceRequest) String() string {
 func (*RegisterServiceRequest) ProtoMessage() {}
 
 func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2005,7 +2178,7 @@ func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*RegisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RegisterServiceRequest) GetInstance() *ServiceInstance {
@@ -2032,7 +2205,7 @@ type RegisterServiceResponse struct {
 
 func (x *RegisterServiceResponse) Reset() {
 	*x = RegisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2044,7 +2217,7 @@ func (x *RegisterServiceResponse) String() string {
 func (*RegisterServiceResponse) ProtoMessage() {}
 
 func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2057,7 +2230,7 @@ func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*RegisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RegisterServiceResponse) GetInstance() *ServiceInstance {
@@ -2085,7 +2258,7 @@ type DeregisterServiceRequest struct {
 
 func (x *DeregisterServiceRequest) Reset() {
 	*x = DeregisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2097,7 +2270,7 @@ func (x *DeregisterServiceRequest) String() string {
 func (*DeregisterServiceRequest) ProtoMessage() {}
 
 func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2110,7 +2283,7 @@ func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DeregisterServiceRequest) GetService() string {
@@ -2143,7 +2316,7 @@ type DeregisterServiceResponse struct {
 
 func (x *DeregisterServiceResponse) Reset() {
 	*x = DeregisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2155,7 +2328,7 @@ func (x *DeregisterServiceResponse) String() string {
 func (*DeregisterServiceResponse) ProtoMessage() {}
 
 func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2168,7 +2341,7 @@ func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *DeregisterServiceResponse) GetIndex() uint64 {
@@ -2179,17 +2352,23 @@ func (x *DeregisterServiceResponse) GetIndex() uint64 {
 }
 
 type HeartbeatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Service       string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
-	InstanceId    string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	Write         *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Service    string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
+	InstanceId string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	Write      *WriteOptions          `protobuf:"bytes,3,opt,name=write,proto3" json:"write,omitempty"`
+	// health is the result to record: unset or HEALTH_PASSING is a heartbeat,
+	// HEALTH_CRITICAL reports a failed check (the check runner of the
+	// instance's node sends it).
+	Health Health `protobuf:"varint,4,opt,name=health,proto3,enum=pivirt.cluster.v1.Health" json:"health,omitempty"`
+	// output says why (a check's answer or error); at most 1024 bytes.
+	Output        string `protobuf:"bytes,5,opt,name=output,proto3" json:"output,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2201,7 +2380,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2214,7 +2393,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *HeartbeatRequest) GetService() string {
@@ -2238,6 +2417,20 @@ func (x *HeartbeatRequest) GetWrite() *WriteOptions {
 	return nil
 }
 
+func (x *HeartbeatRequest) GetHealth() Health {
+	if x != nil {
+		return x.Health
+	}
+	return Health_HEALTH_UNSPECIFIED
+}
+
+func (x *HeartbeatRequest) GetOutput() string {
+	if x != nil {
+		return x.Output
+	}
+	return ""
+}
+
 type HeartbeatResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Instance      *ServiceInstance       `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
@@ -2248,7 +2441,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2260,7 +2453,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2273,7 +2466,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *HeartbeatResponse) GetInstance() *ServiceInstance {
@@ -2301,7 +2494,7 @@ type ListServicesRequest struct {
 
 func (x *ListServicesRequest) Reset() {
 	*x = ListServicesRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2313,7 +2506,7 @@ func (x *ListServicesRequest) String() string {
 func (*ListServicesRequest) ProtoMessage() {}
 
 func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2326,7 +2519,7 @@ func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesRequest.ProtoReflect.Descriptor instead.
 func (*ListServicesRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListServicesRequest) GetService() string {
@@ -2353,7 +2546,7 @@ type ListServicesResponse struct {
 
 func (x *ListServicesResponse) Reset() {
 	*x = ListServicesResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2365,7 +2558,7 @@ func (x *ListServicesResponse) String() string {
 func (*ListServicesResponse) ProtoMessage() {}
 
 func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2378,7 +2571,7 @@ func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesResponse.ProtoReflect.Descriptor instead.
 func (*ListServicesResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ListServicesResponse) GetInstances() []*ServiceInstance {
@@ -2407,7 +2600,7 @@ type GetServiceRequest struct {
 
 func (x *GetServiceRequest) Reset() {
 	*x = GetServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2419,7 +2612,7 @@ func (x *GetServiceRequest) String() string {
 func (*GetServiceRequest) ProtoMessage() {}
 
 func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2432,7 +2625,7 @@ func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceRequest.ProtoReflect.Descriptor instead.
 func (*GetServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *GetServiceRequest) GetService() string {
@@ -2466,7 +2659,7 @@ type GetServiceResponse struct {
 
 func (x *GetServiceResponse) Reset() {
 	*x = GetServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2478,7 +2671,7 @@ func (x *GetServiceResponse) String() string {
 func (*GetServiceResponse) ProtoMessage() {}
 
 func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2491,7 +2684,7 @@ func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceResponse.ProtoReflect.Descriptor instead.
 func (*GetServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetServiceResponse) GetInstances() []*ServiceInstance {
@@ -2523,7 +2716,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2535,7 +2728,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2548,7 +2741,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -2596,7 +2789,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2608,7 +2801,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2621,7 +2814,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *GetConfigRequest) GetKey() string {
@@ -2648,7 +2841,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2660,7 +2853,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2673,7 +2866,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *GetConfigResponse) GetEntry() *ConfigEntry {
@@ -2699,7 +2892,7 @@ type ListConfigRequest struct {
 
 func (x *ListConfigRequest) Reset() {
 	*x = ListConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2711,7 +2904,7 @@ func (x *ListConfigRequest) String() string {
 func (*ListConfigRequest) ProtoMessage() {}
 
 func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2724,7 +2917,7 @@ func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigRequest.ProtoReflect.Descriptor instead.
 func (*ListConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ListConfigRequest) GetRead() *ReadOptions {
@@ -2744,7 +2937,7 @@ type ListConfigResponse struct {
 
 func (x *ListConfigResponse) Reset() {
 	*x = ListConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2756,7 +2949,7 @@ func (x *ListConfigResponse) String() string {
 func (*ListConfigResponse) ProtoMessage() {}
 
 func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2769,7 +2962,7 @@ func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigResponse.ProtoReflect.Descriptor instead.
 func (*ListConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ListConfigResponse) GetEntries() []*ConfigEntry {
@@ -2806,7 +2999,7 @@ type SetConfigRequest struct {
 
 func (x *SetConfigRequest) Reset() {
 	*x = SetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2818,7 +3011,7 @@ func (x *SetConfigRequest) String() string {
 func (*SetConfigRequest) ProtoMessage() {}
 
 func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2831,7 +3024,7 @@ func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *SetConfigRequest) GetKey() string {
@@ -2888,7 +3081,7 @@ type SetConfigResponse struct {
 
 func (x *SetConfigResponse) Reset() {
 	*x = SetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2900,7 +3093,7 @@ func (x *SetConfigResponse) String() string {
 func (*SetConfigResponse) ProtoMessage() {}
 
 func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2913,7 +3106,7 @@ func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SetConfigResponse) GetEntry() *ConfigEntry {
@@ -2944,7 +3137,7 @@ type DeleteConfigRequest struct {
 
 func (x *DeleteConfigRequest) Reset() {
 	*x = DeleteConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2956,7 +3149,7 @@ func (x *DeleteConfigRequest) String() string {
 func (*DeleteConfigRequest) ProtoMessage() {}
 
 func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2969,7 +3162,7 @@ func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigRequest.ProtoReflect.Descriptor instead.
 func (*DeleteConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *DeleteConfigRequest) GetKey() string {
@@ -3009,7 +3202,7 @@ type DeleteConfigResponse struct {
 
 func (x *DeleteConfigResponse) Reset() {
 	*x = DeleteConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3021,7 +3214,7 @@ func (x *DeleteConfigResponse) String() string {
 func (*DeleteConfigResponse) ProtoMessage() {}
 
 func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3034,7 +3227,7 @@ func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigResponse.ProtoReflect.Descriptor instead.
 func (*DeleteConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DeleteConfigResponse) GetIndex() uint64 {
@@ -3054,7 +3247,7 @@ type ConfigHistoryRequest struct {
 
 func (x *ConfigHistoryRequest) Reset() {
 	*x = ConfigHistoryRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3066,7 +3259,7 @@ func (x *ConfigHistoryRequest) String() string {
 func (*ConfigHistoryRequest) ProtoMessage() {}
 
 func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3079,7 +3272,7 @@ func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryRequest.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ConfigHistoryRequest) GetKey() string {
@@ -3107,7 +3300,7 @@ type ConfigHistoryResponse struct {
 
 func (x *ConfigHistoryResponse) Reset() {
 	*x = ConfigHistoryResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3119,7 +3312,7 @@ func (x *ConfigHistoryResponse) String() string {
 func (*ConfigHistoryResponse) ProtoMessage() {}
 
 func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3132,7 +3325,7 @@ func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryResponse.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ConfigHistoryResponse) GetEntries() []*ConfigEntry {
@@ -3166,7 +3359,7 @@ type CheckAccessRequest struct {
 
 func (x *CheckAccessRequest) Reset() {
 	*x = CheckAccessRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3178,7 +3371,7 @@ func (x *CheckAccessRequest) String() string {
 func (*CheckAccessRequest) ProtoMessage() {}
 
 func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3191,7 +3384,7 @@ func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessRequest.ProtoReflect.Descriptor instead.
 func (*CheckAccessRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *CheckAccessRequest) GetIdentity() string {
@@ -3247,7 +3440,7 @@ type CheckAccessResponse struct {
 
 func (x *CheckAccessResponse) Reset() {
 	*x = CheckAccessResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3259,7 +3452,7 @@ func (x *CheckAccessResponse) String() string {
 func (*CheckAccessResponse) ProtoMessage() {}
 
 func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3272,7 +3465,7 @@ func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessResponse.ProtoReflect.Descriptor instead.
 func (*CheckAccessResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *CheckAccessResponse) GetAllowed() bool {
@@ -3351,7 +3544,7 @@ type CheckNetworkPolicyRequest struct {
 
 func (x *CheckNetworkPolicyRequest) Reset() {
 	*x = CheckNetworkPolicyRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3363,7 +3556,7 @@ func (x *CheckNetworkPolicyRequest) String() string {
 func (*CheckNetworkPolicyRequest) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3376,7 +3569,7 @@ func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *CheckNetworkPolicyRequest) GetFrom() string {
@@ -3415,7 +3608,7 @@ type CheckNetworkPolicyResponse struct {
 
 func (x *CheckNetworkPolicyResponse) Reset() {
 	*x = CheckNetworkPolicyResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3427,7 +3620,7 @@ func (x *CheckNetworkPolicyResponse) String() string {
 func (*CheckNetworkPolicyResponse) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3440,7 +3633,7 @@ func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
@@ -3479,7 +3672,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3491,7 +3684,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3504,7 +3697,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
 }
 
 type ConfigStatusResponse struct {
@@ -3517,7 +3710,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3529,7 +3722,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3542,7 +3735,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -3578,7 +3771,7 @@ type NodeConfigStatus struct {
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3590,7 +3783,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3603,7 +3796,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -3673,7 +3866,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3685,7 +3878,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3698,7 +3891,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -3726,7 +3919,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3738,7 +3931,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3751,7 +3944,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -3776,7 +3969,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3788,7 +3981,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3801,7 +3994,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -3948,7 +4141,20 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x15TransferLeaderRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"1\n" +
 	"\x16TransferLeaderResponse\x12\x17\n" +
-	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"\xc7\x04\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"\x90\x03\n" +
+	"\vHealthCheck\x12\x12\n" +
+	"\x04http\x18\x01 \x01(\tR\x04http\x12\x10\n" +
+	"\x03tcp\x18\x02 \x01(\tR\x03tcp\x12\x12\n" +
+	"\x04grpc\x18\x03 \x01(\tR\x04grpc\x12!\n" +
+	"\fgrpc_service\x18\x04 \x01(\tR\vgrpcService\x12 \n" +
+	"\fgrpc_use_tls\x18\x05 \x01(\bR\n" +
+	"grpcUseTls\x12&\n" +
+	"\x0ftls_skip_verify\x18\x06 \x01(\bR\rtlsSkipVerify\x125\n" +
+	"\binterval\x18\a \x01(\v2\x19.google.protobuf.DurationR\binterval\x123\n" +
+	"\atimeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\atimeout\x124\n" +
+	"\x16success_before_passing\x18\t \x01(\rR\x14successBeforePassing\x128\n" +
+	"\x18failures_before_critical\x18\n" +
+	" \x01(\rR\x16failuresBeforeCritical\"\xab\x06\n" +
 	"\x0fServiceInstance\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
@@ -3964,7 +4170,11 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\fregisteredAt\x12A\n" +
 	"\x0elast_heartbeat\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\rlastHeartbeat\x12!\n" +
 	"\fcreate_index\x18\f \x01(\x04R\vcreateIndex\x12!\n" +
-	"\fmodify_index\x18\r \x01(\x04R\vmodifyIndex\x1a7\n" +
+	"\fmodify_index\x18\r \x01(\x04R\vmodifyIndex\x124\n" +
+	"\x05check\x18\x0e \x01(\v2\x1e.pivirt.cluster.v1.HealthCheckR\x05check\x12U\n" +
+	"\x19deregister_critical_after\x18\x0f \x01(\v2\x19.google.protobuf.DurationR\x17deregisterCriticalAfter\x12\x16\n" +
+	"\x06output\x18\x10 \x01(\tR\x06output\x12=\n" +
+	"\fhealth_since\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\vhealthSince\x1a7\n" +
 	"\tMetaEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8f\x01\n" +
@@ -3980,12 +4190,14 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"instanceId\x125\n" +
 	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"1\n" +
 	"\x19DeregisterServiceResponse\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x04R\x05index\"\x84\x01\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"\xcf\x01\n" +
 	"\x10HeartbeatRequest\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
 	"instanceId\x125\n" +
-	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"i\n" +
+	"\x05write\x18\x03 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\x121\n" +
+	"\x06health\x18\x04 \x01(\x0e2\x19.pivirt.cluster.v1.HealthR\x06health\x12\x16\n" +
+	"\x06output\x18\x05 \x01(\tR\x06output\"i\n" +
 	"\x11HeartbeatResponse\x12>\n" +
 	"\binstance\x18\x01 \x01(\v2\".pivirt.cluster.v1.ServiceInstanceR\binstance\x12\x14\n" +
 	"\x05index\x18\x02 \x01(\x04R\x05index\"c\n" +
@@ -4188,7 +4400,7 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 59)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
@@ -4220,147 +4432,154 @@ var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(*AutopilotServer)(nil),            // 27: pivirt.cluster.v1.AutopilotServer
 	(*TransferLeaderRequest)(nil),      // 28: pivirt.cluster.v1.TransferLeaderRequest
 	(*TransferLeaderResponse)(nil),     // 29: pivirt.cluster.v1.TransferLeaderResponse
-	(*ServiceInstance)(nil),            // 30: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),     // 31: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),    // 32: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),   // 33: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil),  // 34: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),           // 35: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),          // 36: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),        // 37: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),       // 38: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),          // 39: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),         // 40: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),                // 41: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),           // 42: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),          // 43: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),          // 44: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),         // 45: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),           // 46: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),          // 47: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),        // 48: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),       // 49: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),       // 50: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),      // 51: pivirt.cluster.v1.ConfigHistoryResponse
-	(*CheckAccessRequest)(nil),         // 52: pivirt.cluster.v1.CheckAccessRequest
-	(*CheckAccessResponse)(nil),        // 53: pivirt.cluster.v1.CheckAccessResponse
-	(*CheckNetworkPolicyRequest)(nil),  // 54: pivirt.cluster.v1.CheckNetworkPolicyRequest
-	(*CheckNetworkPolicyResponse)(nil), // 55: pivirt.cluster.v1.CheckNetworkPolicyResponse
-	(*ConfigStatusRequest)(nil),        // 56: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),       // 57: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),           // 58: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),             // 59: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),            // 60: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),                // 61: pivirt.cluster.v1.NodeKeyring
-	nil,                                // 62: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),        // 63: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),      // 64: google.protobuf.Timestamp
+	(*HealthCheck)(nil),                // 30: pivirt.cluster.v1.HealthCheck
+	(*ServiceInstance)(nil),            // 31: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),     // 32: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),    // 33: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),   // 34: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil),  // 35: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),           // 36: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),          // 37: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),        // 38: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),       // 39: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),          // 40: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),         // 41: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),                // 42: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),           // 43: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),          // 44: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),          // 45: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),         // 46: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),           // 47: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),          // 48: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),        // 49: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),       // 50: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),       // 51: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),      // 52: pivirt.cluster.v1.ConfigHistoryResponse
+	(*CheckAccessRequest)(nil),         // 53: pivirt.cluster.v1.CheckAccessRequest
+	(*CheckAccessResponse)(nil),        // 54: pivirt.cluster.v1.CheckAccessResponse
+	(*CheckNetworkPolicyRequest)(nil),  // 55: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 56: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 57: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 58: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 59: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 60: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 61: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 62: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 63: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 64: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 65: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	63, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	63, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	63, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	64, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	64, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	64, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
 	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	63, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	64, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
 	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
 	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	24, // 13: pivirt.cluster.v1.ForceLeaveResponse.nodes:type_name -> pivirt.cluster.v1.NodeForceLeave
-	63, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
-	63, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
+	64, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
+	64, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
 	27, // 16: pivirt.cluster.v1.AutopilotStateResponse.servers:type_name -> pivirt.cluster.v1.AutopilotServer
 	1,  // 17: pivirt.cluster.v1.AutopilotServer.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
-	64, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
-	63, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
-	62, // 20: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
-	3,  // 21: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	63, // 22: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	64, // 23: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	64, // 24: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	30, // 25: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 26: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	30, // 27: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 28: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	6,  // 29: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	30, // 30: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 31: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	30, // 32: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 33: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 34: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	30, // 35: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 36: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	64, // 37: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	5,  // 38: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	41, // 39: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 40: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 41: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	41, // 42: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 43: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	6,  // 44: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	41, // 45: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 46: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 47: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	41, // 48: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 49: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	58, // 50: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	4,  // 51: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	61, // 52: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
-	9,  // 53: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	12, // 54: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	14, // 55: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	16, // 56: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	18, // 57: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	20, // 58: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	28, // 59: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	22, // 60: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
-	25, // 61: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
-	31, // 62: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	33, // 63: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	35, // 64: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	37, // 65: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	39, // 66: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	42, // 67: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	44, // 68: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	46, // 69: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	48, // 70: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	50, // 71: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	59, // 72: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	56, // 73: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	52, // 74: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
-	54, // 75: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
-	10, // 76: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 77: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 78: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 79: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 80: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 81: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	29, // 82: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	23, // 83: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
-	26, // 84: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
-	32, // 85: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	34, // 86: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	36, // 87: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	38, // 88: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	40, // 89: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	43, // 90: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	45, // 91: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	47, // 92: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	49, // 93: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	51, // 94: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	60, // 95: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	57, // 96: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	53, // 97: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
-	55, // 98: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
-	76, // [76:99] is the sub-list for method output_type
-	53, // [53:76] is the sub-list for method input_type
-	53, // [53:53] is the sub-list for extension type_name
-	53, // [53:53] is the sub-list for extension extendee
-	0,  // [0:53] is the sub-list for field type_name
+	65, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
+	64, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
+	64, // 20: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
+	64, // 21: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
+	63, // 22: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	3,  // 23: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
+	64, // 24: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	65, // 25: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	65, // 26: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	30, // 27: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
+	64, // 28: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
+	65, // 29: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
+	31, // 30: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 31: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	31, // 32: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 33: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	6,  // 34: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	3,  // 35: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
+	31, // 36: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 37: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	31, // 38: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 39: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 40: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	31, // 41: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 42: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	65, // 43: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 44: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	42, // 45: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 46: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 47: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	42, // 48: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 49: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,  // 50: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	42, // 51: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 52: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	5,  // 53: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	42, // 54: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 55: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	59, // 56: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	4,  // 57: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	62, // 58: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	9,  // 59: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	12, // 60: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	14, // 61: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	16, // 62: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	18, // 63: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	20, // 64: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	28, // 65: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	22, // 66: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
+	25, // 67: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
+	32, // 68: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	34, // 69: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	36, // 70: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	38, // 71: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	40, // 72: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	43, // 73: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	45, // 74: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	47, // 75: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	49, // 76: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	51, // 77: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	60, // 78: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	57, // 79: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	53, // 80: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	55, // 81: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	10, // 82: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 83: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 84: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 85: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 86: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 87: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	29, // 88: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	23, // 89: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
+	26, // 90: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
+	33, // 91: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	35, // 92: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	37, // 93: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	39, // 94: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	41, // 95: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	44, // 96: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	46, // 97: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	48, // 98: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	50, // 99: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	52, // 100: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	61, // 101: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	58, // 102: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	54, // 103: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	56, // 104: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	82, // [82:105] is the sub-list for method output_type
+	59, // [59:82] is the sub-list for method input_type
+	59, // [59:59] is the sub-list for extension type_name
+	59, // [59:59] is the sub-list for extension extendee
+	0,  // [0:59] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -4368,15 +4587,15 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 	if File_pivirt_cluster_v1_cluster_proto != nil {
 		return
 	}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[41].OneofWrappers = []any{}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[43].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[42].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[44].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   58,
+			NumMessages:   59,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -760,9 +760,13 @@ func (x *RegisterService) GetInstance() *v1.ServiceInstance {
 }
 
 type DeregisterService struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Service       string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
-	InstanceId    string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Service    string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
+	InstanceId string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// critical_since, when set, makes the deregistration conditional: it
+	// applies only if the instance is critical with this health_since (the
+	// leader's reaper of deregister_critical_after), else ErrStale.
+	CriticalSince *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=critical_since,json=criticalSince,proto3" json:"critical_since,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -811,10 +815,22 @@ func (x *DeregisterService) GetInstanceId() string {
 	return ""
 }
 
+func (x *DeregisterService) GetCriticalSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CriticalSince
+	}
+	return nil
+}
+
+// Heartbeat records a heartbeat or a check result: last_heartbeat becomes
+// the command time, health the command's (unset: passing), output the
+// command's.
 type Heartbeat struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Service       string                 `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
 	InstanceId    string                 `protobuf:"bytes,2,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	Health        v1.Health              `protobuf:"varint,3,opt,name=health,proto3,enum=pivirt.cluster.v1.Health" json:"health,omitempty"`
+	Output        string                 `protobuf:"bytes,4,opt,name=output,proto3" json:"output,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -859,6 +875,20 @@ func (x *Heartbeat) GetService() string {
 func (x *Heartbeat) GetInstanceId() string {
 	if x != nil {
 		return x.InstanceId
+	}
+	return ""
+}
+
+func (x *Heartbeat) GetHealth() v1.Health {
+	if x != nil {
+		return x.Health
+	}
+	return v1.Health(0)
+}
+
+func (x *Heartbeat) GetOutput() string {
+	if x != nil {
+		return x.Output
 	}
 	return ""
 }
@@ -1618,15 +1648,18 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"snapshotId\x12%\n" +
 	"\x0esnapshot_index\x18\x02 \x01(\x04R\rsnapshotIndex\"Q\n" +
 	"\x0fRegisterService\x12>\n" +
-	"\binstance\x18\x01 \x01(\v2\".pivirt.cluster.v1.ServiceInstanceR\binstance\"N\n" +
+	"\binstance\x18\x01 \x01(\v2\".pivirt.cluster.v1.ServiceInstanceR\binstance\"\x91\x01\n" +
 	"\x11DeregisterService\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
-	"instanceId\"F\n" +
+	"instanceId\x12A\n" +
+	"\x0ecritical_since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\rcriticalSince\"\x91\x01\n" +
 	"\tHeartbeat\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
-	"instanceId\"\xc3\x01\n" +
+	"instanceId\x121\n" +
+	"\x06health\x18\x03 \x01(\x0e2\x19.pivirt.cluster.v1.HealthR\x06health\x12\x16\n" +
+	"\x06output\x18\x04 \x01(\tR\x06output\"\xc3\x01\n" +
 	"\x10SetServiceHealth\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x1f\n" +
 	"\vinstance_id\x18\x02 \x01(\tR\n" +
@@ -1743,23 +1776,25 @@ var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
 	1,  // 16: pivirt.fsm.v1.SetPlacements.delete:type_name -> pivirt.fsm.v1.Placement
 	20, // 17: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
 	21, // 18: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	22, // 19: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	20, // 20: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	23, // 21: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	20, // 22: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	20, // 23: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	24, // 24: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	18, // 25: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	20, // 26: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	21, // 27: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	25, // 28: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	23, // 29: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
-	24, // 30: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
-	31, // [31:31] is the sub-list for method output_type
-	31, // [31:31] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	20, // 19: pivirt.fsm.v1.DeregisterService.critical_since:type_name -> google.protobuf.Timestamp
+	22, // 20: pivirt.fsm.v1.Heartbeat.health:type_name -> pivirt.cluster.v1.Health
+	22, // 21: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	20, // 22: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	23, // 23: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	20, // 24: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	20, // 25: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	24, // 26: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	18, // 27: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	20, // 28: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	21, // 29: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	25, // 30: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	23, // 31: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	24, // 32: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	33, // [33:33] is the sub-list for method output_type
+	33, // [33:33] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
