@@ -42,6 +42,10 @@ generate: node_modules/.bin/buf ## regenerate Go code from proto/ with buf (loca
 	npx buf generate
 	npx buf lint
 
+.PHONY: docs
+docs: ## regenerate docs/: the CLI reference (markdown and man pages) and the configuration reference; the tests fail when they are stale
+	UPDATE_DOCS=1 $(GO) test -count=1 -run '^(TestCLIReference|TestDocsConfigurationReference)$$' ./cmd/pvcli ./cmd/pitrust ./cmd/pivirt-agent ./cmd/pivirtd-sim ./cmd/internal/config
+
 .PHONY: check-generate
 check-generate: generate ## fail if the committed generated code is stale
 	@git diff --exit-code -- proto || { echo "generated code is stale: run make generate and commit"; exit 1; }

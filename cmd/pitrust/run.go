@@ -30,6 +30,18 @@ func (e *usageError) Unwrap() error { return e.err }
 
 // Run runs pitrust with args, writing results to stdout.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	root := newRootCmd(stdout, stderr)
+	root.SetArgs(args)
+	err := root.ExecuteContext(ctx)
+	if err != nil && strings.HasPrefix(err.Error(), "unknown command") {
+		err = &usageError{err}
+	}
+	return err
+}
+
+// newRootCmd is the command tree (also what the CLI reference in docs/ is
+// generated from).
+func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	var dir string
 	root := &cobra.Command{
 		Use:   "pitrust",
@@ -59,18 +71,13 @@ without --force. Keep the root key offline once the intermediate exists.`,
 		},
 	}
 	version.AddFlag(root, version.Get("pitrust"))
-	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
 	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
 		verifyCmd(&dir, stdout), inspectCmd(stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout))
-	err := root.ExecuteContext(ctx)
-	if err != nil && strings.HasPrefix(err.Error(), "unknown command") {
-		err = &usageError{err}
-	}
-	return err
+	return root
 }
 
 func initCmd(dir *string, stdout io.Writer) *cobra.Command {

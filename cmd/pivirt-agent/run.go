@@ -25,6 +25,14 @@ import (
 // Run runs pivirt-agent with args until ctx ends, SIGTERM arrives or the
 // agent leaves the cluster through the API.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	root := newRootCmd(stdout, stderr)
+	root.SetArgs(args)
+	return root.ExecuteContext(ctx)
+}
+
+// newRootCmd is the command tree (also what the CLI reference in docs/ is
+// generated from).
+func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "pivirt-agent",
 		Short:         "PiVirt node agent: embedded Raft cluster, gossip membership and the node's ConnectRPC gateway",
@@ -33,7 +41,6 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Args:          cobra.NoArgs,
 	}
 	version.AddFlag(root, version.Agent())
-	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	flags := config.Register(root.Flags())
@@ -56,7 +63,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}, stderr)
 	}
 	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
-	return root.ExecuteContext(ctx)
+	return root
 }
 
 func validateCmd(stdout io.Writer) *cobra.Command {

@@ -44,6 +44,14 @@ type options struct {
 
 // Run runs pivirtd-sim with args until ctx ends.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cmd := newRootCmd(stdout, stderr)
+	cmd.SetArgs(args)
+	return cmd.ExecuteContext(ctx)
+}
+
+// newRootCmd is the command tree (also what the CLI reference in docs/ is
+// generated from).
+func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	var o options
 	cmd := &cobra.Command{
 		Use:   "pivirtd-sim --listen ADDR --data-dir DIR",
@@ -69,7 +77,6 @@ sets the health status, for tests; --delay and --fail-* set a fault from the sta
 		},
 	}
 	version.AddFlag(cmd, version.Get("pivirtd-sim"))
-	cmd.SetArgs(args)
 	cmd.SetOut(stdout)
 	cmd.SetErr(stderr)
 	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
@@ -85,7 +92,7 @@ sets the health status, for tests; --delay and --fail-* set a fault from the sta
 	f.DurationVar(&o.delay, "delay", 0, "delay every API call by this much")
 	f.Uint32Var(&o.failPercent, "fail-percent", 0, "fail this percentage of API calls (with --fail-code)")
 	f.Uint32Var(&o.failCode, "fail-code", uint32(codes.Unavailable), "gRPC status code of failed calls")
-	return cmd.ExecuteContext(ctx)
+	return cmd
 }
 
 func (o *options) check() error {

@@ -157,3 +157,29 @@ func SettingsMarkdown() string {
 	}
 	return b.String()
 }
+
+// ConfigurationDoc is docs/configuration.md: the reference of every key of
+// the configuration file and of the cluster settings.
+func ConfigurationDoc() string {
+	var b strings.Builder
+	b.WriteString(`# Configuration reference
+
+pivirt-agent reads one YAML file (` + "`--config`" + `); flags override its keys. This page is generated
+from the configuration's types and defaults (` + "`make docs`" + `); the operations guide
+(operations.md) and the project README explain what the keys do.
+
+- **live**: the key changes with ` + "`POST /reload`" + ` on the operations port or SIGHUP; the others need
+  a restart.
+- **cluster setting**: the key can also be set for every agent at once with
+  ` + "`pvcli config set KEY VALUE`" + ` (the value is the YAML of the key, as in the file); a node's
+  ` + "`pinned_settings`" + ` keep its own value.
+- Keys that name policy files (` + "`auth.rbac_policy`" + `, ` + "`auth.network_policy`" + `) reload the file's text live.
+
+## Keys
+
+`)
+	b.WriteString(ReferenceMarkdown())
+	b.WriteString("\n## Cluster settings\n\n")
+	b.WriteString(SettingsMarkdown())
+	return b.String()
+}
