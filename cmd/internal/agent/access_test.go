@@ -719,7 +719,7 @@ func TestAccessPolicyReload(t *testing.T) {
 			return err
 		}(),
 	} {
-		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), " rbac:") {
+		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), " rbac auth.rbac_policy:") {
 			t.Errorf("config-editor %ss the cluster policy: %v, want PermissionDenied on rbac", name, err)
 		}
 	}

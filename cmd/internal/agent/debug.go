@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -111,12 +112,20 @@ func (a *Agent) debugGet(path string) func(context.Context) ([]byte, error) {
 	}
 }
 
+// debugJSON is m as indented JSON, always the same bytes for the same
+// message (protojson varies its whitespace on purpose; json.Indent does
+// not).
 func debugJSON(m proto.Message) ([]byte, error) {
-	b, err := protojson.MarshalOptions{Multiline: true}.Marshal(m)
+	b, err := protojson.Marshal(m)
 	if err != nil {
 		return nil, err
 	}
-	return append(b, '\n'), nil
+	var out bytes.Buffer
+	if err := json.Indent(&out, b, "", "  "); err != nil {
+		return nil, err
+	}
+	out.WriteByte('\n')
+	return out.Bytes(), nil
 }
 
 // secretKey matches the names of settings whose values are secrets.
