@@ -145,7 +145,7 @@ recovery", for the whole procedure.`,
 			if err != nil {
 				return err
 			}
-			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			logger := slog.New(slog.NewTextHandler(stderr, observe.HandlerOptions(slog.LevelWarn)))
 			if err := agent.Recover(dataDir, servers, logger); err != nil {
 				return fmt.Errorf("recover: %w", err)
 			}
@@ -186,7 +186,7 @@ func newLogger(cfg *config.Config, out io.Writer, levels *observe.Levels) (*slog
 	levels.SetComponents(comps)
 	// The inner handler passes every level (Raft's trace included);
 	// levels decides.
-	opts := &slog.HandlerOptions{Level: slog.LevelDebug - 4}
+	opts := observe.HandlerOptions(slog.LevelDebug - 4)
 	sampling := observe.Sampling{Initial: cfg.Logging.Sampling.Initial, Thereafter: cfg.Logging.Sampling.Thereafter}
 	return slog.New(observe.NewHandler(levels.Handler(handlerFor(cfg.Logging.Format, out, opts)), sampling, nil)), nil
 }
@@ -204,7 +204,7 @@ func newAccessLogger(cfg *config.Config, out io.Writer) *slog.Logger {
 	if !cfg.Logging.AccessLog.Enabled {
 		return nil
 	}
-	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
+	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, observe.HandlerOptions(nil)), observe.Sampling{}, nil)).With("log", "access")
 }
 
 // devBanner tells the operator of a --dev agent how to reach it with
