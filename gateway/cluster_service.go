@@ -794,7 +794,7 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 			if id := req.Msg.GetInstanceId(); id != "" {
 				inst, err := st.Service(req.Msg.GetService(), id)
 				if err != nil {
-					return nil, 0, fmt.Errorf("service %s instance %s: %w", req.Msg.GetService(), id, err)
+					return nil, 0, err // names the service and the instance
 				}
 				return &clusterv1.GetServiceResponse{Instances: []*clusterv1.ServiceInstance{inst}, Meta: h.queryMeta(index)}, index, nil
 			}
@@ -803,7 +803,7 @@ func (h *ClusterService) GetService(ctx context.Context, req *connect.Request[cl
 				return nil, 0, err
 			}
 			if len(list) == 0 {
-				return nil, 0, fmt.Errorf("service %s: %w", req.Msg.GetService(), fsm.ErrNotFound)
+				return nil, 0, fmt.Errorf("%w: service %q", fsm.ErrNotFound, req.Msg.GetService())
 			}
 			return &clusterv1.GetServiceResponse{Instances: list, Meta: h.queryMeta(index)}, index, nil
 		})
@@ -861,7 +861,7 @@ func (h *ClusterService) GetConfig(ctx context.Context, req *connect.Request[clu
 		func(ctx context.Context) (*clusterv1.GetConfigResponse, uint64, error) {
 			e, err := h.state.State().ConfigEntry(req.Msg.GetKey())
 			if err != nil {
-				return nil, 0, fmt.Errorf("config key %q: %w", req.Msg.GetKey(), err)
+				return nil, 0, err // names the key
 			}
 			return &clusterv1.GetConfigResponse{Entry: e, Meta: h.queryMeta(e.GetRevision())}, e.GetRevision(), nil
 		})
@@ -966,7 +966,7 @@ func (h *ClusterService) ConfigHistory(ctx context.Context, req *connect.Request
 		func(ctx context.Context) (*clusterv1.ConfigHistoryResponse, uint64, error) {
 			list, err := h.state.State().ConfigHistory(req.Msg.GetKey())
 			if err != nil {
-				return nil, 0, fmt.Errorf("config key %q: %w", req.Msg.GetKey(), err)
+				return nil, 0, err // names the key
 			}
 			var index uint64
 			if len(list) > 0 {

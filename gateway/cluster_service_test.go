@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -204,5 +205,42 @@ func TestTransferLeaderRetriedAfterItTookEffectDoesNotTransferAgain(t *testing.T
 	}
 	if resp.Msg.GetNodeId() != "leader-id" || l.transfers != 1 {
 		t.Fatalf("new leader %q after %d transfers, want leader-id after 1", resp.Msg.GetNodeId(), l.transfers)
+	}
+}
+
+// TestNotFoundNamesOnce: a read of a missing service, instance or config
+// key is NotFound, and its message names what is missing once.
+func TestNotFoundNamesOnce(t *testing.T) {
+	h, _ := newFollowerService(t, &followerView{})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	stale := &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_STALE}
+	for _, tc := range []struct {
+		call func() error
+		name string
+		want string
+	}{
+		{func() error {
+			_, err := h.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: "web", InstanceId: "web-1", Read: stale}))
+			return err
+		}, "web-1", `not found: service "web" instance "web-1"`},
+		{func() error {
+			_, err := h.GetService(ctx, connect.NewRequest(&clusterv1.GetServiceRequest{Service: "web", Read: stale}))
+			return err
+		}, "web", `not found: service "web"`},
+		{func() error {
+			_, err := h.GetConfig(ctx, connect.NewRequest(&clusterv1.GetConfigRequest{Key: "kv/x", Read: stale}))
+			return err
+		}, "kv/x", `not found: config "kv/x"`},
+		{func() error {
+			_, err := h.ConfigHistory(ctx, connect.NewRequest(&clusterv1.ConfigHistoryRequest{Key: "kv/x", Read: stale}))
+			return err
+		}, "kv/x", `not found: config "kv/x"`},
+	} {
+		err := tc.call()
+		var ce *connect.Error
+		if connect.CodeOf(err) != connect.CodeNotFound || !errors.As(err, &ce) || ce.Message() != tc.want || strings.Count(ce.Message(), tc.name) != 1 {
+			t.Errorf("%v, want NotFound %q", err, tc.want)
+		}
 	}
 }

@@ -19,7 +19,7 @@ func TestToConnect(t *testing.T) {
 		err  error
 		want connect.Code
 	}{
-		{"not found", fmt.Errorf("config key %q: %w", "x", fsm.ErrNotFound), connect.CodeNotFound},
+		{"not found", fmt.Errorf("%w: config %q", fsm.ErrNotFound, "x"), connect.CodeNotFound},
 		{"cas", fsm.ErrCASConflict, connect.CodeAborted},
 		{"invalid command", fsm.ErrInvalidCommand, connect.CodeInvalidArgument},
 		{"not leader", fmt.Errorf("apply: %w", store.ErrNotLeader), connect.CodeUnavailable},

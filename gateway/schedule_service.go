@@ -539,23 +539,9 @@ func (s *ScheduleService) NextSlots(ctx context.Context, req *connect.Request[sc
 	if err != nil {
 		return nil, toConnect(fmt.Errorf("schedule %q: %w", sc.GetId(), err))
 	}
-	from := time.Now()
-	if a := scheduleAnchor(sc); a.After(from) {
-		from = a
-	}
 	out := &schedulev1.NextSlotsResponse{TimeZone: spec.Location().String()}
-	for t := spec.Next(from); !t.IsZero() && len(out.Slots) < n; t = spec.Next(t) {
+	for _, t := range scheduler.Upcoming(spec, sc, time.Now(), n) {
 		out.Slots = append(out.Slots, timestamppb.New(t))
 	}
 	return connect.NewResponse(out), nil
-}
-
-// scheduleAnchor is the instant after which a schedule's slots are open:
-// its last slot, or its last change.
-func scheduleAnchor(sc *schedulev1.Schedule) time.Time {
-	a := sc.GetUpdatedAt().AsTime()
-	if ls := sc.GetLastSlot(); ls != nil && ls.AsTime().After(a) {
-		a = ls.AsTime()
-	}
-	return a
 }

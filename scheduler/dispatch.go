@@ -162,6 +162,23 @@ func anchor(s *schedulev1.Schedule) time.Time {
 	return a
 }
 
+// Upcoming lists the first n slots later than now (and than its anchor)
+// of schedule s, whose spec is spec: the slots the dispatcher runs, an
+// "@every" schedule's on its own phase (its anchor's first slot plus
+// whole intervals), not now plus the interval.
+func Upcoming(spec *Spec, s *schedulev1.Schedule, now time.Time, n int) []time.Time {
+	a := anchor(s)
+	from := now
+	if a.After(from) {
+		from = a
+	}
+	var out []time.Time
+	for t := spec.After(a, from); !t.IsZero() && len(out) < n; t = spec.After(a, t) {
+		out = append(out, t)
+	}
+	return out
+}
+
 // RunDispatcher runs the power schedules until ctx ends (leadership lost):
 // it computes each enabled schedule's next slot from its previous slot in
 // its time zone, claims each slot through Raft before acting (the FSM

@@ -182,6 +182,85 @@ func TestDispatcherRuns(t *testing.T) {
 	}
 }
 
+// TestUpcoming: the coming slots of an "@every" schedule are those of its
+// own phase (its anchor's first slot plus whole intervals), each the slot a
+// plan at its instant runs; for a 5-field expression they are the
+// calendar's.
+func TestUpcoming(t *testing.T) {
+	every, err := ParseSpec("@every 1m", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	changed := time.Date(2030, 1, 1, 10, 0, 20, 500_000_000, time.UTC)
+	s := &schedulev1.Schedule{Cron: "@every 1m", UpdatedAt: timestamppb.New(changed)}
+	now := changed.Add(90 * time.Second) // 10:01:50.5: the first slot (10:01:20) is past
+	got := Upcoming(every, s, now, 3)
+	want := []time.Time{changed.Add(2 * time.Minute).Truncate(time.Second), changed.Add(3 * time.Minute).Truncate(time.Second), changed.Add(4 * time.Minute).Truncate(time.Second)}
+	if !slices.EqualFunc(got, want, time.Time.Equal) {
+		t.Errorf("Upcoming at %s = %v, want %v (10:02:20 on: the phase of 10:00:20.5)", now, got, want)
+	}
+	for _, slot := range got {
+		if p := PlanSlots(every, slot.Add(-time.Minute), slot, schedulev1.CatchUp_CATCH_UP_SKIP, 0, 0); len(p.Run) != 1 || !p.Run[0].Equal(slot) {
+			t.Errorf("a plan at %s after the slot before runs %v, want that slot", slot, p.Run)
+		}
+	}
+	// After a claimed slot, from it; before the anchor (a clock behind),
+	// from the anchor.
+	s.LastSlot = timestamppb.New(want[0])
+	if got := Upcoming(every, s, want[0].Add(10*time.Second), 1); len(got) != 1 || !got[0].Equal(want[1]) {
+		t.Errorf("after the claimed slot %s: %v, want %s", want[0], got, want[1])
+	}
+	if got := Upcoming(every, s, changed, 1); len(got) != 1 || !got[0].Equal(want[1]) {
+		t.Errorf("at a time before the claimed slot: %v, want %s", got, want[1])
+	}
+
+	daily, err := ParseSpec("30 6 * * *", "Europe/Budapest")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got = Upcoming(daily, &schedulev1.Schedule{UpdatedAt: timestamppb.New(changed)}, now, 2)
+	if want := []time.Time{time.Date(2030, 1, 2, 5, 30, 0, 0, time.UTC), time.Date(2030, 1, 3, 5, 30, 0, 0, time.UTC)}; !slices.EqualFunc(got, want, time.Time.Equal) {
+		t.Errorf("daily: %v, want %v", got, want)
+	}
+}
+
+// TestDispatcherRunsUpcoming: the slots Upcoming lists before a dispatcher
+// starts are the slots it runs.
+func TestDispatcherRunsUpcoming(t *testing.T) {
+	l := newLog(t)
+	// Changed half a second ago: the first slot is 1.5 to 2.5 s ahead,
+	// the next 3 s later.
+	changed := time.Now().Add(-500 * time.Millisecond)
+	l.put(t, &schedulev1.Schedule{Id: "s1", VmId: "vm-1", Action: schedulev1.Action_ACTION_POWER_ON, Cron: "@every 3s", Enabled: true}, changed)
+	sc, err := l.State().Schedule("s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := ParseSpec(sc.GetCron(), sc.GetTimeZone())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Upcoming(spec, sc, time.Now(), 2)
+	start(t, l, &calls{}, DispatcherConfig{})
+	var ran []time.Time
+	eventually(t, "two runs", func() error {
+		ran = ran[:0]
+		for _, r := range l.runs(t, "s1") {
+			if r.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_OK {
+				ran = append(ran, r.GetSlot().AsTime())
+			}
+		}
+		if len(ran) < 2 {
+			return fmt.Errorf("%d runs ok", len(ran))
+		}
+		return nil
+	})
+	slices.SortFunc(ran, time.Time.Compare)
+	if !slices.EqualFunc(ran[:2], want, time.Time.Equal) {
+		t.Errorf("ran the slots %v, Upcoming said %v", ran[:2], want)
+	}
+}
+
 // TestDispatcherCatchUp: slots missed (ten slots of a schedule no leader
 // ran) are run or skipped by the schedule's policy, and each
 // skipped one is recorded.

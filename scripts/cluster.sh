@@ -6,11 +6,13 @@
 # simulated pivirtd and iscsiman) on a unix socket. A development OIDC issuer
 # (pitrust dev-issuer, its key in .cluster/certs/) serves on 127.0.0.1:8440 and
 # the agents take its tokens (auth.oidc), with the spec's example RBAC policy.
-# Data and logs go to .cluster/ in the repository.
+# Data and logs go to .cluster/ in the repository; a start appends to each
+# process's log after a line "=== <date>: starting ...", so the log of an
+# earlier run stays above it.
 #
 #   scripts/cluster.sh start    start the issuer and node1..node3, wait for a leader, print commands to try
 #   scripts/cluster.sh stop     stop them (SIGTERM, then SIGKILL after 10s)
-#   scripts/cluster.sh status   show which are running
+#   scripts/cluster.sh status   show which are running: the agents, their simulators, the issuer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -28,6 +30,9 @@ certs="$dir/certs"
 issuer_addr=127.0.0.1:8440
 
 running() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# mark LOG WHAT... appends the line that begins a start to a log.
+mark() { local log=$1; shift; echo "=== $(date '+%Y-%m-%d %H:%M:%S %z'): starting $*" >>"$log"; }
 
 # pki makes the development PKI once: the PiTrust CA, a server and an agent
 # client certificate per node, an operator certificate for pvcli, and a
@@ -61,14 +66,15 @@ issuer() {
     return 0
   fi
   rm -f "$certs/dev-oidc.issuer"
-  "$bin/pitrust" dev-issuer --dir "$certs" --addr "$issuer_addr" >"$dir/dev-issuer.log" 2>&1 &
+  mark "$dir/dev-issuer.log" "dev-issuer on $issuer_addr"
+  "$bin/pitrust" dev-issuer --dir "$certs" --addr "$issuer_addr" >>"$dir/dev-issuer.log" 2>&1 &
   echo $! >"$dir/dev-issuer.pid"
   for _ in $(seq 1 50); do
     [[ -s "$certs/dev-oidc.issuer" ]] && { echo "started dev-issuer (pid $(cat "$dir/dev-issuer.pid")): http://$issuer_addr"; return 0; }
     running "$dir/dev-issuer.pid" || break
     sleep 0.1
   done
-  echo "dev-issuer did not start:"; cat "$dir/dev-issuer.log"; exit 1
+  echo "dev-issuer did not start:"; tail -20 "$dir/dev-issuer.log"; exit 1
 }
 
 # policy writes the spec's example RBAC policy, which the agents enforce:
@@ -112,8 +118,9 @@ start() {
     fi
     sock="$dir/$name-sim.sock"
     if ! running "$dir/$name-sim.pid"; then
+      mark "$dir/$name-sim.log" "pivirtd-sim for $name on unix://$sock"
       "$bin/pivirtd-sim" --listen "unix://$sock" --data-dir "$dir/$name-sim" --host "$name" --log-format text \
-        >"$dir/$name-sim.log" 2>&1 &
+        >>"$dir/$name-sim.log" 2>&1 &
       echo $! >"$dir/$name-sim.pid"
     fi
     cat >"$dir/$name.yaml" <<YAML
@@ -155,13 +162,14 @@ backends:
     endpoint: unix://$sock
     timeout: 10s
 YAML
+    mark "$dir/$name.log" "pivirt-agent $name: api 127.0.0.1:$api"
     "$bin/pivirt-agent" --config "$dir/$name.yaml" \
       --node-name "$name" --data-dir "$dir/$name" \
       --api-addr "127.0.0.1:$api" --internal-addr "127.0.0.1:$internal" \
       --metrics-addr "127.0.0.1:$metrics" --gossip-addr "127.0.0.1:$gossip" \
       --raft-addr "127.0.0.1:$raft" \
       --bootstrap-expect 3 --retry-join 127.0.0.1:7946 --retry-join 127.0.0.1:7956 --retry-interval 1s \
-      >"$dir/$name.log" 2>&1 &
+      >>"$dir/$name.log" 2>&1 &
     echo $! >"$dir/$name.pid"
     echo "started $name (pid $!): api 127.0.0.1:$api, log $dir/$name.log"
   done
@@ -236,6 +244,7 @@ status() {
   for spec in "${nodes[@]}"; do
     read -r name api _ <<<"$spec"
     if running "$dir/$name.pid"; then echo "$name running (pid $(cat "$dir/$name.pid")), api 127.0.0.1:$api"; else echo "$name stopped"; fi
+    if running "$dir/$name-sim.pid"; then echo "$name-sim running (pid $(cat "$dir/$name-sim.pid")), unix://$dir/$name-sim.sock"; else echo "$name-sim stopped"; fi
   done
   if running "$dir/dev-issuer.pid"; then echo "dev-issuer running (pid $(cat "$dir/dev-issuer.pid")), http://$issuer_addr"; else echo "dev-issuer stopped"; fi
 }

@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"maps"
 	"os"
 	"os/signal"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -77,14 +79,15 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 				return errors.New("validate: --config is required")
 			}
 			cfg, err := config.Load(file)
-			if err == nil {
-				err = cfg.Validate()
+			if err != nil {
+				return fileProblems(file, err)
 			}
+			err = cfg.Validate()
 			if err == nil {
 				err = agent.CheckFiles(cfg)
 			}
 			if err != nil {
-				return fmt.Errorf("%s: %w", file, err)
+				return fileProblems(file, err)
 			}
 			fmt.Fprintf(stdout, "%s: ok\n", file)
 			describeMesh(stdout, cfg)
@@ -93,6 +96,43 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 	}
 	c.Flags().StringVar(&file, "config", "", "configuration file to check")
 	return c
+}
+
+// fileProblems names file once before the problems err lists (one per
+// line when several), which name their key but not file again. A file
+// that cannot be read is named by its read error.
+func fileProblems(file string, err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) && pe.Path == file {
+		return fmt.Errorf("%s: %w", file, pe.Err)
+	}
+	var lines []string
+	for _, e := range flatten(err) {
+		var fe *config.FieldError
+		if errors.As(e, &fe) && fe.File == file {
+			c := *fe
+			c.File = ""
+			e = &c
+		}
+		lines = append(lines, e.Error())
+	}
+	if len(lines) == 1 {
+		return fmt.Errorf("%s: %s", file, lines[0])
+	}
+	return fmt.Errorf("%s: %d problems:\n  %s", file, len(lines), strings.Join(lines, "\n  "))
+}
+
+// flatten lists the errors errors.Join joined, its own joins included.
+func flatten(err error) []error {
+	j, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		return []error{err}
+	}
+	var out []error
+	for _, e := range j.Unwrap() {
+		out = append(out, flatten(e)...)
+	}
+	return out
 }
 
 // describeMesh prints the backends with their scope and the routes in
@@ -152,7 +192,7 @@ recovery", for the whole procedure.`,
 			if err != nil {
 				return err
 			}
-			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			logger := slog.New(slog.NewTextHandler(stderr, observe.HandlerOptions(slog.LevelWarn)))
 			if err := agent.Recover(dataDir, servers, logger); err != nil {
 				return fmt.Errorf("recover: %w", err)
 			}
@@ -193,7 +233,7 @@ func newLogger(cfg *config.Config, out io.Writer, levels *observe.Levels) (*slog
 	levels.SetComponents(comps)
 	// The inner handler passes every level (Raft's trace included);
 	// levels decides.
-	opts := &slog.HandlerOptions{Level: slog.LevelDebug - 4}
+	opts := observe.HandlerOptions(slog.LevelDebug - 4)
 	sampling := observe.Sampling{Initial: cfg.Logging.Sampling.Initial, Thereafter: cfg.Logging.Sampling.Thereafter}
 	return slog.New(observe.NewHandler(levels.Handler(handlerFor(cfg.Logging.Format, out, opts)), sampling, nil)), nil
 }
@@ -211,7 +251,7 @@ func newAccessLogger(cfg *config.Config, out io.Writer) *slog.Logger {
 	if !cfg.Logging.AccessLog.Enabled {
 		return nil
 	}
-	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, nil), observe.Sampling{}, nil)).With("log", "access")
+	return slog.New(observe.NewHandler(handlerFor(cfg.Logging.AccessLog.Format, out, observe.HandlerOptions(nil)), observe.Sampling{}, nil)).With("log", "access")
 }
 
 // devBanner tells the operator of a --dev agent how to reach it with

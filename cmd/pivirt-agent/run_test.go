@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -94,6 +95,7 @@ func TestValidateCommand(t *testing.T) {
 	if _, err := identity.InitCA(otherPKI, identity.CAOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	etcd := "service_discovery:\n  type: etcd\n  etcd:\n    endpoints: [\"https://127.0.0.1:2379\"]\n"
 	for name, tc := range map[string]struct {
 		body string
 		want string
@@ -105,8 +107,12 @@ func TestValidateCommand(t *testing.T) {
 			"\n    key_file: "+filepath.Join(otherPKI, identity.IntermediateKeyFile)+"\n"), "does not chain to tls.ca_file"},
 		"backend tls files": {withCerts("node-02") + "backends:\n  pivirtd:\n    endpoint: unix:///run/pivirtd/pivirtd.sock\n    tls:\n      enabled: true\n      ca_file: " + dir + "/none.pem\n",
 			"backends.pivirtd.tls"},
-		"etcd tls files": {withCerts("node-02") + "service_discovery:\n  type: etcd\n  etcd:\n    endpoints: [\"https://127.0.0.1:2379\"]\n    ca_file: " + dir + "/none.pem\n",
-			"service_discovery.etcd"},
+		"etcd tls files": {withCerts("node-02") + etcd + "    ca_file: " + dir + "/none.pem\n",
+			"service_discovery.etcd.ca_file: open " + dir + "/none.pem: no such file"},
+		"etcd key file missing": {withCerts("node-02") + etcd + "    cert_file: " + cli.Cert + "\n    key_file: " + dir + "/none.key\n",
+			"service_discovery.etcd.key_file: open " + dir + "/none.key: no such file"},
+		"etcd ca file unreadable":          {withCerts("node-02") + etcd + "    ca_file: " + pki + "\n", "service_discovery.etcd.ca_file: read " + pki},
+		"two problems":                     {"data_dir: " + dir + "\ntls:\n  enabled: false\nratelimiting: {}\nfoo: 1\n", "2 problems:\n  ratelimiting: unknown key"},
 		"another node's agent certificate": {withCerts("node-01"), `is the agent identity of node "node-02", but node_name is "node-01"`},
 		"good":                             {"data_dir: " + dir + "\ntls:\n  enabled: false\n", "ok"},
 		"bad value":                        {"data_dir: " + dir + "\ntls:\n  enabled: false\nrate_limiting:\n  enabled: true\n  requests_per_second: 0\n", "rate_limiting.requests_per_second"},
@@ -129,9 +135,14 @@ func TestValidateCommand(t *testing.T) {
 			}
 			continue
 		}
-		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), path) {
-			t.Errorf("%s: %v, want an error naming the file and %q", name, err, tc.want)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Count(err.Error(), path) != 1 {
+			t.Errorf("%s: %v, want an error naming the file once and %q", name, err, tc.want)
 		}
+	}
+	missing := filepath.Join(dir, "missing.yaml")
+	err = Run(t.Context(), []string{"validate", "--config", missing}, io.Discard, io.Discard)
+	if want := missing + ": no such file or directory"; err == nil || err.Error() != want {
+		t.Errorf("a missing file: %v, want %q", err, want)
 	}
 }
 

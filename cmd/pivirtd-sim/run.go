@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	"pilab.hu/pivirt-agent/identity"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
 )
@@ -116,9 +117,10 @@ func (o *options) check() error {
 }
 
 func serve(ctx context.Context, o options, stdout io.Writer) error {
-	var h slog.Handler = slog.NewJSONHandler(stdout, nil)
+	logOpts := observe.HandlerOptions(nil)
+	var h slog.Handler = slog.NewJSONHandler(stdout, logOpts)
 	if o.logFormat == "text" {
-		h = slog.NewTextHandler(stdout, nil)
+		h = slog.NewTextHandler(stdout, logOpts)
 	}
 	logger := slog.New(h).With("component", "pivirtd-sim")
 	s, err := sim.Open(sim.Config{DataDir: o.dataDir, Roles: o.roles, Host: o.host, Logger: logger})

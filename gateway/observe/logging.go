@@ -55,6 +55,22 @@ func requestID(given string) string {
 	return hex.EncodeToString(b[:])
 }
 
+// ReplaceAttr is the agent's slog.HandlerOptions.ReplaceAttr: a
+// time.Duration renders as its String ("1.5s", "250ms") in both formats.
+// The text handler does so already; the JSON handler would write an
+// integer of nanoseconds.
+func ReplaceAttr(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.StringValue(a.Value.Duration().String())
+	}
+	return a
+}
+
+// HandlerOptions returns slog options at level with ReplaceAttr.
+func HandlerOptions(level slog.Leveler) *slog.HandlerOptions {
+	return &slog.HandlerOptions{Level: level, ReplaceAttr: ReplaceAttr}
+}
+
 // Sampling is logging.sampling: per message and level, the first Initial
 // entries of each second are logged, then every Thereafter-th; zero
 // Initial logs everything.

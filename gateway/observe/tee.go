@@ -71,7 +71,7 @@ func (e Entry) JSON() string { return e.render(true) }
 
 func (e Entry) render(json bool) string {
 	var buf bytes.Buffer
-	opts := &slog.HandlerOptions{Level: slog.Level(math.MinInt32)}
+	opts := HandlerOptions(slog.Level(math.MinInt32))
 	var h slog.Handler
 	if json {
 		h = slog.NewJSONHandler(&buf, opts)

@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestTeeLevelsAndDrops: a monitor gets the records at its level whatever
@@ -20,13 +21,13 @@ func TestTeeLevelsAndDrops(t *testing.T) {
 	logger.Debug("before any monitor")
 	sub := tee.Subscribe(slog.LevelDebug)
 	logger.Debug("seen by the monitor", "k", 1)
-	logger.WithGroup("g").Info("in a group", "k", 2)
+	logger.WithGroup("g").Info("in a group", "k", 2, "took", 1500*time.Millisecond)
 	e := <-sub.C()
 	if got := e.Text(); !strings.Contains(got, "level=DEBUG") || !strings.Contains(got, `msg="seen by the monitor"`) || !strings.Contains(got, "component=test") {
 		t.Errorf("monitor line %q", got)
 	}
-	if got := (<-sub.C()).JSON(); !strings.Contains(got, `"g":{"k":2}`) {
-		t.Errorf("monitor JSON %q, want the group", got)
+	if got := (<-sub.C()).JSON(); !strings.Contains(got, `"g":{"k":2,"took":"1.5s"}`) {
+		t.Errorf("monitor JSON %q, want the group with the duration as text", got)
 	}
 	if strings.Contains(out.String(), "monitor") {
 		t.Errorf("the output (info) has debug records:\n%s", out.String())

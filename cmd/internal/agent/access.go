@@ -593,8 +593,9 @@ const SchedulerIdentity = "pivirt-scheduler"
 
 // CheckFiles loads what cfg's files hold, as the agent would at start,
 // without starting anything (pivirt-agent validate): the gossip key, the
-// RBAC and network policy files, and the TLS certificates and keys. Every problem is
-// returned, each naming its key.
+// RBAC and network policy files, and the TLS certificates and keys (etcd's
+// ca_file, cert_file and key_file each read first, so that every missing
+// or unreadable one is named). Every problem is returned, each naming its key.
 func CheckFiles(cfg *config.Config) error {
 	var errs []error
 	if err := checkKeyPermissions(cfg, slog.New(slog.DiscardHandler)); err != nil {
@@ -663,7 +664,22 @@ func checkOtherTLSFiles(cfg *config.Config) []error {
 		}
 	}
 	if ec := cfg.ServiceDiscovery.Etcd; cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
+		readable := true
+		for _, f := range [][2]string{
+			{"service_discovery.etcd.ca_file", ec.CAFile},
+			{"service_discovery.etcd.cert_file", ec.CertFile},
+			{"service_discovery.etcd.key_file", ec.KeyFile},
+		} {
+			if f[1] == "" {
+				continue
+			}
+			if _, err := os.ReadFile(f[1]); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", f[0], err))
+				readable = false
+			}
+		}
 		switch {
+		case !readable:
 		case ec.CAFile != "":
 			if _, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile}); err != nil {
 				errs = append(errs, fmt.Errorf("service_discovery.etcd: %w", err))

@@ -246,6 +246,58 @@ func TestSchedules(t *testing.T) {
 	}
 }
 
+// TestNextSlotsAreRun: NextSlots of an "@every" schedule lists the slots
+// of its phase — its last slot plus whole intervals — however long after
+// that slot it is asked, and the dispatcher then runs the first of them.
+func TestNextSlotsAreRun(t *testing.T) {
+	e := newScheduleEnv(t, 1)
+	sc := e.client(e.c.Node(0))
+	const every = 5 * time.Second
+	s, err := sc.CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{VmId: e.vmID, Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 5s", Enabled: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := s.GetSchedule().GetId()
+	e.waitRuns(sc, id, 1)
+	last := func() time.Time {
+		g, err := sc.GetSchedule(e.ctx(), &schedulev1.GetScheduleRequest{Id: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g.GetSchedule().GetLastSlot().AsTime()
+	}
+	before := last()
+	// Ask 1.5 s into the interval, where now plus the interval is not a
+	// slot of the schedule's phase (the clock positioned, nothing waited for).
+	time.Sleep(time.Until(before.Add(1500 * time.Millisecond)))
+	next, err := sc.NextSlots(e.ctx(), &schedulev1.NextSlotsRequest{Id: id, Count: 3})
+	if err != nil || len(next.GetSlots()) != 3 {
+		t.Fatalf("NextSlots: %v %v", next, err)
+	}
+	after := last()
+	first := next.GetSlots()[0].AsTime()
+	if !first.Equal(after.Add(every)) && !first.Equal(after) {
+		t.Fatalf("first next slot %s, want %s (the last slot %s plus %s)", first, after.Add(every), after, every)
+	}
+	for i, sl := range next.GetSlots() {
+		if d := sl.AsTime().Sub(before); d <= 0 || d%every != 0 {
+			t.Errorf("next slot %d %s is %s after the last slot %s, want whole intervals of %s", i, sl.AsTime(), d, before, every)
+		}
+	}
+	agenttest.Eventually(t, 30*time.Second, "the first next slot run", func() error {
+		r, err := sc.ListRuns(e.ctx(), &schedulev1.ListRunsRequest{ScheduleId: id})
+		if err != nil {
+			return err
+		}
+		for _, run := range r.GetRuns() {
+			if run.GetSlot().AsTime().Equal(first) && run.GetOutcome() == schedulev1.RunOutcome_RUN_OUTCOME_OK {
+				return nil
+			}
+		}
+		return fmt.Errorf("no ok run of the slot %s among %d runs", first, len(r.GetRuns()))
+	})
+}
+
 // TestScheduleLeaderKills: a schedule every second runs on a 3-node
 // cluster while the leader is stopped and started again three times: every
 // slot from the first to the last is recorded exactly once (run, or
