@@ -113,11 +113,16 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 		return fmt.Errorf("snapshot save: %w", err)
 	}
 	defer stream.Close()
+	// The archive's length is not known before its end: the progress
+	// shows the bytes received and the rate.
+	prog := a.newProgress(-1, "saving snapshot")
+	defer prog.stop()
 	w := bufio.NewWriterSize(f, 1<<20)
 	var size int64
 	for stream.Receive() {
 		n, err := w.Write(stream.Msg().GetData())
 		size += int64(n)
+		prog.add(n)
 		if err != nil {
 			return fmt.Errorf("snapshot save: write %s: %w", tmp, err)
 		}
@@ -125,6 +130,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	if err := stream.Err(); err != nil {
 		return fmt.Errorf("snapshot save: %w", err)
 	}
+	prog.done()
 	if size == 0 {
 		return errors.New("snapshot save: the agent sent no data")
 	}
@@ -287,6 +293,12 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
 	defer f.Close()
+	var total int64 = -1
+	if st, err := f.Stat(); err == nil {
+		total = st.Size()
+	}
+	prog := a.newProgress(total, "uploading snapshot")
+	defer prog.stop()
 	// A dry run is its own method (PlanRestore), so an agent that does
 	// not know it refuses it instead of restoring.
 	var (
@@ -324,6 +336,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 				}
 				return fmt.Errorf("snapshot restore: upload: %w", err)
 			}
+			prog.add(n)
 		}
 		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
 			break
@@ -336,6 +349,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 	if err != nil {
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
+	prog.done()
 	return a.render(msg, func(w io.Writer) {
 		from := ""
 		if m.GetClusterId() != "" {
