@@ -5,7 +5,6 @@ import (
 	"context"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -126,23 +125,18 @@ func TestProgressVolumeUpload(t *testing.T) {
 	t.Parallel()
 	mux := http.NewServeMux()
 	mux.Handle(storagev1connect.NewStorageServiceHandler(fakeStorage{}))
-	srv := httptest.NewUnstartedServer(mux)
-	srv.Config.Protocols = new(http.Protocols)
-	srv.Config.Protocols.SetHTTP1(true)
-	srv.Config.Protocols.SetUnencryptedHTTP2(true)
-	srv.Start()
-	t.Cleanup(srv.Close)
+	url := serveH2C(t, mux)
 
 	image := filepath.Join(t.TempDir(), "disk.img")
 	if err := os.WriteFile(image, bytes.Repeat([]byte{0xab}, 3*uploadChunk+17), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r := runOnTerminal(t, true, nil, "--endpoint", srv.URL, "volume", "upload", "vol-1", image)
+	r := runOnTerminal(t, true, nil, "--endpoint", url, "volume", "upload", "vol-1", image)
 	checkProgress(t, r, "uploading vol-1")
 	if !strings.Contains(r.stderr, "100%") {
 		t.Errorf("stderr = %q, want the bar at 100%%", r.stderr)
 	}
-	if r := runOnTerminal(t, false, nil, "--endpoint", srv.URL, "volume", "upload", "vol-1", image); r.err != nil || r.stderr != "" {
+	if r := runOnTerminal(t, false, nil, "--endpoint", url, "volume", "upload", "vol-1", image); r.err != nil || r.stderr != "" {
 		t.Errorf("volume upload, stderr not a terminal: %v, stderr %q; want success and nothing on stderr", r.err, r.stderr)
 	}
 }
