@@ -553,19 +553,21 @@ func parsePrivateKeyPEM(b []byte) (crypto.Signer, error) {
 
 // CertInfo explains a certificate (pitrust inspect and verify).
 type CertInfo struct {
-	Subject       string    `json:"subject"`
-	Issuer        string    `json:"issuer"`
-	Serial        string    `json:"serial"`
-	NotBefore     time.Time `json:"not_before"`
-	NotAfter      time.Time `json:"not_after"`
-	IsCA          bool      `json:"is_ca"`
-	DNSNames      []string  `json:"dns_names,omitempty"`
-	IPAddresses   []string  `json:"ip_addresses,omitempty"`
-	KeyUsage      []string  `json:"key_usage,omitempty"`
-	ExtKeyUsage   []string  `json:"ext_key_usage,omitempty"`
-	PublicKey     string    `json:"public_key"`
-	SHA256        string    `json:"sha256_fingerprint"`
-	ExpiresInDays int       `json:"expires_in_days"`
+	Subject     string    `json:"subject"`
+	Issuer      string    `json:"issuer"`
+	Serial      string    `json:"serial"`
+	NotBefore   time.Time `json:"notBefore"`
+	NotAfter    time.Time `json:"notAfter"`
+	IsCA        bool      `json:"isCa"`
+	DNSNames    []string  `json:"dnsNames,omitempty"`
+	IPAddresses []string  `json:"ipAddresses,omitempty"`
+	KeyUsage    []string  `json:"keyUsage,omitempty"`
+	ExtKeyUsage []string  `json:"extKeyUsage,omitempty"`
+	PublicKey   string    `json:"publicKey"`
+	SHA256      string    `json:"sha256Fingerprint"`
+	// ExpiresInDays is the whole days left to NotAfter (32 bits: a JSON
+	// number, as the API's JSON mapping writes an int32).
+	ExpiresInDays int32 `json:"expiresInDays"`
 }
 
 // Describe explains c at now.
@@ -575,7 +577,7 @@ func Describe(c *x509.Certificate, now time.Time) CertInfo {
 		NotBefore: c.NotBefore.UTC(), NotAfter: c.NotAfter.UTC(), IsCA: c.IsCA,
 		DNSNames: c.DNSNames, KeyUsage: keyUsages(c.KeyUsage), ExtKeyUsage: extKeyUsages(c.ExtKeyUsage),
 		PublicKey:     publicKeyName(c.PublicKey),
-		ExpiresInDays: int(c.NotAfter.Sub(now).Hours() / 24),
+		ExpiresInDays: int32(c.NotAfter.Sub(now).Hours() / 24),
 	}
 	for _, ip := range c.IPAddresses {
 		info.IPAddresses = append(info.IPAddresses, ip.String())

@@ -266,13 +266,13 @@ func checkOutput(o string) error {
 	return nil
 }
 
+// writeJSON writes v as indented JSON; its field names are lowerCamelCase
+// and times RFC 3339, as pvcli's -o json.
 func writeJSON(w io.Writer, v any) error {
-	b, err := json.MarshalIndent(v, "", "  ")
-	if err != nil {
-		return err
-	}
-	_, err = w.Write(append(b, '\n'))
-	return err
+	enc := json.NewEncoder(w)
+	enc.SetEscapeHTML(false)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }
 
 // describe prints one certificate's explanation, indented.
@@ -281,7 +281,7 @@ func describe(w io.Writer, c identity.CertInfo) {
 		{"Subject", c.Subject},
 		{"Issuer", c.Issuer},
 		{"Serial", c.Serial},
-		{"Valid", fmt.Sprintf("%s to %s (%s)", c.NotBefore.Format(time.RFC3339), c.NotAfter.Format(time.RFC3339), expiry(c.ExpiresInDays))},
+		{"Valid", fmt.Sprintf("%s to %s (%s)", c.NotBefore.Format(time.RFC3339), c.NotAfter.Format(time.RFC3339), expiry(int(c.ExpiresInDays)))},
 	}
 	add := func(k string, v []string) {
 		if len(v) > 0 {

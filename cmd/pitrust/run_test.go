@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -83,11 +84,42 @@ func TestPitrustCommands(t *testing.T) {
 	out, err = run(t, "inspect", "-o", "json", filepath.Join(dir, "ca-chain.pem"))
 	var infos []struct {
 		Subject string `json:"subject"`
-		IsCA    bool   `json:"is_ca"`
+		IsCA    bool   `json:"isCa"`
 	}
 	if err != nil || json.Unmarshal([]byte(out), &infos) != nil || len(infos) != 2 || !infos[0].IsCA {
 		t.Errorf("inspect -o json: %q, %v", out, err)
 	}
+	checkCamelKeys(t, "inspect -o json", out)
+	out, _ = run(t, "verify", "--dir", dir, "-o", "json", srv)
+	checkCamelKeys(t, "verify -o json", out)
+}
+
+// checkCamelKeys fails unless out is JSON whose object keys are all
+// lowerCamelCase (pvcli's -o json contract, README "Scripting with pvcli").
+func checkCamelKeys(t *testing.T, what, out string) {
+	t.Helper()
+	var v any
+	if err := json.Unmarshal([]byte(out), &v); err != nil {
+		t.Fatalf("%s: %v\n%s", what, err, out)
+	}
+	camel := regexp.MustCompile(`^[a-z][a-zA-Z0-9]*$`)
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			for k, e := range v {
+				if !camel.MatchString(k) {
+					t.Errorf("%s: key %q is not lowerCamelCase", what, k)
+				}
+				walk(e)
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	walk(v)
 }
 
 func TestPitrustRefuses(t *testing.T) {

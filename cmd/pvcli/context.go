@@ -320,7 +320,11 @@ func (a *app) renderContexts(cfg *cliConfig) error {
 		views = append(views, contextView{Name: n, Current: n == cfg.CurrentContext, Endpoints: c.Endpoints,
 			CAFile: c.CAFile, CertFile: c.CertFile, KeyFile: c.KeyFile, Token: c.Token != ""})
 	}
-	return a.renderValue(map[string]any{"contexts": views}, func(w io.Writer) {
+	out := map[string]any{} // no contexts: {}, as protojson leaves out an empty list
+	if len(views) > 0 {
+		out["contexts"] = views
+	}
+	return a.renderValue(out, func(w io.Writer) {
 		row(w, "CURRENT", "NAME", "ENDPOINTS", "CA-FILE", "CERT-FILE", "TOKEN")
 		for _, v := range views {
 			cur := ""

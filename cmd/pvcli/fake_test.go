@@ -54,7 +54,14 @@ func newFakeCluster() *fakeCluster {
 // start serves f over h2c (and HTTP/1.1) on 127.0.0.1 and returns its URL.
 func (f *fakeCluster) start(t testing.TB) string {
 	t.Helper()
-	srv := httptest.NewUnstartedServer(f.handler())
+	return serveH2C(t, f.handler())
+}
+
+// serveH2C serves h over h2c (and HTTP/1.1) on 127.0.0.1 and returns its
+// URL.
+func serveH2C(t testing.TB, h http.Handler) string {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(h)
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetHTTP1(true)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)

@@ -53,17 +53,21 @@ func (a *app) render(msg proto.Message, table func(w io.Writer)) error {
 func (a *app) renderValue(v any, table func(w io.Writer)) error {
 	switch a.opts.output.value {
 	case "json", "yaml":
-		b, err := json.MarshalIndent(v, "", "  ")
-		if err != nil {
+		var buf bytes.Buffer
+		enc := json.NewEncoder(&buf)
+		enc.SetEscapeHTML(false) // as protojson: "<" stays "<"
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(v); err != nil {
 			return err
 		}
-		b = append(b, '\n')
+		b := buf.Bytes()
 		if a.opts.output.value == "yaml" {
+			var err error
 			if b, err = jsonToYAML(b); err != nil {
 				return err
 			}
 		}
-		_, err = a.stdout.Write(b)
+		_, err := a.stdout.Write(b)
 		return err
 	default:
 		tw := tabwriter.NewWriter(a.stdout, 0, 4, 3, ' ', 0)
@@ -72,13 +76,34 @@ func (a *app) renderValue(v any, table func(w io.Writer)) error {
 	}
 }
 
-// marshalJSON is protojson, multiline, without unpopulated fields.
+// marshalJSON is protojson without unpopulated fields, indented by two
+// spaces and ending with a newline.
 func marshalJSON(msg proto.Message) ([]byte, error) {
-	b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(msg)
+	b, err := protojson.Marshal(msg)
 	if err != nil {
 		return nil, fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
 	}
-	return append(b, '\n'), nil
+	// protojson varies its whitespace on purpose (from one build to
+	// another); scripts may compare outputs: indent it ourselves.
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, b, "", "  "); err != nil {
+		return nil, fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
+	}
+	return append(buf.Bytes(), '\n'), nil
+}
+
+// marshalJSONLine is protojson on one line with no whitespace, ending with
+// a newline: one event of a stream (NDJSON).
+func marshalJSONLine(msg proto.Message) ([]byte, error) {
+	b, err := protojson.Marshal(msg)
+	if err != nil {
+		return nil, fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
+	}
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, b); err != nil {
+		return nil, fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
+	}
+	return append(buf.Bytes(), '\n'), nil
 }
 
 // marshalYAML converts the protojson form to YAML, keeping the field order

@@ -58,9 +58,16 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 		stdin:    stdin,
 		stdout:   stdout,
 		stderr:   stderr,
+		terminal: isTerminal,
 		clientID: newClientID(),
 	}
+	return a.run(ctx, args)
+}
+
+// run executes the command line args with a's streams and environment.
+func (a *app) run(ctx context.Context, args []string) error {
 	defer a.close()
+	stdin, stdout, stderr := a.stdin, a.stdout, a.stderr
 
 	root := a.newRootCmd()
 	root.SetArgs(args)
@@ -175,6 +182,7 @@ type globalOptions struct {
 	timeoutSet  bool // --timeout was given
 	timeout     time.Duration
 	verbose     bool
+	noProgress  bool
 	tls         tlsOptions
 	token       string
 }
@@ -185,6 +193,9 @@ type app struct {
 	stdin  io.Reader
 	stdout io.Writer
 	stderr io.Writer
+	// terminal reports whether a writer is a terminal: progress is shown
+	// on stderr only then (isTerminal; tests force it).
+	terminal func(io.Writer) bool
 
 	opts globalOptions
 
@@ -251,6 +262,7 @@ the agent retries what is safe to retry.`,
 	f.DurationVar(&a.opts.wait, "wait", 0, "with --wait-index: the longest wait (server default 5m, at most 10m)")
 	f.DurationVar(&a.opts.timeout, "timeout", defaultTimeout, "deadline of the whole command, retries included")
 	f.BoolVarP(&a.opts.verbose, "verbose", "v", false, "print response metadata headers and retries to stderr")
+	f.BoolVar(&a.opts.noProgress, "no-progress", false, "show no progress of snapshot save and restore and volume upload (shown on stderr only when it is a terminal and TERM is not dumb)")
 	f.StringVar(&a.opts.tls.caFile, "ca-file", "", "with https://: PEM file of the CAs that sign the agent's certificate, e.g. /etc/pivirt/certs/ca-chain.pem (default: the system roots); env "+envCAFile)
 	f.StringVar(&a.opts.tls.certFile, "cert-file", "", "with https://: client certificate, for agents that require one; env "+envCertFile)
 	f.StringVar(&a.opts.tls.keyFile, "key-file", "", "with https://: the client certificate's key; env "+envKeyFile)

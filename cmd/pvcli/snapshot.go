@@ -77,17 +77,19 @@ func (a *app) snapshotContext(cmd *cobra.Command) (context.Context, context.Canc
 	return context.WithTimeout(cmd.Context(), timeout)
 }
 
-// savedSnapshot is the output of snapshot save.
+// savedSnapshot is the output of snapshot save. Its JSON follows the API's
+// JSON mapping, like every -o json of pvcli (DESIGN.md "Output"):
+// lowerCamelCase names, 64-bit integers as strings, times in UTC RFC 3339.
 type savedSnapshot struct {
-	File         string    `json:"file" yaml:"file"`
-	Bytes        int64     `json:"bytes" yaml:"bytes"`
-	ID           string    `json:"id" yaml:"id"`
-	Index        uint64    `json:"index" yaml:"index"`
-	Term         uint64    `json:"term" yaml:"term"`
-	ClusterID    string    `json:"cluster_id" yaml:"cluster_id"`
-	StateBytes   int64     `json:"state_bytes" yaml:"state_bytes"`
-	CreatedAt    time.Time `json:"created_at" yaml:"created_at"`
-	AgentVersion string    `json:"agent_version" yaml:"agent_version"`
+	File         string    `json:"file"`
+	Bytes        int64     `json:"bytes,string"`
+	ID           string    `json:"id"`
+	Index        uint64    `json:"index,string"`
+	Term         uint64    `json:"term,string"`
+	ClusterID    string    `json:"clusterId"`
+	StateBytes   int64     `json:"stateBytes,string"`
+	CreatedAt    time.Time `json:"createdAt"`
+	AgentVersion string    `json:"agentVersion"`
 }
 
 func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err error) {
@@ -113,11 +115,16 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 		return fmt.Errorf("snapshot save: %w", err)
 	}
 	defer stream.Close()
+	// The archive's length is not known before its end: the progress
+	// shows the bytes received and the rate.
+	prog := a.newProgress(-1, "saving snapshot")
+	defer prog.stop()
 	w := bufio.NewWriterSize(f, 1<<20)
 	var size int64
 	for stream.Receive() {
 		n, err := w.Write(stream.Msg().GetData())
 		size += int64(n)
+		prog.add(n)
 		if err != nil {
 			return fmt.Errorf("snapshot save: write %s: %w", tmp, err)
 		}
@@ -125,6 +132,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	if err := stream.Err(); err != nil {
 		return fmt.Errorf("snapshot save: %w", err)
 	}
+	prog.done()
 	if size == 0 {
 		return errors.New("snapshot save: the agent sent no data")
 	}
@@ -147,7 +155,7 @@ func (a *app) snapshotSave(cmd *cobra.Command, file string, stale bool) (err err
 	m := info.Meta
 	out := savedSnapshot{
 		File: file, Bytes: size, ID: m.ID, Index: m.Index, Term: m.Term, ClusterID: m.ClusterID,
-		StateBytes: m.Size, CreatedAt: m.CreatedAt, AgentVersion: m.AgentVersion,
+		StateBytes: m.Size, CreatedAt: m.CreatedAt.UTC(), AgentVersion: m.AgentVersion,
 	}
 	return a.renderValue(out, func(w io.Writer) {
 		fmt.Fprintf(w, "Saved snapshot %s to %s: index %d, term %d, %d bytes (state %d bytes)\n",
@@ -172,29 +180,31 @@ func check1(r io.ReadSeeker) (*archive.Info, error) {
 	return archive.Check(bufio.NewReaderSize(r, 1<<20))
 }
 
-// inspection is the output of snapshot inspect.
+// inspection is the output of snapshot inspect (its JSON as
+// savedSnapshot's).
 type inspection struct {
-	Path               string         `json:"path" yaml:"path"`
-	Kind               string         `json:"kind" yaml:"kind"`
-	ID                 string         `json:"id" yaml:"id"`
-	Index              uint64         `json:"index" yaml:"index"`
-	Term               uint64         `json:"term" yaml:"term"`
-	FormatVersion      uint32         `json:"format_version,omitempty" yaml:"format_version,omitempty"`
-	StateFormatVersion uint32         `json:"state_format_version,omitempty" yaml:"state_format_version,omitempty"`
-	ClusterID          string         `json:"cluster_id,omitempty" yaml:"cluster_id,omitempty"`
-	AgentVersion       string         `json:"agent_version,omitempty" yaml:"agent_version,omitempty"`
-	CreatedAt          *time.Time     `json:"created_at,omitempty" yaml:"created_at,omitempty"`
-	StateBytes         int64          `json:"state_bytes" yaml:"state_bytes"`
-	Tables             []tableSummary `json:"tables,omitempty" yaml:"tables,omitempty"`
-	SHA256             string         `json:"state_sha256,omitempty" yaml:"state_sha256,omitempty"`
+	Path string `json:"path"`
+	// Kind is "archive" or "raft snapshot directory".
+	Kind               string         `json:"kind"`
+	ID                 string         `json:"id"`
+	Index              uint64         `json:"index,string"`
+	Term               uint64         `json:"term,string"`
+	FormatVersion      uint32         `json:"formatVersion,omitempty"`
+	StateFormatVersion uint32         `json:"stateFormatVersion,omitempty"`
+	ClusterID          string         `json:"clusterId,omitempty"`
+	AgentVersion       string         `json:"agentVersion,omitempty"`
+	CreatedAt          *time.Time     `json:"createdAt,omitempty"`
+	StateBytes         int64          `json:"stateBytes,string"`
+	Tables             []tableSummary `json:"tables,omitempty"`
+	SHA256             string         `json:"stateSha256,omitempty"`
 	// Verification is "ok", or "FAILED: " and the reason.
-	Verification string `json:"verification" yaml:"verification"`
+	Verification string `json:"verification"`
 }
 
 type tableSummary struct {
-	Name    string `json:"name" yaml:"name"`
-	Records uint64 `json:"records" yaml:"records"`
-	Bytes   uint64 `json:"bytes" yaml:"bytes"`
+	Name    string `json:"name"`
+	Records uint64 `json:"records,string"`
+	Bytes   uint64 `json:"bytes,string"`
 }
 
 func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
@@ -216,7 +226,8 @@ func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
 	out.FormatVersion, out.StateFormatVersion = m.FormatVersion, m.StateFormatVersion
 	out.ClusterID, out.AgentVersion = m.ClusterID, m.AgentVersion
 	if !m.CreatedAt.IsZero() {
-		out.CreatedAt = &m.CreatedAt
+		created := m.CreatedAt.UTC()
+		out.CreatedAt = &created
 	}
 	if info.State != nil {
 		for _, t := range info.State.Tables {
@@ -287,6 +298,12 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
 	defer f.Close()
+	var total int64 = -1
+	if st, err := f.Stat(); err == nil {
+		total = st.Size()
+	}
+	prog := a.newProgress(total, "uploading snapshot")
+	defer prog.stop()
 	// A dry run is its own method (PlanRestore), so an agent that does
 	// not know it refuses it instead of restoring.
 	var (
@@ -324,6 +341,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 				}
 				return fmt.Errorf("snapshot restore: upload: %w", err)
 			}
+			prog.add(n)
 		}
 		if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
 			break
@@ -336,6 +354,7 @@ func (a *app) snapshotRestore(cmd *cobra.Command, args []string, dryRun bool) er
 	if err != nil {
 		return fmt.Errorf("snapshot restore: %w", err)
 	}
+	prog.done()
 	return a.render(msg, func(w io.Writer) {
 		from := ""
 		if m.GetClusterId() != "" {

@@ -203,6 +203,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 			Args:  positional("ID", "FILE"),
 			RunE: a.command(func(cmd *cobra.Command, args []string) error {
 				in := a.stdin
+				var total int64 = -1 // stdin: not known
 				if args[1] != "-" {
 					f, err := os.Open(args[1])
 					if err != nil {
@@ -210,9 +211,14 @@ func (a *app) newVolumeCmd() *cobra.Command {
 					}
 					defer f.Close()
 					in = f
+					if st, err := f.Stat(); err == nil && st.Mode().IsRegular() {
+						total = st.Size()
+					}
 				}
 				return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
 					stream := c.storage.UploadVolume(ctx)
+					prog := a.newProgress(total, "uploading "+args[0])
+					defer prog.stop()
 					buf := make([]byte, uploadChunk)
 					for first := true; ; first = false {
 						n, rerr := io.ReadFull(in, buf)
@@ -224,6 +230,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 							if err := stream.Send(msg); err != nil {
 								break // the answer says why
 							}
+							prog.add(n)
 						}
 						if errors.Is(rerr, io.EOF) || errors.Is(rerr, io.ErrUnexpectedEOF) {
 							break
@@ -236,6 +243,7 @@ func (a *app) newVolumeCmd() *cobra.Command {
 					if err != nil {
 						return err
 					}
+					prog.done()
 					return a.render(resp.Msg, volumeTable(resp.Msg.GetVolume()))
 				})
 			}),

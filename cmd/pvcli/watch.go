@@ -9,7 +9,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -71,11 +70,11 @@ func (a *app) blockingWatch(cmd *cobra.Command, query func(ctx context.Context, 
 func (a *app) renderEvent(msg proto.Message, table func(w io.Writer)) error {
 	switch a.opts.output.value {
 	case "json":
-		b, err := protojson.Marshal(msg)
+		b, err := marshalJSONLine(msg)
 		if err != nil {
-			return fmt.Errorf("encode %s as JSON: %w", msg.ProtoReflect().Descriptor().FullName(), err)
+			return err
 		}
-		_, err = a.stdout.Write(append(b, '\n'))
+		_, err = a.stdout.Write(b)
 		return err
 	case "yaml":
 		if _, err := io.WriteString(a.stdout, "---\n"); err != nil {

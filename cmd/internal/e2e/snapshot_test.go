@@ -75,10 +75,10 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 	// Inspect, offline: the archive, and a raw snapshot directory of a
 	// data dir.
 	var insp struct {
-		Index  uint64 `json:"index"`
+		Index  uint64 `json:"index,string"` // 64-bit integers are strings
 		Tables []struct {
 			Name    string `json:"name"`
-			Records uint64 `json:"records"`
+			Records uint64 `json:"records,string"`
 		} `json:"tables"`
 		Verification string `json:"verification"`
 	}
