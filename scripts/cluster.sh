@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Starts (or stops) a local three-agent cluster on 127.0.0.1 with the binaries
-# in bin/, with mutual TLS on every port and encrypted gossip: a development
+# in bin/, with TLS on every port and encrypted gossip: a development
 # PiTrust PKI and a gossip key are made in .cluster/ on first start. Each
 # agent proxies the VM, storage and network APIs to its own pivirtd-sim (a
 # simulated pivirtd and iscsiman) on a unix socket. A development OIDC issuer
 # (pitrust dev-issuer, its key in .cluster/certs/) serves on 127.0.0.1:8440 and
-# the agents take its tokens (auth.oidc), with the spec's example RBAC policy.
+# the agents take its tokens (auth.oidc), with the reference RBAC policy.
 # Data and logs go to .cluster/ in the repository; a start appends to each
 # process's log after a line "=== <date>: starting ...", so the log of an
 # earlier run stays above it.
@@ -77,7 +77,7 @@ issuer() {
   echo "dev-issuer did not start:"; tail -20 "$dir/dev-issuer.log"; exit 1
 }
 
-# policy writes the spec's example RBAC policy, which the agents enforce:
+# policy writes the reference RBAC policy, which the agents enforce:
 # the operator certificate has admin (auth.certificate_roles), a token the
 # roles it names.
 policy() {
@@ -180,7 +180,7 @@ YAML
       pvcli --endpoint https://127.0.0.1:8443 cluster peers
       cat <<MSG
 
-The cluster is up, with mutual TLS on every port and encrypted gossip. Try, against
+The cluster is up, with TLS on every port and encrypted gossip. Try, against
 any node (8443, 8453, 8463):
   export PATH="$bin:\$PATH"
   export PVCLI_CA_FILE=$certs/ca-chain.pem PVCLI_CERT_FILE=$certs/operator.crt PVCLI_KEY_FILE=$certs/operator.key
@@ -202,7 +202,7 @@ any node (8443, 8453, 8463):
   kill \$(cat $dir/node1.pid)      # kill a node, then keep using the others
 
 Or with a bearer token of the development OIDC issuer (http://$issuer_addr, its key in
-$certs), whose roles the spec's RBAC policy in $dir/rbac.yaml judges:
+$certs), whose roles the reference RBAC policy in $dir/rbac.yaml judges:
   export TOKEN=\$(pitrust dev-token --dir $certs --user alice --roles vm-owner)   # --ttl 1h by default
   pvcli login --dir $certs --user alice --roles vm-owner   # or save one in the current pvcli context (--print: print it)
   pvcli --endpoint https://127.0.0.1:8443 --token "\$TOKEN" vm list   # alice's VMs only (with PVCLI_CA_FILE set)

@@ -32,7 +32,7 @@ func TestDocumentedCommandsParse(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, line := range shellLines(string(b)) {
-			for _, part := range strings.Split(line, ";") {
+			for _, part := range splitCommands(line) {
 				args := splitShell(strings.TrimSpace(part))
 				if len(args) < 2 || args[0] != "pvcli" {
 					continue
@@ -119,4 +119,30 @@ func splitShell(s string) []string {
 		words = append(words, cur.String())
 	}
 	return words
+}
+
+// splitCommands cuts a shell line at the unquoted ;, | and & that separate
+// its commands (pipelines, lists).
+func splitCommands(line string) []string {
+	var out []string
+	var cur strings.Builder
+	quote := rune(0)
+	for _, r := range line {
+		switch {
+		case quote != 0:
+			if r == quote {
+				quote = 0
+			}
+			cur.WriteRune(r)
+		case r == '\'' || r == '"':
+			quote = r
+			cur.WriteRune(r)
+		case r == ';' || r == '|' || r == '&':
+			out = append(out, cur.String())
+			cur.Reset()
+		default:
+			cur.WriteRune(r)
+		}
+	}
+	return append(out, cur.String())
 }
