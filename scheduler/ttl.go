@@ -56,36 +56,15 @@ func DefaultTTLReaperConfig() TTLReaperConfig {
 // as critical, until ctx ends. The command names the heartbeat it saw, so a
 // heartbeat committed in between wins and the instance stays passing.
 func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, raft Proposer) {
-	if cfg.Interval <= 0 {
-		cfg.Interval = time.Second
-	}
-	if cfg.ApplyTimeout <= 0 {
-		cfg.ApplyTimeout = 5 * time.Second
-	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
-	logger := cfg.Logger
-	if logger == nil {
-		logger = slog.New(slog.DiscardHandler)
-	}
-	logger = logger.With("component", "ttl-reaper")
-	t := time.NewTicker(cfg.Interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		now := cfg.Now()
+	cfg = cfg.withDefaults()
+	reap(ctx, cfg, "ttl-reaper", func(now time.Time, logger *slog.Logger) bool {
 		for _, inst := range state.State().ExpiredTTL(now) {
 			if !cfg.TermStart.IsZero() && now.Before(cfg.TermStart.Add(inst.GetTtl().AsDuration())) {
 				continue
 			}
 			if err := expire(ctx, cfg, raft, inst); err != nil {
 				if ctx.Err() != nil {
-					return
+					return false
 				}
 				if errors.Is(err, fsm.ErrStale) {
 					// A heartbeat was committed after the scan: the instance lives.
@@ -95,6 +74,43 @@ func RunTTLReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, r
 				continue
 			}
 			logger.Info("service instance missed its TTL", "service", inst.GetService(), "instance", inst.GetInstanceId(), "ttl", inst.GetTtl().AsDuration())
+		}
+		return true
+	})
+}
+
+// withDefaults fills in the zero fields of cfg.
+func (cfg TTLReaperConfig) withDefaults() TTLReaperConfig {
+	if cfg.Interval <= 0 {
+		cfg.Interval = time.Second
+	}
+	if cfg.ApplyTimeout <= 0 {
+		cfg.ApplyTimeout = 5 * time.Second
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return cfg
+}
+
+// reap runs pass every cfg.Interval until ctx ends or pass returns false,
+// with a logger naming component; cfg has its defaults (withDefaults).
+func reap(ctx context.Context, cfg TTLReaperConfig, component string, pass func(now time.Time, logger *slog.Logger) bool) {
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	logger = logger.With("component", component)
+	t := time.NewTicker(cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !pass(cfg.Now(), logger) {
+			return
 		}
 	}
 }
@@ -137,29 +153,8 @@ func apply(ctx context.Context, cfg TTLReaperConfig, raft Proposer, cmd *fsmv1.C
 // TermStart holds deregistrations back for deregister_critical_after from
 // the term's start, as the TTL reaper does.
 func RunCriticalReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, raft Proposer) {
-	if cfg.Interval <= 0 {
-		cfg.Interval = time.Second
-	}
-	if cfg.ApplyTimeout <= 0 {
-		cfg.ApplyTimeout = 5 * time.Second
-	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
-	logger := cfg.Logger
-	if logger == nil {
-		logger = slog.New(slog.DiscardHandler)
-	}
-	logger = logger.With("component", "critical-reaper")
-	t := time.NewTicker(cfg.Interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		now := cfg.Now()
+	cfg = cfg.withDefaults()
+	reap(ctx, cfg, "critical-reaper", func(now time.Time, logger *slog.Logger) bool {
 		for _, inst := range state.State().CriticalExpired(now) {
 			after := inst.GetDeregisterCriticalAfter().AsDuration()
 			if !cfg.TermStart.IsZero() && now.Before(cfg.TermStart.Add(after)) {
@@ -174,7 +169,7 @@ func RunCriticalReaper(ctx context.Context, cfg TTLReaperConfig, state StateRead
 			})
 			if err != nil {
 				if ctx.Err() != nil {
-					return
+					return false
 				}
 				if errors.Is(err, fsm.ErrStale) || errors.Is(err, fsm.ErrNotFound) {
 					continue // it passed, or went, after the scan
@@ -186,5 +181,6 @@ func RunCriticalReaper(ctx context.Context, cfg TTLReaperConfig, state StateRead
 				"service", inst.GetService(), "instance", inst.GetInstanceId(), "node", inst.GetNode(),
 				"critical_since", since.AsTime(), "deregister_critical_after", after)
 		}
-	}
+		return true
+	})
 }
