@@ -259,20 +259,7 @@ func (a *app) newContextCmd() *cobra.Command {
 			Short: "Make NAME the current context",
 			Args:  positional("NAME"),
 			RunE: a.command(func(cmd *cobra.Command, args []string) error {
-				cfg, path, err := a.loadConfig()
-				if err != nil {
-					return err
-				}
-				if cfg.Contexts[args[0]] == nil {
-					return usagef("no context %q in %s (have: %s); create it with pvcli context set %s --endpoint URL",
-						args[0], displayPath(path), strings.Join(contextNames(cfg), ", "), args[0])
-				}
-				cfg.CurrentContext = args[0]
-				if err := saveConfig(path, cfg); err != nil {
-					return fmt.Errorf("save %s: %w", path, err)
-				}
-				fmt.Fprintf(a.stdout, "Switched to context %s\n", args[0])
-				return nil
+				return a.changeContext(args[0], "Switched to context", func(cfg *cliConfig) { cfg.CurrentContext = args[0] })
 			}),
 		},
 		setCmd,
@@ -281,25 +268,34 @@ func (a *app) newContextCmd() *cobra.Command {
 			Short: "Remove a context",
 			Args:  positional("NAME"),
 			RunE: a.command(func(cmd *cobra.Command, args []string) error {
-				cfg, path, err := a.loadConfig()
-				if err != nil {
-					return err
-				}
-				if cfg.Contexts[args[0]] == nil {
-					return usagef("no context %q in %s (have: %s)", args[0], displayPath(path), strings.Join(contextNames(cfg), ", "))
-				}
-				delete(cfg.Contexts, args[0])
-				if cfg.CurrentContext == args[0] {
-					cfg.CurrentContext = ""
-				}
-				if err := saveConfig(path, cfg); err != nil {
-					return fmt.Errorf("save %s: %w", path, err)
-				}
-				fmt.Fprintf(a.stdout, "Deleted context %s\n", args[0])
-				return nil
+				return a.changeContext(args[0], "Deleted context", func(cfg *cliConfig) {
+					delete(cfg.Contexts, args[0])
+					if cfg.CurrentContext == args[0] {
+						cfg.CurrentContext = ""
+					}
+				})
 			}),
 		},
 	)
+}
+
+// changeContext applies change to the configuration file when it holds
+// the context name, and says done.
+func (a *app) changeContext(name, done string, change func(*cliConfig)) error {
+	cfg, path, err := a.loadConfig()
+	if err != nil {
+		return err
+	}
+	if cfg.Contexts[name] == nil {
+		return usagef("no context %q in %s (have: %s); create it with pvcli context set %s --endpoint URL",
+			name, displayPath(path), strings.Join(contextNames(cfg), ", "), name)
+	}
+	change(cfg)
+	if err := saveConfig(path, cfg); err != nil {
+		return fmt.Errorf("save %s: %w", path, err)
+	}
+	fmt.Fprintf(a.stdout, "%s %s\n", done, name)
+	return nil
 }
 
 // contextView is a context as list prints it: the token is never shown.
