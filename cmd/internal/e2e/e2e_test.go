@@ -22,7 +22,8 @@ import (
 // -race) on 127.0.0.1 and drives them with the real pvcli binary through
 // formation, replicated writes and reads in every consistency mode, config
 // compare-and-set, bad input, a SIGKILLed leader, the restart of that node
-// from its data dir and a graceful leave.
+// from its data dir, the README's quick start as written and a graceful
+// leave.
 func TestClusterLifecycle(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts three agent processes built with -race; skipped with -short")
@@ -272,34 +273,18 @@ func TestClusterLifecycle(t *testing.T) {
 
 	step("killed node restarts and catches up", func(t *testing.T) {
 		c.restart(t, victim)
-		c.eventually(t, 30*time.Second, victim.name+" back as a voter with the replicated state", func() error {
-			var p peersOut
-			if err := c.tryJSON(t, victim, &p, "--timeout", "2s", "cluster", "peers"); err != nil {
-				return err
-			}
-			if got, want := sorted(p.voters()), names(c.nodes); !slices.Equal(got, want) {
-				return fmt.Errorf("via %s: voters %v, want %v", victim.name, got, want)
-			}
-			for _, peer := range p.Peers {
-				if peer.Name == victim.name && peer.Trailing != 0 {
-					return fmt.Errorf("via %s: %s trails by %d entries", victim.name, victim.name, peer.Trailing)
-				}
-			}
-			var list instancesOut
-			if err := c.tryJSON(t, victim, &list, "--timeout", "2s", "service", "list",
-				"--consistency", "stale"); err != nil {
-				return err
-			}
-			if got, want := sorted(list.ids()), []string{"web/web-1", "web/web-2"}; !slices.Equal(got, want) {
-				return fmt.Errorf("stale list via %s = %v, want %v", victim.name, got, want)
-			}
-			_, err := c.agreedLeader(t, c.nodes...)
-			return err
-		})
+		c.caughtUp(t, victim, "web/web-1", "web/web-2")
 	})
 
 	step("every slot of the schedule recorded once across the SIGKILL", func(t *testing.T) {
 		c.scheduleContinuity(t, n1, clockID, clockCreated)
+	})
+
+	step("the README's quick start as written", func(t *testing.T) {
+		if killed := c.quickStartExamples(t); killed != nil {
+			c.restart(t, killed)
+			c.caughtUp(t, killed, "web/web-1", "web/web-2")
+		}
 	})
 
 	step("follower leaves", func(t *testing.T) {
@@ -358,6 +343,37 @@ func TestClusterLifecycle(t *testing.T) {
 				c.stop(t, n)
 			}
 		}
+	})
+}
+
+// caughtUp waits until n, restarted, is a voter again that trails by
+// nothing, has the service instances ids ("service/instance") in its own
+// state and agrees with the others on the leader.
+func (c *cluster) caughtUp(t *testing.T, n *node, ids ...string) {
+	t.Helper()
+	c.eventually(t, 30*time.Second, n.name+" back as a voter with the replicated state", func() error {
+		var p peersOut
+		if err := c.tryJSON(t, n, &p, "--timeout", "2s", "cluster", "peers"); err != nil {
+			return err
+		}
+		if got, want := sorted(p.voters()), names(c.nodes); !slices.Equal(got, want) {
+			return fmt.Errorf("via %s: voters %v, want %v", n.name, got, want)
+		}
+		for _, peer := range p.Peers {
+			if peer.Name == n.name && peer.Trailing != 0 {
+				return fmt.Errorf("via %s: %s trails by %d entries", n.name, n.name, peer.Trailing)
+			}
+		}
+		var list instancesOut
+		if err := c.tryJSON(t, n, &list, "--timeout", "2s", "service", "list",
+			"--consistency", "stale"); err != nil {
+			return err
+		}
+		if got, want := sorted(list.ids()), sorted(ids); !slices.Equal(got, want) {
+			return fmt.Errorf("stale list via %s = %v, want %v", n.name, got, want)
+		}
+		_, err := c.agreedLeader(t, c.nodes...)
+		return err
 	})
 }
 

@@ -576,6 +576,18 @@ func (c *cluster) byAPI(t testing.TB, addr string) *node {
 	return nil
 }
 
+// byName returns the node called name.
+func (c *cluster) byName(t testing.TB, name string) *node {
+	t.Helper()
+	for _, n := range c.nodes {
+		if n.name == name {
+			return n
+		}
+	}
+	t.Fatalf("no node is called %q", name)
+	return nil
+}
+
 // --- pvcli ----------------------------------------------------------------------
 
 // result is the outcome of one pvcli run.
