@@ -718,6 +718,19 @@ func TestAutopilotStateAndForceLeave(t *testing.T) {
 		}
 		return nil
 	})
+	// force-leave checks the view of the agent asked: wait for node4's own.
+	agenttest.Eventually(t, waitFor, victim.Name+" failed in node4's gossip view", func() error {
+		members, err := n4.API.Members(ctxT(t), connect.NewRequest(&clusterv1.MembersRequest{}))
+		if err != nil {
+			return err
+		}
+		for _, m := range members.Msg.GetMembers() {
+			if m.GetName() == victim.Name && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_FAILED {
+				return fmt.Errorf("node4 sees %s %v", victim.Name, m.GetStatus())
+			}
+		}
+		return nil
+	})
 	resp, err := n4.API.ForceLeave(ctxT(t), connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: victim.Name}))
 	if err != nil {
 		t.Fatalf("force-leave %s: %v", victim.Name, err)

@@ -35,24 +35,76 @@ import (
 // one process never run clusters at the same time.
 var ClusterName = fmt.Sprintf("test-%d-%04x", os.Getpid(), rand.Uint32()&0xffff)
 
-// Config returns a configuration for a test node: every port on
-// 127.0.0.1:0, TLS off, Raft timeouts at the library defaults, the
-// process's ClusterName.
+// Config returns a configuration for a test node: every port a free one of
+// 127.0.0.1 below the kernel's ephemeral range (listenAddr), TLS off, Raft
+// timeouts at the library defaults, the process's ClusterName.
 func Config(name, dataDir string) *config.Config {
 	cfg := config.Default()
 	cfg.NodeName = name
 	cfg.DataDir = dataDir
 	cfg.Cluster.Name = ClusterName
 	cfg.TLS.Enabled = false
-	cfg.Server.ConnectRPC.Addr = "127.0.0.1:0"
-	cfg.Server.GRPCInternal.Addr = "127.0.0.1:0"
-	cfg.Server.Metrics.Addr = "127.0.0.1:0"
-	cfg.Cluster.Gossip.BindAddr = "127.0.0.1:0"
-	cfg.Cluster.Raft.Addr = "127.0.0.1:0"
+	cfg.Server.ConnectRPC.Addr = listenAddr(false)
+	cfg.Server.GRPCInternal.Addr = listenAddr(false)
+	cfg.Server.Metrics.Addr = listenAddr(false)
+	cfg.Cluster.Gossip.BindAddr = listenAddr(true)
+	cfg.Cluster.Raft.Addr = listenAddr(false)
 	cfg.Cluster.Raft.DeadServerCleanup = config.Duration(0)
 	cfg.Cluster.ForwardHoldTimeout = config.Duration(7 * time.Second)
 	cfg.Logging.Level = "debug"
 	return cfg
+}
+
+// Test ports come from [portLow, portHigh), below Linux's ephemeral range
+// (32768-60999): a node restarted on its ports (Restart without newPorts)
+// then never finds one taken by an outgoing connection's local port or by
+// another listener on :0, which the kernel hands out from that range.
+const (
+	portLow  = 20000
+	portHigh = 32768
+)
+
+// handedOut are the ports listenAddr gave this process: a node's ports are
+// chosen before it listens, so a port free now may be another node's.
+var handedOut struct {
+	sync.Mutex
+	ports map[int]bool
+}
+
+// listenAddr is 127.0.0.1 with a port of the test range that is free now
+// (for TCP, and for UDP too with udp: gossip binds both) and not given out
+// before in this process; 127.0.0.1:0 after 100 taken ones.
+func listenAddr(udp bool) string {
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	if handedOut.ports == nil {
+		handedOut.ports = make(map[int]bool)
+	}
+	for range 100 {
+		port := portLow + rand.IntN(portHigh-portLow)
+		if handedOut.ports[port] {
+			continue
+		}
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			continue
+		}
+		ok := true
+		if udp {
+			pc, err := net.ListenPacket("udp", addr)
+			if err == nil {
+				pc.Close()
+			}
+			ok = err == nil
+		}
+		ln.Close()
+		if ok {
+			handedOut.ports[port] = true
+			return addr
+		}
+	}
+	return "127.0.0.1:0"
 }
 
 // Options returns agent options for tests: fast gossip failure detection and
@@ -314,7 +366,15 @@ func (c *Cluster) Restart(i int, newPorts bool, join string) *Node {
 	c.tb.Helper()
 	old := c.Node(i)
 	cfg := *old.Cfg
-	if !newPorts {
+	if newPorts {
+		cfg.Server.ConnectRPC.Addr = listenAddr(false)
+		cfg.Server.GRPCInternal.Addr = listenAddr(false)
+		cfg.Server.Metrics.Addr = listenAddr(false)
+		if old.RaftAddr() != "" {
+			cfg.Cluster.Raft.Addr = listenAddr(false)
+		}
+		cfg.Cluster.Gossip.BindAddr = listenAddr(true)
+	} else {
 		cfg.Server.ConnectRPC.Addr = old.APIAddr()
 		cfg.Server.GRPCInternal.Addr = old.InternalAddr()
 		cfg.Server.Metrics.Addr = old.MetricsAddr()
