@@ -73,6 +73,19 @@ type Config struct {
 	// opened (as Consul does).
 	NoFreelistSync bool
 
+	// LogStore is the log store of a new data dir: LogStoreWAL (the
+	// default, also when empty) or LogStoreBoltDB. A data dir that already holds a log keeps
+	// its kind whatever this says (see chooseLogStore); MigrateLogStore
+	// converts one offline.
+	LogStore string
+	// WALSegmentSize is the size of raft-wal's segment files in bytes,
+	// preallocated when each is created.
+	WALSegmentSize int
+	// LogVerificationInterval is how often the leader appends a log
+	// verification checkpoint (verify.go); 0 turns verification off on
+	// this node (it still handles the leader's checkpoints as no-ops).
+	LogVerificationInterval time.Duration
+
 	// TransportMaxPool is how many idle outbound connections are pooled per
 	// peer.
 	TransportMaxPool int
@@ -97,8 +110,11 @@ func DefaultConfig() Config {
 		BatchApplyCh:       true,
 		LogCacheSize:       512,
 		NoFreelistSync:     true,
-		TransportMaxPool:   3,
-		TransportTimeout:   10 * time.Second,
+		WALSegmentSize:     DefaultWALSegmentSize,
+		// Consul's default interval.
+		LogVerificationInterval: time.Minute,
+		TransportMaxPool:        3,
+		TransportTimeout:        10 * time.Second,
 	}
 }
 
@@ -112,6 +128,14 @@ type ConfigError struct {
 func (e *ConfigError) Error() string {
 	return fmt.Sprintf("store config: %s %s (got %v)", e.Field, e.Reason, e.Value)
 }
+
+// The WAL segment sizes allowed: a segment must hold the largest entry Raft
+// writes (a snapshot is not an entry; a write is at most a few MiB), and
+// raft-wal's format limits a file to 4 GiB (its preallocation to 2 GiB).
+const (
+	minWALSegmentSize = 1 << 20
+	maxWALSegmentSize = 1 << 30
+)
 
 // minTimeout is raft's lower bound for every timeout it validates.
 const minTimeout = 5 * time.Millisecond
@@ -164,6 +188,15 @@ func (c Config) validate(needStream bool) error {
 	}
 	if c.LogCacheSize < 0 {
 		bad("LogCacheSize", "must be 0 (off) or positive", c.LogCacheSize)
+	}
+	if c.LogStore != "" && c.LogStore != LogStoreWAL && c.LogStore != LogStoreBoltDB {
+		bad("LogStore", fmt.Sprintf("must be %q or %q", LogStoreWAL, LogStoreBoltDB), fmt.Sprintf("%q", c.LogStore))
+	}
+	if c.WALSegmentSize < minWALSegmentSize || c.WALSegmentSize > maxWALSegmentSize {
+		bad("WALSegmentSize", fmt.Sprintf("must be between %d and %d bytes", minWALSegmentSize, maxWALSegmentSize), c.WALSegmentSize)
+	}
+	if c.LogVerificationInterval < 0 || (c.LogVerificationInterval > 0 && c.LogVerificationInterval < time.Second) {
+		bad("LogVerificationInterval", "must be 0 (off) or at least 1s", c.LogVerificationInterval)
 	}
 	if c.TransportMaxPool < 1 {
 		bad("TransportMaxPool", "must be at least 1", c.TransportMaxPool)

@@ -61,12 +61,22 @@ func fill(t *testing.T, dir string) string {
 // stopped sending entries to such a follower for good after a rejection,
 // hashicorp/raft#612; the episodes repeat to meet that race.)
 func TestFollowerOnAFullDiskCatchesUp(t *testing.T) {
+	for _, kind := range logStores {
+		t.Run(kind, func(t *testing.T) { followerOnAFullDisk(t, kind) })
+	}
+}
+
+func followerOnAFullDisk(t *testing.T, logStore string) {
 	dirs := make([]string, 3)
 	for i := range dirs {
 		dirs[i] = mountTmpfs(t, "64m")
 	}
 	c := storetest.NewCluster(t, 3, storetest.NewKVFSM, storetest.WithConfig(func(i int, cfg *store.Config) {
 		cfg.DataDir = filepath.Join(dirs[i], "raft")
+		cfg.LogStore = logStore
+		// Segments smaller than the 2 MiB an episode writes: a WAL
+		// preallocates each, so only a new segment meets the full disk.
+		cfg.WALSegmentSize = 1 << 20
 		// No election while the follower's disk is full: a term it cannot
 		// persist stops Raft (by design), which is not what is tested.
 		cfg.HeartbeatTimeout = time.Second
@@ -80,8 +90,8 @@ func TestFollowerOnAFullDiskCatchesUp(t *testing.T) {
 	const episodes = 5
 	for ep := range episodes {
 		filler := fill(t, dirs[fi])
-		// 2 MiB of entries: more than the follower's log file has room
-		// for without growing.
+		// 2 MiB of entries: more than the follower's bbolt file has room
+		// for without growing, or its WAL segment.
 		leader := c.WaitLeader(t, leaderTimeout)
 		var wg sync.WaitGroup
 		errs := make(chan error, 8)

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -127,9 +128,9 @@ func TestLogShapes(t *testing.T) {
 				sh.damage(t, dir)
 			}
 			cfg := DefaultConfig()
-			bolt, _, _, err := openStores(cfg, dir, newHCLogAdapter(nil))
+			st, err := openStores(cfg, dir, newHCLogAdapter(nil), slog.New(slog.DiscardHandler))
 			if err == nil {
-				bolt.Close()
+				st.Close()
 			}
 			path := filepath.Join(dir, boltFile)
 			switch {

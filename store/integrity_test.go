@@ -38,7 +38,7 @@ func TestDamagedLogRefused(t *testing.T) {
 	}
 	for name, f := range damage {
 		t.Run(name, func(t *testing.T) {
-			c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+			c := storetest.NewCluster(t, 1, storetest.NewKVFSM, withLogStore(store.LogStoreBoltDB))
 			c.WaitLeader(t, 10*time.Second)
 			for i := range 2000 {
 				c.Apply(t, storetest.Set("k"+strings.Repeat("x", i%50), strings.Repeat("v", 100)))
@@ -52,18 +52,8 @@ func TestDamagedLogRefused(t *testing.T) {
 			if err := os.WriteFile(path, f(b), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			cfg := storetest.TestConfig()
-			cfg.NodeID = c.ID(0)
-			cfg.DataDir = c.DataDir(0)
-			cfg.FSM = storetest.NewKV()
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.StreamLayer = store.NewTCPStreamLayer(ln, nil) // closed by New on failure
-			s, err := store.New(cfg)
+			_, err = startAgain(t, c, 0)
 			if err == nil {
-				s.Close()
 				t.Fatalf("a raft.db with %s opened", name)
 			}
 			if !strings.Contains(err.Error(), path) {
@@ -81,7 +71,7 @@ func TestDamagedLogRefused(t *testing.T) {
 // a well-formed bbolt file (a tail of bad data, not of bad pages): the
 // store refuses to open, naming the entry, instead of handing it to Raft.
 func TestGarbledLogEntryRefused(t *testing.T) {
-	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM, withLogStore(store.LogStoreBoltDB))
 	c.WaitLeader(t, 10*time.Second)
 	for i := range 50 {
 		c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
@@ -92,16 +82,8 @@ func TestGarbledLogEntryRefused(t *testing.T) {
 		last = newest
 		return b.Put(storetest.LogKey(newest), []byte{0xc1, 0xff, 0x00, 0x13})
 	})
-	cfg := storetest.TestConfig()
-	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.StreamLayer = store.NewTCPStreamLayer(ln, nil)
-	s, err := store.New(cfg)
+	_, err := startAgain(t, c, 0)
 	if err == nil {
-		s.Close()
 		t.Fatal("a log with a garbled entry opened")
 	}
 	if !errors.Is(err, store.ErrCorruptLog) || !strings.Contains(err.Error(), fmt.Sprintf("entry %d", last)) {
@@ -185,67 +167,73 @@ func TestRestartAfterLogOperations(t *testing.T) {
 			},
 		},
 	}
-	for name, tc := range ops {
-		t.Run(name, func(t *testing.T) {
-			c := storetest.NewCluster(t, 3, storetest.NewKVFSM, tc.opts...)
-			c.WaitLeader(t, leaderTimeout)
-			for i := range 40 {
-				c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
+	for _, logStore := range logStores {
+		for name, tc := range ops {
+			t.Run(logStore+"/"+name, func(t *testing.T) {
+				restartAfter(t, name, storetest.NewCluster(t, 3, storetest.NewKVFSM, append(tc.opts, withLogStore(logStore))...), tc.op)
+			})
+		}
+	}
+}
+
+// restartAfter is one case of TestRestartAfterLogOperations.
+func restartAfter(t *testing.T, name string, c *storetest.Cluster, op func(t *testing.T, c *storetest.Cluster) (have, gone []string)) {
+	c.WaitLeader(t, leaderTimeout)
+	for i := range 40 {
+		c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
+	}
+	have, gone := op(t, c)
+	c.Apply(t, storetest.Set("after", "v"))
+	have = append(have, "after")
+	check := func(nodes ...int) {
+		t.Helper()
+		for _, i := range nodes {
+			for _, k := range have {
+				waitValue(t, c, i, k, "v")
 			}
-			have, gone := tc.op(t, c)
-			c.Apply(t, storetest.Set("after", "v"))
-			have = append(have, "after")
-			check := func(nodes ...int) {
-				t.Helper()
-				for _, i := range nodes {
-					for _, k := range have {
-						waitValue(t, c, i, k, "v")
-					}
-					for _, k := range gone {
-						if _, ok := kv(c, i).Get(k); ok {
-							t.Errorf("node %d has %s, which the operation removed", i, k)
-						}
-					}
+			for _, k := range gone {
+				if _, ok := kv(c, i).Get(k); ok {
+					t.Errorf("node %d has %s, which the operation removed", i, k)
 				}
 			}
-			check(0, 1, 2)
-
-			// Every node stops; every node starts again from its data dir.
-			for i := range c.N() {
-				c.Stop(i)
-			}
-			for i := range c.N() {
-				c.Restart(i)
-			}
-			c.WaitLeader(t, leaderTimeout)
-			c.Apply(t, storetest.Set("restarted", "v"))
-			have = append(have, "restarted")
-			check(0, 1, 2)
-
-			// The offline recovery of that data dir: node 0 alone.
-			for i := range c.N() {
-				c.Stop(i)
-			}
-			cfg := storetest.TestConfig()
-			cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
-			if err := store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}}); err != nil {
-				t.Fatalf("RecoverCluster after %s: %v", name, err)
-			}
-			s := c.Restart(0)
-			if l := c.WaitLeader(t, leaderTimeout); l != s {
-				t.Fatalf("leader = %s, want the recovered %s", l.ID(), s.ID())
-			}
-			c.Apply(t, storetest.Set("recovered", "v"))
-			have = append(have, "recovered")
-			check(0)
-		})
+		}
 	}
+	check(0, 1, 2)
+
+	// Every node stops; every node starts again from its data dir.
+	for i := range c.N() {
+		c.Stop(i)
+	}
+	for i := range c.N() {
+		c.Restart(i)
+	}
+	c.WaitLeader(t, leaderTimeout)
+	c.Apply(t, storetest.Set("restarted", "v"))
+	have = append(have, "restarted")
+	check(0, 1, 2)
+
+	// The offline recovery of that data dir: node 0 alone.
+	for i := range c.N() {
+		c.Stop(i)
+	}
+	cfg := storetest.TestConfig()
+	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(0), c.DataDir(0), storetest.NewKV()
+	if err := store.RecoverCluster(cfg, []store.Server{{ID: c.ID(0), Address: c.Addr(0), Voter: true}}); err != nil {
+		t.Fatalf("RecoverCluster after %s: %v", name, err)
+	}
+	s := c.Restart(0)
+	if l := c.WaitLeader(t, leaderTimeout); l != s {
+		t.Fatalf("leader = %s, want the recovered %s", l.ID(), s.ID())
+	}
+	c.Apply(t, storetest.Set("recovered", "v"))
+	have = append(have, "recovered")
+	check(0)
 }
 
 // TestRecoverRefusesDamage: the offline recovery refuses a damaged log
 // with the same error as a start.
 func TestRecoverRefusesDamage(t *testing.T) {
-	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM, withLogStore(store.LogStoreBoltDB))
 	c.WaitLeader(t, leaderTimeout)
 	for i := range 20 {
 		c.Apply(t, storetest.Set(fmt.Sprint("k", i), "v"))
@@ -263,4 +251,30 @@ func TestRecoverRefusesDamage(t *testing.T) {
 	if !errors.Is(err, store.ErrCorruptLog) || !strings.Contains(err.Error(), fmt.Sprintf("entry %d of", gap)) || !strings.Contains(err.Error(), path) {
 		t.Fatalf("RecoverCluster on a log with entry %d missing = %v, want ErrCorruptLog naming %s and the entry", gap, err, path)
 	}
+}
+
+// logStores are the log stores every test of a data dir's life runs on.
+var logStores = []string{store.LogStoreWAL, store.LogStoreBoltDB}
+
+// withLogStore gives every node of a cluster the log store kind.
+func withLogStore(kind string) storetest.Option {
+	return storetest.WithConfig(func(_ int, cfg *store.Config) { cfg.LogStore = kind })
+}
+
+// startAgain starts stopped node i of c outside the cluster, on its data
+// dir, and returns the store or New's error.
+func startAgain(t *testing.T, c *storetest.Cluster, i int) (*store.Store, error) {
+	t.Helper()
+	cfg := storetest.TestConfig()
+	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(i), c.DataDir(i), storetest.NewKV()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.StreamLayer = store.NewTCPStreamLayer(ln, nil) // closed by New on failure
+	s, err := store.New(cfg)
+	if err == nil {
+		t.Cleanup(func() { s.Close() })
+	}
+	return s, err
 }

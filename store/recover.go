@@ -3,6 +3,7 @@ package store
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"path/filepath"
 
 	"github.com/hashicorp/raft"
@@ -37,19 +38,20 @@ func RecoverCluster(cfg Config, servers []Server) (err error) {
 	}
 
 	logger := newHCLogAdapter(cfg.Logger).With("node_id", cfg.NodeID).(*hclogAdapter)
-	bolt, logs, snaps, err := openStores(cfg, filepath.Join(cfg.DataDir, raftDir), logger)
+	cfg.LogVerificationInterval = 0 // nothing is appended
+	stores, err := openStores(cfg, filepath.Join(cfg.DataDir, raftDir), logger, slog.New(slog.DiscardHandler))
 	if err != nil {
 		return fmt.Errorf("recover cluster: %w", err)
 	}
 	defer func() {
-		if cerr := bolt.Close(); cerr != nil && err == nil {
+		if cerr := stores.Close(); cerr != nil && err == nil {
 			err = fmt.Errorf("recover cluster: close raft log: %w", cerr)
 		}
 	}()
 	// The transport only encodes peers into the new snapshot's metadata.
 	_, trans := raft.NewInmemTransport(raft.ServerAddress(cfg.NodeID))
 	defer trans.Close()
-	if err := raft.RecoverCluster(cfg.raftConfig(logger, nil), cfg.FSM, logs, bolt, snaps, trans, conf); err != nil {
+	if err := raft.RecoverCluster(cfg.raftConfig(logger, nil), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, stores.snaps, trans, conf); err != nil {
 		return fmt.Errorf("recover cluster: %w", err)
 	}
 	return nil

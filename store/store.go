@@ -18,10 +18,13 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	walmetrics "github.com/hashicorp/raft-wal/metrics"
+	"github.com/hashicorp/raft-wal/verifier"
 	"go.etcd.io/bbolt"
 	bberrors "go.etcd.io/bbolt/errors"
 )
@@ -41,11 +44,13 @@ type Store struct {
 	id        string
 	raft      *raft.Raft
 	fsm       raft.FSM
-	logs      raft.LogStore // the log cache in front of bolt, when configured
+	logs      raft.LogStore // the log store as Raft sees it (raftStores.logs)
 	transport *raft.NetworkTransport
-	bolt      *guardedBolt
+	stores    *raftStores
 	snaps     *raft.FileSnapshotStore
-	log       *slog.Logger // this package's logs, component=store
+	// verify counts log verification reports; nil when it is off.
+	verify *verification
+	log    *slog.Logger // this package's logs, component=store
 
 	// existed is raft.HasExistingState as found by New, before NewRaft.
 	existed bool
@@ -103,13 +108,14 @@ func New(cfg Config) (s *Store, err error) {
 	}
 	slogger = slogger.With("component", "store")
 
-	bolt, logs, snaps, err := openStores(cfg, dir, logger)
+	stores, err := openStores(cfg, dir, logger, slogger)
 	if err != nil {
 		return nil, err
 	}
-	closers = append(closers, bolt.Close)
+	closers = append(closers, stores.Close)
+	logStoreChosen(slogger, stores.choice)
 
-	existed, err := raft.HasExistingState(logs, bolt, snaps)
+	existed, err := raft.HasExistingState(stores.logs, stores.stable, stores.snaps)
 	if err != nil {
 		return nil, fmt.Errorf("check existing raft state: %w", err)
 	}
@@ -133,10 +139,11 @@ func New(cfg Config) (s *Store, err error) {
 	s = &Store{
 		id:              cfg.NodeID,
 		fsm:             cfg.FSM,
-		logs:            logs,
+		logs:            stores.logs,
 		transport:       transport,
-		bolt:            bolt,
-		snaps:           snaps,
+		stores:          stores,
+		snaps:           stores.snaps,
+		verify:          stores.verify,
 		log:             slogger,
 		existed:         existed,
 		electionTimeout: cfg.ElectionTimeout,
@@ -146,23 +153,60 @@ func New(cfg Config) (s *Store, err error) {
 	// Raft blocks its main loop on NotifyCh until the value is taken, so a
 	// dedicated goroutine takes it at once and fans it out without blocking.
 	notify := make(chan bool, 1)
-	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), cfg.FSM, logs, bolt, snaps, transport)
+	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, stores.snaps, transport)
 	if err != nil {
 		return nil, fmt.Errorf("start raft: %w", err)
 	}
 	s.raft = r
 	s.leadership.start(notify, s.closing)
 	s.reach.start(r, raft.ServerID(cfg.NodeID), s.closing)
-	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed)
+	if cfg.LogVerificationInterval > 0 {
+		go s.runCheckpoints(cfg.LogVerificationInterval)
+	}
+	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed, "log_store", stores.choice.Kind)
 	return s, nil
 }
 
-// openStores opens the bbolt log and stable store (with the log cache in
-// front of it when configured) and the file snapshot store in dir, creating
-// dir if needed. On error nothing is left open.
-func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raft.LogStore, *raft.FileSnapshotStore, error) {
+// wrapLog, set by tests only, wraps the log store under everything else.
+var wrapLog atomic.Pointer[func(dir string, log raft.LogStore) raft.LogStore]
+
+// raftStores are the stores Raft runs on, as openStores opened them.
+type raftStores struct {
+	// stable is raft.db: the stable store (term, vote) in every data dir,
+	// and the log too when kind is LogStoreBoltDB.
+	stable *guardedBolt
+	// logs is the log store as Raft sees it: the log cache, in front of
+	// the verifier (when log verification is on), in front of the log.
+	logs  raft.LogStore
+	snaps *raft.FileSnapshotStore
+	// choice is the log store in use and why.
+	choice LogStoreChoice
+	// closeLog closes the log store (the verifier and the WAL); the
+	// stable store is closed by stable.Close.
+	closeLog func() error
+	// verify receives the verifier's reports; nil when verification is off.
+	verify *verification
+}
+
+// Close closes the log store, then the stable store.
+func (st *raftStores) Close() error {
+	return errors.Join(st.closeLog(), st.stable.Close())
+}
+
+// openStores opens raft.db (the stable store, and in boltdb data dirs the
+// log), the log store the data dir uses (chooseLogStore), with the
+// verifier and the log cache in front of it when configured, and the file
+// snapshot store in dir, creating dir if needed. On error nothing is left
+// open.
+func openStores(cfg Config, dir string, logger *hclogAdapter, slogger *slog.Logger) (*raftStores, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, nil, nil, fmt.Errorf("create raft directory: %w", err)
+		return nil, fmt.Errorf("create raft directory: %w", err)
+	}
+	// Decided before raft.db is created below, which would make every new
+	// data dir look like an old one.
+	choice, err := chooseLogStore(dir, cfg.LogStore)
+	if err != nil {
+		return nil, err
 	}
 	path := filepath.Join(dir, boltFile)
 	bopts := &bbolt.Options{
@@ -173,40 +217,73 @@ func openStores(cfg Config, dir string, logger *hclogAdapter) (*guardedBolt, raf
 	// A damaged log is refused before Raft reads it (integrity.go).
 	present, err := checkBolt(path, bopts)
 	if errors.Is(err, bberrors.ErrTimeout) {
-		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
+		return nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
 	}
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
+	}
+	if choice.Kind == LogStoreWAL && !choice.Existing {
+		// The wal directory is what marks a WAL data dir: it exists before
+		// raft.db does, so a crash in between leaves a WAL data dir.
+		if err := os.MkdirAll(filepath.Join(dir, walDir), 0o700); err != nil {
+			return nil, fmt.Errorf("create raft log directory: %w", err)
+		}
 	}
 	raw, err := raftboltdb.New(raftboltdb.Options{Path: path, BoltOptions: bopts})
 	if errors.Is(err, bberrors.ErrTimeout) {
-		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
+		return nil, fmt.Errorf("open raft log %s: %w", path, ErrDataDirLocked)
 	}
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("open raft log %s: %w", path, err)
-	}
-	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
-	if err != nil {
-		raw.Close()
-		return nil, nil, nil, fmt.Errorf("open raft snapshot store: %w", err)
-	}
-	snap, err := restorableSnapshot(filepath.Join(dir, "snapshots"), snaps)
-	if err == nil {
-		err = checkLogs(path, raw, present, snap)
-	}
-	if err != nil {
-		raw.Close()
-		return nil, nil, nil, err
+		return nil, fmt.Errorf("open raft log %s: %w", path, err)
 	}
 	bolt := &guardedBolt{bolt: raw}
-	var logs raft.LogStore = bolt
-	if cfg.LogCacheSize > 0 {
-		if logs, err = raft.NewLogCache(cfg.LogCacheSize, bolt); err != nil {
-			bolt.Close()
-			return nil, nil, nil, fmt.Errorf("create raft log cache: %w", err)
-		}
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
+	if err != nil {
+		bolt.Close()
+		return nil, fmt.Errorf("open raft snapshot store: %w", err)
 	}
-	return bolt, logs, snaps, nil
+	snap, err := restorableSnapshot(filepath.Join(dir, "snapshots"), snaps)
+	if err != nil {
+		bolt.Close()
+		return nil, err
+	}
+	st := &raftStores{stable: bolt, snaps: snaps, choice: choice}
+	var base raft.LogStore
+	switch choice.Kind {
+	case LogStoreBoltDB:
+		if err := checkLogs(path, raw, present, snap); err != nil {
+			bolt.Close()
+			return nil, err
+		}
+		base, st.closeLog = bolt, bolt.Close
+	default:
+		// raft.db holds no log here; its lock, taken above, keeps a second
+		// agent away from the WAL too.
+		w, err := openWAL(dir, cfg.WALSegmentSize, logger, snap)
+		if err != nil {
+			bolt.Close()
+			return nil, err
+		}
+		base, st.closeLog = w, w.Close
+	}
+	if wrap := wrapLog.Load(); wrap != nil {
+		base = (*wrap)(dir, base)
+	}
+	st.logs = base
+	if cfg.LogVerificationInterval > 0 {
+		st.verify = &verification{log: slogger.With("component", "log_verification")}
+		v := verifier.NewLogStore(base, isCheckpoint, st.verify.report, &walmetrics.NoOpCollector{})
+		st.logs, st.closeLog = v, v.Close // closes base too
+	}
+	if cfg.LogCacheSize > 0 {
+		cache, err := raft.NewLogCache(cfg.LogCacheSize, st.logs)
+		if err != nil {
+			st.Close()
+			return nil, fmt.Errorf("create raft log cache: %w", err)
+		}
+		st.logs = cache
+	}
+	return st, nil
 }
 
 // ID is this server's Raft ID (Config.NodeID).
@@ -468,7 +545,7 @@ func (s *Store) Close() error {
 		}
 		s.leadership.stop()
 		s.reach.stop()
-		if err := s.bolt.Close(); err != nil {
+		if err := s.stores.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close raft log: %w", err))
 		}
 		s.closeErr = errors.Join(errs...)

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"pilab.hu/pivirt-agent/cmd/internal/version"
+	"pilab.hu/pivirt-agent/store"
 
 	"github.com/spf13/cobra"
 
@@ -64,7 +65,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 			Logger: logger, AccessLogger: newAccessLogger(cfg, out), Levels: levels, LoadConfig: flags.Resolve,
 		}, stderr)
 	}
-	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout))
+	root.AddCommand(versionCmd(stdout), recoverCmd(stdout, stderr), validateCmd(stdout), raftCmd(stdout))
 	return root
 }
 
@@ -204,6 +205,58 @@ recovery", for the whole procedure.`,
 	}
 	c.Flags().StringVar(&dataDir, "data-dir", "", "the stopped agent's data directory")
 	c.Flags().StringVar(&peers, "peers", "", "JSON file listing the servers of the recovered cluster")
+	return c
+}
+
+func raftCmd(stdout io.Writer) *cobra.Command {
+	c := &cobra.Command{
+		Use:   "raft",
+		Short: "Offline maintenance of a stopped agent's Raft data",
+		Args:  cobra.NoArgs,
+	}
+	var dataDir, to string
+	var segmentMB int
+	m := &cobra.Command{
+		Use:   "migrate-log-store --data-dir DIR --to wal|boltdb",
+		Short: "Convert a stopped agent's Raft log to another log store (offline)",
+		Long: `migrate-log-store converts the Raft log in --data-dir to the log store --to:
+wal (hashicorp/raft-wal, the default of new data dirs) or boltdb (raft-boltdb,
+which data dirs created by earlier versions use). Stop the agent first: a data
+dir in use is refused. The log is checked as a start would check it, every entry
+Raft still needs is copied, and the new store replaces the old one only once the
+copy is complete; a crash leaves a data dir that starts on one or the other, and
+the command can be run again. Snapshots and the stable store (term, vote) are not
+touched. Convert one node at a time, waiting for it to rejoin before the next:
+nodes on different log stores work together.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if dataDir == "" || to == "" {
+				return fmt.Errorf("migrate-log-store: --data-dir and --to are required")
+			}
+			if segmentMB < 1 || segmentMB > 1024 {
+				return fmt.Errorf("migrate-log-store: --wal-segment-size-mb %d: must be between 1 and 1024", segmentMB)
+			}
+			res, err := store.MigrateLogStore(cmd.Context(), dataDir, to, segmentMB<<20)
+			if err != nil {
+				return err
+			}
+			if res.Unchanged {
+				fmt.Fprintf(stdout, "The raft log in %s already uses %s: nothing to do.\n", dataDir, to)
+				return nil
+			}
+			span := "an empty log"
+			if res.Last > 0 {
+				span = fmt.Sprintf("entries %d..%d", res.First, res.Last)
+			}
+			fmt.Fprintf(stdout, "Migrated the raft log in %s from %s to %s (%s).\n", dataDir, res.From, res.To, span)
+			fmt.Fprintf(stdout, "Start the agent again; set cluster.raft.log_store: %s in its configuration so that a rebuilt data dir uses it too.\n", res.To)
+			return nil
+		},
+	}
+	m.Flags().StringVar(&dataDir, "data-dir", "", "the stopped agent's data directory")
+	m.Flags().StringVar(&to, "to", "", "the log store to convert to: wal or boltdb")
+	m.Flags().IntVar(&segmentMB, "wal-segment-size-mb", 64, "with --to wal: the size of the WAL's segment files in MiB (cluster.raft.wal_segment_size_mb)")
+	c.AddCommand(m)
 	return c
 }
 

@@ -34,9 +34,18 @@ type options struct {
 }
 
 // WithConfig lets fn adjust node i's Config after the test defaults are set
-// and before the store is opened (also on Restart and AddNode).
+// and before the store is opened (also on Restart and AddNode). Several
+// run in the order given.
 func WithConfig(fn func(i int, c *store.Config)) Option {
-	return func(o *options) { o.configure = fn }
+	return func(o *options) {
+		prev := o.configure
+		o.configure = func(i int, c *store.Config) {
+			if prev != nil {
+				prev(i, c)
+			}
+			fn(i, c)
+		}
+	}
 }
 
 // WithoutBootstrap starts the nodes with empty state and bootstraps nothing.

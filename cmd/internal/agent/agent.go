@@ -430,6 +430,12 @@ func (a *Agent) openState(ctx context.Context) error {
 	scfg.SnapshotThreshold = rc.SnapshotThreshold
 	scfg.SnapshotInterval = rc.SnapshotInterval.Std()
 	scfg.TrailingLogs = rc.TrailingLogs
+	scfg.LogStore = rc.LogStore
+	scfg.WALSegmentSize = rc.WALSegmentSizeMB << 20
+	scfg.LogVerificationInterval = 0
+	if rc.LogVerification.Enabled {
+		scfg.LogVerificationInterval = rc.LogVerification.Interval.Std()
+	}
 	a.store, err = store.New(scfg)
 	if err != nil {
 		return fmt.Errorf("start raft: %w", err)

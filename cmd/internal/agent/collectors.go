@@ -18,6 +18,7 @@ type stateCollector struct {
 	services, instances, gossip *prometheus.Desc
 	leader, term, commit, apply *prometheus.Desc
 	lastContact                 *prometheus.Desc
+	verifyFailed, verifyPassed  *prometheus.Desc
 }
 
 func newStateCollector(a *Agent) *stateCollector {
@@ -32,6 +33,10 @@ func newStateCollector(a *Agent) *stateCollector {
 		apply:     prometheus.NewDesc("pivirt_raft_applied_index", "The highest Raft index applied to this node's state.", nil, nil),
 		lastContact: prometheus.NewDesc("pivirt_raft_last_contact_seconds",
 			"Seconds since this follower last heard from the leader (0 on the leader).", nil, nil),
+		verifyFailed: prometheus.NewDesc("pivirt_raft_log_verification_failures_total",
+			"Raft log ranges whose checksum on this node's disk differed from the leader's (cluster.raft.log_verification): storage damage.", nil, nil),
+		verifyPassed: prometheus.NewDesc("pivirt_raft_log_verifications_total",
+			"Raft log ranges this node verified against the leader's checksums, by result (passed, failed, skipped).", []string{"result"}, nil),
 	}
 }
 
@@ -39,7 +44,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.services
 	ch <- c.instances
 	ch <- c.gossip
-	for _, d := range []*prometheus.Desc{c.leader, c.term, c.commit, c.apply, c.lastContact} {
+	for _, d := range []*prometheus.Desc{c.leader, c.term, c.commit, c.apply, c.lastContact, c.verifyFailed, c.verifyPassed} {
 		ch <- d
 	}
 }
@@ -67,6 +72,11 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if since >= 0 {
 			ch <- prometheus.MustNewConstMetric(c.lastContact, prometheus.GaugeValue, since)
 		}
+		lv := s.LogVerification()
+		ch <- prometheus.MustNewConstMetric(c.verifyFailed, prometheus.CounterValue, float64(lv.Failed))
+		ch <- prometheus.MustNewConstMetric(c.verifyPassed, prometheus.CounterValue, float64(lv.Passed), "passed")
+		ch <- prometheus.MustNewConstMetric(c.verifyPassed, prometheus.CounterValue, float64(lv.Failed), "failed")
+		ch <- prometheus.MustNewConstMetric(c.verifyPassed, prometheus.CounterValue, float64(lv.Skipped), "skipped")
 	}
 	if f := c.a.fsm; f != nil {
 		if _, insts, err := f.State().Services("", nil); err == nil {

@@ -574,6 +574,22 @@ type RaftConfig struct {
 	SnapshotThreshold  uint64   `yaml:"snapshot_threshold"`
 	SnapshotInterval   Duration `yaml:"snapshot_interval"`
 	TrailingLogs       uint64   `yaml:"trailing_logs"`
+	// LogStore is the Raft log store of a new data dir: "wal" (hashicorp/raft-wal, the default)
+	// or "boltdb" (raft-boltdb). A data dir that already holds a log keeps its store; convert
+	// one with `pivirt-agent raft migrate-log-store`.
+	LogStore string `yaml:"log_store"`
+	// WALSegmentSizeMB is the size of the WAL's preallocated segment files, in MiB.
+	WALSegmentSizeMB int `yaml:"wal_segment_size_mb"`
+	// LogVerification checks every node's log against the leader's checksums.
+	LogVerification LogVerificationConfig `yaml:"log_verification"`
+}
+
+// LogVerificationConfig is the Raft log verification: the leader appends a checkpoint every
+// Interval and every node compares the checksum of the entries since the previous one, as
+// written and as read back from its disk, with the leader's.
+type LogVerificationConfig struct {
+	Enabled  bool     `yaml:"enabled"`
+	Interval Duration `yaml:"interval"`
 }
 
 // Default returns the configuration used for every key the file does not set: the values of
@@ -658,6 +674,8 @@ func Default() *Config {
 				SnapshotThreshold:  8192,
 				SnapshotInterval:   Duration(2 * time.Minute),
 				TrailingLogs:       10240,
+				WALSegmentSizeMB:   64,
+				LogVerification:    LogVerificationConfig{Enabled: true, Interval: Duration(time.Minute)},
 			},
 			RetryInterval:                Duration(DefaultRetryInterval),
 			TransferLeadershipOnShutdown: true,

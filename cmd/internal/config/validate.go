@@ -528,6 +528,17 @@ func (c *Config) validateCluster(v *validator) {
 	if r.SnapshotThreshold == 0 {
 		v.add("cluster.raft.snapshot_threshold", "%w: must be at least 1", ErrInvalid)
 	}
+	switch r.LogStore {
+	case "", "wal", "boltdb":
+	default:
+		v.add("cluster.raft.log_store", "%w %q: must be wal or boltdb", ErrInvalid, r.LogStore)
+	}
+	if r.WALSegmentSizeMB < 1 || r.WALSegmentSizeMB > 1024 {
+		v.add("cluster.raft.wal_segment_size_mb", "%w %d: must be between 1 and 1024 (MiB)", ErrInvalid, r.WALSegmentSizeMB)
+	}
+	if lv := r.LogVerification; lv.Enabled && lv.Interval.Std() < time.Second {
+		v.add("cluster.raft.log_verification.interval", "%w %s: must be at least 1s (or set cluster.raft.log_verification.enabled: false)", ErrInvalid, lv.Interval)
+	}
 
 	for _, list := range []struct {
 		path  string
