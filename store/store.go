@@ -1,4 +1,5 @@
-// Package store owns the node's *raft.Raft: the bbolt log and stable store,
+// Package store owns the node's *raft.Raft: the log store (raft-wal, or
+// raft-boltdb in older data dirs), the bbolt stable store,
 // the file snapshot store, the network transport over a caller-supplied
 // stream layer, and the Raft instance itself. It turns hashicorp/raft's
 // future-based API into context-aware calls, maps raft's errors to this

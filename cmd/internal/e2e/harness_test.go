@@ -302,6 +302,13 @@ backends:
   iscsiman:
     endpoint: unix://%[3]s
 `, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + withClusterName(c.extra, c.name)
+		if i == 0 {
+			// node1 keeps its Raft log in raft-boltdb, node2 and node3 in
+			// the WAL (the default): every end-to-end test runs on both
+			// log stores, in one cluster, as a data dir made by an older
+			// version does beside new ones.
+			cfg = withRaftKey(cfg, "log_store: boltdb")
+		}
 		if err := os.WriteFile(n.config, []byte(cfg), 0o600); err != nil {
 			return err
 		}
@@ -937,6 +944,18 @@ func (c *cluster) httpClient(t testing.TB) *http.Client {
 	tr := &http.Transport{TLSClientConfig: c.clientTLS(t), ForceAttemptHTTP2: true}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &http.Client{Transport: tr}
+}
+
+// withRaftKey puts line into the cluster.raft block of the YAML cfg, which
+// has a cluster block (withClusterName).
+func withRaftKey(cfg, line string) string {
+	i := strings.Index(cfg, "\ncluster:\n")
+	if j := strings.Index(cfg[i:], "\n  raft:\n"); j >= 0 {
+		at := i + j + len("\n  raft:\n")
+		return cfg[:at] + "    " + line + "\n" + cfg[at:]
+	}
+	at := i + len("\ncluster:\n")
+	return cfg[:at] + "  raft:\n    " + line + "\n" + cfg[at:]
 }
 
 // withClusterName puts cluster.name into the YAML extra, in its cluster
