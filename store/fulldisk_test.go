@@ -57,9 +57,10 @@ func fill(t *testing.T, dir string) string {
 
 // A follower whose disk fills up rejects the entries it cannot store and
 // takes them once space is back, each time, and its data dir opens again
-// with everything in it. (With Raft's pipelined replication the leader
-// stopped sending entries to such a follower for good after a rejection,
-// hashicorp/raft#612; the episodes repeat to meet that race.)
+// with everything in it. Replication is pipelined: raft's own pipeline
+// stopped sending entries to such a follower for good after a rejection
+// (hashicorp/raft#612), the store's transport ends it instead
+// (endingPipelines); the episodes repeat to meet that race.
 func TestFollowerOnAFullDiskCatchesUp(t *testing.T) {
 	for _, kind := range logStores {
 		t.Run(kind, func(t *testing.T) { followerOnAFullDisk(t, kind) })

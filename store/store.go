@@ -126,14 +126,13 @@ func New(cfg Config) (s *Store, err error) {
 		MaxPool: cfg.TransportMaxPool,
 		Timeout: cfg.TransportTimeout,
 		Logger:  logger.Named("transport"),
-		// No pipelined replication: one AppendEntries in flight per
-		// follower. Raft's pipeline wedges once a follower rejects an
-		// append (its disk full or failing): the leader keeps sending
-		// heartbeats but never another entry to that follower, and its
-		// Shutdown hangs on the stuck goroutine (hashicorp/raft#612). With
-		// MaxAppendEntries-sized batches the pipeline gains little on a
-		// LAN (see DESIGN.md).
-		MaxRPCsInFlight: 1,
+		// Pipelined replication at raft's default depth: two AppendEntries
+		// in flight per follower, the next one prepared and sent while the
+		// answer to the last is on its way. Raft's pipeline wedges after a
+		// follower rejects an append (hashicorp/raft#612); endingPipelines
+		// (transport.go) closes it on the rejection so Raft falls back and
+		// starts a fresh one (see DESIGN.md).
+		MaxRPCsInFlight: raft.DefaultMaxRPCsInFlight,
 	})
 	closers = append(closers, transport.Close)
 
@@ -154,7 +153,7 @@ func New(cfg Config) (s *Store, err error) {
 	// Raft blocks its main loop on NotifyCh until the value is taken, so a
 	// dedicated goroutine takes it at once and fans it out without blocking.
 	notify := make(chan bool, 1)
-	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, stores.snaps, transport)
+	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, stores.snaps, endingPipelines{transport})
 	if err != nil {
 		return nil, fmt.Errorf("start raft: %w", err)
 	}

@@ -32,7 +32,9 @@ func TestFaults(t *testing.T) {
 		t.Skip("faults real processes")
 	}
 	bins := buildBinaries(t)
-	c := startCluster(t, bins)
+	// WAL segments that a data dir copied onto the 64 MiB tmpfs of the
+	// full-disk fault leave room in: a segment is preallocated whole.
+	c := startClusterWith(t, bins, "cluster:\n  raft:\n    wal_segment_size_mb: 4\n")
 	r := startLinRun(t, c, "faults")
 	r.pause(3 * time.Second)
 
@@ -94,7 +96,9 @@ func TestFaults(t *testing.T) {
 }
 
 // fullDisk moves n's data dir onto a 64 MiB tmpfs the test mounts (n is
-// stopped and restarted for it) and fills it. It returns false where the
+// stopped and restarted for it) and fills it. A WAL's next segment then
+// cannot be created; the preallocated tail segment still takes entries
+// until it is full. It returns false where the
 // test may not mount (not root, no CI).
 func fullDisk(t *testing.T, c *cluster, n *node, hist *lincheck.History) (*node, bool) {
 	t.Helper()
