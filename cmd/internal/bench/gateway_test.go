@@ -110,7 +110,11 @@ func BenchmarkGateway(b *testing.B) {
 		pki  *benchPKI
 	}{{"plaintext", plainSock, nil}, {"mtls", tlsSock, pki}} {
 		mode := gwMode{name: m.name}
-		keep := func(path string) bool { return set.keep(m.name + "/" + path) }
+		// PIVIRT_BENCH_ONLY matches <mode>/<path>/<call>, such as
+		// plaintext/gateway/unary.
+		keep := func(path string) bool {
+			return set.keep(m.name+"/"+path+"/unary") || set.keep(m.name+"/"+path+"/stream")
+		}
 		if keep("direct") {
 			mode.paths = append(mode.paths, gwPath{name: "direct", api: dialVM(b, "unix://"+m.sock, m.pki)})
 		}
@@ -247,6 +251,9 @@ func BenchmarkGateway(b *testing.B) {
 					}
 					for _, i := range order {
 						p := m.paths[i]
+						if !set.keep(m.name + "/" + p.name + "/" + c.tag) {
+							continue
+						}
 						f, done := c.mk(p.api)(clients)
 						var c0 time.Duration
 						if p.cpu != nil {
@@ -262,10 +269,15 @@ func BenchmarkGateway(b *testing.B) {
 				}
 				r := res{mode: m.name, call: c, clients: clients, by: map[string]merged{}}
 				for i, p := range m.paths {
+					if len(acc[i]) == 0 {
+						continue
+					}
 					r.by[p.name] = merge(acc[i])
 					r.paths = append(r.paths, p.name)
 				}
-				results = append(results, r)
+				if len(r.paths) > 0 {
+					results = append(results, r)
+				}
 			}
 		}
 	}
