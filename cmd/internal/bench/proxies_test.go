@@ -186,6 +186,9 @@ http {
 	keepalive_requests 100000000;
 	keepalive_timeout 1h;
 	client_body_timeout 1h;
+	# A stream's request body is all its messages: the default 1m limit
+	# resets a console stream after about 60,000 inputs.
+	client_max_body_size 0;
 	grpc_read_timeout 1h;
 	grpc_send_timeout 1h;
 
