@@ -329,6 +329,9 @@ func BenchmarkGateway(b *testing.B) {
 			check(r, "added p99", addP99 <= targetAddedP99, us(addP99)+"µs", "<= "+us(targetAddedP99)+"µs")
 			check(r, "throughput gateway/direct", tpt >= targetGatewayTpt, fmt.Sprintf("%.2f", tpt), fmt.Sprintf(">= %.2f", targetGatewayTpt))
 		}
+		if _, ok := r.by["haproxy"]; !ok && (r.clients == lo || r.clients == hi) {
+			verdicts = append(verdicts, fmt.Sprintf("  %-13s %-9s %-22s clients=%-2d %-32s (no haproxy rows in this run)", "SKIPPED", r.mode, r.call.name, r.clients, "gateway vs haproxy"))
+		}
 		if h, ok := r.by["haproxy"]; ok && r.clients == lo && okD {
 			ga, ha := g.pct(0.5)-d.pct(0.5), h.pct(0.5)-d.pct(0.5)
 			check(r, "added p50 gateway vs haproxy", ga <= ha, us(ga)+"µs", "<= haproxy's "+us(ha)+"µs")
