@@ -76,7 +76,8 @@ scale: ## AGENTS agents (default 100) in one process register INSTANCES instance
 	PIVIRT_SCALE_AGENTS=$(AGENTS) PIVIRT_SCALE_INSTANCES=$(INSTANCES) $(GO) test -v -count=1 -run '^TestScale$$' -timeout 90m ./cmd/internal/agent/ 2>&1 | grep --line-buffered -v '^=== '
 
 .PHONY: bench
-bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway hop vs direct gRPC; same run
+bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots, the gateway vs direct gRPC, a bare relay, HAProxy and nginx (installed when missing); same run
+	scripts/bench-deps.sh
 	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -timeout 60m ./cmd/internal/bench/
 
 .PHONY: cluster demo

@@ -11,7 +11,6 @@ import (
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
@@ -53,7 +52,7 @@ func BenchmarkPlacement(b *testing.B) {
 		s.Register(gs)
 		go func() { _ = gs.Serve(ln) }()
 		b.Cleanup(func() { gs.Stop(); _ = s.Close() })
-		direct[i] = dialVM(b, socks[i])
+		direct[i] = dialVM(b, socks[i], nil)
 	}
 	c := agenttest.NewExpect(b, 3, func(i int, cfg *config.Config) {
 		cfg.Logging.Level = "warn"
@@ -84,7 +83,7 @@ func BenchmarkPlacement(b *testing.B) {
 		}
 		return nil
 	})
-	api := dialVM(b, node1.APIAddr())
+	api := dialVM(b, node1.APIAddr(), nil)
 
 	get := func(id string) func(int) (op, func()) {
 		return func(int) (op, func()) {
@@ -159,15 +158,6 @@ func BenchmarkPlacement(b *testing.B) {
 	fmt.Fprintf(out, "\nGetVM: through node1, of a VM on node2 (node1 → node2's agent over the internal port → node2's pivirtd) against one on node1.\n")
 	fmt.Fprintf(out, "ListVMs: every page of a list through node1 over 3 nodes × %d VMs against node1's own %d (host node1); ratio = ops/s ÷ reference ops/s.\n", placementVMs, placementVMs)
 	fmt.Fprintf(out, "Placement catalog: %.0f bytes of heap per object (100,000 placements in the replicated state). %d cores, interleaved rounds of %s.\n\n", perObject, runtime.NumCPU(), set.dur)
-}
-
-func dialVM(b *testing.B, addr string) vmv1.VMServiceClient {
-	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = cc.Close() })
-	return vmv1.NewVMServiceClient(cc)
 }
 
 // catalogBytesPerObject is the heap the replicated state holds per
