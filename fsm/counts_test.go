@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -116,5 +117,72 @@ func checkServiceCounts(t *testing.T, st *State, now time.Time) {
 		if got := instanceKeys(st.CriticalExpired(at)); !slices.Equal(got, crit) {
 			t.Fatalf("CriticalExpired(now%+v) = %v, a scan finds %v", d, got, crit)
 		}
+	}
+}
+
+// TestChecksByNode: the check rows follow registrations, check changes,
+// moves to another node and deregistrations; a heartbeat of a checked
+// instance and any write of another node's instance leave the node's
+// watch alone; a restored state has the same rows.
+func TestChecksByNode(t *testing.T) {
+	h := newHarness(t)
+	withCheck := func(svc, id, node, target string) *fsmv1.Command {
+		in := instance(svc, id)
+		in.Node = node
+		in.Check = &clusterv1.HealthCheck{Tcp: target, Interval: durationpb.New(time.Second)}
+		return register(in)
+	}
+	h.mustApply(withCheck("web", "a", "node-1", "127.0.0.1:1"))
+	h.mustApply(withCheck("web", "b", "node-2", "127.0.0.1:2"))
+	h.mustApply(register(instance("web", "c"))) // node-1, no check
+	keys := func(st *State, node string) []string {
+		t.Helper()
+		rows, err := st.ChecksByNode(node, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, r := range rows {
+			out = append(out, r.Service+"/"+r.Instance+"@"+r.Check.GetTcp())
+		}
+		return out
+	}
+	if got := keys(h.f.State(), "node-1"); !slices.Equal(got, []string{"web/a@127.0.0.1:1"}) {
+		t.Fatalf("node-1 checks %v", got)
+	}
+	ws := memdb.NewWatchSet()
+	if _, err := h.f.State().ChecksByNode("node-1", ws); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(heartbeat("web", "a"))
+	if fired(ws) {
+		t.Fatal("a heartbeat fired node-1's watch")
+	}
+	h.mustApply(register(instance("web", "c")))
+	if fired(ws) {
+		t.Fatal("a write of an instance without a check fired node-1's watch")
+	}
+	h.mustApply(withCheck("web", "a", "node-1", "127.0.0.1:4")) // check changed
+	waitFired(t, ws)
+	if got := keys(h.f.State(), "node-1"); !slices.Equal(got, []string{"web/a@127.0.0.1:4"}) {
+		t.Fatalf("node-1 checks after the change %v", got)
+	}
+	h.mustApply(withCheck("web", "b", "node-1", "127.0.0.1:3")) // moved to node-1
+	if got := keys(h.f.State(), "node-2"); len(got) != 0 {
+		t.Fatalf("node-2 checks after the move %v", got)
+	}
+	restored := newHarness(t)
+	if err := restored.f.Restore(readCloser(h.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"web/a@127.0.0.1:4", "web/b@127.0.0.1:3"}
+	for name, st := range map[string]*State{"applied": h.f.State(), "restored": restored.f.State()} {
+		if got := keys(st, "node-1"); !slices.Equal(got, want) {
+			t.Fatalf("%s: node-1 checks %v, want %v", name, got, want)
+		}
+	}
+	h.mustApply(deregister("web", "a"))
+	if got := keys(h.f.State(), "node-1"); !slices.Equal(got, []string{"web/b@127.0.0.1:3"}) {
+		t.Fatalf("node-1 checks after a deregistration %v", got)
 	}
 }

@@ -123,6 +123,37 @@ var deadlineID = keyIndex(
 	strField(func(e *deadlineEntry) string { return e.Instance }),
 )
 
+// tableServiceChecks is derived state, not replicated and not in
+// snapshots: a row per instance with a health check, keyed by its node,
+// kept by every write to the services table (writeTxn) and rebuilt on a
+// restore, so that the agent running its node's checks reads and watches
+// the rows of its node only, not every instance on every write anywhere.
+const tableServiceChecks = "service_checks"
+
+// CheckEntry is a row of tableServiceChecks: the health check of an
+// instance registered with Node.
+type CheckEntry struct {
+	Node     string
+	Service  string
+	Instance string
+	Check    *clusterv1.HealthCheck
+}
+
+var checkRowID = keyIndex(
+	strField(func(e *CheckEntry) string { return e.Node }),
+	strField(func(e *CheckEntry) string { return e.Service }),
+	strField(func(e *CheckEntry) string { return e.Instance }),
+)
+
+// checkEntry is the row of tableServiceChecks of inst, or nil when it has
+// no check (or no node).
+func checkEntry(inst *clusterv1.ServiceInstance) *CheckEntry {
+	if inst == nil || inst.GetCheck() == nil || inst.GetNode() == "" {
+		return nil
+	}
+	return &CheckEntry{Node: inst.GetNode(), Service: inst.GetService(), Instance: inst.GetInstanceId(), Check: inst.GetCheck()}
+}
+
 // deadlines is each kind of deadline and how an instance's is found.
 var deadlines = []struct {
 	kind string
@@ -288,6 +319,9 @@ var schema = func() *memdb.DBSchema {
 	}
 	s.Tables[tableServiceIndex] = &memdb.TableSchema{Name: tableServiceIndex, Indexes: indexes(
 		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *serviceIndexEntry) string { return e.Service }))},
+	)}
+	s.Tables[tableServiceChecks] = &memdb.TableSchema{Name: tableServiceChecks, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: checkRowID},
 	)}
 	s.Tables[tableServiceDeadlines] = &memdb.TableSchema{Name: tableServiceDeadlines, Indexes: indexes(
 		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: deadlineID},

@@ -181,6 +181,33 @@ func (s *State) ServicesByNode(node string, ws memdb.WatchSet) (uint64, []*clust
 	return s.Index(TableServices), out, nil
 }
 
+// ChecksByNode lists the health checks of the instances registered with
+// node, sorted by service then instance ID, and adds to ws (when not nil)
+// a channel that fires when one of them is added, changed or removed (and
+// the abandon channel): heartbeats and writes of instances without a check
+// do not fire it (a check change of another node's instance may: a
+// neighbour in the radix tree). It reads rows kept per checked instance,
+// not every instance.
+func (s *State) ChecksByNode(node string, ws memdb.WatchSet) ([]CheckEntry, error) {
+	if node == "" {
+		// No instance has an empty node (register_service requires one).
+		s.watch(ws, nil)
+		return nil, nil
+	}
+	it, err := s.txn.Get(tableServiceChecks, indexIDPrefix, node)
+	if err != nil {
+		return nil, fmt.Errorf("read the checks of node %q: %w", node, err)
+	}
+	s.watch(ws, it.WatchCh())
+	var out []CheckEntry
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if e, ok := obj.(*CheckEntry); ok {
+			out = append(out, *e)
+		}
+	}
+	return out, nil
+}
+
 // Service returns one instance, or ErrNotFound.
 func (s *State) Service(service, instanceID string) (*clusterv1.ServiceInstance, error) {
 	inst, err := first[*clusterv1.ServiceInstance](s.txn, TableServices, indexID, service, instanceID)

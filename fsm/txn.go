@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-memdb"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -250,7 +251,8 @@ func (t *writeTxn) currentService(obj any) *clusterv1.ServiceInstance {
 
 // serviceReplaced keeps the derived state of the services table as old
 // (nil: none) becomes new (nil: deleted): the instance counts, in t.counts
-// until updateIndexes, and the rows of tableServiceDeadlines.
+// until updateIndexes, and the rows of tableServiceChecks and
+// tableServiceDeadlines.
 func (t *writeTxn) serviceReplaced(o *clusterv1.ServiceInstance, new any) error {
 	w, _ := new.(*clusterv1.ServiceInstance)
 	if o == nil || w == nil || o.GetHealth() != w.GetHealth() {
@@ -260,6 +262,20 @@ func (t *writeTxn) serviceReplaced(o *clusterv1.ServiceInstance, new any) error 
 		}
 		if w != nil {
 			t.counts[serviceHealth{w.GetService(), w.GetHealth()}]++
+		}
+	}
+	if oc, wc := o.GetCheck(), w.GetCheck(); oc != nil || wc != nil {
+		if oc == nil || wc == nil || o.GetNode() != w.GetNode() || !proto.Equal(oc, wc) {
+			if old := checkEntry(o); old != nil {
+				if _, err := t.txn.DeleteAll(tableServiceChecks, indexID, old.Node, old.Service, old.Instance); err != nil {
+					return fmt.Errorf("update the check of %s/%s: %w", o.GetService(), o.GetInstanceId(), err)
+				}
+			}
+			if row := checkEntry(w); row != nil {
+				if err := t.txn.Insert(tableServiceChecks, row); err != nil {
+					return fmt.Errorf("update the check of %s/%s: %w", w.GetService(), w.GetInstanceId(), err)
+				}
+			}
 		}
 	}
 	for _, d := range deadlines {
@@ -315,7 +331,8 @@ func putServiceCount(txn *memdb.Txn, c *ServiceCount) error {
 	return nil
 }
 
-// deriveServices builds tableServiceCounts and tableServiceDeadlines from
+// deriveServices builds tableServiceCounts, tableServiceChecks and
+// tableServiceDeadlines from
 // the services table of txn, whose derived rows are empty (a restored or
 // replaced state).
 func deriveServices(txn *memdb.Txn) error {
@@ -330,6 +347,11 @@ func deriveServices(txn *memdb.Txn) error {
 			continue
 		}
 		counts[serviceHealth{inst.GetService(), inst.GetHealth()}]++
+		if row := checkEntry(inst); row != nil {
+			if err := txn.Insert(tableServiceChecks, row); err != nil {
+				return fmt.Errorf("add the check of %s/%s: %w", inst.GetService(), inst.GetInstanceId(), err)
+			}
+		}
 		for _, d := range deadlines {
 			if at, ok := d.of(inst); ok {
 				if err := txn.Insert(tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(at), Service: inst.GetService(), Instance: inst.GetInstanceId()}); err != nil {
