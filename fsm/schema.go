@@ -70,6 +70,96 @@ type serviceIndexEntry struct {
 	Value   uint64
 }
 
+// tableServiceCounts is derived state, not replicated and not in
+// snapshots: the number of instances of each (service, health), kept by
+// every write to the services table (writeTxn) and rebuilt on a restore, so
+// that the instance-count metrics read one row per (service, health), not
+// every instance. A row whose count falls to zero is deleted.
+const tableServiceCounts = "service_counts"
+
+// ServiceCount is a row of tableServiceCounts: the instances of a service
+// in one health state.
+type ServiceCount struct {
+	Service   string
+	Health    clusterv1.Health
+	Instances int
+}
+
+var serviceCountID = keyIndex(
+	strField(func(c *ServiceCount) string { return c.Service }),
+	uintField(func(c *ServiceCount) uint64 { return uint64(c.Health) }),
+)
+
+// tableServiceDeadlines is derived state, not replicated and not in
+// snapshots: a row per instance deadline, kept by every write to the
+// services table (writeTxn) and rebuilt on a restore, ordered by kind
+// then time, so that the leader's reapers read only the instances due, not
+// every instance each second. Kinds: deadlineTTL, when a passing instance's
+// TTL runs out (last heartbeat plus TTL); deadlineCritical, when a critical
+// instance with a deregister_critical_after is due for deregistration. An
+// instance with neither has no row and costs its writes nothing here (a
+// secondary index of the services table would cost every write of every
+// instance an update of its radix tree).
+const tableServiceDeadlines = "service_deadlines"
+
+// The kinds of tableServiceDeadlines rows.
+const (
+	deadlineTTL      = "ttl"
+	deadlineCritical = "critical"
+)
+
+// deadlineEntry is a row of tableServiceDeadlines.
+type deadlineEntry struct {
+	Kind     string
+	At       *timestamppb.Timestamp
+	Service  string
+	Instance string
+}
+
+var deadlineID = keyIndex(
+	strField(func(e *deadlineEntry) string { return e.Kind }),
+	timeField(func(e *deadlineEntry) *timestamppb.Timestamp { return e.At }),
+	strField(func(e *deadlineEntry) string { return e.Service }),
+	strField(func(e *deadlineEntry) string { return e.Instance }),
+)
+
+// tableServiceChecks is derived state, not replicated and not in
+// snapshots: a row per instance with a health check, keyed by its node,
+// kept by every write to the services table (writeTxn) and rebuilt on a
+// restore, so that the agent running its node's checks reads and watches
+// the rows of its node only, not every instance on every write anywhere.
+const tableServiceChecks = "service_checks"
+
+// CheckEntry is a row of tableServiceChecks: the health check of an
+// instance registered with Node.
+type CheckEntry struct {
+	Node     string
+	Service  string
+	Instance string
+	Check    *clusterv1.HealthCheck
+}
+
+var checkRowID = keyIndex(
+	strField(func(e *CheckEntry) string { return e.Node }),
+	strField(func(e *CheckEntry) string { return e.Service }),
+	strField(func(e *CheckEntry) string { return e.Instance }),
+)
+
+// checkEntry is the row of tableServiceChecks of inst, or nil when it has
+// no check (or no node).
+func checkEntry(inst *clusterv1.ServiceInstance) *CheckEntry {
+	if inst == nil || inst.GetCheck() == nil || inst.GetNode() == "" {
+		return nil
+	}
+	return &CheckEntry{Node: inst.GetNode(), Service: inst.GetService(), Instance: inst.GetInstanceId(), Check: inst.GetCheck()}
+}
+
+// deadlines is each kind of deadline and how an instance's is found.
+var deadlines = []struct {
+	kind string
+	of   func(*clusterv1.ServiceInstance) (time.Time, bool)
+}{{deadlineTTL, ttlDeadline}, {deadlineCritical, criticalDeadline}}
+
 // indexEntry is a row of TableIndex.
 type indexEntry struct {
 	Table string
@@ -229,6 +319,15 @@ var schema = func() *memdb.DBSchema {
 	}
 	s.Tables[tableServiceIndex] = &memdb.TableSchema{Name: tableServiceIndex, Indexes: indexes(
 		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *serviceIndexEntry) string { return e.Service }))},
+	)}
+	s.Tables[tableServiceChecks] = &memdb.TableSchema{Name: tableServiceChecks, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: checkRowID},
+	)}
+	s.Tables[tableServiceDeadlines] = &memdb.TableSchema{Name: tableServiceDeadlines, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: deadlineID},
+	)}
+	s.Tables[tableServiceCounts] = &memdb.TableSchema{Name: tableServiceCounts, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: serviceCountID},
 	)}
 	if err := s.Validate(); err != nil {
 		panic(fmt.Sprintf("fsm: invalid memdb schema: %v", err))
@@ -470,4 +569,29 @@ func decodeIndexEntry(b []byte) (any, error) {
 		return nil, fmt.Errorf("index entry %q: bad index value", name)
 	}
 	return &indexEntry{Table: name, Value: v}, nil
+}
+
+// ttlDeadline is when a passing instance with a TTL runs out of it: its
+// last heartbeat plus its TTL. Other instances have none.
+func ttlDeadline(inst *clusterv1.ServiceInstance) (time.Time, bool) {
+	ttl := inst.GetTtl().AsDuration()
+	if inst.GetHealth() != clusterv1.Health_HEALTH_PASSING || inst.GetTtl() == nil || ttl <= 0 {
+		return time.Time{}, false
+	}
+	return inst.GetLastHeartbeat().AsTime().Add(ttl), true
+}
+
+// criticalDeadline is when a critical instance with a positive
+// deregister_critical_after has been critical for that long. Other
+// instances have none.
+func criticalDeadline(inst *clusterv1.ServiceInstance) (time.Time, bool) {
+	after := inst.GetDeregisterCriticalAfter().AsDuration()
+	if inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || after <= 0 {
+		return time.Time{}, false
+	}
+	since := HealthSince(inst)
+	if since == nil {
+		return time.Time{}, false
+	}
+	return since.AsTime().Add(after), true
 }

@@ -492,12 +492,16 @@ func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, 
 }
 
 // replaceDB commits txn, the whole new state db as of index, with the base
-// row of tableServiceIndex, and makes it the state: the applied index never
+// row of tableServiceIndex and the derived rows of the services table, and makes it the state: the applied index never
 // goes back, and the old state's watchers are woken to re-list. On error
 // txn is aborted and nothing changes.
 func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	applied := max(f.AppliedIndex(), index)
 	if err := setServiceIndex(txn, serviceIndexBase, applied); err != nil {
+		txn.Abort()
+		return err
+	}
+	if err := deriveServices(txn); err != nil {
 		txn.Abort()
 		return err
 	}

@@ -1,6 +1,7 @@
 package fsm
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"time"
@@ -99,6 +100,24 @@ func (s *State) WatchService(ws memdb.WatchSet, service string) (uint64, error) 
 	return max(index, 1), nil
 }
 
+// ServiceCounts returns the number of instances of each service in each
+// health state (only non-zero counts), sorted by service then health. It
+// reads counts kept by every write, one row per (service, health), not the
+// instances.
+func (s *State) ServiceCounts() []ServiceCount {
+	it, err := s.txn.Get(tableServiceCounts, indexID)
+	if err != nil {
+		return nil
+	}
+	var out []ServiceCount
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if c, ok := obj.(*ServiceCount); ok {
+			out = append(out, *c)
+		}
+	}
+	return out
+}
+
 // watch adds ch and the abandon channel to ws, if ws is not nil.
 func (s *State) watch(ws memdb.WatchSet, ch <-chan struct{}) {
 	if ws == nil {
@@ -162,6 +181,33 @@ func (s *State) ServicesByNode(node string, ws memdb.WatchSet) (uint64, []*clust
 	return s.Index(TableServices), out, nil
 }
 
+// ChecksByNode lists the health checks of the instances registered with
+// node, sorted by service then instance ID, and adds to ws (when not nil)
+// a channel that fires when one of them is added, changed or removed (and
+// the abandon channel): heartbeats and writes of instances without a check
+// do not fire it (a check change of another node's instance may: a
+// neighbour in the radix tree). It reads rows kept per checked instance,
+// not every instance.
+func (s *State) ChecksByNode(node string, ws memdb.WatchSet) ([]CheckEntry, error) {
+	if node == "" {
+		// No instance has an empty node (register_service requires one).
+		s.watch(ws, nil)
+		return nil, nil
+	}
+	it, err := s.txn.Get(tableServiceChecks, indexIDPrefix, node)
+	if err != nil {
+		return nil, fmt.Errorf("read the checks of node %q: %w", node, err)
+	}
+	s.watch(ws, it.WatchCh())
+	var out []CheckEntry
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if e, ok := obj.(*CheckEntry); ok {
+			out = append(out, *e)
+		}
+	}
+	return out, nil
+}
+
 // Service returns one instance, or ErrNotFound.
 func (s *State) Service(service, instanceID string) (*clusterv1.ServiceInstance, error) {
 	inst, err := first[*clusterv1.ServiceInstance](s.txn, TableServices, indexID, service, instanceID)
@@ -178,21 +224,7 @@ func (s *State) Service(service, instanceID string) (*clusterv1.ServiceInstance,
 // heartbeat plus TTL is before now, sorted by service then instance ID. The
 // leader's TTL reaper proposes set_service_health for them.
 func (s *State) ExpiredTTL(now time.Time) []*clusterv1.ServiceInstance {
-	it, err := s.txn.Get(TableServices, indexID)
-	if err != nil {
-		return nil
-	}
-	var out []*clusterv1.ServiceInstance
-	for _, inst := range collect[*clusterv1.ServiceInstance](it) {
-		ttl := inst.GetTtl().AsDuration()
-		if inst.GetHealth() != clusterv1.Health_HEALTH_PASSING || inst.GetTtl() == nil || ttl <= 0 {
-			continue
-		}
-		if inst.GetLastHeartbeat().AsTime().Add(ttl).Before(now) {
-			out = append(out, inst)
-		}
-	}
-	return out
+	return s.due(deadlineTTL, now)
 }
 
 // CriticalExpired returns the critical instances with a positive
@@ -200,20 +232,31 @@ func (s *State) ExpiredTTL(now time.Time) []*clusterv1.ServiceInstance {
 // now, sorted by service then instance ID. The leader's reaper deregisters
 // them.
 func (s *State) CriticalExpired(now time.Time) []*clusterv1.ServiceInstance {
-	it, err := s.txn.Get(TableServices, indexID)
+	return s.due(deadlineCritical, now)
+}
+
+// due returns the instances with a deadline of kind before now, sorted by
+// service then instance ID. It reads tableServiceDeadlines in time order
+// and stops at the first deadline not due, so its cost is the instances
+// due, not every instance.
+func (s *State) due(kind string, now time.Time) []*clusterv1.ServiceInstance {
+	it, err := s.txn.Get(tableServiceDeadlines, indexIDPrefix, kind)
 	if err != nil {
 		return nil
 	}
 	var out []*clusterv1.ServiceInstance
-	for _, inst := range collect[*clusterv1.ServiceInstance](it) {
-		after := inst.GetDeregisterCriticalAfter().AsDuration()
-		if inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || after <= 0 {
-			continue
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		e, ok := obj.(*deadlineEntry)
+		if !ok || !e.At.AsTime().Before(now) {
+			break
 		}
-		if since := HealthSince(inst); since != nil && since.AsTime().Add(after).Before(now) {
+		if inst, err := first[*clusterv1.ServiceInstance](s.txn, TableServices, indexID, e.Service, e.Instance); err == nil && inst != nil {
 			out = append(out, inst)
 		}
 	}
+	slices.SortFunc(out, func(a, b *clusterv1.ServiceInstance) int {
+		return cmp.Or(cmp.Compare(a.GetService(), b.GetService()), cmp.Compare(a.GetInstanceId(), b.GetInstanceId()))
+	})
 	return out
 }
 

@@ -194,13 +194,27 @@ func TestExpiredTTL(t *testing.T) {
 	}{
 		{t0.Add(11 * time.Second), nil},
 		{t0.Add(11*time.Second + 1), []string{"web/a"}},
+		// b's first deadline (31) went with its heartbeat.
+		{t0.Add(33 * time.Second), []string{"web/a"}},
 		{t0.Add(36 * time.Second), []string{"web/a", "web/b"}},
 	}
-	st := h.f.State()
-	for _, tt := range tests {
-		if got := instanceKeys(st.ExpiredTTL(tt.now)); !slices.Equal(got, tt.want) {
-			t.Errorf("ExpiredTTL(%s) = %v, want %v", tt.now.Sub(t0), got, tt.want)
+	// The same answers from a state restored from a snapshot (the
+	// deadline index is built on restore).
+	restored := newHarness(t)
+	if err := restored.f.Restore(readCloser(h.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	for name, st := range map[string]*State{"applied": h.f.State(), "restored": restored.f.State()} {
+		for _, tt := range tests {
+			if got := instanceKeys(st.ExpiredTTL(tt.now)); !slices.Equal(got, tt.want) {
+				t.Errorf("%s: ExpiredTTL(%s) = %v, want %v", name, tt.now.Sub(t0), got, tt.want)
+			}
 		}
+	}
+	// An instance that turns critical, or goes, leaves the index.
+	h.mustApply(setHealth("web", "a", clusterv1.Health_HEALTH_CRITICAL, at(1)))
+	if got := instanceKeys(h.f.State().ExpiredTTL(t0.Add(36 * time.Second))); !slices.Equal(got, []string{"web/b"}) {
+		t.Errorf("ExpiredTTL after web/a turned critical = %v, want [web/b]", got)
 	}
 }
 

@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/hashicorp/go-memdb"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -90,6 +93,9 @@ type writeTxn struct {
 	// noOverlay[n] is set if a written record's key could not be computed:
 	// get then reads table n through txn.
 	noOverlay []bool
+	// counts holds the changes of this transaction to the instance counts
+	// (tableServiceCounts), written once per transaction by updateIndexes.
+	counts map[serviceHealth]int
 
 	// track makes get remember its lookups in reads (Evaluate), and
 	// noPrune skips the pruning of expired dedupe records (an external
@@ -104,6 +110,7 @@ func newWriteTxn() *writeTxn {
 		changed:   make([]uint64, n),
 		overlay:   make([]map[string]any, n),
 		noOverlay: make([]bool, n),
+		counts:    make(map[serviceHealth]int),
 	}
 	for i := range t.overlay {
 		t.overlay[i] = make(map[string]any)
@@ -123,6 +130,7 @@ func (t *writeTxn) begin(db *memdb.MemDB) {
 	t.reads = t.reads[:0]
 	clear(t.changed)
 	clear(t.noOverlay)
+	clear(t.counts)
 	for i, m := range t.overlay {
 		if len(m) > maxKeptOverlay {
 			// Clearing costs the map's capacity, which never shrinks:
@@ -178,6 +186,11 @@ func (t *writeTxn) insert(table string, obj any) error {
 		return err
 	}
 	t.writes++
+	if n == servicesNum {
+		if err := t.serviceReplaced(t.currentService(obj), obj); err != nil {
+			return err
+		}
+	}
 	if err := t.txn.Insert(table, obj); err != nil {
 		return fmt.Errorf("insert into %s: %w", table, err)
 	}
@@ -192,12 +205,105 @@ func (t *writeTxn) delete(table string, obj any) error {
 		return err
 	}
 	t.writes++
+	if n == servicesNum {
+		if err := t.serviceReplaced(t.currentService(obj), nil); err != nil {
+			return err
+		}
+	}
 	if err := t.txn.Delete(table, obj); err != nil {
 		return fmt.Errorf("delete from %s: %w", table, err)
 	}
 	t.changed[n] = t.index
 	t.remember(n, obj, nil)
 	return t.serviceChanged(obj)
+}
+
+// servicesNum is the tableNum of TableServices.
+const servicesNum = 0
+
+// serviceHealth is a key of tableServiceCounts.
+type serviceHealth struct {
+	service string
+	health  clusterv1.Health
+}
+
+// currentService returns the instance with obj's primary key as this
+// transaction sees it, nil when there is none. Unlike get, it is not a
+// read of the command (Evaluate does not track it).
+func (t *writeTxn) currentService(obj any) *clusterv1.ServiceInstance {
+	inst, ok := obj.(*clusterv1.ServiceInstance)
+	if !ok {
+		return nil
+	}
+	var v any
+	if ok, key, err := idIndexers[servicesNum].FromObject(inst); err == nil && ok && !t.noOverlay[servicesNum] {
+		if w, found := t.overlay[servicesNum][string(key)]; found {
+			v = w
+		} else {
+			v, _ = t.base.First(TableServices, indexID, inst.GetService(), inst.GetInstanceId())
+		}
+	} else {
+		v, _ = t.txn.First(TableServices, indexID, inst.GetService(), inst.GetInstanceId())
+	}
+	cur, _ := v.(*clusterv1.ServiceInstance)
+	return cur
+}
+
+// serviceReplaced keeps the derived state of the services table as old
+// (nil: none) becomes new (nil: deleted): the instance counts, in t.counts
+// until updateIndexes, and the rows of tableServiceChecks and
+// tableServiceDeadlines.
+func (t *writeTxn) serviceReplaced(o *clusterv1.ServiceInstance, new any) error {
+	w, _ := new.(*clusterv1.ServiceInstance)
+	if o == nil || w == nil || o.GetHealth() != w.GetHealth() {
+		// A heartbeat or a re-registration moves no count.
+		if o != nil {
+			t.counts[serviceHealth{o.GetService(), o.GetHealth()}]--
+		}
+		if w != nil {
+			t.counts[serviceHealth{w.GetService(), w.GetHealth()}]++
+		}
+	}
+	if oc, wc := o.GetCheck(), w.GetCheck(); oc != nil || wc != nil {
+		if oc == nil || wc == nil || o.GetNode() != w.GetNode() || !proto.Equal(oc, wc) {
+			if old := checkEntry(o); old != nil {
+				if _, err := t.txn.DeleteAll(tableServiceChecks, indexID, old.Node, old.Service, old.Instance); err != nil {
+					return fmt.Errorf("update the check of %s/%s: %w", o.GetService(), o.GetInstanceId(), err)
+				}
+			}
+			if row := checkEntry(w); row != nil {
+				if err := t.txn.Insert(tableServiceChecks, row); err != nil {
+					return fmt.Errorf("update the check of %s/%s: %w", w.GetService(), w.GetInstanceId(), err)
+				}
+			}
+		}
+	}
+	for _, d := range deadlines {
+		var (
+			was, is        time.Time
+			hadOne, hasOne bool
+		)
+		if o != nil {
+			was, hadOne = d.of(o)
+		}
+		if w != nil {
+			is, hasOne = d.of(w)
+		}
+		if hadOne == hasOne && was.Equal(is) {
+			continue
+		}
+		if hadOne {
+			if _, err := t.txn.DeleteAll(tableServiceDeadlines, indexID, d.kind, was, o.GetService(), o.GetInstanceId()); err != nil {
+				return fmt.Errorf("update the %s deadline of %s/%s: %w", d.kind, o.GetService(), o.GetInstanceId(), err)
+			}
+		}
+		if hasOne {
+			if err := t.txn.Insert(tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(is), Service: w.GetService(), Instance: w.GetInstanceId()}); err != nil {
+				return fmt.Errorf("update the %s deadline of %s/%s: %w", d.kind, w.GetService(), w.GetInstanceId(), err)
+			}
+		}
+	}
+	return nil
 }
 
 // serviceChanged records in tableServiceIndex that the service of obj, if
@@ -208,6 +314,58 @@ func (t *writeTxn) serviceChanged(obj any) error {
 		return nil
 	}
 	return setServiceIndex(t.txn, inst.GetService(), t.index)
+}
+
+// putServiceCount writes a row of tableServiceCounts, deleting it when
+// its count is zero.
+func putServiceCount(txn *memdb.Txn, c *ServiceCount) error {
+	var err error
+	if c.Instances > 0 {
+		err = txn.Insert(tableServiceCounts, c)
+	} else {
+		_, err = txn.DeleteAll(tableServiceCounts, indexID, c.Service, uint64(c.Health))
+	}
+	if err != nil {
+		return fmt.Errorf("update the instance count of service %q: %w", c.Service, err)
+	}
+	return nil
+}
+
+// deriveServices builds tableServiceCounts, tableServiceChecks and
+// tableServiceDeadlines from
+// the services table of txn, whose derived rows are empty (a restored or
+// replaced state).
+func deriveServices(txn *memdb.Txn) error {
+	it, err := txn.Get(TableServices, indexID)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", TableServices, err)
+	}
+	counts := map[serviceHealth]int{}
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		inst, ok := obj.(*clusterv1.ServiceInstance)
+		if !ok {
+			continue
+		}
+		counts[serviceHealth{inst.GetService(), inst.GetHealth()}]++
+		if row := checkEntry(inst); row != nil {
+			if err := txn.Insert(tableServiceChecks, row); err != nil {
+				return fmt.Errorf("add the check of %s/%s: %w", inst.GetService(), inst.GetInstanceId(), err)
+			}
+		}
+		for _, d := range deadlines {
+			if at, ok := d.of(inst); ok {
+				if err := txn.Insert(tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(at), Service: inst.GetService(), Instance: inst.GetInstanceId()}); err != nil {
+					return fmt.Errorf("add the %s deadline of %s/%s: %w", d.kind, inst.GetService(), inst.GetInstanceId(), err)
+				}
+			}
+		}
+	}
+	for k, n := range counts {
+		if err := putServiceCount(txn, &ServiceCount{Service: k.service, Health: k.health, Instances: n}); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // setServiceIndex writes a row of tableServiceIndex.
@@ -293,8 +451,22 @@ func scan[T any](t *writeTxn, table, index string, args ...any) ([]T, error) {
 }
 
 // updateIndexes writes, for every table the transaction changed, the index
-// of the last entry that changed it.
+// of the last entry that changed it, and the instance counts that moved.
 func (t *writeTxn) updateIndexes() error {
+	for k, d := range t.counts {
+		if d == 0 {
+			continue
+		}
+		// Count rows are written here only, once per key: the state the
+		// transaction started from holds the count before it.
+		n := d
+		if obj, err := t.base.First(tableServiceCounts, indexID, k.service, uint64(k.health)); err == nil && obj != nil {
+			n += obj.(*ServiceCount).Instances
+		}
+		if err := putServiceCount(t.txn, &ServiceCount{Service: k.service, Health: k.health, Instances: n}); err != nil {
+			return err
+		}
+	}
 	for n, index := range t.changed {
 		if index == 0 {
 			continue

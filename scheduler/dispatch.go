@@ -106,6 +106,12 @@ type DispatcherConfig struct {
 	MaxAttempts int
 	// MaxConcurrent bounds the actions in flight (default 64).
 	MaxConcurrent int
+	// MaxClaimed bounds the runs claimed and not finished, those waiting
+	// for a place among the MaxConcurrent included (default 1024). Claims
+	// do not wait for an action's place: the claims of slots due together
+	// are committed together (Raft groups concurrent proposals into one
+	// write), and the actions follow as places free up.
+	MaxClaimed int
 	// Grace: a slot found later than this is missed (DefaultGrace).
 	Grace time.Duration
 	// ApplyTimeout bounds one Raft proposal (default 10 s).
@@ -128,7 +134,8 @@ type dispatcher struct {
 	raft   Proposer
 	invoke Invoker
 	logger *slog.Logger
-	sem    chan struct{}
+	sem    chan struct{} // places of the actions in flight
+	claims chan struct{} // places of the runs claimed and not finished
 	wg     sync.WaitGroup
 	wake   chan struct{} // a worker finished
 
@@ -197,6 +204,9 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 	if cfg.MaxConcurrent <= 0 {
 		cfg.MaxConcurrent = 64
 	}
+	if cfg.MaxClaimed <= 0 {
+		cfg.MaxClaimed = 1024
+	}
 	if cfg.ApplyTimeout <= 0 {
 		cfg.ApplyTimeout = 10 * time.Second
 	}
@@ -217,6 +227,7 @@ func RunDispatcher(ctx context.Context, cfg DispatcherConfig, state StateReader,
 		cfg: cfg, state: state, raft: raft, invoke: invoke,
 		logger:  logger.With("component", "schedule-dispatcher"),
 		sem:     make(chan struct{}, cfg.MaxConcurrent),
+		claims:  make(chan struct{}, cfg.MaxClaimed),
 		wake:    make(chan struct{}, 1),
 		entries: make(map[string]*entry),
 		specs:   make(map[[2]string]*Spec),
@@ -393,23 +404,34 @@ func (d *dispatcher) execute(ctx context.Context, s *schedulev1.Schedule, spec *
 		if i == 0 {
 			sk = newest(skipped, limit-1)
 		}
-		// The action's place in the semaphore is taken before the claim:
-		// a claimed run is running, not waiting.
+		// The claim takes a place among the runs claimed and not
+		// finished, not among the actions in flight: the claims of the
+		// slots due together commit together, and each action then waits
+		// only for a place to act, not for the claims queued before it.
 		select {
-		case d.sem <- struct{}{}:
+		case d.claims <- struct{}{}:
 		case <-ctx.Done():
 			return true
 		}
 		if !d.current(s) {
-			<-d.sem
+			<-d.claims
 			return true
 		}
 		if err := d.claim(ctx, s, slot, sk, reasonCatchUp); err != nil {
-			<-d.sem
+			<-d.claims
 			return d.claimFailed(s, slot, err)
 		}
-		d.act(ctx, s, slot)
-		<-d.sem
+		select {
+		case d.sem <- struct{}{}:
+		case <-ctx.Done():
+			// Leadership lost between the claim and the action: the run
+			// stays STARTED and the next leader records that its outcome
+			// is unknown (it is never repeated).
+			<-d.claims
+			return true
+		}
+		d.act(ctx, s, slot) // gives the action's place back
+		<-d.claims
 		if ctx.Err() != nil {
 			return true
 		}
@@ -512,7 +534,17 @@ func (d *dispatcher) apply(ctx context.Context, cmd *fsmv1.Command) error {
 // act runs a claimed slot's action and records the outcome. An attempt
 // that found no backend endpoint (nothing was sent) is tried again within
 // the action timeout; no other failure is, so an action never runs twice.
+// The caller holds a place among the actions in flight (d.sem); act gives
+// it back when the backend call is done, before the outcome is committed.
 func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.Time) {
+	held := true
+	release := func() {
+		if held {
+			held = false
+			<-d.sem
+		}
+	}
+	defer release()
 	if d.cfg.Tracer != nil {
 		var span trace.Span
 		ctx, span = d.cfg.Tracer.Start(ctx, "schedule.run", trace.WithAttributes(
@@ -541,6 +573,7 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 			break
 		}
 	}
+	release()
 	if ctx.Err() != nil {
 		// Leadership lost mid-action: the run stays STARTED; the next
 		// leader records that its outcome is unknown.

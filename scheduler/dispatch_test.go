@@ -25,6 +25,8 @@ type calls struct {
 	list  []string // method vm
 	block chan struct{}
 	delay time.Duration
+	// inflight counts the calls under way, most the largest count seen.
+	inflight, most int
 }
 
 // invoke is the dispatcher's Invoker: every VM is on node-a.
@@ -33,6 +35,15 @@ func (c *calls) invoke(ctx context.Context, method string, req, resp proto.Messa
 }
 
 func (c *calls) call(ctx context.Context, method string, req, _ proto.Message) error {
+	c.mu.Lock()
+	c.inflight++
+	c.most = max(c.most, c.inflight)
+	c.mu.Unlock()
+	defer func() {
+		c.mu.Lock()
+		c.inflight--
+		c.mu.Unlock()
+	}()
 	if c.delay > 0 {
 		t := time.NewTimer(c.delay)
 		select {
@@ -479,5 +490,62 @@ func TestDispatcherPauseStopsAPlan(t *testing.T) {
 	})
 	if got := c.n(); got > n+1 || got >= 20 {
 		t.Errorf("%d calls, %d after the pause: the plan went on", got, got-n)
+	}
+}
+
+// TestDispatcherClaimsAhead: slots due together are all claimed without
+// waiting for a place among the actions in flight; MaxConcurrent bounds the
+// backend calls and MaxClaimed the runs claimed and not finished; when the
+// actions return, every claimed run is recorded ok, once.
+func TestDispatcherClaimsAhead(t *testing.T) {
+	l := newLog(t)
+	created := time.Now()
+	const n = 6
+	for i := range n {
+		l.put(t, &schedulev1.Schedule{Id: fmt.Sprintf("s%d", i), VmId: fmt.Sprintf("vm-%d", i), Action: schedulev1.Action_ACTION_REBOOT,
+			Cron: "@every 1s", Enabled: true}, created)
+	}
+	c := &calls{block: make(chan struct{})}
+	start(t, l, c, DispatcherConfig{MaxConcurrent: 2, MaxClaimed: 4})
+	started := func() int {
+		k := 0
+		for i := range n {
+			k += outcomes(l.runs(t, fmt.Sprintf("s%d", i)))[schedulev1.RunOutcome_RUN_OUTCOME_STARTED]
+		}
+		return k
+	}
+	eventually(t, "four runs claimed, two of them calling the backend", func() error {
+		c.mu.Lock()
+		inflight := c.inflight
+		c.mu.Unlock()
+		if k := started(); k != 4 || inflight != 2 {
+			return fmt.Errorf("%d runs claimed, %d calls in flight", k, inflight)
+		}
+		return nil
+	})
+	// While the actions hang, no claim goes past MaxClaimed and no call
+	// past MaxConcurrent (observed for half a second, bounded).
+	for end := time.Now().Add(500 * time.Millisecond); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if k := started(); k > 4 {
+			t.Fatalf("%d runs claimed and not finished, MaxClaimed 4", k)
+		}
+	}
+	close(c.block)
+	eventually(t, "every schedule's first slot ran", func() error {
+		for i := range n {
+			if outcomes(l.runs(t, fmt.Sprintf("s%d", i)))[schedulev1.RunOutcome_RUN_OUTCOME_OK] == 0 {
+				return fmt.Errorf("s%d: %v", i, outcomes(l.runs(t, fmt.Sprintf("s%d", i))))
+			}
+		}
+		return nil
+	})
+	c.mu.Lock()
+	most := c.most
+	c.mu.Unlock()
+	if most > 2 {
+		t.Errorf("%d backend calls at once, MaxConcurrent 2", most)
+	}
+	for i := range n {
+		contiguous(t, l, fmt.Sprintf("s%d", i), "@every 1s", created)
 	}
 }

@@ -81,7 +81,9 @@ func (s *Store) Apply(ctx context.Context, data []byte) (any, uint64, error) {
 			// Not while a restore writes (restoreMarker).
 			cmps = append(cmps, f, clientv3.Compare(clientv3.CreateRevision(s.restoreMarker()), "=", 0))
 		}
-		rev, ok, err := s.commit(ctx, p, cmps)
+		// A fenced write goes alone: its fence compares keys other
+		// writes of the batch may compare too.
+		rev, ok, err := s.commit(ctx, p, cmps, !leaderOnly)
 		if errors.Is(err, errTooLarge) {
 			// A rejected write: nothing was stored.
 			return &fsm.Result{Err: fmt.Errorf("%w: %w", fsm.ErrInvalidCommand, err)}, 0, nil
@@ -105,7 +107,8 @@ func (s *Store) Apply(ctx context.Context, data []byte) (any, uint64, error) {
 			}
 			continue
 		}
-		if err := s.WaitApplied(ctx, uint64(rev)); err != nil {
+		// The revision of this write: the watch delivers it.
+		if err := s.waitApplied(ctx, uint64(rev), true); err != nil {
 			return nil, 0, unavailable(ctx, "wait for the mirror", err)
 		}
 		res := ev.Result
@@ -144,6 +147,7 @@ func (s *Store) restoring(ctx context.Context) bool {
 
 // plan is the etcd transaction of an evaluated command.
 type plan struct {
+	keys []string // every key compared: each key read or written
 	cmps []clientv3.Cmp
 	puts []put
 	dels []string
@@ -292,6 +296,7 @@ func (s *Store) plan(ev fsm.Evaluation) (plan, error) {
 	for _, k := range keys {
 		p.cmps = append(p.cmps, clientv3.Compare(clientv3.ModRevision(k), "=", expect[k]))
 	}
+	p.keys = keys
 	return p, nil
 }
 
@@ -305,10 +310,11 @@ func sameTTL(old proto.Message, inst *clusterv1.ServiceInstance) bool {
 // cannot be stored in etcd as it is, however often it is retried.
 var errTooLarge = errors.New("the write is larger than etcd accepts")
 
-// commit runs the transaction of p under cmps. It returns the revision of
-// the write when it succeeded, else (false) a revision to catch the mirror
-// up to before evaluating again.
-func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64, bool, error) {
+// commit runs the transaction of p under cmps, batched with concurrent
+// writes of this agent when batch is set (batch.go). It returns the
+// revision of the write when it succeeded, else (false) a revision to
+// catch the mirror up to before evaluating again.
+func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp, batch bool) (int64, bool, error) {
 	// Leases granted here are revoked when the write certainly did not
 	// happen; after an answer that was lost they are left to expire, as
 	// the write may have committed with them.
@@ -328,8 +334,10 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 		return int64(rev), false, nil
 	}
 	ops := make([]clientv3.Op, 0, len(p.puts)+len(p.dels))
+	size := 0
 	for _, w := range p.puts {
 		val := w.val
+		size += len(w.key) + len(val)
 		lease := w.lease
 		switch {
 		case w.grant > 0:
@@ -376,10 +384,24 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 	}
 	for _, key := range p.dels {
 		ops = append(ops, clientv3.OpDelete(key))
+		size += len(key)
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	resp, err := s.cli.Txn(rctx).If(cmps...).Then(ops...).Commit()
-	cancel()
+	var (
+		rev       int64
+		succeeded bool
+		err       error
+	)
+	if batch {
+		rev, succeeded, err = s.txn(ctx, p.keys, cmps, ops, size)
+	} else {
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		var resp *clientv3.TxnResponse
+		resp, err = s.cli.Txn(rctx).If(cmps...).Then(ops...).Commit()
+		cancel()
+		if err == nil {
+			rev, succeeded = resp.Header.Revision, resp.Succeeded
+		}
+	}
 	switch {
 	case errors.Is(err, rpctypes.ErrLeaseNotFound):
 		// A lease expired between the evaluation and the write (the key
@@ -395,11 +417,11 @@ func (s *Store) commit(ctx context.Context, p plan, cmps []clientv3.Cmp) (int64,
 		return 0, false, unavailable(ctx, "commit", err)
 	}
 	s.contact()
-	if !resp.Succeeded {
+	if !succeeded {
 		revoke()
-		return resp.Header.Revision, false, nil
+		return rev, false, nil
 	}
-	return resp.Header.Revision, true, nil
+	return rev, true, nil
 }
 
 // dedupeLeaseID returns the lease dedupe records are written with: they

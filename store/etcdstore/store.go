@@ -90,6 +90,15 @@ type Store struct {
 	dedupeLease clientv3.LeaseID
 	dedupeUntil time.Time // when dedupeLease stops being handed out
 
+	// batchMu guards the writes waiting for their transaction (batch.go)
+	// and whether a goroutine is sending them (committing, tracked by
+	// batchWG); batchClosed refuses new ones once Close began.
+	batchMu     sync.Mutex
+	queue       []*txnReq
+	committing  bool
+	batchClosed bool
+	batchWG     sync.WaitGroup
+
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -172,7 +181,11 @@ func (s *Store) Close() error {
 	if s.closed.Swap(true) {
 		return nil
 	}
+	s.batchMu.Lock()
+	s.batchClosed = true
+	s.batchMu.Unlock()
 	s.cancel()
+	s.batchWG.Wait()
 	s.wg.Wait()
 	s.leader.close()
 	return nil
@@ -662,6 +675,19 @@ func (s *Store) AppliedIndex() uint64 { return s.fsm.AppliedIndex() }
 // report: while behind, the watch is asked for a progress notification,
 // which moves the mirror to the revision etcd is at.
 func (s *Store) WaitApplied(ctx context.Context, index uint64) error {
+	return s.waitApplied(ctx, index, false)
+}
+
+// progressWait is the first wait for the watch after (or, for an own
+// write, before) a progress request; it doubles up to half a second.
+const progressWait = 20 * time.Millisecond
+
+// waitApplied is WaitApplied; own says index is the revision of a write
+// under the layout's root, which the watch delivers by itself: the first
+// progress request then waits ownWriteGrace (one per write cost the etcd
+// member a request on the watch stream and the agent a goroutine for a
+// revision already on its way), so it comes only after progressWait.
+func (s *Store) waitApplied(ctx context.Context, index uint64, own bool) error {
 	if s.fsm.AppliedIndex() >= index {
 		return nil
 	}
@@ -669,10 +695,12 @@ func (s *Store) WaitApplied(ctx context.Context, index uint64) error {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- s.fsm.WaitApplied(wctx, index) }()
-	wait := 20 * time.Millisecond
-	for {
-		if err := s.cli.RequestProgress(clientv3.WithRequireLeader(s.ctx)); err != nil && ctx.Err() == nil {
-			s.logger.Debug("watch progress request failed", "error", err)
+	wait := progressWait
+	for first := true; ; first = false {
+		if !first || !own {
+			if err := s.cli.RequestProgress(clientv3.WithRequireLeader(s.ctx)); err != nil && ctx.Err() == nil {
+				s.logger.Debug("watch progress request failed", "error", err)
+			}
 		}
 		t := time.NewTimer(wait)
 		select {

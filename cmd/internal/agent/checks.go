@@ -77,7 +77,9 @@ func (a *Agent) followChecks(ctx context.Context, state checkState) {
 	}()
 	for ctx.Err() == nil {
 		ws := memdb.NewWatchSet()
-		_, insts, err := state.State().ServicesByNode(a.cfg.NodeName, ws)
+		// The rows of this node's checked instances: heartbeats and
+		// other nodes' writes neither wake this loop nor cost it a scan.
+		checks, err := state.State().ChecksByNode(a.cfg.NodeName, ws)
 		if err != nil {
 			a.logger.Warn("service checks: reading this node's instances failed", "error", err)
 			if !sleepCtx(ctx, time.Second) {
@@ -86,20 +88,17 @@ func (a *Agent) followChecks(ctx context.Context, state checkState) {
 			continue
 		}
 		seen := map[checkKey]bool{}
-		for _, inst := range insts {
-			if inst.GetCheck() == nil {
-				continue
-			}
-			k := checkKey{inst.GetService(), inst.GetInstanceId()}
+		for _, c := range checks {
+			k := checkKey{c.Service, c.Instance}
 			seen[k] = true
 			if r, ok := runners[k]; ok {
-				if proto.Equal(r.check, inst.GetCheck()) {
+				if proto.Equal(r.check, c.Check) {
 					continue
 				}
 				stop(k)
 			}
 			rctx, cancel := context.WithCancel(ctx)
-			r := &checkRunner{check: inst.GetCheck(), cancel: cancel, done: make(chan struct{})}
+			r := &checkRunner{check: c.Check, cancel: cancel, done: make(chan struct{})}
 			runners[k] = r
 			go func() {
 				defer close(r.done)

@@ -79,19 +79,17 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.verifyPassed, prometheus.CounterValue, float64(lv.Skipped), "skipped")
 	}
 	if f := c.a.fsm; f != nil {
-		if _, insts, err := f.State().Services("", nil); err == nil {
-			type key struct{ service, health string }
-			counts := map[key]int{}
-			names := map[string]bool{}
-			for _, in := range insts {
-				names[in.GetService()] = true
-				counts[key{in.GetService(), healthName(in.GetHealth().String())}]++
+		// The counts the FSM keeps per (service, health): one row each,
+		// not a scan of every instance per scrape.
+		counts := f.State().ServiceCounts()
+		services := 0
+		for i, k := range counts {
+			if i == 0 || counts[i-1].Service != k.Service {
+				services++
 			}
-			ch <- prometheus.MustNewConstMetric(c.services, prometheus.GaugeValue, float64(len(names)))
-			for k, n := range counts {
-				ch <- prometheus.MustNewConstMetric(c.instances, prometheus.GaugeValue, float64(n), k.service, k.health)
-			}
+			ch <- prometheus.MustNewConstMetric(c.instances, prometheus.GaugeValue, float64(k.Instances), k.Service, healthName(k.Health.String()))
 		}
+		ch <- prometheus.MustNewConstMetric(c.services, prometheus.GaugeValue, float64(services))
 	}
 	if g := c.a.gossip; g != nil {
 		states := map[string]int{}

@@ -22,13 +22,18 @@ import (
 // scheduleCount is how many schedules share one slot.
 const scheduleCount = 1000
 
+// scheduleTarget is the p99 lateness the 1,000 at once should stay within.
+const scheduleTarget = time.Second
+
 // BenchmarkScheduleLateness measures, on a 3-node cluster with a
 // simulated pivirtd, how late power-schedule actions reach the backend
 // when 1,000 schedules (one VM each, reboot) are due at the same minute:
 // lateness is from the slot to the backend call (a run's finish minus its
 // latency). The reference, in the same process, is one schedule alone
 // (@every 1s, ten slots). It reports p50 and p99 of both and the ratio of
-// the p99s. One run takes about two minutes whatever b.N.
+// the p99s, and a verdict against the target: p99 of the 1,000 at most
+// scheduleTarget (printed, never asserted). One run takes about two
+// minutes whatever b.N.
 func BenchmarkScheduleLateness(b *testing.B) {
 	ctx := b.Context()
 	simAddr := startSim(b)
@@ -90,9 +95,13 @@ func BenchmarkScheduleLateness(b *testing.B) {
 	b.ReportMetric(float64(p(all, .5).Microseconds())/1000, "p50-ms")
 	b.ReportMetric(float64(p(all, .99).Microseconds())/1000, "p99-ms")
 	b.ReportMetric(ratio, "p99-ratio")
-	fmt.Fprintf(os.Stdout, "schedule lateness, slot to backend call, 3 nodes: %d schedules at once p50 %s p99 %s max %s; one schedule alone p50 %s p99 %s; p99 ratio %.1f\n",
+	verdict := "PASS"
+	if p(all, .99) > scheduleTarget {
+		verdict = "BELOW TARGET"
+	}
+	fmt.Fprintf(os.Stdout, "schedule lateness, slot to backend call, 3 nodes: %d schedules at once p50 %s p99 %s max %s; one schedule alone p50 %s p99 %s; p99 ratio %.1f; target p99 <= %s: %s\n",
 		scheduleCount, p(all, .5).Round(time.Millisecond), p(all, .99).Round(time.Millisecond), all[len(all)-1].Round(time.Millisecond),
-		p(ref, .5).Round(time.Millisecond), p(ref, .99).Round(time.Millisecond), ratio)
+		p(ref, .5).Round(time.Millisecond), p(ref, .99).Round(time.Millisecond), ratio, scheduleTarget, verdict)
 }
 
 // parallel runs f(0..n-1) on 32 workers, failing b on the first error.
