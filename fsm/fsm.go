@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
+	"hash"
 	"log/slog"
 	"sync"
 	"time"
@@ -38,6 +40,8 @@ type FSM struct {
 	applyMu sync.Mutex
 	// txn is the write transaction, reused by every batch.
 	txn *writeTxn
+	// digest computes operation digests.
+	digest *digester
 	// sessions finds the idle sessions to prune.
 	sessions sessionQueue
 
@@ -91,6 +95,7 @@ func New(cfg Config) (*FSM, error) {
 		db:        newMemDB(),
 		abandonCh: make(chan struct{}),
 		txn:       newWriteTxn(),
+		digest:    newDigester(),
 		sessions:  sessionQueue{valid: true},
 	}, nil
 }
@@ -330,7 +335,7 @@ func (f *FSM) checkSession(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now tim
 	// compare.
 	refusal := cmd.GetRefuseWrite() != nil
 	if !refusal {
-		id.digest64 = opDigest64(l.Data)
+		id.digest64 = f.digest.digest64(l.Data)
 	}
 	s, err := lookup[*session](t, TableSessions, cmd.GetClientId())
 	if err != nil {
@@ -505,8 +510,32 @@ func dedupeValue(rec *fsmv1.DedupeRecord) proto.Message {
 // (the gateway fills it in), so a client's retry through another agent
 // differs there alone: it is the same write, as it is at another time.
 func opDigest(data []byte) []byte {
+	d := newDigester()
+	d.write(data)
+	return d.h.Sum(make([]byte, 0, sha256.Size))
+}
+
+// digester computes opDigest without allocating: the hash and its scratch
+// space are reused from entry to entry (the FSM's is guarded by applyMu).
+type digester struct {
+	h   hash.Hash
+	buf [binary.MaxVarintLen64]byte
+	sum [sha256.Size]byte
+}
+
+func newDigester() *digester { return &digester{h: sha256.New()} }
+
+// digest64 is opDigest64 of data.
+func (d *digester) digest64(data []byte) uint64 {
+	d.h.Reset()
+	d.write(data)
+	return binary.BigEndian.Uint64(d.h.Sum(d.sum[:0]))
+}
+
+// write hashes the fields of the encoded command data that opDigest
+// covers.
+func (d *digester) write(data []byte) {
 	b := data[1:]
-	h := sha256.New()
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeTag(b)
 		if n < 0 {
@@ -519,59 +548,94 @@ func opDigest(data []byte) []byte {
 		switch num {
 		case fieldClientID, fieldSequence, fieldTime:
 		case fieldRegisterService:
-			h.Write(withoutNested(b[:n+m], fieldInstance, fieldNode))
+			d.writeWithout(b[:n+m], fieldInstance, fieldNode)
 		default:
-			h.Write(b[:n+m])
+			d.h.Write(b[:n+m])
 		}
 		b = b[n+m:]
 	}
-	return h.Sum(make([]byte, 0, sha256.Size))
 }
 
-// withoutNested returns field (the wire bytes of one length-delimited
-// field, tag included) without the field path names inside it: path[0]
-// of its message, path[1] of that field's message, and so on; the
-// lengths around it are written again. field itself when the path is not
-// there (or does not parse).
-func withoutNested(field []byte, path ...protowire.Number) []byte {
-	num, typ, n := protowire.ConsumeTag(field)
+// writeWithout hashes field (the wire bytes of one length-delimited field,
+// tag included) without the field path names inside it: path[0] of its
+// message, path[1] of that field's message, and so on, the lengths around
+// it written again; field as it is when the path is not there (or does
+// not parse). It builds nothing: it hashes the tag, the new length, and
+// the pieces of the body that stay.
+func (d *digester) writeWithout(field []byte, path ...protowire.Number) {
+	_, typ, n := protowire.ConsumeTag(field)
 	if n < 0 || typ != protowire.BytesType {
-		return field
+		d.h.Write(field)
+		return
 	}
 	body, m := protowire.ConsumeBytes(field[n:])
 	if m < 0 {
-		return field
+		d.h.Write(field)
+		return
 	}
-	var out []byte // the new body, once something changed
+	size, ok := bodySizeWithout(body, path)
+	if !ok || size == len(body) {
+		d.h.Write(field)
+		return
+	}
+	d.h.Write(field[:n])
+	d.h.Write(protowire.AppendVarint(d.buf[:0], uint64(size)))
 	for rest := body; len(rest) > 0; {
 		fnum, ftyp, tn := protowire.ConsumeTag(rest)
-		if tn < 0 {
-			return field
-		}
 		vn := protowire.ConsumeFieldValue(fnum, ftyp, rest[tn:])
-		if vn < 0 {
-			return field
-		}
 		f := rest[:tn+vn]
 		switch {
 		case fnum != path[0]:
+			d.h.Write(f)
 		case len(path) == 1:
-			f = nil
 		default:
-			f = withoutNested(f, path[1:]...)
-		}
-		if out == nil && len(f) != tn+vn {
-			out = append(make([]byte, 0, len(body)), body[:len(body)-len(rest)]...)
-		}
-		if out != nil {
-			out = append(out, f...)
+			d.writeWithout(f, path[1:]...)
 		}
 		rest = rest[tn+vn:]
 	}
-	if out == nil {
-		return field
+}
+
+// bodySizeWithout is the length of body (a message's fields) without the
+// field path names, as writeWithout hashes it; false when it does not
+// parse (writeWithout then keeps it whole).
+func bodySizeWithout(body []byte, path []protowire.Number) (int, bool) {
+	size := 0
+	for rest := body; len(rest) > 0; {
+		fnum, ftyp, tn := protowire.ConsumeTag(rest)
+		if tn < 0 {
+			return 0, false
+		}
+		vn := protowire.ConsumeFieldValue(fnum, ftyp, rest[tn:])
+		if vn < 0 {
+			return 0, false
+		}
+		switch {
+		case fnum != path[0]:
+			size += tn + vn
+		case len(path) == 1:
+		default:
+			size += fieldSizeWithout(rest[:tn+vn], path[1:])
+		}
+		rest = rest[tn+vn:]
 	}
-	return protowire.AppendBytes(protowire.AppendTag(nil, num, protowire.BytesType), out)
+	return size, true
+}
+
+// fieldSizeWithout is the length of what writeWithout hashes of field.
+func fieldSizeWithout(field []byte, path []protowire.Number) int {
+	_, typ, n := protowire.ConsumeTag(field)
+	if n < 0 || typ != protowire.BytesType {
+		return len(field)
+	}
+	body, m := protowire.ConsumeBytes(field[n:])
+	if m < 0 {
+		return len(field)
+	}
+	size, ok := bodySizeWithout(body, path)
+	if !ok || size == len(body) {
+		return len(field)
+	}
+	return n + protowire.SizeVarint(uint64(size)) + size
 }
 
 // Field numbers of the Command envelope, which opDigest leaves out, and of

@@ -153,7 +153,7 @@ func (o *outcome) replay(cmd *fsmv1.Command) *Result {
 
 // opDigest64 is the first 8 bytes of opDigest, as sessions keep it: enough
 // to tell a client that reused an identity for another write, at a
-// quarter of the memory.
+// quarter of the memory. Apply computes it with the FSM's digester.
 func opDigest64(data []byte) uint64 {
 	return digest64(opDigest(data))
 }
