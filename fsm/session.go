@@ -50,7 +50,7 @@ type session struct {
 type outcome struct {
 	seq, index uint64
 	time       int64  // leader time, Unix nanoseconds
-	digest     uint64 // opDigest64 of the write; 0 for none (a refusal)
+	digest     uint64 // the first 8 bytes of opDigest; 0 for none (a refusal)
 	value      proto.Message
 	err        *outcomeErr // nil on success
 }
@@ -149,13 +149,6 @@ func (o *outcome) replay(cmd *fsmv1.Command) *Result {
 		res.Value = e
 	}
 	return res
-}
-
-// opDigest64 is the first 8 bytes of opDigest, as sessions keep it: enough
-// to tell a client that reused an identity for another write, at a
-// quarter of the memory. Apply computes it with the FSM's digester.
-func opDigest64(data []byte) uint64 {
-	return digest64(opDigest(data))
 }
 
 // digest64 shortens a SHA-256 digest (0 when there is none).

@@ -27,10 +27,6 @@ var update = flag.Bool("update", false, "rewrite the golden snapshot in testdata
 
 func readCloser(b []byte) io.ReadCloser { return io.NopCloser(bytes.NewReader(b)) }
 
-// populateV1 puts records in every table of snapshot format 1 through
-// ordinary commands: the steps of fsmtest.FullState that format holds.
-func populateV1(h *harness) { populateFormat(h, 1) }
-
 // populate fills every table: fsmtest.FullState.
 func populate(h *harness) {
 	h.t.Helper()
