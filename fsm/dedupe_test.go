@@ -240,7 +240,7 @@ func TestDedupeRecordContents(t *testing.T) {
 	if o.digest == 0 {
 		t.Error("op digest is 0")
 	}
-	want := outcome{seq: 9, index: 1, time: t0.UnixNano(), digest: o.digest,
+	want := outcome{seq: 9, maxSeq: 9, index: 1, time: t0.UnixNano(), digest: o.digest,
 		err: &outcomeErr{code: "not_found", msg: `not found: service "web" instance "a"`}}
 	if !reflect.DeepEqual(*o, want) {
 		t.Errorf("outcome = %+v, want %+v", *o, want)

@@ -45,10 +45,15 @@ type session struct {
 	outcomes []outcome
 }
 
-// outcome is the outcome of one applied write: 56 bytes, where a dedupe
+// outcome is the outcome of one applied write: 64 bytes, where a dedupe
 // record took some 570.
 type outcome struct {
 	seq, index uint64
+	// maxSeq is the highest sequence of this outcome and of every one
+	// appended before it to the same array (dropped ones included): find
+	// stops at an outcome whose maxSeq is below what it looks for. Not
+	// persisted; a restore computes it from the kept outcomes.
+	maxSeq uint64
 	time       int64  // leader time, Unix nanoseconds
 	digest     uint64 // the first 8 bytes of opDigest; 0 for none (a refusal)
 	value      proto.Message
@@ -59,14 +64,30 @@ type outcome struct {
 type outcomeErr struct{ code, msg string }
 
 // find returns the outcome of sequence seq, or nil. Writes of one client
-// are mostly applied in sequence order, so it searches from the newest.
+// are mostly applied in sequence order, so it searches from the newest,
+// and stops where no older outcome can hold seq (maxSeq): a sequence
+// applied out of order, or a new one below the highest, costs the
+// distance to where it belongs, not the whole list.
 func (s *session) find(seq uint64) *outcome {
 	for i := len(s.outcomes) - 1; i >= 0; i-- {
-		if s.outcomes[i].seq == seq {
-			return &s.outcomes[i]
+		o := &s.outcomes[i]
+		if o.seq == seq {
+			return o
+		}
+		if o.maxSeq < seq {
+			return nil
 		}
 	}
 	return nil
+}
+
+// appendOutcome appends o to outcomes, setting its maxSeq.
+func appendOutcome(outcomes []outcome, o outcome) []outcome {
+	o.maxSeq = o.seq
+	if n := len(outcomes); n > 0 {
+		o.maxSeq = max(o.seq, outcomes[n-1].maxSeq)
+	}
+	return append(outcomes, o)
 }
 
 // sessionExpired reports whether s saw no write within the window before
@@ -96,7 +117,7 @@ func (f *FSM) withOutcome(s *session, clientID string, now time.Time, o outcome)
 	} else {
 		n.outcomes = n.outcomes[drop:]
 	}
-	n.outcomes = append(n.outcomes, o)
+	n.outcomes = appendOutcome(n.outcomes, o)
 	n.highest = max(n.highest, o.seq)
 	if s == nil {
 		n.lastUsed = o.time
@@ -221,9 +242,9 @@ func sessionFromProto(m *fsmv1.Session) *session {
 		highest:        m.GetHighestSequence(),
 		droppedThrough: m.GetDroppedThrough(),
 		lastUsed:       unixNanos(m.GetLastUsed()),
-		outcomes:       make([]outcome, len(m.GetOutcomes())),
+		outcomes:       make([]outcome, 0, len(m.GetOutcomes())),
 	}
-	for i, p := range m.GetOutcomes() {
+	for _, p := range m.GetOutcomes() {
 		o := outcome{seq: p.GetSequence(), index: p.GetIndex(), time: unixNanos(p.GetTime()), digest: p.GetOpDigest()}
 		if p.GetErrorCode() != "" {
 			o.err = &outcomeErr{code: p.GetErrorCode(), msg: p.GetErrorMessage()}
@@ -238,7 +259,7 @@ func sessionFromProto(m *fsmv1.Session) *session {
 		case *fsmv1.Outcome_Run:
 			o.value = v.Run
 		}
-		s.outcomes[i] = o
+		s.outcomes = appendOutcome(s.outcomes, o)
 	}
 	return s
 }
@@ -264,7 +285,7 @@ func sessionsFromDedupe(recs []*fsmv1.DedupeRecord) []*session {
 		if r.GetErrorCode() != "" {
 			o.err = &outcomeErr{code: r.GetErrorCode(), msg: r.GetErrorMessage()}
 		}
-		s.outcomes = append(s.outcomes, o)
+		s.outcomes = appendOutcome(s.outcomes, o)
 		s.highest = max(s.highest, o.seq)
 		if len(s.outcomes) == 1 {
 			s.lastUsed = o.time
