@@ -2,11 +2,15 @@ package fsm
 
 import (
 	"errors"
+	"fmt"
+	"io"
 	"reflect"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -402,5 +406,72 @@ func TestRefuseWrite(t *testing.T) {
 		if r := h.apply(cmd); !errors.Is(r.Err, ErrInvalidCommand) {
 			t.Errorf("%s: %v, want ErrInvalidCommand", name, r.Err)
 		}
+	}
+}
+
+// TestSessionReadersWhileApplying reads a session's outcomes (a State's
+// WriteOutcome, a snapshot) while batches append to the array they share
+// with the next versions, and drop outcomes off its front: under -race, a
+// reader never sees an element a write changes.
+func TestSessionReadersWhileApplying(t *testing.T) {
+	f, err := New(func() Config { c := DefaultConfig(); c.DedupeWindow = 50 * time.Millisecond; return c }())
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 4000
+	var log []*raft.Log
+	for i := range n {
+		cmd := withClient(setConfig("k", "v"), "c", uint64(i+1))
+		cmd.Time = timestamppb.New(t0.Add(time.Duration(i) * time.Millisecond))
+		data, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		log = append(log, &raft.Log{Index: uint64(i + 1), Type: raft.LogCommand, Data: data})
+	}
+	done := make(chan struct{})
+	readErr := make(chan error, 1)
+	go func() {
+		defer close(readErr)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			st := f.State()
+			applied := st.applied
+			if applied == 0 {
+				continue
+			}
+			res, err := st.WriteOutcome("c", applied)
+			if err != nil || res == nil || res.Index != applied {
+				readErr <- fmt.Errorf("outcome of the last applied write %d: %+v, %v", applied, res, err)
+				return
+			}
+			if err := st.WriteSnapshot(io.Discard); err != nil {
+				readErr <- err
+				return
+			}
+		}
+	}()
+	for i := 0; i < n; i += 8 {
+		for _, r := range f.ApplyBatch(log[i:min(i+8, n)]) {
+			if err := r.(*Result).Err; err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	close(done)
+	if err := <-readErr; err != nil {
+		t.Fatal(err)
+	}
+	s, err := lookupSession(f.State().txn, "c")
+	if err != nil || s == nil {
+		t.Fatal(s, err)
+	}
+	// 50 ms of writes 1 ms apart are kept; the rest were dropped.
+	if len(s.outcomes) > 52 || s.droppedThrough < n-52 {
+		t.Errorf("%d outcomes kept, dropped through %d", len(s.outcomes), s.droppedThrough)
 	}
 }
