@@ -54,10 +54,10 @@ type outcome struct {
 	// stops at an outcome whose maxSeq is below what it looks for. Not
 	// persisted; a restore computes it from the kept outcomes.
 	maxSeq uint64
-	time       int64  // leader time, Unix nanoseconds
-	digest     uint64 // the first 8 bytes of opDigest; 0 for none (a refusal)
-	value      proto.Message
-	err        *outcomeErr // nil on success
+	time   int64  // leader time, Unix nanoseconds
+	digest uint64 // the first 8 bytes of opDigest; 0 for none (a refusal)
+	value  proto.Message
+	err    *outcomeErr // nil on success
 }
 
 // outcomeErr is a failed write's persisted error code and message.
