@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -473,5 +474,43 @@ func TestSessionReadersWhileApplying(t *testing.T) {
 	// 50 ms of writes 1 ms apart are kept; the rest were dropped.
 	if len(s.outcomes) > 52 || s.droppedThrough < n-52 {
 		t.Errorf("%d outcomes kept, dropped through %d", len(s.outcomes), s.droppedThrough)
+	}
+}
+
+// TestSessionBytesBound: a session keeps its outcomes' records under
+// maxSessionBytes (a snapshot record has to hold them); past it the
+// oldest go, and a repeat of one of them is too old to replay. A restore
+// counts the same bytes.
+func TestSessionBytesBound(t *testing.T) {
+	h := newHarness(t)
+	big := strings.Repeat("x", 256<<10)
+	const n = 200 // 50 MiB of records
+	for i := range n {
+		in := instance("web", fmt.Sprintf("i%03d", i))
+		in.Meta = map[string]string{"blob": big}
+		h.mustApply(withClient(register(in), "c", uint64(i+1)))
+	}
+	s, err := lookupSession(h.f.State().txn, "c")
+	if err != nil || s == nil {
+		t.Fatal(s, err)
+	}
+	if s.bytes > maxSessionBytes || len(s.outcomes) >= n || s.droppedThrough == 0 {
+		t.Fatalf("session: %d bytes, %d outcomes, dropped through %d; want at most %d bytes", s.bytes, len(s.outcomes), s.droppedThrough, maxSessionBytes)
+	}
+	if res := h.apply(withClient(register(instance("web", "i000")), "c", 1)); !errors.Is(res.Err, ErrTooOldToReplay) {
+		t.Errorf("repeat of a dropped outcome: %+v, want ErrTooOldToReplay", res)
+	}
+	last := instance("web", fmt.Sprintf("i%03d", n-1))
+	last.Meta = map[string]string{"blob": big}
+	if res := h.apply(withClient(register(last), "c", n)); res.Err != nil || !res.Duplicate {
+		t.Errorf("repeat of the last write: %+v, want a duplicate", res)
+	}
+	r := newHarness(t)
+	if err := r.f.Restore(readCloser(h.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := lookupSession(r.f.State().txn, "c")
+	if err != nil || rs == nil || rs.bytes != s.bytes || len(rs.outcomes) != len(s.outcomes) {
+		t.Fatalf("restored session: %d bytes, %d outcomes; want %d, %d", rs.bytes, len(rs.outcomes), s.bytes, len(s.outcomes))
 	}
 }

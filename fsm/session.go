@@ -22,6 +22,11 @@ import (
 // agent it still covers 16 s, more than any retry waits.
 const maxOutcomesPerSession = 1 << 17
 
+// maxSessionBytes bounds the encoded size of a session's outcomes (their
+// records and error messages): a session is one snapshot record, which a
+// restore refuses beyond 64 MiB. Past it the oldest outcomes are dropped.
+const maxSessionBytes = 32 << 20
+
 // maxSessionPrunePerApply bounds the idle sessions one entry deletes.
 const maxSessionPrunePerApply = 256
 
@@ -43,6 +48,9 @@ type session struct {
 	lastUsed int64
 	// outcomes in apply order.
 	outcomes []outcome
+	// bytes is the sum of the outcomes' sizes (outcome.size): not
+	// persisted, a function of the outcomes kept.
+	bytes int
 }
 
 // outcome is the outcome of one applied write: 64 bytes, where a dedupe
@@ -58,6 +66,20 @@ type outcome struct {
 	digest uint64 // the first 8 bytes of opDigest; 0 for none (a refusal)
 	value  proto.Message
 	err    *outcomeErr // nil on success
+}
+
+// size is what o adds to its session's snapshot record, about: the
+// encoded size of the record it keeps and of its error, and 64 bytes for
+// the rest. It depends on nothing but o, so every node counts the same.
+func (o *outcome) size() int {
+	n := 64
+	if o.value != nil {
+		n += proto.Size(o.value)
+	}
+	if o.err != nil {
+		n += len(o.err.code) + len(o.err.msg)
+	}
+	return n
 }
 
 // outcomeErr is a failed write's persisted error code and message.
@@ -106,9 +128,12 @@ func (f *FSM) withOutcome(s *session, clientID string, now time.Time, o outcome)
 		*n = *s
 	}
 	cutoff := now.UnixNano() - int64(f.cfg.DedupeWindow)
+	size := o.size()
 	drop := 0
-	for drop < len(n.outcomes) && (n.outcomes[drop].time < cutoff || len(n.outcomes)-drop >= maxOutcomesPerSession) {
+	for drop < len(n.outcomes) && (n.outcomes[drop].time < cutoff || len(n.outcomes)-drop >= maxOutcomesPerSession ||
+		n.bytes+size > maxSessionBytes) {
 		n.droppedThrough = max(n.droppedThrough, n.outcomes[drop].seq)
+		n.bytes -= n.outcomes[drop].size()
 		drop++
 	}
 	if drop == len(n.outcomes) {
@@ -118,6 +143,7 @@ func (f *FSM) withOutcome(s *session, clientID string, now time.Time, o outcome)
 		n.outcomes = n.outcomes[drop:]
 	}
 	n.outcomes = appendOutcome(n.outcomes, o)
+	n.bytes += size
 	n.highest = max(n.highest, o.seq)
 	if s == nil {
 		n.lastUsed = o.time
@@ -260,6 +286,7 @@ func sessionFromProto(m *fsmv1.Session) *session {
 			o.value = v.Run
 		}
 		s.outcomes = appendOutcome(s.outcomes, o)
+		s.bytes += o.size()
 	}
 	return s
 }
@@ -286,6 +313,7 @@ func sessionsFromDedupe(recs []*fsmv1.DedupeRecord) []*session {
 			o.err = &outcomeErr{code: r.GetErrorCode(), msg: r.GetErrorMessage()}
 		}
 		s.outcomes = appendOutcome(s.outcomes, o)
+		s.bytes += o.size()
 		s.highest = max(s.highest, o.seq)
 		if len(s.outcomes) == 1 {
 			s.lastUsed = o.time
