@@ -184,8 +184,8 @@ func TestSetPlacementsUnchangedIsCheap(t *testing.T) {
 	if got := h.f.State().Index(TablePlacements); got != wantIndex {
 		t.Errorf("index of %s = %d after unchanged listings, want %d", TablePlacements, got, wantIndex)
 	}
-	if got := h.f.State().Index(TableDedupe); got != 4 {
-		t.Errorf("index of %s = %d, want 4 (the identified listing's record)", TableDedupe, got)
+	if got := h.f.State().Index(TableSessions); got != 4 {
+		t.Errorf("index of %s = %d, want 4 (the identified listing's outcome)", TableSessions, got)
 	}
 	if !ws.Watch(time.After(20 * time.Millisecond)) {
 		t.Errorf("a watcher of the placements woke on unchanged listings")

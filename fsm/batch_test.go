@@ -3,6 +3,7 @@ package fsm
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -368,22 +369,32 @@ func diffResult(got, want *Result) string {
 	return ""
 }
 
-// checkDedupeHead fails if the FSM's dedupe queue, when valid, is not
-// every committed dedupe record in pruning order.
+// checkDedupeHead fails if the FSM's session queue, when valid, does not
+// hold one entry per committed session, in order, none later than its
+// session's last use.
 func checkDedupeHead(t testing.TB, f *FSM) {
 	t.Helper()
-	q := f.head
+	q := f.sessions
 	if !q.valid {
 		return
 	}
-	it, err := f.State().txn.Get(TableDedupe, indexID)
+	it, err := f.State().txn.Get(TableSessions, indexID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	all := collect[*fsmv1.DedupeRecord](it)
-	slices.SortFunc(all, compareDedupe)
-	if !slices.Equal(q.recs, all) {
-		t.Fatalf("dedupe queue (%d records) is not the table (%d records) in pruning order", len(q.recs), len(all))
+	all := collect[*session](it)
+	if len(q.entries) != len(all) || !slices.IsSortedFunc(q.entries, compareUse) {
+		t.Fatalf("session queue (%d entries) does not hold the %d sessions in order", len(q.entries), len(all))
+	}
+	last := make(map[string]int64, len(all))
+	for _, s := range all {
+		last[s.clientID] = s.lastUsed
+	}
+	for _, u := range q.entries {
+		if lu, ok := last[u.clientID]; !ok || u.time > lu {
+			t.Fatalf("session queue entry %+v: session last used %d (found %v)", u, lu, ok)
+		}
+		delete(last, u.clientID)
 	}
 }
 
@@ -424,7 +435,7 @@ func TestApplyBatchMatchesApply(t *testing.T) {
 			for i, l := range log {
 				// Without a dedupe head, every prune scans the time index:
 				// the head must not change what is pruned.
-				ref.head.invalidate()
+				ref.sessions.invalidate()
 				want[i] = ref.Apply(l).(*Result)
 				states[i] = ref.State()
 			}
@@ -446,8 +457,12 @@ func TestApplyBatchMatchesApply(t *testing.T) {
 					rejected++
 				}
 				if i%50 == 0 {
-					it, _ := states[i].txn.Get(TableDedupe, indexID)
-					maxDedupe = max(maxDedupe, len(collect[*fsmv1.DedupeRecord](it)))
+					it, _ := states[i].txn.Get(TableSessions, indexID)
+					n := 0
+					for _, s := range collect[*session](it) {
+						n += len(s.outcomes)
+					}
+					maxDedupe = max(maxDedupe, n)
 				}
 			}
 			t.Logf("%d entries, %d rejected or duplicate, up to %d dedupe records", len(log), rejected, maxDedupe)
@@ -555,7 +570,7 @@ func TestApplyBatchEntries(t *testing.T) {
 		t.Errorf("AppliedIndex = %d, want 10", got)
 	}
 	st := h.f.State()
-	for table, want := range map[string]uint64{TableServices: 6, TableDedupe: 6, TableConfig: 9, TableConfigHistory: 9, TableSchedules: 0} {
+	for table, want := range map[string]uint64{TableServices: 6, TableSessions: 6, TableConfig: 9, TableConfigHistory: 9, TableSchedules: 0} {
 		if got := st.Index(table); got != want {
 			t.Errorf("index of %s = %d, want %d", table, got, want)
 		}
@@ -639,8 +654,8 @@ func TestWriteThenFailRollsBack(t *testing.T) {
 	if !errors.Is(want[1].Err, ErrNotFound) {
 		t.Errorf("failed entry result = %v, want its error", want[1].Err)
 	}
-	if rec, _ := lookupDedupe(st.txn, "c", 2); rec.GetErrorCode() != "not_found" {
-		t.Errorf("dedupe record of the failed entry = %v, want not_found", rec)
+	if res, _ := st.WriteOutcome("c", 2); res == nil || !errors.Is(res.Err, ErrNotFound) {
+		t.Errorf("outcome of the failed entry = %v, want not_found", res)
 	}
 	if got := st.Index(TableServices); got != 1 {
 		t.Errorf("services index = %d, want 1", got)
@@ -697,13 +712,21 @@ func TestOpDigestMatchesCopy(t *testing.T) {
 // one digest; the digest of one without a node or without an instance is
 // that of its bytes as they are; another address is another digest.
 func TestOpDigestLeavesOutTheNode(t *testing.T) {
+	shared := newDigester()
 	digest := func(in *clusterv1.ServiceInstance) []byte {
 		t.Helper()
 		data, err := Encode(register(in))
 		if err != nil {
 			t.Fatal(err)
 		}
-		return opDigest(data)
+		d := opDigest(data)
+		// The FSM's reused digester, twice: the same first 8 bytes.
+		for range 2 {
+			if got := shared.digest64(data); got != binary.BigEndian.Uint64(d) {
+				t.Fatalf("digest64 = %x, want the first 8 bytes of %x", got, d)
+			}
+		}
+		return d
 	}
 	a := &clusterv1.ServiceInstance{Service: "web", InstanceId: "a", Node: "node1", Address: "10.0.0.1", Port: 80}
 	b := proto.CloneOf(a)
@@ -822,29 +845,6 @@ func TestIndexKeys(t *testing.T) {
 	}
 }
 
-func TestCompareDedupe(t *testing.T) {
-	recs := []*fsmv1.DedupeRecord{
-		{ClientId: "b", Sequence: 1, Time: &timestamppb.Timestamp{Seconds: -5}},
-		{ClientId: "a", Sequence: 2, Time: &timestamppb.Timestamp{Seconds: 1}},
-		{ClientId: "a", Sequence: 10, Time: &timestamppb.Timestamp{Seconds: 1}},
-		{ClientId: "ab", Sequence: 1, Time: &timestamppb.Timestamp{Seconds: 1}},
-		{ClientId: "a\x00", Sequence: 1, Time: &timestamppb.Timestamp{Seconds: 1, Nanos: 1}},
-		{ClientId: "a", Sequence: 1, Time: &timestamppb.Timestamp{Seconds: 1, Nanos: 1}},
-		{ClientId: "a\x00b", Sequence: 0, Time: &timestamppb.Timestamp{Seconds: 1, Nanos: 1}},
-	}
-	key := func(r *fsmv1.DedupeRecord) []byte {
-		_, id, _ := dedupeID.FromObject(r)
-		return append(appendTimeKey(nil, r.GetTime().GetSeconds(), r.GetTime().GetNanos()), id...)
-	}
-	for _, a := range recs {
-		for _, b := range recs {
-			if got, want := compareDedupe(a, b), bytes.Compare(key(a), key(b)); got != want {
-				t.Errorf("compareDedupe(%v, %v) = %d, want %d (key order)", a, b, got, want)
-			}
-		}
-	}
-}
-
 // TestRejectedCommandsWriteNothing applies every kind of rejected command in
 // the middle of a batch and checks that each changed nothing but its dedupe
 // record.
@@ -858,8 +858,8 @@ func TestRejectedCommandsWriteNothing(t *testing.T) {
 			continue
 		}
 		after := dumpTables(t, ref)
-		delete(before, TableDedupe)
-		delete(after, TableDedupe)
+		delete(before, TableSessions)
+		delete(after, TableSessions)
 		delete(before, TableIndex)
 		delete(after, TableIndex)
 		if !reflect.DeepEqual(before, after) {
@@ -868,10 +868,11 @@ func TestRejectedCommandsWriteNothing(t *testing.T) {
 	}
 }
 
-// TestDedupeHeadReplacedRecord retries a write whose dedupe record expired
-// but is not pruned yet (more than maxPrunePerApply records expired at
-// once), while the dedupe head holds that record.
-func TestDedupeHeadReplacedRecord(t *testing.T) {
+// TestSessionQueueExpiredSession retries a write of a client whose
+// session expired but is not pruned yet (more than
+// maxSessionPrunePerApply sessions expired at once), in batches split
+// everywhere around it.
+func TestSessionQueueExpiredSession(t *testing.T) {
 	var log []*raft.Log
 	add := func(cmd *fsmv1.Command, ts time.Time) {
 		cmd.Time = timestamppb.New(ts)
@@ -881,15 +882,16 @@ func TestDedupeHeadReplacedRecord(t *testing.T) {
 		}
 		log = append(log, &raft.Log{Index: uint64(len(log) + 1), Type: raft.LogCommand, Data: data})
 	}
-	const n = 3*maxPrunePerApply + 50
+	const n = 3*maxSessionPrunePerApply + 50
 	for i := range n {
-		add(withClient(setConfig("k", "v"), "c", uint64(i+1)), t0.Add(time.Duration(i)*time.Millisecond))
+		add(withClient(setConfig("k", "v"), fmt.Sprintf("c%04d", i), 1), t0.Add(time.Duration(i)*time.Millisecond))
 	}
 	later := t0.Add(time.Hour)
 	add(setConfig("k", "v"), later)
 	add(setConfig("k", "v"), later)
-	add(withClient(setConfig("k", "v"), "c", n-10), later) // its record is still stored
-	add(withClient(setConfig("k", "v"), "c", n-10), later) // a duplicate now
+	last := fmt.Sprintf("c%04d", n-10)
+	add(withClient(setConfig("k", "v"), last, 1), later) // its session is still stored, expired
+	add(withClient(setConfig("k", "v"), last, 1), later) // a duplicate now
 	add(setConfig("k", "v"), later)
 
 	one := newHarness(t).f
@@ -917,16 +919,16 @@ func TestDedupeHeadReplacedRecord(t *testing.T) {
 	}
 }
 
-// TestDedupePruneBeyondHead prunes far more records than the dedupe head
-// holds, starting from a state restored from a snapshot (so the head is
-// loaded from the time index): every entry prunes maxPrunePerApply records,
-// oldest first, until none is expired.
-func TestDedupePruneBeyondHead(t *testing.T) {
+// TestSessionPruneAfterRestore prunes far more idle sessions than one
+// entry may, starting from a state restored from a snapshot (so the queue
+// is loaded from the table): every entry prunes maxSessionPrunePerApply
+// sessions until none is idle.
+func TestSessionPruneAfterRestore(t *testing.T) {
 	src := newHarness(t)
-	const n = 7 * maxPrunePerApply / 2
+	const n = 7 * maxSessionPrunePerApply / 2
 	for i := range n {
 		src.now = t0.Add(time.Duration(i) * time.Millisecond)
-		src.mustApply(withClient(setConfig("k", "v"), "c", uint64(i+1)))
+		src.mustApply(withClient(setConfig("k", "v"), fmt.Sprintf("c%04d", i), 1))
 	}
 	h := newHarness(t)
 	if err := h.f.Restore(readCloser(src.snapshot())); err != nil {
@@ -935,9 +937,9 @@ func TestDedupePruneBeyondHead(t *testing.T) {
 	h.index, h.now = src.index, t0.Add(time.Hour)
 	for left := n; left > 0; {
 		h.mustApply(setConfig("k", "v"))
-		left = max(0, left-maxPrunePerApply)
-		if got := dedupeCount(t, h); got != left {
-			t.Fatalf("dedupe records = %d, want %d", got, left)
+		left = max(0, left-maxSessionPrunePerApply)
+		if got := sessionCount(t, h); got != left {
+			t.Fatalf("sessions = %d, want %d", got, left)
 		}
 		checkDedupeHead(t, h.f)
 	}

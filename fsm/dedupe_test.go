@@ -2,19 +2,39 @@ package fsm
 
 import (
 	"errors"
+	"fmt"
+	"io"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
+// dedupeCount is the number of outcomes the sessions keep.
 func dedupeCount(t *testing.T, h *harness) int {
 	t.Helper()
-	return len(dumpTables(t, h.f)[TableDedupe])
+	it, err := h.f.State().txn.Get(TableSessions, indexID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, s := range collect[*session](it) {
+		n += len(s.outcomes)
+	}
+	return n
+}
+
+// sessionCount is the number of sessions.
+func sessionCount(t *testing.T, h *harness) int {
+	t.Helper()
+	return len(dumpTables(t, h.f)[TableSessions])
 }
 
 func TestDedupeRepeatSuccess(t *testing.T) {
@@ -85,65 +105,90 @@ func TestDedupeIdentity(t *testing.T) {
 	}
 }
 
+// TestDedupeWindow: within the window a repeat gets its outcome; after
+// it, a session still in use refuses the repeat as too old to replay
+// (never applies it twice), and a session that saw no write for the
+// window is gone, so the repeat is a new client's first write.
 func TestDedupeWindow(t *testing.T) {
 	const window = 10 * time.Minute
 	tests := []struct {
 		name    string
 		after   time.Duration
+		keepUp  bool // the client writes again just before the repeat
 		wantDup bool
+		wantErr error
+		wantRev uint64
 	}{
-		{"immediately", 0, true},
-		{"inside the window", window - time.Second, true},
-		{"at the window", window, true},
-		{"after the window", window + time.Nanosecond, false},
+		{"immediately", 0, false, true, nil, 1},
+		{"inside the window", window - time.Second, false, true, nil, 1},
+		{"at the window", window, false, true, nil, 1},
+		{"after the window, session idle", window + time.Nanosecond, false, false, nil, 2},
+		{"after the window, session in use", window + time.Nanosecond, true, false, ErrTooOldToReplay, 2},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t, func(c *Config) { c.DedupeWindow = window })
 			h.mustApply(withClient(setConfig("k", "v1"), "c", 1))
+			if tt.keepUp {
+				h.now = t0.Add(window / 2)
+				h.mustApply(withClient(setConfig("k", "v1"), "c", 2))
+			}
 			h.now = t0.Add(tt.after)
 			res := h.apply(withClient(setConfig("k", "v1"), "c", 1))
-			if res.Duplicate != tt.wantDup || res.Err != nil {
-				t.Fatalf("Result %+v, want Duplicate=%v", res, tt.wantDup)
+			if res.Duplicate != tt.wantDup || !errors.Is(res.Err, tt.wantErr) || (tt.wantErr == nil) != (res.Err == nil) {
+				t.Fatalf("Result %+v, want Duplicate=%v, error %v", res, tt.wantDup, tt.wantErr)
 			}
 			e, _ := h.f.State().ConfigEntry("k")
-			if wantRev := map[bool]uint64{true: 1, false: 2}[tt.wantDup]; e.GetRevision() != wantRev {
-				t.Errorf("revision = %d, want %d", e.GetRevision(), wantRev)
+			if e.GetRevision() != tt.wantRev {
+				t.Errorf("revision = %d, want %d", e.GetRevision(), tt.wantRev)
 			}
-			if n := dedupeCount(t, h); n != 1 {
-				t.Errorf("dedupe records = %d, want 1", n)
+			if n := sessionCount(t, h); n != 1 {
+				t.Errorf("sessions = %d, want 1", n)
 			}
 		})
 	}
 }
 
-func TestDedupePruning(t *testing.T) {
+// TestSessionOutcomes: outcomes older than the window leave the session
+// when its client writes again, and a repeat of one of them is refused as
+// too old; writes applied out of order (concurrent requests of one
+// client) each apply once, and an idle session is pruned by any write.
+func TestSessionOutcomes(t *testing.T) {
 	h := newHarness(t)
-	const n = maxPrunePerApply + 44
-	for i := range n {
-		h.now = t0.Add(time.Duration(i) * time.Millisecond)
-		h.mustApply(withClient(setConfig("k", "v"), "c", uint64(i+1)))
+	window := DefaultConfig().DedupeWindow
+	for i := range 10 {
+		h.now = t0.Add(time.Duration(i) * time.Second)
+		h.mustApply(withClient(setConfig("k", "v"), "c", uint64(2*i+2))) // even sequences
 	}
-	// A record exactly at the cutoff stays; only older ones go.
-	h.now = t0.Add(DefaultConfig().DedupeWindow + (n-1)*time.Millisecond)
+	// The odd sequences arrive late, out of order: new writes, applied.
+	for i := range 10 {
+		res := h.apply(withClient(setConfig("k", "v"), "c", uint64(2*i+1)))
+		if res.Err != nil || res.Duplicate {
+			t.Fatalf("late sequence %d: %+v, want applied", 2*i+1, res)
+		}
+	}
+	if n := dedupeCount(t, h); n != 20 {
+		t.Fatalf("outcomes = %d, want 20", n)
+	}
+	// Past the window of the first five writes: the next write drops them.
+	h.now = t0.Add(window + 4*time.Second + time.Millisecond)
+	h.mustApply(withClient(setConfig("k", "v"), "c", 100))
+	if res := h.apply(withClient(setConfig("k", "v"), "c", 2)); !errors.Is(res.Err, ErrTooOldToReplay) || res.Duplicate {
+		t.Fatalf("repeat of a dropped outcome: %+v, want ErrTooOldToReplay", res)
+	}
+	if res := h.apply(withClient(setConfig("k", "v"), "c", 12)); res.Err != nil || !res.Duplicate {
+		t.Fatalf("repeat of a kept outcome: %+v, want a duplicate", res)
+	}
+	// Sequence 3, below the dropped ones but applied late, is kept.
+	if res := h.apply(withClient(setConfig("k", "v"), "c", 3)); res.Err != nil || !res.Duplicate {
+		t.Fatalf("repeat of sequence 3: %+v, want a duplicate", res)
+	}
+	// Another client's session, idle for the window, goes with any write.
+	h.mustApply(withClient(setConfig("k", "v"), "other", 1))
+	h.now = h.now.Add(window + time.Second)
 	h.mustApply(setConfig("k", "v"))
-	if got := dedupeCount(t, h); got != n-maxPrunePerApply {
-		t.Fatalf("dedupe records after one apply = %d, want %d (bounded pruning)", got, n-maxPrunePerApply)
-	}
-	h.mustApply(setConfig("k", "v"))
-	if got := dedupeCount(t, h); got != 1 {
-		t.Fatalf("dedupe records after two applies = %d, want 1", got)
-	}
-	if idx := h.f.State().Index(TableDedupe); idx != h.index {
-		t.Errorf("dedupe index = %d, want %d", idx, h.index)
-	}
-	// A rejected command prunes too.
-	h.now = h.now.Add(time.Hour)
-	if res := h.apply(deleteConfig("missing")); !errors.Is(res.Err, ErrNotFound) {
-		t.Fatalf("delete missing: %v", res.Err)
-	}
-	if got := dedupeCount(t, h); got != 0 {
-		t.Errorf("dedupe records = %d, want 0", got)
+	if n := sessionCount(t, h); n != 0 {
+		t.Errorf("sessions after the window = %d, want 0", n)
 	}
 }
 
@@ -189,17 +234,24 @@ func TestDedupeRecordContents(t *testing.T) {
 	h := newHarness(t)
 	cmd := withClient(deregister("web", "a"), "c", 9)
 	h.apply(cmd)
-	rec, err := lookupDedupe(h.f.State().txn, "c", 9)
-	if err != nil {
-		t.Fatal(err)
+	s, err := lookupSession(h.f.State().txn, "c")
+	if err != nil || s == nil {
+		t.Fatalf("session: %v, %v", s, err)
 	}
-	want := &fsmv1.DedupeRecord{ClientId: "c", Sequence: 9, Index: 1, ErrorCode: "not_found",
-		ErrorMessage: `not found: service "web" instance "a"`, Time: at(0), OpDigest: rec.GetOpDigest()}
-	if len(rec.GetOpDigest()) != 32 {
-		t.Errorf("op digest has %d bytes, want 32", len(rec.GetOpDigest()))
+	o := s.find(9)
+	if o == nil {
+		t.Fatal("no outcome of sequence 9")
 	}
-	if !proto.Equal(rec, want) {
-		t.Errorf("dedupe record = %v, want %v", rec, want)
+	if o.digest == 0 {
+		t.Error("op digest is 0")
+	}
+	want := outcome{seq: 9, maxSeq: 9, index: 1, time: t0.UnixNano(), digest: o.digest,
+		err: &outcomeErr{code: "not_found", msg: `not found: service "web" instance "a"`}}
+	if !reflect.DeepEqual(*o, want) {
+		t.Errorf("outcome = %+v, want %+v", *o, want)
+	}
+	if s.highest != 9 || s.droppedThrough != 0 || s.lastUsed != t0.UnixNano() {
+		t.Errorf("session = %+v", s)
 	}
 }
 
@@ -323,11 +375,11 @@ func TestRefuseWrite(t *testing.T) {
 		t.Fatalf("refusal = %+v, want ErrNotFound with its message", res)
 	}
 	after := dumpTables(t, h.f)
-	if len(after[TableDedupe]) != 1 {
-		t.Errorf("dedupe records after a refusal: %d, want 1", len(after[TableDedupe]))
+	if len(after[TableSessions]) != 1 {
+		t.Errorf("sessions after a refusal: %d, want 1", len(after[TableSessions]))
 	}
-	delete(before, TableDedupe)
-	delete(after, TableDedupe)
+	delete(before, TableSessions)
+	delete(after, TableSessions)
 	delete(before, TableIndex)
 	delete(after, TableIndex)
 	if !reflect.DeepEqual(before, after) {
@@ -355,5 +407,110 @@ func TestRefuseWrite(t *testing.T) {
 		if r := h.apply(cmd); !errors.Is(r.Err, ErrInvalidCommand) {
 			t.Errorf("%s: %v, want ErrInvalidCommand", name, r.Err)
 		}
+	}
+}
+
+// TestSessionReadersWhileApplying reads a session's outcomes (a State's
+// WriteOutcome, a snapshot) while batches append to the array they share
+// with the next versions, and drop outcomes off its front: under -race, a
+// reader never sees an element a write changes.
+func TestSessionReadersWhileApplying(t *testing.T) {
+	f, err := New(func() Config { c := DefaultConfig(); c.DedupeWindow = 50 * time.Millisecond; return c }())
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 4000
+	var log []*raft.Log
+	for i := range n {
+		cmd := withClient(setConfig("k", "v"), "c", uint64(i+1))
+		cmd.Time = timestamppb.New(t0.Add(time.Duration(i) * time.Millisecond))
+		data, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		log = append(log, &raft.Log{Index: uint64(i + 1), Type: raft.LogCommand, Data: data})
+	}
+	done := make(chan struct{})
+	readErr := make(chan error, 1)
+	go func() {
+		defer close(readErr)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			st := f.State()
+			applied := st.applied
+			if applied == 0 {
+				continue
+			}
+			res, err := st.WriteOutcome("c", applied)
+			if err != nil || res == nil || res.Index != applied {
+				readErr <- fmt.Errorf("outcome of the last applied write %d: %+v, %v", applied, res, err)
+				return
+			}
+			if err := st.WriteSnapshot(io.Discard); err != nil {
+				readErr <- err
+				return
+			}
+		}
+	}()
+	for i := 0; i < n; i += 8 {
+		for _, r := range f.ApplyBatch(log[i:min(i+8, n)]) {
+			if err := r.(*Result).Err; err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	close(done)
+	if err := <-readErr; err != nil {
+		t.Fatal(err)
+	}
+	s, err := lookupSession(f.State().txn, "c")
+	if err != nil || s == nil {
+		t.Fatal(s, err)
+	}
+	// 50 ms of writes 1 ms apart are kept; the rest were dropped.
+	if len(s.outcomes) > 52 || s.droppedThrough < n-52 {
+		t.Errorf("%d outcomes kept, dropped through %d", len(s.outcomes), s.droppedThrough)
+	}
+}
+
+// TestSessionBytesBound: a session keeps its outcomes' records under
+// maxSessionBytes (a snapshot record has to hold them); past it the
+// oldest go, and a repeat of one of them is too old to replay. A restore
+// counts the same bytes.
+func TestSessionBytesBound(t *testing.T) {
+	h := newHarness(t)
+	big := strings.Repeat("x", 256<<10)
+	const n = 200 // 50 MiB of records
+	for i := range n {
+		in := instance("web", fmt.Sprintf("i%03d", i))
+		in.Meta = map[string]string{"blob": big}
+		h.mustApply(withClient(register(in), "c", uint64(i+1)))
+	}
+	s, err := lookupSession(h.f.State().txn, "c")
+	if err != nil || s == nil {
+		t.Fatal(s, err)
+	}
+	if s.bytes > maxSessionBytes || len(s.outcomes) >= n || s.droppedThrough == 0 {
+		t.Fatalf("session: %d bytes, %d outcomes, dropped through %d; want at most %d bytes", s.bytes, len(s.outcomes), s.droppedThrough, maxSessionBytes)
+	}
+	if res := h.apply(withClient(register(instance("web", "i000")), "c", 1)); !errors.Is(res.Err, ErrTooOldToReplay) {
+		t.Errorf("repeat of a dropped outcome: %+v, want ErrTooOldToReplay", res)
+	}
+	last := instance("web", fmt.Sprintf("i%03d", n-1))
+	last.Meta = map[string]string{"blob": big}
+	if res := h.apply(withClient(register(last), "c", n)); res.Err != nil || !res.Duplicate {
+		t.Errorf("repeat of the last write: %+v, want a duplicate", res)
+	}
+	r := newHarness(t)
+	if err := r.f.Restore(readCloser(h.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := lookupSession(r.f.State().txn, "c")
+	if err != nil || rs == nil || rs.bytes != s.bytes || len(rs.outcomes) != len(s.outcomes) {
+		t.Fatalf("restored session: %d bytes, %d outcomes; want %d, %d", rs.bytes, len(rs.outcomes), s.bytes, len(s.outcomes))
 	}
 }

@@ -2,7 +2,8 @@
 // raft.FSM that every node applies committed Raft log entries to.
 //
 // The state lives in a go-memdb database (tables services, config,
-// config_history, schedules, schedule_runs, ca, dedupe and index, see
+// config_history, schedules, schedule_runs, ca, placements, dedupe,
+// sessions and index, see
 // [Tables]; plus service_index, derived on each node and never in
 // snapshots).
 // [FSM.Apply] decodes a command ([Decode]), dispatches it to the apply
@@ -20,10 +21,13 @@
 // from a snapshot replaces the whole database and closes the abandon channel
 // of the old one ([FSM.AbandonCh], [State.AbandonCh]), so watchers re-list.
 //
-// Every write with a client ID leaves a dedupe record of its outcome for
-// the dedupe window: a repeat of the write (a retry through another agent
-// after a leader change) changes nothing and answers with that outcome
-// ([State.WriteOutcome]). Snapshots ([FSM.Snapshot], [FSM.Restore]) are a
+// Every write with a client ID leaves its outcome in its client's session
+// for the dedupe window: a repeat of the write (a retry through another
+// agent after a leader change) changes nothing and answers with that
+// outcome ([State.WriteOutcome]); a repeat whose outcome was dropped gets
+// [ErrTooOldToReplay] instead of being applied twice, and a session idle
+// for the window expires. etcd mode keeps a dedupe record per write
+// instead. Snapshots ([FSM.Snapshot], [FSM.Restore]) are a
 // versioned stream of every table; [FilterSnapshot] copies one without
 // given tables (archives leave the cluster CA out). Package fsmtest has a
 // state with records in every table for the tests of the packages that

@@ -31,6 +31,11 @@ var (
 	// ErrCorruptSnapshot: the snapshot stream is truncated or not a valid
 	// FSM snapshot.
 	ErrCorruptSnapshot = errors.New("corrupt snapshot")
+	// ErrTooOldToReplay: a write repeats a client's sequence whose outcome
+	// its session no longer keeps (older than the dedupe window, or beyond
+	// the outcomes kept): it may have been applied, so it is not applied
+	// again, and its outcome cannot be told. Nothing was changed.
+	ErrTooOldToReplay = errors.New("write too old to replay")
 	// ErrInvalidConfig: a [Config] field is out of range.
 	ErrInvalidConfig = errors.New("invalid fsm config")
 )
@@ -40,7 +45,7 @@ var (
 // TestSentinels checks that it is complete.
 var Sentinels = []error{
 	ErrNotFound, ErrCASConflict, ErrSlotNotAfterLast, ErrStale, ErrInvalidCommand,
-	ErrUnknownCommand, ErrUnsupportedSnapshot, ErrCorruptSnapshot, ErrInvalidConfig,
+	ErrUnknownCommand, ErrUnsupportedSnapshot, ErrCorruptSnapshot, ErrInvalidConfig, ErrTooOldToReplay,
 }
 
 // errorCodes maps the outcome errors stored in dedupe records to their

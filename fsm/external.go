@@ -71,9 +71,9 @@ func (f *FSM) Evaluate(data []byte) (Evaluation, error) {
 	t.track, t.noPrune = true, true
 	// The queue is derived from the committed table; an evaluation must
 	// not move it.
-	f.head.invalidate()
+	f.sessions.invalidate()
 	res, _ := f.applyEntry(t, &raft.Log{Index: PendingIndex, Type: raft.LogCommand, Data: data}, true)
-	f.head.invalidate()
+	f.sessions.invalidate()
 	ev := Evaluation{Result: res, Reads: slices.Clone(t.reads), Applied: applied}
 	for n, m := range t.overlay {
 		name := tableDefs[n].name
@@ -122,7 +122,7 @@ type Ingested struct {
 func (f *FSM) Ingest(index uint64, changes []Ingested) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
-	f.head.invalidate()
+	f.sessions.invalidate()
 	if len(changes) == 0 {
 		f.setApplied(max(index, f.AppliedIndex()))
 		return nil
@@ -137,9 +137,9 @@ func (f *FSM) Ingest(index uint64, changes []Ingested) error {
 		}
 		var err error
 		if c.Record != nil {
-			err = t.insert(c.Table, c.Record)
+			err = t.insert(c.Table, storedRecord(c.Record))
 		} else {
-			err = t.delete(c.Table, c.Delete)
+			err = t.delete(c.Table, storedRecord(c.Delete))
 		}
 		if err != nil {
 			f.discard(t)
@@ -173,7 +173,7 @@ func (f *FSM) Replace(index uint64, records []TableRecord) error {
 			txn.Abort()
 			return fmt.Errorf("replace: unknown table %q", r.Table)
 		}
-		if err := txn.Insert(r.Table, r.Record); err != nil {
+		if err := txn.Insert(r.Table, storedRecord(r.Record)); err != nil {
 			txn.Abort()
 			return fmt.Errorf("replace: insert into %s: %w", r.Table, err)
 		}
@@ -204,6 +204,10 @@ func (s *State) Records(table string) ([]proto.Message, error) {
 	}
 	var out []proto.Message
 	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if sess, ok := obj.(*session); ok {
+			out = append(out, sessionToProto(sess))
+			continue
+		}
 		rec, ok := obj.(proto.Message)
 		if !ok {
 			return nil, fmt.Errorf("read %s: record of type %T", table, obj)
@@ -231,8 +235,20 @@ func NewRecord(table string) proto.Message {
 		return &fsmv1.Placement{}
 	case TableDedupe:
 		return &fsmv1.DedupeRecord{}
+	case TableSessions:
+		return &fsmv1.Session{}
 	}
 	return nil
+}
+
+// storedRecord is the form the state stores rec in: a session's
+// in-memory record for an *fsmv1.Session (Records returns sessions as
+// those), rec itself otherwise.
+func storedRecord(rec proto.Message) any {
+	if m, ok := rec.(*fsmv1.Session); ok {
+		return sessionFromProto(m)
+	}
+	return rec
 }
 
 // KeyRecord returns a record of table with only its primary-key fields,
@@ -313,6 +329,9 @@ func KeyRecord(table string, args ...any) (proto.Message, error) {
 		}
 		seq, err := u64(1)
 		return &fsmv1.DedupeRecord{ClientId: id, Sequence: seq}, err
+	case TableSessions:
+		id, err := str(0)
+		return &fsmv1.Session{ClientId: id}, err
 	}
 	return nil, fmt.Errorf("key of unknown table %q", table)
 }
@@ -324,7 +343,7 @@ func PrimaryKey(table string, rec proto.Message) ([]byte, error) {
 	if n < 0 || table == TableIndex {
 		return nil, fmt.Errorf("unknown table %q", table)
 	}
-	ok, key, err := idIndexers[n].FromObject(rec)
+	ok, key, err := idIndexers[n].FromObject(storedRecord(rec))
 	if err != nil {
 		return nil, err
 	}

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
+	"hash"
 	"log/slog"
 	"sync"
 	"time"
@@ -25,10 +27,6 @@ var (
 	_ raft.BatchingFSM = (*FSM)(nil)
 )
 
-// maxPrunePerApply bounds the dedupe records one entry deletes, so that a
-// leader clock jump cannot make a single entry expensive.
-const maxPrunePerApply = 256
-
 // FSM is the replicated state machine. Raft calls Apply, Snapshot and Restore
 // from its FSM goroutine; State, AppliedIndex and AbandonCh may be called from
 // any goroutine at any time.
@@ -42,8 +40,10 @@ type FSM struct {
 	applyMu sync.Mutex
 	// txn is the write transaction, reused by every batch.
 	txn *writeTxn
-	// head holds the dedupe records in pruning order.
-	head dedupeQueue
+	// digest computes operation digests.
+	digest *digester
+	// sessions finds the idle sessions to prune.
+	sessions sessionQueue
 
 	// mu guards the fields below. Apply holds it only to commit, so a State
 	// always sees a committed transaction together with its applied index.
@@ -95,7 +95,8 @@ func New(cfg Config) (*FSM, error) {
 		db:        newMemDB(),
 		abandonCh: make(chan struct{}),
 		txn:       newWriteTxn(),
-		head:      dedupeQueue{valid: true},
+		digest:    newDigester(),
+		sessions:  sessionQueue{valid: true},
 	}, nil
 }
 
@@ -262,30 +263,17 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 
 	// The digest is taken before dispatch: an apply function may store
 	// parts of the decoded command.
-	var (
-		digest   []byte
-		replaced *fsmv1.DedupeRecord
-	)
+	var id identity
 	if cmd.GetClientId() != "" {
-		// A refusal stands for whatever the write was: no digest to
-		// store or compare.
-		refusal := cmd.GetRefuseWrite() != nil
-		if !refusal {
-			digest = opDigest(l.Data)
+		var res *Result
+		if t.noPrune {
+			id, res = f.checkDedupe(t, l, cmd, now)
+		} else {
+			id, res = f.checkSession(t, l, cmd, now)
 		}
-		// A retry of a write already applied returns the stored outcome.
-		rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
-		if err != nil {
-			return &Result{Index: l.Index, Err: err}, true
+		if res != nil {
+			return res, true
 		}
-		if rec != nil && !f.dedupeExpired(rec, now) {
-			if d := rec.GetOpDigest(); len(d) > 0 && !refusal && !bytes.Equal(d, digest) {
-				return &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
-					ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}, true
-			}
-			return replayResult(rec, cmd), true
-		}
-		replaced = rec
 	}
 
 	t.index = l.Index
@@ -301,12 +289,12 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			if !isolated {
 				return nil, false
 			}
-			f.head.invalidate()
+			f.sessions.invalidate()
 			t.reset()
 			mark = t.writes
 		}
 	}
-	if err := f.finishEntry(t, cmd, now, digest, replaced, value, opErr); err != nil {
+	if err := f.finishEntry(t, cmd, now, id, value, opErr); err != nil {
 		if t.writes != mark {
 			if writeThenFail != nil {
 				writeThenFail(l.Index, err)
@@ -314,7 +302,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			if !isolated {
 				return nil, false
 			}
-			f.head.invalidate()
+			f.sessions.invalidate()
 			t.reset()
 		}
 		return &Result{Index: l.Index, Err: err}, true
@@ -322,36 +310,138 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 	return &Result{Index: l.Index, Err: opErr, Value: value}, true
 }
 
-// finishEntry prunes expired dedupe records and records the outcome of a
-// write with a client ID: its index, its error, and the record it wrote
+// identity is what applyEntry learnt of a write's client before applying
+// it, for finishEntry to record its outcome.
+type identity struct {
+	// Raft mode: the digest of the operation (0 for a refusal), the
+	// client's session (nil: none, or expired), and whether the table
+	// held a session for the client (expired included).
+	digest64 uint64
+	session  *session
+	stored   bool
+	// External mode: the digest and the expired dedupe record the new
+	// one replaces.
+	digest   []byte
+	replaced *fsmv1.DedupeRecord
+}
+
+// checkSession looks up the session of a write's client: a Result when
+// the write must not be applied (a repeat, answered with its outcome; an
+// identity reused for another write; a sequence whose outcome is no
+// longer kept), else what finishEntry needs.
+func (f *FSM) checkSession(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now time.Time) (identity, *Result) {
+	var id identity
+	// A refusal stands for whatever the write was: no digest to store or
+	// compare.
+	refusal := cmd.GetRefuseWrite() != nil
+	if !refusal {
+		id.digest64 = f.digest.digest64(l.Data)
+	}
+	s, err := lookup[*session](t, TableSessions, cmd.GetClientId())
+	if err != nil {
+		return id, &Result{Index: l.Index, Err: err}
+	}
+	id.stored = s != nil
+	if s == nil || f.sessionExpired(s, now) {
+		return id, nil
+	}
+	seq := cmd.GetSequence()
+	if seq <= s.highest || seq <= s.droppedThrough {
+		o := s.find(seq)
+		cutoff := now.UnixNano() - int64(f.cfg.DedupeWindow)
+		switch {
+		case o != nil && o.time >= cutoff:
+			if o.digest != 0 && !refusal && o.digest != id.digest64 {
+				return id, &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
+					ErrInvalidCommand, cmd.GetClientId(), seq)}
+			}
+			return id, o.replay(cmd)
+		case o != nil || seq <= s.droppedThrough:
+			return id, &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d: the outcome of this write, if it was applied, is no longer kept (the session keeps the writes of the last %s); read the state to see whether it took effect, and send new writes with new sequences",
+				ErrTooOldToReplay, cmd.GetClientId(), seq, f.cfg.DedupeWindow)}
+		}
+	}
+	id.session = s
+	return id, nil
+}
+
+// checkDedupe is checkSession of the external mode, which keeps a dedupe
+// record per write.
+func (f *FSM) checkDedupe(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now time.Time) (identity, *Result) {
+	var id identity
+	refusal := cmd.GetRefuseWrite() != nil
+	if !refusal {
+		id.digest = opDigest(l.Data)
+	}
+	// A retry of a write already applied returns the stored outcome.
+	rec, err := lookup[*fsmv1.DedupeRecord](t, TableDedupe, cmd.GetClientId(), cmd.GetSequence())
+	if err != nil {
+		return id, &Result{Index: l.Index, Err: err}
+	}
+	if rec != nil && !f.dedupeExpired(rec, now) {
+		if d := rec.GetOpDigest(); len(d) > 0 && !refusal && !bytes.Equal(d, id.digest) {
+			return id, &Result{Index: l.Index, Err: fmt.Errorf("%w: client_id %q sequence %d was already used for a different write",
+				ErrInvalidCommand, cmd.GetClientId(), cmd.GetSequence())}
+		}
+		return id, replayResult(rec, cmd)
+	}
+	id.replaced = rec
+	return id, nil
+}
+
+// finishEntry prunes idle sessions and records the outcome of a write
+// with a client ID in its client's session (in external mode: in a dedupe
+// record of its own): its index, its error, and the record it wrote
 // (value, shared with the table it is stored in: records are immutable).
-// replaced is the expired record stored under the command's dedupe key, if
-// any.
-func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, digest []byte, replaced *fsmv1.DedupeRecord, value proto.Message, opErr error) error {
-	if err := f.pruneDedupe(t, now); err != nil {
+func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, id identity, value proto.Message, opErr error) error {
+	if t.noPrune {
+		if cmd.GetClientId() == "" {
+			return nil
+		}
+		return f.recordDedupe(t, cmd, id, value, opErr)
+	}
+	if err := f.pruneSessions(t, now); err != nil {
 		return err
 	}
 	if cmd.GetClientId() == "" {
 		return nil
 	}
+	stored := id.stored
+	if stored && id.session == nil {
+		// The client's session had expired: pruning may just have
+		// deleted it.
+		s, err := lookup[*session](t, TableSessions, cmd.GetClientId())
+		if err != nil {
+			return err
+		}
+		stored = s != nil
+	}
+	s := f.withOutcome(id.session, cmd.GetClientId(), now, newOutcome(cmd, t.index, now, id.digest64, value, opErr))
+	if err := t.insert(TableSessions, s); err != nil {
+		return err
+	}
+	if !stored {
+		f.sessions.add(sessionUse{time: s.lastUsed, clientID: s.clientID})
+	}
+	return nil
+}
+
+// recordDedupe stores the dedupe record of a write (external mode).
+func (f *FSM) recordDedupe(t *writeTxn, cmd *fsmv1.Command, id identity, value proto.Message, opErr error) error {
 	rec := &fsmv1.DedupeRecord{
 		ClientId:  cmd.GetClientId(),
 		Sequence:  cmd.GetSequence(),
 		Index:     t.index,
 		ErrorCode: errorCode(opErr),
 		Time:      cmd.GetTime(),
-		OpDigest:  digest,
+		OpDigest:  id.digest,
 	}
 	if opErr != nil {
 		rec.ErrorMessage = opErr.Error()
 	} else {
 		setDedupeValue(rec, value)
 	}
-	if err := t.insert(TableDedupe, rec); err != nil {
-		return err
-	}
-	f.head.inserted(rec, replaced)
-	return nil
+	return t.insert(TableDedupe, rec)
 }
 
 // setDedupeValue keeps the record a write wrote in its dedupe record.
@@ -420,8 +510,32 @@ func dedupeValue(rec *fsmv1.DedupeRecord) proto.Message {
 // (the gateway fills it in), so a client's retry through another agent
 // differs there alone: it is the same write, as it is at another time.
 func opDigest(data []byte) []byte {
+	d := newDigester()
+	d.write(data)
+	return d.h.Sum(make([]byte, 0, sha256.Size))
+}
+
+// digester computes opDigest without allocating: the hash and its scratch
+// space are reused from entry to entry (the FSM's is guarded by applyMu).
+type digester struct {
+	h   hash.Hash
+	buf [binary.MaxVarintLen64]byte
+	sum [sha256.Size]byte
+}
+
+func newDigester() *digester { return &digester{h: sha256.New()} }
+
+// digest64 is opDigest64 of data.
+func (d *digester) digest64(data []byte) uint64 {
+	d.h.Reset()
+	d.write(data)
+	return binary.BigEndian.Uint64(d.h.Sum(d.sum[:0]))
+}
+
+// write hashes the fields of the encoded command data that opDigest
+// covers.
+func (d *digester) write(data []byte) {
 	b := data[1:]
-	h := sha256.New()
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeTag(b)
 		if n < 0 {
@@ -434,59 +548,94 @@ func opDigest(data []byte) []byte {
 		switch num {
 		case fieldClientID, fieldSequence, fieldTime:
 		case fieldRegisterService:
-			h.Write(withoutNested(b[:n+m], fieldInstance, fieldNode))
+			d.writeWithout(b[:n+m], fieldInstance, fieldNode)
 		default:
-			h.Write(b[:n+m])
+			d.h.Write(b[:n+m])
 		}
 		b = b[n+m:]
 	}
-	return h.Sum(make([]byte, 0, sha256.Size))
 }
 
-// withoutNested returns field (the wire bytes of one length-delimited
-// field, tag included) without the field path names inside it: path[0]
-// of its message, path[1] of that field's message, and so on; the
-// lengths around it are written again. field itself when the path is not
-// there (or does not parse).
-func withoutNested(field []byte, path ...protowire.Number) []byte {
-	num, typ, n := protowire.ConsumeTag(field)
+// writeWithout hashes field (the wire bytes of one length-delimited field,
+// tag included) without the field path names inside it: path[0] of its
+// message, path[1] of that field's message, and so on, the lengths around
+// it written again; field as it is when the path is not there (or does
+// not parse). It builds nothing: it hashes the tag, the new length, and
+// the pieces of the body that stay.
+func (d *digester) writeWithout(field []byte, path ...protowire.Number) {
+	_, typ, n := protowire.ConsumeTag(field)
 	if n < 0 || typ != protowire.BytesType {
-		return field
+		d.h.Write(field)
+		return
 	}
 	body, m := protowire.ConsumeBytes(field[n:])
 	if m < 0 {
-		return field
+		d.h.Write(field)
+		return
 	}
-	var out []byte // the new body, once something changed
+	size, ok := bodySizeWithout(body, path)
+	if !ok || size == len(body) {
+		d.h.Write(field)
+		return
+	}
+	d.h.Write(field[:n])
+	d.h.Write(protowire.AppendVarint(d.buf[:0], uint64(size)))
 	for rest := body; len(rest) > 0; {
 		fnum, ftyp, tn := protowire.ConsumeTag(rest)
-		if tn < 0 {
-			return field
-		}
 		vn := protowire.ConsumeFieldValue(fnum, ftyp, rest[tn:])
-		if vn < 0 {
-			return field
-		}
 		f := rest[:tn+vn]
 		switch {
 		case fnum != path[0]:
+			d.h.Write(f)
 		case len(path) == 1:
-			f = nil
 		default:
-			f = withoutNested(f, path[1:]...)
-		}
-		if out == nil && len(f) != tn+vn {
-			out = append(make([]byte, 0, len(body)), body[:len(body)-len(rest)]...)
-		}
-		if out != nil {
-			out = append(out, f...)
+			d.writeWithout(f, path[1:]...)
 		}
 		rest = rest[tn+vn:]
 	}
-	if out == nil {
-		return field
+}
+
+// bodySizeWithout is the length of body (a message's fields) without the
+// field path names, as writeWithout hashes it; false when it does not
+// parse (writeWithout then keeps it whole).
+func bodySizeWithout(body []byte, path []protowire.Number) (int, bool) {
+	size := 0
+	for rest := body; len(rest) > 0; {
+		fnum, ftyp, tn := protowire.ConsumeTag(rest)
+		if tn < 0 {
+			return 0, false
+		}
+		vn := protowire.ConsumeFieldValue(fnum, ftyp, rest[tn:])
+		if vn < 0 {
+			return 0, false
+		}
+		switch {
+		case fnum != path[0]:
+			size += tn + vn
+		case len(path) == 1:
+		default:
+			size += fieldSizeWithout(rest[:tn+vn], path[1:])
+		}
+		rest = rest[tn+vn:]
 	}
-	return protowire.AppendBytes(protowire.AppendTag(nil, num, protowire.BytesType), out)
+	return size, true
+}
+
+// fieldSizeWithout is the length of what writeWithout hashes of field.
+func fieldSizeWithout(field []byte, path []protowire.Number) int {
+	_, typ, n := protowire.ConsumeTag(field)
+	if n < 0 || typ != protowire.BytesType {
+		return len(field)
+	}
+	body, m := protowire.ConsumeBytes(field[n:])
+	if m < 0 {
+		return len(field)
+	}
+	size, ok := bodySizeWithout(body, path)
+	if !ok || size == len(body) {
+		return len(field)
+	}
+	return n + protowire.SizeVarint(uint64(size)) + size
 }
 
 // Field numbers of the Command envelope, which opDigest leaves out, and of
@@ -556,11 +705,11 @@ func (f *FSM) commit(t *writeTxn, applied uint64) {
 	t.txn, t.base = nil, nil
 }
 
-// discard aborts a transaction that may have written: the dedupe queue may
-// describe its writes, so it is dropped too.
+// discard aborts a transaction that may have written: the session queue
+// may describe its writes, so it is dropped too.
 func (f *FSM) discard(t *writeTxn) {
 	t.abort()
-	f.head.invalidate()
+	f.sessions.invalidate()
 }
 
 // applyFunc applies one operation. It returns the record written (nil for
@@ -660,29 +809,6 @@ func lookupDedupe(txn *memdb.Txn, clientID string, sequence uint64) (*fsmv1.Dedu
 // dedupeExpired reports whether rec is older than the dedupe window at now.
 func (f *FSM) dedupeExpired(rec *fsmv1.DedupeRecord, now time.Time) bool {
 	return rec.GetTime().AsTime().Before(now.Add(-f.cfg.DedupeWindow))
-}
-
-// pruneDedupe deletes up to maxPrunePerApply dedupe records older than the
-// window, oldest first (in the order of the dedupe queue).
-func (f *FSM) pruneDedupe(t *writeTxn, now time.Time) error {
-	if t.noPrune {
-		return nil
-	}
-	cutoff := now.Add(-f.cfg.DedupeWindow)
-	for range maxPrunePerApply {
-		rec, err := f.head.first(t)
-		if err != nil {
-			return fmt.Errorf("prune dedupe records: %w", err)
-		}
-		if rec == nil || !rec.GetTime().AsTime().Before(cutoff) {
-			return nil
-		}
-		if err := t.delete(TableDedupe, rec); err != nil {
-			return err
-		}
-		f.head.pop()
-	}
-	return nil
 }
 
 // first returns the first record of an index lookup, or the zero T.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/hex"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -132,6 +133,14 @@ func dumpTablesWith(t testing.TB, f *FSM, noDigests bool) map[string][]string {
 				rec.OpDigest = nil
 				rec.Value = nil
 				obj = rec
+			}
+			if s, ok := obj.(*session); ok && noDigests {
+				c := *s
+				c.outcomes = slices.Clone(s.outcomes)
+				for i := range c.outcomes {
+					c.outcomes[i].digest, c.outcomes[i].value = 0, nil
+				}
+				obj = &c
 			}
 			b, err := td.codec.encode(nil, obj)
 			if err != nil {

@@ -32,8 +32,13 @@ const (
 	// TablePlacements is the placement catalog: *fsmv1.Placement, keyed by
 	// (kind, id), the node whose backend holds each object.
 	TablePlacements = "placements"
-	// TableDedupe holds *fsmv1.DedupeRecord, keyed by (client_id, sequence).
+	// TableDedupe holds *fsmv1.DedupeRecord, keyed by (client_id, sequence):
+	// the outcome of each write in etcd mode (Raft mode keeps sessions).
 	TableDedupe = "dedupe"
+	// TableSessions holds the session of each client (fsmv1.Session in
+	// snapshots, an unexported type in memory), keyed by client_id: the
+	// outcomes of its recent writes (Raft mode).
+	TableSessions = "sessions"
 	// TableIndex records, per table, the last Raft index that changed it.
 	TableIndex = "index"
 )
@@ -269,6 +274,13 @@ var tableDefs = []tableDef{
 		codec: protoCodec[*fsmv1.DedupeRecord](),
 	},
 	{
+		name: TableSessions,
+		indexes: indexes(
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: sessionID},
+		),
+		codec: sessionCodec,
+	},
+	{
 		name: TableIndex,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *indexEntry) string { return e.Table }))},
@@ -279,7 +291,7 @@ var tableDefs = []tableDef{
 
 // tableSince is the snapshot format that added a table; the others exist
 // since format 1.
-var tableSince = map[string]uint32{TableCA: 2, TablePlacements: 3}
+var tableSince = map[string]uint32{TableCA: 2, TablePlacements: 3, TableSessions: 4}
 
 // formatFor is the oldest snapshot format that can hold the given
 // non-empty tables: a snapshot is written in it, so that agents of an

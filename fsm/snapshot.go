@@ -30,8 +30,9 @@ const (
 	snapshotMagic = "PVSN"
 	// SnapshotFormatVersion is the snapshot format this version writes, and
 	// the newest it restores. Format 2 added the ca table, format 3 the
-	// placements table; older snapshots restore with them empty.
-	SnapshotFormatVersion uint32 = 3
+	// placements table, format 4 the sessions table; older snapshots
+	// restore with them empty (and their dedupe records as sessions).
+	SnapshotFormatVersion uint32 = 4
 
 	// maxHeaderSize and maxRecordSize bound what a restore allocates for one
 	// length prefix, so garbage cannot ask for gigabytes.
@@ -271,6 +272,10 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	// entries that will never come. (The leader follows such a restore
 	// with a Restored command, which moves it on everywhere.)
 	txn := db.Txn(true)
+	if err := dedupeToSessions(txn); err != nil {
+		txn.Abort()
+		return fmt.Errorf("restore: %w", err)
+	}
 	if err := f.replaceDB(txn, db, hdr.GetLastIndex()); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
@@ -508,7 +513,7 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	txn.Commit()
 	f.mu.Lock()
 	old := f.abandonCh
-	f.head.invalidate()
+	f.sessions.invalidate()
 	f.db = db
 	f.setAppliedLocked(applied)
 	f.abandonCh = make(chan struct{})

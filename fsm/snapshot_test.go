@@ -27,10 +27,6 @@ var update = flag.Bool("update", false, "rewrite the golden snapshot in testdata
 
 func readCloser(b []byte) io.ReadCloser { return io.NopCloser(bytes.NewReader(b)) }
 
-// populateV1 puts records in every table of snapshot format 1 through
-// ordinary commands: the steps of fsmtest.FullState that format holds.
-func populateV1(h *harness) { populateFormat(h, 1) }
-
 // populate fills every table: fsmtest.FullState.
 func populate(h *harness) {
 	h.t.Helper()
@@ -61,7 +57,9 @@ func TestSnapshotRoundTripAllTables(t *testing.T) {
 	populate(src)
 	want := dumpTables(t, src.f)
 	for _, table := range Tables() {
-		if len(want[table]) == 0 {
+		// Dedupe records are etcd mode's: applying writes in Raft mode
+		// fills sessions (TestRestoreConvertsDedupeRecords covers them).
+		if len(want[table]) == 0 && table != TableDedupe {
 			t.Errorf("populate leaves table %q empty: extend it so the round trip covers the table", table)
 		}
 	}
@@ -402,15 +400,14 @@ func TestSnapshotFormatGolden(t *testing.T) {
 			if !reflect.DeepEqual(dumpTablesWith(t, r.f, true), dumpTablesWith(t, h.f, true)) {
 				t.Errorf("golden snapshot restores to a different state than its builder makes")
 			}
-			// Every format's state is still written as that format, byte
-			// for byte: an agent of that version reads it (rolling
-			// upgrades). The current format's golden file is what the
-			// builder makes; an older one is written again as it is.
-			written := current
+			// The current format's golden file is what the builder makes.
+			// An older one holds dedupe records where the builder now makes
+			// sessions: it restores to the builder's state (above), its
+			// records converted, and is written as the current format.
 			if v < SnapshotFormatVersion {
-				written = snapshotBytes(t, r.f)
+				return
 			}
-			if !bytes.Equal(written, golden) {
+			if !bytes.Equal(current, golden) {
 				t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading the older ones", path)
 			}
 		})
@@ -455,8 +452,18 @@ func TestFilterSnapshot(t *testing.T) {
 // newest. A placement listing that changes nothing keeps the format.
 func TestSnapshotFormatFollowsUse(t *testing.T) {
 	format := func(h *harness) uint32 { return binary.BigEndian.Uint32(h.snapshot()[4:8]) }
+	// Writes with client IDs fill the sessions table (format 4): the
+	// steps without them.
+	populateFormat := func(h *harness, v uint32) {
+		h.t.Helper()
+		steps := fsmtest.FullState()[:fsmtest.FormatSteps[v]]
+		for i := range steps {
+			steps[i].Cmd.ClientId, steps[i].Cmd.Sequence = "", 0
+		}
+		applySteps(h, steps)
+	}
 	h := newHarness(t)
-	populateV1(h)
+	populateFormat(h, 1)
 	if v := format(h); v != 1 {
 		t.Errorf("format %d without a cluster CA, want 1", v)
 	}
@@ -477,6 +484,10 @@ func TestSnapshotFormatFollowsUse(t *testing.T) {
 	h.mustApply(setPlacements("n1", nil, placement("volumes", "v1")))
 	if v := format(h); v != 3 {
 		t.Errorf("format %d with a placement, want 3", v)
+	}
+	h.mustApply(withClient(setConfig("k", "v"), "c", 1))
+	if v := format(h); v != 4 {
+		t.Errorf("format %d with a session, want 4", v)
 	}
 }
 
@@ -574,5 +585,39 @@ func TestRestoreKeepsAppliedIndex(t *testing.T) {
 	defer cancel()
 	if err := h.f.WaitApplied(ctx, applied); err != nil {
 		t.Errorf("WaitApplied(%d) after the restore: %v", applied, err)
+	}
+}
+
+// TestRestoreConvertsDedupeRecords: a snapshot of an older version keeps
+// one dedupe record per write; restored, they become the sessions of
+// their clients, and a repeat of such a write gets its outcome.
+func TestRestoreConvertsDedupeRecords(t *testing.T) {
+	golden, err := os.ReadFile(filepath.Join("testdata", "snapshot", "v3", "state.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHarness(t)
+	if err := h.f.Restore(readCloser(golden)); err != nil {
+		t.Fatal(err)
+	}
+	tables := dumpTables(t, h.f)
+	if n := len(tables[TableDedupe]); n != 0 {
+		t.Errorf("%d dedupe records left after the restore, want 0", n)
+	}
+	if n := len(tables[TableSessions]); n != 4 {
+		t.Errorf("%d sessions after the restore, want 4 (client-1 to client-4)", n)
+	}
+	steps := fsmtest.FullState()
+	h.index, h.now = h.f.AppliedIndex(), steps[len(steps)-1].Cmd.GetTime().AsTime()
+	res := h.apply(steps[3].Cmd) // client-1's heartbeat, sequence 2, at index 4
+	if !res.Duplicate || res.Err != nil || res.Index != 4 || res.Value == nil {
+		t.Errorf("repeat of a write of the old snapshot = %+v, want its outcome (index 4)", res)
+	}
+	res = h.apply(steps[13].Cmd) // client-3's failed delete
+	if !res.Duplicate || !errors.Is(res.Err, ErrNotFound) || res.Index != 14 {
+		t.Errorf("repeat of a failed write of the old snapshot = %+v, want not_found at 14", res)
+	}
+	if got := h.f.State().Index(TableSessions); got == 0 {
+		t.Error("sessions table has no index row after the conversion")
 	}
 }

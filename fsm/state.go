@@ -404,7 +404,8 @@ func (s *State) PlacementsByNode(node string) ([]*fsmv1.Placement, error) {
 }
 
 // WriteOutcome reports whether the write of a client ID and sequence was
-// applied (its dedupe record is kept) and, if so, its outcome: the Result
+// applied (its client's session, or in etcd mode its dedupe record, keeps
+// its outcome) and, if so, its outcome: the Result
 // a repeat of it gets (Duplicate set): its index, nil or the error it was
 // answered with, and the record it wrote (a config entry without its
 // value, which only the repeat carries). A retried write that the leader
@@ -413,6 +414,15 @@ func (s *State) PlacementsByNode(node string) ([]*fsmv1.Placement, error) {
 func (s *State) WriteOutcome(clientID string, sequence uint64) (*Result, error) {
 	if clientID == "" {
 		return nil, nil
+	}
+	sess, err := lookupSession(s.txn, clientID)
+	if err != nil {
+		return nil, err
+	}
+	if sess != nil {
+		if o := sess.find(sequence); o != nil {
+			return o.replay(nil), nil
+		}
 	}
 	rec, err := lookupDedupe(s.txn, clientID, sequence)
 	if err != nil || rec == nil {

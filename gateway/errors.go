@@ -52,6 +52,9 @@ var codeTable = []struct {
 	{fsm.ErrInvalidCommand, connect.CodeInvalidArgument},
 	{fsm.ErrUnknownCommand, connect.CodeInternal},
 	{fsm.ErrStale, connect.CodeAborted},
+	// A retry too late to be told its outcome: the client must read the
+	// state, not send it again.
+	{fsm.ErrTooOldToReplay, connect.CodeFailedPrecondition},
 	{fsm.ErrInvalidConfig, connect.CodeInvalidArgument},
 	{fsm.ErrUnsupportedSnapshot, connect.CodeFailedPrecondition},
 	{fsm.ErrCorruptSnapshot, connect.CodeInvalidArgument},

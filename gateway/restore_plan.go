@@ -78,9 +78,9 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		case fsm.TableCA:
 			out.CaIgnored = len(recs) > 0
 			fallthrough
-		case fsm.TableDedupe, fsm.TablePlacements:
+		case fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements:
 			// This cluster's own: a CA is never taken from an upload, a
-			// made-up dedupe record would answer a later write as done
+			// made-up dedupe record or session would answer a later write as done
 			// without applying it, and the placement catalog says what
 			// the nodes' backends hold now, which a restore does not
 			// change (the nodes' next listings correct any entry that

@@ -69,6 +69,8 @@ type Store struct {
 	// reach knows, on the leader, which servers its heartbeats fail to
 	// reach.
 	reach reach
+	// reads batches the VerifyLeader rounds of concurrent ReadIndex calls.
+	reads readRounds
 }
 
 // New opens (or creates) the Raft state in cfg.DataDir/raft and starts the
@@ -349,25 +351,6 @@ func (s *Store) VerifyLeader(ctx context.Context) error {
 		return fmt.Errorf("verify leader: %w", err)
 	}
 	return nil
-}
-
-// ReadIndex returns the index a linearizable read must wait for, on this
-// server or on a follower, before it reads its local FSM: the commit index,
-// read before VerifyLeader confirmed with a quorum that this server is still
-// the leader, moved down to the last entry at or below it that the FSM is
-// handed. (Raft gives the FSM commands and configuration changes, never its
-// no-op and barrier entries, so an FSM's applied index may never equal a
-// commit index that ends on one of those.) Every write acknowledged before
-// the call is at or below it, and so is everything any FSM, follower or
-// leader, may already have applied: a read that waits for it never sees less
-// than a read that came before. Leader only, and only meaningful once the
-// leader has passed its Barrier for the current term.
-func (s *Store) ReadIndex(ctx context.Context) (uint64, error) {
-	commit := s.raft.CommitIndex()
-	if err := s.VerifyLeader(ctx); err != nil {
-		return 0, fmt.Errorf("read index: %w", err)
-	}
-	return s.lastFSMEntry(commit), nil
 }
 
 // AppliedIndexer is implemented by FSMs that report the index of the last

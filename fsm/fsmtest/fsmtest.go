@@ -49,10 +49,12 @@ type Step struct {
 // FormatSteps[v] is how many of the first steps of FullState fill the
 // tables of snapshot format v: its golden state. Format 1: services,
 // config, config_history, schedules, schedule_runs, dedupe, index; format 2
-// added ca, format 3 placements. The last entry is the current format:
+// added ca, format 3 placements, format 4 sessions (which the writes with
+// client IDs of the earlier steps fill: a state of an older format holds
+// dedupe records there instead). The last entry is the current format:
 // every step. A new format appends its steps to FullState and an entry
 // here.
-var FormatSteps = []int{1: 14, 2: 15, 3: 17}
+var FormatSteps = []int{1: 14, 2: 15, 3: 17, 4: 17}
 
 // FullState returns the steps that put records in every table of the
 // state: applied in order at consecutive indexes from 1, step i at leader
@@ -123,7 +125,7 @@ func FullState() []Step {
 			ScheduleId: "s1", Slot: At(400), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Attempts: 1, FinishedAt: At(20),
 		}}}}},
 		{Cmd: putSchedule(schedule("s2"))},
-		// A rejected write leaves its outcome in the dedupe table.
+		// A rejected write leaves its outcome in its client's session.
 		{Cmd: client(&fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{Key: "missing"}}}, "client-3", 1), WantErr: "not_found"},
 		// Format 2.
 		{Cmd: &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}}},

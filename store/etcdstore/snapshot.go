@@ -67,7 +67,7 @@ func (s *Store) Restore(ctx context.Context, _ uint64, _ int64, r io.Reader) err
 	history := map[string][]*clusterv1.ConfigEntry{}
 	current := map[string]uint64{}
 	for _, table := range fsm.Tables() {
-		if table == fsm.TableIndex || table == fsm.TableDedupe {
+		if table == fsm.TableIndex || table == fsm.TableDedupe || table == fsm.TableSessions {
 			continue
 		}
 		recs, err := st.Records(table)

@@ -412,8 +412,9 @@ func TestRestoreAcrossModes(t *testing.T) {
 // notRestored are the tables a restore into etcd does not carry over, and
 // why; sameRecords compares every other table.
 var notRestored = map[string]string{
-	fsm.TableIndex:  "etcd's revisions are the indexes",
-	fsm.TableDedupe: "etcd mode restores no dedupe records (store/etcdstore DESIGN.md \"Snapshots and migration\")",
+	fsm.TableIndex:    "etcd's revisions are the indexes",
+	fsm.TableDedupe:   "etcd mode restores no dedupe records (store/etcdstore DESIGN.md \"Snapshots and migration\")",
+	fsm.TableSessions: "etcd mode keeps no sessions: a dedupe record per write instead (fsm DESIGN.md \"Dedupe\")",
 }
 
 // sameRecords compares every table a restore carries (notRestored aside)

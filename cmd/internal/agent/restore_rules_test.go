@@ -222,4 +222,8 @@ func TestRestoreObeysTheWritePath(t *testing.T) {
 			t.Fatal("the archive's dedupe record was restored")
 		}
 	}
+	// Raft mode turns restored dedupe records into sessions.
+	if res, err := leader.FSM().State().WriteOutcome("planted", 1); err != nil || res != nil {
+		t.Fatalf("the archive's dedupe record answers as an outcome: %+v, %v", res, err)
+	}
 }

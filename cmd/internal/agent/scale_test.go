@@ -37,9 +37,10 @@ const (
 
 // The memory budget TestScale holds the agents to: live Go heap per agent
 // after the registrations, a base plus a cost per instance held. An
-// instance costs about 750 bytes in the state and each write of the last
-// dedupe window (2 minutes) about 570 more for its dedupe record
-// (fsm.BenchmarkStateMemory); when every write is that recent, both count.
+// instance costs about 800 bytes in the state and each write of the last
+// dedupe window (2 minutes) 64 more for its outcome in its client's
+// session (fsm.BenchmarkStateMemory; a dedupe record per write cost about
+// 570); when every write is that recent, both count.
 const (
 	budgetPerAgent    = 8 << 20
 	budgetPerInstance = 1536

@@ -1412,6 +1412,261 @@ func (x *TableHeader) GetRecords() uint64 {
 	return 0
 }
 
+// Session is what the state keeps of one client (client_id) so that its
+// retried writes are not applied twice: the highest sequence applied, the
+// outcomes of its recent writes that a retry may still ask for, and the
+// highest sequence whose outcome was dropped. It expires after the dedupe
+// window without a write. Raft mode keeps sessions; etcd mode keeps one
+// DedupeRecord per write instead.
+type Session struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	ClientId        string                 `protobuf:"bytes,1,opt,name=client_id,json=clientId,proto3" json:"client_id,omitempty"`
+	HighestSequence uint64                 `protobuf:"varint,2,opt,name=highest_sequence,json=highestSequence,proto3" json:"highest_sequence,omitempty"`
+	// dropped_through is the highest sequence whose outcome was dropped
+	// (older than the window, or beyond the number kept): a write with a
+	// sequence at or below it that has no outcome here is refused as too
+	// old to replay, never applied.
+	DroppedThrough uint64 `protobuf:"varint,3,opt,name=dropped_through,json=droppedThrough,proto3" json:"dropped_through,omitempty"`
+	// last_used is the leader time of the client's last write.
+	LastUsed *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=last_used,json=lastUsed,proto3" json:"last_used,omitempty"`
+	// outcomes in the order they were applied.
+	Outcomes      []*Outcome `protobuf:"bytes,5,rep,name=outcomes,proto3" json:"outcomes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Session) Reset() {
+	*x = Session{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Session) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Session) ProtoMessage() {}
+
+func (x *Session) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Session.ProtoReflect.Descriptor instead.
+func (*Session) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *Session) GetClientId() string {
+	if x != nil {
+		return x.ClientId
+	}
+	return ""
+}
+
+func (x *Session) GetHighestSequence() uint64 {
+	if x != nil {
+		return x.HighestSequence
+	}
+	return 0
+}
+
+func (x *Session) GetDroppedThrough() uint64 {
+	if x != nil {
+		return x.DroppedThrough
+	}
+	return 0
+}
+
+func (x *Session) GetLastUsed() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastUsed
+	}
+	return nil
+}
+
+func (x *Session) GetOutcomes() []*Outcome {
+	if x != nil {
+		return x.Outcomes
+	}
+	return nil
+}
+
+// Outcome is the outcome of one applied write of a session, as a
+// DedupeRecord keeps it.
+type Outcome struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Sequence uint64                 `protobuf:"varint,1,opt,name=sequence,proto3" json:"sequence,omitempty"`
+	Index    uint64                 `protobuf:"varint,2,opt,name=index,proto3" json:"index,omitempty"`
+	Time     *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=time,proto3" json:"time,omitempty"`
+	// error_code is empty on success, else the fsm error kind.
+	ErrorCode    string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorMessage string `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
+	// op_digest is the first 8 bytes (big endian) of the SHA-256 of the
+	// write's operation; 0 for none (a refused write).
+	OpDigest uint64 `protobuf:"fixed64,6,opt,name=op_digest,json=opDigest,proto3" json:"op_digest,omitempty"`
+	// Types that are valid to be assigned to Value:
+	//
+	//	*Outcome_Instance
+	//	*Outcome_ConfigEntry
+	//	*Outcome_Schedule
+	//	*Outcome_Run
+	Value         isOutcome_Value `protobuf_oneof:"value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Outcome) Reset() {
+	*x = Outcome{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Outcome) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Outcome) ProtoMessage() {}
+
+func (x *Outcome) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Outcome.ProtoReflect.Descriptor instead.
+func (*Outcome) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *Outcome) GetSequence() uint64 {
+	if x != nil {
+		return x.Sequence
+	}
+	return 0
+}
+
+func (x *Outcome) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *Outcome) GetTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Time
+	}
+	return nil
+}
+
+func (x *Outcome) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *Outcome) GetErrorMessage() string {
+	if x != nil {
+		return x.ErrorMessage
+	}
+	return ""
+}
+
+func (x *Outcome) GetOpDigest() uint64 {
+	if x != nil {
+		return x.OpDigest
+	}
+	return 0
+}
+
+func (x *Outcome) GetValue() isOutcome_Value {
+	if x != nil {
+		return x.Value
+	}
+	return nil
+}
+
+func (x *Outcome) GetInstance() *v1.ServiceInstance {
+	if x != nil {
+		if x, ok := x.Value.(*Outcome_Instance); ok {
+			return x.Instance
+		}
+	}
+	return nil
+}
+
+func (x *Outcome) GetConfigEntry() *v1.ConfigEntry {
+	if x != nil {
+		if x, ok := x.Value.(*Outcome_ConfigEntry); ok {
+			return x.ConfigEntry
+		}
+	}
+	return nil
+}
+
+func (x *Outcome) GetSchedule() *v11.Schedule {
+	if x != nil {
+		if x, ok := x.Value.(*Outcome_Schedule); ok {
+			return x.Schedule
+		}
+	}
+	return nil
+}
+
+func (x *Outcome) GetRun() *v11.Run {
+	if x != nil {
+		if x, ok := x.Value.(*Outcome_Run); ok {
+			return x.Run
+		}
+	}
+	return nil
+}
+
+type isOutcome_Value interface {
+	isOutcome_Value()
+}
+
+type Outcome_Instance struct {
+	Instance *v1.ServiceInstance `protobuf:"bytes,8,opt,name=instance,proto3,oneof"`
+}
+
+type Outcome_ConfigEntry struct {
+	ConfigEntry *v1.ConfigEntry `protobuf:"bytes,9,opt,name=config_entry,json=configEntry,proto3,oneof"`
+}
+
+type Outcome_Schedule struct {
+	Schedule *v11.Schedule `protobuf:"bytes,10,opt,name=schedule,proto3,oneof"`
+}
+
+type Outcome_Run struct {
+	Run *v11.Run `protobuf:"bytes,11,opt,name=run,proto3,oneof"`
+}
+
+func (*Outcome_Instance) isOutcome_Value() {}
+
+func (*Outcome_ConfigEntry) isOutcome_Value() {}
+
+func (*Outcome_Schedule) isOutcome_Value() {}
+
+func (*Outcome_Run) isOutcome_Value() {}
+
 // DedupeRecord remembers the outcome of an applied write so that a retry
 // with the same client_id and sequence returns it instead of applying again.
 type DedupeRecord struct {
@@ -1445,7 +1700,7 @@ type DedupeRecord struct {
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1457,7 +1712,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1470,7 +1725,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{19}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1698,7 +1953,27 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"last_index\x18\x03 \x01(\x04R\tlastIndex\";\n" +
 	"\vTableHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
-	"\arecords\x18\x02 \x01(\x04R\arecords\"\xe7\x03\n" +
+	"\arecords\x18\x02 \x01(\x04R\arecords\"\xe7\x01\n" +
+	"\aSession\x12\x1b\n" +
+	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12)\n" +
+	"\x10highest_sequence\x18\x02 \x01(\x04R\x0fhighestSequence\x12'\n" +
+	"\x0fdropped_through\x18\x03 \x01(\x04R\x0edroppedThrough\x127\n" +
+	"\tlast_used\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\blastUsed\x122\n" +
+	"\boutcomes\x18\x05 \x03(\v2\x16.pivirt.fsm.v1.OutcomeR\boutcomes\"\xc5\x03\n" +
+	"\aOutcome\x12\x1a\n" +
+	"\bsequence\x18\x01 \x01(\x04R\bsequence\x12\x14\n" +
+	"\x05index\x18\x02 \x01(\x04R\x05index\x12.\n" +
+	"\x04time\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
+	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\x12\x1b\n" +
+	"\top_digest\x18\x06 \x01(\x06R\bopDigest\x12@\n" +
+	"\binstance\x18\b \x01(\v2\".pivirt.cluster.v1.ServiceInstanceH\x00R\binstance\x12C\n" +
+	"\fconfig_entry\x18\t \x01(\v2\x1e.pivirt.cluster.v1.ConfigEntryH\x00R\vconfigEntry\x12:\n" +
+	"\bschedule\x18\n" +
+	" \x01(\v2\x1c.pivirt.schedule.v1.ScheduleH\x00R\bschedule\x12+\n" +
+	"\x03run\x18\v \x01(\v2\x17.pivirt.schedule.v1.RunH\x00R\x03runB\a\n" +
+	"\x05value\"\xe7\x03\n" +
 	"\fDedupeRecord\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12\x14\n" +
@@ -1727,7 +2002,7 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
 	(*Placement)(nil),             // 1: pivirt.fsm.v1.Placement
@@ -1748,16 +2023,18 @@ var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*RecordRun)(nil),             // 16: pivirt.fsm.v1.RecordRun
 	(*SnapshotHeader)(nil),        // 17: pivirt.fsm.v1.SnapshotHeader
 	(*TableHeader)(nil),           // 18: pivirt.fsm.v1.TableHeader
-	(*DedupeRecord)(nil),          // 19: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 21: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 22: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 23: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 24: pivirt.schedule.v1.Run
-	(*v1.ConfigEntry)(nil),        // 25: pivirt.cluster.v1.ConfigEntry
+	(*Session)(nil),               // 19: pivirt.fsm.v1.Session
+	(*Outcome)(nil),               // 20: pivirt.fsm.v1.Outcome
+	(*DedupeRecord)(nil),          // 21: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 23: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 24: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 25: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 26: pivirt.schedule.v1.Run
+	(*v1.ConfigEntry)(nil),        // 27: pivirt.cluster.v1.ConfigEntry
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	20, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	22, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
 	7,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
 	8,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
 	9,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
@@ -1774,27 +2051,34 @@ var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
 	2,  // 14: pivirt.fsm.v1.Command.set_placements:type_name -> pivirt.fsm.v1.SetPlacements
 	1,  // 15: pivirt.fsm.v1.SetPlacements.upsert:type_name -> pivirt.fsm.v1.Placement
 	1,  // 16: pivirt.fsm.v1.SetPlacements.delete:type_name -> pivirt.fsm.v1.Placement
-	20, // 17: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
-	21, // 18: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	20, // 19: pivirt.fsm.v1.DeregisterService.critical_since:type_name -> google.protobuf.Timestamp
-	22, // 20: pivirt.fsm.v1.Heartbeat.health:type_name -> pivirt.cluster.v1.Health
-	22, // 21: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	20, // 22: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	23, // 23: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	20, // 24: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	20, // 25: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	24, // 26: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	22, // 17: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
+	23, // 18: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	22, // 19: pivirt.fsm.v1.DeregisterService.critical_since:type_name -> google.protobuf.Timestamp
+	24, // 20: pivirt.fsm.v1.Heartbeat.health:type_name -> pivirt.cluster.v1.Health
+	24, // 21: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	22, // 22: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	25, // 23: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	22, // 24: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	22, // 25: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	26, // 26: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
 	18, // 27: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	20, // 28: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	21, // 29: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	25, // 30: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	23, // 31: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
-	24, // 32: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
-	33, // [33:33] is the sub-list for method output_type
-	33, // [33:33] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	22, // 28: pivirt.fsm.v1.Session.last_used:type_name -> google.protobuf.Timestamp
+	20, // 29: pivirt.fsm.v1.Session.outcomes:type_name -> pivirt.fsm.v1.Outcome
+	22, // 30: pivirt.fsm.v1.Outcome.time:type_name -> google.protobuf.Timestamp
+	23, // 31: pivirt.fsm.v1.Outcome.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	27, // 32: pivirt.fsm.v1.Outcome.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	25, // 33: pivirt.fsm.v1.Outcome.schedule:type_name -> pivirt.schedule.v1.Schedule
+	26, // 34: pivirt.fsm.v1.Outcome.run:type_name -> pivirt.schedule.v1.Run
+	22, // 35: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	23, // 36: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	27, // 37: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	25, // 38: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	26, // 39: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	40, // [40:40] is the sub-list for method output_type
+	40, // [40:40] is the sub-list for method input_type
+	40, // [40:40] is the sub-list for extension type_name
+	40, // [40:40] is the sub-list for extension extendee
+	0,  // [0:40] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -1821,7 +2105,13 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[11].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[12].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[13].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[19].OneofWrappers = []any{
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[20].OneofWrappers = []any{
+		(*Outcome_Instance)(nil),
+		(*Outcome_ConfigEntry)(nil),
+		(*Outcome_Schedule)(nil),
+		(*Outcome_Run)(nil),
+	}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[21].OneofWrappers = []any{
 		(*DedupeRecord_Instance)(nil),
 		(*DedupeRecord_ConfigEntry)(nil),
 		(*DedupeRecord_Schedule)(nil),
@@ -1833,7 +2123,7 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   20,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
