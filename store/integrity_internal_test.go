@@ -12,6 +12,7 @@ import (
 
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	wal "github.com/hashicorp/raft-wal"
 	"go.etcd.io/bbolt"
 )
 
@@ -26,6 +27,8 @@ type logShape struct {
 	damage func(t *testing.T, dir string)
 	// want is "" for a log Raft can start from, else a part of the error.
 	want string
+	// wal stores the runs (one run at most) in a WAL instead of raft.db.
+	wal bool
 }
 
 // TestLogShapes builds every shape of log the start-up check must accept
@@ -66,7 +69,20 @@ func TestLogShapes(t *testing.T) {
 			damage: func(t *testing.T, dir string) { garbleSnapshot(t, dir, 100) },
 		},
 
+		"wal: contiguous, no snapshot":                {runs: []span{{1, 100}}, wal: true},
+		"wal: compacted, the snapshot inside the log": {runs: []span{{41, 120}}, snaps: []uint64{60}, wal: true},
+		"wal: crash after a restore's snapshot, before the log was removed": {
+			runs: []span{{1, 100}}, snaps: []uint64{101}, wal: true,
+		},
+		"wal: crash after a snapshot install from far ahead": {
+			runs: []span{{1, 100}}, snaps: []uint64{5000}, wal: true,
+		},
+
 		// Refused.
+		"wal: first index above the snapshot": {
+			runs: []span{{70, 100}}, snaps: []uint64{50}, wal: true,
+			want: "entry 51 of 70..100: log not found",
+		},
 		"a gap above the newest snapshot": {
 			runs: []span{{1, 89}, {91, 100}}, snaps: []uint64{50},
 			want: "entry 90 of 1..100: log not found",
@@ -130,9 +146,22 @@ func TestLogShapes(t *testing.T) {
 			cfg := DefaultConfig()
 			st, err := openStores(cfg, dir, newHCLogAdapter(nil), slog.New(slog.DiscardHandler))
 			if err == nil {
+				// Raft's next entry after the newest snapshot, or after the
+				// log, must be storable.
+				next, _ := st.logs.LastIndex()
+				if n := len(sh.snaps); n > 0 && sh.snaps[n-1] > next {
+					next = sh.snaps[n-1]
+				}
+				next++
+				if err := st.logs.StoreLogs([]*raft.Log{{Index: next, Term: 2, Type: raft.LogCommand, Data: []byte("next")}}); err != nil {
+					t.Errorf("the entry after the log and the snapshots (%d) cannot be stored: %v", next, err)
+				}
 				st.Close()
 			}
 			path := filepath.Join(dir, boltFile)
+			if sh.wal {
+				path = filepath.Join(dir, walDir)
+			}
 			switch {
 			case sh.want == "" && err != nil:
 				t.Fatalf("refused a log Raft can leave behind: %v", err)
@@ -158,7 +187,19 @@ func buildShape(t *testing.T, dir string, sh logShape) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	db, err := raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, boltFile)})
+	var db interface {
+		StoreLogs([]*raft.Log) error
+		Close() error
+	}
+	var err error
+	if sh.wal {
+		if err := os.MkdirAll(filepath.Join(dir, walDir), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		db, err = wal.Open(filepath.Join(dir, walDir), wal.WithSegmentSize(minWALSegmentSize), wal.WithLogger(newHCLogAdapter(nil)))
+	} else {
+		db, err = raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, boltFile)})
+	}
 	if err != nil {
 		t.Fatal(err)
 	}

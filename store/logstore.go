@@ -112,6 +112,19 @@ func openWAL(dir string, segmentSize int, logger *hclogAdapter, snap uint64) (w 
 		w.Close()
 		return nil, err
 	}
+	if last > 0 && snap > last {
+		// Every entry is at or below the newest snapshot: a crash after
+		// Raft stored a snapshot it installed or restored, before it
+		// removed the log below it (what Raft does for a monotonic store
+		// such as this, instead of leaving a gap). Raft would resume after
+		// the snapshot's index and the WAL, which takes no gaps, would
+		// refuse every append: remove the log as Raft was about to.
+		if err := w.DeleteRange(first, last); err != nil {
+			w.Close()
+			return nil, fmt.Errorf("open raft log %s: remove entries %d..%d below the snapshot at %d: %w", path, first, last, snap, err)
+		}
+		logger.Info("removed the log entries a snapshot replaced", "first", first, "last", last, "snapshot_index", snap)
+	}
 	return w, nil
 }
 
