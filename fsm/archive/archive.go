@@ -15,7 +15,7 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"compress/gzip"
+
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/raft"
+	"github.com/klauspost/compress/gzip"
 
 	"pilab.hu/pivirt-agent/fsm"
 )
