@@ -635,6 +635,7 @@ func (a *Agent) buildServices() error {
 	}
 	snapCfg := gateway.SnapshotServiceConfig{
 		Take:         a.takeSnapshot,
+		Fork:         func() (*fsm.FSM, error) { return a.fsm.Fork(fsm.DefaultConfig()) },
 		TempDir:      tmp,
 		PauseLeader:  a.terms.Pause,
 		ResumeLeader: a.terms.Resume,
