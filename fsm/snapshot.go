@@ -187,6 +187,10 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	return s, nil
 }
 
+// anyOrderOpts marshals without sorting map keys: for comparisons only,
+// never for what is written.
+var anyOrderOpts = proto.MarshalOptions{}
+
 // sizedOpts marshals a record whose size was just computed (recordSize)
 // without computing it again: the same bytes as marshalOpts.
 var sizedOpts = proto.MarshalOptions{Deterministic: true, UseCachedSize: true}
@@ -604,8 +608,8 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 				// The same record as the current one: it stays. (Its key
 				// is above the previous record's: every key up to that
 				// one was passed already.)
-				if enc, err = t.codec.encode(enc[:0], m.cur); err == nil && bytes.Equal(enc, b) {
-					m.prev = m.curKey
+				if m.same(b, &enc) {
+					m.prev, m.prevObj = m.curKey, m.cur
 					if err := m.advance(); err != nil {
 						return nil, nil, nil, err
 					}
@@ -652,20 +656,52 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 
 // tableMerge merges the records of one table, in primary-key order, into
 // a write transaction (txn nil: it only checks their keys and order). cur
-// is the next record the table held before, from a read transaction.
+// is the next record the table held before, from a read transaction. Keys
+// are computed only when compared: a merge that keeps every record
+// computes none.
 type tableMerge struct {
-	table  tableDef
-	ix     primaryIndexer
-	txn    *memdb.Txn
-	it     memdb.ResultIterator
-	cur    any
-	curKey []byte
-	prev   []byte // the key of the last record merged
+	table   tableDef
+	ix      primaryIndexer
+	txn     *memdb.Txn
+	it      memdb.ResultIterator
+	cur     any
+	curKey  []byte // cur's key, once computed
+	prev    []byte // the key of the last record merged, once computed
+	prevObj any    // the last record merged, when it was kept as held
 }
 
 func (m *tableMerge) key(obj any) ([]byte, bool, error) {
 	ok, key, err := m.ix.FromObject(obj)
 	return key, ok, err
+}
+
+// same reports whether b encodes cur. The encoding without sorted map
+// keys is tried first: it is the same bytes whenever no map has two
+// entries, and sorting map keys allocates for every record.
+func (m *tableMerge) same(b []byte, enc *[]byte) bool {
+	var err error
+	if msg, ok := m.cur.(proto.Message); ok {
+		if *enc, err = anyOrderOpts.MarshalAppend((*enc)[:0], msg); err == nil && bytes.Equal(*enc, b) {
+			return true
+		}
+		if len(*enc) != len(b) {
+			return false
+		}
+	}
+	*enc, err = m.table.codec.encode((*enc)[:0], m.cur)
+	return err == nil && bytes.Equal(*enc, b)
+}
+
+// curK returns cur's key.
+func (m *tableMerge) curK() ([]byte, error) {
+	if m.curKey == nil && m.cur != nil {
+		key, ok, err := m.key(m.cur)
+		if err != nil || !ok {
+			return nil, fmt.Errorf("read %s: a record without its key (%v)", m.table.name, err)
+		}
+		m.curKey = key
+	}
+	return m.curKey, nil
 }
 
 // advance moves cur to the next record held before.
@@ -675,11 +711,7 @@ func (m *tableMerge) advance() error {
 		return nil
 	}
 	if obj := m.it.Next(); obj != nil {
-		key, ok, err := m.key(obj)
-		if err != nil || !ok {
-			return fmt.Errorf("read %s: a record without its key (%v)", m.table.name, err)
-		}
-		m.cur, m.curKey = obj, key
+		m.cur = obj
 	}
 	return nil
 }
@@ -693,15 +725,29 @@ func (m *tableMerge) put(obj any, i uint64) error {
 		return fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, m.table.name, i, err)
 	case !ok:
 		return corruptf("%s record %d: the record has no key", m.table.name, i)
-	case i > 0 && bytes.Compare(key, m.prev) <= 0:
+	}
+	if m.prev == nil && m.prevObj != nil {
+		if m.prev, _, err = m.key(m.prevObj); err != nil {
+			return fmt.Errorf("read %s: %w", m.table.name, err)
+		}
+	}
+	if i > 0 && bytes.Compare(key, m.prev) <= 0 {
 		return corruptf("%s record %d: key %q repeats or is out of order (after %q); records are written once each, in key order", m.table.name, i, key, m.prev)
 	}
-	m.prev = key
+	m.prev, m.prevObj = key, nil
 	if m.txn == nil {
 		return nil
 	}
-	for m.cur != nil && bytes.Compare(m.curKey, key) <= 0 {
-		if !bytes.Equal(m.curKey, key) {
+	for m.cur != nil {
+		ck, err := m.curK()
+		if err != nil {
+			return err
+		}
+		c := bytes.Compare(ck, key)
+		if c > 0 {
+			break
+		}
+		if c < 0 {
 			if err := m.txn.Delete(m.table.name, m.cur); err != nil {
 				return fmt.Errorf("delete from %s: %w", m.table.name, err)
 			}
@@ -777,7 +823,21 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 			if i+1 < len(recs) && bytes.Equal(recs[i+1].key, r.key) {
 				continue // a later record with the same key wins
 			}
-			for m.cur != nil && bytes.Compare(m.curKey, r.key) < 0 {
+			if m.cur != nil && m.cur == any(r.rec) {
+				// The record held, so under this key: it stays.
+				if err := m.advance(); err != nil {
+					return fail(err)
+				}
+				continue
+			}
+			for m.cur != nil {
+				ck, err := m.curK()
+				if err != nil {
+					return fail(err)
+				}
+				if bytes.Compare(ck, r.key) >= 0 {
+					break
+				}
 				if err := txn.Delete(t.name, m.cur); err != nil {
 					return fail(err)
 				}
@@ -785,7 +845,9 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 					return fail(err)
 				}
 			}
-			if m.cur != nil && bytes.Equal(m.curKey, r.key) {
+			if ck, err := m.curK(); err != nil {
+				return fail(err)
+			} else if m.cur != nil && bytes.Equal(ck, r.key) {
 				same := m.cur == any(r.rec)
 				if !same {
 					cur, ok := m.cur.(proto.Message)

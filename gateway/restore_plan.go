@@ -175,25 +175,11 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 
 // joinByKey calls fn for every primary key of table in a or b (records in
 // key order, as State.Records returns them) with the record of each list
-// under it, nil where a list has none.
+// under it, nil where a list has none. Records the two lists share (the
+// same pointer) pair up without their keys being computed.
 func joinByKey(table string, a, b []proto.Message, fn func(ra, rb proto.Message) error) error {
-	key := func(recs []proto.Message, i int) ([]byte, error) {
-		if i >= len(recs) {
-			return nil, nil
-		}
-		return fsm.PrimaryKey(table, recs[i])
-	}
 	i, j := 0, 0
-	ka, err := key(a, i)
-	if err != nil {
-		return err
-	}
-	kb, err := key(b, j)
-	if err != nil {
-		return err
-	}
 	for i < len(a) || j < len(b) {
-		var ra, rb proto.Message
 		c := 0
 		switch {
 		case i >= len(a):
@@ -201,28 +187,25 @@ func joinByKey(table string, a, b []proto.Message, fn func(ra, rb proto.Message)
 		case j >= len(b):
 			c = -1
 		case a[i] != b[j]:
+			ka, err := fsm.PrimaryKey(table, a[i])
+			if err != nil {
+				return err
+			}
+			kb, err := fsm.PrimaryKey(table, b[j])
+			if err != nil {
+				return err
+			}
 			c = bytes.Compare(ka, kb)
 		}
+		var ra, rb proto.Message
 		if c <= 0 {
-			ra = a[i]
+			ra, i = a[i], i+1
 		}
 		if c >= 0 {
-			rb = b[j]
+			rb, j = b[j], j+1
 		}
 		if err := fn(ra, rb); err != nil {
 			return err
-		}
-		if c <= 0 {
-			i++
-			if ka, err = key(a, i); err != nil {
-				return err
-			}
-		}
-		if c >= 0 {
-			j++
-			if kb, err = key(b, j); err != nil {
-				return err
-			}
 		}
 	}
 	return nil
