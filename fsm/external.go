@@ -162,9 +162,9 @@ type TableRecord struct {
 
 // Replace makes records, as of index, the whole state: like Restore, the
 // swap is atomic for readers and wakes every watcher to re-list. Every
-// table's index becomes index. Like Restore it changes a copy of the
-// current state that shares every record, so a record the state already
-// holds (the same or an equal message) costs nothing (replaceRecords).
+// table's index becomes index. Like Restore it merges into the state, so
+// a record the state already holds (the same or an equal message) costs
+// nothing (replaceRecords).
 func (f *FSM) Replace(index uint64, records []TableRecord) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()

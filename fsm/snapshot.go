@@ -350,17 +350,21 @@ func writeRecord(w *bufio.Writer, b []byte) error {
 }
 
 // Restore replaces the state with the snapshot read from rc, and closes rc.
-// The snapshot is merged, record by record, into a copy of the current
-// state (a memdb snapshot: O(1), sharing every record): a record whose
-// encoding equals the current one stays as it is, others are decoded and
-// inserted, and records the snapshot does not hold are deleted. So a
-// restore allocates in proportion to what it changes, and at most one
-// copy of the state. On any error (ErrCorruptSnapshot for truncated or
-// malformed input, ErrUnsupportedSnapshot for a newer format) the copy is
-// dropped and the current state is left as it was. On success the swap is
+// The snapshot is merged, record by record, into the current database in
+// one write transaction, reading the state as it was from a read
+// transaction: a record whose encoding equals the current one stays as it
+// is, others are decoded and inserted, and records the snapshot does not
+// hold are deleted. So a restore allocates in proportion to what it
+// changes, and at most one copy of the state (memdb copies only the paths
+// it changes; readers keep the old tree). On any error
+// (ErrCorruptSnapshot for truncated or malformed input,
+// ErrUnsupportedSnapshot for a newer format) the transaction is aborted
+// and the current state is left as it was. On success the commit is
 // atomic for readers, the applied index becomes the snapshot's last index
 // (or stays, if it was higher) and the old state's abandon channel is
-// closed so that watchers re-list.
+// closed so that watchers re-list. (The transaction is on the database
+// itself, not on a memdb snapshot of it: writes to a snapshot never fire
+// watches, now or later.)
 func (f *FSM) Restore(rc io.ReadCloser) error {
 	if rc == nil {
 		return fmt.Errorf("%w: nil snapshot reader", ErrCorruptSnapshot)
@@ -369,9 +373,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 
-	f.mu.RLock()
-	db := f.db.Snapshot()
-	f.mu.RUnlock()
+	db := f.database()
 	txn, hdr, _, err := readSnapshot(rc, db)
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
@@ -396,7 +398,9 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 // Fork returns a new FSM, configured by cfg, whose state starts as this
 // one's: a memdb snapshot (O(1)) that shares every record, so that what
 // is then restored or replaced into the fork costs memory only for what
-// it changes. The fork is independent: nothing it applies reaches f.
+// it changes. The fork is independent: nothing it applies reaches f. It
+// is scratch space (a restore's plan): memdb never fires the watches of a
+// snapshot's state.
 func (f *FSM) Fork(cfg Config) (*FSM, error) {
 	g, err := New(cfg)
 	if err != nil {
@@ -777,8 +781,9 @@ func (m *tableMerge) rest() error {
 
 // replaceRecords is Replace, with applyMu held: the records are sorted by
 // primary key per table (of two with the same key the later one wins, as
-// inserting them in turn would) and merged into a memdb snapshot of the
-// state, in which each table ends with exactly them. A record that is the
+// inserting them in turn would) and merged into the state in one write
+// transaction, as Restore merges, after which each table holds exactly
+// them. A record that is the
 // one the table holds, or equal to it, is left in place.
 func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 	type keyed struct {
@@ -797,9 +802,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 		}
 		byTable[n] = append(byTable[n], keyed{key, r.Record})
 	}
-	f.mu.RLock()
-	db := f.db.Snapshot()
-	f.mu.RUnlock()
+	db := f.database()
 	old, txn := db.Txn(false), db.Txn(true)
 	fail := func(err error) error {
 		txn.Abort()
@@ -885,8 +888,9 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 	return f.replaceDB(txn, db, index)
 }
 
-// replaceDB commits txn, the whole new state db as of index, with the base
-// row of tableServiceIndex, and makes it the state: the applied index never
+// replaceDB commits txn, the whole new state db as of index (a new
+// database, or the current one, merged into in place), with the base row
+// of tableServiceIndex, and makes it the state: the applied index never
 // goes back, and the old state's watchers are woken to re-list. On error
 // txn is aborted and nothing changes.
 func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
@@ -895,8 +899,11 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 		txn.Abort()
 		return err
 	}
-	txn.Commit()
 	f.mu.Lock()
+	// Under mu: when txn is a write transaction of the current database
+	// (a restore merged in place), readers see its records and the new
+	// applied index together.
+	txn.Commit()
 	old := f.abandonCh
 	f.head.invalidate()
 	f.db = db

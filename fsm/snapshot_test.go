@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -773,5 +774,41 @@ func TestReplaceKeepsWhatItHolds(t *testing.T) {
 	}
 	if err := h.f.Replace(index, []TableRecord{{Table: TableServices, Record: &clusterv1.ServiceInstance{}}}); err == nil {
 		t.Error("Replace with a record without its key succeeded")
+	}
+}
+
+// TestWatchesAfterRestore: a restore wakes the watchers of the state it
+// replaces, and the restored state's watches fire on the next write, as
+// after Replace.
+func TestWatchesAfterRestore(t *testing.T) {
+	src := newHarness(t)
+	populate(src)
+	snap := src.snapshot()
+	h := newHarness(t)
+	populate(h)
+	h.mustApply(register(instance("extra", "1")))
+	for i, replace := range []func() error{
+		func() error { return h.f.Restore(readCloser(snap)) },
+		func() error { return h.f.Replace(h.f.AppliedIndex()+1, nil) },
+	} {
+		ws := memdb.NewWatchSet()
+		if _, err := h.f.State().WatchTables(ws, TableServices); err != nil {
+			t.Fatal(err)
+		}
+		if err := replace(); err != nil {
+			t.Fatal(err)
+		}
+		if ws.Watch(time.After(10 * time.Second)) {
+			t.Fatalf("step %d: the replaced state's watch did not fire", i)
+		}
+		ws = memdb.NewWatchSet()
+		if _, err := h.f.State().WatchTables(ws, TableServices); err != nil {
+			t.Fatal(err)
+		}
+		h.index = h.f.AppliedIndex()
+		h.mustApply(register(instance("after", fmt.Sprint(i))))
+		if ws.Watch(time.After(10 * time.Second)) {
+			t.Fatalf("step %d: a write after the restore did not fire the restored state's watch", i)
+		}
 	}
 }
