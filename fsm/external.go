@@ -162,35 +162,13 @@ type TableRecord struct {
 
 // Replace makes records, as of index, the whole state: like Restore, the
 // swap is atomic for readers and wakes every watcher to re-list. Every
-// table's index becomes index.
+// table's index becomes index. Like Restore it merges into the state, so
+// a record the state already holds (the same or an equal message) costs
+// nothing (replaceRecords).
 func (f *FSM) Replace(index uint64, records []TableRecord) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
-	db := newMemDB()
-	txn := db.Txn(true)
-	for _, r := range records {
-		if n := tableNum(r.Table); n < 0 || r.Table == TableIndex {
-			txn.Abort()
-			return fmt.Errorf("replace: unknown table %q", r.Table)
-		}
-		if err := txn.Insert(r.Table, storedRecord(r.Record)); err != nil {
-			txn.Abort()
-			return fmt.Errorf("replace: insert into %s: %w", r.Table, err)
-		}
-	}
-	for _, name := range Tables() {
-		if name == TableIndex {
-			continue
-		}
-		if err := txn.Insert(TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
-			txn.Abort()
-			return fmt.Errorf("replace: %w", err)
-		}
-	}
-	if err := f.replaceDB(txn, db, index); err != nil {
-		return fmt.Errorf("replace: %w", err)
-	}
-	return nil
+	return f.replaceRecords(index, records)
 }
 
 // Records returns every record of table (not TableIndex), in key order.

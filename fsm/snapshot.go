@@ -86,18 +86,76 @@ func (f *FSM) WriteSnapshot(w io.Writer) error {
 
 // writeSnapshot streams the state of txn to w through a buffer.
 func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
+	s, err := planSnapshot(txn, lastIndex, false)
+	if err != nil {
+		return err
+	}
+	_, err = s.WriteTo(w)
+	return err
+}
+
+// StateSnapshot is a point-in-time capture of the state (a memdb read
+// transaction) with the size of its snapshot stream, for writers that
+// must know the size before the stream (an archive's headers).
+type StateSnapshot struct {
+	txn    *memdb.Txn
+	hdr    *fsmv1.SnapshotHeader
+	tables []tableDef
+	size   int64
+}
+
+// CaptureSnapshot captures the current state, as Snapshot does, without
+// the records of the tables named in drop (they restore empty, as with
+// FilterSnapshot), and sizes its snapshot stream: one pass over the
+// records that computes their encoded sizes and keeps nothing. WriteTo
+// then encodes the records straight from the capture, so a snapshot that
+// leaves the node needs no Raft snapshot, no copy on disk and no decoding.
+func (f *FSM) CaptureSnapshot(drop ...string) (*StateSnapshot, error) {
+	f.applyMu.Lock()
+	f.mu.RLock()
+	txn, index := f.db.Txn(false), f.applied
+	f.mu.RUnlock()
+	f.applyMu.Unlock()
+	return planSnapshot(txn, index, true, drop...)
+}
+
+// Index is the applied index the captured state is as of.
+func (s *StateSnapshot) Index() uint64 { return s.hdr.GetLastIndex() }
+
+// FormatVersion is the snapshot format of the stream.
+func (s *StateSnapshot) FormatVersion() uint32 { return s.hdr.GetFormatVersion() }
+
+// Size is the length of the stream WriteTo writes.
+func (s *StateSnapshot) Size() int64 { return s.size }
+
+// planSnapshot counts the records of txn, picks the oldest format that
+// holds them and builds the header; with sized it also computes the
+// stream's length. Tables named in drop are left out of the header (the
+// format is still the one the whole state needs, as FilterSnapshot keeps
+// its input's).
+func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) (*StateSnapshot, error) {
 	counts := make(map[string]uint64, len(tableDefs))
+	sizes := make(map[string]int64, len(tableDefs))
 	var nonEmpty []string
 	for _, t := range tableDefs {
 		it, err := txn.Get(t.name, indexID)
 		if err != nil {
-			return fmt.Errorf("snapshot: count %s: %w", t.name, err)
+			return nil, fmt.Errorf("snapshot: count %s: %w", t.name, err)
 		}
+		size := sized && !slices.Contains(drop, t.name)
 		var n uint64
+		var bytes int64
 		for obj := it.Next(); obj != nil; obj = it.Next() {
 			n++
+			if size {
+				rn, err := recordSize(obj)
+				if err != nil {
+					return nil, fmt.Errorf("snapshot: size %s record: %w", t.name, err)
+				}
+				bytes += int64(uvarintLen(uint64(rn)) + rn)
+			}
 		}
-		counts[t.name] = n
+		counts[t.name], sizes[t.name] = n, bytes
 		if n > 0 {
 			nonEmpty = append(nonEmpty, t.name)
 		}
@@ -107,7 +165,7 @@ func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
 	// refuse the row.
 	it, err := txn.Get(TableIndex, indexID)
 	if err != nil {
-		return fmt.Errorf("snapshot: read %s: %w", TableIndex, err)
+		return nil, fmt.Errorf("snapshot: read %s: %w", TableIndex, err)
 	}
 	for obj := it.Next(); obj != nil; obj = it.Next() {
 		nonEmpty = append(nonEmpty, obj.(*indexEntry).Table)
@@ -115,45 +173,92 @@ func writeSnapshot(w io.Writer, txn *memdb.Txn, lastIndex uint64) error {
 	// The oldest format that holds the state: tables newer than it are
 	// empty and left out.
 	version := formatFor(nonEmpty)
-	hdr := &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}
-	var tables []tableDef
+	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}}
 	for _, t := range tableDefs {
-		if tableSince[t.name] <= version {
-			tables = append(tables, t)
-			hdr.Tables = append(hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: counts[t.name]})
+		if tableSince[t.name] <= version && !slices.Contains(drop, t.name) {
+			s.tables = append(s.tables, t)
+			s.hdr.Tables = append(s.hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: counts[t.name]})
+			s.size += sizes[t.name]
 		}
 	}
-
-	bw := bufio.NewWriterSize(w, 64<<10)
-	buf, err := writeHeader(bw, hdr)
-	if err != nil {
-		return err
+	if sized {
+		hn := marshalOpts.Size(s.hdr)
+		s.size += int64(8 + uvarintLen(uint64(hn)) + hn)
 	}
-	for i, t := range tables {
-		it, err := txn.Get(t.name, indexID)
+	return s, nil
+}
+
+// anyOrderOpts marshals without sorting map keys: for comparisons only,
+// never for what is written.
+var anyOrderOpts = proto.MarshalOptions{}
+
+// sizedOpts marshals a record whose size was just computed (recordSize)
+// without computing it again: the same bytes as marshalOpts.
+var sizedOpts = proto.MarshalOptions{Deterministic: true, UseCachedSize: true}
+
+// recordSize is the length of the encoding of obj by its table's codec.
+func recordSize(obj any) (int, error) {
+	switch v := obj.(type) {
+	case *indexEntry:
+		return uvarintLen(uint64(len(v.Table))) + len(v.Table) + uvarintLen(v.Value), nil
+	case proto.Message:
+		return marshalOpts.Size(v), nil
+	case *session:
+		return marshalOpts.Size(sessionToProto(v)), nil
+	}
+	return 0, fmt.Errorf("record of type %T", obj)
+}
+
+func uvarintLen(x uint64) int {
+	var b [binary.MaxVarintLen64]byte
+	return binary.PutUvarint(b[:], x)
+}
+
+// WriteTo writes the snapshot stream of the captured state to w through a
+// buffer, one record at a time. A capture can be written more than once.
+func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
+	cw := &countingWriter{w: w}
+	bw := bufio.NewWriterSize(cw, 64<<10)
+	buf, err := writeHeader(bw, s.hdr)
+	if err != nil {
+		return cw.n, err
+	}
+	for i, t := range s.tables {
+		it, err := s.txn.Get(t.name, indexID)
 		if err != nil {
-			return fmt.Errorf("snapshot: read %s: %w", t.name, err)
+			return cw.n, fmt.Errorf("snapshot: read %s: %w", t.name, err)
 		}
 		var n uint64
 		for obj := it.Next(); obj != nil; obj = it.Next() {
-			if buf, err = t.codec.encode(buf[:0], obj); err != nil {
-				return fmt.Errorf("snapshot: encode %s record: %w", t.name, err)
+			if m, ok := obj.(proto.Message); ok && s.size > 0 {
+				// Sized: the size pass left every message's size in its
+				// cache (records are never changed in place).
+				buf, err = sizedOpts.MarshalAppend(buf[:0], m)
+			} else {
+				buf, err = t.codec.encode(buf[:0], obj)
+			}
+			if err != nil {
+				return cw.n, fmt.Errorf("snapshot: encode %s record: %w", t.name, err)
 			}
 			if err := writeRecord(bw, buf); err != nil {
-				return fmt.Errorf("snapshot: write %s: %w", t.name, err)
+				return cw.n, fmt.Errorf("snapshot: write %s: %w", t.name, err)
 			}
 			n++
 		}
-		if n != hdr.Tables[i].Records {
+		if n != s.hdr.Tables[i].Records {
 			// Impossible with a read transaction; checked so that a bug
 			// cannot write a snapshot that does not restore.
-			return fmt.Errorf("snapshot: %s changed while writing: %d records, header says %d", t.name, n, hdr.Tables[i].Records)
+			return cw.n, fmt.Errorf("snapshot: %s changed while writing: %d records, header says %d", t.name, n, s.hdr.Tables[i].Records)
 		}
 	}
 	if err := bw.Flush(); err != nil {
-		return fmt.Errorf("snapshot: flush: %w", err)
+		return cw.n, fmt.Errorf("snapshot: flush: %w", err)
 	}
-	return nil
+	if s.size > 0 && cw.n != s.size {
+		// Equally impossible: recordSize disagrees with a codec.
+		return cw.n, fmt.Errorf("snapshot: wrote %d bytes, sized %d", cw.n, s.size)
+	}
+	return cw.n, nil
 }
 
 // writeHeader writes the preamble and the header; it returns the header's
@@ -248,12 +353,21 @@ func writeRecord(w *bufio.Writer, b []byte) error {
 }
 
 // Restore replaces the state with the snapshot read from rc, and closes rc.
-// The snapshot is read completely into a new database first: on any error
+// The snapshot is merged, record by record, into the current database in
+// one write transaction, reading the state as it was from a read
+// transaction: a record whose encoding equals the current one stays as it
+// is, others are decoded and inserted, and records the snapshot does not
+// hold are deleted. So a restore allocates in proportion to what it
+// changes, and at most one copy of the state (memdb copies only the paths
+// it changes; readers keep the old tree). On any error
 // (ErrCorruptSnapshot for truncated or malformed input,
-// ErrUnsupportedSnapshot for a newer format) the current state is left as
-// it was. On success the swap is atomic for readers, the applied index
-// becomes the snapshot's last index (or stays, if it was higher) and the old
-// state's abandon channel is closed so that watchers re-list.
+// ErrUnsupportedSnapshot for a newer format) the transaction is aborted
+// and the current state is left as it was. On success the commit is
+// atomic for readers, the applied index becomes the snapshot's last index
+// (or stays, if it was higher) and the old state's abandon channel is
+// closed so that watchers re-list. (The transaction is on the database
+// itself, not on a memdb snapshot of it: writes to a snapshot never fire
+// watches, now or later.)
 func (f *FSM) Restore(rc io.ReadCloser) error {
 	if rc == nil {
 		return fmt.Errorf("%w: nil snapshot reader", ErrCorruptSnapshot)
@@ -262,7 +376,8 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 
-	db, hdr, _, err := readSnapshot(rc, true)
+	db := f.database()
+	txn, hdr, _, err := readSnapshot(rc, db)
 	if err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
@@ -271,7 +386,8 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	// waiting for an index this node already passed must not wait for
 	// entries that will never come. (The leader follows such a restore
 	// with a Restored command, which moves it on everywhere.)
-	txn := db.Txn(true)
+	// A snapshot of format 3 or older holds dedupe records: they become
+	// sessions.
 	if err := dedupeToSessions(txn); err != nil {
 		txn.Abort()
 		return fmt.Errorf("restore: %w", err)
@@ -288,6 +404,28 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	return nil
 }
 
+// Fork returns a new FSM, configured by cfg, whose state starts as this
+// one's: a memdb snapshot (O(1)) that shares every record, so that what
+// is then restored or replaced into the fork costs memory only for what
+// it changes. The fork is independent: nothing it applies reaches f. It
+// is scratch space (a restore's plan): memdb never fires the watches of a
+// snapshot's state.
+func (f *FSM) Fork(cfg Config) (*FSM, error) {
+	g, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	f.applyMu.Lock()
+	f.mu.RLock()
+	db, applied := f.db.Snapshot(), f.applied
+	f.mu.RUnlock()
+	f.applyMu.Unlock()
+	if err := g.replaceDB(db.Txn(true), db, applied); err != nil {
+		return nil, fmt.Errorf("fork: %w", err)
+	}
+	return g, nil
+}
+
 // ReadSnapshotHeader reads the preamble and header of a snapshot stream
 // without reading the records, e.g. to show per-table counts.
 func ReadSnapshotHeader(r io.Reader) (*fsmv1.SnapshotHeader, error) {
@@ -298,7 +436,10 @@ func ReadSnapshotHeader(r io.Reader) (*fsmv1.SnapshotHeader, error) {
 // VerifySnapshot reads a whole snapshot stream into a throwaway state and
 // reports whether Restore would accept it.
 func VerifySnapshot(r io.Reader) (*fsmv1.SnapshotHeader, error) {
-	_, hdr, _, err := readSnapshot(r, true)
+	txn, hdr, _, err := readSnapshot(r, newMemDB())
+	if txn != nil {
+		txn.Abort()
+	}
 	return hdr, err
 }
 
@@ -334,7 +475,14 @@ func ScanSnapshot(r io.Reader) (*SnapshotInfo, error) {
 }
 
 func inspect(r io.Reader, build bool) (*SnapshotInfo, error) {
-	_, hdr, sizes, err := readSnapshot(r, build)
+	var db *memdb.MemDB
+	if build {
+		db = newMemDB()
+	}
+	txn, hdr, sizes, err := readSnapshot(r, db)
+	if txn != nil {
+		txn.Abort()
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -423,36 +571,64 @@ func (sr *snapshotReader) header() (*fsmv1.SnapshotHeader, error) {
 	return hdr, nil
 }
 
-// readSnapshot reads a whole snapshot stream into a new database and
-// returns it with the header and the record bytes of each table of the
-// header. Tables the snapshot does not list are empty. With full false it
-// only decodes and checks every record, one at a time, and returns no
-// database: memory stays flat, but duplicate keys and records memdb cannot
-// index go unnoticed.
-func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, []uint64, error) {
+// readSnapshot merges a whole snapshot stream into base and returns the
+// write transaction that holds the result, uncommitted, with the header
+// and the record bytes of each table of the header. Every table ends with
+// exactly the snapshot's records (tables it does not list, and the
+// derived service index, empty); a record whose encoding equals the one
+// base holds under the same key is left as it is, without decoding, so
+// the merge allocates only for what differs. Records must be in
+// primary-key order, as every writer writes them (memdb's order), which
+// also rules out repeated keys. With base nil it only decodes and checks
+// every record, one at a time: memory stays flat, but records memdb
+// cannot index go unnoticed. On error the transaction is aborted.
+func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.SnapshotHeader, sizes []uint64, err error) {
 	sr := newSnapshotReader(r)
-	hdr, err := sr.header()
-	if err != nil {
+	if hdr, err = sr.header(); err != nil {
 		return nil, nil, nil, err
 	}
-	sizes := make([]uint64, len(hdr.GetTables()))
-	var (
-		db  *memdb.MemDB
-		txn *memdb.Txn
-	)
-	if full {
-		db = newMemDB()
-		txn = db.Txn(true)
-		defer txn.Abort()
+	sizes = make([]uint64, len(hdr.GetTables()))
+	var old, wtxn *memdb.Txn
+	if base != nil {
+		old, wtxn = base.Txn(false), base.Txn(true)
+		defer func() {
+			if err != nil {
+				wtxn.Abort()
+			}
+		}()
 	}
+	listed := make(map[string]bool, len(hdr.GetTables()))
+	var enc []byte
 	for ti, th := range hdr.GetTables() {
 		t, _ := tableDefByName(th.GetName())
+		listed[t.name] = true
+		m := tableMerge{table: t, ix: idIndexers[tableNum(t.name)], txn: wtxn}
+		if base != nil {
+			if m.it, err = old.Get(t.name, indexID); err != nil {
+				return nil, nil, nil, fmt.Errorf("read %s: %w", t.name, err)
+			}
+			if err = m.advance(); err != nil {
+				return nil, nil, nil, err
+			}
+		}
 		for i := uint64(0); i < th.GetRecords(); i++ {
 			b, err := sr.record(maxRecordSize)
 			if err != nil {
 				return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
 			}
 			sizes[ti] += uint64(len(b))
+			if m.cur != nil {
+				// The same record as the current one: it stays. (Its key
+				// is above the previous record's: every key up to that
+				// one was passed already.)
+				if m.same(b, &enc) {
+					m.prev, m.prevObj = m.curKey, m.cur
+					if err := m.advance(); err != nil {
+						return nil, nil, nil, err
+					}
+					continue
+				}
+			}
 			obj, err := t.codec.decode(b)
 			if err != nil {
 				return nil, nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
@@ -462,26 +638,12 @@ func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, 
 					return nil, nil, nil, fmt.Errorf("%w: %s record %d: unknown table %q", ErrCorruptSnapshot, t.name, i, e.Table)
 				}
 			}
-			if !full {
-				continue
-			}
-			if err := txn.Insert(t.name, obj); err != nil {
-				return nil, nil, nil, fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, t.name, i, err)
+			if err := m.put(obj, i); err != nil {
+				return nil, nil, nil, err
 			}
 		}
-		if !full {
-			continue
-		}
-		it, err := txn.Get(t.name, indexID)
-		if err != nil {
-			return nil, nil, nil, fmt.Errorf("read %s: %w", t.name, err)
-		}
-		var n uint64
-		for obj := it.Next(); obj != nil; obj = it.Next() {
-			n++
-		}
-		if n != th.GetRecords() {
-			return nil, nil, nil, corruptf("%s: %d distinct records, header says %d", t.name, n, th.GetRecords())
+		if err := m.rest(); err != nil {
+			return nil, nil, nil, err
 		}
 	}
 	if _, err := sr.br.ReadByte(); !errors.Is(err, io.EOF) {
@@ -490,14 +652,257 @@ func readSnapshot(r io.Reader, full bool) (*memdb.MemDB, *fsmv1.SnapshotHeader, 
 		}
 		return nil, nil, nil, corruptf("trailing data after the last record")
 	}
-	if full {
-		txn.Commit()
+	if base == nil {
+		return nil, hdr, sizes, nil
 	}
-	return db, hdr, sizes, nil
+	// Tables the snapshot does not list restore empty; the service index
+	// is derived, and replaceDB sets its base row.
+	for _, t := range append(Tables(), tableServiceIndex) {
+		if !listed[t] {
+			if _, err := wtxn.DeleteAll(t, indexID); err != nil {
+				return nil, nil, nil, fmt.Errorf("clear %s: %w", t, err)
+			}
+		}
+	}
+	return wtxn, hdr, sizes, nil
 }
 
-// replaceDB commits txn, the whole new state db as of index, with the base
-// row of tableServiceIndex and the derived rows of the services table, and makes it the state: the applied index never
+// tableMerge merges the records of one table, in primary-key order, into
+// a write transaction (txn nil: it only checks their keys and order). cur
+// is the next record the table held before, from a read transaction. Keys
+// are computed only when compared: a merge that keeps every record
+// computes none.
+type tableMerge struct {
+	table   tableDef
+	ix      primaryIndexer
+	txn     *memdb.Txn
+	it      memdb.ResultIterator
+	cur     any
+	curKey  []byte // cur's key, once computed
+	prev    []byte // the key of the last record merged, once computed
+	prevObj any    // the last record merged, when it was kept as held
+}
+
+func (m *tableMerge) key(obj any) ([]byte, bool, error) {
+	ok, key, err := m.ix.FromObject(obj)
+	return key, ok, err
+}
+
+// same reports whether b encodes cur. The encoding without sorted map
+// keys is tried first: it is the same bytes whenever no map has two
+// entries, and sorting map keys allocates for every record.
+func (m *tableMerge) same(b []byte, enc *[]byte) bool {
+	var err error
+	if msg, ok := m.cur.(proto.Message); ok {
+		if *enc, err = anyOrderOpts.MarshalAppend((*enc)[:0], msg); err == nil && bytes.Equal(*enc, b) {
+			return true
+		}
+		if len(*enc) != len(b) {
+			return false
+		}
+	}
+	*enc, err = m.table.codec.encode((*enc)[:0], m.cur)
+	return err == nil && bytes.Equal(*enc, b)
+}
+
+// curK returns cur's key.
+func (m *tableMerge) curK() ([]byte, error) {
+	if m.curKey == nil && m.cur != nil {
+		key, ok, err := m.key(m.cur)
+		if err != nil || !ok {
+			return nil, fmt.Errorf("read %s: a record without its key (%v)", m.table.name, err)
+		}
+		m.curKey = key
+	}
+	return m.curKey, nil
+}
+
+// advance moves cur to the next record held before.
+func (m *tableMerge) advance() error {
+	m.cur, m.curKey = nil, nil
+	if m.it == nil {
+		return nil
+	}
+	if obj := m.it.Next(); obj != nil {
+		m.cur = obj
+	}
+	return nil
+}
+
+// put merges the decoded record obj, the i-th of the table: the records
+// held before with lower keys are deleted, one with the same key replaced.
+func (m *tableMerge) put(obj any, i uint64) error {
+	key, ok, err := m.key(obj)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, m.table.name, i, err)
+	case !ok:
+		return corruptf("%s record %d: the record has no key", m.table.name, i)
+	}
+	if m.prev == nil && m.prevObj != nil {
+		if m.prev, _, err = m.key(m.prevObj); err != nil {
+			return fmt.Errorf("read %s: %w", m.table.name, err)
+		}
+	}
+	if i > 0 && bytes.Compare(key, m.prev) <= 0 {
+		return corruptf("%s record %d: key %q repeats or is out of order (after %q); records are written once each, in key order", m.table.name, i, key, m.prev)
+	}
+	m.prev, m.prevObj = key, nil
+	if m.txn == nil {
+		return nil
+	}
+	for m.cur != nil {
+		ck, err := m.curK()
+		if err != nil {
+			return err
+		}
+		c := bytes.Compare(ck, key)
+		if c > 0 {
+			break
+		}
+		if c < 0 {
+			if err := m.txn.Delete(m.table.name, m.cur); err != nil {
+				return fmt.Errorf("delete from %s: %w", m.table.name, err)
+			}
+		}
+		if err := m.advance(); err != nil {
+			return err
+		}
+	}
+	if err := m.txn.Insert(m.table.name, obj); err != nil {
+		return fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, m.table.name, i, err)
+	}
+	return nil
+}
+
+// rest deletes the records held before that the snapshot does not have.
+func (m *tableMerge) rest() error {
+	for m.cur != nil {
+		if err := m.txn.Delete(m.table.name, m.cur); err != nil {
+			return fmt.Errorf("delete from %s: %w", m.table.name, err)
+		}
+		if err := m.advance(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// replaceRecords is Replace, with applyMu held: the records are sorted by
+// primary key per table (of two with the same key the later one wins, as
+// inserting them in turn would) and merged into the state in one write
+// transaction, as Restore merges, after which each table holds exactly
+// them. A record that is the
+// one the table holds, or equal to it, is left in place.
+func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
+	type keyed struct {
+		key []byte
+		rec any // as the state stores it (storedRecord)
+	}
+	byTable := make([][]keyed, len(tableDefs))
+	for _, r := range records {
+		n := tableNum(r.Table)
+		if n < 0 || r.Table == TableIndex {
+			return fmt.Errorf("replace: unknown table %q", r.Table)
+		}
+		obj := storedRecord(r.Record)
+		ok, key, err := idIndexers[n].FromObject(obj)
+		if err != nil || !ok {
+			return fmt.Errorf("replace: insert into %s: a record without its key (%v)", r.Table, err)
+		}
+		byTable[n] = append(byTable[n], keyed{key, obj})
+	}
+	db := f.database()
+	old, txn := db.Txn(false), db.Txn(true)
+	fail := func(err error) error {
+		txn.Abort()
+		return fmt.Errorf("replace: %w", err)
+	}
+	for n, t := range tableDefs {
+		if t.name == TableIndex {
+			continue
+		}
+		recs := byTable[n]
+		slices.SortStableFunc(recs, func(a, b keyed) int { return bytes.Compare(a.key, b.key) })
+		m := tableMerge{table: t, ix: idIndexers[n], txn: txn}
+		var err error
+		if m.it, err = old.Get(t.name, indexID); err != nil {
+			return fail(err)
+		}
+		if err := m.advance(); err != nil {
+			return fail(err)
+		}
+		for i, r := range recs {
+			if i+1 < len(recs) && bytes.Equal(recs[i+1].key, r.key) {
+				continue // a later record with the same key wins
+			}
+			if m.cur != nil && m.cur == any(r.rec) {
+				// The record held, so under this key: it stays.
+				if err := m.advance(); err != nil {
+					return fail(err)
+				}
+				continue
+			}
+			for m.cur != nil {
+				ck, err := m.curK()
+				if err != nil {
+					return fail(err)
+				}
+				if bytes.Compare(ck, r.key) >= 0 {
+					break
+				}
+				if err := txn.Delete(t.name, m.cur); err != nil {
+					return fail(err)
+				}
+				if err := m.advance(); err != nil {
+					return fail(err)
+				}
+			}
+			if ck, err := m.curK(); err != nil {
+				return fail(err)
+			} else if m.cur != nil && bytes.Equal(ck, r.key) {
+				same := m.cur == any(r.rec)
+				if !same {
+					cur, ok := m.cur.(proto.Message)
+					rec, isMsg := r.rec.(proto.Message)
+					same = ok && isMsg && proto.Equal(cur, rec)
+				}
+				if err := m.advance(); err != nil {
+					return fail(err)
+				}
+				if same {
+					continue
+				}
+			}
+			if err := txn.Insert(t.name, r.rec); err != nil {
+				return fail(fmt.Errorf("insert into %s: %w", t.name, err))
+			}
+		}
+		if err := m.rest(); err != nil {
+			return fail(err)
+		}
+	}
+	if _, err := txn.DeleteAll(TableIndex, indexID); err != nil {
+		return fail(err)
+	}
+	for _, name := range Tables() {
+		if name == TableIndex {
+			continue
+		}
+		if err := txn.Insert(TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
+			return fail(err)
+		}
+	}
+	if _, err := txn.DeleteAll(tableServiceIndex, indexID); err != nil {
+		return fail(err)
+	}
+	return f.replaceDB(txn, db, index)
+}
+
+// replaceDB commits txn, the whole new state db as of index (a new
+// database, or the current one, merged into in place), with the base row
+// of tableServiceIndex and the derived rows of the services table
+// (rebuilt), and makes it the state: the applied index never
 // goes back, and the old state's watchers are woken to re-list. On error
 // txn is aborted and nothing changes.
 func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
@@ -506,12 +911,23 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 		txn.Abort()
 		return err
 	}
+	// A restore merged in place leaves the derived rows of the state it
+	// replaced: they are rebuilt from the services table.
+	for _, t := range []string{tableServiceCounts, tableServiceDeadlines, tableServiceChecks} {
+		if _, err := txn.DeleteAll(t, indexID); err != nil {
+			txn.Abort()
+			return fmt.Errorf("clear %s: %w", t, err)
+		}
+	}
 	if err := deriveServices(txn); err != nil {
 		txn.Abort()
 		return err
 	}
-	txn.Commit()
 	f.mu.Lock()
+	// Under mu: when txn is a write transaction of the current database
+	// (a restore merged in place), readers see its records and the new
+	// applied index together.
+	txn.Commit()
 	old := f.abandonCh
 	f.sessions.invalidate()
 	f.db = db

@@ -11,9 +11,11 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-memdb"
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -445,6 +447,52 @@ func TestFilterSnapshot(t *testing.T) {
 	}
 }
 
+// TestCaptureSnapshot: a capture sizes its stream exactly, writes what
+// Persist writes (or, with tables dropped, what FilterSnapshot makes of
+// it), stays as of its capture while the state moves on, and can be
+// written twice.
+func TestCaptureSnapshot(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	full := h.snapshot()
+	for _, drop := range [][]string{nil, {TableCA}, {TableCA, TableDedupe}} {
+		snap, err := h.f.CaptureSnapshot(drop...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var want bytes.Buffer
+		if _, _, err := FilterSnapshot(bytes.NewReader(full), &want, drop...); err != nil {
+			t.Fatal(err)
+		}
+		// The state moves on after the capture.
+		h.mustApply(register(instance("after-capture", fmt.Sprint(len(drop)))))
+		for range 2 {
+			var got bytes.Buffer
+			n, err := snap.WriteTo(&got)
+			if err != nil {
+				t.Fatalf("drop %v: WriteTo: %v", drop, err)
+			}
+			if n != int64(got.Len()) || n != snap.Size() {
+				t.Errorf("drop %v: WriteTo wrote %d bytes (returned %d), Size says %d", drop, got.Len(), n, snap.Size())
+			}
+			if !bytes.Equal(got.Bytes(), want.Bytes()) {
+				t.Errorf("drop %v: the capture's stream differs from the filtered snapshot", drop)
+			}
+		}
+		if snap.FormatVersion() != binary.BigEndian.Uint32(full[4:8]) || snap.Index() == 0 {
+			t.Errorf("drop %v: capture format %d, index %d", drop, snap.FormatVersion(), snap.Index())
+		}
+		full = h.snapshot()
+	}
+	if err := h.f.WriteSnapshot(errWriter{}); err == nil {
+		t.Error("WriteSnapshot into a failing writer succeeded")
+	}
+}
+
+type errWriter struct{}
+
+func (errWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
+
 // TestSnapshotFormatFollowsUse: a state whose newer tables were never
 // used is written in the oldest format that holds it: format 1 without a
 // cluster CA, format 2 with one, format 3 once the placement catalog has an
@@ -619,5 +667,201 @@ func TestRestoreConvertsDedupeRecords(t *testing.T) {
 	}
 	if got := h.f.State().Index(TableSessions); got == 0 {
 		t.Error("sessions table has no index row after the conversion")
+	}
+}
+
+// recordPointers lists the records of every table (not the index table,
+// nor the sessions, which State.Records converts to new messages).
+func recordPointers(t *testing.T, f *FSM) map[string][]proto.Message {
+	t.Helper()
+	out := make(map[string][]proto.Message)
+	st := f.State()
+	for _, table := range Tables() {
+		if table == TableIndex || table == TableSessions {
+			continue
+		}
+		recs, err := st.Records(table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[table] = recs
+	}
+	return out
+}
+
+// samePointers reports how many records of a are the very records of b.
+func samePointers(a, b map[string][]proto.Message) (same, total int) {
+	for table, recs := range a {
+		for i, r := range recs {
+			total++
+			if i < len(b[table]) && r == b[table][i] {
+				same++
+			}
+		}
+	}
+	return same, total
+}
+
+// TestRestoreMergesIntoTheState: a restore onto a state that differs in
+// every way (records added, changed, deleted, tables emptied) ends with
+// exactly the snapshot's state; a restore of the state's own snapshot
+// keeps every record as it is (nothing is decoded or copied) and still
+// wakes watchers; records out of key order are refused.
+func TestRestoreMergesIntoTheState(t *testing.T) {
+	src := newHarness(t)
+	populate(src)
+	snap, want := src.snapshot(), dumpTables(t, src.f)
+
+	dst := newHarness(t)
+	populate(dst)
+	dst.mustApply(register(instance("extra", "1")))
+	dst.mustApply(register(instance("web", "a")))
+	dst.mustApply(deregister("web", "b"))
+	dst.mustApply(setConfig("only-here", "x"))
+	if err := dst.f.Restore(readCloser(snap)); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	got := dumpTables(t, dst.f)
+	for _, table := range Tables() {
+		if table != TableIndex && !reflect.DeepEqual(got[table], want[table]) {
+			t.Errorf("table %s after restore:\n got %v\nwant %v", table, got[table], want[table])
+		}
+	}
+
+	before := recordPointers(t, src.f)
+	abandon := src.f.AbandonCh()
+	if err := src.f.Restore(readCloser(snap)); err != nil {
+		t.Fatalf("Restore of its own snapshot: %v", err)
+	}
+	if same, total := samePointers(recordPointers(t, src.f), before); same != total || total == 0 {
+		t.Errorf("restoring the state's own snapshot kept %d of %d records", same, total)
+	}
+	select {
+	case <-abandon:
+	default:
+		t.Error("a restore did not close the abandon channel")
+	}
+	if !bytes.Equal(src.snapshot(), snap) {
+		t.Error("the state's own snapshot restored to another state")
+	}
+
+	a := marshal(t, &clusterv1.ServiceInstance{Service: "web", InstanceId: "a", Address: "x"})
+	b := marshal(t, &clusterv1.ServiceInstance{Service: "web", InstanceId: "b", Address: "x"})
+	unordered := buildSnapshot(1, header(1, table(TableServices, 2)), b, a)
+	if err := dst.f.Restore(readCloser(unordered)); !errors.Is(err, ErrCorruptSnapshot) || !strings.Contains(err.Error(), "out of order") {
+		t.Errorf("Restore(records out of order) = %v, want ErrCorruptSnapshot naming the order", err)
+	}
+	if _, err := ScanSnapshot(bytes.NewReader(unordered)); !errors.Is(err, ErrCorruptSnapshot) {
+		t.Errorf("ScanSnapshot(records out of order) = %v, want ErrCorruptSnapshot", err)
+	}
+	if _, err := VerifySnapshot(bytes.NewReader(buildSnapshot(1, header(1, table(TableServices, 2)), a, b))); err != nil {
+		t.Errorf("VerifySnapshot(records in order) = %v", err)
+	}
+}
+
+// TestReplaceKeepsWhatItHolds: Replace with the records the state holds
+// (or equal ones) keeps them in place; with changes, the state is exactly
+// the records given, the later of two with one key winning; a fork is a
+// copy that goes its own way.
+func TestReplaceKeepsWhatItHolds(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	var records []TableRecord
+	before := recordPointers(t, h.f)
+	for table, recs := range before {
+		for _, r := range recs {
+			records = append(records, TableRecord{Table: table, Record: r})
+		}
+	}
+	sessions, err := h.f.State().Records(TableSessions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range sessions {
+		records = append(records, TableRecord{Table: TableSessions, Record: r})
+	}
+	// An equal copy of a record (not the same pointer) changes nothing.
+	records = append(records, TableRecord{Table: TableServices, Record: proto.Clone(before[TableServices][0])})
+	want := dumpTables(t, h.f)
+	index := h.f.AppliedIndex() + 10
+	if err := h.f.Replace(index, records); err != nil {
+		t.Fatal(err)
+	}
+	if same, total := samePointers(recordPointers(t, h.f), before); same != total {
+		t.Errorf("Replace with the state's own records kept %d of %d", same, total)
+	}
+	got := dumpTables(t, h.f)
+	for _, table := range Tables() {
+		if table != TableIndex && !reflect.DeepEqual(got[table], want[table]) {
+			t.Errorf("table %s changed:\n got %v\nwant %v", table, got[table], want[table])
+		}
+	}
+	if idx := h.f.State().Index(TableServices); idx != index {
+		t.Errorf("services index %d, want %d", idx, index)
+	}
+
+	fork, err := h.f.Fork(DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	changed := instance("web", "a")
+	changed.Address = "10.9.9.9"
+	later := instance("web", "a")
+	later.Address = "10.8.8.8"
+	if err := fork.Replace(index+1, []TableRecord{
+		{Table: TableServices, Record: changed},
+		{Table: TableServices, Record: later},
+		{Table: TableServices, Record: instance("new", "1")},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	_, insts, err := fork.State().Services("", nil)
+	if err != nil || len(insts) != 2 || insts[0].GetService() != "new" || insts[1].GetAddress() != "10.8.8.8" {
+		t.Errorf("fork after Replace: %v, %v; want new/1 and web/a at 10.8.8.8", insts, err)
+	}
+	if cfg, err := fork.State().Records(TableConfig); err != nil || len(cfg) != 0 {
+		t.Errorf("fork after Replace holds %d config entries (%v), want none", len(cfg), err)
+	}
+	if got := dumpTables(t, h.f); !reflect.DeepEqual(got[TableServices], want[TableServices]) || !reflect.DeepEqual(got[TableConfig], want[TableConfig]) {
+		t.Error("replacing the fork's state changed the original")
+	}
+	if err := h.f.Replace(index, []TableRecord{{Table: TableServices, Record: &clusterv1.ServiceInstance{}}}); err == nil {
+		t.Error("Replace with a record without its key succeeded")
+	}
+}
+
+// TestWatchesAfterRestore: a restore wakes the watchers of the state it
+// replaces, and the restored state's watches fire on the next write, as
+// after Replace.
+func TestWatchesAfterRestore(t *testing.T) {
+	src := newHarness(t)
+	populate(src)
+	snap := src.snapshot()
+	h := newHarness(t)
+	populate(h)
+	h.mustApply(register(instance("extra", "1")))
+	for i, replace := range []func() error{
+		func() error { return h.f.Restore(readCloser(snap)) },
+		func() error { return h.f.Replace(h.f.AppliedIndex()+1, nil) },
+	} {
+		ws := memdb.NewWatchSet()
+		if _, err := h.f.State().WatchTables(ws, TableServices); err != nil {
+			t.Fatal(err)
+		}
+		if err := replace(); err != nil {
+			t.Fatal(err)
+		}
+		if ws.Watch(time.After(10 * time.Second)) {
+			t.Fatalf("step %d: the replaced state's watch did not fire", i)
+		}
+		ws = memdb.NewWatchSet()
+		if _, err := h.f.State().WatchTables(ws, TableServices); err != nil {
+			t.Fatal(err)
+		}
+		h.index = h.f.AppliedIndex()
+		h.mustApply(register(instance("after", fmt.Sprint(i))))
+		if ws.Watch(time.After(10 * time.Second)) {
+			t.Fatalf("step %d: a write after the restore did not fire the restored state's watch", i)
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -50,14 +51,27 @@ func (p *restorePlan) close() {
 var ErrRestoreRefused = errors.New("snapshot restore refused")
 
 // planRestore builds the state an archive's state stream would restore
-// and compares it with current. The stream was verified (archive.Verify).
+// and compares it with current. The archive's framing and checksums were
+// verified (archive.Open); its state is decoded here, once, and refused as
+// archive.Verify would refuse it. The state is built in a fork of this
+// node's (SnapshotServiceConfig.Fork) and the final state replaces it in
+// place, so a record the archive has as the state holds it is neither
+// copied nor checked again: memory grows with what the restore changes.
 func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, current *fsm.State) (*restorePlan, error) {
-	scratch, err := fsm.New(fsm.DefaultConfig())
+	var (
+		scratch *fsm.FSM
+		err     error
+	)
+	if s.cfg.Fork != nil {
+		scratch, err = s.cfg.Fork()
+	} else {
+		scratch, err = fsm.New(fsm.DefaultConfig())
+	}
 	if err != nil {
 		return nil, err
 	}
 	if err := scratch.Restore(io.NopCloser(archived)); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrRestoreRefused, err)
+		return nil, archive.StateError(err)
 	}
 	next := scratch.State()
 	out := &clusterv1.RestorePlan{}
@@ -74,6 +88,10 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		if err != nil {
 			return nil, err
 		}
+		cur, err := current.Records(table)
+		if err != nil {
+			return nil, err
+		}
 		switch table {
 		case fsm.TableCA:
 			out.CaIgnored = len(recs) > 0
@@ -85,31 +103,38 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 			// the nodes' backends hold now, which a restore does not
 			// change (the nodes' next listings correct any entry that
 			// moves meanwhile).
-			if recs, err = current.Records(table); err != nil {
-				return nil, err
-			}
+			recs = cur
 		}
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
 			// This cluster's cluster.id, and its history, stay.
-			cur, err := current.Records(table)
-			if err != nil {
-				return nil, err
-			}
 			for _, r := range cur {
 				if r.(*clusterv1.ConfigEntry).GetKey() == ClusterIDKey {
 					records = append(records, fsm.TableRecord{Table: table, Record: r})
 				}
 			}
 		}
-		for _, r := range recs {
+		err = joinByKey(table, recs, cur, func(r, held proto.Message) error {
+			if r == nil {
+				return nil
+			}
+			if r == held && table != fsm.TableConfig && table != fsm.TableConfigHistory {
+				// Held by this cluster already, unchanged: the upload
+				// brings nothing new to check.
+				records = append(records, fsm.TableRecord{Table: table, Record: r})
+				return nil
+			}
 			keep, err := s.checkRestored(ctx, table, r, current, out)
 			if err != nil {
 				errs = append(errs, err)
-				continue
+				return nil
 			}
 			if keep {
 				records = append(records, fsm.TableRecord{Table: table, Record: r})
 			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
 		}
 	}
 	if len(errs) > 0 {
@@ -146,6 +171,44 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		return nil, err
 	}
 	return p, nil
+}
+
+// joinByKey calls fn for every primary key of table in a or b (records in
+// key order, as State.Records returns them) with the record of each list
+// under it, nil where a list has none. Records the two lists share (the
+// same pointer) pair up without their keys being computed.
+func joinByKey(table string, a, b []proto.Message, fn func(ra, rb proto.Message) error) error {
+	i, j := 0, 0
+	for i < len(a) || j < len(b) {
+		c := 0
+		switch {
+		case i >= len(a):
+			c = 1
+		case j >= len(b):
+			c = -1
+		case a[i] != b[j]:
+			ka, err := fsm.PrimaryKey(table, a[i])
+			if err != nil {
+				return err
+			}
+			kb, err := fsm.PrimaryKey(table, b[j])
+			if err != nil {
+				return err
+			}
+			c = bytes.Compare(ka, kb)
+		}
+		var ra, rb proto.Message
+		if c <= 0 {
+			ra, i = a[i], i+1
+		}
+		if c >= 0 {
+			rb, j = b[j], j+1
+		}
+		if err := fn(ra, rb); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // checkRestored checks one restored record with the write path's rules
@@ -213,16 +276,16 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 		if table == fsm.TableIndex {
 			continue
 		}
-		before, err := byKey(current, table)
+		before, err := current.Records(table)
 		if err != nil {
 			return err
 		}
-		after, err := byKey(final, table)
+		after, err := final.Records(table)
 		if err != nil {
 			return err
 		}
 		ch := &clusterv1.TableChange{Table: table, Records: uint64(len(after))}
-		changedKey := func(k string, rec proto.Message) {
+		changedKey := func(rec proto.Message) {
 			if e, ok := rec.(*clusterv1.ConfigEntry); ok {
 				if table == fsm.TableConfig {
 					out.ConfigKeys = append(out.ConfigKeys, e.GetKey())
@@ -239,22 +302,22 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 				resources[r] = true
 			}
 		}
-		for k, a := range after {
-			b, ok := before[k]
+		err = joinByKey(table, after, before, func(a, b proto.Message) error {
 			switch {
-			case !ok:
+			case b == nil:
 				ch.Added++
-				changedKey(k, a)
-			case !proto.Equal(a, b):
-				ch.Changed++
-				changedKey(k, a)
-			}
-		}
-		for k, b := range before {
-			if _, ok := after[k]; !ok {
+				changedKey(a)
+			case a == nil:
 				ch.Removed++
-				changedKey(k, b)
+				changedKey(b)
+			case a != b && !proto.Equal(a, b):
+				ch.Changed++
+				changedKey(a)
 			}
+			return nil
+		})
+		if err != nil {
+			return err
 		}
 		out.Tables = append(out.Tables, ch)
 	}
@@ -264,20 +327,4 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 	}
 	slices.Sort(out.Resources)
 	return nil
-}
-
-func byKey(st *fsm.State, table string) (map[string]proto.Message, error) {
-	recs, err := st.Records(table)
-	if err != nil {
-		return nil, err
-	}
-	out := make(map[string]proto.Message, len(recs))
-	for _, r := range recs {
-		k, err := fsm.PrimaryKey(table, r)
-		if err != nil {
-			return nil, err
-		}
-		out[string(k)] = r
-	}
-	return out, nil
 }

@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -16,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	"pilab.hu/pivirt-agent/gateway/authz"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -72,6 +72,10 @@ type SnapshotServiceConfig struct {
 	// restore on this leader and returns once it stopped; ResumeLeader
 	// starts it again, rebuilt from the (restored) state. Both may be nil.
 	PauseLeader, ResumeLeader func()
+	// Fork, when set, returns a scratch FSM whose state starts as this
+	// node's (fsm.FSM.Fork): a restore is planned in it, and costs memory
+	// only for what the archive changes. Nil: an empty FSM.
+	Fork func() (*fsm.FSM, error)
 	// Authorize, when set, checks that the caller of ctx may do verb on
 	// resource (the RBAC policy): a restore needs update on every resource
 	// whose records it changes (rbac for the cluster-wide policy). Nil
@@ -490,32 +494,34 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 }
 
 // plan verifies the spooled archive f and plans its restore against this
-// node's state.
+// node's state. The archive's framing, versions and checksums are checked
+// first, in a pass that decodes nothing (archive.Open); its state is then
+// decoded once, by planRestore, which refuses it as archive.Verify would,
+// and the checksums are checked again at its end.
 func (s *SnapshotService) plan(ctx context.Context, f *os.File, size int64) (*restorePlan, error) {
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, err
 	}
-	// The state may not decompress to more than an upload may be.
-	if _, err := archive.VerifyWithin(f, s.cfg.MaxRestoreSize); err != nil {
+	refused := func(err error) error {
 		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
-		return nil, err
+		return err
 	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return nil, err
-	}
-	rd, err := archive.NewReader(bufio.NewReaderSize(f, 64<<10))
+	// The state may not decompress to more than an upload may be.
+	rd, _, err := archive.Open(f, s.cfg.MaxRestoreSize)
 	if err != nil {
-		return nil, err
+		return nil, refused(err)
 	}
-	defer rd.Close()
 	state, err := rd.State()
 	if err != nil {
-		return nil, err
+		return nil, refused(err)
 	}
 	p, err := s.planRestore(ctx, state, s.cs.state.State())
 	if err != nil {
-		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
-		return nil, err
+		return nil, refused(err)
+	}
+	if err := rd.Close(); err != nil {
+		p.close()
+		return nil, refused(err)
 	}
 	p.meta = rd.Meta
 	return p, nil

@@ -82,3 +82,27 @@ func (s *Store) Restore(ctx context.Context, index uint64, size int64, r io.Read
 	s.log.Info("restored snapshot", "bytes", size, "index", s.raft.LastIndex())
 	return nil
 }
+
+// LogTerm returns the term of the log entry at index: from the log, or,
+// for an entry compacted away, from the snapshot taken at it. It reports
+// false when neither holds it (an index the FSM reached by restoring an
+// archive of another cluster, before the next entry).
+func (s *Store) LogTerm(index uint64) (uint64, bool) {
+	if index == 0 {
+		return 0, false
+	}
+	var l raft.Log
+	if err := s.logs.GetLog(index, &l); err == nil {
+		return l.Term, true
+	}
+	list, err := s.snaps.List()
+	if err != nil {
+		return 0, false
+	}
+	for _, m := range list {
+		if m.Index == index {
+			return m.Term, true
+		}
+	}
+	return 0, false
+}

@@ -15,7 +15,7 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"compress/gzip"
+
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/raft"
+	"github.com/klauspost/compress/gzip"
 
 	"pilab.hu/pivirt-agent/fsm"
 )
@@ -217,6 +218,58 @@ func VerifyWithin(r io.ReadSeeker, maxState int64) (*Info, error) {
 	return full, err
 }
 
+// Open is Verify for a reader that decodes state.bin itself, once: it
+// checks everything but the state's records (the layout, the versions,
+// the sizes against maxState as VerifyWithin does, both checksums) in one
+// streaming pass that keeps nothing, then returns a Reader from the start
+// of r. The caller reads the state from Reader.State, passes any error of
+// its decoding through StateError, and calls Reader.Close, which checks
+// the checksums again (the file may have changed since). A restore that
+// builds the state anyway needs no second build to verify it.
+func Open(r io.ReadSeeker, maxState int64) (*Reader, *Info, error) {
+	info := &Info{}
+	if maxState > 0 {
+		if _, err := open(bufio.NewReaderSize(r, 64<<10), &info.Meta); err != nil {
+			return nil, info, err
+		}
+		if info.Meta.Size > maxState {
+			return nil, info, invalidf("%s is %d bytes uncompressed, more than the %d this reader accepts", StateFile, info.Meta.Size, maxState)
+		}
+		if _, err := r.Seek(0, io.SeekStart); err != nil {
+			return nil, info, fmt.Errorf("snapshot archive: %w", err)
+		}
+	}
+	info, err := verify(bufio.NewReaderSize(r, 64<<10), nil)
+	if err != nil {
+		return nil, info, err
+	}
+	if _, err := r.Seek(0, io.SeekStart); err != nil {
+		return nil, info, fmt.Errorf("snapshot archive: %w", err)
+	}
+	rd, err := NewReader(bufio.NewReaderSize(r, 64<<10))
+	if err != nil {
+		return nil, info, err
+	}
+	return rd, info, nil
+}
+
+// StateError describes an error of decoding state.bin (fsm.Restore's, or
+// fsm.InspectSnapshot's) as Verify does: ErrUnsupported for a newer
+// state format, ErrInvalid otherwise.
+func StateError(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, ErrInvalid) || errors.Is(err, ErrUnsupported):
+		return err
+	case errors.Is(err, fsm.ErrUnsupportedSnapshot):
+		return fmt.Errorf("%w: %s: %w", ErrUnsupported, StateFile, err)
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return invalidf("%s is truncated: %v", StateFile, err)
+	}
+	return fmt.Errorf("%w: %s: %w", ErrInvalid, StateFile, err)
+}
+
 // Check is Verify in one pass and constant memory: state.bin is read one
 // record at a time (fsm.ScanSnapshot) instead of being built, so a
 // duplicate key that Restore would refuse goes unnoticed. It is the check
@@ -298,7 +351,8 @@ func NewReader(r io.Reader) (*Reader, error) {
 	return rd, nil
 }
 
-// State returns state.bin's content: Meta.Size bytes.
+// State returns state.bin's content: Meta.Size bytes. A state whose
+// preamble names another format version than meta.json is refused here.
 func (rd *Reader) State() (io.Reader, error) {
 	state, err := rd.ar.state()
 	if err != nil {
@@ -306,7 +360,13 @@ func (rd *Reader) State() (io.Reader, error) {
 	}
 	h := sha256.New()
 	rd.sumF = func() string { return hex.EncodeToString(h.Sum(nil)) }
-	return io.TeeReader(state, h), nil
+	br := bufio.NewReaderSize(io.TeeReader(state, h), 64<<10)
+	if pre, err := br.Peek(8); err == nil && string(pre[:4]) == "PVSN" {
+		if v := binary.BigEndian.Uint32(pre[4:]); v != rd.Meta.StateFormatVersion {
+			return nil, invalidf("%s has state format version %d, %s says %d", StateFile, v, MetaFile, rd.Meta.StateFormatVersion)
+		}
+	}
+	return br, nil
 }
 
 // Close reads the rest of the archive after state.bin was read to its end,

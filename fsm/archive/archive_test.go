@@ -299,6 +299,26 @@ func TestVerifyRefuses(t *testing.T) {
 	checkers := map[string]func(io.ReadSeeker) (*archive.Info, error){
 		"Verify": archive.Verify,
 		"Check":  func(r io.ReadSeeker) (*archive.Info, error) { return archive.Check(r) },
+		// A restore's path: Open, the state decoded once into an FSM,
+		// Close.
+		"Open+Restore": func(r io.ReadSeeker) (*archive.Info, error) {
+			rd, info, err := archive.Open(r, 0)
+			if err != nil {
+				return info, err
+			}
+			sr, err := rd.State()
+			if err != nil {
+				return info, err
+			}
+			f, err := fsm.New(fsm.DefaultConfig())
+			if err != nil {
+				return info, err
+			}
+			if err := f.Restore(io.NopCloser(sr)); err != nil {
+				return info, archive.StateError(err)
+			}
+			return info, rd.Close()
+		},
 	}
 	for name, check := range checkers {
 		for _, tt := range tests {

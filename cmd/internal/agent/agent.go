@@ -641,6 +641,7 @@ func (a *Agent) buildServices() error {
 	}
 	snapCfg := gateway.SnapshotServiceConfig{
 		Take:         a.takeSnapshot,
+		Fork:         func() (*fsm.FSM, error) { return a.fsm.Fork(fsm.DefaultConfig()) },
 		TempDir:      tmp,
 		PauseLeader:  a.terms.Pause,
 		ResumeLeader: a.terms.Resume,
@@ -918,13 +919,23 @@ func (a *Agent) snapshotDir() string {
 // <data_dir>/tmp.
 const archiveTempPattern = "archive-state-*"
 
-// takeSnapshot snapshots this node's state (store.Snapshot) and describes
-// it as an archive: the source of `pvcli snapshot save` and of automatic
-// snapshots. Archives leave the cluster, so the state is copied without
-// the cluster CA's table (its private key) into a temporary file, removed
-// when the returned reader is closed.
+// takeSnapshot snapshots this node's state and describes it as an
+// archive: the source of `pvcli snapshot save` and of automatic snapshots.
+// Archives leave the cluster, so the state goes without the cluster CA's
+// table (its private key). In Raft mode the FSM's state is captured (a
+// read transaction, O(1)) and encoded as the returned reader is read: no
+// Raft snapshot is taken, nothing is copied to disk or decoded. In etcd
+// mode the mirror's snapshot is copied without the table into a temporary
+// file, removed when the returned reader is closed.
 func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, error) {
-	sm, rc, err := a.stateSnapshot(ctx)
+	var clusterID string
+	if e, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
+		clusterID = e.GetValue()
+	}
+	if !a.etcdMode() {
+		return a.captureSnapshot(ctx, clusterID)
+	}
+	sm, rc, err := a.etcdSnapshot(ctx)
 	if err != nil {
 		return archive.Meta{}, nil, err
 	}
@@ -942,10 +953,6 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 		state.Close()
 		return archive.Meta{}, nil, fmt.Errorf("snapshot %s: %w", sm.ID, err)
 	}
-	var clusterID string
-	if e, err := a.fsm.State().ConfigEntry(gateway.ClusterIDKey); err == nil {
-		clusterID = e.GetValue()
-	}
 	return archive.Meta{
 		ID: sm.ID, Index: sm.Index, Term: sm.Term,
 		FormatVersion: archive.FormatVersion, StateFormatVersion: stateVersion,
@@ -954,22 +961,41 @@ func (a *Agent) takeSnapshot(ctx context.Context) (archive.Meta, io.ReadCloser, 
 	}, state, nil
 }
 
-// stateSnapshot opens a snapshot of this node's state in the fsm format:
-// a Raft user snapshot, or in etcd mode the mirror as of a revision at
-// least as new as the call.
-func (a *Agent) stateSnapshot(ctx context.Context) (snapshotMeta, io.ReadCloser, error) {
-	if a.etcdMode() {
-		rev, rc, err := a.etcd.Snapshot(ctx)
-		if err != nil {
-			return snapshotMeta{}, nil, err
-		}
-		return snapshotMeta{ID: fmt.Sprintf("etcd-%d-%d", rev, time.Now().UnixMilli()), Index: rev}, rc, nil
+// captureSnapshot captures the FSM's state without the CA table and
+// returns a reader that encodes it as it is read (a goroutine writes
+// into a pipe; closing the reader stops it). The ID has the form of
+// Raft's snapshot IDs, term-index-milliseconds.
+func (a *Agent) captureSnapshot(ctx context.Context, clusterID string) (archive.Meta, io.ReadCloser, error) {
+	if err := ctx.Err(); err != nil {
+		return archive.Meta{}, nil, err
 	}
-	sm, rc, err := a.store.Snapshot(ctx)
+	snap, err := a.fsm.CaptureSnapshot(fsm.TableCA)
+	if err != nil {
+		return archive.Meta{}, nil, err
+	}
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	term, _ := a.store.LogTerm(snap.Index())
+	pr, pw := io.Pipe()
+	go func() {
+		_, err := snap.WriteTo(pw)
+		pw.CloseWithError(err)
+	}()
+	return archive.Meta{
+		ID: fmt.Sprintf("%d-%d-%d", term, snap.Index(), now.UnixMilli()), Index: snap.Index(), Term: term,
+		FormatVersion: archive.FormatVersion, StateFormatVersion: snap.FormatVersion(),
+		ClusterID: clusterID, AgentVersion: version.Version,
+		Size: snap.Size(), CreatedAt: now,
+	}, pr, nil
+}
+
+// etcdSnapshot opens a snapshot of the etcd mirror in the fsm format, as
+// of a revision at least as new as the call.
+func (a *Agent) etcdSnapshot(ctx context.Context) (snapshotMeta, io.ReadCloser, error) {
+	rev, rc, err := a.etcd.Snapshot(ctx)
 	if err != nil {
 		return snapshotMeta{}, nil, err
 	}
-	return snapshotMeta{ID: sm.ID, Index: sm.Index, Term: sm.Term}, rc, nil
+	return snapshotMeta{ID: fmt.Sprintf("etcd-%d-%d", rev, time.Now().UnixMilli()), Index: rev}, rc, nil
 }
 
 // snapshotMeta identifies a snapshot of either mode.
