@@ -58,7 +58,7 @@ type settings struct {
 // Targets of the issue (point 11).
 const (
 	targetWrite64 = 1.5 // pivirt/etcd write ops/s at 64 clients, at least
-	targetP50W1   = 1.0 // pivirt/etcd write p50 at 1 client, at most
+	targetP50W1   = 0.85 // pivirt/etcd write p50 at 1 client, at most
 	targetRead    = 2.0 // pivirt/etcd linearizable read ops/s, at least
 )
 
@@ -329,7 +329,12 @@ func workloads(etcd *clientv3.Client, api []clusterv1.ClusterServiceClient, lead
 	roundRobin := func(w, i int) int { return (w + i) % len(api) } // like grpc's round_robin, per request
 	consistent := clusterv1.Consistency_CONSISTENCY_CONSISTENT
 
+	// The targets are judged on the leader route; the @any and @follower
+	// rows are reported beside them.
 	writeTarget := func(r *result) []targetCheck {
+		if r.row.tag != "write" {
+			return nil
+		}
 		switch r.clients {
 		case 64:
 			return []targetCheck{{what: "write ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetWrite64}}
@@ -339,8 +344,8 @@ func workloads(etcd *clientv3.Client, api []clusterv1.ClusterServiceClient, lead
 		return nil
 	}
 	readTarget := func(r *result) []targetCheck {
-		if r.row.tag == "read_default" {
-			return nil // not linearizable: shown for reference, no target
+		if r.row.tag != "read" || r.clients != 64 {
+			return nil // another route, or not linearizable: shown for reference
 		}
 		return []targetCheck{{what: "linearizable read ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetRead}}
 	}
@@ -432,7 +437,7 @@ func report(b *testing.B, out *os.File, results []*result, idle float64, leaderM
 	fmt.Fprintf(out, "\nratio = pivirt ÷ etcd; for throughput higher is better, for the p50 ratio lower is better.\n")
 	fmt.Fprintf(out, "CPU µs/op = CPU time of the whole process (servers and load generator) per request minus the idle rate, pivirt/etcd;\n")
 	fmt.Fprintf(out, "  a side saturating the %d cores serves about %d s/s ÷ (CPU per request).\n", runtime.NumCPU(), runtime.NumCPU())
-	fmt.Fprintf(out, "targets (issue point 11) — a report, never a test failure:\n")
+	fmt.Fprintf(out, "targets (leader route) — a report, never a test failure:\n")
 	for _, r := range results {
 		if len(r.ref.rounds) == 0 {
 			continue
@@ -447,7 +452,7 @@ func report(b *testing.B, out *os.File, results []*result, idle float64, leaderM
 			if !pass {
 				verdict = "BELOW TARGET"
 			}
-			fmt.Fprintf(out, "  %-13s %-22s clients=%-2d %-30s %5.2f (want %s %.1f)\n", verdict, r.row.name, r.clients, t.what, t.got, cmp, t.want)
+			fmt.Fprintf(out, "  %-13s %-22s clients=%-2d %-30s %5.2f (want %s %.2f)\n", verdict, r.row.name, r.clients, t.what, t.got, cmp, t.want)
 		}
 	}
 	if leaderMoves > 0 {
