@@ -57,9 +57,9 @@ type settings struct {
 
 // Targets of the issue (point 11).
 const (
-	targetWrite64 = 1.5 // pivirt/etcd write ops/s at 64 clients, at least
+	targetWrite64 = 1.5  // pivirt/etcd write ops/s at 64 clients, at least
 	targetP50W1   = 0.85 // pivirt/etcd write p50 at 1 client, at most
-	targetRead    = 2.0 // pivirt/etcd linearizable read ops/s, at least
+	targetRead    = 2.0  // pivirt/etcd linearizable read ops/s, at least
 )
 
 // payload makes the encoded instance about 100 bytes.
