@@ -275,3 +275,29 @@ func moveEntry(t *testing.T, dir string, from, to uint64) {
 		return b.Put(indexKey(to), append([]byte(nil), b.Get(indexKey(from))...))
 	})
 }
+
+// A compacted WAL answers ErrLogNotFound below its first index, as raft.db
+// does: raft-wal's tail segment would still return those entries, and a
+// leader would then replicate compacted entries instead of its snapshot.
+func TestCompactedWALForgets(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), raftDir)
+	buildShape(t, dir, logShape{runs: []span{{1, 100}}, wal: true})
+	cfg := DefaultConfig()
+	st, err := openStores(cfg, dir, newHCLogAdapter(nil), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if err := st.logs.DeleteRange(1, 60); err != nil {
+		t.Fatal(err)
+	}
+	var l raft.Log
+	for _, i := range []uint64{1, 30, 60} {
+		if err := st.logs.GetLog(i, &l); !errors.Is(err, raft.ErrLogNotFound) {
+			t.Errorf("GetLog(%d) after compacting 1..60 = %v (index %d), want ErrLogNotFound", i, err, l.Index)
+		}
+	}
+	if err := st.logs.GetLog(61, &l); err != nil || l.Index != 61 {
+		t.Errorf("GetLog(61) = %v (index %d)", err, l.Index)
+	}
+}

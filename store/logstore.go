@@ -128,13 +128,33 @@ func openWAL(dir string, segmentSize int, logger *hclogAdapter, snap uint64) (w 
 	return w, nil
 }
 
-// raft-wal answers calls after Close with ErrClosed itself, so unlike
-// raft.db (guardedBolt) it needs no guard; it is monotonic, so Raft deletes
-// the whole log when it installs a snapshot.
+// walLog is raft-wal as Raft's log store. raft-wal answers calls after
+// Close with ErrClosed itself, so unlike raft.db (guardedBolt) it needs no
+// guard; it is monotonic, so Raft deletes the whole log when it installs a
+// snapshot. What it lacks is the LogStore contract after a compaction: its
+// tail segment still returns entries below the first index until the
+// segment is deleted, so a leader would replicate compacted entries to a
+// follower that lags past its snapshot instead of sending the snapshot, as
+// it does on raft.db. GetLog here answers ErrLogNotFound below the first
+// index.
+type walLog struct{ *wal.WAL }
+
 var (
-	_ raft.LogStore          = (*wal.WAL)(nil)
-	_ raft.MonotonicLogStore = (*wal.WAL)(nil)
+	_ raft.LogStore          = walLog{}
+	_ raft.MonotonicLogStore = walLog{}
 )
+
+// GetLog is wal.WAL.GetLog for the entries from the first index on.
+func (w walLog) GetLog(index uint64, l *raft.Log) error {
+	first, err := w.WAL.FirstIndex()
+	if err != nil {
+		return err
+	}
+	if index < first || first == 0 {
+		return raft.ErrLogNotFound
+	}
+	return w.WAL.GetLog(index, l)
+}
 
 // logStoreChosen says at start when the data dir keeps a log store other
 // than the one configured for new data dirs (empty: wal).

@@ -266,7 +266,7 @@ func openStores(cfg Config, dir string, logger *hclogAdapter, slogger *slog.Logg
 			bolt.Close()
 			return nil, err
 		}
-		base, st.closeLog = w, w.Close
+		base, st.closeLog = walLog{w}, w.Close
 	}
 	if wrap := wrapLog.Load(); wrap != nil {
 		base = (*wrap)(dir, base)

@@ -43,6 +43,12 @@ func (t *failoverTransport) RoundTrip(req *http.Request) (*http.Response, error)
 			break
 		}
 		resp, err := t.base.RoundTrip(r)
+		if tlsRefusal(err) {
+			// A retry on the same connection pool may then only say
+			// "client conn could not be established": the refusal is
+			// what the error report must explain.
+			t.app.tlsRefused.Store(true)
+		}
 		if err == nil {
 			t.mu.Lock()
 			t.cur, t.warned = idx, false

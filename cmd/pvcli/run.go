@@ -99,7 +99,7 @@ func (a *app) run(ctx context.Context, args []string) error {
 			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
 		}
 	case connect.CodeUnavailable:
-		if tlsRefusal(err) && a.target != nil {
+		if (tlsRefusal(err) || a.tlsRefused.Load()) && a.target != nil {
 			explainCertRefusal(stderr, a.target.tls, time.Now())
 		}
 		if noLeader(err) {
@@ -189,10 +189,13 @@ type globalOptions struct {
 
 // app is the state of one pvcli invocation.
 type app struct {
-	getenv func(string) string
-	stdin  io.Reader
-	stdout io.Writer
-	stderr io.Writer
+	// tlsRefused is set when an agent refused a TLS handshake over the
+	// client certificate during this run.
+	tlsRefused atomic.Bool
+	getenv     func(string) string
+	stdin      io.Reader
+	stdout     io.Writer
+	stderr     io.Writer
 	// terminal reports whether a writer is a terminal: progress is shown
 	// on stderr only then (isTerminal; tests force it).
 	terminal func(io.Writer) bool

@@ -573,8 +573,20 @@ func (m *matrix) installSnapshot(t *testing.T) {
 	t.Helper()
 	f := m.follower(t)
 	installs := logCount(t, f, "Installed remote snapshot")
+	l := m.leader(t) // asked before f stops: m.leader asks every agent
+	compactions := logCount(t, l, "compacting logs")
 	m.stopAgents(t, sigkill, f)
 	m.writeMany(t, 200)
+	// Raft checks for a snapshot every 200-400 ms here: the writes may be
+	// done before the leader compacted its log past f. Two compactions
+	// after f stopped leave none of the entries f lacks (64 entries per
+	// snapshot, 32 kept behind it).
+	for attempt := 0; logCount(t, l, "compacting logs") < compactions+2; attempt++ {
+		if attempt == 5 {
+			t.Fatalf("%s never compacted its log while %s was down", l.name, f.name)
+		}
+		m.writeMany(t, 80)
+	}
 	m.c.restart(t, f)
 	m.c.eventually(t, 60*time.Second, f.name+" installs a snapshot", func() error {
 		if logCount(t, f, "Installed remote snapshot") <= installs {
