@@ -3,11 +3,14 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/caclient"
 	"pilab.hu/pivirt-agent/cmd/internal/version"
 
 	"github.com/spf13/cobra"
@@ -39,6 +42,8 @@ type options struct {
 	listen, dataDir, host, logFormat string
 	roles                            []string
 	certFile, keyFile, caFile        string
+	caServer                         string
+	renewBefore                      time.Duration
 	delay                            time.Duration
 	failPercent, failCode            uint32
 }
@@ -90,6 +95,8 @@ sets the health status, for tests; --delay and --fail-* set a fault from the sta
 	f.StringVar(&o.certFile, "tls-cert-file", "", "server certificate: serve TLS (with --tls-key-file and --tls-ca-file)")
 	f.StringVar(&o.keyFile, "tls-key-file", "", "server certificate's key")
 	f.StringVar(&o.caFile, "tls-ca-file", "", "CA chain client certificates must verify against (required with TLS: clients must present one)")
+	f.StringVar(&o.caServer, "ca-server", "", "PiTrust CA server (https://host:port) to renew the --tls-cert-file certificate through, --renew-before its expiry")
+	f.DurationVar(&o.renewBefore, "renew-before", 30*24*time.Hour, "with --ca-server: renew when this much or less of the certificate's lifetime remains")
 	f.DurationVar(&o.delay, "delay", 0, "delay every API call by this much")
 	f.Uint32Var(&o.failPercent, "fail-percent", 0, "fail this percentage of API calls (with --fail-code)")
 	f.Uint32Var(&o.failCode, "fail-code", uint32(codes.Unavailable), "gRPC status code of failed calls")
@@ -106,6 +113,10 @@ func (o *options) check() error {
 		return fmt.Errorf("--log-format: %q, want json or text", o.logFormat)
 	case (o.certFile == "") != (o.keyFile == "") || (o.certFile == "") != (o.caFile == ""):
 		return fmt.Errorf("--tls-cert-file, --tls-key-file and --tls-ca-file go together")
+	case o.caServer != "" && o.certFile == "":
+		return fmt.Errorf("--ca-server renews the --tls-cert-file certificate: give the TLS flags too")
+	case o.renewBefore < time.Minute:
+		return fmt.Errorf("--renew-before: %s, at least 1m", o.renewBefore)
 	case o.delay < 0:
 		return fmt.Errorf("--delay: %s must not be negative", o.delay)
 	case o.failPercent > 100:
@@ -144,6 +155,13 @@ func serve(ctx context.Context, o options, stdout io.Writer) error {
 			return err
 		}
 		go src.Watch(ctx, 5*time.Second)
+		if o.caServer != "" {
+			r, err := renewer(o, src, logger)
+			if err != nil {
+				return &usageError{err}
+			}
+			go r.Run(ctx)
+		}
 		opts = append(opts, grpc.Creds(credentials.NewTLS(src.ServerConfig(tls.RequireAndVerifyClientCert, nil))))
 	}
 	ln, err := sim.Listen(o.listen)
@@ -169,4 +187,28 @@ func serve(ctx context.Context, o options, stdout io.Writer) error {
 	}
 	logger.Info("pivirtd-sim stopped")
 	return nil
+}
+
+// renewer renews the server certificate through the CA server of
+// --ca-server. The simulator has no client certificate: the renewal's
+// proof by the current key is its authentication.
+func renewer(o options, src *identity.Source, logger *slog.Logger) (*identity.Renewer, error) {
+	host, err := caclient.ServerName(o.caServer)
+	if err != nil {
+		return nil, fmt.Errorf("--ca-server: %w", err)
+	}
+	pemCA, err := os.ReadFile(o.caFile)
+	if err != nil {
+		return nil, fmt.Errorf("--tls-ca-file: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pemCA) {
+		return nil, fmt.Errorf("--tls-ca-file %s: no PEM certificate in it", o.caFile)
+	}
+	client, err := caclient.New(o.caServer, &tls.Config{RootCAs: pool, ServerName: host, MinVersion: tls.VersionTLS12})
+	if err != nil {
+		return nil, fmt.Errorf("--ca-server: %w", err)
+	}
+	return &identity.Renewer{Name: "server", Source: src, CA: "the PiTrust CA server " + o.caServer,
+		Ask: caclient.Asker(client, o.caServer), Due: identity.RenewBeforeExpiry(o.renewBefore), Logger: logger}, nil
 }

@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/caclient"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/leader"
 	"pilab.hu/pivirt-agent/cmd/internal/version"
@@ -161,6 +162,9 @@ type Agent struct {
 	snapMetrics *scheduler.SnapshotMetrics
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
 	ca *leader.ClusterCA
+	// renewers renew this agent's certificates through the PiTrust CA
+	// server (tls.ca_server), else nil.
+	renewers []*identity.Renewer
 	// proxy forwards the backend APIs to the backend clusters.
 	proxy *mesh.Proxy
 	// peerProxy serves, on the internal port, the calls other agents
@@ -320,7 +324,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.serveAll,        // the API, internal and metrics ports
 		a.runTerms,        // the leader loop
 		formCluster,       // bootstrap and join
-		a.startRenewals,   // the cluster CA's renewals of this agent's certificates
+		a.startRenewals,   // the renewals of this agent's certificates (cluster CA or CA server)
 		a.runCatalog,      // the placement catalog of this node's backends
 		a.runChecks,       // the checks of the service instances registered with this node
 		a.runServicesDir,  // the service definitions of service_discovery.services_dir
@@ -731,17 +735,56 @@ func (a *Agent) runTerms() error {
 	return nil
 }
 
-// startRenewals starts the cluster CA's renewals of this agent's server
-// and client certificates (tls.cluster_ca.enabled).
+// startRenewals starts the renewals of this agent's server and client
+// certificates: through the cluster CA (tls.cluster_ca.enabled) or the
+// PiTrust CA server (tls.ca_server.url).
 func (a *Agent) startRenewals() error {
-	if a.ca == nil {
+	if a.ca != nil {
+		// The internal source verifies against tls.ca_file, the chain the
+		// cluster CA's certificates must verify against (the API source may
+		// trust a client_ca_file of its own).
+		a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "server", a.tls.internal, a.tls.api) })
+		a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "client", a.tls.client) })
 		return nil
 	}
-	// The internal source verifies against tls.ca_file, the chain the
-	// cluster CA's certificates must verify against (the API source may
-	// trust a client_ca_file of its own).
-	a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "server", a.tls.internal, a.tls.api) })
-	a.wg.Go(func() { a.ca.RenewLoop(a.ctx, "client", a.tls.client) })
+	cs := a.cfg.TLS.CAServer
+	if cs.URL == "" || a.tls == nil {
+		return nil
+	}
+	host, err := caclient.ServerName(cs.URL)
+	if err != nil {
+		return fmt.Errorf("tls.ca_server.url: %w", err)
+	}
+	// The agent's client certificate towards the CA server, whose own
+	// certificate must verify against tls.ca_file.
+	client, err := caclient.New(cs.URL, a.tls.client.ClientConfig(host))
+	if err != nil {
+		return fmt.Errorf("tls.ca_server.url: %w", err)
+	}
+	renewed := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pivirt_tls_cert_renewals_total",
+		Help: "Renewals of this agent's own certificates through the PiTrust CA server, by certificate (server, client) and result (ok, error).",
+	}, []string{"cert", "result"})
+	if err := a.metrics.Register(renewed); err != nil {
+		return err
+	}
+	result := func(name string, err error) {
+		r := "ok"
+		if err != nil {
+			r = "error"
+		}
+		renewed.WithLabelValues(name, r).Inc()
+	}
+	ask := caclient.Asker(client, cs.URL)
+	ca := "the PiTrust CA server " + cs.URL
+	due := identity.RenewBeforeExpiry(cs.RenewBefore.Std())
+	a.renewers = []*identity.Renewer{
+		{Name: "server", Source: a.tls.internal, Also: []*identity.Source{a.tls.api}, CA: ca, Ask: ask, Due: due, Logger: a.logger, Result: result},
+		{Name: "client", Source: a.tls.client, CA: ca, Ask: ask, Due: due, Logger: a.logger, Result: result},
+	}
+	for _, r := range a.renewers {
+		a.wg.Go(func() { r.Run(a.ctx) })
+	}
 	return nil
 }
 

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"expvar"
 	"fmt"
@@ -276,6 +277,21 @@ func (a *Agent) commonReadiness(now time.Time, checks map[string]string, fail fu
 		detail, ok := a.tls.check(now)
 		checks["tls"] = detail
 		*ready = *ready && ok
+	}
+	if len(a.renewers) > 0 {
+		// A failing renewal is reported, not failed: the certificates in
+		// use stay valid until the tls check says otherwise.
+		var parts []string
+		for _, r := range a.renewers {
+			st := r.Status()
+			switch {
+			case st.LastError != nil:
+				parts = append(parts, fmt.Sprintf("%s: renewal failing, retry at %s: %v", r.Name, st.Next.UTC().Format(time.RFC3339), st.LastError))
+			case !st.Next.IsZero():
+				parts = append(parts, fmt.Sprintf("%s: renewal at %s", r.Name, st.Next.UTC().Format(time.RFC3339)))
+			}
+		}
+		checks["tls_renewal"] = cmp.Or(strings.Join(parts, "; "), "ok")
 	}
 	for _, b := range a.currentBackends() {
 		eps := b.Endpoints()

@@ -225,7 +225,25 @@ type TLSConfig struct {
 	// ClusterCA is the optional built-in cluster CA that renews the
 	// agents' certificates.
 	ClusterCA ClusterCAConfig `yaml:"cluster_ca"`
+	// CAServer is the PiTrust CA server (pitrust serve) the agent renews
+	// its certificates through.
+	CAServer CAServerConfig `yaml:"ca_server"`
 }
+
+// CAServerConfig is tls.ca_server: the agent renews its server and client
+// certificates through a PiTrust CA server when RenewBefore or less of
+// their lifetime remains. Off while URL is empty. Not with tls.cluster_ca.
+type CAServerConfig struct {
+	// URL is the CA server's API, e.g. https://pitrust.pivirt.internal:8080;
+	// its certificate must verify against tls.ca_file.
+	URL string `yaml:"url"`
+	// RenewBefore is how long before expiry a certificate is renewed (at
+	// most a third of its lifetime, less a jitter of up to a tenth).
+	RenewBefore Duration `yaml:"renew_before"`
+}
+
+// DefaultRenewBefore is tls.ca_server.renew_before: 30 days.
+const DefaultRenewBefore = 30 * 24 * time.Hour
 
 // ClusterCAConfig is tls.cluster_ca: an intermediate CA kept in the
 // replicated state signs renewals of the agents' own certificates. Off by
@@ -627,6 +645,7 @@ func Default() *Config {
 				CSRMaxPerSecond: DefaultCSRMaxPerSecond,
 				CSRBurst:        DefaultCSRBurst,
 			},
+			CAServer: CAServerConfig{RenewBefore: Duration(DefaultRenewBefore)},
 		},
 		ServiceDiscovery: ServiceDiscoveryConfig{
 			Type: DiscoveryRaft,

@@ -179,6 +179,7 @@ func (c *Config) validateTLS(v *validator) {
 	t := &c.TLS
 	v.pair("tls", t.CertFile, t.KeyFile)
 	c.validateClusterCA(v)
+	c.validateCAServer(v)
 	if !t.Enabled {
 		return
 	}
@@ -226,6 +227,25 @@ func (c *Config) validateClusterCA(v *validator) {
 	}
 	if ca.CSRBurst < 1 {
 		v.add("tls.cluster_ca.csr_burst", "%w %d: at least 1", ErrInvalid, ca.CSRBurst)
+	}
+}
+
+func (c *Config) validateCAServer(v *validator) {
+	cs := &c.TLS.CAServer
+	if cs.URL == "" {
+		return
+	}
+	if u, err := url.Parse(cs.URL); err != nil || u.Scheme != "https" || u.Host == "" || (u.Path != "" && u.Path != "/") {
+		v.add("tls.ca_server.url", "%w %q: want the CA server's https://host:port (e.g. https://pitrust.pivirt.internal:8080)", ErrInvalid, cs.URL)
+	}
+	if !c.TLS.Enabled {
+		v.add("tls.ca_server.url", "%w: renewal through a CA server needs tls.enabled: true", ErrInvalid)
+	}
+	if c.TLS.ClusterCA.Enabled {
+		v.add("tls.ca_server.url", "%w: tls.cluster_ca.enabled also renews the certificates; use one of them", ErrInvalid)
+	}
+	if cs.RenewBefore.Std() < time.Minute {
+		v.add("tls.ca_server.renew_before", "%w %s: at least 1m (default 720h: 30 days)", ErrInvalid, cs.RenewBefore)
 	}
 }
 

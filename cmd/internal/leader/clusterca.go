@@ -3,15 +3,11 @@ package leader
 import (
 	"bytes"
 	"context"
-	"crypto"
 	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
-	"net"
 	"os"
-	"slices"
 	"sync"
 	"time"
 
@@ -30,15 +26,10 @@ import (
 )
 
 const (
-	// renewTimeout bounds one renewal round trip to the leader.
-	renewTimeout = 10 * time.Second
 	// renewRetryMin and renewRetryMax bound the backoff between failed
-	// renewals.
+	// installs of the cluster CA.
 	renewRetryMin = time.Second
 	renewRetryMax = time.Minute
-	// renewRecheck is the longest a renewer sleeps before looking at its
-	// certificate again (an operator may have replaced the files).
-	renewRecheck = time.Minute
 	// caCheckInterval is how often the leader compares the configured
 	// intermediate with the installed one.
 	caCheckInterval = 10 * time.Minute
@@ -250,105 +241,15 @@ func (c *ClusterCA) install(ctx context.Context) error {
 // the same files) at a random 60-90% of its lifetime, until ctx ends. A
 // failed renewal is retried with backoff; the certificate in use stays.
 func (c *ClusterCA) RenewLoop(ctx context.Context, name string, src *identity.Source, also ...*identity.Source) {
-	var (
-		serial   string
-		fraction float64
-		retry    time.Duration
-		due      time.Time
-	)
-	for {
-		leaf := src.Leaf()
-		if s := leaf.SerialNumber.String(); s != serial {
-			// A new certificate (renewed, or replaced by an operator).
-			serial, fraction, retry = s, 0.6+0.3*rand.Float64(), 0
-			due = identity.RenewalTime(leaf, fraction)
-			c.cfg.Logger.Info("certificate renewal scheduled", "cert", name, "subject", leaf.Subject.String(),
-				"renew_at", due.UTC().Format(time.RFC3339), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339))
-		}
-		if wait := time.Until(due); wait > 0 {
-			// Until it is due, a reload of the files (an operator replaced
-			// them) or the recheck, whichever comes first.
-			if !waitCtx(ctx, min(wait, renewRecheck), src.Loaded()) {
-				return
+	r := &identity.Renewer{Name: name, Source: src, Also: also, CA: "the cluster CA", Ask: c.ask,
+		Due: identity.RenewAtFraction, Logger: c.cfg.Logger, Result: func(name string, err error) {
+			result := "ok"
+			if err != nil {
+				result = "error"
 			}
-			continue
-		}
-		err := c.renew(ctx, src, also...)
-		if ctx.Err() != nil {
-			return
-		}
-		if err == nil {
-			c.renewed.WithLabelValues(name, "ok").Inc()
-			continue
-		}
-		c.renewed.WithLabelValues(name, "error").Inc()
-		retry = min(max(2*retry, renewRetryMin), renewRetryMax)
-		level := slog.LevelWarn
-		if time.Now().After(leaf.NotAfter) {
-			// Nothing renews an expired certificate: pitrust must.
-			level = slog.LevelError
-		}
-		c.cfg.Logger.Log(ctx, level, "certificate renewal failed; keeping the certificate in use", "cert", name,
-			"subject", leaf.Subject.String(), "not_after", leaf.NotAfter.UTC().Format(time.RFC3339), "retry_in", retry, "error", err)
-		// Jitter, so that agents failing together do not retry together.
-		due = time.Now().Add(retry/2 + rand.N(retry/2+1))
-	}
-}
-
-// renew asks the leader's cluster CA for a new certificate for src and
-// installs it with its new key.
-func (c *ClusterCA) renew(ctx context.Context, src *identity.Source, also ...*identity.Source) error {
-	cur := src.Certificate()
-	key, ok := cur.PrivateKey.(crypto.Signer)
-	if !ok {
-		return fmt.Errorf("unsupported key type %T", cur.PrivateKey)
-	}
-	req, newKey, err := identity.NewRenewalRequest(cur.Certificate, key)
-	if err != nil {
-		return err
-	}
-	ctx, cancel := context.WithTimeout(ctx, renewTimeout)
-	defer cancel()
-	certPEM, err := c.ask(ctx, req)
-	if err != nil {
-		return err
-	}
-	// The new certificate must be trusted by this node's own CAs, for
-	// the same use, before it replaces the one in use.
-	chain, err := identity.ParseCertificates(certPEM)
-	if err != nil {
-		return fmt.Errorf("the cluster CA answered: %w", err)
-	}
-	usage := x509.ExtKeyUsageClientAuth
-	if len(chain[0].ExtKeyUsage) > 0 {
-		usage = chain[0].ExtKeyUsage[0]
-	}
-	if err := src.VerifyChain(chain, usage); err != nil {
-		return fmt.Errorf("the renewed certificate is not trusted by tls.ca_file: %w", err)
-	}
-	if old := cur.Leaf; old != nil && !sameNames(old, chain[0]) {
-		return fmt.Errorf("the cluster CA answered a certificate for %s %v %v, not for %s %v %v",
-			chain[0].Subject, chain[0].DNSNames, chain[0].IPAddresses, old.Subject, old.DNSNames, old.IPAddresses)
-	}
-	keyPEM, err := identity.KeyPEM(newKey)
-	if err != nil {
-		return err
-	}
-	if err := src.Replace(certPEM, keyPEM, cur.Certificate[0]); err != nil {
-		return err
-	}
-	var errs []error
-	for _, s := range also {
-		errs = append(errs, s.Reload())
-	}
-	return errors.Join(errs...)
-}
-
-// sameNames reports whether two certificates have the same subject and
-// names.
-func sameNames(a, b *x509.Certificate) bool {
-	return bytes.Equal(a.RawSubject, b.RawSubject) && slices.Equal(a.DNSNames, b.DNSNames) &&
-		slices.EqualFunc(a.IPAddresses, b.IPAddresses, func(x, y net.IP) bool { return x.Equal(y) })
+			c.renewed.WithLabelValues(name, result).Inc()
+		}}
+	r.Run(ctx)
 }
 
 // ask sends a renewal to the leader: signed here when this node leads,
