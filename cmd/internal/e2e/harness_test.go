@@ -63,9 +63,10 @@ func TestMain(m *testing.M) {
 
 // binaries are the paths of the built executables.
 type binaries struct {
-	agent string
-	pvcli string
-	sim   string
+	agent   string
+	pvcli   string
+	sim     string
+	pitrust string
 	// grpcurl is the go tool of the module, built without -race.
 	grpcurl string
 }
@@ -91,7 +92,7 @@ func buildBinaries(t testing.TB) binaries {
 			return
 		}
 		for _, args := range [][]string{
-			{"build", "-race", "-o", binDir + string(filepath.Separator), "./cmd/pivirt-agent", "./cmd/pvcli", "./cmd/pivirtd-sim"},
+			{"build", "-race", "-o", binDir + string(filepath.Separator), "./cmd/pivirt-agent", "./cmd/pvcli", "./cmd/pivirtd-sim", "./cmd/pitrust"},
 			{"build", "-o", binDir + string(filepath.Separator), "github.com/fullstorydev/grpcurl/cmd/grpcurl"},
 		} {
 			cmd := exec.Command("go", args...)
@@ -109,6 +110,7 @@ func buildBinaries(t testing.TB) binaries {
 		agent:   filepath.Join(binDir, "pivirt-agent"),
 		pvcli:   filepath.Join(binDir, "pvcli"),
 		sim:     filepath.Join(binDir, "pivirtd-sim"),
+		pitrust: filepath.Join(binDir, "pitrust"),
 		grpcurl: filepath.Join(binDir, "grpcurl"),
 	}
 }
@@ -161,6 +163,8 @@ type cluster struct {
 	dir   string // holds a directory per start attempt
 	nodes []*node
 	// certs is the cluster's PiTrust PKI: every port runs (mutual) TLS.
+	// Set before the start, it is used as it is (with makePKI's file
+	// names); else makePKI makes one.
 	certs string
 	// extra is YAML appended to every agent's configuration file.
 	extra string
@@ -219,7 +223,9 @@ func startClusterOn(t *testing.T, c *cluster) *cluster {
 			ips = append(ips, net.ParseIP(ip))
 		}
 	}
-	c.certs = makePKI(t, filepath.Join(c.dir, "certs"), ips...)
+	if c.certs == "" {
+		c.certs = makePKI(t, filepath.Join(c.dir, "certs"), ips...)
+	}
 	// Cleanups run last-in first-out. report is registered after
 	// t.TempDir's removal and before stopAll, so it runs once every process
 	// has stopped and while the logs still exist.

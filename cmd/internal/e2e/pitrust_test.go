@@ -1,0 +1,320 @@
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"pilab.hu/pivirt-agent/identity"
+)
+
+// revocationBound is the documented bound between pitrust revoke and the
+// refusal of the certificate by every agent with the default
+// tls.revocation.refresh of 30 s: the next CRL fetch, plus its time.
+const revocationBound = 60 * time.Second
+
+// caServer is a running pitrust serve.
+type caServer struct {
+	bins binaries
+	dir  string // certs_dir: the CA, and the certificates issued for the test
+	url  string // https://127.0.0.1:port: the API
+	http string // http://127.0.0.1:port: /ocsp and /crl
+	cfg  string
+	log  string
+	proc *proc
+}
+
+// startCAServer makes a PiTrust CA in dir/certs, an offline admin
+// certificate recorded in the database, and starts pitrust serve on a
+// free port of 127.0.0.1.
+func startCAServer(t *testing.T, c *cluster) *caServer {
+	t.Helper()
+	s := &caServer{bins: c.bins, dir: filepath.Join(c.dir, "certs")}
+	ports, err := freePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := "127.0.0.1:" + strconv.Itoa(ports[0])
+	s.url, s.http = "https://"+addr, "http://"+addr
+	db := filepath.Join(c.dir, "pitrust", "certs.db")
+	s.pitrust(t, "init")
+	s.pitrust(t, "issue-mtls-client", "--name", "pitrust-admin", "--db", db)
+	s.cfg = filepath.Join(c.dir, "pitrust.yaml")
+	s.log = filepath.Join(c.dir, "pitrust.log")
+	if err := os.WriteFile(s.cfg, fmt.Appendf(nil, `server:
+  addr: %q
+  external_url: %q
+  certs_dir: %q
+  db_path: %q
+auth:
+  certificate_roles:
+    pitrust-admin: [pitrust-admin]
+`, addr, s.http, s.dir, db), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s.start(t, c)
+	return s
+}
+
+// start starts pitrust serve and waits until it answers.
+func (s *caServer) start(t *testing.T, c *cluster) {
+	t.Helper()
+	p, err := c.spawn(s.log, s.bins.pitrust, []string{"serve", "--config", s.cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.proc = p
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get(s.http + "/crl")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		if p.exited() || time.Now().After(deadline) {
+			t.Fatalf("pitrust serve not answering (%v); log:\n%s", err, tail(s.log, 30))
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// stop stops pitrust serve and waits for it.
+func (s *caServer) stop(t *testing.T) {
+	t.Helper()
+	s.proc.cancel()
+	select {
+	case <-s.proc.done:
+	case <-time.After(2 * termGrace):
+		t.Fatalf("pitrust serve still running %s after SIGTERM", 2*termGrace)
+	}
+}
+
+// pitrust runs the pitrust binary with --dir and fails the test unless it
+// succeeds.
+func (s *caServer) pitrust(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := s.try(args...)
+	if err != nil {
+		t.Fatalf("pitrust %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+func (s *caServer) try(args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), pvcliBackstop)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, s.bins.pitrust, append([]string{"--dir", s.dir}, args...)...)
+	cmd.Env = raceEnv()
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	dieWithTest(cmd)
+	err := cmd.Run()
+	return out.String(), err
+}
+
+// admin are the flags of a call through the server as the admin.
+func (s *caServer) admin() []string {
+	return []string{"--server", s.url, "--ca", filepath.Join(s.dir, identity.ChainFile),
+		"--cert", filepath.Join(s.dir, "pitrust-admin.crt"), "--key", filepath.Join(s.dir, "pitrust-admin.key")}
+}
+
+// request issues a certificate through the server into the CA directory.
+func (s *caServer) request(t *testing.T, args ...string) {
+	t.Helper()
+	s.pitrust(t, append(append([]string{"request"}, s.admin()...), args...)...)
+}
+
+// serial is the serial of the leaf in file, as openssl prints it.
+func serial(t *testing.T, file string) string {
+	t.Helper()
+	certs, err := identity.ReadCertificates(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.ToUpper(certs[0].SerialNumber.Text(16))
+}
+
+// openssl runs openssl with args and returns its combined output.
+func openssl(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("openssl", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("openssl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// TestPiTrustRevocation runs the CA server with a cluster whose every
+// certificate it issued: openssl's OCSP and CRL commands, a revoked
+// operator certificate refused by every agent within the documented bound
+// while another works, a revoked agent kept out of Raft after a restart,
+// and the server's database kept over its own restart.
+func TestPiTrustRevocation(t *testing.T) {
+	if _, err := exec.LookPath("openssl"); err != nil {
+		t.Skip("openssl not installed")
+	}
+	bins := buildBinaries(t)
+	c := &cluster{bins: bins, dir: t.TempDir()}
+	t.Cleanup(c.stopAll)
+	ca := startCAServer(t, c)
+	for i := 1; i <= 3; i++ {
+		ca.request(t, "--kind", "mtls-server", "--name", fmt.Sprintf("node%d-server", i), "--dns", "localhost", "--ip", "127.0.0.1")
+		ca.request(t, "--kind", "mtls-client", "--name", fmt.Sprintf("pivirt-agent-node%d", i))
+	}
+	ca.request(t, "--kind", "mtls-client", "--name", "operator")
+	// Two certificates of the operator: the one the harness uses and
+	// another, which leaks and is revoked by its serial.
+	ca.request(t, "--kind", "mtls-client", "--name", "operator", "--out", "operator-leaked")
+	c.certs = ca.dir
+	c.tlsExtra = "  revocation:\n    mode: both\n    on_unavailable: allow\n"
+	startClusterOn(t, c)
+
+	chain := filepath.Join(ca.dir, identity.ChainFile)
+	ocsp := func(cert string) string {
+		// The command of the troubleshooting guide, against this server.
+		return openssl(t, "ocsp", "-issuer", filepath.Join(ca.dir, identity.IntermediateCertFile), "-cert", cert,
+			"-url", ca.http+"/ocsp", "-CAfile", filepath.Join(ca.dir, identity.RootCertFile))
+	}
+	for _, f := range []string{"node1-server.crt", "operator-leaked.crt"} {
+		if out := ocsp(filepath.Join(ca.dir, f)); !strings.Contains(out, ": good") || !strings.Contains(out, "Response verify OK") {
+			t.Fatalf("openssl ocsp %s before the revocation:\n%s\nwant good and a verified response", f, out)
+		}
+	}
+	leaked := []string{"PVCLI_CA_FILE=" + chain, "PVCLI_CERT_FILE=" + filepath.Join(ca.dir, "operator-leaked.crt"),
+		"PVCLI_KEY_FILE=" + filepath.Join(ca.dir, "operator-leaked.key")}
+	status := func(n *node, env []string) result {
+		return c.pvcliEnv(t, env, "--endpoint", "https://"+n.api, "--timeout", "5s", "cluster", "members")
+	}
+	for _, n := range c.nodes {
+		if r := status(n, leaked); r.code != 0 {
+			t.Fatalf("leaked before the revocation: %s", r)
+		}
+	}
+
+	// A leaked operator certificate is revoked: every agent refuses it
+	// within the bound; the other operator keeps working.
+	revoked := serial(t, filepath.Join(ca.dir, "operator-leaked.crt"))
+	out := ca.pitrust(t, append(append([]string{"revoke", revoked}, ca.admin()...), "--reason", "keyCompromise")...)
+	if !strings.Contains(out, revoked) {
+		t.Errorf("pitrust revoke %s answered:\n%s\nwant the serial", revoked, out)
+	}
+	start := time.Now()
+	refused := map[string]time.Duration{}
+	c.eventually(t, revocationBound+15*time.Second, "every agent refuses the revoked operator certificate", func() error {
+		var still []string
+		for _, n := range c.nodes {
+			if _, ok := refused[n.name]; ok {
+				continue
+			}
+			if r := status(n, leaked); r.code == 0 {
+				still = append(still, n.name)
+				continue
+			}
+			refused[n.name] = time.Since(start)
+		}
+		if len(still) > 0 {
+			return fmt.Errorf("still accepted by %s", strings.Join(still, ", "))
+		}
+		return nil
+	})
+	for name, d := range refused {
+		t.Logf("%s refuses the revoked certificate %s after %s", name, revoked, d.Round(100*time.Millisecond))
+		if d > revocationBound {
+			t.Errorf("%s refused the revoked certificate only after %s, over the documented %s", name, d, revocationBound)
+		}
+	}
+	for _, n := range c.nodes {
+		if r := status(n, c.operatorEnv()); r.code != 0 {
+			t.Errorf("the operator certificate that was not revoked: %s", r)
+		}
+		if !strings.Contains(tailMatching(n.log, 2000, revoked), revoked) {
+			t.Errorf("%s did not log the refusal naming serial %s", n.name, revoked)
+		}
+	}
+	if out := ocsp(filepath.Join(ca.dir, "operator-leaked.crt")); !strings.Contains(out, ": revoked") || !strings.Contains(out, "Response verify OK") {
+		t.Errorf("openssl ocsp leaked.crt after the revocation:\n%s\nwant revoked and a verified response", out)
+	}
+	resp, err := http.Get(ca.http + "/crl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	crlFile := filepath.Join(c.dir, "pitrust.crl")
+	if err := os.WriteFile(crlFile, der, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out := openssl(t, "crl", "-inform", "DER", "-in", crlFile, "-noout", "-text", "-CAfile", chain); !strings.Contains(out, revoked) ||
+		!strings.Contains(out, "verify OK") || !strings.Contains(out, "Key Compromise") {
+		t.Errorf("openssl crl:\n%s\nwant a verified CRL listing %s for Key Compromise", out, revoked)
+	}
+
+	// A node whose agent certificates are revoked cannot come back into
+	// Raft: the others refuse its connections, and writes they commit
+	// do not reach it.
+	n3 := c.nodes[2]
+	agentSerial := serial(t, filepath.Join(ca.dir, "pivirt-agent-node3.crt"))
+	ca.pitrust(t, append(append([]string{"revoke"}, ca.admin()...), "--name", "pivirt-agent-node3", "--reason", "keyCompromise")...)
+	ca.pitrust(t, append(append([]string{"revoke"}, ca.admin()...), "--name", "node3-server", "--reason", "keyCompromise")...)
+	// Within the bound, the others have the CRL listing node3's
+	// certificates: they close node3's connections and refuse its new
+	// ones, naming the serial.
+	c.eventually(t, revocationBound+15*time.Second, "node1 or node2 refuses node3's agent certificate", func() error {
+		for _, n := range c.nodes[:2] {
+			if strings.Contains(tailMatching(n.log, 4000, agentSerial), agentSerial) {
+				return nil
+			}
+		}
+		return fmt.Errorf("neither has logged serial %s yet", agentSerial)
+	})
+	c.stop(t, n3)
+	c.mustStart(t, n3, false)
+	marker := fmt.Sprintf("after-revocation-%d", time.Now().UnixNano())
+	c.eventually(t, 30*time.Second, "a write through node1", func() error {
+		if r := c.pvcli(t, c.nodes[0], "service", "register", marker, "--id", marker+"-1", "--address", "10.0.0.9", "--port", "80"); r.code != 0 {
+			return errors.New(r.String())
+		}
+		return nil
+	})
+	// node3 does not get the write: it is out of the replication.
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		if n3.proc.exited() {
+			break
+		}
+		r := c.pvcliEnv(t, c.operatorEnv(), "--endpoint", "https://"+n3.api, "--timeout", "3s", "--consistency", "stale",
+			"service", "list", "-o", "json")
+		if r.code == 0 && strings.Contains(r.stdout, marker) {
+			t.Fatalf("node3, whose certificates are revoked, received a write after its restart:\n%s", r.stdout)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	// The CA server keeps its database over a restart: the revocations
+	// stand.
+	ca.stop(t)
+	ca.start(t, c)
+	list := ca.pitrust(t, append(append([]string{"list"}, ca.admin()...), "--status", "revoked")...)
+	for _, s := range []string{revoked, agentSerial} {
+		if !strings.Contains(list, s) {
+			t.Errorf("pitrust list --status revoked after a restart of the server:\n%s\nwant %s", list, s)
+		}
+	}
+	if out := ocsp(filepath.Join(ca.dir, "operator-leaked.crt")); !strings.Contains(out, ": revoked") {
+		t.Errorf("openssl ocsp after a restart of the server:\n%s\nwant revoked", out)
+	}
+}
