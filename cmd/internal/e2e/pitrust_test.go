@@ -6,16 +6,23 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
 	"pilab.hu/pivirt-agent/identity"
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
 // revocationBound is the documented bound between pitrust revoke and the
@@ -317,4 +324,160 @@ func TestPiTrustRevocation(t *testing.T) {
 	if out := ocsp(filepath.Join(ca.dir, "operator-leaked.crt")); !strings.Contains(out, ": revoked") {
 		t.Errorf("openssl ocsp after a restart of the server:\n%s\nwant revoked", out)
 	}
+}
+
+// TestPiTrustRenewal: three agents whose certificates live 45 s renew
+// their server and client certificates through the CA server (a third of
+// the lifetime before expiry, as 30 days is of a 90-day certificate),
+// twice, while new TLS connections to every agent and writes forwarded
+// over mutual TLS between them go on without one failure; /ready and
+// pivirt_tls_cert_expiry_seconds show the renewed certificates.
+func TestPiTrustRenewal(t *testing.T) {
+	bins := buildBinaries(t)
+	c := &cluster{bins: bins, dir: t.TempDir()}
+	t.Cleanup(c.stopAll)
+	ca := startCAServer(t, c)
+	// Short-lived certificates, issued offline (the server renews
+	// certificates of its CA that it did not issue itself).
+	for i := 1; i <= 3; i++ {
+		name := fmt.Sprintf("node%d", i)
+		if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindServer, Name: name + "-server",
+			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Validity: 45 * time.Second, Force: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-" + name,
+			Validity: 45 * time.Second, Force: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator", Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	c.certs = ca.dir
+	c.tlsExtra = "  ca_server:\n    url: " + ca.url + "\n"
+	startClusterOn(t, c)
+
+	var files []string
+	for i := 1; i <= 3; i++ {
+		files = append(files, filepath.Join(ca.dir, fmt.Sprintf("node%d-server.crt", i)), filepath.Join(ca.dir, fmt.Sprintf("pivirt-agent-node%d.crt", i)))
+	}
+	load := startLoad(t, c)
+	seen := map[string]map[string]bool{}
+	for _, f := range files {
+		seen[f] = map[string]bool{}
+	}
+	c.eventually(t, 150*time.Second, "every certificate renewed twice through the CA server", func() error {
+		var behind []string
+		for _, f := range files {
+			certs, err := identity.ReadCertificates(f)
+			if err != nil {
+				return err
+			}
+			seen[f][certs[0].SerialNumber.String()] = true
+			if len(seen[f]) < 3 {
+				behind = append(behind, fmt.Sprintf("%s: %d", filepath.Base(f), len(seen[f])-1))
+			}
+		}
+		if len(behind) > 0 {
+			return fmt.Errorf("renewals so far: %s", strings.Join(behind, ", "))
+		}
+		return nil
+	})
+	ok, failed, first := load.stop()
+	if failed != 0 || ok == 0 {
+		t.Errorf("%d of %d requests failed while the certificates were renewed; first: %v", failed, ok+failed, first)
+	}
+	t.Logf("%d requests while 6 certificates were renewed twice each through the CA server, %d failed", ok, failed)
+
+	// The renewals are in the server's inventory, and the agents report
+	// them.
+	list := ca.pitrust(t, append(append([]string{"list"}, ca.admin()...), "--name", "pivirt-agent-node1")...)
+	if !strings.Contains(list, "pivirt-agent-node1") {
+		t.Errorf("pitrust list --name pivirt-agent-node1:\n%s\nwant the renewed certificates", list)
+	}
+	n := c.nodes[0]
+	resp, err := http.Get("http://" + n.metrics + "/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `"tls_renewal"`) || !strings.Contains(string(body), "server: renewal at") {
+		t.Errorf("/ready of %s: %s\nwant the tls_renewal check with the next renewal", n.name, body)
+	}
+	resp, err = http.Get("http://" + n.metrics + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{`pivirt_tls_cert_expiry_seconds{cert="client",subject="pivirt-agent-node1"}`, `pivirt_tls_cert_renewals_total{cert="server",result="ok"}`} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics of %s lacks %s", n.name, want)
+		}
+	}
+}
+
+// load is requests run against every agent until stopped: reads on new
+// TLS connections, and writes through a follower, forwarded to the leader
+// over mutual TLS.
+type load struct {
+	stopc      chan struct{}
+	wg         sync.WaitGroup
+	ok, failed atomic.Int64
+	first      atomic.Value
+}
+
+func startLoad(t *testing.T, c *cluster) *load {
+	t.Helper()
+	tlsCfg := c.clientTLS(t)
+	tr := &http.Transport{TLSClientConfig: tlsCfg, ForceAttemptHTTP2: true, DisableKeepAlives: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	l := &load{stopc: make(chan struct{})}
+	leader, err := c.agreedLeader(t, c.nodes...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range c.nodes {
+		api := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: tr}, "https://"+n.api)
+		write := n.name != leader.Name
+		l.wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-l.stopc:
+					return
+				case <-time.After(50 * time.Millisecond):
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				var err error
+				if write {
+					_, err = api.RegisterService(ctx, connect.NewRequest(&clusterv1.RegisterServiceRequest{Instance: &clusterv1.ServiceInstance{
+						Service: "web", InstanceId: fmt.Sprintf("w-%s-%d", n.name, i%20), Address: "10.0.0.1", Port: 80,
+					}}))
+				} else {
+					_, err = api.Leader(ctx, connect.NewRequest(&clusterv1.LeaderRequest{}))
+				}
+				cancel()
+				if err != nil {
+					l.failed.Add(1)
+					l.first.CompareAndSwap(nil, fmt.Errorf("%s: %w", n.name, err))
+					continue
+				}
+				l.ok.Add(1)
+			}
+		})
+	}
+	t.Cleanup(func() { l.stop() })
+	return l
+}
+
+// stop ends the load and returns its counts and its first error.
+func (l *load) stop() (ok, failed int64, first any) {
+	select {
+	case <-l.stopc:
+	default:
+		close(l.stopc)
+	}
+	l.wg.Wait()
+	return l.ok.Load(), l.failed.Load(), l.first.Load()
 }
