@@ -47,7 +47,8 @@ type Config struct {
 	// carry <ExternalURL>/ocsp as their OCSP responder and <ExternalURL>/crl
 	// as their CRL distribution point. Empty: neither.
 	ExternalURL string
-	// DefaultDays is the lifetime when a request gives none (default 90).
+	// DefaultDays is the lifetime when a request gives none (default 90,
+	// or MaxDays when that is less).
 	DefaultDays int
 	// MaxDays is the longest lifetime granted (default 365).
 	MaxDays int
@@ -165,11 +166,11 @@ type CA struct {
 // records ExternalURL in the database, makes the delegated OCSP signing
 // certificate and builds the CRL.
 func Open(cfg Config) (*CA, error) {
-	if cfg.DefaultDays == 0 {
-		cfg.DefaultDays = DefaultDays
-	}
 	if cfg.MaxDays == 0 {
 		cfg.MaxDays = DefaultMaxDays
+	}
+	if cfg.DefaultDays == 0 {
+		cfg.DefaultDays = min(DefaultDays, cfg.MaxDays)
 	}
 	if cfg.CRLValidity == 0 {
 		cfg.CRLValidity = DefaultCRLValidity
