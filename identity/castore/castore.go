@@ -269,6 +269,7 @@ func (c *CA) DB() *DB { return c.db }
 // the CRL again at half its validity and the OCSP signing certificate
 // again before it expires.
 func (c *CA) Run(ctx context.Context) {
+	floor := time.Second // a failed attempt is retried after a minute
 	for {
 		c.mu.Lock()
 		crlDue := c.crlThis.Add(crlBackdate).Add(c.cfg.CRLValidity / 2)
@@ -276,8 +277,8 @@ func (c *CA) Run(ctx context.Context) {
 		signerDue := c.signer.NotAfter.Add(-life / 2)
 		c.mu.Unlock()
 		now := c.cfg.Now()
-		wait := min(crlDue.Sub(now), signerDue.Sub(now))
-		t := time.NewTimer(max(wait, time.Second))
+		wait := max(min(crlDue.Sub(now), signerDue.Sub(now)), floor)
+		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -285,14 +286,17 @@ func (c *CA) Run(ctx context.Context) {
 		case <-t.C:
 		}
 		now = c.cfg.Now()
+		floor = time.Second
 		if !now.Before(signerDue) {
 			if err := c.makeOCSPSigner(); err != nil {
-				c.cfg.Logger.Error("make the OCSP signing certificate", "err", err)
+				c.cfg.Logger.Error("make the OCSP signing certificate (retried in a minute)", "err", err)
+				floor = time.Minute
 			}
 		}
 		if !now.Before(crlDue) {
 			if err := c.buildCRL(); err != nil {
-				c.cfg.Logger.Error("make the CRL", "err", err)
+				c.cfg.Logger.Error("make the CRL (retried in a minute)", "err", err)
+				floor = time.Minute
 			}
 		}
 		if err := c.db.purgeTokens(now); err != nil {

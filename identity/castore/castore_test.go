@@ -282,7 +282,7 @@ func TestRevocationInCRLAndOCSP(t *testing.T) {
 			if r.Status != ocsp.Good || r.Certificate == nil || !slices.Contains(r.Certificate.ExtKeyUsage, x509.ExtKeyUsageOCSPSigning) {
 				t.Fatalf("before revocation (GET %v, %v): status %d, signer %v", get, h, r.Status, r.Certificate)
 			}
-			if r.NextUpdate.Sub(time.Now()) > time.Hour+time.Minute || r.NextUpdate.Before(time.Now()) {
+			if time.Until(r.NextUpdate) > time.Hour+time.Minute || r.NextUpdate.Before(time.Now()) {
 				t.Fatalf("NextUpdate %s", r.NextUpdate)
 			}
 		}
