@@ -496,6 +496,33 @@ func TestTokens(t *testing.T) {
 	if _, _, err := c.RedeemToken(short); !errors.Is(err, ErrTokenInvalid) {
 		t.Fatalf("expired: %v", err)
 	}
+	// Redeemed concurrently, a token serves once.
+	racy, _, _, err := c.CreateToken(g, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	wins := 0
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _, err := c.RedeemToken(racy)
+			switch {
+			case err == nil:
+				mu.Lock()
+				wins++
+				mu.Unlock()
+			case !errors.Is(err, ErrTokenInvalid):
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if wins != 1 {
+		t.Fatalf("a token redeemed concurrently served %d times", wins)
+	}
 	// Only the hash is stored.
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
