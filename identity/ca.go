@@ -32,7 +32,12 @@ type CertAuthority struct {
 	// Chain is Cert followed by the CA certificates found after it in its
 	// PEM file; issued certificates carry it after the leaf.
 	Chain []*x509.Certificate
-	key   crypto.Signer
+	// OCSPServer and CRLDistributionPoints, when set, go into every
+	// certificate Renew issues (the OCSP responder URLs and the CRL
+	// distribution points of the CA server that renews).
+	OCSPServer            []string
+	CRLDistributionPoints []string
+	key                   crypto.Signer
 }
 
 // ParseCertAuthority reads a CA certificate (first in certPEM, optionally
@@ -170,6 +175,8 @@ func (ca *CertAuthority) Renew(req RenewalRequest, verify ChainVerifier, ttl tim
 		DNSNames:              slices.Clone(cur.DNSNames),
 		IPAddresses:           slices.Clone(cur.IPAddresses),
 		URIs:                  slices.Clone(cur.URIs),
+		OCSPServer:            slices.Clone(ca.OCSPServer),
+		CRLDistributionPoints: slices.Clone(ca.CRLDistributionPoints),
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, csr.PublicKey, ca.key)
 	if err != nil {

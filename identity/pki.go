@@ -212,6 +212,11 @@ type LeafRequest struct {
 	// <File>.crt.prev and <File>.key.prev (the key 0600), which replace
 	// older copies. Force wins over it.
 	KeepPrevious bool
+	// OCSPServer and CRLDistributionPoints, when set, are the
+	// certificate's OCSP responder URLs (authority information access)
+	// and CRL distribution points.
+	OCSPServer            []string
+	CRLDistributionPoints []string
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
@@ -239,7 +244,6 @@ var (
 // with Force, copied to <file>.crt.prev and <file>.key.prev first with
 // KeepPrevious; otherwise nothing is written if either file exists.
 func Issue(dir string, req LeafRequest) (LeafFiles, error) {
-	now := clock(req.Now)
 	days := orDefault(req.Days, DefaultLeafDays)
 	if err := checkLeaf(&req, days); err != nil {
 		return LeafFiles{}, err
@@ -254,43 +258,13 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 	if err != nil {
 		return LeafFiles{}, err
 	}
-	lifetime := time.Duration(days) * 24 * time.Hour
-	if req.Validity > 0 {
-		lifetime = req.Validity
-	}
-	notAfter := now.Add(lifetime)
-	if notAfter.After(ca.NotAfter) {
-		return LeafFiles{}, fmt.Errorf("%w: days %d: the certificate would outlive the intermediate CA (valid until %s)",
-			ErrInvalidRequest, days, ca.NotAfter.UTC().Format(time.RFC3339))
-	}
 	key, err := newKey()
 	if err != nil {
 		return LeafFiles{}, err
 	}
-	serial, err := newSerial()
+	der, err := SignLeaf(ca, caKey, key.Public(), req)
 	if err != nil {
 		return LeafFiles{}, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial,
-		Subject:               pkix.Name{CommonName: req.Name, Organization: []string{Organization}, OrganizationalUnit: []string{string(req.Kind)}},
-		NotBefore:             now.Add(-backdate(lifetime)), // tolerate clock skew between nodes
-		NotAfter:              notAfter,
-		KeyUsage:              x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		DNSNames:              req.DNS,
-		IPAddresses:           req.IPs,
-	}
-	for _, u := range req.Usages {
-		if u == UsageServer {
-			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
-		} else {
-			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
-		}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, key.Public(), caKey)
-	if err != nil {
-		return LeafFiles{}, fmt.Errorf("issue %s: %w", req.Name, err)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return LeafFiles{}, err
@@ -313,6 +287,68 @@ func Issue(dir string, req LeafRequest) (LeafFiles, error) {
 		return LeafFiles{}, err
 	}
 	return files, nil
+}
+
+// SignLeaf checks req as Issue does (kind, names, usages, lifetime, not
+// outliving ca) and signs a leaf certificate for pub with ca and caKey,
+// returning its DER. Only the certificate is made: File, Force and
+// KeepPrevious play no part. The subject is CN=<Name>, O=PiTrust,
+// OU=<Kind>; NotBefore is backdated to tolerate clock skew;
+// OCSPServer and CRLDistributionPoints are copied into the certificate.
+func SignLeaf(ca *x509.Certificate, caKey crypto.Signer, pub crypto.PublicKey, req LeafRequest) ([]byte, error) {
+	now := clock(req.Now)
+	days := orDefault(req.Days, DefaultLeafDays)
+	if err := checkLeaf(&req, days); err != nil {
+		return nil, err
+	}
+	lifetime := time.Duration(days) * 24 * time.Hour
+	if req.Validity > 0 {
+		lifetime = req.Validity
+	}
+	notAfter := now.Add(lifetime)
+	if notAfter.After(ca.NotAfter) {
+		return nil, fmt.Errorf("%w: days %d: the certificate would outlive the intermediate CA (valid until %s)",
+			ErrInvalidRequest, days, ca.NotAfter.UTC().Format(time.RFC3339))
+	}
+	serial, err := newSerial()
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: req.Name, Organization: []string{Organization}, OrganizationalUnit: []string{string(req.Kind)}},
+		NotBefore:             now.Add(-backdate(lifetime)), // tolerate clock skew between nodes
+		NotAfter:              notAfter,
+		KeyUsage:              x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		DNSNames:              req.DNS,
+		IPAddresses:           req.IPs,
+		OCSPServer:            slices.Clone(req.OCSPServer),
+		CRLDistributionPoints: slices.Clone(req.CRLDistributionPoints),
+	}
+	for _, u := range req.Usages {
+		if u == UsageServer {
+			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
+		} else {
+			tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
+		}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, pub, caKey)
+	if err != nil {
+		return nil, fmt.Errorf("issue %s: %w", req.Name, err)
+	}
+	return der, nil
+}
+
+// CheckLeafRequest checks req as SignLeaf does, apart from the CA's
+// expiry, and returns it completed: File, the usages in order (the
+// Kind's own when none were given), a server certificate's DNS name
+// taken from Name when it has no names.
+func CheckLeafRequest(req LeafRequest) (LeafRequest, error) {
+	if err := checkLeaf(&req, orDefault(req.Days, DefaultLeafDays)); err != nil {
+		return LeafRequest{}, err
+	}
+	return req, nil
 }
 
 // keepPrevious copies path, if it exists, to path.prev with mode perm
