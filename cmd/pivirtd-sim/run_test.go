@@ -208,26 +208,31 @@ func TestRenewsThroughCAServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var calls, failed int
-	var firstErr error
+	var (
+		calls, failed int
+		served        bool // a call succeeded: the simulator is up
+		firstErr      error
+	)
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		_, err := vmv1.NewVMServiceClient(conn).ListVMs(cctx, &vmv1.ListVMsRequest{})
 		ccancel()
-		calls++
-		if err != nil && calls > 1 { // the first call may race the listener
-			failed++
+		switch {
+		case err == nil:
+			calls, served = calls+1, true
+		case served:
+			calls, failed = calls+1, failed+1
 			firstErr = cmp.Or(firstErr, err)
 		}
-		served := servedSerial(t, addr, src)
-		if served != "" && served != first[0].SerialNumber.String() {
+		serving := servedSerial(t, addr, src)
+		if serving != "" && serving != first[0].SerialNumber.String() {
 			now, err := identity.ReadCertificates(srv.Cert)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if now[0].SerialNumber.String() != served {
-				t.Fatalf("serves %s, the file holds %s", served, now[0].SerialNumber)
+			if now[0].SerialNumber.String() != serving {
+				t.Fatalf("serves %s, the file holds %s", serving, now[0].SerialNumber)
 			}
 			break
 		}
