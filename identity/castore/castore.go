@@ -47,7 +47,8 @@ type Config struct {
 	// carry <ExternalURL>/ocsp as their OCSP responder and <ExternalURL>/crl
 	// as their CRL distribution point. Empty: neither.
 	ExternalURL string
-	// DefaultDays is the lifetime when a request gives none (default 90).
+	// DefaultDays is the lifetime when a request gives none (default 90,
+	// or MaxDays when that is less).
 	DefaultDays int
 	// MaxDays is the longest lifetime granted (default 365).
 	MaxDays int
@@ -165,11 +166,11 @@ type CA struct {
 // records ExternalURL in the database, makes the delegated OCSP signing
 // certificate and builds the CRL.
 func Open(cfg Config) (*CA, error) {
-	if cfg.DefaultDays == 0 {
-		cfg.DefaultDays = DefaultDays
-	}
 	if cfg.MaxDays == 0 {
 		cfg.MaxDays = DefaultMaxDays
+	}
+	if cfg.DefaultDays == 0 {
+		cfg.DefaultDays = min(DefaultDays, cfg.MaxDays)
 	}
 	if cfg.CRLValidity == 0 {
 		cfg.CRLValidity = DefaultCRLValidity
@@ -268,6 +269,7 @@ func (c *CA) DB() *DB { return c.db }
 // the CRL again at half its validity and the OCSP signing certificate
 // again before it expires.
 func (c *CA) Run(ctx context.Context) {
+	floor := time.Second // a failed attempt is retried after a minute
 	for {
 		c.mu.Lock()
 		crlDue := c.crlThis.Add(crlBackdate).Add(c.cfg.CRLValidity / 2)
@@ -275,8 +277,8 @@ func (c *CA) Run(ctx context.Context) {
 		signerDue := c.signer.NotAfter.Add(-life / 2)
 		c.mu.Unlock()
 		now := c.cfg.Now()
-		wait := min(crlDue.Sub(now), signerDue.Sub(now))
-		t := time.NewTimer(max(wait, time.Second))
+		wait := max(min(crlDue.Sub(now), signerDue.Sub(now)), floor)
+		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -284,14 +286,17 @@ func (c *CA) Run(ctx context.Context) {
 		case <-t.C:
 		}
 		now = c.cfg.Now()
+		floor = time.Second
 		if !now.Before(signerDue) {
 			if err := c.makeOCSPSigner(); err != nil {
-				c.cfg.Logger.Error("make the OCSP signing certificate", "err", err)
+				c.cfg.Logger.Error("make the OCSP signing certificate (retried in a minute)", "err", err)
+				floor = time.Minute
 			}
 		}
 		if !now.Before(crlDue) {
 			if err := c.buildCRL(); err != nil {
-				c.cfg.Logger.Error("make the CRL", "err", err)
+				c.cfg.Logger.Error("make the CRL (retried in a minute)", "err", err)
+				floor = time.Minute
 			}
 		}
 		if err := c.db.purgeTokens(now); err != nil {
