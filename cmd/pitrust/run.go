@@ -60,7 +60,14 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 
 Keys are ECDSA P-256, written 0600. Issuing a leaf again replaces its files and
 keeps the old ones as .prev (--force: keep nothing). init never replaces a CA
-without --force. Keep the root key offline once the intermediate exists.`,
+without --force. Keep the root key offline once the intermediate exists.
+
+pitrust serve keeps the X1 intermediate online as the PiTrust CA server: the
+certificate API over TLS (issue, renew, revoke, list, bootstrap tokens), OCSP
+and the CRL over plain HTTP, and an inventory of every certificate issued.
+token create, request, revoke and list talk to it (--server URL, with an
+operator certificate: --cert, --key); revoke and list also work offline on its
+database (--db PATH) while it is stopped.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Args:          cobra.ArbitraryArgs,

@@ -604,3 +604,37 @@ func TestCAStoreErrorMapping(t *testing.T) {
 		}
 	}
 }
+
+// TestRenew: the holder of a certificate renews it with a proof of its key
+// and no role; a revoked certificate is refused.
+func TestRenew(t *testing.T) {
+	e := newEnv(t)
+	r := e.start(t)
+	ctx := context.Background()
+	op := e.client(t, r, "operator")
+	csr, key := newCSR(t, "x")
+	resp, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, Kind: "mtls-client", Name: "pivirt-agent-n1", Days: 30}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur := leafOf(t, resp.Msg.GetCertPem())
+	renew := func() (*connect.Response[pitrustv1.RenewCertificateResponse], error) {
+		req, _, err := identity.NewRenewalRequest([][]byte{cur.Raw}, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.client(t, r, "nobody").RenewCertificate(ctx, connect.NewRequest(&pitrustv1.RenewCertificateRequest{Csr: req.CSR, Current: req.Current, Proof: req.Proof}))
+	}
+	got, err := renew()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if leaf := leafOf(t, got.Msg.GetCertPem()); leaf.Subject.CommonName != "pivirt-agent-n1" || leaf.SerialNumber.Cmp(cur.SerialNumber) == 0 {
+		t.Errorf("renewed %s serial %s", leaf.Subject, leaf.SerialNumber)
+	}
+	if _, err := op.RevokeCertificate(ctx, connect.NewRequest(&pitrustv1.RevokeCertificateRequest{Serial: resp.Msg.GetCertificate().GetSerial()})); err != nil {
+		t.Fatal(err)
+	}
+	_, err = renew()
+	wantCode(t, err, connect.CodePermissionDenied)
+}
