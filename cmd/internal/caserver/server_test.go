@@ -532,6 +532,15 @@ func TestConnectJSONOverHTTP1(t *testing.T) {
 	if err := json.Unmarshal(body, &out); err != nil || len(out.Certificates) != 1 || out.Certificates[0].Name != "node1" {
 		t.Errorf("%s: %v", body, err)
 	}
+	// The same over HTTP/2 (ALPN h2).
+	h2, err := e.httpClient(t, "operator", false).Post(r.base()+pitrustv1connect.CertificateServiceListCertificatesProcedure, "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2.Body.Close()
+	if h2.StatusCode != http.StatusOK || h2.ProtoMajor != 2 {
+		t.Errorf("%s %d, want HTTP/2 200", h2.Proto, h2.StatusCode)
+	}
 }
 
 // TestConfigErrors: unknown keys and bad values are errors naming the key.
