@@ -61,6 +61,8 @@ type Server struct {
 	src    *identity.Source
 	extURL string
 	svc    *service
+	// certFile is the server's own certificate file.
+	certFile string
 }
 
 // New listens on cfg.Server.Addr, opens the CA and its database, and loads
@@ -96,6 +98,7 @@ func New(cfg *Config, logger *slog.Logger) (*Server, error) {
 	}
 	s.ca = ca
 	certFile, keyFile := cfg.TLSFiles()
+	s.certFile = certFile
 	if err := s.ensureServerCert(certFile, keyFile); err != nil {
 		s.Close()
 		return nil, err
@@ -285,9 +288,10 @@ func (s *Server) Serve(ctx context.Context) error {
 	run(func() error { return tlsSrv.ServeTLS(tlsL, "", "") })
 	run(func() error { return plainSrv.Serve(plainL) })
 	run(m.Serve)
-	wg.Add(2)
+	wg.Add(3)
 	go func() { defer wg.Done(); s.ca.Run(ctx) }()
 	go func() { defer wg.Done(); s.src.Watch(ctx, watchInterval) }()
+	go func() { defer wg.Done(); s.renewOwnLoop(ctx) }()
 
 	s.logger.Info("pitrust serving", "addr", s.ln.Addr().String(), "external_url", s.extURL,
 		"api", "https://"+s.ln.Addr().String()+apiPath)

@@ -647,3 +647,42 @@ func TestRenew(t *testing.T) {
 	_, err = renew()
 	wantCode(t, err, connect.CodePermissionDenied)
 }
+
+// TestRenewOwnCertificate: the server renews the certificate it issued
+// itself once two thirds of its lifetime have passed, and serves the new
+// one.
+func TestRenewOwnCertificate(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	now := time.Now()
+	e.cfg.Now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	e.cfg.Policy.DefaultDays = 3
+	r := e.start(t)
+	old := r.srv.src.Leaf()
+	if renewed, err := r.srv.renewOwn(); renewed || err != nil {
+		t.Fatalf("renewed a fresh certificate: %v %v", renewed, err)
+	}
+	mu.Lock()
+	now = now.Add(50 * time.Hour)
+	mu.Unlock()
+	if renewed, err := r.srv.renewOwn(); !renewed || err != nil {
+		t.Fatalf("not renewed when due: %v %v", renewed, err)
+	}
+	cur := r.srv.src.Leaf()
+	if cur.SerialNumber.Cmp(old.SerialNumber) == 0 || cur.Subject.CommonName != old.Subject.CommonName {
+		t.Fatalf("renewed to %s %s", cur.Subject, cur.SerialNumber)
+	}
+	onDisk, err := identity.ReadCertificates(filepath.Join(e.cfg.Server.CertsDir, ServerCertStem+".crt"))
+	if err != nil || onDisk[0].SerialNumber.Cmp(cur.SerialNumber) != 0 {
+		t.Fatalf("the file holds another certificate: %v", err)
+	}
+	// New connections get it (the test's clock is ahead: look, don't verify).
+	conn, err := tls.Dial("tcp", r.srv.Addr().String(), &tls.Config{InsecureSkipVerify: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if got := conn.ConnectionState().PeerCertificates[0].SerialNumber; got.Cmp(cur.SerialNumber) != 0 {
+		t.Errorf("served serial %s, want %s", got, cur.SerialNumber)
+	}
+}
