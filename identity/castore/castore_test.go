@@ -15,6 +15,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"io"
+	"log/slog"
 	"math/big"
 	"net"
 	"net/http"
@@ -168,7 +169,8 @@ func writeTemp(t *testing.T, b []byte) string {
 }
 
 func TestIssueRefusals(t *testing.T) {
-	c, _ := newTestCA(t, Config{MaxDays: 30})
+	var logs bytes.Buffer
+	c, _ := newTestCA(t, Config{MaxDays: 30, Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
 	csr, _ := newCSR(t)
 	block, _ := pem.Decode(csr)
 	rsaKey, err := rsa.GenerateKey(rand.Reader, 1024)
@@ -223,6 +225,9 @@ func TestIssueRefusals(t *testing.T) {
 	}
 	if refusals != 7 || issues != 1 {
 		t.Fatalf("audit: %d refusals and %d issues, want 7 and 1", refusals, issues)
+	}
+	if n, m := strings.Count(logs.String(), `"msg":"audit","event":"refuse"`), strings.Count(logs.String(), `"msg":"audit","event":"issue"`); n != 7 || m != 1 {
+		t.Fatalf("audit log: %d refusals and %d issues, want 7 and 1:\n%s", n, m, logs.String())
 	}
 }
 
@@ -330,6 +335,14 @@ func TestRevocationInCRLAndOCSP(t *testing.T) {
 	crl, err := x509.ParseRevocationList(der)
 	if err != nil {
 		t.Fatal(err)
+	}
+	head, err := http.Head(srv.URL + "/crl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	head.Body.Close()
+	if head.StatusCode != http.StatusOK || head.ContentLength != int64(len(der)) {
+		t.Fatalf("HEAD /crl: %s, length %d", head.Status, head.ContentLength)
 	}
 	if err := crl.CheckSignatureFrom(x1); err != nil {
 		t.Fatal(err)
