@@ -31,7 +31,8 @@ on both.
 The CA is the X1 intermediate of server.certs_dir (pitrust init); every
 certificate issued is recorded in server.db_path. When the server's own
 certificate (server.tls, default <certs_dir>/pitrust-server.crt and .key) is
-missing, serve issues it from the CA. Logs are JSON lines on stderr; audit
+missing, serve issues it from the CA (and renews what it issued at two thirds
+of its lifetime). Logs are JSON lines on stderr; audit
 lines have "msg":"audit". SIGINT or SIGTERM stop it gracefully.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
