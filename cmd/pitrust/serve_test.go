@@ -28,7 +28,8 @@ func clearEnv(t *testing.T) {
 func startServe(t *testing.T, dir string) string {
 	t.Helper()
 	cfgFile := filepath.Join(t.TempDir(), "pitrust.yaml")
-	cfg := "server:\n  addr: 127.0.0.1:0\n  certs_dir: " + dir + "\n  db_path: " + filepath.Join(dir, "..", "certs.db") +
+	// --addr wins over server.addr (port 1 would not be ours to bind).
+	cfg := "server:\n  addr: 127.0.0.1:1\n  certs_dir: " + dir + "\n  db_path: " + filepath.Join(dir, "..", "certs.db") +
 		"\nauth:\n  certificate_roles:\n    operator: [pitrust-admin]\n"
 	if err := os.WriteFile(cfgFile, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
@@ -38,7 +39,7 @@ func startServe(t *testing.T, dir string) string {
 	t.Cleanup(func() { serveHook = nil })
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Run(ctx, []string{"serve", "--config", cfgFile}, io.Discard, io.Discard) }()
+	go func() { done <- Run(ctx, []string{"serve", "--config", cfgFile, "--addr", "127.0.0.1:0"}, io.Discard, io.Discard) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -221,6 +222,24 @@ func TestOfflineDatabase(t *testing.T) {
 		var ue *usageError
 		if _, err := run(t, args...); !errors.As(err, &ue) {
 			t.Errorf("%v: %v, want a usage error", args, err)
+		}
+	}
+}
+
+// TestServeConfigErrors: serve refuses a bad configuration file, naming
+// the key.
+func TestServeConfigErrors(t *testing.T) {
+	for yaml, key := range map[string]string{
+		"server:\n  certs_dir: /x\n  colour: blue\n": "server.colour",
+		"policy:\n  max_days: -1\n":                   "policy.max_days",
+	} {
+		f := filepath.Join(t.TempDir(), "pitrust.yaml")
+		if err := os.WriteFile(f, []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := run(t, "serve", "--config", f)
+		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), f) {
+			t.Errorf("%q: %v, want an error naming %s in %s", yaml, err, key, f)
 		}
 	}
 }

@@ -116,7 +116,7 @@ func ParseConfig(data []byte, name string) (*Config, error) {
 	if err := config.Decode(data, name, cfg); err != nil {
 		return nil, err
 	}
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(name); err != nil {
 		return nil, err
 	}
 	return cfg, nil
@@ -124,10 +124,13 @@ func ParseConfig(data []byte, name string) (*Config, error) {
 
 // Validate checks every value, naming the key of each problem and what to
 // do about it.
-func (c *Config) Validate() error {
+func (c *Config) Validate() error { return c.validate("") }
+
+// validate is Validate, its errors naming file.
+func (c *Config) validate(file string) error {
 	var errs []error
 	bad := func(key, format string, args ...any) {
-		errs = append(errs, &config.FieldError{Path: key, Err: fmt.Errorf("%w: %s", config.ErrInvalid, fmt.Sprintf(format, args...))})
+		errs = append(errs, &config.FieldError{File: file, Path: key, Err: fmt.Errorf("%w: %s", config.ErrInvalid, fmt.Sprintf(format, args...))})
 	}
 	if _, port, err := net.SplitHostPort(c.Server.Addr); err != nil {
 		bad("server.addr", "%q is not host:port (e.g. 0.0.0.0:8080): %v", c.Server.Addr, err)
