@@ -39,7 +39,9 @@ func startServe(t *testing.T, dir string) string {
 	t.Cleanup(func() { serveHook = nil })
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Run(ctx, []string{"serve", "--config", cfgFile, "--addr", "127.0.0.1:0"}, io.Discard, io.Discard) }()
+	go func() {
+		done <- Run(ctx, []string{"serve", "--config", cfgFile, "--addr", "127.0.0.1:0"}, io.Discard, io.Discard)
+	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -231,7 +233,7 @@ func TestOfflineDatabase(t *testing.T) {
 func TestServeConfigErrors(t *testing.T) {
 	for yaml, key := range map[string]string{
 		"server:\n  certs_dir: /x\n  colour: blue\n": "server.colour",
-		"policy:\n  max_days: -1\n":                   "policy.max_days",
+		"policy:\n  max_days: -1\n":                  "policy.max_days",
 	} {
 		f := filepath.Join(t.TempDir(), "pitrust.yaml")
 		if err := os.WriteFile(f, []byte(yaml), 0o600); err != nil {
