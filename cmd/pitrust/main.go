@@ -1,7 +1,8 @@
 // Command pitrust manages a PiTrust PKI on disk: the PiTrust Root CA, the X1
 // Intermediate CA and the mTLS server and client certificates they issue
-// (README "PiTrust certificates"). The work is done by package
-// identity; this is its command line.
+// (README "PiTrust certificates"), and runs the PiTrust CA server (pitrust
+// serve) and its clients. The work is done by packages identity,
+// identity/castore and cmd/internal/caserver; this is their command line.
 package main
 
 import (

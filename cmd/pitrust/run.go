@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"pilab.hu/pivirt-agent/identity"
+	"pilab.hu/pivirt-agent/identity/castore"
 )
 
 // DefaultDir is where the agent's configuration expects the certificates
@@ -59,7 +60,14 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 
 Keys are ECDSA P-256, written 0600. Issuing a leaf again replaces its files and
 keeps the old ones as .prev (--force: keep nothing). init never replaces a CA
-without --force. Keep the root key offline once the intermediate exists.`,
+without --force. Keep the root key offline once the intermediate exists.
+
+pitrust serve keeps the X1 intermediate online as the PiTrust CA server: the
+certificate API over TLS (issue, renew, revoke, list, bootstrap tokens), OCSP
+and the CRL over plain HTTP, and an inventory of every certificate issued.
+token create, request, revoke and list talk to it (--server URL, with an
+operator certificate: --cert, --key); revoke and list also work offline on its
+database (--db PATH) while it is stopped.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Args:          cobra.ArbitraryArgs,
@@ -76,7 +84,8 @@ without --force. Keep the root key offline once the intermediate exists.`,
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
 	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
-		verifyCmd(&dir, stdout), inspectCmd(stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout))
+		verifyCmd(&dir, stdout), inspectCmd(stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout),
+		serveCmd(stderr), tokenCmd(&dir, stdout), requestCmd(&dir, stdout), revokeCmd(&dir, stdout), listCmd(&dir, stdout))
 	return root
 }
 
@@ -110,6 +119,7 @@ func issueCmd(dir *string, kind identity.Kind, stdout io.Writer) *cobra.Command 
 		req    identity.LeafRequest
 		ips    []string
 		usages []string
+		dbPath string
 	)
 	req.Kind = kind
 	own := strings.TrimPrefix(string(kind), "mtls-")
@@ -147,6 +157,18 @@ keeping nothing.`,
 				}
 				req.IPs = append(req.IPs, ip)
 			}
+			var db *castore.DB
+			if dbPath != "" {
+				var err error
+				if db, err = openDB(dbPath); err != nil {
+					return err
+				}
+				defer db.Close()
+				if u := strings.TrimSuffix(db.ExternalURL(), "/"); u != "" {
+					req.OCSPServer = []string{u + "/ocsp"}
+					req.CRLDistributionPoints = []string{u + "/crl"}
+				}
+			}
 			files, err := identity.Issue(*dir, req)
 			if err != nil {
 				return err
@@ -154,6 +176,11 @@ keeping nothing.`,
 			certs, err := identity.ReadCertificates(files.Cert)
 			if err != nil {
 				return err
+			}
+			if db != nil {
+				if err := db.Record(certs[0], "pitrust (offline)"); err != nil {
+					return fmt.Errorf("issued %s, but recording it in %s failed: %w", files.Cert, dbPath, err)
+				}
 			}
 			info := identity.Describe(certs[0], time.Now())
 			fmt.Fprintf(stdout, "Issued %s for %s, valid until %s\n  %s\n  %s (key)\n", kind, info.Subject,
@@ -179,6 +206,7 @@ keeping nothing.`,
 	c.Flags().StringSliceVar(&usages, "usage", []string{own}, "what the certificate is for: server, client, or both (server,client)")
 	c.Flags().IntVar(&req.Days, "days", identity.DefaultLeafDays, "lifetime in days")
 	c.Flags().BoolVar(&req.Force, "force", false, "replace existing files of that name without keeping them (by default they are kept as <out>.crt.prev and <out>.key.prev)")
+	c.Flags().StringVar(&dbPath, "db", "", "record the certificate in this CA database (pitrust serve's server.db_path; not while it runs) and, when a server recorded its external URL there, point the certificate's OCSP and CRL at it")
 	if kind == identity.KindServer {
 		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "DNS name the server answers to (repeatable; default: --name when it is a host name)")
 		c.Flags().StringArrayVar(&ips, "ip", nil, "IP address the server answers on (repeatable)")

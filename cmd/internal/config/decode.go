@@ -528,3 +528,10 @@ func describe(n *yaml.Node) string {
 		return fmt.Sprintf("%s %q", strings.TrimPrefix(n.ShortTag(), "!!"), v)
 	}
 }
+
+// Decode decodes the YAML document data into out (a non-nil pointer to a
+// struct) as Load reads the agent's configuration: strictly, every problem
+// a FieldError naming file and the key path. Values the document does not
+// mention keep what out holds, so out carries the defaults. Other
+// programs' configuration files (pitrust serve's) use it.
+func Decode(data []byte, file string, out any) error { return decodeYAML(data, file, out) }
