@@ -119,6 +119,34 @@ func (c *CA) RedeemToken(secret string) (Grant, string, error) {
 	return t.Grant, t.ID, nil
 }
 
+// LookupToken returns the grant and ID of a bootstrap token that can still
+// be used, without using it: the server checks a request against the
+// token's grant first, so that a refused request does not burn the token.
+// Unknown, used and expired tokens are ErrTokenInvalid, as RedeemToken
+// answers them (RedeemToken decides: a token may be used in between).
+func (c *CA) LookupToken(secret string) (Grant, string, error) {
+	hash := sha256.Sum256([]byte(strings.TrimSpace(secret)))
+	now := c.cfg.Now().UTC()
+	var t token
+	err := c.db.bolt.View(func(tx *bolt.Tx) error {
+		v := tx.Bucket(bucketTokens).Get(hash[:])
+		if v == nil {
+			return ErrTokenInvalid
+		}
+		if err := json.Unmarshal(v, &t); err != nil {
+			return fmt.Errorf("token: %w", err)
+		}
+		if !t.UsedAt.IsZero() || !now.Before(t.Expires) {
+			return ErrTokenInvalid
+		}
+		return nil
+	})
+	if err != nil {
+		return Grant{}, "", err
+	}
+	return t.Grant, t.ID, nil
+}
+
 // purgeTokens forgets tokens that expired more than a day before now.
 func (d *DB) purgeTokens(now time.Time) error {
 	return d.bolt.Update(func(tx *bolt.Tx) error {

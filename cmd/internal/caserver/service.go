@@ -62,13 +62,6 @@ func callerOf(ctx context.Context) caller {
 	return c
 }
 
-// tokenPeeker is a CA that can look a bootstrap token up without using it,
-// so that a request asking more than its token grants is refused without
-// burning the token.
-type tokenPeeker interface {
-	LookupToken(secret string) (castore.Grant, string, error)
-}
-
 // service implements pitrustv1connect.CertificateServiceHandler over a CA.
 type service struct {
 	ca     *castore.CA
@@ -212,18 +205,16 @@ func (s *service) IssueCertificate(ctx context.Context, req *connect.Request[pit
 var errWider = errors.New("the request asks for more than the bootstrap token grants")
 
 // redeem checks want against the token's grant and uses the token: the
-// grant with want's narrowing. When the CA can look tokens up, a request
-// that asks more than its token grants is refused before the token is
-// used, so that the holder can try again with a correct request.
+// grant with want's narrowing. A request that asks more than its token
+// grants is refused before the token is used, so that the holder can try
+// again with a correct request.
 func (s *service) redeem(secret string, want castore.Grant) (castore.Grant, string, error) {
-	if p, ok := any(s.ca).(tokenPeeker); ok {
-		g, _, err := p.LookupToken(secret)
-		if err != nil {
-			return castore.Grant{}, "", err
-		}
-		if _, err := narrow(g, want, s.policy.DefaultDays); err != nil {
-			return castore.Grant{}, "", err
-		}
+	g, _, err := s.ca.LookupToken(secret)
+	if err != nil {
+		return castore.Grant{}, "", err
+	}
+	if _, err := narrow(g, want, s.policy.DefaultDays); err != nil {
+		return castore.Grant{}, "", err
 	}
 	g, id, err := s.ca.RedeemToken(secret)
 	if err != nil {
