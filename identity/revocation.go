@@ -55,6 +55,9 @@ const (
 	DefaultRevocationTimeout = 5 * time.Second
 )
 
+// errNoAnswer: a check gave up waiting for a fetch (which goes on).
+var errNoAnswer = errors.New("no answer within the timeout")
+
 // maxRevocationBody bounds a CRL or OCSP response read from the network.
 const maxRevocationBody = 16 << 20
 
@@ -255,6 +258,10 @@ func (r *RevocationChecker) status(cfg RevocationConfig, chain []*x509.Certifica
 		return RevocationSkipped, nil
 	}
 	leaf, issuer := chain[0], chain[1]
+	// One deadline for the whole check: a handshake waits at most the
+	// HTTP timeout, whatever it asks (a fetch it gives up on goes on and
+	// fills the cache).
+	deadline := time.Now().Add(cfg.Timeout)
 	if len(staple) > 0 {
 		if resp, err := r.parseOCSP(cfg, staple, leaf, issuer); err == nil {
 			return ocspResult(leaf, resp)
@@ -269,7 +276,7 @@ func (r *RevocationChecker) status(cfg RevocationConfig, chain []*x509.Certifica
 	var errs []error
 	if useCRL {
 		for _, u := range dps {
-			e, err := r.crl(cfg, issuer, u)
+			e, err := r.crl(cfg, issuer, u, deadline)
 			if err != nil {
 				errs = append(errs, err)
 				continue
@@ -282,7 +289,7 @@ func (r *RevocationChecker) status(cfg RevocationConfig, chain []*x509.Certifica
 	}
 	if useOCSP {
 		for _, u := range responders {
-			resp, err := r.ocsp(cfg, leaf, issuer, u)
+			resp, err := r.ocsp(cfg, leaf, issuer, u, deadline)
 			if err != nil {
 				errs = append(errs, err)
 				continue
@@ -367,7 +374,7 @@ func failRetry(cfg RevocationConfig) time.Duration {
 // crl returns a usable (verified, not past NextUpdate) CRL of issuer at u:
 // the cached one when fetched within Refresh, else a new fetch (the cached
 // one while still valid if that fails).
-func (r *RevocationChecker) crl(cfg RevocationConfig, issuer *x509.Certificate, u string) (*crlEntry, error) {
+func (r *RevocationChecker) crl(cfg RevocationConfig, issuer *x509.Certificate, u string, deadline time.Time) (*crlEntry, error) {
 	key := issuerKey(issuer) + "\x00" + u
 	now := cfg.Now()
 	r.mu.Lock()
@@ -391,7 +398,9 @@ func (r *RevocationChecker) crl(cfg RevocationConfig, issuer *x509.Certificate, 
 	if recentFail {
 		err = snap.failure
 	} else {
-		err = r.fetchCRL(key)
+		if err = r.fetchCRL(key, deadline); errors.Is(err, errNoAnswer) {
+			err = fmt.Errorf("CRL %s: %w", u, err)
+		}
 	}
 	r.mu.Lock()
 	snap = *e
@@ -418,8 +427,8 @@ func crlUsable(c *x509.RevocationList, now time.Time) bool {
 // fetchCRL fetches the CRL of entry key once however many ask at the same
 // time, verifies it and installs it; newly revoked serials go to the
 // callbacks.
-func (r *RevocationChecker) fetchCRL(key string) error {
-	ch := r.flight.DoChan("crl\x00"+key, func() (any, error) {
+func (r *RevocationChecker) fetchCRL(key string, deadline time.Time) error {
+	_, err, _ := r.doFlight("crl\x00"+key, deadline, func() (any, error) {
 		cfg, client, logger := r.config()
 		r.mu.Lock()
 		e := r.crls[key]
@@ -469,8 +478,7 @@ func (r *RevocationChecker) fetchCRL(key string) error {
 		}
 		return nil, nil
 	})
-	res := <-ch
-	return res.Err
+	return err
 }
 
 // getCRL downloads and verifies the CRL at u, signed by issuer.
@@ -522,7 +530,7 @@ func do(client *http.Client, req *http.Request) ([]byte, error) {
 
 // ocsp returns an OCSP answer for leaf from responder u: the cached one
 // until its NextUpdate or Refresh, whichever comes first.
-func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certificate, u string) (*ocsp.Response, error) {
+func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certificate, u string, deadline time.Time) (*ocsp.Response, error) {
 	key := issuerKey(issuer) + "\x00" + leaf.SerialNumber.String() + "\x00" + u
 	now := cfg.Now()
 	r.mu.Lock()
@@ -539,7 +547,7 @@ func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certif
 	if !failedAt.IsZero() && failedAt.After(fetchedAt) && now.Sub(failedAt) < failRetry(cfg) {
 		return nil, failure
 	}
-	v, err, _ := r.doFlight("ocsp\x00"+key, func() (any, error) {
+	v, err, _ := r.doFlight("ocsp\x00"+key, deadline, func() (any, error) {
 		resp, err := r.FetchOCSP(leaf, issuer, u)
 		r.mu.Lock()
 		defer r.mu.Unlock()
@@ -550,15 +558,27 @@ func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certif
 		e.resp, e.fetchedAt, e.failedAt, e.failure = resp, cfg.Now(), time.Time{}, nil
 		return resp, nil
 	})
+	if errors.Is(err, errNoAnswer) {
+		return nil, fmt.Errorf("OCSP %s: %w", u, err)
+	}
 	if err != nil {
 		return nil, err
 	}
 	return v.(*ocsp.Response), nil
 }
 
-func (r *RevocationChecker) doFlight(key string, fn func() (any, error)) (any, error, bool) {
-	res := <-r.flight.DoChan(key, fn)
-	return res.Val, res.Err, res.Shared
+// doFlight runs fn once for all callers of key at the same time, waiting
+// until deadline at most.
+func (r *RevocationChecker) doFlight(key string, deadline time.Time, fn func() (any, error)) (any, error, bool) {
+	ch := r.flight.DoChan(key, fn)
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case res := <-ch:
+		return res.Val, res.Err, res.Shared
+	case <-t.C:
+		return nil, errNoAnswer, false
+	}
 }
 
 // ocspUsable: within its validity.
@@ -662,7 +682,7 @@ func (r *RevocationChecker) Run(ctx context.Context) {
 		if cfg.Mode != RevocationOff {
 			var wg sync.WaitGroup
 			for _, k := range due {
-				wg.Go(func() { _ = r.fetchCRL(k) })
+				wg.Go(func() { _ = r.fetchCRL(k, time.Now().Add(2*cfg.Timeout)) })
 			}
 			wg.Wait()
 		}

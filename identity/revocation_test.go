@@ -7,9 +7,12 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -374,5 +377,44 @@ func TestRevocationClosesOpenConnection(t *testing.T) {
 	// VerifyChain (node proofs, renewals) refuses it too.
 	if err := src.VerifyChain(cliChain, x509.ExtKeyUsageClientAuth); !errors.Is(err, identity.ErrRevoked) {
 		t.Fatalf("VerifyChain: %v", err)
+	}
+}
+
+// TestRevocationTimeoutBoundsHandshakes: with the CRL and OCSP servers
+// accepting requests but never answering, a check waits at most the
+// timeout, and concurrent checks send one request per URL.
+func TestRevocationTimeoutBoundsHandshakes(t *testing.T) {
+	p := newRevPKI(t)
+	var requests atomic.Int64
+	stop := make(chan struct{})
+	hang := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		requests.Add(1)
+		_, _ = io.Copy(io.Discard, r.Body)
+		select {
+		case <-r.Context().Done():
+		case <-stop:
+		}
+	}))
+	defer hang.Close()
+	defer close(stop)
+	_, leaf := p.leaf(t, "leaf", revtest.LeafOptions{CRLURL: hang.URL + "/crl", OCSPURL: hang.URL + "/ocsp"})
+	const timeout = time.Second
+	c := checker(t, identity.RevocationConfig{OnUnavailable: identity.RevocationDeny, Timeout: timeout})
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 10 {
+		wg.Go(func() {
+			if err := c.Check(leaf); !errors.Is(err, identity.ErrRevocationUnavailable) {
+				t.Errorf("want unavailable, got %v", err)
+			}
+		})
+	}
+	wg.Wait()
+	// Without one deadline per check, CRL then OCSP would take 2×timeout.
+	if took := time.Since(start); took > timeout+600*time.Millisecond {
+		t.Fatalf("checks took %v with a %v timeout", took, timeout)
+	}
+	if n := requests.Load(); n > 2 {
+		t.Fatalf("%d requests for 10 concurrent checks; want at most one per URL", n)
 	}
 }
