@@ -140,6 +140,7 @@ type crlEntry struct {
 
 // ocspEntry is an OCSP answer for one certificate.
 type ocspEntry struct {
+	url          string
 	leaf, issuer *x509.Certificate
 	resp         *ocsp.Response
 	fetchedAt    time.Time
@@ -214,8 +215,9 @@ func (r *RevocationChecker) Mode() string {
 	return cfg.Mode
 }
 
-// OnRevoked registers fn, called (from Run) with the certificates a
-// refreshed CRL lists that its previous version did not.
+// OnRevoked registers fn, called with the certificates a refreshed CRL
+// lists that its previous version did not, or that a refreshed OCSP answer
+// reports revoked where the previous did not.
 func (r *RevocationChecker) OnRevoked(fn func([]RevokedCert)) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -536,7 +538,7 @@ func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certif
 	r.mu.Lock()
 	e := r.ocsps[key]
 	if e == nil {
-		e = &ocspEntry{leaf: leaf, issuer: issuer}
+		e = &ocspEntry{url: u, leaf: leaf, issuer: issuer}
 		r.ocsps[key] = e
 	}
 	resp, fetchedAt, failedAt, failure := e.resp, e.fetchedAt, e.failedAt, e.failure
@@ -547,17 +549,7 @@ func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certif
 	if !failedAt.IsZero() && failedAt.After(fetchedAt) && now.Sub(failedAt) < failRetry(cfg) {
 		return nil, failure
 	}
-	v, err, _ := r.doFlight("ocsp\x00"+key, deadline, func() (any, error) {
-		resp, err := r.FetchOCSP(leaf, issuer, u)
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		if err != nil {
-			e.failedAt, e.failure = cfg.Now(), err
-			return nil, err
-		}
-		e.resp, e.fetchedAt, e.failedAt, e.failure = resp, cfg.Now(), time.Time{}, nil
-		return resp, nil
-	})
+	v, err := r.fetchOCSPEntry(key, e, deadline)
 	if errors.Is(err, errNoAnswer) {
 		return nil, fmt.Errorf("OCSP %s: %w", u, err)
 	}
@@ -565,6 +557,36 @@ func (r *RevocationChecker) ocsp(cfg RevocationConfig, leaf, issuer *x509.Certif
 		return nil, err
 	}
 	return v.(*ocsp.Response), nil
+}
+
+// fetchOCSPEntry asks e's responder once however many ask at the same
+// time and caches the answer; a certificate it newly reports revoked goes
+// to the callbacks.
+func (r *RevocationChecker) fetchOCSPEntry(key string, e *ocspEntry, deadline time.Time) (any, error) {
+	v, err, _ := r.doFlight("ocsp\x00"+key, deadline, func() (any, error) {
+		resp, err := r.FetchOCSP(e.leaf, e.issuer, e.url)
+		cfg, _, logger := r.config()
+		r.mu.Lock()
+		if err != nil {
+			e.failedAt, e.failure = cfg.Now(), err
+			r.mu.Unlock()
+			return nil, err
+		}
+		newly := resp.Status == ocsp.Revoked && e.resp != nil && e.resp.Status != ocsp.Revoked
+		e.resp, e.fetchedAt, e.failedAt, e.failure = resp, cfg.Now(), time.Time{}, nil
+		cbs := append([]func([]RevokedCert){}, r.cbs...)
+		r.mu.Unlock()
+		if newly {
+			rc := RevokedCert{Issuer: e.leaf.RawIssuer, Serial: e.leaf.SerialNumber, RevokedAt: resp.RevokedAt, Reason: resp.RevocationReason}
+			logger.Warn("tls: the OCSP responder reports a newly revoked certificate", "serial", SerialHex(rc.Serial),
+				"revoked_at", rc.RevokedAt.UTC().Format(time.RFC3339), "reason", ReasonText(rc.Reason), "url", e.url)
+			for _, cb := range cbs {
+				cb([]RevokedCert{rc})
+			}
+		}
+		return resp, nil
+	})
+	return v, err
 }
 
 // doFlight runs fn once for all callers of key at the same time, waiting
@@ -647,9 +669,10 @@ func (r *RevocationChecker) parseOCSP(cfg RevocationConfig, der []byte, leaf, is
 	return resp, nil
 }
 
-// Run refreshes every cached CRL each Refresh (sooner at its NextUpdate),
-// which calls the OnRevoked callbacks with newly listed certificates, and
-// forgets OCSP answers for certificates that expired, until ctx ends.
+// Run refreshes every cached CRL and OCSP answer each Refresh (sooner at
+// its NextUpdate), which calls the OnRevoked callbacks with newly revoked
+// certificates, and forgets OCSP answers for certificates that expired,
+// until ctx ends.
 func (r *RevocationChecker) Run(ctx context.Context) {
 	for {
 		cfg, _, _ := r.config()
@@ -673,9 +696,31 @@ func (r *RevocationChecker) Run(ctx context.Context) {
 				wait = min(wait, next.Sub(now))
 			}
 		}
+		// Certificates an OCSP responder answered for are asked again,
+		// so that the connections of one revoked meanwhile are closed
+		// in "ocsp" mode too; forgotten once expired.
+		dueOCSP := map[string]*ocspEntry{}
 		for k, e := range r.ocsps {
 			if now.After(e.leaf.NotAfter) {
 				delete(r.ocsps, k)
+				continue
+			}
+			if e.resp == nil {
+				continue
+			}
+			next := e.fetchedAt.Add(cfg.Refresh)
+			if !e.resp.NextUpdate.IsZero() && e.resp.NextUpdate.Before(next) {
+				next = e.resp.NextUpdate
+			}
+			if e.failedAt.After(e.fetchedAt) {
+				if retry := e.failedAt.Add(failRetry(cfg)); retry.After(next) {
+					next = retry
+				}
+			}
+			if !now.Before(next) {
+				dueOCSP[k] = e
+			} else {
+				wait = min(wait, next.Sub(now))
 			}
 		}
 		r.mu.Unlock()
@@ -684,9 +729,12 @@ func (r *RevocationChecker) Run(ctx context.Context) {
 			for _, k := range due {
 				wg.Go(func() { _ = r.fetchCRL(k, time.Now().Add(2*cfg.Timeout)) })
 			}
+			for k, e := range dueOCSP {
+				wg.Go(func() { _, _ = r.fetchOCSPEntry(k, e, time.Now().Add(2*cfg.Timeout)) })
+			}
 			wg.Wait()
 		}
-		if len(due) > 0 {
+		if len(due) > 0 || len(dueOCSP) > 0 {
 			wait = min(wait, cfg.Refresh)
 		}
 		t := time.NewTimer(max(wait, 100*time.Millisecond))

@@ -316,15 +316,21 @@ func listen(t *testing.T, ln net.Listener, cfg *tls.Config) string {
 }
 
 // TestRevocationClosesOpenConnection: a client certificate revoked while
-// its connection is open has the connection closed at the next CRL
-// refresh, and new handshakes refused.
+// its connection is open has the connection closed at the next refresh
+// (of the CRL, or of the OCSP answer), and new handshakes refused.
 func TestRevocationClosesOpenConnection(t *testing.T) {
+	for _, mode := range []string{identity.RevocationCRL, identity.RevocationOCSP} {
+		t.Run(mode, func(t *testing.T) { testRevocationClosesOpenConnection(t, mode) })
+	}
+}
+
+func testRevocationClosesOpenConnection(t *testing.T, mode string) {
 	p := newRevPKI(t)
 	srvFiles, _ := p.leaf(t, "srv", revtest.LeafOptions{Server: true, NoCRL: true, NoOCSP: true})
-	cliFiles, cliChain := p.leaf(t, "operator", revtest.LeafOptions{NoOCSP: true})
+	cliFiles, cliChain := p.leaf(t, "operator", revtest.LeafOptions{NoOCSP: mode == identity.RevocationCRL, NoCRL: mode == identity.RevocationOCSP})
 	const refresh = 300 * time.Millisecond
 	closed := make(chan struct{}, 10)
-	rc := checker(t, identity.RevocationConfig{Mode: identity.RevocationCRL, Refresh: refresh, OnConnectionClosed: func() { closed <- struct{}{} }})
+	rc := checker(t, identity.RevocationConfig{Mode: mode, Refresh: refresh, OnConnectionClosed: func() { closed <- struct{}{} }})
 	src, err := identity.NewSource(identity.SourceConfig{CertFile: srvFiles.Cert, KeyFile: srvFiles.Key, CAFile: p.chainFile()})
 	if err != nil {
 		t.Fatal(err)
