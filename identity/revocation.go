@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/crypto/ocsp"
 	"golang.org/x/sync/singleflight"
+	"golang.org/x/time/rate"
 )
 
 // ErrRevoked is wrapped by the error of a certificate its CA revoked.
@@ -122,6 +123,9 @@ type RevocationChecker struct {
 	cbs    []func([]RevokedCert)
 	// kick wakes Run when a CRL is cached for the first time.
 	kick chan struct{}
+	// allowLogs rate-limits the lines about statuses allowed unknown
+	// (one per handshake otherwise); the failed fetches are logged too.
+	allowLogs *rate.Limiter
 
 	flight singleflight.Group
 }
@@ -151,7 +155,8 @@ type ocspEntry struct {
 // NewRevocationChecker returns a checker for cfg (see RevocationConfig for
 // the defaults); the mode and policy must be known values.
 func NewRevocationChecker(cfg RevocationConfig) (*RevocationChecker, error) {
-	r := &RevocationChecker{crls: map[string]*crlEntry{}, ocsps: map[string]*ocspEntry{}, kick: make(chan struct{}, 1)}
+	r := &RevocationChecker{crls: map[string]*crlEntry{}, ocsps: map[string]*ocspEntry{}, kick: make(chan struct{}, 1),
+		allowLogs: rate.NewLimiter(rate.Every(10*time.Second), 1)}
 	if err := r.SetConfig(cfg); err != nil {
 		return nil, err
 	}
@@ -246,6 +251,9 @@ func (r *RevocationChecker) CheckStapled(chain []*x509.Certificate, staple []byt
 	case RevocationUnavailable:
 		if cfg.OnUnavailable == RevocationDeny {
 			return fmt.Errorf("%w for certificate %s (serial %s): %w", ErrRevocationUnavailable, chain[0].Subject, SerialHex(chain[0].SerialNumber), err)
+		}
+		if !r.allowLogs.Allow() {
+			return nil
 		}
 		logger.Warn("tls: revocation status unavailable; allowed (tls.revocation.on_unavailable: allow)",
 			"serial", SerialHex(chain[0].SerialNumber), "subject", chain[0].Subject.String(), "error", err)

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -137,6 +138,24 @@ func TestRevokedCertificates(t *testing.T) {
 		}
 		return nil
 	})
+	// The mode changes live: off, the revoked operator is answered again.
+	cfg := *n.Cfg
+	cfg.TLS.Revocation.Mode = "off"
+	applied, restart, err := n.ReloadConfig(&cfg)
+	if err != nil || !slices.Contains(applied, "tls.revocation.mode") || len(restart) > 0 {
+		t.Fatalf("reload with tls.revocation.mode off: applied %v, restart %v, %v", applied, restart, err)
+	}
+	if c3, err := tls.Dial("tcp", n.APIAddr(), opTLS); err != nil {
+		t.Errorf("revocation off: the operator's handshake: %v", err)
+	} else {
+		rd3 := bufio.NewReader(c3)
+		_ = c3.SetDeadline(time.Now().Add(10 * time.Second))
+		_, _ = io.WriteString(c3, "GET / HTTP/1.1\r\nHost: agent\r\n\r\n")
+		if _, err := http.ReadResponse(rd3, nil); err != nil {
+			t.Errorf("revocation off: the operator was not answered: %v", err)
+		}
+		c3.Close()
+	}
 	body := httpGet(t, "http://"+n.MetricsAddr()+"/metrics")
 	for _, want := range []string{`pivirt_tls_revocation_checks_total{result="revoked"}`, `pivirt_tls_crl_fetches_total{result="ok"}`, "pivirt_tls_revoked_connections_closed_total"} {
 		line := grepLines(body, want)
