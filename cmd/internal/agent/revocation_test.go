@@ -164,3 +164,35 @@ func TestRevokedCertificates(t *testing.T) {
 		}
 	}
 }
+
+// TestRevokedAgentNotAdmitted: a server whose agent certificate is revoked
+// joins gossip but is never admitted into Raft: its node proof is refused.
+func TestRevokedAgentNotAdmitted(t *testing.T) {
+	dir := testPKI(t, 2)
+	crl := revtest.New(t, dir)
+	_, agentCert := crl.Leaf(t, dir, "pivirt-agent-node2", revtest.LeafOptions{NoOCSP: true})
+	revocation := config.RevocationConfig{Mode: "crl", OnUnavailable: "allow", Refresh: config.Duration(time.Second)}
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withTLS(dir)(i, cfg)
+		cfg.TLS.Revocation = revocation
+	})
+	leader := c.WaitLeader(60 * time.Second)
+	crl.Revoke(agentCert.SerialNumber)
+
+	cfg := agenttest.Config("node2", filepath.Join(t.TempDir(), "node2"))
+	withTLS(dir)(1, cfg)
+	cfg.TLS.Revocation = revocation
+	cfg.Cluster.Join = []string{leader.GossipAddr()}
+	c.Start(1, cfg)
+	agenttest.Eventually(t, 60*time.Second, "the revoked server's proof refused", func() error {
+		for _, l := range strings.Split(c.Logs().Since(0), "\n") {
+			if strings.Contains(l, "did not prove the agent identity") && strings.Contains(l, "certificate revoked: serial "+identity.SerialHex(agentCert.SerialNumber)) {
+				return nil
+			}
+		}
+		return errors.New("no log line refuses node2's proof for its revoked certificate")
+	})
+	if servers := serverSet(t, leader); len(servers) != 1 {
+		t.Fatalf("the raft configuration holds %d servers; want the leader alone", len(servers))
+	}
+}
