@@ -99,15 +99,19 @@ func (s *Source) trackConn(c *revocableConn, leaf *x509.Certificate) {
 
 // closeRevoked closes the tracked connections whose peer is revoked.
 func (s *Source) closeRevoked(revoked []RevokedCert) {
+	type victim struct {
+		c    *revocableConn
+		peer *x509.Certificate
+	}
 	s.connsMu.Lock()
-	var victims []*revocableConn
+	var victims []victim
 	for c := range s.conns {
 		c.mu.Lock()
 		peer := c.peer
 		c.mu.Unlock()
 		for _, r := range revoked {
 			if r.Matches(peer) {
-				victims = append(victims, c)
+				victims = append(victims, victim{c, peer})
 				break
 			}
 		}
@@ -118,10 +122,10 @@ func (s *Source) closeRevoked(revoked []RevokedCert) {
 		cfg, _, _ := rc.config()
 		onClosed = cfg.OnConnectionClosed
 	}
-	for _, c := range victims {
-		s.logger.Warn("tls: closing a connection of a revoked certificate", "serial", SerialHex(c.peer.SerialNumber),
-			"subject", c.peer.Subject.String(), "remote", c.RemoteAddr().String())
-		_ = c.Close()
+	for _, v := range victims {
+		s.logger.Warn("tls: closing a connection of a revoked certificate", "serial", SerialHex(v.peer.SerialNumber),
+			"subject", v.peer.Subject.String(), "remote", v.c.RemoteAddr().String())
+		_ = v.c.Close()
 		if onClosed != nil {
 			onClosed()
 		}
