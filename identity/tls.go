@@ -10,7 +10,10 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/crypto/ocsp"
 )
 
 // ExpiryWarning is how long before expiry a certificate is reported.
@@ -72,6 +75,19 @@ type Source struct {
 	// reloadMu serialises loads, so that an older load never replaces a
 	// newer one.
 	reloadMu sync.Mutex
+
+	// rev checks peers for revocation (SetRevocation); nil: not checked.
+	rev atomic.Pointer[RevocationChecker]
+	// conns are the accepted connections of TrackConnections listeners
+	// whose peer passed the handshake (closed when it is revoked).
+	connsMu sync.Mutex
+	conns   map[*revocableConn]struct{}
+	// staple is the OCSP response stapled to the served certificate
+	// (RunStapling).
+	staple atomic.Pointer[stapled]
+	// stapleResp is the parsed response of staple.
+	stapleMu   sync.Mutex
+	stapleResp *ocsp.Response
 }
 
 // NewSource loads the files of cfg.
@@ -266,15 +282,23 @@ type PeerCheck func(leaf *x509.Certificate) error
 // client certificate.
 func (s *Source) ServerConfig(clientAuth tls.ClientAuthType, check PeerCheck) *tls.Config {
 	base := &tls.Config{MinVersion: tls.VersionTLS12, CipherSuites: cipherSuites}
-	base.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+	base.GetConfigForClient = func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
 		m := s.material()
 		if m.cert == nil {
 			return nil, errors.New("tls: no server certificate configured")
 		}
+		cert := *m.cert
+		if st := s.staple.Load(); st != nil && bytes.Equal(st.leaf, m.leaf.Raw) {
+			cert.OCSPStaple = st.der
+		}
+		remote := ""
+		if hello.Conn != nil {
+			remote = hello.Conn.RemoteAddr().String()
+		}
 		c := &tls.Config{
 			MinVersion:   tls.VersionTLS12,
 			CipherSuites: cipherSuites,
-			Certificates: []tls.Certificate{*m.cert},
+			Certificates: []tls.Certificate{cert},
 			ClientAuth:   clientAuth,
 			ClientCAs:    m.roots,
 			NextProtos:   []string{"h2", "http/1.1"},
@@ -287,8 +311,13 @@ func (s *Source) ServerConfig(clientAuth tls.ClientAuthType, check PeerCheck) *t
 			// resumed sessions, so a session ticket never outlives a CA
 			// change or a peer check.
 			verify := s.verifyPeer(x509.ExtKeyUsageClientAuth, "", check, clientAuth == tls.RequireAndVerifyClientCert)
+			tracked := findRevocable(hello.Conn)
 			c.VerifyConnection = func(cs tls.ConnectionState) error {
-				return verify(rawCerts(cs.PeerCertificates), nil)
+				chain, err := verify(cs.PeerCertificates, nil, remote)
+				if err == nil && tracked != nil && len(chain) > 0 {
+					s.trackConn(tracked, chain[0])
+				}
+				return err
 			}
 		}
 		return c, nil
@@ -331,81 +360,96 @@ func (s *Source) ClientConfig(serverName string) *tls.Config {
 			if name == "" {
 				return errors.New("tls: no server name or address to verify the server's certificate against")
 			}
-			return s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(rawCerts(cs.PeerCertificates), nil)
+			_, err := s.verifyPeer(x509.ExtKeyUsageServerAuth, name, nil, true)(cs.PeerCertificates, cs.OCSPResponse, name)
+			return err
 		},
 	}
 }
 
-// rawCerts returns the DER of certs.
-func rawCerts(certs []*x509.Certificate) [][]byte {
-	raw := make([][]byte, len(certs))
-	for i, c := range certs {
-		raw[i] = c.Raw
-	}
-	return raw
-}
-
-// verifyPeer returns a VerifyPeerCertificate function: the peer's chain
-// must verify against the current CAs for usage (and name), then check.
-func (s *Source) verifyPeer(usage x509.ExtKeyUsage, name string, check PeerCheck, required bool) func([][]byte, [][]*x509.Certificate) error {
-	return func(raw [][]byte, _ [][]*x509.Certificate) error {
-		if len(raw) == 0 {
+// verifyPeer returns the peer check of a handshake: the peer's chain
+// (certs, leaf first) must verify against the current CAs for usage (and
+// name), must not be revoked (a valid stapled OCSP response answers for
+// it), then check. It returns the verified chain.
+func (s *Source) verifyPeer(usage x509.ExtKeyUsage, name string, check PeerCheck, required bool) func(certs []*x509.Certificate, staple []byte, remote string) ([]*x509.Certificate, error) {
+	return func(certs []*x509.Certificate, staple []byte, remote string) ([]*x509.Certificate, error) {
+		if len(certs) == 0 {
 			if required {
-				return errors.New("tls: the peer presented no certificate")
+				return nil, errors.New("tls: the peer presented no certificate")
 			}
-			return nil
-		}
-		certs := make([]*x509.Certificate, len(raw))
-		for i, b := range raw {
-			c, err := x509.ParseCertificate(b)
-			if err != nil {
-				return fmt.Errorf("tls: peer certificate %d: %w", i, err)
-			}
-			certs[i] = c
+			return nil, nil
 		}
 		role := "server"
 		if usage == x509.ExtKeyUsageClientAuth {
 			role = "client"
 		}
-		if err := s.verifyChain(certs, usage, name); err != nil {
+		chain, err := s.verifyChain(certs, usage, name)
+		if err != nil {
 			err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), err)
 			s.logger.Warn("tls peer refused", "error", err)
-			return err
+			return nil, err
+		}
+		if err := s.checkRevocation(chain, staple, remote); err != nil {
+			return nil, fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), err)
 		}
 		if check != nil {
 			if err := check(certs[0]); err != nil {
 				err = fmt.Errorf("tls: %s certificate %q refused: %w", role, certs[0].Subject.String(), err)
 				s.logger.Warn("tls peer refused", "error", err)
-				return err
+				return nil, err
 			}
 		}
-		return nil
+		return chain, nil
 	}
 }
 
+// checkRevocation runs the revocation checker, if any, on a verified
+// chain, logging a refusal.
+func (s *Source) checkRevocation(chain []*x509.Certificate, staple []byte, remote string) error {
+	rc := s.rev.Load()
+	if rc == nil {
+		return nil
+	}
+	err := rc.CheckStapled(chain, staple)
+	switch {
+	case errors.Is(err, ErrRevoked):
+		s.logger.Warn("tls: refused revoked certificate", "serial", SerialHex(chain[0].SerialNumber),
+			"subject", chain[0].Subject.String(), "remote", remote, "error", err)
+	case err != nil:
+		s.logger.Warn("tls: refused a certificate whose revocation status is unavailable (tls.revocation.on_unavailable: deny)",
+			"serial", SerialHex(chain[0].SerialNumber), "subject", chain[0].Subject.String(), "remote", remote, "error", err)
+	}
+	return err
+}
+
 // verifyChain verifies chain (leaf first) against the current CAs for
-// usage (and name, when not empty), explaining a failure.
-func (s *Source) verifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage, name string) error {
+// usage (and name, when not empty), explaining a failure. It returns the
+// verified chain (leaf, issuer, …, root).
+func (s *Source) verifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage, name string) ([]*x509.Certificate, error) {
 	m := s.material()
 	inter := m.inter.Clone()
 	for _, c := range chain[1:] {
 		inter.AddCert(c)
 	}
 	now := time.Now()
-	_, err := chain[0].Verify(x509.VerifyOptions{Roots: m.roots, Intermediates: inter, DNSName: name, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{usage}})
+	chains, err := chain[0].Verify(x509.VerifyOptions{Roots: m.roots, Intermediates: inter, DNSName: name, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{usage}})
 	if err != nil {
-		return explainVerifyError(chain[0], err, now)
+		return nil, explainVerifyError(chain[0], err, now)
 	}
-	return nil
+	return chains[0], nil
 }
 
 // VerifyChain is a ChainVerifier: chain (leaf first) must verify against
-// the Source's current CAs for usage (x509.ExtKeyUsageAny for a CA).
+// the Source's current CAs for usage (x509.ExtKeyUsageAny for a CA), and
+// the leaf must not be revoked (SetRevocation).
 func (s *Source) VerifyChain(chain []*x509.Certificate, usage x509.ExtKeyUsage) error {
 	if len(chain) == 0 {
 		return errors.New("no certificate")
 	}
-	return s.verifyChain(chain, usage, "")
+	verified, err := s.verifyChain(chain, usage, "")
+	if err != nil {
+		return err
+	}
+	return s.checkRevocation(verified, nil, "")
 }
 
 // Replace writes a new certificate and key to the Source's files and

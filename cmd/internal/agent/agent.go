@@ -157,6 +157,9 @@ type Agent struct {
 	terms *leader.Loop
 	// tls is the TLS material; nil with tls.enabled false.
 	tls *agentTLS
+	// revocation checks the peers of every TLS source (tls.revocation).
+	revocation        *identity.RevocationChecker
+	revocationMetrics *revocationMetrics
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
@@ -373,14 +376,22 @@ func (a *Agent) startTLS() error {
 	if err := a.devIssuer(); err != nil {
 		return err
 	}
+	if err := a.startRevocation(); err != nil {
+		return err
+	}
 	if a.cfg.TLS.Enabled {
 		var err error
 		if a.tls, err = a.loadTLS(); err != nil {
 			return err
 		}
 		for _, s := range a.tls.sources() {
+			s.SetRevocation(a.revocation)
 			a.wg.Go(func() { s.Watch(a.ctx, tlsWatchInterval) })
 		}
+		// The server certificate's OCSP status is stapled to the
+		// handshakes of both ports.
+		a.wg.Go(func() { a.tls.api.RunStapling(a.ctx) })
+		a.wg.Go(func() { a.tls.internal.RunStapling(a.ctx) })
 		a.wg.Go(func() { a.watchExpiry(a.ctx) })
 		a.metrics.MustRegister(newExpiryCollector(a.tls))
 		if err := a.loadNetworkPolicy(); err != nil {
@@ -388,13 +399,15 @@ func (a *Agent) startTLS() error {
 		}
 		// A plaintext client (curl http://, grpcurl -plaintext) is told to
 		// use TLS instead of seeing its connection dropped.
-		a.lnAPI = tls.NewListener(gateway.RefusePlaintext(a.lnAPI, a.logger), a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
+		// Connections are tracked by their peer's certificate, closed when
+		// a CRL revokes it (revocation.go).
+		a.lnAPI = tls.NewListener(a.tls.api.TrackConnections(gateway.RefusePlaintext(a.lnAPI, a.logger)), a.tls.api.ServerConfig(a.tls.apiClientAuth, nil))
 		// Agents' connections are tracked: a network policy that no longer
 		// allows one closes it (netpolicy.go).
-		a.lnInternal = tls.NewListener(a.track(a.lnInternal, "internal port"), recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port"))))
+		a.lnInternal = tls.NewListener(a.track(a.tls.internal.TrackConnections(a.lnInternal), "internal port"), recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port"))))
 		if a.lnRaft != nil {
 			raftPeers := recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port")))
-			a.raftLayer = cluster.NewTLSStreamLayer(a.track(a.lnRaft, "raft port"), advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+			a.raftLayer = cluster.NewTLSStreamLayer(a.track(a.tls.internal.TrackConnections(a.lnRaft), "raft port"), advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
 		}
 		a.netPolicyChanged = make(chan struct{}, 1)
 		a.wg.Go(a.watchNetworkPolicy)

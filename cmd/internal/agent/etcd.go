@@ -47,6 +47,7 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("service_discovery.etcd: %w", err)
 		}
+		src.SetRevocation(a.revocation)
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
 		tlsFor = src.ClientConfig
 	case ec.CertFile != "":

@@ -254,6 +254,7 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 			if a.backendSourceByFiles == nil {
 				a.backendSourceByFiles = map[[3]string]*identity.Source{}
 			}
+			src.SetRevocation(a.revocation)
 			a.backendSourceByFiles[files] = src
 			a.backendSources = append(a.backendSources, src)
 			a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })

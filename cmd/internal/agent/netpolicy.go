@@ -132,6 +132,10 @@ type trackedConn struct {
 	once sync.Once
 }
 
+// NetConn returns the wrapped connection (identity.Source finds its own
+// tracking under this one).
+func (c *trackedConn) NetConn() net.Conn { return c.Conn }
+
 func (c *trackedConn) Close() error {
 	c.once.Do(func() {
 		c.t.mu.Lock()

@@ -15,7 +15,7 @@ import (
 // pins): the keys that can change live are applied — logging.level,
 // routing.rules, backends, load_balancing and circuit_breaking (new
 // backend clusters replace the old, which finish their calls in flight),
-// rate_limiting and auth.certificate_roles — and every other changed key is
+// rate_limiting, auth.certificate_roles and tls.revocation — and every other changed key is
 // returned as needing a restart. Nothing is applied when something live
 // cannot be (a route to a backend that does not run, a cluster setting
 // that does not apply to the new file): the error names the key.
@@ -65,6 +65,7 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 		rebuild  bool
 		// certRoles: auth.certificate_roles changed.
 		certRoles  bool
+		revocation bool
 		components map[string]slog.Level
 	)
 	changed := config.Diff(cur, next)
@@ -110,6 +111,9 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 		case config.Under(k, "auth.certificate_roles") && a.authn != nil:
 			certRoles = true
 			merged.Auth.CertificateRoles = next.Auth.CertificateRoles
+		case config.Under(k, "tls.revocation") && a.revocation != nil:
+			revocation = true
+			merged.TLS.Revocation = next.TLS.Revocation
 		case config.Under(k, "rate_limiting") && a.guard != nil:
 			if limits == nil {
 				l := rateLimits(next.RateLimiting)
@@ -137,6 +141,12 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 	}
 	if certRoles {
 		a.authn.SetCertRoles(next.Auth.CertificateRoles)
+	}
+	if revocation {
+		// Validated with the file: the mode and policy are known values.
+		if err := a.revocation.SetConfig(a.revocationConfig(next.TLS.Revocation)); err != nil {
+			a.logger.Error("tls.revocation not applied", "error", err)
+		}
 	}
 	switch {
 	case rebuild:

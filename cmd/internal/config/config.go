@@ -228,6 +228,8 @@ type TLSConfig struct {
 	// CAServer is the PiTrust CA server (pitrust serve) the agent renews
 	// its certificates through.
 	CAServer CAServerConfig `yaml:"ca_server"`
+	// Revocation is how peers' certificates are checked for revocation.
+	Revocation RevocationConfig `yaml:"revocation"`
 }
 
 // CAServerConfig is tls.ca_server: the agent renews its server and client
@@ -244,6 +246,26 @@ type CAServerConfig struct {
 
 // DefaultRenewBefore is tls.ca_server.renew_before: 30 days.
 const DefaultRenewBefore = 30 * 24 * time.Hour
+
+// RevocationConfig is tls.revocation: every TLS listener and client of the
+// agent refuses certificates their CA revoked, as its CRL (the
+// certificate's CRL distribution point) or OCSP responder (its AIA) says.
+type RevocationConfig struct {
+	// Mode is what is asked: "crl", "ocsp", "both" (the CRL when it can
+	// be had, else OCSP) or "off"; empty means "both".
+	Mode string `yaml:"mode" enum:",crl,ocsp,both,off"`
+	// OnUnavailable is what a certificate whose status cannot be learnt
+	// (no answer, a stale CRL) gets: "allow" (logged) or "deny"; empty
+	// means "allow".
+	OnUnavailable string `yaml:"on_unavailable" enum:",allow,deny"`
+	// Refresh is how often cached CRLs are fetched again (sooner at their
+	// next update); connections of newly revoked certificates are closed
+	// then. Zero means 30s.
+	Refresh Duration `yaml:"refresh"`
+}
+
+// Revocation defaults.
+const DefaultRevocationRefresh = 30 * time.Second
 
 // ClusterCAConfig is tls.cluster_ca: an intermediate CA kept in the
 // replicated state signs renewals of the agents' own certificates. Off by
@@ -646,6 +668,7 @@ func Default() *Config {
 				CSRBurst:        DefaultCSRBurst,
 			},
 			CAServer: CAServerConfig{RenewBefore: Duration(DefaultRenewBefore)},
+			Revocation: RevocationConfig{Mode: "both", OnUnavailable: "allow", Refresh: Duration(DefaultRevocationRefresh)},
 		},
 		ServiceDiscovery: ServiceDiscoveryConfig{
 			Type: DiscoveryRaft,

@@ -180,6 +180,7 @@ func (c *Config) validateTLS(v *validator) {
 	v.pair("tls", t.CertFile, t.KeyFile)
 	c.validateClusterCA(v)
 	c.validateCAServer(v)
+	c.validateRevocation(v)
 	if !t.Enabled {
 		return
 	}
@@ -784,4 +785,12 @@ func isWildcard(h string) bool {
 	}
 	ip, err := netip.ParseAddr(h)
 	return err == nil && ip.IsUnspecified()
+}
+
+func (c *Config) validateRevocation(v *validator) {
+	// The mode and policy are enumerations (checked with the others); an
+	// empty value or a zero refresh is the default.
+	if r := c.TLS.Revocation.Refresh; r != 0 && r.Std() < time.Second {
+		v.add("tls.revocation.refresh", "%w %s: at least 1s", ErrInvalid, r)
+	}
 }

@@ -55,6 +55,12 @@ func TestValidate(t *testing.T) {
 		{"gossip bind on a host name", func(c *Config) { c.Cluster.Gossip.BindAddr = "localhost:7946" }, []string{`cluster.gossip.bind_addr: invalid value "localhost:7946": the host must be an IP address`}},
 
 		// TLS.
+		{"revocation off", func(c *Config) { c.TLS.Revocation.Mode = "off" }, nil},
+		{"revocation bad values", func(c *Config) {
+			c.TLS.Revocation = RevocationConfig{Mode: "crls", OnUnavailable: "maybe", Refresh: Duration(500 * time.Millisecond)}
+		}, []string{`tls.revocation.mode: invalid value "crls" (allowed: "", crl, ocsp, both, off)`,
+			`tls.revocation.on_unavailable: invalid value "maybe" (allowed: "", allow, deny)`,
+			"tls.revocation.refresh: invalid value 500ms: at least 1s"}},
 		{"tls on without cert", func(c *Config) { c.TLS.CertFile, c.TLS.KeyFile = "", "" }, []string{"tls.cert_file: invalid value: required when tls.enabled is true", "tls.key_file: invalid value: required when tls.enabled is true"}},
 		{"tls on without server cert", func(c *Config) { c.Server.ConnectRPC.TLS.CertFile = "" }, []string{
 			"server.connectrpc.tls.cert_file: invalid value: required when server.connectrpc.tls.key_file is set",
