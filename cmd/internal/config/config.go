@@ -667,7 +667,7 @@ func Default() *Config {
 				CSRMaxPerSecond: DefaultCSRMaxPerSecond,
 				CSRBurst:        DefaultCSRBurst,
 			},
-			CAServer: CAServerConfig{RenewBefore: Duration(DefaultRenewBefore)},
+			CAServer:   CAServerConfig{RenewBefore: Duration(DefaultRenewBefore)},
 			Revocation: RevocationConfig{Mode: "both", OnUnavailable: "allow", Refresh: Duration(DefaultRevocationRefresh)},
 		},
 		ServiceDiscovery: ServiceDiscoveryConfig{
