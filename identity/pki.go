@@ -609,7 +609,7 @@ type CertInfo struct {
 // Describe explains c at now.
 func Describe(c *x509.Certificate, now time.Time) CertInfo {
 	info := CertInfo{
-		Subject: c.Subject.String(), Issuer: c.Issuer.String(), Serial: c.SerialNumber.Text(16),
+		Subject: c.Subject.String(), Issuer: c.Issuer.String(), Serial: SerialHex(c.SerialNumber),
 		NotBefore: c.NotBefore.UTC(), NotAfter: c.NotAfter.UTC(), IsCA: c.IsCA,
 		DNSNames: c.DNSNames, KeyUsage: keyUsages(c.KeyUsage), ExtKeyUsage: extKeyUsages(c.ExtKeyUsage),
 		PublicKey:     publicKeyName(c.PublicKey),

@@ -150,7 +150,7 @@ func serial(t *testing.T, file string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return strings.ToUpper(certs[0].SerialNumber.Text(16))
+	return identity.SerialHex(certs[0].SerialNumber)
 }
 
 // openssl runs openssl with args and returns its combined output.
