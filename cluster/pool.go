@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"net"
 	"sync"
@@ -68,6 +69,50 @@ func (p *Pool) WithDialOptions(opts ...grpc.DialOption) *Pool {
 	defer p.mu.Unlock()
 	p.extra = append(p.extra, opts...)
 	return p
+}
+
+// WithTracker hands every connection the pool dials from now on, with the
+// peer's certificate, to track (identity.Source.TrackDialed: closed once
+// that certificate is revoked); it returns the pool.
+func (p *Pool) WithTracker(track Tracker) *Pool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.creds = TrackedCredentials(p.creds, track)
+	return p
+}
+
+// Tracker remembers a connection this side dialled, whose server
+// authenticated with the certificate leaf, and returns the connection to
+// use in its place (identity.Source.TrackDialed).
+type Tracker func(c net.Conn, leaf *x509.Certificate) net.Conn
+
+// TrackedCredentials wraps TLS client credentials so that every
+// connection they complete is given to track; nil track: creds as they are.
+func TrackedCredentials(creds credentials.TransportCredentials, track Tracker) credentials.TransportCredentials {
+	if track == nil {
+		return creds
+	}
+	return trackedCredentials{TransportCredentials: creds, track: track}
+}
+
+type trackedCredentials struct {
+	credentials.TransportCredentials
+	track Tracker
+}
+
+func (c trackedCredentials) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ClientHandshake(ctx, authority, raw)
+	if err != nil {
+		return conn, info, err
+	}
+	if ti, ok := info.(credentials.TLSInfo); ok && len(ti.State.PeerCertificates) > 0 {
+		conn = c.track(conn, ti.State.PeerCertificates[0])
+	}
+	return conn, info, nil
+}
+
+func (c trackedCredentials) Clone() credentials.TransportCredentials {
+	return trackedCredentials{TransportCredentials: c.TransportCredentials.Clone(), track: c.track}
 }
 
 // hostCredentials are TLS client credentials whose configuration names the

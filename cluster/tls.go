@@ -22,6 +22,7 @@ type TLSStreamLayer struct {
 	advertise net.Addr
 	server    *tls.Config
 	client    func(host string) *tls.Config
+	track     Tracker
 }
 
 var _ raft.StreamLayer = (*TLSStreamLayer)(nil)
@@ -41,7 +42,22 @@ func (t *TLSStreamLayer) Dial(address raft.ServerAddress, timeout time.Duration)
 		return nil, fmt.Errorf("raft address %q: %w", address, err)
 	}
 	d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout}, Config: t.client(host)}
-	return d.Dial("tcp", string(address))
+	c, err := d.Dial("tcp", string(address))
+	if err != nil || t.track == nil {
+		return c, err
+	}
+	if peers := c.(*tls.Conn).ConnectionState().PeerCertificates; len(peers) > 0 {
+		return t.track(c, peers[0]), nil
+	}
+	return c, nil
+}
+
+// WithTracker hands every connection the layer dials, with the peer's
+// certificate, to track (identity.Source.TrackDialed: closed once that
+// certificate is revoked); it returns the layer. Call it before use.
+func (t *TLSStreamLayer) WithTracker(track Tracker) *TLSStreamLayer {
+	t.track = track
+	return t
 }
 
 // handshakeTimeout bounds the TLS handshake of an accepted connection.

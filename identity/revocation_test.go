@@ -386,6 +386,54 @@ func testRevocationClosesOpenConnection(t *testing.T, mode string) {
 	}
 }
 
+// TestRevocationClosesDialedConnection: a connection this side dialled and
+// gave to TrackDialed is closed once the server's certificate is revoked.
+func TestRevocationClosesDialedConnection(t *testing.T) {
+	p := newRevPKI(t)
+	srvFiles, srvChain := p.leaf(t, "srv", revtest.LeafOptions{Server: true, NoOCSP: true})
+	cliFiles, _ := p.leaf(t, "operator", revtest.LeafOptions{NoCRL: true, NoOCSP: true})
+	const refresh = 300 * time.Millisecond
+	rc := checker(t, identity.RevocationConfig{Mode: identity.RevocationCRL, Refresh: refresh})
+	srv, err := identity.NewSource(identity.SourceConfig{CertFile: srvFiles.Cert, KeyFile: srvFiles.Key, CAFile: p.chainFile()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := listen(t, mustListen(t), srv.ServerConfig(tls.RequireAndVerifyClientCert, nil))
+	cli, err := identity.NewSource(identity.SourceConfig{CertFile: cliFiles.Cert, KeyFile: cliFiles.Key, CAFile: p.chainFile()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli.SetRevocation(rc)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Go(func() { rc.Run(ctx) })
+
+	raw, err := tls.Dial("tcp", addr, cli.ClientConfig("127.0.0.1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := cli.TrackDialed(raw, raw.ConnectionState().PeerCertificates[0])
+	defer conn.Close()
+	buf := make([]byte, 3)
+	if _, err := io.ReadFull(conn, buf); err != nil {
+		t.Fatalf("the dialled connection: %v", err)
+	}
+	p.srv.Revoke(srvChain[0].SerialNumber)
+	revokedAt := time.Now()
+	_ = conn.SetReadDeadline(time.Now().Add(2*refresh + 5*time.Second))
+	if _, err := conn.Read(buf); err == nil {
+		t.Fatal("the connection to the server of the revoked certificate is still open")
+	}
+	if took := time.Since(revokedAt); took > 2*refresh+time.Second {
+		t.Fatalf("closed %v after the revocation; want within 2×refresh (%v)", took, 2*refresh)
+	}
+	if _, err := tls.Dial("tcp", addr, cli.ClientConfig("127.0.0.1")); err == nil {
+		t.Fatal("a new handshake with the revoked server certificate passed")
+	}
+}
+
 // TestRevocationTimeoutBoundsHandshakes: with the CRL and OCSP servers
 // accepting requests but never answering, a check waits at most the
 // timeout, and concurrent checks send one request per URL.

@@ -48,7 +48,21 @@ func (l *revocableListener) Accept() (net.Conn, error) {
 	return &revocableConn{Conn: c, s: l.s}, nil
 }
 
-// revocableConn is an accepted connection of a TrackConnections listener.
+// TrackDialed remembers a connection this side dialled, whose server
+// authenticated with leaf, and closes it when a refreshed CRL lists leaf,
+// as TrackConnections does for accepted connections. Use the connection it
+// returns in c's place: its Close forgets it.
+func (s *Source) TrackDialed(c net.Conn, leaf *x509.Certificate) net.Conn {
+	if leaf == nil {
+		return c
+	}
+	rc := &revocableConn{Conn: c, s: s}
+	s.trackConn(rc, leaf)
+	return rc
+}
+
+// revocableConn is a connection of a TrackConnections listener, or one
+// given to TrackDialed.
 type revocableConn struct {
 	net.Conn
 	s    *Source

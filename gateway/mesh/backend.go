@@ -22,6 +22,8 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"pilab.hu/pivirt-agent/cluster"
 )
 
 // Load-balancing policies (load_balancing.policy).
@@ -69,6 +71,10 @@ type BackendConfig struct {
 	// at addr (an endpoint address) as serverName; nil: plaintext (an
 	// https:// endpoint requires it).
 	TLS func(serverName, addr string) *tls.Config
+	// Track, with TLS, is given every connection dialled and the server's
+	// certificate (identity.Source.TrackDialed: closed once that
+	// certificate is revoked); nil: not tracked.
+	Track cluster.Tracker
 	// ServerName is the name the server's certificate must carry; empty:
 	// the endpoint's host name (dns:///, https://, host:port), else its
 	// address (localhost for a unix socket).
@@ -418,7 +424,7 @@ func (b *Backend) dial(addr string) (*grpc.ClientConn, error) {
 	name := b.serverName(addr)
 	creds := insecure.NewCredentials()
 	if b.cfg.TLS != nil {
-		creds = credentials.NewTLS(b.cfg.TLS(name, addr))
+		creds = cluster.TrackedCredentials(credentials.NewTLS(b.cfg.TLS(name, addr)), b.cfg.Track)
 	}
 	conn, err := grpc.NewClient(target, append([]grpc.DialOption{
 		grpc.WithTransportCredentials(creds),

@@ -407,11 +407,11 @@ func (a *Agent) startTLS() error {
 		a.lnInternal = tls.NewListener(a.track(a.tls.internal.TrackConnections(a.lnInternal), "internal port"), recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnInternal.Addr().String(), "internal port"))))
 		if a.lnRaft != nil {
 			raftPeers := recordPeer(a.tls.internal.ServerConfig(tls.RequireAndVerifyClientCert, a.peerCheck(a.lnRaft.Addr().String(), "raft port")))
-			a.raftLayer = cluster.NewTLSStreamLayer(a.track(a.tls.internal.TrackConnections(a.lnRaft), "raft port"), advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig)
+			a.raftLayer = cluster.NewTLSStreamLayer(a.track(a.tls.internal.TrackConnections(a.lnRaft), "raft port"), advertiseTCP(a.lnRaft, a.cfg.Cluster.Raft.AdvertiseAddr, a.advertiseIP), raftPeers, a.tls.client.ClientConfig).WithTracker(a.tls.client.TrackDialed)
 		}
 		a.netPolicyChanged = make(chan struct{}, 1)
 		a.wg.Go(a.watchNetworkPolicy)
-		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig)
+		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig).WithTracker(a.tls.client.TrackDialed)
 	}
 	if a.cfg.Tracing.Enabled {
 		// Calls to other agents (forwarded writes, reads) carry the trace.

@@ -109,7 +109,7 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 	stats := a.meshStats
 	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
 		bc := cfg.Backends[name]
-		tlsFor, err := a.backendTLS(name, bc.TLS)
+		tlsFor, track, err := a.backendTLS(name, bc.TLS)
 		if err != nil {
 			return backends, nil, err
 		}
@@ -121,6 +121,7 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 			Policy:          cfg.LoadBalancing.Policy,
 			Timeout:         bc.Timeout.Std(),
 			TLS:             tlsFor,
+			Track:           track,
 			ServerName:      bc.TLS.ServerName,
 			MaxMessageBytes: cluster.MaxMessageBytes,
 			HealthCheck: mesh.HealthCheck{
@@ -229,13 +230,13 @@ func backendFiles(cfg *config.Config, name string, bt config.BackendTLSConfig) (
 	return cert, key, ca, nil
 }
 
-func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, error) {
+func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, cluster.Tracker, error) {
 	if !bt.Enabled {
-		return nil, nil
+		return nil, nil, nil
 	}
 	cert, key, ca, err := backendFiles(a.cfg, name, bt)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	src := (*identity.Source)(nil)
 	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
@@ -249,7 +250,7 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 		if src == nil {
 			if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
 				a.backendsMu.Unlock()
-				return nil, fmt.Errorf("backends.%s.tls: %w", name, err)
+				return nil, nil, fmt.Errorf("backends.%s.tls: %w", name, err)
 			}
 			if a.backendSourceByFiles == nil {
 				a.backendSourceByFiles = map[[3]string]*identity.Source{}
@@ -275,7 +276,7 @@ func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(server
 			return a.checkNetworkPolicy(src.Leaf(), peer, addr, "backend "+name)
 		}
 		return c
-	}, nil
+	}, src.TrackDialed, nil
 }
 
 // proxyServerOptions make a gRPC server forward the calls of services it
