@@ -272,15 +272,29 @@ func (r *RevocationChecker) status(cfg RevocationConfig, chain []*x509.Certifica
 	// HTTP timeout, whatever it asks (a fetch it gives up on goes on and
 	// fills the cache).
 	deadline := time.Now().Add(cfg.Timeout)
+	// A stapled answer is the peer's choice of answer: one that says
+	// revoked decides; one that says good only stands in when neither the
+	// CRL nor the responder answers, so that an old "good" answer (OCSP is
+	// unauthenticated HTTP: anyone may keep one until its NextUpdate)
+	// never outlives a revocation the CRL or the responder already tells.
+	var stapledGood bool
 	if len(staple) > 0 {
 		if resp, err := r.parseOCSP(cfg, staple, leaf, issuer); err == nil {
-			return ocspResult(leaf, resp)
+			switch resp.Status {
+			case ocsp.Revoked:
+				return ocspResult(leaf, resp)
+			case ocsp.Good:
+				stapledGood = true
+			}
 		}
 	}
 	dps, responders := httpURLs(leaf.CRLDistributionPoints), httpURLs(leaf.OCSPServer)
 	useCRL := cfg.Mode != RevocationOCSP && len(dps) > 0
 	useOCSP := cfg.Mode != RevocationCRL && len(responders) > 0
 	if !useCRL && !useOCSP {
+		if stapledGood {
+			return RevocationGood, nil
+		}
 		return RevocationSkipped, nil
 	}
 	var errs []error
@@ -311,6 +325,9 @@ func (r *RevocationChecker) status(cfg RevocationConfig, chain []*x509.Certifica
 			}
 			return res, err
 		}
+	}
+	if stapledGood {
+		return RevocationGood, nil
 	}
 	return RevocationUnavailable, errors.Join(errs...)
 }
@@ -471,15 +488,21 @@ func (r *RevocationChecker) fetchCRL(key string, deadline time.Time) error {
 		for _, rc := range crl.RevokedCertificateEntries {
 			s := rc.SerialNumber.String()
 			revoked[s] = rc
-			if _, known := e.revoked[s]; !known && e.crl != nil {
+			// The first CRL hands every entry over too: a peer let in while
+			// no CRL could be had (on_unavailable: allow) may be listed.
+			if _, known := e.revoked[s]; !known {
 				added = append(added, RevokedCert{Issuer: e.issuer.RawSubject, Serial: rc.SerialNumber, RevokedAt: rc.RevocationTime, Reason: rc.ReasonCode})
 			}
 		}
+		first := e.crl == nil
 		e.crl, e.revoked, e.fetchedAt, e.failedAt, e.failure = crl, revoked, cfg.Now(), time.Time{}, nil
 		cbs := append([]func([]RevokedCert){}, r.cbs...)
 		r.mu.Unlock()
 		if len(added) > 0 {
 			for _, a := range added {
+				if first {
+					break // the CRL's whole list, not news
+				}
 				logger.Warn("tls: a CRL lists a newly revoked certificate", "serial", SerialHex(a.Serial), "revoked_at", a.RevokedAt.UTC().Format(time.RFC3339), "reason", ReasonText(a.Reason), "url", e.url)
 			}
 			for _, cb := range cbs {
@@ -580,7 +603,7 @@ func (r *RevocationChecker) fetchOCSPEntry(key string, e *ocspEntry, deadline ti
 			r.mu.Unlock()
 			return nil, err
 		}
-		newly := resp.Status == ocsp.Revoked && e.resp != nil && e.resp.Status != ocsp.Revoked
+		newly := resp.Status == ocsp.Revoked && (e.resp == nil || e.resp.Status != ocsp.Revoked)
 		e.resp, e.fetchedAt, e.failedAt, e.failure = resp, cfg.Now(), time.Time{}, nil
 		cbs := append([]func([]RevokedCert){}, r.cbs...)
 		r.mu.Unlock()

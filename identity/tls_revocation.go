@@ -68,7 +68,9 @@ type revocableConn struct {
 	s    *Source
 	mu   sync.Mutex
 	peer *x509.Certificate
-	once sync.Once
+	// closed: Close ran; trackConn then leaves it out of the map.
+	closed bool
+	once   sync.Once
 }
 
 // NetConn returns the wrapped connection.
@@ -76,6 +78,9 @@ func (c *revocableConn) NetConn() net.Conn { return c.Conn }
 
 func (c *revocableConn) Close() error {
 	c.once.Do(func() {
+		c.mu.Lock()
+		c.closed = true
+		c.mu.Unlock()
 		c.s.connsMu.Lock()
 		delete(c.s.conns, c)
 		c.s.connsMu.Unlock()
@@ -99,10 +104,15 @@ func findRevocable(c net.Conn) *revocableConn {
 }
 
 // trackConn remembers c's verified peer.
+// A connection closed meanwhile (its handshake raced its Close) is left
+// out, so that the map never keeps a closed connection.
 func (s *Source) trackConn(c *revocableConn, leaf *x509.Certificate) {
-	c.mu.Lock()
+	c.mu.Lock() // before connsMu: closeRevoked never holds both
+	defer c.mu.Unlock()
+	if c.closed {
+		return
+	}
 	c.peer = leaf
-	c.mu.Unlock()
 	s.connsMu.Lock()
 	defer s.connsMu.Unlock()
 	if s.conns == nil {
@@ -118,19 +128,23 @@ func (s *Source) closeRevoked(revoked []RevokedCert) {
 		peer *x509.Certificate
 	}
 	s.connsMu.Lock()
-	var victims []victim
+	conns := make([]*revocableConn, 0, len(s.conns))
 	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.connsMu.Unlock()
+	var victims []victim
+	for _, c := range conns {
 		c.mu.Lock()
 		peer := c.peer
 		c.mu.Unlock()
 		for _, r := range revoked {
-			if r.Matches(peer) {
+			if peer != nil && r.Matches(peer) {
 				victims = append(victims, victim{c, peer})
 				break
 			}
 		}
 	}
-	s.connsMu.Unlock()
 	var onClosed func()
 	if rc := s.rev.Load(); rc != nil {
 		cfg, _, _ := rc.config()

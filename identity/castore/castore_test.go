@@ -605,9 +605,16 @@ func TestRenew(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Revoked: refused.
-	if _, err := c.Revoke(rec.Serial, "", "keyCompromise"); err != nil {
+	// Revoked: refused; the renewal made from it goes with it.
+	revoked, err := c.Revoke(rec.Serial, "", "keyCompromise")
+	if err != nil {
 		t.Fatal(err)
+	}
+	if len(revoked) != 2 || revoked[0].Serial != rec.Serial || revoked[1].Serial != newRec.Serial {
+		t.Fatalf("revoking %s revoked %+v, want it and its renewal %s", rec.Serial, revoked, newRec.Serial)
+	}
+	if got, _ := c.Get(newRec.Serial); got.Status != StatusRevoked || got.Reason != "keyCompromise" {
+		t.Fatalf("the renewal of a revoked certificate: %+v", got)
 	}
 	if _, _, err := c.Renew(req); !errors.Is(err, identity.ErrRenewalRefused) || !strings.Contains(err.Error(), "revoked") {
 		t.Fatalf("revoked: %v", err)

@@ -66,19 +66,19 @@ func (c *CA) serveCRL(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "GET or HEAD the CRL", http.StatusMethodNotAllowed)
 		return
 	}
-	der, next := c.CRL()
+	der, _ := c.CRL()
 	w.Header().Set("Content-Type", "application/pkix-crl")
 	w.Header().Set("Content-Length", strconv.Itoa(len(der)))
-	setCacheControl(w, next, c.cfg.Now())
+	setCacheControl(w)
 	if r.Method == http.MethodHead {
 		return
 	}
 	_, _ = w.Write(der)
 }
 
-// setCacheControl lets caches keep an answer until next.
-func setCacheControl(w http.ResponseWriter, next, now time.Time) {
-	age := max(int(next.Sub(now)/time.Second), 0)
-	w.Header().Set("Cache-Control", fmt.Sprintf("max-age=%d, public, no-transform, must-revalidate", age))
-	w.Header().Set("Expires", next.UTC().Format(http.TimeFormat))
+// setCacheControl keeps caches (a proxy between agents and the server)
+// from serving an answer again: a revocation must reach the agents within
+// their refresh, not at the answer's next update.
+func setCacheControl(w http.ResponseWriter) {
+	w.Header().Set("Cache-Control", "max-age=0, no-cache, no-transform")
 }

@@ -173,18 +173,28 @@ func (d *DB) revoke(serial, name, reason string, now time.Time, by string) ([]Re
 				return fmt.Errorf("%w: no certificate with the name %q", ErrNotFound, name)
 			}
 		}
-		for _, s := range serials {
+		for i := 0; i < len(serials); i++ {
+			s := serials[i]
 			rec, err := getRecord(tx, s)
 			if err != nil {
 				return err
 			}
+			if serial != "" {
+				// Renewals of a revoked certificate go with it: whoever held
+				// its key may have renewed it first.
+				kids, err := renewalsOf(tx, s)
+				if err != nil {
+					return err
+				}
+				serials = append(serials, kids...)
+			}
 			if rec.Status == StatusRevoked {
-				if serial != "" {
+				if serial != "" && i == 0 {
 					out = append(out, rec.at(now))
 				}
 				continue
 			}
-			if serial == "" && rec.StatusAt(now) != StatusValid {
+			if (serial == "" || i > 0) && rec.StatusAt(now) != StatusValid {
 				continue
 			}
 			rec.Status, rec.RevokedAt, rec.Reason = StatusRevoked, now.UTC(), reason
@@ -202,6 +212,23 @@ func (d *DB) revoke(serial, name, reason string, now time.Time, by string) ([]Re
 		return nil, err
 	}
 	return out, nil
+}
+
+// renewalsOf returns the serials of the certificates renewed from serial.
+func renewalsOf(tx *bolt.Tx, serial string) ([]string, error) {
+	var out []string
+	by := "renewal of " + serial
+	err := tx.Bucket(bucketCerts).ForEach(func(k, v []byte) error {
+		var rec Record
+		if err := json.Unmarshal(v, &rec); err != nil {
+			return fmt.Errorf("record: %w", err)
+		}
+		if rec.IssuedBy == by {
+			out = append(out, rec.Serial)
+		}
+		return nil
+	})
+	return out, err
 }
 
 // List returns the records with that status ("" or "all": any; valid,

@@ -167,6 +167,12 @@ func (c *CA) Renew(req identity.RenewalRequest) ([]byte, Record, error) {
 			cur, name = cert, cert.Subject.CommonName
 		}
 	}
+	// The new key must be one Issue would take.
+	if csr, err := x509.ParseCertificateRequest(req.CSR); err == nil {
+		if err := checkPublicKey(csr.PublicKey); err != nil {
+			return nil, Record{}, fmt.Errorf("%w: %v", identity.ErrRenewalRefused, err)
+		}
+	}
 	by := "renewal"
 	if cur != nil {
 		by = "renewal of " + serialString(cur.SerialNumber)

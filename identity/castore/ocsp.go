@@ -127,7 +127,7 @@ func (c *CA) serveOCSP(w http.ResponseWriter, r *http.Request, escaped string) {
 	}
 	resp, status := c.answerOCSP(raw)
 	if status == http.StatusOK && resp.next != (time.Time{}) {
-		setCacheControl(w, resp.next, c.cfg.Now())
+		setCacheControl(w)
 	}
 	writeOCSP(w, status, resp.der)
 }

@@ -28,6 +28,7 @@ import (
 	"sync"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/soheilhy/cmux"
 
@@ -42,7 +43,11 @@ const (
 	// bytes that tell TLS from plain HTTP.
 	sniffTimeout      = 10 * time.Second
 	readHeaderTimeout = 10 * time.Second
-	idleTimeout       = 2 * time.Minute
+	// readTimeout bounds the reading of a whole request, body included.
+	readTimeout = 30 * time.Second
+	// maxRequestBytes bounds an API request's body.
+	maxRequestBytes = 256 << 10
+	idleTimeout     = 2 * time.Minute
 	// shutdownTimeout is how long Serve waits for requests in flight when
 	// its context ends.
 	shutdownTimeout = 10 * time.Second
@@ -236,7 +241,10 @@ func (s *Server) Serve(ctx context.Context) error {
 	tlsL := m.Match(cmux.TLS())
 	plainL := m.Match(cmux.Any())
 
-	apiPath, apiHandler := pitrustv1connect.NewCertificateServiceHandler(s.svc)
+	// Requests are a CSR or a few names: a body larger than maxRequestBytes
+	// is refused before it is read whole, and any body must arrive within
+	// readTimeout (the token and renewal paths need no credentials).
+	apiPath, apiHandler := pitrustv1connect.NewCertificateServiceHandler(s.svc, connect.WithReadMaxBytes(maxRequestBytes))
 	api := withCaller(apiHandler)
 	pki := s.ca.Handler()
 	// Routed by hand, not by a ServeMux: it would clean, and redirect, the
@@ -265,11 +273,11 @@ func (s *Server) Serve(ctx context.Context) error {
 	errLog := slog.NewLogLogger(s.logger.With("component", "http").Handler(), slog.LevelWarn)
 	tlsSrv := &http.Server{
 		Handler: tlsMux, TLSConfig: s.src.ServerConfig(tls.VerifyClientCertIfGiven, nil),
-		ReadHeaderTimeout: readHeaderTimeout, IdleTimeout: idleTimeout, ErrorLog: errLog,
+		ReadHeaderTimeout: readHeaderTimeout, ReadTimeout: readTimeout, IdleTimeout: idleTimeout, ErrorLog: errLog,
 		BaseContext: func(net.Listener) context.Context { return ctx },
 	}
 	plainSrv := &http.Server{
-		Handler: plainMux, ReadHeaderTimeout: readHeaderTimeout, IdleTimeout: idleTimeout, ErrorLog: errLog,
+		Handler: plainMux, ReadHeaderTimeout: readHeaderTimeout, ReadTimeout: readTimeout, IdleTimeout: idleTimeout, ErrorLog: errLog,
 		BaseContext: func(net.Listener) context.Context { return ctx },
 	}
 

@@ -266,6 +266,9 @@ func TestIssueWithToken(t *testing.T) {
 	tok := e.createToken(t, op, &pitrustv1.CreateBootstrapTokenRequest{Name: "node2", DnsNames: []string{"node2.pivirt.internal"}, IpAddresses: []string{"10.0.0.2"}})
 	csr, key := newCSR(t, "whatever")
 
+	// A CSR that cannot be signed: refused before the token is used.
+	_, err := anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: []byte("garbage"), BootstrapToken: tok}))
+	wantCode(t, err, connect.CodeInvalidArgument)
 	// Wider than the grant: refused, the token stays usable.
 	for _, wide := range []*pitrustv1.IssueCertificateRequest{
 		{Csr: csr, BootstrapToken: tok, DnsNames: []string{"evil.pivirt.internal"}},
@@ -358,6 +361,54 @@ func TestAdminRoleRequired(t *testing.T) {
 			t.Errorf("no audit line for the refused %s", m)
 		}
 	}
+}
+
+// TestRevokedAdminRefused: an admin certificate revoked through the server
+// loses its rights at once, before any CRL reaches anyone.
+func TestRevokedAdminRefused(t *testing.T) {
+	e := newEnv(t)
+	r := e.start(t)
+	ctx := context.Background()
+	op := e.client(t, r, "operator")
+	csr, key := newCSR(t, "ops-bob")
+	resp, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, Name: "ops-bob", Kind: "mtls-client"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyPEM, err := identity.KeyPEM(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(e.cfg.Server.CertsDir, "ops-bob.crt"), resp.Msg.GetCertPem(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(e.cfg.Server.CertsDir, "ops-bob.key"), keyPEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bob := e.client(t, r, "ops-bob")
+	if _, err := bob.ListCertificates(ctx, connect.NewRequest(&pitrustv1.ListCertificatesRequest{})); err != nil {
+		t.Fatalf("ops-bob before the revocation: %v", err)
+	}
+	if _, err := op.RevokeCertificate(ctx, connect.NewRequest(&pitrustv1.RevokeCertificateRequest{Name: "ops-bob", Reason: "keyCompromise"})); err != nil {
+		t.Fatal(err)
+	}
+	csr2, _ := newCSR(t, "x")
+	_, err = bob.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr2, Name: "operator", Kind: "mtls-client"}))
+	wantCode(t, err, connect.CodePermissionDenied)
+	if !strings.Contains(err.Error(), "revoked") {
+		t.Errorf("refusal %v, want it to say the certificate was revoked", err)
+	}
+	_, err = bob.ListCertificates(ctx, connect.NewRequest(&pitrustv1.ListCertificatesRequest{}))
+	wantCode(t, err, connect.CodePermissionDenied)
+}
+
+// TestRequestSizeBounded: a body larger than any request is refused
+// without credentials being needed to send it.
+func TestRequestSizeBounded(t *testing.T) {
+	e := newEnv(t)
+	r := e.start(t)
+	_, err := e.client(t, r, "").RenewCertificate(context.Background(), connect.NewRequest(&pitrustv1.RenewCertificateRequest{Csr: make([]byte, 1<<20)}))
+	wantCode(t, err, connect.CodeResourceExhausted)
 }
 
 // TestRevokeAndPlainHTTP: the CRL and OCSP answer over plain HTTP on the

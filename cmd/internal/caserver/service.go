@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/big"
 	"net"
 	"net/http"
 	"slices"
@@ -32,6 +33,8 @@ type caller struct {
 	cn string
 	// ip is the client's address.
 	ip string
+	// serial is the client certificate's serial; nil without one.
+	serial *big.Int
 }
 
 func (c caller) String() string {
@@ -52,6 +55,7 @@ func withCaller(h http.Handler) http.Handler {
 		c.ip, _, _ = net.SplitHostPort(r.RemoteAddr)
 		if r.TLS != nil && len(r.TLS.PeerCertificates) > 0 {
 			c.cn = r.TLS.PeerCertificates[0].Subject.CommonName
+			c.serial = r.TLS.PeerCertificates[0].SerialNumber
 		}
 		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), callerKey{}, c)))
 	})
@@ -127,6 +131,18 @@ func (s *service) requireAdmin(ctx context.Context, method string) *connect.Erro
 		return s.refuse(ctx, method, connect.NewError(connect.CodePermissionDenied,
 			fmt.Errorf("certificate %q does not have the %s role (auth.certificate_roles)", c.cn, AdminRole)))
 	}
+	// The inventory decides at once, before any CRL is fetched: a revoked
+	// operator certificate has no power here from the moment of its
+	// revocation.
+	if revoked, at, reason := s.ca.IsRevoked(c.serial); revoked {
+		return s.refuse(ctx, method, connect.NewError(connect.CodePermissionDenied,
+			fmt.Errorf("certificate %q (serial %s) was revoked at %s (%s): ask an operator for a new one",
+				c.cn, identity.SerialHex(c.serial), at.UTC().Format(time.RFC3339), reason)))
+	}
+	if _, err := s.ca.Get(identity.SerialHex(c.serial)); errors.Is(err, castore.ErrNotFound) {
+		s.logger.Warn("an admin certificate not in the inventory: it cannot be revoked; issue admin certificates through the server or with pitrust issue-mtls-client --db",
+			"caller", c.cn, "serial", identity.SerialHex(c.serial))
+	}
 	return nil
 }
 
@@ -157,6 +173,10 @@ func (s *service) IssueCertificate(ctx context.Context, req *connect.Request[pit
 	want, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays())
 	if err != nil {
 		return nil, s.refuse(ctx, method, connect.NewError(connect.CodeInvalidArgument, err))
+	}
+	// A request that cannot succeed is refused before a token is used.
+	if _, err := castore.ParseCSR(m.GetCsr()); err != nil {
+		return nil, s.codeOf(ctx, method, err, connect.CodeInvalidArgument)
 	}
 	var g castore.Grant
 	var issuedBy string
