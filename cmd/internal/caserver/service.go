@@ -77,6 +77,8 @@ type service struct {
 
 	mu       sync.Mutex
 	limiters map[string]*rate.Limiter
+	// overflow is shared by the callers that find limiters full.
+	overflow *rate.Limiter
 }
 
 var _ pitrustv1connect.CertificateServiceHandler = (*service)(nil)
@@ -101,6 +103,14 @@ func (s *service) limiter(key string) *rate.Limiter {
 					delete(s.limiters, k)
 				}
 			}
+		}
+		if len(s.limiters) >= maxLimiters {
+			// Still full (a flood of addresses): the newcomers share one
+			// limiter, so the table stays bounded and they stay limited.
+			if s.overflow == nil {
+				s.overflow = rate.NewLimiter(s.limit, s.burst)
+			}
+			return s.overflow
 		}
 		l = rate.NewLimiter(s.limit, s.burst)
 		s.limiters[key] = l
