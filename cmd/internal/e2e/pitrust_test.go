@@ -46,7 +46,14 @@ type caServer struct {
 // free port of 127.0.0.1.
 func startCAServer(t *testing.T, c *cluster) *caServer {
 	t.Helper()
-	s := &caServer{bins: c.bins, dir: filepath.Join(c.dir, "certs")}
+	return startCAServerOn(t, c, filepath.Join(c.dir, "certs"), true)
+}
+
+// startCAServerOn is startCAServer on the CA in dir, made there first when
+// create (else dir holds one already, as a started cluster's certs).
+func startCAServerOn(t *testing.T, c *cluster, dir string, create bool) *caServer {
+	t.Helper()
+	s := &caServer{bins: c.bins, dir: dir}
 	ports, err := freePorts(1)
 	if err != nil {
 		t.Fatal(err)
@@ -54,8 +61,10 @@ func startCAServer(t *testing.T, c *cluster) *caServer {
 	addr := "127.0.0.1:" + strconv.Itoa(ports[0])
 	s.url, s.http = "https://"+addr, "http://"+addr
 	db := filepath.Join(c.dir, "pitrust", "certs.db")
-	s.pitrust(t, "init")
-	s.pitrust(t, "issue-mtls-client", "--name", "pitrust-admin", "--db", db)
+	if create {
+		s.pitrust(t, "init")
+	}
+	s.pitrust(t, "issue-mtls-client", "--name", "pitrust-admin", "--db", db, "--force")
 	s.cfg = filepath.Join(c.dir, "pitrust.yaml")
 	s.log = filepath.Join(c.dir, "pitrust.log")
 	if err := os.WriteFile(s.cfg, fmt.Appendf(nil, `server:

@@ -113,6 +113,7 @@ func TestRestartMatrix(t *testing.T) {
 		{"snapshot install on a lagging follower", sigkill, rolling},
 		{"recover", sigterm, allAt},
 		{"cluster-CA renewal", sigkill, allAt},
+		{"pitrust revoke", sigterm, rolling},
 		{"log store migration", sigterm, rolling},
 	})
 	m.runCases(t, ops, cases)
@@ -151,6 +152,11 @@ type matrix struct {
 	want map[string]bool
 	// key is the gossip key in use (keyring rotation).
 	key string
+	// ca is the PiTrust CA server of the "pitrust revoke" operation (nil
+	// before its first case); leaked the stem of the certificate it
+	// revoked last.
+	ca     *caServer
+	leaked string
 	// level and levelRev: the cluster setting logging.level the "cluster
 	// setting" operation wrote, and its revision.
 	level    string
@@ -480,6 +486,7 @@ func (m *matrix) raftOps() []matrixOp {
 		{"keyring install, use and remove", (*matrix).keyring, nil},
 		{"certificate rotation", (*matrix).rotateCerts, nil},
 		{"cluster-CA renewal", (*matrix).caRenewal, nil},
+		{"pitrust revoke", (*matrix).pitrustRevoke, (*matrix).revokedRefused},
 		{"POST /reload", (*matrix).reload, nil},
 		{"cluster setting", (*matrix).setting, (*matrix).settingApplied},
 		{"cluster leave and rejoin", (*matrix).leaveRejoin, nil},
@@ -711,6 +718,43 @@ func (m *matrix) caRenewal(t *testing.T) {
 			return nil
 		})
 	}
+}
+
+// pitrustRevoke starts the PiTrust CA server on the cluster's CA (once),
+// has it issue an operator certificate, and revokes it: after the restart
+// every agent must refuse it (revokedRefused), the fresh CRL of its start
+// telling it so.
+func (m *matrix) pitrustRevoke(t *testing.T) {
+	t.Helper()
+	if m.ca == nil {
+		m.ca = startCAServerOn(t, m.c, m.c.certs, false)
+	}
+	m.leaked = fmt.Sprintf("operator-leaked-%d", time.Now().UnixNano())
+	m.ca.request(t, "--kind", "mtls-client", "--name", "operator", "--out", m.leaked)
+	if r := m.c.pvcliEnv(t, m.leakedEnv(), "--endpoint", "https://"+m.c.nodes[0].api, "--timeout", "5s", "cluster", "members"); r.code != 0 {
+		t.Fatalf("the operator certificate before its revocation: %s", r)
+	}
+	m.ca.pitrust(t, append(append([]string{"revoke", serial(t, filepath.Join(m.c.certs, m.leaked+".crt"))}, m.ca.admin()...), "--reason", "keyCompromise")...)
+}
+
+// revokedRefused: every agent refuses the certificate pitrustRevoke
+// revoked.
+func (m *matrix) revokedRefused(t *testing.T) {
+	t.Helper()
+	for _, n := range m.c.nodes {
+		m.c.eventually(t, 10*time.Second, n.name+" refuses the revoked operator certificate", func() error {
+			if r := m.c.pvcliEnv(t, m.leakedEnv(), "--endpoint", "https://"+n.api, "--timeout", "5s", "cluster", "members"); r.code == 0 {
+				return errors.New("still accepted")
+			}
+			return nil
+		})
+	}
+}
+
+// leakedEnv is pvcli's environment with the revoked operator certificate.
+func (m *matrix) leakedEnv() []string {
+	return []string{"PVCLI_CA_FILE=" + filepath.Join(m.c.certs, identity.ChainFile),
+		"PVCLI_CERT_FILE=" + filepath.Join(m.c.certs, m.leaked+".crt"), "PVCLI_KEY_FILE=" + filepath.Join(m.c.certs, m.leaked+".key")}
 }
 
 // reissue issues every agent's server and client certificate again, valid
