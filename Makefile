@@ -17,7 +17,7 @@ help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## build pivirt-agent, pvcli, pitrust and pivirtd-sim into bin/
+build: ui ## build the web UI's assets and pivirt-agent, pvcli, pitrust and pivirtd-sim into bin/
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
 
 .PHONY: test
@@ -32,13 +32,33 @@ lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test fil
 	scripts/check-imports.sh
 	scripts/check-docs.sh
 
-node_modules/.bin/buf: package.json package-lock.json
+# The pinned Node tools (buf, protoc-gen-es, esbuild, TypeScript) and the
+# UI's libraries; Node.js and npm themselves from Debian when missing.
+NODE_DEPS := node_modules/.package-lock.json
+$(NODE_DEPS): package.json package-lock.json
+	scripts/node-deps.sh
 	npm ci --no-audit --no-fund
 	@touch $@
 
+UI_SOURCES := $(shell find ui/src -type f 2>/dev/null) ui/index.html ui/build.mjs
+ui/dist/index.html: $(NODE_DEPS) $(UI_SOURCES)
+	node ui/build.mjs
+	@touch $@
+
+.PHONY: ui
+ui: ui/dist/index.html ## build the web UI (ui/src → ui/dist, embedded in pivirt-agent); make build does this
+
+.PHONY: check-ui
+check-ui: $(NODE_DEPS) ## type-check the UI's TypeScript and fail if the committed ui/dist is stale
+	npx tsc -p ui
+	node ui/build.mjs
+	@git diff --exit-code -- ui/dist || { echo "ui/dist is stale: run make ui and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- ui/dist)" || { git status --porcelain -- ui/dist; echo "untracked UI assets: run make ui and commit"; exit 1; }
+
 .PHONY: generate
-generate: node_modules/.bin/buf ## regenerate Go code from proto/ with buf (local plugins only)
+generate: $(NODE_DEPS) ## regenerate Go and the UI's TypeScript client from proto/ with buf (local plugins only)
 	find proto -name '*.pb.go' -o -name '*.connect.go' | xargs -r rm -f
+	rm -rf ui/src/gen
 	npx buf generate
 	npx buf lint
 
@@ -48,8 +68,8 @@ docs: ## regenerate docs/: the CLI reference (markdown and man pages) and the co
 
 .PHONY: check-generate
 check-generate: generate ## fail if the committed generated code is stale
-	@git diff --exit-code -- proto || { echo "generated code is stale: run make generate and commit"; exit 1; }
-	@test -z "$$(git status --porcelain -- proto)" || { git status --porcelain -- proto; echo "untracked generated files: run make generate and commit"; exit 1; }
+	@git diff --exit-code -- proto ui/src/gen || { echo "generated code is stale: run make generate and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- proto ui/src/gen)" || { git status --porcelain -- proto ui/src/gen; echo "untracked generated files: run make generate and commit"; exit 1; }
 
 .PHONY: fuzz
 FUZZTIME ?= 30s

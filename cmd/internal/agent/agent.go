@@ -5,6 +5,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -55,6 +56,7 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
+	"pilab.hu/pivirt-agent/ui"
 	"pilab.hu/pivirt-agent/store/etcdstore"
 )
 
@@ -1138,6 +1140,29 @@ func (a *Agent) serveSplit(ln net.Listener, handler func(*grpc.Server) (http.Han
 	return nil
 }
 
+// uiConfig is what the web UI needs to log in: the issuer the agent
+// checks tokens against (a.cfg: auth.oidc changes on a restart; --dev's
+// issuer is only there) and server.ui in force; nil when
+// server.ui.enabled is false.
+func (a *Agent) uiConfig() *ui.Config {
+	cfg := a.current.Load()
+	if !cfg.Server.UI.Enabled {
+		return nil
+	}
+	oidc := a.cfg.Auth.OIDC
+	c := &ui.Config{
+		IssuerURL: oidc.IssuerURL,
+		ClientID:  cmp.Or(cfg.Server.UI.ClientID, oidc.ClientID),
+		Scopes:    cfg.Server.UI.Scopes,
+		Node:      cfg.NodeName,
+		Version:   version.Version,
+	}
+	if len(c.Scopes) == 0 {
+		c.Scopes = []string{"openid"}
+	}
+	return c
+}
+
 func handlerOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithReadMaxBytes(cluster.MaxMessageBytes),
@@ -1181,6 +1206,11 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 		metrics = a.guard.HTTPHandler(metrics)
 	}
 	mux.Handle("GET "+a.cfg.Server.Metrics.Path, metrics)
+	// The web UI: code and login settings only, no data (ui/DESIGN.md);
+	// its calls come back here with the caller's credentials.
+	mux.Handle("GET "+ui.Prefix, ui.Handler(a.uiConfig))
+	mux.Handle("GET /ui", http.RedirectHandler(ui.Prefix, http.StatusMovedPermanently))
+	mux.Handle("GET /{$}", ui.Root())
 	if err := a.addTranscoder(mux, gs, authenticated); err != nil {
 		return nil, err
 	}

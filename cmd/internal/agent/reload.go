@@ -105,6 +105,9 @@ func (a *Agent) applyConfig(next *config.Config) (applied, restart []string, err
 		case k == "service_discovery.services_dir":
 			// Read again by the services directory's loop (ReloadConfig).
 			merged.ServiceDiscovery.ServicesDir = next.ServiceDiscovery.ServicesDir
+		case config.Under(k, "server.ui"):
+			// Read per request by the UI's handler (uiConfig).
+			merged.Server.UI = next.Server.UI
 		case k == "pinned_settings":
 			// Taken into account by ApplySettings, which made next.
 			merged.PinnedSettings = next.PinnedSettings

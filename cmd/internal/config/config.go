@@ -112,6 +112,21 @@ type ServerConfig struct {
 	ConnectRPC   ConnectRPCConfig `yaml:"connectrpc"`
 	GRPCInternal ListenerConfig   `yaml:"grpc_internal"`
 	Metrics      MetricsConfig    `yaml:"metrics"`
+	UI           UIConfig         `yaml:"ui"`
+}
+
+// UIConfig is the operator web UI served on the API port at /ui/. It logs
+// in with auth.oidc's issuer (authorization code with PKCE) or, without
+// one, with the browser's client certificate.
+type UIConfig struct {
+	// Enabled serves the UI (the default); false answers 404 under /ui/.
+	Enabled bool `yaml:"enabled"`
+	// ClientID is the UI's OIDC client (a public client: no secret), when
+	// it is not auth.oidc.client_id; its tokens must still carry the
+	// agent's audience (auth.oidc.client_id).
+	ClientID string `yaml:"client_id"`
+	// Scopes asked for at login (default: openid).
+	Scopes []string `yaml:"scopes"`
 }
 
 // ConnectRPCConfig is the external ConnectRPC/gRPC/gRPC-Web listener (port 8443).
@@ -654,6 +669,7 @@ func Default() *Config {
 			},
 			GRPCInternal: ListenerConfig{Addr: DefaultInternalAddr},
 			Metrics:      MetricsConfig{Addr: DefaultMetricsAddr, Path: DefaultMetricsPath, ManagementAllowFrom: slices.Clone(DefaultManagementAllowFrom)},
+			UI:           UIConfig{Enabled: true},
 		},
 		TLS: TLSConfig{
 			Enabled:           true,

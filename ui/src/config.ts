@@ -1,0 +1,16 @@
+// The agent's /ui/config.json: how to log in, and who serves the page.
+export interface UIConfig {
+  issuer_url?: string;
+  client_id?: string;
+  scopes?: string[];
+  node: string;
+  version: string;
+}
+
+export async function loadConfig(): Promise<UIConfig> {
+  const res = await fetch("/ui/config.json", { cache: "no-store" });
+  if (!res.ok) {
+    throw new Error(`the agent answered ${res.status} for /ui/config.json`);
+  }
+  return (await res.json()) as UIConfig;
+}

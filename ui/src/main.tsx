@@ -1,0 +1,261 @@
+// The PiVirt console: the application shell (login, navigation, the view
+// of the URL). Every view is in views/.
+import "uplot/dist/uPlot.min.css";
+import "./app.css";
+import { render } from "preact";
+import { useEffect, useState } from "preact/hooks";
+import { bearer, callbackPath, completeLogin, devIssuer, expiry, forget, login, onChange, usesOIDC } from "./auth";
+import { client, problem, type Problem } from "./api";
+import { loadConfig, type UIConfig } from "./config";
+import { ClusterService } from "./gen/pivirt/cluster/v1/cluster_pb";
+import { href, navigate, useRoute } from "./router";
+import { can, SessionContext, type Session } from "./session";
+import { ErrorBox, Link } from "./components";
+import { Overview } from "./views/overview";
+import { Services } from "./views/services";
+import { Resources } from "./views/resources";
+import { Schedules } from "./views/schedules";
+import { Settings } from "./views/settings";
+import { Snapshots } from "./views/snapshots";
+import { Logs } from "./views/logs";
+
+interface ViewDef {
+  path: string;
+  title: string;
+  /** method the caller must be able to call to see the view */
+  needs: string;
+}
+
+const views: ViewDef[] = [
+  { path: "", title: "Overview", needs: "ClusterService/Members" },
+  { path: "services", title: "Services", needs: "ClusterService/ListServices" },
+  { path: "vms", title: "VMs", needs: "VMService/WatchVMs" },
+  { path: "volumes", title: "Volumes", needs: "StorageService/WatchVolumes" },
+  { path: "networks", title: "Networks", needs: "NetworkService/WatchNetworks" },
+  { path: "schedules", title: "Schedules", needs: "ScheduleService/ListSchedules" },
+  { path: "settings", title: "Settings", needs: "ClusterService/ListConfig" },
+  { path: "snapshots", title: "Snapshots", needs: "SnapshotService/SaveSnapshot" },
+  { path: "logs", title: "Logs", needs: "AgentService/Monitor" },
+];
+
+function Nav(props: { session: Session; route: string[] }) {
+  const [open, setOpen] = useState(false);
+  const top = props.route[0] ?? "";
+  return (
+    <nav aria-label="Views" class={open ? "open" : ""}>
+      <button type="button" class="menu" aria-expanded={open} aria-controls="nav-list" onClick={() => setOpen(!open)}>
+        Menu
+      </button>
+      <ul id="nav-list" onClick={() => setOpen(false)}>
+        {views
+          .filter((v) => can(props.session, v.needs))
+          .map((v) => (
+            <li>
+              <Link href={href(...(v.path ? [v.path] : []))} aria-current={top === v.path ? "page" : undefined}>
+                {v.title}
+              </Link>
+            </li>
+          ))}
+      </ul>
+    </nav>
+  );
+}
+
+function View(props: { session: Session; route: string[] }) {
+  const [top, ...rest] = props.route;
+  const v = views.find((d) => d.path === (top ?? ""));
+  if (!v) {
+    return (
+      <section>
+        <h1>Not found</h1>
+        <p>
+          There is no view at {location.pathname}. <Link href={href()}>Go to the overview.</Link>
+        </p>
+      </section>
+    );
+  }
+  if (!can(props.session, v.needs)) {
+    return (
+      <section>
+        <h1>{v.title}</h1>
+        <ErrorBox
+          problem={{ code: 7, message: `your roles (${props.session.who.roles.join(", ") || "none"}) may not read this view`, hint: "The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.", noLeader: false }}
+        />
+      </section>
+    );
+  }
+  switch (v.path) {
+    case "":
+      return <Overview />;
+    case "services":
+      return <Services name={rest[0]} />;
+    case "vms":
+      return <Resources kind="vms" id={rest[0]} />;
+    case "volumes":
+      return <Resources kind="volumes" id={rest[0]} />;
+    case "networks":
+      return <Resources kind="networks" id={rest[0]} />;
+    case "schedules":
+      return <Schedules id={rest[0]} />;
+    case "settings":
+      return <Settings keyName={rest[0]} />;
+    case "snapshots":
+      return <Snapshots />;
+    case "logs":
+      return <Logs node={rest[0]} />;
+  }
+  return null;
+}
+
+function Expiry() {
+  const [, tick] = useState(0);
+  useEffect(() => {
+    const e = expiry();
+    if (!e) return;
+    const t = setTimeout(() => tick((n) => n + 1), Math.max(e - Date.now(), 0) + 100);
+    return () => clearTimeout(t);
+  });
+  return null;
+}
+
+function Shell(props: { session: Session; onLogout: () => void }) {
+  const route = useRoute();
+  const s = props.session;
+  return (
+    <SessionContext.Provider value={s}>
+      <a class="skip" href="#main">
+        Skip to content
+      </a>
+      <header class="top">
+        <Link href={href()} class="brand">
+          PiVirt
+        </Link>
+        <span class="node" title="the agent serving this page">
+          via {s.cfg.node}
+        </span>
+        <span class="who">
+          <span class="sr-only">Signed in as </span>
+          <strong data-testid="identity">{s.who.identity}</strong>
+          {s.who.roles.length > 0 && <span class="roles"> ({s.who.roles.join(", ")})</span>}
+          {usesOIDC(s.cfg) && (
+            <button type="button" class="link" onClick={props.onLogout}>
+              Log out
+            </button>
+          )}
+        </span>
+      </header>
+      <Expiry />
+      <div class="layout">
+        <Nav session={s} route={route} />
+        <main id="main" tabIndex={-1}>
+          <View session={s} route={route} />
+        </main>
+      </div>
+    </SessionContext.Provider>
+  );
+}
+
+function LoginScreen(props: { cfg: UIConfig; error?: Problem | string }) {
+  const [busy, setBusy] = useState(false);
+  const [err, setErr] = useState<string | undefined>(typeof props.error === "string" ? props.error : undefined);
+  const [dev, setDev] = useState(false);
+  useEffect(() => {
+    if (usesOIDC(props.cfg)) devIssuer(props.cfg).then(setDev);
+  }, []);
+  const start = () => {
+    setBusy(true);
+    login(props.cfg, location.pathname + location.search).catch((e) => {
+      setErr(String(e instanceof Error ? e.message : e));
+      setBusy(false);
+    });
+  };
+  const p = typeof props.error === "object" ? props.error : undefined;
+  return (
+    <main class="login" id="main">
+      <h1>PiVirt</h1>
+      <p>Log in to the cluster through {props.cfg.node}.</p>
+      {p && <ErrorBox problem={p} />}
+      {err && (
+        <div class="state error" role="alert">
+          <p>{err}</p>
+        </div>
+      )}
+      {usesOIDC(props.cfg) ? (
+        <button type="button" class="primary" onClick={start} disabled={busy}>
+          {busy ? "Going to the identity provider…" : "Log in"}
+        </button>
+      ) : (
+        <p>This agent takes no OIDC login: the browser's client certificate of the PiTrust chain is the login. Import one (a .p12) into the browser and reload.</p>
+      )}
+      {dev && <p class="hint">The development issuer asks for its password: the content of dev-oidc.secret in the dev PKI directory (.cluster/certs for make cluster).</p>}
+    </main>
+  );
+}
+
+function App(props: { cfg: UIConfig }) {
+  const cfg = props.cfg;
+  const [session, setSession] = useState<Session | null>(null);
+  const [error, setError] = useState<Problem | string | undefined>();
+  const [phase, setPhase] = useState<"starting" | "login" | "ready">("starting");
+
+  const whoami = async () => {
+    try {
+      const who = await client(ClusterService).whoAmI({});
+      setSession({ cfg, who });
+      setPhase("ready");
+    } catch (e) {
+      const p = problem(e);
+      setError(p);
+      setPhase("login");
+    }
+  };
+
+  useEffect(() => {
+    (async () => {
+      if (location.pathname === callbackPath) {
+        try {
+          navigate(await completeLogin(cfg), true);
+        } catch (e) {
+          navigate(href(), true);
+          setError(String(e instanceof Error ? e.message : e));
+          setPhase("login");
+          return;
+        }
+      }
+      if (usesOIDC(cfg) && !bearer()) {
+        setPhase("login");
+        return;
+      }
+      await whoami();
+    })();
+    return onChange(() => {
+      if (!bearer() && usesOIDC(cfg)) {
+        setSession(null);
+        setPhase("login");
+      }
+    });
+  }, []);
+
+  if (phase === "starting") {
+    return <p class="boot">Connecting to {cfg.node}…</p>;
+  }
+  if (phase === "login" || !session) {
+    return <LoginScreen cfg={cfg} error={error} />;
+  }
+  return (
+    <Shell
+      session={session}
+      onLogout={() => {
+        forget();
+        setError(undefined);
+      }}
+    />
+  );
+}
+
+loadConfig().then(
+  (cfg) => render(<App cfg={cfg} />, document.getElementById("app")!),
+  (e) => {
+    document.getElementById("app")!.textContent = `The console cannot start: ${e instanceof Error ? e.message : e}`;
+  },
+);

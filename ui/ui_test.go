@@ -1,0 +1,131 @@
+package ui
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+func get(t *testing.T, h http.Handler, path string, hdr ...string) *http.Response {
+	t.Helper()
+	req := httptest.NewRequest(http.MethodGet, path, nil)
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	return rec.Result()
+}
+
+func body(t *testing.T, r *http.Response) string {
+	t.Helper()
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func TestServesBuiltAssets(t *testing.T) {
+	cfg := &Config{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "pivirt-ui", Scopes: []string{"openid"}, Node: "node1", Version: "1.2.3"}
+	h := Handler(func() *Config { return cfg })
+
+	// Every path under /ui/ that is not an asset is the application, so a
+	// shared URL opens its view.
+	for _, p := range []string{"/ui/", "/ui/vms/vm-1", "/ui/schedules/nightly"} {
+		r := get(t, h, p)
+		if r.StatusCode != http.StatusOK || !strings.Contains(r.Header.Get("Content-Type"), "text/html") {
+			t.Fatalf("%s: %d %s", p, r.StatusCode, r.Header.Get("Content-Type"))
+		}
+		if cc := r.Header.Get("Cache-Control"); cc != "no-cache" {
+			t.Errorf("%s: Cache-Control %q, want no-cache", p, cc)
+		}
+	}
+	html := body(t, get(t, h, "/ui/"))
+	refs := regexp.MustCompile(`/ui/(assets/[A-Za-z0-9._-]+)`).FindAllStringSubmatch(html, -1)
+	if len(refs) < 2 {
+		t.Fatalf("index.html names %d assets, want the script and the stylesheet:\n%s", len(refs), html)
+	}
+	for _, m := range refs {
+		r := get(t, h, "/ui/"+m[1])
+		if r.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %d", m[1], r.StatusCode)
+		}
+		if cc := r.Header.Get("Cache-Control"); !strings.Contains(cc, "immutable") {
+			t.Errorf("%s: Cache-Control %q, want immutable (hashed name)", m[1], cc)
+		}
+		ct := r.Header.Get("Content-Type")
+		if !strings.Contains(ct, "javascript") && !strings.Contains(ct, "css") {
+			t.Errorf("%s: Content-Type %q", m[1], ct)
+		}
+	}
+
+	// The policy: only the agent's scripts and styles; connections to the
+	// agent and the issuer; no framing; no inline script.
+	csp := get(t, h, "/ui/").Header.Get("Content-Security-Policy")
+	for _, want := range []string{"default-src 'none'", "script-src 'self'", "style-src 'self'", "connect-src 'self' http://127.0.0.1:5556", "frame-ancestors 'none'", "base-uri 'none'"} {
+		if !strings.Contains(csp, want) {
+			t.Errorf("Content-Security-Policy %q lacks %q", csp, want)
+		}
+	}
+	if strings.Contains(csp, "unsafe-inline") || strings.Contains(csp, "unsafe-eval") {
+		t.Errorf("Content-Security-Policy allows inline code: %q", csp)
+	}
+	if strings.Contains(html, "<script>") || strings.Contains(html, " style=") {
+		t.Errorf("index.html has inline script or style, which the policy refuses:\n%s", html)
+	}
+
+	r := get(t, h, "/ui/config.json")
+	if r.Header.Get("Cache-Control") != "no-store" {
+		t.Errorf("config.json Cache-Control %q", r.Header.Get("Cache-Control"))
+	}
+	var got Config
+	if err := json.NewDecoder(r.Body).Decode(&got); err != nil {
+		t.Fatal(err)
+	}
+	if got.IssuerURL != cfg.IssuerURL || got.ClientID != "pivirt-ui" || got.Node != "node1" {
+		t.Errorf("config.json = %+v, want %+v", got, cfg)
+	}
+
+	for _, p := range []string{"/ui/assets/missing.js", "/ui/assets/../ui.go", "/ui/assets/"} {
+		if r := get(t, h, p); r.StatusCode != http.StatusNotFound {
+			t.Errorf("%s: %d, want 404", p, r.StatusCode)
+		}
+	}
+	req := httptest.NewRequest(http.MethodPost, "/ui/", nil)
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	if rec.Code != http.StatusMethodNotAllowed {
+		t.Errorf("POST /ui/: %d, want 405", rec.Code)
+	}
+}
+
+func TestDisabled(t *testing.T) {
+	h := Handler(func() *Config { return nil })
+	if r := get(t, h, "/ui/"); r.StatusCode != http.StatusNotFound {
+		t.Fatalf("a disabled UI answered %d, want 404", r.StatusCode)
+	}
+}
+
+func TestCertificateLoginHasNoIssuerInPolicy(t *testing.T) {
+	h := Handler(func() *Config { return &Config{Node: "n"} })
+	csp := get(t, h, "/ui/").Header.Get("Content-Security-Policy")
+	if !strings.Contains(csp, "connect-src 'self';") {
+		t.Errorf("without an issuer the page connects to the agent only; policy %q", csp)
+	}
+}
+
+func TestRootSendsBrowsersToTheUI(t *testing.T) {
+	h := Root()
+	r := get(t, h, "/", "Accept", "text/html,application/xhtml+xml")
+	if r.StatusCode != http.StatusFound || r.Header.Get("Location") != Prefix {
+		t.Fatalf("browser at /: %d Location %q", r.StatusCode, r.Header.Get("Location"))
+	}
+	if r := get(t, h, "/", "Accept", "application/json"); r.StatusCode != http.StatusNotFound {
+		t.Fatalf("API client at /: %d, want 404", r.StatusCode)
+	}
+}
