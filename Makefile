@@ -21,7 +21,7 @@ build: ui ## build the web UI's assets and pivirt-agent, pvcli, pitrust and pivi
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
 
 .PHONY: test
-test: ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries)
+test: $(NODE_DEPS) ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries; the web UI in headless Chromium)
 	$(GO) test -race -timeout $(TEST_TIMEOUT) $(PKGS)
 
 .PHONY: lint

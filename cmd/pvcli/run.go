@@ -93,7 +93,7 @@ func (a *app) run(ctx context.Context, args []string) error {
 		fmt.Fprintf(stderr, "The agent did not accept the credentials: send a bearer token (--token or %s) or a client certificate of the PiTrust chain (--cert-file/--key-file, %s/%s, or %s and %s).\n",
 			envToken, envCertFile, envKeyFile, defaultCertFile, defaultKeyFile)
 	case connect.CodePermissionDenied:
-		fmt.Fprintln(stderr, "The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does.")
+		fmt.Fprintln(stderr, hintPermissionDenied)
 	case connect.CodeResourceExhausted:
 		if wait, ok := retryDelay(err); ok {
 			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
@@ -103,11 +103,18 @@ func (a *app) run(ctx context.Context, args []string) error {
 			explainCertRefusal(stderr, a.target.tls, time.Now())
 		}
 		if noLeader(err) {
-			fmt.Fprintln(stderr, "The cluster has no leader: writes and default or consistent reads wait for one. A read with --consistency stale is answered by the agent asked, from its own copy of the state (--max-stale bounds how old). A leader is elected once a majority of the voters reach each other again: start the stopped agents or mend the network.")
+			fmt.Fprintln(stderr, hintNoLeader)
 		}
 	}
 	return err
 }
+
+// The hints under an error; the web UI shows the same words (ui/src/api.ts,
+// checked by TestUIHintsMatch).
+const (
+	hintPermissionDenied = "The agent's RBAC policy does not allow this call for your identity (the message names the resource and verb); ask for a role that does."
+	hintNoLeader         = "The cluster has no leader: writes and default or consistent reads wait for one. A read with --consistency stale is answered by the agent asked, from its own copy of the state (--max-stale bounds how old). A leader is elected once a majority of the voters reach each other again: start the stopped agents or mend the network."
+)
 
 // reasonNoLeader is the google.rpc.ErrorInfo reason of an agent's error
 // for a request that found no leader (gateway.ReasonNoLeader).

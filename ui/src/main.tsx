@@ -63,6 +63,20 @@ function Nav(props: { session: Session; route: string[] }) {
 
 function View(props: { session: Session; route: string[] }) {
   const [top, ...rest] = props.route;
+  // The landing page is the first view the caller may read (a vm-owner's
+  // is its VMs).
+  const first = views.find((d) => can(props.session, d.needs));
+  useEffect(() => {
+    if (top === undefined && first && first.path !== "") navigate(href(first.path), true);
+  }, [top, first]);
+  if (top === undefined && !first) {
+    return (
+      <section>
+        <h1>Nothing to show</h1>
+        <p>Your roles ({props.session.who.roles.join(", ") || "none"}) may read none of the console's views; ask for a role that does.</p>
+      </section>
+    );
+  }
   const v = views.find((d) => d.path === (top ?? ""));
   if (!v) {
     return (

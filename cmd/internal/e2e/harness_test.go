@@ -177,6 +177,14 @@ type cluster struct {
 	// configuration file, indented by two spaces; {certs} stands for the
 	// certificate directory.
 	tlsExtra string
+	// tokens lets the API port take a bearer token without a client
+	// certificate (require_client_cert: false), as make cluster runs it
+	// for browsers and pvcli login.
+	tokens bool
+	// authExtra is YAML added to the auth block of every agent's
+	// configuration file, indented by two spaces (auth.oidc,
+	// auth.rbac_policy).
+	authExtra string
 	// net, when set, runs node i in network namespace net.names[i] on
 	// address net.ips[i] (startClusterIn); else every node is on 127.0.0.1.
 	net *netnsEnv
@@ -285,7 +293,7 @@ func (c *cluster) boot(t *testing.T, dir string) error {
   cert_file: %[1]s/pivirt-agent-%[2]s.crt
   key_file: %[1]s/pivirt-agent-%[2]s.key
   verify_peer: true
-  require_client_cert: true
+  require_client_cert: %[5]t
 %[4]sserver:
   connectrpc:
     tls:
@@ -295,7 +303,7 @@ func (c *cluster) boot(t *testing.T, dir string) error {
 auth:
   certificate_roles:
     operator: [admin]
-logging:
+%[6]slogging:
   format: text
   level: info
 backends:
@@ -307,7 +315,7 @@ backends:
       backoff: 50ms
   iscsiman:
     endpoint: unix://%[3]s
-`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs)) + withClusterName(c.extra, c.name)
+`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs), !c.tokens, c.authExtra) + withClusterName(c.extra, c.name)
 		if i == 0 {
 			// node1 keeps its Raft log in raft-boltdb, node2 and node3 in
 			// the WAL (the default): every end-to-end test runs on both

@@ -1,0 +1,414 @@
+package e2e_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+)
+
+// The web UI in a real browser: Debian's headless Chromium driven with
+// chromedp against three real agents (each with its pivirtd-sim), the
+// development OIDC issuer of pitrust and the reference RBAC policy of
+// make cluster. Screenshots of every view go to PIVIRT_UI_SCREENSHOTS
+// (default bin/ui-screenshots in the repository), and with
+// UPDATE_SCREENSHOTS=1 the README's pictures in docs/ui are replaced.
+
+// repoRoot is the repository, relative to this package's directory.
+const repoRoot = "../../.."
+
+// referencePolicy is make cluster's RBAC policy (scripts/cluster.sh).
+const referencePolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["admin"]
+    resources: ["*"]
+    verbs: ["*"]
+  - roles: ["operator"]
+    resources: ["virtualmachines", "volumes", "networks"]
+    verbs: ["get", "list", "create", "update", "patch"]
+  - roles: ["viewer"]
+    resources: ["*"]
+    verbs: ["get", "list"]
+  - roles: ["vm-owner"]
+    resources: ["virtualmachines"]
+    verbs: ["get", "list", "update", "patch", "start", "stop", "console"]
+    conditions:
+      - field: "metadata.owner"
+        operator: "Equals"
+        value: "{{.user.identity}}"
+`
+
+// chromiumPath finds Debian's Chromium; in CI a missing one fails (.ci/run
+// installs it), elsewhere the test is skipped with how to get it.
+func chromiumPath(t *testing.T) string {
+	for _, name := range []string{"chromium", "chromium-headless-shell", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	if os.Getenv("CI") != "" {
+		t.Fatal("no Chromium: .ci/run installs Debian's chromium package")
+	}
+	t.Skip("no Chromium to drive: apt-get install chromium (CI installs it)")
+	return ""
+}
+
+// uiEnv is a cluster with the development issuer and a browser.
+type uiEnv struct {
+	c        *cluster
+	secret   string
+	issuer   string
+	alloc    context.Context
+	shotsDir string
+	axe      string
+}
+
+func startUIEnv(t *testing.T) *uiEnv {
+	chrome := chromiumPath(t)
+	axe, err := os.ReadFile(filepath.Join(repoRoot, "node_modules", "axe-core", "axe.min.js"))
+	if err != nil {
+		t.Fatalf("axe-core (npm ci installs it; make test runs npm ci): %v", err)
+	}
+	bins := buildBinaries(t)
+	dir := t.TempDir()
+	c := &cluster{bins: bins, dir: dir, tokens: true}
+	c.certs = makePKI(t, filepath.Join(dir, "certs"))
+
+	// The development issuer, as make cluster starts it.
+	issuerLog := filepath.Join(dir, "dev-issuer.log")
+	if _, err := c.spawn(issuerLog, bins.pitrust, []string{"dev-issuer", "--dir", c.certs, "--addr", "127.0.0.1:0"}); err != nil {
+		t.Fatal(err)
+	}
+	var issuer string
+	c.eventually(t, 20*time.Second, "the dev issuer records its URL", func() error {
+		b, err := os.ReadFile(filepath.Join(c.certs, "dev-oidc.issuer"))
+		if err != nil || len(strings.TrimSpace(string(b))) == 0 {
+			return fmt.Errorf("no dev-oidc.issuer yet (%v); log:\n%s", err, tail(issuerLog, 10))
+		}
+		issuer = strings.TrimSpace(string(b))
+		return nil
+	})
+	secret, err := os.ReadFile(filepath.Join(c.certs, "dev-oidc.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy := filepath.Join(dir, "rbac.yaml")
+	if err := os.WriteFile(policy, []byte(referencePolicy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c.authExtra = fmt.Sprintf("  oidc:\n    issuer_url: %s\n    client_id: pivirt-agent\n  rbac_policy: %s\n", issuer, policy)
+	startClusterOn(t, c)
+
+	shots := os.Getenv("PIVIRT_UI_SCREENSHOTS")
+	if shots == "" {
+		shots = filepath.Join(repoRoot, "bin", "ui-screenshots")
+	}
+	if err := os.MkdirAll(shots, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	opts := append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chrome),
+		chromedp.NoSandbox,
+		chromedp.WindowSize(1280, 800),
+		// The agents' certificates are of the test's own PiTrust CA.
+		chromedp.IgnoreCertErrors,
+		chromedp.Flag("lang", "en-US"),
+	)
+	alloc, cancel := chromedp.NewExecAllocator(t.Context(), opts...)
+	t.Cleanup(cancel)
+	return &uiEnv{c: c, secret: strings.TrimSpace(string(secret)), issuer: issuer, alloc: alloc, shotsDir: shots, axe: string(axe)}
+}
+
+// tab is one browser tab: its own page and memory, so its own login.
+type tab struct {
+	env *uiEnv
+	ctx context.Context
+	t   *testing.T
+}
+
+func (e *uiEnv) newTab(t *testing.T) *tab {
+	ctx, cancel := chromedp.NewContext(e.alloc)
+	t.Cleanup(cancel)
+	if err := chromedp.Do(ctx); err != nil {
+		t.Fatalf("start the browser: %v", err)
+	}
+	return &tab{env: e, ctx: ctx, t: t}
+}
+
+// run runs browser actions with a deadline.
+func (b *tab) run(what string, timeout time.Duration, actions ...chromedp.Action[chromedp.Void]) {
+	b.t.Helper()
+	ctx, cancel := context.WithTimeout(b.ctx, timeout)
+	defer cancel()
+	if err := chromedp.Do(ctx, actions...); err != nil {
+		b.fail(what, err)
+	}
+}
+
+// fail ends the test with the page's text, which says what the user saw.
+func (b *tab) fail(what string, err error) {
+	b.t.Helper()
+	ctx, cancel := context.WithTimeout(b.ctx, 5*time.Second)
+	defer cancel()
+	page, _ := chromedp.Run(ctx, chromedp.Evaluate[string](`document.body ? document.body.innerText.slice(0, 3000) : ""`))
+	b.t.Fatalf("%s: %v\npage %s text:\n%s", what, err, b.url(), page)
+}
+
+func (b *tab) url() string {
+	ctx, cancel := context.WithTimeout(b.ctx, 5*time.Second)
+	defer cancel()
+	u, _ := chromedp.Run(ctx, chromedp.Evaluate[string](`location.href`))
+	return u
+}
+
+// waitJS polls a JavaScript condition in the page until it is true.
+func (b *tab) waitJS(what string, timeout time.Duration, cond string) time.Duration {
+	b.t.Helper()
+	start := time.Now()
+	b.run(what, timeout+time.Second, chromedp.Poll[chromedp.Void](cond, chromedp.WithPollingTimeout(timeout), chromedp.WithPollingInterval(100*time.Millisecond)))
+	return time.Since(start)
+}
+
+// waitText waits until the page's text contains s.
+func (b *tab) waitText(s string, timeout time.Duration) time.Duration {
+	b.t.Helper()
+	q, _ := json.Marshal(s)
+	return b.waitJS(fmt.Sprintf("text %q", s), timeout, fmt.Sprintf(`document.body.innerText.includes(%s)`, q))
+}
+
+func (b *tab) text() string {
+	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+	defer cancel()
+	s, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.body.innerText`))
+	if err != nil {
+		b.fail("read the page", err)
+	}
+	return s
+}
+
+// login logs in through the development issuer's form.
+func (b *tab) login(n *node, user, roles string) {
+	b.t.Helper()
+	b.run("open the UI", 30*time.Second, chromedp.Navigate("https://"+n.api+"/"))
+	b.waitText("Log in", 20*time.Second)
+	b.run("go to the issuer", 30*time.Second,
+		chromedp.Click(`button.primary`),
+		chromedp.WaitVisible(`input[name=user]`),
+		chromedp.SendKeys(`input[name=user]`, user),
+		chromedp.SendKeys(`input[name=roles]`, roles),
+		chromedp.SendKeys(`input[name=password]`, b.env.secret),
+		chromedp.Submit(`form`),
+	)
+	b.waitJS("logged in as "+user, 30*time.Second, fmt.Sprintf(`(document.querySelector('[data-testid=identity]')?.textContent ?? '') === %q`, user))
+}
+
+// open follows an in-app link by its text, as a user clicks it.
+func (b *tab) open(linkText string) {
+	b.t.Helper()
+	q, _ := json.Marshal(linkText)
+	b.run("open "+linkText, 20*time.Second, chromedp.Poll[chromedp.Void](fmt.Sprintf(`(() => {
+		const a = [...document.querySelectorAll('a')].find((a) => a.textContent.trim() === %s);
+		if (!a) return false;
+		a.click();
+		return true;
+	})()`, q), chromedp.WithPollingTimeout(15*time.Second), chromedp.WithPollingInterval(100*time.Millisecond)))
+}
+
+// shot saves a screenshot of the viewport as name.png.
+func (b *tab) shot(name string) {
+	b.t.Helper()
+	ctx, cancel := context.WithTimeout(b.ctx, 20*time.Second)
+	defer cancel()
+	png, err := chromedp.Run(ctx, chromedp.CaptureScreenshot())
+	if err != nil {
+		b.fail("screenshot "+name, err)
+	}
+	path := filepath.Join(b.env.shotsDir, name+".png")
+	if err := os.WriteFile(path, png, 0o644); err != nil {
+		b.t.Fatal(err)
+	}
+	if os.Getenv("UPDATE_SCREENSHOTS") != "" {
+		docs := filepath.Join(repoRoot, "docs", "ui")
+		if err := os.MkdirAll(docs, 0o755); err != nil {
+			b.t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(docs, name+".png"), png, 0o644); err != nil {
+			b.t.Fatal(err)
+		}
+	}
+}
+
+// axeViolation is one finding of axe-core.
+type axeViolation struct {
+	ID     string `json:"id"`
+	Impact string `json:"impact"`
+	Help   string `json:"help"`
+	Nodes  []struct {
+		Target []any  `json:"target"`
+		HTML   string `json:"html"`
+	} `json:"nodes"`
+}
+
+// accessible runs axe-core (WCAG 2 A and AA rules) on the page and fails on
+// a serious or critical violation.
+func (b *tab) accessible(view string) {
+	b.t.Helper()
+	ctx, cancel := context.WithTimeout(b.ctx, 60*time.Second)
+	defer cancel()
+	if _, err := chromedp.Run(ctx, chromedp.Evaluate[bool](b.env.axe+";true")); err != nil {
+		b.fail("load axe-core", err)
+	}
+	found, err := chromedp.Run(ctx, chromedp.Evaluate[[]axeViolation](`axe.run(document, {runOnly: {type: 'tag', values: ['wcag2a', 'wcag2aa', 'wcag21a', 'wcag21aa']}}).then((r) => r.violations)`, chromedp.EvalAwaitPromise))
+	if err != nil {
+		b.fail("axe on "+view, err)
+	}
+	for _, v := range found {
+		if v.Impact == "serious" || v.Impact == "critical" {
+			var where []string
+			for _, n := range v.Nodes {
+				where = append(where, n.HTML)
+			}
+			b.t.Errorf("axe on %s: %s (%s): %s\n  %s", view, v.ID, v.Impact, v.Help, strings.Join(where, "\n  "))
+		}
+	}
+}
+
+func TestWebUI(t *testing.T) {
+	e := startUIEnv(t)
+	c := e.c
+	n1, n2, n3 := c.nodes[0], c.nodes[1], c.nodes[2]
+
+	// Objects on every node, some of them alice's.
+	vmOn := map[string]string{}
+	for _, n := range c.nodes {
+		for _, owner := range []string{"alice", "bob"} {
+			var created struct {
+				VM vmOut `json:"vm"`
+			}
+			c.okJSON(t, n1, &created, "-o", "json", "vm", "create", owner+"-"+n.name, "--vcpus", "1", "--memory-mib", "256", "--host", n.name, "--owner", owner)
+			vmOn[owner+"-"+n.name] = created.VM.ID
+		}
+		c.ok(t, n1, "volume", "create", "disk-"+n.name, "--size", "1MiB", "--host", n.name)
+		c.ok(t, n1, "network", "create", "net-"+n.name, "--cidr", "10.9."+n.name[4:]+".0/24", "--host", n.name)
+	}
+	c.ok(t, n2, "service", "register", "web", "--address", "10.0.0.5", "--port", "8080", "--tag", "v1", "--ttl", "1h")
+	c.ok(t, n1, "config", "set", "logging.level", "debug")
+	c.ok(t, n1, "config", "set", "logging.level", "info")
+
+	admin := e.newTab(t)
+	admin.login(n1, "root", "admin")
+
+	t.Run("overview", func(t *testing.T) {
+		admin.t = t
+		admin.waitJS("three members alive", 20*time.Second, `['node1','node2','node3'].every((n) => (document.querySelector('[data-testid=member-'+n+']')?.textContent ?? '') === 'alive')`)
+		admin.waitText("Healthy", 20*time.Second)
+		admin.shot("overview")
+		admin.accessible("overview")
+	})
+
+	t.Run("start a VM on another node", func(t *testing.T) {
+		admin.t = t
+		id := vmOn["alice-node3"]
+		admin.open("VMs")
+		admin.waitText("bob-node2", 20*time.Second)
+		admin.shot("vms")
+		admin.accessible("vms")
+		admin.open("alice-node3")
+		admin.waitJS("the VM's page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
+		admin.run("start it", 20*time.Second,
+			chromedp.Click(`//button[normalize-space()='Start']`),
+			chromedp.WaitVisible(`dialog[open]`),
+		)
+		admin.shot("vm-confirm")
+		admin.run("confirm", 20*time.Second, chromedp.Click(`//dialog//button[normalize-space()='Start']`))
+		admin.waitJS("the VM runs", 30*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'running'`)
+		var got struct {
+			VM vmOut `json:"vm"`
+		}
+		c.okJSON(t, n2, &got, "-o", "json", "vm", "get", id)
+		if got.VM.PowerState != "POWER_STATE_RUNNING" || got.VM.Host != n3.name {
+			t.Fatalf("after Start in the UI of %s, pvcli sees %+v", n1.name, got.VM)
+		}
+		admin.shot("vm")
+	})
+
+	t.Run("a schedule's runs appear", func(t *testing.T) {
+		admin.t = t
+		id := vmOn["bob-node2"]
+		c.ok(t, n1, "schedule", "create", "--id", "reboot-bob", "--vm", id, "--action", "power-on", "--cron", "@every 2s")
+		admin.open("Schedules")
+		admin.waitText("reboot-bob", 20*time.Second)
+		admin.open("reboot-bob")
+		took := admin.waitJS("a run appears", 30*time.Second, `[...document.querySelectorAll('[data-testid=run-outcome]')].some((e) => e.textContent === 'ok')`)
+		t.Logf("the first run appeared in the UI %s after the schedule's page opened", took.Round(100*time.Millisecond))
+		admin.shot("schedule")
+		admin.accessible("schedule")
+		c.ok(t, n1, "schedule", "pause", "reboot-bob")
+	})
+
+	t.Run("other views", func(t *testing.T) {
+		admin.t = t
+		for _, v := range []struct{ link, text, shot string }{
+			{"Services", "web", "services"},
+			{"Volumes", "disk-node2", "volumes"},
+			{"Networks", "net-node3", "networks"},
+			{"Settings", "logging.level", "settings"},
+			{"Snapshots", "Take a snapshot", "snapshots"},
+			{"Logs", "Log of node1", "logs"},
+		} {
+			admin.open(v.link)
+			admin.waitText(v.text, 20*time.Second)
+			admin.shot(v.shot)
+			admin.accessible(v.shot)
+		}
+		admin.open("Settings")
+		admin.open("logging.level")
+		admin.waitText("Diff", 20*time.Second)
+		admin.shot("setting-history")
+		admin.accessible("setting-history")
+	})
+
+	t.Run("phone width", func(t *testing.T) {
+		admin.t = t
+		admin.run("phone", 10*time.Second, chromedp.EmulateViewport(390, 844, chromedp.EmulateScale(2), chromedp.EmulateMobile))
+		admin.open("VMs")
+		admin.waitText("alice-node1", 20*time.Second)
+		admin.shot("phone-vms")
+		admin.accessible("phone-vms")
+		admin.run("desktop", 10*time.Second, chromedp.EmulateReset())
+	})
+
+	t.Run("vm-owner sees only its own", func(t *testing.T) {
+		owner := e.newTab(t)
+		owner.login(n2, "alice", "vm-owner")
+		owner.waitText("alice-node3", 20*time.Second)
+		page := owner.text()
+		for _, hidden := range []string{"bob-node1", "Overview", "Settings", "Snapshots", "Schedules", "Volumes"} {
+			if strings.Contains(page, hidden) {
+				t.Errorf("vm-owner alice sees %q:\n%s", hidden, page)
+			}
+		}
+		owner.shot("vm-owner")
+		owner.open("alice-node1")
+		owner.waitJS("alice's VM page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
+		owner.waitText("Start", 10*time.Second)
+	})
+
+	t.Run("a node goes down", func(t *testing.T) {
+		admin.t = t
+		admin.open("Overview")
+		admin.waitJS("three members alive", 20*time.Second, `(document.querySelector('[data-testid=member-node3]')?.textContent ?? '') === 'alive'`)
+		c.kill(t, n3)
+		took := admin.waitJS("node3 shown down", 30*time.Second, `['failed','suspect'].includes(document.querySelector('[data-testid=member-node3]')?.textContent ?? '')`)
+		t.Logf("node3 shown down in the overview %s after it was killed", took.Round(100*time.Millisecond))
+		admin.shot("node-down")
+	})
+}
