@@ -208,6 +208,11 @@ $certs), whose roles the reference RBAC policy in $dir/rbac.yaml judges:
   pvcli --endpoint https://127.0.0.1:8443 --token "\$TOKEN" vm list   # alice's VMs only (with PVCLI_CA_FILE set)
   curl --cacert $certs/ca-chain.pem -H "authorization: Bearer \$TOKEN" -H "content-type: application/json" \\
     -d '{}' https://127.0.0.1:8443/pivirt.vm.v1.VMService/ListVMs
+
+The web console is on every agent: https://127.0.0.1:8443/ui/ (also :8453, :8463). The
+browser warns about the development CA ($certs/ca-chain.pem: import it, or accept once).
+"Log in" goes to the development issuer: any user name, roles such as admin, viewer or
+vm-owner, and its password, the content of $certs/dev-oidc.secret.
 Stop everything with: make cluster-stop
 MSG
       return 0
