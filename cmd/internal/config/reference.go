@@ -8,7 +8,7 @@ import (
 
 // LiveKeys are the keys (and key prefixes) a running agent applies without
 // a restart, from its file (POST /reload, SIGHUP) or as cluster settings.
-var LiveKeys = []string{"logging.level", "logging.components", "routing", "backends", "load_balancing", "circuit_breaking", "rate_limiting", "auth.certificate_roles", "pinned_settings", "service_discovery.services_dir", "tls.revocation"}
+var LiveKeys = []string{"logging.level", "logging.components", "routing", "backends", "load_balancing", "circuit_breaking", "rate_limiting", "auth.certificate_roles", "pinned_settings", "service_discovery.services_dir", "tls.revocation", "server.ui"}
 
 // RefRow is one row of the configuration reference.
 type RefRow struct {
