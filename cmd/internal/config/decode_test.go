@@ -28,7 +28,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "unknown key depth 2",
 			doc:  "server:\n  metrcs:\n    addr: x\n",
-			want: "config.yaml: server.metrcs: unknown key (known: connectrpc, grpc_internal, metrics)",
+			want: "config.yaml: server.metrcs: unknown key (known: connectrpc, grpc_internal, metrics, ui)",
 		},
 		{
 			name: "unknown key depth 4",
