@@ -498,6 +498,17 @@ func TestAuthorizeRefusals(t *testing.T) {
 		if resp.StatusCode != http.StatusOK {
 			t.Errorf("redirect_uri %s: %s: %s", ok, resp.Status, page)
 		}
+		// A CSP source cannot name an IPv6 address: its scheme stands in.
+		want := "form-action 'self' " + strings.TrimSuffix(ok, "/cb") + ";"
+		switch ok {
+		case "https://[::1]:8443/ui/":
+			want = "form-action 'self' https:;"
+		case "http://127.0.0.2:1/x?y=z":
+			want = "form-action 'self' http://127.0.0.2:1;"
+		}
+		if csp := resp.Header.Get("Content-Security-Policy"); !strings.Contains(csp, want) {
+			t.Errorf("redirect_uri %s: Content-Security-Policy %q, want %q", ok, csp, want)
+		}
 	}
 
 	for name, c := range map[string]struct {
