@@ -50,7 +50,7 @@ var (
 
 // authParams are the parameters of an authorization request, carried by
 // the login form in hidden fields.
-var authParams = []string{"response_type", "client_id", "redirect_uri", "state", "code_challenge", "code_challenge_method", "scope", "nonce"}
+var authParams = []string{"response_type", "client_id", "redirect_uri", "state", "code_challenge", "code_challenge_method", "scope", "nonce", "response_mode"}
 
 // authRequest is a validated authorization request.
 type authRequest struct {
@@ -107,6 +107,9 @@ func parseAuthRequest(v url.Values) (authRequest, *authError) {
 		return ar, &authError{"invalid_request", "no response_type: the development issuer answers response_type=code"}
 	default:
 		return ar, &authError{"unsupported_response_type", fmt.Sprintf("response_type %q: the development issuer answers response_type=code only", rt)}
+	}
+	if m := ar.params.Get("response_mode"); m != "" && m != "query" {
+		return ar, &authError{"invalid_request", fmt.Sprintf("response_mode %q: the development issuer answers in the query only", m)}
 	}
 	switch c := ar.params.Get("code_challenge"); {
 	case c == "":

@@ -522,6 +522,7 @@ func TestAuthorizeRefusals(t *testing.T) {
 		"no challenge method": {func(v url.Values) { v.Del("code_challenge_method") }, "invalid_request"},
 		"short challenge":     {func(v url.Values) { v.Set("code_challenge", "abc") }, "invalid_request"},
 		"state twice":         {func(v url.Values) { v.Add("state", "again") }, "invalid_request"},
+		"fragment response":   {func(v url.Values) { v.Set("response_mode", "fragment") }, "invalid_request"},
 	} {
 		resp, page := ti.do(t, http.MethodGet, ti.URL+"/authorize?"+valid(c.mod).Encode(), nil, nil)
 		loc, _ := url.Parse(resp.Header.Get("Location"))

@@ -287,7 +287,7 @@ func Listen(dir, addr string) (*Issuer, net.Listener, error) {
 //	                                          response_type=code, client_id=Audience,
 //	                                          redirect_uri (a loopback http(s) URL), state,
 //	                                          code_challenge, code_challenge_method=S256,
-//	                                          scope and nonce optional
+//	                                          scope, nonce, response_mode=query optional
 //	POST /authorize                           the form: the request's parameters, user,
 //	                                          roles, password (the secret of SecretFile);
 //	                                          303 to redirect_uri?code=...&state=...&iss=...
