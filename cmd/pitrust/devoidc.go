@@ -20,13 +20,14 @@ func devIssuerCmd(dir *string, stdout, stderr io.Writer) *cobra.Command {
 	var addr string
 	c := &cobra.Command{
 		Use:   "dev-issuer [--addr 127.0.0.1:PORT]",
-		Short: "Serve a local OIDC issuer for development (discovery, JWKS, token endpoint) on loopback",
+		Short: "Serve a local OIDC issuer for development (discovery, JWKS, token and authorization endpoints) on loopback",
 		Long: `dev-issuer serves an OpenID Connect issuer for development on a loopback
 address, until interrupted: the discovery document
-(/.well-known/openid-configuration), the JWKS (/keys) and a token endpoint
-(/token). Its signing key is ` + devoidc.KeyFile + ` in --dir, made on first start
-with the token endpoint's client secret (` + devoidc.SecretFile + `); the issuer's URL
-is written to ` + devoidc.IssuerFile + ` there, for pitrust dev-token.
+(/.well-known/openid-configuration), the JWKS (/keys), a token endpoint
+(/token) and an authorization endpoint (/authorize). Its signing key is
+` + devoidc.KeyFile + ` in --dir, made on first start with the client secret
+(` + devoidc.SecretFile + `); the issuer's URL is written to ` + devoidc.IssuerFile + ` there, for
+pitrust dev-token.
 
 Point agents at it with:
 
@@ -40,6 +41,15 @@ or from the token endpoint:
 
   curl -u ` + devoidc.Audience + `:$(cat DIR/` + devoidc.SecretFile + `) -d grant_type=client_credentials \
     -d user=alice -d roles=vm-owner -d ttl=1h http://127.0.0.1:8440/token
+
+A browser page on loopback (the agents' web UI) signs in with the
+authorization code flow and PKCE, as the public client ` + devoidc.Audience + `:
+/authorize (response_type=code, code_challenge_method=S256, a redirect_uri
+on 127.0.0.1, ::1 or localhost) shows a form asking for any user name and
+roles, and a password: the content of ` + devoidc.SecretFile + `. The code it
+redirects with is exchanged once, within ` + fmt.Sprint(devoidc.CodeTTL.Seconds()) + ` s, at /token
+(grant_type=authorization_code with the code_verifier). Discovery, /keys
+and /token answer CORS requests of loopback origins.
 
 Not an identity provider: anyone who can read the key or the secret gets any
 identity and any role. Real deployments point auth.oidc at their own issuer.`,

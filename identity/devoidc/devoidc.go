@@ -1,9 +1,12 @@
 // Package devoidc is a local OpenID Connect issuer for development: its
 // signing key lives in a directory (the dev PKI's), tokens are minted with
-// that key offline (pitrust dev-token) or from its token endpoint, and the
-// issuer serves the discovery document and the JWKS on 127.0.0.1 so that an
-// agent's auth.oidc can point at it. It is never a production identity
-// provider: it listens on loopback only, and its tokens are short-lived.
+// that key offline (pitrust dev-token), from its token endpoint (client
+// credentials with the directory's secret), or through its authorization
+// endpoint (authorization code with PKCE, for a browser page on loopback,
+// the secret as the login password), and the issuer serves the discovery
+// document and the JWKS on 127.0.0.1 so that an agent's auth.oidc can point
+// at it. It is never a production identity provider: it listens on loopback
+// only, redirects to loopback pages only, and its tokens are short-lived.
 package devoidc
 
 import (
@@ -39,7 +42,8 @@ import (
 const (
 	// KeyFile is the signing key (ECDSA P-256, PKCS#8 PEM, 0600).
 	KeyFile = "dev-oidc.key"
-	// SecretFile is the client secret of the token endpoint (0600).
+	// SecretFile is the client secret of the token endpoint and the
+	// password of the authorization endpoint's login form (0600).
 	SecretFile = "dev-oidc.secret"
 	// IssuerFile holds the URL of the issuer that last served from the
 	// directory, for minting offline with the matching iss.
@@ -148,6 +152,9 @@ type Request struct {
 	TTL time.Duration
 	// Now is the time of issue; zero: time.Now.
 	Now time.Time
+	// Nonce, when set, is the nonce claim: the one of the authorization
+	// request, which an OpenID Connect client checks in the ID token.
+	Nonce string
 }
 
 // ParseRoles splits roles given as one string, separated by commas or
@@ -161,13 +168,8 @@ func (k Key) Mint(r Request) (string, time.Time, error) {
 	if r.Issuer == "" {
 		return "", time.Time{}, fmt.Errorf("%w: no issuer URL", ErrInvalid)
 	}
-	if r.User == "" || strings.ContainsFunc(r.User, func(c rune) bool { return c < 0x20 || c == 0x7f }) {
-		return "", time.Time{}, fmt.Errorf("%w: the user must be a non-empty name without control characters", ErrInvalid)
-	}
-	for _, role := range r.Roles {
-		if !roleName.MatchString(role) {
-			return "", time.Time{}, fmt.Errorf("%w: role %q: a role is letters, digits and ._:/@- (starting with a letter or digit), at most 128", ErrInvalid, role)
-		}
+	if err := checkIdentity(r.User, r.Roles); err != nil {
+		return "", time.Time{}, err
 	}
 	ttl := r.TTL
 	if ttl == 0 {
@@ -191,12 +193,28 @@ func (k Key) Mint(r Request) (string, time.Time, error) {
 		"iss": r.Issuer, "aud": Audience, "sub": r.User, "preferred_username": r.User, RolesClaim: roles,
 		"iat": now.Unix(), "nbf": now.Unix(), "exp": exp.Unix(), "jti": hex.EncodeToString(jti),
 	}
+	if r.Nonce != "" {
+		claims["nonce"] = r.Nonce
+	}
 	s, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.ES256, Key: jose.JSONWebKey{Key: k.Priv, KeyID: k.KID}}, (&jose.SignerOptions{}).WithType("JWT"))
 	if err != nil {
 		return "", time.Time{}, err
 	}
 	raw, err := jwt.Signed(s).Claims(claims).Serialize()
 	return raw, exp, err
+}
+
+// checkIdentity refuses a user or roles that a token must not carry.
+func checkIdentity(user string, roles []string) error {
+	if user == "" || strings.ContainsFunc(user, func(c rune) bool { return c < 0x20 || c == 0x7f }) {
+		return fmt.Errorf("%w: the user must be a non-empty name without control characters", ErrInvalid)
+	}
+	for _, role := range roles {
+		if !roleName.MatchString(role) {
+			return fmt.Errorf("%w: role %q: a role is letters, digits and ._:/@- (starting with a letter or digit), at most 128", ErrInvalid, role)
+		}
+	}
+	return nil
 }
 
 // IssuerURL reads the URL of the issuer that last served from dir.
@@ -211,12 +229,17 @@ func IssuerURL(dir string) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
-// Issuer serves discovery, the JWKS and the token endpoint of a key.
+// Issuer serves discovery, the JWKS, the token endpoint and the
+// authorization endpoint of a key.
 type Issuer struct {
 	// URL is the issuer URL (http://127.0.0.1:PORT).
 	URL    string
 	key    Key
 	secret string
+	dir    string
+	// now is the clock of the authorization codes' expiry; nil: time.Now.
+	now   func() time.Time
+	codes codeTable
 }
 
 // Listen opens addr (a loopback address; port 0 picks one) for the issuer
@@ -242,7 +265,7 @@ func Listen(dir, addr string) (*Issuer, net.Listener, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("dev OIDC issuer: %w", err)
 	}
-	is := &Issuer{URL: "http://" + ln.Addr().String(), key: key, secret: strings.TrimSpace(string(secret))}
+	is := &Issuer{URL: "http://" + ln.Addr().String(), key: key, secret: strings.TrimSpace(string(secret)), dir: dir}
 	if err := writeFile(dir, IssuerFile, []byte(is.URL+"\n")); err != nil {
 		ln.Close()
 		return nil, nil, fmt.Errorf("dev OIDC issuer: %w", err)
@@ -254,46 +277,87 @@ func Listen(dir, addr string) (*Issuer, net.Listener, error) {
 //
 //	GET  /.well-known/openid-configuration   discovery
 //	GET  /keys                                the JWKS
-//	POST /token                               a token: HTTP Basic client auth (Audience, the
-//	                                          secret of SecretFile), grant_type=client_credentials,
-//	                                          user, roles (comma-separated), ttl (a Go duration)
+//	POST /token                               a token (RFC 6749 section 5 answers and errors):
+//	       grant_type=client_credentials:     HTTP Basic client auth (Audience, the secret of
+//	                                          SecretFile); user, roles (comma-separated), ttl
+//	                                          (a Go duration)
+//	       grant_type=authorization_code:     a public client (no client auth): code,
+//	                                          redirect_uri, client_id, code_verifier (PKCE)
+//	GET  /authorize                           the login form of the authorization code flow:
+//	                                          response_type=code, client_id=Audience,
+//	                                          redirect_uri (a loopback http(s) URL), state,
+//	                                          code_challenge, code_challenge_method=S256,
+//	                                          scope, nonce, response_mode=query optional
+//	POST /authorize                           the form: the request's parameters, user,
+//	                                          roles, password (the secret of SecretFile);
+//	                                          303 to redirect_uri?code=...&state=...&iss=...
+//	GET  /authorize.css                       the form's style sheet
+//
+// Discovery, /keys and /token answer CORS requests (and preflights) from
+// loopback origins, for a browser page on loopback.
 func (is *Issuer) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /.well-known/openid-configuration", func(w http.ResponseWriter, _ *http.Request) {
+	discovery := cors("GET", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{
 			"issuer": is.URL, "jwks_uri": is.URL + "/keys", "token_endpoint": is.URL + "/token",
-			"grant_types_supported":                 []string{"client_credentials"},
-			"token_endpoint_auth_methods_supported": []string{"client_secret_basic"},
-			"response_types_supported":              []string{"token"},
-			"subject_types_supported":               []string{"public"},
-			"id_token_signing_alg_values_supported": []string{string(jose.ES256)},
-			"claims_supported":                      []string{"sub", "preferred_username", RolesClaim},
-			Marker:                                  true,
+			"authorization_endpoint":                         is.URL + "/authorize",
+			"grant_types_supported":                          []string{"client_credentials", "authorization_code"},
+			"token_endpoint_auth_methods_supported":          []string{"client_secret_basic", "none"},
+			"response_types_supported":                       []string{"code"},
+			"response_modes_supported":                       []string{"query"},
+			"code_challenge_methods_supported":               []string{"S256"},
+			"scopes_supported":                               []string{"openid"},
+			"authorization_response_iss_parameter_supported": true,
+			"subject_types_supported":                        []string{"public"},
+			"id_token_signing_alg_values_supported":          []string{string(jose.ES256)},
+			"claims_supported":                               []string{"sub", "preferred_username", RolesClaim, "nonce"},
+			Marker:                                           true,
 		})
-	})
-	mux.HandleFunc("GET /keys", func(w http.ResponseWriter, _ *http.Request) {
+	}))
+	mux.Handle("GET /.well-known/openid-configuration", discovery)
+	mux.Handle("OPTIONS /.well-known/openid-configuration", discovery)
+	keys := cors("GET", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, is.key.JWKS())
-	})
-	mux.HandleFunc("POST /token", is.token)
+	}))
+	mux.Handle("GET /keys", keys)
+	mux.Handle("OPTIONS /keys", keys)
+	token := cors("POST", http.HandlerFunc(is.token))
+	mux.Handle("POST /token", token)
+	mux.Handle("OPTIONS /token", token)
+	mux.HandleFunc("GET /authorize", is.authorizeForm)
+	// The form posts to its own origin: a cross-origin POST (another
+	// page's form) is refused before it is read.
+	mux.Handle("POST /authorize", http.NewCrossOriginProtection().Handler(http.HandlerFunc(is.authorize)))
+	mux.HandleFunc("GET /authorize.css", serveStyle)
 	return mux
 }
 
 // token is the token endpoint (errors as RFC 6749 section 5.2 has them).
 func (is *Issuer) token(w http.ResponseWriter, r *http.Request) {
+	r.Body = http.MaxBytesReader(w, r.Body, maxForm)
+	if err := r.ParseForm(); err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "invalid_request", "error_description": err.Error()})
+		return
+	}
+	switch g := r.PostForm.Get("grant_type"); g {
+	case "client_credentials":
+		is.clientCredentials(w, r)
+	case "authorization_code":
+		is.exchange(w, r)
+	default:
+		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "unsupported_grant_type",
+			"error_description": describe(fmt.Sprintf("grant_type %q: client_credentials or authorization_code", g))})
+	}
+}
+
+// clientCredentials answers grant_type=client_credentials: the client
+// authenticates with the secret and names the user and roles.
+func (is *Issuer) clientCredentials(w http.ResponseWriter, r *http.Request) {
 	id, secret, ok := r.BasicAuth()
 	if !ok || id != Audience || subtle.ConstantTimeCompare([]byte(secret), []byte(is.secret)) != 1 {
 		w.Header().Set("WWW-Authenticate", `Basic realm="pivirt dev OIDC issuer"`)
 		writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "invalid_client",
 			"error_description": "authenticate as client " + Audience + " with the secret in " + SecretFile + " of the issuer's directory"})
-		return
-	}
-	r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
-	if err := r.ParseForm(); err != nil {
-		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "invalid_request", "error_description": err.Error()})
-		return
-	}
-	if g := r.PostForm.Get("grant_type"); g != "client_credentials" {
-		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "unsupported_grant_type", "error_description": fmt.Sprintf("grant_type %q: only client_credentials", g)})
 		return
 	}
 	var ttl time.Duration
