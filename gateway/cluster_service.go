@@ -28,6 +28,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/gateway/authz"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -145,7 +146,13 @@ type ClusterServiceConfig struct {
 	// name with the policies in force on this node. Nil: Unimplemented.
 	CheckAccess        func(ctx context.Context, req *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error)
 	CheckNetworkPolicy func(ctx context.Context, req *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error)
-	Logger             *slog.Logger
+	// MethodAccess answers the access part of WhoAmI: what the RBAC policy
+	// in force on this node says of who calling each of methods (every
+	// method of the API when empty), with the policy's source ("cluster",
+	// "file" or "none"). An unknown method is an InvalidArgument naming it.
+	// Nil: WhoAmI answers Unimplemented.
+	MethodAccess func(ctx context.Context, who authz.Principal, methods []string) (access []*clusterv1.MethodAccess, source string, err error)
+	Logger       *slog.Logger
 	// MinCheckInterval and MinDeregisterCriticalAfter lower the bounds of
 	// a registration's check interval and deregister_critical_after
 	// (tests); zero: MinCheckInterval and MinDeregisterCriticalAfter.

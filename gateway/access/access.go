@@ -258,7 +258,7 @@ func (g *Guard) lookup(full string) *method {
 			return &method{full: full, err: fmt.Errorf("%s: %w", full, authz.ErrNoAnnotation)}
 		}
 		m.rule, m.err = authz.MethodRule(m.md)
-		if m.err == nil {
+		if m.err == nil && !m.rule.GetSelf() {
 			m.object = objectType(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource())
 			if m.rule.GetIdField() != "" {
 				m.get = getter(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource(), m.object)
@@ -483,6 +483,12 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		}
 	}
 	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
+	if m.rule.GetSelf() {
+		// It answers only about the caller, authenticated above: no rule
+		// applies, and none is checked.
+		g.allowed(c, gr, "")
+		return gr, nil
+	}
 	if g.cfg.Resource != nil && req != nil {
 		if r, ok := g.cfg.Resource(c.procedure, req); ok {
 			gr.resource = r
@@ -661,7 +667,7 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 func (g *Guard) allowed(c call, gr *grant, object string) {
 	procedure, remote := c.procedure, c.remote
 	level := slog.LevelInfo
-	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" {
+	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" || gr.m.rule.GetSelf() {
 		level = slog.LevelDebug
 	}
 	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",

@@ -449,13 +449,7 @@ func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	source := "none"
-	switch {
-	case a.clusterPolicy.Policy() != nil:
-		source = "cluster"
-	case a.policyFile != nil:
-		source = "file"
-	}
+	source := a.policySource()
 	if method == clusterv1connect.ClusterServiceSetConfigProcedure || method == clusterv1connect.ClusterServiceDeleteConfigProcedure {
 		e.Detail = strings.TrimSpace(e.Detail + " (for the keys " + strings.Join(gateway.SecurityKeys, ", ") + " the resource is " + RBACResource + ", not config)")
 	}
@@ -463,6 +457,63 @@ func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest
 		Allowed: e.Allowed, Method: method, Resource: e.Resource, Verb: e.Verb, Decision: e.Decision,
 		Rules: e.Rules, Source: source, Detail: e.Detail,
 	}, nil
+}
+
+// policySource is where the RBAC policy in force here comes from:
+// "cluster", "file" or "none".
+func (a *Agent) policySource() string {
+	switch {
+	case a.clusterPolicy.Policy() != nil:
+		return "cluster"
+	case a.policyFile != nil:
+		return "file"
+	}
+	return "none"
+}
+
+// methodAccess answers the access part of ClusterService.WhoAmI: the
+// guard's decision (Explain, the code path of CheckAccess) for who calling
+// each of methods, every method of the API when none is named.
+func (a *Agent) methodAccess(_ context.Context, who authz.Principal, methods []string) ([]*clusterv1.MethodAccess, string, error) {
+	if a.guard == nil {
+		return nil, "", connect.NewError(connect.CodeFailedPrecondition, errors.New("access control is off on this agent: every call is allowed"))
+	}
+	var full []string
+	if len(methods) == 0 {
+		full = apiMethods()
+	}
+	for i, m := range methods {
+		f, err := fullMethod(m)
+		if err != nil {
+			return nil, "", connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("methods[%d]: %w", i, err))
+		}
+		full = append(full, f)
+	}
+	out := make([]*clusterv1.MethodAccess, 0, len(full))
+	for i, m := range full {
+		e, err := a.guard.Explain(who, m, "")
+		switch {
+		case errors.Is(err, access.ErrUnknownMethod):
+			return nil, "", connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("methods[%d]: %w", i, err))
+		case err != nil:
+			// The guard denies a call whose conditions cannot be evaluated.
+			e.Decision = "denied"
+		}
+		out = append(out, &clusterv1.MethodAccess{Method: m, Resource: e.Resource, Verb: e.Verb, Decision: e.Decision})
+	}
+	return out, a.policySource(), nil
+}
+
+// apiMethods are the full names of every method of the API, sorted.
+func apiMethods() []string {
+	var out []string
+	for _, sd := range apiDescriptors() {
+		for i := range sd.Methods().Len() {
+			out = append(out, "/"+string(sd.FullName())+"/"+string(sd.Methods().Get(i).Name()))
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // fullMethod resolves "VMService/DeleteVM" (a service of the API by its
