@@ -9,10 +9,8 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
-	"pilab.hu/pivirt-agent/gateway/authz"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
@@ -102,44 +100,6 @@ func (h *ClusterService) CheckAccess(ctx context.Context, req *connect.Request[c
 		return nil, toConnect(err)
 	}
 	resp.Node = h.cfg.NodeName
-	return connect.NewResponse(resp), nil
-}
-
-// WhoAmI implements clusterv1connect.ClusterServiceHandler: the caller the
-// guard authenticated for this call (authz.PrincipalFrom), and what the RBAC
-// policy in force on this node lets it call (MethodAccess, the guard's own
-// decision). Never forwarded; it answers only about the caller, so the
-// guard checks no rule for it.
-func (h *ClusterService) WhoAmI(ctx context.Context, req *connect.Request[clusterv1.WhoAmIRequest]) (*connect.Response[clusterv1.WhoAmIResponse], error) {
-	if h.cfg.MethodAccess == nil {
-		return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("this agent has no access control to answer from"))
-	}
-	who, ok := authz.PrincipalFrom(ctx)
-	if !ok {
-		return nil, connect.NewError(connect.CodeUnauthenticated, fmt.Errorf("the call has no authenticated caller: send a bearer token or a client certificate of the PiTrust chain"))
-	}
-	for i, m := range req.Msg.GetMethods() {
-		if strings.TrimSpace(m) == "" {
-			return nil, toConnect(invalid(fmt.Sprintf("methods[%d]", i), "is empty (\"/pivirt.vm.v1.VMService/PowerOn\" or \"VMService/PowerOn\")"))
-		}
-	}
-	list, source, err := h.cfg.MethodAccess(ctx, who, req.Msg.GetMethods())
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	resp := &clusterv1.WhoAmIResponse{
-		Identity:        who.Identity,
-		Roles:           slices.Clone(who.Roles),
-		AuthenticatedBy: "token",
-		Node:            h.cfg.NodeName,
-		Source:          source,
-		Access:          list,
-	}
-	if who.Certificate {
-		resp.AuthenticatedBy = "certificate"
-	} else if !who.Expiry.IsZero() {
-		resp.TokenExpiry = timestamppb.New(who.Expiry)
-	}
 	return connect.NewResponse(resp), nil
 }
 

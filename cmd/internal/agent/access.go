@@ -471,73 +471,20 @@ func (a *Agent) policySource() string {
 	return "none"
 }
 
-// methodAccess answers the access part of ClusterService.WhoAmI: the
-// guard's decision (Explain, the code path of CheckAccess) for who calling
-// each of methods, every method of the API when none is named.
-func (a *Agent) methodAccess(_ context.Context, who authz.Principal, methods []string) ([]*clusterv1.MethodAccess, string, error) {
+// explain is the guard's answer for who calling procedure (WhoAmI asks
+// it for each method); FailedPrecondition when access control is off.
+func (a *Agent) explain(who authz.Principal, procedure, objectJSON string) (access.Explanation, error) {
 	if a.guard == nil {
-		return nil, "", connect.NewError(connect.CodeFailedPrecondition, errors.New("access control is off on this agent: every call is allowed"))
+		return access.Explanation{}, connect.NewError(connect.CodeFailedPrecondition, errors.New("access control is off on this agent: every call is allowed"))
 	}
-	var full []string
-	if len(methods) == 0 {
-		full = apiMethods()
-	}
-	for i, m := range methods {
-		f, err := fullMethod(m)
-		if err != nil {
-			return nil, "", connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("methods[%d]: %w", i, err))
-		}
-		full = append(full, f)
-	}
-	out := make([]*clusterv1.MethodAccess, 0, len(full))
-	for i, m := range full {
-		e, err := a.guard.Explain(who, m, "")
-		switch {
-		case errors.Is(err, access.ErrUnknownMethod):
-			return nil, "", connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("methods[%d]: %w", i, err))
-		case err != nil:
-			// The guard denies a call whose conditions cannot be evaluated.
-			e.Decision = "denied"
-		}
-		out = append(out, &clusterv1.MethodAccess{Method: m, Resource: e.Resource, Verb: e.Verb, Decision: e.Decision})
-	}
-	return out, a.policySource(), nil
-}
-
-// apiMethods are the full names of every method of the API, sorted.
-func apiMethods() []string {
-	var out []string
-	for _, sd := range apiDescriptors() {
-		for i := range sd.Methods().Len() {
-			out = append(out, "/"+string(sd.FullName())+"/"+string(sd.Methods().Get(i).Name()))
-		}
-	}
-	slices.Sort(out)
-	return out
+	return a.guard.Explain(who, procedure, objectJSON)
 }
 
 // fullMethod resolves "VMService/DeleteVM" (a service of the API by its
 // short name) or "pivirt.vm.v1.VMService/DeleteVM" to
 // "/pivirt.vm.v1.VMService/DeleteVM".
 func fullMethod(m string) (string, error) {
-	m = strings.TrimPrefix(m, "/")
-	svc, name, ok := strings.Cut(m, "/")
-	if !ok || svc == "" || name == "" {
-		return "", fmt.Errorf("%q: want Service/Method (\"VMService/DeleteVM\" or \"pivirt.vm.v1.VMService/DeleteVM\")", m)
-	}
-	if !strings.Contains(svc, ".") {
-		var matches []string
-		for _, sd := range apiDescriptors() {
-			if string(sd.Name()) == svc {
-				matches = append(matches, string(sd.FullName()))
-			}
-		}
-		if len(matches) != 1 {
-			return "", fmt.Errorf("%q: no service of the API is named %s (use the full name, pivirt.vm.v1.VMService)", m, svc)
-		}
-		svc = matches[0]
-	}
-	return "/" + svc + "/" + name, nil
+	return gateway.ResolveMethod(apiDescriptors(), m)
 }
 
 // checkNetworkPolicyRPC answers ClusterService.CheckNetworkPolicy with the
