@@ -376,6 +376,19 @@ func (gr *grant) checksRequest() bool {
 	return gr.conditional() && gr.m.rule.GetListField() == "" && (gr.m.rule.GetIdField() != "" || gr.m.rule.GetObjectField() != "")
 }
 
+// uncheckable is why a conditional grant cannot be used — the method
+// gives no object to check the conditions on — or "" when it can (or is
+// not conditional): such a call is denied.
+func (gr *grant) uncheckable() string {
+	switch {
+	case gr.conditional() && !gr.checksRequest() && !gr.filters():
+		return "the rules that allow it have conditions, and the method names no object to check them on"
+	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
+		return "the rules that allow it have conditions, and the service has no get method to read the object with"
+	}
+	return ""
+}
+
 // filters: the responses are filtered.
 func (gr *grant) filters() bool { return gr.conditional() && gr.m.rule.GetListField() != "" }
 
@@ -509,10 +522,8 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 	switch {
 	case gr.d.Denied():
 		return nil, g.denyGrant(c, gr, object, "no rule of the RBAC policy allows it")
-	case gr.conditional() && !gr.checksRequest() && !gr.filters():
-		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the method names no object to check them on")
-	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
-		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the service has no get method to read the object with")
+	case gr.uncheckable() != "":
+		return nil, g.denyGrant(c, gr, object, "%s", gr.uncheckable())
 	}
 	if !gr.conditional() {
 		if req == nil && c.readsFirst && m.rule.GetIdField() != "" && m.md != nil && !m.md.IsStreamingClient() {

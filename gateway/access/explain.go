@@ -58,9 +58,13 @@ func (g *Guard) Explain(who authz.Principal, procedure, objectJSON string) (Expl
 		return e, fmt.Errorf("%w: the policy's conditions cannot be evaluated: %w", ErrCheck, err)
 	}
 	e.Rules = p.Matching(who, e.Resource, e.Verb)
+	// The guard denies a conditional grant it cannot check (uncheckable).
+	uncheckable := (&grant{m: m, d: d}).uncheckable()
 	switch {
 	case d.Allowed:
 		e.Decision, e.Allowed = "allowed", true
+	case uncheckable != "":
+		e.Decision, e.Detail = "denied", uncheckable
 	case d.Conditional:
 		e.Decision = "conditional"
 		if objectJSON == "" {

@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"strings"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -92,5 +93,25 @@ func TestSelfMethodRateLimitedAndReady(t *testing.T) {
 	g.cfg.Ready = func(context.Context) error { return errors.New("the policy in force is not known yet") }
 	if _, _, err := g.admit(ctx, certCall(whoAmI, "nobody"), nil); code(err) != codes.Unavailable {
 		t.Errorf("WhoAmI before the policy is known: %v, want Unavailable", err)
+	}
+}
+
+// TestExplainMatchesTheGuard: a conditional grant on a method that names no
+// object to check the conditions on is denied by the guard, and Explain
+// (what CheckAccess and WhoAmI answer) says so; one it can check is
+// conditional.
+func TestExplainMatchesTheGuard(t *testing.T) {
+	g := newGuard(t, ownerPolicy, Limits{}, nil)
+	who := authz.Principal{Identity: "cond-1", Roles: []string{"cond"}}
+	const leader = "/pivirt.cluster.v1.ClusterService/Leader"
+	if _, _, err := g.admit(context.Background(), certCall(leader, "cond-1"), nil); code(err) != codes.PermissionDenied {
+		t.Fatalf("the guard: %v, want PermissionDenied", err)
+	}
+	if e, err := g.Explain(who, leader, ""); err != nil || e.Decision != "denied" || e.Allowed || !strings.Contains(e.Detail, "names no object") {
+		t.Errorf("Explain: %+v %v, want denied as the guard does", e, err)
+	}
+	alice := authz.Principal{Identity: "alice", Roles: []string{"vm-owner"}}
+	if e, err := g.Explain(alice, "/pivirt.vm.v1.VMService/PowerOn", ""); err != nil || e.Decision != "conditional" {
+		t.Errorf("Explain of alice's PowerOn: %+v %v, want conditional", e, err)
 	}
 }
