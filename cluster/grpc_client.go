@@ -142,6 +142,10 @@ func (g grpcCluster) CheckAccess(ctx context.Context, r *connect.Request[cluster
 	return callGRPC(ctx, r, g.c.CheckAccess)
 }
 
+func (g grpcCluster) WhoAmI(ctx context.Context, r *connect.Request[clusterv1.WhoAmIRequest]) (*connect.Response[clusterv1.WhoAmIResponse], error) {
+	return callGRPC(ctx, r, g.c.WhoAmI)
+}
+
 func (g grpcCluster) CheckNetworkPolicy(ctx context.Context, r *connect.Request[clusterv1.CheckNetworkPolicyRequest]) (*connect.Response[clusterv1.CheckNetworkPolicyResponse], error) {
 	return callGRPC(ctx, r, g.c.CheckNetworkPolicy)
 }

@@ -23,11 +23,14 @@ import (
 	"connectrpc.com/connect"
 	"github.com/hashicorp/go-memdb"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/fsm"
+	"pilab.hu/pivirt-agent/gateway/access"
+	"pilab.hu/pivirt-agent/gateway/authz"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
@@ -145,7 +148,19 @@ type ClusterServiceConfig struct {
 	// name with the policies in force on this node. Nil: Unimplemented.
 	CheckAccess        func(ctx context.Context, req *clusterv1.CheckAccessRequest) (*clusterv1.CheckAccessResponse, error)
 	CheckNetworkPolicy func(ctx context.Context, req *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error)
-	Logger             *slog.Logger
+	// Explain is the guard's answer for a principal calling a method,
+	// nothing called (access.Guard.Explain: the decision code of the guard
+	// and of CheckAccess); WhoAmI asks it for each method. Nil: WhoAmI
+	// answers Unimplemented.
+	Explain func(who authz.Principal, procedure, objectJSON string) (access.Explanation, error)
+	// PolicySource names where the RBAC policy in force on this node comes
+	// from: "cluster", "file" or "none" (nil: "none").
+	PolicySource func() string
+	// APIServices are the services of the API port: WhoAmI answers for
+	// every method of them when no method is named, and resolves short
+	// service names ("VMService/PowerOn") against them.
+	APIServices []protoreflect.ServiceDescriptor
+	Logger      *slog.Logger
 	// MinCheckInterval and MinDeregisterCriticalAfter lower the bounds of
 	// a registration's check interval and deregister_critical_after
 	// (tests); zero: MinCheckInterval and MinDeregisterCriticalAfter.

@@ -137,6 +137,10 @@ func (g clusterGRPC) CheckAccess(ctx context.Context, r *clusterv1.CheckAccessRe
 	return unary(ctx, r, g.h.CheckAccess)
 }
 
+func (g clusterGRPC) WhoAmI(ctx context.Context, r *clusterv1.WhoAmIRequest) (*clusterv1.WhoAmIResponse, error) {
+	return unary(ctx, r, g.h.WhoAmI)
+}
+
 func (g clusterGRPC) CheckNetworkPolicy(ctx context.Context, r *clusterv1.CheckNetworkPolicyRequest) (*clusterv1.CheckNetworkPolicyResponse, error) {
 	return unary(ctx, r, g.h.CheckNetworkPolicy)
 }

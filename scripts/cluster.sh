@@ -206,6 +206,7 @@ $certs), whose roles the reference RBAC policy in $dir/rbac.yaml judges:
   export TOKEN=\$(pitrust dev-token --dir $certs --user alice --roles vm-owner)   # --ttl 1h by default
   pvcli login --dir $certs --user alice --roles vm-owner   # or save one in the current pvcli context (--print: print it)
   pvcli --endpoint https://127.0.0.1:8443 --token "\$TOKEN" vm list   # alice's VMs only (with PVCLI_CA_FILE set)
+  pvcli --endpoint https://127.0.0.1:8443 --token "\$TOKEN" whoami --access   # who alice is to the agent, and what she may call
   curl --cacert $certs/ca-chain.pem -H "authorization: Bearer \$TOKEN" -H "content-type: application/json" \\
     -d '{}' https://127.0.0.1:8443/pivirt.vm.v1.VMService/ListVMs
 

@@ -51,7 +51,14 @@ Nothing is called. The exit status is 0 when allowed, 1 when denied.`,
 					if r.GetSource() == "none" {
 						by = "no RBAC policy on " + r.GetNode()
 					}
-					fmt.Fprintf(w, "%s: %s (roles %s) %s (%s %s), %s: %s\n", verdict, identity, orNone(roles), r.GetMethod(), r.GetVerb(), r.GetResource(), by, r.GetDecision())
+					needs := fmt.Sprintf("%s %s", r.GetVerb(), r.GetResource())
+					switch {
+					case r.GetDecision() == "open":
+						needs = "no credentials needed"
+					case r.GetResource() == "":
+						needs = "no rule: any authenticated caller"
+					}
+					fmt.Fprintf(w, "%s: %s (roles %s) %s (%s), %s: %s\n", verdict, identity, orNone(roles), r.GetMethod(), needs, by, r.GetDecision())
 					for _, rule := range r.GetRules() {
 						fmt.Fprintf(w, "  %s\n", rule)
 					}

@@ -217,6 +217,10 @@ func (f *fakeCluster) ConfigHistory(_ context.Context, r *connect.Request[cluste
 	return handle[clusterv1.ConfigHistoryRequest, clusterv1.ConfigHistoryResponse](f, r)
 }
 
+func (f *fakeCluster) WhoAmI(_ context.Context, r *connect.Request[clusterv1.WhoAmIRequest]) (*connect.Response[clusterv1.WhoAmIResponse], error) {
+	return handle[clusterv1.WhoAmIRequest, clusterv1.WhoAmIResponse](f, r)
+}
+
 // cliResult is the outcome of one in-process pvcli run.
 type cliResult struct {
 	stdout, stderr string

@@ -280,7 +280,7 @@ the agent retries what is safe to retry.`,
 
 	root.AddCommand(a.newClusterCmd(), a.newServiceCmd(), a.newConfigCmd(), a.newSnapshotCmd(),
 		a.newVMCmd(), a.newVolumeCmd(), a.newNetworkCmd(), a.newScheduleCmd(), a.newRBACCmd(), a.newPolicyCmd(), a.newVersionCmd(), a.newContextCmd(),
-		a.newOperatorCmd(), a.newMonitorCmd(), a.newDebugCmd(), a.newLoginCmd())
+		a.newOperatorCmd(), a.newMonitorCmd(), a.newDebugCmd(), a.newLoginCmd(), a.newWhoAmICmd())
 	version.AddFlag(root, version.Get("pvcli"))
 	return root
 }

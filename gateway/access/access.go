@@ -258,7 +258,7 @@ func (g *Guard) lookup(full string) *method {
 			return &method{full: full, err: fmt.Errorf("%s: %w", full, authz.ErrNoAnnotation)}
 		}
 		m.rule, m.err = authz.MethodRule(m.md)
-		if m.err == nil {
+		if m.err == nil && !m.rule.GetSelf() {
 			m.object = objectType(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource())
 			if m.rule.GetIdField() != "" {
 				m.get = getter(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource(), m.object)
@@ -376,6 +376,19 @@ func (gr *grant) checksRequest() bool {
 	return gr.conditional() && gr.m.rule.GetListField() == "" && (gr.m.rule.GetIdField() != "" || gr.m.rule.GetObjectField() != "")
 }
 
+// uncheckable is why a conditional grant cannot be used — the method
+// gives no object to check the conditions on — or "" when it can (or is
+// not conditional): such a call is denied.
+func (gr *grant) uncheckable() string {
+	switch {
+	case gr.conditional() && !gr.checksRequest() && !gr.filters():
+		return "the rules that allow it have conditions, and the method names no object to check them on"
+	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
+		return "the rules that allow it have conditions, and the service has no get method to read the object with"
+	}
+	return ""
+}
+
 // filters: the responses are filtered.
 func (gr *grant) filters() bool { return gr.conditional() && gr.m.rule.GetListField() != "" }
 
@@ -483,6 +496,12 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		}
 	}
 	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
+	if m.rule.GetSelf() {
+		// It answers only about the caller, authenticated above: no rule
+		// applies, and none is checked.
+		g.allowed(c, gr, "")
+		return gr, nil
+	}
 	if g.cfg.Resource != nil && req != nil {
 		if r, ok := g.cfg.Resource(c.procedure, req); ok {
 			gr.resource = r
@@ -503,10 +522,8 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 	switch {
 	case gr.d.Denied():
 		return nil, g.denyGrant(c, gr, object, "no rule of the RBAC policy allows it")
-	case gr.conditional() && !gr.checksRequest() && !gr.filters():
-		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the method names no object to check them on")
-	case gr.conditional() && gr.m.rule.GetIdField() != "" && gr.m.get == nil:
-		return nil, g.denyGrant(c, gr, object, "the rules that allow it have conditions, and the service has no get method to read the object with")
+	case gr.uncheckable() != "":
+		return nil, g.denyGrant(c, gr, object, "%s", gr.uncheckable())
 	}
 	if !gr.conditional() {
 		if req == nil && c.readsFirst && m.rule.GetIdField() != "" && m.md != nil && !m.md.IsStreamingClient() {
@@ -661,7 +678,7 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 func (g *Guard) allowed(c call, gr *grant, object string) {
 	procedure, remote := c.procedure, c.remote
 	level := slog.LevelInfo
-	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" {
+	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" || gr.m.rule.GetSelf() {
 		level = slog.LevelDebug
 	}
 	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",

@@ -13,6 +13,10 @@ import (
 // method, an object that does not parse.
 var ErrCheck = errors.New("cannot check")
 
+// ErrUnknownMethod is the cause of a check of a name that is no method of
+// the API; it comes wrapped with ErrCheck.
+var ErrUnknownMethod = errors.New("not a method of the API")
+
 // Explanation is the guard's answer for a principal calling a method,
 // without calling it.
 type Explanation struct {
@@ -37,9 +41,11 @@ func (g *Guard) Explain(who authz.Principal, procedure, objectJSON string) (Expl
 	case m.open:
 		return Explanation{Decision: "open", Allowed: true, Detail: "no credentials are needed"}, nil
 	case m.md == nil:
-		return Explanation{}, fmt.Errorf("%w: %s is not a method of the API", ErrCheck, procedure)
+		return Explanation{}, fmt.Errorf("%w: %s is %w", ErrCheck, procedure, ErrUnknownMethod)
 	case m.err != nil:
 		return Explanation{Decision: "denied", Detail: fmt.Sprintf("the method has no authorization rule (%v); methods without one are denied", m.err)}, nil
+	case m.rule.GetSelf():
+		return Explanation{Decision: "allowed", Allowed: true, Detail: "any authenticated caller may call it: it answers only about the caller, and no RBAC rule applies"}, nil
 	}
 	e := Explanation{Resource: m.rule.GetResource(), Verb: m.rule.GetVerb()}
 	p := g.cfg.Policy()
@@ -52,9 +58,13 @@ func (g *Guard) Explain(who authz.Principal, procedure, objectJSON string) (Expl
 		return e, fmt.Errorf("%w: the policy's conditions cannot be evaluated: %w", ErrCheck, err)
 	}
 	e.Rules = p.Matching(who, e.Resource, e.Verb)
+	// The guard denies a conditional grant it cannot check (uncheckable).
+	uncheckable := (&grant{m: m, d: d}).uncheckable()
 	switch {
 	case d.Allowed:
 		e.Decision, e.Allowed = "allowed", true
+	case uncheckable != "":
+		e.Decision, e.Detail = "denied", uncheckable
 	case d.Conditional:
 		e.Decision = "conditional"
 		if objectJSON == "" {

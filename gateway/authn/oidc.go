@@ -129,7 +129,7 @@ func (o *OIDC) Verify(ctx context.Context, raw string) (authz.Principal, error) 
 	if id == "" {
 		return authz.Principal{}, fmt.Errorf("%w: bearer token has no %q claim to name the caller", ErrUnauthenticated, o.cfg.IdentityClaim)
 	}
-	return authz.Principal{Identity: id, Roles: roles(claim(claims, o.cfg.RolesClaim))}, nil
+	return authz.Principal{Identity: id, Roles: roles(claim(claims, o.cfg.RolesClaim)), Expiry: tok.Expiry}, nil
 }
 
 // claim follows a dotted path through nested claim objects.

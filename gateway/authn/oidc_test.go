@@ -41,9 +41,13 @@ func TestOIDCVerify(t *testing.T) {
 	o := newOIDC(t, is, nil)
 
 	for _, k := range []oidctest.Key{rs, es} {
-		p, err := o.Verify(t.Context(), k.Sign(t, is.Claims("alice", nil)))
-		if err != nil || p.Identity != "alice" || len(p.Roles) != 1 || p.Roles[0] != "admin" {
+		exp := time.Now().Add(42 * time.Minute).Truncate(time.Second)
+		p, err := o.Verify(t.Context(), k.Sign(t, is.Claims("alice", func(c map[string]any) { c["exp"] = exp.Unix() })))
+		if err != nil || p.Identity != "alice" || len(p.Roles) != 1 || p.Roles[0] != "admin" || p.Certificate {
 			t.Errorf("%s token: %+v, %v", k.Alg, p, err)
+		}
+		if !p.Expiry.Equal(exp) {
+			t.Errorf("%s token: expiry %v, want the exp claim %v", k.Alg, p.Expiry, exp)
 		}
 	}
 

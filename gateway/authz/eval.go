@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
@@ -22,6 +23,9 @@ type Principal struct {
 	// Certificate: authenticated by a client certificate, whose roles come
 	// from auth.certificate_roles.
 	Certificate bool
+	// Expiry is when a bearer token expires (its exp claim); zero for a
+	// certificate.
+	Expiry time.Time
 }
 
 // Decision is what a policy says of a principal, a resource and a verb.

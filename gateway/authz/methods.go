@@ -19,9 +19,17 @@ var ErrNoAnnotation = errors.New("no authorization annotation")
 // MethodRule returns a method's (pivirt.api.v1.authz) annotation, checked:
 // a resource, a known verb, and the request and response fields it names
 // exist (id_field and object_field in the request, list_field in the
-// response).
+// response). A self method (any authenticated caller may call it; it
+// answers only about the caller) names nothing else: no RBAC rule
+// applies to it, and its resource and verb are empty.
 func MethodRule(md protoreflect.MethodDescriptor) (*apiv1.Authorization, error) {
 	a, ok := proto.GetExtension(md.Options(), apiv1.E_Authz).(*apiv1.Authorization)
+	if ok && a != nil && a.GetSelf() {
+		if a.GetResource() != "" || a.GetVerb() != "" || a.GetIdField() != "" || a.GetObjectField() != "" || a.GetListField() != "" {
+			return nil, fmt.Errorf("%s: a self method names no resource, verb or field: no RBAC rule applies to it", md.FullName())
+		}
+		return a, nil
+	}
 	if !ok || a == nil || a.GetResource() == "" {
 		return nil, fmt.Errorf("%s: %w", md.FullName(), ErrNoAnnotation)
 	}
@@ -67,7 +75,7 @@ func Resources(services ...protoreflect.ServiceDescriptor) []string {
 	var out []string
 	for _, sd := range services {
 		for i := range sd.Methods().Len() {
-			if a, err := MethodRule(sd.Methods().Get(i)); err == nil && !slices.Contains(out, a.GetResource()) {
+			if a, err := MethodRule(sd.Methods().Get(i)); err == nil && !a.GetSelf() && !slices.Contains(out, a.GetResource()) {
 				out = append(out, a.GetResource())
 			}
 		}

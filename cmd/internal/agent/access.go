@@ -449,13 +449,7 @@ func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	source := "none"
-	switch {
-	case a.clusterPolicy.Policy() != nil:
-		source = "cluster"
-	case a.policyFile != nil:
-		source = "file"
-	}
+	source := a.policySource()
 	if method == clusterv1connect.ClusterServiceSetConfigProcedure || method == clusterv1connect.ClusterServiceDeleteConfigProcedure {
 		e.Detail = strings.TrimSpace(e.Detail + " (for the keys " + strings.Join(gateway.SecurityKeys, ", ") + " the resource is " + RBACResource + ", not config)")
 	}
@@ -465,28 +459,32 @@ func (a *Agent) checkAccess(_ context.Context, req *clusterv1.CheckAccessRequest
 	}, nil
 }
 
+// policySource is where the RBAC policy in force here comes from:
+// "cluster", "file" or "none".
+func (a *Agent) policySource() string {
+	switch {
+	case a.clusterPolicy.Policy() != nil:
+		return "cluster"
+	case a.policyFile != nil:
+		return "file"
+	}
+	return "none"
+}
+
+// explain is the guard's answer for who calling procedure (WhoAmI asks
+// it for each method); FailedPrecondition when access control is off.
+func (a *Agent) explain(who authz.Principal, procedure, objectJSON string) (access.Explanation, error) {
+	if a.guard == nil {
+		return access.Explanation{}, connect.NewError(connect.CodeFailedPrecondition, errors.New("access control is off on this agent: every call is allowed"))
+	}
+	return a.guard.Explain(who, procedure, objectJSON)
+}
+
 // fullMethod resolves "VMService/DeleteVM" (a service of the API by its
 // short name) or "pivirt.vm.v1.VMService/DeleteVM" to
 // "/pivirt.vm.v1.VMService/DeleteVM".
 func fullMethod(m string) (string, error) {
-	m = strings.TrimPrefix(m, "/")
-	svc, name, ok := strings.Cut(m, "/")
-	if !ok || svc == "" || name == "" {
-		return "", fmt.Errorf("%q: want Service/Method (\"VMService/DeleteVM\" or \"pivirt.vm.v1.VMService/DeleteVM\")", m)
-	}
-	if !strings.Contains(svc, ".") {
-		var matches []string
-		for _, sd := range apiDescriptors() {
-			if string(sd.Name()) == svc {
-				matches = append(matches, string(sd.FullName()))
-			}
-		}
-		if len(matches) != 1 {
-			return "", fmt.Errorf("%q: no service of the API is named %s (use the full name, pivirt.vm.v1.VMService)", m, svc)
-		}
-		svc = matches[0]
-	}
-	return "/" + svc + "/" + name, nil
+	return gateway.ResolveMethod(apiDescriptors(), m)
 }
 
 // checkNetworkPolicyRPC answers ClusterService.CheckNetworkPolicy with the

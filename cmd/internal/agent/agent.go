@@ -630,6 +630,7 @@ func (a *Agent) buildServices() error {
 		return resp.Msg.GetStatus(), nil
 	}
 	hcfg.CheckAccess = a.checkAccess
+	hcfg.Explain, hcfg.PolicySource, hcfg.APIServices = a.explain, a.policySource, apiDescriptors()
 	hcfg.MinCheckInterval = a.opts.MinCheckInterval
 	hcfg.MinDeregisterCriticalAfter = a.opts.MinDeregisterCriticalAfter
 	hcfg.CheckNetworkPolicy = a.checkNetworkPolicyRPC

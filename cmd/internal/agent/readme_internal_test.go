@@ -26,8 +26,8 @@ func accessTable(t *testing.T) []string {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if rule == nil {
-				continue
+			if rule == nil || rule.GetSelf() {
+				continue // any authenticated caller may call it: in the README's text, not the table
 			}
 			k := [2]string{rule.GetResource(), rule.GetVerb()}
 			byGrant[k] = append(byGrant[k], fmt.Sprintf("`%s/%s`", sd.Name(), md.Name()))

@@ -126,7 +126,12 @@ type Authorization struct {
 	// list_field names the repeated response field of a list, or the
 	// object field of each streamed response of a watch; results a
 	// condition excludes are filtered out.
-	ListField     string `protobuf:"bytes,5,opt,name=list_field,json=listField,proto3" json:"list_field,omitempty"`
+	ListField string `protobuf:"bytes,5,opt,name=list_field,json=listField,proto3" json:"list_field,omitempty"`
+	// self: any authenticated caller may call it; it answers only about the
+	// caller: no RBAC rule applies. The caller must still authenticate, and
+	// rate limits and request bounds apply as to any method. A self method
+	// sets no other field.
+	Self          bool `protobuf:"varint,6,opt,name=self,proto3" json:"self,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -196,6 +201,13 @@ func (x *Authorization) GetListField() string {
 	return ""
 }
 
+func (x *Authorization) GetSelf() bool {
+	if x != nil {
+		return x.Self
+	}
+	return false
+}
+
 var file_pivirt_api_v1_api_proto_extTypes = []protoimpl.ExtensionInfo{
 	{
 		ExtendedType:  (*descriptorpb.MethodOptions)(nil),
@@ -232,14 +244,15 @@ const file_pivirt_api_v1_api_proto_rawDesc = "" +
 	"\brevision\x18\x05 \x01(\x04R\brevision\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb0\x01\n" +
 	"\rAuthorization\x12\x1a\n" +
 	"\bresource\x18\x01 \x01(\tR\bresource\x12\x12\n" +
 	"\x04verb\x18\x02 \x01(\tR\x04verb\x12\x19\n" +
 	"\bid_field\x18\x03 \x01(\tR\aidField\x12!\n" +
 	"\fobject_field\x18\x04 \x01(\tR\vobjectField\x12\x1d\n" +
 	"\n" +
-	"list_field\x18\x05 \x01(\tR\tlistField:T\n" +
+	"list_field\x18\x05 \x01(\tR\tlistField\x12\x12\n" +
+	"\x04self\x18\x06 \x01(\bR\x04self:T\n" +
 	"\x05authz\x12\x1e.google.protobuf.MethodOptions\x18\xb9\x8e\x03 \x01(\v2\x1c.pivirt.api.v1.AuthorizationR\x05authzB1Z/pilab.hu/pivirt-agent/proto/pivirt/api/v1;apiv1b\x06proto3"
 
 var (

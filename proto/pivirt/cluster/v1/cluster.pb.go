@@ -3531,6 +3531,233 @@ func (x *CheckAccessResponse) GetDetail() string {
 	return ""
 }
 
+type WhoAmIRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// methods to answer for: "/pivirt.vm.v1.VMService/PowerOn" or
+	// "VMService/PowerOn". Empty: every method of the API (the VM, storage,
+	// network, cluster, snapshot, agent and schedule services).
+	Methods       []string `protobuf:"bytes,1,rep,name=methods,proto3" json:"methods,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WhoAmIRequest) Reset() {
+	*x = WhoAmIRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WhoAmIRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WhoAmIRequest) ProtoMessage() {}
+
+func (x *WhoAmIRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WhoAmIRequest.ProtoReflect.Descriptor instead.
+func (*WhoAmIRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *WhoAmIRequest) GetMethods() []string {
+	if x != nil {
+		return x.Methods
+	}
+	return nil
+}
+
+type WhoAmIResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// identity: the caller's name (a token's subject or configured claim, a
+	// client certificate's CN).
+	Identity string `protobuf:"bytes,1,opt,name=identity,proto3" json:"identity,omitempty"`
+	// roles: the caller's roles (a token's roles claim; for a certificate,
+	// auth.certificate_roles).
+	Roles []string `protobuf:"bytes,2,rep,name=roles,proto3" json:"roles,omitempty"`
+	// authenticated_by: "token" (a bearer token) or "certificate" (a client
+	// certificate).
+	AuthenticatedBy string `protobuf:"bytes,3,opt,name=authenticated_by,json=authenticatedBy,proto3" json:"authenticated_by,omitempty"`
+	// token_expiry: when the token expires; unset for a certificate.
+	TokenExpiry *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=token_expiry,json=tokenExpiry,proto3" json:"token_expiry,omitempty"`
+	// node: the node that answered.
+	Node string `protobuf:"bytes,5,opt,name=node,proto3" json:"node,omitempty"`
+	// source: where the RBAC policy in force comes from: "cluster", "file"
+	// or "none" (every authenticated caller may call every method).
+	Source string `protobuf:"bytes,6,opt,name=source,proto3" json:"source,omitempty"`
+	// access: the decision for each method asked, in the order asked (every
+	// method of the API, sorted, when none was).
+	Access        []*MethodAccess `protobuf:"bytes,7,rep,name=access,proto3" json:"access,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WhoAmIResponse) Reset() {
+	*x = WhoAmIResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WhoAmIResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WhoAmIResponse) ProtoMessage() {}
+
+func (x *WhoAmIResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WhoAmIResponse.ProtoReflect.Descriptor instead.
+func (*WhoAmIResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *WhoAmIResponse) GetIdentity() string {
+	if x != nil {
+		return x.Identity
+	}
+	return ""
+}
+
+func (x *WhoAmIResponse) GetRoles() []string {
+	if x != nil {
+		return x.Roles
+	}
+	return nil
+}
+
+func (x *WhoAmIResponse) GetAuthenticatedBy() string {
+	if x != nil {
+		return x.AuthenticatedBy
+	}
+	return ""
+}
+
+func (x *WhoAmIResponse) GetTokenExpiry() *timestamppb.Timestamp {
+	if x != nil {
+		return x.TokenExpiry
+	}
+	return nil
+}
+
+func (x *WhoAmIResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *WhoAmIResponse) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *WhoAmIResponse) GetAccess() []*MethodAccess {
+	if x != nil {
+		return x.Access
+	}
+	return nil
+}
+
+// MethodAccess is what the RBAC policy says of the caller calling a
+// method.
+type MethodAccess struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// method: the full name, "/pivirt.vm.v1.VMService/PowerOn".
+	Method string `protobuf:"bytes,1,opt,name=method,proto3" json:"method,omitempty"`
+	// resource and verb of the method's authorization rule; empty for a
+	// method any authenticated caller may call (WhoAmI).
+	Resource string `protobuf:"bytes,2,opt,name=resource,proto3" json:"resource,omitempty"`
+	Verb     string `protobuf:"bytes,3,opt,name=verb,proto3" json:"verb,omitempty"`
+	// decision: "allowed" (on every object), "denied", "conditional"
+	// (allowed on the objects that meet the conditions of the rules that
+	// allow it) or "open" (no credentials needed).
+	Decision      string `protobuf:"bytes,4,opt,name=decision,proto3" json:"decision,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MethodAccess) Reset() {
+	*x = MethodAccess{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MethodAccess) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MethodAccess) ProtoMessage() {}
+
+func (x *MethodAccess) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MethodAccess.ProtoReflect.Descriptor instead.
+func (*MethodAccess) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *MethodAccess) GetMethod() string {
+	if x != nil {
+		return x.Method
+	}
+	return ""
+}
+
+func (x *MethodAccess) GetResource() string {
+	if x != nil {
+		return x.Resource
+	}
+	return ""
+}
+
+func (x *MethodAccess) GetVerb() string {
+	if x != nil {
+		return x.Verb
+	}
+	return ""
+}
+
+func (x *MethodAccess) GetDecision() string {
+	if x != nil {
+		return x.Decision
+	}
+	return ""
+}
+
 type CheckNetworkPolicyRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// from and to: service identities (the DNS or URI names of
@@ -3544,7 +3771,7 @@ type CheckNetworkPolicyRequest struct {
 
 func (x *CheckNetworkPolicyRequest) Reset() {
 	*x = CheckNetworkPolicyRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3556,7 +3783,7 @@ func (x *CheckNetworkPolicyRequest) String() string {
 func (*CheckNetworkPolicyRequest) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3569,7 +3796,7 @@ func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *CheckNetworkPolicyRequest) GetFrom() string {
@@ -3608,7 +3835,7 @@ type CheckNetworkPolicyResponse struct {
 
 func (x *CheckNetworkPolicyResponse) Reset() {
 	*x = CheckNetworkPolicyResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3620,7 +3847,7 @@ func (x *CheckNetworkPolicyResponse) String() string {
 func (*CheckNetworkPolicyResponse) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3633,7 +3860,7 @@ func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
@@ -3672,7 +3899,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3684,7 +3911,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3697,7 +3924,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
 }
 
 type ConfigStatusResponse struct {
@@ -3710,7 +3937,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3722,7 +3949,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3735,7 +3962,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -3771,7 +3998,7 @@ type NodeConfigStatus struct {
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3783,7 +4010,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3796,7 +4023,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -3866,7 +4093,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3878,7 +4105,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3891,7 +4118,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -3919,7 +4146,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3931,7 +4158,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3944,7 +4171,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -3969,7 +4196,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3981,7 +4208,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3994,7 +4221,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -4273,7 +4500,22 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x05rules\x18\x06 \x03(\tR\x05rules\x12\x16\n" +
 	"\x06source\x18\a \x01(\tR\x06source\x12\x12\n" +
 	"\x04node\x18\b \x01(\tR\x04node\x12\x16\n" +
-	"\x06detail\x18\t \x01(\tR\x06detail\"S\n" +
+	"\x06detail\x18\t \x01(\tR\x06detail\")\n" +
+	"\rWhoAmIRequest\x12\x18\n" +
+	"\amethods\x18\x01 \x03(\tR\amethods\"\x91\x02\n" +
+	"\x0eWhoAmIResponse\x12\x1a\n" +
+	"\bidentity\x18\x01 \x01(\tR\bidentity\x12\x14\n" +
+	"\x05roles\x18\x02 \x03(\tR\x05roles\x12)\n" +
+	"\x10authenticated_by\x18\x03 \x01(\tR\x0fauthenticatedBy\x12=\n" +
+	"\ftoken_expiry\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\vtokenExpiry\x12\x12\n" +
+	"\x04node\x18\x05 \x01(\tR\x04node\x12\x16\n" +
+	"\x06source\x18\x06 \x01(\tR\x06source\x127\n" +
+	"\x06access\x18\a \x03(\v2\x1f.pivirt.cluster.v1.MethodAccessR\x06access\"r\n" +
+	"\fMethodAccess\x12\x16\n" +
+	"\x06method\x18\x01 \x01(\tR\x06method\x12\x1a\n" +
+	"\bresource\x18\x02 \x01(\tR\bresource\x12\x12\n" +
+	"\x04verb\x18\x03 \x01(\tR\x04verb\x12\x1a\n" +
+	"\bdecision\x18\x04 \x01(\tR\bdecision\"S\n" +
 	"\x19CheckNetworkPolicyRequest\x12\x12\n" +
 	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x02 \x01(\tR\x02to\x12\x12\n" +
@@ -4334,7 +4576,7 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
 	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
 	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
-	"\x11KEYRING_OP_REMOVE\x10\x042\xc6\x14\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\x9d\x15\n" +
 	"\x0eClusterService\x12d\n" +
 	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x12\xca\xf3\x18\x0e\n" +
 	"\acluster\x12\x03get\x12^\n" +
@@ -4385,7 +4627,8 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\vCheckAccess\x12%.pivirt.cluster.v1.CheckAccessRequest\x1a&.pivirt.cluster.v1.CheckAccessResponse\"\x0f\xca\xf3\x18\v\n" +
 	"\x04rbac\x12\x03get\x12\x84\x01\n" +
 	"\x12CheckNetworkPolicy\x12,.pivirt.cluster.v1.CheckNetworkPolicyRequest\x1a-.pivirt.cluster.v1.CheckNetworkPolicyResponse\"\x11\xca\xf3\x18\r\n" +
-	"\x06config\x12\x03getB9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\x06config\x12\x03get\x12U\n" +
+	"\x06WhoAmI\x12 .pivirt.cluster.v1.WhoAmIRequest\x1a!.pivirt.cluster.v1.WhoAmIResponse\"\x06\xca\xf3\x18\x020\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_cluster_proto_rawDescOnce sync.Once
@@ -4400,7 +4643,7 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 59)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 62)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
@@ -4457,49 +4700,52 @@ var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(*ConfigHistoryResponse)(nil),      // 52: pivirt.cluster.v1.ConfigHistoryResponse
 	(*CheckAccessRequest)(nil),         // 53: pivirt.cluster.v1.CheckAccessRequest
 	(*CheckAccessResponse)(nil),        // 54: pivirt.cluster.v1.CheckAccessResponse
-	(*CheckNetworkPolicyRequest)(nil),  // 55: pivirt.cluster.v1.CheckNetworkPolicyRequest
-	(*CheckNetworkPolicyResponse)(nil), // 56: pivirt.cluster.v1.CheckNetworkPolicyResponse
-	(*ConfigStatusRequest)(nil),        // 57: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),       // 58: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),           // 59: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),             // 60: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),            // 61: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),                // 62: pivirt.cluster.v1.NodeKeyring
-	nil,                                // 63: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),        // 64: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),      // 65: google.protobuf.Timestamp
+	(*WhoAmIRequest)(nil),              // 55: pivirt.cluster.v1.WhoAmIRequest
+	(*WhoAmIResponse)(nil),             // 56: pivirt.cluster.v1.WhoAmIResponse
+	(*MethodAccess)(nil),               // 57: pivirt.cluster.v1.MethodAccess
+	(*CheckNetworkPolicyRequest)(nil),  // 58: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 59: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 60: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 61: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 62: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 63: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 64: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 65: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 66: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 67: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 68: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	64, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	64, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	64, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	67, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	67, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	67, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
 	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	64, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	67, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
 	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
 	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	24, // 13: pivirt.cluster.v1.ForceLeaveResponse.nodes:type_name -> pivirt.cluster.v1.NodeForceLeave
-	64, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
-	64, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
+	67, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
+	67, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
 	27, // 16: pivirt.cluster.v1.AutopilotStateResponse.servers:type_name -> pivirt.cluster.v1.AutopilotServer
 	1,  // 17: pivirt.cluster.v1.AutopilotServer.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
-	65, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
-	64, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
-	64, // 20: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
-	64, // 21: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
-	63, // 22: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	68, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
+	67, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
+	67, // 20: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
+	67, // 21: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
+	66, // 22: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
 	3,  // 23: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	64, // 24: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	65, // 25: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	65, // 26: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	67, // 24: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	68, // 25: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	68, // 26: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
 	30, // 27: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
-	64, // 28: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
-	65, // 29: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
+	67, // 28: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
+	68, // 29: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
 	31, // 30: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
 	6,  // 31: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
 	31, // 32: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
@@ -4513,7 +4759,7 @@ var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	5,  // 40: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	31, // 41: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
 	7,  // 42: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	65, // 43: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	68, // 43: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
 	5,  // 44: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	42, // 45: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
 	7,  // 46: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
@@ -4526,60 +4772,64 @@ var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	5,  // 53: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	42, // 54: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
 	7,  // 55: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	59, // 56: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	4,  // 57: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	62, // 58: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
-	9,  // 59: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	12, // 60: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	14, // 61: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	16, // 62: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	18, // 63: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	20, // 64: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	28, // 65: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	22, // 66: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
-	25, // 67: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
-	32, // 68: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	34, // 69: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	36, // 70: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	38, // 71: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	40, // 72: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	43, // 73: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	45, // 74: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	47, // 75: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	49, // 76: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	51, // 77: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	60, // 78: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	57, // 79: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	53, // 80: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
-	55, // 81: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
-	10, // 82: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 83: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 84: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 85: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 86: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 87: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	29, // 88: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	23, // 89: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
-	26, // 90: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
-	33, // 91: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	35, // 92: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	37, // 93: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	39, // 94: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	41, // 95: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	44, // 96: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	46, // 97: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	48, // 98: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	50, // 99: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	52, // 100: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	61, // 101: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	58, // 102: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	54, // 103: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
-	56, // 104: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
-	82, // [82:105] is the sub-list for method output_type
-	59, // [59:82] is the sub-list for method input_type
-	59, // [59:59] is the sub-list for extension type_name
-	59, // [59:59] is the sub-list for extension extendee
-	0,  // [0:59] is the sub-list for field type_name
+	68, // 56: pivirt.cluster.v1.WhoAmIResponse.token_expiry:type_name -> google.protobuf.Timestamp
+	57, // 57: pivirt.cluster.v1.WhoAmIResponse.access:type_name -> pivirt.cluster.v1.MethodAccess
+	62, // 58: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	4,  // 59: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	65, // 60: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	9,  // 61: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	12, // 62: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	14, // 63: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	16, // 64: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	18, // 65: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	20, // 66: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	28, // 67: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	22, // 68: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
+	25, // 69: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
+	32, // 70: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	34, // 71: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	36, // 72: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	38, // 73: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	40, // 74: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	43, // 75: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	45, // 76: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	47, // 77: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	49, // 78: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	51, // 79: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	63, // 80: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	60, // 81: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	53, // 82: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	58, // 83: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	55, // 84: pivirt.cluster.v1.ClusterService.WhoAmI:input_type -> pivirt.cluster.v1.WhoAmIRequest
+	10, // 85: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 86: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 87: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 88: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 89: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 90: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	29, // 91: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	23, // 92: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
+	26, // 93: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
+	33, // 94: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	35, // 95: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	37, // 96: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	39, // 97: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	41, // 98: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	44, // 99: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	46, // 100: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	48, // 101: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	50, // 102: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	52, // 103: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	64, // 104: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	61, // 105: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	54, // 106: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	59, // 107: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	56, // 108: pivirt.cluster.v1.ClusterService.WhoAmI:output_type -> pivirt.cluster.v1.WhoAmIResponse
+	85, // [85:109] is the sub-list for method output_type
+	61, // [61:85] is the sub-list for method input_type
+	61, // [61:61] is the sub-list for extension type_name
+	61, // [61:61] is the sub-list for extension extendee
+	0,  // [0:61] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -4595,7 +4845,7 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   59,
+			NumMessages:   62,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

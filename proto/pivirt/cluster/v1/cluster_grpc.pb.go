@@ -42,6 +42,7 @@ const (
 	ClusterService_ConfigStatus_FullMethodName       = "/pivirt.cluster.v1.ClusterService/ConfigStatus"
 	ClusterService_CheckAccess_FullMethodName        = "/pivirt.cluster.v1.ClusterService/CheckAccess"
 	ClusterService_CheckNetworkPolicy_FullMethodName = "/pivirt.cluster.v1.ClusterService/CheckNetworkPolicy"
+	ClusterService_WhoAmI_FullMethodName             = "/pivirt.cluster.v1.ClusterService/WhoAmI"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -101,6 +102,11 @@ type ClusterServiceClient interface {
 	// node asked allows a connection between two service identities on a
 	// port, and which policy allows it.
 	CheckNetworkPolicy(ctx context.Context, in *CheckNetworkPolicyRequest, opts ...grpc.CallOption) (*CheckNetworkPolicyResponse, error)
+	// WhoAmI tells the caller who it is (its identity, roles and how it
+	// authenticated) and what the RBAC policy in force on the node asked
+	// lets it call, method by method; never forwarded. Any authenticated
+	// caller may call it: it answers only about the caller.
+	WhoAmI(ctx context.Context, in *WhoAmIRequest, opts ...grpc.CallOption) (*WhoAmIResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -341,6 +347,16 @@ func (c *clusterServiceClient) CheckNetworkPolicy(ctx context.Context, in *Check
 	return out, nil
 }
 
+func (c *clusterServiceClient) WhoAmI(ctx context.Context, in *WhoAmIRequest, opts ...grpc.CallOption) (*WhoAmIResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(WhoAmIResponse)
+	err := c.cc.Invoke(ctx, ClusterService_WhoAmI_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations should embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -398,6 +414,11 @@ type ClusterServiceServer interface {
 	// node asked allows a connection between two service identities on a
 	// port, and which policy allows it.
 	CheckNetworkPolicy(context.Context, *CheckNetworkPolicyRequest) (*CheckNetworkPolicyResponse, error)
+	// WhoAmI tells the caller who it is (its identity, roles and how it
+	// authenticated) and what the RBAC policy in force on the node asked
+	// lets it call, method by method; never forwarded. Any authenticated
+	// caller may call it: it answers only about the caller.
+	WhoAmI(context.Context, *WhoAmIRequest) (*WhoAmIResponse, error)
 }
 
 // UnimplementedClusterServiceServer should be embedded to have
@@ -475,6 +496,9 @@ func (UnimplementedClusterServiceServer) CheckAccess(context.Context, *CheckAcce
 }
 func (UnimplementedClusterServiceServer) CheckNetworkPolicy(context.Context, *CheckNetworkPolicyRequest) (*CheckNetworkPolicyResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CheckNetworkPolicy not implemented")
+}
+func (UnimplementedClusterServiceServer) WhoAmI(context.Context, *WhoAmIRequest) (*WhoAmIResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method WhoAmI not implemented")
 }
 func (UnimplementedClusterServiceServer) testEmbeddedByValue() {}
 
@@ -910,6 +934,24 @@ func _ClusterService_CheckNetworkPolicy_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_WhoAmI_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(WhoAmIRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).WhoAmI(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_WhoAmI_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).WhoAmI(ctx, req.(*WhoAmIRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1008,6 +1050,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CheckNetworkPolicy",
 			Handler:    _ClusterService_CheckNetworkPolicy_Handler,
+		},
+		{
+			MethodName: "WhoAmI",
+			Handler:    _ClusterService_WhoAmI_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

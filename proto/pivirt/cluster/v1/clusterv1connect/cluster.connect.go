@@ -96,6 +96,8 @@ const (
 	// ClusterServiceCheckNetworkPolicyProcedure is the fully-qualified name of the ClusterService's
 	// CheckNetworkPolicy RPC.
 	ClusterServiceCheckNetworkPolicyProcedure = "/pivirt.cluster.v1.ClusterService/CheckNetworkPolicy"
+	// ClusterServiceWhoAmIProcedure is the fully-qualified name of the ClusterService's WhoAmI RPC.
+	ClusterServiceWhoAmIProcedure = "/pivirt.cluster.v1.ClusterService/WhoAmI"
 )
 
 // ClusterServiceClient is a client for the pivirt.cluster.v1.ClusterService service.
@@ -149,6 +151,11 @@ type ClusterServiceClient interface {
 	// node asked allows a connection between two service identities on a
 	// port, and which policy allows it.
 	CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error)
+	// WhoAmI tells the caller who it is (its identity, roles and how it
+	// authenticated) and what the RBAC policy in force on the node asked
+	// lets it call, method by method; never forwarded. Any authenticated
+	// caller may call it: it answers only about the caller.
+	WhoAmI(context.Context, *connect.Request[v1.WhoAmIRequest]) (*connect.Response[v1.WhoAmIResponse], error)
 }
 
 // NewClusterServiceClient constructs a client for the pivirt.cluster.v1.ClusterService service. By
@@ -300,6 +307,12 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(clusterServiceMethods.ByName("CheckNetworkPolicy")),
 			connect.WithClientOptions(opts...),
 		),
+		whoAmI: connect.NewClient[v1.WhoAmIRequest, v1.WhoAmIResponse](
+			httpClient,
+			baseURL+ClusterServiceWhoAmIProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("WhoAmI")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -328,6 +341,7 @@ type clusterServiceClient struct {
 	configStatus       *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
 	checkAccess        *connect.Client[v1.CheckAccessRequest, v1.CheckAccessResponse]
 	checkNetworkPolicy *connect.Client[v1.CheckNetworkPolicyRequest, v1.CheckNetworkPolicyResponse]
+	whoAmI             *connect.Client[v1.WhoAmIRequest, v1.WhoAmIResponse]
 }
 
 // Members calls pivirt.cluster.v1.ClusterService.Members.
@@ -445,6 +459,11 @@ func (c *clusterServiceClient) CheckNetworkPolicy(ctx context.Context, req *conn
 	return c.checkNetworkPolicy.CallUnary(ctx, req)
 }
 
+// WhoAmI calls pivirt.cluster.v1.ClusterService.WhoAmI.
+func (c *clusterServiceClient) WhoAmI(ctx context.Context, req *connect.Request[v1.WhoAmIRequest]) (*connect.Response[v1.WhoAmIResponse], error) {
+	return c.whoAmI.CallUnary(ctx, req)
+}
+
 // ClusterServiceHandler is an implementation of the pivirt.cluster.v1.ClusterService service.
 type ClusterServiceHandler interface {
 	// Members is the gossip view of the node asked (never forwarded).
@@ -496,6 +515,11 @@ type ClusterServiceHandler interface {
 	// node asked allows a connection between two service identities on a
 	// port, and which policy allows it.
 	CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error)
+	// WhoAmI tells the caller who it is (its identity, roles and how it
+	// authenticated) and what the RBAC policy in force on the node asked
+	// lets it call, method by method; never forwarded. Any authenticated
+	// caller may call it: it answers only about the caller.
+	WhoAmI(context.Context, *connect.Request[v1.WhoAmIRequest]) (*connect.Response[v1.WhoAmIResponse], error)
 }
 
 // NewClusterServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -643,6 +667,12 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		connect.WithSchema(clusterServiceMethods.ByName("CheckNetworkPolicy")),
 		connect.WithHandlerOptions(opts...),
 	)
+	clusterServiceWhoAmIHandler := connect.NewUnaryHandler(
+		ClusterServiceWhoAmIProcedure,
+		svc.WhoAmI,
+		connect.WithSchema(clusterServiceMethods.ByName("WhoAmI")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.ClusterService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ClusterServiceMembersProcedure:
@@ -691,6 +721,8 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceCheckAccessHandler.ServeHTTP(w, r)
 		case ClusterServiceCheckNetworkPolicyProcedure:
 			clusterServiceCheckNetworkPolicyHandler.ServeHTTP(w, r)
+		case ClusterServiceWhoAmIProcedure:
+			clusterServiceWhoAmIHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -790,4 +822,8 @@ func (UnimplementedClusterServiceHandler) CheckAccess(context.Context, *connect.
 
 func (UnimplementedClusterServiceHandler) CheckNetworkPolicy(context.Context, *connect.Request[v1.CheckNetworkPolicyRequest]) (*connect.Response[v1.CheckNetworkPolicyResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.CheckNetworkPolicy is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) WhoAmI(context.Context, *connect.Request[v1.WhoAmIRequest]) (*connect.Response[v1.WhoAmIResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.WhoAmI is not implemented"))
 }
