@@ -15,7 +15,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/api/v1/api.proto.
  */
 export const file_pivirt_api_v1_api: GenFile = /*@__PURE__*/
-  fileDesc("ChdwaXZpcnQvYXBpL3YxL2FwaS5wcm90bxINcGl2aXJ0LmFwaS52MSL1AQoKT2JqZWN0TWV0YRINCgVvd25lchgBIAEoCRI1CgZsYWJlbHMYAiADKAsyJS5waXZpcnQuYXBpLnYxLk9iamVjdE1ldGEuTGFiZWxzRW50cnkSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi8KC3VwZGF0ZV90aW1lGAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIQCghyZXZpc2lvbhgFIAEoBBotCgtMYWJlbHNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBImsKDUF1dGhvcml6YXRpb24SEAoIcmVzb3VyY2UYASABKAkSDAoEdmVyYhgCIAEoCRIQCghpZF9maWVsZBgDIAEoCRIUCgxvYmplY3RfZmllbGQYBCABKAkSEgoKbGlzdF9maWVsZBgFIAEoCTpUCgVhdXRoehIeLmdvb2dsZS5wcm90b2J1Zi5NZXRob2RPcHRpb25zGLmOAyABKAsyHC5waXZpcnQuYXBpLnYxLkF1dGhvcml6YXRpb25SBWF1dGh6QjFaL3BpbGFiLmh1L3BpdmlydC1hZ2VudC9wcm90by9waXZpcnQvYXBpL3YxO2FwaXYxYgZwcm90bzM", [file_google_protobuf_descriptor, file_google_protobuf_timestamp]);
+  fileDesc("ChdwaXZpcnQvYXBpL3YxL2FwaS5wcm90bxINcGl2aXJ0LmFwaS52MSL1AQoKT2JqZWN0TWV0YRINCgVvd25lchgBIAEoCRI1CgZsYWJlbHMYAiADKAsyJS5waXZpcnQuYXBpLnYxLk9iamVjdE1ldGEuTGFiZWxzRW50cnkSLwoLY3JlYXRlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi8KC3VwZGF0ZV90aW1lGAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIQCghyZXZpc2lvbhgFIAEoBBotCgtMYWJlbHNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBInkKDUF1dGhvcml6YXRpb24SEAoIcmVzb3VyY2UYASABKAkSDAoEdmVyYhgCIAEoCRIQCghpZF9maWVsZBgDIAEoCRIUCgxvYmplY3RfZmllbGQYBCABKAkSEgoKbGlzdF9maWVsZBgFIAEoCRIMCgRzZWxmGAYgASgIOlQKBWF1dGh6Eh4uZ29vZ2xlLnByb3RvYnVmLk1ldGhvZE9wdGlvbnMYuY4DIAEoCzIcLnBpdmlydC5hcGkudjEuQXV0aG9yaXphdGlvblIFYXV0aHpCMVovcGlsYWIuaHUvcGl2aXJ0LWFnZW50L3Byb3RvL3BpdmlydC9hcGkvdjE7YXBpdjFiBnByb3RvMw", [file_google_protobuf_descriptor, file_google_protobuf_timestamp]);
 
 /**
  * ObjectMeta is the metadata of every API object. RBAC conditions name its
@@ -109,6 +109,16 @@ export type Authorization = Message<"pivirt.api.v1.Authorization"> & {
    * @generated from field: string list_field = 5;
    */
   listField: string;
+
+  /**
+   * self: any authenticated caller may call it; it answers only about the
+   * caller: no RBAC rule applies. The caller must still authenticate, and
+   * rate limits and request bounds apply as to any method. A self method
+   * sets no other field.
+   *
+   * @generated from field: bool self = 6;
+   */
+  self: boolean;
 };
 
 /**
