@@ -183,7 +183,8 @@ type GetScheduleResponse struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Schedule *Schedule              `protobuf:"bytes,1,opt,name=schedule,proto3" json:"schedule,omitempty"`
 	// meta describes the state the read was served from; meta.index is the
-	// schedules index, the same on every node.
+	// schedules index, the same on every node, and never 0 (1 before the
+	// first change), so that it always makes a blocking query.
 	Meta          *v1.QueryMeta `protobuf:"bytes,2,opt,name=meta,proto3" json:"meta,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -294,7 +295,8 @@ type ListSchedulesResponse struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Schedules []*Schedule            `protobuf:"bytes,1,rep,name=schedules,proto3" json:"schedules,omitempty"`
 	// meta describes the state the read was served from; meta.index is the
-	// schedules index, the same on every node.
+	// schedules index, the same on every node, and never 0 (1 before the
+	// first change), so that it always makes a blocking query.
 	Meta          *v1.QueryMeta `protobuf:"bytes,2,opt,name=meta,proto3" json:"meta,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
