@@ -352,6 +352,44 @@ func (s *State) Runs(scheduleID string) ([]*schedulev1.Run, error) {
 	return listReverse[*schedulev1.Run](s, TableScheduleRuns, indexIDPrefix, scheduleID)
 }
 
+// WatchRuns adds to ws the channels that fire when schedule scheduleID or
+// one of its runs changes (is written, claimed, recorded, trimmed or
+// deleted) and the abandon channel, and returns the index of the
+// schedule's runs: the largest modify index of the schedule and its kept
+// runs, or, when the schedule does not exist, the schedules table's index,
+// which is above every index the schedule had (its deletion changed the
+// table), so that a watcher sees the deletion. Every change to a
+// schedule's runs moves it: a claim changes the schedule too, and a
+// trim comes with a claim or a change of the schedule. It is built from
+// replicated records only, so every node answers the same for the same
+// applied state; changes to other schedules and their runs move neither
+// the index nor (except where memdb's radix nodes are shared) the
+// channels. Like every blocking query, callers re-check the index after a
+// wake-up. A restore may move it back, as it may a config key's revision.
+func (s *State) WatchRuns(ws memdb.WatchSet, scheduleID string) (uint64, error) {
+	ch, obj, err := s.txn.FirstWatch(TableSchedules, indexID, scheduleID)
+	if err != nil {
+		return 0, fmt.Errorf("watch schedule %q: %w", scheduleID, err)
+	}
+	s.watch(ws, ch)
+	sc, ok := obj.(*schedulev1.Schedule)
+	if !ok {
+		return s.Index(TableSchedules), nil
+	}
+	it, err := s.txn.Get(TableScheduleRuns, indexIDPrefix, scheduleID)
+	if err != nil {
+		return 0, fmt.Errorf("watch runs of schedule %q: %w", scheduleID, err)
+	}
+	s.watch(ws, it.WatchCh())
+	index := sc.GetModifyIndex()
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if r, ok := obj.(*schedulev1.Run); ok {
+			index = max(index, r.GetModifyIndex())
+		}
+	}
+	return index, nil
+}
+
 // Run returns the run of a schedule at a slot, or ErrNotFound.
 func (s *State) Run(scheduleID string, slot time.Time) (*schedulev1.Run, error) {
 	r, err := first[*schedulev1.Run](s.txn, TableScheduleRuns, indexID, scheduleID, slot)

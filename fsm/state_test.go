@@ -423,3 +423,78 @@ func TestWatchService(t *testing.T) {
 		t.Error("the restored state snapshots differently")
 	}
 }
+
+// The index of a schedule's runs moves with that schedule and its runs
+// only: a claim, a recorded outcome, a change of the schedule; its
+// deletion moves it above every index the schedule had. Another
+// schedule's runs move neither the index nor, where the radix tree keeps
+// them apart, the channel.
+func TestWatchRuns(t *testing.T) {
+	h := newHarness(t)
+	index := func(id string) uint64 {
+		t.Helper()
+		idx, err := h.f.State().WatchRuns(nil, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return idx
+	}
+	h.mustApply(putSchedule(schedule("s1")))             // 1
+	h.mustApply(putSchedule(schedule("other-schedule"))) // 2
+	if got := index("s1"); got != 1 {
+		t.Errorf("s1 index = %d, want 1 (its creation)", got)
+	}
+
+	ws := memdb.NewWatchSet()
+	if _, err := h.f.State().WatchRuns(ws, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(claim("other-schedule", at(100))) // 3
+	h.mustApply(setConfig("k", "v"))              // 4
+	if got := index("s1"); got != 1 {
+		t.Errorf("s1 index after another schedule's run = %d, want 1", got)
+	}
+	h.mustApply(claim("s1", at(100))) // 5
+	waitFired(t, ws)
+	if got := index("s1"); got != 5 {
+		t.Errorf("s1 index after its claim = %d, want 5", got)
+	}
+
+	// A recorded outcome changes the run only.
+	ws = memdb.NewWatchSet()
+	if _, err := h.f.State().WatchRuns(ws, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(recordRun(&schedulev1.Run{ScheduleId: "s1", Slot: at(100), Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK})) // 6
+	waitFired(t, ws)
+	if got := index("s1"); got != 6 {
+		t.Errorf("s1 index after a recorded run = %d, want 6", got)
+	}
+	if got := index("other-schedule"); got != 3 {
+		t.Errorf("other-schedule index = %d, want 3", got)
+	}
+
+	// Deleted: the index goes above every index the schedule had.
+	ws = memdb.NewWatchSet()
+	if _, err := h.f.State().WatchRuns(ws, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(deleteSchedule("s1")) // 7
+	waitFired(t, ws)
+	if got := index("s1"); got != 7 {
+		t.Errorf("index of the deleted s1 = %d, want 7 (the schedules table's)", got)
+	}
+	if got := index("never"); got != 7 {
+		t.Errorf("index of a schedule never created = %d, want 7 (the schedules table's)", got)
+	}
+	// Created again: the watch of the missing schedule fires.
+	ws = memdb.NewWatchSet()
+	if _, err := h.f.State().WatchRuns(ws, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	h.mustApply(putSchedule(schedule("s1"))) // 8
+	waitFired(t, ws)
+	if got := index("s1"); got != 8 {
+		t.Errorf("s1 index after it was created again = %d, want 8", got)
+	}
+}

@@ -296,6 +296,20 @@ func readMode(ro *clusterv1.ReadOptions) (clusterv1.Consistency, time.Duration, 
 // index of the state it read, which blockOn also returns (with watches) for
 // a blocking query; nil blockOn refuses wait_index.
 func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Request[Req], ro *clusterv1.ReadOptions, remote remoteCall[Req, Res], blockOn blockIndex, local func(context.Context) (*Res, uint64, error)) (*connect.Response[Res], error) {
+	return readVia(ctx, h, ro, func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
+		resp, err := remote(h.peers.Cluster(internalAddr), ctx, forwardRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return cleanResponse(resp), nil
+	}, blockOn, local)
+}
+
+// readVia is read for any service of the internal port: forward sends the
+// request to the leader's internal port (a default read, or a consistent
+// one when the leader has no ReadIndex) and returns its answer with the
+// agent's headers only.
+func readVia[Res any](ctx context.Context, h *ClusterService, ro *clusterv1.ReadOptions, forward func(ctx context.Context, internalAddr string) (*connect.Response[Res], error), blockOn blockIndex, local func(context.Context) (*Res, uint64, error)) (*connect.Response[Res], error) {
 	mode, maxStale, err := readMode(ro)
 	if err != nil {
 		return nil, toConnect(err)
@@ -359,11 +373,7 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 			idx, err := h.readIndex.readIndex(ctx, internalAddr)
 			if connect.CodeOf(err) == connect.CodeUnimplemented {
 				// A leader on an older binary: forward the read.
-				resp, err := remote(h.peers.Cluster(internalAddr), ctx, forwardRequest(req))
-				if err != nil {
-					return nil, err
-				}
-				return cleanResponse(resp), nil
+				return forward(ctx, internalAddr)
 			}
 			if err != nil {
 				return nil, err
@@ -375,7 +385,7 @@ func read[Req, Res any](ctx context.Context, h *ClusterService, req *connect.Req
 			return resp, toConnect(err)
 		})
 	}
-	return onLeader(ctx, h, req, remote, verified)
+	return viaLeader(ctx, h, verified, forward)
 }
 
 // LeaderReadIndex answers a follower's ReadIndex: this node must be the

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/hashicorp/go-memdb"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -33,8 +34,12 @@ const (
 )
 
 // ScheduleService serves the power schedules: writes run on the leader
-// (forwarded to its internal port from other nodes), reads are
-// linearizable (a read index from the leader, then the local state).
+// (forwarded to its internal port from other nodes). GetSchedule,
+// ListSchedules and ListRuns take ReadOptions like the cluster's other
+// reads (readVia: default on the leader, consistent, stale, blocking
+// queries); without them they are linearizable (a read index from the
+// leader, then the local state), as are the reads of NextSlots and of
+// updates.
 type ScheduleService struct {
 	h *ClusterService
 	// remote is the ScheduleService of an agent's internal port.
@@ -469,15 +474,60 @@ func (s *ScheduleService) barrier(ctx context.Context) error {
 	return err
 }
 
-// GetSchedule implements schedulev1connect.ScheduleServiceHandler.
-func (s *ScheduleService) GetSchedule(ctx context.Context, req *connect.Request[schedulev1.GetScheduleRequest]) (*connect.Response[schedulev1.GetScheduleResponse], error) {
-	sc, err := s.read(ctx, req.Msg.GetId(), "id")
-	if err != nil {
-		return nil, err
+// scheduleReadOptions are the read options of a schedule read: a request
+// without any is read consistently, as schedule reads always were (a read
+// index from the leader, then the local state); with them it is read like
+// every other read of the cluster (readMode), a blocking query included.
+func scheduleReadOptions(ro *clusterv1.ReadOptions) *clusterv1.ReadOptions {
+	if ro == nil {
+		return &clusterv1.ReadOptions{Consistency: clusterv1.Consistency_CONSISTENCY_CONSISTENT}
 	}
-	return connect.NewResponse(&schedulev1.GetScheduleResponse{Schedule: sc}), nil
+	return ro
 }
 
+// forwardSchedules sends a read to the ScheduleService of the leader's
+// internal port (readVia's forward).
+func forwardSchedules[Req, Res any](s *ScheduleService, req *connect.Request[Req],
+	call func(schedulev1.ScheduleServiceClient) func(context.Context, *Req, ...grpc.CallOption) (*Res, error),
+) func(ctx context.Context, internalAddr string) (*connect.Response[Res], error) {
+	return func(ctx context.Context, addr string) (*connect.Response[Res], error) {
+		resp, err := cluster.CallGRPC(ctx, forwardRequest(req), call(s.remote(addr)))
+		if err != nil {
+			return nil, err
+		}
+		return cleanResponse(resp), nil
+	}
+}
+
+// runsIndex is the blockIndex of a schedule's runs (fsm.State.WatchRuns):
+// a blocking ListRuns wakes for changes to that schedule and its runs
+// only. The index is built from replicated records, so the answer carries
+// it as it is: a wait index from any node compares right.
+func runsIndex(scheduleID string) blockIndex {
+	return func(st *fsm.State, ws memdb.WatchSet) (uint64, error) { return st.WatchRuns(ws, scheduleID) }
+}
+
+// GetSchedule implements schedulev1connect.ScheduleServiceHandler. A
+// blocking query waits for the schedules index.
+func (s *ScheduleService) GetSchedule(ctx context.Context, req *connect.Request[schedulev1.GetScheduleRequest]) (*connect.Response[schedulev1.GetScheduleResponse], error) {
+	id := req.Msg.GetId()
+	if !idPattern.MatchString(id) {
+		return nil, toConnect(invalid("id", "%q: the ID of a schedule is required", id))
+	}
+	return readVia(ctx, s.h, scheduleReadOptions(req.Msg.GetRead()), forwardSchedules(s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.GetScheduleRequest, ...grpc.CallOption) (*schedulev1.GetScheduleResponse, error) {
+		return c.GetSchedule
+	}), tablesIndex(fsm.TableSchedules), func(ctx context.Context) (*schedulev1.GetScheduleResponse, uint64, error) {
+		st := s.h.state.State()
+		sc, err := st.Schedule(id)
+		if err != nil {
+			return nil, 0, err // names the schedule
+		}
+		index := max(st.Index(fsm.TableSchedules), 1)
+		return &schedulev1.GetScheduleResponse{Schedule: sc, Meta: s.h.queryMeta(index)}, index, nil
+	})
+}
+
+// read returns schedule id as the leader had it when read was called.
 func (s *ScheduleService) read(ctx context.Context, id, field string) (*schedulev1.Schedule, error) {
 	if !idPattern.MatchString(id) {
 		return nil, toConnect(invalid(field, "%q: the ID of a schedule is required", id))
@@ -489,37 +539,58 @@ func (s *ScheduleService) read(ctx context.Context, id, field string) (*schedule
 	return sc, toConnect(err)
 }
 
-// ListSchedules implements schedulev1connect.ScheduleServiceHandler.
+// ListSchedules implements schedulev1connect.ScheduleServiceHandler. A
+// blocking query waits for the schedules index (with vm_id too: a
+// schedule's VM may change).
 func (s *ScheduleService) ListSchedules(ctx context.Context, req *connect.Request[schedulev1.ListSchedulesRequest]) (*connect.Response[schedulev1.ListSchedulesResponse], error) {
-	if v := req.Msg.GetVmId(); v != "" && !idPattern.MatchString(v) {
-		return nil, toConnect(invalid("vm_id", "%q is not a VM ID", v))
+	vm := req.Msg.GetVmId()
+	if vm != "" && !idPattern.MatchString(vm) {
+		return nil, toConnect(invalid("vm_id", "%q is not a VM ID", vm))
 	}
-	if err := s.barrier(ctx); err != nil {
-		return nil, toConnect(err)
-	}
-	var list []*schedulev1.Schedule
-	var err error
-	if v := req.Msg.GetVmId(); v != "" {
-		_, list, err = s.h.state.State().SchedulesByVM(v, nil)
-	} else {
-		_, list, err = s.h.state.State().Schedules(nil)
-	}
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	return connect.NewResponse(&schedulev1.ListSchedulesResponse{Schedules: list}), nil
+	return readVia(ctx, s.h, scheduleReadOptions(req.Msg.GetRead()), forwardSchedules(s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.ListSchedulesRequest, ...grpc.CallOption) (*schedulev1.ListSchedulesResponse, error) {
+		return c.ListSchedules
+	}), tablesIndex(fsm.TableSchedules), func(ctx context.Context) (*schedulev1.ListSchedulesResponse, uint64, error) {
+		var (
+			index uint64
+			list  []*schedulev1.Schedule
+			err   error
+		)
+		if vm != "" {
+			index, list, err = s.h.state.State().SchedulesByVM(vm, nil)
+		} else {
+			index, list, err = s.h.state.State().Schedules(nil)
+		}
+		if err != nil {
+			return nil, 0, err
+		}
+		// Never 0, which would make a watcher's next query answer at once
+		// (wait_index 0 does not block) until the first schedule.
+		index = max(index, 1)
+		return &schedulev1.ListSchedulesResponse{Schedules: list, Meta: s.h.queryMeta(index)}, index, nil
+	})
 }
 
-// ListRuns implements schedulev1connect.ScheduleServiceHandler.
+// ListRuns implements schedulev1connect.ScheduleServiceHandler. A blocking
+// query waits for the index of the schedule's runs (runsIndex).
 func (s *ScheduleService) ListRuns(ctx context.Context, req *connect.Request[schedulev1.ListRunsRequest]) (*connect.Response[schedulev1.ListRunsResponse], error) {
-	if _, err := s.read(ctx, req.Msg.GetScheduleId(), "schedule_id"); err != nil {
-		return nil, err
+	id := req.Msg.GetScheduleId()
+	if !idPattern.MatchString(id) {
+		return nil, toConnect(invalid("schedule_id", "%q: the ID of a schedule is required", id))
 	}
-	runs, err := s.h.state.State().Runs(req.Msg.GetScheduleId())
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	return connect.NewResponse(&schedulev1.ListRunsResponse{Runs: runs}), nil
+	return readVia(ctx, s.h, scheduleReadOptions(req.Msg.GetRead()), forwardSchedules(s, req, func(c schedulev1.ScheduleServiceClient) func(context.Context, *schedulev1.ListRunsRequest, ...grpc.CallOption) (*schedulev1.ListRunsResponse, error) {
+		return c.ListRuns
+	}), runsIndex(id), func(ctx context.Context) (*schedulev1.ListRunsResponse, uint64, error) {
+		st := s.h.state.State()
+		runs, err := st.Runs(id)
+		if err != nil {
+			return nil, 0, err // names the schedule
+		}
+		index, err := st.WatchRuns(nil, id)
+		if err != nil {
+			return nil, 0, err
+		}
+		return &schedulev1.ListRunsResponse{Runs: runs, Meta: s.h.queryMeta(index)}, index, nil
+	})
 }
 
 // NextSlots implements schedulev1connect.ScheduleServiceHandler.

@@ -18,6 +18,8 @@ import (
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 )
 
 // fakeCluster is an in-test ClusterService that records every request and
@@ -75,6 +77,7 @@ func serveH2C(t testing.TB, h http.Handler) string {
 func (f *fakeCluster) handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(clusterv1connect.NewClusterServiceHandler(f))
+	mux.Handle(schedulev1connect.NewScheduleServiceHandler(fakeSchedules{f: f}))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		f.mu.Lock()
 		f.httpMajor = append(f.httpMajor, r.ProtoMajor)
@@ -269,3 +272,22 @@ func writeFile(t testing.TB, content string) string {
 }
 
 var errNoLeader = connect.NewError(connect.CodeUnavailable, errors.New("no cluster leader"))
+
+// fakeSchedules is f's ScheduleService: its reads are recorded and
+// answered as f's are; the rest answers Unimplemented.
+type fakeSchedules struct {
+	schedulev1connect.UnimplementedScheduleServiceHandler
+	f *fakeCluster
+}
+
+func (s fakeSchedules) GetSchedule(_ context.Context, r *connect.Request[schedulev1.GetScheduleRequest]) (*connect.Response[schedulev1.GetScheduleResponse], error) {
+	return handle[schedulev1.GetScheduleRequest, schedulev1.GetScheduleResponse](s.f, r)
+}
+
+func (s fakeSchedules) ListSchedules(_ context.Context, r *connect.Request[schedulev1.ListSchedulesRequest]) (*connect.Response[schedulev1.ListSchedulesResponse], error) {
+	return handle[schedulev1.ListSchedulesRequest, schedulev1.ListSchedulesResponse](s.f, r)
+}
+
+func (s fakeSchedules) ListRuns(_ context.Context, r *connect.Request[schedulev1.ListRunsRequest]) (*connect.Response[schedulev1.ListRunsResponse], error) {
+	return handle[schedulev1.ListRunsRequest, schedulev1.ListRunsResponse](s.f, r)
+}

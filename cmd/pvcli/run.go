@@ -390,6 +390,21 @@ func (a *app) readOptions() *clusterv1.ReadOptions {
 	return ro
 }
 
+// readFlags are the global flags readOptions reads.
+var readFlags = []string{"consistency", "max-stale", "wait-index", "wait"}
+
+// readOptionsIfSet is readOptions when a read flag was given, else nil:
+// the read's own default, for reads whose default is not the cluster's
+// (schedule reads are consistent without options).
+func (a *app) readOptionsIfSet(cmd *cobra.Command) *clusterv1.ReadOptions {
+	for _, name := range readFlags {
+		if cmd.Flags().Changed(name) {
+			return a.readOptions()
+		}
+	}
+	return nil
+}
+
 // writeOptions returns the WriteOptions for the next write of this process.
 // A retry reuses the request, hence the same options.
 func (a *app) writeOptions() *clusterv1.WriteOptions {

@@ -32,6 +32,8 @@ import (
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
+	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 )
 
 var clientIDPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
@@ -266,6 +268,40 @@ func TestRequestMapping(t *testing.T) {
 			procedure: clusterv1connect.ClusterServiceDeleteConfigProcedure,
 			want:      &clusterv1.DeleteConfigRequest{Key: "log.level"},
 			write:     true,
+		},
+		{
+			name:      "schedule list without read flags: the schedule API's consistent default",
+			args:      []string{"schedule", "list", "--vm", "vm-1"},
+			procedure: schedulev1connect.ScheduleServiceListSchedulesProcedure,
+			want:      &schedulev1.ListSchedulesRequest{VmId: "vm-1"},
+		},
+		{
+			name:      "schedule list blocking query",
+			args:      []string{"schedule", "list", "--wait-index", "42", "--wait", "30s"},
+			procedure: schedulev1connect.ScheduleServiceListSchedulesProcedure,
+			want: &schedulev1.ListSchedulesRequest{Read: &clusterv1.ReadOptions{
+				Consistency: clusterv1.Consistency_CONSISTENCY_DEFAULT, WaitIndex: 42, WaitTime: durationpb.New(30 * time.Second),
+			}},
+		},
+		{
+			name:      "schedule runs stale blocking query",
+			args:      []string{"--consistency", "stale", "--max-stale", "5s", "schedule", "runs", "s1", "--wait-index", "7"},
+			procedure: schedulev1connect.ScheduleServiceListRunsProcedure,
+			want: &schedulev1.ListRunsRequest{ScheduleId: "s1", Read: &clusterv1.ReadOptions{
+				Consistency: clusterv1.Consistency_CONSISTENCY_STALE, MaxStale: durationpb.New(5 * time.Second), WaitIndex: 7,
+			}},
+		},
+		{
+			name:      "schedule runs without read flags",
+			args:      []string{"schedule", "runs", "s1"},
+			procedure: schedulev1connect.ScheduleServiceListRunsProcedure,
+			want:      &schedulev1.ListRunsRequest{ScheduleId: "s1"},
+		},
+		{
+			name:      "schedule get consistent",
+			args:      []string{"schedule", "get", "s1", "--consistency", "consistent"},
+			procedure: schedulev1connect.ScheduleServiceGetScheduleProcedure,
+			want:      &schedulev1.GetScheduleRequest{Id: "s1", Read: readConsistent},
 		},
 		{
 			name:      "config delete --cas",

@@ -112,14 +112,14 @@ func (a *app) newScheduleCmd() *cobra.Command {
 	update.register(updateCmd, false)
 	updateCmd.Flags().Uint64Var(&revision, "expected-revision", 0, "fail with aborted unless the schedule's revision (modify index) is this")
 
-	byID := func(use, short string, call func(ctx context.Context, c *clientConn, id string) (*schedulev1.Schedule, error)) *cobra.Command {
+	byID := func(use, short string, call func(ctx context.Context, cmd *cobra.Command, c *clientConn, id string) (*schedulev1.Schedule, error)) *cobra.Command {
 		return &cobra.Command{
 			Use:   use + " ID",
 			Short: short,
 			Args:  positional("ID"),
 			RunE: a.command(func(cmd *cobra.Command, args []string) error {
 				return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-					s, err := call(ctx, c, args[0])
+					s, err := call(ctx, cmd, c, args[0])
 					if err != nil {
 						return err
 					}
@@ -133,10 +133,17 @@ func (a *app) newScheduleCmd() *cobra.Command {
 	list := &cobra.Command{
 		Use:   "list [--vm ID]",
 		Short: "List power schedules",
-		Args:  positional(),
+		Long: `list prints the power schedules, of every VM or of one (--vm).
+
+Without --consistency, --max-stale or --wait-index the read is consistent (the
+agent asked gets a read index from the leader). With them it is read like the
+other lists: --wait-index makes it a blocking query that answers once the
+schedules index (meta.index with -o json, Pivirt-Index with --verbose) is above
+it; any change to a schedule moves that index, a run starting included.`,
+		Args: positional(),
 		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.schedule.ListSchedules(ctx, connect.NewRequest(&schedulev1.ListSchedulesRequest{VmId: vm}))
+				resp, err := c.schedule.ListSchedules(ctx, connect.NewRequest(&schedulev1.ListSchedulesRequest{VmId: vm, Read: a.readOptionsIfSet(cmd)}))
 				if err != nil {
 					return err
 				}
@@ -178,10 +185,18 @@ func (a *app) newScheduleCmd() *cobra.Command {
 	runs := &cobra.Command{
 		Use:   "runs ID",
 		Short: "Show a schedule's kept runs, newest first",
-		Args:  positional("ID"),
+		Long: `runs prints the kept runs of schedule ID, newest slot first.
+
+Without --consistency, --max-stale or --wait-index the read is consistent (the
+agent asked gets a read index from the leader). With them it is read like the
+other lists: --wait-index makes it a blocking query that answers once the index
+of this schedule's runs (meta.index with -o json, Pivirt-Index with --verbose)
+is above it: a run starts or ends, or the schedule changes. Other schedules do
+not wake it.`,
+		Args: positional("ID"),
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.schedule.ListRuns(ctx, connect.NewRequest(&schedulev1.ListRunsRequest{ScheduleId: args[0]}))
+				resp, err := c.schedule.ListRuns(ctx, connect.NewRequest(&schedulev1.ListRunsRequest{ScheduleId: args[0], Read: a.readOptionsIfSet(cmd)}))
 				if err != nil {
 					return err
 				}
@@ -201,8 +216,8 @@ func (a *app) newScheduleCmd() *cobra.Command {
 
 	return groupCmd("schedule", "Manage VM power schedules (run by the Raft leader)",
 		createCmd,
-		byID("get", "Show a schedule", func(ctx context.Context, c *clientConn, id string) (*schedulev1.Schedule, error) {
-			r, err := c.schedule.GetSchedule(ctx, connect.NewRequest(&schedulev1.GetScheduleRequest{Id: id}))
+		byID("get", "Show a schedule", func(ctx context.Context, cmd *cobra.Command, c *clientConn, id string) (*schedulev1.Schedule, error) {
+			r, err := c.schedule.GetSchedule(ctx, connect.NewRequest(&schedulev1.GetScheduleRequest{Id: id, Read: a.readOptionsIfSet(cmd)}))
 			if err != nil {
 				return nil, err
 			}
@@ -221,14 +236,14 @@ func (a *app) newScheduleCmd() *cobra.Command {
 				})
 			}),
 		},
-		byID("pause", "Pause a schedule (its slots are not run, nor caught up on resume)", func(ctx context.Context, c *clientConn, id string) (*schedulev1.Schedule, error) {
+		byID("pause", "Pause a schedule (its slots are not run, nor caught up on resume)", func(ctx context.Context, _ *cobra.Command, c *clientConn, id string) (*schedulev1.Schedule, error) {
 			r, err := c.schedule.PauseSchedule(ctx, connect.NewRequest(&schedulev1.PauseScheduleRequest{Id: id, Write: a.writeOptions()}))
 			if err != nil {
 				return nil, err
 			}
 			return r.Msg.GetSchedule(), nil
 		}),
-		byID("resume", "Resume a paused schedule from now", func(ctx context.Context, c *clientConn, id string) (*schedulev1.Schedule, error) {
+		byID("resume", "Resume a paused schedule from now", func(ctx context.Context, _ *cobra.Command, c *clientConn, id string) (*schedulev1.Schedule, error) {
 			r, err := c.schedule.ResumeSchedule(ctx, connect.NewRequest(&schedulev1.ResumeScheduleRequest{Id: id, Write: a.writeOptions()}))
 			if err != nil {
 				return nil, err

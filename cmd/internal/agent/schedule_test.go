@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/fieldmaskpb"
@@ -368,4 +370,59 @@ func leaderKills(t *testing.T, e *scheduleEnv) {
 		t.Errorf("%d backend calls for %d ok runs and %d of unknown outcome", calls, ok, unknown)
 	}
 	t.Logf("%d slots recorded over 3 leader changes: %v (%d of unknown outcome); %d backend calls", len(runs), o, unknown, calls)
+}
+
+// TestBlockingListRunsOnAFollower: a blocking ListRuns asked of a
+// follower (stale, and default: forwarded to the leader) answers when the
+// leader runs the schedule, with the run and a higher index; that index,
+// given to another node, waits for the next run there (it compares the same
+// on every node).
+func TestBlockingListRunsOnAFollower(t *testing.T) {
+	e := newScheduleEnv(t, 3)
+	leader := e.c.WaitLeader(30 * time.Second)
+	follower := e.c.Follower()
+	fc, lc := e.client(follower), e.client(leader)
+	created, err := lc.CreateSchedule(e.ctx(), &schedulev1.CreateScheduleRequest{Schedule: &schedulev1.Schedule{
+		VmId: e.vmID, Action: schedulev1.Action_ACTION_REBOOT, Cron: "@every 2s", Enabled: true,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := created.GetSchedule().GetId()
+	first, err := fc.ListRuns(e.ctx(), &schedulev1.ListRunsRequest{ScheduleId: id}) // consistent
+	if err != nil {
+		t.Fatal(err)
+	}
+	index := first.GetMeta().GetIndex()
+	if index < created.GetSchedule().GetModifyIndex() {
+		t.Fatalf("ListRuns on the follower after the create: index %d, want at least %d (the create's)", index, created.GetSchedule().GetModifyIndex())
+	}
+	// woke checks a blocking query's answer: a run changed after index,
+	// and the answer's index is that change's.
+	woke := func(c schedulev1.ScheduleServiceClient, mode clusterv1.Consistency, after uint64, node string) uint64 {
+		t.Helper()
+		var hdr metadata.MD
+		resp, err := c.ListRuns(e.ctx(), &schedulev1.ListRunsRequest{ScheduleId: id, Read: &clusterv1.ReadOptions{
+			Consistency: mode, WaitIndex: after, WaitTime: durationpb.New(15 * time.Second),
+		}}, grpc.Header(&hdr))
+		if err != nil {
+			t.Fatalf("%s blocking ListRuns on %s: %v", mode, node, err)
+		}
+		got := resp.GetMeta().GetIndex()
+		var newest uint64
+		for _, r := range resp.GetRuns() {
+			newest = max(newest, r.GetModifyIndex())
+		}
+		if got <= after || newest != got {
+			t.Fatalf("%s blocking ListRuns on %s after %d: index %d, newest run changed at %d; want a run changed after %d at the answer's index (runs %v)",
+				mode, node, after, got, newest, after, resp.GetRuns())
+		}
+		if h := hdr.Get("pivirt-index"); len(h) != 1 || h[0] != strconv.FormatUint(got, 10) {
+			t.Errorf("Pivirt-Index %v, want %d as meta.index", h, got)
+		}
+		return got
+	}
+	index = woke(fc, clusterv1.Consistency_CONSISTENCY_STALE, index, follower.Name)
+	index = woke(fc, clusterv1.Consistency_CONSISTENCY_DEFAULT, index, follower.Name)
+	woke(lc, clusterv1.Consistency_CONSISTENCY_CONSISTENT, index, leader.Name)
 }

@@ -124,8 +124,13 @@ func (x *CreateScheduleResponse) GetSchedule() *Schedule {
 }
 
 type GetScheduleRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// read selects the consistency and makes the read a blocking query
+	// (wait_index: the answer comes once the schedules index, meta.index, is
+	// above it). Without read the read is consistent, as with
+	// CONSISTENCY_CONSISTENT.
+	Read          *v1.ReadOptions `protobuf:"bytes,2,opt,name=read,proto3" json:"read,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -167,9 +172,20 @@ func (x *GetScheduleRequest) GetId() string {
 	return ""
 }
 
+func (x *GetScheduleRequest) GetRead() *v1.ReadOptions {
+	if x != nil {
+		return x.Read
+	}
+	return nil
+}
+
 type GetScheduleResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Schedule      *Schedule              `protobuf:"bytes,1,opt,name=schedule,proto3" json:"schedule,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Schedule *Schedule              `protobuf:"bytes,1,opt,name=schedule,proto3" json:"schedule,omitempty"`
+	// meta describes the state the read was served from; meta.index is the
+	// schedules index, the same on every node, and never 0 (1 before the
+	// first change), so that it always makes a blocking query.
+	Meta          *v1.QueryMeta `protobuf:"bytes,2,opt,name=meta,proto3" json:"meta,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -211,10 +227,22 @@ func (x *GetScheduleResponse) GetSchedule() *Schedule {
 	return nil
 }
 
+func (x *GetScheduleResponse) GetMeta() *v1.QueryMeta {
+	if x != nil {
+		return x.Meta
+	}
+	return nil
+}
+
 type ListSchedulesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// vm_id, when set, lists the schedules of one VM.
-	VmId          string `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	VmId string `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// read selects the consistency and makes the read a blocking query
+	// (wait_index: the answer comes once the schedules index, meta.index, is
+	// above it; a change to any schedule moves it, a run's claim included).
+	// Without read the read is consistent, as with CONSISTENCY_CONSISTENT.
+	Read          *v1.ReadOptions `protobuf:"bytes,2,opt,name=read,proto3" json:"read,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -256,9 +284,20 @@ func (x *ListSchedulesRequest) GetVmId() string {
 	return ""
 }
 
+func (x *ListSchedulesRequest) GetRead() *v1.ReadOptions {
+	if x != nil {
+		return x.Read
+	}
+	return nil
+}
+
 type ListSchedulesResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Schedules     []*Schedule            `protobuf:"bytes,1,rep,name=schedules,proto3" json:"schedules,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Schedules []*Schedule            `protobuf:"bytes,1,rep,name=schedules,proto3" json:"schedules,omitempty"`
+	// meta describes the state the read was served from; meta.index is the
+	// schedules index, the same on every node, and never 0 (1 before the
+	// first change), so that it always makes a blocking query.
+	Meta          *v1.QueryMeta `protobuf:"bytes,2,opt,name=meta,proto3" json:"meta,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -296,6 +335,13 @@ func (*ListSchedulesResponse) Descriptor() ([]byte, []int) {
 func (x *ListSchedulesResponse) GetSchedules() []*Schedule {
 	if x != nil {
 		return x.Schedules
+	}
+	return nil
+}
+
+func (x *ListSchedulesResponse) GetMeta() *v1.QueryMeta {
+	if x != nil {
+		return x.Meta
 	}
 	return nil
 }
@@ -695,8 +741,13 @@ func (x *ResumeScheduleResponse) GetSchedule() *Schedule {
 }
 
 type ListRunsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	ScheduleId    string                 `protobuf:"bytes,1,opt,name=schedule_id,json=scheduleId,proto3" json:"schedule_id,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	ScheduleId string                 `protobuf:"bytes,1,opt,name=schedule_id,json=scheduleId,proto3" json:"schedule_id,omitempty"`
+	// read selects the consistency and makes the read a blocking query
+	// (wait_index: the answer comes once the index of this schedule's runs,
+	// meta.index, is above it; changes to other schedules do not wake it).
+	// Without read the read is consistent, as with CONSISTENCY_CONSISTENT.
+	Read          *v1.ReadOptions `protobuf:"bytes,2,opt,name=read,proto3" json:"read,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -738,9 +789,21 @@ func (x *ListRunsRequest) GetScheduleId() string {
 	return ""
 }
 
+func (x *ListRunsRequest) GetRead() *v1.ReadOptions {
+	if x != nil {
+		return x.Read
+	}
+	return nil
+}
+
 type ListRunsResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Runs          []*Run                 `protobuf:"bytes,1,rep,name=runs,proto3" json:"runs,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Runs  []*Run                 `protobuf:"bytes,1,rep,name=runs,proto3" json:"runs,omitempty"`
+	// meta describes the state the read was served from. meta.index is the
+	// index of the schedule's last change (a run claimed, recorded or
+	// trimmed, or the schedule itself changed), the same on every node. A
+	// blocking query on a schedule that is deleted fails with NotFound.
+	Meta          *v1.QueryMeta `protobuf:"bytes,2,opt,name=meta,proto3" json:"meta,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -778,6 +841,13 @@ func (*ListRunsResponse) Descriptor() ([]byte, []int) {
 func (x *ListRunsResponse) GetRuns() []*Run {
 	if x != nil {
 		return x.Runs
+	}
+	return nil
+}
+
+func (x *ListRunsResponse) GetMeta() *v1.QueryMeta {
+	if x != nil {
+		return x.Meta
 	}
 	return nil
 }
@@ -897,15 +967,19 @@ const file_pivirt_schedule_v1_service_proto_rawDesc = "" +
 	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\x125\n" +
 	"\x05write\x18\x02 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"R\n" +
 	"\x16CreateScheduleResponse\x128\n" +
-	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\"$\n" +
+	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\"X\n" +
 	"\x12GetScheduleRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"O\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x122\n" +
+	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"\x81\x01\n" +
 	"\x13GetScheduleResponse\x128\n" +
-	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\"+\n" +
+	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\x120\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"_\n" +
 	"\x14ListSchedulesRequest\x12\x13\n" +
-	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\"S\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x122\n" +
+	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"\x85\x01\n" +
 	"\x15ListSchedulesResponse\x12:\n" +
-	"\tschedules\x18\x01 \x03(\v2\x1c.pivirt.schedule.v1.ScheduleR\tschedules\"\x8d\x02\n" +
+	"\tschedules\x18\x01 \x03(\v2\x1c.pivirt.schedule.v1.ScheduleR\tschedules\x120\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"\x8d\x02\n" +
 	"\x15UpdateScheduleRequest\x128\n" +
 	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\x12;\n" +
 	"\vupdate_mask\x18\x02 \x01(\v2\x1a.google.protobuf.FieldMaskR\n" +
@@ -928,12 +1002,14 @@ const file_pivirt_schedule_v1_service_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x125\n" +
 	"\x05write\x18\x02 \x01(\v2\x1f.pivirt.cluster.v1.WriteOptionsR\x05write\"R\n" +
 	"\x16ResumeScheduleResponse\x128\n" +
-	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\"2\n" +
+	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\"f\n" +
 	"\x0fListRunsRequest\x12\x1f\n" +
 	"\vschedule_id\x18\x01 \x01(\tR\n" +
-	"scheduleId\"?\n" +
+	"scheduleId\x122\n" +
+	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"q\n" +
 	"\x10ListRunsResponse\x12+\n" +
-	"\x04runs\x18\x01 \x03(\v2\x17.pivirt.schedule.v1.RunR\x04runs\"8\n" +
+	"\x04runs\x18\x01 \x03(\v2\x17.pivirt.schedule.v1.RunR\x04runs\x120\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"8\n" +
 	"\x10NextSlotsRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\x05R\x05count\"b\n" +
@@ -994,50 +1070,58 @@ var file_pivirt_schedule_v1_service_proto_goTypes = []any{
 	(*NextSlotsResponse)(nil),      // 17: pivirt.schedule.v1.NextSlotsResponse
 	(*Schedule)(nil),               // 18: pivirt.schedule.v1.Schedule
 	(*v1.WriteOptions)(nil),        // 19: pivirt.cluster.v1.WriteOptions
-	(*fieldmaskpb.FieldMask)(nil),  // 20: google.protobuf.FieldMask
-	(*Run)(nil),                    // 21: pivirt.schedule.v1.Run
-	(*timestamppb.Timestamp)(nil),  // 22: google.protobuf.Timestamp
+	(*v1.ReadOptions)(nil),         // 20: pivirt.cluster.v1.ReadOptions
+	(*v1.QueryMeta)(nil),           // 21: pivirt.cluster.v1.QueryMeta
+	(*fieldmaskpb.FieldMask)(nil),  // 22: google.protobuf.FieldMask
+	(*Run)(nil),                    // 23: pivirt.schedule.v1.Run
+	(*timestamppb.Timestamp)(nil),  // 24: google.protobuf.Timestamp
 }
 var file_pivirt_schedule_v1_service_proto_depIdxs = []int32{
 	18, // 0: pivirt.schedule.v1.CreateScheduleRequest.schedule:type_name -> pivirt.schedule.v1.Schedule
 	19, // 1: pivirt.schedule.v1.CreateScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
 	18, // 2: pivirt.schedule.v1.CreateScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
-	18, // 3: pivirt.schedule.v1.GetScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
-	18, // 4: pivirt.schedule.v1.ListSchedulesResponse.schedules:type_name -> pivirt.schedule.v1.Schedule
-	18, // 5: pivirt.schedule.v1.UpdateScheduleRequest.schedule:type_name -> pivirt.schedule.v1.Schedule
-	20, // 6: pivirt.schedule.v1.UpdateScheduleRequest.update_mask:type_name -> google.protobuf.FieldMask
-	19, // 7: pivirt.schedule.v1.UpdateScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	18, // 8: pivirt.schedule.v1.UpdateScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
-	19, // 9: pivirt.schedule.v1.DeleteScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	19, // 10: pivirt.schedule.v1.PauseScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	18, // 11: pivirt.schedule.v1.PauseScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
-	19, // 12: pivirt.schedule.v1.ResumeScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	18, // 13: pivirt.schedule.v1.ResumeScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
-	21, // 14: pivirt.schedule.v1.ListRunsResponse.runs:type_name -> pivirt.schedule.v1.Run
-	22, // 15: pivirt.schedule.v1.NextSlotsResponse.slots:type_name -> google.protobuf.Timestamp
-	0,  // 16: pivirt.schedule.v1.ScheduleService.CreateSchedule:input_type -> pivirt.schedule.v1.CreateScheduleRequest
-	2,  // 17: pivirt.schedule.v1.ScheduleService.GetSchedule:input_type -> pivirt.schedule.v1.GetScheduleRequest
-	4,  // 18: pivirt.schedule.v1.ScheduleService.ListSchedules:input_type -> pivirt.schedule.v1.ListSchedulesRequest
-	6,  // 19: pivirt.schedule.v1.ScheduleService.UpdateSchedule:input_type -> pivirt.schedule.v1.UpdateScheduleRequest
-	8,  // 20: pivirt.schedule.v1.ScheduleService.DeleteSchedule:input_type -> pivirt.schedule.v1.DeleteScheduleRequest
-	10, // 21: pivirt.schedule.v1.ScheduleService.PauseSchedule:input_type -> pivirt.schedule.v1.PauseScheduleRequest
-	12, // 22: pivirt.schedule.v1.ScheduleService.ResumeSchedule:input_type -> pivirt.schedule.v1.ResumeScheduleRequest
-	14, // 23: pivirt.schedule.v1.ScheduleService.ListRuns:input_type -> pivirt.schedule.v1.ListRunsRequest
-	16, // 24: pivirt.schedule.v1.ScheduleService.NextSlots:input_type -> pivirt.schedule.v1.NextSlotsRequest
-	1,  // 25: pivirt.schedule.v1.ScheduleService.CreateSchedule:output_type -> pivirt.schedule.v1.CreateScheduleResponse
-	3,  // 26: pivirt.schedule.v1.ScheduleService.GetSchedule:output_type -> pivirt.schedule.v1.GetScheduleResponse
-	5,  // 27: pivirt.schedule.v1.ScheduleService.ListSchedules:output_type -> pivirt.schedule.v1.ListSchedulesResponse
-	7,  // 28: pivirt.schedule.v1.ScheduleService.UpdateSchedule:output_type -> pivirt.schedule.v1.UpdateScheduleResponse
-	9,  // 29: pivirt.schedule.v1.ScheduleService.DeleteSchedule:output_type -> pivirt.schedule.v1.DeleteScheduleResponse
-	11, // 30: pivirt.schedule.v1.ScheduleService.PauseSchedule:output_type -> pivirt.schedule.v1.PauseScheduleResponse
-	13, // 31: pivirt.schedule.v1.ScheduleService.ResumeSchedule:output_type -> pivirt.schedule.v1.ResumeScheduleResponse
-	15, // 32: pivirt.schedule.v1.ScheduleService.ListRuns:output_type -> pivirt.schedule.v1.ListRunsResponse
-	17, // 33: pivirt.schedule.v1.ScheduleService.NextSlots:output_type -> pivirt.schedule.v1.NextSlotsResponse
-	25, // [25:34] is the sub-list for method output_type
-	16, // [16:25] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	20, // 3: pivirt.schedule.v1.GetScheduleRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	18, // 4: pivirt.schedule.v1.GetScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
+	21, // 5: pivirt.schedule.v1.GetScheduleResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	20, // 6: pivirt.schedule.v1.ListSchedulesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	18, // 7: pivirt.schedule.v1.ListSchedulesResponse.schedules:type_name -> pivirt.schedule.v1.Schedule
+	21, // 8: pivirt.schedule.v1.ListSchedulesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	18, // 9: pivirt.schedule.v1.UpdateScheduleRequest.schedule:type_name -> pivirt.schedule.v1.Schedule
+	22, // 10: pivirt.schedule.v1.UpdateScheduleRequest.update_mask:type_name -> google.protobuf.FieldMask
+	19, // 11: pivirt.schedule.v1.UpdateScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	18, // 12: pivirt.schedule.v1.UpdateScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
+	19, // 13: pivirt.schedule.v1.DeleteScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	19, // 14: pivirt.schedule.v1.PauseScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	18, // 15: pivirt.schedule.v1.PauseScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
+	19, // 16: pivirt.schedule.v1.ResumeScheduleRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	18, // 17: pivirt.schedule.v1.ResumeScheduleResponse.schedule:type_name -> pivirt.schedule.v1.Schedule
+	20, // 18: pivirt.schedule.v1.ListRunsRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	23, // 19: pivirt.schedule.v1.ListRunsResponse.runs:type_name -> pivirt.schedule.v1.Run
+	21, // 20: pivirt.schedule.v1.ListRunsResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	24, // 21: pivirt.schedule.v1.NextSlotsResponse.slots:type_name -> google.protobuf.Timestamp
+	0,  // 22: pivirt.schedule.v1.ScheduleService.CreateSchedule:input_type -> pivirt.schedule.v1.CreateScheduleRequest
+	2,  // 23: pivirt.schedule.v1.ScheduleService.GetSchedule:input_type -> pivirt.schedule.v1.GetScheduleRequest
+	4,  // 24: pivirt.schedule.v1.ScheduleService.ListSchedules:input_type -> pivirt.schedule.v1.ListSchedulesRequest
+	6,  // 25: pivirt.schedule.v1.ScheduleService.UpdateSchedule:input_type -> pivirt.schedule.v1.UpdateScheduleRequest
+	8,  // 26: pivirt.schedule.v1.ScheduleService.DeleteSchedule:input_type -> pivirt.schedule.v1.DeleteScheduleRequest
+	10, // 27: pivirt.schedule.v1.ScheduleService.PauseSchedule:input_type -> pivirt.schedule.v1.PauseScheduleRequest
+	12, // 28: pivirt.schedule.v1.ScheduleService.ResumeSchedule:input_type -> pivirt.schedule.v1.ResumeScheduleRequest
+	14, // 29: pivirt.schedule.v1.ScheduleService.ListRuns:input_type -> pivirt.schedule.v1.ListRunsRequest
+	16, // 30: pivirt.schedule.v1.ScheduleService.NextSlots:input_type -> pivirt.schedule.v1.NextSlotsRequest
+	1,  // 31: pivirt.schedule.v1.ScheduleService.CreateSchedule:output_type -> pivirt.schedule.v1.CreateScheduleResponse
+	3,  // 32: pivirt.schedule.v1.ScheduleService.GetSchedule:output_type -> pivirt.schedule.v1.GetScheduleResponse
+	5,  // 33: pivirt.schedule.v1.ScheduleService.ListSchedules:output_type -> pivirt.schedule.v1.ListSchedulesResponse
+	7,  // 34: pivirt.schedule.v1.ScheduleService.UpdateSchedule:output_type -> pivirt.schedule.v1.UpdateScheduleResponse
+	9,  // 35: pivirt.schedule.v1.ScheduleService.DeleteSchedule:output_type -> pivirt.schedule.v1.DeleteScheduleResponse
+	11, // 36: pivirt.schedule.v1.ScheduleService.PauseSchedule:output_type -> pivirt.schedule.v1.PauseScheduleResponse
+	13, // 37: pivirt.schedule.v1.ScheduleService.ResumeSchedule:output_type -> pivirt.schedule.v1.ResumeScheduleResponse
+	15, // 38: pivirt.schedule.v1.ScheduleService.ListRuns:output_type -> pivirt.schedule.v1.ListRunsResponse
+	17, // 39: pivirt.schedule.v1.ScheduleService.NextSlots:output_type -> pivirt.schedule.v1.NextSlotsResponse
+	31, // [31:40] is the sub-list for method output_type
+	22, // [22:31] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_schedule_v1_service_proto_init() }

@@ -7,7 +7,7 @@ import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2
 import type { FieldMask, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_field_mask, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import { file_pivirt_api_v1_api } from "../../api/v1/api_pb";
-import type { WriteOptions } from "../../cluster/v1/cluster_pb";
+import type { QueryMeta, ReadOptions, WriteOptions } from "../../cluster/v1/cluster_pb";
 import { file_pivirt_cluster_v1_cluster } from "../../cluster/v1/cluster_pb";
 import type { Run, Schedule } from "./schedule_pb";
 import { file_pivirt_schedule_v1_schedule } from "./schedule_pb";
@@ -17,7 +17,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/schedule/v1/service.proto.
  */
 export const file_pivirt_schedule_v1_service: GenFile = /*@__PURE__*/
-  fileDesc("CiBwaXZpcnQvc2NoZWR1bGUvdjEvc2VydmljZS5wcm90bxIScGl2aXJ0LnNjaGVkdWxlLnYxIncKFUNyZWF0ZVNjaGVkdWxlUmVxdWVzdBIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZRIuCgV3cml0ZRgCIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9ucyJIChZDcmVhdGVTY2hlZHVsZVJlc3BvbnNlEi4KCHNjaGVkdWxlGAEgASgLMhwucGl2aXJ0LnNjaGVkdWxlLnYxLlNjaGVkdWxlIiAKEkdldFNjaGVkdWxlUmVxdWVzdBIKCgJpZBgBIAEoCSJFChNHZXRTY2hlZHVsZVJlc3BvbnNlEi4KCHNjaGVkdWxlGAEgASgLMhwucGl2aXJ0LnNjaGVkdWxlLnYxLlNjaGVkdWxlIiUKFExpc3RTY2hlZHVsZXNSZXF1ZXN0Eg0KBXZtX2lkGAEgASgJIkgKFUxpc3RTY2hlZHVsZXNSZXNwb25zZRIvCglzY2hlZHVsZXMYASADKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUi3gEKFVVwZGF0ZVNjaGVkdWxlUmVxdWVzdBIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZRIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2sSHgoRZXhwZWN0ZWRfcmV2aXNpb24YAyABKARIAIgBARIuCgV3cml0ZRgEIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9uc0IUChJfZXhwZWN0ZWRfcmV2aXNpb24iSAoWVXBkYXRlU2NoZWR1bGVSZXNwb25zZRIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZSJTChVEZWxldGVTY2hlZHVsZVJlcXVlc3QSCgoCaWQYASABKAkSLgoFd3JpdGUYAiABKAsyHy5waXZpcnQuY2x1c3Rlci52MS5Xcml0ZU9wdGlvbnMiGAoWRGVsZXRlU2NoZWR1bGVSZXNwb25zZSJSChRQYXVzZVNjaGVkdWxlUmVxdWVzdBIKCgJpZBgBIAEoCRIuCgV3cml0ZRgCIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9ucyJHChVQYXVzZVNjaGVkdWxlUmVzcG9uc2USLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUiUwoVUmVzdW1lU2NoZWR1bGVSZXF1ZXN0EgoKAmlkGAEgASgJEi4KBXdyaXRlGAIgASgLMh8ucGl2aXJ0LmNsdXN0ZXIudjEuV3JpdGVPcHRpb25zIkgKFlJlc3VtZVNjaGVkdWxlUmVzcG9uc2USLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUiJgoPTGlzdFJ1bnNSZXF1ZXN0EhMKC3NjaGVkdWxlX2lkGAEgASgJIjkKEExpc3RSdW5zUmVzcG9uc2USJQoEcnVucxgBIAMoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW4iLQoQTmV4dFNsb3RzUmVxdWVzdBIKCgJpZBgBIAEoCRINCgVjb3VudBgCIAEoBSJRChFOZXh0U2xvdHNSZXNwb25zZRIpCgVzbG90cxgBIAMoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJdGltZV96b25lGAIgASgJMrEJCg9TY2hlZHVsZVNlcnZpY2USigEKDkNyZWF0ZVNjaGVkdWxlEikucGl2aXJ0LnNjaGVkdWxlLnYxLkNyZWF0ZVNjaGVkdWxlUmVxdWVzdBoqLnBpdmlydC5zY2hlZHVsZS52MS5DcmVhdGVTY2hlZHVsZVJlc3BvbnNlIiHK8xgdCglzY2hlZHVsZXMSBmNyZWF0ZSIIc2NoZWR1bGUSeAoLR2V0U2NoZWR1bGUSJi5waXZpcnQuc2NoZWR1bGUudjEuR2V0U2NoZWR1bGVSZXF1ZXN0GicucGl2aXJ0LnNjaGVkdWxlLnYxLkdldFNjaGVkdWxlUmVzcG9uc2UiGMrzGBQKCXNjaGVkdWxlcxIDZ2V0GgJpZBKGAQoNTGlzdFNjaGVkdWxlcxIoLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0U2NoZWR1bGVzUmVxdWVzdBopLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0U2NoZWR1bGVzUmVzcG9uc2UiIMrzGBwKCXNjaGVkdWxlcxIEbGlzdCoJc2NoZWR1bGVzEo0BCg5VcGRhdGVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5VcGRhdGVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuVXBkYXRlU2NoZWR1bGVSZXNwb25zZSIkyvMYIAoJc2NoZWR1bGVzEgZ1cGRhdGUaC3NjaGVkdWxlLmlkEoQBCg5EZWxldGVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5EZWxldGVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuRGVsZXRlU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZkZWxldGUaAmlkEoEBCg1QYXVzZVNjaGVkdWxlEigucGl2aXJ0LnNjaGVkdWxlLnYxLlBhdXNlU2NoZWR1bGVSZXF1ZXN0GikucGl2aXJ0LnNjaGVkdWxlLnYxLlBhdXNlU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZ1cGRhdGUaAmlkEoQBCg5SZXN1bWVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5SZXN1bWVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuUmVzdW1lU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZ1cGRhdGUaAmlkEngKCExpc3RSdW5zEiMucGl2aXJ0LnNjaGVkdWxlLnYxLkxpc3RSdW5zUmVxdWVzdBokLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0UnVuc1Jlc3BvbnNlIiHK8xgdCglzY2hlZHVsZXMSA2dldBoLc2NoZWR1bGVfaWQScgoJTmV4dFNsb3RzEiQucGl2aXJ0LnNjaGVkdWxlLnYxLk5leHRTbG90c1JlcXVlc3QaJS5waXZpcnQuc2NoZWR1bGUudjEuTmV4dFNsb3RzUmVzcG9uc2UiGMrzGBQKCXNjaGVkdWxlcxIDZ2V0GgJpZEI7WjlwaWxhYi5odS9waXZpcnQtYWdlbnQvcHJvdG8vcGl2aXJ0L3NjaGVkdWxlL3YxO3NjaGVkdWxldjFiBnByb3RvMw", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_pivirt_api_v1_api, file_pivirt_cluster_v1_cluster, file_pivirt_schedule_v1_schedule]);
+  fileDesc("CiBwaXZpcnQvc2NoZWR1bGUvdjEvc2VydmljZS5wcm90bxIScGl2aXJ0LnNjaGVkdWxlLnYxIncKFUNyZWF0ZVNjaGVkdWxlUmVxdWVzdBIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZRIuCgV3cml0ZRgCIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9ucyJIChZDcmVhdGVTY2hlZHVsZVJlc3BvbnNlEi4KCHNjaGVkdWxlGAEgASgLMhwucGl2aXJ0LnNjaGVkdWxlLnYxLlNjaGVkdWxlIk4KEkdldFNjaGVkdWxlUmVxdWVzdBIKCgJpZBgBIAEoCRIsCgRyZWFkGAIgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuUmVhZE9wdGlvbnMicQoTR2V0U2NoZWR1bGVSZXNwb25zZRIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZRIqCgRtZXRhGAIgASgLMhwucGl2aXJ0LmNsdXN0ZXIudjEuUXVlcnlNZXRhIlMKFExpc3RTY2hlZHVsZXNSZXF1ZXN0Eg0KBXZtX2lkGAEgASgJEiwKBHJlYWQYAiABKAsyHi5waXZpcnQuY2x1c3Rlci52MS5SZWFkT3B0aW9ucyJ0ChVMaXN0U2NoZWR1bGVzUmVzcG9uc2USLwoJc2NoZWR1bGVzGAEgAygLMhwucGl2aXJ0LnNjaGVkdWxlLnYxLlNjaGVkdWxlEioKBG1ldGEYAiABKAsyHC5waXZpcnQuY2x1c3Rlci52MS5RdWVyeU1ldGEi3gEKFVVwZGF0ZVNjaGVkdWxlUmVxdWVzdBIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZRIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2sSHgoRZXhwZWN0ZWRfcmV2aXNpb24YAyABKARIAIgBARIuCgV3cml0ZRgEIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9uc0IUChJfZXhwZWN0ZWRfcmV2aXNpb24iSAoWVXBkYXRlU2NoZWR1bGVSZXNwb25zZRIuCghzY2hlZHVsZRgBIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZSJTChVEZWxldGVTY2hlZHVsZVJlcXVlc3QSCgoCaWQYASABKAkSLgoFd3JpdGUYAiABKAsyHy5waXZpcnQuY2x1c3Rlci52MS5Xcml0ZU9wdGlvbnMiGAoWRGVsZXRlU2NoZWR1bGVSZXNwb25zZSJSChRQYXVzZVNjaGVkdWxlUmVxdWVzdBIKCgJpZBgBIAEoCRIuCgV3cml0ZRgCIAEoCzIfLnBpdmlydC5jbHVzdGVyLnYxLldyaXRlT3B0aW9ucyJHChVQYXVzZVNjaGVkdWxlUmVzcG9uc2USLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUiUwoVUmVzdW1lU2NoZWR1bGVSZXF1ZXN0EgoKAmlkGAEgASgJEi4KBXdyaXRlGAIgASgLMh8ucGl2aXJ0LmNsdXN0ZXIudjEuV3JpdGVPcHRpb25zIkgKFlJlc3VtZVNjaGVkdWxlUmVzcG9uc2USLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUiVAoPTGlzdFJ1bnNSZXF1ZXN0EhMKC3NjaGVkdWxlX2lkGAEgASgJEiwKBHJlYWQYAiABKAsyHi5waXZpcnQuY2x1c3Rlci52MS5SZWFkT3B0aW9ucyJlChBMaXN0UnVuc1Jlc3BvbnNlEiUKBHJ1bnMYASADKAsyFy5waXZpcnQuc2NoZWR1bGUudjEuUnVuEioKBG1ldGEYAiABKAsyHC5waXZpcnQuY2x1c3Rlci52MS5RdWVyeU1ldGEiLQoQTmV4dFNsb3RzUmVxdWVzdBIKCgJpZBgBIAEoCRINCgVjb3VudBgCIAEoBSJRChFOZXh0U2xvdHNSZXNwb25zZRIpCgVzbG90cxgBIAMoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJdGltZV96b25lGAIgASgJMrEJCg9TY2hlZHVsZVNlcnZpY2USigEKDkNyZWF0ZVNjaGVkdWxlEikucGl2aXJ0LnNjaGVkdWxlLnYxLkNyZWF0ZVNjaGVkdWxlUmVxdWVzdBoqLnBpdmlydC5zY2hlZHVsZS52MS5DcmVhdGVTY2hlZHVsZVJlc3BvbnNlIiHK8xgdCglzY2hlZHVsZXMSBmNyZWF0ZSIIc2NoZWR1bGUSeAoLR2V0U2NoZWR1bGUSJi5waXZpcnQuc2NoZWR1bGUudjEuR2V0U2NoZWR1bGVSZXF1ZXN0GicucGl2aXJ0LnNjaGVkdWxlLnYxLkdldFNjaGVkdWxlUmVzcG9uc2UiGMrzGBQKCXNjaGVkdWxlcxIDZ2V0GgJpZBKGAQoNTGlzdFNjaGVkdWxlcxIoLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0U2NoZWR1bGVzUmVxdWVzdBopLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0U2NoZWR1bGVzUmVzcG9uc2UiIMrzGBwKCXNjaGVkdWxlcxIEbGlzdCoJc2NoZWR1bGVzEo0BCg5VcGRhdGVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5VcGRhdGVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuVXBkYXRlU2NoZWR1bGVSZXNwb25zZSIkyvMYIAoJc2NoZWR1bGVzEgZ1cGRhdGUaC3NjaGVkdWxlLmlkEoQBCg5EZWxldGVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5EZWxldGVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuRGVsZXRlU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZkZWxldGUaAmlkEoEBCg1QYXVzZVNjaGVkdWxlEigucGl2aXJ0LnNjaGVkdWxlLnYxLlBhdXNlU2NoZWR1bGVSZXF1ZXN0GikucGl2aXJ0LnNjaGVkdWxlLnYxLlBhdXNlU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZ1cGRhdGUaAmlkEoQBCg5SZXN1bWVTY2hlZHVsZRIpLnBpdmlydC5zY2hlZHVsZS52MS5SZXN1bWVTY2hlZHVsZVJlcXVlc3QaKi5waXZpcnQuc2NoZWR1bGUudjEuUmVzdW1lU2NoZWR1bGVSZXNwb25zZSIbyvMYFwoJc2NoZWR1bGVzEgZ1cGRhdGUaAmlkEngKCExpc3RSdW5zEiMucGl2aXJ0LnNjaGVkdWxlLnYxLkxpc3RSdW5zUmVxdWVzdBokLnBpdmlydC5zY2hlZHVsZS52MS5MaXN0UnVuc1Jlc3BvbnNlIiHK8xgdCglzY2hlZHVsZXMSA2dldBoLc2NoZWR1bGVfaWQScgoJTmV4dFNsb3RzEiQucGl2aXJ0LnNjaGVkdWxlLnYxLk5leHRTbG90c1JlcXVlc3QaJS5waXZpcnQuc2NoZWR1bGUudjEuTmV4dFNsb3RzUmVzcG9uc2UiGMrzGBQKCXNjaGVkdWxlcxIDZ2V0GgJpZEI7WjlwaWxhYi5odS9waXZpcnQtYWdlbnQvcHJvdG8vcGl2aXJ0L3NjaGVkdWxlL3YxO3NjaGVkdWxldjFiBnByb3RvMw", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_pivirt_api_v1_api, file_pivirt_cluster_v1_cluster, file_pivirt_schedule_v1_schedule]);
 
 /**
  * @generated from message pivirt.schedule.v1.CreateScheduleRequest
@@ -69,6 +69,16 @@ export type GetScheduleRequest = Message<"pivirt.schedule.v1.GetScheduleRequest"
    * @generated from field: string id = 1;
    */
   id: string;
+
+  /**
+   * read selects the consistency and makes the read a blocking query
+   * (wait_index: the answer comes once the schedules index, meta.index, is
+   * above it). Without read the read is consistent, as with
+   * CONSISTENCY_CONSISTENT.
+   *
+   * @generated from field: pivirt.cluster.v1.ReadOptions read = 2;
+   */
+  read?: ReadOptions | undefined;
 };
 
 /**
@@ -86,6 +96,15 @@ export type GetScheduleResponse = Message<"pivirt.schedule.v1.GetScheduleRespons
    * @generated from field: pivirt.schedule.v1.Schedule schedule = 1;
    */
   schedule?: Schedule | undefined;
+
+  /**
+   * meta describes the state the read was served from; meta.index is the
+   * schedules index, the same on every node, and never 0 (1 before the
+   * first change), so that it always makes a blocking query.
+   *
+   * @generated from field: pivirt.cluster.v1.QueryMeta meta = 2;
+   */
+  meta?: QueryMeta | undefined;
 };
 
 /**
@@ -105,6 +124,16 @@ export type ListSchedulesRequest = Message<"pivirt.schedule.v1.ListSchedulesRequ
    * @generated from field: string vm_id = 1;
    */
   vmId: string;
+
+  /**
+   * read selects the consistency and makes the read a blocking query
+   * (wait_index: the answer comes once the schedules index, meta.index, is
+   * above it; a change to any schedule moves it, a run's claim included).
+   * Without read the read is consistent, as with CONSISTENCY_CONSISTENT.
+   *
+   * @generated from field: pivirt.cluster.v1.ReadOptions read = 2;
+   */
+  read?: ReadOptions | undefined;
 };
 
 /**
@@ -122,6 +151,15 @@ export type ListSchedulesResponse = Message<"pivirt.schedule.v1.ListSchedulesRes
    * @generated from field: repeated pivirt.schedule.v1.Schedule schedules = 1;
    */
   schedules: Schedule[];
+
+  /**
+   * meta describes the state the read was served from; meta.index is the
+   * schedules index, the same on every node, and never 0 (1 before the
+   * first change), so that it always makes a blocking query.
+   *
+   * @generated from field: pivirt.cluster.v1.QueryMeta meta = 2;
+   */
+  meta?: QueryMeta | undefined;
 };
 
 /**
@@ -304,6 +342,16 @@ export type ListRunsRequest = Message<"pivirt.schedule.v1.ListRunsRequest"> & {
    * @generated from field: string schedule_id = 1;
    */
   scheduleId: string;
+
+  /**
+   * read selects the consistency and makes the read a blocking query
+   * (wait_index: the answer comes once the index of this schedule's runs,
+   * meta.index, is above it; changes to other schedules do not wake it).
+   * Without read the read is consistent, as with CONSISTENCY_CONSISTENT.
+   *
+   * @generated from field: pivirt.cluster.v1.ReadOptions read = 2;
+   */
+  read?: ReadOptions | undefined;
 };
 
 /**
@@ -321,6 +369,16 @@ export type ListRunsResponse = Message<"pivirt.schedule.v1.ListRunsResponse"> & 
    * @generated from field: repeated pivirt.schedule.v1.Run runs = 1;
    */
   runs: Run[];
+
+  /**
+   * meta describes the state the read was served from. meta.index is the
+   * index of the schedule's last change (a run claimed, recorded or
+   * trimmed, or the schedule itself changed), the same on every node. A
+   * blocking query on a schedule that is deleted fails with NotFound.
+   *
+   * @generated from field: pivirt.cluster.v1.QueryMeta meta = 2;
+   */
+  meta?: QueryMeta | undefined;
 };
 
 /**
