@@ -140,10 +140,13 @@ func TestEndingPipelineClosesOnRejection(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("third send still blocked after 10s")
 	}
-	// The send after the rejection returns an error, not parks.
+	// The send after the rejection returns an error, not parks: raft's
+	// pipeline answers ErrPipelineShutdown, or the closed connection's
+	// error when the write comes first (raft takes either as the end of
+	// the pipeline).
 	within(t, 10*time.Second, "the send after a rejection", func() {
-		if _, err := p.AppendEntries(appendReq(1), new(raft.AppendEntriesResponse)); !errors.Is(err, raft.ErrPipelineShutdown) {
-			t.Errorf("send after the rejection: %v, want %v", err, raft.ErrPipelineShutdown)
+		if _, err := p.AppendEntries(appendReq(1), new(raft.AppendEntriesResponse)); err == nil {
+			t.Errorf("send after the rejection: no error, want the pipeline closed")
 		}
 	})
 	if err := p.Close(); err != nil {
