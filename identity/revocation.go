@@ -414,11 +414,21 @@ func (r *RevocationChecker) crl(cfg RevocationConfig, issuer *x509.Certificate, 
 		default:
 		}
 	}
-	fresh := e.crl != nil && now.Sub(e.fetchedAt) < cfg.Refresh && crlUsable(e.crl, now)
+	usable := e.crl != nil && crlUsable(e.crl, now)
+	fresh := usable && now.Sub(e.fetchedAt) < cfg.Refresh
 	recentFail := !e.failedAt.IsZero() && now.Sub(e.failedAt) < failRetry(cfg) && e.failedAt.After(e.fetchedAt)
 	snap := *e
+	if usable && !fresh {
+		// Run refreshes it (each refresh, or now): a handshake never
+		// waits for a CA server that does not answer while the CRL it
+		// has is still valid.
+		select {
+		case r.kick <- struct{}{}:
+		default:
+		}
+	}
 	r.mu.Unlock()
-	if fresh {
+	if usable {
 		return &snap, nil
 	}
 	var err error

@@ -520,3 +520,55 @@ func TestFirstCRLClosesWhatWasAllowed(t *testing.T) {
 		}
 	}
 }
+
+// TestStaleCRLDoesNotStallHandshakes: once the CA server stops answering
+// (it accepts and hangs), a check past refresh uses the CRL it has while
+// that is valid, without waiting for the server; Run keeps trying.
+func TestStaleCRLDoesNotStallHandshakes(t *testing.T) {
+	p := newRevPKI(t)
+	var hanging atomic.Bool
+	stop := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if hanging.Load() {
+			select {
+			case <-r.Context().Done():
+			case <-stop:
+			}
+			return
+		}
+		w.Header().Set("Content-Type", "application/pkix-crl")
+		_, _ = w.Write(p.srv.CRL(t))
+	}))
+	defer srv.Close()
+	defer close(stop)
+	_, leaf := p.leaf(t, "peer", revtest.LeafOptions{CRLURL: srv.URL + "/crl", NoOCSP: true})
+	const refresh = 200 * time.Millisecond
+	var (
+		clockMu sync.Mutex
+		now     = time.Now()
+	)
+	clock := func() time.Time { clockMu.Lock(); defer clockMu.Unlock(); return now }
+	c := checker(t, identity.RevocationConfig{Mode: identity.RevocationCRL, OnUnavailable: identity.RevocationDeny, Refresh: refresh,
+		Timeout: 3 * time.Second, Now: clock})
+	if err := c.Check(leaf); err != nil {
+		t.Fatal(err)
+	}
+	hanging.Store(true)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Go(func() { c.Run(ctx) })
+	for range 5 {
+		clockMu.Lock()
+		now = now.Add(refresh + 50*time.Millisecond) // the cached CRL is due again
+		clockMu.Unlock()
+		start := time.Now()
+		if err := c.Check(leaf); err != nil {
+			t.Fatalf("with a valid cached CRL: %v", err)
+		}
+		if took := time.Since(start); took > time.Second {
+			t.Fatalf("a check waited %s for a CA server that does not answer", took)
+		}
+	}
+}
