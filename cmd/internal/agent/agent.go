@@ -56,8 +56,8 @@ import (
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
 	"pilab.hu/pivirt-agent/store"
-	"pilab.hu/pivirt-agent/ui"
 	"pilab.hu/pivirt-agent/store/etcdstore"
+	"pilab.hu/pivirt-agent/ui"
 )
 
 // Options are knobs that are not part of the configuration file: they exist

@@ -101,8 +101,8 @@ func TestClusterCARenewal(t *testing.T) {
 		noLeader            atomic.Int64
 		termsMu             sync.Mutex
 		firstTerm, lastTerm uint64
-		stop       = make(chan struct{})
-		wg         sync.WaitGroup
+		stop                = make(chan struct{})
+		wg                  sync.WaitGroup
 	)
 	for _, n := range c.Nodes() {
 		api := clusterv1connect.NewClusterServiceClient(&http.Client{Transport: tr}, "https://"+n.APIAddr())
