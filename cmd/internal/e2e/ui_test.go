@@ -173,8 +173,21 @@ func (b *tab) url() string {
 func (b *tab) waitJS(what string, timeout time.Duration, cond string) time.Duration {
 	b.t.Helper()
 	start := time.Now()
-	b.run(what, timeout+time.Second, chromedp.Poll[chromedp.Void](cond, chromedp.WithPollingTimeout(timeout), chromedp.WithPollingInterval(100*time.Millisecond)))
-	return time.Since(start)
+	deadline := start.Add(timeout)
+	for {
+		// A poll ends when the page navigates (the login's redirects):
+		// poll again in the new page until the deadline.
+		left := time.Until(deadline)
+		ctx, cancel := context.WithTimeout(b.ctx, left+time.Second)
+		_, err := chromedp.Run(ctx, chromedp.Poll[chromedp.Void](cond, chromedp.WithPollingTimeout(left), chromedp.WithPollingInterval(100*time.Millisecond)))
+		cancel()
+		if err == nil {
+			return time.Since(start)
+		}
+		if !time.Now().Before(deadline) || b.ctx.Err() != nil {
+			b.fail(what, err)
+		}
+	}
 }
 
 // waitText waits until the page's text contains s.
