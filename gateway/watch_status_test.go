@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -10,6 +11,10 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cluster"
@@ -317,5 +322,51 @@ func TestWatchStatusInterval(t *testing.T) {
 	})
 	if connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "250ms to 1m0s") {
 		t.Errorf("interval 1h: got %v, want InvalidArgument with the bounds", err)
+	}
+}
+
+// The gRPC adapter serves the same stream, and its errors as gRPC codes.
+func TestWatchStatusOverGRPC(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	clusterv1.RegisterClusterServiceServer(gs, NewClusterGRPC(newWatchService(t, newWatchCluster())))
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(ln) }()
+	t.Cleanup(func() {
+		gs.Stop()
+		<-served
+	})
+	cc, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	client := clusterv1.NewClusterServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	stream, err := client.WatchStatus(ctx, &clusterv1.WatchStatusRequest{Interval: durationpb.New(MinWatchInterval)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		m, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("snapshot %d: %v", i, err)
+		}
+		if m.GetNode() != "n1" || len(m.GetMembers()) != 2 || m.GetAutopilot() == nil {
+			t.Fatalf("snapshot %d: %v, want n1's with 2 members and autopilot", i, m)
+		}
+	}
+
+	bad, err := client.WatchStatus(ctx, &clusterv1.WatchStatusRequest{Interval: durationpb.New(2 * time.Minute)})
+	if err == nil {
+		_, err = bad.Recv()
+	}
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("interval 2m over gRPC: %v, want InvalidArgument", err)
 	}
 }
