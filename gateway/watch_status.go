@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"sync"
 	"time"
@@ -62,10 +63,11 @@ func (h *ClusterService) WatchStatus(ctx context.Context, req *connect.Request[c
 
 // watchStatus sends a snapshot at once, then after every interval and
 // after every change of the gossip membership, no two closer than
-// MinWatchInterval. Each snapshot is built by the handlers of Members,
-// Leader, Peers and AutopilotState (Peers and AutopilotState forwarded to
-// the leader as they are for any caller) before it is sent: one snapshot
-// at a time per stream, nothing held while sending.
+// MinWatchInterval, until the client goes away or the agent stops. Each
+// snapshot is built by the handlers of Members, Leader, Peers and
+// AutopilotState (Peers and AutopilotState forwarded to the leader as
+// they are for any caller) before it is sent: one snapshot at a time per
+// stream, nothing held while sending.
 func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchStatusRequest, hdr http.Header, send func(*clusterv1.WatchStatusResponse) error) error {
 	interval, err := WatchStatusInterval(req)
 	if err != nil {
@@ -93,6 +95,8 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-h.cfg.Stopping:
+			return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s is shutting down; watch another agent", h.cfg.NodeName))
 		case <-timer.C:
 		case <-changed:
 			// A burst of gossip changes: at most one snapshot per

@@ -370,3 +370,33 @@ func TestWatchStatusOverGRPC(t *testing.T) {
 		t.Fatalf("interval 2m over gRPC: %v, want InvalidArgument", err)
 	}
 }
+
+// A stopping agent ends its streams with Unavailable after the snapshot
+// in flight, rather than holding its shutdown up.
+func TestWatchStatusEndsWhenTheAgentStops(t *testing.T) {
+	h := newWatchService(t, newWatchCluster())
+	stopping := make(chan struct{})
+	h.cfg.Stopping = stopping
+	sent := make(chan struct{}, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- h.watchStatus(context.Background(), &clusterv1.WatchStatusRequest{Interval: durationpb.New(time.Minute)}, http.Header{}, func(*clusterv1.WatchStatusResponse) error {
+			sent <- struct{}{}
+			return nil
+		})
+	}()
+	select {
+	case <-sent:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no first snapshot within 5s")
+	}
+	close(stopping)
+	select {
+	case err := <-done:
+		if connect.CodeOf(err) != connect.CodeUnavailable {
+			t.Fatalf("stream of a stopping agent ended with %v, want Unavailable", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stream went on after the agent began to stop")
+	}
+}

@@ -164,4 +164,3 @@ func TestWatchStatusRefusesAnIntervalOutOfBounds(t *testing.T) {
 		t.Fatalf("interval 10ms: %v, want InvalidArgument", err)
 	}
 }
-
