@@ -83,9 +83,13 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 		changed = ch
 	}
 	budget := min(max(interval, watchCallBudget), watchCallBudgetMax)
-	timer := time.NewTimer(0)
+	stopping := func() error {
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s is shutting down; watch another agent", h.cfg.NodeName))
+	}
+	// Timers of Go 1.23 on: Reset discards an expiry nobody received, so
+	// the timer is reused without draining.
+	timer := time.NewTimer(interval)
 	defer timer.Stop()
-	<-timer.C
 	for {
 		if err := send(h.statusSnapshot(ctx, hdr, budget)); err != nil {
 			return err
@@ -96,23 +100,20 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 		case <-ctx.Done():
 			return nil
 		case <-h.cfg.Stopping:
-			return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s is shutting down; watch another agent", h.cfg.NodeName))
+			return stopping()
 		case <-timer.C:
 		case <-changed:
 			// A burst of gossip changes: at most one snapshot per
 			// MinWatchInterval.
 			if wait := MinWatchInterval - time.Since(sent); wait > 0 {
-				if !timer.Stop() {
-					<-timer.C
-				}
 				timer.Reset(wait)
 				select {
 				case <-ctx.Done():
 					return nil
+				case <-h.cfg.Stopping:
+					return stopping()
 				case <-timer.C:
 				}
-			} else if !timer.Stop() {
-				<-timer.C
 			}
 		}
 	}
