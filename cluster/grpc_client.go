@@ -46,6 +46,12 @@ func (g grpcCluster) Leader(ctx context.Context, r *connect.Request[clusterv1.Le
 	return callGRPC(ctx, r, g.c.Leader)
 }
 
+// WatchStatus is not carried over gRPC between agents: each agent's
+// stream is its own view, served on the API port only.
+func (g grpcCluster) WatchStatus(context.Context, *connect.Request[clusterv1.WatchStatusRequest]) (*connect.ServerStreamForClient[clusterv1.WatchStatusResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("WatchStatus is served on the API port, not relayed between agents"))
+}
+
 func (g grpcCluster) Join(ctx context.Context, r *connect.Request[clusterv1.JoinRequest]) (*connect.Response[clusterv1.JoinResponse], error) {
 	return callGRPC(ctx, r, g.c.Join)
 }

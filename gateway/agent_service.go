@@ -11,6 +11,7 @@ import (
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/gateway/observe"
@@ -49,7 +50,10 @@ type AgentServiceConfig struct {
 	// DebugFiles lists the files of this node's bundle for a request (its
 	// duration already bounded).
 	DebugFiles func(req *clusterv1.DebugRequest) []DebugFile
-	Logger     *slog.Logger
+	// History is this node's metrics history (WatchMetrics); nil:
+	// WatchMetrics answers Unimplemented for this node.
+	History *MetricsHistory
+	Logger  *slog.Logger
 }
 
 // AgentService implements pivirt.cluster.v1.AgentService over Connect (it
@@ -213,6 +217,48 @@ func (s *AgentService) debug(ctx context.Context, req *clusterv1.DebugRequest, s
 	return nil
 }
 
+// WatchMetrics implements clusterv1connect.AgentServiceHandler.
+func (s *AgentService) WatchMetrics(ctx context.Context, req *connect.Request[clusterv1.WatchMetricsRequest], stream *connect.ServerStream[clusterv1.WatchMetricsResponse]) error {
+	return s.watchMetrics(ctx, req.Msg, stream.Send)
+}
+
+// watchMetrics sends the history kept, then each new sample. The
+// subscription hands over the history as a copy of the ring and each
+// sample through a buffered channel, so nothing is locked while sending.
+func (s *AgentService) watchMetrics(ctx context.Context, req *clusterv1.WatchMetricsRequest, send func(*clusterv1.WatchMetricsResponse) error) error {
+	addr, err := s.relayTo(req.GetNode())
+	if err != nil {
+		return err
+	}
+	if addr != "" {
+		return relay(ctx, func(ctx context.Context) (grpc.ServerStreamingClient[clusterv1.WatchMetricsResponse], error) {
+			return s.peers.Agents(addr).WatchMetrics(ctx, req)
+		}, send)
+	}
+	if s.cfg.History == nil {
+		return connect.NewError(connect.CodeUnimplemented, errors.New("this agent keeps no metrics history"))
+	}
+	history, next, stop := s.cfg.History.Subscribe()
+	defer stop()
+	interval := durationpb.New(MetricsInterval)
+	if err := send(&clusterv1.WatchMetricsResponse{Node: s.cfg.NodeName, History: history, Interval: interval}); err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case m, ok := <-next:
+			if !ok {
+				return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("this stream fell more than %d samples behind the metrics of %s; reconnect to get the history again", metricsSubBuffer, s.cfg.NodeName))
+			}
+			if err := send(&clusterv1.WatchMetricsResponse{Node: s.cfg.NodeName, Sample: m, Interval: interval}); err != nil {
+				return err
+			}
+		}
+	}
+}
+
 // relay copies another agent's stream to send.
 func relay[T any](ctx context.Context, open func(context.Context) (grpc.ServerStreamingClient[T], error), send func(*T) error) error {
 	ctx, cancel := context.WithCancel(ctx)
@@ -252,6 +298,13 @@ func (g agentGRPC) Monitor(req *clusterv1.MonitorRequest, stream grpc.ServerStre
 
 func (g agentGRPC) Debug(req *clusterv1.DebugRequest, stream grpc.ServerStreamingServer[clusterv1.DebugResponse]) error {
 	if err := g.s.debug(stream.Context(), req, stream.Send); err != nil {
+		return grpcError(stream.Context(), err)
+	}
+	return nil
+}
+
+func (g agentGRPC) WatchMetrics(req *clusterv1.WatchMetricsRequest, stream grpc.ServerStreamingServer[clusterv1.WatchMetricsResponse]) error {
+	if err := g.s.watchMetrics(stream.Context(), req, stream.Send); err != nil {
 		return grpcError(stream.Context(), err)
 	}
 	return nil

@@ -75,6 +75,12 @@ func (f forwardedTo) GetService(context.Context, *connect.Request[clusterv1.GetS
 	return resp, nil
 }
 
+// WatchStatus is a stream: the client's form of it, which the embedded
+// handler does not have.
+func (forwardedTo) WatchStatus(context.Context, *connect.Request[clusterv1.WatchStatusRequest]) (*connect.ServerStreamForClient[clusterv1.WatchStatusResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("not forwarded"))
+}
+
 // newTestService builds the ClusterService of node id over a fresh FSM,
 // with v as its membership and peers.
 func newTestService(t *testing.T, id string, raft Consensus, admin RaftAdmin, v *followerView) (*ClusterService, *fsm.FSM) {

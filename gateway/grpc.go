@@ -169,6 +169,34 @@ func (g nodeGRPC) ReadIndex(ctx context.Context, r *nodev1.ReadIndexRequest) (*n
 	return unary(ctx, r, g.h.ReadIndex)
 }
 
+// incomingHeader is the gRPC request metadata as Connect headers.
+func incomingHeader(ctx context.Context) http.Header {
+	hdr := http.Header{}
+	copyIncoming(ctx, hdr)
+	return hdr
+}
+
+// copyIncoming adds the gRPC request metadata to hdr, binary values
+// encoded as Connect encodes them.
+func copyIncoming(ctx context.Context, hdr http.Header) {
+	md, ok := metadata.FromIncomingContext(ctx)
+	if !ok {
+		return
+	}
+	for k, vs := range md {
+		if skipMetadata(k) {
+			continue
+		}
+		binary := strings.HasSuffix(k, "-bin")
+		for _, v := range vs {
+			if binary {
+				v = connect.EncodeBinaryHeader([]byte(v))
+			}
+			hdr.Add(k, v)
+		}
+	}
+}
+
 // unary calls a Connect handler method for a gRPC request: the request
 // metadata becomes the Connect request's headers, the response headers
 // and trailers become gRPC headers and trailers, and a Connect error
@@ -176,21 +204,7 @@ func (g nodeGRPC) ReadIndex(ctx context.Context, r *nodev1.ReadIndexRequest) (*n
 // metadata sent as trailers (as connect-go does on its own gRPC path).
 func unary[Req, Res any](ctx context.Context, msg *Req, call func(context.Context, *connect.Request[Req]) (*connect.Response[Res], error)) (*Res, error) {
 	req := connect.NewRequest(msg)
-	if md, ok := metadata.FromIncomingContext(ctx); ok {
-		hdr := req.Header()
-		for k, vs := range md {
-			if skipMetadata(k) {
-				continue
-			}
-			binary := strings.HasSuffix(k, "-bin")
-			for _, v := range vs {
-				if binary {
-					v = connect.EncodeBinaryHeader([]byte(v))
-				}
-				hdr.Add(k, v)
-			}
-		}
-	}
+	copyIncoming(ctx, req.Header())
 	res, err := call(ctx, req)
 	if err != nil {
 		return nil, grpcError(ctx, err)

@@ -9,6 +9,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/proto"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -16,12 +17,7 @@ import (
 
 func (a *app) newClusterCmd() *cobra.Command {
 	return groupCmd("cluster", "Inspect and change cluster membership and Raft leadership",
-		&cobra.Command{
-			Use:   "members",
-			Short: "List the gossip members seen by the node asked",
-			Args:  positional(),
-			RunE:  a.command(a.clusterMembers),
-		},
+		a.newClusterMembersCmd(),
 		&cobra.Command{
 			Use:   "peers",
 			Short: "List the Raft servers with their state and replication progress",
@@ -150,19 +146,87 @@ func (a *app) autopilotState(cmd *cobra.Command, _ []string) error {
 	})
 }
 
-func (a *app) clusterMembers(cmd *cobra.Command, _ []string) error {
+func (a *app) newClusterMembersCmd() *cobra.Command {
+	var watch bool
+	cmd := &cobra.Command{
+		Use:   "members",
+		Short: "List the gossip members seen by the node asked",
+		Long: `members lists the gossip members the agent asked sees. With --watch it keeps
+the list up to date from the agent's status stream (ClusterService.WatchStatus)
+and prints it again each time it changes, until interrupted (or --timeout):
+Ctrl-C ends it with exit status 0.`,
+		Args: positional(),
+		RunE: a.command(func(cmd *cobra.Command, _ []string) error {
+			if watch {
+				return a.watchMembers(cmd)
+			}
+			return a.clusterMembers(cmd)
+		}),
+	}
+	cmd.Flags().BoolVar(&watch, "watch", false, "print the members again each time they change, until interrupted")
+	return cmd
+}
+
+func (a *app) clusterMembers(cmd *cobra.Command) error {
 	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
 		resp, err := api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
 		if err != nil {
 			return err
 		}
-		return a.render(resp.Msg, func(w io.Writer) {
-			row(w, "NAME", "NODE-ID", "GOSSIP-ADDR", "STATUS", "ROLE", "RAFT-ADDR", "API-ADDR", "VERSION")
-			for _, m := range resp.Msg.GetMembers() {
-				row(w, m.GetName(), m.GetNodeId(), m.GetGossipAddr(), enumName(m.GetStatus()), m.GetRole(),
-					m.GetRaftAddr(), m.GetApiAddr(), m.GetVersion())
+		return a.renderMembers(resp.Msg)
+	})
+}
+
+func (a *app) renderMembers(msg *clusterv1.MembersResponse) error {
+	return a.render(msg, func(w io.Writer) {
+		row(w, "NAME", "NODE-ID", "GOSSIP-ADDR", "STATUS", "ROLE", "RAFT-ADDR", "API-ADDR", "VERSION")
+		for _, m := range msg.GetMembers() {
+			row(w, m.GetName(), m.GetNodeId(), m.GetGossipAddr(), enumName(m.GetStatus()), m.GetRole(),
+				m.GetRaftAddr(), m.GetApiAddr(), m.GetVersion())
+		}
+	})
+}
+
+// watchMembers prints the members of each status snapshot that differ
+// from the last printed; tables are separated by a blank line.
+func (a *app) watchMembers(cmd *cobra.Command) error {
+	return a.backendCall(cmd, true, func(ctx context.Context, c *clientConn) error {
+		stream, err := c.api.WatchStatus(ctx, connect.NewRequest(&clusterv1.WatchStatusRequest{}))
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
 			}
-		})
+			return err
+		}
+		defer stream.Close()
+		var last *clusterv1.MembersResponse
+		for stream.Receive() {
+			cur := &clusterv1.MembersResponse{Members: stream.Msg().GetMembers()}
+			if last != nil && proto.Equal(last, cur) {
+				continue
+			}
+			if last != nil {
+				// A blank line between tables, a document marker between
+				// YAML documents; JSON objects follow each other (jq reads
+				// them as a stream).
+				switch a.opts.output.value {
+				case "yaml":
+					fmt.Fprintln(a.stdout, "---")
+				case "json":
+				default:
+					fmt.Fprintln(a.stdout)
+				}
+			}
+			last = cur
+			if err := a.renderMembers(cur); err != nil {
+				return err
+			}
+		}
+		// Ctrl-C, or the end of --timeout, ends a watch: not an error.
+		if err := stream.Err(); err != nil && ctx.Err() == nil {
+			return err
+		}
+		return nil
 	})
 }
 

@@ -29,12 +29,13 @@ type fakeCluster struct {
 
 	mu        sync.Mutex
 	calls     []recorded
-	errs      map[string][]error       // procedure -> errors for the next calls, in order
-	errAlways map[string]error         // procedure -> error for every call
-	responses map[string]proto.Message // procedure -> response (default: empty)
-	header    http.Header              // added to every response
-	httpMajor []int                    // HTTP major version of every request
-	auth      []string                 // Authorization header of every request
+	errs      map[string][]error               // procedure -> errors for the next calls, in order
+	errAlways map[string]error                 // procedure -> error for every call
+	responses map[string]proto.Message         // procedure -> response (default: empty)
+	header    http.Header                      // added to every response
+	httpMajor []int                            // HTTP major version of every request
+	auth      []string                         // Authorization header of every request
+	watch     []*clusterv1.WatchStatusResponse // WatchStatus sends these, then ends
 }
 
 var _ clusterv1connect.ClusterServiceHandler = (*fakeCluster)(nil)
@@ -290,4 +291,18 @@ func (s fakeSchedules) ListSchedules(_ context.Context, r *connect.Request[sched
 
 func (s fakeSchedules) ListRuns(_ context.Context, r *connect.Request[schedulev1.ListRunsRequest]) (*connect.Response[schedulev1.ListRunsResponse], error) {
 	return handle[schedulev1.ListRunsRequest, schedulev1.ListRunsResponse](s.f, r)
+}
+
+// WatchStatus sends the snapshots of f.watch, then ends the stream.
+func (f *fakeCluster) WatchStatus(_ context.Context, r *connect.Request[clusterv1.WatchStatusRequest], stream *connect.ServerStream[clusterv1.WatchStatusResponse]) error {
+	f.mu.Lock()
+	f.calls = append(f.calls, recorded{procedure: r.Spec().Procedure, msg: proto.Clone(r.Msg)})
+	snaps := f.watch
+	f.mu.Unlock()
+	for _, m := range snaps {
+		if err := stream.Send(m); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc/codes"
 )
 
@@ -151,4 +152,45 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), b.Name(), st)
 		}
 	}
+}
+
+// Totals are one backend cluster's proxied calls since the agent started.
+type Totals struct {
+	// Requests counts every call; Errors those whose gRPC status was not
+	// OK (an HTTP status equivalent other than 200).
+	Requests, Errors uint64
+}
+
+// Totals reads pivirt_mesh_requests_total back, per backend cluster: the
+// counters the proxy keeps, not a count of its own.
+func (s *Stats) Totals() map[string]Totals {
+	out := map[string]Totals{}
+	ch := make(chan prometheus.Metric, 64)
+	go func() {
+		s.requests.Collect(ch)
+		close(ch)
+	}()
+	for m := range ch {
+		var d dto.Metric
+		if m.Write(&d) != nil || d.GetCounter() == nil {
+			continue
+		}
+		var service, status string
+		for _, l := range d.GetLabel() {
+			switch l.GetName() {
+			case "service":
+				service = l.GetValue()
+			case "status":
+				status = l.GetValue()
+			}
+		}
+		n := uint64(d.GetCounter().GetValue())
+		t := out[service]
+		t.Requests += n
+		if status != "200" {
+			t.Errors += n
+		}
+		out[service] = t
+	}
+	return out
 }

@@ -16,6 +16,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
@@ -276,4 +277,28 @@ func RequestIDServerOptions() []grpc.ServerOption {
 			return handler(srv, &ctxStream{ServerStream: ss, ctx: ctx, headerSent: true})
 		}),
 	}
+}
+
+// Totals reads pivirt_api_requests_total back: every call on the API port
+// since the agent started, and those whose code was not ok.
+func (m *Metrics) Totals() (requests, failed uint64) {
+	ch := make(chan prometheus.Metric, 64)
+	go func() {
+		m.requests.Collect(ch)
+		close(ch)
+	}()
+	for metric := range ch {
+		var d dto.Metric
+		if metric.Write(&d) != nil || d.GetCounter() == nil {
+			continue
+		}
+		n := uint64(d.GetCounter().GetValue())
+		requests += n
+		for _, l := range d.GetLabel() {
+			if l.GetName() == "code" && l.GetValue() != "ok" {
+				failed += n
+			}
+		}
+	}
+	return requests, failed
 }

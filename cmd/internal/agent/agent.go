@@ -150,7 +150,10 @@ type Agent struct {
 	snapshots, internalSnapshots *gateway.SnapshotService
 	// agentSvc and internalAgentSvc serve AgentService (monitor, support
 	// bundle) on the API port and, for this node only, the internal port.
-	agentSvc, internalAgentSvc   *gateway.AgentService
+	agentSvc, internalAgentSvc *gateway.AgentService
+	// history is this node's metrics history (runMetricsHistory), which
+	// AgentService.WatchMetrics streams.
+	history                      *gateway.MetricsHistory
 	schedules, internalSchedules *gateway.ScheduleService
 	scheduleMetrics              *scheduler.ScheduleMetrics
 	// work is what a leadership term starts; terms runs one term at a
@@ -315,25 +318,26 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	openState := func() error { return a.openState(ctx) }
 	formCluster := func() error { return a.formCluster(ctx) }
 	for _, step := range []func() error{
-		a.openDataDir,     // the data dir and the node ID
-		a.loadSettings,    // the cluster settings this node last applied, on top of the file
-		a.startTracing,    // tracing.*
-		keyFiles,          // key files readable by group or others refused
-		a.listen,          // API, internal, metrics and Raft listeners
-		a.startTLS,        // certificates, TLS on the listeners, the peer pool
-		openState,         // the FSM, and the Raft store or the etcd mirror
-		a.startGossip,     // the memberlist ring
-		a.startLeadership, // the leader term's work and the cluster CA
-		a.buildServices,   // the cluster, snapshot and schedule services
-		a.startGateway,    // backends, routing and access control
-		a.serveAll,        // the API, internal and metrics ports
-		a.runTerms,        // the leader loop
-		formCluster,       // bootstrap and join
-		a.startRenewals,   // the renewals of this agent's certificates (cluster CA or CA server)
-		a.runCatalog,      // the placement catalog of this node's backends
-		a.runChecks,       // the checks of the service instances registered with this node
-		a.runServicesDir,  // the service definitions of service_discovery.services_dir
-		a.runSettings,     // the cluster settings, applied as they change
+		a.openDataDir,       // the data dir and the node ID
+		a.loadSettings,      // the cluster settings this node last applied, on top of the file
+		a.startTracing,      // tracing.*
+		keyFiles,            // key files readable by group or others refused
+		a.listen,            // API, internal, metrics and Raft listeners
+		a.startTLS,          // certificates, TLS on the listeners, the peer pool
+		openState,           // the FSM, and the Raft store or the etcd mirror
+		a.startGossip,       // the memberlist ring
+		a.startLeadership,   // the leader term's work and the cluster CA
+		a.buildServices,     // the cluster, snapshot and schedule services
+		a.startGateway,      // backends, routing and access control
+		a.serveAll,          // the API, internal and metrics ports
+		a.runTerms,          // the leader loop
+		a.runMetricsHistory, // the metrics history of WatchMetrics, sampled every 5s
+		formCluster,         // bootstrap and join
+		a.startRenewals,     // the renewals of this agent's certificates (cluster CA or CA server)
+		a.runCatalog,        // the placement catalog of this node's backends
+		a.runChecks,         // the checks of the service instances registered with this node
+		a.runServicesDir,    // the service definitions of service_discovery.services_dir
+		a.runSettings,       // the cluster settings, applied as they change
 	} {
 		if err := step(); err != nil {
 			return err
@@ -671,7 +675,8 @@ func (a *Agent) buildServices() error {
 	a.internalSnapshots = gateway.NewSnapshotService(snapCfg, a.internal, restorer, peers)
 	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
 	a.internalSchedules = gateway.NewScheduleService(a.internal, a.pool.Schedules)
-	acfg := gateway.AgentServiceConfig{NodeName: a.cfg.NodeName, Tee: a.tee, DebugFiles: a.debugFiles, Logger: a.logger}
+	a.history = gateway.NewMetricsHistory(gateway.MetricsSamples)
+	acfg := gateway.AgentServiceConfig{NodeName: a.cfg.NodeName, Tee: a.tee, DebugFiles: a.debugFiles, History: a.history, Logger: a.logger}
 	a.agentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)
 	acfg.Local = true
 	a.internalAgentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)

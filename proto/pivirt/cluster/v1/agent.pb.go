@@ -10,6 +10,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
+	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	_ "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
 	reflect "reflect"
 	sync "sync"
@@ -306,11 +307,377 @@ func (x *DebugResponse) GetError() string {
 	return ""
 }
 
+type WatchMetricsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// node names the node whose metrics to stream; empty: the node asked.
+	Node          string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchMetricsRequest) Reset() {
+	*x = WatchMetricsRequest{}
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchMetricsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchMetricsRequest) ProtoMessage() {}
+
+func (x *WatchMetricsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchMetricsRequest.ProtoReflect.Descriptor instead.
+func (*WatchMetricsRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *WatchMetricsRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+type WatchMetricsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// node is the node whose metrics these are.
+	Node string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// history is, in the first message only, the samples the node keeps,
+	// oldest first (at most 120; fewer after a start).
+	History []*MetricsSample `protobuf:"bytes,2,rep,name=history,proto3" json:"history,omitempty"`
+	// sample is, in every later message, the node's newest sample.
+	Sample *MetricsSample `protobuf:"bytes,3,opt,name=sample,proto3" json:"sample,omitempty"`
+	// interval is how often the node samples (5s).
+	Interval      *durationpb.Duration `protobuf:"bytes,4,opt,name=interval,proto3" json:"interval,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchMetricsResponse) Reset() {
+	*x = WatchMetricsResponse{}
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchMetricsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchMetricsResponse) ProtoMessage() {}
+
+func (x *WatchMetricsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchMetricsResponse.ProtoReflect.Descriptor instead.
+func (*WatchMetricsResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_agent_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *WatchMetricsResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *WatchMetricsResponse) GetHistory() []*MetricsSample {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
+func (x *WatchMetricsResponse) GetSample() *MetricsSample {
+	if x != nil {
+		return x.Sample
+	}
+	return nil
+}
+
+func (x *WatchMetricsResponse) GetInterval() *durationpb.Duration {
+	if x != nil {
+		return x.Interval
+	}
+	return nil
+}
+
+// MetricsSample is one node's metrics at one time.
+type MetricsSample struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// time is when the sample was taken.
+	Time *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=time,proto3" json:"time,omitempty"`
+	// leader: the node led the Raft group; peers are reported by the leader
+	// only (a follower does not know the others' progress).
+	Leader bool `protobuf:"varint,2,opt,name=leader,proto3" json:"leader,omitempty"`
+	// peers is the replication progress of each other Raft server.
+	Peers []*PeerReplication `protobuf:"bytes,3,rep,name=peers,proto3" json:"peers,omitempty"`
+	// backends are the calls proxied to each backend cluster (the mesh's
+	// pivirt_mesh_requests_total), cumulative since the agent started.
+	Backends []*BackendCounters `protobuf:"bytes,4,rep,name=backends,proto3" json:"backends,omitempty"`
+	// api_requests and api_errors count the calls on the node's API port
+	// (pivirt_api_requests_total; errors: a code other than ok),
+	// cumulative since the agent started.
+	ApiRequests   uint64 `protobuf:"varint,5,opt,name=api_requests,json=apiRequests,proto3" json:"api_requests,omitempty"`
+	ApiErrors     uint64 `protobuf:"varint,6,opt,name=api_errors,json=apiErrors,proto3" json:"api_errors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MetricsSample) Reset() {
+	*x = MetricsSample{}
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MetricsSample) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MetricsSample) ProtoMessage() {}
+
+func (x *MetricsSample) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MetricsSample.ProtoReflect.Descriptor instead.
+func (*MetricsSample) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *MetricsSample) GetTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Time
+	}
+	return nil
+}
+
+func (x *MetricsSample) GetLeader() bool {
+	if x != nil {
+		return x.Leader
+	}
+	return false
+}
+
+func (x *MetricsSample) GetPeers() []*PeerReplication {
+	if x != nil {
+		return x.Peers
+	}
+	return nil
+}
+
+func (x *MetricsSample) GetBackends() []*BackendCounters {
+	if x != nil {
+		return x.Backends
+	}
+	return nil
+}
+
+func (x *MetricsSample) GetApiRequests() uint64 {
+	if x != nil {
+		return x.ApiRequests
+	}
+	return 0
+}
+
+func (x *MetricsSample) GetApiErrors() uint64 {
+	if x != nil {
+		return x.ApiErrors
+	}
+	return 0
+}
+
+// PeerReplication is how far one Raft server is behind the leader.
+type PeerReplication struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Name   string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Voter  bool                   `protobuf:"varint,3,opt,name=voter,proto3" json:"voter,omitempty"`
+	// reachable: the server answered the leader's status query; else lag
+	// and last_contact_ms are 0.
+	Reachable bool `protobuf:"varint,4,opt,name=reachable,proto3" json:"reachable,omitempty"`
+	// lag is how many log entries the server is behind: the leader's last
+	// index minus the server's (Peer.trailing).
+	Lag uint64 `protobuf:"varint,5,opt,name=lag,proto3" json:"lag,omitempty"`
+	// last_contact_ms is how long ago the server last heard from the
+	// leader, as it reports it.
+	LastContactMs int64 `protobuf:"varint,6,opt,name=last_contact_ms,json=lastContactMs,proto3" json:"last_contact_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PeerReplication) Reset() {
+	*x = PeerReplication{}
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PeerReplication) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PeerReplication) ProtoMessage() {}
+
+func (x *PeerReplication) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PeerReplication.ProtoReflect.Descriptor instead.
+func (*PeerReplication) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_agent_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *PeerReplication) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *PeerReplication) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PeerReplication) GetVoter() bool {
+	if x != nil {
+		return x.Voter
+	}
+	return false
+}
+
+func (x *PeerReplication) GetReachable() bool {
+	if x != nil {
+		return x.Reachable
+	}
+	return false
+}
+
+func (x *PeerReplication) GetLag() uint64 {
+	if x != nil {
+		return x.Lag
+	}
+	return 0
+}
+
+func (x *PeerReplication) GetLastContactMs() int64 {
+	if x != nil {
+		return x.LastContactMs
+	}
+	return 0
+}
+
+// BackendCounters are one backend cluster's proxied calls.
+type BackendCounters struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cluster is the backend cluster's name (the metrics' service label).
+	Cluster string `protobuf:"bytes,1,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// requests counts every call; errors those whose gRPC status was not OK.
+	Requests      uint64 `protobuf:"varint,2,opt,name=requests,proto3" json:"requests,omitempty"`
+	Errors        uint64 `protobuf:"varint,3,opt,name=errors,proto3" json:"errors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BackendCounters) Reset() {
+	*x = BackendCounters{}
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BackendCounters) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BackendCounters) ProtoMessage() {}
+
+func (x *BackendCounters) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_agent_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BackendCounters.ProtoReflect.Descriptor instead.
+func (*BackendCounters) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_agent_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *BackendCounters) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
+func (x *BackendCounters) GetRequests() uint64 {
+	if x != nil {
+		return x.Requests
+	}
+	return 0
+}
+
+func (x *BackendCounters) GetErrors() uint64 {
+	if x != nil {
+		return x.Errors
+	}
+	return 0
+}
+
 var File_pivirt_cluster_v1_agent_proto protoreflect.FileDescriptor
 
 const file_pivirt_cluster_v1_agent_proto_rawDesc = "" +
 	"\n" +
-	"\x1dpivirt/cluster/v1/agent.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17pivirt/api/v1/api.proto\"N\n" +
+	"\x1dpivirt/cluster/v1/agent.proto\x12\x11pivirt.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pivirt/api/v1/api.proto\"N\n" +
 	"\x0eMonitorRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05level\x18\x02 \x01(\tR\x05level\x12\x12\n" +
@@ -329,12 +696,40 @@ const file_pivirt_cluster_v1_agent_proto_rawDesc = "" +
 	"\astarted\x18\x03 \x01(\bR\astarted\x12\x12\n" +
 	"\x04data\x18\x04 \x01(\fR\x04data\x12\x12\n" +
 	"\x04done\x18\x05 \x01(\bR\x04done\x12\x14\n" +
-	"\x05error\x18\x06 \x01(\tR\x05error2\xda\x01\n" +
+	"\x05error\x18\x06 \x01(\tR\x05error\")\n" +
+	"\x13WatchMetricsRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\"\xd7\x01\n" +
+	"\x14WatchMetricsResponse\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12:\n" +
+	"\ahistory\x18\x02 \x03(\v2 .pivirt.cluster.v1.MetricsSampleR\ahistory\x128\n" +
+	"\x06sample\x18\x03 \x01(\v2 .pivirt.cluster.v1.MetricsSampleR\x06sample\x125\n" +
+	"\binterval\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\binterval\"\x93\x02\n" +
+	"\rMetricsSample\x12.\n" +
+	"\x04time\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x16\n" +
+	"\x06leader\x18\x02 \x01(\bR\x06leader\x128\n" +
+	"\x05peers\x18\x03 \x03(\v2\".pivirt.cluster.v1.PeerReplicationR\x05peers\x12>\n" +
+	"\bbackends\x18\x04 \x03(\v2\".pivirt.cluster.v1.BackendCountersR\bbackends\x12!\n" +
+	"\fapi_requests\x18\x05 \x01(\x04R\vapiRequests\x12\x1d\n" +
+	"\n" +
+	"api_errors\x18\x06 \x01(\x04R\tapiErrors\"\xac\x01\n" +
+	"\x0fPeerReplication\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
+	"\x05voter\x18\x03 \x01(\bR\x05voter\x12\x1c\n" +
+	"\treachable\x18\x04 \x01(\bR\treachable\x12\x10\n" +
+	"\x03lag\x18\x05 \x01(\x04R\x03lag\x12&\n" +
+	"\x0flast_contact_ms\x18\x06 \x01(\x03R\rlastContactMs\"_\n" +
+	"\x0fBackendCounters\x12\x18\n" +
+	"\acluster\x18\x01 \x01(\tR\acluster\x12\x1a\n" +
+	"\brequests\x18\x02 \x01(\x04R\brequests\x12\x16\n" +
+	"\x06errors\x18\x03 \x01(\x04R\x06errors2\xcf\x02\n" +
 	"\fAgentService\x12h\n" +
 	"\aMonitor\x12!.pivirt.cluster.v1.MonitorRequest\x1a\".pivirt.cluster.v1.MonitorResponse\"\x14\xca\xf3\x18\x10\n" +
 	"\x05agent\x12\amonitor0\x01\x12`\n" +
 	"\x05Debug\x12\x1f.pivirt.cluster.v1.DebugRequest\x1a .pivirt.cluster.v1.DebugResponse\"\x12\xca\xf3\x18\x0e\n" +
-	"\x05agent\x12\x05debug0\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
+	"\x05agent\x12\x05debug0\x01\x12s\n" +
+	"\fWatchMetrics\x12&.pivirt.cluster.v1.WatchMetricsRequest\x1a'.pivirt.cluster.v1.WatchMetricsResponse\"\x10\xca\xf3\x18\f\n" +
+	"\x05agent\x12\x03get0\x01B9Z7pilab.hu/pivirt-agent/proto/pivirt/cluster/v1;clusterv1b\x06proto3"
 
 var (
 	file_pivirt_cluster_v1_agent_proto_rawDescOnce sync.Once
@@ -348,25 +743,39 @@ func file_pivirt_cluster_v1_agent_proto_rawDescGZIP() []byte {
 	return file_pivirt_cluster_v1_agent_proto_rawDescData
 }
 
-var file_pivirt_cluster_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_pivirt_cluster_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_pivirt_cluster_v1_agent_proto_goTypes = []any{
-	(*MonitorRequest)(nil),      // 0: pivirt.cluster.v1.MonitorRequest
-	(*MonitorResponse)(nil),     // 1: pivirt.cluster.v1.MonitorResponse
-	(*DebugRequest)(nil),        // 2: pivirt.cluster.v1.DebugRequest
-	(*DebugResponse)(nil),       // 3: pivirt.cluster.v1.DebugResponse
-	(*durationpb.Duration)(nil), // 4: google.protobuf.Duration
+	(*MonitorRequest)(nil),        // 0: pivirt.cluster.v1.MonitorRequest
+	(*MonitorResponse)(nil),       // 1: pivirt.cluster.v1.MonitorResponse
+	(*DebugRequest)(nil),          // 2: pivirt.cluster.v1.DebugRequest
+	(*DebugResponse)(nil),         // 3: pivirt.cluster.v1.DebugResponse
+	(*WatchMetricsRequest)(nil),   // 4: pivirt.cluster.v1.WatchMetricsRequest
+	(*WatchMetricsResponse)(nil),  // 5: pivirt.cluster.v1.WatchMetricsResponse
+	(*MetricsSample)(nil),         // 6: pivirt.cluster.v1.MetricsSample
+	(*PeerReplication)(nil),       // 7: pivirt.cluster.v1.PeerReplication
+	(*BackendCounters)(nil),       // 8: pivirt.cluster.v1.BackendCounters
+	(*durationpb.Duration)(nil),   // 9: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_agent_proto_depIdxs = []int32{
-	4, // 0: pivirt.cluster.v1.DebugRequest.duration:type_name -> google.protobuf.Duration
-	0, // 1: pivirt.cluster.v1.AgentService.Monitor:input_type -> pivirt.cluster.v1.MonitorRequest
-	2, // 2: pivirt.cluster.v1.AgentService.Debug:input_type -> pivirt.cluster.v1.DebugRequest
-	1, // 3: pivirt.cluster.v1.AgentService.Monitor:output_type -> pivirt.cluster.v1.MonitorResponse
-	3, // 4: pivirt.cluster.v1.AgentService.Debug:output_type -> pivirt.cluster.v1.DebugResponse
-	3, // [3:5] is the sub-list for method output_type
-	1, // [1:3] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	9,  // 0: pivirt.cluster.v1.DebugRequest.duration:type_name -> google.protobuf.Duration
+	6,  // 1: pivirt.cluster.v1.WatchMetricsResponse.history:type_name -> pivirt.cluster.v1.MetricsSample
+	6,  // 2: pivirt.cluster.v1.WatchMetricsResponse.sample:type_name -> pivirt.cluster.v1.MetricsSample
+	9,  // 3: pivirt.cluster.v1.WatchMetricsResponse.interval:type_name -> google.protobuf.Duration
+	10, // 4: pivirt.cluster.v1.MetricsSample.time:type_name -> google.protobuf.Timestamp
+	7,  // 5: pivirt.cluster.v1.MetricsSample.peers:type_name -> pivirt.cluster.v1.PeerReplication
+	8,  // 6: pivirt.cluster.v1.MetricsSample.backends:type_name -> pivirt.cluster.v1.BackendCounters
+	0,  // 7: pivirt.cluster.v1.AgentService.Monitor:input_type -> pivirt.cluster.v1.MonitorRequest
+	2,  // 8: pivirt.cluster.v1.AgentService.Debug:input_type -> pivirt.cluster.v1.DebugRequest
+	4,  // 9: pivirt.cluster.v1.AgentService.WatchMetrics:input_type -> pivirt.cluster.v1.WatchMetricsRequest
+	1,  // 10: pivirt.cluster.v1.AgentService.Monitor:output_type -> pivirt.cluster.v1.MonitorResponse
+	3,  // 11: pivirt.cluster.v1.AgentService.Debug:output_type -> pivirt.cluster.v1.DebugResponse
+	5,  // 12: pivirt.cluster.v1.AgentService.WatchMetrics:output_type -> pivirt.cluster.v1.WatchMetricsResponse
+	10, // [10:13] is the sub-list for method output_type
+	7,  // [7:10] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_agent_proto_init() }
@@ -380,7 +789,7 @@ func file_pivirt_cluster_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_agent_proto_rawDesc), len(file_pivirt_cluster_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -19,8 +19,9 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	AgentService_Monitor_FullMethodName = "/pivirt.cluster.v1.AgentService/Monitor"
-	AgentService_Debug_FullMethodName   = "/pivirt.cluster.v1.AgentService/Debug"
+	AgentService_Monitor_FullMethodName      = "/pivirt.cluster.v1.AgentService/Monitor"
+	AgentService_Debug_FullMethodName        = "/pivirt.cluster.v1.AgentService/Debug"
+	AgentService_WatchMetrics_FullMethodName = "/pivirt.cluster.v1.AgentService/WatchMetrics"
 )
 
 // AgentServiceClient is the client API for AgentService service.
@@ -41,6 +42,11 @@ type AgentServiceClient interface {
 	// consecutive messages; a file that could not be collected arrives as
 	// its error.
 	Debug(ctx context.Context, in *DebugRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DebugResponse], error)
+	// WatchMetrics streams a node's recent metrics, sampled every 5s and
+	// kept for 10 minutes: the first message carries the samples kept
+	// (history), each later one the next sample. Counters are cumulative
+	// since the agent started; rates are the client's to compute.
+	WatchMetrics(ctx context.Context, in *WatchMetricsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchMetricsResponse], error)
 }
 
 type agentServiceClient struct {
@@ -89,6 +95,25 @@ func (c *agentServiceClient) Debug(ctx context.Context, in *DebugRequest, opts .
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AgentService_DebugClient = grpc.ServerStreamingClient[DebugResponse]
 
+func (c *agentServiceClient) WatchMetrics(ctx context.Context, in *WatchMetricsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchMetricsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &AgentService_ServiceDesc.Streams[2], AgentService_WatchMetrics_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchMetricsRequest, WatchMetricsResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AgentService_WatchMetricsClient = grpc.ServerStreamingClient[WatchMetricsResponse]
+
 // AgentServiceServer is the server API for AgentService service.
 // All implementations should embed UnimplementedAgentServiceServer
 // for forward compatibility.
@@ -107,6 +132,11 @@ type AgentServiceServer interface {
 	// consecutive messages; a file that could not be collected arrives as
 	// its error.
 	Debug(*DebugRequest, grpc.ServerStreamingServer[DebugResponse]) error
+	// WatchMetrics streams a node's recent metrics, sampled every 5s and
+	// kept for 10 minutes: the first message carries the samples kept
+	// (history), each later one the next sample. Counters are cumulative
+	// since the agent started; rates are the client's to compute.
+	WatchMetrics(*WatchMetricsRequest, grpc.ServerStreamingServer[WatchMetricsResponse]) error
 }
 
 // UnimplementedAgentServiceServer should be embedded to have
@@ -121,6 +151,9 @@ func (UnimplementedAgentServiceServer) Monitor(*MonitorRequest, grpc.ServerStrea
 }
 func (UnimplementedAgentServiceServer) Debug(*DebugRequest, grpc.ServerStreamingServer[DebugResponse]) error {
 	return status.Error(codes.Unimplemented, "method Debug not implemented")
+}
+func (UnimplementedAgentServiceServer) WatchMetrics(*WatchMetricsRequest, grpc.ServerStreamingServer[WatchMetricsResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchMetrics not implemented")
 }
 func (UnimplementedAgentServiceServer) testEmbeddedByValue() {}
 
@@ -164,6 +197,17 @@ func _AgentService_Debug_Handler(srv interface{}, stream grpc.ServerStream) erro
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AgentService_DebugServer = grpc.ServerStreamingServer[DebugResponse]
 
+func _AgentService_WatchMetrics_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchMetricsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(AgentServiceServer).WatchMetrics(m, &grpc.GenericServerStream[WatchMetricsRequest, WatchMetricsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AgentService_WatchMetricsServer = grpc.ServerStreamingServer[WatchMetricsResponse]
+
 // AgentService_ServiceDesc is the grpc.ServiceDesc for AgentService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -180,6 +224,11 @@ var AgentService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "Debug",
 			Handler:       _AgentService_Debug_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "WatchMetrics",
+			Handler:       _AgentService_WatchMetrics_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -1740,6 +1740,170 @@ func (x *AutopilotServer) GetStatus() string {
 	return ""
 }
 
+type WatchStatusRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// interval between snapshots: default 1s, from 250ms to 1m.
+	Interval      *durationpb.Duration `protobuf:"bytes,1,opt,name=interval,proto3" json:"interval,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchStatusRequest) Reset() {
+	*x = WatchStatusRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchStatusRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchStatusRequest) ProtoMessage() {}
+
+func (x *WatchStatusRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchStatusRequest.ProtoReflect.Descriptor instead.
+func (*WatchStatusRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *WatchStatusRequest) GetInterval() *durationpb.Duration {
+	if x != nil {
+		return x.Interval
+	}
+	return nil
+}
+
+type WatchStatusResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// node is the gossip name of the node asked.
+	Node string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// time is when the snapshot was taken.
+	Time *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
+	// members is the gossip view of the node asked (Members).
+	Members []*Member `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	// peers is the Raft view (Peers, as the leader reports it); empty with
+	// peers_error set when it could not be had.
+	Peers      []*Peer `protobuf:"bytes,4,rep,name=peers,proto3" json:"peers,omitempty"`
+	PeersError string  `protobuf:"bytes,5,opt,name=peers_error,json=peersError,proto3" json:"peers_error,omitempty"`
+	// leader is the leader the node asked knows (Leader); unset with
+	// leader_error set when it knows none.
+	Leader      *LeaderResponse `protobuf:"bytes,6,opt,name=leader,proto3" json:"leader,omitempty"`
+	LeaderError string          `protobuf:"bytes,7,opt,name=leader_error,json=leaderError,proto3" json:"leader_error,omitempty"`
+	// autopilot is the leader's autopilot state (AutopilotState); unset
+	// with autopilot_error set when the leader could not be reached (no
+	// leader, or its reconciler has not run yet), in the words pvcli
+	// prints.
+	Autopilot      *AutopilotStateResponse `protobuf:"bytes,8,opt,name=autopilot,proto3" json:"autopilot,omitempty"`
+	AutopilotError string                  `protobuf:"bytes,9,opt,name=autopilot_error,json=autopilotError,proto3" json:"autopilot_error,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *WatchStatusResponse) Reset() {
+	*x = WatchStatusResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchStatusResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchStatusResponse) ProtoMessage() {}
+
+func (x *WatchStatusResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchStatusResponse.ProtoReflect.Descriptor instead.
+func (*WatchStatusResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *WatchStatusResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *WatchStatusResponse) GetTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Time
+	}
+	return nil
+}
+
+func (x *WatchStatusResponse) GetMembers() []*Member {
+	if x != nil {
+		return x.Members
+	}
+	return nil
+}
+
+func (x *WatchStatusResponse) GetPeers() []*Peer {
+	if x != nil {
+		return x.Peers
+	}
+	return nil
+}
+
+func (x *WatchStatusResponse) GetPeersError() string {
+	if x != nil {
+		return x.PeersError
+	}
+	return ""
+}
+
+func (x *WatchStatusResponse) GetLeader() *LeaderResponse {
+	if x != nil {
+		return x.Leader
+	}
+	return nil
+}
+
+func (x *WatchStatusResponse) GetLeaderError() string {
+	if x != nil {
+		return x.LeaderError
+	}
+	return ""
+}
+
+func (x *WatchStatusResponse) GetAutopilot() *AutopilotStateResponse {
+	if x != nil {
+		return x.Autopilot
+	}
+	return nil
+}
+
+func (x *WatchStatusResponse) GetAutopilotError() string {
+	if x != nil {
+		return x.AutopilotError
+	}
+	return ""
+}
+
 type TransferLeaderRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// node_id of the new leader; empty lets Raft pick the most up-to-date voter.
@@ -1750,7 +1914,7 @@ type TransferLeaderRequest struct {
 
 func (x *TransferLeaderRequest) Reset() {
 	*x = TransferLeaderRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1762,7 +1926,7 @@ func (x *TransferLeaderRequest) String() string {
 func (*TransferLeaderRequest) ProtoMessage() {}
 
 func (x *TransferLeaderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1775,7 +1939,7 @@ func (x *TransferLeaderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLeaderRequest.ProtoReflect.Descriptor instead.
 func (*TransferLeaderRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *TransferLeaderRequest) GetNodeId() string {
@@ -1794,7 +1958,7 @@ type TransferLeaderResponse struct {
 
 func (x *TransferLeaderResponse) Reset() {
 	*x = TransferLeaderResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1806,7 +1970,7 @@ func (x *TransferLeaderResponse) String() string {
 func (*TransferLeaderResponse) ProtoMessage() {}
 
 func (x *TransferLeaderResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1819,7 +1983,7 @@ func (x *TransferLeaderResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLeaderResponse.ProtoReflect.Descriptor instead.
 func (*TransferLeaderResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *TransferLeaderResponse) GetNodeId() string {
@@ -1864,7 +2028,7 @@ type HealthCheck struct {
 
 func (x *HealthCheck) Reset() {
 	*x = HealthCheck{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1876,7 +2040,7 @@ func (x *HealthCheck) String() string {
 func (*HealthCheck) ProtoMessage() {}
 
 func (x *HealthCheck) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1889,7 +2053,7 @@ func (x *HealthCheck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
 func (*HealthCheck) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *HealthCheck) GetHttp() string {
@@ -1996,7 +2160,7 @@ type ServiceInstance struct {
 
 func (x *ServiceInstance) Reset() {
 	*x = ServiceInstance{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2008,7 +2172,7 @@ func (x *ServiceInstance) String() string {
 func (*ServiceInstance) ProtoMessage() {}
 
 func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2021,7 +2185,7 @@ func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServiceInstance.ProtoReflect.Descriptor instead.
 func (*ServiceInstance) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ServiceInstance) GetService() string {
@@ -2153,7 +2317,7 @@ type RegisterServiceRequest struct {
 
 func (x *RegisterServiceRequest) Reset() {
 	*x = RegisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2165,7 +2329,7 @@ func (x *RegisterServiceRequest) String() string {
 func (*RegisterServiceRequest) ProtoMessage() {}
 
 func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2178,7 +2342,7 @@ func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*RegisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RegisterServiceRequest) GetInstance() *ServiceInstance {
@@ -2205,7 +2369,7 @@ type RegisterServiceResponse struct {
 
 func (x *RegisterServiceResponse) Reset() {
 	*x = RegisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2217,7 +2381,7 @@ func (x *RegisterServiceResponse) String() string {
 func (*RegisterServiceResponse) ProtoMessage() {}
 
 func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2230,7 +2394,7 @@ func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*RegisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *RegisterServiceResponse) GetInstance() *ServiceInstance {
@@ -2258,7 +2422,7 @@ type DeregisterServiceRequest struct {
 
 func (x *DeregisterServiceRequest) Reset() {
 	*x = DeregisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2270,7 +2434,7 @@ func (x *DeregisterServiceRequest) String() string {
 func (*DeregisterServiceRequest) ProtoMessage() {}
 
 func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2283,7 +2447,7 @@ func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *DeregisterServiceRequest) GetService() string {
@@ -2316,7 +2480,7 @@ type DeregisterServiceResponse struct {
 
 func (x *DeregisterServiceResponse) Reset() {
 	*x = DeregisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2328,7 +2492,7 @@ func (x *DeregisterServiceResponse) String() string {
 func (*DeregisterServiceResponse) ProtoMessage() {}
 
 func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2341,7 +2505,7 @@ func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *DeregisterServiceResponse) GetIndex() uint64 {
@@ -2368,7 +2532,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2380,7 +2544,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2393,7 +2557,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *HeartbeatRequest) GetService() string {
@@ -2441,7 +2605,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2453,7 +2617,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2466,7 +2630,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *HeartbeatResponse) GetInstance() *ServiceInstance {
@@ -2494,7 +2658,7 @@ type ListServicesRequest struct {
 
 func (x *ListServicesRequest) Reset() {
 	*x = ListServicesRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2506,7 +2670,7 @@ func (x *ListServicesRequest) String() string {
 func (*ListServicesRequest) ProtoMessage() {}
 
 func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2519,7 +2683,7 @@ func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesRequest.ProtoReflect.Descriptor instead.
 func (*ListServicesRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListServicesRequest) GetService() string {
@@ -2546,7 +2710,7 @@ type ListServicesResponse struct {
 
 func (x *ListServicesResponse) Reset() {
 	*x = ListServicesResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2558,7 +2722,7 @@ func (x *ListServicesResponse) String() string {
 func (*ListServicesResponse) ProtoMessage() {}
 
 func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2571,7 +2735,7 @@ func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesResponse.ProtoReflect.Descriptor instead.
 func (*ListServicesResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ListServicesResponse) GetInstances() []*ServiceInstance {
@@ -2600,7 +2764,7 @@ type GetServiceRequest struct {
 
 func (x *GetServiceRequest) Reset() {
 	*x = GetServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2612,7 +2776,7 @@ func (x *GetServiceRequest) String() string {
 func (*GetServiceRequest) ProtoMessage() {}
 
 func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2625,7 +2789,7 @@ func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceRequest.ProtoReflect.Descriptor instead.
 func (*GetServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetServiceRequest) GetService() string {
@@ -2659,7 +2823,7 @@ type GetServiceResponse struct {
 
 func (x *GetServiceResponse) Reset() {
 	*x = GetServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2671,7 +2835,7 @@ func (x *GetServiceResponse) String() string {
 func (*GetServiceResponse) ProtoMessage() {}
 
 func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2684,7 +2848,7 @@ func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceResponse.ProtoReflect.Descriptor instead.
 func (*GetServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *GetServiceResponse) GetInstances() []*ServiceInstance {
@@ -2716,7 +2880,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2728,7 +2892,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2741,7 +2905,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -2789,7 +2953,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2801,7 +2965,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2814,7 +2978,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *GetConfigRequest) GetKey() string {
@@ -2841,7 +3005,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2853,7 +3017,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2866,7 +3030,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *GetConfigResponse) GetEntry() *ConfigEntry {
@@ -2892,7 +3056,7 @@ type ListConfigRequest struct {
 
 func (x *ListConfigRequest) Reset() {
 	*x = ListConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2904,7 +3068,7 @@ func (x *ListConfigRequest) String() string {
 func (*ListConfigRequest) ProtoMessage() {}
 
 func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2917,7 +3081,7 @@ func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigRequest.ProtoReflect.Descriptor instead.
 func (*ListConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ListConfigRequest) GetRead() *ReadOptions {
@@ -2937,7 +3101,7 @@ type ListConfigResponse struct {
 
 func (x *ListConfigResponse) Reset() {
 	*x = ListConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2949,7 +3113,7 @@ func (x *ListConfigResponse) String() string {
 func (*ListConfigResponse) ProtoMessage() {}
 
 func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2962,7 +3126,7 @@ func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigResponse.ProtoReflect.Descriptor instead.
 func (*ListConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ListConfigResponse) GetEntries() []*ConfigEntry {
@@ -2999,7 +3163,7 @@ type SetConfigRequest struct {
 
 func (x *SetConfigRequest) Reset() {
 	*x = SetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3011,7 +3175,7 @@ func (x *SetConfigRequest) String() string {
 func (*SetConfigRequest) ProtoMessage() {}
 
 func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3024,7 +3188,7 @@ func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *SetConfigRequest) GetKey() string {
@@ -3081,7 +3245,7 @@ type SetConfigResponse struct {
 
 func (x *SetConfigResponse) Reset() {
 	*x = SetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3093,7 +3257,7 @@ func (x *SetConfigResponse) String() string {
 func (*SetConfigResponse) ProtoMessage() {}
 
 func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3106,7 +3270,7 @@ func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *SetConfigResponse) GetEntry() *ConfigEntry {
@@ -3137,7 +3301,7 @@ type DeleteConfigRequest struct {
 
 func (x *DeleteConfigRequest) Reset() {
 	*x = DeleteConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3149,7 +3313,7 @@ func (x *DeleteConfigRequest) String() string {
 func (*DeleteConfigRequest) ProtoMessage() {}
 
 func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3162,7 +3326,7 @@ func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigRequest.ProtoReflect.Descriptor instead.
 func (*DeleteConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *DeleteConfigRequest) GetKey() string {
@@ -3202,7 +3366,7 @@ type DeleteConfigResponse struct {
 
 func (x *DeleteConfigResponse) Reset() {
 	*x = DeleteConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3214,7 +3378,7 @@ func (x *DeleteConfigResponse) String() string {
 func (*DeleteConfigResponse) ProtoMessage() {}
 
 func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3227,7 +3391,7 @@ func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigResponse.ProtoReflect.Descriptor instead.
 func (*DeleteConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *DeleteConfigResponse) GetIndex() uint64 {
@@ -3247,7 +3411,7 @@ type ConfigHistoryRequest struct {
 
 func (x *ConfigHistoryRequest) Reset() {
 	*x = ConfigHistoryRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3259,7 +3423,7 @@ func (x *ConfigHistoryRequest) String() string {
 func (*ConfigHistoryRequest) ProtoMessage() {}
 
 func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3272,7 +3436,7 @@ func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryRequest.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ConfigHistoryRequest) GetKey() string {
@@ -3300,7 +3464,7 @@ type ConfigHistoryResponse struct {
 
 func (x *ConfigHistoryResponse) Reset() {
 	*x = ConfigHistoryResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3312,7 +3476,7 @@ func (x *ConfigHistoryResponse) String() string {
 func (*ConfigHistoryResponse) ProtoMessage() {}
 
 func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3325,7 +3489,7 @@ func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryResponse.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ConfigHistoryResponse) GetEntries() []*ConfigEntry {
@@ -3359,7 +3523,7 @@ type CheckAccessRequest struct {
 
 func (x *CheckAccessRequest) Reset() {
 	*x = CheckAccessRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3371,7 +3535,7 @@ func (x *CheckAccessRequest) String() string {
 func (*CheckAccessRequest) ProtoMessage() {}
 
 func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3384,7 +3548,7 @@ func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessRequest.ProtoReflect.Descriptor instead.
 func (*CheckAccessRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *CheckAccessRequest) GetIdentity() string {
@@ -3440,7 +3604,7 @@ type CheckAccessResponse struct {
 
 func (x *CheckAccessResponse) Reset() {
 	*x = CheckAccessResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3452,7 +3616,7 @@ func (x *CheckAccessResponse) String() string {
 func (*CheckAccessResponse) ProtoMessage() {}
 
 func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3465,7 +3629,7 @@ func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessResponse.ProtoReflect.Descriptor instead.
 func (*CheckAccessResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *CheckAccessResponse) GetAllowed() bool {
@@ -3543,7 +3707,7 @@ type WhoAmIRequest struct {
 
 func (x *WhoAmIRequest) Reset() {
 	*x = WhoAmIRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3555,7 +3719,7 @@ func (x *WhoAmIRequest) String() string {
 func (*WhoAmIRequest) ProtoMessage() {}
 
 func (x *WhoAmIRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3568,7 +3732,7 @@ func (x *WhoAmIRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WhoAmIRequest.ProtoReflect.Descriptor instead.
 func (*WhoAmIRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *WhoAmIRequest) GetMethods() []string {
@@ -3605,7 +3769,7 @@ type WhoAmIResponse struct {
 
 func (x *WhoAmIResponse) Reset() {
 	*x = WhoAmIResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3617,7 +3781,7 @@ func (x *WhoAmIResponse) String() string {
 func (*WhoAmIResponse) ProtoMessage() {}
 
 func (x *WhoAmIResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3630,7 +3794,7 @@ func (x *WhoAmIResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WhoAmIResponse.ProtoReflect.Descriptor instead.
 func (*WhoAmIResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *WhoAmIResponse) GetIdentity() string {
@@ -3702,7 +3866,7 @@ type MethodAccess struct {
 
 func (x *MethodAccess) Reset() {
 	*x = MethodAccess{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3714,7 +3878,7 @@ func (x *MethodAccess) String() string {
 func (*MethodAccess) ProtoMessage() {}
 
 func (x *MethodAccess) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3727,7 +3891,7 @@ func (x *MethodAccess) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MethodAccess.ProtoReflect.Descriptor instead.
 func (*MethodAccess) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *MethodAccess) GetMethod() string {
@@ -3771,7 +3935,7 @@ type CheckNetworkPolicyRequest struct {
 
 func (x *CheckNetworkPolicyRequest) Reset() {
 	*x = CheckNetworkPolicyRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3783,7 +3947,7 @@ func (x *CheckNetworkPolicyRequest) String() string {
 func (*CheckNetworkPolicyRequest) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3796,7 +3960,7 @@ func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *CheckNetworkPolicyRequest) GetFrom() string {
@@ -3835,7 +3999,7 @@ type CheckNetworkPolicyResponse struct {
 
 func (x *CheckNetworkPolicyResponse) Reset() {
 	*x = CheckNetworkPolicyResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3847,7 +4011,7 @@ func (x *CheckNetworkPolicyResponse) String() string {
 func (*CheckNetworkPolicyResponse) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3860,7 +4024,7 @@ func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
@@ -3899,7 +4063,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3911,7 +4075,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3924,7 +4088,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
 }
 
 type ConfigStatusResponse struct {
@@ -3937,7 +4101,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3949,7 +4113,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3962,7 +4126,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -3998,7 +4162,7 @@ type NodeConfigStatus struct {
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4010,7 +4174,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4023,7 +4187,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -4093,7 +4257,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4105,7 +4269,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4118,7 +4282,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{58}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -4146,7 +4310,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4158,7 +4322,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4171,7 +4335,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{59}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -4196,7 +4360,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4208,7 +4372,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4221,7 +4385,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{60}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -4364,7 +4528,20 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\btrailing\x18\t \x01(\x04R\btrailing\x12<\n" +
 	"\flast_contact\x18\n" +
 	" \x01(\v2\x19.google.protobuf.DurationR\vlastContact\x12\x16\n" +
-	"\x06status\x18\v \x01(\tR\x06status\"0\n" +
+	"\x06status\x18\v \x01(\tR\x06status\"K\n" +
+	"\x12WatchStatusRequest\x125\n" +
+	"\binterval\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\binterval\"\xae\x03\n" +
+	"\x13WatchStatusResponse\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12.\n" +
+	"\x04time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x123\n" +
+	"\amembers\x18\x03 \x03(\v2\x19.pivirt.cluster.v1.MemberR\amembers\x12-\n" +
+	"\x05peers\x18\x04 \x03(\v2\x17.pivirt.cluster.v1.PeerR\x05peers\x12\x1f\n" +
+	"\vpeers_error\x18\x05 \x01(\tR\n" +
+	"peersError\x129\n" +
+	"\x06leader\x18\x06 \x01(\v2!.pivirt.cluster.v1.LeaderResponseR\x06leader\x12!\n" +
+	"\fleader_error\x18\a \x01(\tR\vleaderError\x12G\n" +
+	"\tautopilot\x18\b \x01(\v2).pivirt.cluster.v1.AutopilotStateResponseR\tautopilot\x12'\n" +
+	"\x0fautopilot_error\x18\t \x01(\tR\x0eautopilotError\"0\n" +
 	"\x15TransferLeaderRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"1\n" +
 	"\x16TransferLeaderResponse\x12\x17\n" +
@@ -4576,7 +4753,7 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
 	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
 	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
-	"\x11KEYRING_OP_REMOVE\x10\x042\x9d\x15\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\x91\x16\n" +
 	"\x0eClusterService\x12d\n" +
 	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x12\xca\xf3\x18\x0e\n" +
 	"\acluster\x12\x03get\x12^\n" +
@@ -4597,7 +4774,9 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"ForceLeave\x12$.pivirt.cluster.v1.ForceLeaveRequest\x1a%.pivirt.cluster.v1.ForceLeaveResponse\"\x15\xca\xf3\x18\x11\n" +
 	"\acluster\x12\x06delete\x12y\n" +
 	"\x0eAutopilotState\x12(.pivirt.cluster.v1.AutopilotStateRequest\x1a).pivirt.cluster.v1.AutopilotStateResponse\"\x12\xca\xf3\x18\x0e\n" +
-	"\acluster\x12\x03get\x12\x80\x01\n" +
+	"\acluster\x12\x03get\x12r\n" +
+	"\vWatchStatus\x12%.pivirt.cluster.v1.WatchStatusRequest\x1a&.pivirt.cluster.v1.WatchStatusResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get0\x01\x12\x80\x01\n" +
 	"\x0fRegisterService\x12).pivirt.cluster.v1.RegisterServiceRequest\x1a*.pivirt.cluster.v1.RegisterServiceResponse\"\x16\xca\xf3\x18\x12\n" +
 	"\bservices\x12\x06create\x12\x86\x01\n" +
 	"\x11DeregisterService\x12+.pivirt.cluster.v1.DeregisterServiceRequest\x1a,.pivirt.cluster.v1.DeregisterServiceResponse\"\x16\xca\xf3\x18\x12\n" +
@@ -4643,7 +4822,7 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 62)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 64)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
@@ -4673,163 +4852,173 @@ var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(*AutopilotStateRequest)(nil),      // 25: pivirt.cluster.v1.AutopilotStateRequest
 	(*AutopilotStateResponse)(nil),     // 26: pivirt.cluster.v1.AutopilotStateResponse
 	(*AutopilotServer)(nil),            // 27: pivirt.cluster.v1.AutopilotServer
-	(*TransferLeaderRequest)(nil),      // 28: pivirt.cluster.v1.TransferLeaderRequest
-	(*TransferLeaderResponse)(nil),     // 29: pivirt.cluster.v1.TransferLeaderResponse
-	(*HealthCheck)(nil),                // 30: pivirt.cluster.v1.HealthCheck
-	(*ServiceInstance)(nil),            // 31: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),     // 32: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),    // 33: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),   // 34: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil),  // 35: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),           // 36: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),          // 37: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),        // 38: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),       // 39: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),          // 40: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),         // 41: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),                // 42: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),           // 43: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),          // 44: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),          // 45: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),         // 46: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),           // 47: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),          // 48: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),        // 49: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),       // 50: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),       // 51: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),      // 52: pivirt.cluster.v1.ConfigHistoryResponse
-	(*CheckAccessRequest)(nil),         // 53: pivirt.cluster.v1.CheckAccessRequest
-	(*CheckAccessResponse)(nil),        // 54: pivirt.cluster.v1.CheckAccessResponse
-	(*WhoAmIRequest)(nil),              // 55: pivirt.cluster.v1.WhoAmIRequest
-	(*WhoAmIResponse)(nil),             // 56: pivirt.cluster.v1.WhoAmIResponse
-	(*MethodAccess)(nil),               // 57: pivirt.cluster.v1.MethodAccess
-	(*CheckNetworkPolicyRequest)(nil),  // 58: pivirt.cluster.v1.CheckNetworkPolicyRequest
-	(*CheckNetworkPolicyResponse)(nil), // 59: pivirt.cluster.v1.CheckNetworkPolicyResponse
-	(*ConfigStatusRequest)(nil),        // 60: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),       // 61: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),           // 62: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),             // 63: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),            // 64: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),                // 65: pivirt.cluster.v1.NodeKeyring
-	nil,                                // 66: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),        // 67: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),      // 68: google.protobuf.Timestamp
+	(*WatchStatusRequest)(nil),         // 28: pivirt.cluster.v1.WatchStatusRequest
+	(*WatchStatusResponse)(nil),        // 29: pivirt.cluster.v1.WatchStatusResponse
+	(*TransferLeaderRequest)(nil),      // 30: pivirt.cluster.v1.TransferLeaderRequest
+	(*TransferLeaderResponse)(nil),     // 31: pivirt.cluster.v1.TransferLeaderResponse
+	(*HealthCheck)(nil),                // 32: pivirt.cluster.v1.HealthCheck
+	(*ServiceInstance)(nil),            // 33: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),     // 34: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),    // 35: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),   // 36: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil),  // 37: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),           // 38: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),          // 39: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),        // 40: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),       // 41: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),          // 42: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),         // 43: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),                // 44: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),           // 45: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),          // 46: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),          // 47: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),         // 48: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),           // 49: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),          // 50: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),        // 51: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),       // 52: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),       // 53: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),      // 54: pivirt.cluster.v1.ConfigHistoryResponse
+	(*CheckAccessRequest)(nil),         // 55: pivirt.cluster.v1.CheckAccessRequest
+	(*CheckAccessResponse)(nil),        // 56: pivirt.cluster.v1.CheckAccessResponse
+	(*WhoAmIRequest)(nil),              // 57: pivirt.cluster.v1.WhoAmIRequest
+	(*WhoAmIResponse)(nil),             // 58: pivirt.cluster.v1.WhoAmIResponse
+	(*MethodAccess)(nil),               // 59: pivirt.cluster.v1.MethodAccess
+	(*CheckNetworkPolicyRequest)(nil),  // 60: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 61: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 62: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 63: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 64: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 65: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 66: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 67: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 68: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 69: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 70: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
 	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	67, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	67, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	67, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	69, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	69, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	69, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
 	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
 	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
 	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	67, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	69, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
 	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
 	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
 	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
 	24, // 13: pivirt.cluster.v1.ForceLeaveResponse.nodes:type_name -> pivirt.cluster.v1.NodeForceLeave
-	67, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
-	67, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
+	69, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
+	69, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
 	27, // 16: pivirt.cluster.v1.AutopilotStateResponse.servers:type_name -> pivirt.cluster.v1.AutopilotServer
 	1,  // 17: pivirt.cluster.v1.AutopilotServer.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
-	68, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
-	67, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
-	67, // 20: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
-	67, // 21: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
-	66, // 22: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
-	3,  // 23: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	67, // 24: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	68, // 25: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	68, // 26: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	30, // 27: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
-	67, // 28: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
-	68, // 29: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
-	31, // 30: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 31: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	31, // 32: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 33: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	6,  // 34: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	3,  // 35: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
-	31, // 36: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 37: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	31, // 38: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 39: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 40: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	31, // 41: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 42: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	68, // 43: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	5,  // 44: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	42, // 45: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 46: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 47: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	42, // 48: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 49: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	6,  // 50: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	42, // 51: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 52: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 53: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	42, // 54: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 55: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	68, // 56: pivirt.cluster.v1.WhoAmIResponse.token_expiry:type_name -> google.protobuf.Timestamp
-	57, // 57: pivirt.cluster.v1.WhoAmIResponse.access:type_name -> pivirt.cluster.v1.MethodAccess
-	62, // 58: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	4,  // 59: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	65, // 60: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
-	9,  // 61: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	12, // 62: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	14, // 63: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	16, // 64: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	18, // 65: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	20, // 66: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	28, // 67: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	22, // 68: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
-	25, // 69: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
-	32, // 70: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	34, // 71: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	36, // 72: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	38, // 73: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	40, // 74: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	43, // 75: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	45, // 76: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	47, // 77: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	49, // 78: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	51, // 79: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	63, // 80: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	60, // 81: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	53, // 82: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
-	58, // 83: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
-	55, // 84: pivirt.cluster.v1.ClusterService.WhoAmI:input_type -> pivirt.cluster.v1.WhoAmIRequest
-	10, // 85: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 86: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 87: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 88: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 89: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 90: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	29, // 91: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	23, // 92: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
-	26, // 93: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
-	33, // 94: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	35, // 95: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	37, // 96: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	39, // 97: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	41, // 98: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	44, // 99: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	46, // 100: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	48, // 101: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	50, // 102: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	52, // 103: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	64, // 104: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	61, // 105: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	54, // 106: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
-	59, // 107: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
-	56, // 108: pivirt.cluster.v1.ClusterService.WhoAmI:output_type -> pivirt.cluster.v1.WhoAmIResponse
-	85, // [85:109] is the sub-list for method output_type
-	61, // [61:85] is the sub-list for method input_type
-	61, // [61:61] is the sub-list for extension type_name
-	61, // [61:61] is the sub-list for extension extendee
-	0,  // [0:61] is the sub-list for field type_name
+	70, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
+	69, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
+	69, // 20: pivirt.cluster.v1.WatchStatusRequest.interval:type_name -> google.protobuf.Duration
+	70, // 21: pivirt.cluster.v1.WatchStatusResponse.time:type_name -> google.protobuf.Timestamp
+	8,  // 22: pivirt.cluster.v1.WatchStatusResponse.members:type_name -> pivirt.cluster.v1.Member
+	11, // 23: pivirt.cluster.v1.WatchStatusResponse.peers:type_name -> pivirt.cluster.v1.Peer
+	15, // 24: pivirt.cluster.v1.WatchStatusResponse.leader:type_name -> pivirt.cluster.v1.LeaderResponse
+	26, // 25: pivirt.cluster.v1.WatchStatusResponse.autopilot:type_name -> pivirt.cluster.v1.AutopilotStateResponse
+	69, // 26: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
+	69, // 27: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
+	68, // 28: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	3,  // 29: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
+	69, // 30: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	70, // 31: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	70, // 32: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	32, // 33: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
+	69, // 34: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
+	70, // 35: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
+	33, // 36: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 37: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	33, // 38: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,  // 39: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	6,  // 40: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	3,  // 41: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
+	33, // 42: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	5,  // 43: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	33, // 44: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 45: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 46: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	33, // 47: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,  // 48: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	70, // 49: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 50: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	44, // 51: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 52: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	5,  // 53: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	44, // 54: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 55: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,  // 56: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	44, // 57: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	6,  // 58: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	5,  // 59: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	44, // 60: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,  // 61: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	70, // 62: pivirt.cluster.v1.WhoAmIResponse.token_expiry:type_name -> google.protobuf.Timestamp
+	59, // 63: pivirt.cluster.v1.WhoAmIResponse.access:type_name -> pivirt.cluster.v1.MethodAccess
+	64, // 64: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	4,  // 65: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	67, // 66: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	9,  // 67: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	12, // 68: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	14, // 69: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	16, // 70: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	18, // 71: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	20, // 72: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	30, // 73: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	22, // 74: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
+	25, // 75: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
+	28, // 76: pivirt.cluster.v1.ClusterService.WatchStatus:input_type -> pivirt.cluster.v1.WatchStatusRequest
+	34, // 77: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	36, // 78: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	38, // 79: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	40, // 80: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	42, // 81: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	45, // 82: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	47, // 83: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	49, // 84: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	51, // 85: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	53, // 86: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	65, // 87: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	62, // 88: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	55, // 89: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	60, // 90: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	57, // 91: pivirt.cluster.v1.ClusterService.WhoAmI:input_type -> pivirt.cluster.v1.WhoAmIRequest
+	10, // 92: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	13, // 93: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	15, // 94: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	17, // 95: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	19, // 96: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	21, // 97: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	31, // 98: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	23, // 99: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
+	26, // 100: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
+	29, // 101: pivirt.cluster.v1.ClusterService.WatchStatus:output_type -> pivirt.cluster.v1.WatchStatusResponse
+	35, // 102: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	37, // 103: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	39, // 104: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	41, // 105: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	43, // 106: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	46, // 107: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	48, // 108: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	50, // 109: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	52, // 110: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	54, // 111: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	66, // 112: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	63, // 113: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	56, // 114: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	61, // 115: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	58, // 116: pivirt.cluster.v1.ClusterService.WhoAmI:output_type -> pivirt.cluster.v1.WhoAmIResponse
+	92, // [92:117] is the sub-list for method output_type
+	67, // [67:92] is the sub-list for method input_type
+	67, // [67:67] is the sub-list for extension type_name
+	67, // [67:67] is the sub-list for extension extendee
+	0,  // [0:67] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -4837,15 +5026,15 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 	if File_pivirt_cluster_v1_cluster_proto != nil {
 		return
 	}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[42].OneofWrappers = []any{}
 	file_pivirt_cluster_v1_cluster_proto_msgTypes[44].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[46].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   62,
+			NumMessages:   64,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -28,6 +28,7 @@ const (
 	ClusterService_TransferLeader_FullMethodName     = "/pivirt.cluster.v1.ClusterService/TransferLeader"
 	ClusterService_ForceLeave_FullMethodName         = "/pivirt.cluster.v1.ClusterService/ForceLeave"
 	ClusterService_AutopilotState_FullMethodName     = "/pivirt.cluster.v1.ClusterService/AutopilotState"
+	ClusterService_WatchStatus_FullMethodName        = "/pivirt.cluster.v1.ClusterService/WatchStatus"
 	ClusterService_RegisterService_FullMethodName    = "/pivirt.cluster.v1.ClusterService/RegisterService"
 	ClusterService_DeregisterService_FullMethodName  = "/pivirt.cluster.v1.ClusterService/DeregisterService"
 	ClusterService_Heartbeat_FullMethodName          = "/pivirt.cluster.v1.ClusterService/Heartbeat"
@@ -75,6 +76,13 @@ type ClusterServiceClient interface {
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(ctx context.Context, in *AutopilotStateRequest, opts ...grpc.CallOption) (*AutopilotStateResponse, error)
+	// WatchStatus streams the cluster as the node asked sees it, each
+	// message a full snapshot: its gossip members, the Raft peers, the leader
+	// and the autopilot state (the last two from the leader, as Peers and
+	// AutopilotState answer them). The first snapshot comes at once, then one
+	// every interval and one as soon as the gossip membership changes (at
+	// most one per 250ms); the stream lasts until the client goes away.
+	WatchStatus(ctx context.Context, in *WatchStatusRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchStatusResponse], error)
 	RegisterService(ctx context.Context, in *RegisterServiceRequest, opts ...grpc.CallOption) (*RegisterServiceResponse, error)
 	DeregisterService(ctx context.Context, in *DeregisterServiceRequest, opts ...grpc.CallOption) (*DeregisterServiceResponse, error)
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
@@ -206,6 +214,25 @@ func (c *clusterServiceClient) AutopilotState(ctx context.Context, in *Autopilot
 	}
 	return out, nil
 }
+
+func (c *clusterServiceClient) WatchStatus(ctx context.Context, in *WatchStatusRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchStatusResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ClusterService_ServiceDesc.Streams[0], ClusterService_WatchStatus_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchStatusRequest, WatchStatusResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ClusterService_WatchStatusClient = grpc.ServerStreamingClient[WatchStatusResponse]
 
 func (c *clusterServiceClient) RegisterService(ctx context.Context, in *RegisterServiceRequest, opts ...grpc.CallOption) (*RegisterServiceResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
@@ -387,6 +414,13 @@ type ClusterServiceServer interface {
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error)
+	// WatchStatus streams the cluster as the node asked sees it, each
+	// message a full snapshot: its gossip members, the Raft peers, the leader
+	// and the autopilot state (the last two from the leader, as Peers and
+	// AutopilotState answer them). The first snapshot comes at once, then one
+	// every interval and one as soon as the gossip membership changes (at
+	// most one per 250ms); the stream lasts until the client goes away.
+	WatchStatus(*WatchStatusRequest, grpc.ServerStreamingServer[WatchStatusResponse]) error
 	RegisterService(context.Context, *RegisterServiceRequest) (*RegisterServiceResponse, error)
 	DeregisterService(context.Context, *DeregisterServiceRequest) (*DeregisterServiceResponse, error)
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
@@ -454,6 +488,9 @@ func (UnimplementedClusterServiceServer) ForceLeave(context.Context, *ForceLeave
 }
 func (UnimplementedClusterServiceServer) AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method AutopilotState not implemented")
+}
+func (UnimplementedClusterServiceServer) WatchStatus(*WatchStatusRequest, grpc.ServerStreamingServer[WatchStatusResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchStatus not implemented")
 }
 func (UnimplementedClusterServiceServer) RegisterService(context.Context, *RegisterServiceRequest) (*RegisterServiceResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RegisterService not implemented")
@@ -681,6 +718,17 @@ func _ClusterService_AutopilotState_Handler(srv interface{}, ctx context.Context
 	}
 	return interceptor(ctx, in, info, handler)
 }
+
+func _ClusterService_WatchStatus_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchStatusRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(ClusterServiceServer).WatchStatus(m, &grpc.GenericServerStream[WatchStatusRequest, WatchStatusResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ClusterService_WatchStatusServer = grpc.ServerStreamingServer[WatchStatusResponse]
 
 func _ClusterService_RegisterService_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(RegisterServiceRequest)
@@ -1056,6 +1104,12 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _ClusterService_WhoAmI_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchStatus",
+			Handler:       _ClusterService_WatchStatus_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "pivirt/cluster/v1/cluster.proto",
 }

@@ -37,6 +37,9 @@ const (
 	AgentServiceMonitorProcedure = "/pivirt.cluster.v1.AgentService/Monitor"
 	// AgentServiceDebugProcedure is the fully-qualified name of the AgentService's Debug RPC.
 	AgentServiceDebugProcedure = "/pivirt.cluster.v1.AgentService/Debug"
+	// AgentServiceWatchMetricsProcedure is the fully-qualified name of the AgentService's WatchMetrics
+	// RPC.
+	AgentServiceWatchMetricsProcedure = "/pivirt.cluster.v1.AgentService/WatchMetrics"
 )
 
 // AgentServiceClient is a client for the pivirt.cluster.v1.AgentService service.
@@ -51,6 +54,11 @@ type AgentServiceClient interface {
 	// consecutive messages; a file that could not be collected arrives as
 	// its error.
 	Debug(context.Context, *connect.Request[v1.DebugRequest]) (*connect.ServerStreamForClient[v1.DebugResponse], error)
+	// WatchMetrics streams a node's recent metrics, sampled every 5s and
+	// kept for 10 minutes: the first message carries the samples kept
+	// (history), each later one the next sample. Counters are cumulative
+	// since the agent started; rates are the client's to compute.
+	WatchMetrics(context.Context, *connect.Request[v1.WatchMetricsRequest]) (*connect.ServerStreamForClient[v1.WatchMetricsResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the pivirt.cluster.v1.AgentService service. By
@@ -76,13 +84,20 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Debug")),
 			connect.WithClientOptions(opts...),
 		),
+		watchMetrics: connect.NewClient[v1.WatchMetricsRequest, v1.WatchMetricsResponse](
+			httpClient,
+			baseURL+AgentServiceWatchMetricsProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("WatchMetrics")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // agentServiceClient implements AgentServiceClient.
 type agentServiceClient struct {
-	monitor *connect.Client[v1.MonitorRequest, v1.MonitorResponse]
-	debug   *connect.Client[v1.DebugRequest, v1.DebugResponse]
+	monitor      *connect.Client[v1.MonitorRequest, v1.MonitorResponse]
+	debug        *connect.Client[v1.DebugRequest, v1.DebugResponse]
+	watchMetrics *connect.Client[v1.WatchMetricsRequest, v1.WatchMetricsResponse]
 }
 
 // Monitor calls pivirt.cluster.v1.AgentService.Monitor.
@@ -93,6 +108,11 @@ func (c *agentServiceClient) Monitor(ctx context.Context, req *connect.Request[v
 // Debug calls pivirt.cluster.v1.AgentService.Debug.
 func (c *agentServiceClient) Debug(ctx context.Context, req *connect.Request[v1.DebugRequest]) (*connect.ServerStreamForClient[v1.DebugResponse], error) {
 	return c.debug.CallServerStream(ctx, req)
+}
+
+// WatchMetrics calls pivirt.cluster.v1.AgentService.WatchMetrics.
+func (c *agentServiceClient) WatchMetrics(ctx context.Context, req *connect.Request[v1.WatchMetricsRequest]) (*connect.ServerStreamForClient[v1.WatchMetricsResponse], error) {
+	return c.watchMetrics.CallServerStream(ctx, req)
 }
 
 // AgentServiceHandler is an implementation of the pivirt.cluster.v1.AgentService service.
@@ -107,6 +127,11 @@ type AgentServiceHandler interface {
 	// consecutive messages; a file that could not be collected arrives as
 	// its error.
 	Debug(context.Context, *connect.Request[v1.DebugRequest], *connect.ServerStream[v1.DebugResponse]) error
+	// WatchMetrics streams a node's recent metrics, sampled every 5s and
+	// kept for 10 minutes: the first message carries the samples kept
+	// (history), each later one the next sample. Counters are cumulative
+	// since the agent started; rates are the client's to compute.
+	WatchMetrics(context.Context, *connect.Request[v1.WatchMetricsRequest], *connect.ServerStream[v1.WatchMetricsResponse]) error
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -128,12 +153,20 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Debug")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceWatchMetricsHandler := connect.NewServerStreamHandler(
+		AgentServiceWatchMetricsProcedure,
+		svc.WatchMetrics,
+		connect.WithSchema(agentServiceMethods.ByName("WatchMetrics")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.cluster.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceMonitorProcedure:
 			agentServiceMonitorHandler.ServeHTTP(w, r)
 		case AgentServiceDebugProcedure:
 			agentServiceDebugHandler.ServeHTTP(w, r)
+		case AgentServiceWatchMetricsProcedure:
+			agentServiceWatchMetricsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -149,4 +182,8 @@ func (UnimplementedAgentServiceHandler) Monitor(context.Context, *connect.Reques
 
 func (UnimplementedAgentServiceHandler) Debug(context.Context, *connect.Request[v1.DebugRequest], *connect.ServerStream[v1.DebugResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.AgentService.Debug is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) WatchMetrics(context.Context, *connect.Request[v1.WatchMetricsRequest], *connect.ServerStream[v1.WatchMetricsResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.AgentService.WatchMetrics is not implemented"))
 }

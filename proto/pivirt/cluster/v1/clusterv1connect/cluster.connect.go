@@ -55,6 +55,9 @@ const (
 	// ClusterServiceAutopilotStateProcedure is the fully-qualified name of the ClusterService's
 	// AutopilotState RPC.
 	ClusterServiceAutopilotStateProcedure = "/pivirt.cluster.v1.ClusterService/AutopilotState"
+	// ClusterServiceWatchStatusProcedure is the fully-qualified name of the ClusterService's
+	// WatchStatus RPC.
+	ClusterServiceWatchStatusProcedure = "/pivirt.cluster.v1.ClusterService/WatchStatus"
 	// ClusterServiceRegisterServiceProcedure is the fully-qualified name of the ClusterService's
 	// RegisterService RPC.
 	ClusterServiceRegisterServiceProcedure = "/pivirt.cluster.v1.ClusterService/RegisterService"
@@ -124,6 +127,13 @@ type ClusterServiceClient interface {
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
+	// WatchStatus streams the cluster as the node asked sees it, each
+	// message a full snapshot: its gossip members, the Raft peers, the leader
+	// and the autopilot state (the last two from the leader, as Peers and
+	// AutopilotState answer them). The first snapshot comes at once, then one
+	// every interval and one as soon as the gossip membership changes (at
+	// most one per 250ms); the stream lasts until the client goes away.
+	WatchStatus(context.Context, *connect.Request[v1.WatchStatusRequest]) (*connect.ServerStreamForClient[v1.WatchStatusResponse], error)
 	RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error)
 	DeregisterService(context.Context, *connect.Request[v1.DeregisterServiceRequest]) (*connect.Response[v1.DeregisterServiceResponse], error)
 	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.HeartbeatResponse], error)
@@ -221,6 +231,12 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			httpClient,
 			baseURL+ClusterServiceAutopilotStateProcedure,
 			connect.WithSchema(clusterServiceMethods.ByName("AutopilotState")),
+			connect.WithClientOptions(opts...),
+		),
+		watchStatus: connect.NewClient[v1.WatchStatusRequest, v1.WatchStatusResponse](
+			httpClient,
+			baseURL+ClusterServiceWatchStatusProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("WatchStatus")),
 			connect.WithClientOptions(opts...),
 		),
 		registerService: connect.NewClient[v1.RegisterServiceRequest, v1.RegisterServiceResponse](
@@ -327,6 +343,7 @@ type clusterServiceClient struct {
 	transferLeader     *connect.Client[v1.TransferLeaderRequest, v1.TransferLeaderResponse]
 	forceLeave         *connect.Client[v1.ForceLeaveRequest, v1.ForceLeaveResponse]
 	autopilotState     *connect.Client[v1.AutopilotStateRequest, v1.AutopilotStateResponse]
+	watchStatus        *connect.Client[v1.WatchStatusRequest, v1.WatchStatusResponse]
 	registerService    *connect.Client[v1.RegisterServiceRequest, v1.RegisterServiceResponse]
 	deregisterService  *connect.Client[v1.DeregisterServiceRequest, v1.DeregisterServiceResponse]
 	heartbeat          *connect.Client[v1.HeartbeatRequest, v1.HeartbeatResponse]
@@ -387,6 +404,11 @@ func (c *clusterServiceClient) ForceLeave(ctx context.Context, req *connect.Requ
 // AutopilotState calls pivirt.cluster.v1.ClusterService.AutopilotState.
 func (c *clusterServiceClient) AutopilotState(ctx context.Context, req *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error) {
 	return c.autopilotState.CallUnary(ctx, req)
+}
+
+// WatchStatus calls pivirt.cluster.v1.ClusterService.WatchStatus.
+func (c *clusterServiceClient) WatchStatus(ctx context.Context, req *connect.Request[v1.WatchStatusRequest]) (*connect.ServerStreamForClient[v1.WatchStatusResponse], error) {
+	return c.watchStatus.CallServerStream(ctx, req)
 }
 
 // RegisterService calls pivirt.cluster.v1.ClusterService.RegisterService.
@@ -488,6 +510,13 @@ type ClusterServiceHandler interface {
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
+	// WatchStatus streams the cluster as the node asked sees it, each
+	// message a full snapshot: its gossip members, the Raft peers, the leader
+	// and the autopilot state (the last two from the leader, as Peers and
+	// AutopilotState answer them). The first snapshot comes at once, then one
+	// every interval and one as soon as the gossip membership changes (at
+	// most one per 250ms); the stream lasts until the client goes away.
+	WatchStatus(context.Context, *connect.Request[v1.WatchStatusRequest], *connect.ServerStream[v1.WatchStatusResponse]) error
 	RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error)
 	DeregisterService(context.Context, *connect.Request[v1.DeregisterServiceRequest]) (*connect.Response[v1.DeregisterServiceResponse], error)
 	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.HeartbeatResponse], error)
@@ -581,6 +610,12 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		ClusterServiceAutopilotStateProcedure,
 		svc.AutopilotState,
 		connect.WithSchema(clusterServiceMethods.ByName("AutopilotState")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceWatchStatusHandler := connect.NewServerStreamHandler(
+		ClusterServiceWatchStatusProcedure,
+		svc.WatchStatus,
+		connect.WithSchema(clusterServiceMethods.ByName("WatchStatus")),
 		connect.WithHandlerOptions(opts...),
 	)
 	clusterServiceRegisterServiceHandler := connect.NewUnaryHandler(
@@ -693,6 +728,8 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceForceLeaveHandler.ServeHTTP(w, r)
 		case ClusterServiceAutopilotStateProcedure:
 			clusterServiceAutopilotStateHandler.ServeHTTP(w, r)
+		case ClusterServiceWatchStatusProcedure:
+			clusterServiceWatchStatusHandler.ServeHTTP(w, r)
 		case ClusterServiceRegisterServiceProcedure:
 			clusterServiceRegisterServiceHandler.ServeHTTP(w, r)
 		case ClusterServiceDeregisterServiceProcedure:
@@ -766,6 +803,10 @@ func (UnimplementedClusterServiceHandler) ForceLeave(context.Context, *connect.R
 
 func (UnimplementedClusterServiceHandler) AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.AutopilotState is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) WatchStatus(context.Context, *connect.Request[v1.WatchStatusRequest], *connect.ServerStream[v1.WatchStatusResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.WatchStatus is not implemented"))
 }
 
 func (UnimplementedClusterServiceHandler) RegisterService(context.Context, *connect.Request[v1.RegisterServiceRequest]) (*connect.Response[v1.RegisterServiceResponse], error) {

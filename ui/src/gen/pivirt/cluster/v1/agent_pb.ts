@@ -4,8 +4,8 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { Duration } from "@bufbuild/protobuf/wkt";
-import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
+import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
+import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import { file_pivirt_api_v1_api } from "../../api/v1/api_pb";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -13,7 +13,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/cluster/v1/agent.proto.
  */
 export const file_pivirt_cluster_v1_agent: GenFile = /*@__PURE__*/
-  fileDesc("Ch1waXZpcnQvY2x1c3Rlci92MS9hZ2VudC5wcm90bxIRcGl2aXJ0LmNsdXN0ZXIudjEiOwoOTW9uaXRvclJlcXVlc3QSDAoEbm9kZRgBIAEoCRINCgVsZXZlbBgCIAEoCRIMCgRqc29uGAMgASgIIj4KD01vbml0b3JSZXNwb25zZRIMCgRub2RlGAEgASgJEgwKBGxpbmUYAiABKAkSDwoHZHJvcHBlZBgDIAEoBCJcCgxEZWJ1Z1JlcXVlc3QSDAoEbm9kZRgBIAEoCRIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIRCglsb2dfbGluZXMYAyABKAUiZwoNRGVidWdSZXNwb25zZRIMCgRub2RlGAEgASgJEgwKBGZpbGUYAiABKAkSDwoHc3RhcnRlZBgDIAEoCBIMCgRkYXRhGAQgASgMEgwKBGRvbmUYBSABKAgSDQoFZXJyb3IYBiABKAky2gEKDEFnZW50U2VydmljZRJoCgdNb25pdG9yEiEucGl2aXJ0LmNsdXN0ZXIudjEuTW9uaXRvclJlcXVlc3QaIi5waXZpcnQuY2x1c3Rlci52MS5Nb25pdG9yUmVzcG9uc2UiFMrzGBAKBWFnZW50Egdtb25pdG9yMAESYAoFRGVidWcSHy5waXZpcnQuY2x1c3Rlci52MS5EZWJ1Z1JlcXVlc3QaIC5waXZpcnQuY2x1c3Rlci52MS5EZWJ1Z1Jlc3BvbnNlIhLK8xgOCgVhZ2VudBIFZGVidWcwAUI5WjdwaWxhYi5odS9waXZpcnQtYWdlbnQvcHJvdG8vcGl2aXJ0L2NsdXN0ZXIvdjE7Y2x1c3RlcnYxYgZwcm90bzM", [file_google_protobuf_duration, file_pivirt_api_v1_api]);
+  fileDesc("Ch1waXZpcnQvY2x1c3Rlci92MS9hZ2VudC5wcm90bxIRcGl2aXJ0LmNsdXN0ZXIudjEiOwoOTW9uaXRvclJlcXVlc3QSDAoEbm9kZRgBIAEoCRINCgVsZXZlbBgCIAEoCRIMCgRqc29uGAMgASgIIj4KD01vbml0b3JSZXNwb25zZRIMCgRub2RlGAEgASgJEgwKBGxpbmUYAiABKAkSDwoHZHJvcHBlZBgDIAEoBCJcCgxEZWJ1Z1JlcXVlc3QSDAoEbm9kZRgBIAEoCRIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIRCglsb2dfbGluZXMYAyABKAUiZwoNRGVidWdSZXNwb25zZRIMCgRub2RlGAEgASgJEgwKBGZpbGUYAiABKAkSDwoHc3RhcnRlZBgDIAEoCBIMCgRkYXRhGAQgASgMEgwKBGRvbmUYBSABKAgSDQoFZXJyb3IYBiABKAkiIwoTV2F0Y2hNZXRyaWNzUmVxdWVzdBIMCgRub2RlGAEgASgJIrYBChRXYXRjaE1ldHJpY3NSZXNwb25zZRIMCgRub2RlGAEgASgJEjEKB2hpc3RvcnkYAiADKAsyIC5waXZpcnQuY2x1c3Rlci52MS5NZXRyaWNzU2FtcGxlEjAKBnNhbXBsZRgDIAEoCzIgLnBpdmlydC5jbHVzdGVyLnYxLk1ldHJpY3NTYW1wbGUSKwoIaW50ZXJ2YWwYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24i3AEKDU1ldHJpY3NTYW1wbGUSKAoEdGltZRgBIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGbGVhZGVyGAIgASgIEjEKBXBlZXJzGAMgAygLMiIucGl2aXJ0LmNsdXN0ZXIudjEuUGVlclJlcGxpY2F0aW9uEjQKCGJhY2tlbmRzGAQgAygLMiIucGl2aXJ0LmNsdXN0ZXIudjEuQmFja2VuZENvdW50ZXJzEhQKDGFwaV9yZXF1ZXN0cxgFIAEoBBISCgphcGlfZXJyb3JzGAYgASgEIngKD1BlZXJSZXBsaWNhdGlvbhIPCgdub2RlX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSDQoFdm90ZXIYAyABKAgSEQoJcmVhY2hhYmxlGAQgASgIEgsKA2xhZxgFIAEoBBIXCg9sYXN0X2NvbnRhY3RfbXMYBiABKAMiRAoPQmFja2VuZENvdW50ZXJzEg8KB2NsdXN0ZXIYASABKAkSEAoIcmVxdWVzdHMYAiABKAQSDgoGZXJyb3JzGAMgASgEMs8CCgxBZ2VudFNlcnZpY2USaAoHTW9uaXRvchIhLnBpdmlydC5jbHVzdGVyLnYxLk1vbml0b3JSZXF1ZXN0GiIucGl2aXJ0LmNsdXN0ZXIudjEuTW9uaXRvclJlc3BvbnNlIhTK8xgQCgVhZ2VudBIHbW9uaXRvcjABEmAKBURlYnVnEh8ucGl2aXJ0LmNsdXN0ZXIudjEuRGVidWdSZXF1ZXN0GiAucGl2aXJ0LmNsdXN0ZXIudjEuRGVidWdSZXNwb25zZSISyvMYDgoFYWdlbnQSBWRlYnVnMAEScwoMV2F0Y2hNZXRyaWNzEiYucGl2aXJ0LmNsdXN0ZXIudjEuV2F0Y2hNZXRyaWNzUmVxdWVzdBonLnBpdmlydC5jbHVzdGVyLnYxLldhdGNoTWV0cmljc1Jlc3BvbnNlIhDK8xgMCgVhZ2VudBIDZ2V0MAFCOVo3cGlsYWIuaHUvcGl2aXJ0LWFnZW50L3Byb3RvL3BpdmlydC9jbHVzdGVyL3YxO2NsdXN0ZXJ2MWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_pivirt_api_v1_api]);
 
 /**
  * @generated from message pivirt.cluster.v1.MonitorRequest
@@ -172,6 +172,210 @@ export const DebugResponseSchema: GenMessage<DebugResponse> = /*@__PURE__*/
   messageDesc(file_pivirt_cluster_v1_agent, 3);
 
 /**
+ * @generated from message pivirt.cluster.v1.WatchMetricsRequest
+ */
+export type WatchMetricsRequest = Message<"pivirt.cluster.v1.WatchMetricsRequest"> & {
+  /**
+   * node names the node whose metrics to stream; empty: the node asked.
+   *
+   * @generated from field: string node = 1;
+   */
+  node: string;
+};
+
+/**
+ * Describes the message pivirt.cluster.v1.WatchMetricsRequest.
+ * Use `create(WatchMetricsRequestSchema)` to create a new message.
+ */
+export const WatchMetricsRequestSchema: GenMessage<WatchMetricsRequest> = /*@__PURE__*/
+  messageDesc(file_pivirt_cluster_v1_agent, 4);
+
+/**
+ * @generated from message pivirt.cluster.v1.WatchMetricsResponse
+ */
+export type WatchMetricsResponse = Message<"pivirt.cluster.v1.WatchMetricsResponse"> & {
+  /**
+   * node is the node whose metrics these are.
+   *
+   * @generated from field: string node = 1;
+   */
+  node: string;
+
+  /**
+   * history is, in the first message only, the samples the node keeps,
+   * oldest first (at most 120; fewer after a start).
+   *
+   * @generated from field: repeated pivirt.cluster.v1.MetricsSample history = 2;
+   */
+  history: MetricsSample[];
+
+  /**
+   * sample is, in every later message, the node's newest sample.
+   *
+   * @generated from field: pivirt.cluster.v1.MetricsSample sample = 3;
+   */
+  sample?: MetricsSample | undefined;
+
+  /**
+   * interval is how often the node samples (5s).
+   *
+   * @generated from field: google.protobuf.Duration interval = 4;
+   */
+  interval?: Duration | undefined;
+};
+
+/**
+ * Describes the message pivirt.cluster.v1.WatchMetricsResponse.
+ * Use `create(WatchMetricsResponseSchema)` to create a new message.
+ */
+export const WatchMetricsResponseSchema: GenMessage<WatchMetricsResponse> = /*@__PURE__*/
+  messageDesc(file_pivirt_cluster_v1_agent, 5);
+
+/**
+ * MetricsSample is one node's metrics at one time.
+ *
+ * @generated from message pivirt.cluster.v1.MetricsSample
+ */
+export type MetricsSample = Message<"pivirt.cluster.v1.MetricsSample"> & {
+  /**
+   * time is when the sample was taken.
+   *
+   * @generated from field: google.protobuf.Timestamp time = 1;
+   */
+  time?: Timestamp | undefined;
+
+  /**
+   * leader: the node led the Raft group; peers are reported by the leader
+   * only (a follower does not know the others' progress).
+   *
+   * @generated from field: bool leader = 2;
+   */
+  leader: boolean;
+
+  /**
+   * peers is the replication progress of each other Raft server.
+   *
+   * @generated from field: repeated pivirt.cluster.v1.PeerReplication peers = 3;
+   */
+  peers: PeerReplication[];
+
+  /**
+   * backends are the calls proxied to each backend cluster (the mesh's
+   * pivirt_mesh_requests_total), cumulative since the agent started.
+   *
+   * @generated from field: repeated pivirt.cluster.v1.BackendCounters backends = 4;
+   */
+  backends: BackendCounters[];
+
+  /**
+   * api_requests and api_errors count the calls on the node's API port
+   * (pivirt_api_requests_total; errors: a code other than ok),
+   * cumulative since the agent started.
+   *
+   * @generated from field: uint64 api_requests = 5;
+   */
+  apiRequests: bigint;
+
+  /**
+   * @generated from field: uint64 api_errors = 6;
+   */
+  apiErrors: bigint;
+};
+
+/**
+ * Describes the message pivirt.cluster.v1.MetricsSample.
+ * Use `create(MetricsSampleSchema)` to create a new message.
+ */
+export const MetricsSampleSchema: GenMessage<MetricsSample> = /*@__PURE__*/
+  messageDesc(file_pivirt_cluster_v1_agent, 6);
+
+/**
+ * PeerReplication is how far one Raft server is behind the leader.
+ *
+ * @generated from message pivirt.cluster.v1.PeerReplication
+ */
+export type PeerReplication = Message<"pivirt.cluster.v1.PeerReplication"> & {
+  /**
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * @generated from field: bool voter = 3;
+   */
+  voter: boolean;
+
+  /**
+   * reachable: the server answered the leader's status query; else lag
+   * and last_contact_ms are 0.
+   *
+   * @generated from field: bool reachable = 4;
+   */
+  reachable: boolean;
+
+  /**
+   * lag is how many log entries the server is behind: the leader's last
+   * index minus the server's (Peer.trailing).
+   *
+   * @generated from field: uint64 lag = 5;
+   */
+  lag: bigint;
+
+  /**
+   * last_contact_ms is how long ago the server last heard from the
+   * leader, as it reports it.
+   *
+   * @generated from field: int64 last_contact_ms = 6;
+   */
+  lastContactMs: bigint;
+};
+
+/**
+ * Describes the message pivirt.cluster.v1.PeerReplication.
+ * Use `create(PeerReplicationSchema)` to create a new message.
+ */
+export const PeerReplicationSchema: GenMessage<PeerReplication> = /*@__PURE__*/
+  messageDesc(file_pivirt_cluster_v1_agent, 7);
+
+/**
+ * BackendCounters are one backend cluster's proxied calls.
+ *
+ * @generated from message pivirt.cluster.v1.BackendCounters
+ */
+export type BackendCounters = Message<"pivirt.cluster.v1.BackendCounters"> & {
+  /**
+   * cluster is the backend cluster's name (the metrics' service label).
+   *
+   * @generated from field: string cluster = 1;
+   */
+  cluster: string;
+
+  /**
+   * requests counts every call; errors those whose gRPC status was not OK.
+   *
+   * @generated from field: uint64 requests = 2;
+   */
+  requests: bigint;
+
+  /**
+   * @generated from field: uint64 errors = 3;
+   */
+  errors: bigint;
+};
+
+/**
+ * Describes the message pivirt.cluster.v1.BackendCounters.
+ * Use `create(BackendCountersSchema)` to create a new message.
+ */
+export const BackendCountersSchema: GenMessage<BackendCounters> = /*@__PURE__*/
+  messageDesc(file_pivirt_cluster_v1_agent, 8);
+
+/**
  * AgentService looks inside one agent: its log as it is written and a
  * support bundle of its runtime state. Served by every agent on 8443; a
  * request naming another node is relayed to that node's internal port.
@@ -204,6 +408,19 @@ export const AgentService: GenService<{
     methodKind: "server_streaming";
     input: typeof DebugRequestSchema;
     output: typeof DebugResponseSchema;
+  },
+  /**
+   * WatchMetrics streams a node's recent metrics, sampled every 5s and
+   * kept for 10 minutes: the first message carries the samples kept
+   * (history), each later one the next sample. Counters are cumulative
+   * since the agent started; rates are the client's to compute.
+   *
+   * @generated from rpc pivirt.cluster.v1.AgentService.WatchMetrics
+   */
+  watchMetrics: {
+    methodKind: "server_streaming";
+    input: typeof WatchMetricsRequestSchema;
+    output: typeof WatchMetricsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_pivirt_cluster_v1_agent, 0);
