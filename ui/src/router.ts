@@ -19,6 +19,9 @@ export function useRoute(): string[] {
     const update = () => setRoute(currentRoute());
     addEventListener("popstate", update);
     addEventListener(event, update);
+    // A child's effect may have navigated before this listener was added
+    // (effects run children first).
+    update();
     return () => {
       removeEventListener("popstate", update);
       removeEventListener(event, update);

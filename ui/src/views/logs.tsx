@@ -61,7 +61,7 @@ export function Logs(props: { node?: string }) {
       </form>
       {stream.error && <ErrorBox problem={stream.error} what={`the log of ${node}`} />}
       {dropped > 0n && <p class="hint">{dropped.toString()} lines were dropped: the stream was read too slowly.</p>}
-      <pre class="log" tabIndex={0} aria-label={`Log lines of ${node}`} aria-live="off" data-testid="log">
+      <pre class="log" role="log" tabIndex={0} aria-label={`Log lines of ${node}`} aria-live="off" data-testid="log">
         {lines.join("\n")}
       </pre>
     </section>

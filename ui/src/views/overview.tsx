@@ -92,6 +92,7 @@ export function Overview() {
       {stream.error && <ErrorBox problem={stream.error} what="cluster status" stale />}
       <p class={`banner ${q.tone}`} role="status" data-testid="quorum">
         {q.text}
+        {st.leaderError && <span class="hint"> Leader: {st.leaderError}</span>}
         {st.autopilotError && <span class="hint"> Autopilot: {st.autopilotError}</span>}
       </p>
 
@@ -124,6 +125,7 @@ export function Overview() {
       )}
 
       <h2>Raft</h2>
+      {st.peersError && <p class="state error" role="alert">Raft peers: {st.peersError}</p>}
       <Table<Peer>
         caption="Raft peers"
         rows={st.peers}
