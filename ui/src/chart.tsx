@@ -27,12 +27,22 @@ export interface ChartProps {
   categories?: string[];
   /** summary: the chart's numbers as text, for those who do not see it */
   summary: string;
+  /** xRange: the time span shown (seconds); default: the data's */
+  xRange?: [number, number];
+}
+
+/** fitX applies the x scale's range function (uPlot only calls it for auto scales). */
+function fitX(u: uPlot) {
+  const [min, max] = (u.scales.x.range as (u: uPlot, min: number, max: number, key: string) => uPlot.Range.MinMax)(u, 0, 0, "x");
+  if (min !== null && max !== null) u.setScale("x", { min, max });
 }
 
 /** Chart is a uPlot time-series chart that resizes with its container. */
 export function Chart(props: ChartProps) {
   const box = useRef<HTMLDivElement>(null);
   const plot = useRef<uPlot | null>(null);
+  const xRange = useRef(props.xRange);
+  xRange.current = props.xRange;
   const shape = JSON.stringify([props.series.map((s) => s.label), props.categories, props.height]);
 
   useEffect(() => {
@@ -45,13 +55,29 @@ export function Chart(props: ChartProps) {
       height: props.height ?? 200,
       legend: { show: true },
       cursor: { drag: { x: false, y: false } },
-      scales: props.categories ? { y: { range: [-0.5, props.categories.length - 0.5] } } : {},
+      scales: {
+        // At least a minute wide, so that one point is not spread over years.
+        x: {
+          time: true,
+          auto: false,
+          range: (u: uPlot): uPlot.Range.MinMax => {
+            if (xRange.current) return xRange.current;
+            const xs = u.data[0];
+            const min = xs.length ? xs[0] : Date.now() / 1000 - 60;
+            const max = xs.length ? xs[xs.length - 1] : Date.now() / 1000;
+            const pad = Math.max((max - min) * 0.03, 30 - (max - min) / 2, 1);
+            return [min - pad, max + pad];
+          },
+        },
+        ...(props.categories ? { y: { range: [-0.5, props.categories.length - 0.5] as uPlot.Range.MinMax } } : {}),
+      },
       axes: [
         axis,
         {
           ...axis,
-          label: props.yLabel,
-          size: props.categories ? 90 : 60,
+          // A timeline's lanes name themselves.
+          label: props.categories ? undefined : props.yLabel,
+          size: props.categories ? 150 : 60,
           ...(props.categories
             ? {
                 splits: () => props.categories!.map((_, i) => i),
@@ -73,6 +99,7 @@ export function Chart(props: ChartProps) {
     };
     const u = new uPlot(opts, props.data, el);
     plot.current = u;
+    fitX(u);
     const ro = new ResizeObserver(() => u.setSize({ width: Math.max(el.clientWidth, 200), height: props.height ?? 200 }));
     ro.observe(el);
     const mq = matchMedia("(prefers-color-scheme: dark)");
@@ -93,8 +120,11 @@ export function Chart(props: ChartProps) {
   }, [shape]);
 
   useEffect(() => {
-    plot.current?.setData(props.data);
-  }, [props.data]);
+    const u = plot.current;
+    if (!u) return;
+    u.setData(props.data, false);
+    fitX(u);
+  }, [props.data, props.xRange?.[0], props.xRange?.[1]]);
 
   return (
     <figure class="chart">

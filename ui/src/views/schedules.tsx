@@ -164,7 +164,7 @@ function RunsView(props: { runs: Run[] }) {
   if (runs.length === 0) return <Empty>No runs yet: the first runs at the next slot.</Empty>;
   return (
     <>
-      <Chart label="Run timeline: each slot's outcome" yLabel="outcome" height={180} data={chart.data} series={chart.series} categories={kinds.map((k) => kindLabel[k])} summary={chart.summary} />
+      <Chart label="Run timeline: each slot's outcome" yLabel="outcome" height={180} data={chart.data} series={chart.series} categories={kinds.map((k) => kindLabel[k])} summary={chart.summary} xRange={chart.xRange} />
       <Table<Run>
         caption="Runs"
         rows={runs}
@@ -195,9 +195,13 @@ function timeline(runs: Run[]) {
   const xs = sorted.map((r) => Number(r.slot!.seconds));
   const ys = kinds.map((k, i) => sorted.map((r) => (runKind(r) === k ? i : null)));
   const counts = kinds.map((k) => `${sorted.filter((r) => runKind(r) === k).length} ${kindLabel[k]}`).join(", ");
+  // From the first kept run to now, at least ten minutes.
+  const now = Date.now() / 1000;
+  const from = Math.min(xs[0] ?? now, now - 600);
   return {
     data: [xs, ...ys] as uPlot.AlignedData,
     series: kinds.map((k) => ({ label: kindLabel[k], color: kindColor[k], points: true })),
     summary: `${sorted.length} runs: ${counts}`,
+    xRange: [from - 5, Math.max(now, xs[xs.length - 1] ?? now) + 5] as [number, number],
   };
 }
