@@ -128,7 +128,7 @@ export function Overview() {
       {st.peersError && <p class="state error" role="alert">Raft peers: {st.peersError}</p>}
       <Table<Peer>
         caption="Raft peers"
-        rows={st.peers}
+        rows={[...st.peers].sort((a, b) => (a.name || a.nodeId).localeCompare(b.name || b.nodeId))}
         rowKey={(p) => p.nodeId}
         rowClass={(p) => (p.state === RaftState.UNREACHABLE ? "row-bad" : "")}
         columns={[

@@ -23,6 +23,8 @@ interface Obj {
 }
 
 const titles: Record<Kind, [string, string]> = { vms: ["VMs", "VM"], volumes: ["Volumes", "Volume"], networks: ["Networks", "Network"] };
+/** lower: the plural inside a sentence */
+const lower: Record<Kind, string> = { vms: "VMs", volumes: "volumes", networks: "networks" };
 
 function powerTone(s: PowerState): Tone {
   return s === PowerState.RUNNING ? "ok" : s === PowerState.SHUTTING_DOWN ? "warn" : "muted";
@@ -109,8 +111,8 @@ export function Resources(props: { kind: Kind; id?: string }) {
         <PageHeader title={`${singular} ${o?.name || props.id}`}>
           <Live connected={w.connected} />
         </PageHeader>
-        <Link href={href(props.kind)}>← All {plural.toLowerCase()}</Link>
-        {w.error && <ErrorBox problem={w.error} what={plural.toLowerCase()} stale={!!w.objs} />}
+        <Link href={href(props.kind)}>← All {lower[props.kind]}</Link>
+        {w.error && <ErrorBox problem={w.error} what={lower[props.kind]} stale={!!w.objs} />}
         {!w.objs ? <Loading what={singular} /> : !o ? <Empty>No {singular} {props.id} (it may have been deleted, or your role may not see it).</Empty> : <Detail kind={props.kind} obj={o} />}
       </section>
     );
@@ -121,11 +123,11 @@ export function Resources(props: { kind: Kind; id?: string }) {
       <PageHeader title={plural}>
         <Live connected={w.connected} />
       </PageHeader>
-      {w.error && <ErrorBox problem={w.error} what={plural.toLowerCase()} stale={!!w.objs} />}
+      {w.error && <ErrorBox problem={w.error} what={lower[props.kind]} stale={!!w.objs} />}
       {!w.objs ? (
-        w.error ? null : <Loading what={plural.toLowerCase()} />
+        w.error ? null : <Loading what={lower[props.kind]} />
       ) : rows.length === 0 ? (
-        <Empty>No {plural.toLowerCase()} on any node{w.error ? " that answered" : ""}.</Empty>
+        <Empty>No {lower[props.kind]} on any node{w.error ? " that answered" : ""}.</Empty>
       ) : (
         <Table<Obj> caption={plural} rows={rows} rowKey={(o) => o.id} columns={columns(props.kind)} />
       )}
@@ -163,8 +165,8 @@ function Detail(props: { kind: Kind; obj: Obj }) {
             </Field>
             <Field name="vCPUs">{(o as VM).vcpus}</Field>
             <Field name="Memory">{fmtBytes(BigInt((o as VM).memoryMib) * 1048576n)}</Field>
-            <Field name="Disks">{(o as VM).disks.map((d) => <Link href={href("volumes", d)}>{d}</Link>)}</Field>
-            <Field name="Networks">{(o as VM).networks.map((n) => <Link href={href("networks", n)}>{n}</Link>)}</Field>
+            <Field name="Disks">{(o as VM).disks.length ? (o as VM).disks.map((d) => <Link href={href("volumes", d)}>{d}</Link>) : "—"}</Field>
+            <Field name="Networks">{(o as VM).networks.length ? (o as VM).networks.map((n) => <Link href={href("networks", n)}>{n}</Link>) : "—"}</Field>
           </>
         )}
         {props.kind === "volumes" && (
