@@ -3,7 +3,7 @@
 import "uplot/dist/uPlot.min.css";
 import "./app.css";
 import { render } from "preact";
-import { useEffect, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import { bearer, callbackPath, completeLogin, devIssuer, expiry, forget, login, onChange, usesOIDC } from "./auth";
 import { client, problem, type Problem } from "./api";
 import { loadConfig, type UIConfig } from "./config";
@@ -135,6 +135,18 @@ function Expiry() {
 function Shell(props: { session: Session; onLogout: () => void }) {
   const route = useRoute();
   const s = props.session;
+  // After a navigation the focus moves to the new view (its <main>), as a
+  // page load would put it at the top: a keyboard or screen-reader user
+  // goes on from there, not from the link that was followed.
+  const path = route.join("/");
+  const first = useRef(true);
+  useEffect(() => {
+    if (first.current) {
+      first.current = false;
+      return;
+    }
+    document.getElementById("main")?.focus({ preventScroll: true });
+  }, [path]);
   return (
     <SessionContext.Provider value={s}>
       <a class="skip" href="#main">

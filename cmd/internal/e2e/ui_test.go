@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 )
 
@@ -393,6 +394,50 @@ func TestWebUI(t *testing.T) {
 		admin.accessible("setting-history")
 	})
 
+	t.Run("dark theme", func(t *testing.T) {
+		admin.t = t
+		admin.run("dark", 10*time.Second, chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
+			_, err := chromedp.Call(ctx, emulation.SetEmulatedMedia, emulation.SetEmulatedMediaParams{Features: []*emulation.MediaFeature{{Name: "prefers-color-scheme", Value: "dark"}}})
+			return err
+		}))
+		admin.open("Overview")
+		admin.waitJS("dark colours", 10*time.Second, `getComputedStyle(document.body).backgroundColor !== 'rgb(255, 255, 255)'`)
+		admin.waitText("Healthy", 20*time.Second)
+		admin.shot("overview-dark")
+		admin.accessible("overview-dark")
+		admin.run("light", 10*time.Second, chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
+			_, err := chromedp.Call(ctx, emulation.SetEmulatedMedia, emulation.SetEmulatedMediaParams{})
+			return err
+		}))
+	})
+
+	t.Run("keyboard", func(t *testing.T) {
+		admin.t = t
+		admin.open("Overview")
+		admin.waitText("Healthy", 20*time.Second)
+		// The skip link comes first; Enter on a focused link of the
+		// navigation opens its view and puts the focus on it; Tab goes on
+		// from there.
+		admin.waitJS("the skip link is first", 5*time.Second, `document.querySelector('a[href], button, input, select, [tabindex]:not([tabindex="-1"])')?.textContent === 'Skip to content'`)
+		admin.run("focus Schedules", 10*time.Second, chromedp.Focus(`//nav//a[normalize-space()='Schedules']`), chromedp.KeyEvent("\r"))
+		admin.waitJS("Enter opened Schedules", 10*time.Second, `location.pathname === '/ui/schedules' && document.activeElement?.id === 'main'`)
+		admin.run("tab", 10*time.Second, chromedp.KeyEvent("\t"))
+		admin.waitJS("Tab reached the view's first link", 5*time.Second, `document.getElementById('main').contains(document.activeElement) && document.activeElement.tagName === 'A'`)
+	})
+
+	t.Run("inspect a snapshot before restoring it", func(t *testing.T) {
+		admin.t = t
+		archive := filepath.Join(t.TempDir(), "backup.tar.gz")
+		c.ok(t, n1, "snapshot", "save", archive)
+		admin.open("Snapshots")
+		admin.waitText("Take a snapshot", 20*time.Second)
+		admin.run("upload", 20*time.Second, chromedp.SetUploadFiles(`input[type=file]`, []string{archive}))
+		admin.waitJS("the plan", 30*time.Second, `!!document.querySelector('[data-testid=plan]') && document.body.innerText.includes('What the restore changes')`)
+		admin.waitText("Restore this archive", 5*time.Second)
+		admin.shot("snapshot-plan")
+		admin.accessible("snapshot-plan")
+	})
+
 	t.Run("phone width", func(t *testing.T) {
 		admin.t = t
 		admin.run("phone", 10*time.Second, chromedp.EmulateViewport(390, 844, chromedp.EmulateScale(2), chromedp.EmulateMobile))
@@ -414,6 +459,12 @@ func TestWebUI(t *testing.T) {
 			}
 		}
 		owner.shot("vm-owner")
+		// A view the role may not read, opened by its URL, says so in
+		// pvcli's words.
+		owner.waitJS("open settings by URL", 10*time.Second, `(history.pushState(null, '', '/ui/settings'), dispatchEvent(new Event('pivirt:navigate')), true)`)
+		owner.waitText("The agent's RBAC policy does not allow this call for your identity", 20*time.Second)
+		owner.open("VMs")
+		owner.waitText("alice-node1", 20*time.Second)
 		owner.open("alice-node1")
 		owner.waitJS("alice's VM page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
 		owner.waitText("Start", 10*time.Second)
@@ -427,5 +478,16 @@ func TestWebUI(t *testing.T) {
 		took := admin.waitJS("node3 shown down", 30*time.Second, `['failed','suspect'].includes(document.querySelector('[data-testid=member-node3]')?.textContent ?? '')`)
 		t.Logf("node3 shown down in the overview %s after it was killed", took.Round(100*time.Millisecond))
 		admin.shot("node-down")
+
+		// Without a quorum: the overview says so, and a write answers
+		// with pvcli's words.
+		c.kill(t, n2)
+		took = admin.waitJS("no leader shown", 30*time.Second, `(document.querySelector('[data-testid=quorum]')?.textContent ?? '').startsWith('No leader')`)
+		t.Logf("no leader shown in the overview %s after the second node was killed", took.Round(100*time.Millisecond))
+		admin.shot("no-leader")
+		admin.open("Snapshots")
+		admin.run("take a snapshot", 20*time.Second, chromedp.Click(`//button[normalize-space()='Take a snapshot']`))
+		admin.waitText("The cluster has no leader: writes and default or consistent reads wait for one.", 90*time.Second)
+		admin.shot("no-leader-error")
 	})
 }
