@@ -199,6 +199,10 @@ type ClusterService struct {
 	seq      atomic.Uint64
 
 	readIndex *readIndexBatcher
+
+	// status is the last WatchStatus snapshot, shared by every stream
+	// (watch_status.go, sharedSnapshot).
+	status statusCache
 }
 
 var _ clusterv1connect.ClusterServiceHandler = (*ClusterService)(nil)

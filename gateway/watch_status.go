@@ -10,6 +10,7 @@ import (
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
+	"golang.org/x/sync/singleflight"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -90,8 +91,11 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 	// the timer is reused without draining.
 	timer := time.NewTimer(interval)
 	defer timer.Stop()
+	// notBefore: the snapshot sent must be built after it (a gossip
+	// change must show; a tick takes one of the last MinWatchInterval).
+	notBefore := time.Now().Add(-MinWatchInterval)
 	for {
-		if err := send(h.statusSnapshot(ctx, hdr, budget)); err != nil {
+		if err := send(h.sharedSnapshot(ctx, hdr, budget, notBefore)); err != nil {
 			return err
 		}
 		sent := time.Now()
@@ -102,7 +106,9 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 		case <-h.cfg.Stopping:
 			return stopping()
 		case <-timer.C:
+			notBefore = time.Now().Add(-MinWatchInterval)
 		case <-changed:
+			notBefore = time.Now()
 			// A burst of gossip changes: at most one snapshot per
 			// MinWatchInterval.
 			if wait := MinWatchInterval - time.Since(sent); wait > 0 {
@@ -117,6 +123,41 @@ func (h *ClusterService) watchStatus(ctx context.Context, req *clusterv1.WatchSt
 			}
 		}
 	}
+}
+
+// statusCache holds the node's last snapshot: the streams of every caller
+// share it, so that the leader's work (Peers and AutopilotState each ask
+// every server for its status) does not grow with the streams open on a
+// node: at most one snapshot per MinWatchInterval is built, whatever the
+// number of streams and their intervals.
+type statusCache struct {
+	group singleflight.Group
+	mu    sync.Mutex
+	at    time.Time
+	snap  *clusterv1.WatchStatusResponse
+}
+
+// sharedSnapshot answers the cached snapshot when it was built after
+// notBefore, else builds one (streams asking at once share the build,
+// which no single caller's end cancels).
+func (h *ClusterService) sharedSnapshot(ctx context.Context, hdr http.Header, budget time.Duration, notBefore time.Time) *clusterv1.WatchStatusResponse {
+	c := &h.status
+	c.mu.Lock()
+	if c.snap != nil && c.at.After(notBefore) {
+		snap := c.snap
+		c.mu.Unlock()
+		return snap
+	}
+	c.mu.Unlock()
+	v, _, _ := c.group.Do("status", func() (any, error) {
+		at := time.Now()
+		snap := h.statusSnapshot(context.WithoutCancel(ctx), hdr, budget)
+		c.mu.Lock()
+		c.snap, c.at = snap, at
+		c.mu.Unlock()
+		return snap, nil
+	})
+	return v.(*clusterv1.WatchStatusResponse)
 }
 
 // statusSnapshot is the node's view of the cluster now, through the

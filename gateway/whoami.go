@@ -31,8 +31,14 @@ func (h *ClusterService) WhoAmI(ctx context.Context, req *connect.Request[cluste
 		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("the call has no authenticated caller: send a bearer token or a client certificate of the PiTrust chain"))
 	}
 	methods := req.Msg.GetMethods()
+	all := MethodNames(h.cfg.APIServices)
 	if len(methods) == 0 {
-		methods = MethodNames(h.cfg.APIServices)
+		methods = all
+	}
+	// Any authenticated caller may ask: no more names than the API has
+	// (each is a policy decision and a line of the answer).
+	if len(methods) > len(all) {
+		return nil, toConnect(invalid("methods", "%d names: at most %d (the API's methods; none asks for all)", len(methods), len(all)))
 	}
 	list := make([]*clusterv1.MethodAccess, 0, len(methods))
 	for i, m := range methods {

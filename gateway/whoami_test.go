@@ -184,6 +184,13 @@ func TestWhoAmIRefuses(t *testing.T) {
 			t.Errorf("methods %q: %v, want InvalidArgument naming %s", methods, err, name)
 		}
 	}
+	many := make([]string, len(MethodNames(h.cfg.APIServices))+1)
+	for i := range many {
+		many[i] = "VMService/PowerOn"
+	}
+	if _, err := whoAmI(alice, h, many...); connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "at most") {
+		t.Errorf("%d names: %v, want InvalidArgument: at most the API's methods", len(many), err)
+	}
 	if _, err := whoAmI(t.Context(), h); connect.CodeOf(err) != connect.CodeUnauthenticated {
 		t.Errorf("no caller: %v, want Unauthenticated", err)
 	}

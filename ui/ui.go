@@ -36,10 +36,11 @@ type Config struct {
 	ClientID string `json:"client_id,omitempty"`
 	// Scopes are asked for at login ("openid" at least).
 	Scopes []string `json:"scopes,omitempty"`
-	// Node is the name of the agent serving the UI.
-	Node string `json:"node"`
-	// Version is the agent's version.
-	Version string `json:"version"`
+	// ConnectOrigins are origins the page may connect to besides the
+	// agent and the issuer (an identity provider whose token endpoint is
+	// on another origin). Not sent to the browser: they go into the
+	// Content-Security-Policy.
+	ConnectOrigins []string `json:"-"`
 }
 
 // Handler serves the UI under Prefix: the hashed assets with a year's
@@ -84,7 +85,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.NotFound(w, r)
 		return
 	}
-	securityHeaders(w.Header(), cfg.IssuerURL)
+	securityHeaders(w.Header(), cfg)
 	rel := strings.TrimPrefix(r.URL.Path, Prefix)
 	switch {
 	case rel == "config.json":
@@ -117,13 +118,19 @@ func (h *handler) asset(w http.ResponseWriter, r *http.Request, rel string) {
 	http.ServeContent(w, r, name, time.Time{}, bytes.NewReader(data))
 }
 
-// securityHeaders sets the policy of every answer. The issuer's origin is
-// the only other place the page may connect to (discovery, keys, token);
-// the login itself is a top-level navigation.
-func securityHeaders(h http.Header, issuer string) {
+// securityHeaders sets the policy of every answer. The issuer's origin
+// (discovery, keys, token) and server.ui.connect_origins are the only
+// other places the page may connect to; the login itself is a top-level
+// navigation.
+func securityHeaders(h http.Header, cfg *Config) {
 	connect := "'self'"
-	if o := origin(issuer); o != "" {
+	if o := origin(cfg.IssuerURL); o != "" {
 		connect += " " + o
+	}
+	for _, c := range cfg.ConnectOrigins {
+		if o := origin(c); o != "" {
+			connect += " " + o
+		}
 	}
 	h.Set("Content-Security-Policy", fmt.Sprintf("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; font-src 'self'; connect-src %s; "+
 		"manifest-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'", connect))

@@ -431,6 +431,23 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 	return ctx, gr, err
 }
 
+// ErrTokenExpired ends a stream whose bearer token expired while it was
+// open.
+var ErrTokenExpired = errors.New("the bearer token of the stream expired: open it again with a new one")
+
+// untilExpiry ends a stream when the bearer token that opened it expires:
+// the token is checked once, when the stream opens, and a watch must not
+// go on sending to a caller whose credentials are no longer valid. A
+// certificate's caller (no expiry here: the handshake checked it, and
+// revocation closes the connection) is not bounded.
+func untilExpiry(ctx context.Context) (context.Context, context.CancelFunc) {
+	who, ok := authz.PrincipalFrom(ctx)
+	if !ok || who.Expiry.IsZero() {
+		return ctx, func() {}
+	}
+	return context.WithDeadlineCause(ctx, who.Expiry, ErrTokenExpired)
+}
+
 // authenticate names the caller of c from its credentials alone (the
 // authorization header, the connection's client certificate), after taking
 // a token of the source's failed-authentication budget.

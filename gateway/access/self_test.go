@@ -8,6 +8,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -113,5 +114,29 @@ func TestExplainMatchesTheGuard(t *testing.T) {
 	alice := authz.Principal{Identity: "alice", Roles: []string{"vm-owner"}}
 	if e, err := g.Explain(alice, "/pivirt.vm.v1.VMService/PowerOn", ""); err != nil || e.Decision != "conditional" {
 		t.Errorf("Explain of alice's PowerOn: %+v %v, want conditional", e, err)
+	}
+}
+
+// TestStreamEndsWhenTokenExpires: a stream opened with a bearer token ends
+// when the token expires; a certificate caller's stream has no such end.
+func TestStreamEndsWhenTokenExpires(t *testing.T) {
+	exp := time.Now().Add(100 * time.Millisecond)
+	ctx, cancel := untilExpiry(authz.WithPrincipal(t.Context(), authz.Principal{Identity: "alice", Expiry: exp}))
+	defer cancel()
+	select {
+	case <-ctx.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream outlived its token by 10s")
+	}
+	if !errors.Is(context.Cause(ctx), ErrTokenExpired) {
+		t.Fatalf("cause %v, want ErrTokenExpired", context.Cause(ctx))
+	}
+	if time.Now().Before(exp) {
+		t.Fatal("ended before the token expired")
+	}
+	ctx, cancel = untilExpiry(authz.WithPrincipal(t.Context(), authz.Principal{Identity: "node1-client"}))
+	defer cancel()
+	if _, ok := ctx.Deadline(); ok {
+		t.Fatal("a certificate caller's stream got a deadline")
 	}
 }

@@ -281,6 +281,8 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 			return grpcError(err)
 		}
 		defer release()
+		ctx, cancel := untilExpiry(ctx)
+		defer cancel()
 		w := &guardedStream{ServerStream: ss, ctx: ctx, g: g, c: c, gr: gr}
 		// The method's own shape, not info's: grpc-go reports every call of
 		// the UnknownServiceHandler (the proxy) as a bidi stream, so a
@@ -475,6 +477,8 @@ func (i connectGuard) WrapStreamingHandler(next connect.StreamingHandlerFunc) co
 			return connectError(err)
 		}
 		defer release()
+		ctx, cancel := untilExpiry(ctx)
+		defer cancel()
 		if gr.checksRequest() || gr.filters() {
 			conn = &guardedConn{StreamingHandlerConn: conn, ctx: ctx, g: i.g, c: c, gr: gr}
 		}

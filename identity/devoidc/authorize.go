@@ -128,9 +128,15 @@ func parseAuthRequest(v url.Values) (authRequest, *authError) {
 	return ar, nil
 }
 
+// CallbackPath is the only path a code is sent to: the web console's
+// login callback. Another local user could listen on any loopback port;
+// a fixed path makes a link naming their port send the code to the page
+// only if it serves the console there.
+const CallbackPath = "/ui/callback"
+
 // checkRedirectURI accepts an http or https URL of a loopback host, any
-// port, without user information or fragment, and returns it with its
-// origin as a CSP source.
+// port, path CallbackPath, without user information or fragment, and
+// returns it with its origin as a CSP source.
 func checkRedirectURI(raw string) (*url.URL, string, error) {
 	if raw == "" {
 		return nil, "", errors.New("the request names no redirect_uri")
@@ -151,6 +157,8 @@ func checkRedirectURI(raw string) (*url.URL, string, error) {
 		return nil, "", fmt.Errorf("redirect_uri %q: no fragment (#) in the URL", raw)
 	case !loopbackHost(u.Hostname()):
 		return nil, "", fmt.Errorf("redirect_uri %q: the development issuer redirects to loopback pages only (127.0.0.1, ::1, localhost)", raw)
+	case u.Path != CallbackPath:
+		return nil, "", fmt.Errorf("redirect_uri %q: the development issuer redirects to the web console's login (%s) only", raw, CallbackPath)
 	}
 	origin := u.Scheme + "://" + u.Host
 	if strings.HasPrefix(u.Host, "[") {

@@ -482,6 +482,7 @@ func TestAuthorizeRefusals(t *testing.T) {
 		"a fragment":             valid(func(v url.Values) { v.Set("redirect_uri", "https://127.0.0.1:8443/cb#x") }),
 		"user information":       valid(func(v url.Values) { v.Set("redirect_uri", "https://evil@127.0.0.1:8443/cb") }),
 		"relative":               valid(func(v url.Values) { v.Set("redirect_uri", "/cb") }),
+		"another path":           valid(func(v url.Values) { v.Set("redirect_uri", "https://127.0.0.1:8443/steal") }),
 		"redirect_uri twice":     valid(func(v url.Values) { v.Add("redirect_uri", "https://127.0.0.1:9/cb") }),
 		"both bad, client first": valid(func(v url.Values) { v.Set("client_id", "x"); v.Set("redirect_uri", "https://evil.example/") }),
 	} {
@@ -493,17 +494,17 @@ func TestAuthorizeRefusals(t *testing.T) {
 				name, resp.Status, resp.Header.Get("Location"), f.action, page)
 		}
 	}
-	for _, ok := range []string{"http://localhost/cb", "https://[::1]:8443/ui/", "http://127.0.0.2:1/x?y=z"} {
+	for _, ok := range []string{"http://localhost/ui/callback", "https://[::1]:8443/ui/callback", "http://127.0.0.2:1/ui/callback?y=z"} {
 		resp, page := ti.do(t, http.MethodGet, ti.URL+"/authorize?"+valid(func(v url.Values) { v.Set("redirect_uri", ok) }).Encode(), nil, nil)
 		if resp.StatusCode != http.StatusOK {
 			t.Errorf("redirect_uri %s: %s: %s", ok, resp.Status, page)
 		}
 		// A CSP source cannot name an IPv6 address: its scheme stands in.
-		want := "form-action 'self' " + strings.TrimSuffix(ok, "/cb") + ";"
+		want := "form-action 'self' " + strings.TrimSuffix(ok, "/ui/callback") + ";"
 		switch ok {
-		case "https://[::1]:8443/ui/":
+		case "https://[::1]:8443/ui/callback":
 			want = "form-action 'self' https:;"
-		case "http://127.0.0.2:1/x?y=z":
+		case "http://127.0.0.2:1/ui/callback?y=z":
 			want = "form-action 'self' http://127.0.0.2:1;"
 		}
 		if csp := resp.Header.Get("Content-Security-Policy"); !strings.Contains(csp, want) {

@@ -30,6 +30,11 @@ export function bearer(): string | undefined {
   if (token && Date.now() < tokenExpiry) {
     return token;
   }
+  if (token) {
+    // Expired: drop it, which shows the login (listeners run after the
+    // caller's work, never inside a render).
+    queueMicrotask(forget);
+  }
   return undefined;
 }
 

@@ -1,10 +1,8 @@
-// The agent's /ui/config.json: how to log in, and who serves the page.
+// The agent's /ui/config.json: how to log in (public: nothing else).
 export interface UIConfig {
   issuer_url?: string;
   client_id?: string;
   scopes?: string[];
-  node: string;
-  version: string;
 }
 
 export async function loadConfig(): Promise<UIConfig> {

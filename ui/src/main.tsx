@@ -121,14 +121,14 @@ function View(props: { session: Session; route: string[] }) {
   return null;
 }
 
+/** Expiry shows the login when the session's token expires. */
 function Expiry() {
-  const [, tick] = useState(0);
   useEffect(() => {
     const e = expiry();
     if (!e) return;
-    const t = setTimeout(() => tick((n) => n + 1), Math.max(e - Date.now(), 0) + 100);
+    const t = setTimeout(() => bearer(), Math.max(e - Date.now(), 0) + 100);
     return () => clearTimeout(t);
-  });
+  }, [expiry()]);
   return null;
 }
 
@@ -157,7 +157,7 @@ function Shell(props: { session: Session; onLogout: () => void }) {
           PiVirt
         </Link>
         <span class="node" title="the agent serving this page">
-          via {s.cfg.node}
+          via {s.who.node}
         </span>
         <span class="who">
           <span class="sr-only">Signed in as </span>
@@ -199,7 +199,7 @@ function LoginScreen(props: { cfg: UIConfig; error?: Problem | string }) {
   return (
     <main class="login" id="main">
       <h1>PiVirt</h1>
-      <p>Log in to the cluster through {props.cfg.node}.</p>
+      <p>Log in to the cluster through {location.host}.</p>
       {p && <ErrorBox problem={p} />}
       {err && (
         <div class="state error" role="alert">
@@ -263,7 +263,7 @@ function App(props: { cfg: UIConfig }) {
   }, []);
 
   if (phase === "starting") {
-    return <p class="boot">Connecting to {cfg.node}…</p>;
+    return <p class="boot">Connecting to {location.host}…</p>;
   }
   if (phase === "login" || !session) {
     return <LoginScreen cfg={cfg} error={error} />;

@@ -1157,11 +1157,10 @@ func (a *Agent) uiConfig() *ui.Config {
 	}
 	oidc := a.cfg.Auth.OIDC
 	c := &ui.Config{
-		IssuerURL: oidc.IssuerURL,
-		ClientID:  cmp.Or(cfg.Server.UI.ClientID, oidc.ClientID),
-		Scopes:    cfg.Server.UI.Scopes,
-		Node:      cfg.NodeName,
-		Version:   version.Version,
+		IssuerURL:      oidc.IssuerURL,
+		ClientID:       cmp.Or(cfg.Server.UI.ClientID, oidc.ClientID),
+		Scopes:         cfg.Server.UI.Scopes,
+		ConnectOrigins: cfg.Server.UI.ConnectOrigins,
 	}
 	if len(c.Scopes) == 0 {
 		c.Scopes = []string{"openid"}

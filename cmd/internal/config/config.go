@@ -127,6 +127,10 @@ type UIConfig struct {
 	ClientID string `yaml:"client_id"`
 	// Scopes asked for at login (default: openid).
 	Scopes []string `yaml:"scopes"`
+	// ConnectOrigins are origins (https://host[:port]) the page may call
+	// besides the agent and the issuer: an identity provider whose token
+	// endpoint is on another origin than its issuer URL.
+	ConnectOrigins []string `yaml:"connect_origins"`
 }
 
 // ConnectRPCConfig is the external ConnectRPC/gRPC/gRPC-Web listener (port 8443).

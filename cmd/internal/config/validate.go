@@ -145,6 +145,11 @@ func (c *Config) validateServer(v *validator) {
 	if !strings.HasPrefix(s.Metrics.Path, "/") {
 		v.add("server.metrics.path", "%w %q: must start with \"/\"", ErrInvalid, s.Metrics.Path)
 	}
+	for i, o := range s.UI.ConnectOrigins {
+		if u, err := url.Parse(o); err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" || (u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.User != nil {
+			v.add(fmt.Sprintf("server.ui.connect_origins[%d]", i), "%w %q: want an origin, https://host[:port], without a path", ErrInvalid, o)
+		}
+	}
 	for i, a := range s.Metrics.ManagementAllowFrom {
 		if _, err := parsePrefix(a); err != nil {
 			v.add(fmt.Sprintf("server.metrics.management_allow_from[%d]", i), "%w %q: want an IP address (127.0.0.1) or a CIDR prefix (10.0.0.0/8)", ErrInvalid, a)

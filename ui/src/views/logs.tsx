@@ -13,7 +13,7 @@ const levels = ["trace", "debug", "info", "warn", "error"];
 
 export function Logs(props: { node?: string }) {
   const s = useSession();
-  const node = props.node ?? s.cfg.node;
+  const node = props.node ?? s.who.node;
   const [level, setLevel] = useState("info");
   const [lines, setLines] = useState<string[]>([]);
   const [dropped, setDropped] = useState(0n);
