@@ -40,7 +40,9 @@ func TestValidate(t *testing.T) {
 		{"api addr IPv6", func(c *Config) { c.Server.ConnectRPC.Addr = "[::1]:8443" }, nil},
 		{"internal addr empty", func(c *Config) { c.Server.GRPCInternal.Addr = "" }, []string{"server.grpc_internal.addr: invalid value: required"}},
 		{"metrics path", func(c *Config) { c.Server.Metrics.Path = "metrics" }, []string{`server.metrics.path: invalid value "metrics": must start with "/"`}},
-		{"ui connect origin", func(c *Config) { c.Server.UI.ConnectOrigins = []string{"https://idp.example.com", "idp.example.com/token"} }, []string{`server.ui.connect_origins[1]: invalid value "idp.example.com/token": want an origin, https://host[:port], without a path`}},
+		{"ui connect origin", func(c *Config) {
+			c.Server.UI.ConnectOrigins = []string{"https://idp.example.com", "idp.example.com/token"}
+		}, []string{`server.ui.connect_origins[1]: invalid value "idp.example.com/token": want an origin, https://host[:port], without a path`}},
 		{"management callers", func(c *Config) {
 			c.Server.Metrics.ManagementAllowFrom = []string{"127.0.0.1", "localhost", "10.0.0.0/33"}
 		}, []string{
