@@ -53,7 +53,11 @@ type AgentServiceConfig struct {
 	// History is this node's metrics history (WatchMetrics); nil:
 	// WatchMetrics answers Unimplemented for this node.
 	History *MetricsHistory
-	Logger  *slog.Logger
+	// Stopping is closed when the agent begins to shut down: Monitor and
+	// WatchMetrics end then with Unavailable (watch another agent), not
+	// when the listener is cut.
+	Stopping <-chan struct{}
+	Logger   *slog.Logger
 }
 
 // AgentService implements pivirt.cluster.v1.AgentService over Connect (it
@@ -149,6 +153,8 @@ func (s *AgentService) monitor(ctx context.Context, req *clusterv1.MonitorReques
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-s.cfg.Stopping:
+			return s.stopping()
 		case e := <-sub.C():
 			line := e.Text()
 			if req.GetJson() {
@@ -248,6 +254,8 @@ func (s *AgentService) watchMetrics(ctx context.Context, req *clusterv1.WatchMet
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-s.cfg.Stopping:
+			return s.stopping()
 		case m, ok := <-next:
 			if !ok {
 				return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("this stream fell more than %d samples behind the metrics of %s; reconnect to get the history again", metricsSubBuffer, s.cfg.NodeName))
@@ -257,6 +265,11 @@ func (s *AgentService) watchMetrics(ctx context.Context, req *clusterv1.WatchMet
 			}
 		}
 	}
+}
+
+// stopping is the end of a stream when the agent shuts down.
+func (s *AgentService) stopping() error {
+	return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s is shutting down; watch another agent", s.cfg.NodeName))
 }
 
 // relay copies another agent's stream to send.

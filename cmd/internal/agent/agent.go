@@ -676,7 +676,7 @@ func (a *Agent) buildServices() error {
 	a.schedules = gateway.NewScheduleService(a.api, a.pool.Schedules)
 	a.internalSchedules = gateway.NewScheduleService(a.internal, a.pool.Schedules)
 	a.history = gateway.NewMetricsHistory(gateway.MetricsSamples)
-	acfg := gateway.AgentServiceConfig{NodeName: a.cfg.NodeName, Tee: a.tee, DebugFiles: a.debugFiles, History: a.history, Logger: a.logger}
+	acfg := gateway.AgentServiceConfig{NodeName: a.cfg.NodeName, Tee: a.tee, DebugFiles: a.debugFiles, History: a.history, Stopping: a.ctx.Done(), Logger: a.logger}
 	a.agentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)
 	acfg.Local = true
 	a.internalAgentSvc = gateway.NewAgentService(acfg, a.gossip, a.pool)
