@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io/fs"
+	"mime"
 	"net/http"
 	"net/url"
 	"path"
@@ -102,7 +103,8 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // asset serves a file of dist/assets: its name carries a hash of its
-// content, so it may be cached for a year and never revalidated.
+// content, so it may be cached for a year and never revalidated. A browser
+// that accepts gzip gets the build's compressed copy (name.gz).
 func (h *handler) asset(w http.ResponseWriter, r *http.Request, rel string) {
 	name := path.Clean(rel)
 	if !fs.ValidPath(name) || !strings.HasPrefix(name, "assets/") {
@@ -110,12 +112,37 @@ func (h *handler) asset(w http.ResponseWriter, r *http.Request, rel string) {
 		return
 	}
 	data, err := fs.ReadFile(h.files, name)
-	if err != nil {
+	if err != nil || strings.HasSuffix(name, ".gz") {
 		http.NotFound(w, r)
 		return
 	}
 	w.Header().Set("Cache-Control", "public, max-age=31536000, immutable")
+	w.Header().Add("Vary", "Accept-Encoding")
+	if acceptsGzip(r) {
+		if gz, err := fs.ReadFile(h.files, name+".gz"); err == nil {
+			// The type of the file, not of its compressed copy.
+			if ct := mime.TypeByExtension(path.Ext(name)); ct != "" {
+				w.Header().Set("Content-Type", ct)
+			}
+			w.Header().Set("Content-Encoding", "gzip")
+			http.ServeContent(w, r, name, time.Time{}, bytes.NewReader(gz))
+			return
+		}
+	}
 	http.ServeContent(w, r, name, time.Time{}, bytes.NewReader(data))
+}
+
+// acceptsGzip reports whether the request's Accept-Encoding names gzip
+// (without q=0).
+func acceptsGzip(r *http.Request) bool {
+	for _, part := range strings.Split(r.Header.Get("Accept-Encoding"), ",") {
+		enc, params, _ := strings.Cut(strings.TrimSpace(part), ";")
+		if strings.EqualFold(strings.TrimSpace(enc), "gzip") {
+			q := strings.ReplaceAll(params, " ", "")
+			return q != "q=0" && q != "q=0.0" && q != "q=0.00" && q != "q=0.000"
+		}
+	}
+	return false
 }
 
 // securityHeaders sets the policy of every answer. The issuer's origin

@@ -1,6 +1,7 @@
 package ui
 
 import (
+	"compress/gzip"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -93,7 +94,31 @@ func TestServesBuiltAssets(t *testing.T) {
 		t.Errorf("config.json = %v, want issuer_url, client_id and scopes only", got)
 	}
 
-	for _, p := range []string{"/ui/assets/missing.js", "/ui/assets/../ui.go", "/ui/assets/"} {
+	// The compressed copy, for a browser that takes it.
+	js := refs[0][1]
+	for _, m := range refs {
+		if strings.HasSuffix(m[1], ".js") {
+			js = m[1]
+		}
+	}
+	plain := body(t, get(t, h, "/ui/"+js))
+	r = get(t, h, "/ui/"+js, "Accept-Encoding", "gzip, deflate, br")
+	if r.Header.Get("Content-Encoding") != "gzip" || !strings.Contains(r.Header.Get("Content-Type"), "javascript") {
+		t.Fatalf("%s with Accept-Encoding gzip: Content-Encoding %q, Content-Type %q", js, r.Header.Get("Content-Encoding"), r.Header.Get("Content-Type"))
+	}
+	zr, err := gzip.NewReader(r.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unzipped, err := io.ReadAll(zr)
+	if err != nil || string(unzipped) != plain {
+		t.Fatalf("the gzip copy of %s differs from the file (%v)", js, err)
+	}
+	if r := get(t, h, "/ui/"+js, "Accept-Encoding", "gzip;q=0"); r.Header.Get("Content-Encoding") != "" {
+		t.Errorf("gzip;q=0 got Content-Encoding %q", r.Header.Get("Content-Encoding"))
+	}
+
+	for _, p := range []string{"/ui/assets/missing.js", "/ui/assets/../ui.go", "/ui/assets/", "/ui/" + js + ".gz"} {
 		if r := get(t, h, p); r.StatusCode != http.StatusNotFound {
 			t.Errorf("%s: %d, want 404", p, r.StatusCode)
 		}
