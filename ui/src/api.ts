@@ -118,6 +118,16 @@ export interface Problem {
 export function problem(e: unknown): Problem {
   const ce = ConnectError.from(e);
   const noLeader = isNoLeader(ce);
+  if (unreachable(ce)) {
+    // The agent serving the page is down or cut off: the browser got no
+    // answer at all (pvcli says so in the same terms).
+    return {
+      code: Code.Unavailable,
+      message: `Cannot connect to the agent (${location.host})`,
+      hint: "Is the agent running? The console keeps retrying; the console of any other agent works meanwhile.",
+      noLeader: false,
+    };
+  }
   let hint: string | undefined;
   switch (ce.code) {
     case Code.Unauthenticated:
@@ -131,6 +141,11 @@ export function problem(e: unknown): Problem {
       break;
   }
   return { code: ce.code, message: ce.rawMessage || ce.message, hint, noLeader };
+}
+
+/** unreachable: the request got no HTTP answer (fetch failed). */
+function unreachable(ce: ConnectError): boolean {
+  return (ce.code === Code.Unknown || ce.code === Code.Unavailable) && /failed to fetch|networkerror|network error|load failed/i.test(ce.rawMessage);
 }
 
 /** The agent's google.rpc.ErrorInfo of a call that found no leader (reason NO_LEADER). */

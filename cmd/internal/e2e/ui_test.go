@@ -493,7 +493,13 @@ func TestWebUI(t *testing.T) {
 		admin.t = t
 		admin.open("Overview")
 		admin.waitJS("three members alive", 20*time.Second, `(document.querySelector('[data-testid=member-node3]')?.textContent ?? '') === 'alive'`)
+		// A console served by node3 itself, which is about to go.
+		on3 := e.newTab(t)
+		on3.login(n3, "root", "admin")
+		on3.waitText("Healthy", 20*time.Second)
 		c.kill(t, n3)
+		on3.waitText("Cannot connect to the agent ("+n3.api+")", 30*time.Second)
+		on3.shot("agent-unreachable")
 		took := admin.waitJS("node3 shown down", 30*time.Second, `['failed','suspect'].includes(document.querySelector('[data-testid=member-node3]')?.textContent ?? '')`)
 		t.Logf("node3 shown down in the overview %s after it was killed", took.Round(100*time.Millisecond))
 		admin.shot("node-down")
