@@ -26,27 +26,21 @@ import (
 // repoRoot is the repository, relative to this package's directory.
 const repoRoot = "../../.."
 
-// referencePolicy is make cluster's RBAC policy (scripts/cluster.sh).
-const referencePolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
-kind: Policy
-rules:
-  - roles: ["admin"]
-    resources: ["*"]
-    verbs: ["*"]
-  - roles: ["operator"]
-    resources: ["virtualmachines", "volumes", "networks"]
-    verbs: ["get", "list", "create", "update", "patch"]
-  - roles: ["viewer"]
-    resources: ["*"]
-    verbs: ["get", "list"]
-  - roles: ["vm-owner"]
-    resources: ["virtualmachines"]
-    verbs: ["get", "list", "update", "patch", "start", "stop", "console"]
-    conditions:
-      - field: "metadata.owner"
-        operator: "Equals"
-        value: "{{.user.identity}}"
-`
+// referencePolicy is make cluster's RBAC policy, read from
+// scripts/cluster.sh (the heredoc that writes rbac.yaml), so that the
+// console is tried under the policy a newcomer gets.
+func referencePolicy(t *testing.T) string {
+	b, err := os.ReadFile(filepath.Join(repoRoot, "scripts", "cluster.sh"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(b), "cat >\"$dir/rbac.yaml\" <<'YAML'\n")
+	policy, _, ok2 := strings.Cut(rest, "\nYAML\n")
+	if !ok || !ok2 || !strings.Contains(policy, "vm-owner") {
+		t.Fatal("scripts/cluster.sh: no rbac.yaml heredoc with the vm-owner role")
+	}
+	return policy + "\n"
+}
 
 // chromiumPath finds Debian's Chromium; in CI a missing one fails (.ci/run
 // installs it), elsewhere the test is skipped with how to get it.
@@ -103,7 +97,7 @@ func startUIEnv(t *testing.T) *uiEnv {
 		t.Fatal(err)
 	}
 	policy := filepath.Join(dir, "rbac.yaml")
-	if err := os.WriteFile(policy, []byte(referencePolicy), 0o600); err != nil {
+	if err := os.WriteFile(policy, []byte(referencePolicy(t)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	c.authExtra = fmt.Sprintf("  oidc:\n    issuer_url: %s\n    client_id: pivirt-agent\n  rbac_policy: %s\n", issuer, policy)
