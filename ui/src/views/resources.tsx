@@ -1,7 +1,7 @@
 // VMs, volumes and networks across every node, with their host and owner,
 // followed with the Watch streams (the agent merges every node's). A VM's
 // page offers the power actions the caller's role allows, each confirmed.
-import { useState } from "preact/hooks";
+import { useRef, useState } from "preact/hooks";
 import type { ComponentChildren } from "preact";
 import { client, problem, type Problem } from "../api";
 import { Badge, Confirm, Empty, ErrorBox, Link, Live, Loading, PageHeader, Table, fmtBytes, fmtTime, type Column, type Tone } from "../components";
@@ -58,19 +58,19 @@ function useWatch(kind: Kind) {
   };
   // A new stream replays what exists: start from an empty set, keeping the
   // old one on screen until the first message.
-  let fresh = false;
+  const fresh = useRef(false);
   const state = useStream(
     open,
     (m) => {
-      if (fresh) {
-        fresh = false;
+      if (fresh.current) {
+        fresh.current = false;
         setObjs(new Map());
       }
       apply(m.deleted, m.obj);
     },
     [kind],
     () => {
-      fresh = true;
+      fresh.current = true;
     },
   );
   return { objs, ...state };
