@@ -102,14 +102,12 @@ export function useBlocking<T>(query: (waitIndex: bigint, signal: AbortSignal) =
         try {
           const r = await query(index, ac.signal);
           if (ac.signal.aborted) return;
-          // An index that went back (a restore, another leader's state)
-          // starts the wait over rather than waiting for a past index.
-          index = r.index > index ? r.index : r.index < index ? 0n : index;
+          // Consul's rules for blocking queries: an index that went back
+          // (a restore) reads once more at once; an index of 0 (nothing
+          // written yet) waits past 1, which the first write passes.
+          index = r.index < index ? 0n : r.index > 0n ? r.index : 1n;
           backoff = minBackoff;
           setState({ data: r.data, loading: false });
-          if (r.index === 0n) {
-            await sleep(backoff, ac.signal); // no index to wait on: never spin
-          }
         } catch (e) {
           if (ac.signal.aborted) return;
           const p = problem(e);
