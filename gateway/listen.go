@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
 	"strings"
 	"sync"
 	"time"
@@ -24,6 +25,11 @@ import (
 //
 // The split happens once per connection: every later stream on it goes to
 // the same server, which is how gRPC and Connect clients use connections.
+// The split is a fast path, not what decides the protocol: a connection
+// whose first request did not come within the read timeout (a client that
+// connected, then waited) goes to HTTP, whose handler must serve the gRPC
+// requests that come on it later (SplitGRPC), so every request is served
+// by its own protocol whatever the connection did first.
 type ProtocolMux struct {
 	m cmux.CMux
 	// GRPC accepts the gRPC connections.
@@ -227,6 +233,22 @@ func matchGRPC(w io.Writer, r io.Reader) bool {
 		}
 	}
 	return false
+}
+
+// SplitGRPC returns the handler of a ProtocolMux's HTTP side: gRPC
+// requests (HTTP/2 with a gRPC content type) go to grpcHandler (the
+// grpc.Server of the GRPC side, through its ServeHTTP), every other
+// request to next. gRPC requests reach it on connections the mux could not
+// classify in time: a client that opened its connection and made its first
+// call later, as a pooled or reconnected channel does.
+func SplitGRPC(next, grpcHandler http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.ProtoMajor == 2 && r.Method == http.MethodPost && isGRPCContentType(r.Header.Get("Content-Type")) {
+			grpcHandler.ServeHTTP(w, r)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 func isGRPCContentType(ct string) bool {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
 	hv1 "google.golang.org/grpc/health/grpc_health_v1"
 )
@@ -32,11 +33,17 @@ const healthCheck = "/grpc.health.v1.Health/Check"
 // with "plain".
 func startMux(t *testing.T) string {
 	t.Helper()
+	return startMuxTimeout(t, 5*time.Second)
+}
+
+// startMuxTimeout is startMux with the mux's classification timeout.
+func startMuxTimeout(t *testing.T, readTimeout time.Duration) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	pm := NewProtocolMux(ln, 5*time.Second)
+	pm := NewProtocolMux(ln, readTimeout)
 	gs := grpc.NewServer()
 	hv1.RegisterHealthServer(gs, healthGRPC{})
 	mux := http.NewServeMux()
@@ -48,7 +55,7 @@ func startMux(t *testing.T) string {
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	protos.SetUnencryptedHTTP2(true)
-	hs := &http.Server{Handler: mux, Protocols: &protos, ReadHeaderTimeout: 5 * time.Second}
+	hs := &http.Server{Handler: SplitGRPC(mux, gs), Protocols: &protos, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{}, 3)
 	go func() { _ = gs.Serve(pm.GRPC); done <- struct{}{} }()
 	go func() { _ = hs.Serve(pm.HTTP); done <- struct{}{} }()
@@ -138,6 +145,79 @@ func TestProtocolMuxRoutesByProtocol(t *testing.T) {
 	resp.Body.Close()
 	if string(body) != "plain" {
 		t.Fatalf("GET /plain = %q", body)
+	}
+}
+
+// A client that opens its connection and makes its first call only after
+// the mux's classification timeout (a pooled or reconnected channel) is
+// served in its own protocol: the connection went to net/http, which hands
+// gRPC requests to the gRPC server.
+func TestProtocolMuxFirstCallAfterIdle(t *testing.T) {
+	const readTimeout = 200 * time.Millisecond
+	addr := startMuxTimeout(t, readTimeout)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	cc.Connect()
+	for s := cc.GetState(); s != connectivity.Ready; s = cc.GetState() {
+		if !cc.WaitForStateChange(ctx, s) {
+			t.Fatalf("the gRPC connection did not become ready: %v", s)
+		}
+	}
+	grpcGo := hv1.NewHealthClient(cc)
+
+	// HTTP/2 clients of net/http, with a connection opened by a first
+	// request that the mux classified as HTTP (GET /plain).
+	var h2c http.Protocols
+	h2c.SetUnencryptedHTTP2(true)
+	opened := func() *http.Client {
+		c := &http.Client{Transport: &http.Transport{Protocols: &h2c}}
+		t.Cleanup(c.CloseIdleConnections)
+		resp, err := c.Get("http://" + addr + "/plain")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return c
+	}
+	url := "http://" + addr + healthCheck
+	connectH2, grpcH2, webH2 := opened(), opened(), opened()
+
+	// The idle time is the subject of the test: longer than the mux's
+	// classification timeout, with nothing sent.
+	time.Sleep(3 * readTimeout)
+
+	cases := []struct {
+		name string
+		call func() (hv1.HealthCheckResponse_ServingStatus, error)
+		want hv1.HealthCheckResponse_ServingStatus
+	}{
+		{"grpc-go client", func() (hv1.HealthCheckResponse_ServingStatus, error) {
+			r, err := grpcGo.Check(ctx, &hv1.HealthCheckRequest{})
+			return r.GetStatus(), err
+		}, hv1.HealthCheckResponse_SERVING},
+		{"connect gRPC protocol over h2c", connectCall(ctx, grpcH2, url, connect.WithGRPC()), hv1.HealthCheckResponse_SERVING},
+		{"connect protocol over h2c", connectCall(ctx, connectH2, url), hv1.HealthCheckResponse_NOT_SERVING},
+		{"gRPC-Web over h2c", connectCall(ctx, webH2, url, connect.WithGRPCWeb()), hv1.HealthCheckResponse_NOT_SERVING},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			for i := range 3 {
+				got, err := tc.call()
+				if err != nil {
+					t.Fatalf("call %d: %v", i, err)
+				}
+				if got != tc.want {
+					t.Fatalf("call %d: answered by the wrong server: %v, want %v", i, got, tc.want)
+				}
+			}
+		})
 	}
 }
 

@@ -372,7 +372,7 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 			if status.Code(pt.err) == codes.InvalidArgument || status.Code(pt.err) == codes.PermissionDenied {
 				return pt.err // the request's own fault: every node would say so
 			}
-			missing = append(missing, pt.node+": "+status.Convert(pt.err).Message())
+			missing = append(missing, unavailableNode(pt.node, pt.err))
 			lastErr = pt.err
 			continue
 		}
@@ -410,6 +410,32 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 		return status.Errorf(codes.Internal, "encode the merged list: %v", err)
 	}
 	return ss.SendMsg(NewFrame(out))
+}
+
+// maxUnavailableReason bounds the reason given for one node in
+// UnavailableNodesHeader.
+const maxUnavailableReason = 300
+
+// unavailableNode is one value of UnavailableNodesHeader: "node: reason".
+// A header value must be printable ASCII (gRPC refuses the whole answer
+// otherwise), and an error's text may hold anything (a backend's
+// multi-line message, a node name in another script): whitespace runs
+// become one space, other characters outside printable ASCII a '?', and
+// the reason is cut at maxUnavailableReason bytes.
+func unavailableNode(node string, err error) string {
+	v := strings.Join(strings.Fields(node+": "+status.Convert(err).Message()), " ")
+	b := []byte(v)
+	out := b[:0]
+	for _, r := range v {
+		if r < 0x20 || r > 0x7e {
+			r = '?'
+		}
+		out = append(out, byte(r))
+	}
+	if len(out) > maxUnavailableReason {
+		out = append(out[:maxUnavailableReason-3], "..."...)
+	}
+	return string(out)
 }
 
 // listNode reads every object of one node's list, page by page, with the
@@ -511,7 +537,7 @@ func (p *Proxy) watchAll(ss grpc.ServerStream, method string, b *Backend, pl Pla
 	for range nodes {
 		o := <-results
 		if o.err != nil {
-			missing = append(missing, o.node+": "+status.Convert(o.err).Message())
+			missing = append(missing, unavailableNode(o.node, o.err))
 		}
 		streams = append(streams, o)
 	}

@@ -1,6 +1,7 @@
 package mesh
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -40,5 +41,33 @@ func TestFieldPaths(t *testing.T) {
 	}
 	if got := lookupMethod("/pivirt.vm.v1.VMService/UpdateVM"); stringAt((&vmv1.UpdateVMRequest{Vm: &vmv1.VM{Id: "vm-1"}}).ProtoReflect(), got.rule.GetIdField()) != "vm-1" {
 		t.Errorf("the id_field of UpdateVM (%q) does not read the VM's ID", got.rule.GetIdField())
+	}
+}
+
+func TestUnavailableNodeIsAHeaderValue(t *testing.T) {
+	long := strings.Repeat("x", 1000)
+	cases := []struct {
+		name, node string
+		err        error
+		want       string
+	}{
+		{"plain", "node2", status.Error(codes.Unavailable, "node node2 is unreachable"), "node2: node node2 is unreachable"},
+		{"newlines and tabs", "node2", status.Error(codes.Unimplemented, "unexpected HTTP status code received from server: 404 (Not Found);\n\ttransport: received unexpected content-type"),
+			"node2: unexpected HTTP status code received from server: 404 (Not Found); transport: received unexpected content-type"},
+		{"not ASCII", "nöde", errors.New("bad\x00byte"), "n?de: bad?byte"},
+		{"long", "node2", errors.New(long), "node2: " + long[:maxUnavailableReason-len("node2: ")-3] + "..."},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := unavailableNode(tc.node, tc.err)
+			if got != tc.want {
+				t.Fatalf("got %q, want %q", got, tc.want)
+			}
+			for i := range len(got) {
+				if got[i] < 0x20 || got[i] > 0x7e {
+					t.Fatalf("byte %d of %q is not printable ASCII", i, got)
+				}
+			}
+		})
 	}
 }

@@ -734,8 +734,8 @@ func (a *Agent) serveAll() error {
 	}
 	nodeSvc.SetPlacementSink(a.proposePlacements)
 	nodeSvc.SetConfigStatus(a.nodeConfigStatus)
-	if err := a.serveSplit(a.lnInternal, func(*grpc.Server) (http.Handler, error) {
-		return internalMux(a.internal, a.internalSnapshots, a.internalSchedules, a.internalAgentSvc, nodeSvc), nil
+	if err := a.serveSplit(a.lnInternal, func(gs *grpc.Server) (http.Handler, error) {
+		return gateway.SplitGRPC(internalMux(a.internal, a.internalSnapshots, a.internalSchedules, a.internalAgentSvc, nodeSvc), gs), nil
 	}, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.internalSnapshots))
@@ -1219,7 +1219,9 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	if err := a.addTranscoder(mux, gs, authenticated); err != nil {
 		return nil, err
 	}
-	return mux, nil
+	// gRPC calls on a connection the protocol mux handed to net/http
+	// (its first request came late) go to the gRPC server all the same.
+	return gateway.SplitGRPC(mux, authenticated(gs)), nil
 }
 
 func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, scheduleSvc schedulev1connect.ScheduleServiceHandler, agentSvc clusterv1connect.AgentServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
