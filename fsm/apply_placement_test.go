@@ -253,8 +253,8 @@ func TestPlacementsSnapshotRoundTrip(t *testing.T) {
 	src.mustApply(setPlacements("n2", nil, placement(kindVM, "b"), placement(kindNet, "br0")))
 	src.mustApply(register(instance("web", "a")))
 	snap := src.snapshot()
-	if v, _ := ReadSnapshotHeader(bytes.NewReader(snap)); v.GetFormatVersion() != 3 {
-		t.Fatalf("format %d, want 3", v.GetFormatVersion())
+	if v, _ := ReadSnapshotHeader(bytes.NewReader(snap)); v.GetFormatVersion() != SnapshotFormatVersion {
+		t.Fatalf("format %d, want %d", v.GetFormatVersion(), SnapshotFormatVersion)
 	}
 
 	dst := newHarness(t)

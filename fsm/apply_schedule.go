@@ -187,13 +187,17 @@ func (f *FSM) applyClaimSlot(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 		CreateIndex: t.index,
 		ModifyIndex: t.index,
 	}
+	skipReason := op.GetSkipReason()
+	if t.legacy() {
+		skipReason = "" // 0.0 records no reason
+	}
 	added := make([]*schedulev1.Run, 0, len(op.GetSkipped())+1)
 	for _, sk := range op.GetSkipped() {
 		added = append(added, &schedulev1.Run{
 			ScheduleId:  s.GetId(),
 			Slot:        sk,
 			Outcome:     schedulev1.RunOutcome_RUN_OUTCOME_SKIPPED,
-			Error:       op.GetSkipReason(),
+			Error:       skipReason,
 			Node:        op.GetNode(),
 			CreateIndex: t.index,
 			ModifyIndex: t.index,
@@ -304,7 +308,7 @@ func (f *FSM) applyRecordRun(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	run.Attempts = in.GetAttempts()
 	run.Latency = in.GetLatency()
 	run.FinishedAt = in.GetFinishedAt()
-	if in.GetHost() != "" {
+	if in.GetHost() != "" && !t.legacy() {
 		run.Host = in.GetHost()
 	}
 	run.ModifyIndex = t.index

@@ -69,20 +69,28 @@ func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Messa
 	if err := checkDuration(p+".ttl", in.GetTtl()); err != nil {
 		return nil, err
 	}
-	if err := checkDuration(p+".deregister_critical_after", in.GetDeregisterCriticalAfter()); err != nil {
-		return nil, err
-	}
-	if err := checkDuration(p+".check.interval", in.GetCheck().GetInterval()); err != nil {
-		return nil, err
-	}
-	if err := checkDuration(p+".check.timeout", in.GetCheck().GetTimeout()); err != nil {
-		return nil, err
+	if !t.legacy() {
+		if err := checkDuration(p+".deregister_critical_after", in.GetDeregisterCriticalAfter()); err != nil {
+			return nil, err
+		}
+		if err := checkDuration(p+".check.interval", in.GetCheck().GetInterval()); err != nil {
+			return nil, err
+		}
+		if err := checkDuration(p+".check.timeout", in.GetCheck().GetTimeout()); err != nil {
+			return nil, err
+		}
 	}
 	old, err := getService(t, in.GetService(), in.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	inst := in
+	if t.legacy() {
+		// 0.0 knows no checks and no health history: passing, the rest
+		// as the command carries it.
+		inst.Health = clusterv1.Health_HEALTH_PASSING
+		return f.storeRegistration(t, cmd, inst, old)
+	}
 	// An instance with a check is critical until its check passes; a
 	// registration that keeps the check keeps its result.
 	inst.Health, inst.Output = clusterv1.Health_HEALTH_PASSING, ""
@@ -100,6 +108,12 @@ func (f *FSM) applyRegisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Messa
 	default:
 		inst.HealthSince = cmd.GetTime()
 	}
+	return f.storeRegistration(t, cmd, inst, old)
+}
+
+// storeRegistration stores a registered instance, replacing old (nil: a
+// new instance).
+func (f *FSM) storeRegistration(t *writeTxn, cmd *fsmv1.Command, inst, old *clusterv1.ServiceInstance) (proto.Message, error) {
 	inst.LastHeartbeat = cmd.GetTime()
 	inst.ModifyIndex = t.index
 	if old != nil {
@@ -123,14 +137,18 @@ func (f *FSM) applyDeregisterService(t *writeTxn, cmd *fsmv1.Command) (proto.Mes
 	if err := checkID("deregister_service.instance_id", op.GetInstanceId()); err != nil {
 		return nil, err
 	}
-	if err := checkTime("deregister_service.critical_since", op.GetCriticalSince(), false); err != nil {
+	since := op.GetCriticalSince()
+	if t.legacy() {
+		since = nil // 0.0 deregisters unconditionally
+	}
+	if err := checkTime("deregister_service.critical_since", since, false); err != nil {
 		return nil, err
 	}
 	inst, err := mustGetService(t, op.GetService(), op.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	if since := op.GetCriticalSince(); since != nil && (inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || compareTime(HealthSince(inst), since) != 0) {
+	if since != nil && (inst.GetHealth() != clusterv1.Health_HEALTH_CRITICAL || compareTime(HealthSince(inst), since) != 0) {
 		return nil, fmt.Errorf("%w: service %q instance %q: %s since %s, command expected critical since %s",
 			ErrStale, op.GetService(), op.GetInstanceId(), inst.GetHealth(), formatTime(HealthSince(inst)), formatTime(since))
 	}
@@ -146,6 +164,21 @@ func (f *FSM) applyHeartbeat(t *writeTxn, cmd *fsmv1.Command) (proto.Message, er
 	}
 	if err := checkID("heartbeat.instance_id", op.GetInstanceId()); err != nil {
 		return nil, err
+	}
+	if t.legacy() {
+		// 0.0: a heartbeat is a passing heartbeat, whatever it carries.
+		old, err := mustGetService(t, op.GetService(), op.GetInstanceId())
+		if err != nil {
+			return nil, err
+		}
+		inst := proto.CloneOf(old)
+		inst.LastHeartbeat = cmd.GetTime()
+		inst.Health = clusterv1.Health_HEALTH_PASSING
+		inst.ModifyIndex = t.index
+		if err := t.insert(TableServices, inst); err != nil {
+			return nil, err
+		}
+		return inst, nil
 	}
 	health := op.GetHealth()
 	switch health {
@@ -212,7 +245,9 @@ func (f *FSM) applySetServiceHealth(t *writeTxn, cmd *fsmv1.Command) (proto.Mess
 	inst.Health = op.GetHealth()
 	// Unset: HealthSince works it out from the TTL, as the reaper's
 	// decision did (snapshots of earlier versions hold no other value).
-	inst.HealthSince = nil
+	if !t.legacy() {
+		inst.HealthSince = nil
+	}
 	inst.ModifyIndex = t.index
 	if err := t.insert(TableServices, inst); err != nil {
 		return nil, err

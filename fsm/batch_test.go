@@ -27,7 +27,10 @@ import (
 // logGen generates a random Raft log of commands of every kind: valid and
 // rejected ones (not found, CAS conflicts, stale health, slots not after the
 // last, invalid fields), retries and reused identities of client writes,
-// entries that do not decode, envelope errors and non-command entries. The
+// envelope errors, non-command entries and checkpoints, and moves of the
+// cluster version between 0.0 and the latest (so that every command is
+// applied at both, and across the conversions). Entries this release
+// cannot apply, which stop the state machine, are TestHalt's. The
 // leader clock mostly moves forward, sometimes back (a new leader), and
 // sometimes jumps past the dedupe window so that many records expire at
 // once.
@@ -100,9 +103,8 @@ func (g *logGen) next() {
 	case p < 4:
 		g.add([]raft.LogType{raft.LogNoop, raft.LogConfiguration, raft.LogBarrier}[g.r.IntN(3)], []byte("not a command"))
 		return
-	case p < 7:
-		garbage := [][]byte{nil, {CommandVersion}, {CommandVersion, 0xff, 0xff}, {2, 1, 2, 3}, {CommandVersion, 0x0a, 0x05}}
-		g.add(raft.LogCommand, garbage[g.r.IntN(len(garbage))])
+	case p < 6:
+		g.addCmd(CheckpointCommand())
 		return
 	case p < 9:
 		// Envelope errors: no time, or a client ID without a sequence.
@@ -154,6 +156,15 @@ func (g *logGen) op() *fsmv1.Command {
 	}
 	if g.r.IntN(30) == 0 {
 		return g.setPlacements()
+	}
+	if g.r.IntN(50) == 0 {
+		// Mostly up (a state spends most of the log at the latest version),
+		// sometimes down to 0.0.
+		v := Latest
+		if g.r.IntN(3) == 0 {
+			v = Version0_0
+		}
+		return SetClusterVersionCommand(v)
 	}
 	if g.r.IntN(40) == 0 {
 		// A refusal (without a client ID or with an unknown code: rejected).
@@ -374,6 +385,17 @@ func diffResult(got, want *Result) string {
 // session's last use.
 func checkDedupeHead(t testing.TB, f *FSM) {
 	t.Helper()
+	if hq := f.head; hq.valid {
+		it, err := f.State().txn.Get(TableDedupe, indexID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all := collect[*fsmv1.DedupeRecord](it)
+		slices.SortFunc(all, compareDedupe)
+		if !slices.Equal(all, hq.recs) {
+			t.Fatalf("dedupe queue (%d records) does not hold the %d dedupe records in order", len(hq.recs), len(all))
+		}
+	}
 	q := f.sessions
 	if !q.valid {
 		return
@@ -538,7 +560,7 @@ func TestApplyBatchEntries(t *testing.T) {
 		{Index: 5, Type: raft.LogConfiguration, Data: []byte("config")},
 		{Index: 6, Type: raft.LogCommand, Data: cmd(withClient(register(instance("web", "a")), "c", 1), 1)},
 		{Index: 7, Type: raft.LogCommand, Data: cmd(withClient(register(instance("web", "a")), "c", 1), 2)},
-		{Index: 8, Type: raft.LogCommand, Data: []byte{CommandVersion, 0xff}},
+		{Index: 8, Type: raft.LogCommand, Data: func() []byte { b, _ := Encode(heartbeat("web", "a")); return b }()}, // no time
 		{Index: 9, Type: raft.LogCommand, Data: cmd(setConfig("k", "v"), 3)},
 		{Index: 10, Type: raft.LogNoop},
 	}
@@ -715,7 +737,8 @@ func TestOpDigestLeavesOutTheNode(t *testing.T) {
 	shared := newDigester()
 	digest := func(in *clusterv1.ServiceInstance) []byte {
 		t.Helper()
-		data, err := Encode(register(in))
+		// As a leader of 0.0 encodes it: with what it does not know.
+		data, err := marshalOpts.MarshalAppend([]byte{CommandVersion}, register(in))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -60,7 +60,7 @@ func (g *benchLog) logs(n int) []*raft.Log {
 // steady-state dedupe table, and the generator of the following entries.
 func newBenchFSM(b *testing.B) (*FSM, *benchLog) {
 	b.Helper()
-	cfg := DefaultConfig()
+	cfg := testConfig()
 	cfg.DedupeWindow = benchWindow
 	f, err := New(cfg)
 	if err != nil {
@@ -171,7 +171,7 @@ func BenchmarkStateMemory(b *testing.B) {
 		plain, withIDs := entries(false, 1), entries(true, n+1)
 		b.StartTimer()
 		h0 := heap()
-		f, err := New(DefaultConfig())
+		f, err := New(testConfig())
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -24,6 +24,13 @@ type Config struct {
 	// MaxRunHistory is how many runs are kept per schedule whose
 	// history_limit is 0. At least 1.
 	MaxRunHistory uint32
+	// InitialVersion is the cluster version of the empty state. An agent
+	// leaves it at 0.0: its empty state may be about to apply the log of a
+	// cluster of agents that predate cluster versions, from its start, and
+	// a new cluster's first leader raises it (DESIGN.md, "Cluster
+	// version"). Tools and tests that build a state of their own set
+	// Latest: the empty state then holds the version record.
+	InitialVersion Version
 }
 
 // DefaultConfig returns the configuration every node should use unless the
@@ -37,6 +44,15 @@ func DefaultConfig() Config {
 	}
 }
 
+// LatestConfig is DefaultConfig for a state that starts at the latest
+// cluster version: one that is not a replica of a log that may predate it
+// (tools, scratch states, tests).
+func LatestConfig() Config {
+	c := DefaultConfig()
+	c.InitialVersion = Latest
+	return c
+}
+
 // Validate reports the first field that is out of range.
 func (c Config) Validate() error {
 	if c.ConfigHistoryLimit < 1 {
@@ -44,6 +60,9 @@ func (c Config) Validate() error {
 	}
 	if c.DedupeWindow <= 0 {
 		return fmt.Errorf("%w: DedupeWindow is %s, must be positive", ErrInvalidConfig, c.DedupeWindow)
+	}
+	if !c.InitialVersion.Known() {
+		return fmt.Errorf("%w: InitialVersion is %s, this release knows %v", ErrInvalidConfig, c.InitialVersion, knownVersions)
 	}
 	if c.MaxRunHistory < 1 {
 		return fmt.Errorf("%w: MaxRunHistory is %d, must be at least 1", ErrInvalidConfig, c.MaxRunHistory)

@@ -415,7 +415,7 @@ func TestRefuseWrite(t *testing.T) {
 // with the next versions, and drop outcomes off its front: under -race, a
 // reader never sees an element a write changes.
 func TestSessionReadersWhileApplying(t *testing.T) {
-	f, err := New(func() Config { c := DefaultConfig(); c.DedupeWindow = 50 * time.Millisecond; return c }())
+	f, err := New(func() Config { c := testConfig(); c.DedupeWindow = 50 * time.Millisecond; return c }())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,6 +46,7 @@ var (
 var Sentinels = []error{
 	ErrNotFound, ErrCASConflict, ErrSlotNotAfterLast, ErrStale, ErrInvalidCommand,
 	ErrUnknownCommand, ErrUnsupportedSnapshot, ErrCorruptSnapshot, ErrInvalidConfig, ErrTooOldToReplay,
+	ErrNeedsNewerVersion, ErrNoCheckpoint,
 }
 
 // errorCodes maps the outcome errors stored in dedupe records to their

@@ -66,7 +66,7 @@ func (f *FSM) Evaluate(data []byte) (Evaluation, error) {
 	defer f.applyMu.Unlock()
 	t := newWriteTxn()
 	db, applied := f.dbApplied()
-	t.begin(db)
+	t.begin(db, f.version)
 	defer t.abort()
 	t.track, t.noPrune = true, true
 	// The queue is derived from the committed table; an evaluation must
@@ -128,7 +128,7 @@ func (f *FSM) Ingest(index uint64, changes []Ingested) error {
 		return nil
 	}
 	t := f.txn
-	t.begin(f.database())
+	t.begin(f.database(), f.version)
 	t.index = index
 	for _, c := range changes {
 		if n := tableNum(c.Table); n < 0 || c.Table == TableIndex {
@@ -215,6 +215,8 @@ func NewRecord(table string) proto.Message {
 		return &fsmv1.DedupeRecord{}
 	case TableSessions:
 		return &fsmv1.Session{}
+	case TableClusterVersion:
+		return &fsmv1.ClusterVersion{}
 	}
 	return nil
 }
@@ -293,6 +295,8 @@ func KeyRecord(table string, args ...any) (proto.Message, error) {
 		return &schedulev1.Run{ScheduleId: id, Slot: slot}, nil
 	case TableCA:
 		return &fsmv1.ClusterCA{}, nil
+	case TableClusterVersion:
+		return &fsmv1.ClusterVersion{}, nil
 	case TablePlacements:
 		kind, err := str(0)
 		if err != nil {

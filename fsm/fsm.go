@@ -44,6 +44,17 @@ type FSM struct {
 	digest *digester
 	// sessions finds the idle sessions to prune.
 	sessions sessionQueue
+	// head holds the dedupe records of a state at version 0.0 in pruning
+	// order (legacy.go).
+	head dedupeQueue
+	// version is the cluster version of the committed state.
+	version Version
+	// halt, once set, is why the FSM stopped applying the log: nothing is
+	// applied any more until a snapshot this release reads replaces the
+	// state (DESIGN.md, "Stop, never skip").
+	halt *HaltError
+	// capture keeps the hashes of the state at the last checkpoints.
+	capture captures
 
 	// mu guards the fields below. Apply holds it only to commit, so a State
 	// always sees a committed transaction together with its applied index.
@@ -89,7 +100,7 @@ func New(cfg Config) (*FSM, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return &FSM{
+	f := &FSM{
 		cfg:       cfg,
 		logger:    logger.With("component", "fsm"),
 		db:        newMemDB(),
@@ -97,7 +108,33 @@ func New(cfg Config) (*FSM, error) {
 		txn:       newWriteTxn(),
 		digest:    newDigester(),
 		sessions:  sessionQueue{valid: true},
-	}, nil
+		head:      dedupeQueue{valid: true},
+	}
+	if cfg.InitialVersion != Version0_0 {
+		txn := f.db.Txn(true)
+		if err := txn.Insert(TableClusterVersion, &fsmv1.ClusterVersion{Major: cfg.InitialVersion.Major, Minor: cfg.InitialVersion.Minor}); err != nil {
+			txn.Abort()
+			return nil, fmt.Errorf("initial version: %w", err)
+		}
+		txn.Commit()
+		f.version = cfg.InitialVersion
+	}
+	return f, nil
+}
+
+// Version returns the cluster version of the applied state.
+func (f *FSM) Version() Version {
+	f.applyMu.Lock()
+	defer f.applyMu.Unlock()
+	return f.version
+}
+
+// Halted returns why the FSM stopped applying the log, nil while it
+// applies it.
+func (f *FSM) Halted() *HaltError {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.halt
 }
 
 // AppliedIndex returns the index of the last log entry applied (or of the
@@ -135,6 +172,9 @@ func (f *FSM) Apply(l *raft.Log) any {
 	if l == nil {
 		return &Result{Err: fmt.Errorf("%w: nil log entry", ErrInvalidCommand)}
 	}
+	if h := f.Halted(); h != nil {
+		return &Result{Index: l.Index, Err: h}
+	}
 	return f.applyIsolated(l)
 }
 
@@ -147,8 +187,30 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []any {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 	out := make([]any, len(logs))
-	f.applyLogs(logs, out)
+	if h := f.Halted(); h != nil {
+		for i, l := range logs {
+			out[i] = &Result{Index: indexOf(l), Err: h}
+		}
+		return out
+	}
+	for rest, res := logs, out; len(rest) > 0; {
+		n := f.applyLogs(rest, res)
+		if h := f.Halted(); h != nil {
+			for i := n; i < len(rest); i++ {
+				res[i] = &Result{Index: indexOf(rest[i]), Err: h}
+			}
+			break
+		}
+		rest, res = rest[n:], res[n:]
+	}
 	return out
+}
+
+func indexOf(l *raft.Log) uint64 {
+	if l == nil {
+		return 0
+	}
+	return l.Index
 }
 
 // writeThenFail, when set, is called when an entry fails after it wrote to
@@ -162,13 +224,19 @@ var writeThenFail func(index uint64, err error)
 // take back that entry's writes alone: the whole transaction is discarded
 // and every entry is applied again in a transaction of its own. A single
 // entry gets a transaction of its own from the start.
-func (f *FSM) applyLogs(logs []*raft.Log, out []any) {
+//
+// It returns how many of logs it applied: all of them, or fewer when an
+// entry is a checkpoint (the transaction is committed after it and its
+// state captured; the caller goes on with the rest) or cannot be applied
+// (the FSM halts before it: it and every later entry are left).
+func (f *FSM) applyLogs(logs []*raft.Log, out []any) int {
 	if len(logs) == 1 {
 		out[0] = f.applyIsolated(logs[0])
-		return
+		return 1
 	}
 	t := f.txn
-	t.begin(f.database())
+	t.begin(f.database(), f.version)
+	n := len(logs)
 	for i, l := range logs {
 		res, ok := f.applyEntry(t, l, false)
 		if !ok {
@@ -176,30 +244,49 @@ func (f *FSM) applyLogs(logs []*raft.Log, out []any) {
 			f.logger.Error("an entry failed after writing: applying the batch one entry at a time",
 				"index", l.Index, "entries", len(logs))
 			for j, l := range logs {
+				if f.Halted() != nil {
+					return j
+				}
 				out[j] = f.applyIsolated(l)
 			}
-			return
+			return len(logs)
 		}
 		out[i] = res
+		if t.halt != nil {
+			// Nothing of the entry was written: the batch ends before it.
+			n = i
+			break
+		}
+		if t.checkpoint {
+			n = i + 1
+			break
+		}
 	}
-	last, ok := lastIndex(logs)
+	halt, checkpoint := t.halt, t.checkpoint
+	last, ok := lastIndex(logs[:n])
 	if !t.hasChanges() {
 		// Nothing written: release the writer without waking anyone.
 		t.abort()
 		if ok {
 			f.setApplied(last)
 		}
-		return
-	}
-	if err := t.updateIndexes(); err != nil {
+	} else if err := t.updateIndexes(); err != nil {
 		f.discard(t)
 		f.logger.Error("index table update failed: applying the batch one entry at a time", "error", err)
-		for j, l := range logs {
+		for j, l := range logs[:n] {
 			out[j] = f.applyIsolated(l)
 		}
-		return
+		return n
+	} else {
+		f.commit(t, last)
 	}
-	f.commit(t, last)
+	switch {
+	case halt != nil:
+		f.stop(halt)
+	case checkpoint:
+		f.captureCheckpoint()
+	}
+	return n
 }
 
 // applyIsolated applies one entry in a transaction of its own. An entry
@@ -208,22 +295,41 @@ func (f *FSM) applyLogs(logs []*raft.Log, out []any) {
 // outcome fails, nothing is.
 func (f *FSM) applyIsolated(l *raft.Log) *Result {
 	t := f.txn
-	t.begin(f.database())
+	t.begin(f.database(), f.version)
 	res, _ := f.applyEntry(t, l, true)
-	if l == nil || !t.hasChanges() {
+	halt, checkpoint := t.halt, t.checkpoint
+	switch {
+	case halt != nil:
+		t.abort()
+		f.stop(halt)
+		return res
+	case l == nil || !t.hasChanges():
 		t.abort()
 		if l != nil {
 			f.setApplied(l.Index)
 		}
-		return res
+	default:
+		if err := t.updateIndexes(); err != nil {
+			f.discard(t)
+			f.setApplied(l.Index)
+			return &Result{Index: l.Index, Err: err}
+		}
+		f.commit(t, l.Index)
 	}
-	if err := t.updateIndexes(); err != nil {
-		f.discard(t)
-		f.setApplied(l.Index)
-		return &Result{Index: l.Index, Err: err}
+	if checkpoint {
+		f.captureCheckpoint()
 	}
-	f.commit(t, l.Index)
 	return res
+}
+
+// stop halts the FSM: it applies nothing more (DESIGN.md, "Stop, never
+// skip").
+func (f *FSM) stop(h *HaltError) {
+	f.logger.Error("this agent cannot apply the replicated log any further: it stopped applying, keeps its data as it is and is not ready; upgrade it",
+		"index", h.Index, "needs", h.Error())
+	f.mu.Lock()
+	f.halt = h
+	f.mu.Unlock()
 }
 
 // lastIndex returns the index of the last non-nil entry.
@@ -249,15 +355,29 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 	}
 	cmd, err := Decode(l.Data)
 	if err != nil {
-		// Only the leader's proposer sees the Result, and the leader encoded
-		// the entry: an entry that does not decode is a bug or a newer
-		// binary's format, and the state may diverge from nodes that
-		// understand it. Log it on every node.
-		f.logger.Error("log entry not understood", "index", l.Index, "term", l.Term, "error", err)
-		return &Result{Index: l.Index, Err: err}, true
+		// The leader encoded the entry: one that does not decode is a
+		// newer release's format (or a bug). Skipping it would leave this
+		// state different from the nodes that understand it: stop here.
+		return f.halting(t, l, Version{}, fmt.Sprintf("the log entry is not understood (%v)", err)), true
+	}
+	if !t.legacy() && !t.noPrune {
+		// A field this release does not know has a meaning it would not
+		// apply (the leader drops the unknown fields of what callers send).
+		if path := unknownField(cmd.ProtoReflect(), ""); path != "" {
+			return f.halting(t, l, Version{}, fmt.Sprintf("the command has a field this release does not know (%s)", path)), true
+		}
 	}
 	if err := validateEnvelope(cmd); err != nil {
 		return &Result{Index: l.Index, Err: err}, true
+	}
+	if fd := cmd.ProtoReflect().WhichOneof(opOneof); fd == nil {
+		// A newer release's operation: it decodes as an unknown field.
+		return f.halting(t, l, Version{}, "the command has an operation this release does not know"), true
+	}
+	if v := cmd.GetSetClusterVersion(); v != nil {
+		if to := (Version{v.GetMajor(), v.GetMinor()}); !to.Known() && Latest.Less(to) {
+			return f.halting(t, l, to, "the cluster version moves to "+to.String()), true
+		}
 	}
 	now := cmd.GetTime().AsTime()
 
@@ -266,7 +386,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 	var id identity
 	if cmd.GetClientId() != "" {
 		var res *Result
-		if t.noPrune {
+		if t.noPrune || t.legacy() {
 			id, res = f.checkDedupe(t, l, cmd, now)
 		} else {
 			id, res = f.checkSession(t, l, cmd, now)
@@ -275,6 +395,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			return res, true
 		}
 	}
+	t.checkpoint = isCheckpoint(cmd)
 
 	t.index = l.Index
 	mark := t.writes
@@ -289,7 +410,7 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			if !isolated {
 				return nil, false
 			}
-			f.sessions.invalidate()
+			f.invalidateQueues()
 			t.reset()
 			mark = t.writes
 		}
@@ -302,12 +423,27 @@ func (f *FSM) applyEntry(t *writeTxn, l *raft.Log, isolated bool) (*Result, bool
 			if !isolated {
 				return nil, false
 			}
-			f.sessions.invalidate()
+			f.invalidateQueues()
 			t.reset()
 		}
 		return &Result{Index: l.Index, Err: err}, true
 	}
 	return &Result{Index: l.Index, Err: opErr, Value: value}, true
+}
+
+// halting records in t that the entry l cannot be applied by this
+// release, and returns its Result: the FSM stops before it.
+func (f *FSM) halting(t *writeTxn, l *raft.Log, needs Version, reason string) *Result {
+	t.halt = &HaltError{Index: l.Index, Needs: needs, Reason: reason}
+	return &Result{Index: l.Index, Err: t.halt}
+}
+
+// invalidateQueues drops the derived pruning queues (sessions, and the
+// dedupe records of a state at 0.0): a transaction they may describe was
+// discarded, or the state was replaced.
+func (f *FSM) invalidateQueues() {
+	f.sessions.invalidate()
+	f.head.invalidate()
 }
 
 // identity is what applyEntry learnt of a write's client before applying
@@ -367,9 +503,13 @@ func (f *FSM) checkSession(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now tim
 
 // checkDedupe is checkSession of the external mode, which keeps a dedupe
 // record per write.
+//
+// A state at 0.0 (legacy) keeps dedupe records too, as the agents that
+// predate cluster versions do: refuse_write is an operation they do not
+// know, so its digest is taken like any other.
 func (f *FSM) checkDedupe(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now time.Time) (identity, *Result) {
 	var id identity
-	refusal := cmd.GetRefuseWrite() != nil
+	refusal := cmd.GetRefuseWrite() != nil && !t.legacy()
 	if !refusal {
 		id.digest = opDigest(l.Data)
 	}
@@ -394,6 +534,9 @@ func (f *FSM) checkDedupe(t *writeTxn, l *raft.Log, cmd *fsmv1.Command, now time
 // record of its own): its index, its error, and the record it wrote
 // (value, shared with the table it is stored in: records are immutable).
 func (f *FSM) finishEntry(t *writeTxn, cmd *fsmv1.Command, now time.Time, id identity, value proto.Message, opErr error) error {
+	if t.legacy() {
+		return f.finishLegacy(t, cmd, id, opErr)
+	}
 	if t.noPrune {
 		if cmd.GetClientId() == "" {
 			return nil
@@ -702,14 +845,15 @@ func (f *FSM) commit(t *writeTxn, applied uint64) {
 	t.txn.Commit()
 	f.setAppliedLocked(applied)
 	f.mu.Unlock()
+	f.version = t.version
 	t.txn, t.base = nil, nil
 }
 
-// discard aborts a transaction that may have written: the session queue
-// may describe its writes, so it is dropped too.
+// discard aborts a transaction that may have written: the pruning queues
+// may describe its writes, so they are dropped too.
 func (f *FSM) discard(t *writeTxn) {
 	t.abort()
-	f.sessions.invalidate()
+	f.invalidateQueues()
 }
 
 // applyFunc applies one operation. It returns the record written (nil for
@@ -723,20 +867,21 @@ type applyFunc func(f *FSM, t *writeTxn, cmd *fsmv1.Command) (proto.Message, err
 // appliers is the dispatch table, keyed by the name of the field of the
 // Command.op oneof. A test checks that every field has an entry.
 var appliers = map[protoreflect.Name]applyFunc{
-	"register_service":   (*FSM).applyRegisterService,
-	"deregister_service": (*FSM).applyDeregisterService,
-	"heartbeat":          (*FSM).applyHeartbeat,
-	"set_service_health": (*FSM).applySetServiceHealth,
-	"set_config":         (*FSM).applySetConfig,
-	"delete_config":      (*FSM).applyDeleteConfig,
-	"put_schedule":       (*FSM).applyPutSchedule,
-	"delete_schedule":    (*FSM).applyDeleteSchedule,
-	"claim_slot":         (*FSM).applyClaimSlot,
-	"record_run":         (*FSM).applyRecordRun,
-	"restored":           (*FSM).applyRestored,
-	"set_cluster_ca":     (*FSM).applySetClusterCA,
-	"refuse_write":       (*FSM).applyRefuseWrite,
-	"set_placements":     (*FSM).applySetPlacements,
+	"register_service":    (*FSM).applyRegisterService,
+	"deregister_service":  (*FSM).applyDeregisterService,
+	"heartbeat":           (*FSM).applyHeartbeat,
+	"set_service_health":  (*FSM).applySetServiceHealth,
+	"set_config":          (*FSM).applySetConfig,
+	"delete_config":       (*FSM).applyDeleteConfig,
+	"put_schedule":        (*FSM).applyPutSchedule,
+	"delete_schedule":     (*FSM).applyDeleteSchedule,
+	"claim_slot":          (*FSM).applyClaimSlot,
+	"record_run":          (*FSM).applyRecordRun,
+	"restored":            (*FSM).applyRestored,
+	"set_cluster_ca":      (*FSM).applySetClusterCA,
+	"refuse_write":        (*FSM).applyRefuseWrite,
+	"set_placements":      (*FSM).applySetPlacements,
+	"set_cluster_version": (*FSM).applySetClusterVersion,
 }
 
 // applyRefuseWrite records a write the leader refused: its outcome is the
@@ -754,10 +899,11 @@ func (f *FSM) applyRefuseWrite(t *writeTxn, cmd *fsmv1.Command) (proto.Message, 
 }
 
 // applyRestored marks a restore: every table's index becomes this entry's
-// (the index table itself only records the others).
+// (the index table itself only records the others; a table the state's
+// version does not have is left alone).
 func (f *FSM) applyRestored(t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 	for _, name := range Tables() {
-		if name == TableIndex {
+		if name == TableIndex || !tableAt(name, t.version) {
 			continue
 		}
 		if err := t.touch(name); err != nil {
@@ -777,6 +923,14 @@ func dispatch(f *FSM, t *writeTxn, cmd *fsmv1.Command) (proto.Message, error) {
 		// one this version does not know (it decodes as an unknown field).
 		f.logger.Error("command has no operation this version knows",
 			"index", t.index, "client_id", cmd.GetClientId(), "sequence", cmd.GetSequence())
+		return nil, fmt.Errorf("%w: no operation this version knows", ErrUnknownCommand)
+	}
+	if t.legacy() && !opAt(fd.Name(), t.version) {
+		// An operation the agents of version 0.0 do not know: they record
+		// it as unknown, and so does a state at 0.0 here (the leader
+		// proposes none of them while the cluster is at 0.0).
+		f.logger.Error("command has no operation this version knows",
+			"index", t.index, "client_id", cmd.GetClientId(), "sequence", cmd.GetSequence(), "op", string(fd.Name()), "cluster_version", t.version.String())
 		return nil, fmt.Errorf("%w: no operation this version knows", ErrUnknownCommand)
 	}
 	fn, ok := appliers[fd.Name()]

@@ -38,7 +38,7 @@ type harness struct {
 
 func newHarness(t testing.TB, mods ...func(*Config)) *harness {
 	t.Helper()
-	cfg := DefaultConfig()
+	cfg := testConfig()
 	for _, m := range mods {
 		m(&cfg)
 	}
@@ -273,4 +273,12 @@ func testCA(testing.TB) (certPEM, keyPEM []byte) { return fsmtest.CA() }
 
 func setClusterCA(certPEM, keyPEM []byte) *fsmv1.Command {
 	return &fsmv1.Command{Op: &fsmv1.Command_SetClusterCa{SetClusterCa: &fsmv1.SetClusterCA{CertPem: certPEM, KeyPem: keyPEM}}}
+}
+
+// testConfig is DefaultConfig with a state that starts at the latest
+// cluster version, as a new cluster's is once its leader set it.
+func testConfig() Config {
+	c := DefaultConfig()
+	c.InitialVersion = Latest
+	return c
 }

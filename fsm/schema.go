@@ -39,6 +39,9 @@ const (
 	// snapshots, an unexported type in memory), keyed by client_id: the
 	// outcomes of its recent writes (Raft mode).
 	TableSessions = "sessions"
+	// TableClusterVersion holds the cluster version, *fsmv1.ClusterVersion:
+	// at most one record; none at version 0.0.
+	TableClusterVersion = "cluster_version"
 	// TableIndex records, per table, the last Raft index that changed it.
 	TableIndex = "index"
 )
@@ -281,6 +284,13 @@ var tableDefs = []tableDef{
 		codec: sessionCodec,
 	},
 	{
+		name: TableClusterVersion,
+		indexes: indexes(
+			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(*fsmv1.ClusterVersion) string { return clusterVersionKey }))},
+		),
+		codec: protoCodec[*fsmv1.ClusterVersion](),
+	},
+	{
 		name: TableIndex,
 		indexes: indexes(
 			&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *indexEntry) string { return e.Table }))},
@@ -291,7 +301,19 @@ var tableDefs = []tableDef{
 
 // tableSince is the snapshot format that added a table; the others exist
 // since format 1.
-var tableSince = map[string]uint32{TableCA: 2, TablePlacements: 3, TableSessions: 4}
+var tableSince = map[string]uint32{TableCA: 2, TablePlacements: 3, TableSessions: 4, TableClusterVersion: 5}
+
+// tableVersion is the cluster version that added a table; the others exist
+// at 0.0. A state at an older version holds no record and no index row of
+// the table (a downgrade drops them), so that it is written in a snapshot
+// format that version reads.
+var tableVersion = map[string]Version{TablePlacements: Version0_1, TableSessions: Version0_1, TableClusterVersion: Version0_1}
+
+// tableAt reports whether a state at cluster version v has the table.
+func tableAt(table string, v Version) bool {
+	since, ok := tableVersion[table]
+	return !ok || !v.Less(since)
+}
 
 // formatFor is the oldest snapshot format that can hold the given
 // non-empty tables: a snapshot is written in it, so that agents of an

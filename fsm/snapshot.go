@@ -28,11 +28,13 @@ import (
 // and nothing after the last record.
 const (
 	snapshotMagic = "PVSN"
-	// SnapshotFormatVersion is the snapshot format this version writes, and
-	// the newest it restores. Format 2 added the ca table, format 3 the
-	// placements table, format 4 the sessions table; older snapshots
-	// restore with them empty (and their dedupe records as sessions).
-	SnapshotFormatVersion uint32 = 4
+	// SnapshotFormatVersion is the newest snapshot format this version
+	// writes, and the newest it restores. Format 2 added the ca table,
+	// format 3 the placements table, format 4 the sessions table, format 5
+	// the cluster_version table; older snapshots restore with them empty.
+	// A state is written in the oldest format that holds it, which is one
+	// its cluster version's release reads (formatFor).
+	SnapshotFormatVersion uint32 = 5
 
 	// maxHeaderSize and maxRecordSize bound what a restore allocates for one
 	// length prefix, so garbage cannot ask for gigabytes.
@@ -50,11 +52,17 @@ type fsmSnapshot struct {
 }
 
 // Snapshot captures the current state for raft. It does no I/O.
+// A halted FSM takes none: Raft would record the snapshot at its own
+// applied index, past the entries this state never applied, and compact
+// them out of the log.
 func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
 	f.mu.RLock()
 	defer f.mu.RUnlock()
+	if f.halt != nil {
+		return nil, f.halt
+	}
 	return &fsmSnapshot{txn: f.db.Txn(false), lastIndex: f.applied}, nil
 }
 
@@ -386,12 +394,6 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	// waiting for an index this node already passed must not wait for
 	// entries that will never come. (The leader follows such a restore
 	// with a Restored command, which moves it on everywhere.)
-	// A snapshot of format 3 or older holds dedupe records: they become
-	// sessions.
-	if err := dedupeToSessions(txn); err != nil {
-		txn.Abort()
-		return fmt.Errorf("restore: %w", err)
-	}
 	if err := f.replaceDB(txn, db, hdr.GetLastIndex()); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
@@ -905,7 +907,23 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 // (rebuilt), and makes it the state: the applied index never
 // goes back, and the old state's watchers are woken to re-list. On error
 // txn is aborted and nothing changes.
+//
+// The state's cluster version must be one this release runs: a newer
+// one is refused (ErrUnsupportedSnapshot) and nothing changes. A state
+// this release reads ends a halt: the entries it could not apply are
+// behind it.
 func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
+	v := Version0_0
+	if rec, err := first[*fsmv1.ClusterVersion](txn, TableClusterVersion, indexID, clusterVersionKey); err != nil {
+		txn.Abort()
+		return err
+	} else if rec != nil {
+		v = Version{rec.GetMajor(), rec.GetMinor()}
+	}
+	if !v.Known() {
+		txn.Abort()
+		return fmt.Errorf("%w: the state is at cluster version %s; this release runs up to %s", ErrUnsupportedSnapshot, v, Latest)
+	}
 	applied := max(f.AppliedIndex(), index)
 	if err := setServiceIndex(txn, serviceIndexBase, applied); err != nil {
 		txn.Abort()
@@ -929,7 +947,9 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	// applied index together.
 	txn.Commit()
 	old := f.abandonCh
-	f.sessions.invalidate()
+	f.invalidateQueues()
+	f.version = v
+	f.halt = nil
 	f.db = db
 	f.setAppliedLocked(applied)
 	f.abandonCh = make(chan struct{})

@@ -146,7 +146,7 @@ func TestDeterminism(t *testing.T) {
 		}
 	}
 	log = append(log, &raft.Log{Index: uint64(len(log) + 1), Term: 2, Type: raft.LogNoop})
-	log = append(log, &raft.Log{Index: uint64(len(log) + 1), Term: 2, Type: raft.LogCommand, Data: []byte{7, 7}})
+	record(CheckpointCommand())
 
 	run := func(restoreAt int) []byte {
 		h := newHarness(t)
@@ -377,10 +377,16 @@ func TestSnapshotFormatGolden(t *testing.T) {
 	for v := uint32(1); v <= SnapshotFormatVersion; v++ {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			path := filepath.Join("testdata", "snapshot", fmt.Sprintf("v%d", v), "state.bin")
-			h := newHarness(t)
+			// The state of the format's steps at the version that writes
+			// it (formatVersion); a format no version writes any more is
+			// only read (an older build's), against the state of its steps
+			// at the latest version, tables that hold writes' outcomes
+			// apart.
+			at, written := formatVersion(v)
+			h := newHarness(t, func(c *Config) { c.InitialVersion = at })
 			populateFormat(h, v)
 			current := h.snapshot()
-			if *update && v == SnapshotFormatVersion {
+			if *update && written {
 				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 					t.Fatal(err)
 				}
@@ -392,28 +398,47 @@ func TestSnapshotFormatGolden(t *testing.T) {
 			if err != nil {
 				t.Fatalf("read golden snapshot (run go test -run Golden -update to create it): %v", err)
 			}
-			r := newHarness(t)
+			r := newHarness(t, func(c *Config) { c.InitialVersion = Version0_0 })
 			if err := r.f.Restore(readCloser(golden)); err != nil {
 				t.Fatalf("restore the format-%d golden snapshot: %v", v, err)
 			}
-			// The dedupe records' digests apart: their definition may change
-			// (fsm DESIGN.md "Dedupe"), and older golden files keep the
-			// digests of their day.
-			if !reflect.DeepEqual(dumpTablesWith(t, r.f, true), dumpTablesWith(t, h.f, true)) {
-				t.Errorf("golden snapshot restores to a different state than its builder makes")
-			}
-			// The current format's golden file is what the builder makes.
-			// An older one holds dedupe records where the builder now makes
-			// sessions: it restores to the builder's state (above), its
-			// records converted, and is written as the current format.
-			if v < SnapshotFormatVersion {
+			if written {
+				if !bytes.Equal(current, golden) {
+					t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading the older ones", path)
+				}
+				if !reflect.DeepEqual(dumpTables(t, r.f), dumpTables(t, h.f)) {
+					t.Errorf("golden snapshot restores to a different state than its builder makes")
+				}
+				if got := r.f.Version(); got != at {
+					t.Errorf("golden snapshot restores at version %s, want %s", got, at)
+				}
 				return
 			}
-			if !bytes.Equal(current, golden) {
-				t.Errorf("snapshot bytes differ from %s: the format changed; bump SnapshotFormatVersion and keep reading the older ones", path)
+			got, want := dumpTables(t, r.f), dumpTables(t, h.f)
+			for _, table := range []string{TableDedupe, TableSessions, TableClusterVersion, TableIndex} {
+				delete(got, table)
+				delete(want, table)
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Errorf("golden snapshot restores to a different state than its steps make")
 			}
 		})
 	}
+}
+
+// formatVersion is the cluster version whose states are written in
+// snapshot format v, and whether any still is: formats 1 and 2 are those
+// of 0.0 (the release before cluster versions writes them, and so does a
+// state at 0.0 here), 5 that of 0.1; 3 and 4 were written by builds before
+// the first release only.
+func formatVersion(v uint32) (Version, bool) {
+	switch v {
+	case 1, 2:
+		return Version0_0, true
+	case SnapshotFormatVersion:
+		return Latest, true
+	}
+	return Latest, false
 }
 
 // TestFilterSnapshot: the cluster CA is left out of a filtered copy, which
@@ -493,49 +518,46 @@ type errWriter struct{}
 
 func (errWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
 
-// TestSnapshotFormatFollowsUse: a state whose newer tables were never
-// used is written in the oldest format that holds it: format 1 without a
-// cluster CA, format 2 with one, format 3 once the placement catalog has an
-// entry; a Restored command (which touches every table) makes it the
-// newest. A placement listing that changes nothing keeps the format.
+// TestSnapshotFormatFollowsUse: a state at 0.0 is written in the oldest
+// format that holds it, as the release before cluster versions writes it:
+// format 1 without a cluster CA, format 2 with one (or after a Restored
+// command, which touches its table), whatever it applies (the operations it
+// does not know included). A
+// state at a later version holds its version record: the newest format.
 func TestSnapshotFormatFollowsUse(t *testing.T) {
 	format := func(h *harness) uint32 { return binary.BigEndian.Uint32(h.snapshot()[4:8]) }
-	// Writes with client IDs fill the sessions table (format 4): the
-	// steps without them.
-	populateFormat := func(h *harness, v uint32) {
-		h.t.Helper()
-		steps := fsmtest.FullState()[:fsmtest.FormatSteps[v]]
-		for i := range steps {
-			steps[i].Cmd.ClientId, steps[i].Cmd.Sequence = "", 0
-		}
-		applySteps(h, steps)
-	}
-	h := newHarness(t)
+	legacy := func(c *Config) { c.InitialVersion = Version0_0 }
+	h := newHarness(t, legacy)
 	populateFormat(h, 1)
 	if v := format(h); v != 1 {
 		t.Errorf("format %d without a cluster CA, want 1", v)
 	}
+	// Restored touches every table of 0.0, ca included, as 0.0 does.
 	h.mustApply(&fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{SnapshotId: "x", SnapshotIndex: 1}}})
-	if v := format(h); v != SnapshotFormatVersion {
-		t.Errorf("format %d after a Restored command, want %d", v, SnapshotFormatVersion)
+	if v := format(h); v != 2 {
+		t.Errorf("format %d after a Restored command at 0.0, want 2", v)
 	}
 
-	h = newHarness(t)
+	h = newHarness(t, legacy)
 	populateFormat(h, 2)
 	if v := format(h); v != 2 {
 		t.Errorf("format %d with a cluster CA, want 2", v)
 	}
-	h.mustApply(setPlacements("n1", []string{"virtualmachines", "volumes"}))
-	if v := format(h); v != 2 {
-		t.Errorf("format %d after an empty listing that changed nothing, want 2", v)
-	}
-	h.mustApply(setPlacements("n1", nil, placement("volumes", "v1")))
-	if v := format(h); v != 3 {
-		t.Errorf("format %d with a placement, want 3", v)
+	if res := h.apply(setPlacements("n1", nil, placement("volumes", "v1"))); !errors.Is(res.Err, ErrUnknownCommand) {
+		t.Errorf("set_placements at 0.0 = %v, want %v (0.0 does not know it)", res.Err, ErrUnknownCommand)
 	}
 	h.mustApply(withClient(setConfig("k", "v"), "c", 1))
-	if v := format(h); v != 4 {
-		t.Errorf("format %d with a session, want 4", v)
+	if v := format(h); v != 2 {
+		t.Errorf("format %d after operations 0.0 does not know and a write with a client, want 2", v)
+	}
+
+	h.mustApply(SetClusterVersionCommand(Latest))
+	if v := format(h); v != SnapshotFormatVersion {
+		t.Errorf("format %d at %s, want %d", v, Latest, SnapshotFormatVersion)
+	}
+	h.mustApply(SetClusterVersionCommand(Version0_0))
+	if v := format(h); v != 2 {
+		t.Errorf("format %d after a downgrade to 0.0, want 2", v)
 	}
 }
 
@@ -639,34 +661,83 @@ func TestRestoreKeepsAppliedIndex(t *testing.T) {
 // TestRestoreConvertsDedupeRecords: a snapshot of an older version keeps
 // one dedupe record per write; restored, they become the sessions of
 // their clients, and a repeat of such a write gets its outcome.
-func TestRestoreConvertsDedupeRecords(t *testing.T) {
-	golden, err := os.ReadFile(filepath.Join("testdata", "snapshot", "v3", "state.bin"))
+func TestRaiseConvertsDedupeRecords(t *testing.T) {
+	golden, err := os.ReadFile(filepath.Join("testdata", "snapshot", "v2", "state.bin"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := newHarness(t)
+	h := newHarness(t, func(c *Config) { c.InitialVersion = Version0_0 })
 	if err := h.f.Restore(readCloser(golden)); err != nil {
 		t.Fatal(err)
 	}
-	tables := dumpTables(t, h.f)
-	if n := len(tables[TableDedupe]); n != 0 {
-		t.Errorf("%d dedupe records left after the restore, want 0", n)
-	}
-	if n := len(tables[TableSessions]); n != 4 {
-		t.Errorf("%d sessions after the restore, want 4 (client-1 to client-4)", n)
+	if n := len(dumpTables(t, h.f)[TableDedupe]); n == 0 {
+		t.Fatal("the format-2 golden state holds no dedupe records")
 	}
 	steps := fsmtest.FullState()
 	h.index, h.now = h.f.AppliedIndex(), steps[len(steps)-1].Cmd.GetTime().AsTime()
+	h.mustApply(SetClusterVersionCommand(Latest))
+	tables := dumpTables(t, h.f)
+	if n := len(tables[TableDedupe]); n != 0 {
+		t.Errorf("%d dedupe records left after the raise, want 0", n)
+	}
+	if n := len(tables[TableSessions]); n != 3 {
+		t.Errorf("%d sessions after the raise, want 3 (client-1 to client-3)", n)
+	}
 	res := h.apply(steps[3].Cmd) // client-1's heartbeat, sequence 2, at index 4
-	if !res.Duplicate || res.Err != nil || res.Index != 4 || res.Value == nil {
-		t.Errorf("repeat of a write of the old snapshot = %+v, want its outcome (index 4)", res)
+	if !res.Duplicate || res.Err != nil || res.Index != 4 {
+		t.Errorf("repeat of a write of the state at 0.0 = %+v, want its outcome (index 4)", res)
 	}
 	res = h.apply(steps[13].Cmd) // client-3's failed delete
 	if !res.Duplicate || !errors.Is(res.Err, ErrNotFound) || res.Index != 14 {
-		t.Errorf("repeat of a failed write of the old snapshot = %+v, want not_found at 14", res)
+		t.Errorf("repeat of a failed write of the state at 0.0 = %+v, want not_found at 14", res)
 	}
 	if got := h.f.State().Index(TableSessions); got == 0 {
 		t.Error("sessions table has no index row after the conversion")
+	}
+	if v, rec, err := h.f.State().ClusterVersion(); err != nil || v != Latest || rec.GetIndex() != h.index-2 {
+		t.Errorf("ClusterVersion = %s, %v, %v; want %s set at index %d", v, rec, err, Latest, h.index-2)
+	}
+}
+
+// TestDowngradeConvertsSessions: moving a state to 0.0 turns each session
+// into dedupe records, drops what 0.0 cannot hold, writes format 2, and
+// the outcomes of the writes before the downgrade still answer their
+// repeats; moving it up again gives the sessions back.
+func TestDowngradeConvertsSessions(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	h.mustApply(SetClusterVersionCommand(Version0_0))
+	if v := h.f.Version(); v != Version0_0 {
+		t.Fatalf("version %s after the downgrade", v)
+	}
+	tables := dumpTables(t, h.f)
+	for _, table := range []string{TableSessions, TablePlacements, TableClusterVersion} {
+		if n := len(tables[table]); n != 0 {
+			t.Errorf("%s: %d records at 0.0, want none", table, n)
+		}
+	}
+	if len(tables[TableDedupe]) == 0 {
+		t.Error("no dedupe records after the downgrade")
+	}
+	snap := h.snapshot()
+	if v := binary.BigEndian.Uint32(snap[4:8]); v != 2 {
+		t.Errorf("snapshot format %d at 0.0, want 2", v)
+	}
+	steps := fsmtest.FullState()
+	res := h.apply(steps[3].Cmd)
+	if !res.Duplicate || res.Err != nil || res.Index != 4 {
+		t.Errorf("repeat of a write made at %s = %+v, want its outcome (index 4)", Latest, res)
+	}
+	r := newHarness(t, func(c *Config) { c.InitialVersion = Version0_0 })
+	if err := r.f.Restore(readCloser(snap)); err != nil {
+		t.Fatal(err)
+	}
+	if r.f.Version() != Version0_0 {
+		t.Errorf("restored at %s, want 0.0", r.f.Version())
+	}
+	h.mustApply(SetClusterVersionCommand(Latest))
+	if n := len(dumpTables(t, h.f)[TableSessions]); n == 0 {
+		t.Error("no sessions after moving up again")
 	}
 }
 

@@ -34,8 +34,10 @@ func tableNum(name string) int {
 		return 7
 	case TableSessions:
 		return 8
-	case TableIndex:
+	case TableClusterVersion:
 		return 9
+	case TableIndex:
+		return 10
 	}
 	return -1
 }
@@ -100,6 +102,17 @@ type writeTxn struct {
 	// itself, instead of its client's session.
 	track, noPrune bool
 	reads          []Read
+
+	// version is the cluster version the entry being applied runs at: the
+	// state's as the batch began (startVersion), moved by a
+	// set_cluster_version entry of the batch.
+	version, startVersion Version
+	// halt is set by an entry this release cannot apply: nothing of it was
+	// written, and nothing after it may be applied.
+	halt *HaltError
+	// checkpoint is set by a checkpoint entry: the state as of it is
+	// captured before the next entry.
+	checkpoint bool
 }
 
 func newWriteTxn() *writeTxn {
@@ -116,8 +129,10 @@ func newWriteTxn() *writeTxn {
 	return t
 }
 
-// begin starts a write transaction on db.
-func (t *writeTxn) begin(db *memdb.MemDB) {
+// begin starts a write transaction on db, whose cluster version is v.
+func (t *writeTxn) begin(db *memdb.MemDB, v Version) {
+	t.version, t.startVersion = v, v
+	t.halt, t.checkpoint = nil, false
 	t.db = db
 	t.txn = db.Txn(true)
 	// Taken under the writer lock: the state txn starts from.
@@ -143,6 +158,10 @@ func (t *writeTxn) begin(db *memdb.MemDB) {
 // maxKeptOverlay is the largest overlay map begin clears for reuse.
 const maxKeptOverlay = 1024
 
+// legacy reports whether the entry being applied runs at version 0.0 in
+// Raft mode: as the agents that predate cluster versions apply it.
+func (t *writeTxn) legacy() bool { return !t.noPrune && t.version == Version0_0 }
+
 // abort discards the transaction.
 func (t *writeTxn) abort() {
 	t.txn.Abort()
@@ -153,8 +172,9 @@ func (t *writeTxn) abort() {
 func (t *writeTxn) reset() {
 	db, index := t.db, t.index
 	track, noPrune, reads := t.track, t.noPrune, t.reads
+	v := t.startVersion
 	t.abort()
-	t.begin(db)
+	t.begin(db, v)
 	t.index = index
 	// The reads made before the reset still decided the outcome.
 	t.track, t.noPrune, t.reads = track, noPrune, reads

@@ -85,7 +85,7 @@ func (forwardedTo) WatchStatus(context.Context, *connect.Request[clusterv1.Watch
 // with v as its membership and peers.
 func newTestService(t *testing.T, id string, raft Consensus, admin RaftAdmin, v *followerView) (*ClusterService, *fsm.FSM) {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

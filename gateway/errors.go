@@ -55,6 +55,9 @@ var codeTable = []struct {
 	// A retry too late to be told its outcome: the client must read the
 	// state, not send it again.
 	{fsm.ErrTooOldToReplay, connect.CodeFailedPrecondition},
+	// A node that stopped applying the log until it is upgraded.
+	{fsm.ErrNeedsNewerVersion, connect.CodeFailedPrecondition},
+	{fsm.ErrNoCheckpoint, connect.CodeNotFound},
 	{fsm.ErrInvalidConfig, connect.CodeInvalidArgument},
 	{fsm.ErrUnsupportedSnapshot, connect.CodeFailedPrecondition},
 	{fsm.ErrCorruptSnapshot, connect.CodeInvalidArgument},

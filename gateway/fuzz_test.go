@@ -73,7 +73,7 @@ func FuzzConnectRequest(f *testing.F) {
 	f.Add(uint8(0), true, []byte(`{"instance":{"service":"web\u0000x","instanceId":"a","meta":{"k":"v"},"tags":["x"]}}`))
 	f.Add(uint8(8), true, []byte(`{"key":"","casRevision":"18446744073709551615"}`))
 
-	fs, err := fsm.New(fsm.DefaultConfig())
+	fs, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -65,7 +65,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	if s.cfg.Fork != nil {
 		scratch, err = s.cfg.Fork()
 	} else {
-		scratch, err = fsm.New(fsm.DefaultConfig())
+		scratch, err = fsm.New(fsm.LatestConfig())
 	}
 	if err != nil {
 		return nil, err
@@ -96,13 +96,15 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		case fsm.TableCA:
 			out.CaIgnored = len(recs) > 0
 			fallthrough
-		case fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements:
+		case fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements, fsm.TableClusterVersion:
 			// This cluster's own: a CA is never taken from an upload, a
 			// made-up dedupe record or session would answer a later write as done
-			// without applying it, and the placement catalog says what
+			// without applying it, the placement catalog says what
 			// the nodes' backends hold now, which a restore does not
 			// change (the nodes' next listings correct any entry that
-			// moves meanwhile).
+			// moves meanwhile), and the cluster version is what the
+			// cluster's agents run (an archive of another version's
+			// cluster restores into this one's).
 			recs = cur
 		}
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {

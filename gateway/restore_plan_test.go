@@ -21,7 +21,7 @@ import (
 // resource for it.
 func TestRestorePlanKeepsPlacements(t *testing.T) {
 	state := func(node string, ids ...string) *fsm.FSM {
-		f, err := fsm.New(fsm.DefaultConfig())
+		f, err := fsm.New(fsm.LatestConfig())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -58,7 +58,7 @@ func TestRestorePlanKeepsPlacements(t *testing.T) {
 		t.Fatalf("planRestore: %v", err)
 	}
 	defer p.close()
-	restored, err := fsm.New(fsm.DefaultConfig())
+	restored, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

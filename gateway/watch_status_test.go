@@ -141,7 +141,7 @@ func (p watchPeers) ReadIndex(context.Context, string) (uint64, error) {
 
 func newWatchService(t *testing.T, c *watchCluster) *ClusterService {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -83,7 +83,7 @@ func (c *calls) n() int {
 
 func newLog(t *testing.T) *localLog {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

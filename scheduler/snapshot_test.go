@@ -27,7 +27,7 @@ import (
 // instance; index counts the snapshots taken. fail makes it fail.
 func testTaker(t *testing.T, fail *atomic.Bool) (SnapshotTaker, *atomic.Uint64) {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -31,7 +31,7 @@ func (l *localLog) Apply(_ context.Context, cmd []byte) (any, uint64, error) {
 }
 
 func TestTTLReaperRespectsTermStart(t *testing.T) {
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,7 +18,7 @@ import (
 // cluster; store/etcdstore runs the same suite on etcd.
 func TestConformance(t *testing.T) {
 	c := storetest.NewCluster(t, 3, func() raft.FSM {
-		f, err := fsm.New(fsm.DefaultConfig())
+		f, err := fsm.New(fsm.LatestConfig())
 		if err != nil {
 			panic(err)
 		}

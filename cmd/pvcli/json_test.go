@@ -81,7 +81,7 @@ func (f *fakeSnapshots) SaveSnapshot(_ context.Context, _ *connect.Request[clust
 // testArchive is a snapshot archive of an empty state.
 func testArchive(t *testing.T) []byte {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -30,7 +30,7 @@ import (
 // config document.
 func state(t testing.TB, n int) []byte {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -310,7 +310,7 @@ func TestVerifyRefuses(t *testing.T) {
 			if err != nil {
 				return info, err
 			}
-			f, err := fsm.New(fsm.DefaultConfig())
+			f, err := fsm.New(fsm.LatestConfig())
 			if err != nil {
 				return info, err
 			}

@@ -41,7 +41,7 @@ func FuzzVerify(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		f, err := fsm.New(fsm.DefaultConfig())
+		f, err := fsm.New(fsm.LatestConfig())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -50,11 +50,12 @@ type Step struct {
 // tables of snapshot format v: its golden state. Format 1: services,
 // config, config_history, schedules, schedule_runs, dedupe, index; format 2
 // added ca, format 3 placements, format 4 sessions (which the writes with
-// client IDs of the earlier steps fill: a state of an older format holds
-// dedupe records there instead). The last entry is the current format:
-// every step. A new format appends its steps to FullState and an entry
-// here.
-var FormatSteps = []int{1: 14, 2: 15, 3: 17, 4: 17}
+// client IDs of the earlier steps fill at cluster version 0.1; at 0.0 they
+// leave dedupe records there instead), format 5 the cluster version (which
+// a state at 0.1 holds from its start). The last entry is the current
+// format: every step. A new format appends its steps to FullState and an
+// entry here.
+var FormatSteps = []int{1: 14, 2: 15, 3: 17, 4: 17, 5: 17}
 
 // FullState returns the steps that put records in every table of the
 // state: applied in order at consecutive indexes from 1, step i at leader

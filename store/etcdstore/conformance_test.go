@@ -52,7 +52,7 @@ func openStores(t *testing.T, ec *etcdtest.Cluster, n int) []*etcdstore.Store {
 
 func openStore(t *testing.T, ec *etcdtest.Cluster, id string) *etcdstore.Store {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

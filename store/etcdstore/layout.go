@@ -47,6 +47,9 @@ const (
 	dirElection = "/leader"
 	dirMeta     = "/meta/"
 	keyCA       = "/ca"
+	// keyVersion is the data-format version of the keys: the cluster
+	// version (absent: 0.0, the agents that predate it).
+	keyVersion = "/cluster_version"
 )
 
 // watchPrefix covers every key of the layout.
@@ -92,6 +95,10 @@ func (l layout) key(table string, rec proto.Message) (string, error) {
 		if table == fsm.TableCA {
 			return l.root + keyCA, nil
 		}
+	case *fsmv1.ClusterVersion:
+		if table == fsm.TableClusterVersion {
+			return l.root + keyVersion, nil
+		}
 	case *fsmv1.Placement:
 		if table == fsm.TablePlacements {
 			return l.root + dirPlace + seg(r.GetKind()) + "/" + seg(r.GetId()), nil
@@ -130,6 +137,8 @@ func (l layout) table(key string) string {
 		return fsm.TableDedupe
 	case rest == keyCA:
 		return fsm.TableCA
+	case rest == keyVersion:
+		return fsm.TableClusterVersion
 	}
 	return ""
 }

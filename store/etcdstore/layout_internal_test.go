@@ -27,7 +27,7 @@ var notInEtcd = map[string]string{
 // under its table, and its value decodes to the record (index fields
 // aside, which etcd's revisions replace).
 func TestLayoutCoversEveryTable(t *testing.T) {
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -340,7 +340,7 @@ func TestRestart(t *testing.T) {
 // order, and the state taken from etcd restores into an FSM with the same
 // records.
 func TestRestoreAcrossModes(t *testing.T) {
-	src, err := fsm.New(fsm.DefaultConfig())
+	src, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -402,7 +402,7 @@ func TestRestoreAcrossModes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	back, _ := fsm.New(fsm.DefaultConfig())
+	back, _ := fsm.New(fsm.LatestConfig())
 	if err := back.Restore(rc); err != nil {
 		t.Fatal(err)
 	}

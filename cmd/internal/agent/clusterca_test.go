@@ -302,7 +302,7 @@ func TestClusterCASigning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	restored, err := fsm.New(fsm.DefaultConfig())
+	restored, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

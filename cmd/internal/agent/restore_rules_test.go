@@ -30,7 +30,7 @@ import (
 // archiveOf writes records as the whole state of a snapshot archive.
 func archiveOf(t *testing.T, records ...fsm.TableRecord) []byte {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

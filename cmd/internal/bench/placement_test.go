@@ -164,7 +164,7 @@ func BenchmarkPlacement(b *testing.B) {
 // placement, measured over 100,000 of them.
 func catalogBytesPerObject(b *testing.B) float64 {
 	const n, batch = 100_000, 5_000
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		b.Fatal(err)
 	}

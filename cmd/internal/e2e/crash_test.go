@@ -234,7 +234,7 @@ func TestCrashDuringRestore(t *testing.T) {
 // prefix-NNNNN and returns their "service/instance" IDs, sorted.
 func writeServiceArchive(t *testing.T, path, prefix string, n int) []string {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

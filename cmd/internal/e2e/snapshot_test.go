@@ -188,7 +188,7 @@ func TestSnapshotSaveWipeRestore(t *testing.T) {
 // them as stored.
 func writeScheduleArchive(t *testing.T, path string, n int) []*schedulev1.Schedule {
 	t.Helper()
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +244,7 @@ func archiveState(t *testing.T, path string) *fsm.FSM {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := fsm.New(fsm.DefaultConfig())
+	f, err := fsm.New(fsm.LatestConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

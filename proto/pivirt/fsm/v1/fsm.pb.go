@@ -53,6 +53,7 @@ type Command struct {
 	//	*Command_SetClusterCa
 	//	*Command_RefuseWrite
 	//	*Command_SetPlacements
+	//	*Command_SetClusterVersion
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -242,6 +243,15 @@ func (x *Command) GetSetPlacements() *SetPlacements {
 	return nil
 }
 
+func (x *Command) GetSetClusterVersion() *SetClusterVersion {
+	if x != nil {
+		if x, ok := x.Op.(*Command_SetClusterVersion); ok {
+			return x.SetClusterVersion
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -302,6 +312,10 @@ type Command_SetPlacements struct {
 	SetPlacements *SetPlacements `protobuf:"bytes,70,opt,name=set_placements,json=setPlacements,proto3,oneof"`
 }
 
+type Command_SetClusterVersion struct {
+	SetClusterVersion *SetClusterVersion `protobuf:"bytes,80,opt,name=set_cluster_version,json=setClusterVersion,proto3,oneof"`
+}
+
 func (*Command_RegisterService) isCommand_Op() {}
 
 func (*Command_DeregisterService) isCommand_Op() {}
@@ -330,6 +344,141 @@ func (*Command_RefuseWrite) isCommand_Op() {}
 
 func (*Command_SetPlacements) isCommand_Op() {}
 
+func (*Command_SetClusterVersion) isCommand_Op() {}
+
+// ClusterVersion is the version of the replicated state: the lowest
+// major.minor release of the cluster's servers, agreed through Raft. It
+// decides what the state machine does with every command (the behaviour of
+// that release) and what the agents may propose and write. A state without
+// it is at version 0.0, the behaviour of the agents that predate it.
+type ClusterVersion struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Major uint32                 `protobuf:"varint,1,opt,name=major,proto3" json:"major,omitempty"`
+	Minor uint32                 `protobuf:"varint,2,opt,name=minor,proto3" json:"minor,omitempty"`
+	// index is the log index that set it; set_at the leader's time.
+	Index         uint64                 `protobuf:"varint,3,opt,name=index,proto3" json:"index,omitempty"`
+	SetAt         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=set_at,json=setAt,proto3" json:"set_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClusterVersion) Reset() {
+	*x = ClusterVersion{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterVersion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterVersion) ProtoMessage() {}
+
+func (x *ClusterVersion) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterVersion.ProtoReflect.Descriptor instead.
+func (*ClusterVersion) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ClusterVersion) GetMajor() uint32 {
+	if x != nil {
+		return x.Major
+	}
+	return 0
+}
+
+func (x *ClusterVersion) GetMinor() uint32 {
+	if x != nil {
+		return x.Minor
+	}
+	return 0
+}
+
+func (x *ClusterVersion) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ClusterVersion) GetSetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.SetAt
+	}
+	return nil
+}
+
+// SetClusterVersion moves the cluster version to major.minor: up once every
+// server runs that release, down for a downgrade. The state is converted
+// at this entry, on every node alike: up from 0.0, each client's dedupe
+// records become its session; down to 0.0, sessions become dedupe records
+// and what 0.0 cannot hold (the placement catalog, the version itself) is
+// dropped. A node whose release is older than the version stops applying
+// here.
+type SetClusterVersion struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Major         uint32                 `protobuf:"varint,1,opt,name=major,proto3" json:"major,omitempty"`
+	Minor         uint32                 `protobuf:"varint,2,opt,name=minor,proto3" json:"minor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetClusterVersion) Reset() {
+	*x = SetClusterVersion{}
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetClusterVersion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetClusterVersion) ProtoMessage() {}
+
+func (x *SetClusterVersion) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetClusterVersion.ProtoReflect.Descriptor instead.
+func (*SetClusterVersion) Descriptor() ([]byte, []int) {
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *SetClusterVersion) GetMajor() uint32 {
+	if x != nil {
+		return x.Major
+	}
+	return 0
+}
+
+func (x *SetClusterVersion) GetMinor() uint32 {
+	if x != nil {
+		return x.Minor
+	}
+	return 0
+}
+
 // Placement is one entry of the placement catalog: an object held by a
 // node-scoped backend (a VM, a volume, a network) and the node whose
 // backend holds it. Only what routing needs: a power-state change is not
@@ -348,7 +497,7 @@ type Placement struct {
 
 func (x *Placement) Reset() {
 	*x = Placement{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -360,7 +509,7 @@ func (x *Placement) String() string {
 func (*Placement) ProtoMessage() {}
 
 func (x *Placement) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[1]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -373,7 +522,7 @@ func (x *Placement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Placement.ProtoReflect.Descriptor instead.
 func (*Placement) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Placement) GetKind() string {
@@ -415,7 +564,7 @@ type SetPlacements struct {
 
 func (x *SetPlacements) Reset() {
 	*x = SetPlacements{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -427,7 +576,7 @@ func (x *SetPlacements) String() string {
 func (*SetPlacements) ProtoMessage() {}
 
 func (x *SetPlacements) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[2]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -440,7 +589,7 @@ func (x *SetPlacements) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetPlacements.ProtoReflect.Descriptor instead.
 func (*SetPlacements) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SetPlacements) GetNode() string {
@@ -489,7 +638,7 @@ type RefuseWrite struct {
 
 func (x *RefuseWrite) Reset() {
 	*x = RefuseWrite{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -501,7 +650,7 @@ func (x *RefuseWrite) String() string {
 func (*RefuseWrite) ProtoMessage() {}
 
 func (x *RefuseWrite) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[3]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -514,7 +663,7 @@ func (x *RefuseWrite) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefuseWrite.ProtoReflect.Descriptor instead.
 func (*RefuseWrite) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RefuseWrite) GetErrorCode() string {
@@ -545,7 +694,7 @@ type SetClusterCA struct {
 
 func (x *SetClusterCA) Reset() {
 	*x = SetClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -557,7 +706,7 @@ func (x *SetClusterCA) String() string {
 func (*SetClusterCA) ProtoMessage() {}
 
 func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[4]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -570,7 +719,7 @@ func (x *SetClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterCA.ProtoReflect.Descriptor instead.
 func (*SetClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *SetClusterCA) GetCertPem() []byte {
@@ -602,7 +751,7 @@ type ClusterCA struct {
 
 func (x *ClusterCA) Reset() {
 	*x = ClusterCA{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -614,7 +763,7 @@ func (x *ClusterCA) String() string {
 func (*ClusterCA) ProtoMessage() {}
 
 func (x *ClusterCA) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[5]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -627,7 +776,7 @@ func (x *ClusterCA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterCA.ProtoReflect.Descriptor instead.
 func (*ClusterCA) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ClusterCA) GetCertPem() []byte {
@@ -673,7 +822,7 @@ type Restored struct {
 
 func (x *Restored) Reset() {
 	*x = Restored{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -685,7 +834,7 @@ func (x *Restored) String() string {
 func (*Restored) ProtoMessage() {}
 
 func (x *Restored) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[6]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -698,7 +847,7 @@ func (x *Restored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Restored.ProtoReflect.Descriptor instead.
 func (*Restored) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Restored) GetSnapshotId() string {
@@ -724,7 +873,7 @@ type RegisterService struct {
 
 func (x *RegisterService) Reset() {
 	*x = RegisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -736,7 +885,7 @@ func (x *RegisterService) String() string {
 func (*RegisterService) ProtoMessage() {}
 
 func (x *RegisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[7]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -749,7 +898,7 @@ func (x *RegisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterService.ProtoReflect.Descriptor instead.
 func (*RegisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RegisterService) GetInstance() *v1.ServiceInstance {
@@ -773,7 +922,7 @@ type DeregisterService struct {
 
 func (x *DeregisterService) Reset() {
 	*x = DeregisterService{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -785,7 +934,7 @@ func (x *DeregisterService) String() string {
 func (*DeregisterService) ProtoMessage() {}
 
 func (x *DeregisterService) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[8]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -798,7 +947,7 @@ func (x *DeregisterService) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterService.ProtoReflect.Descriptor instead.
 func (*DeregisterService) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DeregisterService) GetService() string {
@@ -837,7 +986,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -849,7 +998,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[9]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -862,7 +1011,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Heartbeat) GetService() string {
@@ -908,7 +1057,7 @@ type SetServiceHealth struct {
 
 func (x *SetServiceHealth) Reset() {
 	*x = SetServiceHealth{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -920,7 +1069,7 @@ func (x *SetServiceHealth) String() string {
 func (*SetServiceHealth) ProtoMessage() {}
 
 func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[10]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -933,7 +1082,7 @@ func (x *SetServiceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetServiceHealth.ProtoReflect.Descriptor instead.
 func (*SetServiceHealth) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SetServiceHealth) GetService() string {
@@ -975,7 +1124,7 @@ type SetConfig struct {
 
 func (x *SetConfig) Reset() {
 	*x = SetConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -987,7 +1136,7 @@ func (x *SetConfig) String() string {
 func (*SetConfig) ProtoMessage() {}
 
 func (x *SetConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[11]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1000,7 +1149,7 @@ func (x *SetConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfig.ProtoReflect.Descriptor instead.
 func (*SetConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SetConfig) GetKey() string {
@@ -1025,16 +1174,23 @@ func (x *SetConfig) GetCasRevision() uint64 {
 }
 
 type DeleteConfig struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	CasRevision   *uint64                `protobuf:"varint,2,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Key         string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	CasRevision *uint64                `protobuf:"varint,2,opt,name=cas_revision,json=casRevision,proto3,oneof" json:"cas_revision,omitempty"`
+	// checkpoint marks a state checkpoint (with an empty key and no
+	// client_id): every node keeps the hash of its state as of this entry, so
+	// that replicas are compared at the same index (pvcli operator raft
+	// verify). Every version refuses the entry as a delete without writing
+	// anything (an empty key), the versions that predate the field included,
+	// so it is proposed whatever the cluster version.
+	Checkpoint    bool `protobuf:"varint,3,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DeleteConfig) Reset() {
 	*x = DeleteConfig{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1046,7 +1202,7 @@ func (x *DeleteConfig) String() string {
 func (*DeleteConfig) ProtoMessage() {}
 
 func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[12]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1059,7 +1215,7 @@ func (x *DeleteConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfig.ProtoReflect.Descriptor instead.
 func (*DeleteConfig) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteConfig) GetKey() string {
@@ -1076,6 +1232,13 @@ func (x *DeleteConfig) GetCasRevision() uint64 {
 	return 0
 }
 
+func (x *DeleteConfig) GetCheckpoint() bool {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return false
+}
+
 type PutSchedule struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Schedule *v11.Schedule          `protobuf:"bytes,1,opt,name=schedule,proto3" json:"schedule,omitempty"`
@@ -1087,7 +1250,7 @@ type PutSchedule struct {
 
 func (x *PutSchedule) Reset() {
 	*x = PutSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1099,7 +1262,7 @@ func (x *PutSchedule) String() string {
 func (*PutSchedule) ProtoMessage() {}
 
 func (x *PutSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[13]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1112,7 +1275,7 @@ func (x *PutSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutSchedule.ProtoReflect.Descriptor instead.
 func (*PutSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PutSchedule) GetSchedule() *v11.Schedule {
@@ -1138,7 +1301,7 @@ type DeleteSchedule struct {
 
 func (x *DeleteSchedule) Reset() {
 	*x = DeleteSchedule{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1150,7 +1313,7 @@ func (x *DeleteSchedule) String() string {
 func (*DeleteSchedule) ProtoMessage() {}
 
 func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[14]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1163,7 +1326,7 @@ func (x *DeleteSchedule) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSchedule.ProtoReflect.Descriptor instead.
 func (*DeleteSchedule) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{14}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DeleteSchedule) GetId() string {
@@ -1191,7 +1354,7 @@ type ClaimSlot struct {
 
 func (x *ClaimSlot) Reset() {
 	*x = ClaimSlot{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1203,7 +1366,7 @@ func (x *ClaimSlot) String() string {
 func (*ClaimSlot) ProtoMessage() {}
 
 func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[15]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1216,7 +1379,7 @@ func (x *ClaimSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimSlot.ProtoReflect.Descriptor instead.
 func (*ClaimSlot) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{15}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ClaimSlot) GetScheduleId() string {
@@ -1263,7 +1426,7 @@ type RecordRun struct {
 
 func (x *RecordRun) Reset() {
 	*x = RecordRun{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1275,7 +1438,7 @@ func (x *RecordRun) String() string {
 func (*RecordRun) ProtoMessage() {}
 
 func (x *RecordRun) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[16]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1288,7 +1451,7 @@ func (x *RecordRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordRun.ProtoReflect.Descriptor instead.
 func (*RecordRun) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{16}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *RecordRun) GetRun() *v11.Run {
@@ -1311,7 +1474,7 @@ type SnapshotHeader struct {
 
 func (x *SnapshotHeader) Reset() {
 	*x = SnapshotHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1323,7 +1486,7 @@ func (x *SnapshotHeader) String() string {
 func (*SnapshotHeader) ProtoMessage() {}
 
 func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[17]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1336,7 +1499,7 @@ func (x *SnapshotHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeader.ProtoReflect.Descriptor instead.
 func (*SnapshotHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{17}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SnapshotHeader) GetFormatVersion() uint32 {
@@ -1370,7 +1533,7 @@ type TableHeader struct {
 
 func (x *TableHeader) Reset() {
 	*x = TableHeader{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1382,7 +1545,7 @@ func (x *TableHeader) String() string {
 func (*TableHeader) ProtoMessage() {}
 
 func (x *TableHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[18]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1395,7 +1558,7 @@ func (x *TableHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TableHeader.ProtoReflect.Descriptor instead.
 func (*TableHeader) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{18}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TableHeader) GetName() string {
@@ -1437,7 +1600,7 @@ type Session struct {
 
 func (x *Session) Reset() {
 	*x = Session{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1449,7 +1612,7 @@ func (x *Session) String() string {
 func (*Session) ProtoMessage() {}
 
 func (x *Session) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[19]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1462,7 +1625,7 @@ func (x *Session) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Session.ProtoReflect.Descriptor instead.
 func (*Session) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{19}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Session) GetClientId() string {
@@ -1526,7 +1689,7 @@ type Outcome struct {
 
 func (x *Outcome) Reset() {
 	*x = Outcome{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1538,7 +1701,7 @@ func (x *Outcome) String() string {
 func (*Outcome) ProtoMessage() {}
 
 func (x *Outcome) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[20]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1551,7 +1714,7 @@ func (x *Outcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Outcome.ProtoReflect.Descriptor instead.
 func (*Outcome) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{20}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Outcome) GetSequence() uint64 {
@@ -1700,7 +1863,7 @@ type DedupeRecord struct {
 
 func (x *DedupeRecord) Reset() {
 	*x = DedupeRecord{}
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1712,7 +1875,7 @@ func (x *DedupeRecord) String() string {
 func (*DedupeRecord) ProtoMessage() {}
 
 func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[21]
+	mi := &file_pivirt_fsm_v1_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1725,7 +1888,7 @@ func (x *DedupeRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DedupeRecord.ProtoReflect.Descriptor instead.
 func (*DedupeRecord) Descriptor() ([]byte, []int) {
-	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{21}
+	return file_pivirt_fsm_v1_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DedupeRecord) GetClientId() string {
@@ -1852,7 +2015,7 @@ var File_pivirt_fsm_v1_fsm_proto protoreflect.FileDescriptor
 
 const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xa7\b\n" +
+	"\x17pivirt/fsm/v1/fsm.proto\x12\rpivirt.fsm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a!pivirt/schedule/v1/schedule.proto\"\xfb\b\n" +
 	"\aCommand\x12\x1b\n" +
 	"\tclient_id\x18\x01 \x01(\tR\bclientId\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -1874,8 +2037,17 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\brestored\x18( \x01(\v2\x17.pivirt.fsm.v1.RestoredH\x00R\brestored\x12C\n" +
 	"\x0eset_cluster_ca\x182 \x01(\v2\x1b.pivirt.fsm.v1.SetClusterCAH\x00R\fsetClusterCa\x12?\n" +
 	"\frefuse_write\x18< \x01(\v2\x1a.pivirt.fsm.v1.RefuseWriteH\x00R\vrefuseWrite\x12E\n" +
-	"\x0eset_placements\x18F \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsH\x00R\rsetPlacementsB\x04\n" +
-	"\x02op\"C\n" +
+	"\x0eset_placements\x18F \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsH\x00R\rsetPlacements\x12R\n" +
+	"\x13set_cluster_version\x18P \x01(\v2 .pivirt.fsm.v1.SetClusterVersionH\x00R\x11setClusterVersionB\x04\n" +
+	"\x02op\"\x85\x01\n" +
+	"\x0eClusterVersion\x12\x14\n" +
+	"\x05major\x18\x01 \x01(\rR\x05major\x12\x14\n" +
+	"\x05minor\x18\x02 \x01(\rR\x05minor\x12\x14\n" +
+	"\x05index\x18\x03 \x01(\x04R\x05index\x121\n" +
+	"\x06set_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x05setAt\"?\n" +
+	"\x11SetClusterVersion\x12\x14\n" +
+	"\x05major\x18\x01 \x01(\rR\x05major\x12\x14\n" +
+	"\x05minor\x18\x02 \x01(\rR\x05minor\"C\n" +
 	"\tPlacement\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12\x12\n" +
@@ -1925,10 +2097,13 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value\x12&\n" +
 	"\fcas_revision\x18\x03 \x01(\x04H\x00R\vcasRevision\x88\x01\x01B\x0f\n" +
-	"\r_cas_revision\"Y\n" +
+	"\r_cas_revision\"y\n" +
 	"\fDeleteConfig\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12&\n" +
-	"\fcas_revision\x18\x02 \x01(\x04H\x00R\vcasRevision\x88\x01\x01B\x0f\n" +
+	"\fcas_revision\x18\x02 \x01(\x04H\x00R\vcasRevision\x88\x01\x01\x12\x1e\n" +
+	"\n" +
+	"checkpoint\x18\x03 \x01(\bR\n" +
+	"checkpointB\x0f\n" +
 	"\r_cas_revision\"\x80\x01\n" +
 	"\vPutSchedule\x128\n" +
 	"\bschedule\x18\x01 \x01(\v2\x1c.pivirt.schedule.v1.ScheduleR\bschedule\x12&\n" +
@@ -2002,83 +2177,87 @@ func file_pivirt_fsm_v1_fsm_proto_rawDescGZIP() []byte {
 	return file_pivirt_fsm_v1_fsm_proto_rawDescData
 }
 
-var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_pivirt_fsm_v1_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_pivirt_fsm_v1_fsm_proto_goTypes = []any{
 	(*Command)(nil),               // 0: pivirt.fsm.v1.Command
-	(*Placement)(nil),             // 1: pivirt.fsm.v1.Placement
-	(*SetPlacements)(nil),         // 2: pivirt.fsm.v1.SetPlacements
-	(*RefuseWrite)(nil),           // 3: pivirt.fsm.v1.RefuseWrite
-	(*SetClusterCA)(nil),          // 4: pivirt.fsm.v1.SetClusterCA
-	(*ClusterCA)(nil),             // 5: pivirt.fsm.v1.ClusterCA
-	(*Restored)(nil),              // 6: pivirt.fsm.v1.Restored
-	(*RegisterService)(nil),       // 7: pivirt.fsm.v1.RegisterService
-	(*DeregisterService)(nil),     // 8: pivirt.fsm.v1.DeregisterService
-	(*Heartbeat)(nil),             // 9: pivirt.fsm.v1.Heartbeat
-	(*SetServiceHealth)(nil),      // 10: pivirt.fsm.v1.SetServiceHealth
-	(*SetConfig)(nil),             // 11: pivirt.fsm.v1.SetConfig
-	(*DeleteConfig)(nil),          // 12: pivirt.fsm.v1.DeleteConfig
-	(*PutSchedule)(nil),           // 13: pivirt.fsm.v1.PutSchedule
-	(*DeleteSchedule)(nil),        // 14: pivirt.fsm.v1.DeleteSchedule
-	(*ClaimSlot)(nil),             // 15: pivirt.fsm.v1.ClaimSlot
-	(*RecordRun)(nil),             // 16: pivirt.fsm.v1.RecordRun
-	(*SnapshotHeader)(nil),        // 17: pivirt.fsm.v1.SnapshotHeader
-	(*TableHeader)(nil),           // 18: pivirt.fsm.v1.TableHeader
-	(*Session)(nil),               // 19: pivirt.fsm.v1.Session
-	(*Outcome)(nil),               // 20: pivirt.fsm.v1.Outcome
-	(*DedupeRecord)(nil),          // 21: pivirt.fsm.v1.DedupeRecord
-	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
-	(*v1.ServiceInstance)(nil),    // 23: pivirt.cluster.v1.ServiceInstance
-	(v1.Health)(0),                // 24: pivirt.cluster.v1.Health
-	(*v11.Schedule)(nil),          // 25: pivirt.schedule.v1.Schedule
-	(*v11.Run)(nil),               // 26: pivirt.schedule.v1.Run
-	(*v1.ConfigEntry)(nil),        // 27: pivirt.cluster.v1.ConfigEntry
+	(*ClusterVersion)(nil),        // 1: pivirt.fsm.v1.ClusterVersion
+	(*SetClusterVersion)(nil),     // 2: pivirt.fsm.v1.SetClusterVersion
+	(*Placement)(nil),             // 3: pivirt.fsm.v1.Placement
+	(*SetPlacements)(nil),         // 4: pivirt.fsm.v1.SetPlacements
+	(*RefuseWrite)(nil),           // 5: pivirt.fsm.v1.RefuseWrite
+	(*SetClusterCA)(nil),          // 6: pivirt.fsm.v1.SetClusterCA
+	(*ClusterCA)(nil),             // 7: pivirt.fsm.v1.ClusterCA
+	(*Restored)(nil),              // 8: pivirt.fsm.v1.Restored
+	(*RegisterService)(nil),       // 9: pivirt.fsm.v1.RegisterService
+	(*DeregisterService)(nil),     // 10: pivirt.fsm.v1.DeregisterService
+	(*Heartbeat)(nil),             // 11: pivirt.fsm.v1.Heartbeat
+	(*SetServiceHealth)(nil),      // 12: pivirt.fsm.v1.SetServiceHealth
+	(*SetConfig)(nil),             // 13: pivirt.fsm.v1.SetConfig
+	(*DeleteConfig)(nil),          // 14: pivirt.fsm.v1.DeleteConfig
+	(*PutSchedule)(nil),           // 15: pivirt.fsm.v1.PutSchedule
+	(*DeleteSchedule)(nil),        // 16: pivirt.fsm.v1.DeleteSchedule
+	(*ClaimSlot)(nil),             // 17: pivirt.fsm.v1.ClaimSlot
+	(*RecordRun)(nil),             // 18: pivirt.fsm.v1.RecordRun
+	(*SnapshotHeader)(nil),        // 19: pivirt.fsm.v1.SnapshotHeader
+	(*TableHeader)(nil),           // 20: pivirt.fsm.v1.TableHeader
+	(*Session)(nil),               // 21: pivirt.fsm.v1.Session
+	(*Outcome)(nil),               // 22: pivirt.fsm.v1.Outcome
+	(*DedupeRecord)(nil),          // 23: pivirt.fsm.v1.DedupeRecord
+	(*timestamppb.Timestamp)(nil), // 24: google.protobuf.Timestamp
+	(*v1.ServiceInstance)(nil),    // 25: pivirt.cluster.v1.ServiceInstance
+	(v1.Health)(0),                // 26: pivirt.cluster.v1.Health
+	(*v11.Schedule)(nil),          // 27: pivirt.schedule.v1.Schedule
+	(*v11.Run)(nil),               // 28: pivirt.schedule.v1.Run
+	(*v1.ConfigEntry)(nil),        // 29: pivirt.cluster.v1.ConfigEntry
 }
 var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
-	22, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
-	7,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
-	8,  // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
-	9,  // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
-	10, // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
-	11, // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
-	12, // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
-	13, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
-	14, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
-	15, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
-	16, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
-	6,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
-	4,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
-	3,  // 13: pivirt.fsm.v1.Command.refuse_write:type_name -> pivirt.fsm.v1.RefuseWrite
-	2,  // 14: pivirt.fsm.v1.Command.set_placements:type_name -> pivirt.fsm.v1.SetPlacements
-	1,  // 15: pivirt.fsm.v1.SetPlacements.upsert:type_name -> pivirt.fsm.v1.Placement
-	1,  // 16: pivirt.fsm.v1.SetPlacements.delete:type_name -> pivirt.fsm.v1.Placement
-	22, // 17: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
-	23, // 18: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	22, // 19: pivirt.fsm.v1.DeregisterService.critical_since:type_name -> google.protobuf.Timestamp
-	24, // 20: pivirt.fsm.v1.Heartbeat.health:type_name -> pivirt.cluster.v1.Health
-	24, // 21: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
-	22, // 22: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
-	25, // 23: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
-	22, // 24: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
-	22, // 25: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
-	26, // 26: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
-	18, // 27: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	22, // 28: pivirt.fsm.v1.Session.last_used:type_name -> google.protobuf.Timestamp
-	20, // 29: pivirt.fsm.v1.Session.outcomes:type_name -> pivirt.fsm.v1.Outcome
-	22, // 30: pivirt.fsm.v1.Outcome.time:type_name -> google.protobuf.Timestamp
-	23, // 31: pivirt.fsm.v1.Outcome.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	27, // 32: pivirt.fsm.v1.Outcome.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	25, // 33: pivirt.fsm.v1.Outcome.schedule:type_name -> pivirt.schedule.v1.Schedule
-	26, // 34: pivirt.fsm.v1.Outcome.run:type_name -> pivirt.schedule.v1.Run
-	22, // 35: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	23, // 36: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	27, // 37: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	25, // 38: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
-	26, // 39: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
-	40, // [40:40] is the sub-list for method output_type
-	40, // [40:40] is the sub-list for method input_type
-	40, // [40:40] is the sub-list for extension type_name
-	40, // [40:40] is the sub-list for extension extendee
-	0,  // [0:40] is the sub-list for field type_name
+	24, // 0: pivirt.fsm.v1.Command.time:type_name -> google.protobuf.Timestamp
+	9,  // 1: pivirt.fsm.v1.Command.register_service:type_name -> pivirt.fsm.v1.RegisterService
+	10, // 2: pivirt.fsm.v1.Command.deregister_service:type_name -> pivirt.fsm.v1.DeregisterService
+	11, // 3: pivirt.fsm.v1.Command.heartbeat:type_name -> pivirt.fsm.v1.Heartbeat
+	12, // 4: pivirt.fsm.v1.Command.set_service_health:type_name -> pivirt.fsm.v1.SetServiceHealth
+	13, // 5: pivirt.fsm.v1.Command.set_config:type_name -> pivirt.fsm.v1.SetConfig
+	14, // 6: pivirt.fsm.v1.Command.delete_config:type_name -> pivirt.fsm.v1.DeleteConfig
+	15, // 7: pivirt.fsm.v1.Command.put_schedule:type_name -> pivirt.fsm.v1.PutSchedule
+	16, // 8: pivirt.fsm.v1.Command.delete_schedule:type_name -> pivirt.fsm.v1.DeleteSchedule
+	17, // 9: pivirt.fsm.v1.Command.claim_slot:type_name -> pivirt.fsm.v1.ClaimSlot
+	18, // 10: pivirt.fsm.v1.Command.record_run:type_name -> pivirt.fsm.v1.RecordRun
+	8,  // 11: pivirt.fsm.v1.Command.restored:type_name -> pivirt.fsm.v1.Restored
+	6,  // 12: pivirt.fsm.v1.Command.set_cluster_ca:type_name -> pivirt.fsm.v1.SetClusterCA
+	5,  // 13: pivirt.fsm.v1.Command.refuse_write:type_name -> pivirt.fsm.v1.RefuseWrite
+	4,  // 14: pivirt.fsm.v1.Command.set_placements:type_name -> pivirt.fsm.v1.SetPlacements
+	2,  // 15: pivirt.fsm.v1.Command.set_cluster_version:type_name -> pivirt.fsm.v1.SetClusterVersion
+	24, // 16: pivirt.fsm.v1.ClusterVersion.set_at:type_name -> google.protobuf.Timestamp
+	3,  // 17: pivirt.fsm.v1.SetPlacements.upsert:type_name -> pivirt.fsm.v1.Placement
+	3,  // 18: pivirt.fsm.v1.SetPlacements.delete:type_name -> pivirt.fsm.v1.Placement
+	24, // 19: pivirt.fsm.v1.ClusterCA.installed_at:type_name -> google.protobuf.Timestamp
+	25, // 20: pivirt.fsm.v1.RegisterService.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	24, // 21: pivirt.fsm.v1.DeregisterService.critical_since:type_name -> google.protobuf.Timestamp
+	26, // 22: pivirt.fsm.v1.Heartbeat.health:type_name -> pivirt.cluster.v1.Health
+	26, // 23: pivirt.fsm.v1.SetServiceHealth.health:type_name -> pivirt.cluster.v1.Health
+	24, // 24: pivirt.fsm.v1.SetServiceHealth.last_heartbeat:type_name -> google.protobuf.Timestamp
+	27, // 25: pivirt.fsm.v1.PutSchedule.schedule:type_name -> pivirt.schedule.v1.Schedule
+	24, // 26: pivirt.fsm.v1.ClaimSlot.slot:type_name -> google.protobuf.Timestamp
+	24, // 27: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
+	28, // 28: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
+	20, // 29: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
+	24, // 30: pivirt.fsm.v1.Session.last_used:type_name -> google.protobuf.Timestamp
+	22, // 31: pivirt.fsm.v1.Session.outcomes:type_name -> pivirt.fsm.v1.Outcome
+	24, // 32: pivirt.fsm.v1.Outcome.time:type_name -> google.protobuf.Timestamp
+	25, // 33: pivirt.fsm.v1.Outcome.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	29, // 34: pivirt.fsm.v1.Outcome.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	27, // 35: pivirt.fsm.v1.Outcome.schedule:type_name -> pivirt.schedule.v1.Schedule
+	28, // 36: pivirt.fsm.v1.Outcome.run:type_name -> pivirt.schedule.v1.Run
+	24, // 37: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	25, // 38: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	29, // 39: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	27, // 40: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	28, // 41: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	42, // [42:42] is the sub-list for method output_type
+	42, // [42:42] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }
@@ -2101,17 +2280,18 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 		(*Command_SetClusterCa)(nil),
 		(*Command_RefuseWrite)(nil),
 		(*Command_SetPlacements)(nil),
+		(*Command_SetClusterVersion)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[11].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[12].OneofWrappers = []any{}
 	file_pivirt_fsm_v1_fsm_proto_msgTypes[13].OneofWrappers = []any{}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[20].OneofWrappers = []any{
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[14].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[15].OneofWrappers = []any{}
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[22].OneofWrappers = []any{
 		(*Outcome_Instance)(nil),
 		(*Outcome_ConfigEntry)(nil),
 		(*Outcome_Schedule)(nil),
 		(*Outcome_Run)(nil),
 	}
-	file_pivirt_fsm_v1_fsm_proto_msgTypes[21].OneofWrappers = []any{
+	file_pivirt_fsm_v1_fsm_proto_msgTypes[23].OneofWrappers = []any{
 		(*DedupeRecord_Instance)(nil),
 		(*DedupeRecord_ConfigEntry)(nil),
 		(*DedupeRecord_Schedule)(nil),
@@ -2123,7 +2303,7 @@ func file_pivirt_fsm_v1_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_fsm_v1_fsm_proto_rawDesc), len(file_pivirt_fsm_v1_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -21,7 +21,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/fsm/v1/fsm.proto.
  */
 export const file_pivirt_fsm_v1_fsm: GenFile = /*@__PURE__*/
-  fileDesc("ChdwaXZpcnQvZnNtL3YxL2ZzbS5wcm90bxINcGl2aXJ0LmZzbS52MSLMBgoHQ29tbWFuZBIRCgljbGllbnRfaWQYASABKAkSEAoIc2VxdWVuY2UYAiABKAQSKAoEdGltZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASOgoQcmVnaXN0ZXJfc2VydmljZRgKIAEoCzIeLnBpdmlydC5mc20udjEuUmVnaXN0ZXJTZXJ2aWNlSAASPgoSZGVyZWdpc3Rlcl9zZXJ2aWNlGAsgASgLMiAucGl2aXJ0LmZzbS52MS5EZXJlZ2lzdGVyU2VydmljZUgAEi0KCWhlYXJ0YmVhdBgMIAEoCzIYLnBpdmlydC5mc20udjEuSGVhcnRiZWF0SAASPQoSc2V0X3NlcnZpY2VfaGVhbHRoGA0gASgLMh8ucGl2aXJ0LmZzbS52MS5TZXRTZXJ2aWNlSGVhbHRoSAASLgoKc2V0X2NvbmZpZxgUIAEoCzIYLnBpdmlydC5mc20udjEuU2V0Q29uZmlnSAASNAoNZGVsZXRlX2NvbmZpZxgVIAEoCzIbLnBpdmlydC5mc20udjEuRGVsZXRlQ29uZmlnSAASMgoMcHV0X3NjaGVkdWxlGB4gASgLMhoucGl2aXJ0LmZzbS52MS5QdXRTY2hlZHVsZUgAEjgKD2RlbGV0ZV9zY2hlZHVsZRgfIAEoCzIdLnBpdmlydC5mc20udjEuRGVsZXRlU2NoZWR1bGVIABIuCgpjbGFpbV9zbG90GCAgASgLMhgucGl2aXJ0LmZzbS52MS5DbGFpbVNsb3RIABIuCgpyZWNvcmRfcnVuGCEgASgLMhgucGl2aXJ0LmZzbS52MS5SZWNvcmRSdW5IABIrCghyZXN0b3JlZBgoIAEoCzIXLnBpdmlydC5mc20udjEuUmVzdG9yZWRIABI1Cg5zZXRfY2x1c3Rlcl9jYRgyIAEoCzIbLnBpdmlydC5mc20udjEuU2V0Q2x1c3RlckNBSAASMgoMcmVmdXNlX3dyaXRlGDwgASgLMhoucGl2aXJ0LmZzbS52MS5SZWZ1c2VXcml0ZUgAEjYKDnNldF9wbGFjZW1lbnRzGEYgASgLMhwucGl2aXJ0LmZzbS52MS5TZXRQbGFjZW1lbnRzSABCBAoCb3AiMwoJUGxhY2VtZW50EgwKBGtpbmQYASABKAkSCgoCaWQYAiABKAkSDAoEbm9kZRgDIAEoCSKFAQoNU2V0UGxhY2VtZW50cxIMCgRub2RlGAEgASgJEigKBnVwc2VydBgCIAMoCzIYLnBpdmlydC5mc20udjEuUGxhY2VtZW50EigKBmRlbGV0ZRgDIAMoCzIYLnBpdmlydC5mc20udjEuUGxhY2VtZW50EhIKCmZ1bGxfa2luZHMYBCADKAkiOAoLUmVmdXNlV3JpdGUSEgoKZXJyb3JfY29kZRgBIAEoCRIVCg1lcnJvcl9tZXNzYWdlGAIgASgJIjEKDFNldENsdXN0ZXJDQRIQCghjZXJ0X3BlbRgBIAEoDBIPCgdrZXlfcGVtGAIgASgMIm8KCUNsdXN0ZXJDQRIQCghjZXJ0X3BlbRgBIAEoDBIPCgdrZXlfcGVtGAIgASgMEg0KBWluZGV4GAMgASgEEjAKDGluc3RhbGxlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiNwoIUmVzdG9yZWQSEwoLc25hcHNob3RfaWQYASABKAkSFgoOc25hcHNob3RfaW5kZXgYAiABKAQiRwoPUmVnaXN0ZXJTZXJ2aWNlEjQKCGluc3RhbmNlGAEgASgLMiIucGl2aXJ0LmNsdXN0ZXIudjEuU2VydmljZUluc3RhbmNlIm0KEURlcmVnaXN0ZXJTZXJ2aWNlEg8KB3NlcnZpY2UYASABKAkSEwoLaW5zdGFuY2VfaWQYAiABKAkSMgoOY3JpdGljYWxfc2luY2UYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImwKCUhlYXJ0YmVhdBIPCgdzZXJ2aWNlGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJEikKBmhlYWx0aBgDIAEoDjIZLnBpdmlydC5jbHVzdGVyLnYxLkhlYWx0aBIOCgZvdXRwdXQYBCABKAkilwEKEFNldFNlcnZpY2VIZWFsdGgSDwoHc2VydmljZRgBIAEoCRITCgtpbnN0YW5jZV9pZBgCIAEoCRIpCgZoZWFsdGgYAyABKA4yGS5waXZpcnQuY2x1c3Rlci52MS5IZWFsdGgSMgoObGFzdF9oZWFydGJlYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIlMKCVNldENvbmZpZxILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAkSGQoMY2FzX3JldmlzaW9uGAMgASgESACIAQFCDwoNX2Nhc19yZXZpc2lvbiJHCgxEZWxldGVDb25maWcSCwoDa2V5GAEgASgJEhkKDGNhc19yZXZpc2lvbhgCIAEoBEgAiAEBQg8KDV9jYXNfcmV2aXNpb24iaQoLUHV0U2NoZWR1bGUSLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUSGQoMY2FzX3JldmlzaW9uGAIgASgESACIAQFCDwoNX2Nhc19yZXZpc2lvbiIcCg5EZWxldGVTY2hlZHVsZRIKCgJpZBgBIAEoCSKaAQoJQ2xhaW1TbG90EhMKC3NjaGVkdWxlX2lkGAEgASgJEigKBHNsb3QYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBG5vZGUYAyABKAkSKwoHc2tpcHBlZBgEIAMoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEwoLc2tpcF9yZWFzb24YBSABKAkiMQoJUmVjb3JkUnVuEiQKA3J1bhgBIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW4iaAoOU25hcHNob3RIZWFkZXISFgoOZm9ybWF0X3ZlcnNpb24YASABKA0SKgoGdGFibGVzGAIgAygLMhoucGl2aXJ0LmZzbS52MS5UYWJsZUhlYWRlchISCgpsYXN0X2luZGV4GAMgASgEIiwKC1RhYmxlSGVhZGVyEgwKBG5hbWUYASABKAkSDwoHcmVjb3JkcxgCIAEoBCKoAQoHU2Vzc2lvbhIRCgljbGllbnRfaWQYASABKAkSGAoQaGlnaGVzdF9zZXF1ZW5jZRgCIAEoBBIXCg9kcm9wcGVkX3Rocm91Z2gYAyABKAQSLQoJbGFzdF91c2VkGAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCghvdXRjb21lcxgFIAMoCzIWLnBpdmlydC5mc20udjEuT3V0Y29tZSLlAgoHT3V0Y29tZRIQCghzZXF1ZW5jZRgBIAEoBBINCgVpbmRleBgCIAEoBBIoCgR0aW1lGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgplcnJvcl9jb2RlGAQgASgJEhUKDWVycm9yX21lc3NhZ2UYBSABKAkSEQoJb3BfZGlnZXN0GAYgASgGEjYKCGluc3RhbmNlGAggASgLMiIucGl2aXJ0LmNsdXN0ZXIudjEuU2VydmljZUluc3RhbmNlSAASNgoMY29uZmlnX2VudHJ5GAkgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuQ29uZmlnRW50cnlIABIwCghzY2hlZHVsZRgKIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZUgAEiYKA3J1bhgLIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW5IAEIHCgV2YWx1ZSL9AgoMRGVkdXBlUmVjb3JkEhEKCWNsaWVudF9pZBgBIAEoCRIQCghzZXF1ZW5jZRgCIAEoBBINCgVpbmRleBgDIAEoBBISCgplcnJvcl9jb2RlGAQgASgJEhUKDWVycm9yX21lc3NhZ2UYBSABKAkSKAoEdGltZRgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJb3BfZGlnZXN0GAcgASgMEjYKCGluc3RhbmNlGAggASgLMiIucGl2aXJ0LmNsdXN0ZXIudjEuU2VydmljZUluc3RhbmNlSAASNgoMY29uZmlnX2VudHJ5GAkgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuQ29uZmlnRW50cnlIABIwCghzY2hlZHVsZRgKIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZUgAEiYKA3J1bhgLIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW5IAEIHCgV2YWx1ZUIxWi9waWxhYi5odS9waXZpcnQtYWdlbnQvcHJvdG8vcGl2aXJ0L2ZzbS92MTtmc212MWIGcHJvdG8z", [file_google_protobuf_timestamp, file_pivirt_cluster_v1_cluster, file_pivirt_schedule_v1_schedule]);
+  fileDesc("ChdwaXZpcnQvZnNtL3YxL2ZzbS5wcm90bxINcGl2aXJ0LmZzbS52MSKNBwoHQ29tbWFuZBIRCgljbGllbnRfaWQYASABKAkSEAoIc2VxdWVuY2UYAiABKAQSKAoEdGltZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASOgoQcmVnaXN0ZXJfc2VydmljZRgKIAEoCzIeLnBpdmlydC5mc20udjEuUmVnaXN0ZXJTZXJ2aWNlSAASPgoSZGVyZWdpc3Rlcl9zZXJ2aWNlGAsgASgLMiAucGl2aXJ0LmZzbS52MS5EZXJlZ2lzdGVyU2VydmljZUgAEi0KCWhlYXJ0YmVhdBgMIAEoCzIYLnBpdmlydC5mc20udjEuSGVhcnRiZWF0SAASPQoSc2V0X3NlcnZpY2VfaGVhbHRoGA0gASgLMh8ucGl2aXJ0LmZzbS52MS5TZXRTZXJ2aWNlSGVhbHRoSAASLgoKc2V0X2NvbmZpZxgUIAEoCzIYLnBpdmlydC5mc20udjEuU2V0Q29uZmlnSAASNAoNZGVsZXRlX2NvbmZpZxgVIAEoCzIbLnBpdmlydC5mc20udjEuRGVsZXRlQ29uZmlnSAASMgoMcHV0X3NjaGVkdWxlGB4gASgLMhoucGl2aXJ0LmZzbS52MS5QdXRTY2hlZHVsZUgAEjgKD2RlbGV0ZV9zY2hlZHVsZRgfIAEoCzIdLnBpdmlydC5mc20udjEuRGVsZXRlU2NoZWR1bGVIABIuCgpjbGFpbV9zbG90GCAgASgLMhgucGl2aXJ0LmZzbS52MS5DbGFpbVNsb3RIABIuCgpyZWNvcmRfcnVuGCEgASgLMhgucGl2aXJ0LmZzbS52MS5SZWNvcmRSdW5IABIrCghyZXN0b3JlZBgoIAEoCzIXLnBpdmlydC5mc20udjEuUmVzdG9yZWRIABI1Cg5zZXRfY2x1c3Rlcl9jYRgyIAEoCzIbLnBpdmlydC5mc20udjEuU2V0Q2x1c3RlckNBSAASMgoMcmVmdXNlX3dyaXRlGDwgASgLMhoucGl2aXJ0LmZzbS52MS5SZWZ1c2VXcml0ZUgAEjYKDnNldF9wbGFjZW1lbnRzGEYgASgLMhwucGl2aXJ0LmZzbS52MS5TZXRQbGFjZW1lbnRzSAASPwoTc2V0X2NsdXN0ZXJfdmVyc2lvbhhQIAEoCzIgLnBpdmlydC5mc20udjEuU2V0Q2x1c3RlclZlcnNpb25IAEIECgJvcCJpCg5DbHVzdGVyVmVyc2lvbhINCgVtYWpvchgBIAEoDRINCgVtaW5vchgCIAEoDRINCgVpbmRleBgDIAEoBBIqCgZzZXRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIjEKEVNldENsdXN0ZXJWZXJzaW9uEg0KBW1ham9yGAEgASgNEg0KBW1pbm9yGAIgASgNIjMKCVBsYWNlbWVudBIMCgRraW5kGAEgASgJEgoKAmlkGAIgASgJEgwKBG5vZGUYAyABKAkihQEKDVNldFBsYWNlbWVudHMSDAoEbm9kZRgBIAEoCRIoCgZ1cHNlcnQYAiADKAsyGC5waXZpcnQuZnNtLnYxLlBsYWNlbWVudBIoCgZkZWxldGUYAyADKAsyGC5waXZpcnQuZnNtLnYxLlBsYWNlbWVudBISCgpmdWxsX2tpbmRzGAQgAygJIjgKC1JlZnVzZVdyaXRlEhIKCmVycm9yX2NvZGUYASABKAkSFQoNZXJyb3JfbWVzc2FnZRgCIAEoCSIxCgxTZXRDbHVzdGVyQ0ESEAoIY2VydF9wZW0YASABKAwSDwoHa2V5X3BlbRgCIAEoDCJvCglDbHVzdGVyQ0ESEAoIY2VydF9wZW0YASABKAwSDwoHa2V5X3BlbRgCIAEoDBINCgVpbmRleBgDIAEoBBIwCgxpbnN0YWxsZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIjcKCFJlc3RvcmVkEhMKC3NuYXBzaG90X2lkGAEgASgJEhYKDnNuYXBzaG90X2luZGV4GAIgASgEIkcKD1JlZ2lzdGVyU2VydmljZRI0CghpbnN0YW5jZRgBIAEoCzIiLnBpdmlydC5jbHVzdGVyLnYxLlNlcnZpY2VJbnN0YW5jZSJtChFEZXJlZ2lzdGVyU2VydmljZRIPCgdzZXJ2aWNlGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJEjIKDmNyaXRpY2FsX3NpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJsCglIZWFydGJlYXQSDwoHc2VydmljZRgBIAEoCRITCgtpbnN0YW5jZV9pZBgCIAEoCRIpCgZoZWFsdGgYAyABKA4yGS5waXZpcnQuY2x1c3Rlci52MS5IZWFsdGgSDgoGb3V0cHV0GAQgASgJIpcBChBTZXRTZXJ2aWNlSGVhbHRoEg8KB3NlcnZpY2UYASABKAkSEwoLaW5zdGFuY2VfaWQYAiABKAkSKQoGaGVhbHRoGAMgASgOMhkucGl2aXJ0LmNsdXN0ZXIudjEuSGVhbHRoEjIKDmxhc3RfaGVhcnRiZWF0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJTCglTZXRDb25maWcSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJEhkKDGNhc19yZXZpc2lvbhgDIAEoBEgAiAEBQg8KDV9jYXNfcmV2aXNpb24iWwoMRGVsZXRlQ29uZmlnEgsKA2tleRgBIAEoCRIZCgxjYXNfcmV2aXNpb24YAiABKARIAIgBARISCgpjaGVja3BvaW50GAMgASgIQg8KDV9jYXNfcmV2aXNpb24iaQoLUHV0U2NoZWR1bGUSLgoIc2NoZWR1bGUYASABKAsyHC5waXZpcnQuc2NoZWR1bGUudjEuU2NoZWR1bGUSGQoMY2FzX3JldmlzaW9uGAIgASgESACIAQFCDwoNX2Nhc19yZXZpc2lvbiIcCg5EZWxldGVTY2hlZHVsZRIKCgJpZBgBIAEoCSKaAQoJQ2xhaW1TbG90EhMKC3NjaGVkdWxlX2lkGAEgASgJEigKBHNsb3QYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBG5vZGUYAyABKAkSKwoHc2tpcHBlZBgEIAMoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEwoLc2tpcF9yZWFzb24YBSABKAkiMQoJUmVjb3JkUnVuEiQKA3J1bhgBIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW4iaAoOU25hcHNob3RIZWFkZXISFgoOZm9ybWF0X3ZlcnNpb24YASABKA0SKgoGdGFibGVzGAIgAygLMhoucGl2aXJ0LmZzbS52MS5UYWJsZUhlYWRlchISCgpsYXN0X2luZGV4GAMgASgEIiwKC1RhYmxlSGVhZGVyEgwKBG5hbWUYASABKAkSDwoHcmVjb3JkcxgCIAEoBCKoAQoHU2Vzc2lvbhIRCgljbGllbnRfaWQYASABKAkSGAoQaGlnaGVzdF9zZXF1ZW5jZRgCIAEoBBIXCg9kcm9wcGVkX3Rocm91Z2gYAyABKAQSLQoJbGFzdF91c2VkGAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCghvdXRjb21lcxgFIAMoCzIWLnBpdmlydC5mc20udjEuT3V0Y29tZSLlAgoHT3V0Y29tZRIQCghzZXF1ZW5jZRgBIAEoBBINCgVpbmRleBgCIAEoBBIoCgR0aW1lGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgplcnJvcl9jb2RlGAQgASgJEhUKDWVycm9yX21lc3NhZ2UYBSABKAkSEQoJb3BfZGlnZXN0GAYgASgGEjYKCGluc3RhbmNlGAggASgLMiIucGl2aXJ0LmNsdXN0ZXIudjEuU2VydmljZUluc3RhbmNlSAASNgoMY29uZmlnX2VudHJ5GAkgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuQ29uZmlnRW50cnlIABIwCghzY2hlZHVsZRgKIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZUgAEiYKA3J1bhgLIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW5IAEIHCgV2YWx1ZSL9AgoMRGVkdXBlUmVjb3JkEhEKCWNsaWVudF9pZBgBIAEoCRIQCghzZXF1ZW5jZRgCIAEoBBINCgVpbmRleBgDIAEoBBISCgplcnJvcl9jb2RlGAQgASgJEhUKDWVycm9yX21lc3NhZ2UYBSABKAkSKAoEdGltZRgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJb3BfZGlnZXN0GAcgASgMEjYKCGluc3RhbmNlGAggASgLMiIucGl2aXJ0LmNsdXN0ZXIudjEuU2VydmljZUluc3RhbmNlSAASNgoMY29uZmlnX2VudHJ5GAkgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuQ29uZmlnRW50cnlIABIwCghzY2hlZHVsZRgKIAEoCzIcLnBpdmlydC5zY2hlZHVsZS52MS5TY2hlZHVsZUgAEiYKA3J1bhgLIAEoCzIXLnBpdmlydC5zY2hlZHVsZS52MS5SdW5IAEIHCgV2YWx1ZUIxWi9waWxhYi5odS9waXZpcnQtYWdlbnQvcHJvdG8vcGl2aXJ0L2ZzbS92MTtmc212MWIGcHJvdG8z", [file_google_protobuf_timestamp, file_pivirt_cluster_v1_cluster, file_pivirt_schedule_v1_schedule]);
 
 /**
  * Command is one Raft log entry. The leader stamps time before proposing,
@@ -134,6 +134,12 @@ export type Command = Message<"pivirt.fsm.v1.Command"> & {
      */
     value: SetPlacements;
     case: "setPlacements";
+  } | {
+    /**
+     * @generated from field: pivirt.fsm.v1.SetClusterVersion set_cluster_version = 80;
+     */
+    value: SetClusterVersion;
+    case: "setClusterVersion";
   } | { case: undefined; value?: undefined };
 };
 
@@ -143,6 +149,76 @@ export type Command = Message<"pivirt.fsm.v1.Command"> & {
  */
 export const CommandSchema: GenMessage<Command> = /*@__PURE__*/
   messageDesc(file_pivirt_fsm_v1_fsm, 0);
+
+/**
+ * ClusterVersion is the version of the replicated state: the lowest
+ * major.minor release of the cluster's servers, agreed through Raft. It
+ * decides what the state machine does with every command (the behaviour of
+ * that release) and what the agents may propose and write. A state without
+ * it is at version 0.0, the behaviour of the agents that predate it.
+ *
+ * @generated from message pivirt.fsm.v1.ClusterVersion
+ */
+export type ClusterVersion = Message<"pivirt.fsm.v1.ClusterVersion"> & {
+  /**
+   * @generated from field: uint32 major = 1;
+   */
+  major: number;
+
+  /**
+   * @generated from field: uint32 minor = 2;
+   */
+  minor: number;
+
+  /**
+   * index is the log index that set it; set_at the leader's time.
+   *
+   * @generated from field: uint64 index = 3;
+   */
+  index: bigint;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp set_at = 4;
+   */
+  setAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message pivirt.fsm.v1.ClusterVersion.
+ * Use `create(ClusterVersionSchema)` to create a new message.
+ */
+export const ClusterVersionSchema: GenMessage<ClusterVersion> = /*@__PURE__*/
+  messageDesc(file_pivirt_fsm_v1_fsm, 1);
+
+/**
+ * SetClusterVersion moves the cluster version to major.minor: up once every
+ * server runs that release, down for a downgrade. The state is converted
+ * at this entry, on every node alike: up from 0.0, each client's dedupe
+ * records become its session; down to 0.0, sessions become dedupe records
+ * and what 0.0 cannot hold (the placement catalog, the version itself) is
+ * dropped. A node whose release is older than the version stops applying
+ * here.
+ *
+ * @generated from message pivirt.fsm.v1.SetClusterVersion
+ */
+export type SetClusterVersion = Message<"pivirt.fsm.v1.SetClusterVersion"> & {
+  /**
+   * @generated from field: uint32 major = 1;
+   */
+  major: number;
+
+  /**
+   * @generated from field: uint32 minor = 2;
+   */
+  minor: number;
+};
+
+/**
+ * Describes the message pivirt.fsm.v1.SetClusterVersion.
+ * Use `create(SetClusterVersionSchema)` to create a new message.
+ */
+export const SetClusterVersionSchema: GenMessage<SetClusterVersion> = /*@__PURE__*/
+  messageDesc(file_pivirt_fsm_v1_fsm, 2);
 
 /**
  * Placement is one entry of the placement catalog: an object held by a
@@ -179,7 +255,7 @@ export type Placement = Message<"pivirt.fsm.v1.Placement"> & {
  * Use `create(PlacementSchema)` to create a new message.
  */
 export const PlacementSchema: GenMessage<Placement> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 1);
+  messageDesc(file_pivirt_fsm_v1_fsm, 3);
 
 /**
  * SetPlacements records what one node's backends hold. upsert entries
@@ -218,7 +294,7 @@ export type SetPlacements = Message<"pivirt.fsm.v1.SetPlacements"> & {
  * Use `create(SetPlacementsSchema)` to create a new message.
  */
 export const SetPlacementsSchema: GenMessage<SetPlacements> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 2);
+  messageDesc(file_pivirt_fsm_v1_fsm, 4);
 
 /**
  * RefuseWrite records the outcome of a write that the leader refused
@@ -250,7 +326,7 @@ export type RefuseWrite = Message<"pivirt.fsm.v1.RefuseWrite"> & {
  * Use `create(RefuseWriteSchema)` to create a new message.
  */
 export const RefuseWriteSchema: GenMessage<RefuseWrite> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 3);
+  messageDesc(file_pivirt_fsm_v1_fsm, 5);
 
 /**
  * SetClusterCA installs the built-in cluster CA (tls.cluster_ca), replacing
@@ -279,7 +355,7 @@ export type SetClusterCA = Message<"pivirt.fsm.v1.SetClusterCA"> & {
  * Use `create(SetClusterCASchema)` to create a new message.
  */
 export const SetClusterCASchema: GenMessage<SetClusterCA> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 4);
+  messageDesc(file_pivirt_fsm_v1_fsm, 6);
 
 /**
  * ClusterCA is the stored cluster CA: the only record of the ca table. Its
@@ -316,7 +392,7 @@ export type ClusterCA = Message<"pivirt.fsm.v1.ClusterCA"> & {
  * Use `create(ClusterCASchema)` to create a new message.
  */
 export const ClusterCASchema: GenMessage<ClusterCA> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 5);
+  messageDesc(file_pivirt_fsm_v1_fsm, 7);
 
 /**
  * Restored is proposed by the leader right after it restored a snapshot
@@ -345,7 +421,7 @@ export type Restored = Message<"pivirt.fsm.v1.Restored"> & {
  * Use `create(RestoredSchema)` to create a new message.
  */
 export const RestoredSchema: GenMessage<Restored> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 6);
+  messageDesc(file_pivirt_fsm_v1_fsm, 8);
 
 /**
  * @generated from message pivirt.fsm.v1.RegisterService
@@ -362,7 +438,7 @@ export type RegisterService = Message<"pivirt.fsm.v1.RegisterService"> & {
  * Use `create(RegisterServiceSchema)` to create a new message.
  */
 export const RegisterServiceSchema: GenMessage<RegisterService> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 7);
+  messageDesc(file_pivirt_fsm_v1_fsm, 9);
 
 /**
  * @generated from message pivirt.fsm.v1.DeregisterService
@@ -393,7 +469,7 @@ export type DeregisterService = Message<"pivirt.fsm.v1.DeregisterService"> & {
  * Use `create(DeregisterServiceSchema)` to create a new message.
  */
 export const DeregisterServiceSchema: GenMessage<DeregisterService> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 8);
+  messageDesc(file_pivirt_fsm_v1_fsm, 10);
 
 /**
  * Heartbeat records a heartbeat or a check result: last_heartbeat becomes
@@ -429,7 +505,7 @@ export type Heartbeat = Message<"pivirt.fsm.v1.Heartbeat"> & {
  * Use `create(HeartbeatSchema)` to create a new message.
  */
 export const HeartbeatSchema: GenMessage<Heartbeat> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 9);
+  messageDesc(file_pivirt_fsm_v1_fsm, 11);
 
 /**
  * SetServiceHealth is proposed by the leader's TTL reaper. It applies only if
@@ -465,7 +541,7 @@ export type SetServiceHealth = Message<"pivirt.fsm.v1.SetServiceHealth"> & {
  * Use `create(SetServiceHealthSchema)` to create a new message.
  */
 export const SetServiceHealthSchema: GenMessage<SetServiceHealth> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 10);
+  messageDesc(file_pivirt_fsm_v1_fsm, 12);
 
 /**
  * @generated from message pivirt.fsm.v1.SetConfig
@@ -492,7 +568,7 @@ export type SetConfig = Message<"pivirt.fsm.v1.SetConfig"> & {
  * Use `create(SetConfigSchema)` to create a new message.
  */
 export const SetConfigSchema: GenMessage<SetConfig> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 11);
+  messageDesc(file_pivirt_fsm_v1_fsm, 13);
 
 /**
  * @generated from message pivirt.fsm.v1.DeleteConfig
@@ -507,6 +583,18 @@ export type DeleteConfig = Message<"pivirt.fsm.v1.DeleteConfig"> & {
    * @generated from field: optional uint64 cas_revision = 2;
    */
   casRevision?: bigint | undefined;
+
+  /**
+   * checkpoint marks a state checkpoint (with an empty key and no
+   * client_id): every node keeps the hash of its state as of this entry, so
+   * that replicas are compared at the same index (pvcli operator raft
+   * verify). Every version refuses the entry as a delete without writing
+   * anything (an empty key), the versions that predate the field included,
+   * so it is proposed whatever the cluster version.
+   *
+   * @generated from field: bool checkpoint = 3;
+   */
+  checkpoint: boolean;
 };
 
 /**
@@ -514,7 +602,7 @@ export type DeleteConfig = Message<"pivirt.fsm.v1.DeleteConfig"> & {
  * Use `create(DeleteConfigSchema)` to create a new message.
  */
 export const DeleteConfigSchema: GenMessage<DeleteConfig> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 12);
+  messageDesc(file_pivirt_fsm_v1_fsm, 14);
 
 /**
  * @generated from message pivirt.fsm.v1.PutSchedule
@@ -538,7 +626,7 @@ export type PutSchedule = Message<"pivirt.fsm.v1.PutSchedule"> & {
  * Use `create(PutScheduleSchema)` to create a new message.
  */
 export const PutScheduleSchema: GenMessage<PutSchedule> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 13);
+  messageDesc(file_pivirt_fsm_v1_fsm, 15);
 
 /**
  * @generated from message pivirt.fsm.v1.DeleteSchedule
@@ -555,7 +643,7 @@ export type DeleteSchedule = Message<"pivirt.fsm.v1.DeleteSchedule"> & {
  * Use `create(DeleteScheduleSchema)` to create a new message.
  */
 export const DeleteScheduleSchema: GenMessage<DeleteSchedule> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 14);
+  messageDesc(file_pivirt_fsm_v1_fsm, 16);
 
 /**
  * ClaimSlot records that a schedule slot is about to run. It is rejected when
@@ -600,7 +688,7 @@ export type ClaimSlot = Message<"pivirt.fsm.v1.ClaimSlot"> & {
  * Use `create(ClaimSlotSchema)` to create a new message.
  */
 export const ClaimSlotSchema: GenMessage<ClaimSlot> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 15);
+  messageDesc(file_pivirt_fsm_v1_fsm, 17);
 
 /**
  * @generated from message pivirt.fsm.v1.RecordRun
@@ -617,7 +705,7 @@ export type RecordRun = Message<"pivirt.fsm.v1.RecordRun"> & {
  * Use `create(RecordRunSchema)` to create a new message.
  */
 export const RecordRunSchema: GenMessage<RecordRun> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 16);
+  messageDesc(file_pivirt_fsm_v1_fsm, 18);
 
 /**
  * SnapshotHeader starts every FSM snapshot.
@@ -648,7 +736,7 @@ export type SnapshotHeader = Message<"pivirt.fsm.v1.SnapshotHeader"> & {
  * Use `create(SnapshotHeaderSchema)` to create a new message.
  */
 export const SnapshotHeaderSchema: GenMessage<SnapshotHeader> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 17);
+  messageDesc(file_pivirt_fsm_v1_fsm, 19);
 
 /**
  * @generated from message pivirt.fsm.v1.TableHeader
@@ -670,7 +758,7 @@ export type TableHeader = Message<"pivirt.fsm.v1.TableHeader"> & {
  * Use `create(TableHeaderSchema)` to create a new message.
  */
 export const TableHeaderSchema: GenMessage<TableHeader> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 18);
+  messageDesc(file_pivirt_fsm_v1_fsm, 20);
 
 /**
  * Session is what the state keeps of one client (client_id) so that its
@@ -723,7 +811,7 @@ export type Session = Message<"pivirt.fsm.v1.Session"> & {
  * Use `create(SessionSchema)` to create a new message.
  */
 export const SessionSchema: GenMessage<Session> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 19);
+  messageDesc(file_pivirt_fsm_v1_fsm, 21);
 
 /**
  * Outcome is the outcome of one applied write of a session, as a
@@ -802,7 +890,7 @@ export type Outcome = Message<"pivirt.fsm.v1.Outcome"> & {
  * Use `create(OutcomeSchema)` to create a new message.
  */
 export const OutcomeSchema: GenMessage<Outcome> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 20);
+  messageDesc(file_pivirt_fsm_v1_fsm, 22);
 
 /**
  * DedupeRecord remembers the outcome of an applied write so that a retry
@@ -892,5 +980,5 @@ export type DedupeRecord = Message<"pivirt.fsm.v1.DedupeRecord"> & {
  * Use `create(DedupeRecordSchema)` to create a new message.
  */
 export const DedupeRecordSchema: GenMessage<DedupeRecord> = /*@__PURE__*/
-  messageDesc(file_pivirt_fsm_v1_fsm, 21);
+  messageDesc(file_pivirt_fsm_v1_fsm, 23);
 
