@@ -8,9 +8,11 @@ BIN       := bin
 PKGS      := ./...
 TEST_TIMEOUT ?= 20m
 BENCHTIME ?= 5s
-VERSION   ?= 0.1.0-dev
+# The release is cmd/internal/version.Version (CHANGELOG.md); VERSION=…
+# overrides it for a packaging build.
+VERSION   ?=
 REVISION  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null)
-LDFLAGS   := -X pilab.hu/pivirt-agent/cmd/internal/version.Version=$(VERSION) -X pilab.hu/pivirt-agent/cmd/internal/version.Revision=$(REVISION)
+LDFLAGS   := -X pilab.hu/pivirt-agent/cmd/internal/version.Revision=$(REVISION)$(if $(VERSION), -X pilab.hu/pivirt-agent/cmd/internal/version.Version=$(VERSION))
 
 .PHONY: help
 help: ## show this help

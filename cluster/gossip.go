@@ -369,7 +369,10 @@ var ErrNoSuchMember = errors.New("no such gossip member")
 // detection lags the node that asked) is marked left when it fails here;
 // pending reports that. memberlist keeps its own view: should the node
 // come back, its alive message makes it a member again.
-func (g *Gossip) ForceLeave(name string) (pending bool, err error) {
+//
+// With prune the member is also forgotten at once (not kept as left until
+// ForgetAfter), once it is left here.
+func (g *Gossip) ForceLeave(name string, prune bool) (pending bool, err error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	m, ok := g.members[name]
@@ -377,6 +380,11 @@ func (g *Gossip) ForceLeave(name string) (pending bool, err error) {
 	case !ok:
 		return false, fmt.Errorf("%w %q", ErrNoSuchMember, name)
 	case m.Status == StatusLeft:
+		if prune {
+			delete(g.members, name)
+			g.logger.Info("gossip member forgotten", "member", name)
+			g.notifyLocked()
+		}
 		return false, nil
 	case m.Status != StatusFailed:
 		if g.forced == nil {
@@ -388,6 +396,10 @@ func (g *Gossip) ForceLeave(name string) (pending bool, err error) {
 	}
 	m.Status, m.Since = StatusLeft, time.Now()
 	g.logger.Info("gossip member forced to leave", "member", name)
+	if prune {
+		delete(g.members, name)
+		g.logger.Info("gossip member forgotten", "member", name)
+	}
 	g.notifyLocked()
 	return false, nil
 }

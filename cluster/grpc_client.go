@@ -268,3 +268,19 @@ func StreamError(err error, md ...metadata.MD) error {
 func CallGRPC[Req, Res any](ctx context.Context, req *connect.Request[Req], call func(context.Context, *Req, ...grpc.CallOption) (*Res, error)) (*connect.Response[Res], error) {
 	return callGRPC(ctx, req, call)
 }
+
+func (g grpcCluster) ClusterVersion(ctx context.Context, r *connect.Request[clusterv1.ClusterVersionRequest]) (*connect.Response[clusterv1.ClusterVersionResponse], error) {
+	return callGRPC(ctx, r, g.c.ClusterVersion)
+}
+
+func (g grpcCluster) VerifyReplicas(ctx context.Context, r *connect.Request[clusterv1.VerifyReplicasRequest]) (*connect.Response[clusterv1.VerifyReplicasResponse], error) {
+	return callGRPC(ctx, r, g.c.VerifyReplicas)
+}
+
+func (g grpcCluster) Downgrade(ctx context.Context, r *connect.Request[clusterv1.DowngradeRequest]) (*connect.Response[clusterv1.DowngradeResponse], error) {
+	return callGRPC(ctx, r, g.c.Downgrade)
+}
+
+func (g grpcNode) StateHash(ctx context.Context, r *connect.Request[nodev1.StateHashRequest]) (*connect.Response[nodev1.StateHashResponse], error) {
+	return callGRPC(ctx, r, g.c.StateHash)
+}

@@ -71,6 +71,10 @@ func (nodeServer) ConfigStatus(context.Context, *nodev1.ConfigStatusRequest) (*n
 	return nil, status.Error(codes.Unimplemented, "test")
 }
 
+func (nodeServer) StateHash(_ context.Context, r *nodev1.StateHashRequest) (*nodev1.StateHashResponse, error) {
+	return &nodev1.StateHashResponse{Index: r.GetIndex()}, nil
+}
+
 func first(v []string) string {
 	if len(v) == 0 {
 		return ""

@@ -42,6 +42,29 @@ type NodeService struct {
 	prove     func(nonce []byte) (*nodev1.IdentityProof, error)
 	place     func(ctx context.Context, op *fsmv1.SetPlacements) error
 	config    func() *clusterv1.NodeConfigStatus
+	hash      func(ctx context.Context, index uint64) (*nodev1.StateHashResponse, error)
+}
+
+// SetStateHash makes StateHash answer with hash (this node's state hash
+// at a checkpoint; its errors are Connect errors). Without it, StateHash
+// fails with Unimplemented.
+func (s *NodeService) SetStateHash(hash func(ctx context.Context, index uint64) (*nodev1.StateHashResponse, error)) {
+	s.hash = hash
+}
+
+// StateHash implements nodev1connect.NodeServiceHandler.
+func (s *NodeService) StateHash(ctx context.Context, req *connect.Request[nodev1.StateHashRequest]) (*connect.Response[nodev1.StateHashResponse], error) {
+	if s.hash == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this node keeps no state hashes"))
+	}
+	if req.Msg.GetIndex() == 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("index: required (a checkpoint's log index)"))
+	}
+	resp, err := s.hash(ctx, req.Msg.GetIndex())
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(resp), nil
 }
 
 // SetConfigStatus makes ConfigStatus answer with status (this node's state
@@ -111,7 +134,7 @@ func (s *NodeService) RenewCertificate(ctx context.Context, req *connect.Request
 // ForceLeave implements nodev1connect.NodeServiceHandler: the failed
 // member is marked left in this node's member table.
 func (s *NodeService) ForceLeave(_ context.Context, req *connect.Request[nodev1.ForceLeaveRequest]) (*connect.Response[nodev1.ForceLeaveResponse], error) {
-	pending, err := s.gossip.ForceLeave(req.Msg.GetNode())
+	pending, err := s.gossip.ForceLeave(req.Msg.GetNode(), req.Msg.GetPrune())
 	if err != nil {
 		return nil, connect.NewError(connect.CodeNotFound, err)
 	}

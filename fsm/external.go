@@ -141,6 +141,13 @@ func (f *FSM) Ingest(index uint64, changes []Ingested) error {
 		} else {
 			err = t.delete(c.Table, storedRecord(c.Delete))
 		}
+		if c.Table == TableClusterVersion {
+			// The version the external store now holds.
+			t.version = Version0_0
+			if v, ok := c.Record.(*fsmv1.ClusterVersion); ok {
+				t.version = Version{v.GetMajor(), v.GetMinor()}
+			}
+		}
 		if err != nil {
 			f.discard(t)
 			return fmt.Errorf("ingest at %d: %w", index, err)

@@ -47,7 +47,8 @@ type FSM struct {
 	// head holds the dedupe records of a state at version 0.0 in pruning
 	// order (legacy.go).
 	head dedupeQueue
-	// version is the cluster version of the committed state.
+	// version is the cluster version of the committed state: written
+	// with applyMu and mu held, read with either.
 	version Version
 	// halt, once set, is why the FSM stopped applying the log: nothing is
 	// applied any more until a snapshot this release reads replaces the
@@ -124,8 +125,8 @@ func New(cfg Config) (*FSM, error) {
 
 // Version returns the cluster version of the applied state.
 func (f *FSM) Version() Version {
-	f.applyMu.Lock()
-	defer f.applyMu.Unlock()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
 	return f.version
 }
 
@@ -844,8 +845,8 @@ func (f *FSM) commit(t *writeTxn, applied uint64) {
 	f.mu.Lock()
 	t.txn.Commit()
 	f.setAppliedLocked(applied)
-	f.mu.Unlock()
 	f.version = t.version
+	f.mu.Unlock()
 	t.txn, t.base = nil, nil
 }
 

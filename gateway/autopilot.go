@@ -42,14 +42,24 @@ func (h *ClusterService) ForceLeave(ctx context.Context, req *connect.Request[cl
 	}
 	out := eachMember(ctx, members, func(ctx context.Context, m cluster.Member) *clusterv1.NodeForceLeave {
 		r := &clusterv1.NodeForceLeave{Node: m.Name, NodeId: m.Meta.ID}
-		pending, err := h.cfg.ForceLeave(ctx, m.Meta.InternalAddr, name)
-		if err != nil {
+		pending, err := h.cfg.ForceLeave(ctx, m.Meta.InternalAddr, name, req.Msg.GetPrune())
+		switch {
+		case connect.CodeOf(err) == connect.CodeNotFound:
+			// That member forgot it already (it left long ago, or was
+			// pruned): nothing left to tell it.
+		case err != nil:
 			r.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
 		}
 		r.Pending = pending
 		return r
 	})
-	h.logger.InfoContext(ctx, "forced a failed member to leave", "member", name, "node_id", target.Meta.ID, "told", len(out))
+	h.logger.InfoContext(ctx, "forced a failed member to leave", "member", name, "node_id", target.Meta.ID, "told", len(out), "pruned", req.Msg.GetPrune())
+	if h.cfg.Retire != nil {
+		if err := h.cfg.Retire(ctx, name); err != nil {
+			// The leader retries on its own (the member is left).
+			h.logger.WarnContext(ctx, "force-leave: the node's entries stay in the placement catalog for now", "member", name, "error", err)
+		}
+	}
 	return connect.NewResponse(&clusterv1.ForceLeaveResponse{Nodes: out}), nil
 }
 

@@ -135,7 +135,10 @@ type ClusterServiceConfig struct {
 	// ForceLeave marks the failed member name as left on the member with
 	// the given internal address (NodeService.ForceLeave). Nil: ForceLeave
 	// answers Unimplemented.
-	ForceLeave func(ctx context.Context, internalAddr, name string) (pending bool, err error)
+	ForceLeave func(ctx context.Context, internalAddr, name string, prune bool) (pending bool, err error)
+	// Retire, when set, is called after a force-leave: it drops what the
+	// replicated state keeps of the node (its placement catalog entries).
+	Retire func(ctx context.Context, name string) error
 	// Autopilot is the leader's reconciler report; false when this node
 	// runs none (not the leader, or etcd mode). Nil: AutopilotState answers
 	// Unimplemented.
@@ -166,6 +169,25 @@ type ClusterServiceConfig struct {
 	// (tests); zero: MinCheckInterval and MinDeregisterCriticalAfter.
 	MinCheckInterval           time.Duration
 	MinDeregisterCriticalAfter time.Duration
+	// Require is nil when the cluster version allows a feature (an fsm
+	// feature name), else the FailedPrecondition that says what to
+	// upgrade; what names what the caller asked for. Nil: everything is
+	// allowed.
+	Require func(feature, what string) error
+	// ClusterVersion, VerifyReplicas and Downgrade answer the methods of
+	// the same names on the leader (cmd/internal/agent, which sees the
+	// servers, their releases and states). Nil: Unimplemented.
+	ClusterVersion func(ctx context.Context) (*clusterv1.ClusterVersionResponse, error)
+	VerifyReplicas func(ctx context.Context) (*clusterv1.VerifyReplicasResponse, error)
+	Downgrade      func(ctx context.Context, req *clusterv1.DowngradeRequest) (*clusterv1.DowngradeResponse, error)
+}
+
+// require is cfg.Require, or nil without one.
+func (h *ClusterService) require(feature, what string) error {
+	if h.cfg.Require == nil {
+		return nil
+	}
+	return h.cfg.Require(feature, what)
 }
 
 // DefaultClusterServiceConfig returns the defaults.
@@ -704,6 +726,11 @@ func (h *ClusterService) RegisterService(ctx context.Context, req *connect.Reque
 		return nil, toConnect(err)
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.RegisterService, func(ctx context.Context) (*connect.Response[clusterv1.RegisterServiceResponse], error) {
+		if in := req.Msg.GetInstance(); in.GetCheck() != nil || in.GetDeregisterCriticalAfter() != nil {
+			if err := h.require(fsm.FeatureHealthChecks, "a registration with a check or deregister_critical_after"); err != nil {
+				return nil, err
+			}
+		}
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_RegisterService{
 			RegisterService: &fsmv1.RegisterService{Instance: req.Msg.GetInstance()},
 		}})
@@ -759,6 +786,11 @@ func (h *ClusterService) Heartbeat(ctx context.Context, req *connect.Request[clu
 		return nil, toConnect(invalid("output", "must be valid UTF-8 of at most %d bytes (it has %d)", fsm.MaxOutputSize, n))
 	}
 	return write(ctx, h, req, req.Msg.GetWrite(), clusterv1connect.ClusterServiceClient.Heartbeat, func(ctx context.Context) (*connect.Response[clusterv1.HeartbeatResponse], error) {
+		if (req.Msg.GetHealth() != clusterv1.Health_HEALTH_UNSPECIFIED && req.Msg.GetHealth() != clusterv1.Health_HEALTH_PASSING) || req.Msg.GetOutput() != "" {
+			if err := h.require(fsm.FeatureHealthChecks, "a heartbeat with a health or an output"); err != nil {
+				return nil, err
+			}
+		}
 		res, err := h.propose(ctx, req.Msg.GetWrite(), &fsmv1.Command{Op: &fsmv1.Command_Heartbeat{
 			Heartbeat: &fsmv1.Heartbeat{Service: req.Msg.GetService(), InstanceId: req.Msg.GetInstanceId(), Health: req.Msg.GetHealth(), Output: req.Msg.GetOutput()},
 		}})
@@ -912,6 +944,9 @@ func (h *ClusterService) SetConfig(ctx context.Context, req *connect.Request[clu
 	if req.Msg.GetKey() == ClusterIDKey {
 		return nil, toConnect(invalid("key", "%s is set by the cluster itself and cannot be changed", ClusterIDKey))
 	}
+	if req.Msg.GetKey() == DowngradeKey {
+		return nil, toConnect(invalid("key", "%s is set by pvcli operator downgrade enable and removed by pvcli operator downgrade cancel", DowngradeKey))
+	}
 	if len(req.Msg.GetValue()) > MaxConfigValueBytes {
 		return nil, toConnect(invalid("value", "%d bytes is over the %d-byte limit", len(req.Msg.GetValue()), MaxConfigValueBytes))
 	}
@@ -957,6 +992,9 @@ func (h *ClusterService) DeleteConfig(ctx context.Context, req *connect.Request[
 	}
 	if req.Msg.GetKey() == ClusterIDKey {
 		return nil, toConnect(invalid("key", "%s is set by the cluster itself and cannot be changed", ClusterIDKey))
+	}
+	if req.Msg.GetKey() == DowngradeKey {
+		return nil, toConnect(invalid("key", "%s is set by pvcli operator downgrade enable and removed by pvcli operator downgrade cancel", DowngradeKey))
 	}
 	change := ConfigChange{Key: req.Msg.GetKey(), Delete: true, Force: req.Msg.GetForce()}
 	if err := h.validateChange(ctx, change); err != nil {

@@ -117,3 +117,7 @@ func retryable(err error) bool {
 	}
 	return connect.CodeOf(err) == connect.CodeUnavailable
 }
+
+// ConnectError translates err with the gateway's table (toConnect), for
+// the handlers the agent supplies (ClusterServiceConfig's hooks).
+func ConnectError(err error) error { return toConnect(err) }

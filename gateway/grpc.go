@@ -320,3 +320,19 @@ func (g scheduleGRPC) ListRuns(ctx context.Context, r *schedulev1.ListRunsReques
 func (g scheduleGRPC) NextSlots(ctx context.Context, r *schedulev1.NextSlotsRequest) (*schedulev1.NextSlotsResponse, error) {
 	return unary(ctx, r, g.h.NextSlots)
 }
+
+func (g clusterGRPC) ClusterVersion(ctx context.Context, r *clusterv1.ClusterVersionRequest) (*clusterv1.ClusterVersionResponse, error) {
+	return unary(ctx, r, g.h.ClusterVersion)
+}
+
+func (g clusterGRPC) VerifyReplicas(ctx context.Context, r *clusterv1.VerifyReplicasRequest) (*clusterv1.VerifyReplicasResponse, error) {
+	return unary(ctx, r, g.h.VerifyReplicas)
+}
+
+func (g clusterGRPC) Downgrade(ctx context.Context, r *clusterv1.DowngradeRequest) (*clusterv1.DowngradeResponse, error) {
+	return unary(ctx, r, g.h.Downgrade)
+}
+
+func (g nodeGRPC) StateHash(ctx context.Context, r *nodev1.StateHashRequest) (*nodev1.StateHashResponse, error) {
+	return unary(ctx, r, g.h.StateHash)
+}

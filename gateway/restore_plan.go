@@ -108,9 +108,10 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 			recs = cur
 		}
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
-			// This cluster's cluster.id, and its history, stay.
+			// This cluster's cluster.id and downgrade, and their
+			// history, stay.
 			for _, r := range cur {
-				if r.(*clusterv1.ConfigEntry).GetKey() == ClusterIDKey {
+				if k := r.(*clusterv1.ConfigEntry).GetKey(); k == ClusterIDKey || k == DowngradeKey {
 					records = append(records, fsm.TableRecord{Table: table, Record: r})
 				}
 			}
@@ -240,6 +241,9 @@ func (s *SnapshotService) checkRestored(ctx context.Context, table string, r pro
 				}
 			}
 			return false, nil // this cluster's is kept
+		}
+		if key == DowngradeKey {
+			return false, nil // this cluster's downgrade, if any, is kept
 		}
 		if table == fsm.TableConfig && s.cs.cfg.ValidateConfig != nil {
 			if err := s.cs.cfg.ValidateConfig(ctx, ConfigChange{Key: key, Value: v.GetValue(), Restore: true}); err != nil {

@@ -297,6 +297,11 @@ func (s *ScheduleService) modify(ctx context.Context, w *clusterv1.WriteOptions,
 // outcome (fsm RefuseWrite), and returns the recorded outcome: the
 // refusal, or, when w was applied in the meantime, w's own.
 func (s *ScheduleService) refuse(ctx context.Context, w *clusterv1.WriteOptions, outcome error) (*fsm.Result, error) {
+	if s.h.require(fsm.FeatureRefuseWrite, "recording a refusal") != nil {
+		// The agents that predate refuse_write answer the refusal
+		// without recording it.
+		return &fsm.Result{Err: outcome}, nil
+	}
 	res, err := s.h.propose(ctx, w, &fsmv1.Command{Op: &fsmv1.Command_RefuseWrite{RefuseWrite: &fsmv1.RefuseWrite{
 		ErrorCode: fsm.ErrorCode(outcome), ErrorMessage: outcome.Error(),
 	}}})

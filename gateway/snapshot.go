@@ -27,6 +27,13 @@ import (
 // first leader sets it; clients cannot change or delete it.
 const ClusterIDKey = "cluster.id"
 
+// DowngradeKey is the cluster config key that holds the cluster version a
+// downgrade under way keeps the cluster at ("0.0"): while it is set, the
+// leader does not raise the cluster version when every server runs a newer
+// release (pvcli operator downgrade). The leader removes it once a server
+// runs that version or an older one.
+const DowngradeKey = "cluster.downgrade"
+
 // snapshotChunk is the size of the data of one snapshot stream message.
 const snapshotChunk = 256 << 10
 

@@ -492,11 +492,18 @@ const (
 	reasonOverlap = "the previous run was still in progress (overlap forbid)"
 )
 
+// allows reports whether the cluster version of the state allows a
+// feature.
+func (d *dispatcher) allows(feature string) bool {
+	v, _, err := d.state.State().ClusterVersion()
+	return err == nil && v.Enabled(feature)
+}
+
 // claim commits (schedule, slot) through Raft, with the earlier slots it
 // skips, recorded as skipped for reason.
 func (d *dispatcher) claim(ctx context.Context, s *schedulev1.Schedule, slot time.Time, skipped []time.Time, reason string) error {
 	op := &fsmv1.ClaimSlot{ScheduleId: s.GetId(), Slot: timestamppb.New(slot), Node: d.cfg.NodeID}
-	if len(skipped) > 0 {
+	if len(skipped) > 0 && d.allows(fsm.FeatureRunDetails) {
 		op.SkipReason = reason
 	}
 	for _, t := range skipped {
@@ -583,7 +590,10 @@ func (d *dispatcher) act(ctx context.Context, s *schedulev1.Schedule, slot time.
 	run := &schedulev1.Run{
 		ScheduleId: s.GetId(), Slot: timestamppb.New(slot), Attempts: uint32(attempts),
 		Latency: durationpb.New(finished.Sub(started)), FinishedAt: timestamppb.New(finished),
-		Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK, Host: host,
+		Outcome: schedulev1.RunOutcome_RUN_OUTCOME_OK,
+	}
+	if d.allows(fsm.FeatureRunDetails) {
+		run.Host = host
 	}
 	result := "ok"
 	if err != nil {

@@ -155,7 +155,13 @@ func apply(ctx context.Context, cfg TTLReaperConfig, raft Proposer, cmd *fsmv1.C
 func RunCriticalReaper(ctx context.Context, cfg TTLReaperConfig, state StateReader, raft Proposer) {
 	cfg = cfg.withDefaults()
 	reap(ctx, cfg, "critical-reaper", func(now time.Time, logger *slog.Logger) bool {
-		for _, inst := range state.State().CriticalExpired(now) {
+		st := state.State()
+		if v, _, err := st.ClusterVersion(); err != nil || !v.Enabled(fsm.FeatureHealthChecks) {
+			// Agents that predate deregister_critical_after would
+			// deregister unconditionally: not before every server knows it.
+			return true
+		}
+		for _, inst := range st.CriticalExpired(now) {
 			after := inst.GetDeregisterCriticalAfter().AsDuration()
 			if !cfg.TermStart.IsZero() && now.Before(cfg.TermStart.Add(after)) {
 				continue

@@ -85,6 +85,11 @@ type Config struct {
 	// verification checkpoint (verify.go); 0 turns verification off on
 	// this node (it still handles the leader's checkpoints as no-ops).
 	LogVerificationInterval time.Duration
+	// LogVerificationAllowed, when set, is asked before each checkpoint:
+	// agents that predate log verification cannot decode a checkpoint
+	// entry, so the leader appends none until the cluster version allows
+	// it. nil: always.
+	LogVerificationAllowed func() bool
 
 	// TransportMaxPool is how many idle outbound connections are pooled per
 	// peer.

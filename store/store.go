@@ -163,7 +163,7 @@ func New(cfg Config) (s *Store, err error) {
 	s.leadership.start(notify, s.closing)
 	s.reach.start(r, raft.ServerID(cfg.NodeID), s.closing)
 	if cfg.LogVerificationInterval > 0 {
-		go s.runCheckpoints(cfg.LogVerificationInterval)
+		go s.runCheckpoints(cfg.LogVerificationInterval, cfg.LogVerificationAllowed)
 	}
 	slogger.Info("raft started", "address", transport.LocalAddr(), "existing_state", existed, "log_store", stores.choice.Kind)
 	return s, nil

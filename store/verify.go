@@ -130,8 +130,8 @@ func (s *Store) LogVerification() LogVerification {
 }
 
 // runCheckpoints appends a checkpoint every interval while this server
-// leads, until Close.
-func (s *Store) runCheckpoints(interval time.Duration) {
+// leads and allowed (nil: always) says so, until Close.
+func (s *Store) runCheckpoints(interval time.Duration, allowed func() bool) {
 	ch, cancel := s.SubscribeLeadership()
 	defer cancel()
 	var tick <-chan time.Time
@@ -158,6 +158,9 @@ func (s *Store) runCheckpoints(interval time.Duration) {
 				tick = t.C
 			}
 		case <-tick:
+			if allowed != nil && !allowed() {
+				continue
+			}
 			ctx, cancelApply := context.WithTimeout(context.Background(), interval)
 			err := s.wait(ctx, s.raft.Apply(checkpointData, interval))
 			cancelApply()

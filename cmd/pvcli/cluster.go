@@ -54,25 +54,38 @@ func (a *app) newClusterCmd() *cobra.Command {
 			Args:  positional("[NODE]"),
 			RunE:  a.command(a.clusterTransferLeader),
 		},
-		&cobra.Command{
-			Use:   "force-leave NODE",
-			Short: "Mark a failed gossip member as left on every member; the leader then removes its Raft server",
-			Long: `force-leave tells every live member that the failed member NODE (its gossip
+		a.newForceLeaveCmd(),
+		a.newKeyringCmd(),
+		a.newClusterVersionCmd(),
+	)
+}
+
+func (a *app) newForceLeaveCmd() *cobra.Command {
+	var prune bool
+	c := &cobra.Command{
+		Use:   "force-leave NODE",
+		Short: "Mark a failed gossip member as left on every member; the leader then removes its Raft server",
+		Long: `force-leave tells every live member that the failed member NODE (its gossip
 name, as pvcli cluster members shows it) has left: it is shown as left and
 forgotten like a member that left gracefully, and the leader removes its Raft
 server at once when the remaining voters keep a quorum. A member that is alive
 is refused: run pvcli cluster leave against it instead. Should NODE come back,
-it rejoins.`,
-			Args: positional("NODE"),
-			RunE: a.command(a.clusterForceLeave),
-		},
-		a.newKeyringCmd(),
-	)
+it rejoins. Its objects leave the placement catalog: lists stop naming the node,
+and a call for one of them is answered NotFound (or reaches the node whose
+backend holds it now). With --prune every member forgets NODE at once, instead
+of listing it as left until gossip forgets it (72 h); a member that still sees
+it alive takes it as left when it fails there, and forgets it at the next
+force-leave --prune.`,
+		Args: positional("NODE"),
+		RunE: a.command(func(cmd *cobra.Command, args []string) error { return a.clusterForceLeave(cmd, args, prune) }),
+	}
+	c.Flags().BoolVar(&prune, "prune", false, "forget the member at once on every member, instead of listing it as left")
+	return c
 }
 
-func (a *app) clusterForceLeave(cmd *cobra.Command, args []string) error {
+func (a *app) clusterForceLeave(cmd *cobra.Command, args []string, prune bool) error {
 	return a.call(cmd, func(ctx context.Context, api clusterv1connect.ClusterServiceClient) error {
-		resp, err := api.ForceLeave(ctx, connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: args[0]}))
+		resp, err := api.ForceLeave(ctx, connect.NewRequest(&clusterv1.ForceLeaveRequest{Node: args[0], Prune: prune}))
 		if err != nil {
 			return err
 		}
@@ -86,6 +99,9 @@ func (a *app) clusterForceLeave(cmd *cobra.Command, args []string) error {
 			row(w, "NODE", "RESULT")
 			for _, n := range resp.Msg.GetNodes() {
 				result := args[0] + " marked left"
+				if prune {
+					result = args[0] + " forgotten"
+				}
 				if n.GetPending() {
 					result = "still sees " + args[0] + " alive: marked left once it fails there"
 				}
@@ -110,6 +126,9 @@ func orText(s, otherwise string) string {
 
 func (a *app) newOperatorCmd() *cobra.Command {
 	return groupCmd("operator", "Cluster operator tools",
+		a.newUpgradeCmd(),
+		a.newRaftCmd(),
+		a.newDowngradeCmd(),
 		groupCmd("autopilot", "How the leader manages the Raft servers",
 			&cobra.Command{
 				Use:   "state",

@@ -30,6 +30,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"gopkg.in/yaml.v3"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
@@ -1132,7 +1133,7 @@ func TestVersion(t *testing.T) {
 	url := fake.start(t)
 
 	r := runCLI(t, url, "version").mustSucceed(t)
-	for _, want := range []string{"pvcli 0.1.0-dev (", "agent pivirt-agent 1.0.0 (protocol 1) on node2 at " + url, "other members run 0.9.0 (protocol 1): [node1]"} {
+	for _, want := range []string{"pvcli " + version.Version + " (", "agent pivirt-agent 1.0.0 (protocol 1) on node2 at " + url, "other members run 0.9.0 (protocol 1): [node1]"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("version output lacks %q:\n%s", want, r.stdout)
 		}
@@ -1154,7 +1155,7 @@ func TestVersion(t *testing.T) {
 	// --version and --client need no agent; an agent that cannot be
 	// reached is an error after the client's own line.
 	closed := "http://127.0.0.1:" + strconv.Itoa(closedPort(t))
-	if r := runCLI(t, closed, "--version").mustSucceed(t); !strings.HasPrefix(r.stdout, "pvcli 0.1.0-dev (") {
+	if r := runCLI(t, closed, "--version").mustSucceed(t); !strings.HasPrefix(r.stdout, "pvcli "+version.Version+" (") {
 		t.Errorf("--version = %q", r.stdout)
 	}
 	if r := runCLI(t, closed, "version", "--client").mustSucceed(t); strings.Contains(r.stdout, "agent") {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/proto"
 
+	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/fsm/archive"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
@@ -55,14 +57,23 @@ restore would change, and changes nothing.`,
 		RunE: a.command(func(cmd *cobra.Command, args []string) error { return a.snapshotRestore(cmd, args, dryRun) }),
 	}
 	restore.Flags().BoolVar(&dryRun, "dry-run", false, "check the archive and the caller's rights and show what would change, without changing anything")
+	var hash bool
+	inspect := &cobra.Command{
+		Use:   "inspect FILE|DIR",
+		Short: "Verify a snapshot archive, or a snapshot directory of a data dir, and show what it holds (offline)",
+		Long: `inspect verifies FILE (an archive of pvcli snapshot save) or DIR (a snapshot
+directory of a data dir) and shows what it holds, table by table. With --hash it
+also hashes each table as pvcli operator raft verify does, so that the state of
+an agent that keeps no state hashes (a release before 0.1: take its snapshot with
+pvcli --endpoint … snapshot save --stale) can be compared with the others' at
+the same index (the cluster CA is never in an archive).`,
+		Args: positional("FILE"),
+		RunE: a.command(func(cmd *cobra.Command, args []string) error { return a.snapshotInspect(cmd, args, hash) }),
+	}
+	inspect.Flags().BoolVar(&hash, "hash", false, "hash each table of the state as pvcli operator raft verify does (an archive only)")
 	return groupCmd("snapshot", "Save, inspect and restore snapshots of the replicated state",
 		save,
-		&cobra.Command{
-			Use:   "inspect FILE|DIR",
-			Short: "Verify a snapshot archive, or a snapshot directory of a data dir, and show what it holds (offline)",
-			Args:  positional("FILE"),
-			RunE:  a.command(a.snapshotInspect),
-		},
+		inspect,
 		restore,
 	)
 }
@@ -175,6 +186,28 @@ func checkArchiveFile(path string, check func(io.ReadSeeker) (*archive.Info, err
 	return check(f)
 }
 
+// hashArchive hashes the state of the archive at path, table by table.
+func hashArchive(path string) (*fsm.StateHash, error) {
+	f, err := archive.OpenRegular(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	rd, err := archive.NewReader(bufio.NewReaderSize(f, 1<<20))
+	if err != nil {
+		return nil, err
+	}
+	st, err := rd.State()
+	if err != nil {
+		return nil, err
+	}
+	h, err := fsm.HashSnapshot(st)
+	if err != nil {
+		return nil, err
+	}
+	return h, rd.Close()
+}
+
 // check1 is archive.Check, one buffered pass.
 func check1(r io.ReadSeeker) (*archive.Info, error) {
 	return archive.Check(bufio.NewReaderSize(r, 1<<20))
@@ -205,9 +238,12 @@ type tableSummary struct {
 	Name    string `json:"name"`
 	Records uint64 `json:"records,string"`
 	Bytes   uint64 `json:"bytes,string"`
+	// SHA256 is the table's hash (--hash), as pvcli operator raft verify
+	// shows it.
+	SHA256 string `json:"sha256,omitempty"`
 }
 
-func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
+func (a *app) snapshotInspect(cmd *cobra.Command, args []string, hash bool) error {
 	path := args[0]
 	st, err := os.Stat(path)
 	if err != nil {
@@ -238,6 +274,20 @@ func (a *app) snapshotInspect(cmd *cobra.Command, args []string) error {
 	out.Verification = "ok"
 	if err != nil {
 		out.Verification = "FAILED: " + err.Error()
+	}
+	if hash && err == nil {
+		if st.IsDir() {
+			return errors.New("snapshot inspect --hash: hashes an archive; save one (pvcli snapshot save) to hash it")
+		}
+		sums, herr := hashArchive(path)
+		if herr != nil {
+			return fmt.Errorf("snapshot inspect: hash %s: %w", path, herr)
+		}
+		for i := range out.Tables {
+			if t, ok := sums.Table(out.Tables[i].Name); ok {
+				out.Tables[i].SHA256 = hex.EncodeToString(t.Sum[:])
+			}
+		}
 	}
 	if rerr := a.renderValue(out, func(w io.Writer) { inspectTable(w, out) }); rerr != nil {
 		return rerr
@@ -274,6 +324,13 @@ func inspectTable(w io.Writer, in inspection) {
 	field("Verification", in.Verification)
 	if len(in.Tables) > 0 {
 		fmt.Fprintln(w)
+		if len(in.Tables) > 0 && in.Tables[0].SHA256 != "" {
+			fmt.Fprintln(w, "TABLE\tRECORDS\tBYTES\tSHA256")
+			for _, t := range in.Tables {
+				fmt.Fprintf(w, "%s\t%d\t%d\t%s\n", t.Name, t.Records, t.Bytes, t.SHA256)
+			}
+			return
+		}
 		fmt.Fprintln(w, "TABLE\tRECORDS\tBYTES")
 		for _, t := range in.Tables {
 			fmt.Fprintf(w, "%s\t%d\t%d\n", t.Name, t.Records, t.Bytes)

@@ -37,6 +37,11 @@ type Placement interface {
 	// Peer is the connection to a node's agent (its internal port), or an
 	// error saying why the node cannot be reached (unknown, not alive).
 	Peer(node string) (grpc.ClientConnInterface, error)
+	// Routing is nil while calls are routed by object, else why they are
+	// not (the cluster version does not allow it yet): every call then
+	// goes to this node's backend, as before routing by object existed,
+	// and a call that names another node is refused with the error.
+	Routing() error
 }
 
 // Headers of placement routing.
@@ -121,6 +126,9 @@ func (p *Proxy) place(ss grpc.ServerStream, method string, b *Backend, pl Placem
 	r := info.rule
 	if !info.known || r == nil {
 		return p.forward(ss, method, b, nil)
+	}
+	if off := pl.Routing(); off != nil {
+		return p.localOnly(ss, method, b, pl, info, off)
 	}
 	switch {
 	case r.GetIdField() != "":
@@ -280,7 +288,7 @@ func (p *Proxy) Invoke(ctx context.Context, method string, req, resp proto.Messa
 	}
 	plp := p.placement.Load()
 	info := lookupMethod(method)
-	if plp == nil || !b.NodeScoped() || info.rule == nil || info.rule.GetIdField() == "" {
+	if plp == nil || !b.NodeScoped() || info.rule == nil || info.rule.GetIdField() == "" || (*plp).Routing() != nil {
 		return "", b.Invoke(ctx, method, req, resp)
 	}
 	pl := *plp
@@ -410,6 +418,33 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 		return status.Errorf(codes.Internal, "encode the merged list: %v", err)
 	}
 	return ss.SendMsg(NewFrame(out))
+}
+
+// localOnly serves a call on this node's backend while routing by object
+// is off: a call that names another node (a create's host, a list's or
+// watch's host filter) is refused with off, since this node cannot take
+// it there.
+func (p *Proxy) localOnly(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo, off error) error {
+	r := info.rule
+	if r.GetVerb() != "create" && r.GetVerb() != "list" {
+		return p.forward(ss, method, b, nil)
+	}
+	if info.clientStreams {
+		return p.forward(ss, method, b, nil)
+	}
+	first, req, err := recvRequest(ss, info)
+	if err != nil {
+		return err
+	}
+	host := stringAt(req, "host")
+	if host == "" && r.GetVerb() == "create" && r.GetObjectField() != "" {
+		host = stringAt(req, r.GetObjectField()+".host")
+	}
+	if host != "" && host != pl.Self() {
+		first.Free()
+		return status.Errorf(codes.FailedPrecondition, "host %q: %v", host, off)
+	}
+	return p.forward(ss, method, b, first)
 }
 
 // maxUnavailableReason bounds the reason given for one node in

@@ -168,6 +168,13 @@ type Agent struct {
 	// metrics is the registry /metrics serves.
 	metrics     *prometheus.Registry
 	snapMetrics *scheduler.SnapshotMetrics
+	// replicaMetrics count the leader's replica checks; replicas keeps the
+	// last one's result.
+	replicaMetrics replicaMetrics
+	replicas       replicaCheck
+	// lag caches a follower's /ready verdict on how far behind the leader
+	// it is.
+	lag lagCheck
 	// ca is the built-in cluster CA (tls.cluster_ca.enabled), else nil.
 	ca *leader.ClusterCA
 	// renewers renew this agent's certificates through the PiTrust CA
@@ -291,6 +298,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	})
 	a.metrics.MustRegister(apply)
 	a.raftApplyTime = apply
+	a.replicaMetrics = newReplicaMetrics(a.metrics)
 	a.settings = newSettingsStatus(a.metrics)
 	a.settingsKick = make(chan struct{}, 1)
 	a.servicesKick = make(chan struct{}, 1)
@@ -338,6 +346,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		a.runChecks,         // the checks of the service instances registered with this node
 		a.runServicesDir,    // the service definitions of service_discovery.services_dir
 		a.runSettings,       // the cluster settings, applied as they change
+		a.startReplicaCheck, // the leader's periodic comparison of the replicas
 	} {
 		if err := step(); err != nil {
 			return err
@@ -459,6 +468,7 @@ func (a *Agent) openState(ctx context.Context) error {
 	if rc.LogVerification.Enabled {
 		scfg.LogVerificationInterval = rc.LogVerification.Interval.Std()
 	}
+	scfg.LogVerificationAllowed = func() bool { return a.allows(fsm.FeatureLogVerification) }
 	a.store, err = store.New(scfg)
 	if err != nil {
 		return fmt.Errorf("start raft: %w", err)
@@ -596,6 +606,8 @@ func (a *Agent) buildServices() error {
 		state, restorer = a.etcd, a.etcd
 	}
 	hcfg := gateway.DefaultClusterServiceConfig()
+	hcfg.Require = a.requireFeature
+	hcfg.ClusterVersion = a.clusterVersion
 	hcfg.NodeID = a.nodeID
 	hcfg.NodeName = a.cfg.NodeName
 	hcfg.HoldTimeout = a.cfg.Cluster.ForwardHoldTimeout.Std()
@@ -609,8 +621,9 @@ func (a *Agent) buildServices() error {
 	hcfg.Stopping = a.ctx.Done()
 	hcfg.Logger = a.logger
 	hcfg.ValidateConfig = a.validateClusterConfig
-	hcfg.ForceLeave = func(ctx context.Context, addr, name string) (bool, error) {
-		resp, err := a.pool.Node(addr).ForceLeave(ctx, connect.NewRequest(&nodev1.ForceLeaveRequest{Node: name}))
+	hcfg.Retire = a.retireFromCatalog
+	hcfg.ForceLeave = func(ctx context.Context, addr, name string, prune bool) (bool, error) {
+		resp, err := a.pool.Node(addr).ForceLeave(ctx, connect.NewRequest(&nodev1.ForceLeaveRequest{Node: name, Prune: prune}))
 		if err != nil {
 			return false, err
 		}
@@ -618,6 +631,8 @@ func (a *Agent) buildServices() error {
 	}
 	if a.etcd == nil {
 		hcfg.Autopilot = a.work.Reconciler
+		hcfg.VerifyReplicas = a.verifyReplicas
+		hcfg.Downgrade = a.downgrade
 	}
 	hcfg.Keyring = func(ctx context.Context, addr string, op clusterv1.KeyringOp, key string) (*clusterv1.NodeKeyring, error) {
 		resp, err := a.pool.Node(addr).Keyring(ctx, connect.NewRequest(&nodev1.KeyringRequest{Op: op, Key: key}))
@@ -728,7 +743,8 @@ func (a *Agent) serveAll() error {
 	if a.ca != nil {
 		signer = a.ca
 	}
-	nodeSvc := cluster.NewNodeService(a.cons, a.internal, a.gossip, signer)
+	nodeSvc := cluster.NewNodeService(a.nodeStatus(), a.internal, a.gossip, signer)
+	nodeSvc.SetStateHash(a.stateHash)
 	if a.tls != nil {
 		nodeSvc.SetProver(a.proveIdentity)
 	}
@@ -1291,6 +1307,10 @@ func (a *Agent) Leave(ctx context.Context) error {
 		} else {
 			a.logger.Info("handed leadership over before leaving", "new_leader", id)
 		}
+	}
+	// This node's objects leave with it: the catalog stops naming it.
+	if err := a.retireFromCatalog(ctx, a.cfg.NodeName); err != nil {
+		a.logger.Warn("leave: this node's entries stay in the placement catalog until the leader sees it left", "error", err)
 	}
 	if err := a.gossip.Leave(a.opts.LeaveTimeout / 3); err != nil {
 		a.logger.Warn("gossip leave", "error", err)

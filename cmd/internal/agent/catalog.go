@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/gateway/mesh"
@@ -124,6 +125,7 @@ func (a *Agent) runCatalog() error {
 	for _, w := range catalogWatches {
 		a.wg.Go(func() { a.watchForCatalog(a.ctx, w, poke) })
 	}
+	a.wg.Go(a.runCatalogRetire)
 	a.wg.Go(func() {
 		interval := a.opts.CatalogSync
 		if interval <= 0 {
@@ -267,6 +269,11 @@ func (a *Agent) watchForCatalog(ctx context.Context, w catalogWatch, poke func()
 // listed is left as it is. It reports whether everything was listed and
 // recorded.
 func (a *Agent) syncCatalog(ctx context.Context) (done bool) {
+	if !a.allows(fsm.FeaturePlacements) {
+		// Not yet: agents that predate the catalog do not know its
+		// command. Looked at again soon (the retry backs off).
+		return false
+	}
 	self := a.cfg.NodeName
 	held, err := a.fsm.State().PlacementsByNode(self)
 	if err != nil {
@@ -368,6 +375,9 @@ func (a *Agent) reportPlacements(ctx context.Context, op *fsmv1.SetPlacements) e
 // proposePlacements is ReportPlacements on this node: a Raft proposal on
 // the leader (in etcd mode, a write of this agent).
 func (a *Agent) proposePlacements(ctx context.Context, op *fsmv1.SetPlacements) error {
+	if err := a.requireFeature(fsm.FeaturePlacements, "the placement catalog"); err != nil {
+		return err
+	}
 	if id, _ := a.cons.Leader(); a.cfg.ServiceDiscovery.Type != config.DiscoveryEtcd && id != a.nodeID {
 		return connect.NewError(connect.CodeFailedPrecondition, errors.New("not the leader"))
 	}
@@ -383,4 +393,54 @@ func (a *Agent) proposePlacements(ctx context.Context, op *fsmv1.SetPlacements) 
 		return connect.NewError(connect.CodeInvalidArgument, r.Err)
 	}
 	return nil
+}
+
+// retireFromCatalog removes every entry of node from the placement
+// catalog: a node that left the cluster holds nothing any more (its
+// objects are gone with it, or were handed over to the node whose
+// listing now has them, which moved them already).
+func (a *Agent) retireFromCatalog(ctx context.Context, node string) error {
+	if !a.allows(fsm.FeaturePlacements) {
+		return nil
+	}
+	held, err := a.fsm.State().PlacementsByNode(node)
+	if err != nil || len(held) == 0 {
+		return err
+	}
+	if err := a.reportPlacements(ctx, &fsmv1.SetPlacements{Node: node, FullKinds: fsm.PlacementKinds()}); err != nil {
+		return err
+	}
+	a.logger.Info("placement catalog: a node that left holds nothing any more", "node", node, "entries", len(held))
+	return nil
+}
+
+// runCatalogRetire removes from the catalog, on the leader, the entries
+// of every node that left the gossip ring (cluster leave, force-leave),
+// after each membership change and every catalogSync.
+func (a *Agent) runCatalogRetire() {
+	changes, stop := a.gossip.Subscribe()
+	defer stop()
+	t := time.NewTicker(catalogSync)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-changes:
+		case <-t.C:
+		}
+		if !a.leaderReady() || !a.allows(fsm.FeaturePlacements) {
+			continue
+		}
+		for _, m := range a.gossip.Members() {
+			if m.Status != cluster.StatusLeft || m.Name == a.cfg.NodeName {
+				continue
+			}
+			ctx, cancel := context.WithTimeout(a.ctx, 10*time.Second)
+			if err := a.retireFromCatalog(ctx, m.Name); err != nil && a.ctx.Err() == nil {
+				a.logger.Info("placement catalog: removing the entries of a node that left failed; trying again", "node", m.Name, "error", err)
+			}
+			cancel()
+		}
+	}
 }

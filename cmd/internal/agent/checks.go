@@ -76,6 +76,18 @@ func (a *Agent) followChecks(ctx context.Context, state checkState) {
 		}
 	}()
 	for ctx.Err() == nil {
+		if !a.allows(fsm.FeatureHealthChecks) {
+			// The agents that predate checks would record a check's
+			// result as a passing heartbeat: none runs before every
+			// server knows them.
+			for k := range runners {
+				stop(k)
+			}
+			if !sleepCtx(ctx, 2*time.Second) {
+				return
+			}
+			continue
+		}
 		ws := memdb.NewWatchSet()
 		// The rows of this node's checked instances: heartbeats and
 		// other nodes' writes neither wake this loop nor cost it a scan.

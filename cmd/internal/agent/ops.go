@@ -223,6 +223,7 @@ func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
 	} else {
 		a.raftReadiness(now, checks, fail)
 	}
+	a.versionReadiness(checks, fail)
 	a.commonReadiness(now, checks, fail, &ready)
 	return checks, ready
 }
@@ -260,6 +261,19 @@ func (a *Agent) raftReadiness(now time.Time, checks map[string]string, fail func
 		fail("leader_state", "leader barrier not complete")
 	}
 	stale := 10 * a.cfg.Cluster.Raft.HeartbeatTimeout.Std()
+	if h := a.fsm.Halted(); h != nil {
+		fail("fsm", "%v", h)
+		return
+	}
+	if st.State == "Follower" && st.LeaderID != "" {
+		if behind := a.behindLeader(now); behind != "" {
+			fail("fsm", "%s", behind)
+			return
+		}
+	}
+	if detail, ok := a.replicaReadiness(); ok && st.State == "Leader" {
+		checks["replicas"] = detail
+	}
 	switch {
 	case st.AppliedIndex < st.CommitIndex:
 		fail("fsm", "applied index %d behind the commit index %d", st.AppliedIndex, st.CommitIndex)

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/fsm"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
 )
 
@@ -20,6 +21,12 @@ type placement struct{ a *Agent }
 
 func (p placement) Self() string { return p.a.cfg.NodeName }
 
+// Routing implements mesh.Placement: routing by object, and the catalog
+// behind it, are used once the cluster version allows them.
+func (p placement) Routing() error {
+	return p.a.requireFeature(fsm.FeaturePlacements, "routing a call to another node's backend")
+}
+
 func (p placement) Locate(kind, id string) (string, bool) {
 	pl, err := p.a.fsm.State().Placement(kind, id)
 	if err != nil || pl == nil {
@@ -28,12 +35,17 @@ func (p placement) Locate(kind, id string) (string, bool) {
 	return pl.GetNode(), true
 }
 
-// Nodes are the cluster's servers in the gossip ring, whatever their
-// status (a node that is down is named as unreachable, not left out).
+// Nodes are the cluster's servers in the gossip ring, failed ones
+// included (a node that is down is named as unreachable, not left out),
+// left ones not: a node that left (cluster leave, force-leave) is retired,
+// and the leader drops its objects from the catalog.
 func (p placement) Nodes() []string {
 	nodes := []string{p.Self()}
 	if p.a.gossip != nil {
 		for _, m := range p.a.gossip.Members() {
+			if m.Status == cluster.StatusLeft {
+				continue
+			}
 			if m.Meta.InternalAddr != "" && !slices.Contains(nodes, m.Name) {
 				nodes = append(nodes, m.Name)
 			}

@@ -641,6 +641,17 @@ type RaftConfig struct {
 	WALSegmentSizeMB int `yaml:"wal_segment_size_mb"`
 	// LogVerification checks every node's log against the leader's checksums.
 	LogVerification LogVerificationConfig `yaml:"log_verification"`
+	// ReplicaCheck compares every server's replicated state with the leader's.
+	ReplicaCheck ReplicaCheckConfig `yaml:"replica_check"`
+}
+
+// ReplicaCheckConfig is the leader's periodic comparison of the replicas: every Interval it
+// appends a checkpoint and compares each server's state hash at that index with its own, table
+// by table (pvcli operator raft verify does the same on demand); a difference is logged,
+// counted (pivirt_raft_replica_mismatches) and shown by /ready.
+type ReplicaCheckConfig struct {
+	Enabled  bool     `yaml:"enabled"`
+	Interval Duration `yaml:"interval"`
 }
 
 // LogVerificationConfig is the Raft log verification: the leader appends a checkpoint every
@@ -738,6 +749,7 @@ func Default() *Config {
 				TrailingLogs:       10240,
 				WALSegmentSizeMB:   64,
 				LogVerification:    LogVerificationConfig{Enabled: true, Interval: Duration(time.Minute)},
+				ReplicaCheck:       ReplicaCheckConfig{Enabled: true, Interval: Duration(5 * time.Minute)},
 			},
 			RetryInterval:                Duration(DefaultRetryInterval),
 			TransferLeadershipOnShutdown: true,

@@ -48,7 +48,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "unknown key in the clustering block",
 			doc:  "cluster:\n  raft:\n    voter: 3\n",
-			want: "config.yaml: cluster.raft.voter: unknown key (known: addr, advertise_addr, voters, max_non_voters, bootstrap_expect, bootstrap, dead_server_cleanup, heartbeat_timeout, election_timeout, leader_lease_timeout, snapshot_threshold, snapshot_interval, trailing_logs, log_store, wal_segment_size_mb, log_verification)",
+			want: "config.yaml: cluster.raft.voter: unknown key (known: addr, advertise_addr, voters, max_non_voters, bootstrap_expect, bootstrap, dead_server_cleanup, heartbeat_timeout, election_timeout, leader_lease_timeout, snapshot_threshold, snapshot_interval, trailing_logs, log_store, wal_segment_size_mb, log_verification, replica_check)",
 		},
 		{
 			name: "dev is not a file key",

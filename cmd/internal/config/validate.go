@@ -565,6 +565,9 @@ func (c *Config) validateCluster(v *validator) {
 	if lv := r.LogVerification; lv.Enabled && lv.Interval.Std() < time.Second {
 		v.add("cluster.raft.log_verification.interval", "%w %s: must be at least 1s (or set cluster.raft.log_verification.enabled: false)", ErrInvalid, lv.Interval)
 	}
+	if rc := r.ReplicaCheck; rc.Enabled && rc.Interval.Std() < time.Second {
+		v.add("cluster.raft.replica_check.interval", "%w %s: must be at least 1s (or set cluster.raft.replica_check.enabled: false)", ErrInvalid, rc.Interval)
+	}
 
 	for _, list := range []struct {
 		path  string

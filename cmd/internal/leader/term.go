@@ -157,6 +157,9 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 		return
 	}
 	w.completeRestore(ctx)
+	// A new cluster (or one whose servers were all upgraded while no
+	// leader ran) gets its version before the term serves anything.
+	w.versionPass(ctx)
 	w.readyTerm.Store(term)
 	w.cfg.Logger.Info("leadership established", "term", st.Term, "index", st.AppliedIndex)
 
@@ -164,6 +167,7 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 	rc.LeaderLastIndex = func() uint64 { return s.Status().LastIndex }
 	rec := cluster.NewReconciler(rc, w.cfg.Voters, w.cfg.Members, w.cfg.Peers)
 	w.startCommon(ctx, wg, w.cfg.FSM, termStart)
+	wg.Go(func() { w.runClusterVersion(ctx) })
 	w.reconciler.Store(rec)
 	wg.Go(func() {
 		defer w.reconciler.CompareAndSwap(rec, nil)
@@ -199,8 +203,10 @@ func (w *Work) startEtcd(ctx context.Context, wg *sync.WaitGroup) {
 	if !caughtUp || !e.IsLeader() {
 		return
 	}
+	w.versionPass(ctx)
 	w.etcdLeading.Store(true)
 	w.cfg.Logger.Info("schedule leadership established", "revision", e.AppliedIndex())
+	wg.Go(func() { w.runClusterVersion(ctx) })
 	w.startCommon(ctx, wg, e, time.Now())
 }
 

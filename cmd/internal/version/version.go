@@ -13,10 +13,13 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// Version is the release; builds from the Makefile and packaging set it with
+// Version is the release: a semantic version, kept in the repository
+// (CHANGELOG.md names each release and the commit it was cut from). The
+// cluster version an agent announces is its major.minor (fsm.Version). A
+// packaging build may still set it with
 //
 //	-ldflags "-X pilab.hu/pivirt-agent/cmd/internal/version.Version=1.2.3"
-var Version = "0.1.0-dev"
+var Version = "0.1.0"
 
 // Revision is the source revision; the Makefile sets it like Version. When
 // empty, the revision the go command stamped into the build (when it did)
@@ -24,11 +27,12 @@ var Version = "0.1.0-dev"
 var Revision = ""
 
 // Protocol is the version of what agents exchange with each other: gossip
-// metadata, Raft commands and the internal node API. It is raised only by a
-// change that needs every agent upgraded before it is used; agents report it
-// in gossip so that `pvcli cluster members` and `pvcli version` show a
-// mixed-protocol cluster during an upgrade.
-const Protocol = 1
+// metadata, Raft commands and the internal node API. Agents announce it in
+// gossip with Version; an agent announcing a protocol below 2 (or none)
+// predates cluster versions and counts as version 0.0. What a release adds
+// is used only once the cluster version allows it (fsm.Features), so the
+// protocol rises only when the announcement itself changes.
+const Protocol = 2
 
 // Info is a binary's version as reported by --version and `version`.
 type Info struct {
@@ -64,7 +68,7 @@ func Agent() Info {
 	return i
 }
 
-// String is the one-line form: "pvcli 0.1.0-dev (revision 1a2b3c4d5e6f,
+// String is the one-line form: "pvcli 0.1.0 (revision 1a2b3c4d5e6f,
 // modified; go1.26.8; protocol 1)".
 func (i Info) String() string {
 	var parts []string

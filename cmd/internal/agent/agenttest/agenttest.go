@@ -22,6 +22,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/gateway/observe"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -409,7 +410,8 @@ func Eventually(tb testing.TB, timeout time.Duration, what string, f func() erro
 }
 
 // WaitLeader waits until every running node knows the same leader, which has
-// established its leadership, and returns it.
+// established its leadership, and applied the latest cluster version, and
+// returns the leader.
 func (c *Cluster) WaitLeader(timeout time.Duration) *Node {
 	c.tb.Helper()
 	var leader *Node
@@ -427,6 +429,13 @@ func (c *Cluster) WaitLeader(timeout time.Duration) *Node {
 		for _, n := range nodes {
 			if id := n.LeaderID(); id != leader.NodeID() {
 				return fmt.Errorf("%s sees leader %q, want %s", n.Name, id, leader.Name)
+			}
+		}
+		// Every node runs this release: the leader raises the cluster
+		// version to it right after the cluster forms.
+		for _, n := range nodes {
+			if v := n.ClusterVersion(); v != fsm.Latest {
+				return fmt.Errorf("%s applied cluster version %s, want %s", n.Name, v, fsm.Latest)
 			}
 		}
 		return nil

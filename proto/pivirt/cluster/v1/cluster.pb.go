@@ -196,6 +196,63 @@ func (RaftState) EnumDescriptor() ([]byte, []int) {
 	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{2}
 }
 
+type DowngradeAction int32
+
+const (
+	DowngradeAction_DOWNGRADE_ACTION_UNSPECIFIED DowngradeAction = 0
+	// VALIDATE says whether the cluster can be downgraded to the version,
+	// and what the downgrade changes, without changing anything.
+	DowngradeAction_DOWNGRADE_ACTION_VALIDATE DowngradeAction = 1
+	// ENABLE lowers the cluster version and holds it there.
+	DowngradeAction_DOWNGRADE_ACTION_ENABLE DowngradeAction = 2
+	// CANCEL ends the hold: the leader raises the cluster version again once
+	// every server runs a newer release.
+	DowngradeAction_DOWNGRADE_ACTION_CANCEL DowngradeAction = 3
+)
+
+// Enum value maps for DowngradeAction.
+var (
+	DowngradeAction_name = map[int32]string{
+		0: "DOWNGRADE_ACTION_UNSPECIFIED",
+		1: "DOWNGRADE_ACTION_VALIDATE",
+		2: "DOWNGRADE_ACTION_ENABLE",
+		3: "DOWNGRADE_ACTION_CANCEL",
+	}
+	DowngradeAction_value = map[string]int32{
+		"DOWNGRADE_ACTION_UNSPECIFIED": 0,
+		"DOWNGRADE_ACTION_VALIDATE":    1,
+		"DOWNGRADE_ACTION_ENABLE":      2,
+		"DOWNGRADE_ACTION_CANCEL":      3,
+	}
+)
+
+func (x DowngradeAction) Enum() *DowngradeAction {
+	p := new(DowngradeAction)
+	*p = x
+	return p
+}
+
+func (x DowngradeAction) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (DowngradeAction) Descriptor() protoreflect.EnumDescriptor {
+	return file_pivirt_cluster_v1_cluster_proto_enumTypes[3].Descriptor()
+}
+
+func (DowngradeAction) Type() protoreflect.EnumType {
+	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[3]
+}
+
+func (x DowngradeAction) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use DowngradeAction.Descriptor instead.
+func (DowngradeAction) EnumDescriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{3}
+}
+
 type Health int32
 
 const (
@@ -231,11 +288,11 @@ func (x Health) String() string {
 }
 
 func (Health) Descriptor() protoreflect.EnumDescriptor {
-	return file_pivirt_cluster_v1_cluster_proto_enumTypes[3].Descriptor()
+	return file_pivirt_cluster_v1_cluster_proto_enumTypes[4].Descriptor()
 }
 
 func (Health) Type() protoreflect.EnumType {
-	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[3]
+	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[4]
 }
 
 func (x Health) Number() protoreflect.EnumNumber {
@@ -244,7 +301,7 @@ func (x Health) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Health.Descriptor instead.
 func (Health) EnumDescriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{4}
 }
 
 type KeyringOp int32
@@ -286,11 +343,11 @@ func (x KeyringOp) String() string {
 }
 
 func (KeyringOp) Descriptor() protoreflect.EnumDescriptor {
-	return file_pivirt_cluster_v1_cluster_proto_enumTypes[4].Descriptor()
+	return file_pivirt_cluster_v1_cluster_proto_enumTypes[5].Descriptor()
 }
 
 func (KeyringOp) Type() protoreflect.EnumType {
-	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[4]
+	return &file_pivirt_cluster_v1_cluster_proto_enumTypes[5]
 }
 
 func (x KeyringOp) Number() protoreflect.EnumNumber {
@@ -299,7 +356,7 @@ func (x KeyringOp) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use KeyringOp.Descriptor instead.
 func (KeyringOp) EnumDescriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{5}
 }
 
 type ReadOptions struct {
@@ -1312,7 +1369,11 @@ func (x *RemovePeerResponse) GetIndex() uint64 {
 type ForceLeaveRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// node is the gossip name of the failed member.
-	Node          string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Node string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// prune forgets the member at once on every member told (consul
+	// force-leave -prune), instead of keeping it listed as left until
+	// gossip forgets it (72 h).
+	Prune         bool `protobuf:"varint,2,opt,name=prune,proto3" json:"prune,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1352,6 +1413,13 @@ func (x *ForceLeaveRequest) GetNode() string {
 		return x.Node
 	}
 	return ""
+}
+
+func (x *ForceLeaveRequest) GetPrune() bool {
+	if x != nil {
+		return x.Prune
+	}
+	return false
 }
 
 type ForceLeaveResponse struct {
@@ -1470,6 +1538,700 @@ func (x *NodeForceLeave) GetPending() bool {
 	return false
 }
 
+type ClusterVersionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClusterVersionRequest) Reset() {
+	*x = ClusterVersionRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterVersionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterVersionRequest) ProtoMessage() {}
+
+func (x *ClusterVersionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterVersionRequest.ProtoReflect.Descriptor instead.
+func (*ClusterVersionRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{20}
+}
+
+type ClusterVersionResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cluster_version is "major.minor"; "0.0" is the version of the agents
+	// that predate cluster versions.
+	ClusterVersion string `protobuf:"bytes,1,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	// set_index and set_at: the entry that set it (none at 0.0).
+	SetIndex uint64                 `protobuf:"varint,2,opt,name=set_index,json=setIndex,proto3" json:"set_index,omitempty"`
+	SetAt    *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=set_at,json=setAt,proto3" json:"set_at,omitempty"`
+	// downgrade is the version a downgrade under way holds the cluster at,
+	// empty when none is.
+	Downgrade string `protobuf:"bytes,4,opt,name=downgrade,proto3" json:"downgrade,omitempty"`
+	// lowest is the lowest cluster version the servers run: the leader
+	// raises the cluster version to it (a downgrade permitting).
+	Lowest string `protobuf:"bytes,5,opt,name=lowest,proto3" json:"lowest,omitempty"`
+	// features are those the cluster version enables.
+	Features []string         `protobuf:"bytes,6,rep,name=features,proto3" json:"features,omitempty"`
+	Servers  []*ServerVersion `protobuf:"bytes,7,rep,name=servers,proto3" json:"servers,omitempty"`
+	// leader is the node that answered; leader_applied_index its applied
+	// index.
+	Leader             string `protobuf:"bytes,8,opt,name=leader,proto3" json:"leader,omitempty"`
+	LeaderAppliedIndex uint64 `protobuf:"varint,9,opt,name=leader_applied_index,json=leaderAppliedIndex,proto3" json:"leader_applied_index,omitempty"`
+	// release is the leader's release; latest the newest cluster version
+	// it applies.
+	Release       string `protobuf:"bytes,10,opt,name=release,proto3" json:"release,omitempty"`
+	Latest        string `protobuf:"bytes,11,opt,name=latest,proto3" json:"latest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClusterVersionResponse) Reset() {
+	*x = ClusterVersionResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterVersionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterVersionResponse) ProtoMessage() {}
+
+func (x *ClusterVersionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterVersionResponse.ProtoReflect.Descriptor instead.
+func (*ClusterVersionResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ClusterVersionResponse) GetClusterVersion() string {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return ""
+}
+
+func (x *ClusterVersionResponse) GetSetIndex() uint64 {
+	if x != nil {
+		return x.SetIndex
+	}
+	return 0
+}
+
+func (x *ClusterVersionResponse) GetSetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.SetAt
+	}
+	return nil
+}
+
+func (x *ClusterVersionResponse) GetDowngrade() string {
+	if x != nil {
+		return x.Downgrade
+	}
+	return ""
+}
+
+func (x *ClusterVersionResponse) GetLowest() string {
+	if x != nil {
+		return x.Lowest
+	}
+	return ""
+}
+
+func (x *ClusterVersionResponse) GetFeatures() []string {
+	if x != nil {
+		return x.Features
+	}
+	return nil
+}
+
+func (x *ClusterVersionResponse) GetServers() []*ServerVersion {
+	if x != nil {
+		return x.Servers
+	}
+	return nil
+}
+
+func (x *ClusterVersionResponse) GetLeader() string {
+	if x != nil {
+		return x.Leader
+	}
+	return ""
+}
+
+func (x *ClusterVersionResponse) GetLeaderAppliedIndex() uint64 {
+	if x != nil {
+		return x.LeaderAppliedIndex
+	}
+	return 0
+}
+
+func (x *ClusterVersionResponse) GetRelease() string {
+	if x != nil {
+		return x.Release
+	}
+	return ""
+}
+
+func (x *ClusterVersionResponse) GetLatest() string {
+	if x != nil {
+		return x.Latest
+	}
+	return ""
+}
+
+// ServerVersion is one server of ClusterVersionResponse.
+type ServerVersion struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Name   string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// release and protocol are what it announces in gossip; version is the
+	// cluster version they make ("0.0" for an agent that predates them).
+	Release  string `protobuf:"bytes,3,opt,name=release,proto3" json:"release,omitempty"`
+	Protocol int32  `protobuf:"varint,4,opt,name=protocol,proto3" json:"protocol,omitempty"`
+	Version  string `protobuf:"bytes,5,opt,name=version,proto3" json:"version,omitempty"`
+	// features are those its release knows, as it reports them (empty for
+	// an agent that predates cluster versions).
+	Features     []string     `protobuf:"bytes,6,rep,name=features,proto3" json:"features,omitempty"`
+	Voter        bool         `protobuf:"varint,7,opt,name=voter,proto3" json:"voter,omitempty"`
+	GossipStatus MemberStatus `protobuf:"varint,8,opt,name=gossip_status,json=gossipStatus,proto3,enum=pivirt.cluster.v1.MemberStatus" json:"gossip_status,omitempty"`
+	// applied_index is the last entry it applied; caught_up is whether it
+	// applied what the leader had applied when it was asked.
+	AppliedIndex uint64 `protobuf:"varint,9,opt,name=applied_index,json=appliedIndex,proto3" json:"applied_index,omitempty"`
+	CaughtUp     bool   `protobuf:"varint,10,opt,name=caught_up,json=caughtUp,proto3" json:"caught_up,omitempty"`
+	// halted says why it stopped applying the log (it needs a newer
+	// release); empty while it applies it.
+	Halted string `protobuf:"bytes,11,opt,name=halted,proto3" json:"halted,omitempty"`
+	// error says why it could not be asked.
+	Error         string `protobuf:"bytes,12,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ServerVersion) Reset() {
+	*x = ServerVersion{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ServerVersion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ServerVersion) ProtoMessage() {}
+
+func (x *ServerVersion) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ServerVersion.ProtoReflect.Descriptor instead.
+func (*ServerVersion) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ServerVersion) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *ServerVersion) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ServerVersion) GetRelease() string {
+	if x != nil {
+		return x.Release
+	}
+	return ""
+}
+
+func (x *ServerVersion) GetProtocol() int32 {
+	if x != nil {
+		return x.Protocol
+	}
+	return 0
+}
+
+func (x *ServerVersion) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+func (x *ServerVersion) GetFeatures() []string {
+	if x != nil {
+		return x.Features
+	}
+	return nil
+}
+
+func (x *ServerVersion) GetVoter() bool {
+	if x != nil {
+		return x.Voter
+	}
+	return false
+}
+
+func (x *ServerVersion) GetGossipStatus() MemberStatus {
+	if x != nil {
+		return x.GossipStatus
+	}
+	return MemberStatus_MEMBER_STATUS_UNSPECIFIED
+}
+
+func (x *ServerVersion) GetAppliedIndex() uint64 {
+	if x != nil {
+		return x.AppliedIndex
+	}
+	return 0
+}
+
+func (x *ServerVersion) GetCaughtUp() bool {
+	if x != nil {
+		return x.CaughtUp
+	}
+	return false
+}
+
+func (x *ServerVersion) GetHalted() string {
+	if x != nil {
+		return x.Halted
+	}
+	return ""
+}
+
+func (x *ServerVersion) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+type VerifyReplicasRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyReplicasRequest) Reset() {
+	*x = VerifyReplicasRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyReplicasRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyReplicasRequest) ProtoMessage() {}
+
+func (x *VerifyReplicasRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyReplicasRequest.ProtoReflect.Descriptor instead.
+func (*VerifyReplicasRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
+}
+
+type VerifyReplicasResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// index is the checkpoint every state was hashed at.
+	Index          uint64          `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	ClusterVersion string          `protobuf:"bytes,2,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	Nodes          []*ReplicaState `protobuf:"bytes,3,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	// agree: every node checked holds the leader's state in every table.
+	Agree         bool `protobuf:"varint,4,opt,name=agree,proto3" json:"agree,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyReplicasResponse) Reset() {
+	*x = VerifyReplicasResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyReplicasResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyReplicasResponse) ProtoMessage() {}
+
+func (x *VerifyReplicasResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyReplicasResponse.ProtoReflect.Descriptor instead.
+func (*VerifyReplicasResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *VerifyReplicasResponse) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *VerifyReplicasResponse) GetClusterVersion() string {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return ""
+}
+
+func (x *VerifyReplicasResponse) GetNodes() []*ReplicaState {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+func (x *VerifyReplicasResponse) GetAgree() bool {
+	if x != nil {
+		return x.Agree
+	}
+	return false
+}
+
+// ReplicaState is one server's state at the checkpoint.
+type ReplicaState struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Name   string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Leader bool                   `protobuf:"varint,3,opt,name=leader,proto3" json:"leader,omitempty"`
+	Tables []*TableHash           `protobuf:"bytes,4,rep,name=tables,proto3" json:"tables,omitempty"`
+	// differ names the tables whose hash differs from the leader's.
+	Differ []string `protobuf:"bytes,5,rep,name=differ,proto3" json:"differ,omitempty"`
+	// error says why the node was not checked (unreachable, a release
+	// without state hashes, a snapshot installed past the checkpoint).
+	Error         string `protobuf:"bytes,6,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicaState) Reset() {
+	*x = ReplicaState{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicaState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicaState) ProtoMessage() {}
+
+func (x *ReplicaState) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicaState.ProtoReflect.Descriptor instead.
+func (*ReplicaState) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ReplicaState) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *ReplicaState) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ReplicaState) GetLeader() bool {
+	if x != nil {
+		return x.Leader
+	}
+	return false
+}
+
+func (x *ReplicaState) GetTables() []*TableHash {
+	if x != nil {
+		return x.Tables
+	}
+	return nil
+}
+
+func (x *ReplicaState) GetDiffer() []string {
+	if x != nil {
+		return x.Differ
+	}
+	return nil
+}
+
+func (x *ReplicaState) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+// TableHash is the hash of one table of a replicated state.
+type TableHash struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Name    string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Records uint64                 `protobuf:"varint,2,opt,name=records,proto3" json:"records,omitempty"`
+	// sum is the SHA-256 of the table's records (hex).
+	Sum           string `protobuf:"bytes,3,opt,name=sum,proto3" json:"sum,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TableHash) Reset() {
+	*x = TableHash{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TableHash) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TableHash) ProtoMessage() {}
+
+func (x *TableHash) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TableHash.ProtoReflect.Descriptor instead.
+func (*TableHash) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *TableHash) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *TableHash) GetRecords() uint64 {
+	if x != nil {
+		return x.Records
+	}
+	return 0
+}
+
+func (x *TableHash) GetSum() string {
+	if x != nil {
+		return x.Sum
+	}
+	return ""
+}
+
+type DowngradeRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Action DowngradeAction        `protobuf:"varint,1,opt,name=action,proto3,enum=pivirt.cluster.v1.DowngradeAction" json:"action,omitempty"`
+	// version is the target "major.minor" (not for CANCEL).
+	Version       string `protobuf:"bytes,2,opt,name=version,proto3" json:"version,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DowngradeRequest) Reset() {
+	*x = DowngradeRequest{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DowngradeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DowngradeRequest) ProtoMessage() {}
+
+func (x *DowngradeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DowngradeRequest.ProtoReflect.Descriptor instead.
+func (*DowngradeRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *DowngradeRequest) GetAction() DowngradeAction {
+	if x != nil {
+		return x.Action
+	}
+	return DowngradeAction_DOWNGRADE_ACTION_UNSPECIFIED
+}
+
+func (x *DowngradeRequest) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+type DowngradeResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cluster_version and downgrade are as they are after the action.
+	ClusterVersion string `protobuf:"bytes,1,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	Downgrade      string `protobuf:"bytes,2,opt,name=downgrade,proto3" json:"downgrade,omitempty"`
+	// changes says what the downgrade changes in the state.
+	Changes []string `protobuf:"bytes,3,rep,name=changes,proto3" json:"changes,omitempty"`
+	// next says what the operator does next.
+	Next          string `protobuf:"bytes,4,opt,name=next,proto3" json:"next,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DowngradeResponse) Reset() {
+	*x = DowngradeResponse{}
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DowngradeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DowngradeResponse) ProtoMessage() {}
+
+func (x *DowngradeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DowngradeResponse.ProtoReflect.Descriptor instead.
+func (*DowngradeResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *DowngradeResponse) GetClusterVersion() string {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return ""
+}
+
+func (x *DowngradeResponse) GetDowngrade() string {
+	if x != nil {
+		return x.Downgrade
+	}
+	return ""
+}
+
+func (x *DowngradeResponse) GetChanges() []string {
+	if x != nil {
+		return x.Changes
+	}
+	return nil
+}
+
+func (x *DowngradeResponse) GetNext() string {
+	if x != nil {
+		return x.Next
+	}
+	return ""
+}
+
 type AutopilotStateRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1478,7 +2240,7 @@ type AutopilotStateRequest struct {
 
 func (x *AutopilotStateRequest) Reset() {
 	*x = AutopilotStateRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1490,7 +2252,7 @@ func (x *AutopilotStateRequest) String() string {
 func (*AutopilotStateRequest) ProtoMessage() {}
 
 func (x *AutopilotStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[20]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1503,7 +2265,7 @@ func (x *AutopilotStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AutopilotStateRequest.ProtoReflect.Descriptor instead.
 func (*AutopilotStateRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{20}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
 }
 
 type AutopilotStateResponse struct {
@@ -1527,7 +2289,7 @@ type AutopilotStateResponse struct {
 
 func (x *AutopilotStateResponse) Reset() {
 	*x = AutopilotStateResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1539,7 +2301,7 @@ func (x *AutopilotStateResponse) String() string {
 func (*AutopilotStateResponse) ProtoMessage() {}
 
 func (x *AutopilotStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[21]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1552,7 +2314,7 @@ func (x *AutopilotStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AutopilotStateResponse.ProtoReflect.Descriptor instead.
 func (*AutopilotStateResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{21}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AutopilotStateResponse) GetHealthy() bool {
@@ -1635,7 +2397,7 @@ type AutopilotServer struct {
 
 func (x *AutopilotServer) Reset() {
 	*x = AutopilotServer{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1647,7 +2409,7 @@ func (x *AutopilotServer) String() string {
 func (*AutopilotServer) ProtoMessage() {}
 
 func (x *AutopilotServer) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[22]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1660,7 +2422,7 @@ func (x *AutopilotServer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AutopilotServer.ProtoReflect.Descriptor instead.
 func (*AutopilotServer) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{22}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *AutopilotServer) GetNodeId() string {
@@ -1750,7 +2512,7 @@ type WatchStatusRequest struct {
 
 func (x *WatchStatusRequest) Reset() {
 	*x = WatchStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1762,7 +2524,7 @@ func (x *WatchStatusRequest) String() string {
 func (*WatchStatusRequest) ProtoMessage() {}
 
 func (x *WatchStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[23]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1775,7 +2537,7 @@ func (x *WatchStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchStatusRequest.ProtoReflect.Descriptor instead.
 func (*WatchStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{23}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *WatchStatusRequest) GetInterval() *durationpb.Duration {
@@ -1813,7 +2575,7 @@ type WatchStatusResponse struct {
 
 func (x *WatchStatusResponse) Reset() {
 	*x = WatchStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1825,7 +2587,7 @@ func (x *WatchStatusResponse) String() string {
 func (*WatchStatusResponse) ProtoMessage() {}
 
 func (x *WatchStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[24]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1838,7 +2600,7 @@ func (x *WatchStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchStatusResponse.ProtoReflect.Descriptor instead.
 func (*WatchStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{24}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *WatchStatusResponse) GetNode() string {
@@ -1914,7 +2676,7 @@ type TransferLeaderRequest struct {
 
 func (x *TransferLeaderRequest) Reset() {
 	*x = TransferLeaderRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1926,7 +2688,7 @@ func (x *TransferLeaderRequest) String() string {
 func (*TransferLeaderRequest) ProtoMessage() {}
 
 func (x *TransferLeaderRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[25]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1939,7 +2701,7 @@ func (x *TransferLeaderRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLeaderRequest.ProtoReflect.Descriptor instead.
 func (*TransferLeaderRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{25}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *TransferLeaderRequest) GetNodeId() string {
@@ -1958,7 +2720,7 @@ type TransferLeaderResponse struct {
 
 func (x *TransferLeaderResponse) Reset() {
 	*x = TransferLeaderResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1970,7 +2732,7 @@ func (x *TransferLeaderResponse) String() string {
 func (*TransferLeaderResponse) ProtoMessage() {}
 
 func (x *TransferLeaderResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[26]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1983,7 +2745,7 @@ func (x *TransferLeaderResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLeaderResponse.ProtoReflect.Descriptor instead.
 func (*TransferLeaderResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{26}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *TransferLeaderResponse) GetNodeId() string {
@@ -2028,7 +2790,7 @@ type HealthCheck struct {
 
 func (x *HealthCheck) Reset() {
 	*x = HealthCheck{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2040,7 +2802,7 @@ func (x *HealthCheck) String() string {
 func (*HealthCheck) ProtoMessage() {}
 
 func (x *HealthCheck) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[27]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2053,7 +2815,7 @@ func (x *HealthCheck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
 func (*HealthCheck) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{27}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *HealthCheck) GetHttp() string {
@@ -2160,7 +2922,7 @@ type ServiceInstance struct {
 
 func (x *ServiceInstance) Reset() {
 	*x = ServiceInstance{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2172,7 +2934,7 @@ func (x *ServiceInstance) String() string {
 func (*ServiceInstance) ProtoMessage() {}
 
 func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[28]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2185,7 +2947,7 @@ func (x *ServiceInstance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServiceInstance.ProtoReflect.Descriptor instead.
 func (*ServiceInstance) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{28}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ServiceInstance) GetService() string {
@@ -2317,7 +3079,7 @@ type RegisterServiceRequest struct {
 
 func (x *RegisterServiceRequest) Reset() {
 	*x = RegisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2329,7 +3091,7 @@ func (x *RegisterServiceRequest) String() string {
 func (*RegisterServiceRequest) ProtoMessage() {}
 
 func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[29]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2342,7 +3104,7 @@ func (x *RegisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*RegisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{29}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RegisterServiceRequest) GetInstance() *ServiceInstance {
@@ -2369,7 +3131,7 @@ type RegisterServiceResponse struct {
 
 func (x *RegisterServiceResponse) Reset() {
 	*x = RegisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2381,7 +3143,7 @@ func (x *RegisterServiceResponse) String() string {
 func (*RegisterServiceResponse) ProtoMessage() {}
 
 func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[30]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2394,7 +3156,7 @@ func (x *RegisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*RegisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{30}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *RegisterServiceResponse) GetInstance() *ServiceInstance {
@@ -2422,7 +3184,7 @@ type DeregisterServiceRequest struct {
 
 func (x *DeregisterServiceRequest) Reset() {
 	*x = DeregisterServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2434,7 +3196,7 @@ func (x *DeregisterServiceRequest) String() string {
 func (*DeregisterServiceRequest) ProtoMessage() {}
 
 func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[31]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2447,7 +3209,7 @@ func (x *DeregisterServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{31}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DeregisterServiceRequest) GetService() string {
@@ -2480,7 +3242,7 @@ type DeregisterServiceResponse struct {
 
 func (x *DeregisterServiceResponse) Reset() {
 	*x = DeregisterServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2492,7 +3254,7 @@ func (x *DeregisterServiceResponse) String() string {
 func (*DeregisterServiceResponse) ProtoMessage() {}
 
 func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[32]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2505,7 +3267,7 @@ func (x *DeregisterServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterServiceResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{32}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DeregisterServiceResponse) GetIndex() uint64 {
@@ -2532,7 +3294,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2544,7 +3306,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[33]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2557,7 +3319,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{33}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *HeartbeatRequest) GetService() string {
@@ -2605,7 +3367,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2617,7 +3379,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[34]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2630,7 +3392,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{34}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *HeartbeatResponse) GetInstance() *ServiceInstance {
@@ -2658,7 +3420,7 @@ type ListServicesRequest struct {
 
 func (x *ListServicesRequest) Reset() {
 	*x = ListServicesRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2670,7 +3432,7 @@ func (x *ListServicesRequest) String() string {
 func (*ListServicesRequest) ProtoMessage() {}
 
 func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[35]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2683,7 +3445,7 @@ func (x *ListServicesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesRequest.ProtoReflect.Descriptor instead.
 func (*ListServicesRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{35}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ListServicesRequest) GetService() string {
@@ -2710,7 +3472,7 @@ type ListServicesResponse struct {
 
 func (x *ListServicesResponse) Reset() {
 	*x = ListServicesResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2722,7 +3484,7 @@ func (x *ListServicesResponse) String() string {
 func (*ListServicesResponse) ProtoMessage() {}
 
 func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[36]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2735,7 +3497,7 @@ func (x *ListServicesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServicesResponse.ProtoReflect.Descriptor instead.
 func (*ListServicesResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{36}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListServicesResponse) GetInstances() []*ServiceInstance {
@@ -2764,7 +3526,7 @@ type GetServiceRequest struct {
 
 func (x *GetServiceRequest) Reset() {
 	*x = GetServiceRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2776,7 +3538,7 @@ func (x *GetServiceRequest) String() string {
 func (*GetServiceRequest) ProtoMessage() {}
 
 func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[37]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2789,7 +3551,7 @@ func (x *GetServiceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceRequest.ProtoReflect.Descriptor instead.
 func (*GetServiceRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{37}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *GetServiceRequest) GetService() string {
@@ -2823,7 +3585,7 @@ type GetServiceResponse struct {
 
 func (x *GetServiceResponse) Reset() {
 	*x = GetServiceResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2835,7 +3597,7 @@ func (x *GetServiceResponse) String() string {
 func (*GetServiceResponse) ProtoMessage() {}
 
 func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[38]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2848,7 +3610,7 @@ func (x *GetServiceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServiceResponse.ProtoReflect.Descriptor instead.
 func (*GetServiceResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{38}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *GetServiceResponse) GetInstances() []*ServiceInstance {
@@ -2880,7 +3642,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2892,7 +3654,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[39]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2905,7 +3667,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{39}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -2953,7 +3715,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2965,7 +3727,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[40]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2978,7 +3740,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{40}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *GetConfigRequest) GetKey() string {
@@ -3005,7 +3767,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3017,7 +3779,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[41]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3030,7 +3792,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{41}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *GetConfigResponse) GetEntry() *ConfigEntry {
@@ -3056,7 +3818,7 @@ type ListConfigRequest struct {
 
 func (x *ListConfigRequest) Reset() {
 	*x = ListConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3068,7 +3830,7 @@ func (x *ListConfigRequest) String() string {
 func (*ListConfigRequest) ProtoMessage() {}
 
 func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[42]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3081,7 +3843,7 @@ func (x *ListConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigRequest.ProtoReflect.Descriptor instead.
 func (*ListConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{42}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ListConfigRequest) GetRead() *ReadOptions {
@@ -3101,7 +3863,7 @@ type ListConfigResponse struct {
 
 func (x *ListConfigResponse) Reset() {
 	*x = ListConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3113,7 +3875,7 @@ func (x *ListConfigResponse) String() string {
 func (*ListConfigResponse) ProtoMessage() {}
 
 func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[43]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3126,7 +3888,7 @@ func (x *ListConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListConfigResponse.ProtoReflect.Descriptor instead.
 func (*ListConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{43}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ListConfigResponse) GetEntries() []*ConfigEntry {
@@ -3163,7 +3925,7 @@ type SetConfigRequest struct {
 
 func (x *SetConfigRequest) Reset() {
 	*x = SetConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3175,7 +3937,7 @@ func (x *SetConfigRequest) String() string {
 func (*SetConfigRequest) ProtoMessage() {}
 
 func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[44]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3188,7 +3950,7 @@ func (x *SetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{44}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *SetConfigRequest) GetKey() string {
@@ -3245,7 +4007,7 @@ type SetConfigResponse struct {
 
 func (x *SetConfigResponse) Reset() {
 	*x = SetConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3257,7 +4019,7 @@ func (x *SetConfigResponse) String() string {
 func (*SetConfigResponse) ProtoMessage() {}
 
 func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[45]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3270,7 +4032,7 @@ func (x *SetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{45}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *SetConfigResponse) GetEntry() *ConfigEntry {
@@ -3301,7 +4063,7 @@ type DeleteConfigRequest struct {
 
 func (x *DeleteConfigRequest) Reset() {
 	*x = DeleteConfigRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3313,7 +4075,7 @@ func (x *DeleteConfigRequest) String() string {
 func (*DeleteConfigRequest) ProtoMessage() {}
 
 func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[46]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3326,7 +4088,7 @@ func (x *DeleteConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigRequest.ProtoReflect.Descriptor instead.
 func (*DeleteConfigRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{46}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *DeleteConfigRequest) GetKey() string {
@@ -3366,7 +4128,7 @@ type DeleteConfigResponse struct {
 
 func (x *DeleteConfigResponse) Reset() {
 	*x = DeleteConfigResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3378,7 +4140,7 @@ func (x *DeleteConfigResponse) String() string {
 func (*DeleteConfigResponse) ProtoMessage() {}
 
 func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[47]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3391,7 +4153,7 @@ func (x *DeleteConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteConfigResponse.ProtoReflect.Descriptor instead.
 func (*DeleteConfigResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{47}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *DeleteConfigResponse) GetIndex() uint64 {
@@ -3411,7 +4173,7 @@ type ConfigHistoryRequest struct {
 
 func (x *ConfigHistoryRequest) Reset() {
 	*x = ConfigHistoryRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3423,7 +4185,7 @@ func (x *ConfigHistoryRequest) String() string {
 func (*ConfigHistoryRequest) ProtoMessage() {}
 
 func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[48]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3436,7 +4198,7 @@ func (x *ConfigHistoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryRequest.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{48}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ConfigHistoryRequest) GetKey() string {
@@ -3464,7 +4226,7 @@ type ConfigHistoryResponse struct {
 
 func (x *ConfigHistoryResponse) Reset() {
 	*x = ConfigHistoryResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3476,7 +4238,7 @@ func (x *ConfigHistoryResponse) String() string {
 func (*ConfigHistoryResponse) ProtoMessage() {}
 
 func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[49]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3489,7 +4251,7 @@ func (x *ConfigHistoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigHistoryResponse.ProtoReflect.Descriptor instead.
 func (*ConfigHistoryResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{49}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ConfigHistoryResponse) GetEntries() []*ConfigEntry {
@@ -3523,7 +4285,7 @@ type CheckAccessRequest struct {
 
 func (x *CheckAccessRequest) Reset() {
 	*x = CheckAccessRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3535,7 +4297,7 @@ func (x *CheckAccessRequest) String() string {
 func (*CheckAccessRequest) ProtoMessage() {}
 
 func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[50]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3548,7 +4310,7 @@ func (x *CheckAccessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessRequest.ProtoReflect.Descriptor instead.
 func (*CheckAccessRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{50}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *CheckAccessRequest) GetIdentity() string {
@@ -3604,7 +4366,7 @@ type CheckAccessResponse struct {
 
 func (x *CheckAccessResponse) Reset() {
 	*x = CheckAccessResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3616,7 +4378,7 @@ func (x *CheckAccessResponse) String() string {
 func (*CheckAccessResponse) ProtoMessage() {}
 
 func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[51]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3629,7 +4391,7 @@ func (x *CheckAccessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckAccessResponse.ProtoReflect.Descriptor instead.
 func (*CheckAccessResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{51}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *CheckAccessResponse) GetAllowed() bool {
@@ -3707,7 +4469,7 @@ type WhoAmIRequest struct {
 
 func (x *WhoAmIRequest) Reset() {
 	*x = WhoAmIRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3719,7 +4481,7 @@ func (x *WhoAmIRequest) String() string {
 func (*WhoAmIRequest) ProtoMessage() {}
 
 func (x *WhoAmIRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[52]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3732,7 +4494,7 @@ func (x *WhoAmIRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WhoAmIRequest.ProtoReflect.Descriptor instead.
 func (*WhoAmIRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{52}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *WhoAmIRequest) GetMethods() []string {
@@ -3769,7 +4531,7 @@ type WhoAmIResponse struct {
 
 func (x *WhoAmIResponse) Reset() {
 	*x = WhoAmIResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3781,7 +4543,7 @@ func (x *WhoAmIResponse) String() string {
 func (*WhoAmIResponse) ProtoMessage() {}
 
 func (x *WhoAmIResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[53]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3794,7 +4556,7 @@ func (x *WhoAmIResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WhoAmIResponse.ProtoReflect.Descriptor instead.
 func (*WhoAmIResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{53}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *WhoAmIResponse) GetIdentity() string {
@@ -3866,7 +4628,7 @@ type MethodAccess struct {
 
 func (x *MethodAccess) Reset() {
 	*x = MethodAccess{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3878,7 +4640,7 @@ func (x *MethodAccess) String() string {
 func (*MethodAccess) ProtoMessage() {}
 
 func (x *MethodAccess) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[54]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3891,7 +4653,7 @@ func (x *MethodAccess) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MethodAccess.ProtoReflect.Descriptor instead.
 func (*MethodAccess) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{54}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *MethodAccess) GetMethod() string {
@@ -3935,7 +4697,7 @@ type CheckNetworkPolicyRequest struct {
 
 func (x *CheckNetworkPolicyRequest) Reset() {
 	*x = CheckNetworkPolicyRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3947,7 +4709,7 @@ func (x *CheckNetworkPolicyRequest) String() string {
 func (*CheckNetworkPolicyRequest) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[55]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3960,7 +4722,7 @@ func (x *CheckNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyRequest.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{55}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *CheckNetworkPolicyRequest) GetFrom() string {
@@ -3999,7 +4761,7 @@ type CheckNetworkPolicyResponse struct {
 
 func (x *CheckNetworkPolicyResponse) Reset() {
 	*x = CheckNetworkPolicyResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4011,7 +4773,7 @@ func (x *CheckNetworkPolicyResponse) String() string {
 func (*CheckNetworkPolicyResponse) ProtoMessage() {}
 
 func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[56]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4024,7 +4786,7 @@ func (x *CheckNetworkPolicyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckNetworkPolicyResponse.ProtoReflect.Descriptor instead.
 func (*CheckNetworkPolicyResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{56}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *CheckNetworkPolicyResponse) GetAllowed() bool {
@@ -4063,7 +4825,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4075,7 +4837,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[57]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4088,7 +4850,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{57}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{66}
 }
 
 type ConfigStatusResponse struct {
@@ -4101,7 +4863,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4113,7 +4875,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[58]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4126,7 +4888,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{58}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ConfigStatusResponse) GetNodes() []*NodeConfigStatus {
@@ -4162,7 +4924,7 @@ type NodeConfigStatus struct {
 
 func (x *NodeConfigStatus) Reset() {
 	*x = NodeConfigStatus{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4174,7 +4936,7 @@ func (x *NodeConfigStatus) String() string {
 func (*NodeConfigStatus) ProtoMessage() {}
 
 func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[59]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4187,7 +4949,7 @@ func (x *NodeConfigStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeConfigStatus.ProtoReflect.Descriptor instead.
 func (*NodeConfigStatus) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{59}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *NodeConfigStatus) GetNode() string {
@@ -4257,7 +5019,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4269,7 +5031,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[60]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4282,7 +5044,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{60}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *KeyringRequest) GetOp() KeyringOp {
@@ -4310,7 +5072,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4322,7 +5084,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[61]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4335,7 +5097,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{61}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *KeyringResponse) GetNodes() []*NodeKeyring {
@@ -4360,7 +5122,7 @@ type NodeKeyring struct {
 
 func (x *NodeKeyring) Reset() {
 	*x = NodeKeyring{}
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4372,7 +5134,7 @@ func (x *NodeKeyring) String() string {
 func (*NodeKeyring) ProtoMessage() {}
 
 func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[62]
+	mi := &file_pivirt_cluster_v1_cluster_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4385,7 +5147,7 @@ func (x *NodeKeyring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeKeyring.ProtoReflect.Descriptor instead.
 func (*NodeKeyring) Descriptor() ([]byte, []int) {
-	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{62}
+	return file_pivirt_cluster_v1_cluster_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *NodeKeyring) GetNode() string {
@@ -4496,9 +5258,10 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x11RemovePeerRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"*\n" +
 	"\x12RemovePeerResponse\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x04R\x05index\"'\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"=\n" +
 	"\x11ForceLeaveRequest\x12\x12\n" +
-	"\x04node\x18\x01 \x01(\tR\x04node\"M\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05prune\x18\x02 \x01(\bR\x05prune\"M\n" +
 	"\x12ForceLeaveResponse\x127\n" +
 	"\x05nodes\x18\x01 \x03(\v2!.pivirt.cluster.v1.NodeForceLeaveR\x05nodes\"m\n" +
 	"\x0eNodeForceLeave\x12\x12\n" +
@@ -4506,6 +5269,59 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12\x18\n" +
 	"\apending\x18\x04 \x01(\bR\apending\"\x17\n" +
+	"\x15ClusterVersionRequest\"\x9b\x03\n" +
+	"\x16ClusterVersionResponse\x12'\n" +
+	"\x0fcluster_version\x18\x01 \x01(\tR\x0eclusterVersion\x12\x1b\n" +
+	"\tset_index\x18\x02 \x01(\x04R\bsetIndex\x121\n" +
+	"\x06set_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05setAt\x12\x1c\n" +
+	"\tdowngrade\x18\x04 \x01(\tR\tdowngrade\x12\x16\n" +
+	"\x06lowest\x18\x05 \x01(\tR\x06lowest\x12\x1a\n" +
+	"\bfeatures\x18\x06 \x03(\tR\bfeatures\x12:\n" +
+	"\aservers\x18\a \x03(\v2 .pivirt.cluster.v1.ServerVersionR\aservers\x12\x16\n" +
+	"\x06leader\x18\b \x01(\tR\x06leader\x120\n" +
+	"\x14leader_applied_index\x18\t \x01(\x04R\x12leaderAppliedIndex\x12\x18\n" +
+	"\arelease\x18\n" +
+	" \x01(\tR\arelease\x12\x16\n" +
+	"\x06latest\x18\v \x01(\tR\x06latest\"\xf4\x02\n" +
+	"\rServerVersion\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x18\n" +
+	"\arelease\x18\x03 \x01(\tR\arelease\x12\x1a\n" +
+	"\bprotocol\x18\x04 \x01(\x05R\bprotocol\x12\x18\n" +
+	"\aversion\x18\x05 \x01(\tR\aversion\x12\x1a\n" +
+	"\bfeatures\x18\x06 \x03(\tR\bfeatures\x12\x14\n" +
+	"\x05voter\x18\a \x01(\bR\x05voter\x12D\n" +
+	"\rgossip_status\x18\b \x01(\x0e2\x1f.pivirt.cluster.v1.MemberStatusR\fgossipStatus\x12#\n" +
+	"\rapplied_index\x18\t \x01(\x04R\fappliedIndex\x12\x1b\n" +
+	"\tcaught_up\x18\n" +
+	" \x01(\bR\bcaughtUp\x12\x16\n" +
+	"\x06halted\x18\v \x01(\tR\x06halted\x12\x14\n" +
+	"\x05error\x18\f \x01(\tR\x05error\"\x17\n" +
+	"\x15VerifyReplicasRequest\"\xa4\x01\n" +
+	"\x16VerifyReplicasResponse\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\x12'\n" +
+	"\x0fcluster_version\x18\x02 \x01(\tR\x0eclusterVersion\x125\n" +
+	"\x05nodes\x18\x03 \x03(\v2\x1f.pivirt.cluster.v1.ReplicaStateR\x05nodes\x12\x14\n" +
+	"\x05agree\x18\x04 \x01(\bR\x05agree\"\xb7\x01\n" +
+	"\fReplicaState\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
+	"\x06leader\x18\x03 \x01(\bR\x06leader\x124\n" +
+	"\x06tables\x18\x04 \x03(\v2\x1c.pivirt.cluster.v1.TableHashR\x06tables\x12\x16\n" +
+	"\x06differ\x18\x05 \x03(\tR\x06differ\x12\x14\n" +
+	"\x05error\x18\x06 \x01(\tR\x05error\"K\n" +
+	"\tTableHash\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\arecords\x18\x02 \x01(\x04R\arecords\x12\x10\n" +
+	"\x03sum\x18\x03 \x01(\tR\x03sum\"h\n" +
+	"\x10DowngradeRequest\x12:\n" +
+	"\x06action\x18\x01 \x01(\x0e2\".pivirt.cluster.v1.DowngradeActionR\x06action\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\tR\aversion\"\x88\x01\n" +
+	"\x11DowngradeResponse\x12'\n" +
+	"\x0fcluster_version\x18\x01 \x01(\tR\x0eclusterVersion\x12\x1c\n" +
+	"\tdowngrade\x18\x02 \x01(\tR\tdowngrade\x12\x18\n" +
+	"\achanges\x18\x03 \x03(\tR\achanges\x12\x12\n" +
+	"\x04next\x18\x04 \x01(\tR\x04next\"\x17\n" +
 	"\x15AutopilotStateRequest\"\x92\x03\n" +
 	"\x16AutopilotStateResponse\x12\x18\n" +
 	"\ahealthy\x18\x01 \x01(\bR\ahealthy\x12+\n" +
@@ -4743,7 +5559,12 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x14RAFT_STATE_CANDIDATE\x10\x02\x12\x15\n" +
 	"\x11RAFT_STATE_LEADER\x10\x03\x12\x17\n" +
 	"\x13RAFT_STATE_SHUTDOWN\x10\x04\x12\x1a\n" +
-	"\x16RAFT_STATE_UNREACHABLE\x10\x05*I\n" +
+	"\x16RAFT_STATE_UNREACHABLE\x10\x05*\x8c\x01\n" +
+	"\x0fDowngradeAction\x12 \n" +
+	"\x1cDOWNGRADE_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n" +
+	"\x19DOWNGRADE_ACTION_VALIDATE\x10\x01\x12\x1b\n" +
+	"\x17DOWNGRADE_ACTION_ENABLE\x10\x02\x12\x1b\n" +
+	"\x17DOWNGRADE_ACTION_CANCEL\x10\x03*I\n" +
 	"\x06Health\x12\x16\n" +
 	"\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eHEALTH_PASSING\x10\x01\x12\x13\n" +
@@ -4753,7 +5574,7 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\x0fKEYRING_OP_LIST\x10\x01\x12\x16\n" +
 	"\x12KEYRING_OP_INSTALL\x10\x02\x12\x12\n" +
 	"\x0eKEYRING_OP_USE\x10\x03\x12\x15\n" +
-	"\x11KEYRING_OP_REMOVE\x10\x042\x91\x16\n" +
+	"\x11KEYRING_OP_REMOVE\x10\x042\xf6\x18\n" +
 	"\x0eClusterService\x12d\n" +
 	"\aMembers\x12!.pivirt.cluster.v1.MembersRequest\x1a\".pivirt.cluster.v1.MembersResponse\"\x12\xca\xf3\x18\x0e\n" +
 	"\acluster\x12\x03get\x12^\n" +
@@ -4773,6 +5594,12 @@ const file_pivirt_cluster_v1_cluster_proto_rawDesc = "" +
 	"\n" +
 	"ForceLeave\x12$.pivirt.cluster.v1.ForceLeaveRequest\x1a%.pivirt.cluster.v1.ForceLeaveResponse\"\x15\xca\xf3\x18\x11\n" +
 	"\acluster\x12\x06delete\x12y\n" +
+	"\x0eClusterVersion\x12(.pivirt.cluster.v1.ClusterVersionRequest\x1a).pivirt.cluster.v1.ClusterVersionResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get\x12y\n" +
+	"\x0eVerifyReplicas\x12(.pivirt.cluster.v1.VerifyReplicasRequest\x1a).pivirt.cluster.v1.VerifyReplicasResponse\"\x12\xca\xf3\x18\x0e\n" +
+	"\acluster\x12\x03get\x12m\n" +
+	"\tDowngrade\x12#.pivirt.cluster.v1.DowngradeRequest\x1a$.pivirt.cluster.v1.DowngradeResponse\"\x15\xca\xf3\x18\x11\n" +
+	"\acluster\x12\x06update\x12y\n" +
 	"\x0eAutopilotState\x12(.pivirt.cluster.v1.AutopilotStateRequest\x1a).pivirt.cluster.v1.AutopilotStateResponse\"\x12\xca\xf3\x18\x0e\n" +
 	"\acluster\x12\x03get\x12r\n" +
 	"\vWatchStatus\x12%.pivirt.cluster.v1.WatchStatusRequest\x1a&.pivirt.cluster.v1.WatchStatusResponse\"\x12\xca\xf3\x18\x0e\n" +
@@ -4821,204 +5648,226 @@ func file_pivirt_cluster_v1_cluster_proto_rawDescGZIP() []byte {
 	return file_pivirt_cluster_v1_cluster_proto_rawDescData
 }
 
-var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 64)
+var file_pivirt_cluster_v1_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
+var file_pivirt_cluster_v1_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
 var file_pivirt_cluster_v1_cluster_proto_goTypes = []any{
 	(Consistency)(0),                   // 0: pivirt.cluster.v1.Consistency
 	(MemberStatus)(0),                  // 1: pivirt.cluster.v1.MemberStatus
 	(RaftState)(0),                     // 2: pivirt.cluster.v1.RaftState
-	(Health)(0),                        // 3: pivirt.cluster.v1.Health
-	(KeyringOp)(0),                     // 4: pivirt.cluster.v1.KeyringOp
-	(*ReadOptions)(nil),                // 5: pivirt.cluster.v1.ReadOptions
-	(*WriteOptions)(nil),               // 6: pivirt.cluster.v1.WriteOptions
-	(*QueryMeta)(nil),                  // 7: pivirt.cluster.v1.QueryMeta
-	(*Member)(nil),                     // 8: pivirt.cluster.v1.Member
-	(*MembersRequest)(nil),             // 9: pivirt.cluster.v1.MembersRequest
-	(*MembersResponse)(nil),            // 10: pivirt.cluster.v1.MembersResponse
-	(*Peer)(nil),                       // 11: pivirt.cluster.v1.Peer
-	(*PeersRequest)(nil),               // 12: pivirt.cluster.v1.PeersRequest
-	(*PeersResponse)(nil),              // 13: pivirt.cluster.v1.PeersResponse
-	(*LeaderRequest)(nil),              // 14: pivirt.cluster.v1.LeaderRequest
-	(*LeaderResponse)(nil),             // 15: pivirt.cluster.v1.LeaderResponse
-	(*JoinRequest)(nil),                // 16: pivirt.cluster.v1.JoinRequest
-	(*JoinResponse)(nil),               // 17: pivirt.cluster.v1.JoinResponse
-	(*LeaveRequest)(nil),               // 18: pivirt.cluster.v1.LeaveRequest
-	(*LeaveResponse)(nil),              // 19: pivirt.cluster.v1.LeaveResponse
-	(*RemovePeerRequest)(nil),          // 20: pivirt.cluster.v1.RemovePeerRequest
-	(*RemovePeerResponse)(nil),         // 21: pivirt.cluster.v1.RemovePeerResponse
-	(*ForceLeaveRequest)(nil),          // 22: pivirt.cluster.v1.ForceLeaveRequest
-	(*ForceLeaveResponse)(nil),         // 23: pivirt.cluster.v1.ForceLeaveResponse
-	(*NodeForceLeave)(nil),             // 24: pivirt.cluster.v1.NodeForceLeave
-	(*AutopilotStateRequest)(nil),      // 25: pivirt.cluster.v1.AutopilotStateRequest
-	(*AutopilotStateResponse)(nil),     // 26: pivirt.cluster.v1.AutopilotStateResponse
-	(*AutopilotServer)(nil),            // 27: pivirt.cluster.v1.AutopilotServer
-	(*WatchStatusRequest)(nil),         // 28: pivirt.cluster.v1.WatchStatusRequest
-	(*WatchStatusResponse)(nil),        // 29: pivirt.cluster.v1.WatchStatusResponse
-	(*TransferLeaderRequest)(nil),      // 30: pivirt.cluster.v1.TransferLeaderRequest
-	(*TransferLeaderResponse)(nil),     // 31: pivirt.cluster.v1.TransferLeaderResponse
-	(*HealthCheck)(nil),                // 32: pivirt.cluster.v1.HealthCheck
-	(*ServiceInstance)(nil),            // 33: pivirt.cluster.v1.ServiceInstance
-	(*RegisterServiceRequest)(nil),     // 34: pivirt.cluster.v1.RegisterServiceRequest
-	(*RegisterServiceResponse)(nil),    // 35: pivirt.cluster.v1.RegisterServiceResponse
-	(*DeregisterServiceRequest)(nil),   // 36: pivirt.cluster.v1.DeregisterServiceRequest
-	(*DeregisterServiceResponse)(nil),  // 37: pivirt.cluster.v1.DeregisterServiceResponse
-	(*HeartbeatRequest)(nil),           // 38: pivirt.cluster.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),          // 39: pivirt.cluster.v1.HeartbeatResponse
-	(*ListServicesRequest)(nil),        // 40: pivirt.cluster.v1.ListServicesRequest
-	(*ListServicesResponse)(nil),       // 41: pivirt.cluster.v1.ListServicesResponse
-	(*GetServiceRequest)(nil),          // 42: pivirt.cluster.v1.GetServiceRequest
-	(*GetServiceResponse)(nil),         // 43: pivirt.cluster.v1.GetServiceResponse
-	(*ConfigEntry)(nil),                // 44: pivirt.cluster.v1.ConfigEntry
-	(*GetConfigRequest)(nil),           // 45: pivirt.cluster.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),          // 46: pivirt.cluster.v1.GetConfigResponse
-	(*ListConfigRequest)(nil),          // 47: pivirt.cluster.v1.ListConfigRequest
-	(*ListConfigResponse)(nil),         // 48: pivirt.cluster.v1.ListConfigResponse
-	(*SetConfigRequest)(nil),           // 49: pivirt.cluster.v1.SetConfigRequest
-	(*SetConfigResponse)(nil),          // 50: pivirt.cluster.v1.SetConfigResponse
-	(*DeleteConfigRequest)(nil),        // 51: pivirt.cluster.v1.DeleteConfigRequest
-	(*DeleteConfigResponse)(nil),       // 52: pivirt.cluster.v1.DeleteConfigResponse
-	(*ConfigHistoryRequest)(nil),       // 53: pivirt.cluster.v1.ConfigHistoryRequest
-	(*ConfigHistoryResponse)(nil),      // 54: pivirt.cluster.v1.ConfigHistoryResponse
-	(*CheckAccessRequest)(nil),         // 55: pivirt.cluster.v1.CheckAccessRequest
-	(*CheckAccessResponse)(nil),        // 56: pivirt.cluster.v1.CheckAccessResponse
-	(*WhoAmIRequest)(nil),              // 57: pivirt.cluster.v1.WhoAmIRequest
-	(*WhoAmIResponse)(nil),             // 58: pivirt.cluster.v1.WhoAmIResponse
-	(*MethodAccess)(nil),               // 59: pivirt.cluster.v1.MethodAccess
-	(*CheckNetworkPolicyRequest)(nil),  // 60: pivirt.cluster.v1.CheckNetworkPolicyRequest
-	(*CheckNetworkPolicyResponse)(nil), // 61: pivirt.cluster.v1.CheckNetworkPolicyResponse
-	(*ConfigStatusRequest)(nil),        // 62: pivirt.cluster.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),       // 63: pivirt.cluster.v1.ConfigStatusResponse
-	(*NodeConfigStatus)(nil),           // 64: pivirt.cluster.v1.NodeConfigStatus
-	(*KeyringRequest)(nil),             // 65: pivirt.cluster.v1.KeyringRequest
-	(*KeyringResponse)(nil),            // 66: pivirt.cluster.v1.KeyringResponse
-	(*NodeKeyring)(nil),                // 67: pivirt.cluster.v1.NodeKeyring
-	nil,                                // 68: pivirt.cluster.v1.ServiceInstance.MetaEntry
-	(*durationpb.Duration)(nil),        // 69: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),      // 70: google.protobuf.Timestamp
+	(DowngradeAction)(0),               // 3: pivirt.cluster.v1.DowngradeAction
+	(Health)(0),                        // 4: pivirt.cluster.v1.Health
+	(KeyringOp)(0),                     // 5: pivirt.cluster.v1.KeyringOp
+	(*ReadOptions)(nil),                // 6: pivirt.cluster.v1.ReadOptions
+	(*WriteOptions)(nil),               // 7: pivirt.cluster.v1.WriteOptions
+	(*QueryMeta)(nil),                  // 8: pivirt.cluster.v1.QueryMeta
+	(*Member)(nil),                     // 9: pivirt.cluster.v1.Member
+	(*MembersRequest)(nil),             // 10: pivirt.cluster.v1.MembersRequest
+	(*MembersResponse)(nil),            // 11: pivirt.cluster.v1.MembersResponse
+	(*Peer)(nil),                       // 12: pivirt.cluster.v1.Peer
+	(*PeersRequest)(nil),               // 13: pivirt.cluster.v1.PeersRequest
+	(*PeersResponse)(nil),              // 14: pivirt.cluster.v1.PeersResponse
+	(*LeaderRequest)(nil),              // 15: pivirt.cluster.v1.LeaderRequest
+	(*LeaderResponse)(nil),             // 16: pivirt.cluster.v1.LeaderResponse
+	(*JoinRequest)(nil),                // 17: pivirt.cluster.v1.JoinRequest
+	(*JoinResponse)(nil),               // 18: pivirt.cluster.v1.JoinResponse
+	(*LeaveRequest)(nil),               // 19: pivirt.cluster.v1.LeaveRequest
+	(*LeaveResponse)(nil),              // 20: pivirt.cluster.v1.LeaveResponse
+	(*RemovePeerRequest)(nil),          // 21: pivirt.cluster.v1.RemovePeerRequest
+	(*RemovePeerResponse)(nil),         // 22: pivirt.cluster.v1.RemovePeerResponse
+	(*ForceLeaveRequest)(nil),          // 23: pivirt.cluster.v1.ForceLeaveRequest
+	(*ForceLeaveResponse)(nil),         // 24: pivirt.cluster.v1.ForceLeaveResponse
+	(*NodeForceLeave)(nil),             // 25: pivirt.cluster.v1.NodeForceLeave
+	(*ClusterVersionRequest)(nil),      // 26: pivirt.cluster.v1.ClusterVersionRequest
+	(*ClusterVersionResponse)(nil),     // 27: pivirt.cluster.v1.ClusterVersionResponse
+	(*ServerVersion)(nil),              // 28: pivirt.cluster.v1.ServerVersion
+	(*VerifyReplicasRequest)(nil),      // 29: pivirt.cluster.v1.VerifyReplicasRequest
+	(*VerifyReplicasResponse)(nil),     // 30: pivirt.cluster.v1.VerifyReplicasResponse
+	(*ReplicaState)(nil),               // 31: pivirt.cluster.v1.ReplicaState
+	(*TableHash)(nil),                  // 32: pivirt.cluster.v1.TableHash
+	(*DowngradeRequest)(nil),           // 33: pivirt.cluster.v1.DowngradeRequest
+	(*DowngradeResponse)(nil),          // 34: pivirt.cluster.v1.DowngradeResponse
+	(*AutopilotStateRequest)(nil),      // 35: pivirt.cluster.v1.AutopilotStateRequest
+	(*AutopilotStateResponse)(nil),     // 36: pivirt.cluster.v1.AutopilotStateResponse
+	(*AutopilotServer)(nil),            // 37: pivirt.cluster.v1.AutopilotServer
+	(*WatchStatusRequest)(nil),         // 38: pivirt.cluster.v1.WatchStatusRequest
+	(*WatchStatusResponse)(nil),        // 39: pivirt.cluster.v1.WatchStatusResponse
+	(*TransferLeaderRequest)(nil),      // 40: pivirt.cluster.v1.TransferLeaderRequest
+	(*TransferLeaderResponse)(nil),     // 41: pivirt.cluster.v1.TransferLeaderResponse
+	(*HealthCheck)(nil),                // 42: pivirt.cluster.v1.HealthCheck
+	(*ServiceInstance)(nil),            // 43: pivirt.cluster.v1.ServiceInstance
+	(*RegisterServiceRequest)(nil),     // 44: pivirt.cluster.v1.RegisterServiceRequest
+	(*RegisterServiceResponse)(nil),    // 45: pivirt.cluster.v1.RegisterServiceResponse
+	(*DeregisterServiceRequest)(nil),   // 46: pivirt.cluster.v1.DeregisterServiceRequest
+	(*DeregisterServiceResponse)(nil),  // 47: pivirt.cluster.v1.DeregisterServiceResponse
+	(*HeartbeatRequest)(nil),           // 48: pivirt.cluster.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),          // 49: pivirt.cluster.v1.HeartbeatResponse
+	(*ListServicesRequest)(nil),        // 50: pivirt.cluster.v1.ListServicesRequest
+	(*ListServicesResponse)(nil),       // 51: pivirt.cluster.v1.ListServicesResponse
+	(*GetServiceRequest)(nil),          // 52: pivirt.cluster.v1.GetServiceRequest
+	(*GetServiceResponse)(nil),         // 53: pivirt.cluster.v1.GetServiceResponse
+	(*ConfigEntry)(nil),                // 54: pivirt.cluster.v1.ConfigEntry
+	(*GetConfigRequest)(nil),           // 55: pivirt.cluster.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),          // 56: pivirt.cluster.v1.GetConfigResponse
+	(*ListConfigRequest)(nil),          // 57: pivirt.cluster.v1.ListConfigRequest
+	(*ListConfigResponse)(nil),         // 58: pivirt.cluster.v1.ListConfigResponse
+	(*SetConfigRequest)(nil),           // 59: pivirt.cluster.v1.SetConfigRequest
+	(*SetConfigResponse)(nil),          // 60: pivirt.cluster.v1.SetConfigResponse
+	(*DeleteConfigRequest)(nil),        // 61: pivirt.cluster.v1.DeleteConfigRequest
+	(*DeleteConfigResponse)(nil),       // 62: pivirt.cluster.v1.DeleteConfigResponse
+	(*ConfigHistoryRequest)(nil),       // 63: pivirt.cluster.v1.ConfigHistoryRequest
+	(*ConfigHistoryResponse)(nil),      // 64: pivirt.cluster.v1.ConfigHistoryResponse
+	(*CheckAccessRequest)(nil),         // 65: pivirt.cluster.v1.CheckAccessRequest
+	(*CheckAccessResponse)(nil),        // 66: pivirt.cluster.v1.CheckAccessResponse
+	(*WhoAmIRequest)(nil),              // 67: pivirt.cluster.v1.WhoAmIRequest
+	(*WhoAmIResponse)(nil),             // 68: pivirt.cluster.v1.WhoAmIResponse
+	(*MethodAccess)(nil),               // 69: pivirt.cluster.v1.MethodAccess
+	(*CheckNetworkPolicyRequest)(nil),  // 70: pivirt.cluster.v1.CheckNetworkPolicyRequest
+	(*CheckNetworkPolicyResponse)(nil), // 71: pivirt.cluster.v1.CheckNetworkPolicyResponse
+	(*ConfigStatusRequest)(nil),        // 72: pivirt.cluster.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),       // 73: pivirt.cluster.v1.ConfigStatusResponse
+	(*NodeConfigStatus)(nil),           // 74: pivirt.cluster.v1.NodeConfigStatus
+	(*KeyringRequest)(nil),             // 75: pivirt.cluster.v1.KeyringRequest
+	(*KeyringResponse)(nil),            // 76: pivirt.cluster.v1.KeyringResponse
+	(*NodeKeyring)(nil),                // 77: pivirt.cluster.v1.NodeKeyring
+	nil,                                // 78: pivirt.cluster.v1.ServiceInstance.MetaEntry
+	(*durationpb.Duration)(nil),        // 79: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),      // 80: google.protobuf.Timestamp
 }
 var file_pivirt_cluster_v1_cluster_proto_depIdxs = []int32{
-	0,  // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
-	69, // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
-	69, // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
-	69, // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
-	1,  // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
-	8,  // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
-	2,  // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
-	69, // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
-	5,  // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	11, // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
-	7,  // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	7,  // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	24, // 13: pivirt.cluster.v1.ForceLeaveResponse.nodes:type_name -> pivirt.cluster.v1.NodeForceLeave
-	69, // 14: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
-	69, // 15: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
-	27, // 16: pivirt.cluster.v1.AutopilotStateResponse.servers:type_name -> pivirt.cluster.v1.AutopilotServer
-	1,  // 17: pivirt.cluster.v1.AutopilotServer.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
-	70, // 18: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
-	69, // 19: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
-	69, // 20: pivirt.cluster.v1.WatchStatusRequest.interval:type_name -> google.protobuf.Duration
-	70, // 21: pivirt.cluster.v1.WatchStatusResponse.time:type_name -> google.protobuf.Timestamp
-	8,  // 22: pivirt.cluster.v1.WatchStatusResponse.members:type_name -> pivirt.cluster.v1.Member
-	11, // 23: pivirt.cluster.v1.WatchStatusResponse.peers:type_name -> pivirt.cluster.v1.Peer
-	15, // 24: pivirt.cluster.v1.WatchStatusResponse.leader:type_name -> pivirt.cluster.v1.LeaderResponse
-	26, // 25: pivirt.cluster.v1.WatchStatusResponse.autopilot:type_name -> pivirt.cluster.v1.AutopilotStateResponse
-	69, // 26: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
-	69, // 27: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
-	68, // 28: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
-	3,  // 29: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
-	69, // 30: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
-	70, // 31: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
-	70, // 32: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
-	32, // 33: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
-	69, // 34: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
-	70, // 35: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
-	33, // 36: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 37: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	33, // 38: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	6,  // 39: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	6,  // 40: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	3,  // 41: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
-	33, // 42: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	5,  // 43: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	33, // 44: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 45: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 46: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	33, // 47: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
-	7,  // 48: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	70, // 49: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
-	5,  // 50: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	44, // 51: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 52: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	5,  // 53: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	44, // 54: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 55: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	6,  // 56: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	44, // 57: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	6,  // 58: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
-	5,  // 59: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
-	44, // 60: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
-	7,  // 61: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
-	70, // 62: pivirt.cluster.v1.WhoAmIResponse.token_expiry:type_name -> google.protobuf.Timestamp
-	59, // 63: pivirt.cluster.v1.WhoAmIResponse.access:type_name -> pivirt.cluster.v1.MethodAccess
-	64, // 64: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	4,  // 65: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	67, // 66: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
-	9,  // 67: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
-	12, // 68: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
-	14, // 69: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
-	16, // 70: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
-	18, // 71: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
-	20, // 72: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
-	30, // 73: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
-	22, // 74: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
-	25, // 75: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
-	28, // 76: pivirt.cluster.v1.ClusterService.WatchStatus:input_type -> pivirt.cluster.v1.WatchStatusRequest
-	34, // 77: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
-	36, // 78: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
-	38, // 79: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
-	40, // 80: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
-	42, // 81: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
-	45, // 82: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
-	47, // 83: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
-	49, // 84: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
-	51, // 85: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
-	53, // 86: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
-	65, // 87: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
-	62, // 88: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
-	55, // 89: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
-	60, // 90: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
-	57, // 91: pivirt.cluster.v1.ClusterService.WhoAmI:input_type -> pivirt.cluster.v1.WhoAmIRequest
-	10, // 92: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
-	13, // 93: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
-	15, // 94: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
-	17, // 95: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
-	19, // 96: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
-	21, // 97: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
-	31, // 98: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
-	23, // 99: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
-	26, // 100: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
-	29, // 101: pivirt.cluster.v1.ClusterService.WatchStatus:output_type -> pivirt.cluster.v1.WatchStatusResponse
-	35, // 102: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
-	37, // 103: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
-	39, // 104: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
-	41, // 105: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
-	43, // 106: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
-	46, // 107: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
-	48, // 108: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
-	50, // 109: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
-	52, // 110: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
-	54, // 111: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
-	66, // 112: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
-	63, // 113: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
-	56, // 114: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
-	61, // 115: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
-	58, // 116: pivirt.cluster.v1.ClusterService.WhoAmI:output_type -> pivirt.cluster.v1.WhoAmIResponse
-	92, // [92:117] is the sub-list for method output_type
-	67, // [67:92] is the sub-list for method input_type
-	67, // [67:67] is the sub-list for extension type_name
-	67, // [67:67] is the sub-list for extension extendee
-	0,  // [0:67] is the sub-list for field type_name
+	0,   // 0: pivirt.cluster.v1.ReadOptions.consistency:type_name -> pivirt.cluster.v1.Consistency
+	79,  // 1: pivirt.cluster.v1.ReadOptions.max_stale:type_name -> google.protobuf.Duration
+	79,  // 2: pivirt.cluster.v1.ReadOptions.wait_time:type_name -> google.protobuf.Duration
+	79,  // 3: pivirt.cluster.v1.QueryMeta.last_contact:type_name -> google.protobuf.Duration
+	1,   // 4: pivirt.cluster.v1.Member.status:type_name -> pivirt.cluster.v1.MemberStatus
+	9,   // 5: pivirt.cluster.v1.MembersResponse.members:type_name -> pivirt.cluster.v1.Member
+	2,   // 6: pivirt.cluster.v1.Peer.state:type_name -> pivirt.cluster.v1.RaftState
+	79,  // 7: pivirt.cluster.v1.Peer.last_contact:type_name -> google.protobuf.Duration
+	6,   // 8: pivirt.cluster.v1.PeersRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	12,  // 9: pivirt.cluster.v1.PeersResponse.peers:type_name -> pivirt.cluster.v1.Peer
+	8,   // 10: pivirt.cluster.v1.PeersResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,   // 11: pivirt.cluster.v1.LeaderRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	8,   // 12: pivirt.cluster.v1.LeaderResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	25,  // 13: pivirt.cluster.v1.ForceLeaveResponse.nodes:type_name -> pivirt.cluster.v1.NodeForceLeave
+	80,  // 14: pivirt.cluster.v1.ClusterVersionResponse.set_at:type_name -> google.protobuf.Timestamp
+	28,  // 15: pivirt.cluster.v1.ClusterVersionResponse.servers:type_name -> pivirt.cluster.v1.ServerVersion
+	1,   // 16: pivirt.cluster.v1.ServerVersion.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
+	31,  // 17: pivirt.cluster.v1.VerifyReplicasResponse.nodes:type_name -> pivirt.cluster.v1.ReplicaState
+	32,  // 18: pivirt.cluster.v1.ReplicaState.tables:type_name -> pivirt.cluster.v1.TableHash
+	3,   // 19: pivirt.cluster.v1.DowngradeRequest.action:type_name -> pivirt.cluster.v1.DowngradeAction
+	79,  // 20: pivirt.cluster.v1.AutopilotStateResponse.stabilization:type_name -> google.protobuf.Duration
+	79,  // 21: pivirt.cluster.v1.AutopilotStateResponse.dead_server_cleanup:type_name -> google.protobuf.Duration
+	37,  // 22: pivirt.cluster.v1.AutopilotStateResponse.servers:type_name -> pivirt.cluster.v1.AutopilotServer
+	1,   // 23: pivirt.cluster.v1.AutopilotServer.gossip_status:type_name -> pivirt.cluster.v1.MemberStatus
+	80,  // 24: pivirt.cluster.v1.AutopilotServer.stable_since:type_name -> google.protobuf.Timestamp
+	79,  // 25: pivirt.cluster.v1.AutopilotServer.last_contact:type_name -> google.protobuf.Duration
+	79,  // 26: pivirt.cluster.v1.WatchStatusRequest.interval:type_name -> google.protobuf.Duration
+	80,  // 27: pivirt.cluster.v1.WatchStatusResponse.time:type_name -> google.protobuf.Timestamp
+	9,   // 28: pivirt.cluster.v1.WatchStatusResponse.members:type_name -> pivirt.cluster.v1.Member
+	12,  // 29: pivirt.cluster.v1.WatchStatusResponse.peers:type_name -> pivirt.cluster.v1.Peer
+	16,  // 30: pivirt.cluster.v1.WatchStatusResponse.leader:type_name -> pivirt.cluster.v1.LeaderResponse
+	36,  // 31: pivirt.cluster.v1.WatchStatusResponse.autopilot:type_name -> pivirt.cluster.v1.AutopilotStateResponse
+	79,  // 32: pivirt.cluster.v1.HealthCheck.interval:type_name -> google.protobuf.Duration
+	79,  // 33: pivirt.cluster.v1.HealthCheck.timeout:type_name -> google.protobuf.Duration
+	78,  // 34: pivirt.cluster.v1.ServiceInstance.meta:type_name -> pivirt.cluster.v1.ServiceInstance.MetaEntry
+	4,   // 35: pivirt.cluster.v1.ServiceInstance.health:type_name -> pivirt.cluster.v1.Health
+	79,  // 36: pivirt.cluster.v1.ServiceInstance.ttl:type_name -> google.protobuf.Duration
+	80,  // 37: pivirt.cluster.v1.ServiceInstance.registered_at:type_name -> google.protobuf.Timestamp
+	80,  // 38: pivirt.cluster.v1.ServiceInstance.last_heartbeat:type_name -> google.protobuf.Timestamp
+	42,  // 39: pivirt.cluster.v1.ServiceInstance.check:type_name -> pivirt.cluster.v1.HealthCheck
+	79,  // 40: pivirt.cluster.v1.ServiceInstance.deregister_critical_after:type_name -> google.protobuf.Duration
+	80,  // 41: pivirt.cluster.v1.ServiceInstance.health_since:type_name -> google.protobuf.Timestamp
+	43,  // 42: pivirt.cluster.v1.RegisterServiceRequest.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,   // 43: pivirt.cluster.v1.RegisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	43,  // 44: pivirt.cluster.v1.RegisterServiceResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	7,   // 45: pivirt.cluster.v1.DeregisterServiceRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	7,   // 46: pivirt.cluster.v1.HeartbeatRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	4,   // 47: pivirt.cluster.v1.HeartbeatRequest.health:type_name -> pivirt.cluster.v1.Health
+	43,  // 48: pivirt.cluster.v1.HeartbeatResponse.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	6,   // 49: pivirt.cluster.v1.ListServicesRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	43,  // 50: pivirt.cluster.v1.ListServicesResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	8,   // 51: pivirt.cluster.v1.ListServicesResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,   // 52: pivirt.cluster.v1.GetServiceRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	43,  // 53: pivirt.cluster.v1.GetServiceResponse.instances:type_name -> pivirt.cluster.v1.ServiceInstance
+	8,   // 54: pivirt.cluster.v1.GetServiceResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	80,  // 55: pivirt.cluster.v1.ConfigEntry.updated_at:type_name -> google.protobuf.Timestamp
+	6,   // 56: pivirt.cluster.v1.GetConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	54,  // 57: pivirt.cluster.v1.GetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	8,   // 58: pivirt.cluster.v1.GetConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	6,   // 59: pivirt.cluster.v1.ListConfigRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	54,  // 60: pivirt.cluster.v1.ListConfigResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	8,   // 61: pivirt.cluster.v1.ListConfigResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	7,   // 62: pivirt.cluster.v1.SetConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	54,  // 63: pivirt.cluster.v1.SetConfigResponse.entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	7,   // 64: pivirt.cluster.v1.DeleteConfigRequest.write:type_name -> pivirt.cluster.v1.WriteOptions
+	6,   // 65: pivirt.cluster.v1.ConfigHistoryRequest.read:type_name -> pivirt.cluster.v1.ReadOptions
+	54,  // 66: pivirt.cluster.v1.ConfigHistoryResponse.entries:type_name -> pivirt.cluster.v1.ConfigEntry
+	8,   // 67: pivirt.cluster.v1.ConfigHistoryResponse.meta:type_name -> pivirt.cluster.v1.QueryMeta
+	80,  // 68: pivirt.cluster.v1.WhoAmIResponse.token_expiry:type_name -> google.protobuf.Timestamp
+	69,  // 69: pivirt.cluster.v1.WhoAmIResponse.access:type_name -> pivirt.cluster.v1.MethodAccess
+	74,  // 70: pivirt.cluster.v1.ConfigStatusResponse.nodes:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	5,   // 71: pivirt.cluster.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	77,  // 72: pivirt.cluster.v1.KeyringResponse.nodes:type_name -> pivirt.cluster.v1.NodeKeyring
+	10,  // 73: pivirt.cluster.v1.ClusterService.Members:input_type -> pivirt.cluster.v1.MembersRequest
+	13,  // 74: pivirt.cluster.v1.ClusterService.Peers:input_type -> pivirt.cluster.v1.PeersRequest
+	15,  // 75: pivirt.cluster.v1.ClusterService.Leader:input_type -> pivirt.cluster.v1.LeaderRequest
+	17,  // 76: pivirt.cluster.v1.ClusterService.Join:input_type -> pivirt.cluster.v1.JoinRequest
+	19,  // 77: pivirt.cluster.v1.ClusterService.Leave:input_type -> pivirt.cluster.v1.LeaveRequest
+	21,  // 78: pivirt.cluster.v1.ClusterService.RemovePeer:input_type -> pivirt.cluster.v1.RemovePeerRequest
+	40,  // 79: pivirt.cluster.v1.ClusterService.TransferLeader:input_type -> pivirt.cluster.v1.TransferLeaderRequest
+	23,  // 80: pivirt.cluster.v1.ClusterService.ForceLeave:input_type -> pivirt.cluster.v1.ForceLeaveRequest
+	26,  // 81: pivirt.cluster.v1.ClusterService.ClusterVersion:input_type -> pivirt.cluster.v1.ClusterVersionRequest
+	29,  // 82: pivirt.cluster.v1.ClusterService.VerifyReplicas:input_type -> pivirt.cluster.v1.VerifyReplicasRequest
+	33,  // 83: pivirt.cluster.v1.ClusterService.Downgrade:input_type -> pivirt.cluster.v1.DowngradeRequest
+	35,  // 84: pivirt.cluster.v1.ClusterService.AutopilotState:input_type -> pivirt.cluster.v1.AutopilotStateRequest
+	38,  // 85: pivirt.cluster.v1.ClusterService.WatchStatus:input_type -> pivirt.cluster.v1.WatchStatusRequest
+	44,  // 86: pivirt.cluster.v1.ClusterService.RegisterService:input_type -> pivirt.cluster.v1.RegisterServiceRequest
+	46,  // 87: pivirt.cluster.v1.ClusterService.DeregisterService:input_type -> pivirt.cluster.v1.DeregisterServiceRequest
+	48,  // 88: pivirt.cluster.v1.ClusterService.Heartbeat:input_type -> pivirt.cluster.v1.HeartbeatRequest
+	50,  // 89: pivirt.cluster.v1.ClusterService.ListServices:input_type -> pivirt.cluster.v1.ListServicesRequest
+	52,  // 90: pivirt.cluster.v1.ClusterService.GetService:input_type -> pivirt.cluster.v1.GetServiceRequest
+	55,  // 91: pivirt.cluster.v1.ClusterService.GetConfig:input_type -> pivirt.cluster.v1.GetConfigRequest
+	57,  // 92: pivirt.cluster.v1.ClusterService.ListConfig:input_type -> pivirt.cluster.v1.ListConfigRequest
+	59,  // 93: pivirt.cluster.v1.ClusterService.SetConfig:input_type -> pivirt.cluster.v1.SetConfigRequest
+	61,  // 94: pivirt.cluster.v1.ClusterService.DeleteConfig:input_type -> pivirt.cluster.v1.DeleteConfigRequest
+	63,  // 95: pivirt.cluster.v1.ClusterService.ConfigHistory:input_type -> pivirt.cluster.v1.ConfigHistoryRequest
+	75,  // 96: pivirt.cluster.v1.ClusterService.Keyring:input_type -> pivirt.cluster.v1.KeyringRequest
+	72,  // 97: pivirt.cluster.v1.ClusterService.ConfigStatus:input_type -> pivirt.cluster.v1.ConfigStatusRequest
+	65,  // 98: pivirt.cluster.v1.ClusterService.CheckAccess:input_type -> pivirt.cluster.v1.CheckAccessRequest
+	70,  // 99: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:input_type -> pivirt.cluster.v1.CheckNetworkPolicyRequest
+	67,  // 100: pivirt.cluster.v1.ClusterService.WhoAmI:input_type -> pivirt.cluster.v1.WhoAmIRequest
+	11,  // 101: pivirt.cluster.v1.ClusterService.Members:output_type -> pivirt.cluster.v1.MembersResponse
+	14,  // 102: pivirt.cluster.v1.ClusterService.Peers:output_type -> pivirt.cluster.v1.PeersResponse
+	16,  // 103: pivirt.cluster.v1.ClusterService.Leader:output_type -> pivirt.cluster.v1.LeaderResponse
+	18,  // 104: pivirt.cluster.v1.ClusterService.Join:output_type -> pivirt.cluster.v1.JoinResponse
+	20,  // 105: pivirt.cluster.v1.ClusterService.Leave:output_type -> pivirt.cluster.v1.LeaveResponse
+	22,  // 106: pivirt.cluster.v1.ClusterService.RemovePeer:output_type -> pivirt.cluster.v1.RemovePeerResponse
+	41,  // 107: pivirt.cluster.v1.ClusterService.TransferLeader:output_type -> pivirt.cluster.v1.TransferLeaderResponse
+	24,  // 108: pivirt.cluster.v1.ClusterService.ForceLeave:output_type -> pivirt.cluster.v1.ForceLeaveResponse
+	27,  // 109: pivirt.cluster.v1.ClusterService.ClusterVersion:output_type -> pivirt.cluster.v1.ClusterVersionResponse
+	30,  // 110: pivirt.cluster.v1.ClusterService.VerifyReplicas:output_type -> pivirt.cluster.v1.VerifyReplicasResponse
+	34,  // 111: pivirt.cluster.v1.ClusterService.Downgrade:output_type -> pivirt.cluster.v1.DowngradeResponse
+	36,  // 112: pivirt.cluster.v1.ClusterService.AutopilotState:output_type -> pivirt.cluster.v1.AutopilotStateResponse
+	39,  // 113: pivirt.cluster.v1.ClusterService.WatchStatus:output_type -> pivirt.cluster.v1.WatchStatusResponse
+	45,  // 114: pivirt.cluster.v1.ClusterService.RegisterService:output_type -> pivirt.cluster.v1.RegisterServiceResponse
+	47,  // 115: pivirt.cluster.v1.ClusterService.DeregisterService:output_type -> pivirt.cluster.v1.DeregisterServiceResponse
+	49,  // 116: pivirt.cluster.v1.ClusterService.Heartbeat:output_type -> pivirt.cluster.v1.HeartbeatResponse
+	51,  // 117: pivirt.cluster.v1.ClusterService.ListServices:output_type -> pivirt.cluster.v1.ListServicesResponse
+	53,  // 118: pivirt.cluster.v1.ClusterService.GetService:output_type -> pivirt.cluster.v1.GetServiceResponse
+	56,  // 119: pivirt.cluster.v1.ClusterService.GetConfig:output_type -> pivirt.cluster.v1.GetConfigResponse
+	58,  // 120: pivirt.cluster.v1.ClusterService.ListConfig:output_type -> pivirt.cluster.v1.ListConfigResponse
+	60,  // 121: pivirt.cluster.v1.ClusterService.SetConfig:output_type -> pivirt.cluster.v1.SetConfigResponse
+	62,  // 122: pivirt.cluster.v1.ClusterService.DeleteConfig:output_type -> pivirt.cluster.v1.DeleteConfigResponse
+	64,  // 123: pivirt.cluster.v1.ClusterService.ConfigHistory:output_type -> pivirt.cluster.v1.ConfigHistoryResponse
+	76,  // 124: pivirt.cluster.v1.ClusterService.Keyring:output_type -> pivirt.cluster.v1.KeyringResponse
+	73,  // 125: pivirt.cluster.v1.ClusterService.ConfigStatus:output_type -> pivirt.cluster.v1.ConfigStatusResponse
+	66,  // 126: pivirt.cluster.v1.ClusterService.CheckAccess:output_type -> pivirt.cluster.v1.CheckAccessResponse
+	71,  // 127: pivirt.cluster.v1.ClusterService.CheckNetworkPolicy:output_type -> pivirt.cluster.v1.CheckNetworkPolicyResponse
+	68,  // 128: pivirt.cluster.v1.ClusterService.WhoAmI:output_type -> pivirt.cluster.v1.WhoAmIResponse
+	101, // [101:129] is the sub-list for method output_type
+	73,  // [73:101] is the sub-list for method input_type
+	73,  // [73:73] is the sub-list for extension type_name
+	73,  // [73:73] is the sub-list for extension extendee
+	0,   // [0:73] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_cluster_v1_cluster_proto_init() }
@@ -5026,15 +5875,15 @@ func file_pivirt_cluster_v1_cluster_proto_init() {
 	if File_pivirt_cluster_v1_cluster_proto != nil {
 		return
 	}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[44].OneofWrappers = []any{}
-	file_pivirt_cluster_v1_cluster_proto_msgTypes[46].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[53].OneofWrappers = []any{}
+	file_pivirt_cluster_v1_cluster_proto_msgTypes[55].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_cluster_v1_cluster_proto_rawDesc), len(file_pivirt_cluster_v1_cluster_proto_rawDesc)),
-			NumEnums:      5,
-			NumMessages:   64,
+			NumEnums:      6,
+			NumMessages:   73,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,6 +27,9 @@ const (
 	ClusterService_RemovePeer_FullMethodName         = "/pivirt.cluster.v1.ClusterService/RemovePeer"
 	ClusterService_TransferLeader_FullMethodName     = "/pivirt.cluster.v1.ClusterService/TransferLeader"
 	ClusterService_ForceLeave_FullMethodName         = "/pivirt.cluster.v1.ClusterService/ForceLeave"
+	ClusterService_ClusterVersion_FullMethodName     = "/pivirt.cluster.v1.ClusterService/ClusterVersion"
+	ClusterService_VerifyReplicas_FullMethodName     = "/pivirt.cluster.v1.ClusterService/VerifyReplicas"
+	ClusterService_Downgrade_FullMethodName          = "/pivirt.cluster.v1.ClusterService/Downgrade"
 	ClusterService_AutopilotState_FullMethodName     = "/pivirt.cluster.v1.ClusterService/AutopilotState"
 	ClusterService_WatchStatus_FullMethodName        = "/pivirt.cluster.v1.ClusterService/WatchStatus"
 	ClusterService_RegisterService_FullMethodName    = "/pivirt.cluster.v1.ClusterService/RegisterService"
@@ -73,6 +76,21 @@ type ClusterServiceClient interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error)
+	// ClusterVersion reports, from the leader, the cluster version (the
+	// lowest release of the servers, agreed through Raft), the features it
+	// enables, a downgrade under way, and each server's release, the
+	// features it knows and whether it is caught up and applying the log.
+	ClusterVersion(ctx context.Context, in *ClusterVersionRequest, opts ...grpc.CallOption) (*ClusterVersionResponse, error)
+	// VerifyReplicas compares every server's replicated state with the
+	// leader's at one log index (a checkpoint entry the leader appends),
+	// table by table (as etcdctl endpoint hashkv). It changes no state.
+	VerifyReplicas(ctx context.Context, in *VerifyReplicasRequest, opts ...grpc.CallOption) (*VerifyReplicasResponse, error)
+	// Downgrade validates, enables or cancels a downgrade of the cluster
+	// version to an older release (etcdctl downgrade): enable lowers the
+	// cluster version at once (new features stop, snapshots are written in
+	// the older format) and keeps it there until a server runs the older
+	// release; then the older binary starts on that data.
+	Downgrade(ctx context.Context, in *DowngradeRequest, opts ...grpc.CallOption) (*DowngradeResponse, error)
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(ctx context.Context, in *AutopilotStateRequest, opts ...grpc.CallOption) (*AutopilotStateResponse, error)
@@ -199,6 +217,36 @@ func (c *clusterServiceClient) ForceLeave(ctx context.Context, in *ForceLeaveReq
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ForceLeaveResponse)
 	err := c.cc.Invoke(ctx, ClusterService_ForceLeave_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) ClusterVersion(ctx context.Context, in *ClusterVersionRequest, opts ...grpc.CallOption) (*ClusterVersionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ClusterVersionResponse)
+	err := c.cc.Invoke(ctx, ClusterService_ClusterVersion_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) VerifyReplicas(ctx context.Context, in *VerifyReplicasRequest, opts ...grpc.CallOption) (*VerifyReplicasResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VerifyReplicasResponse)
+	err := c.cc.Invoke(ctx, ClusterService_VerifyReplicas_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) Downgrade(ctx context.Context, in *DowngradeRequest, opts ...grpc.CallOption) (*DowngradeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DowngradeResponse)
+	err := c.cc.Invoke(ctx, ClusterService_Downgrade_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -411,6 +459,21 @@ type ClusterServiceServer interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error)
+	// ClusterVersion reports, from the leader, the cluster version (the
+	// lowest release of the servers, agreed through Raft), the features it
+	// enables, a downgrade under way, and each server's release, the
+	// features it knows and whether it is caught up and applying the log.
+	ClusterVersion(context.Context, *ClusterVersionRequest) (*ClusterVersionResponse, error)
+	// VerifyReplicas compares every server's replicated state with the
+	// leader's at one log index (a checkpoint entry the leader appends),
+	// table by table (as etcdctl endpoint hashkv). It changes no state.
+	VerifyReplicas(context.Context, *VerifyReplicasRequest) (*VerifyReplicasResponse, error)
+	// Downgrade validates, enables or cancels a downgrade of the cluster
+	// version to an older release (etcdctl downgrade): enable lowers the
+	// cluster version at once (new features stop, snapshots are written in
+	// the older format) and keeps it there until a server runs the older
+	// release; then the older binary starts on that data.
+	Downgrade(context.Context, *DowngradeRequest) (*DowngradeResponse, error)
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error)
@@ -485,6 +548,15 @@ func (UnimplementedClusterServiceServer) TransferLeader(context.Context, *Transf
 }
 func (UnimplementedClusterServiceServer) ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ForceLeave not implemented")
+}
+func (UnimplementedClusterServiceServer) ClusterVersion(context.Context, *ClusterVersionRequest) (*ClusterVersionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ClusterVersion not implemented")
+}
+func (UnimplementedClusterServiceServer) VerifyReplicas(context.Context, *VerifyReplicasRequest) (*VerifyReplicasResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method VerifyReplicas not implemented")
+}
+func (UnimplementedClusterServiceServer) Downgrade(context.Context, *DowngradeRequest) (*DowngradeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Downgrade not implemented")
 }
 func (UnimplementedClusterServiceServer) AutopilotState(context.Context, *AutopilotStateRequest) (*AutopilotStateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method AutopilotState not implemented")
@@ -697,6 +769,60 @@ func _ClusterService_ForceLeave_Handler(srv interface{}, ctx context.Context, de
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(ClusterServiceServer).ForceLeave(ctx, req.(*ForceLeaveRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_ClusterVersion_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ClusterVersionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).ClusterVersion(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_ClusterVersion_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).ClusterVersion(ctx, req.(*ClusterVersionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_VerifyReplicas_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(VerifyReplicasRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).VerifyReplicas(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_VerifyReplicas_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).VerifyReplicas(ctx, req.(*VerifyReplicasRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_Downgrade_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DowngradeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).Downgrade(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_Downgrade_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).Downgrade(ctx, req.(*DowngradeRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -1038,6 +1164,18 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ForceLeave",
 			Handler:    _ClusterService_ForceLeave_Handler,
+		},
+		{
+			MethodName: "ClusterVersion",
+			Handler:    _ClusterService_ClusterVersion_Handler,
+		},
+		{
+			MethodName: "VerifyReplicas",
+			Handler:    _ClusterService_VerifyReplicas_Handler,
+		},
+		{
+			MethodName: "Downgrade",
+			Handler:    _ClusterService_Downgrade_Handler,
 		},
 		{
 			MethodName: "AutopilotState",

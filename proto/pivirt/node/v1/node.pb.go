@@ -27,6 +27,110 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type StateHashRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Index         uint64                 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StateHashRequest) Reset() {
+	*x = StateHashRequest{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StateHashRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StateHashRequest) ProtoMessage() {}
+
+func (x *StateHashRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StateHashRequest.ProtoReflect.Descriptor instead.
+func (*StateHashRequest) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *StateHashRequest) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+type StateHashResponse struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	Index          uint64                 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	ClusterVersion string                 `protobuf:"bytes,2,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	Tables         []*v1.TableHash        `protobuf:"bytes,3,rep,name=tables,proto3" json:"tables,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *StateHashResponse) Reset() {
+	*x = StateHashResponse{}
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StateHashResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StateHashResponse) ProtoMessage() {}
+
+func (x *StateHashResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StateHashResponse.ProtoReflect.Descriptor instead.
+func (*StateHashResponse) Descriptor() ([]byte, []int) {
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *StateHashResponse) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *StateHashResponse) GetClusterVersion() string {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return ""
+}
+
+func (x *StateHashResponse) GetTables() []*v1.TableHash {
+	if x != nil {
+		return x.Tables
+	}
+	return nil
+}
+
 type ConfigStatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -35,7 +139,7 @@ type ConfigStatusRequest struct {
 
 func (x *ConfigStatusRequest) Reset() {
 	*x = ConfigStatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -47,7 +151,7 @@ func (x *ConfigStatusRequest) String() string {
 func (*ConfigStatusRequest) ProtoMessage() {}
 
 func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[0]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -60,7 +164,7 @@ func (x *ConfigStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusRequest.ProtoReflect.Descriptor instead.
 func (*ConfigStatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 type ConfigStatusResponse struct {
@@ -72,7 +176,7 @@ type ConfigStatusResponse struct {
 
 func (x *ConfigStatusResponse) Reset() {
 	*x = ConfigStatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -84,7 +188,7 @@ func (x *ConfigStatusResponse) String() string {
 func (*ConfigStatusResponse) ProtoMessage() {}
 
 func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[1]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -97,7 +201,7 @@ func (x *ConfigStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigStatusResponse.ProtoReflect.Descriptor instead.
 func (*ConfigStatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ConfigStatusResponse) GetStatus() *v1.NodeConfigStatus {
@@ -122,7 +226,7 @@ type RenewCertificateRequest struct {
 
 func (x *RenewCertificateRequest) Reset() {
 	*x = RenewCertificateRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -134,7 +238,7 @@ func (x *RenewCertificateRequest) String() string {
 func (*RenewCertificateRequest) ProtoMessage() {}
 
 func (x *RenewCertificateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[2]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -147,7 +251,7 @@ func (x *RenewCertificateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewCertificateRequest.ProtoReflect.Descriptor instead.
 func (*RenewCertificateRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{2}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RenewCertificateRequest) GetCsr() []byte {
@@ -181,7 +285,7 @@ type RenewCertificateResponse struct {
 
 func (x *RenewCertificateResponse) Reset() {
 	*x = RenewCertificateResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -193,7 +297,7 @@ func (x *RenewCertificateResponse) String() string {
 func (*RenewCertificateResponse) ProtoMessage() {}
 
 func (x *RenewCertificateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[3]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -206,7 +310,7 @@ func (x *RenewCertificateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewCertificateResponse.ProtoReflect.Descriptor instead.
 func (*RenewCertificateResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{3}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RenewCertificateResponse) GetCertPem() []byte {
@@ -217,15 +321,17 @@ func (x *RenewCertificateResponse) GetCertPem() []byte {
 }
 
 type ForceLeaveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// prune forgets the member at once.
+	Prune         bool `protobuf:"varint,2,opt,name=prune,proto3" json:"prune,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ForceLeaveRequest) Reset() {
 	*x = ForceLeaveRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -237,7 +343,7 @@ func (x *ForceLeaveRequest) String() string {
 func (*ForceLeaveRequest) ProtoMessage() {}
 
 func (x *ForceLeaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[4]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -250,7 +356,7 @@ func (x *ForceLeaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForceLeaveRequest.ProtoReflect.Descriptor instead.
 func (*ForceLeaveRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{4}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ForceLeaveRequest) GetNode() string {
@@ -258,6 +364,13 @@ func (x *ForceLeaveRequest) GetNode() string {
 		return x.Node
 	}
 	return ""
+}
+
+func (x *ForceLeaveRequest) GetPrune() bool {
+	if x != nil {
+		return x.Prune
+	}
+	return false
 }
 
 type ForceLeaveResponse struct {
@@ -271,7 +384,7 @@ type ForceLeaveResponse struct {
 
 func (x *ForceLeaveResponse) Reset() {
 	*x = ForceLeaveResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -283,7 +396,7 @@ func (x *ForceLeaveResponse) String() string {
 func (*ForceLeaveResponse) ProtoMessage() {}
 
 func (x *ForceLeaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[5]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -296,7 +409,7 @@ func (x *ForceLeaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForceLeaveResponse.ProtoReflect.Descriptor instead.
 func (*ForceLeaveResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{5}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ForceLeaveResponse) GetPending() bool {
@@ -316,7 +429,7 @@ type KeyringRequest struct {
 
 func (x *KeyringRequest) Reset() {
 	*x = KeyringRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -328,7 +441,7 @@ func (x *KeyringRequest) String() string {
 func (*KeyringRequest) ProtoMessage() {}
 
 func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[6]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -341,7 +454,7 @@ func (x *KeyringRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringRequest.ProtoReflect.Descriptor instead.
 func (*KeyringRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{6}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *KeyringRequest) GetOp() v1.KeyringOp {
@@ -367,7 +480,7 @@ type KeyringResponse struct {
 
 func (x *KeyringResponse) Reset() {
 	*x = KeyringResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -379,7 +492,7 @@ func (x *KeyringResponse) String() string {
 func (*KeyringResponse) ProtoMessage() {}
 
 func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[7]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -392,7 +505,7 @@ func (x *KeyringResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyringResponse.ProtoReflect.Descriptor instead.
 func (*KeyringResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{7}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KeyringResponse) GetKeyring() *v1.NodeKeyring {
@@ -410,7 +523,7 @@ type ReadIndexRequest struct {
 
 func (x *ReadIndexRequest) Reset() {
 	*x = ReadIndexRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -422,7 +535,7 @@ func (x *ReadIndexRequest) String() string {
 func (*ReadIndexRequest) ProtoMessage() {}
 
 func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[8]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -435,7 +548,7 @@ func (x *ReadIndexRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexRequest.ProtoReflect.Descriptor instead.
 func (*ReadIndexRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{8}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
 }
 
 type ReadIndexResponse struct {
@@ -449,7 +562,7 @@ type ReadIndexResponse struct {
 
 func (x *ReadIndexResponse) Reset() {
 	*x = ReadIndexResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -461,7 +574,7 @@ func (x *ReadIndexResponse) String() string {
 func (*ReadIndexResponse) ProtoMessage() {}
 
 func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[9]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -474,7 +587,7 @@ func (x *ReadIndexResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadIndexResponse.ProtoReflect.Descriptor instead.
 func (*ReadIndexResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{9}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ReadIndexResponse) GetIndex() uint64 {
@@ -496,7 +609,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -508,7 +621,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[10]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -521,7 +634,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{10}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StatusRequest) GetNonce() []byte {
@@ -547,7 +660,7 @@ type IdentityProof struct {
 
 func (x *IdentityProof) Reset() {
 	*x = IdentityProof{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -559,7 +672,7 @@ func (x *IdentityProof) String() string {
 func (*IdentityProof) ProtoMessage() {}
 
 func (x *IdentityProof) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[11]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -572,7 +685,7 @@ func (x *IdentityProof) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IdentityProof.ProtoReflect.Descriptor instead.
 func (*IdentityProof) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{11}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *IdentityProof) GetChain() [][]byte {
@@ -609,14 +722,23 @@ type StatusResponse struct {
 	// candidates report the same set.
 	BootstrapCandidates []string `protobuf:"bytes,13,rep,name=bootstrap_candidates,json=bootstrapCandidates,proto3" json:"bootstrap_candidates,omitempty"`
 	// proof answers a request's nonce; empty without one, or when TLS is off.
-	Proof         *IdentityProof `protobuf:"bytes,14,opt,name=proof,proto3" json:"proof,omitempty"`
+	Proof *IdentityProof `protobuf:"bytes,14,opt,name=proof,proto3" json:"proof,omitempty"`
+	// release is the node's release; features those it knows (an agent
+	// that predates cluster versions sends neither).
+	Release  string   `protobuf:"bytes,15,opt,name=release,proto3" json:"release,omitempty"`
+	Features []string `protobuf:"bytes,16,rep,name=features,proto3" json:"features,omitempty"`
+	// cluster_version is the version of the node's applied state.
+	ClusterVersion string `protobuf:"bytes,17,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	// halted says why the node stopped applying the log; empty while it
+	// applies it.
+	Halted        string `protobuf:"bytes,18,opt,name=halted,proto3" json:"halted,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -628,7 +750,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[12]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -641,7 +763,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{12}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -742,6 +864,34 @@ func (x *StatusResponse) GetProof() *IdentityProof {
 	return nil
 }
 
+func (x *StatusResponse) GetRelease() string {
+	if x != nil {
+		return x.Release
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetFeatures() []string {
+	if x != nil {
+		return x.Features
+	}
+	return nil
+}
+
+func (x *StatusResponse) GetClusterVersion() string {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetHalted() string {
+	if x != nil {
+		return x.Halted
+	}
+	return ""
+}
+
 type ReportPlacementsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Placements    *v11.SetPlacements     `protobuf:"bytes,1,opt,name=placements,proto3" json:"placements,omitempty"`
@@ -751,7 +901,7 @@ type ReportPlacementsRequest struct {
 
 func (x *ReportPlacementsRequest) Reset() {
 	*x = ReportPlacementsRequest{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -763,7 +913,7 @@ func (x *ReportPlacementsRequest) String() string {
 func (*ReportPlacementsRequest) ProtoMessage() {}
 
 func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[13]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -776,7 +926,7 @@ func (x *ReportPlacementsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsRequest.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsRequest) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{13}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ReportPlacementsRequest) GetPlacements() *v11.SetPlacements {
@@ -794,7 +944,7 @@ type ReportPlacementsResponse struct {
 
 func (x *ReportPlacementsResponse) Reset() {
 	*x = ReportPlacementsResponse{}
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -806,7 +956,7 @@ func (x *ReportPlacementsResponse) String() string {
 func (*ReportPlacementsResponse) ProtoMessage() {}
 
 func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_node_v1_node_proto_msgTypes[14]
+	mi := &file_pivirt_node_v1_node_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -819,14 +969,20 @@ func (x *ReportPlacementsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportPlacementsResponse.ProtoReflect.Descriptor instead.
 func (*ReportPlacementsResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{14}
+	return file_pivirt_node_v1_node_proto_rawDescGZIP(), []int{16}
 }
 
 var File_pivirt_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a\x17pivirt/fsm/v1/fsm.proto\"\x15\n" +
+	"\x19pivirt/node/v1/node.proto\x12\x0epivirt.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fpivirt/cluster/v1/cluster.proto\x1a\x17pivirt/fsm/v1/fsm.proto\"(\n" +
+	"\x10StateHashRequest\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"\x88\x01\n" +
+	"\x11StateHashResponse\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\x12'\n" +
+	"\x0fcluster_version\x18\x02 \x01(\tR\x0eclusterVersion\x124\n" +
+	"\x06tables\x18\x03 \x03(\v2\x1c.pivirt.cluster.v1.TableHashR\x06tables\"\x15\n" +
 	"\x13ConfigStatusRequest\"S\n" +
 	"\x14ConfigStatusResponse\x12;\n" +
 	"\x06status\x18\x01 \x01(\v2#.pivirt.cluster.v1.NodeConfigStatusR\x06status\"[\n" +
@@ -835,9 +991,10 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\acurrent\x18\x02 \x03(\fR\acurrent\x12\x14\n" +
 	"\x05proof\x18\x03 \x01(\fR\x05proof\"5\n" +
 	"\x18RenewCertificateResponse\x12\x19\n" +
-	"\bcert_pem\x18\x01 \x01(\fR\acertPem\"'\n" +
+	"\bcert_pem\x18\x01 \x01(\fR\acertPem\"=\n" +
 	"\x11ForceLeaveRequest\x12\x12\n" +
-	"\x04node\x18\x01 \x01(\tR\x04node\".\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05prune\x18\x02 \x01(\bR\x05prune\".\n" +
 	"\x12ForceLeaveResponse\x12\x18\n" +
 	"\apending\x18\x01 \x01(\bR\apending\"P\n" +
 	"\x0eKeyringRequest\x12,\n" +
@@ -852,7 +1009,7 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\x05nonce\x18\x01 \x01(\fR\x05nonce\"C\n" +
 	"\rIdentityProof\x12\x14\n" +
 	"\x05chain\x18\x01 \x03(\fR\x05chain\x12\x1c\n" +
-	"\tsignature\x18\x02 \x01(\fR\tsignature\"\xf8\x03\n" +
+	"\tsignature\x18\x02 \x01(\fR\tsignature\"\xef\x04\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
@@ -870,12 +1027,16 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"\x10bootstrap_expect\x18\v \x01(\x05R\x0fbootstrapExpect\x12\x1b\n" +
 	"\tleader_id\x18\f \x01(\tR\bleaderId\x121\n" +
 	"\x14bootstrap_candidates\x18\r \x03(\tR\x13bootstrapCandidates\x123\n" +
-	"\x05proof\x18\x0e \x01(\v2\x1d.pivirt.node.v1.IdentityProofR\x05proof\"W\n" +
+	"\x05proof\x18\x0e \x01(\v2\x1d.pivirt.node.v1.IdentityProofR\x05proof\x12\x18\n" +
+	"\arelease\x18\x0f \x01(\tR\arelease\x12\x1a\n" +
+	"\bfeatures\x18\x10 \x03(\tR\bfeatures\x12'\n" +
+	"\x0fcluster_version\x18\x11 \x01(\tR\x0eclusterVersion\x12\x16\n" +
+	"\x06halted\x18\x12 \x01(\tR\x06halted\"W\n" +
 	"\x17ReportPlacementsRequest\x12<\n" +
 	"\n" +
 	"placements\x18\x01 \x01(\v2\x1c.pivirt.fsm.v1.SetPlacementsR\n" +
 	"placements\"\x1a\n" +
-	"\x18ReportPlacementsResponse2\x80\x05\n" +
+	"\x18ReportPlacementsResponse2\xd4\x05\n" +
 	"\vNodeService\x12I\n" +
 	"\x06Status\x12\x1d.pivirt.node.v1.StatusRequest\x1a\x1e.pivirt.node.v1.StatusResponse\"\x00\x12R\n" +
 	"\tReadIndex\x12 .pivirt.node.v1.ReadIndexRequest\x1a!.pivirt.node.v1.ReadIndexResponse\"\x00\x12L\n" +
@@ -884,7 +1045,8 @@ const file_pivirt_node_v1_node_proto_rawDesc = "" +
 	"ForceLeave\x12!.pivirt.node.v1.ForceLeaveRequest\x1a\".pivirt.node.v1.ForceLeaveResponse\"\x00\x12g\n" +
 	"\x10RenewCertificate\x12'.pivirt.node.v1.RenewCertificateRequest\x1a(.pivirt.node.v1.RenewCertificateResponse\"\x00\x12g\n" +
 	"\x10ReportPlacements\x12'.pivirt.node.v1.ReportPlacementsRequest\x1a(.pivirt.node.v1.ReportPlacementsResponse\"\x00\x12[\n" +
-	"\fConfigStatus\x12#.pivirt.node.v1.ConfigStatusRequest\x1a$.pivirt.node.v1.ConfigStatusResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
+	"\fConfigStatus\x12#.pivirt.node.v1.ConfigStatusRequest\x1a$.pivirt.node.v1.ConfigStatusResponse\"\x00\x12R\n" +
+	"\tStateHash\x12 .pivirt.node.v1.StateHashRequest\x1a!.pivirt.node.v1.StateHashResponse\"\x00B3Z1pilab.hu/pivirt-agent/proto/pivirt/node/v1;nodev1b\x06proto3"
 
 var (
 	file_pivirt_node_v1_node_proto_rawDescOnce sync.Once
@@ -898,55 +1060,61 @@ func file_pivirt_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_pivirt_node_v1_node_proto_rawDescData
 }
 
-var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_pivirt_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_pivirt_node_v1_node_proto_goTypes = []any{
-	(*ConfigStatusRequest)(nil),      // 0: pivirt.node.v1.ConfigStatusRequest
-	(*ConfigStatusResponse)(nil),     // 1: pivirt.node.v1.ConfigStatusResponse
-	(*RenewCertificateRequest)(nil),  // 2: pivirt.node.v1.RenewCertificateRequest
-	(*RenewCertificateResponse)(nil), // 3: pivirt.node.v1.RenewCertificateResponse
-	(*ForceLeaveRequest)(nil),        // 4: pivirt.node.v1.ForceLeaveRequest
-	(*ForceLeaveResponse)(nil),       // 5: pivirt.node.v1.ForceLeaveResponse
-	(*KeyringRequest)(nil),           // 6: pivirt.node.v1.KeyringRequest
-	(*KeyringResponse)(nil),          // 7: pivirt.node.v1.KeyringResponse
-	(*ReadIndexRequest)(nil),         // 8: pivirt.node.v1.ReadIndexRequest
-	(*ReadIndexResponse)(nil),        // 9: pivirt.node.v1.ReadIndexResponse
-	(*StatusRequest)(nil),            // 10: pivirt.node.v1.StatusRequest
-	(*IdentityProof)(nil),            // 11: pivirt.node.v1.IdentityProof
-	(*StatusResponse)(nil),           // 12: pivirt.node.v1.StatusResponse
-	(*ReportPlacementsRequest)(nil),  // 13: pivirt.node.v1.ReportPlacementsRequest
-	(*ReportPlacementsResponse)(nil), // 14: pivirt.node.v1.ReportPlacementsResponse
-	(*v1.NodeConfigStatus)(nil),      // 15: pivirt.cluster.v1.NodeConfigStatus
-	(v1.KeyringOp)(0),                // 16: pivirt.cluster.v1.KeyringOp
-	(*v1.NodeKeyring)(nil),           // 17: pivirt.cluster.v1.NodeKeyring
-	(*durationpb.Duration)(nil),      // 18: google.protobuf.Duration
-	(*v11.SetPlacements)(nil),        // 19: pivirt.fsm.v1.SetPlacements
+	(*StateHashRequest)(nil),         // 0: pivirt.node.v1.StateHashRequest
+	(*StateHashResponse)(nil),        // 1: pivirt.node.v1.StateHashResponse
+	(*ConfigStatusRequest)(nil),      // 2: pivirt.node.v1.ConfigStatusRequest
+	(*ConfigStatusResponse)(nil),     // 3: pivirt.node.v1.ConfigStatusResponse
+	(*RenewCertificateRequest)(nil),  // 4: pivirt.node.v1.RenewCertificateRequest
+	(*RenewCertificateResponse)(nil), // 5: pivirt.node.v1.RenewCertificateResponse
+	(*ForceLeaveRequest)(nil),        // 6: pivirt.node.v1.ForceLeaveRequest
+	(*ForceLeaveResponse)(nil),       // 7: pivirt.node.v1.ForceLeaveResponse
+	(*KeyringRequest)(nil),           // 8: pivirt.node.v1.KeyringRequest
+	(*KeyringResponse)(nil),          // 9: pivirt.node.v1.KeyringResponse
+	(*ReadIndexRequest)(nil),         // 10: pivirt.node.v1.ReadIndexRequest
+	(*ReadIndexResponse)(nil),        // 11: pivirt.node.v1.ReadIndexResponse
+	(*StatusRequest)(nil),            // 12: pivirt.node.v1.StatusRequest
+	(*IdentityProof)(nil),            // 13: pivirt.node.v1.IdentityProof
+	(*StatusResponse)(nil),           // 14: pivirt.node.v1.StatusResponse
+	(*ReportPlacementsRequest)(nil),  // 15: pivirt.node.v1.ReportPlacementsRequest
+	(*ReportPlacementsResponse)(nil), // 16: pivirt.node.v1.ReportPlacementsResponse
+	(*v1.TableHash)(nil),             // 17: pivirt.cluster.v1.TableHash
+	(*v1.NodeConfigStatus)(nil),      // 18: pivirt.cluster.v1.NodeConfigStatus
+	(v1.KeyringOp)(0),                // 19: pivirt.cluster.v1.KeyringOp
+	(*v1.NodeKeyring)(nil),           // 20: pivirt.cluster.v1.NodeKeyring
+	(*durationpb.Duration)(nil),      // 21: google.protobuf.Duration
+	(*v11.SetPlacements)(nil),        // 22: pivirt.fsm.v1.SetPlacements
 }
 var file_pivirt_node_v1_node_proto_depIdxs = []int32{
-	15, // 0: pivirt.node.v1.ConfigStatusResponse.status:type_name -> pivirt.cluster.v1.NodeConfigStatus
-	16, // 1: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
-	17, // 2: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
-	18, // 3: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
-	11, // 4: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
-	19, // 5: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
-	10, // 6: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
-	8,  // 7: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
-	6,  // 8: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
-	4,  // 9: pivirt.node.v1.NodeService.ForceLeave:input_type -> pivirt.node.v1.ForceLeaveRequest
-	2,  // 10: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
-	13, // 11: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
-	0,  // 12: pivirt.node.v1.NodeService.ConfigStatus:input_type -> pivirt.node.v1.ConfigStatusRequest
-	12, // 13: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
-	9,  // 14: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
-	7,  // 15: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
-	5,  // 16: pivirt.node.v1.NodeService.ForceLeave:output_type -> pivirt.node.v1.ForceLeaveResponse
-	3,  // 17: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
-	14, // 18: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
-	1,  // 19: pivirt.node.v1.NodeService.ConfigStatus:output_type -> pivirt.node.v1.ConfigStatusResponse
-	13, // [13:20] is the sub-list for method output_type
-	6,  // [6:13] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	17, // 0: pivirt.node.v1.StateHashResponse.tables:type_name -> pivirt.cluster.v1.TableHash
+	18, // 1: pivirt.node.v1.ConfigStatusResponse.status:type_name -> pivirt.cluster.v1.NodeConfigStatus
+	19, // 2: pivirt.node.v1.KeyringRequest.op:type_name -> pivirt.cluster.v1.KeyringOp
+	20, // 3: pivirt.node.v1.KeyringResponse.keyring:type_name -> pivirt.cluster.v1.NodeKeyring
+	21, // 4: pivirt.node.v1.StatusResponse.last_contact:type_name -> google.protobuf.Duration
+	13, // 5: pivirt.node.v1.StatusResponse.proof:type_name -> pivirt.node.v1.IdentityProof
+	22, // 6: pivirt.node.v1.ReportPlacementsRequest.placements:type_name -> pivirt.fsm.v1.SetPlacements
+	12, // 7: pivirt.node.v1.NodeService.Status:input_type -> pivirt.node.v1.StatusRequest
+	10, // 8: pivirt.node.v1.NodeService.ReadIndex:input_type -> pivirt.node.v1.ReadIndexRequest
+	8,  // 9: pivirt.node.v1.NodeService.Keyring:input_type -> pivirt.node.v1.KeyringRequest
+	6,  // 10: pivirt.node.v1.NodeService.ForceLeave:input_type -> pivirt.node.v1.ForceLeaveRequest
+	4,  // 11: pivirt.node.v1.NodeService.RenewCertificate:input_type -> pivirt.node.v1.RenewCertificateRequest
+	15, // 12: pivirt.node.v1.NodeService.ReportPlacements:input_type -> pivirt.node.v1.ReportPlacementsRequest
+	2,  // 13: pivirt.node.v1.NodeService.ConfigStatus:input_type -> pivirt.node.v1.ConfigStatusRequest
+	0,  // 14: pivirt.node.v1.NodeService.StateHash:input_type -> pivirt.node.v1.StateHashRequest
+	14, // 15: pivirt.node.v1.NodeService.Status:output_type -> pivirt.node.v1.StatusResponse
+	11, // 16: pivirt.node.v1.NodeService.ReadIndex:output_type -> pivirt.node.v1.ReadIndexResponse
+	9,  // 17: pivirt.node.v1.NodeService.Keyring:output_type -> pivirt.node.v1.KeyringResponse
+	7,  // 18: pivirt.node.v1.NodeService.ForceLeave:output_type -> pivirt.node.v1.ForceLeaveResponse
+	5,  // 19: pivirt.node.v1.NodeService.RenewCertificate:output_type -> pivirt.node.v1.RenewCertificateResponse
+	16, // 20: pivirt.node.v1.NodeService.ReportPlacements:output_type -> pivirt.node.v1.ReportPlacementsResponse
+	3,  // 21: pivirt.node.v1.NodeService.ConfigStatus:output_type -> pivirt.node.v1.ConfigStatusResponse
+	1,  // 22: pivirt.node.v1.NodeService.StateHash:output_type -> pivirt.node.v1.StateHashResponse
+	15, // [15:23] is the sub-list for method output_type
+	7,  // [7:15] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_node_v1_node_proto_init() }
@@ -960,7 +1128,7 @@ func file_pivirt_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_node_v1_node_proto_rawDesc), len(file_pivirt_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

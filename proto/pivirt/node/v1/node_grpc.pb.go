@@ -29,6 +29,7 @@ const (
 	NodeService_RenewCertificate_FullMethodName = "/pivirt.node.v1.NodeService/RenewCertificate"
 	NodeService_ReportPlacements_FullMethodName = "/pivirt.node.v1.NodeService/ReportPlacements"
 	NodeService_ConfigStatus_FullMethodName     = "/pivirt.node.v1.NodeService/ConfigStatus"
+	NodeService_StateHash_FullMethodName        = "/pivirt.node.v1.NodeService/StateHash"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -61,6 +62,9 @@ type NodeServiceClient interface {
 	ReportPlacements(ctx context.Context, in *ReportPlacementsRequest, opts ...grpc.CallOption) (*ReportPlacementsResponse, error)
 	// ConfigStatus reports this node's state of the cluster settings.
 	ConfigStatus(ctx context.Context, in *ConfigStatusRequest, opts ...grpc.CallOption) (*ConfigStatusResponse, error)
+	// StateHash returns the hash of this node's replicated state at a
+	// checkpoint (fsm.DeleteConfig.checkpoint), once the node applied it.
+	StateHash(ctx context.Context, in *StateHashRequest, opts ...grpc.CallOption) (*StateHashResponse, error)
 }
 
 type nodeServiceClient struct {
@@ -141,6 +145,16 @@ func (c *nodeServiceClient) ConfigStatus(ctx context.Context, in *ConfigStatusRe
 	return out, nil
 }
 
+func (c *nodeServiceClient) StateHash(ctx context.Context, in *StateHashRequest, opts ...grpc.CallOption) (*StateHashResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(StateHashResponse)
+	err := c.cc.Invoke(ctx, NodeService_StateHash_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations should embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -171,6 +185,9 @@ type NodeServiceServer interface {
 	ReportPlacements(context.Context, *ReportPlacementsRequest) (*ReportPlacementsResponse, error)
 	// ConfigStatus reports this node's state of the cluster settings.
 	ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error)
+	// StateHash returns the hash of this node's replicated state at a
+	// checkpoint (fsm.DeleteConfig.checkpoint), once the node applied it.
+	StateHash(context.Context, *StateHashRequest) (*StateHashResponse, error)
 }
 
 // UnimplementedNodeServiceServer should be embedded to have
@@ -200,6 +217,9 @@ func (UnimplementedNodeServiceServer) ReportPlacements(context.Context, *ReportP
 }
 func (UnimplementedNodeServiceServer) ConfigStatus(context.Context, *ConfigStatusRequest) (*ConfigStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ConfigStatus not implemented")
+}
+func (UnimplementedNodeServiceServer) StateHash(context.Context, *StateHashRequest) (*StateHashResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method StateHash not implemented")
 }
 func (UnimplementedNodeServiceServer) testEmbeddedByValue() {}
 
@@ -347,6 +367,24 @@ func _NodeService_ConfigStatus_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_StateHash_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StateHashRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).StateHash(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_StateHash_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).StateHash(ctx, req.(*StateHashRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -381,6 +419,10 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ConfigStatus",
 			Handler:    _NodeService_ConfigStatus_Handler,
+		},
+		{
+			MethodName: "StateHash",
+			Handler:    _NodeService_StateHash_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -52,6 +52,15 @@ const (
 	// ClusterServiceForceLeaveProcedure is the fully-qualified name of the ClusterService's ForceLeave
 	// RPC.
 	ClusterServiceForceLeaveProcedure = "/pivirt.cluster.v1.ClusterService/ForceLeave"
+	// ClusterServiceClusterVersionProcedure is the fully-qualified name of the ClusterService's
+	// ClusterVersion RPC.
+	ClusterServiceClusterVersionProcedure = "/pivirt.cluster.v1.ClusterService/ClusterVersion"
+	// ClusterServiceVerifyReplicasProcedure is the fully-qualified name of the ClusterService's
+	// VerifyReplicas RPC.
+	ClusterServiceVerifyReplicasProcedure = "/pivirt.cluster.v1.ClusterService/VerifyReplicas"
+	// ClusterServiceDowngradeProcedure is the fully-qualified name of the ClusterService's Downgrade
+	// RPC.
+	ClusterServiceDowngradeProcedure = "/pivirt.cluster.v1.ClusterService/Downgrade"
 	// ClusterServiceAutopilotStateProcedure is the fully-qualified name of the ClusterService's
 	// AutopilotState RPC.
 	ClusterServiceAutopilotStateProcedure = "/pivirt.cluster.v1.ClusterService/AutopilotState"
@@ -124,6 +133,21 @@ type ClusterServiceClient interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
+	// ClusterVersion reports, from the leader, the cluster version (the
+	// lowest release of the servers, agreed through Raft), the features it
+	// enables, a downgrade under way, and each server's release, the
+	// features it knows and whether it is caught up and applying the log.
+	ClusterVersion(context.Context, *connect.Request[v1.ClusterVersionRequest]) (*connect.Response[v1.ClusterVersionResponse], error)
+	// VerifyReplicas compares every server's replicated state with the
+	// leader's at one log index (a checkpoint entry the leader appends),
+	// table by table (as etcdctl endpoint hashkv). It changes no state.
+	VerifyReplicas(context.Context, *connect.Request[v1.VerifyReplicasRequest]) (*connect.Response[v1.VerifyReplicasResponse], error)
+	// Downgrade validates, enables or cancels a downgrade of the cluster
+	// version to an older release (etcdctl downgrade): enable lowers the
+	// cluster version at once (new features stop, snapshots are written in
+	// the older format) and keeps it there until a server runs the older
+	// release; then the older binary starts on that data.
+	Downgrade(context.Context, *connect.Request[v1.DowngradeRequest]) (*connect.Response[v1.DowngradeResponse], error)
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
@@ -225,6 +249,24 @@ func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			httpClient,
 			baseURL+ClusterServiceForceLeaveProcedure,
 			connect.WithSchema(clusterServiceMethods.ByName("ForceLeave")),
+			connect.WithClientOptions(opts...),
+		),
+		clusterVersion: connect.NewClient[v1.ClusterVersionRequest, v1.ClusterVersionResponse](
+			httpClient,
+			baseURL+ClusterServiceClusterVersionProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("ClusterVersion")),
+			connect.WithClientOptions(opts...),
+		),
+		verifyReplicas: connect.NewClient[v1.VerifyReplicasRequest, v1.VerifyReplicasResponse](
+			httpClient,
+			baseURL+ClusterServiceVerifyReplicasProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("VerifyReplicas")),
+			connect.WithClientOptions(opts...),
+		),
+		downgrade: connect.NewClient[v1.DowngradeRequest, v1.DowngradeResponse](
+			httpClient,
+			baseURL+ClusterServiceDowngradeProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("Downgrade")),
 			connect.WithClientOptions(opts...),
 		),
 		autopilotState: connect.NewClient[v1.AutopilotStateRequest, v1.AutopilotStateResponse](
@@ -342,6 +384,9 @@ type clusterServiceClient struct {
 	removePeer         *connect.Client[v1.RemovePeerRequest, v1.RemovePeerResponse]
 	transferLeader     *connect.Client[v1.TransferLeaderRequest, v1.TransferLeaderResponse]
 	forceLeave         *connect.Client[v1.ForceLeaveRequest, v1.ForceLeaveResponse]
+	clusterVersion     *connect.Client[v1.ClusterVersionRequest, v1.ClusterVersionResponse]
+	verifyReplicas     *connect.Client[v1.VerifyReplicasRequest, v1.VerifyReplicasResponse]
+	downgrade          *connect.Client[v1.DowngradeRequest, v1.DowngradeResponse]
 	autopilotState     *connect.Client[v1.AutopilotStateRequest, v1.AutopilotStateResponse]
 	watchStatus        *connect.Client[v1.WatchStatusRequest, v1.WatchStatusResponse]
 	registerService    *connect.Client[v1.RegisterServiceRequest, v1.RegisterServiceResponse]
@@ -399,6 +444,21 @@ func (c *clusterServiceClient) TransferLeader(ctx context.Context, req *connect.
 // ForceLeave calls pivirt.cluster.v1.ClusterService.ForceLeave.
 func (c *clusterServiceClient) ForceLeave(ctx context.Context, req *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
 	return c.forceLeave.CallUnary(ctx, req)
+}
+
+// ClusterVersion calls pivirt.cluster.v1.ClusterService.ClusterVersion.
+func (c *clusterServiceClient) ClusterVersion(ctx context.Context, req *connect.Request[v1.ClusterVersionRequest]) (*connect.Response[v1.ClusterVersionResponse], error) {
+	return c.clusterVersion.CallUnary(ctx, req)
+}
+
+// VerifyReplicas calls pivirt.cluster.v1.ClusterService.VerifyReplicas.
+func (c *clusterServiceClient) VerifyReplicas(ctx context.Context, req *connect.Request[v1.VerifyReplicasRequest]) (*connect.Response[v1.VerifyReplicasResponse], error) {
+	return c.verifyReplicas.CallUnary(ctx, req)
+}
+
+// Downgrade calls pivirt.cluster.v1.ClusterService.Downgrade.
+func (c *clusterServiceClient) Downgrade(ctx context.Context, req *connect.Request[v1.DowngradeRequest]) (*connect.Response[v1.DowngradeResponse], error) {
+	return c.downgrade.CallUnary(ctx, req)
 }
 
 // AutopilotState calls pivirt.cluster.v1.ClusterService.AutopilotState.
@@ -507,6 +567,21 @@ type ClusterServiceHandler interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error)
+	// ClusterVersion reports, from the leader, the cluster version (the
+	// lowest release of the servers, agreed through Raft), the features it
+	// enables, a downgrade under way, and each server's release, the
+	// features it knows and whether it is caught up and applying the log.
+	ClusterVersion(context.Context, *connect.Request[v1.ClusterVersionRequest]) (*connect.Response[v1.ClusterVersionResponse], error)
+	// VerifyReplicas compares every server's replicated state with the
+	// leader's at one log index (a checkpoint entry the leader appends),
+	// table by table (as etcdctl endpoint hashkv). It changes no state.
+	VerifyReplicas(context.Context, *connect.Request[v1.VerifyReplicasRequest]) (*connect.Response[v1.VerifyReplicasResponse], error)
+	// Downgrade validates, enables or cancels a downgrade of the cluster
+	// version to an older release (etcdctl downgrade): enable lowers the
+	// cluster version at once (new features stop, snapshots are written in
+	// the older format) and keeps it there until a server runs the older
+	// release; then the older binary starts on that data.
+	Downgrade(context.Context, *connect.Request[v1.DowngradeRequest]) (*connect.Response[v1.DowngradeResponse], error)
 	// AutopilotState reports, from the leader, each server's health, voter
 	// status and stabilization, and why a non-voter was or was not promoted.
 	AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error)
@@ -604,6 +679,24 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 		ClusterServiceForceLeaveProcedure,
 		svc.ForceLeave,
 		connect.WithSchema(clusterServiceMethods.ByName("ForceLeave")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceClusterVersionHandler := connect.NewUnaryHandler(
+		ClusterServiceClusterVersionProcedure,
+		svc.ClusterVersion,
+		connect.WithSchema(clusterServiceMethods.ByName("ClusterVersion")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceVerifyReplicasHandler := connect.NewUnaryHandler(
+		ClusterServiceVerifyReplicasProcedure,
+		svc.VerifyReplicas,
+		connect.WithSchema(clusterServiceMethods.ByName("VerifyReplicas")),
+		connect.WithHandlerOptions(opts...),
+	)
+	clusterServiceDowngradeHandler := connect.NewUnaryHandler(
+		ClusterServiceDowngradeProcedure,
+		svc.Downgrade,
+		connect.WithSchema(clusterServiceMethods.ByName("Downgrade")),
 		connect.WithHandlerOptions(opts...),
 	)
 	clusterServiceAutopilotStateHandler := connect.NewUnaryHandler(
@@ -726,6 +819,12 @@ func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.Handler
 			clusterServiceTransferLeaderHandler.ServeHTTP(w, r)
 		case ClusterServiceForceLeaveProcedure:
 			clusterServiceForceLeaveHandler.ServeHTTP(w, r)
+		case ClusterServiceClusterVersionProcedure:
+			clusterServiceClusterVersionHandler.ServeHTTP(w, r)
+		case ClusterServiceVerifyReplicasProcedure:
+			clusterServiceVerifyReplicasHandler.ServeHTTP(w, r)
+		case ClusterServiceDowngradeProcedure:
+			clusterServiceDowngradeHandler.ServeHTTP(w, r)
 		case ClusterServiceAutopilotStateProcedure:
 			clusterServiceAutopilotStateHandler.ServeHTTP(w, r)
 		case ClusterServiceWatchStatusProcedure:
@@ -799,6 +898,18 @@ func (UnimplementedClusterServiceHandler) TransferLeader(context.Context, *conne
 
 func (UnimplementedClusterServiceHandler) ForceLeave(context.Context, *connect.Request[v1.ForceLeaveRequest]) (*connect.Response[v1.ForceLeaveResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ForceLeave is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) ClusterVersion(context.Context, *connect.Request[v1.ClusterVersionRequest]) (*connect.Response[v1.ClusterVersionResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.ClusterVersion is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) VerifyReplicas(context.Context, *connect.Request[v1.VerifyReplicasRequest]) (*connect.Response[v1.VerifyReplicasResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.VerifyReplicas is not implemented"))
+}
+
+func (UnimplementedClusterServiceHandler) Downgrade(context.Context, *connect.Request[v1.DowngradeRequest]) (*connect.Response[v1.DowngradeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.cluster.v1.ClusterService.Downgrade is not implemented"))
 }
 
 func (UnimplementedClusterServiceHandler) AutopilotState(context.Context, *connect.Request[v1.AutopilotStateRequest]) (*connect.Response[v1.AutopilotStateResponse], error) {

@@ -52,6 +52,8 @@ const (
 	// NodeServiceConfigStatusProcedure is the fully-qualified name of the NodeService's ConfigStatus
 	// RPC.
 	NodeServiceConfigStatusProcedure = "/pivirt.node.v1.NodeService/ConfigStatus"
+	// NodeServiceStateHashProcedure is the fully-qualified name of the NodeService's StateHash RPC.
+	NodeServiceStateHashProcedure = "/pivirt.node.v1.NodeService/StateHash"
 )
 
 // NodeServiceClient is a client for the pivirt.node.v1.NodeService service.
@@ -82,6 +84,9 @@ type NodeServiceClient interface {
 	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
 	// ConfigStatus reports this node's state of the cluster settings.
 	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
+	// StateHash returns the hash of this node's replicated state at a
+	// checkpoint (fsm.DeleteConfig.checkpoint), once the node applied it.
+	StateHash(context.Context, *connect.Request[v1.StateHashRequest]) (*connect.Response[v1.StateHashResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the pivirt.node.v1.NodeService service. By default,
@@ -137,6 +142,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("ConfigStatus")),
 			connect.WithClientOptions(opts...),
 		),
+		stateHash: connect.NewClient[v1.StateHashRequest, v1.StateHashResponse](
+			httpClient,
+			baseURL+NodeServiceStateHashProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("StateHash")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -149,6 +160,7 @@ type nodeServiceClient struct {
 	renewCertificate *connect.Client[v1.RenewCertificateRequest, v1.RenewCertificateResponse]
 	reportPlacements *connect.Client[v1.ReportPlacementsRequest, v1.ReportPlacementsResponse]
 	configStatus     *connect.Client[v1.ConfigStatusRequest, v1.ConfigStatusResponse]
+	stateHash        *connect.Client[v1.StateHashRequest, v1.StateHashResponse]
 }
 
 // Status calls pivirt.node.v1.NodeService.Status.
@@ -186,6 +198,11 @@ func (c *nodeServiceClient) ConfigStatus(ctx context.Context, req *connect.Reque
 	return c.configStatus.CallUnary(ctx, req)
 }
 
+// StateHash calls pivirt.node.v1.NodeService.StateHash.
+func (c *nodeServiceClient) StateHash(ctx context.Context, req *connect.Request[v1.StateHashRequest]) (*connect.Response[v1.StateHashResponse], error) {
+	return c.stateHash.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the pivirt.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// Status reports this node's Raft state; used for bootstrap decisions and
@@ -214,6 +231,9 @@ type NodeServiceHandler interface {
 	ReportPlacements(context.Context, *connect.Request[v1.ReportPlacementsRequest]) (*connect.Response[v1.ReportPlacementsResponse], error)
 	// ConfigStatus reports this node's state of the cluster settings.
 	ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error)
+	// StateHash returns the hash of this node's replicated state at a
+	// checkpoint (fsm.DeleteConfig.checkpoint), once the node applied it.
+	StateHash(context.Context, *connect.Request[v1.StateHashRequest]) (*connect.Response[v1.StateHashResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -265,6 +285,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("ConfigStatus")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceStateHashHandler := connect.NewUnaryHandler(
+		NodeServiceStateHashProcedure,
+		svc.StateHash,
+		connect.WithSchema(nodeServiceMethods.ByName("StateHash")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/pivirt.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceStatusProcedure:
@@ -281,6 +307,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceReportPlacementsHandler.ServeHTTP(w, r)
 		case NodeServiceConfigStatusProcedure:
 			nodeServiceConfigStatusHandler.ServeHTTP(w, r)
+		case NodeServiceStateHashProcedure:
+			nodeServiceStateHashHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -316,4 +344,8 @@ func (UnimplementedNodeServiceHandler) ReportPlacements(context.Context, *connec
 
 func (UnimplementedNodeServiceHandler) ConfigStatus(context.Context, *connect.Request[v1.ConfigStatusRequest]) (*connect.Response[v1.ConfigStatusResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.ConfigStatus is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) StateHash(context.Context, *connect.Request[v1.StateHashRequest]) (*connect.Response[v1.StateHashResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("pivirt.node.v1.NodeService.StateHash is not implemented"))
 }

@@ -9,7 +9,7 @@ import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegen
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
-import type { KeyringOp, NodeConfigStatus, NodeKeyring } from "../../cluster/v1/cluster_pb";
+import type { KeyringOp, NodeConfigStatus, NodeKeyring, TableHash } from "../../cluster/v1/cluster_pb";
 import { file_pivirt_cluster_v1_cluster } from "../../cluster/v1/cluster_pb";
 import type { SetPlacements } from "../../fsm/v1/fsm_pb";
 import { file_pivirt_fsm_v1_fsm } from "../../fsm/v1/fsm_pb";
@@ -19,7 +19,51 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/node/v1/node.proto.
  */
 export const file_pivirt_node_v1_node: GenFile = /*@__PURE__*/
-  fileDesc("ChlwaXZpcnQvbm9kZS92MS9ub2RlLnByb3RvEg5waXZpcnQubm9kZS52MSIVChNDb25maWdTdGF0dXNSZXF1ZXN0IksKFENvbmZpZ1N0YXR1c1Jlc3BvbnNlEjMKBnN0YXR1cxgBIAEoCzIjLnBpdmlydC5jbHVzdGVyLnYxLk5vZGVDb25maWdTdGF0dXMiRgoXUmVuZXdDZXJ0aWZpY2F0ZVJlcXVlc3QSCwoDY3NyGAEgASgMEg8KB2N1cnJlbnQYAiADKAwSDQoFcHJvb2YYAyABKAwiLAoYUmVuZXdDZXJ0aWZpY2F0ZVJlc3BvbnNlEhAKCGNlcnRfcGVtGAEgASgMIiEKEUZvcmNlTGVhdmVSZXF1ZXN0EgwKBG5vZGUYASABKAkiJQoSRm9yY2VMZWF2ZVJlc3BvbnNlEg8KB3BlbmRpbmcYASABKAgiRwoOS2V5cmluZ1JlcXVlc3QSKAoCb3AYASABKA4yHC5waXZpcnQuY2x1c3Rlci52MS5LZXlyaW5nT3ASCwoDa2V5GAIgASgJIkIKD0tleXJpbmdSZXNwb25zZRIvCgdrZXlyaW5nGAEgASgLMh4ucGl2aXJ0LmNsdXN0ZXIudjEuTm9kZUtleXJpbmciEgoQUmVhZEluZGV4UmVxdWVzdCIiChFSZWFkSW5kZXhSZXNwb25zZRINCgVpbmRleBgBIAEoBCIeCg1TdGF0dXNSZXF1ZXN0Eg0KBW5vbmNlGAEgASgMIjEKDUlkZW50aXR5UHJvb2YSDQoFY2hhaW4YASADKAwSEQoJc2lnbmF0dXJlGAIgASgMIt4CCg5TdGF0dXNSZXNwb25zZRIPCgdub2RlX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEgoKcmFmdF9zdGF0ZRgDIAEoCRIMCgR0ZXJtGAQgASgEEhIKCmxhc3RfaW5kZXgYBSABKAQSFAoMY29tbWl0X2luZGV4GAYgASgEEhUKDWFwcGxpZWRfaW5kZXgYByABKAQSLwoMbGFzdF9jb250YWN0GAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhEKCWhhc19zdGF0ZRgJIAEoCBINCgVwZWVycxgKIAEoBRIYChBib290c3RyYXBfZXhwZWN0GAsgASgFEhEKCWxlYWRlcl9pZBgMIAEoCRIcChRib290c3RyYXBfY2FuZGlkYXRlcxgNIAMoCRIsCgVwcm9vZhgOIAEoCzIdLnBpdmlydC5ub2RlLnYxLklkZW50aXR5UHJvb2YiSwoXUmVwb3J0UGxhY2VtZW50c1JlcXVlc3QSMAoKcGxhY2VtZW50cxgBIAEoCzIcLnBpdmlydC5mc20udjEuU2V0UGxhY2VtZW50cyIaChhSZXBvcnRQbGFjZW1lbnRzUmVzcG9uc2UygAUKC05vZGVTZXJ2aWNlEkkKBlN0YXR1cxIdLnBpdmlydC5ub2RlLnYxLlN0YXR1c1JlcXVlc3QaHi5waXZpcnQubm9kZS52MS5TdGF0dXNSZXNwb25zZSIAElIKCVJlYWRJbmRleBIgLnBpdmlydC5ub2RlLnYxLlJlYWRJbmRleFJlcXVlc3QaIS5waXZpcnQubm9kZS52MS5SZWFkSW5kZXhSZXNwb25zZSIAEkwKB0tleXJpbmcSHi5waXZpcnQubm9kZS52MS5LZXlyaW5nUmVxdWVzdBofLnBpdmlydC5ub2RlLnYxLktleXJpbmdSZXNwb25zZSIAElUKCkZvcmNlTGVhdmUSIS5waXZpcnQubm9kZS52MS5Gb3JjZUxlYXZlUmVxdWVzdBoiLnBpdmlydC5ub2RlLnYxLkZvcmNlTGVhdmVSZXNwb25zZSIAEmcKEFJlbmV3Q2VydGlmaWNhdGUSJy5waXZpcnQubm9kZS52MS5SZW5ld0NlcnRpZmljYXRlUmVxdWVzdBooLnBpdmlydC5ub2RlLnYxLlJlbmV3Q2VydGlmaWNhdGVSZXNwb25zZSIAEmcKEFJlcG9ydFBsYWNlbWVudHMSJy5waXZpcnQubm9kZS52MS5SZXBvcnRQbGFjZW1lbnRzUmVxdWVzdBooLnBpdmlydC5ub2RlLnYxLlJlcG9ydFBsYWNlbWVudHNSZXNwb25zZSIAElsKDENvbmZpZ1N0YXR1cxIjLnBpdmlydC5ub2RlLnYxLkNvbmZpZ1N0YXR1c1JlcXVlc3QaJC5waXZpcnQubm9kZS52MS5Db25maWdTdGF0dXNSZXNwb25zZSIAQjNaMXBpbGFiLmh1L3BpdmlydC1hZ2VudC9wcm90by9waXZpcnQvbm9kZS92MTtub2RldjFiBnByb3RvMw", [file_google_protobuf_duration, file_pivirt_cluster_v1_cluster, file_pivirt_fsm_v1_fsm]);
+  fileDesc("ChlwaXZpcnQvbm9kZS92MS9ub2RlLnByb3RvEg5waXZpcnQubm9kZS52MSIhChBTdGF0ZUhhc2hSZXF1ZXN0Eg0KBWluZGV4GAEgASgEImkKEVN0YXRlSGFzaFJlc3BvbnNlEg0KBWluZGV4GAEgASgEEhcKD2NsdXN0ZXJfdmVyc2lvbhgCIAEoCRIsCgZ0YWJsZXMYAyADKAsyHC5waXZpcnQuY2x1c3Rlci52MS5UYWJsZUhhc2giFQoTQ29uZmlnU3RhdHVzUmVxdWVzdCJLChRDb25maWdTdGF0dXNSZXNwb25zZRIzCgZzdGF0dXMYASABKAsyIy5waXZpcnQuY2x1c3Rlci52MS5Ob2RlQ29uZmlnU3RhdHVzIkYKF1JlbmV3Q2VydGlmaWNhdGVSZXF1ZXN0EgsKA2NzchgBIAEoDBIPCgdjdXJyZW50GAIgAygMEg0KBXByb29mGAMgASgMIiwKGFJlbmV3Q2VydGlmaWNhdGVSZXNwb25zZRIQCghjZXJ0X3BlbRgBIAEoDCIwChFGb3JjZUxlYXZlUmVxdWVzdBIMCgRub2RlGAEgASgJEg0KBXBydW5lGAIgASgIIiUKEkZvcmNlTGVhdmVSZXNwb25zZRIPCgdwZW5kaW5nGAEgASgIIkcKDktleXJpbmdSZXF1ZXN0EigKAm9wGAEgASgOMhwucGl2aXJ0LmNsdXN0ZXIudjEuS2V5cmluZ09wEgsKA2tleRgCIAEoCSJCCg9LZXlyaW5nUmVzcG9uc2USLwoHa2V5cmluZxgBIAEoCzIeLnBpdmlydC5jbHVzdGVyLnYxLk5vZGVLZXlyaW5nIhIKEFJlYWRJbmRleFJlcXVlc3QiIgoRUmVhZEluZGV4UmVzcG9uc2USDQoFaW5kZXgYASABKAQiHgoNU3RhdHVzUmVxdWVzdBINCgVub25jZRgBIAEoDCIxCg1JZGVudGl0eVByb29mEg0KBWNoYWluGAEgAygMEhEKCXNpZ25hdHVyZRgCIAEoDCKqAwoOU3RhdHVzUmVzcG9uc2USDwoHbm9kZV9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhIKCnJhZnRfc3RhdGUYAyABKAkSDAoEdGVybRgEIAEoBBISCgpsYXN0X2luZGV4GAUgASgEEhQKDGNvbW1pdF9pbmRleBgGIAEoBBIVCg1hcHBsaWVkX2luZGV4GAcgASgEEi8KDGxhc3RfY29udGFjdBgIIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIRCgloYXNfc3RhdGUYCSABKAgSDQoFcGVlcnMYCiABKAUSGAoQYm9vdHN0cmFwX2V4cGVjdBgLIAEoBRIRCglsZWFkZXJfaWQYDCABKAkSHAoUYm9vdHN0cmFwX2NhbmRpZGF0ZXMYDSADKAkSLAoFcHJvb2YYDiABKAsyHS5waXZpcnQubm9kZS52MS5JZGVudGl0eVByb29mEg8KB3JlbGVhc2UYDyABKAkSEAoIZmVhdHVyZXMYECADKAkSFwoPY2x1c3Rlcl92ZXJzaW9uGBEgASgJEg4KBmhhbHRlZBgSIAEoCSJLChdSZXBvcnRQbGFjZW1lbnRzUmVxdWVzdBIwCgpwbGFjZW1lbnRzGAEgASgLMhwucGl2aXJ0LmZzbS52MS5TZXRQbGFjZW1lbnRzIhoKGFJlcG9ydFBsYWNlbWVudHNSZXNwb25zZTLUBQoLTm9kZVNlcnZpY2USSQoGU3RhdHVzEh0ucGl2aXJ0Lm5vZGUudjEuU3RhdHVzUmVxdWVzdBoeLnBpdmlydC5ub2RlLnYxLlN0YXR1c1Jlc3BvbnNlIgASUgoJUmVhZEluZGV4EiAucGl2aXJ0Lm5vZGUudjEuUmVhZEluZGV4UmVxdWVzdBohLnBpdmlydC5ub2RlLnYxLlJlYWRJbmRleFJlc3BvbnNlIgASTAoHS2V5cmluZxIeLnBpdmlydC5ub2RlLnYxLktleXJpbmdSZXF1ZXN0Gh8ucGl2aXJ0Lm5vZGUudjEuS2V5cmluZ1Jlc3BvbnNlIgASVQoKRm9yY2VMZWF2ZRIhLnBpdmlydC5ub2RlLnYxLkZvcmNlTGVhdmVSZXF1ZXN0GiIucGl2aXJ0Lm5vZGUudjEuRm9yY2VMZWF2ZVJlc3BvbnNlIgASZwoQUmVuZXdDZXJ0aWZpY2F0ZRInLnBpdmlydC5ub2RlLnYxLlJlbmV3Q2VydGlmaWNhdGVSZXF1ZXN0GigucGl2aXJ0Lm5vZGUudjEuUmVuZXdDZXJ0aWZpY2F0ZVJlc3BvbnNlIgASZwoQUmVwb3J0UGxhY2VtZW50cxInLnBpdmlydC5ub2RlLnYxLlJlcG9ydFBsYWNlbWVudHNSZXF1ZXN0GigucGl2aXJ0Lm5vZGUudjEuUmVwb3J0UGxhY2VtZW50c1Jlc3BvbnNlIgASWwoMQ29uZmlnU3RhdHVzEiMucGl2aXJ0Lm5vZGUudjEuQ29uZmlnU3RhdHVzUmVxdWVzdBokLnBpdmlydC5ub2RlLnYxLkNvbmZpZ1N0YXR1c1Jlc3BvbnNlIgASUgoJU3RhdGVIYXNoEiAucGl2aXJ0Lm5vZGUudjEuU3RhdGVIYXNoUmVxdWVzdBohLnBpdmlydC5ub2RlLnYxLlN0YXRlSGFzaFJlc3BvbnNlIgBCM1oxcGlsYWIuaHUvcGl2aXJ0LWFnZW50L3Byb3RvL3BpdmlydC9ub2RlL3YxO25vZGV2MWIGcHJvdG8z", [file_google_protobuf_duration, file_pivirt_cluster_v1_cluster, file_pivirt_fsm_v1_fsm]);
+
+/**
+ * @generated from message pivirt.node.v1.StateHashRequest
+ */
+export type StateHashRequest = Message<"pivirt.node.v1.StateHashRequest"> & {
+  /**
+   * @generated from field: uint64 index = 1;
+   */
+  index: bigint;
+};
+
+/**
+ * Describes the message pivirt.node.v1.StateHashRequest.
+ * Use `create(StateHashRequestSchema)` to create a new message.
+ */
+export const StateHashRequestSchema: GenMessage<StateHashRequest> = /*@__PURE__*/
+  messageDesc(file_pivirt_node_v1_node, 0);
+
+/**
+ * @generated from message pivirt.node.v1.StateHashResponse
+ */
+export type StateHashResponse = Message<"pivirt.node.v1.StateHashResponse"> & {
+  /**
+   * @generated from field: uint64 index = 1;
+   */
+  index: bigint;
+
+  /**
+   * @generated from field: string cluster_version = 2;
+   */
+  clusterVersion: string;
+
+  /**
+   * @generated from field: repeated pivirt.cluster.v1.TableHash tables = 3;
+   */
+  tables: TableHash[];
+};
+
+/**
+ * Describes the message pivirt.node.v1.StateHashResponse.
+ * Use `create(StateHashResponseSchema)` to create a new message.
+ */
+export const StateHashResponseSchema: GenMessage<StateHashResponse> = /*@__PURE__*/
+  messageDesc(file_pivirt_node_v1_node, 1);
 
 /**
  * @generated from message pivirt.node.v1.ConfigStatusRequest
@@ -32,7 +76,7 @@ export type ConfigStatusRequest = Message<"pivirt.node.v1.ConfigStatusRequest"> 
  * Use `create(ConfigStatusRequestSchema)` to create a new message.
  */
 export const ConfigStatusRequestSchema: GenMessage<ConfigStatusRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 0);
+  messageDesc(file_pivirt_node_v1_node, 2);
 
 /**
  * @generated from message pivirt.node.v1.ConfigStatusResponse
@@ -49,7 +93,7 @@ export type ConfigStatusResponse = Message<"pivirt.node.v1.ConfigStatusResponse"
  * Use `create(ConfigStatusResponseSchema)` to create a new message.
  */
 export const ConfigStatusResponseSchema: GenMessage<ConfigStatusResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 1);
+  messageDesc(file_pivirt_node_v1_node, 3);
 
 /**
  * @generated from message pivirt.node.v1.RenewCertificateRequest
@@ -83,7 +127,7 @@ export type RenewCertificateRequest = Message<"pivirt.node.v1.RenewCertificateRe
  * Use `create(RenewCertificateRequestSchema)` to create a new message.
  */
 export const RenewCertificateRequestSchema: GenMessage<RenewCertificateRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 2);
+  messageDesc(file_pivirt_node_v1_node, 4);
 
 /**
  * @generated from message pivirt.node.v1.RenewCertificateResponse
@@ -102,7 +146,7 @@ export type RenewCertificateResponse = Message<"pivirt.node.v1.RenewCertificateR
  * Use `create(RenewCertificateResponseSchema)` to create a new message.
  */
 export const RenewCertificateResponseSchema: GenMessage<RenewCertificateResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 3);
+  messageDesc(file_pivirt_node_v1_node, 5);
 
 /**
  * @generated from message pivirt.node.v1.ForceLeaveRequest
@@ -112,6 +156,13 @@ export type ForceLeaveRequest = Message<"pivirt.node.v1.ForceLeaveRequest"> & {
    * @generated from field: string node = 1;
    */
   node: string;
+
+  /**
+   * prune forgets the member at once.
+   *
+   * @generated from field: bool prune = 2;
+   */
+  prune: boolean;
 };
 
 /**
@@ -119,7 +170,7 @@ export type ForceLeaveRequest = Message<"pivirt.node.v1.ForceLeaveRequest"> & {
  * Use `create(ForceLeaveRequestSchema)` to create a new message.
  */
 export const ForceLeaveRequestSchema: GenMessage<ForceLeaveRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 4);
+  messageDesc(file_pivirt_node_v1_node, 6);
 
 /**
  * @generated from message pivirt.node.v1.ForceLeaveResponse
@@ -139,7 +190,7 @@ export type ForceLeaveResponse = Message<"pivirt.node.v1.ForceLeaveResponse"> & 
  * Use `create(ForceLeaveResponseSchema)` to create a new message.
  */
 export const ForceLeaveResponseSchema: GenMessage<ForceLeaveResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 5);
+  messageDesc(file_pivirt_node_v1_node, 7);
 
 /**
  * @generated from message pivirt.node.v1.KeyringRequest
@@ -161,7 +212,7 @@ export type KeyringRequest = Message<"pivirt.node.v1.KeyringRequest"> & {
  * Use `create(KeyringRequestSchema)` to create a new message.
  */
 export const KeyringRequestSchema: GenMessage<KeyringRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 6);
+  messageDesc(file_pivirt_node_v1_node, 8);
 
 /**
  * @generated from message pivirt.node.v1.KeyringResponse
@@ -178,7 +229,7 @@ export type KeyringResponse = Message<"pivirt.node.v1.KeyringResponse"> & {
  * Use `create(KeyringResponseSchema)` to create a new message.
  */
 export const KeyringResponseSchema: GenMessage<KeyringResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 7);
+  messageDesc(file_pivirt_node_v1_node, 9);
 
 /**
  * @generated from message pivirt.node.v1.ReadIndexRequest
@@ -191,7 +242,7 @@ export type ReadIndexRequest = Message<"pivirt.node.v1.ReadIndexRequest"> & {
  * Use `create(ReadIndexRequestSchema)` to create a new message.
  */
 export const ReadIndexRequestSchema: GenMessage<ReadIndexRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 8);
+  messageDesc(file_pivirt_node_v1_node, 10);
 
 /**
  * @generated from message pivirt.node.v1.ReadIndexResponse
@@ -211,7 +262,7 @@ export type ReadIndexResponse = Message<"pivirt.node.v1.ReadIndexResponse"> & {
  * Use `create(ReadIndexResponseSchema)` to create a new message.
  */
 export const ReadIndexResponseSchema: GenMessage<ReadIndexResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 9);
+  messageDesc(file_pivirt_node_v1_node, 11);
 
 /**
  * @generated from message pivirt.node.v1.StatusRequest
@@ -232,7 +283,7 @@ export type StatusRequest = Message<"pivirt.node.v1.StatusRequest"> & {
  * Use `create(StatusRequestSchema)` to create a new message.
  */
 export const StatusRequestSchema: GenMessage<StatusRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 10);
+  messageDesc(file_pivirt_node_v1_node, 12);
 
 /**
  * IdentityProof shows that a node holds the agent certificate for the
@@ -263,7 +314,7 @@ export type IdentityProof = Message<"pivirt.node.v1.IdentityProof"> & {
  * Use `create(IdentityProofSchema)` to create a new message.
  */
 export const IdentityProofSchema: GenMessage<IdentityProof> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 11);
+  messageDesc(file_pivirt_node_v1_node, 13);
 
 /**
  * @generated from message pivirt.node.v1.StatusResponse
@@ -346,6 +397,34 @@ export type StatusResponse = Message<"pivirt.node.v1.StatusResponse"> & {
    * @generated from field: pivirt.node.v1.IdentityProof proof = 14;
    */
   proof?: IdentityProof | undefined;
+
+  /**
+   * release is the node's release; features those it knows (an agent
+   * that predates cluster versions sends neither).
+   *
+   * @generated from field: string release = 15;
+   */
+  release: string;
+
+  /**
+   * @generated from field: repeated string features = 16;
+   */
+  features: string[];
+
+  /**
+   * cluster_version is the version of the node's applied state.
+   *
+   * @generated from field: string cluster_version = 17;
+   */
+  clusterVersion: string;
+
+  /**
+   * halted says why the node stopped applying the log; empty while it
+   * applies it.
+   *
+   * @generated from field: string halted = 18;
+   */
+  halted: string;
 };
 
 /**
@@ -353,7 +432,7 @@ export type StatusResponse = Message<"pivirt.node.v1.StatusResponse"> & {
  * Use `create(StatusResponseSchema)` to create a new message.
  */
 export const StatusResponseSchema: GenMessage<StatusResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 12);
+  messageDesc(file_pivirt_node_v1_node, 14);
 
 /**
  * @generated from message pivirt.node.v1.ReportPlacementsRequest
@@ -370,7 +449,7 @@ export type ReportPlacementsRequest = Message<"pivirt.node.v1.ReportPlacementsRe
  * Use `create(ReportPlacementsRequestSchema)` to create a new message.
  */
 export const ReportPlacementsRequestSchema: GenMessage<ReportPlacementsRequest> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 13);
+  messageDesc(file_pivirt_node_v1_node, 15);
 
 /**
  * @generated from message pivirt.node.v1.ReportPlacementsResponse
@@ -383,7 +462,7 @@ export type ReportPlacementsResponse = Message<"pivirt.node.v1.ReportPlacementsR
  * Use `create(ReportPlacementsResponseSchema)` to create a new message.
  */
 export const ReportPlacementsResponseSchema: GenMessage<ReportPlacementsResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_node_v1_node, 14);
+  messageDesc(file_pivirt_node_v1_node, 16);
 
 /**
  * @generated from service pivirt.node.v1.NodeService
@@ -470,6 +549,17 @@ export const NodeService: GenService<{
     methodKind: "unary";
     input: typeof ConfigStatusRequestSchema;
     output: typeof ConfigStatusResponseSchema;
+  },
+  /**
+   * StateHash returns the hash of this node's replicated state at a
+   * checkpoint (fsm.DeleteConfig.checkpoint), once the node applied it.
+   *
+   * @generated from rpc pivirt.node.v1.NodeService.StateHash
+   */
+  stateHash: {
+    methodKind: "unary";
+    input: typeof StateHashRequestSchema;
+    output: typeof StateHashResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_pivirt_node_v1_node, 0);
