@@ -74,6 +74,8 @@ type admissionEntry struct {
 	backoff time.Duration
 	err     error
 	seen    time.Time
+	// asked is when the claim was last asked.
+	asked time.Time
 }
 
 // maxAdmissionEntries bounds the claims remembered; past it, expired ones
@@ -124,7 +126,9 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 	now := a.cfg.Now()
 	a.mu.Lock()
 	e := a.claims[key]
-	if e != nil && now.Before(e.until) {
+	// A failure is not asked again before its backoff ends, unless the
+	// member came back since (it restarted: on a new release, say).
+	if e != nil && now.Before(e.until) && (e.proven || !m.Since.After(e.asked)) {
 		e.seen = now
 		err := e.err
 		a.mu.Unlock()
@@ -165,7 +169,7 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 			"internal_addr", claim.InternalAddr, "error", err)
 	}
 	e.backoff = min(max(2*e.backoff, a.cfg.MinBackoff), a.cfg.MaxBackoff)
-	e.err, e.until = err, now.Add(e.backoff)
+	e.err, e.until, e.asked = err, now.Add(e.backoff), now
 	return err
 }
 

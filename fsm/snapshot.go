@@ -182,6 +182,11 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	// empty and left out.
 	version := formatFor(nonEmpty)
 	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}}
+	if version >= 5 {
+		if rec, err := first[*fsmv1.ClusterVersion](txn, TableClusterVersion, indexID, clusterVersionKey); err == nil && rec != nil {
+			s.hdr.ClusterVersion = &fsmv1.ClusterVersion{Major: rec.GetMajor(), Minor: rec.GetMinor()}
+		}
+	}
 	for _, t := range tableDefs {
 		if tableSince[t.name] <= version && !slices.Contains(drop, t.name) {
 			s.tables = append(s.tables, t)
@@ -300,7 +305,7 @@ func FilterSnapshot(r io.Reader, w io.Writer, drop ...string) (uint32, int64, er
 		return 0, 0, err
 	}
 	version := in.GetFormatVersion()
-	out := &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: in.GetLastIndex()}
+	out := &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: in.GetLastIndex(), ClusterVersion: in.GetClusterVersion()}
 	for _, t := range in.GetTables() {
 		if !slices.Contains(drop, t.GetName()) {
 			out.Tables = append(out.Tables, &fsmv1.TableHeader{Name: t.GetName(), Records: t.GetRecords()})
@@ -559,6 +564,11 @@ func (sr *snapshotReader) header() (*fsmv1.SnapshotHeader, error) {
 	}
 	if hdr.GetFormatVersion() != version {
 		return nil, corruptf("header format version %d, preamble says %d", hdr.GetFormatVersion(), version)
+	}
+	if cv := hdr.GetClusterVersion(); cv != nil {
+		if v := (Version{cv.GetMajor(), cv.GetMinor()}); !v.Known() {
+			return nil, fmt.Errorf("%w: the state is at cluster version %s; this release runs up to %s", ErrUnsupportedSnapshot, v, Latest)
+		}
 	}
 	seen := make(map[string]bool)
 	for _, t := range hdr.GetTables() {
@@ -956,4 +966,14 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	f.mu.Unlock()
 	close(old)
 	return nil
+}
+
+// CheckSnapshotHeader reads the preamble and header at the start of a
+// snapshot stream and reports whether this release can restore it: nil,
+// or an error wrapping ErrUnsupportedSnapshot (a newer format, an unknown
+// table, a newer cluster version) or ErrCorruptSnapshot. It reads no
+// record: the store asks it before it keeps a snapshot a leader sends.
+func CheckSnapshotHeader(r io.Reader) error {
+	_, err := newSnapshotReader(r).header()
+	return err
 }

@@ -11,18 +11,18 @@ import (
 )
 
 // ClusterVersion implements clusterv1connect.ClusterServiceHandler: the
-// leader's view of the cluster version and of every server's release.
-func (h *ClusterService) ClusterVersion(ctx context.Context, req *connect.Request[clusterv1.ClusterVersionRequest]) (*connect.Response[clusterv1.ClusterVersionResponse], error) {
+// cluster version and every server's release, as the node asked sees
+// them. It is answered by that node, not the leader, so that it works
+// during an upgrade whose leader runs a release without it.
+func (h *ClusterService) ClusterVersion(ctx context.Context, _ *connect.Request[clusterv1.ClusterVersionRequest]) (*connect.Response[clusterv1.ClusterVersionResponse], error) {
 	if h.cfg.ClusterVersion == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("the cluster version is not available on this port"))
 	}
-	return onLeader(ctx, h, req, clusterv1connect.ClusterServiceClient.ClusterVersion, func(ctx context.Context) (*connect.Response[clusterv1.ClusterVersionResponse], error) {
-		resp, err := h.cfg.ClusterVersion(ctx)
-		if err != nil {
-			return nil, err
-		}
-		return connect.NewResponse(resp), nil
-	})
+	resp, err := h.cfg.ClusterVersion(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(resp), nil
 }
 
 // VerifyReplicas implements clusterv1connect.ClusterServiceHandler: run on

@@ -3,6 +3,7 @@ package store
 import (
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"time"
 
@@ -90,6 +91,14 @@ type Config struct {
 	// entry, so the leader appends none until the cluster version allows
 	// it. nil: always.
 	LogVerificationAllowed func() bool
+	// SnapshotCheck, when set, reads the start of a snapshot's data (the
+	// FSM's header) and says whether this release can restore it. A
+	// snapshot it refuses is never kept (one a leader sends is cancelled
+	// before it is stored, so the snapshots this node can restore stay),
+	// and a data dir whose newest snapshot it refuses is refused at start
+	// before anything is written (ErrNewerData). nil: every snapshot is
+	// taken.
+	SnapshotCheck func(io.Reader) error
 
 	// TransportMaxPool is how many idle outbound connections are pooled per
 	// peer.

@@ -55,6 +55,11 @@ var (
 	// ErrDataDirLocked: another process (an agent) has the Raft log open.
 	ErrDataDirLocked = errors.New("store: the raft log is locked by another process (is an agent running on this data dir?)")
 
+	// ErrNewerData: the data dir holds a snapshot this release cannot
+	// restore (a newer release wrote it): the agent is refused at start,
+	// with nothing written.
+	ErrNewerData = errors.New("store: the data dir was written by a newer release")
+
 	// ErrNothingToSnapshot: the state has no applied entry yet, so there
 	// is no snapshot to take.
 	ErrNothingToSnapshot = errors.New("store: nothing to snapshot yet")
@@ -129,5 +134,5 @@ var Sentinels = []error{
 	ErrNotLeader, ErrLeadershipLost, ErrShutdown, ErrTimeout, ErrAlreadyBootstrapped,
 	ErrUnknownServer, ErrNotVoter, ErrLeadershipTransferInProgress, ErrAbortedByRestore,
 	ErrAddressInUse, ErrDataDirLocked, ErrNothingToSnapshot, ErrUnavailable, ErrUnsupported,
-	ErrCorruptLog,
+	ErrCorruptLog, ErrNewerData,
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"runtime/debug"
 
@@ -111,7 +112,12 @@ func walkBucket(b *bbolt.Bucket, key func(k []byte) error) error {
 // checksum (Raft skips one that does not and tries the next), 0 when there
 // is none. Snapshots that exist but none of which reads are ErrCorruptLog:
 // Raft would refuse to start without a word on which.
-func restorableSnapshot(dir string, snaps raft.SnapshotStore) (uint64, error) {
+//
+// With check, the snapshot Raft would restore must also be one this
+// release can restore: one of a newer release is ErrNewerData, which says
+// what is needed (Raft would go back to an older snapshot and replay
+// entries this release cannot apply either).
+func restorableSnapshot(dir string, snaps raft.SnapshotStore, check func(io.Reader) error) (uint64, error) {
 	list, err := snaps.List()
 	if err != nil {
 		// Unreadable, not damaged (permissions, a missing directory).
@@ -124,7 +130,13 @@ func restorableSnapshot(dir string, snaps raft.SnapshotStore) (uint64, error) {
 			errs = append(errs, fmt.Errorf("snapshot %s: %v", meta.ID, err))
 			continue
 		}
+		if check != nil {
+			err = check(rc)
+		}
 		rc.Close()
+		if err != nil {
+			return 0, fmt.Errorf("%w: snapshot %s in %s: %w", ErrNewerData, meta.ID, dir, err)
+		}
 		return meta.Index, nil
 	}
 	if len(errs) > 0 {

@@ -265,8 +265,17 @@ func withLogStore(kind string) storetest.Option {
 // dir, and returns the store or New's error.
 func startAgain(t *testing.T, c *storetest.Cluster, i int) (*store.Store, error) {
 	t.Helper()
+	return startWith(t, c, i, nil)
+}
+
+// startWith is startAgain with the config changed by mod.
+func startWith(t *testing.T, c *storetest.Cluster, i int, mod func(*store.Config)) (*store.Store, error) {
+	t.Helper()
 	cfg := storetest.TestConfig()
 	cfg.NodeID, cfg.DataDir, cfg.FSM = c.ID(i), c.DataDir(i), storetest.NewKV()
+	if mod != nil {
+		mod(&cfg)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

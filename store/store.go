@@ -155,7 +155,11 @@ func New(cfg Config) (s *Store, err error) {
 	// Raft blocks its main loop on NotifyCh until the value is taken, so a
 	// dedicated goroutine takes it at once and fans it out without blocking.
 	notify := make(chan bool, 1)
-	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, stores.snaps, endingPipelines{transport})
+	var snapStore raft.SnapshotStore = stores.snaps
+	if cfg.SnapshotCheck != nil {
+		snapStore = checkedSnapshots{FileSnapshotStore: stores.snaps, check: cfg.SnapshotCheck, log: slogger}
+	}
+	r, err := raft.NewRaft(cfg.raftConfig(logger, notify), filterCheckpoints(cfg.FSM), stores.logs, stores.stable, snapStore, endingPipelines{transport})
 	if err != nil {
 		return nil, fmt.Errorf("start raft: %w", err)
 	}
@@ -224,6 +228,16 @@ func openStores(cfg Config, dir string, logger *hclogAdapter, slogger *slog.Logg
 	if err != nil {
 		return nil, err
 	}
+	// Data this release cannot read is refused before anything is written
+	// (opening raft.db for writing commits a transaction).
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
+	if err != nil {
+		return nil, fmt.Errorf("open raft snapshot store: %w", err)
+	}
+	snap, err := restorableSnapshot(filepath.Join(dir, "snapshots"), snaps, cfg.SnapshotCheck)
+	if err != nil {
+		return nil, err
+	}
 	if choice.Kind == LogStoreWAL && !choice.Existing {
 		// The wal directory is what marks a WAL data dir: it exists before
 		// raft.db does, so a crash in between leaves a WAL data dir.
@@ -239,16 +253,6 @@ func openStores(cfg Config, dir string, logger *hclogAdapter, slogger *slog.Logg
 		return nil, fmt.Errorf("open raft log %s: %w", path, err)
 	}
 	bolt := &guardedBolt{bolt: raw}
-	snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, cfg.SnapshotRetain, logger.Named("snapshot"))
-	if err != nil {
-		bolt.Close()
-		return nil, fmt.Errorf("open raft snapshot store: %w", err)
-	}
-	snap, err := restorableSnapshot(filepath.Join(dir, "snapshots"), snaps)
-	if err != nil {
-		bolt.Close()
-		return nil, err
-	}
 	st := &raftStores{stable: bolt, snaps: snaps, choice: choice}
 	var base raft.LogStore
 	switch choice.Kind {

@@ -30,7 +30,7 @@ import (
 // config document.
 func state(t testing.TB, n int) []byte {
 	t.Helper()
-	f, err := fsm.New(fsm.LatestConfig())
+	f, err := fsm.New(fsm.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

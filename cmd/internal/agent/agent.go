@@ -469,6 +469,7 @@ func (a *Agent) openState(ctx context.Context) error {
 		scfg.LogVerificationInterval = rc.LogVerification.Interval.Std()
 	}
 	scfg.LogVerificationAllowed = func() bool { return a.allows(fsm.FeatureLogVerification) }
+	scfg.SnapshotCheck = fsm.CheckSnapshotHeader
 	a.store, err = store.New(scfg)
 	if err != nil {
 		return fmt.Errorf("start raft: %w", err)

@@ -177,3 +177,37 @@ func (a *Agent) proposeLeader(ctx context.Context, cmd *fsmv1.Command) error {
 	}
 	return nil
 }
+
+// runSnapshotOnDowngrade takes a Raft snapshot on this node as soon as its
+// state's cluster version drops (a downgrade was enabled): the newest
+// snapshot in the data dir is then written in the format the older release
+// reads, which it restores when it starts here. Raft mode only.
+func (a *Agent) runSnapshotOnDowngrade() {
+	last := a.fsm.Version()
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
+		}
+		v := a.fsm.Version()
+		if !v.Less(last) {
+			last = v
+			continue
+		}
+		ctx, cancel := context.WithTimeout(a.ctx, time.Minute)
+		_, rc, err := a.store.Snapshot(ctx)
+		cancel()
+		if err != nil {
+			if a.ctx.Err() == nil {
+				a.logger.Warn("cluster version lowered: taking a snapshot in the older format failed; trying again", "version", v.String(), "error", err)
+			}
+			continue
+		}
+		rc.Close()
+		a.logger.Info("cluster version lowered: a snapshot in the format of that release was taken; the older release can start on this data dir", "version", v.String())
+		last = v
+	}
+}

@@ -130,8 +130,12 @@ type replicaCheck struct {
 }
 
 // startReplicaCheck starts the periodic replica check
-// (cluster.raft.replica_check) in Raft mode.
+// (cluster.raft.replica_check) and the snapshot of a downgrade, in Raft
+// mode.
 func (a *Agent) startReplicaCheck() error {
+	if !a.etcdMode() {
+		a.wg.Go(a.runSnapshotOnDowngrade)
+	}
 	rc := a.cfg.Cluster.Raft.ReplicaCheck
 	if a.etcdMode() || !rc.Enabled {
 		return nil

@@ -108,7 +108,7 @@ func tableHashes(h *fsm.StateHash) []*clusterv1.TableHash {
 	return out
 }
 
-// clusterVersion answers ClusterService.ClusterVersion on the leader.
+// clusterVersion answers ClusterService.ClusterVersion, on any node.
 func (a *Agent) clusterVersion(ctx context.Context) (*clusterv1.ClusterVersionResponse, error) {
 	st := a.fsm.State()
 	cur, rec, err := st.ClusterVersion()
@@ -117,8 +117,7 @@ func (a *Agent) clusterVersion(ctx context.Context) (*clusterv1.ClusterVersionRe
 	}
 	out := &clusterv1.ClusterVersionResponse{
 		ClusterVersion: cur.String(), SetIndex: rec.GetIndex(), SetAt: rec.GetSetAt(),
-		Features: fsm.FeaturesAt(cur), Leader: a.cfg.NodeName, LeaderAppliedIndex: a.fsm.AppliedIndex(),
-		Release: version.Version, Latest: fsm.Latest.String(),
+		Features: fsm.FeaturesAt(cur), Release: version.Version, Latest: fsm.Latest.String(),
 	}
 	if pin, _, ok := leader.DowngradeTarget(st); ok {
 		out.Downgrade = pin.String()
@@ -130,6 +129,7 @@ func (a *Agent) clusterVersion(ctx context.Context) (*clusterv1.ClusterVersionRe
 	low, _ := cluster.LowestVersion(servers)
 	out.Lowest = low.String()
 	out.Servers = make([]*clusterv1.ServerVersion, len(servers))
+	states := make([]*nodev1.StatusResponse, len(servers))
 	var wg sync.WaitGroup
 	for i, s := range servers {
 		sv := &clusterv1.ServerVersion{
@@ -141,15 +141,31 @@ func (a *Agent) clusterVersion(ctx context.Context) (*clusterv1.ClusterVersionRe
 			sv.Error = "not in gossip: its version is unknown (counts as the oldest)"
 			continue
 		}
-		wg.Go(func() { a.askServer(ctx, s, sv, out.LeaderAppliedIndex) })
+		wg.Go(func() { states[i] = a.askServer(ctx, s, sv) })
 	}
 	wg.Wait()
+	leaderID, _ := a.cons.Leader()
+	for i, st := range states {
+		if st != nil && servers[i].ID == leaderID {
+			out.Leader, out.LeaderAppliedIndex = servers[i].Name, st.GetAppliedIndex()
+		}
+	}
+	for i, sv := range out.Servers {
+		st := states[i]
+		if st == nil || sv.Halted != "" {
+			continue
+		}
+		// A server within caughtUpSlack entries of the leader, at the
+		// moments they answered, is caught up.
+		sv.CaughtUp = out.LeaderAppliedIndex > 0 && sv.AppliedIndex+caughtUpSlack >= out.LeaderAppliedIndex
+	}
 	return out, nil
 }
 
 // askServer fills in what a server says of itself: its applied index,
-// the features it knows, a halt.
-func (a *Agent) askServer(ctx context.Context, s cluster.ServerVersion, sv *clusterv1.ServerVersion, leaderApplied uint64) {
+// the features it knows, a halt; it returns the server's status (nil when
+// it did not answer).
+func (a *Agent) askServer(ctx context.Context, s cluster.ServerVersion, sv *clusterv1.ServerVersion) *nodev1.StatusResponse {
 	var st *nodev1.StatusResponse
 	if s.ID == a.nodeID {
 		st = a.nodeStatus().NodeStatus()
@@ -157,26 +173,21 @@ func (a *Agent) askServer(ctx context.Context, s cluster.ServerVersion, sv *clus
 		m, ok := a.gossip.ServerByID(s.ID, s.Address)
 		if !ok || m.Meta.InternalAddr == "" {
 			sv.Error = "no internal address in gossip"
-			return
+			return nil
 		}
 		cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		resp, err := a.pool.Node(m.Meta.InternalAddr).Status(cctx, connect.NewRequest(&nodev1.StatusRequest{}))
 		cancel()
 		if err != nil {
 			sv.Error = "not answering: " + connect.CodeOf(err).String()
-			return
+			return nil
 		}
 		st = resp.Msg
 	}
 	sv.AppliedIndex = st.GetAppliedIndex()
 	sv.Features = st.GetFeatures()
 	sv.Halted = st.GetHalted()
-	sv.CaughtUp = sv.Halted == "" && sv.AppliedIndex >= leaderApplied
-	if !sv.CaughtUp && sv.Halted == "" && st.GetRelease() != "" {
-		// The leader's index moves on: a server within a second of it is
-		// caught up.
-		sv.CaughtUp = a.fsm.AppliedIndex() <= sv.AppliedIndex+uint64(caughtUpSlack)
-	}
+	return st
 }
 
 // caughtUpSlack is how many entries behind the leader's applied index a

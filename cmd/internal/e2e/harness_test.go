@@ -150,6 +150,10 @@ type node struct {
 	// netns is the network namespace the agent runs in ("" none).
 	netns string
 
+	// bin is the agent binary the node runs, when not the built one (a
+	// previous release's).
+	bin string
+
 	proc *proc // the running process; nil while the node is meant to be down
 	// sim is the node's pivirtd-sim (pivirtd and iscsiman), at simAddr.
 	sim     *proc
@@ -188,6 +192,11 @@ type cluster struct {
 	// net, when set, runs node i in network namespace net.names[i] on
 	// address net.ips[i] (startClusterIn); else every node is on 127.0.0.1.
 	net *netnsEnv
+	// agents, when set, is the agent binary each node starts with (a
+	// previous release's); compat then writes the configuration that
+	// release reads too (no key it does not know, explicit routes).
+	agents []string
+	compat bool
 
 	mu    sync.Mutex
 	procs []*proc  // every process started, for the cleanup
@@ -315,8 +324,29 @@ backends:
       backoff: 50ms
   iscsiman:
     endpoint: unix://%[3]s
-`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs), !c.tokens, c.authExtra) + withClusterName(c.extra, c.name)
-		if i == 0 {
+`, c.certs, name, n.simAddr, strings.ReplaceAll(c.tlsExtra, "{certs}", c.certs), !c.tokens, c.authExtra)
+		if c.compat {
+			cfg += `routing:
+  rules:
+    - match:
+        prefix: /pivirt.vm.v1.VMService
+      route:
+        cluster: pivirtd
+    - match:
+        prefix: /pivirt.network.v1.NetworkService
+      route:
+        cluster: pivirtd
+    - match:
+        prefix: /pivirt.storage.v1.StorageService
+      route:
+        cluster: iscsiman
+`
+		}
+		cfg += withClusterName(c.extra, c.name)
+		if i < len(c.agents) {
+			n.bin = c.agents[i]
+		}
+		if i == 0 && !c.compat {
 			// node1 keeps its Raft log in raft-boltdb, node2 and node3 in
 			// the WAL (the default): every end-to-end test runs on both
 			// log stores, in one cluster, as a data dir made by an older
@@ -384,6 +414,9 @@ func (c *cluster) start(t testing.TB, n *node, bootstrap bool) error {
 	}
 
 	bin := c.bins.agent
+	if n.bin != "" {
+		bin = n.bin
+	}
 	if n.netns != "" {
 		args = append([]string{"netns", "exec", n.netns, bin}, args...)
 		bin = "ip"

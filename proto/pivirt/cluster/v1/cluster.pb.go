@@ -1591,12 +1591,12 @@ type ClusterVersionResponse struct {
 	// features are those the cluster version enables.
 	Features []string         `protobuf:"bytes,6,rep,name=features,proto3" json:"features,omitempty"`
 	Servers  []*ServerVersion `protobuf:"bytes,7,rep,name=servers,proto3" json:"servers,omitempty"`
-	// leader is the node that answered; leader_applied_index its applied
-	// index.
+	// leader is the leader's name; leader_applied_index its applied index
+	// (0 when it did not answer).
 	Leader             string `protobuf:"bytes,8,opt,name=leader,proto3" json:"leader,omitempty"`
 	LeaderAppliedIndex uint64 `protobuf:"varint,9,opt,name=leader_applied_index,json=leaderAppliedIndex,proto3" json:"leader_applied_index,omitempty"`
-	// release is the leader's release; latest the newest cluster version
-	// it applies.
+	// release is the release of the node that answered; latest the newest
+	// cluster version it applies.
 	Release       string `protobuf:"bytes,10,opt,name=release,proto3" json:"release,omitempty"`
 	Latest        string `protobuf:"bytes,11,opt,name=latest,proto3" json:"latest,omitempty"`
 	unknownFields protoimpl.UnknownFields

@@ -76,10 +76,11 @@ type ClusterServiceClient interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(ctx context.Context, in *ForceLeaveRequest, opts ...grpc.CallOption) (*ForceLeaveResponse, error)
-	// ClusterVersion reports, from the leader, the cluster version (the
-	// lowest release of the servers, agreed through Raft), the features it
-	// enables, a downgrade under way, and each server's release, the
-	// features it knows and whether it is caught up and applying the log.
+	// ClusterVersion reports the cluster version (the lowest release of the
+	// servers, agreed through Raft), the features it enables, a downgrade
+	// under way, and each server's release, the features it knows and
+	// whether it is caught up with the leader and applying the log. The node
+	// asked answers (a leader of an older release would not know the call).
 	ClusterVersion(ctx context.Context, in *ClusterVersionRequest, opts ...grpc.CallOption) (*ClusterVersionResponse, error)
 	// VerifyReplicas compares every server's replicated state with the
 	// leader's at one log index (a checkpoint entry the leader appends),
@@ -459,10 +460,11 @@ type ClusterServiceServer interface {
 	// that left, and the leader removes its Raft server at once, quorum
 	// permitting. An alive member is refused; one that comes back rejoins.
 	ForceLeave(context.Context, *ForceLeaveRequest) (*ForceLeaveResponse, error)
-	// ClusterVersion reports, from the leader, the cluster version (the
-	// lowest release of the servers, agreed through Raft), the features it
-	// enables, a downgrade under way, and each server's release, the
-	// features it knows and whether it is caught up and applying the log.
+	// ClusterVersion reports the cluster version (the lowest release of the
+	// servers, agreed through Raft), the features it enables, a downgrade
+	// under way, and each server's release, the features it knows and
+	// whether it is caught up with the leader and applying the log. The node
+	// asked answers (a leader of an older release would not know the call).
 	ClusterVersion(context.Context, *ClusterVersionRequest) (*ClusterVersionResponse, error)
 	// VerifyReplicas compares every server's replicated state with the
 	// leader's at one log index (a checkpoint entry the leader appends),

@@ -1466,10 +1466,14 @@ type SnapshotHeader struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	FormatVersion uint32                 `protobuf:"varint,1,opt,name=format_version,json=formatVersion,proto3" json:"format_version,omitempty"`
 	// tables lists, in order, the tables whose records follow.
-	Tables        []*TableHeader `protobuf:"bytes,2,rep,name=tables,proto3" json:"tables,omitempty"`
-	LastIndex     uint64         `protobuf:"varint,3,opt,name=last_index,json=lastIndex,proto3" json:"last_index,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Tables    []*TableHeader `protobuf:"bytes,2,rep,name=tables,proto3" json:"tables,omitempty"`
+	LastIndex uint64         `protobuf:"varint,3,opt,name=last_index,json=lastIndex,proto3" json:"last_index,omitempty"`
+	// cluster_version is the state's cluster version (format 5 on; absent:
+	// 0.0), so that a reader learns from the header whether it can apply
+	// the state before it reads, or stores, any of it.
+	ClusterVersion *ClusterVersion `protobuf:"bytes,4,opt,name=cluster_version,json=clusterVersion,proto3" json:"cluster_version,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SnapshotHeader) Reset() {
@@ -1521,6 +1525,13 @@ func (x *SnapshotHeader) GetLastIndex() uint64 {
 		return x.LastIndex
 	}
 	return 0
+}
+
+func (x *SnapshotHeader) GetClusterVersion() *ClusterVersion {
+	if x != nil {
+		return x.ClusterVersion
+	}
+	return nil
 }
 
 type TableHeader struct {
@@ -2120,12 +2131,13 @@ const file_pivirt_fsm_v1_fsm_proto_rawDesc = "" +
 	"\vskip_reason\x18\x05 \x01(\tR\n" +
 	"skipReason\"6\n" +
 	"\tRecordRun\x12)\n" +
-	"\x03run\x18\x01 \x01(\v2\x17.pivirt.schedule.v1.RunR\x03run\"\x8a\x01\n" +
+	"\x03run\x18\x01 \x01(\v2\x17.pivirt.schedule.v1.RunR\x03run\"\xd2\x01\n" +
 	"\x0eSnapshotHeader\x12%\n" +
 	"\x0eformat_version\x18\x01 \x01(\rR\rformatVersion\x122\n" +
 	"\x06tables\x18\x02 \x03(\v2\x1a.pivirt.fsm.v1.TableHeaderR\x06tables\x12\x1d\n" +
 	"\n" +
-	"last_index\x18\x03 \x01(\x04R\tlastIndex\";\n" +
+	"last_index\x18\x03 \x01(\x04R\tlastIndex\x12F\n" +
+	"\x0fcluster_version\x18\x04 \x01(\v2\x1d.pivirt.fsm.v1.ClusterVersionR\x0eclusterVersion\";\n" +
 	"\vTableHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\arecords\x18\x02 \x01(\x04R\arecords\"\xe7\x01\n" +
@@ -2241,23 +2253,24 @@ var file_pivirt_fsm_v1_fsm_proto_depIdxs = []int32{
 	24, // 27: pivirt.fsm.v1.ClaimSlot.skipped:type_name -> google.protobuf.Timestamp
 	28, // 28: pivirt.fsm.v1.RecordRun.run:type_name -> pivirt.schedule.v1.Run
 	20, // 29: pivirt.fsm.v1.SnapshotHeader.tables:type_name -> pivirt.fsm.v1.TableHeader
-	24, // 30: pivirt.fsm.v1.Session.last_used:type_name -> google.protobuf.Timestamp
-	22, // 31: pivirt.fsm.v1.Session.outcomes:type_name -> pivirt.fsm.v1.Outcome
-	24, // 32: pivirt.fsm.v1.Outcome.time:type_name -> google.protobuf.Timestamp
-	25, // 33: pivirt.fsm.v1.Outcome.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	29, // 34: pivirt.fsm.v1.Outcome.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	27, // 35: pivirt.fsm.v1.Outcome.schedule:type_name -> pivirt.schedule.v1.Schedule
-	28, // 36: pivirt.fsm.v1.Outcome.run:type_name -> pivirt.schedule.v1.Run
-	24, // 37: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
-	25, // 38: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
-	29, // 39: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
-	27, // 40: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
-	28, // 41: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
-	42, // [42:42] is the sub-list for method output_type
-	42, // [42:42] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	1,  // 30: pivirt.fsm.v1.SnapshotHeader.cluster_version:type_name -> pivirt.fsm.v1.ClusterVersion
+	24, // 31: pivirt.fsm.v1.Session.last_used:type_name -> google.protobuf.Timestamp
+	22, // 32: pivirt.fsm.v1.Session.outcomes:type_name -> pivirt.fsm.v1.Outcome
+	24, // 33: pivirt.fsm.v1.Outcome.time:type_name -> google.protobuf.Timestamp
+	25, // 34: pivirt.fsm.v1.Outcome.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	29, // 35: pivirt.fsm.v1.Outcome.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	27, // 36: pivirt.fsm.v1.Outcome.schedule:type_name -> pivirt.schedule.v1.Schedule
+	28, // 37: pivirt.fsm.v1.Outcome.run:type_name -> pivirt.schedule.v1.Run
+	24, // 38: pivirt.fsm.v1.DedupeRecord.time:type_name -> google.protobuf.Timestamp
+	25, // 39: pivirt.fsm.v1.DedupeRecord.instance:type_name -> pivirt.cluster.v1.ServiceInstance
+	29, // 40: pivirt.fsm.v1.DedupeRecord.config_entry:type_name -> pivirt.cluster.v1.ConfigEntry
+	27, // 41: pivirt.fsm.v1.DedupeRecord.schedule:type_name -> pivirt.schedule.v1.Schedule
+	28, // 42: pivirt.fsm.v1.DedupeRecord.run:type_name -> pivirt.schedule.v1.Run
+	43, // [43:43] is the sub-list for method output_type
+	43, // [43:43] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_fsm_v1_fsm_proto_init() }

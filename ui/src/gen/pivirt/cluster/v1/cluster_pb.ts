@@ -633,8 +633,8 @@ export type ClusterVersionResponse = Message<"pivirt.cluster.v1.ClusterVersionRe
   servers: ServerVersion[];
 
   /**
-   * leader is the node that answered; leader_applied_index its applied
-   * index.
+   * leader is the leader's name; leader_applied_index its applied index
+   * (0 when it did not answer).
    *
    * @generated from field: string leader = 8;
    */
@@ -646,8 +646,8 @@ export type ClusterVersionResponse = Message<"pivirt.cluster.v1.ClusterVersionRe
   leaderAppliedIndex: bigint;
 
   /**
-   * release is the leader's release; latest the newest cluster version
-   * it applies.
+   * release is the release of the node that answered; latest the newest
+   * cluster version it applies.
    *
    * @generated from field: string release = 10;
    */
@@ -2780,10 +2780,11 @@ export const ClusterService: GenService<{
     output: typeof ForceLeaveResponseSchema;
   },
   /**
-   * ClusterVersion reports, from the leader, the cluster version (the
-   * lowest release of the servers, agreed through Raft), the features it
-   * enables, a downgrade under way, and each server's release, the
-   * features it knows and whether it is caught up and applying the log.
+   * ClusterVersion reports the cluster version (the lowest release of the
+   * servers, agreed through Raft), the features it enables, a downgrade
+   * under way, and each server's release, the features it knows and
+   * whether it is caught up with the leader and applying the log. The node
+   * asked answers (a leader of an older release would not know the call).
    *
    * @generated from rpc pivirt.cluster.v1.ClusterService.ClusterVersion
    */

@@ -1,0 +1,160 @@
+package store_test
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"errors"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+
+	"pilab.hu/pivirt-agent/store"
+	"pilab.hu/pivirt-agent/store/storetest"
+)
+
+// refuseNewer is a SnapshotCheck that refuses the snapshots whose data
+// starts with "NEWER" (a newer release's, for these tests).
+func refuseNewer(r io.Reader) error {
+	var b [5]byte
+	n, err := io.ReadFull(r, b[:])
+	switch {
+	case n < len(b) && string(b[:n]) == "NEWER"[:n]:
+		return io.ErrUnexpectedEOF
+	case string(b[:]) == "NEWER":
+		return errors.New("written by release 9.9")
+	case err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF):
+		return err
+	}
+	return nil
+}
+
+// dirSums hashes every file under dir.
+func dirSums(t *testing.T, dir string) map[string][32]byte {
+	t.Helper()
+	out := map[string][32]byte{}
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		out[path] = sha256.Sum256(b)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestNewerSnapshotRefusedAtStart: a data dir whose newest snapshot a newer
+// release wrote (a downgrade without its preparation) is refused at start
+// with ErrNewerData, and not one of its files changes, raft.db included.
+func TestNewerSnapshotRefusedAtStart(t *testing.T) {
+	for _, kind := range logStores {
+		t.Run(kind, func(t *testing.T) {
+			c := storetest.NewCluster(t, 1, storetest.NewKVFSM, withLogStore(kind))
+			c.WaitLeader(t, 10*time.Second)
+			for i := range 50 {
+				c.Apply(t, storetest.Set("k", strings.Repeat("v", i)))
+			}
+			c.Stop(0)
+			dir := filepath.Join(c.DataDir(0), "raft")
+			snaps, err := raft.NewFileSnapshotStoreWithLogger(dir, 2, hclog.NewNullLogger())
+			if err != nil {
+				t.Fatal(err)
+			}
+			sink, err := snaps.Create(raft.SnapshotVersionMax, 1000, 5, raft.Configuration{}, 1, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sink.Write([]byte("NEWER state")); err != nil {
+				t.Fatal(err)
+			}
+			if err := sink.Close(); err != nil {
+				t.Fatal(err)
+			}
+			before := dirSums(t, dir)
+			for range 2 {
+				_, err = startWith(t, c, 0, func(cfg *store.Config) { cfg.SnapshotCheck = refuseNewer; cfg.LogStore = kind })
+				if !errors.Is(err, store.ErrNewerData) || !strings.Contains(err.Error(), "9.9") {
+					t.Fatalf("start = %v, want %v naming the release", err, store.ErrNewerData)
+				}
+			}
+			after := dirSums(t, dir)
+			for path, sum := range before {
+				if after[path] != sum {
+					t.Errorf("%s changed during the refused starts", path)
+				}
+			}
+			for path := range after {
+				if _, ok := before[path]; !ok {
+					t.Errorf("%s was created during the refused starts", path)
+				}
+			}
+		})
+	}
+}
+
+// TestSnapshotSinkRefusesNewer: a snapshot the check refuses (as a leader
+// of a newer release sends it) is not kept, and the snapshots the node
+// holds stay; one whose header arrives a byte at a time is kept whole.
+func TestSnapshotSinkRefusesNewer(t *testing.T) {
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM, storetest.WithConfig(func(_ int, cfg *store.Config) {
+		cfg.SnapshotCheck = refuseNewer
+	}))
+	s := c.WaitLeader(t, 10*time.Second)
+	c.Apply(t, storetest.Set("k", "v"))
+	_, rc, err := s.Snapshot(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc.Close()
+	held, err := store.SnapshotIDs(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(held) != 1 {
+		t.Fatalf("%d snapshots after one was taken", len(held))
+	}
+	for _, tc := range []struct {
+		data      string
+		kept      bool
+		wantNewer bool
+	}{{"NEWER state", false, true}, {"OLDER state", true, false}, {"NEW", false, false}} {
+		sink, err := store.CreateCheckedSnapshot(s, refuseNewer, 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var werr error
+		for _, b := range []byte(tc.data) { // the header a byte at a time
+			if _, werr = sink.Write([]byte{b}); werr != nil {
+				break
+			}
+		}
+		if werr == nil {
+			werr = sink.Close()
+		} else {
+			_ = sink.Cancel()
+		}
+		if (werr == nil) != tc.kept || errors.Is(werr, store.ErrNewerData) != tc.wantNewer {
+			t.Errorf("%q: %v; want kept %v, a newer release's %v", tc.data, werr, tc.kept, tc.wantNewer)
+		}
+	}
+	ids, err := store.SnapshotIDs(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Contains([]byte(strings.Join(ids, ",")), []byte(held[0])) {
+		t.Errorf("snapshots %v: the one held before (%s) is gone", ids, held[0])
+	}
+}
