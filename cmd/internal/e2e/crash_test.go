@@ -87,6 +87,7 @@ func TestCrashDuringSnapshots(t *testing.T) {
 		compactions += strings.Count(string(b), "compacting logs")
 	}
 	t.Logf("%d crashes; %d snapshots and %d log compactions completed meanwhile", kills, snapshots, compactions)
+	c.agreeReplicas(t, "after the crashes")
 	if snapshots < kills {
 		t.Errorf("only %d snapshots: the crashes did not meet snapshotting", snapshots)
 	}
@@ -228,6 +229,7 @@ func TestCrashDuringRestore(t *testing.T) {
 		cur = target
 	}
 	t.Logf("after %d crashes: %v", rounds, outcomes)
+	c.agreeReplicas(t, "after the crashes")
 }
 
 // writeServiceArchive writes an archive holding n service instances named

@@ -1018,3 +1018,31 @@ func withClusterName(extra, name string) string {
 	}
 	return extra + "cluster:\n" + line
 }
+
+// agreeReplicas runs pvcli operator raft verify until the leader answers
+// (it may be changing, a node may be catching up) and fails the test as
+// soon as a server's replicated state differs from the leader's, or if no
+// check covering every server agrees within a minute. Raft mode only.
+func (c *cluster) agreeReplicas(t testing.TB, what string) {
+	t.Helper()
+	if strings.Contains(c.extra, "type: etcd") {
+		return
+	}
+	c.eventually(t, 60*time.Second, what+": every replica holds the leader's state", func() error {
+		var last error
+		for _, n := range c.nodes {
+			if n.proc == nil {
+				continue
+			}
+			r := c.pvcli(t, n, "operator", "raft", "verify")
+			switch {
+			case r.code == 0:
+				return nil
+			case strings.Contains(r.stderr, "replicas differ"):
+				t.Fatalf("%s: %s", what, r)
+			}
+			last = fmt.Errorf("%s", r)
+		}
+		return last
+	})
+}

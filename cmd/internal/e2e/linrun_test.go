@@ -130,4 +130,5 @@ func (r *linRun) finish() {
 		}
 	}
 	lincheck.Check(r.t, r.hist, 100)
+	r.c.agreeReplicas(r.t, "after the faults")
 }

@@ -347,6 +347,7 @@ func (m *matrix) verify(t *testing.T, what string) {
 			return nil
 		})
 	}
+	m.c.agreeReplicas(t, what)
 }
 
 // missing returns the first few elements of a that b lacks (both sorted).

@@ -140,6 +140,7 @@ func TestSoak(t *testing.T) {
 	reg.verify(t, c, api)
 	cfg.verify(t, api)
 	c.soakContinuity(t, c.nodes[0], schedID, created)
+	c.agreeReplicas(t, "after the soak")
 	mem.report(t)
 	if failed {
 		t.Fatal("unexpected errors (above)")
