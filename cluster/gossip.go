@@ -146,7 +146,8 @@ type Gossip struct {
 	mu      sync.Mutex
 	members map[string]*Member
 	// forced are the members a force-leave named while this node still saw
-	// them alive: their failure, when it comes, is taken as a leave.
+	// them alive: their failure, when it comes, is taken as a leave (true:
+	// and the member forgotten, force-leave --prune).
 	forced map[string]bool
 	subs   map[chan struct{}]struct{}
 	meta   []byte
@@ -390,7 +391,8 @@ func (g *Gossip) ForceLeave(name string, prune bool) (pending bool, err error) {
 		if g.forced == nil {
 			g.forced = make(map[string]bool)
 		}
-		g.forced[name] = true
+		// true: forget it too once it fails (prune).
+		g.forced[name] = g.forced[name] || prune
 		g.logger.Info("gossip member to be taken as left once it fails here", "member", name, "status", m.Status.String())
 		return true, nil
 	}
@@ -500,9 +502,17 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 	switch {
 	case status == StatusAlive:
 		delete(g.forced, n.Name) // back: a member again
-	case status == StatusFailed && g.forced[n.Name]:
-		status = StatusLeft
-		delete(g.forced, n.Name)
+	case status == StatusFailed:
+		if prune, forced := g.forced[n.Name]; forced {
+			delete(g.forced, n.Name)
+			if prune {
+				delete(g.members, n.Name)
+				g.logger.Info("gossip member forgotten as it failed (force-leave --prune)", "member", n.Name)
+				g.notifyLocked()
+				return
+			}
+			status = StatusLeft
+		}
 	}
 	if m.Status != status {
 		m.Since = time.Now()

@@ -329,6 +329,11 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	for _, m := range alive {
 		s, ok := inRaft[m.Meta.ID]
 		switch {
+		case !ok && m.Meta.Leaving:
+			// On its way out (cluster leave): it asked to be removed, and
+			// would come back as a dead non-voter.
+			report[m.Meta.ID] = ServerReport{Status: "not added: leaving"}
+			continue
 		case !ok:
 			if n := len(inRaft) - len(voters); r.cfg.MaxNonvoters > 0 && n >= r.cfg.MaxNonvoters {
 				report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: waits in gossip, the non-voter cap of %d is reached (cluster.raft.max_non_voters)", r.cfg.MaxNonvoters)}

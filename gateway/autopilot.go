@@ -54,6 +54,14 @@ func (h *ClusterService) ForceLeave(ctx context.Context, req *connect.Request[cl
 		return r
 	})
 	h.logger.InfoContext(ctx, "forced a failed member to leave", "member", name, "node_id", target.Meta.ID, "told", len(out), "pruned", req.Msg.GetPrune())
+	if req.Msg.GetPrune() {
+		// A pruned member is gone from every member table: the leader's
+		// reconciler no longer sees it leave, so its Raft server goes now.
+		rreq := connect.NewRequest(&clusterv1.RemovePeerRequest{NodeId: target.Meta.ID})
+		if _, err := h.RemovePeer(ctx, rreq); err != nil && connect.CodeOf(err) != connect.CodeNotFound {
+			h.logger.WarnContext(ctx, "force-leave --prune: the node's Raft server is removed later (dead_server_cleanup)", "member", name, "error", err)
+		}
+	}
 	if h.cfg.Retire != nil {
 		if err := h.cfg.Retire(ctx, name); err != nil {
 			// The leader retries on its own (the member is left).

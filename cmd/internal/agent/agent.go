@@ -103,6 +103,13 @@ type Options struct {
 	// than every second is a load on the service, not a check.
 	MinCheckInterval           time.Duration
 	MinDeregisterCriticalAfter time.Duration
+	// FirstRequestTimeout is how long the API and internal ports' protocol
+	// mux waits for a connection's first request before it hands it to
+	// net/http (default 10 s), and ConnIdleTimeout how long their servers
+	// keep a connection without calls (default 5 min). Tests shorten both
+	// to idle past them.
+	FirstRequestTimeout time.Duration
+	ConnIdleTimeout     time.Duration
 	// Stabilization is how long a new server must be healthy before it
 	// is promoted to voter (default 10s).
 	Stabilization time.Duration
@@ -249,6 +256,8 @@ type Agent struct {
 	// take it, so neither can run while Start is still wiring.
 	mu      sync.Mutex
 	started bool
+	// startedAt is when Start began.
+	startedAt time.Time
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -314,7 +323,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.started {
 		return errors.New("agent already started")
 	}
-	a.started = true
+	a.started, a.startedAt = true, time.Now()
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -1102,7 +1111,7 @@ func (a *Agent) serve(ln net.Listener, h http.Handler) {
 		Protocols:         &protos,
 		ConnContext:       gateway.WithConnTLS, // the caller's certificate, for handlers
 		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       5 * time.Minute,
+		IdleTimeout:       a.connIdleTimeout(),
 		ErrorLog:          slog.NewLogLogger(a.logger.Handler(), slog.LevelWarn),
 	}
 	a.servers = append(a.servers, srv)
@@ -1115,6 +1124,10 @@ func (a *Agent) serve(ln net.Listener, h http.Handler) {
 	}()
 }
 
+// connIdleTimeout is how long the servers keep a connection without
+// calls (Options.ConnIdleTimeout).
+func (a *Agent) connIdleTimeout() time.Duration { return cmp.Or(a.opts.ConnIdleTimeout, 5*time.Minute) }
+
 // streamWorkers is the size of the grpc-go servers' pool of stream
 // workers (at least one per CPU).
 const streamWorkers = 64
@@ -1122,7 +1135,7 @@ const streamWorkers = 64
 // serveSplit serves ln with grpc-go for gRPC connections and with h for
 // everything else (gateway.ProtocolMux).
 func (a *Agent) serveSplit(ln net.Listener, handler func(*grpc.Server) (http.Handler, error), register func(*grpc.Server), opts ...grpc.ServerOption) error {
-	pm := gateway.NewProtocolMux(ln, 10*time.Second)
+	pm := gateway.NewProtocolMux(ln, cmp.Or(a.opts.FirstRequestTimeout, 10*time.Second))
 	gs := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.MaxRecvMsgSize(cluster.MaxMessageBytes),
 		grpc.MaxSendMsgSize(cluster.MaxMessageBytes),
@@ -1138,7 +1151,7 @@ func (a *Agent) serveSplit(ln net.Listener, handler func(*grpc.Server) (http.Han
 		// The limits net/http applies to the same port's HTTP/2
 		// connections: concurrent streams per connection, idle time.
 		grpc.MaxConcurrentStreams(250),
-		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: 5 * time.Minute}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: a.connIdleTimeout()}),
 	}, opts...)...)
 	register(gs)
 	h, err := handler(gs)
@@ -1301,6 +1314,11 @@ func (a *Agent) Leave(ctx context.Context) error {
 		}
 		return a.shutdownLocked()
 	}
+	// This node's objects leave with it: the catalog stops naming it
+	// (first, while it may still lead and record that itself).
+	if err := a.retireFromCatalog(ctx, a.cfg.NodeName); err != nil {
+		a.logger.Warn("leave: this node's entries stay in the placement catalog until the leader sees it gone", "error", err)
+	}
 	st := a.store.Status()
 	if st.State == "Leader" && st.NumPeers > 0 {
 		if id, err := a.store.TransferLeadership(ctx, ""); err != nil {
@@ -1308,10 +1326,6 @@ func (a *Agent) Leave(ctx context.Context) error {
 		} else {
 			a.logger.Info("handed leadership over before leaving", "new_leader", id)
 		}
-	}
-	// This node's objects leave with it: the catalog stops naming it.
-	if err := a.retireFromCatalog(ctx, a.cfg.NodeName); err != nil {
-		a.logger.Warn("leave: this node's entries stay in the placement catalog until the leader sees it left", "error", err)
 	}
 	if err := a.gossip.Leave(a.opts.LeaveTimeout / 3); err != nil {
 		a.logger.Warn("gossip leave", "error", err)

@@ -432,15 +432,67 @@ func (a *Agent) runCatalogRetire() {
 		if !a.leaderReady() || !a.allows(fsm.FeaturePlacements) {
 			continue
 		}
-		for _, m := range a.gossip.Members() {
-			if m.Status != cluster.StatusLeft || m.Name == a.cfg.NodeName {
-				continue
-			}
+		for _, node := range a.retiredNodes() {
 			ctx, cancel := context.WithTimeout(a.ctx, 10*time.Second)
-			if err := a.retireFromCatalog(ctx, m.Name); err != nil && a.ctx.Err() == nil {
-				a.logger.Info("placement catalog: removing the entries of a node that left failed; trying again", "node", m.Name, "error", err)
+			if err := a.retireFromCatalog(ctx, node); err != nil && a.ctx.Err() == nil {
+				a.logger.Info("placement catalog: removing the entries of a node that left failed; trying again", "node", node, "error", err)
 			}
 			cancel()
 		}
 	}
 }
+
+// retiredNodes are the nodes the catalog names that left the cluster:
+// left in gossip, failed and no longer a Raft server (a leave this node
+// missed, a removal), or forgotten by gossip (force-leave --prune) — the
+// last only once this agent has run long enough to know every member.
+func (a *Agent) retiredNodes() []string {
+	_, all, err := a.fsm.State().Placements("", nil)
+	if err != nil {
+		return nil
+	}
+	named := map[string]bool{}
+	for _, p := range all {
+		named[p.GetNode()] = true
+	}
+	delete(named, a.cfg.NodeName)
+	if len(named) == 0 {
+		return nil
+	}
+	members := map[string]cluster.Member{}
+	for _, m := range a.gossip.Members() {
+		members[m.Name] = m
+	}
+	var servers map[string]bool
+	if !a.etcdMode() {
+		ctx, cancel := context.WithTimeout(a.ctx, time.Second)
+		list, err := a.raft.Servers(ctx)
+		cancel()
+		if err != nil {
+			return nil
+		}
+		servers = make(map[string]bool, len(list))
+		for _, s := range list {
+			servers[s.ID] = true
+		}
+	}
+	var out []string
+	for node := range named {
+		m, known := members[node]
+		switch {
+		case !known && time.Since(a.startedAt) > forgottenAfter:
+		case known && m.Status == cluster.StatusLeft:
+		case known && m.Status == cluster.StatusFailed && servers != nil && !servers[m.Meta.ID]:
+		default:
+			continue
+		}
+		out = append(out, node)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// forgottenAfter is how long an agent runs before a node the catalog names
+// and gossip does not know counts as retired: long enough for a restarted
+// agent's gossip to have met every member.
+const forgottenAfter = 2 * time.Minute

@@ -37,13 +37,27 @@ func (p placement) Locate(kind, id string) (string, bool) {
 
 // Nodes are the cluster's servers in the gossip ring, failed ones
 // included (a node that is down is named as unreachable, not left out),
-// left ones not: a node that left (cluster leave, force-leave) is retired,
-// and the leader drops its objects from the catalog.
+// retired ones not: a node that left (cluster leave, force-leave), or, in
+// Raft mode, a failed one that is no longer a server of the Raft
+// configuration (it left while this node missed its leave, or was removed),
+// and whose objects the leader dropped from the catalog.
 func (p placement) Nodes() []string {
 	nodes := []string{p.Self()}
+	var servers map[string]bool
+	if !p.a.etcdMode() {
+		ctx, cancel := context.WithTimeout(p.a.ctx, time.Second)
+		list, err := p.a.raft.Servers(ctx)
+		cancel()
+		if err == nil {
+			servers = make(map[string]bool, len(list))
+			for _, s := range list {
+				servers[s.ID] = true
+			}
+		}
+	}
 	if p.a.gossip != nil {
 		for _, m := range p.a.gossip.Members() {
-			if m.Status == cluster.StatusLeft {
+			if m.Status == cluster.StatusLeft || (m.Status == cluster.StatusFailed && servers != nil && !servers[m.Meta.ID]) {
 				continue
 			}
 			if m.Meta.InternalAddr != "" && !slices.Contains(nodes, m.Name) {

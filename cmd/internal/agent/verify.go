@@ -22,6 +22,28 @@ import (
 // appends a checkpoint, then compares every server's state hash at its
 // index with its own (DESIGN.md, "Replicas checked against each other").
 func (a *Agent) verifyReplicas(ctx context.Context) (*clusterv1.VerifyReplicasResponse, error) {
+	// A server that installed a snapshot past the checkpoint holds no
+	// hash at its index: a new checkpoint is tried (a few times).
+	for attempt := 1; ; attempt++ {
+		resp, err := a.verifyOnce(ctx)
+		if err != nil || attempt == 3 || !missedCheckpoint(resp) {
+			return resp, err
+		}
+	}
+}
+
+// missedCheckpoint reports whether a server of resp could not be checked
+// only because it holds no hash at the checkpoint.
+func missedCheckpoint(resp *clusterv1.VerifyReplicasResponse) bool {
+	for _, n := range resp.GetNodes() {
+		if strings.Contains(n.GetError(), fsm.ErrNoCheckpoint.Error()) {
+			return true
+		}
+	}
+	return false
+}
+
+func (a *Agent) verifyOnce(ctx context.Context) (*clusterv1.VerifyReplicasResponse, error) {
 	if a.etcdMode() {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("etcd mode keeps the state in etcd, not in replicas of the agents: compare etcd's members with etcdctl endpoint hashkv"))
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"pilab.hu/pivirt-agent/cmd/internal/version"
 	"pilab.hu/pivirt-agent/identity"
 )
 
@@ -34,7 +36,7 @@ func (c *cluster) toolkitExamples(t *testing.T) {
 	}
 	r := c.pvcliEnv(t, env, "version")
 	if r.code != 0 || !strings.HasPrefix(r.stdout, "pvcli ") || !strings.Contains(r.stdout, "agent pivirt-agent ") ||
-		!strings.Contains(r.stdout, "(protocol 1) on "+n1.name+" at https://"+n1.api) {
+		!strings.Contains(r.stdout, fmt.Sprintf("(protocol %d) on ", version.Protocol)+n1.name+" at https://"+n1.api) {
 		t.Errorf("%s\nwant the client's and %s's versions", r, n1.name)
 	}
 

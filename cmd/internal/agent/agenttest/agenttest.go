@@ -143,6 +143,8 @@ type Cluster struct {
 	mu    sync.Mutex
 	nodes []*Node
 	dirs  []string
+	// opts, when set, changes the options of every agent started.
+	opts func(*agent.Options)
 }
 
 // LogBuffer collects the agents' logs and prints their tail when the test
@@ -245,6 +247,9 @@ func (c *Cluster) Start(i int, cfg *config.Config) *Node {
 	levels.SetLevel(level)
 	opts := Options(c.logger(cfg.NodeName, levels))
 	opts.Levels = levels
+	if c.opts != nil {
+		c.opts(&opts)
+	}
 	a, err := agent.New(cfg, opts)
 	if err != nil {
 		c.tb.Fatalf("new agent %s: %v", cfg.NodeName, err)
@@ -316,7 +321,14 @@ func (n *Node) stopped() bool {
 // node's configuration.
 func NewExpect(tb testing.TB, n int, mutate func(i int, cfg *config.Config)) *Cluster {
 	tb.Helper()
+	return NewExpectOptions(tb, n, mutate, nil)
+}
+
+// NewExpectOptions is NewExpect with opts changing every agent's options.
+func NewExpectOptions(tb testing.TB, n int, mutate func(i int, cfg *config.Config), opts func(*agent.Options)) *Cluster {
+	tb.Helper()
 	c := New(tb)
+	c.opts = opts
 	var seed string
 	for i := range n {
 		cfg := Config(fmt.Sprintf("node%d", i+1), filepath.Join(tb.TempDir(), fmt.Sprintf("node%d", i+1)))
