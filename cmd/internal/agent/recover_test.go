@@ -92,6 +92,11 @@ func TestDisasterRecovery(t *testing.T) {
 			return nil
 		})
 		services, cfg := records(t, n)
+		// The write tried without a quorum timed out: its outcome is
+		// unknown, and the survivor may hold it in its log, uncommitted,
+		// when it led at the time; a recovery to the survivor alone
+		// commits what its log holds, so it may be there.
+		services = slices.DeleteFunc(services, func(s string) bool { return strings.Contains(s, "lost") })
 		if !slices.Equal(services, wantServices) {
 			t.Errorf("%s: %d services after recovery, want the %d committed before", n.Name, len(services), len(wantServices))
 		}

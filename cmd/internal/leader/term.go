@@ -156,6 +156,15 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 		// starts the next term.
 		return
 	}
+	if h := w.cfg.FSM.Halted(); h != nil {
+		// This node's state machine stopped (it needs a newer release):
+		// it cannot lead. Another voter takes over.
+		w.cfg.Logger.Error("this node leads but stopped applying the log; handing leadership over", "error", h.Error())
+		if _, err := s.TransferLeadership(ctx, ""); err != nil {
+			w.cfg.Logger.Warn("leadership transfer failed; the term does nothing", "error", err)
+		}
+		return
+	}
 	w.completeRestore(ctx)
 	// A new cluster (or one whose servers were all upgraded while no
 	// leader ran) gets its version before the term serves anything.
