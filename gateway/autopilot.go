@@ -48,7 +48,7 @@ func (h *ClusterService) ForceLeave(ctx context.Context, req *connect.Request[cl
 			// That member forgot it already (it left long ago, or was
 			// pruned): nothing left to tell it.
 		case err != nil:
-			r.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+			r.Error = nodeError(m, err, "forgets the member when its own failure detection reaps it")
 		}
 		r.Pending = pending
 		return r

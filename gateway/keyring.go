@@ -80,7 +80,7 @@ func (h *ClusterService) ConfigStatus(ctx context.Context, _ *connect.Request[cl
 		}
 		st.Node, st.NodeId = m.Name, m.Meta.ID
 		if err != nil {
-			st.Error = connect.CodeOf(err).String() + ": " + errorMessage(err)
+			st.Error = nodeError(m, err, "reports no state of the cluster settings")
 		}
 		return st
 	})
@@ -147,6 +147,17 @@ func eachMember[T interface{ GetNode() string }](ctx context.Context, members []
 	wg.Wait()
 	slices.SortFunc(out, func(a, b T) int { return strings.Compare(a.GetNode(), b.GetNode()) })
 	return out
+}
+
+// nodeError is a member's answer to a call made on every member: the
+// error's code and message, or, for a call its release does not serve
+// (Unimplemented from an agent that announces a release before cluster
+// versions), what that release does instead.
+func nodeError(m cluster.Member, err error, older string) string {
+	if connect.CodeOf(err) == connect.CodeUnimplemented && m.Meta.Protocol < cluster.MinVersionProtocol {
+		return fmt.Sprintf("runs release %q, which predates this call: it %s", m.Meta.Version, older)
+	}
+	return connect.CodeOf(err).String() + ": " + errorMessage(err)
 }
 
 // errorMessage is a Connect error's message, or the error's text.

@@ -111,7 +111,7 @@ func (a *app) clusterForceLeave(cmd *cobra.Command, args []string, prune bool) e
 			return err
 		}
 		if failed > 0 {
-			return fmt.Errorf("%d of %d members could not be told; run force-leave again once they are reachable", failed, len(resp.Msg.GetNodes()))
+			return fmt.Errorf("%d of %d members could not be told (above): run force-leave again once an unreachable one is back", failed, len(resp.Msg.GetNodes()))
 		}
 		return nil
 	})
