@@ -127,8 +127,8 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 	a.mu.Lock()
 	e := a.claims[key]
 	// A failure is not asked again before its backoff ends, unless the
-	// member came back since (it restarted: on a new release, say).
-	if e != nil && now.Before(e.until) && (e.proven || !m.Since.After(e.asked)) {
+	// member changed since (it restarted: on a new release, say).
+	if e != nil && now.Before(e.until) && (e.proven || !m.changedSince(e.asked)) {
 		e.seen = now
 		err := e.err
 		a.mu.Unlock()
@@ -171,6 +171,11 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 	e.backoff = min(max(2*e.backoff, a.cfg.MinBackoff), a.cfg.MaxBackoff)
 	e.err, e.until, e.asked = err, now.Add(e.backoff), now
 	return err
+}
+
+// changedSince reports whether m's status, address or meta changed after t.
+func (m Member) changedSince(t time.Time) bool {
+	return m.Since.After(t) || m.Changed.After(t)
 }
 
 // Proven implements Admitter.

@@ -139,6 +139,19 @@ func TestAdmission(t *testing.T) {
 			t.Fatalf("after %s: %d queries, want %d", step.after, got, step.asks)
 		}
 	}
+
+	// A member that restarted within its backoff (its gossip entry changed
+	// after the last query, with no change of status) is asked at once.
+	restarted := claimMember(stolen)
+	restarted.Changed = clock.Add(time.Millisecond)
+	clock = clock.Add(2 * time.Millisecond)
+	before = impostor.asked.Load()
+	if err := adm.Admit(ctx, restarted); err == nil || impostor.asked.Load()-before != 1 {
+		t.Fatalf("a member that changed since its last query is not asked again (%d queries, %v)", impostor.asked.Load()-before, err)
+	}
+	if err := adm.Admit(ctx, restarted); err == nil || impostor.asked.Load()-before != 1 {
+		t.Fatalf("an unchanged member is asked again within its backoff (%d queries)", impostor.asked.Load()-before)
+	}
 }
 
 func TestAdmissionForgetsAFlood(t *testing.T) {

@@ -58,6 +58,10 @@ type Member struct {
 	Meta   NodeMeta
 	// Since is when the member entered Status (as observed locally).
 	Since time.Time
+	// Changed is when Status, Addr or Meta last changed (as observed
+	// locally): a restart that came back before the member was declared
+	// failed changes its Meta (Started), not its Status.
+	Changed time.Time
 }
 
 // GossipConfig configures the memberlist ring.
@@ -396,7 +400,7 @@ func (g *Gossip) ForceLeave(name string, prune bool) (pending bool, err error) {
 		g.logger.Info("gossip member to be taken as left once it fails here", "member", name, "status", m.Status.String())
 		return true, nil
 	}
-	m.Status, m.Since = StatusLeft, time.Now()
+	m.Status, m.Since, m.Changed = StatusLeft, time.Now(), time.Now()
 	g.logger.Info("gossip member forced to leave", "member", name)
 	if prune {
 		delete(g.members, name)
@@ -514,8 +518,12 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 			status = StatusLeft
 		}
 	}
+	now := time.Now()
 	if m.Status != status {
-		m.Since = time.Now()
+		m.Since = now
+	}
+	if m.Status != status || m.Addr != addr || m.Meta != meta {
+		m.Changed = now
 	}
 	m.Addr, m.Status, m.Meta = addr, status, meta
 	g.notifyLocked()

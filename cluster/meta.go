@@ -28,6 +28,10 @@ type NodeMeta struct {
 	// Leaving is set just before a graceful leave, so that members can tell
 	// a departure from a failure (memberlist reports both as "leave").
 	Leaving bool `json:"l,omitempty"`
+	// Started is when the agent process started (Unix milliseconds), so
+	// that members tell a restart from a member that stayed up even when
+	// it came back before anyone declared it failed.
+	Started int64 `json:"st,omitempty"`
 }
 
 // metaLimit is memberlist's MetaMaxSize.

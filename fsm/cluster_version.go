@@ -87,6 +87,11 @@ func (f *FSM) applySetClusterVersion(t *writeTxn, cmd *fsmv1.Command) (proto.Mes
 // records become its session (sessionsFromDedupe), with the outcomes the
 // records hold.
 func (f *FSM) sessionsFromDedupeRecords(t *writeTxn) error {
+	if t.noPrune {
+		// External mode (etcd) keeps per-write dedupe records whatever the
+		// version: leased keys that expire by themselves.
+		return nil
+	}
 	recs, err := scan[*fsmv1.DedupeRecord](t, TableDedupe, indexID)
 	if err != nil {
 		return err

@@ -147,6 +147,11 @@ func (f *FSM) Ingest(index uint64, changes []Ingested) error {
 			if v, ok := c.Record.(*fsmv1.ClusterVersion); ok {
 				t.version = Version{v.GetMajor(), v.GetMinor()}
 			}
+			if !t.version.Known() {
+				v := t.version
+				f.discard(t)
+				return fmt.Errorf("ingest at %d: %w: the store is at cluster version %s; this release runs up to %s", index, ErrNeedsNewerVersion, v, Latest)
+			}
 		}
 		if err != nil {
 			f.discard(t)

@@ -897,11 +897,20 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 	if _, err := txn.DeleteAll(TableIndex, indexID); err != nil {
 		return fail(err)
 	}
-	for _, name := range Tables() {
-		if name == TableIndex {
+	// Index rows only for the tables the state's version has (or that got
+	// records): a table of a newer version in use makes the snapshot a
+	// format the agents of the state's version cannot read.
+	v := Version0_0
+	for _, r := range byTable[tableNum(TableClusterVersion)] {
+		if rec, ok := r.rec.(*fsmv1.ClusterVersion); ok {
+			v = Version{rec.GetMajor(), rec.GetMinor()}
+		}
+	}
+	for n, t := range tableDefs {
+		if t.name == TableIndex || (!tableAt(t.name, v) && len(byTable[n]) == 0) {
 			continue
 		}
-		if err := txn.Insert(TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
+		if err := txn.Insert(TableIndex, &indexEntry{Table: t.name, Value: index}); err != nil {
 			return fail(err)
 		}
 	}

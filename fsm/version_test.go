@@ -272,3 +272,56 @@ func TestEncodeDropsUnknownFields(t *testing.T) {
 		t.Error("Encode changed the known fields")
 	}
 }
+
+// TestReplaceKeepsTheStateFormat: a state replaced as a whole (the etcd
+// mirror's reload, a restore's plan) is written in the snapshot format of
+// its own cluster version: at 0.0 one the release before cluster versions
+// reads, not one that names the tables of a newer version.
+func TestReplaceKeepsTheStateFormat(t *testing.T) {
+	cfg := func(v Version) func(*Config) { return func(c *Config) { c.InitialVersion = v } }
+	for _, tc := range []struct {
+		name    string
+		version Version
+		records []TableRecord
+		max     uint32
+	}{
+		{"0.0", Version0_0, []TableRecord{{TableConfig, &clusterv1.ConfigEntry{Key: "k", Value: "v", Revision: 3}}}, 2},
+		{"latest", Latest, []TableRecord{
+			{TableConfig, &clusterv1.ConfigEntry{Key: "k", Value: "v", Revision: 3}},
+			{TableClusterVersion, &fsmv1.ClusterVersion{Major: Latest.Major, Minor: Latest.Minor, Index: 2}},
+		}, SnapshotFormatVersion},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, cfg(tc.version))
+			if err := h.f.Replace(10, tc.records); err != nil {
+				t.Fatal(err)
+			}
+			hdr, err := ReadSnapshotHeader(bytes.NewReader(h.snapshot()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if hdr.GetFormatVersion() > tc.max {
+				t.Fatalf("a state at %s replaced as a whole is written in format %d, want at most %d", tc.name, hdr.GetFormatVersion(), tc.max)
+			}
+			if v, _, _ := h.f.State().ClusterVersion(); v != tc.version {
+				t.Fatalf("replaced state at %s, want %s", v, tc.version)
+			}
+		})
+	}
+}
+
+// TestIngestRefusesANewerVersion: an external store holding a cluster
+// version this release does not know is not mirrored: the state stays as
+// it was and the error names the version.
+func TestIngestRefusesANewerVersion(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(setConfig("keep", "me"))
+	before := h.snapshot()
+	err := h.f.Ingest(50, []Ingested{{Table: TableClusterVersion, Record: &fsmv1.ClusterVersion{Major: 0, Minor: 9, Index: 50}}})
+	if !errors.Is(err, ErrNeedsNewerVersion) || !strings.Contains(err.Error(), "0.9") {
+		t.Fatalf("Ingest of version 0.9 = %v, want %v naming 0.9", err, ErrNeedsNewerVersion)
+	}
+	if !bytes.Equal(h.snapshot(), before) {
+		t.Error("a refused ingest changed the state")
+	}
+}

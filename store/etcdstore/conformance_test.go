@@ -52,7 +52,12 @@ func openStores(t *testing.T, ec *etcdtest.Cluster, n int) []*etcdstore.Store {
 
 func openStore(t *testing.T, ec *etcdtest.Cluster, id string) *etcdstore.Store {
 	t.Helper()
-	f, err := fsm.New(fsm.LatestConfig())
+	return openStoreWith(t, ec, id, fsm.LatestConfig())
+}
+
+func openStoreWith(t *testing.T, ec *etcdtest.Cluster, id string, cfg fsm.Config) *etcdstore.Store {
+	t.Helper()
+	f, err := fsm.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

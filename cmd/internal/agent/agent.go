@@ -513,6 +513,7 @@ func (a *Agent) startGossip() error {
 		Version:         version.Version,
 		Protocol:        version.Protocol,
 		BootstrapExpect: rc.BootstrapExpect,
+		Started:         a.startedAt.UnixMilli(),
 	}
 	a.meta = gcfg.Meta
 	if f := a.cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
