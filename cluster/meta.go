@@ -32,6 +32,10 @@ type NodeMeta struct {
 	// that members tell a restart from a member that stayed up even when
 	// it came back before anyone declared it failed.
 	Started int64 `json:"st,omitempty"`
+	// ClusterVersion is the newest cluster version the agent applies
+	// (fsm.Latest), announced as such rather than derived from a release
+	// string packaging may stamp; absent from agents before 0.1.
+	ClusterVersion string `json:"cv,omitempty"`
 }
 
 // metaLimit is memberlist's MetaMaxSize.

@@ -8,6 +8,8 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"pilab.hu/pivirt-agent/fsm"
 )
 
 // VoterManager is what the reconciler needs of the Raft store. Every
@@ -55,6 +57,10 @@ type ReconcileConfig struct {
 	Logger   *slog.Logger
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+	// ClusterVersion, when set, is the state's cluster version: a member
+	// that announces an older one (AnnouncedVersion) is neither added nor
+	// promoted, as it could not apply the log.
+	ClusterVersion func() fsm.Version
 }
 
 // Reconciler keeps the Raft configuration in line with gossip membership.
@@ -73,6 +79,9 @@ type Reconciler struct {
 	// capped records the servers told they wait for a non-voter seat, so
 	// that is logged once per server.
 	capped map[string]bool
+	// tooOld are the IDs already warned about as older than the cluster
+	// version (tooOldFor).
+	tooOld map[string]bool
 	// unproven are the IDs of this pass spoken for by an alive member that
 	// did not prove its identity (serverMembers): not promoted.
 	unproven map[string]bool
@@ -151,6 +160,7 @@ func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership, p
 		unknownSince: make(map[string]time.Time),
 		healthySince: make(map[string]time.Time),
 		capped:       make(map[string]bool),
+		tooOld:       make(map[string]bool),
 	}
 }
 
@@ -334,6 +344,10 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			// would come back as a dead non-voter.
 			report[m.Meta.ID] = ServerReport{Status: "not added: leaving"}
 			continue
+		case !ok && r.tooOldFor(m) != "":
+			report[m.Meta.ID] = ServerReport{Status: "not added: " + r.tooOldFor(m)}
+			r.warnTooOld(m, "not adding server")
+			continue
 		case !ok:
 			if n := len(inRaft) - len(voters); r.cfg.MaxNonvoters > 0 && n >= r.cfg.MaxNonvoters {
 				report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: waits in gossip, the non-voter cap of %d is reached (cluster.raft.max_non_voters)", r.cfg.MaxNonvoters)}
@@ -376,6 +390,11 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			report[s.ID] = ServerReport{Status: "non-voter, not promoted: its member has not proven its agent identity"}
 			continue
 		}
+		if why := r.tooOldFor(m); why != "" {
+			report[s.ID] = ServerReport{Status: "non-voter, not promoted: " + why}
+			r.warnTooOld(m, "not promoting server")
+			continue
+		}
 		ok, why := r.healthy(ctx, m, now)
 		rep := ServerReport{HealthySince: r.healthySince[m.Meta.ID]}
 		if !ok {
@@ -409,6 +428,29 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// tooOldFor says why m cannot apply the log at the cluster version ("" when
+// it can, or when the version is not known here).
+func (r *Reconciler) tooOldFor(m Member) string {
+	if r.cfg.ClusterVersion == nil {
+		return ""
+	}
+	cur, v := r.cfg.ClusterVersion(), AnnouncedVersion(m.Meta)
+	if !v.Less(cur) {
+		delete(r.tooOld, m.Meta.ID)
+		return ""
+	}
+	return fmt.Sprintf("it runs release %s (cluster version %s), older than the cluster version %s, and could not apply the log; upgrade it", m.Meta.Version, v, cur)
+}
+
+// warnTooOld logs, once per server, that it is kept out for its version.
+func (r *Reconciler) warnTooOld(m Member, what string) {
+	if r.tooOld[m.Meta.ID] {
+		return
+	}
+	r.tooOld[m.Meta.ID] = true
+	r.logger.Warn(what+": "+r.tooOldFor(m), "node_id", m.Meta.ID, "name", m.Name)
 }
 
 // healthy reports whether a non-voter has answered its status query caught

@@ -4,9 +4,11 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
+	"pilab.hu/pivirt-agent/fsm"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 )
 
@@ -262,5 +264,51 @@ func TestLaggingNonVoterIsNotPromoted(t *testing.T) {
 	}
 	if got := raft.summary(); got != "a:v@addr-a b:n@addr-b " {
 		t.Fatalf("got %s: a non-voter 4990 entries behind was promoted", got)
+	}
+}
+
+// TestServersOlderThanTheClusterVersion: a member that announces a version
+// older than the cluster version (a release before cluster versions, or an
+// older minor) is not added, and one already a non-voter is not promoted,
+// with the reason in the report; once it announces the cluster version it
+// is, as any other.
+func TestServersOlderThanTheClusterVersion(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	at := func(id, release, cv string, protocol int) Member {
+		m := member(id, StatusAlive, now)
+		m.Meta.Version, m.Meta.ClusterVersion, m.Meta.Protocol = release, cv, protocol
+		return m
+	}
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true}, RaftServer{ID: "c", Address: "addr-c"})
+	members := fakeMembers{
+		at("a", "0.1.0", "0.1", 2),
+		at("b", "0.0.0", "", 0),           // before cluster versions
+		at("c", "0.0.0", "", 0),           // upgraded in place back to 0.0.0: a non-voter already
+		at("d", "9.9.9-custom", "0.1", 2), // a release string of its own; the version it announces counts
+	}
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, ClusterVersion: func() fsm.Version { return fsm.Version0_1 },
+		Now: func() time.Time { return now }}, raft, members, healthyPeers("b", "c", "d"))
+	if err := r.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := raft.summary(), "a:v@addr-a c:n@addr-c d:v@addr-d "; got != want {
+		t.Fatalf("got %s, want %s", got, want)
+	}
+	rep := r.Report().Servers
+	for id, want := range map[string]string{"b": "not added: it runs release 0.0.0 (cluster version 0.0), older than the cluster version 0.1",
+		"c": "non-voter, not promoted: it runs release 0.0.0"} {
+		if !strings.HasPrefix(rep[id].Status, want) {
+			t.Errorf("report of %s: %q, want it to start with %q", id, rep[id].Status, want)
+		}
+	}
+	members[1], members[2] = at("b", "0.1.0", "0.1", 2), at("c", "0.1.0", "0.1", 2)
+	if err := r.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := raft.summary(), "a:v@addr-a b:v@addr-b c:n@addr-c d:v@addr-d "; got != want {
+		t.Fatalf("upgraded: got %s, want %s", got, want)
+	}
+	if st := r.Report().Servers["c"].Status; strings.Contains(st, "older than the cluster version") {
+		t.Errorf("c upgraded, still reported as too old: %q", st)
 	}
 }

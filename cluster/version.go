@@ -10,11 +10,17 @@ import (
 const MinVersionProtocol = 2
 
 // AnnouncedVersion is the cluster version an agent's gossip metadata
-// announces: the major.minor of its release, or 0.0 for an agent that
-// predates cluster versions (or announces a release that does not parse).
+// announces: its ClusterVersion, else the major.minor of its release, or
+// 0.0 for an agent that predates cluster versions (or announces nothing
+// that parses).
 func AnnouncedVersion(m NodeMeta) fsm.Version {
 	if m.Protocol < MinVersionProtocol {
 		return fsm.Version0_0
+	}
+	if m.ClusterVersion != "" {
+		if v, err := fsm.ParseVersion(m.ClusterVersion); err == nil {
+			return v
+		}
 	}
 	v, err := fsm.ParseVersion(m.Version)
 	if err != nil {

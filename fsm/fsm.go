@@ -50,6 +50,9 @@ type FSM struct {
 	// version is the cluster version of the committed state: written
 	// with applyMu and mu held, read with either.
 	version Version
+	// versionMoves counts the changes of version since New (under the same
+	// locks): a move and its reverse between two looks are seen.
+	versionMoves uint64
 	// halt, once set, is why the FSM stopped applying the log: nothing is
 	// applied any more until a snapshot this release reads replaces the
 	// state (DESIGN.md, "Stop, never skip").
@@ -128,6 +131,15 @@ func (f *FSM) Version() Version {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	return f.version
+}
+
+// VersionMoves returns the cluster version of the applied state and how
+// many times it changed since New: a caller that looks now and then sees
+// that it moved even when it came back to the same version meanwhile.
+func (f *FSM) VersionMoves() (Version, uint64) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.version, f.versionMoves
 }
 
 // Halted returns why the FSM stopped applying the log, nil while it
@@ -845,6 +857,9 @@ func (f *FSM) commit(t *writeTxn, applied uint64) {
 	f.mu.Lock()
 	t.txn.Commit()
 	f.setAppliedLocked(applied)
+	if f.version != t.version {
+		f.versionMoves++
+	}
 	f.version = t.version
 	f.mu.Unlock()
 	t.txn, t.base = nil, nil

@@ -967,6 +967,9 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	txn.Commit()
 	old := f.abandonCh
 	f.invalidateQueues()
+	if f.version != v {
+		f.versionMoves++
+	}
 	f.version = v
 	f.halt = nil
 	f.db = db

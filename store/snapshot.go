@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 
 	"github.com/hashicorp/raft"
 )
@@ -52,6 +54,48 @@ func (s *Store) openLatestSnapshot() (*raft.SnapshotMeta, io.ReadCloser, error) 
 		return nil, nil, raft.ErrNothingNewToSnapshot
 	}
 	return s.snaps.Open(list[0].ID) // List is newest first
+}
+
+// DropOlderSnapshots removes the snapshots kept on this server that rank
+// below the newest (rank reads a snapshot's FSM data from its start), and
+// returns their IDs. Raft falls back to an older snapshot when it cannot
+// restore the newest: once the state moved on to something an older
+// release must not start from, the agent removes the snapshots written
+// before, so that such a release finds none it can read and refuses to
+// start, rather than restore one and skip the entries after it.
+func (s *Store) DropOlderSnapshots(rank func(io.Reader) (int64, error)) ([]string, error) {
+	list, err := s.snaps.List()
+	if err != nil {
+		return nil, fmt.Errorf("list snapshots: %w", err)
+	}
+	var (
+		newest  int64
+		dropped []string
+	)
+	for i, meta := range list { // newest first
+		_, rc, err := s.snaps.Open(meta.ID)
+		if err != nil {
+			return dropped, fmt.Errorf("snapshot %s: %w", meta.ID, err)
+		}
+		r, err := rank(rc)
+		rc.Close()
+		if err != nil {
+			return dropped, fmt.Errorf("snapshot %s: %w", meta.ID, err)
+		}
+		if i == 0 {
+			newest = r
+			continue
+		}
+		if r >= newest {
+			continue
+		}
+		// The file store keeps each snapshot in a directory named by its ID.
+		if err := os.RemoveAll(filepath.Join(s.snapDir, meta.ID)); err != nil {
+			return dropped, fmt.Errorf("remove snapshot %s: %w", meta.ID, err)
+		}
+		dropped = append(dropped, meta.ID)
+	}
+	return dropped, nil
 }
 
 // Restore replaces the FSM state of the whole cluster with the size bytes read

@@ -49,6 +49,7 @@ type Store struct {
 	transport *raft.NetworkTransport
 	stores    *raftStores
 	snaps     *raft.FileSnapshotStore
+	snapDir   string // where snaps keeps its snapshots
 	// verify counts log verification reports; nil when it is off.
 	verify *verification
 	log    *slog.Logger // this package's logs, component=store
@@ -145,6 +146,7 @@ func New(cfg Config) (s *Store, err error) {
 		transport:       transport,
 		stores:          stores,
 		snaps:           stores.snaps,
+		snapDir:         filepath.Join(dir, "snapshots"),
 		verify:          stores.verify,
 		log:             slogger,
 		existed:         existed,

@@ -514,6 +514,7 @@ func (a *Agent) startGossip() error {
 		Protocol:        version.Protocol,
 		BootstrapExpect: rc.BootstrapExpect,
 		Started:         a.startedAt.UnixMilli(),
+		ClusterVersion:  fsm.Latest.String(),
 	}
 	a.meta = gcfg.Meta
 	if f := a.cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
@@ -560,6 +561,7 @@ func (a *Agent) startLeadership() error {
 			Stabilization:     a.opts.Stabilization,
 			Interval:          a.opts.ReconcileInterval,
 			Logger:            a.logger,
+			ClusterVersion:    a.fsm.Version,
 		},
 		Voters:      a.raft,
 		Members:     a.gossip,

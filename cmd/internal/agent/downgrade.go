@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -178,12 +179,24 @@ func (a *Agent) proposeLeader(ctx context.Context, cmd *fsmv1.Command) error {
 	return nil
 }
 
-// runSnapshotOnDowngrade takes a Raft snapshot on this node as soon as its
-// state's cluster version drops (a downgrade was enabled): the newest
-// snapshot in the data dir is then written in the format the older release
-// reads, which it restores when it starts here. Raft mode only.
-func (a *Agent) runSnapshotOnDowngrade() {
-	last := a.fsm.Version()
+// runSnapshotOnVersionChange takes a Raft snapshot on this node as soon as
+// its state's cluster version moves. Raft mode only.
+//
+// Down (a downgrade was enabled): the newest snapshot in the data dir is
+// then written in the format the older release reads, which it restores
+// when it starts here.
+//
+// Up: the snapshot holds the version, and the snapshots kept from before
+// are removed (dropSnapshotsBelowNewest). An older release started on this
+// data dir then finds no snapshot it can restore, and no log of its own to
+// replay from the start, so it refuses to start: it would otherwise take
+// the older snapshot (Raft falls back to it) and replay the entries after
+// it, skipping the ones it does not know (a release before cluster
+// versions does not stop at them).
+func (a *Agent) runSnapshotOnVersionChange() {
+	last, moves := a.fsm.VersionMoves()
+	// A stop between a raise's snapshot and the removal left them.
+	a.dropSnapshotsBelowNewest()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -192,22 +205,47 @@ func (a *Agent) runSnapshotOnDowngrade() {
 			return
 		case <-t.C:
 		}
-		v := a.fsm.Version()
-		if !v.Less(last) {
-			last = v
+		v, m := a.fsm.VersionMoves()
+		if m == moves {
 			continue
 		}
+		// A raise and a lower between two looks end in a snapshot of the
+		// version now too.
 		ctx, cancel := context.WithTimeout(a.ctx, time.Minute)
 		_, rc, err := a.store.Snapshot(ctx)
 		cancel()
 		if err != nil {
 			if a.ctx.Err() == nil {
-				a.logger.Warn("cluster version lowered: taking a snapshot in the older format failed; trying again", "version", v.String(), "error", err)
+				a.logger.Warn("cluster version changed: taking a snapshot failed; trying again", "version", v.String(), "error", err)
 			}
 			continue
 		}
 		rc.Close()
-		a.logger.Info("cluster version lowered: a snapshot in the format of that release was taken; the older release can start on this data dir", "version", v.String())
-		last = v
+		if v.Less(last) {
+			a.logger.Info("cluster version lowered: a snapshot in the format of that release was taken; the older release can start on this data dir", "version", v.String())
+		} else {
+			a.logger.Info("cluster version changed: a snapshot was taken; the snapshots of an older version go, so that an older release refuses this data dir", "version", v.String())
+		}
+		a.dropSnapshotsBelowNewest()
+		last, moves = v, m
+	}
+}
+
+// dropSnapshotsBelowNewest removes the snapshots of this data dir whose
+// state is at an older cluster version than the newest snapshot's.
+func (a *Agent) dropSnapshotsBelowNewest() {
+	dropped, err := a.store.DropOlderSnapshots(func(r io.Reader) (int64, error) {
+		hdr, err := fsm.ReadSnapshotHeader(r)
+		if err != nil {
+			return 0, err
+		}
+		cv := hdr.GetClusterVersion()
+		return int64(cv.GetMajor())<<32 | int64(cv.GetMinor()), nil
+	})
+	if err != nil {
+		a.logger.Warn("removing the snapshots of an older cluster version failed; an older release could start on this data dir from one of them", "error", err)
+	}
+	if len(dropped) > 0 {
+		a.logger.Info("snapshots of an older cluster version removed", "snapshots", dropped)
 	}
 }

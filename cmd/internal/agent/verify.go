@@ -156,7 +156,7 @@ type replicaCheck struct {
 // mode.
 func (a *Agent) startReplicaCheck() error {
 	if !a.etcdMode() {
-		a.wg.Go(a.runSnapshotOnDowngrade)
+		a.wg.Go(a.runSnapshotOnVersionChange)
 	}
 	rc := a.cfg.Cluster.Raft.ReplicaCheck
 	if a.etcdMode() || !rc.Enabled {

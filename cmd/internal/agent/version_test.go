@@ -5,12 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/hashicorp/raft"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -89,6 +92,15 @@ func TestClusterVersionAndDowngrade(t *testing.T) {
 		return nil
 	})
 	agree("a downgrade enabled")
+	// Each node's newest snapshot is one the older release restores.
+	agenttest.Eventually(t, waitFor, "a snapshot at 0.0 on every node", func() error {
+		for i, n := range pc.c.Nodes() {
+			if vs := snapshotVersions(t, pc.c.Dir(i)); len(vs) == 0 || vs[0] != fsm.Version0_0 {
+				return fmt.Errorf("%s: snapshots at %v (newest first)", n.Name, vs)
+			}
+		}
+		return nil
+	})
 	// The newer features are off, and say what to do.
 	_, err = pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "after", Vcpus: 1, MemoryMib: 256}, Host: "node3"})
 	if toStatus(err).Code() != codes.FailedPrecondition || !strings.Contains(err.Error(), "needs cluster version "+fsm.Latest.String()) {
@@ -116,6 +128,22 @@ func TestClusterVersionAndDowngrade(t *testing.T) {
 		return nil
 	})
 	agree("a downgrade cancelled")
+	// Raised again, no node keeps a snapshot the older release could
+	// restore (and then replay entries it does not know).
+	agenttest.Eventually(t, waitFor, "only snapshots at the latest version on every node", func() error {
+		for i, n := range pc.c.Nodes() {
+			vs := snapshotVersions(t, pc.c.Dir(i))
+			if len(vs) == 0 {
+				return fmt.Errorf("%s: no snapshot", n.Name)
+			}
+			for _, v := range vs {
+				if v != fsm.Latest {
+					return fmt.Errorf("%s: snapshots at %v (newest first)", n.Name, vs)
+				}
+			}
+		}
+		return nil
+	})
 	if _, err := pc.vm(0).CreateVM(ctx, &vmv1.CreateVMRequest{Vm: &vmv1.VM{Name: "after", Vcpus: 1, MemoryMib: 256}, Host: "node3"}); err != nil {
 		t.Errorf("a create on another node after the cancel: %v", err)
 	}
@@ -177,4 +205,32 @@ func TestStoppedStateMachine(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// snapshotVersions is the cluster version of each Raft snapshot kept in
+// the data dir, newest first.
+func snapshotVersions(t *testing.T, dataDir string) []fsm.Version {
+	t.Helper()
+	snaps, err := raft.NewFileSnapshotStore(filepath.Join(dataDir, "raft"), 10, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	list, err := snaps.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []fsm.Version
+	for _, m := range list {
+		_, rc, err := snaps.Open(m.ID)
+		if err != nil {
+			continue // removed meanwhile
+		}
+		hdr, err := fsm.ReadSnapshotHeader(rc)
+		rc.Close()
+		if err != nil {
+			t.Fatalf("snapshot %s: %v", m.ID, err)
+		}
+		out = append(out, fsm.Version{Major: hdr.GetClusterVersion().GetMajor(), Minor: hdr.GetClusterVersion().GetMinor()})
+	}
+	return out
 }

@@ -112,6 +112,14 @@ func TestUpgradeAndDowngrade(t *testing.T) {
 	c.waitClusterVersion(t, n1, "0.1")
 	c.checkReplicas(t, w, "a full restart")
 
+	// Rolled back without a downgrade, the previous release finds no
+	// snapshot it can restore, and stops with the data dir unchanged.
+	c.stop(t, n3)
+	c.refusedStart(t, n3, old, "failed to load any existing snapshots")
+	c.startAs(t, n3, c.bins.agent)
+	step("release " + prev.Version + " refused node3's data dir without a downgrade; node3 runs " + version.Version + " again")
+	c.checkReplicas(t, w, "a refused rollback")
+
 	r := c.ok(t, n1, "operator", "downgrade", "enable", "0.0")
 	step("downgrade enabled: " + strings.TrimSpace(r.stdout))
 	c.waitClusterVersion(t, n1, "0.0")
@@ -128,6 +136,13 @@ func TestUpgradeAndDowngrade(t *testing.T) {
 func (c *cluster) upgradeNode(t *testing.T, n *node, bin string) {
 	t.Helper()
 	c.stop(t, n)
+	c.startAs(t, n, bin)
+}
+
+// startAs starts bin on n's data dir and configuration (n is stopped) and
+// waits until it is ready.
+func (c *cluster) startAs(t *testing.T, n *node, bin string) {
+	t.Helper()
 	n.bin = bin
 	c.restart(t, n)
 	c.eventually(t, 60*time.Second, n.name+" ready after its restart", func() error {
@@ -137,6 +152,27 @@ func (c *cluster) upgradeNode(t *testing.T, n *node, bin string) {
 		}
 		return err
 	})
+}
+
+// refusedStart starts bin on n's data dir (n is stopped) and checks that
+// it exits with an error its log names (want), within a minute.
+func (c *cluster) refusedStart(t *testing.T, n *node, bin, want string) {
+	t.Helper()
+	offset := fileSize(n.log)
+	n.bin = bin
+	c.mustStart(t, n, false)
+	p := n.proc
+	select {
+	case <-p.done:
+	case <-time.After(time.Minute):
+		c.stop(t, n)
+		t.Fatalf("%s started on a data dir it must refuse; log tail:\n%s", n.name, tail(n.log, 30))
+	}
+	n.proc = nil
+	b, _ := os.ReadFile(n.log)
+	if p.cmd.ProcessState.ExitCode() == 0 || !strings.Contains(string(b[min(offset, int64(len(b))):]), want) {
+		t.Fatalf("%s: %s, want a failure saying %q; log tail:\n%s", n.name, p.state(), want, tail(n.log, 30))
+	}
 }
 
 // transferLeader makes to the leader.

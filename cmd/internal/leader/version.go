@@ -110,11 +110,12 @@ func (w *Work) versionPass(ctx context.Context) string {
 		target = fsm.Latest // never past what this release applies
 	}
 	if pin, rev, ok := DowngradeTarget(st); ok {
-		if !pin.Less(low) {
+		if s := knownAtOrBelow(servers, pin); s != nil {
 			// A server runs the downgrade's version (or an older one): the
 			// downgrade is under way, and the lowest version holds the
-			// cluster from now on.
-			w.clearDowngrade(ctx, rev, low)
+			// cluster from now on. (A server gossip does not know yet
+			// counts as the oldest, but says nothing of a downgrade.)
+			w.clearDowngrade(ctx, rev, low, s)
 		} else if pin.Less(target) {
 			target = pin
 		}
@@ -149,9 +150,20 @@ func (w *Work) proposeVersion(ctx context.Context, cur, target fsm.Version, serv
 		"servers", len(servers), "features", strings.Join(fsm.FeaturesAt(target), ","))
 }
 
+// knownAtOrBelow returns a server gossip knows that announces pin or an
+// older version, nil when there is none.
+func knownAtOrBelow(servers []cluster.ServerVersion, pin fsm.Version) *cluster.ServerVersion {
+	for i := range servers {
+		if servers[i].Known && !pin.Less(servers[i].Version) {
+			return &servers[i]
+		}
+	}
+	return nil
+}
+
 // clearDowngrade removes a downgrade's hold (compare-and-set on its
-// revision).
-func (w *Work) clearDowngrade(ctx context.Context, rev *uint64, low fsm.Version) {
+// revision): server runs the version it holds the cluster at.
+func (w *Work) clearDowngrade(ctx context.Context, rev *uint64, low fsm.Version, server *cluster.ServerVersion) {
 	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{
 		Key: gateway.DowngradeKey, CasRevision: rev,
 	}}})
@@ -166,7 +178,8 @@ func (w *Work) clearDowngrade(ctx context.Context, rev *uint64, low fsm.Version)
 		}
 		return
 	}
-	w.cfg.Logger.Info("downgrade under way: a server runs the version it keeps the cluster at; the lowest version of the servers holds the cluster version from now on", "lowest", low.String())
+	w.cfg.Logger.Info("downgrade under way: a server runs the version it keeps the cluster at; the lowest version of the servers holds the cluster version from now on",
+		"lowest", low.String(), "server", server.Name, "release", server.Release)
 }
 
 // describeServers names servers with their releases.
