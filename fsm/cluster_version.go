@@ -2,10 +2,12 @@ package fsm
 
 import (
 	"fmt"
+	"strings"
 
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
@@ -123,6 +125,29 @@ func (f *FSM) sessionsFromDedupeRecords(t *writeTxn) error {
 // placement catalog (agents at 0.0 do not route by it) and the version
 // record, with their index rows.
 func (f *FSM) downTo0_0(t *writeTxn) error {
+	// What 0.0 cannot express, refused before anything changes: an
+	// instance's check or deregister_critical_after, which agents of 0.0
+	// keep but never act on (its health would freeze). The leader's
+	// validation says so first; this holds against a registration that
+	// raced it.
+	insts, err := scan[*clusterv1.ServiceInstance](t, TableServices, indexID)
+	if err != nil {
+		return err
+	}
+	var checked []string
+	for _, in := range insts {
+		if in.GetCheck() != nil || in.GetDeregisterCriticalAfter() != nil {
+			checked = append(checked, in.GetService()+"/"+in.GetInstanceId())
+		}
+	}
+	if len(checked) > 0 {
+		more := ""
+		if len(checked) > 5 {
+			more, checked = fmt.Sprintf(" and %d more", len(checked)-5), checked[:5]
+		}
+		return fmt.Errorf("%w: set_cluster_version 0.0: service instances have a health check or deregister_critical_after, which 0.0 never runs: %s%s; register them again without one first",
+			ErrCannotConvert, strings.Join(checked, ", "), more)
+	}
 	sessions, err := scan[*session](t, TableSessions, indexID)
 	if err != nil {
 		return err

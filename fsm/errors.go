@@ -38,6 +38,9 @@ var (
 	ErrTooOldToReplay = errors.New("write too old to replay")
 	// ErrInvalidConfig: a [Config] field is out of range.
 	ErrInvalidConfig = errors.New("invalid fsm config")
+	// ErrCannotConvert: the state holds what the cluster version asked
+	// for cannot express (set_cluster_version); nothing was changed.
+	ErrCannotConvert = errors.New("the state cannot be converted to that cluster version")
 )
 
 // Sentinels lists every sentinel error above, for the translations of the
@@ -46,7 +49,7 @@ var (
 var Sentinels = []error{
 	ErrNotFound, ErrCASConflict, ErrSlotNotAfterLast, ErrStale, ErrInvalidCommand,
 	ErrUnknownCommand, ErrUnsupportedSnapshot, ErrCorruptSnapshot, ErrInvalidConfig, ErrTooOldToReplay,
-	ErrNeedsNewerVersion, ErrNoCheckpoint,
+	ErrNeedsNewerVersion, ErrNoCheckpoint, ErrCannotConvert,
 }
 
 // errorCodes maps the outcome errors stored in dedupe records to their

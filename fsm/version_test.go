@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -323,5 +325,36 @@ func TestIngestRefusesANewerVersion(t *testing.T) {
 	}
 	if !bytes.Equal(h.snapshot(), before) {
 		t.Error("a refused ingest changed the state")
+	}
+}
+
+// TestLoweringRefusesWhatTheOlderVersionCannotHold: a state holding an
+// instance with a health check is not lowered to 0.0 (agents of 0.0 never
+// run checks); the refusal names it and changes nothing, on every replica
+// alike. Without it the state goes down.
+func TestLoweringRefusesWhatTheOlderVersionCannotHold(t *testing.T) {
+	h := newHarness(t)
+	in := instance("web", "w1")
+	in.DeregisterCriticalAfter = durationpb.New(time.Minute)
+	h.mustApply(register(in))
+	h.mustApply(withClient(setConfig("k", "v"), "c1", 1))
+	before := dumpTables(t, h.f)
+	res := h.apply(SetClusterVersionCommand(Version0_0))
+	if !errors.Is(res.Err, ErrCannotConvert) || !strings.Contains(res.Err.Error(), "web/w1") {
+		t.Fatalf("lowering with an instance with deregister_critical_after: %v, want %v naming web/w1", res.Err, ErrCannotConvert)
+	}
+	if h.f.Version() != Latest {
+		t.Fatalf("the refused entry moved the version to %s", h.f.Version())
+	}
+	after := dumpTables(t, h.f)
+	delete(before, TableIndex)
+	delete(after, TableIndex)
+	if fmt.Sprint(before) != fmt.Sprint(after) {
+		t.Fatalf("the refused entry changed the state:\n%v\n%v", before, after)
+	}
+	h.mustApply(deregister("web", "w1"))
+	h.mustApply(SetClusterVersionCommand(Version0_0))
+	if h.f.Version() != Version0_0 {
+		t.Fatalf("at %s after the instance went", h.f.Version())
 	}
 }

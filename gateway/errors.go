@@ -58,6 +58,7 @@ var codeTable = []struct {
 	// A node that stopped applying the log until it is upgraded.
 	{fsm.ErrNeedsNewerVersion, connect.CodeFailedPrecondition},
 	{fsm.ErrNoCheckpoint, connect.CodeNotFound},
+	{fsm.ErrCannotConvert, connect.CodeFailedPrecondition},
 	{store.ErrNewerData, connect.CodeFailedPrecondition},
 	{fsm.ErrInvalidConfig, connect.CodeInvalidArgument},
 	{fsm.ErrUnsupportedSnapshot, connect.CodeFailedPrecondition},

@@ -73,6 +73,13 @@ func (a *Agent) downgrade(ctx context.Context, req *clusterv1.DowngradeRequest) 
 	}
 	if target.Less(cur) {
 		if err := a.proposeLeader(ctx, fsm.SetClusterVersionCommand(target)); err != nil {
+			if errors.Is(err, fsm.ErrCannotConvert) && !pinned {
+				// Refused by the state (a registration raced the
+				// validation): the hold written above goes too.
+				if _, rev, ok := leader.DowngradeTarget(a.fsm.State()); ok {
+					_ = a.proposeLeader(ctx, &fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{Key: gateway.DowngradeKey, CasRevision: rev}}})
+				}
+			}
 			return nil, gateway.ConnectError(fmt.Errorf("lower the cluster version to %s: %w", target, err))
 		}
 	}

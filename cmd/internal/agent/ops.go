@@ -201,7 +201,7 @@ func debugVars(w http.ResponseWriter, _ *http.Request) {
 // readyHandler is GET /ready: 200 when every check passes, else 503; the
 // body names each check and its detail.
 func (a *Agent) readyHandler(w http.ResponseWriter, r *http.Request) {
-	checks, ready := a.readiness(time.Now())
+	checks, ready := a.readiness(r.Context(), time.Now())
 	code, status := http.StatusOK, "ready"
 	if !ready {
 		code, status = http.StatusServiceUnavailable, "not ready"
@@ -211,7 +211,7 @@ func (a *Agent) readyHandler(w http.ResponseWriter, r *http.Request) {
 
 // readiness runs the checks of /ready: those of the state backend
 // (raftReadiness, etcdReadiness), then commonReadiness.
-func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
+func (a *Agent) readiness(ctx context.Context, now time.Time) (map[string]string, bool) {
 	checks := map[string]string{}
 	ready := true
 	fail := func(name, format string, args ...any) {
@@ -221,7 +221,7 @@ func (a *Agent) readiness(now time.Time) (map[string]string, bool) {
 	if a.etcdMode() {
 		a.etcdReadiness(checks, fail)
 	} else {
-		a.raftReadiness(now, checks, fail)
+		a.raftReadiness(ctx, now, checks, fail)
 	}
 	a.versionReadiness(checks, fail)
 	a.commonReadiness(now, checks, fail, &ready)
@@ -250,7 +250,7 @@ func (a *Agent) etcdReadiness(checks map[string]string, fail func(name, format s
 // raftReadiness: a known leader (and, on the leader, its barrier done); the
 // local state caught up with the commit index (and, on a follower, a leader
 // heard from recently).
-func (a *Agent) raftReadiness(now time.Time, checks map[string]string, fail func(name, format string, args ...any)) {
+func (a *Agent) raftReadiness(ctx context.Context, now time.Time, checks map[string]string, fail func(name, format string, args ...any)) {
 	st := a.store.Status()
 	if st.LeaderID == "" {
 		fail("leader", "no known leader")
@@ -266,7 +266,7 @@ func (a *Agent) raftReadiness(now time.Time, checks map[string]string, fail func
 		return
 	}
 	if st.State == "Follower" && st.LeaderID != "" {
-		if behind := a.behindLeader(now); behind != "" {
+		if behind := a.behindLeader(ctx); behind != "" {
 			fail("fsm", "%s", behind)
 			return
 		}

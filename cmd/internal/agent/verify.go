@@ -265,11 +265,14 @@ func newReplicaMetrics(reg prometheus.Registerer) replicaMetrics {
 }
 
 // lagCheck caches behindLeader's verdict: /ready may be asked often, and
-// each verdict costs the leader a read index.
+// each verdict costs the leader a read index. One ask runs at a time.
 type lagCheck struct {
-	mu      sync.Mutex
+	mu sync.Mutex
+	// at is when verdict was reached.
 	at      time.Time
 	verdict string
+	// running is closed when the ask under way ends; nil when none is.
+	running chan struct{}
 }
 
 // lagCacheFor is how long a verdict of behindLeader is reused.
@@ -287,14 +290,38 @@ const (
 // else what is wrong: a follower that cannot follow (it cannot install the
 // leader's snapshot, its log lacks entries) has a recent leader contact
 // and a commit index of its own that it applied, and would look ready.
-func (a *Agent) behindLeader(now time.Time) string {
+//
+// A verdict younger than lagCacheFor is reused; else callers share one ask
+// (at most lagAskTimeout+lagWaitTimeout), and one whose ctx ends first
+// gets the last verdict: probes never queue behind each other.
+func (a *Agent) behindLeader(ctx context.Context) string {
 	a.lag.mu.Lock()
-	defer a.lag.mu.Unlock()
-	if now.Sub(a.lag.at) < lagCacheFor {
+	if time.Since(a.lag.at) < lagCacheFor {
+		defer a.lag.mu.Unlock()
 		return a.lag.verdict
 	}
-	a.lag.at, a.lag.verdict = now, a.askLeaderLag()
-	return a.lag.verdict
+	done := a.lag.running
+	if done == nil {
+		done = make(chan struct{})
+		a.lag.running = done
+		go func() {
+			v := a.askLeaderLag()
+			a.lag.mu.Lock()
+			a.lag.at, a.lag.verdict, a.lag.running = time.Now(), v, nil
+			a.lag.mu.Unlock()
+			close(done)
+		}()
+	}
+	last := a.lag.verdict
+	a.lag.mu.Unlock()
+	select {
+	case <-done:
+		a.lag.mu.Lock()
+		defer a.lag.mu.Unlock()
+		return a.lag.verdict
+	case <-ctx.Done():
+		return last
+	}
 }
 
 func (a *Agent) askLeaderLag() string {

@@ -156,13 +156,10 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 		// starts the next term.
 		return
 	}
-	if h := w.cfg.FSM.Halted(); h != nil {
+	if w.cfg.FSM.Halted() != nil {
 		// This node's state machine stopped (it needs a newer release):
-		// it cannot lead. Another voter takes over.
-		w.cfg.Logger.Error("this node leads but stopped applying the log; handing leadership over", "error", h.Error())
-		if _, err := s.TransferLeadership(ctx, ""); err != nil {
-			w.cfg.Logger.Warn("leadership transfer failed; the term does nothing", "error", err)
-		}
+		// it cannot lead. Another voter takes over; the term does nothing.
+		wg.Go(func() { w.handOverWhileHalted(ctx) })
 		return
 	}
 	w.completeRestore(ctx)
@@ -177,6 +174,7 @@ func (w *Work) Start(ctx context.Context, wg *sync.WaitGroup) {
 	rec := cluster.NewReconciler(rc, w.cfg.Voters, w.cfg.Members, w.cfg.Peers)
 	w.startCommon(ctx, wg, w.cfg.FSM, termStart)
 	wg.Go(func() { w.runClusterVersion(ctx) })
+	wg.Go(func() { w.handOverWhileHalted(ctx) }) // a stop during the term
 	w.reconciler.Store(rec)
 	wg.Go(func() {
 		defer w.reconciler.CompareAndSwap(rec, nil)
@@ -343,5 +341,40 @@ func waitCtx(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 		return true
 	case <-wake:
 		return true
+	}
+}
+
+// haltedCheckInterval is how often a leader looks whether its state
+// machine stopped, and tries again to hand leadership over while it is.
+const haltedCheckInterval = 2 * time.Second
+
+// handOverWhileHalted hands leadership over once this node's state machine
+// stopped applying the log (it needs a newer release), trying again every
+// haltedCheckInterval until the term ends: a transfer fails while no
+// other voter is caught up, and nothing else would end the term (Raft
+// itself is healthy).
+func (w *Work) handOverWhileHalted(ctx context.Context) {
+	t := time.NewTicker(haltedCheckInterval)
+	defer t.Stop()
+	failed := false
+	for {
+		if h := w.cfg.FSM.Halted(); h != nil {
+			if !failed {
+				w.cfg.Logger.Error("this node leads but stopped applying the log; handing leadership over", "error", h.Error())
+			}
+			_, err := w.cfg.Store.TransferLeadership(ctx, "")
+			if err == nil || ctx.Err() != nil {
+				return // the leadership change ends the term
+			}
+			if !failed {
+				w.cfg.Logger.Warn("leadership transfer failed; trying again while this node leads", "error", err, "every", haltedCheckInterval)
+			}
+			failed = true
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 	}
 }
