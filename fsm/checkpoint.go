@@ -158,8 +158,11 @@ type captures struct {
 type capture struct {
 	index uint64
 	done  chan struct{}
-	hash  *StateHash
-	err   error
+	// dropped is closed when the capture leaves the list before its hash
+	// started: it is not computed, and its state is let go.
+	dropped chan struct{}
+	hash    *StateHash
+	err     error
 }
 
 // captureCheckpoint keeps the committed state (the checkpoint's) and
@@ -168,7 +171,7 @@ func (f *FSM) captureCheckpoint() {
 	f.mu.RLock()
 	txn, index, v := f.db.Txn(false), f.applied, f.version
 	f.mu.RUnlock()
-	c := &capture{index: index, done: make(chan struct{})}
+	c := &capture{index: index, done: make(chan struct{}), dropped: make(chan struct{})}
 	f.capture.mu.Lock()
 	if f.capture.sem == nil {
 		f.capture.sem = make(chan struct{}, 1)
@@ -176,14 +179,22 @@ func (f *FSM) captureCheckpoint() {
 	sem := f.capture.sem
 	f.capture.list = append(f.capture.list, c)
 	if n := len(f.capture.list); n > keptCheckpoints {
+		for _, old := range f.capture.list[:n-keptCheckpoints] {
+			close(old.dropped)
+		}
 		f.capture.list = append(f.capture.list[:0], f.capture.list[n-keptCheckpoints:]...)
 	}
 	f.capture.mu.Unlock()
 	go func() {
-		sem <- struct{}{}
+		defer close(c.done)
+		select {
+		case sem <- struct{}{}:
+		case <-c.dropped:
+			c.err = fmt.Errorf("%w: the checkpoint at index %d was dropped for newer ones before its hash was computed", ErrNoCheckpoint, index)
+			return
+		}
 		defer func() { <-sem }()
 		c.hash, c.err = hashState(txn, index, v)
-		close(c.done)
 	}()
 }
 

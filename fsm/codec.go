@@ -20,13 +20,16 @@ var marshalOpts = proto.MarshalOptions{Deterministic: true}
 // Encode returns the Raft log entry data for cmd: [CommandVersion] followed
 // by the protobuf encoding of cmd. It does not validate cmd; Apply does.
 // Fields this release does not know (a newer caller's, kept by decoding)
-// are dropped from cmd first: a state machine of this release would stop
-// at them.
+// are left out (from a copy: cmd is not changed): a state machine of this
+// release would stop at them.
 func Encode(cmd *fsmv1.Command) ([]byte, error) {
 	if cmd == nil {
 		return nil, errors.New("encode command: nil command")
 	}
-	DiscardUnknown(cmd)
+	if unknownField(cmd.ProtoReflect(), "") != "" {
+		cmd = proto.CloneOf(cmd)
+		DiscardUnknown(cmd)
+	}
 	b, err := marshalOpts.MarshalAppend([]byte{CommandVersion}, cmd)
 	if err != nil {
 		return nil, fmt.Errorf("encode command: %w", err)

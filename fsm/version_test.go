@@ -270,8 +270,13 @@ func TestEncodeDropsUnknownFields(t *testing.T) {
 	if p := unknownField(back.ProtoReflect(), ""); p != "" {
 		t.Errorf("encoded command keeps an unknown field at %s", p)
 	}
-	if !proto.Equal(back.GetRegisterService().GetInstance(), func() *clusterv1.ServiceInstance { c := proto.CloneOf(in); return c }()) {
+	known := proto.CloneOf(in)
+	DiscardUnknown(known)
+	if !proto.Equal(back.GetRegisterService().GetInstance(), known) {
 		t.Error("Encode changed the known fields")
+	}
+	if unknownField(cmd.ProtoReflect(), "") == "" || len(in.ProtoReflect().GetUnknown()) == 0 {
+		t.Error("Encode changed the caller's command")
 	}
 }
 

@@ -96,7 +96,9 @@ type Config struct {
 	// snapshot it refuses is never kept (one a leader sends is cancelled
 	// before it is stored, so the snapshots this node can restore stay),
 	// and a data dir whose newest snapshot it refuses is refused at start
-	// before anything is written (ErrNewerData). nil: every snapshot is
+	// before anything is written. The check's error wraps ErrNewerData for
+	// a snapshot a newer release wrote; any other error is a snapshot that
+	// cannot be read (ErrCorruptLog at start). nil: every snapshot is
 	// taken.
 	SnapshotCheck func(io.Reader) error
 

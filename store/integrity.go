@@ -134,8 +134,11 @@ func restorableSnapshot(dir string, snaps raft.SnapshotStore, check func(io.Read
 			err = check(rc)
 		}
 		rc.Close()
-		if err != nil {
-			return 0, fmt.Errorf("%w: snapshot %s in %s: %w", ErrNewerData, meta.ID, dir, err)
+		switch {
+		case errors.Is(err, ErrNewerData):
+			return 0, fmt.Errorf("snapshot %s in %s: %w", meta.ID, dir, err)
+		case err != nil:
+			return 0, fmt.Errorf("%w: snapshot %s in %s: its start does not read as a snapshot of this state machine (its checksum holds): %w", ErrCorruptLog, meta.ID, dir, err)
 		}
 		return meta.Index, nil
 	}

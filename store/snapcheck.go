@@ -76,9 +76,13 @@ func (s *checkingSink) release() error {
 }
 
 func (s *checkingSink) refuse(err error) error {
-	s.err = fmt.Errorf("%w: snapshot at index %d: %w", ErrNewerData, s.index, err)
-	s.log.Error("a snapshot this release cannot restore was not kept: this node cannot follow the leader until it runs the release that wrote it",
-		"index", s.index, "error", err.Error())
+	s.err = fmt.Errorf("snapshot at index %d: %w", s.index, err)
+	if errors.Is(err, ErrNewerData) {
+		s.log.Error("a snapshot this release cannot restore was not kept: this node cannot follow the leader until it runs the release that wrote it",
+			"index", s.index, "error", err.Error())
+	} else {
+		s.log.Error("a snapshot that does not read as one of this state machine was not kept", "index", s.index, "error", err.Error())
+	}
 	return s.err
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -28,7 +29,7 @@ func refuseNewer(r io.Reader) error {
 	case n < len(b) && string(b[:n]) == "NEWER"[:n]:
 		return io.ErrUnexpectedEOF
 	case string(b[:]) == "NEWER":
-		return errors.New("written by release 9.9")
+		return fmt.Errorf("%w: written by release 9.9", store.ErrNewerData)
 	case err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF):
 		return err
 	}

@@ -444,6 +444,16 @@ func (a *Agent) startTLS() error {
 	return nil
 }
 
+// checkSnapshot is the store's snapshot check: the FSM's header check,
+// with a snapshot of a newer release marked as such (store.ErrNewerData).
+func checkSnapshot(r io.Reader) error {
+	err := fsm.CheckSnapshotHeader(r)
+	if errors.Is(err, fsm.ErrUnsupportedSnapshot) || errors.Is(err, fsm.ErrNeedsNewerVersion) {
+		return fmt.Errorf("%w: %w", store.ErrNewerData, err)
+	}
+	return err
+}
+
 // openState creates the FSM and opens the Raft store over it, or in etcd
 // mode the etcd-backed store that mirrors etcd into it.
 func (a *Agent) openState(ctx context.Context) error {
@@ -478,7 +488,7 @@ func (a *Agent) openState(ctx context.Context) error {
 		scfg.LogVerificationInterval = rc.LogVerification.Interval.Std()
 	}
 	scfg.LogVerificationAllowed = func() bool { return a.allows(fsm.FeatureLogVerification) }
-	scfg.SnapshotCheck = fsm.CheckSnapshotHeader
+	scfg.SnapshotCheck = checkSnapshot
 	a.store, err = store.New(scfg)
 	if err != nil {
 		return fmt.Errorf("start raft: %w", err)
