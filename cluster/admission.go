@@ -173,7 +173,8 @@ func (a *Admission) Admit(ctx context.Context, m Member) error {
 	return err
 }
 
-// changedSince reports whether m's status, address or meta changed after t.
+// changedSince reports whether m's status, address or start time changed
+// after t.
 func (m Member) changedSince(t time.Time) bool {
 	return m.Since.After(t) || m.Changed.After(t)
 }

@@ -58,9 +58,10 @@ type Member struct {
 	Meta   NodeMeta
 	// Since is when the member entered Status (as observed locally).
 	Since time.Time
-	// Changed is when Status, Addr or Meta last changed (as observed
-	// locally): a restart that came back before the member was declared
-	// failed changes its Meta (Started), not its Status.
+	// Changed is when Status, Addr or the agent's start time (Meta.Started)
+	// last changed, as observed locally: a restart that came back before
+	// the member was declared failed changes its start time, not its
+	// Status. (Other metadata a member may change at will.)
 	Changed time.Time
 }
 
@@ -522,7 +523,7 @@ func (g *Gossip) upsert(n *memberlist.Node, status MemberStatus) {
 	if m.Status != status {
 		m.Since = now
 	}
-	if m.Status != status || m.Addr != addr || m.Meta != meta {
+	if m.Status != status || m.Addr != addr || m.Meta.Started != meta.Started {
 		m.Changed = now
 	}
 	m.Addr, m.Status, m.Meta = addr, status, meta

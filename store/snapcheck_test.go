@@ -159,3 +159,37 @@ func TestSnapshotSinkRefusesNewer(t *testing.T) {
 		t.Errorf("snapshots %v: the one held before (%s) is gone", ids, held[0])
 	}
 }
+
+// TestDropOlderSnapshots: the kept snapshots that rank below the newest are
+// removed, those that rank as high stay, the newest always stays.
+func TestDropOlderSnapshots(t *testing.T) {
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+	s := c.WaitLeader(t, 10*time.Second)
+	for i := range 2 {
+		c.Apply(t, storetest.Set(fmt.Sprintf("k%d", i), strings.Repeat("v", 100*(i+1))))
+		_, rc, err := s.Snapshot(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc.Close()
+	}
+	held, err := store.SnapshotIDs(s)
+	if err != nil || len(held) != 2 {
+		t.Fatalf("snapshots %v, %v; want 2", held, err)
+	}
+	same := func(io.Reader) (int64, error) { return 1, nil }
+	if newest, dropped, err := s.DropOlderSnapshots(same); err != nil || len(dropped) != 0 || newest != 1 {
+		t.Fatalf("equal ranks: dropped %v (newest %d), %v; want none", dropped, newest, err)
+	}
+	bySize := func(r io.Reader) (int64, error) { return io.Copy(io.Discard, r) }
+	_, dropped, err := s.DropOlderSnapshots(bySize)
+	if err != nil || len(dropped) != 1 || dropped[0] != held[1] {
+		t.Fatalf("dropped %v, %v; want the older snapshot %s", dropped, err, held[1])
+	}
+	if left, _ := store.SnapshotIDs(s); len(left) != 1 || left[0] != held[0] {
+		t.Fatalf("left %v, want the newest %s only", left, held[0])
+	}
+	if id, err := s.NewestSnapshotID(); err != nil || id != held[0] {
+		t.Fatalf("newest %q, %v; want %s", id, err, held[0])
+	}
+}

@@ -56,46 +56,72 @@ func (s *Store) openLatestSnapshot() (*raft.SnapshotMeta, io.ReadCloser, error) 
 	return s.snaps.Open(list[0].ID) // List is newest first
 }
 
+// NewestSnapshotID is the ID of the newest snapshot kept on this server,
+// "" when there is none.
+func (s *Store) NewestSnapshotID() (string, error) {
+	list, err := s.snaps.List()
+	if err != nil || len(list) == 0 {
+		return "", err
+	}
+	return list[0].ID, nil
+}
+
 // DropOlderSnapshots removes the snapshots kept on this server that rank
 // below the newest (rank reads a snapshot's FSM data from its start), and
-// returns their IDs. Raft falls back to an older snapshot when it cannot
-// restore the newest: once the state moved on to something an older
-// release must not start from, the agent removes the snapshots written
-// before, so that such a release finds none it can read and refuses to
-// start, rather than restore one and skip the entries after it.
-func (s *Store) DropOlderSnapshots(rank func(io.Reader) (int64, error)) ([]string, error) {
+// returns the newest's rank and the IDs removed. Raft falls back to an
+// older snapshot when it cannot restore the newest: once the state moved
+// on to something an older release must not start from, the agent removes
+// the snapshots written before, so that such a release finds none it can
+// read and refuses to start, rather than restore one and skip the entries
+// after it. A snapshot Raft removed meanwhile is skipped; any other error
+// is returned after the others were looked at.
+func (s *Store) DropOlderSnapshots(rank func(io.Reader) (int64, error)) (int64, []string, error) {
 	list, err := s.snaps.List()
 	if err != nil {
-		return nil, fmt.Errorf("list snapshots: %w", err)
+		return 0, nil, fmt.Errorf("list snapshots: %w", err)
 	}
 	var (
 		newest  int64
 		dropped []string
+		errs    []error
 	)
 	for i, meta := range list { // newest first
-		_, rc, err := s.snaps.Open(meta.ID)
-		if err != nil {
-			return dropped, fmt.Errorf("snapshot %s: %w", meta.ID, err)
-		}
-		r, err := rank(rc)
-		rc.Close()
-		if err != nil {
-			return dropped, fmt.Errorf("snapshot %s: %w", meta.ID, err)
-		}
-		if i == 0 {
+		r, err := s.rankSnapshot(meta.ID, rank)
+		switch {
+		case errors.Is(err, os.ErrNotExist) && i > 0:
+			continue // reaped by Raft meanwhile
+		case err != nil && i == 0:
+			return 0, nil, err // nothing to compare the others with
+		case err != nil:
+			errs = append(errs, err)
+			continue
+		case i == 0:
 			newest = r
 			continue
-		}
-		if r >= newest {
+		case r >= newest:
 			continue
 		}
 		// The file store keeps each snapshot in a directory named by its ID.
 		if err := os.RemoveAll(filepath.Join(s.snapDir, meta.ID)); err != nil {
-			return dropped, fmt.Errorf("remove snapshot %s: %w", meta.ID, err)
+			errs = append(errs, fmt.Errorf("remove snapshot %s: %w", meta.ID, err))
+			continue
 		}
 		dropped = append(dropped, meta.ID)
 	}
-	return dropped, nil
+	return newest, dropped, errors.Join(errs...)
+}
+
+func (s *Store) rankSnapshot(id string, rank func(io.Reader) (int64, error)) (int64, error) {
+	_, rc, err := s.snaps.Open(id)
+	if err != nil {
+		return 0, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	defer rc.Close()
+	r, err := rank(rc)
+	if err != nil {
+		return 0, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	return r, nil
 }
 
 // Restore replaces the FSM state of the whole cluster with the size bytes read

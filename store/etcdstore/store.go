@@ -348,12 +348,17 @@ func (s *Store) electionKey(key string, value []byte, create int64) (candidate, 
 // stream, etcd unreachable).
 func (s *Store) follow(rev int64) {
 	backoff := 100 * time.Millisecond
+	refused := ""
 	for s.ctx.Err() == nil {
 		if rev == 0 {
 			lctx, cancel := context.WithTimeout(s.ctx, 2*s.cfg.RequestTimeout)
 			r, err := s.load(lctx)
 			cancel()
 			if err != nil {
+				if (errors.Is(err, fsm.ErrNeedsNewerVersion) || errors.Is(err, fsm.ErrUnsupportedSnapshot)) && err.Error() != refused {
+					refused = err.Error()
+					s.logger.Error("etcd holds a state this release cannot run; upgrade this agent", "error", err)
+				}
 				if !s.sleep(&backoff) {
 					return
 				}

@@ -73,11 +73,15 @@ func (a *Agent) downgrade(ctx context.Context, req *clusterv1.DowngradeRequest) 
 	}
 	if target.Less(cur) {
 		if err := a.proposeLeader(ctx, fsm.SetClusterVersionCommand(target)); err != nil {
-			if errors.Is(err, fsm.ErrCannotConvert) && !pinned {
+			if errors.Is(err, fsm.ErrCannotConvert) {
 				// Refused by the state (a registration raced the
-				// validation): the hold written above goes too.
+				// validation): the hold goes back to what it was.
 				if _, rev, ok := leader.DowngradeTarget(a.fsm.State()); ok {
-					_ = a.proposeLeader(ctx, &fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{Key: gateway.DowngradeKey, CasRevision: rev}}})
+					back := &fsmv1.Command{Op: &fsmv1.Command_DeleteConfig{DeleteConfig: &fsmv1.DeleteConfig{Key: gateway.DowngradeKey, CasRevision: rev}}}
+					if pinned {
+						back = &fsmv1.Command{Op: &fsmv1.Command_SetConfig{SetConfig: &fsmv1.SetConfig{Key: gateway.DowngradeKey, Value: pin.String(), CasRevision: rev}}}
+					}
+					_ = a.proposeLeader(ctx, back)
 				}
 			}
 			return nil, gateway.ConnectError(fmt.Errorf("lower the cluster version to %s: %w", target, err))
@@ -186,8 +190,8 @@ func (a *Agent) proposeLeader(ctx context.Context, cmd *fsmv1.Command) error {
 	return nil
 }
 
-// runSnapshotOnVersionChange takes a Raft snapshot on this node as soon as
-// its state's cluster version moves. Raft mode only.
+// runSnapshotOnVersionChange keeps the newest Raft snapshot of this node at
+// its state's cluster version. Raft mode only.
 //
 // Down (a downgrade was enabled): the newest snapshot in the data dir is
 // then written in the format the older release reads, which it restores
@@ -200,48 +204,65 @@ func (a *Agent) proposeLeader(ctx context.Context, cmd *fsmv1.Command) error {
 // the older snapshot (Raft falls back to it) and replay the entries after
 // it, skipping the ones it does not know (a release before cluster
 // versions does not stop at them).
+//
+// It compares the state with the newest snapshot rather than watching the
+// version move, so a move applied before it started (a restart right after
+// a raise, an install while joining) is caught too; and it counts the
+// moves, so a raise and a lower between two looks end in a snapshot.
 func (a *Agent) runSnapshotOnVersionChange() {
-	last, moves := a.fsm.VersionMoves()
-	// A stop between a raise's snapshot and the removal left them.
-	a.dropSnapshotsBelowNewest()
+	var (
+		moves    uint64
+		seen     bool
+		newestID string
+		newestAt fsm.Version
+		failed   string
+	)
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
+		v, m := a.fsm.VersionMoves()
+		id, err := a.store.NewestSnapshotID()
+		if err == nil && id != newestID {
+			// A new snapshot (this loop's, a threshold one, an install):
+			// the ones below it go.
+			var rank int64
+			rank, err = a.dropSnapshotsBelowNewest()
+			if err == nil {
+				newestID, newestAt = id, fsm.Version{Major: uint32(rank >> 32), Minor: uint32(rank)}
+			}
+		}
+		want := err == nil && ((seen && m != moves) || (id != "" && newestAt != v) || (id == "" && v != fsm.Version0_0))
+		if want && a.fsm.Halted() == nil {
+			ctx, cancel := context.WithTimeout(a.ctx, time.Minute)
+			var rc io.ReadCloser
+			_, rc, err = a.store.Snapshot(ctx)
+			cancel()
+			if err == nil {
+				rc.Close()
+				a.logger.Info("cluster version "+v.String()+": a snapshot of the state at that version was taken; snapshots of an older version go, so that an older release refuses this data dir, and a newer one's are kept", "version", v.String())
+			}
+		}
+		switch {
+		case err != nil && a.ctx.Err() == nil && err.Error() != failed:
+			a.logger.Warn("keeping the newest snapshot at the cluster version failed; trying again", "version", v.String(), "error", err)
+			failed = err.Error()
+		case err == nil:
+			failed = ""
+			moves, seen = m, true
+		}
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-t.C:
 		}
-		v, m := a.fsm.VersionMoves()
-		if m == moves {
-			continue
-		}
-		// A raise and a lower between two looks end in a snapshot of the
-		// version now too.
-		ctx, cancel := context.WithTimeout(a.ctx, time.Minute)
-		_, rc, err := a.store.Snapshot(ctx)
-		cancel()
-		if err != nil {
-			if a.ctx.Err() == nil {
-				a.logger.Warn("cluster version changed: taking a snapshot failed; trying again", "version", v.String(), "error", err)
-			}
-			continue
-		}
-		rc.Close()
-		if v.Less(last) {
-			a.logger.Info("cluster version lowered: a snapshot in the format of that release was taken; the older release can start on this data dir", "version", v.String())
-		} else {
-			a.logger.Info("cluster version changed: a snapshot was taken; the snapshots of an older version go, so that an older release refuses this data dir", "version", v.String())
-		}
-		a.dropSnapshotsBelowNewest()
-		last, moves = v, m
 	}
 }
 
 // dropSnapshotsBelowNewest removes the snapshots of this data dir whose
-// state is at an older cluster version than the newest snapshot's.
-func (a *Agent) dropSnapshotsBelowNewest() {
-	dropped, err := a.store.DropOlderSnapshots(func(r io.Reader) (int64, error) {
+// state is at an older cluster version than the newest snapshot's, and
+// returns the newest's version as a rank (major<<32 | minor).
+func (a *Agent) dropSnapshotsBelowNewest() (int64, error) {
+	newest, dropped, err := a.store.DropOlderSnapshots(func(r io.Reader) (int64, error) {
 		hdr, err := fsm.ReadSnapshotHeader(r)
 		if err != nil {
 			return 0, err
@@ -249,10 +270,11 @@ func (a *Agent) dropSnapshotsBelowNewest() {
 		cv := hdr.GetClusterVersion()
 		return int64(cv.GetMajor())<<32 | int64(cv.GetMinor()), nil
 	})
-	if err != nil {
-		a.logger.Warn("removing the snapshots of an older cluster version failed; an older release could start on this data dir from one of them", "error", err)
-	}
 	if len(dropped) > 0 {
 		a.logger.Info("snapshots of an older cluster version removed", "snapshots", dropped)
 	}
+	if err != nil {
+		return newest, fmt.Errorf("removing the snapshots of an older cluster version (an older release could start on this data dir from one of them): %w", err)
+	}
+	return newest, nil
 }

@@ -114,10 +114,11 @@ func TestUpgradeAndDowngrade(t *testing.T) {
 
 	// Rolled back without a downgrade, the previous release finds no
 	// snapshot it can restore, and stops with the data dir unchanged.
-	c.stop(t, n3)
-	c.refusedStart(t, n3, old, "failed to load any existing snapshots")
-	c.startAs(t, n3, c.bins.agent)
-	step("release " + prev.Version + " refused node3's data dir without a downgrade; node3 runs " + version.Version + " again")
+	// node1 is the one whose upgrade let the version rise.
+	c.stop(t, n1)
+	c.refusedStart(t, n1, old, "failed to load any existing snapshots")
+	c.startAs(t, n1, c.bins.agent)
+	step("release " + prev.Version + " refused node1's data dir without a downgrade; node1 runs " + version.Version + " again")
 	c.checkReplicas(t, w, "a refused rollback")
 
 	r := c.ok(t, n1, "operator", "downgrade", "enable", "0.0")
