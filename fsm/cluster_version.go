@@ -134,19 +134,9 @@ func (f *FSM) downTo0_0(t *writeTxn) error {
 	if err != nil {
 		return err
 	}
-	var checked []string
-	for _, in := range insts {
-		if in.GetCheck() != nil || in.GetDeregisterCriticalAfter() != nil {
-			checked = append(checked, in.GetService()+"/"+in.GetInstanceId())
-		}
-	}
-	if len(checked) > 0 {
-		more := ""
-		if len(checked) > 5 {
-			more, checked = fmt.Sprintf(" and %d more", len(checked)-5), checked[:5]
-		}
-		return fmt.Errorf("%w: set_cluster_version 0.0: service instances have a health check or deregister_critical_after, which 0.0 never runs: %s%s; register them again without one first",
-			ErrCannotConvert, strings.Join(checked, ", "), more)
+	if names := CheckedInstances(insts); names != "" {
+		return fmt.Errorf("%w: set_cluster_version 0.0: service instances have a health check or deregister_critical_after, which 0.0 never runs: %s; register them again without one first",
+			ErrCannotConvert, names)
 	}
 	sessions, err := scan[*session](t, TableSessions, indexID)
 	if err != nil {
@@ -189,6 +179,22 @@ func (f *FSM) downTo0_0(t *writeTxn) error {
 		return err
 	}
 	return t.dropTablesAbove(Version0_0)
+}
+
+// CheckedInstances names the instances with a check or
+// deregister_critical_after, which a state at 0.0 cannot express (the
+// first five, then how many more); "" when there is none.
+func CheckedInstances(insts []*clusterv1.ServiceInstance) string {
+	var checked []string
+	for _, in := range insts {
+		if in.GetCheck() != nil || in.GetDeregisterCriticalAfter() != nil {
+			checked = append(checked, in.GetService()+"/"+in.GetInstanceId())
+		}
+	}
+	if len(checked) <= 5 {
+		return strings.Join(checked, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(checked[:5], ", "), len(checked)-5)
 }
 
 // dropTablesAbove deletes the index rows of the tables a state at v does

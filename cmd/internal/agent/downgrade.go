@@ -133,20 +133,9 @@ func (a *Agent) validateDowngrade(ctx context.Context, cur, target, pin fsm.Vers
 		if err != nil {
 			return nil, gateway.ConnectError(err)
 		}
-		var checked []string
-		for _, in := range insts {
-			if in.GetCheck() != nil || in.GetDeregisterCriticalAfter() != nil {
-				checked = append(checked, in.GetService()+"/"+in.GetInstanceId())
-			}
-		}
-		if len(checked) > 0 {
-			more := ""
-			if len(checked) > 5 {
-				more = fmt.Sprintf(" and %d more", len(checked)-5)
-				checked = checked[:5]
-			}
-			return nil, refuse("service instances have a health check or deregister_critical_after, which agents of %s never run: %s%s; register them again without one (or deregister them) first",
-				target, strings.Join(checked, ", "), more)
+		if names := fsm.CheckedInstances(insts); names != "" {
+			return nil, refuse("service instances have a health check or deregister_critical_after, which agents of %s never run: %s; register them again without one (or deregister them) first",
+				target, names)
 		}
 		_, placements, err := st.Placements("", nil)
 		if err == nil && len(placements) > 0 {
