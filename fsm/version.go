@@ -118,6 +118,7 @@ var Features = []Feature{
 	{FeatureLogVerification, Version0_1, "log verification checkpoints in the Raft log"},
 	{FeatureClusterVersion, Version0_1, "the cluster version in the state (snapshot format 5), state hashes, downgrades"},
 	{FeatureNodeRPCs, Version0_1, "agent-to-agent calls added in 0.1: forced leave, config status, monitor, relayed backend calls, restore plans"},
+	{FeatureNodeRestriction, Version0_1, "calls between agents carry their caller's credential, and an agent's certificate alone acts only as its node"},
 }
 
 // Feature names.
@@ -130,6 +131,7 @@ const (
 	FeatureLogVerification = "log-verification"
 	FeatureClusterVersion  = "cluster-version"
 	FeatureNodeRPCs        = "node-rpcs"
+	FeatureNodeRestriction = "node-restriction"
 )
 
 // FeatureSince returns the version that enables the named feature; false

@@ -353,13 +353,18 @@ func (s *SnapshotService) restore(ctx context.Context, recv func() (*clusterv1.R
 		}
 	}
 	// The caller needs update on every resource the leader's plan
-	// changes. An agent relaying the restore passes its authenticated
-	// caller over the internal port (agents only).
+	// changes. An agent relaying the restore relays its caller's
+	// credential, which the internal port authenticated into ctx; the
+	// caller the message names (which the relaying agent fills in) counts
+	// only without one: from an agent of a release that relays no
+	// credential, which the internal port lets through only while the
+	// cluster version allows it.
+	_, authenticated := authz.PrincipalFrom(ctx)
 	check := func(ctx context.Context, plan *clusterv1.RestorePlan) error {
 		if s.cfg.Authorize == nil {
 			return nil
 		}
-		if s.cs.cfg.LeaderOnly {
+		if s.cs.cfg.LeaderOnly && !authenticated {
 			if caller == nil {
 				return connect.NewError(connect.CodeFailedPrecondition, errors.New(
 					"the agent that relayed this restore did not pass its caller (an older version?): restore through an upgraded agent or the leader"))

@@ -16,6 +16,7 @@ import (
 	"io/fs"
 	"math/big"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -201,6 +202,9 @@ type LeafRequest struct {
 	// network policies match (agent.pivirt.internal).
 	DNS []string
 	IPs []net.IP
+	// Cluster, for an agent's client certificate, is the cluster it
+	// belongs to (a URI name, ClusterURI).
+	Cluster string
 	// Days is the lifetime (default DefaultLeafDays).
 	Days int
 	// Validity, when set, is the lifetime instead of Days (short-lived
@@ -323,6 +327,7 @@ func SignLeaf(ca *x509.Certificate, caKey crypto.Signer, pub crypto.PublicKey, r
 		BasicConstraintsValid: true,
 		DNSNames:              req.DNS,
 		IPAddresses:           req.IPs,
+		URIs:                  clusterURIs(req.Cluster),
 		OCSPServer:            slices.Clone(req.OCSPServer),
 		CRLDistributionPoints: slices.Clone(req.CRLDistributionPoints),
 	}
@@ -404,6 +409,14 @@ func checkLeaf(req *LeafRequest, days int) error {
 			return fmt.Errorf("%w: ip: empty address", ErrInvalidRequest)
 		}
 	}
+	if req.Cluster != "" {
+		if !clusterNamePattern.MatchString(req.Cluster) {
+			return fmt.Errorf("%w: cluster %q: 1-63 letters, digits, '-' or '_', starting with a letter or digit (the agents' cluster.name)", ErrInvalidRequest, req.Cluster)
+		}
+		if !strings.HasPrefix(req.Name, AgentPrefix) || req.Kind != KindClient {
+			return fmt.Errorf("%w: --cluster binds an agent's client certificate (%s<node>) to its cluster; %q is not one", ErrInvalidRequest, AgentPrefix, req.Name)
+		}
+	}
 	if !server && len(req.IPs) > 0 {
 		return fmt.Errorf("%w: a client certificate names its holder in its CN (and its service in --dns); --ip is for server certificates", ErrInvalidRequest)
 	}
@@ -414,6 +427,17 @@ func checkLeaf(req *LeafRequest, days int) error {
 		req.DNS = []string{req.Name}
 	}
 	return nil
+}
+
+// clusterNamePattern is a cluster.name.
+var clusterNamePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$`)
+
+// clusterURIs are the URI names of a certificate of cluster ("": none).
+func clusterURIs(cluster string) []*url.URL {
+	if cluster == "" {
+		return nil
+	}
+	return []*url.URL{ClusterURI(cluster)}
 }
 
 // checkUsages checks req.Usages (the Kind's own when empty), sorted and
@@ -597,6 +621,7 @@ type CertInfo struct {
 	IsCA        bool      `json:"isCa"`
 	DNSNames    []string  `json:"dnsNames,omitempty"`
 	IPAddresses []string  `json:"ipAddresses,omitempty"`
+	URIs        []string  `json:"uris,omitempty"`
 	KeyUsage    []string  `json:"keyUsage,omitempty"`
 	ExtKeyUsage []string  `json:"extKeyUsage,omitempty"`
 	PublicKey   string    `json:"publicKey"`
@@ -617,6 +642,9 @@ func Describe(c *x509.Certificate, now time.Time) CertInfo {
 	}
 	for _, ip := range c.IPAddresses {
 		info.IPAddresses = append(info.IPAddresses, ip.String())
+	}
+	for _, u := range c.URIs {
+		info.URIs = append(info.URIs, u.String())
 	}
 	sum := sha256.Sum256(c.Raw)
 	info.SHA256 = hex.EncodeToString(sum[:])

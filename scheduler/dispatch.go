@@ -35,6 +35,17 @@ var actionMethods = map[schedulev1.Action]string{
 	schedulev1.Action_ACTION_REBOOT:    "/pivirt.vm.v1.VMService/Reboot",
 }
 
+// IsActionMethod reports whether procedure is the VM API method of an
+// action.
+func IsActionMethod(procedure string) bool {
+	for _, m := range actionMethods {
+		if m == procedure {
+			return true
+		}
+	}
+	return false
+}
+
 // ActionName is an action as the API and metrics spell it.
 func ActionName(a schedulev1.Action) string {
 	switch a {

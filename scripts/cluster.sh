@@ -47,7 +47,7 @@ pki() {
   for spec in "${nodes[@]}"; do
     read -r name _ <<<"$spec"
     "$bin/pitrust" issue-mtls-server --dir "$certs" --name "$name-server" --dns localhost --ip 127.0.0.1 --days 90 >/dev/null
-    "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --days 90 >/dev/null
+    "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --cluster pivirt --days 90 >/dev/null
   done
   "$bin/pitrust" issue-mtls-client --dir "$certs" --name operator --days 90 >/dev/null
   echo "made a development PKI in $certs and a gossip key in $dir/gossip.key"

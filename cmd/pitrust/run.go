@@ -186,8 +186,11 @@ keeping nothing.`,
 			fmt.Fprintf(stdout, "Issued %s for %s, valid until %s\n  %s\n  %s (key)\n", kind, info.Subject,
 				info.NotAfter.Format(time.RFC3339), files.Cert, files.Key)
 			fmt.Fprintf(stdout, "  usage: %s\n", strings.Join(info.ExtKeyUsage, ", "))
-			if sans := append(append([]string(nil), info.DNSNames...), info.IPAddresses...); len(sans) > 0 {
+			if sans := append(append(append([]string(nil), info.DNSNames...), info.IPAddresses...), info.URIs...); len(sans) > 0 {
 				fmt.Fprintf(stdout, "  names: %s\n", strings.Join(sans, ", "))
+			}
+			if strings.HasPrefix(req.Name, identity.AgentPrefix) && req.Cluster == "" && kind == identity.KindClient {
+				fmt.Fprintf(stdout, "  note: it names no cluster: agents of other clusters on this CA are accepted as peers; pass --cluster <cluster.name> to bind it\n")
 			}
 			if files.PrevCert != "" || files.PrevKey != "" {
 				fmt.Fprintf(stdout, "  the files replaced are kept as:\n")
@@ -212,6 +215,7 @@ keeping nothing.`,
 		c.Flags().StringArrayVar(&ips, "ip", nil, "IP address the server answers on (repeatable)")
 	} else {
 		c.Flags().StringArrayVar(&req.DNS, "dns", nil, "service identity the holder acts as, matched by network policies (repeatable; e.g. agent.pivirt.internal)")
+		c.Flags().StringVar(&req.Cluster, "cluster", "", "for an agent's certificate (--name pivirt-agent-<node>): the cluster it belongs to (its cluster.name); agents of other clusters on the same CA are then refused")
 	}
 	return c
 }

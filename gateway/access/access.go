@@ -69,7 +69,13 @@ type Config struct {
 	// BreakGlass, when set and true for a unary request and its caller,
 	// allows the call whatever the RBAC policy says; it is audit-logged as
 	// break-glass (the way out of a policy that locks everyone out).
-	BreakGlass func(procedure string, req protoreflect.Message, who authz.Principal) bool
+	// via is the agent that relayed the call ("" for a call of this port).
+	BreakGlass func(procedure string, req protoreflect.Message, who authz.Principal, via string) bool
+	// VerifyClientChain verifies a client certificate chain (leaf first)
+	// that another agent relayed as its caller's credential, as the API
+	// port's TLS handshake verifies one: the CAs, expiry, revocation. nil:
+	// relayed certificate callers are refused.
+	VerifyClientChain func(chain []*x509.Certificate) error
 	// Logger receives the audit log: every denial, and every allowed
 	// call that changes something.
 	Logger     *slog.Logger
@@ -124,6 +130,8 @@ type Guard struct {
 	// each source's calls between their headers and their verdict.
 	streams        counters
 	authenticating counters
+	// relayed remembers the relayed credentials verified recently.
+	relayed relayedCache
 }
 
 // Failed authentications a source may make: failedAuthPerSecond on
@@ -403,6 +411,10 @@ type call struct {
 	// handler runs when the grant asks for it (auditPending), so that an
 	// allowed call's audit line can name its object.
 	readsFirst bool
+	// via is the agent that relayed the call (Relayed), "" for a call of
+	// the API port: its caller was rate-limited and its streams counted
+	// there.
+	via string
 }
 
 // admit authenticates the caller, applies the rate limits and decides
@@ -421,11 +433,14 @@ func (g *Guard) admit(ctx context.Context, c call, req protoreflect.Message) (co
 		}
 	}
 	ctx = authz.WithPrincipal(ctx, who)
+	ctx = withCredential(ctx, c)
 	if r, ok := observe.RequestFrom(ctx); ok {
 		r.Identity = who.Identity // for the access log
 	}
-	if err := g.limit(who, c.procedure); err != nil {
-		return ctx, nil, err
+	if c.via == "" {
+		if err := g.limit(who, c.procedure); err != nil {
+			return ctx, nil, err
+		}
 	}
 	gr, err := g.decide(ctx, c, who, m, req)
 	return ctx, gr, err
@@ -524,9 +539,9 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 			gr.resource = r
 		}
 	}
-	if g.cfg.BreakGlass != nil && req != nil && g.cfg.BreakGlass(c.procedure, req, who) {
+	if g.cfg.BreakGlass != nil && req != nil && g.cfg.BreakGlass(c.procedure, req, who, c.via) {
 		g.cfg.Logger.Warn("audit: break-glass: call allowed whatever the RBAC policy", "audit", true, "decision", "allow",
-			"identity", who.Identity, "method", c.procedure, "resource", gr.resource, "verb", m.rule.GetVerb(), "remote", c.remote, "request_id", c.requestID)
+			"identity", who.Identity, "method", c.procedure, "resource", gr.resource, "verb", m.rule.GetVerb(), "remote", c.remote, "via", c.via, "request_id", c.requestID)
 		return gr, nil
 	}
 	if p := g.cfg.Policy(); p != nil {
@@ -678,6 +693,9 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 	reason := fmt.Sprintf(format, args...)
 	what := gr.m.full
 	attrs := []any{"audit", true, "decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "request_id", c.requestID, "reason", reason}
+	if c.via != "" {
+		attrs = append(attrs, "via", c.via)
+	}
 	if gr.m.rule != nil {
 		what = fmt.Sprintf("%s %s", gr.m.rule.GetVerb(), gr.resource)
 		attrs = append(attrs, "resource", gr.resource, "verb", gr.m.rule.GetVerb())
@@ -698,9 +716,13 @@ func (g *Guard) allowed(c call, gr *grant, object string) {
 	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" || gr.m.rule.GetSelf() {
 		level = slog.LevelDebug
 	}
-	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", "audit", true, "decision", "allow",
+	attrs := []any{"audit", true, "decision", "allow",
 		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.resource,
-		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote, "request_id", c.requestID)
+		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote, "request_id", c.requestID}
+	if c.via != "" {
+		attrs = append(attrs, "via", c.via)
+	}
+	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", attrs...)
 }
 
 func rolesString(roles []string) string {
@@ -743,9 +765,17 @@ func (g *Guard) checkRequest(ctx context.Context, c call, gr *grant, req protore
 	}
 	stored, err := g.fetch(ctx, gr, id)
 	if err != nil {
-		if d, ok := err.(*denial); ok && d.code == codes.NotFound {
-			// The same answer as for someone else's object: a caller
-			// limited to some objects learns nothing of the others.
+		if d, ok := err.(*denial); ok && d.code == codes.NotFound && c.via != "" {
+			// Relayed: the entry agent asks the nodes where an object
+			// lives, and "not here" is an answer it needs; the caller
+			// gets the entry agent's own answer, the same for a missing
+			// object as for someone else's.
+			return &denial{code: codes.NotFound, msg: fmt.Sprintf("%s %s is not on this node", gr.resource, id)}
+		}
+		if d, ok := err.(*denial); ok && (d.code == codes.NotFound || d.code == codes.PermissionDenied) {
+			// The same answer as for someone else's object (the node
+			// holding it refused the read): a caller limited to some
+			// objects learns nothing of the others.
 			return g.denyGrant(c, gr, id, "it does not exist or does not meet the conditions of the rules that allow it")
 		}
 		return err

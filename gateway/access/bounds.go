@@ -64,7 +64,7 @@ func (c *counters) give(key string) {
 func (g *Guard) holdStream(ctx context.Context, c call) (release func(), err error) {
 	// grpc-go reports every call of the proxy as a stream: the method's
 	// own shape decides.
-	if md := g.lookup(c.procedure).md; g.cfg.MaxStreams < 0 || (md != nil && !md.IsStreamingClient() && !md.IsStreamingServer()) {
+	if md := g.lookup(c.procedure).md; g.cfg.MaxStreams < 0 || c.via != "" || (md != nil && !md.IsStreamingClient() && !md.IsStreamingServer()) {
 		return func() {}, nil
 	}
 	key := "source " + sourceOf(c.remote)

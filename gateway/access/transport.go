@@ -204,7 +204,7 @@ func (g *Guard) connState(ctx context.Context) *tls.ConnectionState {
 
 // grpcCall describes the start of a grpc-go call.
 func (g *Guard) grpcCall(ctx context.Context, fullMethod string) call {
-	c := call{procedure: fullMethod, tls: g.connState(ctx)}
+	c := call{procedure: fullMethod, tls: g.connState(ctx), via: ViaFrom(ctx)}
 	if r, ok := observe.RequestFrom(ctx); ok {
 		c.requestID = r.ID
 	}
@@ -424,7 +424,7 @@ func (g *Guard) ConnectInterceptor() connect.Interceptor { return connectGuard{g
 type connectGuard struct{ g *Guard }
 
 func (i connectGuard) call(ctx context.Context, spec connect.Spec, p connect.Peer, authorization string) call {
-	c := call{procedure: spec.Procedure, authorization: authorization, tls: i.g.connState(ctx), remote: p.Addr}
+	c := call{procedure: spec.Procedure, authorization: authorization, tls: i.g.connState(ctx), remote: p.Addr, via: ViaFrom(ctx)}
 	if r, ok := observe.RequestFrom(ctx); ok {
 		c.requestID = r.ID
 	}

@@ -84,8 +84,11 @@ func (p *Proxy) SetPlacement(pl Placement) {
 
 // SetLocal makes p the proxy of the internal port: it serves calls that
 // other agents route to this node (self), on node-scoped backends only,
-// without routing them further. The caller's identity comes from the
-// calling agent's identity headers (the internal port admits agents only).
+// without routing them further. The caller is the one the internal port's
+// interceptors authenticated from the credential the calling agent relayed;
+// a call with none (a power schedule's action, or an agent of a release
+// that relays no caller, which the interceptors let through only while the
+// cluster version allows it) is on behalf of the identity headers.
 func (p *Proxy) SetLocal(self string) { p.local = self }
 
 // serveForPeer serves a call another agent routed here.
@@ -94,22 +97,31 @@ func (p *Proxy) serveForPeer(ss grpc.ServerStream, method string, b *Backend) er
 		return status.Errorf(codes.Unimplemented, "%s: backend %s is not node-scoped; the calling agent reaches it itself", method, b.Name())
 	}
 	ctx := ss.Context()
-	md, _ := metadata.FromIncomingContext(ctx)
-	if ids := md.Get(IdentityHeader); len(ids) == 1 {
-		who := authz.Principal{}
-		who.Identity, _ = url.PathUnescape(ids[0])
-		if roles := md.Get(RolesHeader); len(roles) == 1 && roles[0] != "" {
-			for r := range strings.SplitSeq(roles[0], ",") {
-				role, _ := url.PathUnescape(r)
-				who.Roles = append(who.Roles, role)
-			}
-		}
-		ctx = authz.WithPrincipal(ctx, who)
+	if _, ok := authz.PrincipalFrom(ctx); !ok {
+		ctx = headerPrincipal(ctx)
 	}
 	if err := ss.SetHeader(metadata.Pairs(NodeHeader, p.local)); err != nil {
 		return err
 	}
 	return p.forward(&ctxStream{ServerStream: ss, ctx: ctx}, method, b, nil)
+}
+
+// headerPrincipal records the caller the identity headers name.
+func headerPrincipal(ctx context.Context) context.Context {
+	md, _ := metadata.FromIncomingContext(ctx)
+	ids := md.Get(IdentityHeader)
+	if len(ids) != 1 {
+		return ctx
+	}
+	who := authz.Principal{}
+	who.Identity, _ = url.PathUnescape(ids[0])
+	if roles := md.Get(RolesHeader); len(roles) == 1 && roles[0] != "" {
+		for r := range strings.SplitSeq(roles[0], ",") {
+			role, _ := url.PathUnescape(r)
+			who.Roles = append(who.Roles, role)
+		}
+	}
+	return authz.WithPrincipal(ctx, who)
 }
 
 // ctxStream is a server stream with another context.
@@ -241,7 +253,9 @@ func (p *Proxy) locate(ctx context.Context, pl Placement, b *Backend, info metho
 	for range nodes {
 		a := <-answers
 		switch code := status.Code(a.err); {
-		case code == codes.OK:
+		case code == codes.OK, code == codes.PermissionDenied:
+			// PermissionDenied: the node holds the object and checked
+			// the caller's rights on it (only a node holding it can).
 			return a.node, nil
 		case code == codes.NotFound:
 		case callerBound && (code == codes.Canceled || code == codes.DeadlineExceeded):
@@ -308,6 +322,19 @@ func (p *Proxy) Invoke(ctx context.Context, method string, req, resp proto.Messa
 		err = unreachable(info.object(id), node, err)
 	}
 	return node, err
+}
+
+// InvokeHere makes a unary call on this node's backend for the method,
+// without locating its object: for a call another agent routed here (its
+// object is here, or nowhere), whose RBAC conditions are checked against
+// the object where the call executes. Asking the other nodes from there
+// would route the check back and forth between the agents.
+func (p *Proxy) InvokeHere(ctx context.Context, method string, req, resp proto.Message) error {
+	b := p.Route(method)
+	if b == nil {
+		return status.Errorf(codes.Unimplemented, "no routing rule matches %s", method)
+	}
+	return b.Invoke(ctx, method, req, resp)
 }
 
 // unreachable is the error of a call whose object is on a node that

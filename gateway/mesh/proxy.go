@@ -411,6 +411,9 @@ var hopHeaders = map[string]bool{
 	// The caller's identity as the gateway authenticated it: set by the
 	// gateway only, never passed on from a client.
 	IdentityHeader: true, RolesHeader: true,
+	// A relayed caller's credential: set for calls to other agents only
+	// (access.RelayHeaders), never passed on from a client.
+	authz.CallerTokenHeader: true, authz.CallerCertHeader: true, authz.CallerMethodHeader: true,
 }
 
 // The headers that tell a backend on whose behalf the agent calls: the

@@ -20,6 +20,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -228,6 +229,9 @@ type LeafOptions struct {
 	NoCRL, NoOCSP bool
 	// CRLURL and OCSPURL, when set, name other endpoints (a closed port).
 	CRLURL, OCSPURL string
+	// Cluster binds an agent's certificate to its cluster
+	// (identity.ClusterURI).
+	Cluster string
 }
 
 // Leaf signs a leaf with the CA, naming this service's CRL and OCSP
@@ -253,6 +257,9 @@ func (s *Server) Leaf(t testing.TB, dir, name string, o LeafOptions) (identity.L
 	if o.Server {
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
 		tmpl.DNSNames, tmpl.IPAddresses = []string{"localhost"}, []net.IP{net.IPv4(127, 0, 0, 1)}
+	}
+	if o.Cluster != "" {
+		tmpl.URIs = []*url.URL{identity.ClusterURI(o.Cluster)}
 	}
 	if !o.NoCRL {
 		tmpl.CRLDistributionPoints = []string{cmp.Or(o.CRLURL, s.CRLURL)}

@@ -85,13 +85,17 @@ func configResource(procedure string, req protoreflect.Message) (string, bool) {
 	return "", false
 }
 
-// breakGlass lets this node's own agent certificate (CN
+// breakGlass lets a node's own agent certificate (CN
 // pivirt-agent-<node_name>) delete the cluster-wide RBAC policy whatever
 // the policy says: the way out of a policy that locks every operator out,
-// for someone on the node (the key file is readable only there). Whoever
-// holds it can already act as the node inside the cluster.
-func (a *Agent) breakGlass(procedure string, req protoreflect.Message, who authz.Principal) bool {
-	if procedure != clusterv1connect.ClusterServiceDeleteConfigProcedure || !who.Certificate || who.Identity != identity.AgentPrefix+a.cfg.NodeName {
+// for someone on the node (the key file is readable only there). It holds
+// for this node's certificate on this node's API port, and for a node's
+// certificate that its own agent relayed (via): never for another node's.
+func (a *Agent) breakGlass(procedure string, req protoreflect.Message, who authz.Principal, via string) bool {
+	if procedure != clusterv1connect.ClusterServiceDeleteConfigProcedure || !who.Certificate {
+		return false
+	}
+	if own := identity.AgentPrefix + a.cfg.NodeName; via == "" && who.Identity != own || via != "" && who.Identity != via {
 		return false
 	}
 	key, ok := authz.FieldString(req, "key")
@@ -156,11 +160,17 @@ func (a *Agent) startAccess() error {
 		Ready:         a.clusterPolicy.Ready,
 		Resource:      configResource,
 		BreakGlass:    a.breakGlass,
-		ConnState:     gateway.ConnTLSFromContext,
-		Logger:        a.logger.With("component", "access"),
-		Registerer:    a.metrics,
-		MaxStreams:    orNoBound(a.cfg.Server.ConnectRPC.MaxStreamsPerCaller),
-		BodyTimeout:   time.Duration(orNoBound(int64(a.cfg.Server.ConnectRPC.BodyTimeout))),
+		VerifyClientChain: func(chain []*x509.Certificate) error {
+			if a.tls == nil {
+				return errors.New("TLS is off on this agent")
+			}
+			return a.tls.api.VerifyChain(chain, x509.ExtKeyUsageClientAuth)
+		},
+		ConnState:   gateway.ConnTLSFromContext,
+		Logger:      a.logger.With("component", "access"),
+		Registerer:  a.metrics,
+		MaxStreams:  orNoBound(a.cfg.Server.ConnectRPC.MaxStreamsPerCaller),
+		BodyTimeout: time.Duration(orNoBound(int64(a.cfg.Server.ConnectRPC.BodyTimeout))),
 	})
 	if err != nil {
 		return err
@@ -231,6 +241,14 @@ func (a *Agent) fetchObject(ctx context.Context, get protoreflect.MethodDescript
 		resp = mt.New().Interface()
 	} else {
 		resp = dynamicpb.NewMessage(get.Output())
+	}
+	if access.ViaFrom(ctx) != "" {
+		// Another agent routed the call here, where its object lives:
+		// the conditions read it here.
+		if err := a.proxy.InvokeHere(ctx, method, req, resp); err != nil {
+			return nil, err
+		}
+		return resp, nil
 	}
 	// Where the object lives: the conditions read it on its node.
 	if _, err := a.proxy.Invoke(ctx, method, req, resp); err != nil {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"crypto/x509"
 	"fmt"
 
 	"pilab.hu/pivirt-agent/cluster"
@@ -22,10 +23,27 @@ func (a *Agent) newAdmission() cluster.Admitter {
 	return cluster.NewAdmission(cluster.AdmissionConfig{
 		Ask:        cluster.PoolStatus{Pool: a.pool}.Prove,
 		Forget:     a.pool.Forget,
-		Verify:     a.tls.internal.VerifyChain,
+		Verify:     a.verifyAgentChain,
 		MinBackoff: a.opts.AdmissionBackoff,
 		Logger:     a.logger,
 	})
+}
+
+// verifyAgentChain verifies the chain of a node proof: the CAs, and that
+// the agent belongs to this cluster (checkAgentCluster).
+func (a *Agent) verifyAgentChain(chain []*x509.Certificate, usage x509.ExtKeyUsage) error {
+	if err := a.tls.internal.VerifyChain(chain, usage); err != nil {
+		return err
+	}
+	return a.checkAgentCluster(chain[0])
+}
+
+// checkAgentCluster refuses an agent certificate of another cluster, and,
+// when this agent's own certificate names its cluster, one that names
+// none (identity.CheckAgentCluster).
+func (a *Agent) checkAgentCluster(peer *x509.Certificate) error {
+	own, _ := identity.AgentCluster(a.tls.client.Leaf())
+	return identity.CheckAgentCluster(peer, a.cfg.Cluster.Name, own != "")
 }
 
 // proveIdentity answers a status query's nonce: this node's gossip claim
@@ -54,6 +72,10 @@ func checkAgentName(cfg *config.Config, t *agentTLS) error {
 	if name != cfg.NodeName {
 		return fmt.Errorf("tls.cert_file %s is the agent identity of node %q, but node_name is %q: servers are admitted into raft only with the agent certificate for their node name; set node_name: %s, or issue one with pitrust issue-mtls-client --name %s%s",
 			cfg.TLS.CertFile, name, cfg.NodeName, name, identity.AgentPrefix, cfg.NodeName)
+	}
+	if err := identity.CheckAgentCluster(t.client.Leaf(), cfg.Cluster.Name, false); err != nil {
+		return fmt.Errorf("tls.cert_file %s: %w: set cluster.name to the certificate's cluster, or issue one with pitrust issue-mtls-client --name %s%s --cluster %s",
+			cfg.TLS.CertFile, err, identity.AgentPrefix, cfg.NodeName, cfg.Cluster.Name)
 	}
 	return nil
 }

@@ -51,7 +51,6 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
-	"pilab.hu/pivirt-agent/proto/pivirt/node/v1/nodev1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/schedule/v1/schedulev1connect"
 	"pilab.hu/pivirt-agent/scheduler"
@@ -435,7 +434,11 @@ func (a *Agent) startTLS() error {
 		}
 		a.netPolicyChanged = make(chan struct{}, 1)
 		a.wg.Go(a.watchNetworkPolicy)
-		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig).WithTracker(a.tls.client.TrackDialed)
+		// A call made for a caller carries the caller's credential to the
+		// agent that runs it (noderestrict.go).
+		a.pool = cluster.NewPoolTLS(a.tls.client.ClientConfig).WithTracker(a.tls.client.TrackDialed).WithDialOptions(
+			grpc.WithChainUnaryInterceptor(access.RelayUnaryClientInterceptor),
+			grpc.WithChainStreamInterceptor(access.RelayStreamClientInterceptor))
 	}
 	if a.cfg.Tracing.Enabled {
 		// Calls to other agents (forwarded writes, reads) carry the trace.
@@ -774,14 +777,14 @@ func (a *Agent) serveAll() error {
 	nodeSvc.SetPlacementSink(a.proposePlacements)
 	nodeSvc.SetConfigStatus(a.nodeConfigStatus)
 	if err := a.serveSplit(a.lnInternal, func(gs *grpc.Server) (http.Handler, error) {
-		return gateway.SplitGRPC(internalMux(a.internal, a.internalSnapshots, a.internalSchedules, a.internalAgentSvc, nodeSvc), gs), nil
+		return gateway.SplitGRPC(internalNotGRPC(), gs), nil
 	}, func(s *grpc.Server) {
 		clusterv1.RegisterClusterServiceServer(s, gateway.NewClusterGRPC(a.internal))
 		clusterv1.RegisterSnapshotServiceServer(s, gateway.NewSnapshotGRPC(a.internalSnapshots))
 		schedulev1.RegisterScheduleServiceServer(s, gateway.NewScheduleGRPC(a.internalSchedules))
 		clusterv1.RegisterAgentServiceServer(s, gateway.NewAgentGRPC(a.internalAgentSvc))
 		nodev1.RegisterNodeServiceServer(s, gateway.NewNodeGRPC(nodeSvc))
-	}, append(append(a.tracingServerOptions(), observe.RequestIDServerOptions()...),
+	}, append(append(append(a.tracingServerOptions(), observe.RequestIDServerOptions()...), a.internalServerOptions()...),
 		grpc.UnknownServiceHandler(a.peerProxy.Handle), grpc.ForceServerCodecV2(mesh.Codec()))...); err != nil {
 		return err
 	}
@@ -1265,21 +1268,6 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	// gRPC calls on a connection the protocol mux handed to net/http
 	// (its first request came late) go to the gRPC server all the same.
 	return gateway.SplitGRPC(mux, authenticated(gs)), nil
-}
-
-func internalMux(clusterSvc clusterv1connect.ClusterServiceHandler, snapshotSvc clusterv1connect.SnapshotServiceHandler, scheduleSvc schedulev1connect.ScheduleServiceHandler, agentSvc clusterv1connect.AgentServiceHandler, nodeSvc nodev1connect.NodeServiceHandler) http.Handler {
-	mux := http.NewServeMux()
-	path, h := clusterv1connect.NewClusterServiceHandler(clusterSvc, handlerOptions()...)
-	mux.Handle(path, h)
-	path, h = clusterv1connect.NewSnapshotServiceHandler(snapshotSvc, handlerOptions()...)
-	mux.Handle(path, h)
-	path, h = schedulev1connect.NewScheduleServiceHandler(scheduleSvc, handlerOptions()...)
-	mux.Handle(path, h)
-	path, h = clusterv1connect.NewAgentServiceHandler(agentSvc, handlerOptions()...)
-	mux.Handle(path, h)
-	path, h = nodev1connect.NewNodeServiceHandler(nodeSvc, handlerOptions()...)
-	mux.Handle(path, h)
-	return mux
 }
 
 // peerClients adapts the pool to gateway.Peers.

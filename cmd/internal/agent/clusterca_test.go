@@ -44,7 +44,7 @@ func shortLivedPKI(t *testing.T, nodes int, validity time.Duration) string {
 			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Validity: validity}); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i+1), Validity: validity}); err != nil {
+		if _, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: fmt.Sprintf("pivirt-agent-node%d", i+1), Cluster: agenttest.ClusterName, Validity: validity}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -106,6 +106,9 @@ func (a *Agent) peerCheck(addr string, what string) func(*x509.Certificate) erro
 		if err := agentIdentity(leaf); err != nil {
 			return err
 		}
+		if err := a.checkAgentCluster(leaf); err != nil {
+			return err
+		}
 		return a.checkNetworkPolicy(leaf, a.tls.internal.Leaf(), addr, what)
 	}
 }

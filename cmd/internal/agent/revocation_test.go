@@ -37,7 +37,7 @@ func TestRevokedCertificates(t *testing.T) {
 	chain := filepath.Join(dir, identity.ChainFile)
 	crl := revtest.New(t, dir)
 	opFiles, op := crl.Leaf(t, dir, "operator", revtest.LeafOptions{NoOCSP: true})
-	agentFiles, agentCert := crl.Leaf(t, dir, "pivirt-agent-node2", revtest.LeafOptions{NoOCSP: true})
+	agentFiles, agentCert := crl.Leaf(t, dir, "pivirt-agent-node2", revtest.LeafOptions{NoOCSP: true, Cluster: agenttest.ClusterName})
 	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
 		withTLS(dir)(i, cfg)
 		cfg.TLS.Revocation = config.RevocationConfig{Mode: "crl", OnUnavailable: "allow", Refresh: config.Duration(refresh)}
@@ -170,7 +170,7 @@ func TestRevokedCertificates(t *testing.T) {
 func TestRevokedAgentNotAdmitted(t *testing.T) {
 	dir := testPKI(t, 2)
 	crl := revtest.New(t, dir)
-	_, agentCert := crl.Leaf(t, dir, "pivirt-agent-node2", revtest.LeafOptions{NoOCSP: true})
+	_, agentCert := crl.Leaf(t, dir, "pivirt-agent-node2", revtest.LeafOptions{NoOCSP: true, Cluster: agenttest.ClusterName})
 	revocation := config.RevocationConfig{Mode: "crl", OnUnavailable: "allow", Refresh: config.Duration(time.Second)}
 	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
 		withTLS(dir)(i, cfg)

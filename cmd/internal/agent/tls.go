@@ -229,7 +229,7 @@ func (a *Agent) devPKI() error {
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}
-	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + a.cfg.NodeName, Days: devCertDays, Force: true})
+	client, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: AgentIdentityPrefix + a.cfg.NodeName, Cluster: a.cfg.Cluster.Name, Days: devCertDays, Force: true})
 	if err != nil {
 		return fmt.Errorf("dev PKI: %w", err)
 	}

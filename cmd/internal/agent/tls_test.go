@@ -274,6 +274,13 @@ func TestStartRefusesBadTLS(t *testing.T) {
 			f := issueClient(t, dir, "pivirt-agent-node7")
 			cfg.TLS.CertFile, cfg.TLS.KeyFile = f[0], f[1]
 		}, `is the agent identity of node "node7", but node_name is "node1"`},
+		{"another cluster's agent certificate", func(cfg *config.Config) {
+			f, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-node1", File: "node1-other-cluster", Cluster: "other-cluster"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.TLS.CertFile, cfg.TLS.KeyFile = f.Cert, f.Key
+		}, `is an agent certificate of cluster "other-cluster", not of this cluster`},
 		{"verify_peer false", func(cfg *config.Config) { cfg.TLS.VerifyPeer = false }, "tls.verify_peer"},
 		{"key readable by others", func(cfg *config.Config) {
 			key := filepath.Join(t.TempDir(), "agent.key")
