@@ -180,6 +180,7 @@ keeps only its hash. Needs a client certificate with the pitrust-admin role
 	create.Flags().StringSliceVar(&req.Usages, "usage", nil, "usages the token grants: server, client or both (default: the kind's)")
 	create.Flags().DurationVar(&ttl, "ttl", time.Hour, "how long the token can be used (at most 168h)")
 	create.Flags().IntVar(&days, "days", 0, "lifetime of the certificate in days (default: the server's policy.default_days)")
+	create.Flags().StringVar(&req.Cluster, "cluster", "", "for an agent's certificate (--name pivirt-agent-<node>): the cluster it belongs to (its cluster.name); agents of other clusters on the same CA are then refused")
 	create.Flags().StringVarP(&output, "output", "o", "text", "output format: text (the token alone on stdout) or json")
 	c.AddCommand(create)
 	return c
@@ -296,6 +297,9 @@ never trusted on first use, so a new host needs the CA chain copied to it.`,
 			if sans := append(append([]string(nil), info.DNSNames...), info.IPAddresses...); len(sans) > 0 {
 				fmt.Fprintf(stdout, "  names: %s\n", strings.Join(sans, ", "))
 			}
+			if cluster, _ := identity.AgentCluster(certs[0]); cluster != "" {
+				fmt.Fprintf(stdout, "  cluster: %s\n", cluster)
+			}
 			if wroteChain {
 				fmt.Fprintf(stdout, "  %s\n", chain)
 			}
@@ -310,6 +314,7 @@ never trusted on first use, so a new host needs the CA chain copied to it.`,
 	c.Flags().StringVar(&req.Kind, "kind", "", "mtls-server or mtls-client (default: the token's, else mtls-client)")
 	c.Flags().StringSliceVar(&req.Usages, "usage", nil, "server, client or both (default: the kind's)")
 	c.Flags().IntVar(&days, "days", 0, "lifetime in days (default: the token's or the server's policy)")
+	c.Flags().StringVar(&req.Cluster, "cluster", "", "for an agent's certificate: the cluster it belongs to (with --token: the token's)")
 	c.Flags().StringVar(&out, "out", "", "file name stem in --dir: <out>.crt and <out>.key (default: --name)")
 	c.Flags().BoolVar(&force, "force", false, "replace existing files of that name")
 	return c

@@ -119,6 +119,9 @@ type Grant struct {
 	IPs    []net.IP
 	// Days is the lifetime; 0 means Config.DefaultDays.
 	Days int
+	// Cluster binds an agent's client certificate to its cluster
+	// (identity.LeafRequest.Cluster).
+	Cluster string `json:",omitempty"`
 }
 
 // Errors of the CA; the wrapping message says what and why.

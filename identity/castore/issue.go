@@ -94,7 +94,7 @@ func (c *CA) leafRequest(g Grant) (identity.LeafRequest, error) {
 	}
 	req := identity.LeafRequest{
 		Kind: g.Kind, Name: g.Name, Usages: slices.Clone(g.Usages), DNS: slices.Clone(g.DNS), IPs: slices.Clone(g.IPs),
-		Days: days, OCSPServer: c.ocspURL, CRLDistributionPoints: c.crlURL, Now: c.cfg.Now,
+		Days: days, Cluster: g.Cluster, OCSPServer: c.ocspURL, CRLDistributionPoints: c.crlURL, Now: c.cfg.Now,
 	}
 	checked, err := identity.CheckLeafRequest(req)
 	if err != nil {

@@ -180,6 +180,16 @@ func wantCode(t *testing.T, err error, code connect.Code) {
 	}
 }
 
+// clusterOf is the cluster an agent certificate names.
+func clusterOf(t *testing.T, c *x509.Certificate) string {
+	t.Helper()
+	name, err := identity.AgentCluster(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
 func leafOf(t *testing.T, pemBytes []byte) *x509.Certificate {
 	t.Helper()
 	certs, err := identity.ParseCertificates(pemBytes)
@@ -328,6 +338,22 @@ func TestIssueWithToken(t *testing.T) {
 	mu.Unlock()
 	_, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: tok3}))
 	wantCode(t, err, connect.CodeUnauthenticated)
+
+	// An agent's token bound to its cluster: the certificate names the
+	// cluster, another cluster is wider than the grant, and a cluster for
+	// a name that is no agent's is refused when the token is made.
+	tok4 := e.createToken(t, op, &pitrustv1.CreateBootstrapTokenRequest{Name: "pivirt-agent-node6", Cluster: "prod"})
+	_, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: tok4, Cluster: "staging"}))
+	wantCode(t, err, connect.CodePermissionDenied)
+	resp, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: tok4}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := clusterOf(t, leafOf(t, resp.Msg.GetCertPem())); got != "prod" || resp.Msg.GetCertificate().GetCluster() != "prod" {
+		t.Errorf("agent certificate of a token for cluster prod names cluster %q (inventory %q)", got, resp.Msg.GetCertificate().GetCluster())
+	}
+	_, err = op.CreateBootstrapToken(ctx, connect.NewRequest(&pitrustv1.CreateBootstrapTokenRequest{Name: "node7", DnsNames: []string{"node7.pivirt.internal"}, Cluster: "prod"}))
+	wantCode(t, err, connect.CodeInvalidArgument)
 
 	// Unknown.
 	_, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: "ptb_nonsense"}))
@@ -670,7 +696,7 @@ func TestRenew(t *testing.T) {
 	ctx := context.Background()
 	op := e.client(t, r, "operator")
 	csr, key := newCSR(t, "x")
-	resp, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, Kind: "mtls-client", Name: "pivirt-agent-n1", Days: 30}))
+	resp, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, Kind: "mtls-client", Name: "pivirt-agent-n1", Days: 30, Cluster: "prod"}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -686,8 +712,8 @@ func TestRenew(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if leaf := leafOf(t, got.Msg.GetCertPem()); leaf.Subject.CommonName != "pivirt-agent-n1" || leaf.SerialNumber.Cmp(cur.SerialNumber) == 0 {
-		t.Errorf("renewed %s serial %s", leaf.Subject, leaf.SerialNumber)
+	if leaf := leafOf(t, got.Msg.GetCertPem()); leaf.Subject.CommonName != "pivirt-agent-n1" || leaf.SerialNumber.Cmp(cur.SerialNumber) == 0 || clusterOf(t, leaf) != "prod" {
+		t.Errorf("renewed %s serial %s cluster %q, want another serial of pivirt-agent-n1 of cluster prod", leaf.Subject, leaf.SerialNumber, clusterOf(t, leaf))
 	}
 	if _, err := op.RevokeCertificate(ctx, connect.NewRequest(&pitrustv1.RevokeCertificateRequest{Serial: resp.Msg.GetCertificate().GetSerial()})); err != nil {
 		t.Fatal(err)

@@ -2,6 +2,8 @@ package caserver
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -180,7 +182,7 @@ func (s *service) IssueCertificate(ctx context.Context, req *connect.Request[pit
 	const method = "IssueCertificate"
 	m := req.Msg
 	c := callerOf(ctx)
-	want, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays())
+	want, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays(), m.GetCluster())
 	if err != nil {
 		return nil, s.refuse(ctx, method, connect.NewError(connect.CodeInvalidArgument, err))
 	}
@@ -267,6 +269,9 @@ func narrow(g, want castore.Grant, defaultDays int) (castore.Grant, error) {
 	if want.Name != "" && want.Name != g.Name {
 		return out, fmt.Errorf("%w: name %q (the token grants %q)", errWider, want.Name, g.Name)
 	}
+	if want.Cluster != "" && want.Cluster != g.Cluster {
+		return out, fmt.Errorf("%w: cluster %q (the token grants %q)", errWider, want.Cluster, g.Cluster)
+	}
 	if len(want.DNS) > 0 {
 		for _, d := range want.DNS {
 			if !slices.Contains(g.DNS, d) {
@@ -316,8 +321,8 @@ func kindUsage(k identity.Kind) identity.Usage {
 }
 
 // grantOf parses a request's names, kind and usages.
-func grantOf(kind string, usages []string, name string, dns, ips []string, days int32) (castore.Grant, error) {
-	g := castore.Grant{Name: name, DNS: dns, Days: int(days)}
+func grantOf(kind string, usages []string, name string, dns, ips []string, days int32, cluster string) (castore.Grant, error) {
+	g := castore.Grant{Name: name, DNS: dns, Days: int(days), Cluster: cluster}
 	switch identity.Kind(kind) {
 	case "", identity.KindServer, identity.KindClient:
 		g.Kind = identity.Kind(kind)
@@ -417,7 +422,7 @@ func (s *service) CreateBootstrapToken(ctx context.Context, req *connect.Request
 		return nil, err
 	}
 	m := req.Msg
-	g, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays())
+	g, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays(), m.GetCluster())
 	if err != nil {
 		return nil, s.refuse(ctx, method, connect.NewError(connect.CodeInvalidArgument, err))
 	}
@@ -460,6 +465,11 @@ func CertificateOf(r castore.Record) *pitrustv1.Certificate {
 	}
 	if !r.RevokedAt.IsZero() {
 		c.RevokedAt = timestamppb.New(r.RevokedAt)
+	}
+	if b, _ := pem.Decode(r.CertPEM); b != nil {
+		if cert, err := x509.ParseCertificate(b.Bytes); err == nil {
+			c.Cluster, _ = identity.AgentCluster(cert)
+		}
 	}
 	return c
 }

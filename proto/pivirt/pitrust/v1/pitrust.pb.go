@@ -53,7 +53,9 @@ type Certificate struct {
 	// token's ID, "renewal of <serial>" or "pitrust (offline)".
 	IssuedBy string `protobuf:"bytes,13,opt,name=issued_by,json=issuedBy,proto3" json:"issued_by,omitempty"`
 	// cert_pem is the certificate (PEM).
-	CertPem       []byte `protobuf:"bytes,14,opt,name=cert_pem,json=certPem,proto3" json:"cert_pem,omitempty"`
+	CertPem []byte `protobuf:"bytes,14,opt,name=cert_pem,json=certPem,proto3" json:"cert_pem,omitempty"`
+	// cluster is the cluster an agent certificate is bound to, if any.
+	Cluster       string `protobuf:"bytes,15,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -186,6 +188,13 @@ func (x *Certificate) GetCertPem() []byte {
 	return nil
 }
 
+func (x *Certificate) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
 type IssueCertificateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// csr is a PKCS#10 request, PEM or DER, signed by the new key.
@@ -204,7 +213,12 @@ type IssueCertificateRequest struct {
 	DnsNames    []string `protobuf:"bytes,6,rep,name=dns_names,json=dnsNames,proto3" json:"dns_names,omitempty"`
 	IpAddresses []string `protobuf:"bytes,7,rep,name=ip_addresses,json=ipAddresses,proto3" json:"ip_addresses,omitempty"`
 	// days is the lifetime (default and maximum: the server's policy).
-	Days          int32 `protobuf:"varint,8,opt,name=days,proto3" json:"days,omitempty"`
+	Days int32 `protobuf:"varint,8,opt,name=days,proto3" json:"days,omitempty"`
+	// cluster, for an agent's client certificate (pivirt-agent-<node>), is
+	// the cluster.name of the agents it belongs to: a URI name
+	// urn:pivirt:cluster:<cluster>, by which agents refuse another
+	// cluster's. With a token it must be the token's, or empty.
+	Cluster       string `protobuf:"bytes,9,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -293,6 +307,13 @@ func (x *IssueCertificateRequest) GetDays() int32 {
 		return x.Days
 	}
 	return 0
+}
+
+func (x *IssueCertificateRequest) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
 }
 
 type IssueCertificateResponse struct {
@@ -693,7 +714,10 @@ type CreateBootstrapTokenRequest struct {
 	// ttl is how long the token can be used (default 1h, at most 7 days).
 	Ttl *durationpb.Duration `protobuf:"bytes,6,opt,name=ttl,proto3" json:"ttl,omitempty"`
 	// days is the lifetime of the certificate it gets (default: policy).
-	Days          int32 `protobuf:"varint,7,opt,name=days,proto3" json:"days,omitempty"`
+	Days int32 `protobuf:"varint,7,opt,name=days,proto3" json:"days,omitempty"`
+	// cluster binds the agent certificate it gets to the agents' cluster
+	// (see IssueCertificateRequest.cluster).
+	Cluster       string `protobuf:"bytes,8,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -777,6 +801,13 @@ func (x *CreateBootstrapTokenRequest) GetDays() int32 {
 	return 0
 }
 
+func (x *CreateBootstrapTokenRequest) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
 type CreateBootstrapTokenResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// token is the secret, shown once.
@@ -843,7 +874,7 @@ var File_pivirt_pitrust_v1_pitrust_proto protoreflect.FileDescriptor
 
 const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\n" +
-	"\x1fpivirt/pitrust/v1/pitrust.proto\x12\x11pivirt.pitrust.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xeb\x03\n" +
+	"\x1fpivirt/pitrust/v1/pitrust.proto\x12\x11pivirt.pitrust.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x04\n" +
 	"\vCertificate\x12\x16\n" +
 	"\x06serial\x18\x01 \x01(\tR\x06serial\x12\x18\n" +
 	"\asubject\x18\x02 \x01(\tR\asubject\x12\x12\n" +
@@ -861,7 +892,8 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"revoked_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\trevokedAt\x12+\n" +
 	"\x11revocation_reason\x18\f \x01(\tR\x10revocationReason\x12\x1b\n" +
 	"\tissued_by\x18\r \x01(\tR\bissuedBy\x12\x19\n" +
-	"\bcert_pem\x18\x0e \x01(\fR\acertPem\"\xe8\x01\n" +
+	"\bcert_pem\x18\x0e \x01(\fR\acertPem\x12\x18\n" +
+	"\acluster\x18\x0f \x01(\tR\acluster\"\x82\x02\n" +
 	"\x17IssueCertificateRequest\x12\x10\n" +
 	"\x03csr\x18\x01 \x01(\fR\x03csr\x12'\n" +
 	"\x0fbootstrap_token\x18\x02 \x01(\tR\x0ebootstrapToken\x12\x12\n" +
@@ -870,7 +902,8 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\x04name\x18\x05 \x01(\tR\x04name\x12\x1b\n" +
 	"\tdns_names\x18\x06 \x03(\tR\bdnsNames\x12!\n" +
 	"\fip_addresses\x18\a \x03(\tR\vipAddresses\x12\x12\n" +
-	"\x04days\x18\b \x01(\x05R\x04days\"\x99\x01\n" +
+	"\x04days\x18\b \x01(\x05R\x04days\x12\x18\n" +
+	"\acluster\x18\t \x01(\tR\acluster\"\x99\x01\n" +
 	"\x18IssueCertificateResponse\x12\x19\n" +
 	"\bcert_pem\x18\x01 \x01(\fR\acertPem\x12 \n" +
 	"\fca_chain_pem\x18\x02 \x01(\fR\n" +
@@ -893,7 +926,7 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\x06status\x18\x01 \x01(\tR\x06status\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\"^\n" +
 	"\x18ListCertificatesResponse\x12B\n" +
-	"\fcertificates\x18\x01 \x03(\v2\x1e.pivirt.pitrust.v1.CertificateR\fcertificates\"\xde\x01\n" +
+	"\fcertificates\x18\x01 \x03(\v2\x1e.pivirt.pitrust.v1.CertificateR\fcertificates\"\xf8\x01\n" +
 	"\x1bCreateBootstrapTokenRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
 	"\tdns_names\x18\x02 \x03(\tR\bdnsNames\x12!\n" +
@@ -901,7 +934,8 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\x04kind\x18\x04 \x01(\tR\x04kind\x12\x16\n" +
 	"\x06usages\x18\x05 \x03(\tR\x06usages\x12+\n" +
 	"\x03ttl\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12\x12\n" +
-	"\x04days\x18\a \x01(\x05R\x04days\"\x7f\n" +
+	"\x04days\x18\a \x01(\x05R\x04days\x12\x18\n" +
+	"\acluster\x18\b \x01(\tR\acluster\"\x7f\n" +
 	"\x1cCreateBootstrapTokenResponse\x12\x14\n" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x129\n" +
