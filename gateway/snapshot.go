@@ -50,8 +50,13 @@ const (
 	MaxGRPCRequestBytes = 4 << 20
 )
 
-// DefaultMaxRestoreSize bounds an uploaded archive unless configured.
-const DefaultMaxRestoreSize = 8 << 30
+// DefaultMaxRestoreSize bounds an uploaded archive unless configured;
+// DefaultMaxRestoreState the state it holds (state.bin, uncompressed),
+// which a restore or a plan builds in memory: etcd's default quota.
+const (
+	DefaultMaxRestoreSize  = 8 << 30
+	DefaultMaxRestoreState = 2 << 30
+)
 
 // Restorer restores Raft snapshots (store.Store).
 type Restorer interface {
@@ -75,6 +80,16 @@ type SnapshotServiceConfig struct {
 	// MaxRestoreSize bounds an uploaded archive, in bytes; 0 means
 	// DefaultMaxRestoreSize.
 	MaxRestoreSize int64
+	// MaxRestoreState bounds the state an archive may hold, in bytes
+	// (state.bin uncompressed), checked on the sizes the archive declares
+	// before any of it is decoded; 0 means DefaultMaxRestoreState. The
+	// archive's own size bounds it too (archive.MaxExpansion).
+	MaxRestoreState int64
+	// Restoring, when set, is held by the restore or plan running on this
+	// node, shared by the node's instances (the API port's and the
+	// internal port's), so that one node builds one uploaded state at a
+	// time. Nil: the instance's own.
+	Restoring *sync.Mutex
 	// PauseLeader stops leader-only work (the TTL reaper, ...) before a
 	// restore on this leader and returns once it stopped; ResumeLeader
 	// starts it again, rebuilt from the (restored) state. Both may be nil.
@@ -103,7 +118,7 @@ type SnapshotService struct {
 	peers  SnapshotPeers
 	logger *slog.Logger
 
-	restoring sync.Mutex // held by the restore running on this node
+	restoring *sync.Mutex // held by the restore running on this node
 }
 
 var _ clusterv1connect.SnapshotServiceHandler = (*SnapshotService)(nil)
@@ -113,11 +128,17 @@ func NewSnapshotService(cfg SnapshotServiceConfig, cs *ClusterService, snap Rest
 	if cfg.MaxRestoreSize <= 0 {
 		cfg.MaxRestoreSize = DefaultMaxRestoreSize
 	}
+	if cfg.MaxRestoreState <= 0 {
+		cfg.MaxRestoreState = DefaultMaxRestoreState
+	}
+	if cfg.Restoring == nil {
+		cfg.Restoring = new(sync.Mutex)
+	}
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return &SnapshotService{cfg: cfg, cs: cs, snap: snap, peers: peers, logger: logger.With("component", "snapshot-api")}
+	return &SnapshotService{cfg: cfg, cs: cs, snap: snap, peers: peers, restoring: cfg.Restoring, logger: logger.With("component", "snapshot-api")}
 }
 
 // SaveSnapshot implements clusterv1connect.SnapshotServiceHandler.
@@ -518,8 +539,10 @@ func (s *SnapshotService) plan(ctx context.Context, f *os.File, size int64) (*re
 		s.logger.WarnContext(ctx, "snapshot restore refused", "error", err, "bytes", size)
 		return err
 	}
-	// The state may not decompress to more than an upload may be.
-	rd, _, err := archive.Open(f, s.cfg.MaxRestoreSize)
+	// The state is refused on its declared size, before it is decoded,
+	// when it is more than this node builds or than the archive's size
+	// allows.
+	rd, _, err := archive.Open(f, s.cfg.MaxRestoreState)
 	if err != nil {
 		return nil, refused(err)
 	}

@@ -192,17 +192,8 @@ func Verify(r io.ReadSeeker) (*Info, error) { return VerifyWithin(r, 0) }
 // decompresses to more than the reader can hold — is refused on the
 // sizes its headers declare, before any of it is decompressed.
 func VerifyWithin(r io.ReadSeeker, maxState int64) (*Info, error) {
-	info := &Info{}
-	if maxState > 0 {
-		if _, err := open(bufio.NewReaderSize(r, 64<<10), &info.Meta); err != nil {
-			return info, err
-		}
-		if info.Meta.Size > maxState {
-			return info, invalidf("%s is %d bytes uncompressed, more than the %d this reader accepts", StateFile, info.Meta.Size, maxState)
-		}
-		if _, err := r.Seek(0, io.SeekStart); err != nil {
-			return info, fmt.Errorf("snapshot archive: %w", err)
-		}
+	if info, err := checkSize(r, maxState); err != nil {
+		return info, err
 	}
 	info, err := verify(bufio.NewReaderSize(r, 64<<10), nil)
 	if err != nil {
@@ -227,17 +218,8 @@ func VerifyWithin(r io.ReadSeeker, maxState int64) (*Info, error) {
 // the checksums again (the file may have changed since). A restore that
 // builds the state anyway needs no second build to verify it.
 func Open(r io.ReadSeeker, maxState int64) (*Reader, *Info, error) {
-	info := &Info{}
-	if maxState > 0 {
-		if _, err := open(bufio.NewReaderSize(r, 64<<10), &info.Meta); err != nil {
-			return nil, info, err
-		}
-		if info.Meta.Size > maxState {
-			return nil, info, invalidf("%s is %d bytes uncompressed, more than the %d this reader accepts", StateFile, info.Meta.Size, maxState)
-		}
-		if _, err := r.Seek(0, io.SeekStart); err != nil {
-			return nil, info, fmt.Errorf("snapshot archive: %w", err)
-		}
+	if info, err := checkSize(r, maxState); err != nil {
+		return nil, info, err
 	}
 	info, err := verify(bufio.NewReaderSize(r, 64<<10), nil)
 	if err != nil {
@@ -251,6 +233,46 @@ func Open(r io.ReadSeeker, maxState int64) (*Reader, *Info, error) {
 		return nil, info, err
 	}
 	return rd, info, nil
+}
+
+// MaxExpansion and ExpansionSlack bound state.bin's size by the size of
+// the archive that carries it: at most MaxExpansion times the archive's
+// bytes plus ExpansionSlack. The agents' archives are gzip'd protobuf
+// records with IDs, which compress a few times, never near a hundred; a
+// small archive that claims a state many times larger (a gzip bomb) is
+// refused on the sizes it declares, before any of it is decompressed, so
+// that no reader spends memory or time on it.
+const (
+	MaxExpansion   = 100
+	ExpansionSlack = 16 << 20
+)
+
+// checkSize reads meta.json from the start of r and refuses a state.bin
+// that would be larger than maxState bytes (0: no such bound) or larger
+// than the archive's size allows (MaxExpansion); r is left at its start.
+func checkSize(r io.ReadSeeker, maxState int64) (*Info, error) {
+	info := &Info{}
+	archiveSize, err := r.Seek(0, io.SeekEnd)
+	if err != nil {
+		return info, fmt.Errorf("snapshot archive: %w", err)
+	}
+	if _, err := r.Seek(0, io.SeekStart); err != nil {
+		return info, fmt.Errorf("snapshot archive: %w", err)
+	}
+	if _, err := open(bufio.NewReaderSize(r, 64<<10), &info.Meta); err != nil {
+		return info, err
+	}
+	if _, err := r.Seek(0, io.SeekStart); err != nil {
+		return info, fmt.Errorf("snapshot archive: %w", err)
+	}
+	if maxState > 0 && info.Meta.Size > maxState {
+		return info, invalidf("%s is %d bytes uncompressed, more than the %d this reader accepts", StateFile, info.Meta.Size, maxState)
+	}
+	if limit := MaxExpansion*archiveSize + ExpansionSlack; info.Meta.Size > limit {
+		return info, invalidf("%s is %d bytes uncompressed in an archive of %d bytes: more than %d times the archive (+%d MiB), which no agent writes; refused before decompressing it",
+			StateFile, info.Meta.Size, archiveSize, MaxExpansion, ExpansionSlack>>20)
+	}
+	return info, nil
 }
 
 // StateError describes an error of decoding state.bin (fsm.Restore's, or

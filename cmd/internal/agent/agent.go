@@ -710,6 +710,7 @@ func (a *Agent) buildServices() error {
 		TempDir:      tmp,
 		PauseLeader:  a.terms.Pause,
 		ResumeLeader: a.terms.Resume,
+		Restoring:    new(sync.Mutex), // one uploaded state at a time, whichever port it came in on
 		Logger:       a.logger,
 	}
 	a.snapshots = gateway.NewSnapshotService(snapCfg, a.api, restorer, peers)

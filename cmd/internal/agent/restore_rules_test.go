@@ -227,3 +227,45 @@ func TestRestoreObeysTheWritePath(t *testing.T) {
 		t.Fatalf("the archive's dedupe record answers as an outcome: %+v, %v", res, err)
 	}
 }
+
+// TestPlanRestoreRefusesABomb: an archive of a few KiB whose state.bin
+// declares 64 MiB (with valid checksums: a genuine gzip bomb), planned by a
+// caller who may only read snapshots, through a follower, is refused on the
+// declared sizes before the leader decodes it; a genuine archive is still
+// decoded and planned (and the plan refused for the rights it needs).
+func TestPlanRestoreRefusesABomb(t *testing.T) {
+	e := newAccessEnv(t, 3, nil)
+	e.c.WaitLeader(30 * time.Second)
+	e.conn = e.dialAt(e.c.Follower().APIAddr(), nil)
+	reader := as(e.ctx(), e.token("carol", "viewer"))
+
+	f, err := fsm.New(fsm.LatestConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Replace(500, []fsm.TableRecord{serviceRecord("web", "web-1")}); err != nil {
+		t.Fatal(err)
+	}
+	var st bytes.Buffer
+	if err := f.WriteSnapshot(&st); err != nil {
+		t.Fatal(err)
+	}
+	state := append(st.Bytes(), make([]byte, 64<<20)...)
+	var bomb bytes.Buffer
+	if err := archive.Write(&bomb, archive.Meta{ID: "1-500-0", Index: 500, Term: 1, ClusterID: "another-cluster", Size: int64(len(state))}, bytes.NewReader(state)); err != nil {
+		t.Fatal(err)
+	}
+	if bomb.Len() > 1<<20 {
+		t.Fatalf("the archive is %d bytes: not a bomb", bomb.Len())
+	}
+	_, err = e.restoreArchive(reader, bomb.Bytes(), true)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "times the archive") {
+		t.Fatalf("plan of a %d-byte archive declaring %d bytes of state: %v, want InvalidArgument refusing it on its sizes", bomb.Len(), len(state), err)
+	}
+	// A genuine archive is decoded and planned: the plan's rights check
+	// refuses the viewer on what it would change.
+	_, err = e.restoreArchive(reader, archiveOf(t, serviceRecord("web", "web-1")), true)
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "update services") {
+		t.Fatalf("plan of a genuine archive by a viewer: %v, want PermissionDenied for the services it changes", err)
+	}
+}
