@@ -484,7 +484,7 @@ func (g *Guard) authenticate(ctx context.Context, c call) (authz.Principal, erro
 	release()
 	if err != nil {
 		g.denied.WithLabelValues("unauthenticated").Inc()
-		g.cfg.Logger.Warn("audit: call refused: not authenticated", "audit", true, "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
+		observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: call refused: not authenticated", "method", c.procedure, "remote", c.remote, "request_id", c.requestID, "reason", err.Error())
 		// The code says "unauthenticated" already.
 		return authz.Principal{}, &denial{code: codeUnauthenticated, msg: strings.TrimPrefix(err.Error(), authn.ErrUnauthenticated.Error()+": ")}
 	}
@@ -540,7 +540,7 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		}
 	}
 	if g.cfg.BreakGlass != nil && req != nil && g.cfg.BreakGlass(c.procedure, req, who, c.via) {
-		g.cfg.Logger.Warn("audit: break-glass: call allowed whatever the RBAC policy", "audit", true, "decision", "allow",
+		observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: break-glass: call allowed whatever the RBAC policy", "decision", "allow",
 			"identity", who.Identity, "method", c.procedure, "resource", gr.resource, "verb", m.rule.GetVerb(), "remote", c.remote, "via", c.via, "request_id", c.requestID)
 		return gr, nil
 	}
@@ -646,7 +646,7 @@ func (g *Guard) AuthorizeResource(ctx context.Context, resource, verb string) er
 		return nil
 	}
 	g.denied.WithLabelValues("permission_denied").Inc()
-	g.cfg.Logger.Warn("audit: call denied", "audit", true, "decision", "deny", "identity", who.Identity, "roles", who.Roles,
+	observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: call denied", "decision", "deny", "identity", who.Identity, "roles", who.Roles,
 		"resource", resource, "verb", verb, "reason", "a snapshot restore changes its records: "+reason)
 	return connect.NewError(connect.CodePermissionDenied, fmt.Errorf("%s (roles %s) may not %s %s, which the snapshot restore changes: %s",
 		who.Identity, rolesString(who.Roles), verb, resource, reason))
@@ -692,7 +692,7 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 	g.denied.WithLabelValues("permission_denied").Inc()
 	reason := fmt.Sprintf(format, args...)
 	what := gr.m.full
-	attrs := []any{"audit", true, "decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "request_id", c.requestID, "reason", reason}
+	attrs := []any{"decision", "deny", "identity", gr.who.Identity, "roles", gr.who.Roles, "method", gr.m.full, "remote", c.remote, "request_id", c.requestID, "reason", reason}
 	if c.via != "" {
 		attrs = append(attrs, "via", c.via)
 	}
@@ -704,7 +704,7 @@ func (g *Guard) denyGrant(c call, gr *grant, object, format string, args ...any)
 		what += " " + object
 		attrs = append(attrs, "object", object)
 	}
-	g.cfg.Logger.Warn("audit: call denied", attrs...)
+	observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: call denied", attrs...)
 	return &denial{code: codePermissionDenied, msg: fmt.Sprintf("%s (roles %s) may not %s: %s", gr.who.Identity, rolesString(gr.who.Roles), what, reason)}
 }
 
@@ -716,13 +716,13 @@ func (g *Guard) allowed(c call, gr *grant, object string) {
 	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" || gr.m.rule.GetSelf() {
 		level = slog.LevelDebug
 	}
-	attrs := []any{"audit", true, "decision", "allow",
+	attrs := []any{"decision", "allow",
 		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.resource,
 		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote, "request_id", c.requestID}
 	if c.via != "" {
 		attrs = append(attrs, "via", c.via)
 	}
-	g.cfg.Logger.Log(context.Background(), level, "audit: call allowed", attrs...)
+	observe.Audit(g.cfg.Logger, level, "audit: call allowed", attrs...)
 }
 
 func rolesString(roles []string) string {
@@ -965,7 +965,7 @@ func (g *Guard) takeAuthToken(src string) error {
 	}
 	g.denied.WithLabelValues("auth_flood").Inc()
 	if logged, _ := g.floodLogged.Take(src); logged {
-		g.cfg.Logger.Warn("audit: refusing calls from a source: too many failed authentications", "audit", true,
+		observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: refusing calls from a source: too many failed authentications",
 			"remote", src, "per_second", failedAuthPerSecond, "burst", failedAuthBurst, "retry_after", wait)
 	}
 	return &denial{code: codeResourceExhausted, retry: wait,

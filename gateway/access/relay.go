@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"encoding/base64"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"time"
@@ -174,7 +175,7 @@ func (g *Guard) Relayed(ctx context.Context, procedure, via, remote string, head
 	who, err := g.relayedPrincipal(ctx, tokens, certs, &cred)
 	if err != nil {
 		g.denied.WithLabelValues("unauthenticated").Inc()
-		g.cfg.Logger.Warn("audit: relayed call refused: its caller does not authenticate", "audit", true, "decision", "deny",
+		observe.Audit(g.cfg.Logger, slog.LevelWarn, "audit: relayed call refused: its caller does not authenticate", "decision", "deny",
 			"method", procedure, "caller_method", entry, "via", via, "remote", remote, "reason", err.Error())
 		return ctx, status.Errorf(codes.Unauthenticated, "the caller %s relayed does not authenticate here: %v", via, err)
 	}

@@ -53,11 +53,11 @@ type levelHandler struct {
 }
 
 func (h *levelHandler) Enabled(ctx context.Context, v slog.Level) bool {
-	return h.levels.enabled(h.component, v) && h.inner.Enabled(ctx, v)
+	return (audited(ctx) || h.levels.enabled(h.component, v)) && h.inner.Enabled(ctx, v)
 }
 
 func (h *levelHandler) Handle(ctx context.Context, r slog.Record) error {
-	if !h.levels.enabled(h.component, r.Level) {
+	if !audited(ctx) && !h.levels.enabled(h.component, r.Level) {
 		return nil
 	}
 	return h.inner.Handle(ctx, r)

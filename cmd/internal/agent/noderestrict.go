@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 
@@ -24,6 +25,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authz"
 	"pilab.hu/pivirt-agent/gateway/mesh"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -213,7 +215,7 @@ func (a *Agent) nodeCall(ctx context.Context, c internalCall) error {
 
 // refuseNodeCall audits and refuses a call of the internal port.
 func (a *Agent) refuseNodeCall(c internalCall, reason string) error {
-	a.logger.Warn("audit: internal call denied: an agent's certificate acts only as its node", "audit", true, "decision", "deny",
+	observe.Audit(a.logger, slog.LevelWarn, "audit: internal call denied: an agent's certificate acts only as its node", "decision", "deny",
 		"identity", c.via, "node", c.node, "method", c.method, "remote", c.remote, "reason", reason)
 	return status.Errorf(codes.PermissionDenied, "%s may not call %s as itself: %s; an agent's certificate acts only as its node, and a call made for someone carries that caller's credential", c.via, c.method, reason)
 }
@@ -248,7 +250,7 @@ func (a *Agent) nodeMay(c internalCall) string {
 	case clusterv1connect.ClusterServiceDeleteConfigProcedure:
 		r, _ := c.req.(*clusterv1.DeleteConfigRequest)
 		if r.GetKey() == RBACPolicyKey {
-			a.logger.Warn("audit: break-glass: a node removes the cluster-wide RBAC policy from its operations port", "audit", true,
+			observe.Audit(a.logger, slog.LevelWarn, "audit: break-glass: a node removes the cluster-wide RBAC policy from its operations port",
 				"decision", "allow", "identity", c.via, "node", c.node, "method", c.method, "remote", c.remote)
 			return ""
 		}

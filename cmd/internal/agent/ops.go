@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"pilab.hu/pivirt-agent/cmd/internal/version"
+	"pilab.hu/pivirt-agent/gateway/observe"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 )
 
@@ -81,8 +82,8 @@ func loopbackOnly(h http.Handler) http.Handler {
 // audited. It answers loopback callers only (loopbackOnly). It needs a
 // leader, like every write.
 func (a *Agent) rbacResetHandler(w http.ResponseWriter, r *http.Request) {
-	a.logger.Warn("audit: break-glass: removing the cluster-wide RBAC policy through the operations port",
-		"audit", true, "decision", "allow", "method", "POST /rbac/reset", "resource", RBACResource, "verb", "delete", "remote", r.RemoteAddr)
+	observe.Audit(a.logger, slog.LevelWarn, "audit: break-glass: removing the cluster-wide RBAC policy through the operations port",
+		"decision", "allow", "method", "POST /rbac/reset", "resource", RBACResource, "verb", "delete", "remote", r.RemoteAddr)
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
 	resp, err := a.api.DeleteConfig(ctx, connect.NewRequest(&clusterv1.DeleteConfigRequest{Key: RBACPolicyKey}))
@@ -92,7 +93,7 @@ func (a *Agent) rbacResetHandler(w http.ResponseWriter, r *http.Request) {
 	case err != nil:
 		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "error", "error": "the cluster-wide RBAC policy was not removed: " + err.Error()})
 	default:
-		a.logger.Warn("audit: break-glass: cluster-wide RBAC policy removed", "audit", true, "index", resp.Msg.GetIndex(), "remote", r.RemoteAddr)
+		observe.Audit(a.logger, slog.LevelWarn, "audit: break-glass: cluster-wide RBAC policy removed", "index", resp.Msg.GetIndex(), "remote", r.RemoteAddr)
 		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "removed": true, "index": resp.Msg.GetIndex(),
 			"detail": "each node's auth.rbac_policy file applies again"})
 	}
