@@ -26,6 +26,9 @@ type Admitter interface {
 	// itself to this node before, without asking: what a member that is
 	// no longer alive is judged by.
 	Proven(m Member) bool
+	// Refused reports whether m's claim was asked and never proved, and
+	// whether it may be asked again now.
+	Refused(m Member) (refused, due bool)
 }
 
 // AdmissionConfig configures an Admission.
@@ -185,6 +188,19 @@ func (a *Admission) Proven(m Member) bool {
 	defer a.mu.Unlock()
 	e := a.claims[claimKey(m.Claim())]
 	return e != nil && e.known
+}
+
+// Refused reports whether m's claim was asked and never proved (a member
+// that once proved it is not refused here), and whether its backoff has
+// ended, so that it may be asked again.
+func (a *Admission) Refused(m Member) (refused, due bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.claims[claimKey(m.Claim())]
+	if e == nil || e.known {
+		return false, false
+	}
+	return true, !a.cfg.Now().Before(e.until) || m.changedSince(e.asked)
 }
 
 // prove asks the member at its claimed internal address to sign the claim

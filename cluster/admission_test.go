@@ -176,7 +176,8 @@ func (f fakeAdmitter) Admit(_ context.Context, m Member) error {
 	return ErrNotAdmitted
 }
 
-func (f fakeAdmitter) Proven(m Member) bool { return f[m.Name] }
+func (f fakeAdmitter) Proven(m Member) bool          { return f[m.Name] }
+func (f fakeAdmitter) Refused(m Member) (bool, bool) { return !f[m.Name], false }
 
 func TestReconcileAdmitsOnlyProvenServers(t *testing.T) {
 	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
@@ -346,7 +347,8 @@ func (slowAdmitter) Admit(ctx context.Context, m Member) error {
 	return fmt.Errorf("%s: %w", m.Name, ctx.Err())
 }
 
-func (slowAdmitter) Proven(Member) bool { return false }
+func (slowAdmitter) Proven(Member) bool          { return false }
+func (slowAdmitter) Refused(Member) (bool, bool) { return false, false }
 
 // TestAdmitAllPassRunsOut: members not asked before the pass's time ran
 // out are refused as not asked, while the checks in flight end at the same

@@ -80,6 +80,10 @@ type GossipConfig struct {
 	DeadNodeReclaimTime time.Duration
 	// ForgetAfter drops failed and left members from the member list.
 	ForgetAfter time.Duration
+	// ForgetUnprovenAfter drops sooner the failed and left members that
+	// never proved their identity (SetProven): a process that had the
+	// gossip key alone and is gone leaves no trace for ForgetAfter.
+	ForgetUnprovenAfter time.Duration
 	// SecretKey enables gossip encryption (16, 24 or 32 bytes) on the first
 	// start; KeyringFile, once it exists, holds the keyring instead (keys
 	// installed and used since), so it survives restarts.
@@ -105,6 +109,7 @@ func DefaultGossipConfig() GossipConfig {
 		Profile:             "lan",
 		DeadNodeReclaimTime: 10 * time.Second,
 		ForgetAfter:         72 * time.Hour,
+		ForgetUnprovenAfter: 10 * time.Minute,
 		ReconnectInterval:   30 * time.Second,
 	}
 }
@@ -156,6 +161,8 @@ type Gossip struct {
 	forced map[string]bool
 	subs   map[chan struct{}]struct{}
 	meta   []byte
+	// proven tells a member that proved its identity (SetProven).
+	proven func(Member) bool
 
 	stopReap chan struct{}
 	reapDone chan struct{}
@@ -703,15 +710,51 @@ func (g *Gossip) joinSome(pick func(*Member) bool) []string {
 	return answered
 }
 
+// SetProven sets what tells a member that proved its identity (the
+// agent's admission, or its place in the Raft configuration): a failed or
+// left member that did not is forgotten after ForgetUnprovenAfter.
+func (g *Gossip) SetProven(proven func(Member) bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.proven = proven
+}
+
 func (g *Gossip) reap(now time.Time) {
 	if g.cfg.ForgetAfter <= 0 {
 		return
 	}
 	g.mu.Lock()
-	defer g.mu.Unlock()
+	var unproven []Member
 	for name, m := range g.members {
-		if (m.Status == StatusFailed || m.Status == StatusLeft) && now.Sub(m.Since) > g.cfg.ForgetAfter {
+		if m.Status != StatusFailed && m.Status != StatusLeft {
+			continue
+		}
+		switch gone := now.Sub(m.Since); {
+		case gone > g.cfg.ForgetAfter:
 			delete(g.members, name)
+		case g.proven != nil && g.cfg.ForgetUnprovenAfter > 0 && gone > g.cfg.ForgetUnprovenAfter:
+			unproven = append(unproven, *m)
+		}
+	}
+	proven := g.proven
+	g.mu.Unlock()
+	// Asked without the lock: the answer may take a Raft configuration
+	// read.
+	var forget []Member
+	for _, m := range unproven {
+		if !proven(m) {
+			forget = append(forget, m)
+		}
+	}
+	if len(forget) == 0 {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, m := range forget {
+		if cur, ok := g.members[m.Name]; ok && cur.Status == m.Status && cur.Since.Equal(m.Since) {
+			g.logger.Info("forgetting a member that never proved its identity", "name", m.Name, "status", m.Status.String(), "since", m.Since, "addr", m.Addr)
+			delete(g.members, m.Name)
 		}
 	}
 }

@@ -133,3 +133,32 @@ func TestGossipLogLinesKeyOnTheEvent(t *testing.T) {
 		t.Errorf("messages %v, want %v", msgs, want)
 	}
 }
+
+// TestReapForgetsUnprovenMembersSooner: a failed member that never proved
+// its identity is forgotten after ForgetUnprovenAfter; one that did, or
+// failed more recently, is kept (until ForgetAfter).
+func TestReapForgetsUnprovenMembersSooner(t *testing.T) {
+	g := startGossip(t, "a")
+	now := time.Now()
+	g.mu.Lock()
+	for name, since := range map[string]time.Time{
+		"fake":   now.Add(-20 * time.Minute),
+		"real":   now.Add(-20 * time.Minute),
+		"recent": now.Add(-time.Minute),
+		"old":    now.Add(-73 * time.Hour),
+	} {
+		g.members[name] = &Member{Name: name, Status: StatusFailed, Since: since, Meta: NodeMeta{Cluster: "test", ID: name + "-id"}}
+	}
+	g.mu.Unlock()
+	g.reap(now) // no SetProven yet: only ForgetAfter applies
+	if _, ok := g.MemberByID("fake-id"); !ok {
+		t.Fatal("fake forgotten before anything said it is unproven")
+	}
+	g.SetProven(func(m Member) bool { return m.Name == "real" || m.Name == "old" })
+	g.reap(now)
+	for name, want := range map[string]bool{"fake": false, "real": true, "recent": true, "old": false} {
+		if _, ok := g.MemberByID(name + "-id"); ok != want {
+			t.Errorf("%s known after the reap: %v, want %v", name, ok, want)
+		}
+	}
+}

@@ -250,6 +250,9 @@ type Agent struct {
 	// claims of others (nil with TLS off).
 	meta      cluster.NodeMeta
 	admission cluster.Admitter
+	// proving holds the names of refused members being asked again in
+	// the background (refusedMember).
+	proving sync.Map
 
 	// mu guards the lifecycle: Start runs under it, and Leave and Shutdown
 	// take it, so neither can run while Start is still wiring.
@@ -557,6 +560,9 @@ func (a *Agent) startLeadership() error {
 	rc := a.cfg.Cluster.Raft
 	a.scheduleMetrics = scheduler.NewScheduleMetrics(a.metrics)
 	a.admission = a.newAdmission()
+	if a.admission != nil && a.gossip != nil {
+		a.gossip.SetProven(a.memberProven)
+	}
 	lc := leader.Config{
 		NodeID:   a.nodeID,
 		Logger:   a.logger,

@@ -60,6 +60,9 @@ func (p placement) Nodes() []string {
 			if m.Status == cluster.StatusLeft || (m.Status == cluster.StatusFailed && servers != nil && !servers[m.Meta.ID]) {
 				continue
 			}
+			if !servers[m.Meta.ID] && p.a.refusedMember(m) {
+				continue // it could not prove the name it claims: not asked for the cluster's objects
+			}
 			if m.Meta.InternalAddr != "" && !slices.Contains(nodes, m.Name) {
 				nodes = append(nodes, m.Name)
 			}
@@ -67,6 +70,47 @@ func (p placement) Nodes() []string {
 	}
 	slices.Sort(nodes)
 	return nodes
+}
+
+// refusedMember reports whether m claimed a name in gossip and could not
+// prove it with its agent certificate; once its backoff ends it is asked
+// again in the background (one proof at a time per member), and a list
+// counts it again as soon as it proves the name.
+func (a *Agent) refusedMember(m cluster.Member) bool {
+	if a.admission == nil {
+		return false
+	}
+	refused, due := a.admission.Refused(m)
+	if refused && due {
+		if _, busy := a.proving.LoadOrStore(m.Name, true); !busy {
+			a.wg.Go(func() {
+				defer a.proving.Delete(m.Name)
+				ctx, cancel := context.WithTimeout(a.ctx, peerAdmitTimeout)
+				defer cancel()
+				_ = a.admission.Admit(ctx, m)
+			})
+		}
+	}
+	return refused
+}
+
+// memberProven reports whether m proved its identity to this node, or is
+// a server of the Raft configuration (the leader admitted it on a proof):
+// gossip forgets sooner the failed members that did neither.
+func (a *Agent) memberProven(m cluster.Member) bool {
+	if a.admission == nil || a.admission.Proven(m) {
+		return true
+	}
+	if a.etcdMode() || a.raft.s == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(a.ctx, time.Second)
+	defer cancel()
+	list, err := a.raft.Servers(ctx)
+	if err != nil {
+		return true // unknown: kept for ForgetAfter
+	}
+	return slices.ContainsFunc(list, func(s cluster.RaftServer) bool { return s.ID == m.Meta.ID })
 }
 
 // peerAdmitTimeout bounds proving a member's identity before the first
