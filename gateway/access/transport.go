@@ -283,6 +283,11 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		defer release()
 		ctx, cancel := untilExpiry(ctx)
 		defer cancel()
+		if gr.filters() {
+			// A list merged from every node is paged over the caller's
+			// objects alone.
+			ctx = mesh.WithItemFilter(ctx, gr.d.Object)
+		}
 		w := &guardedStream{ServerStream: ss, ctx: ctx, g: g, c: c, gr: gr}
 		// The method's own shape, not info's: grpc-go reports every call of
 		// the UnknownServiceHandler (the proxy) as a bidi stream, so a

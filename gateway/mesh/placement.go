@@ -416,6 +416,9 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 	if len(missing) == len(parts) && lastErr != nil {
 		return status.Errorf(status.Code(lastErr), "no node answered the list: %s", strings.Join(missing, "; "))
 	}
+	if keep := itemFilter(ctx); keep != nil {
+		items = slices.DeleteFunc(items, func(m protoreflect.Message) bool { return !keep(m) })
+	}
 	slices.SortStableFunc(items, func(x, y protoreflect.Message) int { return cmp.Compare(stringAt(x, "id"), stringAt(y, "id")) })
 	start, _ := slices.BinarySearchFunc(items, after, func(m protoreflect.Message, id string) int {
 		if stringAt(m, "id") <= id {
@@ -445,6 +448,21 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 		return status.Errorf(codes.Internal, "encode the merged list: %v", err)
 	}
 	return ss.SendMsg(NewFrame(out))
+}
+
+type itemFilterKey struct{}
+
+// WithItemFilter makes the lists the proxy merges from every node keep
+// only the objects keep accepts, before they are cut into pages: a caller
+// whose rights cover some objects gets pages, page tokens and counts of
+// those alone (access control sets it for a conditional list).
+func WithItemFilter(ctx context.Context, keep func(protoreflect.Message) bool) context.Context {
+	return context.WithValue(ctx, itemFilterKey{}, keep)
+}
+
+func itemFilter(ctx context.Context) func(protoreflect.Message) bool {
+	keep, _ := ctx.Value(itemFilterKey{}).(func(protoreflect.Message) bool)
+	return keep
 }
 
 // localOnly serves a call on this node's backend while routing by object

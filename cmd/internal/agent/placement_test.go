@@ -616,6 +616,30 @@ func TestPlacementKeepsAccessControl(t *testing.T) {
 				t.Errorf("alice lists through %s: %s missing", n.Name, id)
 			}
 		}
+		// A page at a time, filtered by bob's name or not: her objects
+		// alone, one per page, and no token past the last of them, so
+		// that walking the tokens counts nothing of bob's.
+		for _, owner := range []string{"", "bob"} {
+			pages, items, token := 0, 0, ""
+			for range 20 {
+				r, err := vm.ListVMs(as(e.ctx(), alice), &vmv1.ListVMsRequest{PageSize: 1, PageToken: token, Owner: owner})
+				if err != nil {
+					t.Fatalf("alice pages through %s (owner %q): %v", n.Name, owner, err)
+				}
+				pages++
+				items += len(r.GetVms())
+				if token = r.GetNextPageToken(); token == "" {
+					break
+				}
+			}
+			want := len(mine)
+			if owner == "bob" {
+				want = 0
+			}
+			if items != want || pages != max(want, 1) {
+				t.Errorf("alice pages through %s (owner %q): %d items on %d pages, want %d on %d", n.Name, owner, items, pages, want, max(want, 1))
+			}
+		}
 	}
 }
 
