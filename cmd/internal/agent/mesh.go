@@ -301,7 +301,7 @@ func (a *Agent) proxyServerOptions() []grpc.ServerOption {
 // addTranscoder serves the backend APIs to Connect and gRPC-Web clients on
 // mux, through gs (the API port's gRPC server).
 func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server, wrap func(http.Handler) http.Handler) error {
-	t, err := mesh.NewTranscoder(apiServices, gs, cluster.MaxMessageBytes)
+	t, err := mesh.NewTranscoder(apiServices, gs, gateway.MaxGRPCRequestBytes)
 	if err != nil {
 		return err
 	}

@@ -316,3 +316,61 @@ func TestStreamsPerCallerAreBounded(t *testing.T) {
 		t.Fatalf("a place freed by a closed stream: %v", last)
 	}
 }
+
+// countingBody counts what the client handed to the connection.
+type countingBody struct {
+	r io.Reader
+	n atomic.Int64
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.r.Read(p)
+	b.n.Add(int64(n))
+	return n, err
+}
+
+// TestProxiedBodiesKeepTheREADMELimit: an authenticated caller's Connect
+// JSON body to a proxied API is held to the README's 4 MiB: one just over
+// it is refused (ResourceExhausted), and one of 30 MiB is cut without the
+// agent reading all of it (it buffered 32 MiB before).
+func TestProxiedBodiesKeepTheREADMELimit(t *testing.T) {
+	e := newAccessEnv(t, 1, nil)
+	e.c.WaitLeader(30 * time.Second)
+	viewer := e.token("vera", "viewer")
+	client := e.apiTransport(false, nil)
+	post := func(size int) (*http.Response, int64, error) {
+		prefix := `{"id":"`
+		body := &countingBody{r: io.MultiReader(strings.NewReader(prefix), io.LimitReader(repeatByte('a'), int64(size-len(prefix)-2)), strings.NewReader(`"}`))}
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, "https://"+e.n.APIAddr()+"/pivirt.vm.v1.VMService/GetVM", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.ContentLength = int64(size)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer "+viewer)
+		resp, err := client.Do(req)
+		if resp != nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		return resp, body.n.Load(), err
+	}
+	resp, _, err := post(5 << 20)
+	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("a 5 MiB Connect JSON GetVM: %v, %v; want 429 (resource_exhausted)", resp, err)
+	}
+	_, read, err := post(30 << 20)
+	if read > 20<<20 {
+		t.Errorf("a 30 MiB body: the agent took %d bytes of it before refusing it (%v); want it cut near the 8 MiB the transcoder buffers", read, err)
+	}
+}
+
+// repeatByte is an endless source of one byte.
+type repeatByte byte
+
+func (r repeatByte) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = byte(r)
+	}
+	return len(p), nil
+}
