@@ -238,13 +238,34 @@ func (k *keySet) VerifySignature(ctx context.Context, raw string) ([]byte, error
 		if keys = k.lookup(kid); len(keys) == 0 {
 			return nil, fmt.Errorf("unknown key ID %q", kid)
 		}
-	}
-	for _, key := range keys {
-		if payload, err := jws.Verify(key); err == nil {
-			return payload, nil
+	} else if payload, ok := verifyWith(jws, keys); ok {
+		return payload, nil
+	} else if kid != "" && k.limiter.Allow() {
+		// A known key ID whose key does not verify: the issuer may have
+		// replaced the key under the same ID. The keys are fetched again
+		// (within the same budget as for unknown IDs) and the token
+		// checked against what the issuer publishes now.
+		if err := k.refresh(ctx); err != nil {
+			return nil, err
 		}
+		keys = k.lookup(kid)
+	} else {
+		return nil, errors.New("signature does not verify")
+	}
+	if payload, ok := verifyWith(jws, keys); ok {
+		return payload, nil
 	}
 	return nil, errors.New("signature does not verify")
+}
+
+// verifyWith verifies jws with the first of keys that does.
+func verifyWith(jws *jose.JSONWebSignature, keys []jose.JSONWebKey) ([]byte, bool) {
+	for _, key := range keys {
+		if payload, err := jws.Verify(key); err == nil {
+			return payload, true
+		}
+	}
+	return nil, false
 }
 
 // lookup returns the keys for kid (every key when the token names none).

@@ -150,3 +150,39 @@ func TestClaimsMapping(t *testing.T) {
 		t.Errorf("a wrong issuer URL: %v", err)
 	}
 }
+
+// TestOIDCKeyReplacedUnderItsID: the issuer replaces a key under the same
+// key ID; a token of the new key fetches the JWKS again and is accepted,
+// and tokens whose signature fails under a known ID fetch it at most once
+// per interval.
+func TestOIDCKeyReplacedUnderItsID(t *testing.T) {
+	is := newIssuer(t)
+	is.NewKey(t, "k1", jose.RS256, true)
+	o := newOIDC(t, is, func(c *OIDCConfig) { c.RefetchInterval = time.Millisecond })
+	is.Unpublish("k1")
+	k1 := is.NewKey(t, "k1", jose.ES256, true)
+	token := k1.Sign(t, is.Claims("alice", nil))
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p, err := o.Verify(t.Context(), token)
+		if err == nil && p.Identity == "alice" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a token of the key replaced under k1 is still refused: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond) // the refetch interval
+	}
+
+	o = newOIDC(t, is, func(c *OIDCConfig) { c.RefetchInterval = time.Hour })
+	before := is.Fetches()
+	forger := oidctest.Key{KID: "k1", Alg: jose.ES256, Priv: is.NewKey(t, "other", jose.ES256, false).Priv}
+	for range 20 {
+		if _, err := o.Verify(t.Context(), forger.Sign(t, is.Claims("eve", nil))); err == nil {
+			t.Fatal("a token signed by another key under k1 was accepted")
+		}
+	}
+	if got := is.Fetches() - before; got != 0 {
+		t.Errorf("%d JWKS fetches after 20 bad signatures under a known ID within the interval, want none past the start", got)
+	}
+}

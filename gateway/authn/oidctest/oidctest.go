@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -88,6 +89,13 @@ func (is *Issuer) NewKey(t testing.TB, kid string, alg jose.SignatureAlgorithm, 
 		is.mu.Unlock()
 	}
 	return Key{KID: kid, Alg: alg, Priv: priv}
+}
+
+// Unpublish removes the keys of kid from the JWKS.
+func (is *Issuer) Unpublish(kid string) {
+	is.mu.Lock()
+	defer is.mu.Unlock()
+	is.keys = slices.DeleteFunc(is.keys, func(k jose.JSONWebKey) bool { return k.KeyID == kid })
 }
 
 // Sign makes a signed JWT of claims.
