@@ -145,6 +145,7 @@ cluster:
 auth:
   oidc:                 # the development issuer of pitrust dev-issuer: never for a real deployment
     issuer_url: http://$issuer_addr
+    allow_http_issuer: true   # http:// on loopback: development only
     client_id: pivirt-agent
   rbac_policy: $dir/rbac.yaml
   certificate_roles:

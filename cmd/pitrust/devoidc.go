@@ -34,6 +34,7 @@ Point agents at it with:
   auth:
     oidc:
       issuer_url: http://127.0.0.1:8440
+      allow_http_issuer: true   # development only
       client_id: ` + devoidc.Audience + `
 
 and get a token with pitrust dev-token --dir DIR --user alice --roles vm-owner,

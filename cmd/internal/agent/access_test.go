@@ -82,7 +82,7 @@ func newAccessEnvWith(t *testing.T, nodes int, backends func(int, *config.Config
 	e.c = agenttest.NewExpect(t, nodes, func(i int, cfg *config.Config) {
 		withTLS(e.dir)(i, cfg)
 		backends(i, cfg)
-		cfg.Auth.OIDC = config.OIDCConfig{IssuerURL: e.is.URL, ClientID: oidctest.Audience}
+		cfg.Auth.OIDC = config.OIDCConfig{IssuerURL: e.is.URL, ClientID: oidctest.Audience, AllowHTTPIssuer: true}
 		cfg.Auth.RBACPolicy = e.policy
 		cfg.Auth.CertificateRoles = map[string][]string{"ops-viewer": {"viewer"}, "ops-*": {"operator"}}
 		if mutate != nil {

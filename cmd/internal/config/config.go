@@ -445,6 +445,11 @@ type OIDCConfig struct {
 	// Keycloak).
 	IdentityClaim string `yaml:"identity_claim"`
 	RolesClaim    string `yaml:"roles_claim"`
+	// AllowHTTPIssuer accepts an http:// issuer on a loopback address
+	// (a development issuer such as pitrust dev-issuer): any local
+	// process that binds its port while it is down could mint tokens.
+	// --dev allows it; otherwise the issuer must be https://.
+	AllowHTTPIssuer bool `yaml:"allow_http_issuer"`
 }
 
 // LoggingConfig is the logging block. Output is "stdout", "stderr" or an absolute file path.

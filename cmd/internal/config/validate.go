@@ -367,7 +367,9 @@ func (c *Config) validateAuth(v *validator) {
 	case err != nil:
 		v.add("auth.oidc.issuer_url", "%w %q: %w", ErrInvalid, o.IssuerURL, err)
 	case u.Host == "" || (u.Scheme != "https" && !(u.Scheme == "http" && isLoopbackHost(u.Hostname()))):
-		v.add("auth.oidc.issuer_url", "%w %q: must be an https:// URL (http:// only on loopback)", ErrInvalid, o.IssuerURL)
+		v.add("auth.oidc.issuer_url", "%w %q: must be an https:// URL (http:// only on loopback, for development)", ErrInvalid, o.IssuerURL)
+	case u.Scheme == "http" && !o.AllowHTTPIssuer && !c.Dev:
+		v.add("auth.oidc.issuer_url", "%w %q: an http:// issuer is accepted only for development (--dev, or auth.oidc.allow_http_issuer: true): any local process that binds its port while it is down could sign tokens; use an https:// issuer", ErrInvalid, o.IssuerURL)
 	}
 	if o.ClientID == "" {
 		v.add("auth.oidc.client_id", "%w: required when auth.oidc.issuer_url is set", ErrInvalid)

@@ -125,7 +125,11 @@ func TestValidate(t *testing.T) {
 		// Auth.
 		{"oidc without client id", func(c *Config) { c.Auth.OIDC.IssuerURL = "https://auth.example/realms/x" }, []string{"auth.oidc.client_id: invalid value: required when auth.oidc.issuer_url is set"}},
 		{"oidc over http", func(c *Config) { c.Auth.OIDC = OIDCConfig{IssuerURL: "http://auth.example", ClientID: "a"} }, []string{`auth.oidc.issuer_url: invalid value "http://auth.example": must be an https:// URL`}},
-		{"oidc over http on loopback", func(c *Config) { c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a"} }, nil},
+		{"oidc over http on loopback", func(c *Config) { c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a"} }, []string{`auth.oidc.issuer_url: invalid value "http://127.0.0.1:5556/dex": an http:// issuer is accepted only for development`}},
+		{"oidc over http on loopback, allowed", func(c *Config) {
+			c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a", AllowHTTPIssuer: true}
+		}, nil},
+		{"oidc over http on loopback with --dev", func(c *Config) { c.Dev = true; c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a"} }, nil},
 
 		// Logging and tracing.
 		{"logging output relative", func(c *Config) { c.Logging.Output = "agent.log" }, []string{`logging.output: invalid value "agent.log": must be "stdout", "stderr" or an absolute file path`}},

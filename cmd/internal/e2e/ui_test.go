@@ -100,7 +100,7 @@ func startUIEnv(t *testing.T) *uiEnv {
 	if err := os.WriteFile(policy, []byte(referencePolicy(t)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	c.authExtra = fmt.Sprintf("  oidc:\n    issuer_url: %s\n    client_id: pivirt-agent\n  rbac_policy: %s\n", issuer, policy)
+	c.authExtra = fmt.Sprintf("  oidc:\n    issuer_url: %s\n    allow_http_issuer: true\n    client_id: pivirt-agent\n  rbac_policy: %s\n", issuer, policy)
 	startClusterOn(t, c)
 
 	shots := os.Getenv("PIVIRT_UI_SCREENSHOTS")
