@@ -788,3 +788,50 @@ func TestNormalizeSerial(t *testing.T) {
 		}
 	}
 }
+
+// TestRenewalRetiresTheRenewed: a certificate is renewed once. The same
+// request again (its answer lost) gets the same certificate; another key
+// is refused, naming the renewal; revoking the renewal revokes the
+// certificate it renewed (a lineage), so a copy of the old key cannot go
+// on beside a revoked successor.
+func TestRenewalRetiresTheRenewed(t *testing.T) {
+	c, _ := newTestCA(t, Config{ExternalURL: testURL, MaxDays: 20})
+	csr, key := newCSR(t)
+	certPEM, a, err := c.Issue(csr, serverGrant("web1"), "alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cur [][]byte
+	for _, cert := range parseLeaf(t, certPEM) {
+		cur = append(cur, cert.Raw)
+	}
+	req, _, err := identity.NewRenewalRequest(cur, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, b, err := c.Renew(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, b2, err := c.Renew(req)
+	if err != nil || b2.Serial != b.Serial || parseLeaf(t, again)[0].SerialNumber.Cmp(parseLeaf(t, b.CertPEM)[0].SerialNumber) != 0 {
+		t.Fatalf("the same renewal again: %s, %v; want serial %s again", b2.Serial, err, b.Serial)
+	}
+	other, _, err := identity.NewRenewalRequest(cur, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.Renew(other); !errors.Is(err, identity.ErrRenewalRefused) || !strings.Contains(err.Error(), "renewed already (serial "+b.Serial) {
+		t.Fatalf("a second renewal of %s with another key: %v, want a refusal naming %s", a.Serial, err, b.Serial)
+	}
+	revoked, err := c.Revoke(b.Serial, "", "keyCompromise")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(revoked) != 2 || revoked[0].Serial != b.Serial || revoked[1].Serial != a.Serial {
+		t.Fatalf("revoking the renewal %s revoked %+v, want it and %s, which it renewed", b.Serial, revoked, a.Serial)
+	}
+	if got, _ := c.Get(a.Serial); got.Status != StatusRevoked {
+		t.Fatalf("the renewed certificate after its renewal's revocation: %+v", got)
+	}
+}

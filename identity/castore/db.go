@@ -181,12 +181,25 @@ func (d *DB) revoke(serial, name, reason string, now time.Time, by string) ([]Re
 			}
 			if serial != "" {
 				// Renewals of a revoked certificate go with it: whoever held
-				// its key may have renewed it first.
+				// its key may have renewed it first. So do the certificates
+				// it renewed (a lineage: whoever held the new key may have
+				// held the old one).
 				kids, err := renewalsOf(tx, s)
 				if err != nil {
 					return err
 				}
-				serials = append(serials, kids...)
+				for _, k := range kids {
+					if !slices.Contains(serials, k) {
+						serials = append(serials, k)
+					}
+				}
+				if parent, ok := strings.CutPrefix(rec.IssuedBy, "renewal of "); ok {
+					if p, err := NormalizeSerial(parent); err == nil && !slices.Contains(serials, p) {
+						if _, err := getRecord(tx, p); err == nil {
+							serials = append(serials, p)
+						}
+					}
+				}
 			}
 			if rec.Status == StatusRevoked {
 				if serial != "" && i == 0 {
@@ -215,6 +228,26 @@ func (d *DB) revoke(serial, name, reason string, now time.Time, by string) ([]Re
 }
 
 // renewalsOf returns the serials of the certificates renewed from serial.
+// renewals returns the records of the renewals of serial.
+func (d *DB) renewals(serial string) ([]Record, error) {
+	var out []Record
+	err := d.bolt.View(func(tx *bolt.Tx) error {
+		kids, err := renewalsOf(tx, serial)
+		if err != nil {
+			return err
+		}
+		for _, k := range kids {
+			rec, err := getRecord(tx, k)
+			if err != nil {
+				return err
+			}
+			out = append(out, rec)
+		}
+		return nil
+	})
+	return out, err
+}
+
 func renewalsOf(tx *bolt.Tx, serial string) ([]string, error) {
 	var out []string
 	by := "renewal of " + serial

@@ -2,6 +2,7 @@ package castore
 
 import (
 	"bytes"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/ed25519"
 	"crypto/elliptic"
@@ -177,6 +178,26 @@ func (c *CA) Renew(req identity.RenewalRequest) ([]byte, Record, error) {
 	if cur != nil {
 		by = "renewal of " + serialString(cur.SerialNumber)
 	}
+	if cur != nil {
+		// A certificate is renewed once: its renewal retires it. The same
+		// request again (its answer was lost) gets the same certificate;
+		// any other is refused, so that a copy of a renewed key cannot
+		// renew again beside its successor.
+		prior, err := c.db.renewals(serialString(cur.SerialNumber))
+		if err != nil {
+			return nil, Record{}, err
+		}
+		for _, p := range prior {
+			if csr, err := x509.ParseCertificateRequest(req.CSR); err == nil && p.StatusAt(now) == StatusValid && samePublicKey(p.CertPEM, csr.PublicKey) {
+				return append(slices.Clone(p.CertPEM), pemCert(c.x1.Raw)...), p.at(now), nil
+			}
+		}
+		if len(prior) > 0 {
+			p := prior[len(prior)-1]
+			return nil, Record{}, c.refuse(by, name, fmt.Errorf("%w: serial %s was renewed already (serial %s, %s): a certificate is renewed once; renew serial %s, or request a new certificate",
+				identity.ErrRenewalRefused, serialString(cur.SerialNumber), p.Serial, p.StatusAt(now), p.Serial))
+		}
+	}
 	ttl := time.Duration(c.cfg.MaxDays) * 24 * time.Hour
 	if cur != nil {
 		life := cur.NotAfter.Sub(cur.NotBefore)
@@ -203,4 +224,18 @@ func (c *CA) Renew(req identity.RenewalRequest) ([]byte, Record, error) {
 		return nil, Record{}, err
 	}
 	return out, rec, nil
+}
+
+// samePublicKey reports whether the certificate of certPEM is for pub.
+func samePublicKey(certPEM []byte, pub any) bool {
+	b, _ := pem.Decode(certPEM)
+	if b == nil {
+		return false
+	}
+	cert, err := x509.ParseCertificate(b.Bytes)
+	if err != nil {
+		return false
+	}
+	k, ok := cert.PublicKey.(interface{ Equal(crypto.PublicKey) bool })
+	return ok && k.Equal(pub)
 }
