@@ -215,7 +215,12 @@ func (is *Issuer) authorize(w http.ResponseWriter, r *http.Request) {
 	}
 	user, rolesField := strings.TrimSpace(f.Get("user")), f.Get("roles")
 	p := is.formPage(ar, user, rolesField)
-	if is.secret == "" || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(f.Get("password"))), []byte(is.secret)) != 1 {
+	switch is.checkSecret(r, "sign-in page", f.Get("password")) {
+	case secretLimited:
+		p.Error = "Too many wrong passwords lately: wait a few seconds."
+		is.page(w, http.StatusTooManyRequests, p)
+		return
+	case secretWrong:
 		p.Error = "Wrong password: it is the content of " + p.SecretPath + "."
 		is.page(w, http.StatusUnauthorized, p)
 		return
@@ -285,7 +290,14 @@ func (is *Issuer) exchange(w http.ResponseWriter, r *http.Request) {
 		// A public client sends none; a client that authenticates must
 		// do it right.
 		id, secret, ok := r.BasicAuth()
-		if !ok || id != Audience || subtle.ConstantTimeCompare([]byte(secret), []byte(is.secret)) != 1 {
+		if !ok || id != Audience {
+			secret = ""
+		}
+		switch is.checkSecret(r, "token endpoint (authorization_code)", secret) {
+		case secretLimited:
+			fail(http.StatusTooManyRequests, "slow_down", limitedAnswer)
+			return
+		case secretWrong:
 			w.Header().Set("WWW-Authenticate", `Basic realm="pivirt dev OIDC issuer"`)
 			fail(http.StatusUnauthorized, "invalid_client", "a client that authenticates is "+Audience+" with the secret in "+SecretFile+"; a public client sends no Authorization header")
 			return

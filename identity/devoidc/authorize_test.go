@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"os"
@@ -667,4 +668,49 @@ func TestCodeTableBounded(t *testing.T) {
 	if resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("a long token request: %s, want 400", resp.Status)
 	}
+}
+
+// TestWrongSecretsAreLimited: a burst of wrong client secrets is logged and
+// then refused without comparing (429, slow_down), the right secret too,
+// until the budget refills.
+func TestWrongSecretsAreLimited(t *testing.T) {
+	ti := startIssuer(t)
+	var logs strings.Builder
+	var mu sync.Mutex
+	ti.Logger = slog.New(slog.NewTextHandler(&lockedWriter{w: &logs, mu: &mu}, nil))
+	cc := url.Values{"grant_type": {"client_credentials"}, "user": {"bob"}, "roles": {"viewer"}}
+	with := func(secret string) http.Header {
+		req, _ := http.NewRequest(http.MethodPost, "/", nil)
+		req.SetBasicAuth(Audience, secret)
+		return req.Header
+	}
+	limited := 0
+	for range failedBurst + 10 {
+		resp, _ := ti.do(t, http.MethodPost, ti.URL+"/token", cc, with("guess"))
+		if resp.StatusCode == http.StatusTooManyRequests {
+			limited++
+		}
+	}
+	if limited == 0 {
+		t.Fatalf("%d wrong secrets in a burst: none refused without comparing", failedBurst+10)
+	}
+	if resp, body := ti.do(t, http.MethodPost, ti.URL+"/token", cc, with(ti.secret)); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(body, "slow_down") {
+		t.Errorf("the right secret right after the burst: %s %s, want 429 slow_down", resp.Status, body)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !strings.Contains(logs.String(), "dev-issuer: refused") || !strings.Contains(logs.String(), "wrong secret") {
+		t.Errorf("no log line of the refusals:\n%s", logs.String())
+	}
+}
+
+type lockedWriter struct {
+	w  *strings.Builder
+	mu *sync.Mutex
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

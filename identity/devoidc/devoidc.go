@@ -15,7 +15,6 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/subtle"
 	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
@@ -25,6 +24,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
@@ -240,6 +240,9 @@ type Issuer struct {
 	// now is the clock of the authorization codes' expiry; nil: time.Now.
 	now   func() time.Time
 	codes codeTable
+	// Logger receives the refusals of wrong secrets; nil: slog.Default().
+	Logger  *slog.Logger
+	secrets secrets
 }
 
 // Listen opens addr (a loopback address; port 0 picks one) for the issuer
@@ -354,7 +357,14 @@ func (is *Issuer) token(w http.ResponseWriter, r *http.Request) {
 // authenticates with the secret and names the user and roles.
 func (is *Issuer) clientCredentials(w http.ResponseWriter, r *http.Request) {
 	id, secret, ok := r.BasicAuth()
-	if !ok || id != Audience || subtle.ConstantTimeCompare([]byte(secret), []byte(is.secret)) != 1 {
+	if !ok || id != Audience {
+		secret = ""
+	}
+	switch is.checkSecret(r, "token endpoint (client_credentials)", secret) {
+	case secretLimited:
+		writeJSON(w, http.StatusTooManyRequests, map[string]string{"error": "slow_down", "error_description": limitedAnswer})
+		return
+	case secretWrong:
 		w.Header().Set("WWW-Authenticate", `Basic realm="pivirt dev OIDC issuer"`)
 		writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "invalid_client",
 			"error_description": "authenticate as client " + Audience + " with the secret in " + SecretFile + " of the issuer's directory"})
