@@ -163,6 +163,8 @@ type CA struct {
 	signer     *x509.Certificate
 	signerKey  crypto.Signer
 	crlBuildMu sync.Mutex // one CRL build at a time, installed in order
+
+	ocsp ocspBudget
 }
 
 // Open opens (or creates) the database, loads the CA from CertsDir,

@@ -835,3 +835,41 @@ func TestRenewalRetiresTheRenewed(t *testing.T) {
 		t.Fatalf("the renewed certificate after its renewal's revocation: %+v", got)
 	}
 }
+
+// TestOCSPSigningBudget: the same question asked again and again is
+// answered from the responses already signed; a flood of different ones
+// meets the signing budget and gets tryLater (and a log line), not a
+// signature each.
+func TestOCSPSigningBudget(t *testing.T) {
+	c, _ := newTestCA(t, Config{ExternalURL: testURL})
+	csr, _ := newCSR(t)
+	certPEM, _, err := c.Issue(csr, serverGrant("web1"), "alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := parseLeaf(t, certPEM)[0]
+	same, err := ocsp.CreateRequest(leaf, c.Intermediate(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 * ocspSignBurst {
+		a, _ := c.answerOCSP(same)
+		if r, err := ocsp.ParseResponse(a.der, c.Intermediate()); err != nil || r.Status != ocsp.Good {
+			t.Fatalf("the same question, %d: %v, %v", i, r, err)
+		}
+	}
+	tryLater := 0
+	for i := range 3 * ocspSignBurst {
+		req, err := ocsp.CreateRequest(&x509.Certificate{SerialNumber: big.NewInt(int64(1_000_000 + i))}, c.Intermediate(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, _ := c.answerOCSP(req)
+		if _, err := ocsp.ParseResponse(a.der, c.Intermediate()); isResponseError(err, ocsp.TryLater) {
+			tryLater++
+		}
+	}
+	if tryLater == 0 {
+		t.Fatalf("%d different questions at once: every one signed", 3*ocspSignBurst)
+	}
+}

@@ -17,9 +17,11 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/crypto/ocsp"
+	"golang.org/x/time/rate"
 
 	"pilab.hu/pivirt-agent/identity"
 )
@@ -188,13 +190,88 @@ func (c *CA) answerOCSP(raw []byte) (ocspAnswer, int) {
 		c.cfg.Logger.Error("OCSP: read the inventory", "err", err)
 		return ocspAnswer{der: ocsp.InternalErrorErrorResponse}, http.StatusOK
 	}
+	key2 := fmt.Sprintf("%x|%d|%d|%d|%s|%x", req.SerialNumber, req.HashAlgorithm, tmpl.Status, tmpl.RevocationReason, tmpl.RevokedAt.UTC().Format(time.RFC3339Nano), signer.SerialNumber)
+	if a, ok := c.ocsp.cached(key2, now); ok {
+		return a, http.StatusOK
+	}
+	if !c.ocsp.sign() {
+		if c.ocsp.logRefusal() {
+			c.cfg.Logger.Warn("OCSP: over the signing budget: answering tryLater", "per_second", ocspSignsPerSecond, "burst", ocspSignBurst)
+		}
+		return ocspAnswer{der: ocsp.TryLaterErrorResponse}, http.StatusOK
+	}
 	der, err := ocsp.CreateResponse(c.x1, signer, tmpl, key)
 	if err != nil {
 		c.cfg.Logger.Error("OCSP: sign the response", "err", err)
 		return ocspAnswer{der: ocsp.InternalErrorErrorResponse}, http.StatusOK
 	}
-	return ocspAnswer{der: der, next: tmpl.NextUpdate}, http.StatusOK
+	a := ocspAnswer{der: der, next: tmpl.NextUpdate}
+	// Reused for the first half of its validity: the same question
+	// (serial, hash, status) costs no signature meanwhile.
+	c.ocsp.store(key2, a, now.Add(tmpl.NextUpdate.Sub(now)/2))
+	return a, http.StatusOK
 }
+
+// The OCSP responder signs at most ocspSignsPerSecond responses a second
+// (a burst of ocspSignBurst); past that it answers tryLater (RFC 6960,
+// unsigned) and logs it at most once a second. Answers are reused for the
+// first half of their validity (at most ocspCacheMax of them), so clients
+// asking about the same certificates cost no signature: only a flood of
+// different questions meets the budget.
+const (
+	ocspSignsPerSecond = 200
+	ocspSignBurst      = 400
+	ocspCacheMax       = 8192
+)
+
+type ocspBudget struct {
+	once   sync.Once
+	signs  *rate.Limiter
+	logged *rate.Limiter
+
+	mu    sync.Mutex
+	cache map[string]ocspCached
+}
+
+type ocspCached struct {
+	answer ocspAnswer
+	until  time.Time
+}
+
+func (b *ocspBudget) init() {
+	b.once.Do(func() {
+		b.signs = rate.NewLimiter(ocspSignsPerSecond, ocspSignBurst)
+		b.logged = rate.NewLimiter(1, 1)
+		b.cache = make(map[string]ocspCached)
+	})
+}
+
+func (b *ocspBudget) cached(key string, now time.Time) (ocspAnswer, bool) {
+	b.init()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, ok := b.cache[key]
+	if !ok || !now.Before(e.until) {
+		return ocspAnswer{}, false
+	}
+	return e.answer, true
+}
+
+func (b *ocspBudget) store(key string, a ocspAnswer, until time.Time) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.cache) >= ocspCacheMax {
+		clear(b.cache)
+	}
+	b.cache[key] = ocspCached{answer: a, until: until}
+}
+
+func (b *ocspBudget) sign() bool {
+	b.init()
+	return b.signs.Allow()
+}
+
+func (b *ocspBudget) logRefusal() bool { return b.logged.Allow() }
 
 // parseOCSPRequest parses a DER OCSP request (the handler's parsing,
 // fuzzed): one request about a serial, with a hash the responder knows.
