@@ -20,8 +20,18 @@ tests=(
   # TLS, key files, the management port, log floods
   TestHandshakes TestStartRefusesBadTLS TestKeyPermissions TestManagementCallers
   TestDebugVarsWithoutCommandLine TestGossipLogLinesKeyOnTheEvent
-  # the development OIDC issuer: loopback only, its secret required, another key's tokens refused
-  TestDevIssuerAndToken TestDevIssuerTokens TestLogin
+  # the development OIDC issuer: loopback only, its secret required, another key's tokens refused,
+  # wrong secrets limited; http:// issuers only for development
+  TestDevIssuerAndToken TestDevIssuerTokens TestLogin TestWrongSecretsAreLimited TestValidate
+  # one agent's key acts only as its node; callers relayed and checked where they execute;
+  # one cluster's key on a shared CA is refused by the others
+  TestAgentCertificateActsOnlyAsItsNode TestAnotherClusterOnTheSameCAIsRefused TestPlacementKeepsAccessControl
+  TestIssueWithToken TestRenewalRetiresTheRenewed TestRevokedCertificates
+  # plans and inspections refused on declared sizes; proxied bodies to the README's limit;
+  # the audit trail is not a log level; OIDC keys replaced under their ID; OCSP signing budget;
+  # gossip members that never proved their name are forgotten
+  TestPlanRestoreRefusesABomb TestProxiedBodiesKeepTheREADMELimit TestAuditIsNotALogLevel
+  TestOIDCKeyReplacedUnderItsID TestOCSPSigningBudget TestReapForgetsUnprovenMembersSooner
 )
 pattern="^($(IFS='|'; echo "${tests[*]}"))\$"
 found=$(go test -list "$pattern" ./... | grep -E '^Test' | sort -u)

@@ -381,6 +381,7 @@ func (a *Agent) proposePlacements(ctx context.Context, op *fsmv1.SetPlacements) 
 	if id, _ := a.cons.Leader(); a.cfg.ServiceDiscovery.Type != config.DiscoveryEtcd && id != a.nodeID {
 		return connect.NewError(connect.CodeFailedPrecondition, errors.New("not the leader"))
 	}
+	op = a.heldElsewhere(op)
 	data, err := fsm.Encode(&fsmv1.Command{Time: timestamppb.Now(), Op: &fsmv1.Command_SetPlacements{SetPlacements: op}})
 	if err != nil {
 		return connect.NewError(connect.CodeInternal, err)
@@ -393,6 +394,50 @@ func (a *Agent) proposePlacements(ctx context.Context, op *fsmv1.SetPlacements) 
 		return connect.NewError(connect.CodeInvalidArgument, r.Err)
 	}
 	return nil
+}
+
+// heldElsewhere leaves out of a node's report the objects the catalog
+// places on another node that is alive: a node reports what its own
+// backends hold, and cannot take another live node's objects by naming
+// them. A migration completes when the old node's listing no longer has
+// the object (its entry goes) and the new node's next report places it.
+func (a *Agent) heldElsewhere(op *fsmv1.SetPlacements) *fsmv1.SetPlacements {
+	if a.gossip == nil || len(op.GetUpsert()) == 0 {
+		return op
+	}
+	st := a.fsm.State()
+	var keep []*fsmv1.Placement
+	held := 0
+	for i, e := range op.GetUpsert() {
+		p, err := st.Placement(e.GetKind(), e.GetId())
+		taken := err == nil && p != nil && p.GetNode() != op.GetNode() && a.memberAlive(p.GetNode())
+		if taken && keep == nil {
+			keep = append(make([]*fsmv1.Placement, 0, len(op.GetUpsert())), op.GetUpsert()[:i]...)
+		}
+		switch {
+		case taken:
+			held++
+		case keep != nil:
+			keep = append(keep, e)
+		}
+	}
+	if held == 0 {
+		return op
+	}
+	a.logger.Debug("placement catalog: objects another live node holds are left where they are until it stops listing them", "node", op.GetNode(), "objects", held)
+	out := proto.Clone(op).(*fsmv1.SetPlacements)
+	out.Upsert = keep
+	return out
+}
+
+// memberAlive reports whether the gossip ring sees node alive.
+func (a *Agent) memberAlive(node string) bool {
+	for _, m := range a.gossip.Members() {
+		if m.Name == node {
+			return m.Status == cluster.StatusAlive
+		}
+	}
+	return false
 }
 
 // retireFromCatalog removes every entry of node from the placement

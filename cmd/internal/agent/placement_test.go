@@ -24,7 +24,9 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	networkv1 "pilab.hu/pivirt-agent/proto/pivirt/network/v1"
+	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/network/v1/networkv1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 	simv1 "pilab.hu/pivirt-agent/proto/pivirt/sim/v1"
@@ -640,6 +642,27 @@ func TestPlacementKeepsAccessControl(t *testing.T) {
 				t.Errorf("alice pages through %s (owner %q): %d items on %d pages, want %d on %d", n.Name, owner, items, pages, want, max(want, 1))
 			}
 		}
+	}
+
+	// node1's agent certificate reports bob's VM on node2 as its own: the
+	// report is taken (it is node1's), the VM stays on node2, which is
+	// alive and lists it.
+	bobs := theirs[1] // created on node2
+	leader := e.c.WaitLeader(30 * time.Second)
+	agenttest.Eventually(t, 30*time.Second, "the catalog places bob's VM on node2", func() error {
+		if p, err := leader.FSM().State().Placement("virtualmachines", bobs); err != nil || p.GetNode() != "node2" {
+			return fmt.Errorf("placement of %s: %v, %v", bobs, p, err)
+		}
+		return nil
+	})
+	conn := dialInternal(t, e.dir, leader.InternalAddr(), [2]string{filepath.Join(e.dir, "pivirt-agent-node1.crt"), filepath.Join(e.dir, "pivirt-agent-node1.key")})
+	if _, err := nodev1.NewNodeServiceClient(conn).ReportPlacements(e.ctx(), &nodev1.ReportPlacementsRequest{Placements: &fsmv1.SetPlacements{
+		Node: "node1", Upsert: []*fsmv1.Placement{{Kind: "virtualmachines", Id: bobs}},
+	}}); err != nil {
+		t.Fatalf("node1 reports its placements: %v", err)
+	}
+	if p, err := leader.FSM().State().Placement("virtualmachines", bobs); err != nil || p.GetNode() != "node2" {
+		t.Errorf("after node1 claimed bob's VM %s on node2: placed %v, %v; want it left on node2", bobs, p, err)
 	}
 }
 
