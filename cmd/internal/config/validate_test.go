@@ -129,7 +129,10 @@ func TestValidate(t *testing.T) {
 		{"oidc over http on loopback, allowed", func(c *Config) {
 			c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a", AllowHTTPIssuer: true}
 		}, nil},
-		{"oidc over http on loopback with --dev", func(c *Config) { c.Dev = true; c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a"} }, nil},
+		{"oidc over http on loopback with --dev", func(c *Config) {
+			c.Dev = true
+			c.Auth.OIDC = OIDCConfig{IssuerURL: "http://127.0.0.1:5556/dex", ClientID: "a"}
+		}, nil},
 
 		// Logging and tracing.
 		{"logging output relative", func(c *Config) { c.Logging.Output = "agent.log" }, []string{`logging.output: invalid value "agent.log": must be "stdout", "stderr" or an absolute file path`}},
