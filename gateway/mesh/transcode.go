@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"mime"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 
@@ -34,7 +35,7 @@ func NewTranscoder(services []protoreflect.ServiceDescriptor, grpcHandler http.H
 	if err != nil {
 		return nil, fmt.Errorf("transcoder: %w", err)
 	}
-	return connectDefaults(t), nil
+	return connectDefaults(t, int64(buffer)), nil
 }
 
 // supportedContentTypes are the content types of the protocols the
@@ -51,7 +52,12 @@ var supportedContentTypes = []string{
 // without the optional Connect-Protocol-Version header, which vanguard
 // would not recognise (it answers a bare 404). A request in no supported
 // protocol gets 415 naming the supported content types.
-func connectDefaults(next http.Handler) http.Handler {
+//
+// A unary request whose declared length is more than the transcoder
+// buffers (maxBody) is refused with resource_exhausted before any of it is
+// read, in the protocol's own form: vanguard would stop reading it and
+// answer unavailable.
+func connectDefaults(next http.Handler, maxBody int64) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet {
 			next.ServeHTTP(w, r) // Connect GET: ?encoding=…&message=…
@@ -65,6 +71,22 @@ func connectDefaults(next http.Handler) http.Handler {
 			_, _ = fmt.Fprintf(w, `{"code":"unimplemented","message":%q}`,
 				fmt.Sprintf("%s %s with content type %q: this endpoint speaks Connect (POST with %s; GET for idempotent methods), gRPC-Web and gRPC", r.Method, r.URL.Path, r.Header.Get("Content-Type"), strings.Join(supportedContentTypes[:4], ", ")))
 			return
+		}
+		if r.ContentLength > maxBody {
+			msg := fmt.Sprintf("a request body of %d bytes: more than the %d this API reads (a message is at most %d bytes)", r.ContentLength, maxBody, maxBody/2)
+			if strings.HasPrefix(ct, "application/grpc-web") {
+				w.Header().Set("Content-Type", ct)
+				w.Header().Set("Grpc-Status", "8") // RESOURCE_EXHAUSTED
+				w.Header().Set("Grpc-Message", url.PathEscape(msg))
+				w.WriteHeader(http.StatusOK)
+				return
+			}
+			if ct == "application/proto" || ct == "application/json" {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusTooManyRequests) // Connect's resource_exhausted
+				_, _ = fmt.Fprintf(w, `{"code":"resource_exhausted","message":%q}`, msg)
+				return
+			}
 		}
 		if (ct == "application/proto" || ct == "application/json") && r.Header.Get("Connect-Protocol-Version") == "" {
 			r.Header.Set("Connect-Protocol-Version", "1")

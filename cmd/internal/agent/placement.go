@@ -82,13 +82,15 @@ func (a *Agent) refusedMember(m cluster.Member) bool {
 	}
 	refused, due := a.admission.Refused(m)
 	if refused && due {
-		if _, busy := a.proving.LoadOrStore(m.Name, true); !busy {
-			a.wg.Go(func() {
+		if _, busy := a.proving.LoadOrStore(m.Name, true); !busy && a.ctx.Err() == nil {
+			// Not in a.wg, which start-time work alone joins: this ends
+			// within peerAdmitTimeout, or with the agent's context.
+			go func() {
 				defer a.proving.Delete(m.Name)
 				ctx, cancel := context.WithTimeout(a.ctx, peerAdmitTimeout)
 				defer cancel()
 				_ = a.admission.Admit(ctx, m)
-			})
+			}()
 		}
 	}
 	return refused
