@@ -124,6 +124,12 @@ func headerPrincipal(ctx context.Context) context.Context {
 	return authz.WithPrincipal(ctx, who)
 }
 
+// WithStreamContext is ss with ctx as its context (an interceptor's
+// additions to the call's context, for the handler).
+func WithStreamContext(ss grpc.ServerStream, ctx context.Context) grpc.ServerStream {
+	return &ctxStream{ServerStream: ss, ctx: ctx}
+}
+
 // ctxStream is a server stream with another context.
 type ctxStream struct {
 	grpc.ServerStream

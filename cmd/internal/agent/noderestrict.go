@@ -116,20 +116,12 @@ func (a *Agent) internalStream(srv any, ss grpc.ServerStream, info *grpc.StreamS
 	if err != nil {
 		return err
 	}
-	ss = &contextStream{ServerStream: ss, ctx: ctx}
+	ss = mesh.WithStreamContext(ss, ctx)
 	if relayed {
 		return a.guard.StreamServerInterceptor()(srv, ss, info, handler)
 	}
 	return handler(srv, ss)
 }
-
-// contextStream is a server stream with another context.
-type contextStream struct {
-	grpc.ServerStream
-	ctx context.Context
-}
-
-func (s *contextStream) Context() context.Context { return s.ctx }
 
 // admitInternal decides a call of the internal port: relayed is true when
 // it carries a caller, authenticated into ctx, whose RBAC check the
