@@ -28,6 +28,7 @@ func (s *Server) renewOwnLoop(ctx context.Context) {
 		if _, err := s.renewOwn(); err != nil {
 			s.logger.Error("renewal of the server's own certificate failed; retrying in an hour", "error", err)
 		}
+		s.renewPasses.Add(1)
 		select {
 		case <-ctx.Done():
 			return
@@ -43,6 +44,8 @@ func (s *Server) renewOwnLoop(ctx context.Context) {
 // changed by hand meanwhile). A certificate from elsewhere is left to its
 // owner. It reports whether it renewed.
 func (s *Server) renewOwn() (bool, error) {
+	s.renewMu.Lock()
+	defer s.renewMu.Unlock()
 	leaf := s.src.Leaf()
 	pair := s.src.Certificate()
 	if leaf == nil || pair == nil || leaf.CheckSignatureFrom(s.ca.Intermediate()) != nil {

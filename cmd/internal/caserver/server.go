@@ -26,6 +26,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -68,6 +69,10 @@ type Server struct {
 	svc    *service
 	// certFile is the server's own certificate file.
 	certFile string
+	// renewMu serialises renewOwn; renewPasses counts the passes of
+	// renewOwnLoop (a test waits for the first before renewing itself).
+	renewMu     sync.Mutex
+	renewPasses atomic.Int64
 }
 
 // New listens on cfg.Server.Addr, opens the CA and its database, and loads

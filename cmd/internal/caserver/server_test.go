@@ -732,6 +732,15 @@ func TestRenewOwnCertificate(t *testing.T) {
 	e.cfg.Now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	e.cfg.Policy.DefaultDays = 3
 	r := e.start(t)
+	// The server's own loop looks once at start, then hourly: let that
+	// look pass before moving the clock.
+	deadline := time.Now().Add(20 * time.Second)
+	for r.srv.renewPasses.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the renewal loop did not make its first pass")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	old := r.srv.src.Leaf()
 	if renewed, err := r.srv.renewOwn(); renewed || err != nil {
 		t.Fatalf("renewed a fresh certificate: %v %v", renewed, err)
