@@ -82,6 +82,10 @@ fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go 
 security: ## the security suite: every attack of the README's threat model against real agents (make test runs these too)
 	scripts/security.sh
 
+.PHONY: conformance
+conformance: ## the ConnectRPC conformance suite (pinned in conformance/go.mod) through a real agent to the suite's reference server as a routed gRPC backend
+	scripts/conformance.sh
+
 .PHONY: soak
 DURATION ?= 10m
 soak: ## mixed traffic through 3 real agents with leader kills for DURATION (default 10m): errors, p99, memory

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,7 +39,13 @@ type SourceConfig struct {
 	CertFile, KeyFile string
 	// CAFile holds the CAs trusted for peers (e.g. ca-chain.pem).
 	CAFile string
-	Logger *slog.Logger
+	// PinnedClients lets CAFile also hold self-signed client
+	// certificates (not CAs, with the client-auth usage): each is
+	// trusted as itself, as an SSH authorized key is (a test client's
+	// own certificate, a tool that makes its own). Any other non-CA
+	// certificate is still refused.
+	PinnedClients bool
+	Logger        *slog.Logger
 }
 
 // material is one consistent load of a Source's files.
@@ -48,9 +55,24 @@ type material struct {
 	roots *x509.CertPool
 	// inter holds the non-self-signed certificates of CAFile, offered as
 	// intermediates when verifying peers.
-	inter  *x509.CertPool
+	inter *x509.CertPool
+	// pinned names the self-signed client certificates of CAFile
+	// trusted as themselves (SourceConfig.PinnedClients).
+	pinned []string
 	stamps []fileStamp
 }
+
+// pinnableClient: a self-signed certificate for client authentication
+// only, which may be trusted as itself.
+func pinnableClient(c *x509.Certificate) bool {
+	return bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignature(c.SignatureAlgorithm, c.RawTBSCertificate, c.Signature) == nil &&
+		slices.Contains(c.ExtKeyUsage, x509.ExtKeyUsageClientAuth) &&
+		!slices.Contains(c.ExtKeyUsage, x509.ExtKeyUsageServerAuth) && !slices.Contains(c.ExtKeyUsage, x509.ExtKeyUsageAny)
+}
+
+// Pinned names the self-signed client certificates the Source trusts as
+// themselves (SourceConfig.PinnedClients).
+func (s *Source) Pinned() []string { return s.material().pinned }
 
 type fileStamp struct {
 	path  string
@@ -130,8 +152,18 @@ func (s *Source) load() (*material, error) {
 	}
 	roots := 0
 	for _, c := range cas {
+		if !c.IsCA && s.cfg.PinnedClients && pinnableClient(c) {
+			m.roots.AddCert(c)
+			roots++
+			m.pinned = append(m.pinned, c.Subject.String())
+			continue
+		}
 		if !c.IsCA {
-			return nil, fmt.Errorf("tls: ca file %s: %q is not a CA certificate", s.cfg.CAFile, c.Subject.CommonName)
+			hint := ""
+			if s.cfg.PinnedClients {
+				hint = " (a client certificate trusted as itself must be self-signed and have the client-auth usage)"
+			}
+			return nil, fmt.Errorf("tls: ca file %s: %q is not a CA certificate%s", s.cfg.CAFile, c.Subject.CommonName, hint)
 		}
 		if c.CheckSignatureFrom(c) == nil {
 			m.roots.AddCert(c)

@@ -1,11 +1,17 @@
 package identity
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"fmt"
 	"io"
+	"math/big"
 	"net"
 	"os"
 	"path/filepath"
@@ -468,4 +474,87 @@ func mustRead(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// selfSigned makes a self-signed certificate (RSA, as the ConnectRPC
+// conformance suite's client certificate) with the given usages and CA
+// bit, and returns its PEM and the key pair.
+func selfSigned(t *testing.T, cn string, isCA bool, usages ...x509.ExtKeyUsage) ([]byte, tls.Certificate) {
+	t.Helper()
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages, BasicConstraintsValid: true, IsCA: isCA,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pemBytes := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	pair, err := tls.X509KeyPair(pemBytes, pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pemBytes, pair
+}
+
+// TestPinnedClientCertificates: with PinnedClients, a CA file may also
+// hold a client's own self-signed certificate, trusted as itself in a
+// real handshake beside the PiTrust chain; other non-CA certificates are
+// still refused, and without PinnedClients every non-CA certificate is.
+func TestPinnedClientCertificates(t *testing.T) {
+	p := newPKI(t)
+	server := p.issue(LeafRequest{Kind: KindServer, Name: "api", IPs: []net.IP{net.ParseIP("127.0.0.1")}})
+	client := p.issue(LeafRequest{Kind: KindClient, Name: "operator"})
+	pinnedPEM, pinned := selfSigned(t, "Conformance Client", false, x509.ExtKeyUsageClientAuth)
+	_, other := selfSigned(t, "Not Pinned", false, x509.ExtKeyUsageClientAuth)
+	serverPEM, _ := selfSigned(t, "A Server", false, x509.ExtKeyUsageServerAuth)
+	dir := t.TempDir()
+	write := func(name string, parts ...[]byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, bytes.Join(parts, []byte("\n")), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	chain := mustRead(t, p.chain())
+	withPinned := write("client-ca.pem", chain, pinnedPEM)
+
+	if _, err := NewSource(SourceConfig{CertFile: server.Cert, KeyFile: server.Key, CAFile: withPinned}); err == nil || !strings.Contains(err.Error(), "is not a CA certificate") {
+		t.Fatalf("without PinnedClients: %v, want a refusal", err)
+	}
+	if _, err := NewSource(SourceConfig{CAFile: write("server.pem", chain, serverPEM), PinnedClients: true}); err == nil || !strings.Contains(err.Error(), "client-auth usage") {
+		t.Fatalf("a self-signed server certificate: %v, want a refusal naming what may be pinned", err)
+	}
+	src, err := NewSource(SourceConfig{CertFile: server.Cert, KeyFile: server.Key, CAFile: withPinned, PinnedClients: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := src.Pinned(); len(got) != 1 || !strings.Contains(got[0], "Conformance Client") {
+		t.Errorf("Pinned() = %q", got)
+	}
+	srv := serve(t, src.ServerConfig(tls.RequireAndVerifyClientCert, nil))
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(chain)
+	clientTLS := func(cert tls.Certificate) *tls.Config {
+		return &tls.Config{RootCAs: roots, ServerName: "127.0.0.1", Certificates: []tls.Certificate{cert}}
+	}
+	if _, err := dial(srv.addr(), clientTLS(pinned)); err != nil {
+		t.Errorf("the pinned certificate: %v", err)
+	}
+	ours, err := tls.LoadX509KeyPair(client.Cert, client.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dial(srv.addr(), clientTLS(ours)); err != nil {
+		t.Errorf("a certificate of the PiTrust chain beside it: %v", err)
+	}
+	if _, err := dial(srv.addr(), clientTLS(other)); err == nil {
+		t.Error("a self-signed certificate not in the file was accepted")
+	}
+	srv.waitErr(t, "certificate")
 }

@@ -516,10 +516,19 @@ func preAuthenticated(ctx context.Context, procedure string) (authz.Principal, b
 	return p.who, true
 }
 
+// unschemedAllowed: m is a method of no schema linked into the agent (a
+// routed service the gateway only relays) and no RBAC policy is in
+// force, under which every authenticated caller may call every method. A
+// policy, which names resources and verbs of annotated methods only,
+// denies such a method.
+func (g *Guard) unschemedAllowed(m *method) bool {
+	return m.md == nil && !m.open && errors.Is(m.err, authz.ErrNoAnnotation) && (g.cfg.Policy == nil || g.cfg.Policy() == nil)
+}
+
 // decide is the policy's answer for who calling m (req: the request of a
 // unary call, for Config.Resource).
 func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *method, req protoreflect.Message) (*grant, error) {
-	if m.err != nil {
+	if m.err != nil && !g.unschemedAllowed(m) {
 		return nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
 	}
 	if g.cfg.Ready != nil {
@@ -528,6 +537,12 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		}
 	}
 	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
+	if m.err != nil {
+		// A routed service the agent has no schema of, and no policy:
+		// every authenticated caller may call it, as every method.
+		g.allowed(c, gr, "")
+		return gr, nil
+	}
 	if m.rule.GetSelf() {
 		// It answers only about the caller, authenticated above: no rule
 		// applies, and none is checked.

@@ -127,6 +127,31 @@ func TestAdmit(t *testing.T) {
 	}
 }
 
+// TestAdmitUnschemedMethods: a method of no schema linked into the agent
+// (a routed service the gateway only relays) is open to every
+// authenticated caller while no policy is in force, as every method is;
+// a policy, which can only name annotated methods' resources, denies it.
+// A method whose schema is linked in but carries no annotation stays
+// denied either way, and credentials are always needed.
+func TestAdmitUnschemedMethods(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		policy string
+		c      call
+		want   codes.Code
+	}{
+		{"", certCall("/test.echo.v1.Echo/Unary", "nobody"), codes.OK},
+		{"", call{procedure: "/test.echo.v1.Echo/Unary"}, codes.Unauthenticated},
+		{"", certCall("/pivirt.sim.v1.SimulatorService/SetFault", "root"), codes.PermissionDenied},
+		{ownerPolicy, certCall("/test.echo.v1.Echo/Unary", "root"), codes.PermissionDenied},
+	} {
+		g := newGuard(t, tc.policy, Limits{}, nil)
+		if _, _, err := g.admit(ctx, tc.c, nil); code(err) != tc.want {
+			t.Errorf("policy %t, %s as %q: %v, want %s", tc.policy != "", tc.c.procedure, tc.c.authorization, err, tc.want)
+		}
+	}
+}
+
 // TestFilter: a vm-owner's list keeps their objects only; a watch event
 // of another owner's object is not sent.
 func TestFilter(t *testing.T) {

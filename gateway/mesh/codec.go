@@ -1,6 +1,9 @@
 package mesh
 
 import (
+	"context"
+
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
@@ -25,15 +28,55 @@ func (f *Frame) Free() {
 
 // codec passes Frames through as raw bytes and encodes every other message
 // with the proto codec, so one gRPC server serves both the proxy and the
-// agent's own services. Its name is "proto": on the wire nothing changes.
+// agent's own services. Its name is "proto" (on the wire nothing changes)
+// unless the call it forwards came in another codec (name: the content
+// subtype, as in application/grpc+json): Frames carry any codec's bytes.
 type codec struct {
 	proto encoding.CodecV2
+	name  string
 }
 
 // Codec is the gRPC codec of the proxy, for grpc.ForceServerCodecV2 on the
 // server that runs Proxy.Handle and for the calls to backends.
 func Codec() encoding.CodecV2 {
 	return codec{proto: encoding.GetCodecV2(proto.Name)}
+}
+
+// wireOptions keep a forwarded call's wire format as its caller chose it:
+// the codec (application/grpc+json reaches the backend as grpc+json, its
+// bytes untouched) and the compression of the request (grpc-go
+// decompressed it; it is compressed again the same way). The server's
+// stream knows both (grpc-go's transport stream, in the call's context).
+func wireOptions(ctx context.Context) []grpc.CallOption {
+	st := grpc.ServerTransportStreamFromContext(ctx)
+	c := codec{proto: encoding.GetCodecV2(proto.Name)}
+	if s, ok := st.(interface{ ContentSubtype() string }); ok && ctx.Value(forwardProtoKey{}) == nil {
+		c.name = CodecName(s.ContentSubtype())
+	}
+	opts := []grpc.CallOption{grpc.ForceCodecV2(c)}
+	if s, ok := st.(interface{ RecvCompress() string }); ok {
+		if name := s.RecvCompress(); name != "" && name != "identity" && encoding.GetCompressor(name) != nil {
+			opts = append(opts, grpc.UseCompressor(name))
+		}
+	}
+	return opts
+}
+
+// CodecName is the codec of a gRPC content subtype: "" is proto.
+func CodecName(subtype string) string {
+	if subtype == "" {
+		return proto.Name
+	}
+	return subtype
+}
+
+// CallCodec is the codec the caller of a gRPC server call chose ("proto",
+// "json", …), from grpc-go's stream in ctx; "proto" when unknown.
+func CallCodec(ctx context.Context) string {
+	if s, ok := grpc.ServerTransportStreamFromContext(ctx).(interface{ ContentSubtype() string }); ok {
+		return CodecName(s.ContentSubtype())
+	}
+	return proto.Name
 }
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
@@ -56,7 +99,12 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
 	return c.proto.Unmarshal(data, v)
 }
 
-func (codec) Name() string { return proto.Name }
+func (c codec) Name() string {
+	if c.name != "" {
+		return c.name
+	}
+	return proto.Name
+}
 
 // NewFrame wraps an encoded message (the gateway's access checks re-encode
 // a filtered response).

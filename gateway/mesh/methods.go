@@ -106,3 +106,7 @@ func newMessage(md protoreflect.MessageDescriptor) protoreflect.Message {
 	}
 	return dynamicpb.NewMessage(md)
 }
+
+// HasSchema reports whether the program has the schema of a method
+// ("/pkg.Service/Method"): its protos are linked in.
+func HasSchema(fullMethod string) bool { return lookupMethod(fullMethod).known }

@@ -303,7 +303,7 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	perTry := func(err error) bool {
 		return !tryDeadline.IsZero() && status.Code(err) == codes.DeadlineExceeded && !time.Now().Before(tryDeadline)
 	}
-	cs, err := ep.conn.NewStream(tctx, bidi, method)
+	cs, err := ep.conn.NewStream(tctx, bidi, method, wireOptions(ss.Context())...)
 	if err != nil {
 		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
@@ -31,6 +32,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
@@ -208,16 +210,50 @@ func (a *Agent) policy() *authz.Policy {
 // metrics, then access control.
 func (a *Agent) accessServerOptions() []grpc.ServerOption {
 	unary := []grpc.UnaryServerInterceptor{a.apiMetrics.UnaryServerInterceptor()}
-	stream := []grpc.StreamServerInterceptor{a.apiMetrics.StreamServerInterceptor()}
+	// A JSON caller of a schema the agent has is seen in proto from here.
+	stream := []grpc.StreamServerInterceptor{mesh.TranscodeJSON, a.apiMetrics.StreamServerInterceptor()}
 	if a.guard != nil {
 		unary = append(unary, a.guard.UnaryServerInterceptor())
 		stream = append(stream, a.guard.StreamServerInterceptor())
 	}
-	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...)}
+	tapHandle := a.codecTap
 	if a.guard != nil {
-		opts = append(opts, grpc.InTapHandle(a.guard.TapHandle))
+		tapHandle = func(ctx context.Context, info *tap.Info) (context.Context, error) {
+			ctx, err := a.codecTap(ctx, info)
+			if err != nil {
+				return nil, err
+			}
+			return a.guard.TapHandle(ctx, info)
+		}
 	}
-	return opts
+	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...), grpc.InTapHandle(tapHandle)}
+}
+
+// codecTap refuses, before anything of it is read, a gRPC call in a codec
+// the API port cannot serve it in: a routed service the agent has no
+// schema of takes any codec (its bytes pass untouched); the VM, storage
+// and network APIs take proto and JSON (transcoded, mesh.TranscodeJSON);
+// the agent's own APIs take proto (JSON over Connect).
+func (a *Agent) codecTap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	var ct string
+	if v := info.Header["content-type"]; len(v) > 0 {
+		ct = v[0]
+	}
+	_, sub, _ := strings.Cut(strings.SplitN(ct, ";", 2)[0], "+")
+	sub = strings.ToLower(strings.TrimSpace(sub))
+	if sub == "" || sub == "proto" {
+		return ctx, nil
+	}
+	routed := a.proxy != nil && a.proxy.Route(info.FullMethodName) != nil
+	switch {
+	case routed && !mesh.HasSchema(info.FullMethodName):
+		return ctx, nil
+	case routed && sub == "json":
+		return ctx, nil
+	case routed:
+		return nil, status.Errorf(codes.Unimplemented, "%s in codec %q: this API takes gRPC with the proto and json codecs (application/grpc, application/grpc+json)", info.FullMethodName, sub)
+	}
+	return nil, status.Errorf(codes.Unimplemented, "%s in codec %q: the agent's own APIs take gRPC with the proto codec (application/grpc); for JSON call them with Connect (content type application/json)", info.FullMethodName, sub)
 }
 
 // fetchObject reads the object a conditional RBAC rule is checked against,

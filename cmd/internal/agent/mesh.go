@@ -299,7 +299,9 @@ func (a *Agent) proxyServerOptions() []grpc.ServerOption {
 }
 
 // addTranscoder serves the backend APIs to Connect and gRPC-Web clients on
-// mux, through gs (the API port's gRPC server).
+// mux, through gs (the API port's gRPC server): those whose schema is
+// compiled in through the transcoder, every other routed service through
+// the bridge.
 func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server, wrap func(http.Handler) http.Handler) error {
 	t, err := mesh.NewTranscoder(apiServices, gs, gateway.MaxGRPCRequestBytes)
 	if err != nil {
@@ -308,6 +310,16 @@ func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server, wrap func(htt
 	for _, sd := range apiServices {
 		mux.Handle("/"+string(sd.FullName())+"/", wrap(t))
 	}
+	// Any other service: the bridge, without a schema. Paths that name
+	// no method stay 404.
+	bridge := wrap(mesh.NewBridge(gs, cluster.MaxMessageBytes, func(path string) bool { return a.proxy.Route(path) != nil }))
+	mux.Handle("/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !mesh.IsRPCPath(r.URL.Path) {
+			http.NotFound(w, r)
+			return
+		}
+		bridge.ServeHTTP(w, r)
+	}))
 	return nil
 }
 

@@ -21,9 +21,12 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
 	reflectionv1 "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
@@ -254,10 +257,18 @@ func TestGatewayProtocols(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
+	// gRPC with the JSON codec: transcoded to proto for the backend.
+	jsonConn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(jsonCodec{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer jsonConn.Close()
 	h2 := agenttest.NewHTTPClient()
 	base := "http://" + n.APIAddr()
 	protocols := map[string]vmAPI{
 		"grpc":             grpcVM{vmv1.NewVMServiceClient(conn)},
+		"grpc-json":        grpcVM{vmv1.NewVMServiceClient(jsonConn)},
 		"connect":          connectVM{vmv1connect.NewVMServiceClient(h2, base)},
 		"connect-json":     connectVM{vmv1connect.NewVMServiceClient(h2, base, connect.WithProtoJSON())},
 		"grpc-web":         connectVM{vmv1connect.NewVMServiceClient(h2, base, connect.WithGRPCWeb())},
@@ -407,6 +418,17 @@ func TestGatewayProtocols(t *testing.T) {
 		}
 	})
 
+	t.Run("json to the agent's own API", func(t *testing.T) {
+		_, err := clusterv1.NewClusterServiceClient(jsonConn).Leader(ctx, &clusterv1.LeaderRequest{})
+		if st := status.Convert(err); st.Code() != codes.Unimplemented || !strings.Contains(st.Message(), "Connect") {
+			t.Errorf("the cluster API over gRPC with JSON: %v, want Unimplemented pointing to Connect", err)
+		}
+		err = conn.Invoke(ctx, "/pivirt.vm.v1.VMService/ListVMs", &vmv1.ListVMsRequest{}, &vmv1.ListVMsResponse{}, grpc.ForceCodecV2(jsonCodec{name: "cbor"}))
+		if st := status.Convert(err); st.Code() != codes.Unimplemented || !strings.Contains(st.Message(), "application/grpc+json") {
+			t.Errorf("the VM API over gRPC with another codec: %v, want Unimplemented naming the codecs", err)
+		}
+	})
+
 	t.Run("unrouted", func(t *testing.T) {
 		err := conn.Invoke(ctx, "/pivirt.nope.v1.Nope/Call", &vmv1.GetVMRequest{}, &vmv1.GetVMResponse{})
 		if st := status.Convert(err); st.Code() != codes.Unimplemented || !strings.Contains(st.Message(), "no routing rule") {
@@ -487,6 +509,26 @@ func TestGatewayProtocols(t *testing.T) {
 			t.Errorf("a 17 MiB message over Connect: %v, want ResourceExhausted", err)
 		}
 	})
+}
+
+// jsonCodec is a gRPC client codec of protojson, named "json" (the
+// content subtype application/grpc+json) unless name is set.
+type jsonCodec struct{ name string }
+
+func (c jsonCodec) Marshal(v any) (mem.BufferSlice, error) {
+	b, err := protojson.Marshal(v.(proto.Message))
+	return mem.BufferSlice{mem.SliceBuffer(b)}, err
+}
+
+func (c jsonCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	return protojson.Unmarshal(data.Materialize(), v.(proto.Message))
+}
+
+func (c jsonCodec) Name() string {
+	if c.name != "" {
+		return c.name
+	}
+	return "json"
 }
 
 // toStatus converts a gRPC or Connect error to a gRPC status.

@@ -64,8 +64,14 @@ func (a *Agent) loadTLS() (*agentTLS, error) {
 	var err error
 	if out.api, err = identity.NewSource(identity.SourceConfig{
 		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: first(srv.ClientCAFile, srv.CAFile, t.CAFile), Logger: a.logger,
+		// API callers only: client_ca_file may name a client's own
+		// self-signed certificate.
+		PinnedClients: srv.ClientCAFile != "",
 	}); err != nil {
 		return nil, fmt.Errorf("server.connectrpc.tls: %w", err)
+	}
+	for _, p := range out.api.Pinned() {
+		a.logger.Warn("server.connectrpc.tls.client_ca_file trusts a self-signed client certificate as itself", "subject", p)
 	}
 	if out.internal, err = identity.NewSource(identity.SourceConfig{
 		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: t.CAFile, Logger: a.logger,

@@ -1,0 +1,8 @@
+//go:build !linux
+
+package main
+
+import "os/exec"
+
+// setPdeathsig: only Linux kills children with their parent.
+func setPdeathsig(*exec.Cmd) {}

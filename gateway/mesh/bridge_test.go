@@ -1,0 +1,429 @@
+package mesh
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	_ "google.golang.org/grpc/encoding/gzip"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// echoService is a backend service no schema of which is linked into the
+// gateway: test.echo.v1.Echo, whose messages are google.protobuf.
+// StringValue. It answers in the codec it was called with (proto or
+// JSON), echoes the caller's x-echo header as a header and a trailer,
+// and records what it saw.
+const echoService = "test.echo.v1.Echo"
+
+type echoSeen struct {
+	contentType, encoding, userAgent string
+}
+
+// jsonCodec is the backend's JSON codec (gRPC's content subtype "json").
+type jsonCodec struct{}
+
+func (jsonCodec) Marshal(v any) ([]byte, error)   { return protojson.Marshal(v.(proto.Message)) }
+func (jsonCodec) Unmarshal(b []byte, v any) error { return protojson.Unmarshal(b, v.(proto.Message)) }
+func (jsonCodec) Name() string                    { return "json" }
+func (jsonCodec) String() string                  { return "json" }
+func init()                                       { encoding.RegisterCodec(jsonCodec{}) }
+func echoValue(s grpc.ServerStream) (string, error) {
+	m := new(wrapperspb.StringValue)
+	err := s.RecvMsg(m)
+	return m.GetValue(), err
+}
+
+func startEcho(t *testing.T) (string, chan echoSeen) {
+	t.Helper()
+	seen := make(chan echoSeen, 100)
+	record := func(ctx context.Context) {
+		md, _ := metadata.FromIncomingContext(ctx)
+		st := grpc.ServerTransportStreamFromContext(ctx).(interface{ RecvCompress() string })
+		seen <- echoSeen{contentType: strings.Join(md.Get("content-type"), ","), encoding: st.RecvCompress(), userAgent: strings.Join(md.Get("user-agent"), ",")}
+		if v := md.Get("x-echo"); len(v) > 0 {
+			_ = grpc.SetHeader(ctx, metadata.Pairs("x-echo", v[0]))
+			grpc.SetTrailer(ctx, metadata.Pairs("x-echo-trailer", v[0]))
+		}
+	}
+	answer := func(s grpc.ServerStream, v string) error {
+		if msg, ok := strings.CutPrefix(v, "error:"); ok {
+			st, _ := status.New(codes.FailedPrecondition, msg).WithDetails(&errdetails.ErrorInfo{Reason: "ECHO", Domain: "test"})
+			return st.Err()
+		}
+		return s.SendMsg(wrapperspb.String(v))
+	}
+	sd := grpc.ServiceDesc{
+		ServiceName: echoService,
+		HandlerType: (*any)(nil),
+		Streams: []grpc.StreamDesc{
+			{StreamName: "Unary", ServerStreams: false, ClientStreams: false, Handler: func(_ any, s grpc.ServerStream) error {
+				record(s.Context())
+				v, err := echoValue(s)
+				if err != nil {
+					return err
+				}
+				if d, ok := strings.CutPrefix(v, "sleep:"); ok {
+					dd, _ := time.ParseDuration(d)
+					select {
+					case <-time.After(dd):
+					case <-s.Context().Done():
+						return status.FromContextError(s.Context().Err()).Err()
+					}
+				}
+				return answer(s, v)
+			}},
+			{StreamName: "Count", ServerStreams: true, Handler: func(_ any, s grpc.ServerStream) error {
+				record(s.Context())
+				v, err := echoValue(s)
+				if err != nil {
+					return err
+				}
+				for i := range 3 {
+					if err := s.SendMsg(wrapperspb.String(fmt.Sprintf("%s-%d", v, i))); err != nil {
+						return err
+					}
+				}
+				return answer(s, "error:"+v)
+			}},
+			{StreamName: "Join", ClientStreams: true, Handler: func(_ any, s grpc.ServerStream) error {
+				record(s.Context())
+				var parts []string
+				for {
+					v, err := echoValue(s)
+					if errors.Is(err, io.EOF) {
+						return s.SendMsg(wrapperspb.String(strings.Join(parts, "+")))
+					}
+					if err != nil {
+						return err
+					}
+					parts = append(parts, v)
+				}
+			}},
+			{StreamName: "Chat", ClientStreams: true, ServerStreams: true, Handler: func(_ any, s grpc.ServerStream) error {
+				record(s.Context())
+				for {
+					v, err := echoValue(s)
+					if errors.Is(err, io.EOF) {
+						return nil
+					}
+					if err != nil {
+						return err
+					}
+					if err := s.SendMsg(wrapperspb.String("re:" + v)); err != nil {
+						return err
+					}
+				}
+			}},
+		},
+	}
+	gs := grpc.NewServer()
+	gs.RegisterService(&sd, nil)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = gs.Serve(ln) }()
+	t.Cleanup(gs.Stop)
+	return ln.Addr().String(), seen
+}
+
+// startBridge serves the bridge and gRPC (for native callers) on one
+// h2c server, as the API port does, with a proxy routing the echo
+// service to its backend.
+func startBridge(t *testing.T, backendAddr string) string {
+	t.Helper()
+	b, err := NewBackend(BackendConfig{Name: "echo", Endpoint: backendAddr, MaxMessageBytes: 4 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	p := NewProxy(nil, nil)
+	p.SetRoutes([]Route{{Prefix: "/" + echoService, Backend: b}})
+	gs := grpc.NewServer(grpc.UnknownServiceHandler(p.Handle), grpc.ForceServerCodecV2(Codec()))
+	t.Cleanup(gs.Stop)
+	bridge := NewBridge(gs, 1<<20, func(path string) bool { return p.Route(path) != nil })
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.ProtoMajor == 2 && strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") && !strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc-web") {
+			gs.ServeHTTP(w, r)
+			return
+		}
+		if !IsRPCPath(r.URL.Path) {
+			http.NotFound(w, r)
+			return
+		}
+		bridge.ServeHTTP(w, r)
+	})
+	srv := httptest.NewUnstartedServer(h)
+	srv.EnableHTTP2 = true
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetHTTP1(true)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+func h2cClient() *http.Client {
+	tr := &http.Transport{Protocols: new(http.Protocols)}
+	tr.Protocols.SetUnencryptedHTTP2(true)
+	return &http.Client{Transport: tr}
+}
+
+// TestBridgeProtocols calls a service the gateway has no schema of in
+// every protocol and codec the bridge speaks, over HTTP/1.1 and HTTP/2:
+// the backend sees its caller's codec and compression, and the answer
+// (message, headers, trailers, error code, message and details) is the
+// backend's.
+func TestBridgeProtocols(t *testing.T) {
+	backend, seen := startEcho(t)
+	base := startBridge(t, backend)
+	type variant struct {
+		name   string
+		client *http.Client
+		opts   []connect.ClientOption
+		ct     string // the content type the backend must see
+		gzip   bool
+	}
+	var variants []variant
+	for _, hv := range []struct {
+		name   string
+		client *http.Client
+	}{{"http1", http.DefaultClient}, {"h2c", h2cClient()}} {
+		for _, proto := range []struct {
+			name string
+			opts []connect.ClientOption
+		}{{"connect", nil}, {"grpc-web", []connect.ClientOption{connect.WithGRPCWeb()}}, {"grpc", []connect.ClientOption{connect.WithGRPC()}}} {
+			if proto.name == "grpc" && hv.name == "http1" {
+				continue
+			}
+			for _, codec := range []string{"proto", "json"} {
+				for _, gz := range []bool{false, true} {
+					opts := append([]connect.ClientOption(nil), proto.opts...)
+					if codec == "json" {
+						opts = append(opts, connect.WithProtoJSON())
+					}
+					if gz {
+						opts = append(opts, connect.WithSendGzip())
+					}
+					variants = append(variants, variant{
+						name: fmt.Sprintf("%s/%s/%s/gzip=%t", hv.name, proto.name, codec, gz), client: hv.client, opts: opts,
+						ct: "application/grpc+" + codec, gzip: gz,
+					})
+				}
+			}
+		}
+	}
+	ctx := context.Background()
+	for _, v := range variants {
+		t.Run(v.name, func(t *testing.T) {
+			drain(seen)
+			unary := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](v.client, base+"/"+echoService+"/Unary", v.opts...)
+			req := connect.NewRequest(wrapperspb.String("hello " + strings.Repeat("x", 2000)))
+			req.Header().Set("x-echo", "e1")
+			resp, err := unary.CallUnary(ctx, req)
+			if err != nil {
+				t.Fatalf("unary: %v", err)
+			}
+			if got := resp.Msg.GetValue(); !strings.HasPrefix(got, "hello x") || resp.Header().Get("x-echo") != "e1" || resp.Trailer().Get("x-echo-trailer") != "e1" {
+				t.Errorf("unary answered %.20q, header %q, trailer %q", got, resp.Header().Get("x-echo"), resp.Trailer().Get("x-echo-trailer"))
+			}
+			s := <-seen
+			if s.contentType != v.ct || (s.encoding == "gzip") != v.gzip {
+				t.Errorf("the backend saw content type %q, compression %q; want %q, gzip %t", s.contentType, s.encoding, v.ct, v.gzip)
+			}
+
+			// An error: code, message and details pass.
+			_, err = unary.CallUnary(ctx, connect.NewRequest(wrapperspb.String("error:not now")))
+			var ce *connect.Error
+			if !errors.As(err, &ce) || ce.Code() != connect.CodeFailedPrecondition || ce.Message() != "not now" || len(ce.Details()) != 1 {
+				t.Fatalf("error: %v", err)
+			}
+			if d, err := ce.Details()[0].Value(); err != nil || d.(*errdetails.ErrorInfo).GetReason() != "ECHO" {
+				t.Errorf("error detail %v %v", d, err)
+			}
+
+			// A server stream that ends with an error after its messages.
+			count := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](v.client, base+"/"+echoService+"/Count", v.opts...)
+			stream, err := count.CallServerStream(ctx, connect.NewRequest(wrapperspb.String("n")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for stream.Receive() {
+				got = append(got, stream.Msg().GetValue())
+			}
+			if strings.Join(got, ",") != "n-0,n-1,n-2" || connect.CodeOf(stream.Err()) != connect.CodeFailedPrecondition {
+				t.Errorf("server stream: %v, %v", got, stream.Err())
+			}
+			stream.Close()
+
+			// A client stream (Connect streaming, gRPC-Web).
+			join := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](v.client, base+"/"+echoService+"/Join", v.opts...)
+			cs := join.CallClientStream(ctx)
+			for _, p := range []string{"a", "b", "c"} {
+				if err := cs.Send(wrapperspb.String(p)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if r, err := cs.CloseAndReceive(); err != nil || r.Msg.GetValue() != "a+b+c" {
+				t.Errorf("client stream: %v %v", r, err)
+			}
+
+			// A bidi stream, full duplex (HTTP/2 only).
+			if !strings.HasPrefix(v.name, "http1") {
+				chat := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](v.client, base+"/"+echoService+"/Chat", v.opts...)
+				bs := chat.CallBidiStream(ctx)
+				for _, p := range []string{"x", "y"} {
+					if err := bs.Send(wrapperspb.String(p)); err != nil {
+						t.Fatal(err)
+					}
+					if r, err := bs.Receive(); err != nil || r.GetValue() != "re:"+p {
+						t.Fatalf("bidi: %v %v", r, err)
+					}
+				}
+				_ = bs.CloseRequest()
+				if _, err := bs.Receive(); !errors.Is(err, io.EOF) {
+					t.Errorf("bidi end: %v", err)
+				}
+				_ = bs.CloseResponse()
+			}
+		})
+	}
+}
+
+func drain(c chan echoSeen) {
+	for {
+		select {
+		case <-c:
+		default:
+			return
+		}
+	}
+}
+
+// TestBridgeConnectGetAndTimeout: a Connect GET carries its message in
+// the query; a Connect timeout reaches the backend as its deadline.
+func TestBridgeConnectGetAndTimeout(t *testing.T) {
+	backend, _ := startEcho(t)
+	base := startBridge(t, backend)
+	ctx := context.Background()
+	get := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/Unary",
+		connect.WithHTTPGet(), connect.WithIdempotency(connect.IdempotencyNoSideEffects))
+	resp, err := get.CallUnary(ctx, connect.NewRequest(wrapperspb.String("by get")))
+	if err != nil || resp.Msg.GetValue() != "by get" {
+		t.Fatalf("GET: %v %v", resp, err)
+	}
+	unary := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/Unary")
+	tctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = unary.CallUnary(tctx, connect.NewRequest(wrapperspb.String("sleep:20s")))
+	if connect.CodeOf(err) != connect.CodeDeadlineExceeded {
+		t.Fatalf("a call past its Connect timeout: %v", err)
+	}
+}
+
+// TestBridgeRefusals: what is no call of a protocol the bridge speaks is
+// answered with the HTTP status Connect clients expect and a message that
+// names what is served; an unrouted method is Connect's 404.
+func TestBridgeRefusals(t *testing.T) {
+	backend, _ := startEcho(t)
+	base := startBridge(t, backend)
+	for _, tc := range []struct {
+		method, path, ct string
+		want             int
+		body             string
+	}{
+		{"POST", "/" + echoService + "/Unary", "image/jpeg", http.StatusUnsupportedMediaType, "application/connect+proto"},
+		{"POST", "/" + echoService + "/Unary", "application/foo", http.StatusUnsupportedMediaType, "application/grpc-web+proto"},
+		{"POST", "/" + echoService + "/Unary", "application/grpc-web+foo", http.StatusUnsupportedMediaType, "gRPC-Web"},
+		{"DELETE", "/" + echoService + "/Unary", "application/proto", http.StatusMethodNotAllowed, "POST"},
+		{"POST", "/test.other.v1.Nope/Call", "application/proto", http.StatusNotFound, "no routing rule"},
+		{"POST", "/not-a-method", "application/proto", http.StatusNotFound, ""},
+	} {
+		req, _ := http.NewRequest(tc.method, base+tc.path, strings.NewReader(""))
+		req.Header.Set("Content-Type", tc.ct)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.want || !strings.Contains(string(b), tc.body) {
+			t.Errorf("%s %s (%s): %d %q, want %d with %q", tc.method, tc.path, tc.ct, resp.StatusCode, b, tc.want, tc.body)
+		}
+	}
+	// A Connect unary body over the limit: resource_exhausted, unread.
+	req, _ := http.NewRequest("POST", base+"/"+echoService+"/Unary", bytes.NewReader(make([]byte, 2<<20)))
+	req.Header.Set("Content-Type", "application/proto")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(string(b), "resource_exhausted") {
+		t.Errorf("an oversized unary body: %d %s", resp.StatusCode, b)
+	}
+}
+
+// TestBridgeGRPCWebText: gRPC-Web's text form (base64, as browsers'
+// grpc-web clients send it) in both directions.
+func TestBridgeGRPCWebText(t *testing.T) {
+	backend, _ := startEcho(t)
+	base := startBridge(t, backend)
+	msg, _ := proto.Marshal(wrapperspb.String("in text"))
+	env := make([]byte, 5, 5+len(msg))
+	binary.BigEndian.PutUint32(env[1:], uint32(len(msg)))
+	env = append(env, msg...)
+	// Two chunks, each with its own padding, as a streaming encoder sends.
+	body := base64.StdEncoding.EncodeToString(env[:4]) + base64.StdEncoding.EncodeToString(env[4:])
+	req, _ := http.NewRequest("POST", base+"/"+echoService+"/Unary", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/grpc-web-text+proto")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	dec, err := (&base64Reader{r: bytes.NewReader(raw)}).readAll()
+	if err != nil {
+		t.Fatalf("answer %q: %v", raw, err)
+	}
+	if len(dec) < 5 {
+		t.Fatalf("answer %q", dec)
+	}
+	n := binary.BigEndian.Uint32(dec[1:5])
+	var got wrapperspb.StringValue
+	if err := proto.Unmarshal(dec[5:5+n], &got); err != nil || got.GetValue() != "in text" {
+		t.Fatalf("message %v %v", &got, err)
+	}
+	trailer := dec[5+n:]
+	if len(trailer) < 5 || trailer[0] != flagGRPCWebTrailers || !strings.Contains(string(trailer[5:]), "grpc-status: 0") {
+		t.Errorf("trailer frame %q", trailer)
+	}
+	if ct := resp.Header.Get("Content-Type"); ct != "application/grpc-web-text+proto" {
+		t.Errorf("content type %q", ct)
+	}
+}
+
+func (d *base64Reader) readAll() ([]byte, error) { return io.ReadAll(d) }
