@@ -2,7 +2,9 @@
 # make conformance: the ConnectRPC conformance suite (connectrpc.com/conformance,
 # pinned in conformance/go.mod) in server mode against a real pivirt-agent,
 # built with the race detector, whose routing rule sends the suite's service to
-# the suite's reference server as a plain gRPC backend (conformance/README.md).
+# the suite's reference server as a plain gRPC backend; then again through a
+# second agent of a 2-agent cluster, which finds the backend in the replicated
+# services registry where the first agent registered it (conformance/README.md).
 #
 # The features declared are conformance/config.yaml. The cases of TLS without a
 # client certificate are skipped: the API port serves no caller without a
@@ -24,5 +26,8 @@ if [[ -n "$logs" ]]; then
 	mkdir -p "$logs"
 	args+=(--log-dir "$logs")
 fi
-GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf conformance/config.yaml \
-	--skip '**/TLS:true/**' ${CONFORMANCE_ARGS:-} -- "$bin/sut" "${args[@]}"
+for agents in 1 2; do
+	echo "== the suite through $agents agent(s)"
+	GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf conformance/config.yaml \
+		--skip '**/TLS:true/**' ${CONFORMANCE_ARGS:-} -- "$bin/sut" --agents "$agents" "${args[@]}"
+done

@@ -44,11 +44,15 @@ func main() {
 	pitrust := flag.String("pitrust", "bin/pitrust", "the pitrust binary")
 	backend := flag.String("backend", "", "the conformance suite's referenceserver binary")
 	logDir := flag.String("log-dir", "", "keep each run's agent and backend logs in a directory under this one (default: a temporary directory, removed at the end)")
+	agents := flag.Int("agents", 1, "1: the agent routes to the backend; 2: a second agent, which the suite calls, reaches the backend through the replicated services registry, where the first registered it")
 	flag.Parse()
+	if *agents != 1 && *agents != 2 {
+		fatalf("--agents: 1 or 2, not %d", *agents)
+	}
 	if *backend == "" {
 		fatalf("--backend: the path of the conformance suite's referenceserver binary is required")
 	}
-	if err := run(*agent, *pitrust, *backend, *logDir); err != nil {
+	if err := run(*agent, *pitrust, *backend, *logDir, *agents); err != nil {
 		fatalf("%v", err)
 	}
 }
@@ -67,7 +71,7 @@ type request struct {
 	receiveLimit          uint32
 }
 
-func run(agentBin, pitrustBin, backendBin, logRoot string) error {
+func run(agentBin, pitrustBin, backendBin, logRoot string, agents int) error {
 	raw, err := readDelimited(os.Stdin)
 	if err != nil {
 		return fmt.Errorf("read the ServerCompatRequest from stdin: %w", err)
@@ -90,56 +94,96 @@ func run(agentBin, pitrustBin, backendBin, logRoot string) error {
 	if err != nil {
 		return err
 	}
-	defer terminate(be)
+	children := []*exec.Cmd{be}
+	defer func() { terminate(children...) }()
 
-	ports, err := freePorts(5)
+	var certs string
+	var caPEM []byte
+	if req.useTLS {
+		if certs, caPEM, err = makePKI(pitrustBin, dir, req.clientCert, agents); err != nil {
+			return err
+		}
+	}
+	ports, err := freePorts(5 * agents)
 	if err != nil {
 		return err
 	}
-	api := net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))
-	cfg, caPEM, err := agentConfig(pitrustBin, dir, req, backendAddr)
-	if err != nil {
+	addr := func(i, k int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[5*i+k])) }
+	exited := make(chan error, agents)
+	for i := range agents {
+		name := fmt.Sprintf("conformance%d", i+1)
+		cfg := agentConfig(req, certs, name)
+		switch {
+		case agents == 1:
+			cfg += routeTo(backendAddr)
+		case i == 0:
+			// The backend's node: it registers the backend in the
+			// replicated services table and routes nothing.
+			svcDir := filepath.Join(dir, name+"-services")
+			host, port, _ := net.SplitHostPort(backendAddr)
+			if err := os.MkdirAll(svcDir, 0o700); err != nil {
+				return err
+			}
+			if err := os.WriteFile(filepath.Join(svcDir, "conformance.yaml"), fmt.Appendf(nil, "name: conformance\naddress: %s\nport: %s\n", host, port), 0o600); err != nil {
+				return err
+			}
+			cfg += fmt.Sprintf("service_discovery:\n  services_dir: %s\n", svcDir)
+		default:
+			// The entry agent: the backend's address from the registry.
+			cfg += routeTo("registry:///conformance")
+		}
+		cfgPath := filepath.Join(dir, name+".yaml")
+		if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+			return err
+		}
+		logf, err := os.Create(filepath.Join(dir, name+".log"))
+		if err != nil {
+			return err
+		}
+		defer logf.Close()
+		args := []string{
+			"--config", cfgPath,
+			"--node-name", name,
+			"--data-dir", filepath.Join(dir, name),
+			"--api-addr", addr(i, 0),
+			"--internal-addr", addr(i, 1),
+			"--metrics-addr", addr(i, 2),
+			"--gossip-addr", addr(i, 3),
+			"--raft-addr", addr(i, 4),
+			"--bootstrap-expect", strconv.Itoa(agents),
+			"--retry-interval", "200ms",
+		}
+		for j := range agents {
+			if j != i {
+				args = append(args, "--retry-join", addr(j, 3))
+			}
+		}
+		ag := exec.Command(agentBin, args...)
+		ag.Stdout, ag.Stderr = logf, logf
+		setPdeathsig(ag)
+		if err := ag.Start(); err != nil {
+			return fmt.Errorf("start %s: %w", agentBin, err)
+		}
+		children = append(children, ag)
+		go func() { exited <- fmt.Errorf("%s: %v", name, ag.Wait()) }()
+	}
+	for i := range agents {
+		if err := waitReady(ctx, addr(i, 2), exited); err != nil {
+			b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprintf("conformance%d.log", i+1)))
+			return fmt.Errorf("agent conformance%d: %w; its log:\n%s", i+1, err, tailLines(string(b), 30))
+		}
+	}
+	entry := agents - 1
+	if err := waitRouted(ctx, addr(entry, 0), certs, req, exited); err != nil {
 		return err
 	}
-	cfgPath := filepath.Join(dir, "agent.yaml")
-	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
-		return err
-	}
-	logf, err := os.Create(filepath.Join(dir, "agent.log"))
-	if err != nil {
-		return err
-	}
-	defer logf.Close()
-	ag := exec.Command(agentBin,
-		"--config", cfgPath,
-		"--node-name", "conformance1",
-		"--data-dir", filepath.Join(dir, "data"),
-		"--api-addr", api,
-		"--internal-addr", net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1])),
-		"--metrics-addr", net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[2])),
-		"--gossip-addr", net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[3])),
-		"--raft-addr", net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[4])),
-		"--bootstrap-expect", "1")
-	ag.Stdout, ag.Stderr = logf, logf
-	setPdeathsig(ag)
-	if err := ag.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", agentBin, err)
-	}
-	defer terminate(ag)
-	exited := make(chan error, 1)
-	go func() { exited <- ag.Wait() }()
-	if err := waitReady(ctx, net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[2])), exited); err != nil {
-		b, _ := os.ReadFile(logf.Name())
-		return fmt.Errorf("agent: %w; its log:\n%s", err, tailLines(string(b), 30))
-	}
-
-	if err := writeDelimited(os.Stdout, response("127.0.0.1", uint32(ports[0]), caPEM)); err != nil {
+	if err := writeDelimited(os.Stdout, response("127.0.0.1", uint32(ports[5*entry]), caPEM)); err != nil {
 		return err
 	}
 	select {
 	case <-ctx.Done():
 	case err := <-exited:
-		return fmt.Errorf("the agent exited: %v", err)
+		return fmt.Errorf("an agent exited: %v", err)
 	}
 	return nil
 }
@@ -197,26 +241,20 @@ func startBackend(ctx context.Context, bin, dir string, limit uint32) (*exec.Cmd
 	return cmd, net.JoinHostPort(host, strconv.FormatUint(port, 10)), nil
 }
 
-// agentConfig writes the agent's configuration for req: the routing rule
-// for the suite's service, access control off (no OIDC, no policy: the
-// development setup), TLS from a fresh PiTrust PKI when the suite asks for
-// it. It returns the configuration and, with TLS, the certificate the
-// suite's client should trust (the PiTrust root).
-func agentConfig(pitrust, dir string, req request, backendAddr string) (string, []byte, error) {
-	var b strings.Builder
-	b.WriteString("logging:\n  format: text\n  level: warn\n")
-	fmt.Fprintf(&b, "backends:\n  conformance:\n    endpoint: %s\n    tls:\n      enabled: false\n", backendAddr)
-	fmt.Fprintf(&b, "routing:\n  rules:\n    - match:\n        prefix: /%s\n      route:\n        cluster: conformance\n", service)
-	if !req.useTLS {
-		b.WriteString("tls:\n  enabled: false\n")
-		return b.String(), nil, nil
-	}
+// makePKI makes a PiTrust PKI with the real pitrust binary: a server
+// certificate for 127.0.0.1 and an agent certificate per agent, and a
+// client CA file that trusts the suite's own client certificate as
+// itself beside the PiTrust chain. It returns the directory and the
+// certificate the suite's client should trust (the PiTrust root).
+func makePKI(pitrust, dir string, clientCert []byte, agents int) (string, []byte, error) {
 	certs := filepath.Join(dir, "certs")
-	for _, args := range [][]string{
-		{"init"},
-		{"issue-mtls-server", "--name", "conformance1-server", "--ip", "127.0.0.1", "--dns", "localhost"},
-		{"issue-mtls-client", "--name", "pivirt-agent-conformance1"},
-	} {
+	steps := [][]string{{"init"}, {"issue-mtls-server", "--name", "agent-server", "--ip", "127.0.0.1", "--dns", "localhost"}}
+	for i := range agents {
+		steps = append(steps, []string{"issue-mtls-client", "--name", fmt.Sprintf("pivirt-agent-conformance%d", i+1)})
+	}
+	// The server under test's own readiness calls (waitRouted).
+	steps = append(steps, []string{"issue-mtls-client", "--name", "sut-probe"})
+	for _, args := range steps {
 		cmd := exec.Command(pitrust, append(args, "--dir", certs)...)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return "", nil, fmt.Errorf("pitrust %s: %w: %s", args[0], err, out)
@@ -226,29 +264,90 @@ func agentConfig(pitrust, dir string, req request, backendAddr string) (string, 
 	if err != nil {
 		return "", nil, err
 	}
-	clientCA := filepath.Join(certs, "client-ca.pem")
-	if err := os.WriteFile(clientCA, append(append(chain, '\n'), req.clientCert...), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(certs, "client-ca.pem"), append(append(chain, '\n'), clientCert...), 0o644); err != nil {
 		return "", nil, err
+	}
+	root, err := os.ReadFile(filepath.Join(certs, "PiRootR1.pem"))
+	return certs, root, err
+}
+
+// agentConfig is the configuration of agent name for req: access control
+// off in plaintext (the development setup), TLS from certs otherwise.
+func agentConfig(req request, certs, name string) string {
+	var b strings.Builder
+	b.WriteString("logging:\n  format: text\n  level: warn\n")
+	if !req.useTLS {
+		b.WriteString("tls:\n  enabled: false\n")
+		return b.String()
 	}
 	fmt.Fprintf(&b, `tls:
   enabled: true
   ca_file: %[1]s/ca-chain.pem
-  cert_file: %[1]s/pivirt-agent-conformance1.crt
-  key_file: %[1]s/pivirt-agent-conformance1.key
+  cert_file: %[1]s/pivirt-agent-%[2]s.crt
+  key_file: %[1]s/pivirt-agent-%[2]s.key
   require_client_cert: %[3]t
 server:
   connectrpc:
     tls:
-      cert_file: %[1]s/conformance1-server.crt
-      key_file: %[1]s/conformance1-server.key
+      cert_file: %[1]s/agent-server.crt
+      key_file: %[1]s/agent-server.key
       ca_file: %[1]s/ca-chain.pem
-      client_ca_file: %[2]s
-`, certs, clientCA, len(req.clientCert) > 0)
-	root, err := os.ReadFile(filepath.Join(certs, "PiRootR1.pem"))
-	if err != nil {
-		return "", nil, err
+      client_ca_file: %[1]s/client-ca.pem
+`, certs, name, len(req.clientCert) > 0)
+	return b.String()
+}
+
+// routeTo is the backend and routing rule of the suite's service.
+func routeTo(endpoint string) string {
+	return fmt.Sprintf("backends:\n  conformance:\n    endpoint: %s\n    tls:\n      enabled: false\n", endpoint) +
+		fmt.Sprintf("routing:\n  rules:\n    - match:\n        prefix: /%s\n      route:\n        cluster: conformance\n", service)
+}
+
+// waitRouted calls the suite's service through the entry agent (Connect,
+// an empty Unary request) until the call reaches the backend: through a
+// second agent, the backend's registration must reach it first.
+func waitRouted(ctx context.Context, api, certs string, req request, exited <-chan error) error {
+	client := &http.Client{Timeout: 5 * time.Second}
+	scheme := "http"
+	if req.useTLS {
+		roots := x509.NewCertPool()
+		chain, err := os.ReadFile(filepath.Join(certs, "ca-chain.pem"))
+		if err != nil {
+			return err
+		}
+		roots.AppendCertsFromPEM(chain)
+		probe, err := tls.LoadX509KeyPair(filepath.Join(certs, "sut-probe.crt"), filepath.Join(certs, "sut-probe.key"))
+		if err != nil {
+			return err
+		}
+		client.Transport = &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots, Certificates: []tls.Certificate{probe}}}
+		scheme = "https"
 	}
-	return b.String(), root, nil
+	deadline := time.Now().Add(time.Minute)
+	var last string
+	for time.Now().Before(deadline) {
+		r, _ := http.NewRequestWithContext(ctx, http.MethodPost, scheme+"://"+api+"/"+service+"/Unary", strings.NewReader(""))
+		r.Header.Set("Content-Type", "application/proto")
+		resp, err := client.Do(r)
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = resp.Status + " " + string(b)
+		} else {
+			last = err.Error()
+		}
+		select {
+		case err := <-exited:
+			return fmt.Errorf("an agent exited: %v", err)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("the suite's service is not served through the entry agent a minute after start: %s", last)
 }
 
 // waitReady polls the agent's /ready on its metrics port until it answers
@@ -281,24 +380,23 @@ func waitReady(ctx context.Context, metricsAddr string, exited <-chan error) err
 	return fmt.Errorf("not ready a minute after start: %s", last)
 }
 
-// terminate stops a child: SIGTERM, then SIGKILL after 10 s.
-func terminate(cmd *exec.Cmd) {
-	if cmd.Process == nil || cmd.ProcessState != nil {
-		return
-	}
-	_ = cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() {
-		for range 100 {
-			if err := cmd.Process.Signal(syscall.Signal(0)); err != nil {
-				break
-			}
-			time.Sleep(100 * time.Millisecond)
+// terminate stops children: SIGTERM, then SIGKILL for those still
+// running after 3 s (the suite kills the server under test 5 s after its
+// own SIGTERM: the temporary directory is removed within that).
+func terminate(cmds ...*exec.Cmd) {
+	var running []*exec.Cmd
+	for _, c := range cmds {
+		if c.Process != nil && c.Process.Signal(syscall.SIGTERM) == nil {
+			running = append(running, c)
 		}
-		close(done)
-	}()
-	<-done
-	_ = cmd.Process.Kill()
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for _, c := range running {
+		for time.Now().Before(deadline) && c.Process.Signal(syscall.Signal(0)) == nil {
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = c.Process.Kill()
+	}
 }
 
 // freePorts picks n free TCP ports of 127.0.0.1 (UDP too: the gossip port

@@ -295,6 +295,24 @@ func (b *Bridge) requestBody(r *http.Request, call bridgeCall) (io.ReadCloser, e
 			io.Closer
 		}{&base64Reader{r: r.Body}, r.Body}, nil
 	}
+	flags := byte(0)
+	if call.compression != "" && call.compression != "identity" {
+		flags = flagCompressed
+	}
+	env := make([]byte, 5)
+	env[0] = flags
+	if !call.get && r.ContentLength >= 0 {
+		// The length is known: the body follows its envelope as it
+		// comes, uncopied.
+		if r.ContentLength > b.maxMessageBytes {
+			return nil, errTooLarge{r.ContentLength, b.maxMessageBytes}
+		}
+		binary.BigEndian.PutUint32(env[1:], uint32(r.ContentLength))
+		return struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(env), io.LimitReader(r.Body, r.ContentLength)), r.Body}, nil
+	}
 	var msg []byte
 	if call.get {
 		q := r.URL.Query()
@@ -320,14 +338,8 @@ func (b *Bridge) requestBody(r *http.Request, call bridgeCall) (io.ReadCloser, e
 			return nil, errTooLarge{int64(len(msg)), b.maxMessageBytes}
 		}
 	}
-	flags := byte(0)
-	if call.compression != "" && call.compression != "identity" {
-		flags = flagCompressed
-	}
-	env := make([]byte, 5, 5+len(msg))
-	env[0] = flags
 	binary.BigEndian.PutUint32(env[1:], uint32(len(msg)))
-	return io.NopCloser(bytes.NewReader(append(env, msg...))), nil
+	return io.NopCloser(io.MultiReader(bytes.NewReader(env), bytes.NewReader(msg))), nil
 }
 
 // base64Reader decodes gRPC-Web text: base64 in which every chunk may
@@ -389,13 +401,12 @@ type bridgeWriter struct {
 	// for streams); inHeader the keys it had then.
 	committed bool
 	inHeader  map[string]bool
-	// pending holds bytes written since the last flush (gRPC-Web text
-	// encodes them at the flush); unary the one message of a Connect
-	// unary answer, with its envelope.
+	// pending holds the bytes of gRPC-Web text written since the last
+	// flush (encoded at the flush); unary the one message of a Connect
+	// unary answer, with its envelope. The binary streams' bytes go
+	// straight to the caller.
 	pending []byte
 	unary   []byte
-	// frames counts the messages (Connect unary takes one).
-	frames int
 }
 
 func (bw *bridgeWriter) Header() http.Header {
@@ -410,12 +421,15 @@ func (bw *bridgeWriter) WriteHeader(int) { bw.commit() }
 
 func (bw *bridgeWriter) Write(p []byte) (int, error) {
 	bw.commit()
-	if bw.call.protocol == connectUnary {
+	switch bw.call.protocol {
+	case connectUnary:
 		bw.unary = append(bw.unary, p...)
 		return len(p), nil
+	case grpcWebText:
+		bw.pending = append(bw.pending, p...)
+		return len(p), nil
 	}
-	bw.pending = append(bw.pending, p...)
-	return len(p), nil
+	return bw.w.Write(p)
 }
 
 // Flush sends what was written. A flush before any header or message is
@@ -427,27 +441,11 @@ func (bw *bridgeWriter) Flush() {
 		return
 	}
 	if len(bw.pending) > 0 {
-		bw.countFrames(bw.pending)
-		out := bw.pending
-		if bw.call.protocol == grpcWebText {
-			out = []byte(base64.StdEncoding.EncodeToString(out))
-		}
+		_, _ = io.WriteString(bw.w, base64.StdEncoding.EncodeToString(bw.pending))
 		bw.pending = bw.pending[:0]
-		_, _ = bw.w.Write(out)
 	}
 	if f, ok := bw.w.(http.Flusher); ok {
 		f.Flush()
-	}
-}
-
-func (bw *bridgeWriter) countFrames(b []byte) {
-	for len(b) >= 5 {
-		n := int(binary.BigEndian.Uint32(b[1:5]))
-		bw.frames++
-		if len(b) < 5+n {
-			return
-		}
-		b = b[5+n:]
 	}
 }
 
