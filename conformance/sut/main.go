@@ -268,7 +268,23 @@ func makePKI(pitrust, dir string, clientCert []byte, agents int) (string, []byte
 		return "", nil, err
 	}
 	root, err := os.ReadFile(filepath.Join(certs, "PiRootR1.pem"))
-	return certs, root, err
+	if err != nil {
+		return "", nil, err
+	}
+	// Access control as in production: an RBAC policy that grants the
+	// suite's service, by its full name and the verb call, to the role
+	// the suite's client certificate (and the probe's) are given.
+	policy := fmt.Sprintf(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["conformance"]
+    resources: ["%s"]
+    verbs: ["call"]
+`, service)
+	if err := os.WriteFile(filepath.Join(certs, "rbac.yaml"), []byte(policy), 0o600); err != nil {
+		return "", nil, err
+	}
+	return certs, root, nil
 }
 
 // agentConfig is the configuration of agent name for req: access control
@@ -293,6 +309,11 @@ server:
       key_file: %[1]s/agent-server.key
       ca_file: %[1]s/ca-chain.pem
       client_ca_file: %[1]s/client-ca.pem
+auth:
+  rbac_policy: %[1]s/rbac.yaml
+  certificate_roles:
+    "Conformance Client": [conformance]
+    sut-probe: [conformance]
 `, certs, name, len(req.clientCert) > 0)
 	return b.String()
 }

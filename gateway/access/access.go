@@ -50,6 +50,11 @@ type Config struct {
 	Policy func() *authz.Policy
 	// Limits are the rate limits; the zero value limits nothing.
 	Limits Limits
+	// Routed tells whether a routing rule serves a method: a routed
+	// method of a service no schema of which is linked in is the
+	// resource named by the service with the verb authz.VerbCall; any
+	// other method without a schema is denied. Nil: none is routed.
+	Routed func(fullMethod string) bool
 	// Fetch reads the object a request names by ID, by calling get (the
 	// service's method with verb "get") with req; conditional rules on
 	// methods with an id_field need it.
@@ -247,6 +252,10 @@ type method struct {
 	// object's type (the list method's items), found in get's response.
 	get    protoreflect.MethodDescriptor
 	object protoreflect.MessageDescriptor
+	// unschemed: a method of a service no schema of which is linked in
+	// (a routed service the gateway relays without knowing it); rule
+	// is then its service as the resource, authz.VerbCall as the verb.
+	unschemed bool
 }
 
 // lookup resolves a full method name ("/pkg.Service/Method") against the
@@ -261,6 +270,10 @@ func (g *Guard) lookup(full string) *method {
 		m.open = true
 	default:
 		m.md = findMethod(full)
+		if svc, ok := unschemedService(full); m.md == nil && ok && g.cfg.Routed != nil && g.cfg.Routed(full) {
+			// Not cached: callers choose the names.
+			return &method{full: full, unschemed: true, rule: &apiv1.Authorization{Resource: svc, Verb: authz.VerbCall}}
+		}
 		if m.md == nil {
 			// Not cached: callers choose the names.
 			return &method{full: full, err: fmt.Errorf("%s: %w", full, authz.ErrNoAnnotation)}
@@ -275,6 +288,19 @@ func (g *Guard) lookup(full string) *method {
 	}
 	v, _ := g.methods.LoadOrStore(full, m)
 	return v.(*method)
+}
+
+// unschemedService is the service of a method ("/pkg.Service/Method")
+// when no schema of that service is linked into the program: a service
+// the gateway relays without knowing it, when routed. An unknown method
+// of a service the program knows is not one.
+func unschemedService(full string) (string, bool) {
+	svc, name, ok := strings.Cut(strings.TrimPrefix(full, "/"), "/")
+	if !ok || name == "" || strings.Contains(name, "/") || !authz.IsServiceName(svc) {
+		return "", false
+	}
+	_, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc))
+	return svc, err != nil
 }
 
 func findMethod(full string) protoreflect.MethodDescriptor {
@@ -516,19 +542,10 @@ func preAuthenticated(ctx context.Context, procedure string) (authz.Principal, b
 	return p.who, true
 }
 
-// unschemedAllowed: m is a method of no schema linked into the agent (a
-// routed service the gateway only relays) and no RBAC policy is in
-// force, under which every authenticated caller may call every method. A
-// policy, which names resources and verbs of annotated methods only,
-// denies such a method.
-func (g *Guard) unschemedAllowed(m *method) bool {
-	return m.md == nil && !m.open && errors.Is(m.err, authz.ErrNoAnnotation) && (g.cfg.Policy == nil || g.cfg.Policy() == nil)
-}
-
 // decide is the policy's answer for who calling m (req: the request of a
 // unary call, for Config.Resource).
 func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *method, req protoreflect.Message) (*grant, error) {
-	if m.err != nil && !g.unschemedAllowed(m) {
+	if m.err != nil {
 		return nil, g.deny(c, who, m, "", "the method has no authorization rule (%v); methods without one are denied", m.err)
 	}
 	if g.cfg.Ready != nil {
@@ -537,12 +554,6 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 		}
 	}
 	gr := &grant{m: m, who: who, d: authz.Decision{Allowed: true}, resource: m.rule.GetResource()}
-	if m.err != nil {
-		// A routed service the agent has no schema of, and no policy:
-		// every authenticated caller may call it, as every method.
-		g.allowed(c, gr, "")
-		return gr, nil
-	}
 	if m.rule.GetSelf() {
 		// It answers only about the caller, authenticated above: no rule
 		// applies, and none is checked.

@@ -58,8 +58,11 @@ func newGuard(t *testing.T, policy string, limits Limits, now func() time.Time) 
 	g, err := New(Config{
 		Authenticator: &authn.Authenticator{CertRoles: map[string][]string{"alice": {"vm-owner"}, "root": {"admin"}, "cond-*": {"cond"}}},
 		Policy:        func() *authz.Policy { return p },
-		Limits:        limits,
-		Now:           now,
+		Routed: func(m string) bool {
+			return strings.HasPrefix(m, "/test.echo.v1.") || strings.HasPrefix(m, "/no.Such/")
+		},
+		Limits: limits,
+		Now:    now,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -106,7 +109,9 @@ func TestAdmit(t *testing.T) {
 		{"another method of reflection's service", call{procedure: "/grpc.reflection.v1.ServerReflection/Other"}, codes.Unauthenticated},
 		{"another method of health's service", call{procedure: "/grpc.health.v1.Health/Other"}, codes.Unauthenticated},
 		{"an unannotated method, even for admin", certCall("/pivirt.sim.v1.SimulatorService/SetFault", "root"), codes.PermissionDenied},
-		{"an unknown method", certCall("/no.Such/Method", "root"), codes.PermissionDenied},
+		{"an unknown method of a known service", certCall("/pivirt.cluster.v1.ClusterService/NoSuch", "root"), codes.PermissionDenied},
+		{"a routed service of no schema: its resource is the service, for admin's *", certCall("/no.Such/Method", "root"), codes.OK},
+		{"a routed service of no schema, no rule", certCall("/no.Such/Method", "alice"), codes.PermissionDenied},
 		{"admin", certCall("/pivirt.cluster.v1.ClusterService/SetConfig", "root"), codes.OK},
 		{"no rule", certCall("/pivirt.cluster.v1.ClusterService/Leader", "alice"), codes.PermissionDenied},
 		{"a condition with no object", certCall("/pivirt.cluster.v1.ClusterService/Leader", "cond-1"), codes.PermissionDenied},
@@ -127,13 +132,29 @@ func TestAdmit(t *testing.T) {
 	}
 }
 
-// TestAdmitUnschemedMethods: a method of no schema linked into the agent
-// (a routed service the gateway only relays) is open to every
-// authenticated caller while no policy is in force, as every method is;
-// a policy, which can only name annotated methods' resources, denies it.
-// A method whose schema is linked in but carries no annotation stays
-// denied either way, and credentials are always needed.
+// TestAdmitUnschemedMethods: a method of a service no schema of which is
+// linked into the agent (a routed service the gateway only relays) is the
+// resource named by the service's full name with the verb call: open to
+// every authenticated caller while no policy is in force, as every method
+// is; under a policy, granted by a rule that names the service (or *), and
+// never on conditions (nothing to check them on). A method whose schema
+// is linked in but carries no annotation stays denied either way, and
+// credentials are always needed.
 func TestAdmitUnschemedMethods(t *testing.T) {
+	const servicePolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["vm-owner"]
+    resources: ["test.echo.v1.Echo"]
+    verbs: ["call"]
+  - roles: ["cond"]
+    resources: ["test.echo.v1.Other"]
+    verbs: ["call"]
+    conditions:
+      - field: "owner"
+        operator: "Equals"
+        value: "{{.user.identity}}"
+`
 	ctx := context.Background()
 	for _, tc := range []struct {
 		policy string
@@ -143,12 +164,23 @@ func TestAdmitUnschemedMethods(t *testing.T) {
 		{"", certCall("/test.echo.v1.Echo/Unary", "nobody"), codes.OK},
 		{"", call{procedure: "/test.echo.v1.Echo/Unary"}, codes.Unauthenticated},
 		{"", certCall("/pivirt.sim.v1.SimulatorService/SetFault", "root"), codes.PermissionDenied},
-		{ownerPolicy, certCall("/test.echo.v1.Echo/Unary", "root"), codes.PermissionDenied},
+		{ownerPolicy, certCall("/test.echo.v1.Echo/Unary", "root"), codes.OK},
+		{ownerPolicy, certCall("/test.echo.v1.Echo/Unary", "alice"), codes.PermissionDenied},
+		{servicePolicy, certCall("/test.echo.v1.Echo/Unary", "alice"), codes.OK},
+		{servicePolicy, certCall("/test.echo.v1.Echo2/Unary", "alice"), codes.PermissionDenied},
+		{servicePolicy, certCall("/test.echo.v1.Other/Unary", "cond-1"), codes.PermissionDenied},
+		{servicePolicy, certCall("/test.echo.v1.Echo/Unary", "root"), codes.PermissionDenied},
+		{"", certCall("/test.unrouted.v1.Echo/Unary", "root"), codes.PermissionDenied},
 	} {
 		g := newGuard(t, tc.policy, Limits{}, nil)
 		if _, _, err := g.admit(ctx, tc.c, nil); code(err) != tc.want {
-			t.Errorf("policy %t, %s as %q: %v, want %s", tc.policy != "", tc.c.procedure, tc.c.authorization, err, tc.want)
+			t.Errorf("policy %.20q, %s as %q: %v, want %s", tc.policy, tc.c.procedure, tc.c.authorization, err, tc.want)
 		}
+	}
+	g := newGuard(t, servicePolicy, Limits{}, nil)
+	e, err := g.Explain(authz.Principal{Identity: "alice", Roles: []string{"vm-owner"}}, "/test.echo.v1.Echo/Unary", "")
+	if err != nil || !e.Allowed || e.Resource != "test.echo.v1.Echo" || e.Verb != authz.VerbCall {
+		t.Errorf("Explain of a routed service's method: %+v, %v", e, err)
 	}
 }
 

@@ -40,7 +40,7 @@ func (g *Guard) Explain(who authz.Principal, procedure, objectJSON string) (Expl
 	switch {
 	case m.open:
 		return Explanation{Decision: "open", Allowed: true, Detail: "no credentials are needed"}, nil
-	case m.md == nil:
+	case m.md == nil && !m.unschemed:
 		return Explanation{}, fmt.Errorf("%w: %s is %w", ErrCheck, procedure, ErrUnknownMethod)
 	case m.err != nil:
 		return Explanation{Decision: "denied", Detail: fmt.Sprintf("the method has no authorization rule (%v); methods without one are denied", m.err)}, nil

@@ -128,7 +128,7 @@ rules:
         value: "{{.user.email}}"
 `, []string{
 			"rules[0].roles: empty",
-			`rules[0].resources[1]: unknown "disks" (resources: virtualmachines, volumes, networks)`,
+			`rules[0].resources[1]: unknown "disks" (resources: virtualmachines, volumes, networks; or a routed gRPC service's full name, pkg.v1.Service)`,
 			`rules[0].verbs[1]: unknown "reboot"`,
 			`rules[0].conditions[0].field: "Metadata.Owner" is not a dotted field path`,
 			`rules[0].conditions[0].operator: unknown "Is" (operators: Equals, NotEquals, In, NotIn)`,
@@ -154,6 +154,47 @@ rules:
 				}
 			}
 		})
+	}
+}
+
+// TestRoutedServiceRules: a rule may name a routed gRPC service by its
+// full name with the verb call; a name that is no service name is still
+// an unknown resource.
+func TestRoutedServiceRules(t *testing.T) {
+	p, err := Parse(strings.NewReader(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["dev"]
+    resources: ["acme.billing.v1.Invoices"]
+    verbs: ["call"]
+`), resources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		roles          []string
+		resource, verb string
+		want           bool
+	}{
+		{[]string{"dev"}, "acme.billing.v1.Invoices", VerbCall, true},
+		{[]string{"dev"}, "acme.billing.v1.Other", VerbCall, false},
+		{[]string{"ops"}, "acme.billing.v1.Invoices", VerbCall, false},
+		{[]string{"dev"}, "virtualmachines", "get", false},
+	} {
+		d, err := p.Decide(Principal{Identity: "x", Roles: tc.roles}, tc.resource, tc.verb)
+		if err != nil || d.Allowed != tc.want {
+			t.Errorf("%v %s %s: %+v %v, want allowed %t", tc.roles, tc.resource, tc.verb, d, err, tc.want)
+		}
+	}
+	_, err = Parse(strings.NewReader(`apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["dev"]
+    resources: ["billing"]
+    verbs: ["call"]
+`), resources)
+	if err == nil || !strings.Contains(err.Error(), `unknown "billing"`) {
+		t.Errorf("a resource that is no service name: %v", err)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"regexp"
 	"slices"
 	"strings"
 	"text/template"
@@ -26,8 +27,21 @@ const (
 // Wildcard matches every role, resource or verb.
 const Wildcard = "*"
 
-// Verbs are the verbs a rule may name (and Wildcard).
+// Verbs are the verbs of the API's method annotations; a rule may name
+// them, VerbCall and Wildcard.
 var Verbs = []string{"get", "list", "create", "update", "patch", "delete", "start", "stop", "console", "monitor", "debug"}
+
+// VerbCall is the verb of every method of a routed service the agent has
+// no schema of; the resource is the service's full name
+// (pkg.v1.Service), which a rule names as it names a resource.
+const VerbCall = "call"
+
+// serviceName is a gRPC service's full name: a package and a name.
+var serviceName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$`)
+
+// IsServiceName reports whether s is a gRPC service's full name
+// (pkg.v1.Service), which a rule may name as a resource.
+func IsServiceName(s string) bool { return serviceName.MatchString(s) }
 
 // Operators of conditions.
 const (
@@ -103,7 +117,7 @@ func (p *Policy) validate(resources []string) error {
 	if len(p.Rules) == 0 {
 		add("rules", "none: a policy without rules denies everything")
 	}
-	list := func(path string, vals, allowed []string) {
+	list := func(path string, vals, allowed []string, also func(string) bool, alsoHint string) {
 		if len(vals) == 0 {
 			add(path, "empty (use %q for all)", Wildcard)
 		}
@@ -112,17 +126,17 @@ func (p *Policy) validate(resources []string) error {
 			case v == Wildcard:
 			case strings.TrimSpace(v) == "":
 				add(fmt.Sprintf("%s[%d]", path, i), "empty")
-			case allowed != nil && !slices.Contains(allowed, v):
-				add(fmt.Sprintf("%s[%d]", path, i), "unknown %q (%s: %s)", v, path[strings.LastIndex(path, ".")+1:], strings.Join(allowed, ", "))
+			case allowed != nil && !slices.Contains(allowed, v) && (also == nil || !also(v)):
+				add(fmt.Sprintf("%s[%d]", path, i), "unknown %q (%s: %s%s)", v, path[strings.LastIndex(path, ".")+1:], strings.Join(allowed, ", "), alsoHint)
 			}
 		}
 	}
 	for i := range p.Rules {
 		r := &p.Rules[i]
 		at := fmt.Sprintf("rules[%d]", i)
-		list(at+".roles", r.Roles, nil)
-		list(at+".resources", r.Resources, resources)
-		list(at+".verbs", r.Verbs, Verbs)
+		list(at+".roles", r.Roles, nil, nil, "")
+		list(at+".resources", r.Resources, resources, IsServiceName, "; or a routed gRPC service's full name, pkg.v1.Service")
+		list(at+".verbs", r.Verbs, Verbs, func(v string) bool { return v == VerbCall }, "; "+VerbCall+" for the methods of a routed gRPC service")
 		for j := range r.Conditions {
 			c := &r.Conditions[j]
 			cat := fmt.Sprintf("%s.conditions[%d]", at, j)

@@ -157,6 +157,7 @@ func (a *Agent) startAccess() error {
 	g, err := access.New(access.Config{
 		Authenticator: auth,
 		Policy:        a.policy,
+		Routed:        func(m string) bool { return a.proxy != nil && a.proxy.Route(m) != nil },
 		Limits:        rateLimits(a.cfg.RateLimiting),
 		Fetch:         a.fetchObject,
 		Ready:         a.clusterPolicy.Ready,
