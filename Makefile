@@ -14,6 +14,12 @@ VERSION   ?=
 REVISION  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 LDFLAGS   := -X pilab.hu/pivirt-agent/cmd/internal/version.Revision=$(REVISION)$(if $(VERSION), -X pilab.hu/pivirt-agent/cmd/internal/version.Version=$(VERSION))
 
+# The pinned Node tools (buf, protoc-gen-es, esbuild, TypeScript) and the
+# UI's libraries; Node.js and npm themselves from Debian when missing.
+# Defined before the rules that need it: make expands prerequisites as it
+# reads them.
+NODE_DEPS := node_modules/.package-lock.json
+
 .PHONY: help
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -34,9 +40,6 @@ lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test fil
 	scripts/check-imports.sh
 	scripts/check-docs.sh
 
-# The pinned Node tools (buf, protoc-gen-es, esbuild, TypeScript) and the
-# UI's libraries; Node.js and npm themselves from Debian when missing.
-NODE_DEPS := node_modules/.package-lock.json
 $(NODE_DEPS): package.json package-lock.json
 	scripts/node-deps.sh
 	npm ci --no-audit --no-fund

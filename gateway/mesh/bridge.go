@@ -70,14 +70,16 @@ type bridgeCall struct {
 type Bridge struct {
 	grpc            http.Handler
 	maxMessageBytes int64
-	routed          func(path string) bool
+	proxy           *Proxy
 }
 
-// NewBridge returns the bridge to grpcHandler. routed, when set, tells
-// the methods a route serves: a Connect unary call of another is answered
-// 404, as Connect servers answer an unknown procedure.
-func NewBridge(grpcHandler http.Handler, maxMessageBytes int64, routed func(path string) bool) *Bridge {
-	return &Bridge{grpc: grpcHandler, maxMessageBytes: maxMessageBytes, routed: routed}
+// NewBridge returns the bridge to grpcHandler, for the routes of proxy: a
+// Connect unary call of a method no route serves is answered 404, as
+// Connect servers answer an unknown procedure; a method whose route names
+// a schema (a descriptor set) is transcoded by vanguard from that schema
+// instead (JSON to proto, Connect GET for idempotent methods only).
+func NewBridge(grpcHandler http.Handler, maxMessageBytes int64, proxy *Proxy) *Bridge {
+	return &Bridge{grpc: grpcHandler, maxMessageBytes: maxMessageBytes, proxy: proxy}
 }
 
 // IsRPCPath reports whether path names a method of a service
@@ -208,6 +210,15 @@ func bridgePlainError(w http.ResponseWriter, code int, msg string) {
 
 // ServeHTTP bridges one call.
 func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if s := b.proxy.Schema(r.URL.Path); s != nil {
+		t, err := s.transcoderFor(b.grpc, uint32(min(b.maxMessageBytes, 1<<30)))
+		if err == nil {
+			t.ServeHTTP(w, r)
+			return
+		}
+		// A schema vanguard refuses: the bridge serves it as if there
+		// were none.
+	}
 	call, err := parseBridgeCall(r)
 	switch {
 	case errors.Is(err, errBadMethod):
@@ -223,7 +234,7 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeBridgeError(w, call, codes.InvalidArgument, err.Error())
 		return
 	}
-	if b.routed != nil && !b.routed(r.URL.Path) && call.protocol == connectUnary {
+	if b.proxy.Route(r.URL.Path) == nil && call.protocol == connectUnary {
 		// Connect's answer for a procedure the server does not have.
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusNotFound)

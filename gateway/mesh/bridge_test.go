@@ -11,6 +11,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -25,6 +27,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -72,26 +76,28 @@ func startEcho(t *testing.T) (string, chan echoSeen) {
 		}
 		return s.SendMsg(wrapperspb.String(v))
 	}
+	unary := func(_ any, s grpc.ServerStream) error {
+		record(s.Context())
+		v, err := echoValue(s)
+		if err != nil {
+			return err
+		}
+		if d, ok := strings.CutPrefix(v, "sleep:"); ok {
+			dd, _ := time.ParseDuration(d)
+			select {
+			case <-time.After(dd):
+			case <-s.Context().Done():
+				return status.FromContextError(s.Context().Err()).Err()
+			}
+		}
+		return answer(s, v)
+	}
 	sd := grpc.ServiceDesc{
 		ServiceName: echoService,
 		HandlerType: (*any)(nil),
 		Streams: []grpc.StreamDesc{
-			{StreamName: "Unary", ServerStreams: false, ClientStreams: false, Handler: func(_ any, s grpc.ServerStream) error {
-				record(s.Context())
-				v, err := echoValue(s)
-				if err != nil {
-					return err
-				}
-				if d, ok := strings.CutPrefix(v, "sleep:"); ok {
-					dd, _ := time.ParseDuration(d)
-					select {
-					case <-time.After(dd):
-					case <-s.Context().Done():
-						return status.FromContextError(s.Context().Err()).Err()
-					}
-				}
-				return answer(s, v)
-			}},
+			{StreamName: "Unary", Handler: unary},
+			{StreamName: "Put", Handler: unary},
 			{StreamName: "Count", ServerStreams: true, Handler: func(_ any, s grpc.ServerStream) error {
 				record(s.Context())
 				v, err := echoValue(s)
@@ -152,16 +158,21 @@ func startEcho(t *testing.T) (string, chan echoSeen) {
 // service to its backend.
 func startBridge(t *testing.T, backendAddr string) string {
 	t.Helper()
+	return startBridgeWith(t, backendAddr, nil)
+}
+
+func startBridgeWith(t *testing.T, backendAddr string, schema *Schema) string {
+	t.Helper()
 	b, err := NewBackend(BackendConfig{Name: "echo", Endpoint: backendAddr, MaxMessageBytes: 4 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.Close() })
 	p := NewProxy(nil, nil)
-	p.SetRoutes([]Route{{Prefix: "/" + echoService, Backend: b}})
-	gs := grpc.NewServer(grpc.UnknownServiceHandler(p.Handle), grpc.ForceServerCodecV2(Codec()))
+	p.SetRoutes([]Route{{Prefix: "/" + echoService, Backend: b, Schema: schema}})
+	gs := grpc.NewServer(grpc.UnknownServiceHandler(p.Handle), grpc.ForceServerCodecV2(Codec()), grpc.ChainStreamInterceptor(p.TranscodeJSON))
 	t.Cleanup(gs.Stop)
-	bridge := NewBridge(gs, 1<<20, func(path string) bool { return p.Route(path) != nil })
+	bridge := NewBridge(gs, 1<<20, p)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.ProtoMajor == 2 && strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") && !strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc-web") {
 			gs.ServeHTTP(w, r)
@@ -427,3 +438,104 @@ func TestBridgeGRPCWebText(t *testing.T) {
 }
 
 func (d *base64Reader) readAll() ([]byte, error) { return io.ReadAll(d) }
+
+// echoSchema writes a descriptor set of the echo service (Unary marked
+// idempotent) and loads it for its route.
+func echoSchema(t *testing.T) *Schema {
+	t.Helper()
+	sv := ".google.protobuf.StringValue"
+	m := func(name string, cs, ss bool) *descriptorpb.MethodDescriptorProto {
+		return &descriptorpb.MethodDescriptorProto{Name: proto.String(name), InputType: proto.String(sv), OutputType: proto.String(sv),
+			ClientStreaming: proto.Bool(cs), ServerStreaming: proto.Bool(ss)}
+	}
+	unary := m("Unary", false, false)
+	unary.Options = &descriptorpb.MethodOptions{IdempotencyLevel: descriptorpb.MethodOptions_NO_SIDE_EFFECTS.Enum()}
+	fdp := &descriptorpb.FileDescriptorProto{
+		Name: proto.String("test/echo/v1/echo.proto"), Package: proto.String("test.echo.v1"), Syntax: proto.String("proto3"),
+		Dependency: []string{"google/protobuf/wrappers.proto"},
+		Service: []*descriptorpb.ServiceDescriptorProto{{Name: proto.String("Echo"), Method: []*descriptorpb.MethodDescriptorProto{
+			unary, m("Put", false, false), m("Count", false, true), m("Join", true, false), m("Chat", true, true),
+		}}},
+	}
+	set := &descriptorpb.FileDescriptorSet{File: []*descriptorpb.FileDescriptorProto{protodesc.ToFileDescriptorProto(wrapperspb.File_google_protobuf_wrappers_proto), fdp}}
+	b, err := proto.Marshal(set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "echo.binpb")
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s, err := LoadSchema(path, "/"+echoService)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A set without the file it imports, or a prefix it has no service
+	// of, is refused naming what is wrong.
+	noWrappers, _ := proto.Marshal(&descriptorpb.FileDescriptorSet{File: []*descriptorpb.FileDescriptorProto{fdp}})
+	bad := filepath.Join(t.TempDir(), "bad.binpb")
+	if err := os.WriteFile(bad, noWrappers, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadSchema(bad, "/"+echoService); err != nil {
+		// wrappers.proto is linked into the program: found there.
+		t.Errorf("a set importing a linked proto: %v", err)
+	}
+	if _, err := LoadSchema(path, "/test.other.v1.Svc"); err == nil || !strings.Contains(err.Error(), "test.echo.v1.Echo") {
+		t.Errorf("a prefix the set has no service of: %v", err)
+	}
+	if _, err := LoadSchema(filepath.Join(t.TempDir(), "none.binpb"), "/x.Y"); err == nil {
+		t.Error("a missing file was loaded")
+	}
+	return s
+}
+
+// TestBridgeWithSchema: with the descriptor set its route names, a
+// routed service's JSON callers (Connect, gRPC-Web, gRPC) reach the
+// backend in proto, and Connect GET is served for its idempotent methods
+// only.
+func TestBridgeWithSchema(t *testing.T) {
+	backend, seen := startEcho(t)
+	base := startBridgeWith(t, backend, echoSchema(t))
+	ctx := context.Background()
+	for name, opts := range map[string][]connect.ClientOption{
+		"connect":  {connect.WithProtoJSON()},
+		"grpc-web": {connect.WithGRPCWeb(), connect.WithProtoJSON()},
+		"grpc":     {connect.WithGRPC(), connect.WithProtoJSON()},
+		"proto":    nil,
+	} {
+		drain(seen)
+		c := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](h2cClient(), base+"/"+echoService+"/Unary", opts...)
+		resp, err := c.CallUnary(ctx, connect.NewRequest(wrapperspb.String("json in")))
+		if err != nil || resp.Msg.GetValue() != "json in" {
+			t.Fatalf("%s: %v %v", name, resp, err)
+		}
+		if s := <-seen; s.contentType != "application/grpc+proto" {
+			t.Errorf("%s: the backend saw %q, want proto", name, s.contentType)
+		}
+		count := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](h2cClient(), base+"/"+echoService+"/Count", opts...)
+		st, err := count.CallServerStream(ctx, connect.NewRequest(wrapperspb.String("j")))
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for st.Receive() {
+			n++
+		}
+		if n != 3 || connect.CodeOf(st.Err()) != connect.CodeFailedPrecondition {
+			t.Errorf("%s: server stream: %d messages, %v", name, n, st.Err())
+		}
+		st.Close()
+	}
+	get := func(method string) (*connect.Response[wrapperspb.StringValue], error) {
+		c := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/"+method,
+			connect.WithHTTPGet(), connect.WithIdempotency(connect.IdempotencyNoSideEffects), connect.WithProtoJSON())
+		return c.CallUnary(ctx, connect.NewRequest(wrapperspb.String("by get")))
+	}
+	if resp, err := get("Unary"); err != nil || resp.Msg.GetValue() != "by get" {
+		t.Errorf("GET of an idempotent method: %v %v", resp, err)
+	}
+	if _, err := get("Put"); err == nil {
+		t.Error("GET of a method with side effects was served")
+	}
+}

@@ -18,17 +18,17 @@ type forwardProtoKey struct{}
 
 // TranscodeJSON is the first stream interceptor of a gRPC server that
 // runs the proxy. A call in JSON (application/grpc+json) of a method whose
-// schema is linked into the program (the VM, storage and network APIs,
-// the agent's own streaming methods) is turned into proto for the rest of
+// schema the proxy has (linked into the program: the VM, storage and
+// network APIs; or its route's descriptor set) is turned into proto for the rest of
 // the chain — access control reads its fields — and for the backend,
 // whose answers go back to the caller in JSON. Calls in proto, and calls
 // of services the program has no schema of (which reach their backend in
 // their own codec, untouched), are left as they are.
-func TranscodeJSON(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+func (p *Proxy) TranscodeJSON(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	if CallCodec(ss.Context()) != "json" {
 		return handler(srv, ss)
 	}
-	mi := lookupMethod(info.FullMethod)
+	mi := p.lookup(info.FullMethod)
 	if !mi.known {
 		return handler(srv, ss)
 	}

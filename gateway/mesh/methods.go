@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
 
 	apiv1 "pilab.hu/pivirt-agent/proto/pivirt/api/v1"
@@ -48,22 +49,7 @@ func lookupMethod(fullMethod string) methodInfo {
 		if d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc)); err == nil {
 			if sd, ok := d.(protoreflect.ServiceDescriptor); ok {
 				if md := sd.Methods().ByName(protoreflect.Name(method)); md != nil {
-					info = methodInfo{known: true, clientStreams: md.IsStreamingClient(), serverStreams: md.IsStreamingServer(),
-						input: md.Input(), output: md.Output()}
-					if a := authzOf(md); a != nil {
-						info.rule = a
-						info.idempotent = a.GetVerb() == "get" || a.GetVerb() == "list"
-						if a.GetListField() != "" {
-							info.listField = md.Output().Fields().ByName(protoreflect.Name(a.GetListField()))
-							if info.listField != nil && (!info.listField.IsList() || info.listField.Message() == nil) {
-								info.listField = nil
-							}
-						}
-						if g := getterOf(sd, a.GetResource()); g != nil {
-							info.getter = "/" + string(sd.FullName()) + "/" + string(g.Name())
-							info.getterIn, info.getterOut = g.Input(), g.Output()
-						}
-					}
+					info = infoOf(md)
 				}
 			}
 		}
@@ -71,6 +57,31 @@ func lookupMethod(fullMethod string) methodInfo {
 	if info.known {
 		// Only schema methods are cached: callers choose the names.
 		methodCache.Store(fullMethod, info)
+	}
+	return info
+}
+
+// infoOf is what a method's descriptor tells the proxy.
+func infoOf(md protoreflect.MethodDescriptor) methodInfo {
+	sd := md.Parent().(protoreflect.ServiceDescriptor)
+	info := methodInfo{known: true, clientStreams: md.IsStreamingClient(), serverStreams: md.IsStreamingServer(),
+		input: md.Input(), output: md.Output()}
+	if a := authzOf(md); a != nil {
+		info.rule = a
+		info.idempotent = a.GetVerb() == "get" || a.GetVerb() == "list"
+		if a.GetListField() != "" {
+			info.listField = md.Output().Fields().ByName(protoreflect.Name(a.GetListField()))
+			if info.listField != nil && (!info.listField.IsList() || info.listField.Message() == nil) {
+				info.listField = nil
+			}
+		}
+		if g := getterOf(sd, a.GetResource()); g != nil {
+			info.getter = "/" + string(sd.FullName()) + "/" + string(g.Name())
+			info.getterIn, info.getterOut = g.Input(), g.Output()
+		}
+	} else if opts, ok := md.Options().(*descriptorpb.MethodOptions); ok && opts.GetIdempotencyLevel() == descriptorpb.MethodOptions_NO_SIDE_EFFECTS {
+		// A schema of a routed service: retried as its author says.
+		info.idempotent = true
 	}
 	return info
 }
@@ -106,7 +117,3 @@ func newMessage(md protoreflect.MessageDescriptor) protoreflect.Message {
 	}
 	return dynamicpb.NewMessage(md)
 }
-
-// HasSchema reports whether the program has the schema of a method
-// ("/pkg.Service/Method"): its protos are linked in.
-func HasSchema(fullMethod string) bool { return lookupMethod(fullMethod).known }

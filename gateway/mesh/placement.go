@@ -140,7 +140,7 @@ func (s *ctxStream) Context() context.Context { return s.ctx }
 
 // place routes a call of a node-scoped backend by the object it names.
 func (p *Proxy) place(ss grpc.ServerStream, method string, b *Backend, pl Placement) error {
-	info := lookupMethod(method)
+	info := p.lookup(method)
 	r := info.rule
 	if !info.known || r == nil {
 		return p.forward(ss, method, b, nil)
@@ -199,7 +199,7 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	}
 	ctx, cancel := context.WithCancel(outgoingContext(ss.Context()))
 	defer cancel()
-	info := lookupMethod(method)
+	info := p.lookup(method)
 	var req *Frame
 	if info.known && !info.clientStreams {
 		req, first = first, nil
@@ -307,7 +307,7 @@ func (p *Proxy) Invoke(ctx context.Context, method string, req, resp proto.Messa
 		return "", status.Errorf(codes.Unimplemented, "no routing rule matches %s", method)
 	}
 	plp := p.placement.Load()
-	info := lookupMethod(method)
+	info := p.lookup(method)
 	if plp == nil || !b.NodeScoped() || info.rule == nil || info.rule.GetIdField() == "" || (*plp).Routing() != nil {
 		return "", b.Invoke(ctx, method, req, resp)
 	}

@@ -27,6 +27,9 @@ import (
 type Route struct {
 	Prefix  string
 	Backend *Backend
+	// Schema, when set, is the schema of the services the route serves
+	// that the program does not link (routing.rules[].route.descriptor_set).
+	Schema *Schema
 }
 
 // Proxy forwards gRPC calls to backend clusters by route, without decoding
@@ -73,6 +76,38 @@ func (p *Proxy) Route(method string) *Backend {
 	}
 	return nil
 }
+
+// Schema returns the schema the route of a method names, nil when the
+// route names none (or no route matches).
+func (p *Proxy) Schema(method string) *Schema {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	for _, r := range p.routes {
+		if matchPrefix(method, r.Prefix) {
+			if r.Schema != nil && r.Schema.method(method) != nil {
+				return r.Schema
+			}
+			return nil
+		}
+	}
+	return nil
+}
+
+// lookup is what the proxy knows of a method: from the protos linked into
+// the program, else from its route's schema.
+func (p *Proxy) lookup(method string) methodInfo {
+	if info := lookupMethod(method); info.known {
+		return info
+	}
+	if s := p.Schema(method); s != nil {
+		return s.info(method)
+	}
+	return methodInfo{}
+}
+
+// HasSchema reports whether the proxy has the schema of a method: linked
+// into the program, or from its route's descriptor set.
+func (p *Proxy) HasSchema(method string) bool { return p.lookup(method).known }
 
 // matchPrefix matches a route prefix on name boundaries: the prefix
 // "/pivirt.vm.v1.VMService" covers "/pivirt.vm.v1.VMService/GetVM", not
@@ -131,7 +166,7 @@ func (p *Proxy) forward(ss grpc.ServerStream, method string, b *Backend, first *
 		defer p.stats.active(b.Name())()
 	}
 	ctx := outgoingContext(ss.Context())
-	info := lookupMethod(method)
+	info := p.lookup(method)
 	// The per-try timeout bounds unary calls only: a stream (a watch, a
 	// console, an upload) lives as long as its caller wants.
 	unary := info.known && !info.clientStreams && !info.serverStreams

@@ -21,15 +21,15 @@ import (
 // is read whole and refused by the gRPC server with ResourceExhausted
 // (vanguard's own refusal stops reading the request, which clients report
 // as a broken connection).
-func NewTranscoder(services []protoreflect.ServiceDescriptor, grpcHandler http.Handler, maxMessageBytes uint32) (http.Handler, error) {
+func NewTranscoder(services []protoreflect.ServiceDescriptor, grpcHandler http.Handler, maxMessageBytes uint32, opts ...vanguard.ServiceOption) (http.Handler, error) {
 	buffer := 2 * maxMessageBytes
 	svcs := make([]*vanguard.Service, 0, len(services))
 	for _, sd := range services {
-		svcs = append(svcs, vanguard.NewServiceWithSchema(sd, grpcHandler,
+		svcs = append(svcs, vanguard.NewServiceWithSchema(sd, grpcHandler, append([]vanguard.ServiceOption{
 			vanguard.WithTargetProtocols(vanguard.ProtocolGRPC),
 			vanguard.WithTargetCodecs(vanguard.CodecProto),
 			vanguard.WithMaxMessageBufferBytes(buffer),
-		))
+		}, opts...)...))
 	}
 	t, err := vanguard.NewTranscoder(svcs)
 	if err != nil {

@@ -32,7 +32,6 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
-	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
@@ -212,7 +211,7 @@ func (a *Agent) policy() *authz.Policy {
 func (a *Agent) accessServerOptions() []grpc.ServerOption {
 	unary := []grpc.UnaryServerInterceptor{a.apiMetrics.UnaryServerInterceptor()}
 	// A JSON caller of a schema the agent has is seen in proto from here.
-	stream := []grpc.StreamServerInterceptor{mesh.TranscodeJSON, a.apiMetrics.StreamServerInterceptor()}
+	stream := []grpc.StreamServerInterceptor{a.proxy.TranscodeJSON, a.apiMetrics.StreamServerInterceptor()}
 	if a.guard != nil {
 		unary = append(unary, a.guard.UnaryServerInterceptor())
 		stream = append(stream, a.guard.StreamServerInterceptor())
@@ -247,7 +246,7 @@ func (a *Agent) codecTap(ctx context.Context, info *tap.Info) (context.Context, 
 	}
 	routed := a.proxy != nil && a.proxy.Route(info.FullMethodName) != nil
 	switch {
-	case routed && !mesh.HasSchema(info.FullMethodName):
+	case routed && !a.proxy.HasSchema(info.FullMethodName):
 		return ctx, nil
 	case routed && sub == "json":
 		return ctx, nil

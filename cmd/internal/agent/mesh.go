@@ -79,7 +79,7 @@ func (a *Agent) setRoutes(routes []mesh.Route) {
 func (a *Agent) logRoutes(cfg *config.Config) {
 	rules, unrouted := cfg.EffectiveRoutes()
 	for _, r := range rules {
-		a.logger.Info("routing", "prefix", r.Match.Prefix, "backend", r.Route.Cluster,
+		a.logger.Info("routing", "prefix", r.Match.Prefix, "backend", r.Route.Cluster, "descriptor_set", r.Route.DescriptorSet,
 			"scope", cfg.Backends[r.Route.Cluster].EffectiveScope(), "default", len(cfg.Routing.Rules) == 0)
 	}
 	for _, u := range unrouted {
@@ -150,7 +150,13 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 		if !ok {
 			return backends, nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
 		}
-		routes = append(routes, mesh.Route{Prefix: r.Match.Prefix, Backend: b})
+		route := mesh.Route{Prefix: r.Match.Prefix, Backend: b}
+		if ds := r.Route.DescriptorSet; ds != "" {
+			if route.Schema, err = mesh.LoadSchema(ds, r.Match.Prefix); err != nil {
+				return backends, nil, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err)
+			}
+		}
+		routes = append(routes, route)
 	}
 	return backends, routes, nil
 }
@@ -312,7 +318,7 @@ func (a *Agent) addTranscoder(mux *http.ServeMux, gs *grpc.Server, wrap func(htt
 	}
 	// Any other service: the bridge, without a schema. Paths that name
 	// no method stay 404.
-	bridge := wrap(mesh.NewBridge(gs, cluster.MaxMessageBytes, func(path string) bool { return a.proxy.Route(path) != nil }))
+	bridge := wrap(mesh.NewBridge(gs, cluster.MaxMessageBytes, a.proxy))
 	mux.Handle("/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !mesh.IsRPCPath(r.URL.Path) {
 			http.NotFound(w, r)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -27,8 +28,12 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
@@ -1067,4 +1072,44 @@ func TestGatewayHealthChecks(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestDescriptorSetRefused: a routing rule's descriptor set that is no
+// FileDescriptorSet, or has no service the rule routes, stops the start
+// with an error naming the key and what to do.
+func TestDescriptorSetRefused(t *testing.T) {
+	dir := t.TempDir()
+	garbage := filepath.Join(dir, "garbage.binpb")
+	if err := os.WriteFile(garbage, []byte("not a descriptor set"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	wrappers, err := proto.Marshal(&descriptorpb.FileDescriptorSet{File: []*descriptorpb.FileDescriptorProto{protodesc.ToFileDescriptorProto(wrapperspb.File_google_protobuf_wrappers_proto)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	noService := filepath.Join(dir, "wrappers.binpb")
+	if err := os.WriteFile(noService, wrappers, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for file, want := range map[string]string{
+		garbage:   "not a binary FileDescriptorSet (buf build -o FILE.binpb",
+		noService: "no service the prefix /acme.echo.v1.Echo routes",
+	} {
+		cfg := agenttest.Config("node1", filepath.Join(t.TempDir(), "data"))
+		cfg.Cluster.Raft.BootstrapExpect = 1
+		cfg.Backends = map[string]config.BackendConfig{"echo": {Endpoint: "127.0.0.1:1"}}
+		cfg.Routing.Rules = []config.RouteRule{{Match: config.RouteMatch{Prefix: "/acme.echo.v1.Echo"}, Route: config.RouteTarget{Cluster: "echo", DescriptorSet: file}}}
+		a, err := agent.New(cfg, agenttest.Options(nil))
+		if err == nil {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			err = a.Start(ctx)
+			cancel()
+			if err == nil {
+				_ = a.Shutdown()
+			}
+		}
+		if err == nil || !strings.Contains(err.Error(), "routing.rules[0].route.descriptor_set") || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want an error naming the key and saying %q", filepath.Base(file), err, want)
+		}
+	}
 }

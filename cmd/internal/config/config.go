@@ -526,6 +526,12 @@ type RouteMatch struct {
 // RouteTarget is the backend side of a route rule.
 type RouteTarget struct {
 	Cluster string `yaml:"cluster"`
+	// DescriptorSet names a FileDescriptorSet file (binary: buf build
+	// -o FILE.binpb, or protoc --include_imports --descriptor_set_out)
+	// holding the schema of the services the rule routes: with it, JSON
+	// callers are transcoded to proto and Connect GET is served for
+	// idempotent methods only.
+	DescriptorSet string `yaml:"descriptor_set"`
 }
 
 // LoadBalancingConfig is the endpoint picking and active health checking of backend clusters.

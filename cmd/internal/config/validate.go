@@ -443,6 +443,13 @@ func (c *Config) validateMesh(v *validator) {
 			names := slices.Sorted(maps.Keys(c.Backends))
 			v.add(p+".route.cluster", "%w %q: not a backend (backends: %s)", ErrInvalid, r.Route.Cluster, strings.Join(names, ", "))
 		}
+		if ds := r.Route.DescriptorSet; ds != "" && !v.setting {
+			if !filepath.IsAbs(ds) {
+				v.add(p+".route.descriptor_set", "%w %q: an absolute path of a FileDescriptorSet file", ErrInvalid, ds)
+			} else if _, err := os.Stat(ds); err != nil {
+				v.add(p+".route.descriptor_set", "%w: %v", ErrInvalid, err)
+			}
+		}
 	}
 
 	hc := &c.LoadBalancing.HealthCheck

@@ -184,6 +184,14 @@ func TestValidate(t *testing.T) {
 			c.Backends = map[string]BackendConfig{"b": {Endpoint: "unix:///run/b.sock"}, "a": {Endpoint: "unix:///run/a.sock"}}
 			c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/a"}, Route: RouteTarget{Cluster: "pivirtd"}}}
 		}, []string{`routing.rules[0].route.cluster: invalid value "pivirtd": not a backend (backends: a, b)`}},
+		{"descriptor set by a relative path", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"a": {Endpoint: "unix:///run/a.sock"}}
+			c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/a.B"}, Route: RouteTarget{Cluster: "a", DescriptorSet: "a.binpb"}}}
+		}, []string{`routing.rules[0].route.descriptor_set: invalid value "a.binpb": an absolute path of a FileDescriptorSet file`}},
+		{"descriptor set missing", func(c *Config) {
+			c.Backends = map[string]BackendConfig{"a": {Endpoint: "unix:///run/a.sock"}}
+			c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/a.B"}, Route: RouteTarget{Cluster: "a", DescriptorSet: "/nonexistent/a.binpb"}}}
+		}, []string{`routing.rules[0].route.descriptor_set: invalid value: stat /nonexistent/a.binpb: no such file or directory`}},
 		{"health check timeout above interval", func(c *Config) { c.LoadBalancing.HealthCheck.Timeout = Duration(time.Minute) }, []string{"load_balancing.health_check.timeout: invalid value 1m0s: must not exceed load_balancing.health_check.interval (10s)"}},
 		{"health check zero interval", func(c *Config) { c.LoadBalancing.HealthCheck.Interval = 0 }, []string{"load_balancing.health_check.interval: invalid value: must be positive when health checks are enabled"}},
 		{"health check zero threshold", func(c *Config) { c.LoadBalancing.HealthCheck.HealthyThreshold = 0 }, []string{"load_balancing.health_check.healthy_threshold: invalid value: must be at least 1"}},
