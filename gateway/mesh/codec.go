@@ -42,22 +42,32 @@ func Codec() encoding.CodecV2 {
 	return codec{proto: encoding.GetCodecV2(proto.Name)}
 }
 
-// wireOptions keep a forwarded call's wire format as its caller chose it:
+// wireOptions keep a forwarded call's wire format as its caller chose it
+// (nil for proto, uncompressed: a backend connection's defaults, whose
+// codec is the proxy's; a call on another connection sets Codec() first):
 // the codec (application/grpc+json reaches the backend as grpc+json, its
 // bytes untouched) and the compression of the request (grpc-go
 // decompressed it; it is compressed again the same way). The server's
 // stream knows both (grpc-go's transport stream, in the call's context).
 func wireOptions(ctx context.Context) []grpc.CallOption {
 	st := grpc.ServerTransportStreamFromContext(ctx)
-	c := codec{proto: encoding.GetCodecV2(proto.Name)}
-	if s, ok := st.(interface{ ContentSubtype() string }); ok && ctx.Value(forwardProtoKey{}) == nil {
-		c.name = CodecName(s.ContentSubtype())
-	}
-	opts := []grpc.CallOption{grpc.ForceCodecV2(c)}
-	if s, ok := st.(interface{ RecvCompress() string }); ok {
-		if name := s.RecvCompress(); name != "" && name != "identity" && encoding.GetCompressor(name) != nil {
-			opts = append(opts, grpc.UseCompressor(name))
+	var name, compressor string
+	if s, ok := st.(interface{ ContentSubtype() string }); ok {
+		if sub := s.ContentSubtype(); sub != "" && sub != proto.Name && ctx.Value(forwardProtoKey{}) == nil {
+			name = sub
 		}
+	}
+	if s, ok := st.(interface{ RecvCompress() string }); ok {
+		if c := s.RecvCompress(); c != "" && c != "identity" && encoding.GetCompressor(c) != nil {
+			compressor = c
+		}
+	}
+	if name == "" && compressor == "" {
+		return nil // proto, uncompressed: the defaults (the proxy's codec)
+	}
+	opts := []grpc.CallOption{grpc.ForceCodecV2(codec{proto: encoding.GetCodecV2(proto.Name), name: name})}
+	if compressor != "" {
+		opts = append(opts, grpc.UseCompressor(compressor))
 	}
 	return opts
 }

@@ -204,7 +204,7 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	if info.known && !info.clientStreams {
 		req, first = first, nil
 	}
-	cs, err := conn.NewStream(ctx, bidi, method, wireOptions(ss.Context())...)
+	cs, err := conn.NewStream(ctx, bidi, method, append([]grpc.CallOption{grpc.ForceCodecV2(Codec())}, wireOptions(ss.Context())...)...)
 	if err != nil {
 		return unreachable(what, node, err)
 	}

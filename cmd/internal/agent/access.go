@@ -239,6 +239,9 @@ func (a *Agent) codecTap(ctx context.Context, info *tap.Info) (context.Context, 
 	if v := info.Header["content-type"]; len(v) > 0 {
 		ct = v[0]
 	}
+	if ct == "application/grpc" || ct == "application/grpc+proto" {
+		return ctx, nil
+	}
 	_, sub, _ := strings.Cut(strings.SplitN(ct, ";", 2)[0], "+")
 	sub = strings.ToLower(strings.TrimSpace(sub))
 	if sub == "" || sub == "proto" {
