@@ -77,6 +77,25 @@ func (p *Proxy) Route(method string) *Backend {
 	return nil
 }
 
+// RoutedServices are the services the routes name whole: the prefixes
+// that are a service's full name ("/pkg.v1.Service", with or without
+// the final "/"), with their backends.
+func (p *Proxy) RoutedServices() map[string]*Backend {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	out := make(map[string]*Backend)
+	for _, r := range p.routes {
+		name := strings.TrimSuffix(strings.TrimPrefix(r.Prefix, "/"), "/")
+		if name == "" || strings.ContainsAny(name, "/") || !strings.Contains(name, ".") || strings.HasSuffix(name, ".") {
+			continue
+		}
+		if _, seen := out[name]; !seen {
+			out[name] = r.Backend
+		}
+	}
+	return out
+}
+
 // Schema returns the schema the route of a method names, nil when the
 // route names none (or no route matches).
 func (p *Proxy) Schema(method string) *Schema {

@@ -373,8 +373,9 @@ func (a *Agent) registerAPIExtras(gs *grpc.Server) {
 
 // updateHealth sets the grpc.health.v1 statuses: "" and the agent's own
 // APIs (cluster, snapshots, schedules) are SERVING while this node knows a
-// leader (etcd mode: follows etcd); each routed backend API is SERVING
-// while its backend cluster has an available endpoint.
+// leader (etcd mode: follows etcd); each routed backend API — the
+// built-in ones and every service a rule routes whole — is SERVING while
+// its backend cluster has an available endpoint.
 func (a *Agent) updateHealth() {
 	st := healthpb.HealthCheckResponse_NOT_SERVING
 	if a.etcdMode() {
@@ -388,8 +389,22 @@ func (a *Agent) updateHealth() {
 	for _, name := range []string{clusterv1.ClusterService_ServiceDesc.ServiceName, clusterv1.SnapshotService_ServiceDesc.ServiceName, schedulev1.ScheduleService_ServiceDesc.ServiceName} {
 		a.health.SetServingStatus(name, st)
 	}
+	names := make([]string, 0, len(apiServices))
 	for _, sd := range apiServices {
-		name := string(sd.FullName())
+		names = append(names, string(sd.FullName()))
+	}
+	// Every other service a rule routes whole, too.
+	for name := range a.proxy.RoutedServices() {
+		if !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+	}
+	for name := range a.healthRouted {
+		if !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+	}
+	for _, name := range names {
 		b := a.proxy.Route("/" + name + "/")
 		if b == nil && !a.healthRouted[name] {
 			continue // never routed here: unknown to this agent (NotFound)

@@ -1113,3 +1113,36 @@ func TestDescriptorSetRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestRoutedServiceHealth: a service a rule routes whole, of which the
+// agent has no schema, has a grpc.health.v1 status like the built-in
+// APIs: SERVING while its backend has an available endpoint; a service
+// no rule routes is unknown (NotFound).
+func TestRoutedServiceHealth(t *testing.T) {
+	s := startSim(t)
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withBackends(s.addr)(i, cfg)
+		cfg.Backends["echo"] = config.BackendConfig{Endpoint: s.addr}
+		cfg.Routing.Rules = []config.RouteRule{
+			{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}},
+			{Match: config.RouteMatch{Prefix: "/acme.echo.v1.Echo"}, Route: config.RouteTarget{Cluster: "echo"}},
+		}
+	})
+	n := c.WaitLeader(20 * time.Second)
+	conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h := healthpb.NewHealthClient(conn)
+	agenttest.Eventually(t, 10*time.Second, "the routed service's health", func() error {
+		r, err := h.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "acme.echo.v1.Echo"})
+		if err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			return fmt.Errorf("acme.echo.v1.Echo: %v %v, want SERVING", r, err)
+		}
+		return nil
+	})
+	if _, err := h.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "acme.other.v1.Nope"}); status.Code(err) != codes.NotFound {
+		t.Errorf("an unrouted service: %v, want NotFound", err)
+	}
+}
