@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -91,6 +92,19 @@ func (p *Proxy) RoutedServices() map[string]*Backend {
 		}
 		if _, seen := out[name]; !seen {
 			out[name] = r.Backend
+		}
+	}
+	return out
+}
+
+// Schemas are the schemas the routes name, each once.
+func (p *Proxy) Schemas() []*Schema {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	var out []*Schema
+	for _, r := range p.routes {
+		if r.Schema != nil && !slices.Contains(out, r.Schema) {
+			out = append(out, r.Schema)
 		}
 	}
 	return out

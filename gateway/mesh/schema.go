@@ -104,6 +104,12 @@ func LoadSchema(path, prefix string) (*Schema, error) {
 	return s, nil
 }
 
+// Files are the schema's files (those the program links excepted).
+func (s *Schema) Files() *protoregistry.Files { return s.files }
+
+// ServiceDescriptors are the services of the schema the route serves.
+func (s *Schema) ServiceDescriptors() []protoreflect.ServiceDescriptor { return s.services }
+
 // Path is the file the schema was read from.
 func (s *Schema) Path() string { return s.path }
 

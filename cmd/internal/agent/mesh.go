@@ -350,7 +350,7 @@ func (a *Agent) registerAPIExtras(gs *grpc.Server) {
 	healthpb.RegisterHealthServer(gs, a.health)
 	opts := reflection.ServerOptions{
 		Services:           apiServiceInfo{a: a, gs: gs},
-		DescriptorResolver: protoregistry.GlobalFiles,
+		DescriptorResolver: schemaResolver{a},
 		ExtensionResolver:  protoregistry.GlobalTypes,
 	}
 	reflectionv1.RegisterServerReflectionServer(gs, reflection.NewServerV1(opts))
@@ -431,7 +431,12 @@ type apiServiceInfo struct {
 
 func (p apiServiceInfo) GetServiceInfo() map[string]grpc.ServiceInfo {
 	m := p.gs.GetServiceInfo()
-	for _, sd := range apiServices {
+	services := slices.Clone(apiServices)
+	// The services of the routes' descriptor sets.
+	for _, s := range p.a.proxy.Schemas() {
+		services = append(services, s.ServiceDescriptors()...)
+	}
+	for _, sd := range services {
 		name := string(sd.FullName())
 		if p.a.proxy.Route("/"+name+"/") == nil {
 			continue
@@ -444,6 +449,34 @@ func (p apiServiceInfo) GetServiceInfo() map[string]grpc.ServiceInfo {
 		m[name] = info
 	}
 	return m
+}
+
+// schemaResolver finds descriptors for reflection: those linked into the
+// program, then those of the routes' descriptor sets.
+type schemaResolver struct{ a *Agent }
+
+func (r schemaResolver) FindFileByPath(path string) (protoreflect.FileDescriptor, error) {
+	if f, err := protoregistry.GlobalFiles.FindFileByPath(path); err == nil {
+		return f, nil
+	}
+	for _, s := range r.a.proxy.Schemas() {
+		if f, err := s.Files().FindFileByPath(path); err == nil {
+			return f, nil
+		}
+	}
+	return nil, protoregistry.NotFound
+}
+
+func (r schemaResolver) FindDescriptorByName(name protoreflect.FullName) (protoreflect.Descriptor, error) {
+	if d, err := protoregistry.GlobalFiles.FindDescriptorByName(name); err == nil {
+		return d, nil
+	}
+	for _, s := range r.a.proxy.Schemas() {
+		if d, err := s.Files().FindDescriptorByName(name); err == nil {
+			return d, nil
+		}
+	}
+	return nil, protoregistry.NotFound
 }
 
 // devSimSocket is where --dev serves its simulated backend, in the data dir.

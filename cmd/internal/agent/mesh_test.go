@@ -1117,7 +1117,8 @@ func TestDescriptorSetRefused(t *testing.T) {
 // TestRoutedServiceHealth: a service a rule routes whole, of which the
 // agent has no schema, has a grpc.health.v1 status like the built-in
 // APIs: SERVING while its backend has an available endpoint; a service
-// no rule routes is unknown (NotFound).
+// no rule routes is unknown (NotFound). Server reflection lists and
+// describes a routed service whose rule names a descriptor set.
 func TestRoutedServiceHealth(t *testing.T) {
 	s := startSim(t)
 	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
@@ -1126,6 +1127,7 @@ func TestRoutedServiceHealth(t *testing.T) {
 		cfg.Routing.Rules = []config.RouteRule{
 			{Match: config.RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: config.RouteTarget{Cluster: "pivirtd"}},
 			{Match: config.RouteMatch{Prefix: "/acme.echo.v1.Echo"}, Route: config.RouteTarget{Cluster: "echo"}},
+			{Match: config.RouteMatch{Prefix: "/acme.echo.v1.Described"}, Route: config.RouteTarget{Cluster: "echo", DescriptorSet: descriptorSet(t, "Described")}},
 		}
 	})
 	n := c.WaitLeader(20 * time.Second)
@@ -1145,4 +1147,47 @@ func TestRoutedServiceHealth(t *testing.T) {
 	if _, err := h.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "acme.other.v1.Nope"}); status.Code(err) != codes.NotFound {
 		t.Errorf("an unrouted service: %v, want NotFound", err)
 	}
+	// Reflection lists and describes the service whose route has a
+	// descriptor set (grpcurl list / describe), not the other.
+	got, err := listServicesV1alpha(t.Context(), conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(got, "acme.echo.v1.Described") || slices.Contains(got, "acme.echo.v1.Echo") {
+		t.Errorf("reflection lists %v: want acme.echo.v1.Described, not acme.echo.v1.Echo", got)
+	}
+	rs, err := reflectionv1.NewServerReflectionClient(conn).ServerReflectionInfo(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.Send(&reflectionv1.ServerReflectionRequest{MessageRequest: &reflectionv1.ServerReflectionRequest_FileContainingSymbol{FileContainingSymbol: "acme.echo.v1.Described"}}); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := rs.Recv(); err != nil || len(r.GetFileDescriptorResponse().GetFileDescriptorProto()) == 0 {
+		t.Errorf("reflection's file of acme.echo.v1.Described: %v %v", r, err)
+	}
+}
+
+// descriptorSet writes a descriptor set of a service acme.echo.v1.<name>
+// of one unary method Call (google.protobuf.StringValue both ways) and
+// returns its path.
+func descriptorSet(t *testing.T, name string) string {
+	t.Helper()
+	sv := ".google.protobuf.StringValue"
+	fdp := &descriptorpb.FileDescriptorProto{
+		Name: proto.String("acme/echo/v1/" + strings.ToLower(name) + ".proto"), Package: proto.String("acme.echo.v1"), Syntax: proto.String("proto3"),
+		Dependency: []string{"google/protobuf/wrappers.proto"},
+		Service: []*descriptorpb.ServiceDescriptorProto{{Name: proto.String(name), Method: []*descriptorpb.MethodDescriptorProto{
+			{Name: proto.String("Call"), InputType: proto.String(sv), OutputType: proto.String(sv)},
+		}}},
+	}
+	b, err := proto.Marshal(&descriptorpb.FileDescriptorSet{File: []*descriptorpb.FileDescriptorProto{fdp}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), name+".binpb")
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
