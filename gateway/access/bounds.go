@@ -114,6 +114,10 @@ func (g *Guard) slowBody(c call) {
 		"timeout", g.cfg.BodyTimeout)
 }
 
+// StopBodyTimer ends the body timeout TapHandle armed in ctx, for a call
+// refused after it (by another tap check).
+func StopBodyTimer(ctx context.Context) { bodyArrived(ctx) }
+
 // bodyArrived ends ctx's body timeout: the request message is in.
 func bodyArrived(ctx context.Context) {
 	if b, ok := ctx.Value(bodyDoneKey{}).(*bodyWatch); ok {

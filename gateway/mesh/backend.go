@@ -170,6 +170,24 @@ type Endpoint struct {
 	// out mirrors state: unhealthy or ejected (read by picks without the
 	// lock).
 	out atomic.Bool
+	// accepts is the grpc-accept-encoding the endpoint last answered
+	// with: the compressions it takes (nil until it answered).
+	accepts atomic.Pointer[string]
+}
+
+// acceptsCompression reports whether the endpoint said it takes a
+// compression: a call is compressed as its caller's was only then.
+func (e *Endpoint) acceptsCompression(name string) bool {
+	a := e.accepts.Load()
+	if a == nil {
+		return false
+	}
+	for v := range strings.SplitSeq(*a, ",") {
+		if strings.TrimSpace(v) == name {
+			return true
+		}
+	}
+	return false
 }
 
 // Active is the number of calls in flight to the endpoint.

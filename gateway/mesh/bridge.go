@@ -2,6 +2,7 @@ package mesh
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
@@ -12,8 +13,11 @@ import (
 	"net/http"
 	"net/textproto"
 	"net/url"
+	"regexp"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	spb "google.golang.org/genproto/googleapis/rpc/status"
@@ -89,6 +93,9 @@ func IsRPCPath(path string) bool {
 	return ok && svc != "" && m != "" && !strings.Contains(m, "/") && strings.Contains(svc, ".") && path[0] == '/'
 }
 
+// grpcTimeoutValue is a valid grpc-timeout.
+var grpcTimeoutValue = regexp.MustCompile(`^[0-9]{1,8}[HMSmun]$`)
+
 // The requests that are no call of the protocols the bridge speaks.
 var (
 	errBadMethod      = errors.New("not a call: Connect and gRPC-Web calls are POST (Connect GET for idempotent methods)")
@@ -142,6 +149,9 @@ func parseBridgeCall(r *http.Request) (bridgeCall, error) {
 		return c, c.parseConnectTimeout(r)
 	default:
 		c.compression, c.acceptCompression, c.timeout = r.Header.Get("Grpc-Encoding"), r.Header.Get("Grpc-Accept-Encoding"), r.Header.Get("Grpc-Timeout")
+		if c.timeout != "" && !grpcTimeoutValue.MatchString(c.timeout) {
+			return c, fmt.Errorf("grpc-timeout %q: not 1 to 8 digits and a unit (H, M, S, m, u, n)", c.timeout)
+		}
 	}
 	return c, nil
 }
@@ -234,6 +244,14 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeBridgeError(w, call, codes.InvalidArgument, err.Error())
 		return
 	}
+	if call.get {
+		// Without the method's schema the gateway cannot tell a method
+		// that is safe to call by GET (a cross-site link makes one) from
+		// one that changes something: Connect's answer for the latter.
+		w.Header().Set("Allow", "POST")
+		bridgePlainError(w, http.StatusMethodNotAllowed, fmt.Sprintf("GET %s: Connect GET is served for the methods a descriptor set marks idempotent (routing.rules[].route.descriptor_set, idempotency_level NO_SIDE_EFFECTS); call it with POST", r.URL.Path))
+		return
+	}
 	if b.proxy.Route(r.URL.Path) == nil && call.protocol == connectUnary {
 		// Connect's answer for a procedure the server does not have.
 		w.Header().Set("Content-Type", "application/json")
@@ -251,8 +269,10 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeBridgeError(w, call, code, err.Error())
 		return
 	}
-	// HTTP/1.1 callers of streams send while they read.
-	_ = http.NewResponseController(w).EnableFullDuplex()
+	if call.protocol != connectUnary {
+		// HTTP/1.1 callers of streams send while they read.
+		_ = http.NewResponseController(w).EnableFullDuplex()
+	}
 
 	req := r.Clone(r.Context())
 	req.Method = http.MethodPost
@@ -274,13 +294,53 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if call.timeout != "" {
 		req.Header.Set("Grpc-Timeout", call.timeout)
 	}
+	if r.ProtoMajor == 1 && call.protocol != connectUnary {
+		// grpc-go closes a stream's body when the call ends, which on
+		// HTTP/1.1 waits for a read in flight: a read deadline ends that
+		// read when the client has not finished its body.
+		body = &http1Body{ReadCloser: body, rc: http.NewResponseController(w)}
+	}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	req = req.WithContext(ctx)
 	req.Body, req.ContentLength = body, -1
 	req.URL = &url.URL{Path: r.URL.Path}
 	req.RequestURI = r.URL.Path
 
-	bw := &bridgeWriter{w: w, call: call}
+	bw := &bridgeWriter{w: w, call: call, cancel: cancel, maxUnary: int(b.maxMessageBytes) + 5}
 	b.grpc.ServeHTTP(bw, req)
 	bw.finish()
+}
+
+// http1Body is an HTTP/1.1 stream's request body whose Close does not
+// wait for a client that has not finished sending it: it ends the read in
+// flight with a read deadline (the connection is not used again) and
+// returns once that read has, so that no read of the body outlives the
+// handler.
+type http1Body struct {
+	io.ReadCloser
+	rc  *http.ResponseController
+	mu  sync.Mutex // held by a read in flight
+	eof atomic.Bool
+}
+
+func (b *http1Body) Read(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n, err := b.ReadCloser.Read(p)
+	if err == io.EOF {
+		b.eof.Store(true)
+	}
+	return n, err
+}
+
+func (b *http1Body) Close() error {
+	if !b.eof.Load() {
+		_ = b.rc.SetReadDeadline(time.Now())
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.ReadCloser.Close()
 }
 
 // errTooLarge is a Connect unary body over the limit.
@@ -418,6 +478,15 @@ type bridgeWriter struct {
 	// straight to the caller.
 	pending []byte
 	unary   []byte
+	// maxUnary bounds unary; past it (the backend streams, or answers
+	// more than a message may be) the call is cancelled and overflow set.
+	maxUnary int
+	overflow bool
+	cancel   context.CancelFunc
+	// httpStatus is an HTTP error grpc-go answered instead of a call
+	// (a header it refused), with its text in httpText.
+	httpStatus int
+	httpText   []byte
 }
 
 func (bw *bridgeWriter) Header() http.Header {
@@ -427,13 +496,34 @@ func (bw *bridgeWriter) Header() http.Header {
 	return bw.h
 }
 
-// WriteHeader: grpc-go sends the gRPC header (always 200).
-func (bw *bridgeWriter) WriteHeader(int) { bw.commit() }
+// WriteHeader: grpc-go sends the gRPC header (200), or, before a call
+// starts, an HTTP error for a request it refuses (http.Error).
+func (bw *bridgeWriter) WriteHeader(code int) {
+	if code != http.StatusOK && !bw.committed {
+		bw.httpStatus = code
+		return
+	}
+	bw.commit()
+}
 
 func (bw *bridgeWriter) Write(p []byte) (int, error) {
+	if bw.httpStatus != 0 {
+		bw.httpText = append(bw.httpText, p[:min(len(p), 1024-len(bw.httpText))]...)
+		return len(p), nil
+	}
 	bw.commit()
 	switch bw.call.protocol {
 	case connectUnary:
+		if bw.overflow {
+			return len(p), nil
+		}
+		if len(bw.unary)+len(p) > bw.maxUnary {
+			bw.overflow, bw.unary = true, nil
+			if bw.cancel != nil {
+				bw.cancel()
+			}
+			return len(p), nil
+		}
 		bw.unary = append(bw.unary, p...)
 		return len(p), nil
 	case grpcWebText:
@@ -448,7 +538,7 @@ func (bw *bridgeWriter) Write(p []byte) (int, error) {
 // caller's header waits for finish, as does all of a Connect unary
 // answer.
 func (bw *bridgeWriter) Flush() {
-	if !bw.committed || bw.call.protocol == connectUnary {
+	if !bw.committed || bw.call.protocol == connectUnary || bw.httpStatus != 0 {
 		return
 	}
 	if len(bw.pending) > 0 {
@@ -550,6 +640,22 @@ func decodeBinHeader(v string) ([]byte, error) {
 
 // finish answers the end of the call in the caller's protocol.
 func (bw *bridgeWriter) finish() {
+	if bw.httpStatus != 0 {
+		code := codes.Internal
+		if bw.httpStatus == http.StatusBadRequest {
+			code = codes.InvalidArgument
+		}
+		h := bw.Header()
+		clear(h)
+		h.Set("Grpc-Status", strconv.Itoa(int(code)))
+		h.Set("Grpc-Message", encodeGRPCMessage(strings.TrimSpace(string(bw.httpText))))
+		bw.httpStatus = 0
+	}
+	if bw.overflow {
+		h := bw.Header()
+		h.Set("Grpc-Status", strconv.Itoa(int(codes.Unimplemented)))
+		h.Set("Grpc-Message", encodeGRPCMessage(fmt.Sprintf("the backend answered a unary call with more than %d bytes (is the method a stream? call it with application/connect+proto|json)", bw.maxUnary-5)))
+	}
 	code, msg, details, trailers := bw.status()
 	switch bw.call.protocol {
 	case connectUnary:

@@ -64,6 +64,9 @@ func startEcho(t *testing.T) (string, chan echoSeen) {
 		md, _ := metadata.FromIncomingContext(ctx)
 		st := grpc.ServerTransportStreamFromContext(ctx).(interface{ RecvCompress() string })
 		seen <- echoSeen{contentType: strings.Join(md.Get("content-type"), ","), encoding: st.RecvCompress(), userAgent: strings.Join(md.Get("user-agent"), ",")}
+		// As connect-go servers do (grpc-go's do not): the gateway
+		// compresses calls to a backend that says it takes them.
+		_ = grpc.SetHeader(ctx, metadata.Pairs("grpc-accept-encoding", "gzip"))
 		if v := md.Get("x-echo"); len(v) > 0 {
 			_ = grpc.SetHeader(ctx, metadata.Pairs("x-echo", v[0]))
 			grpc.SetTrailer(ctx, metadata.Pairs("x-echo-trailer", v[0]))
@@ -108,6 +111,9 @@ func startEcho(t *testing.T) (string, chan echoSeen) {
 					if err := s.SendMsg(wrapperspb.String(fmt.Sprintf("%s-%d", v, i))); err != nil {
 						return err
 					}
+				}
+				if v == "ok" {
+					return nil
 				}
 				return answer(s, "error:"+v)
 			}},
@@ -332,22 +338,24 @@ func drain(c chan echoSeen) {
 	}
 }
 
-// TestBridgeConnectGetAndTimeout: a Connect GET carries its message in
-// the query; a Connect timeout reaches the backend as its deadline.
+// TestBridgeConnectGetAndTimeout: a Connect GET is refused without the
+// method's schema; a Connect timeout reaches the backend as its deadline.
 func TestBridgeConnectGetAndTimeout(t *testing.T) {
 	backend, _ := startEcho(t)
 	base := startBridge(t, backend)
 	ctx := context.Background()
+	// Without a schema no method is known to be safe to call by GET (a
+	// cross-site link makes one): 405, as Connect answers a GET of a
+	// method with side effects; the backend sees nothing.
 	get := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/Unary",
 		connect.WithHTTPGet(), connect.WithIdempotency(connect.IdempotencyNoSideEffects))
-	resp, err := get.CallUnary(ctx, connect.NewRequest(wrapperspb.String("by get")))
-	if err != nil || resp.Msg.GetValue() != "by get" {
-		t.Fatalf("GET: %v %v", resp, err)
+	if _, err := get.CallUnary(ctx, connect.NewRequest(wrapperspb.String("by get"))); err == nil || !strings.Contains(err.Error(), "405") {
+		t.Fatalf("a GET without a schema: %v, want 405", err)
 	}
 	unary := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/Unary")
 	tctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
-	_, err = unary.CallUnary(tctx, connect.NewRequest(wrapperspb.String("sleep:20s")))
+	_, err := unary.CallUnary(tctx, connect.NewRequest(wrapperspb.String("sleep:20s")))
 	if connect.CodeOf(err) != connect.CodeDeadlineExceeded {
 		t.Fatalf("a call past its Connect timeout: %v", err)
 	}
@@ -537,5 +545,73 @@ func TestBridgeWithSchema(t *testing.T) {
 	}
 	if _, err := get("Put"); err == nil {
 		t.Error("GET of a method with side effects was served")
+	}
+}
+
+// TestBridgeBadRequests: what grpc-go would refuse with a bare HTTP error
+// (a bad grpc-timeout, binary metadata that is not base64) is answered
+// in the caller's protocol; a Connect unary call of a streaming method is
+// Unimplemented; an HTTP/1.1 stream whose client has not finished its
+// body is answered all the same.
+func TestBridgeBadRequests(t *testing.T) {
+	backend, _ := startEcho(t)
+	base := startBridge(t, backend)
+	ctx := context.Background()
+	post := func(path, ct string, hdr map[string]string, body io.Reader) (*http.Response, []byte) {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(ctx, "POST", base+path, body)
+		req.Header.Set("Content-Type", ct)
+		for k, v := range hdr {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, b
+	}
+	msg, _ := proto.Marshal(wrapperspb.String("x"))
+	env := append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...)
+	resp, _ := post("/"+echoService+"/Unary", "application/grpc-web+proto", map[string]string{"Grpc-Timeout": "soon"}, bytes.NewReader(env))
+	if resp.Header.Get("Grpc-Status") != "3" || !strings.Contains(resp.Header.Get("Grpc-Message"), "grpc-timeout") {
+		t.Errorf("a bad grpc-timeout: status %q %q, want 3 naming grpc-timeout", resp.Header.Get("Grpc-Status"), resp.Header.Get("Grpc-Message"))
+	}
+	resp, b := post("/"+echoService+"/Unary", "application/proto", map[string]string{"X-Thing-Bin": "%%%"}, bytes.NewReader(msg))
+	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), "invalid_argument") {
+		t.Errorf("binary metadata that is not base64: %d %s, want 400 invalid_argument", resp.StatusCode, b)
+	}
+	okMsg, _ := proto.Marshal(wrapperspb.String("ok"))
+	resp, b = post("/"+echoService+"/Count", "application/proto", nil, bytes.NewReader(okMsg))
+	if resp.StatusCode != http.StatusNotImplemented || !strings.Contains(string(b), "more than one") {
+		t.Errorf("a Connect unary call of a server stream: %d %s, want 501", resp.StatusCode, b)
+	}
+
+	// An HTTP/1.1 Connect stream to an unrouted method, its body left
+	// open: the answer comes (end of stream with unimplemented).
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	go func() { _, _ = pw.Write([]byte{0, 0, 0, 0, 0}) }()
+	done := make(chan string, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, "POST", base+"/test.other.v1.Nope/Stream", pr)
+		req.Header.Set("Content-Type", "application/connect+proto")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			done <- err.Error()
+			return
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		done <- string(b)
+	}()
+	select {
+	case got := <-done:
+		if !strings.Contains(got, "unimplemented") {
+			t.Errorf("the stream's answer: %q, want an end of stream with unimplemented", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer 10 s after the call ended, while the client's body stays open")
 	}
 }

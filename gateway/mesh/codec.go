@@ -44,12 +44,16 @@ func Codec() encoding.CodecV2 {
 
 // wireOptions keep a forwarded call's wire format as its caller chose it
 // (nil for proto, uncompressed: a backend connection's defaults, whose
-// codec is the proxy's; a call on another connection sets Codec() first):
+// codec is the proxy's; a call on another connection sets Codec() first).
+// The compression is kept only where accepts (nil: every compression the
+// program has) says the other side takes it — gRPC has no negotiation of
+// a request's compression, and a backend without gzip would refuse the
+// call; otherwise the backend gets the call uncompressed:
 // the codec (application/grpc+json reaches the backend as grpc+json, its
 // bytes untouched) and the compression of the request (grpc-go
 // decompressed it; it is compressed again the same way). The server's
 // stream knows both (grpc-go's transport stream, in the call's context).
-func wireOptions(ctx context.Context) []grpc.CallOption {
+func wireOptions(ctx context.Context, accepts func(compressor string) bool) []grpc.CallOption {
 	st := grpc.ServerTransportStreamFromContext(ctx)
 	var name, compressor string
 	if s, ok := st.(interface{ ContentSubtype() string }); ok {
@@ -58,7 +62,7 @@ func wireOptions(ctx context.Context) []grpc.CallOption {
 		}
 	}
 	if s, ok := st.(interface{ RecvCompress() string }); ok {
-		if c := s.RecvCompress(); c != "" && c != "identity" && encoding.GetCompressor(c) != nil {
+		if c := s.RecvCompress(); c != "" && c != "identity" && encoding.GetCompressor(c) != nil && (accepts == nil || accepts(c)) {
 			compressor = c
 		}
 	}

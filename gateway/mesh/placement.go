@@ -204,11 +204,11 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	if info.known && !info.clientStreams {
 		req, first = first, nil
 	}
-	cs, err := conn.NewStream(ctx, bidi, method, append([]grpc.CallOption{grpc.ForceCodecV2(Codec())}, wireOptions(ss.Context())...)...)
+	cs, err := conn.NewStream(ctx, bidi, method, append([]grpc.CallOption{grpc.ForceCodecV2(Codec())}, wireOptions(ss.Context(), nil)...)...)
 	if err != nil {
 		return unreachable(what, node, err)
 	}
-	res := relay(cancel, ss, cs, req, first)
+	res := relay(cancel, ss, cs, req, first, nil)
 	if !res.sent && !res.clientGone && status.Code(res.err) == codes.Unavailable {
 		// No header came: the node's agent did not answer (its
 		// answers always carry NodeHeader).

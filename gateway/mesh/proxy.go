@@ -371,11 +371,16 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	perTry := func(err error) bool {
 		return !tryDeadline.IsZero() && status.Code(err) == codes.DeadlineExceeded && !time.Now().Before(tryDeadline)
 	}
-	cs, err := ep.conn.NewStream(tctx, bidi, method, wireOptions(ss.Context())...)
+	cs, err := ep.conn.NewStream(tctx, bidi, method, wireOptions(ss.Context(), ep.acceptsCompression)...)
 	if err != nil {
 		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}
-	res = relay(cancel, ss, cs, req, first)
+	res = relay(cancel, ss, cs, req, first, func(hdr metadata.MD) {
+		if v := hdr.Get("grpc-accept-encoding"); len(v) > 0 {
+			a := strings.Join(v, ",")
+			ep.accepts.Store(&a)
+		}
+	})
 	if res.err != nil && !res.clientGone && perTry(res.err) {
 		res.perTryTimeout = true
 		res.err = status.Errorf(codes.DeadlineExceeded, "backend %s: attempt timed out after %s (backends.%s.timeout)", b.Name(), b.cfg.Timeout, b.Name())
@@ -387,7 +392,7 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 // then the request side closes), or the client's messages as they come
 // (first before them when set); the answer's header, messages and trailer
 // back. cancel ends cs's call.
-func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream, req, first *Frame) (res attemptResult) {
+func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream, req, first *Frame, onHeader func(metadata.MD)) (res attemptResult) {
 	// refused is the status that ended the client's side of a stream
 	// other than by going away: the guard refused a later message (it
 	// names another object), or it was too large. The call ends with it,
@@ -432,6 +437,9 @@ func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream
 	// error before any header) is answered with trailers only too: its
 	// Header is nil.
 	hdr, _ := cs.Header()
+	if hdr != nil && onHeader != nil {
+		onHeader(hdr)
+	}
 	if hdr != nil {
 		if err := ss.SendHeader(responseMetadata(hdr)); err != nil {
 			res.err, res.clientGone = err, true

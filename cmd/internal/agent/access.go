@@ -32,6 +32,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
@@ -218,12 +219,18 @@ func (a *Agent) accessServerOptions() []grpc.ServerOption {
 	}
 	tapHandle := a.codecTap
 	if a.guard != nil {
+		// Authenticated first: the codec's refusal tells nothing of the
+		// routes to a caller without credentials.
 		tapHandle = func(ctx context.Context, info *tap.Info) (context.Context, error) {
-			ctx, err := a.codecTap(ctx, info)
+			ctx, err := a.guard.TapHandle(ctx, info)
 			if err != nil {
 				return nil, err
 			}
-			return a.guard.TapHandle(ctx, info)
+			if _, err := a.codecTap(ctx, info); err != nil {
+				access.StopBodyTimer(ctx)
+				return nil, err
+			}
+			return ctx, nil
 		}
 	}
 	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(unary...), grpc.ChainStreamInterceptor(stream...), grpc.InTapHandle(tapHandle)}
@@ -672,13 +679,23 @@ func CheckFiles(cfg *config.Config) error {
 		}
 	}
 	errs = append(errs, checkOtherTLSFiles(cfg)...)
+	rules, _ := cfg.EffectiveRoutes()
+	for i, r := range rules {
+		if ds := r.Route.DescriptorSet; ds != "" {
+			if _, err := mesh.LoadSchema(ds, r.Match.Prefix); err != nil {
+				errs = append(errs, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err))
+			}
+		}
+	}
 	if cfg.TLS.Enabled && !cfg.Dev {
 		srv := cfg.Server.ConnectRPC.TLS
 		for _, c := range []struct{ key, cert, keyFile, ca string }{
 			{"server.connectrpc.tls", srv.CertFile, srv.KeyFile, cmpOr(srv.ClientCAFile, srv.CAFile, cfg.TLS.CAFile)},
 			{"tls", cfg.TLS.CertFile, cfg.TLS.KeyFile, cfg.TLS.CAFile},
 		} {
-			src, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca})
+			// As loadTLS: the API port's client_ca_file may pin clients.
+			pinned := c.key == "server.connectrpc.tls" && srv.ClientCAFile != ""
+			src, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca, PinnedClients: pinned})
 			if err != nil {
 				errs = append(errs, fmt.Errorf("%s: %w", c.key, err))
 				continue

@@ -138,7 +138,7 @@ func testClusterSettings(t *testing.T, etcd []string) {
 		{"logging.level", "verbose", `logging.level: invalid value "verbose" (allowed: debug, info, warn, error)`},
 		{"log_level", "debug", `key: log_level: unknown key: cluster settings: logging.level, logging.components, routing.rules`},
 		{"rate_limiting", "{enabled: true, requests_per_second: 0, burst: 1}", "rate_limiting.requests_per_second: invalid value 0: must be positive"},
-		{"routing.rules", "[{match: {prefix: /x}, route: {clustre: other}}]", "routing.rules[0].route.clustre: unknown key (known: cluster)"},
+		{"routing.rules", "[{match: {prefix: /x}, route: {clustre: other}}]", "routing.rules[0].route.clustre: unknown key (known: cluster, descriptor_set)"},
 		{"backends.pivirtd.endpoint", "unix:///elsewhere", "not a cluster setting (a key of each node's file, set there)"},
 	} {
 		_, err := e.cl.SetConfig(admin(), &clusterv1.SetConfigRequest{Key: tc.key, Value: tc.value})

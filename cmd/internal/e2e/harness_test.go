@@ -163,9 +163,12 @@ type node struct {
 
 // cluster is three agent processes on 127.0.0.1.
 type cluster struct {
-	bins  binaries
-	dir   string // holds a directory per start attempt
-	nodes []*node
+	// beforeBoot, when set, runs before each start attempt (a test whose
+	// certificates live seconds issues them there).
+	beforeBoot func(t *testing.T)
+	bins       binaries
+	dir        string // holds a directory per start attempt
+	nodes      []*node
 	// certs is the cluster's PiTrust PKI: every port runs (mutual) TLS.
 	// Set before the start, it is used as it is (with makePKI's file
 	// names); else makePKI makes one.
@@ -250,6 +253,9 @@ func startClusterOn(t *testing.T, c *cluster) *cluster {
 	t.Cleanup(c.stopAll)
 
 	for attempt := 1; ; attempt++ {
+		if c.beforeBoot != nil {
+			c.beforeBoot(t)
+		}
 		err := c.boot(t, filepath.Join(c.dir, fmt.Sprintf("attempt%d", attempt)))
 		if err == nil {
 			return c

@@ -372,16 +372,19 @@ func TestPiTrustRenewal(t *testing.T) {
 	t.Cleanup(c.stopAll)
 	ca := startCAServer(t, c)
 	// Short-lived certificates, issued offline (the server renews
-	// certificates of its CA that it did not issue itself).
-	for i := 1; i <= 3; i++ {
-		name := fmt.Sprintf("node%d", i)
-		if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindServer, Name: name + "-server",
-			DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Validity: 45 * time.Second, Force: true}); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-" + name,
-			Validity: 45 * time.Second, Force: true}); err != nil {
-			t.Fatal(err)
+	// certificates of its CA that it did not issue itself), again for a
+	// second start attempt: the first one's may have run out meanwhile.
+	c.beforeBoot = func(t *testing.T) {
+		for i := 1; i <= 3; i++ {
+			name := fmt.Sprintf("node%d", i)
+			if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindServer, Name: name + "-server",
+				DNS: []string{"localhost"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Validity: 45 * time.Second, Force: true}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-" + name,
+				Validity: 45 * time.Second, Force: true}); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 	if _, err := identity.Issue(ca.dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator", Force: true}); err != nil {
