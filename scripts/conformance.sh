@@ -26,8 +26,11 @@ if [[ -n "$logs" ]]; then
 	mkdir -p "$logs"
 	args+=(--log-dir "$logs")
 fi
+# CONFORMANCE_ARGS holds more flags of connectconformance, quoted as in a
+# shell: CONFORMANCE_ARGS="--run 'TLS Client Certs/**'".
+eval "extra=(${CONFORMANCE_ARGS:-})"
 for agents in 1 2; do
 	echo "== the suite through $agents agent(s)"
 	GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf conformance/config.yaml \
-		--skip '**/TLS:true/**' ${CONFORMANCE_ARGS:-} -- "$bin/sut" --agents "$agents" "${args[@]}"
+		--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${args[@]}"
 done

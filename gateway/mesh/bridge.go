@@ -16,8 +16,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	spb "google.golang.org/genproto/googleapis/rpc/status"
@@ -294,12 +292,6 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if call.timeout != "" {
 		req.Header.Set("Grpc-Timeout", call.timeout)
 	}
-	if r.ProtoMajor == 1 && call.protocol != connectUnary {
-		// grpc-go closes a stream's body when the call ends, which on
-		// HTTP/1.1 waits for a read in flight: a read deadline ends that
-		// read when the client has not finished its body.
-		body = &http1Body{ReadCloser: body, rc: http.NewResponseController(w)}
-	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	req = req.WithContext(ctx)
@@ -310,37 +302,6 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	bw := &bridgeWriter{w: w, call: call, cancel: cancel, maxUnary: int(b.maxMessageBytes) + 5}
 	b.grpc.ServeHTTP(bw, req)
 	bw.finish()
-}
-
-// http1Body is an HTTP/1.1 stream's request body whose Close does not
-// wait for a client that has not finished sending it: it ends the read in
-// flight with a read deadline (the connection is not used again) and
-// returns once that read has, so that no read of the body outlives the
-// handler.
-type http1Body struct {
-	io.ReadCloser
-	rc  *http.ResponseController
-	mu  sync.Mutex // held by a read in flight
-	eof atomic.Bool
-}
-
-func (b *http1Body) Read(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	n, err := b.ReadCloser.Read(p)
-	if err == io.EOF {
-		b.eof.Store(true)
-	}
-	return n, err
-}
-
-func (b *http1Body) Close() error {
-	if !b.eof.Load() {
-		_ = b.rc.SetReadDeadline(time.Now())
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.ReadCloser.Close()
 }
 
 // errTooLarge is a Connect unary body over the limit.
