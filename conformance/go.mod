@@ -7,7 +7,10 @@ tool (
 	connectrpc.com/conformance/cmd/referenceserver
 )
 
-require google.golang.org/protobuf v1.36.12
+require (
+	github.com/bufbuild/protocompile v0.14.1
+	google.golang.org/protobuf v1.36.12
+)
 
 require (
 	buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go v1.36.6-20250425153114-8976f5be98c1.1 // indirect

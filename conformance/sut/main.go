@@ -45,7 +45,15 @@ func main() {
 	backend := flag.String("backend", "", "the conformance suite's referenceserver binary")
 	logDir := flag.String("log-dir", "", "keep each run's agent and backend logs in a directory under this one (default: a temporary directory, removed at the end)")
 	agents := flag.Int("agents", 1, "1: the agent routes to the backend; 2: a second agent, which the suite calls, reaches the backend through the replicated services registry, where the first registered it")
+	flag.StringVar(&descriptorSet, "descriptor-set", "", "the service's binary FileDescriptorSet, named in the routing rule (route.descriptor_set): the agent then has the service's schema")
 	flag.Parse()
+	if descriptorSet != "" {
+		abs, err := filepath.Abs(descriptorSet)
+		if err != nil {
+			fatalf("--descriptor-set: %v", err)
+		}
+		descriptorSet = abs
+	}
 	if *agents != 1 && *agents != 2 {
 		fatalf("--agents: 1 or 2, not %d", *agents)
 	}
@@ -318,10 +326,18 @@ auth:
 	return b.String()
 }
 
+// descriptorSet, when set, is named in the routing rule: the agent has the
+// service's schema.
+var descriptorSet string
+
 // routeTo is the backend and routing rule of the suite's service.
 func routeTo(endpoint string) string {
-	return fmt.Sprintf("backends:\n  conformance:\n    endpoint: %s\n    tls:\n      enabled: false\n", endpoint) +
+	s := fmt.Sprintf("backends:\n  conformance:\n    endpoint: %s\n    tls:\n      enabled: false\n", endpoint) +
 		fmt.Sprintf("routing:\n  rules:\n    - match:\n        prefix: /%s\n      route:\n        cluster: conformance\n", service)
+	if descriptorSet != "" {
+		s += fmt.Sprintf("        descriptor_set: %s\n", descriptorSet)
+	}
+	return s
 }
 
 // waitRouted calls the suite's service through the entry agent (Connect,
