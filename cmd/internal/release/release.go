@@ -93,17 +93,19 @@ func Source(ctx context.Context, root, commit, dir string) error {
 		return err
 	}
 	extract.Stdin = pipe
-	var errs bytes.Buffer
-	archive.Stderr, extract.Stderr = &errs, &errs
+	// One buffer each: os/exec copies each process's stderr in a goroutine
+	// of its own.
+	var archiveErrs, extractErrs bytes.Buffer
+	archive.Stderr, extract.Stderr = &archiveErrs, &extractErrs
 	if err := extract.Start(); err != nil {
 		return err
 	}
 	if err := archive.Run(); err != nil {
 		_ = extract.Wait()
-		return fmt.Errorf("git archive %s (the repository needs its history; a shallow clone lacks the commit): %w: %s", commit, err, errs.String())
+		return fmt.Errorf("git archive %s (the repository needs its history; a shallow clone lacks the commit): %w: %s%s", commit, err, archiveErrs.String(), extractErrs.String())
 	}
 	if err := extract.Wait(); err != nil {
-		return fmt.Errorf("extract %s: %w: %s", commit, err, errs.String())
+		return fmt.Errorf("extract %s: %w: %s", commit, err, extractErrs.String())
 	}
 	return nil
 }
