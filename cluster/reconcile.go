@@ -85,10 +85,29 @@ type Reconciler struct {
 	// unproven are the IDs of this pass spoken for by an alive member that
 	// did not prove its identity (serverMembers): not promoted.
 	unproven map[string]bool
+	// lastServers are the IDs the configuration held at the end of the
+	// last pass (nil before the first). A server gone from it that this
+	// reconciler did not remove was removed by an operator (remove-peer,
+	// force-leave --prune).
+	lastServers map[string]bool
+	// removed records, for each server removed by an operator, the gossip
+	// member's Changed when the removal was seen (zero if gossip did not
+	// know it). The server is not added back while its member is unchanged
+	// since: a member killed moments before its removal still looks alive
+	// until the failure detector catches up, and adding it back would leave
+	// a dead non-voter until dead_server_cleanup. A restart, a rejoin or a
+	// new address (a new Changed) lifts it.
+	removed map[string]removal
 
 	// report is what the last pass found of each server (Report).
 	reportMu sync.Mutex
 	report   map[string]ServerReport
+}
+
+// removal is an operator's removal of a server, as the reconciler saw it.
+type removal struct {
+	seen    time.Time // when the reconciler noticed it
+	changed time.Time // the member's Changed then
 }
 
 // ServerReport is what the reconciler's last pass found of one server
@@ -161,6 +180,7 @@ func NewReconciler(cfg ReconcileConfig, raft VoterManager, members Membership, p
 		healthySince: make(map[string]time.Time),
 		capped:       make(map[string]bool),
 		tooOld:       make(map[string]bool),
+		removed:      make(map[string]removal),
 	}
 }
 
@@ -280,6 +300,13 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	for id := range conflicts {
 		report[id] = ServerReport{Status: "left alone: two live members claim this node ID (was a data dir copied?)"}
 	}
+	r.noteRemovals(inRaft, byID, now)
+	defer func() {
+		r.lastServers = make(map[string]bool, len(inRaft))
+		for id := range inRaft {
+			r.lastServers[id] = true
+		}
+	}()
 
 	// Removals first, so a dead voter's seat can go to a non-voter.
 	for _, s := range servers {
@@ -343,6 +370,10 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			// On its way out (cluster leave): it asked to be removed, and
 			// would come back as a dead non-voter.
 			report[m.Meta.ID] = ServerReport{Status: "not added: leaving"}
+			continue
+		case !ok && r.removedAndUnchanged(m):
+			rm := r.removed[m.Meta.ID]
+			report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: removed from raft by an operator %s ago; added back when the agent restarts or rejoins", now.Sub(rm.seen).Round(time.Second))}
 			continue
 		case !ok && r.tooOldFor(m) != "":
 			report[m.Meta.ID] = ServerReport{Status: "not added: " + r.tooOldFor(m)}
@@ -432,6 +463,36 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 
 // tooOldFor says why m cannot apply the log at the cluster version ("" when
 // it can, or when the version is not known here).
+// noteRemovals records the servers removed since the last pass by someone
+// else than this reconciler (whose removals leave lastServers at once),
+// and forgets removals whose member has changed since or is gone.
+func (r *Reconciler) noteRemovals(inRaft map[string]RaftServer, byID map[string]Member, now time.Time) {
+	for id := range r.lastServers {
+		if _, ok := inRaft[id]; ok {
+			continue
+		}
+		rm := removal{seen: now}
+		if m, ok := byID[id]; ok {
+			rm.changed = m.Changed
+		}
+		r.removed[id] = rm
+		r.logger.Info("server removed from raft by an operator: not added back until its agent restarts or rejoins", "node_id", id)
+	}
+	for id := range r.removed {
+		_, back := inRaft[id]
+		if _, known := byID[id]; back || !known || !r.removedAndUnchanged(byID[id]) {
+			delete(r.removed, id)
+		}
+	}
+}
+
+// removedAndUnchanged reports whether m's server was removed by an
+// operator and its member has not changed since.
+func (r *Reconciler) removedAndUnchanged(m Member) bool {
+	rm, ok := r.removed[m.Meta.ID]
+	return ok && !m.Changed.After(rm.changed)
+}
+
 func (r *Reconciler) tooOldFor(m Member) string {
 	if r.cfg.ClusterVersion == nil {
 		return ""

@@ -312,3 +312,43 @@ func TestServersOlderThanTheClusterVersion(t *testing.T) {
 		t.Errorf("c upgraded, still reported as too old: %q", st)
 	}
 }
+
+// A server an operator removed (remove-peer) while gossip still shows its
+// member alive — killed moments before, not yet detected — is not added
+// back; once its member changes (it restarted, rejoined) it is.
+func TestOperatorRemovalIsNotUndone(t *testing.T) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	raft := newFakeRaft(RaftServer{ID: "a", Address: "addr-a", Voter: true}, RaftServer{ID: "b", Address: "addr-b", Voter: true}, RaftServer{ID: "c", Address: "addr-c", Voter: true})
+	members := fakeMembers{member("a", StatusAlive, now), member("b", StatusAlive, now), member("c", StatusAlive, now)}
+	for i := range members {
+		members[i].Changed = now
+	}
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, Now: func() time.Time { return now }}, raft, members, healthyPeers("a", "b", "c"))
+	pass := func() {
+		t.Helper()
+		if err := r.Reconcile(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pass()
+	if err := raft.RemoveServer(context.Background(), "c"); err != nil { // the operator's remove-peer
+		t.Fatal(err)
+	}
+	pass()
+	pass()
+	if _, ok := raft.servers["c"]; ok {
+		t.Fatalf("a server removed by an operator was added back while its member is unchanged: %s", raft.summary())
+	}
+	if st := r.Report().Servers["c"].Status; !strings.Contains(st, "removed from raft by an operator") {
+		t.Fatalf("report for c: %q", st)
+	}
+	members[2].Changed = now.Add(time.Minute) // restarted
+	pass()
+	if !strings.Contains(strings.Join(raft.calls, ","), "nonvoter c") {
+		t.Fatalf("restarted server not added back: %s (calls %v)", raft.summary(), raft.calls)
+	}
+	// A server the reconciler itself adds is no operator removal.
+	if len(r.removed) != 0 {
+		t.Fatalf("removals still recorded: %v", r.removed)
+	}
+}
