@@ -2,6 +2,8 @@ package store
 
 import (
 	"io"
+	"strconv"
+	"time"
 
 	"github.com/hashicorp/raft"
 )
@@ -48,4 +50,37 @@ func SnapshotIDs(s *Store) ([]string, error) {
 func CreateCheckedSnapshot(s *Store, check func(io.Reader) error, index uint64) (raft.SnapshotSink, error) {
 	cs := checkedSnapshots{FileSnapshotStore: s.snaps, check: check, log: s.log}
 	return cs.Create(raft.SnapshotVersionMax, index, 1, raft.Configuration{}, 1, nil)
+}
+
+// SetSnapshotIndexCheck sets how often the stores opened from now on
+// check raft's record of its last snapshot; undo restores the default.
+func SetSnapshotIndexCheck(d time.Duration) (undo func()) {
+	old := snapshotIndexCheck.Swap(int64(d))
+	return func() { snapshotIndexCheck.Store(old) }
+}
+
+// StoreSnapshotAt stores data as a snapshot at index (of the current term
+// and configuration), as a snapshot that ended after a restore leaves one
+// newer than raft's record of its last snapshot.
+func StoreSnapshotAt(s *Store, index uint64, data []byte) error {
+	cf := s.raft.GetConfiguration()
+	if err := cf.Error(); err != nil {
+		return err
+	}
+	term, _ := strconv.ParseUint(s.raft.Stats()["term"], 10, 64)
+	sink, err := s.snaps.Create(raft.SnapshotVersionMax, index, term, cf.Configuration(), 1, s.transport)
+	if err != nil {
+		return err
+	}
+	if _, err := sink.Write(data); err != nil {
+		_ = sink.Cancel()
+		return err
+	}
+	return sink.Close()
+}
+
+// RecordedSnapshotIndex is raft's record of its last snapshot.
+func RecordedSnapshotIndex(s *Store) uint64 {
+	v, _ := strconv.ParseUint(s.raft.Stats()["last_snapshot_index"], 10, 64)
+	return v
 }

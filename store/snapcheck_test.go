@@ -193,3 +193,36 @@ func TestDropOlderSnapshots(t *testing.T) {
 		t.Fatalf("newest %q, %v; want %s", id, err, held[0])
 	}
 }
+
+// TestSnapshotIndexRepaired: when the newest stored snapshot is above
+// raft's record of its last one (a snapshot that ended after a restore,
+// hashicorp/raft#248 — a leader then sends followers that snapshot
+// forever), the store takes a snapshot that records an index at or above
+// it again.
+func TestSnapshotIndexRepaired(t *testing.T) {
+	defer store.SetSnapshotIndexCheck(20 * time.Millisecond)()
+	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
+	s := c.WaitLeader(t, 10*time.Second)
+	c.Apply(t, storetest.Set("a", "1"))
+	_, rc, err := s.Snapshot(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	recorded := store.RecordedSnapshotIndex(s)
+	_, applied := c.Apply(t, storetest.Set("b", "2"))
+	if err := store.StoreSnapshotAt(s, applied, data); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for store.RecordedSnapshotIndex(s) < applied {
+		if time.Now().After(deadline) {
+			t.Fatalf("raft's last snapshot is still recorded at %d (was %d), below the stored %d", store.RecordedSnapshotIndex(s), recorded, applied)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

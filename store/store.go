@@ -168,6 +168,7 @@ func New(cfg Config) (s *Store, err error) {
 	s.raft = r
 	s.leadership.start(notify, s.closing)
 	s.reach.start(r, raft.ServerID(cfg.NodeID), s.closing)
+	go s.watchSnapshotIndex(time.Duration(snapshotIndexCheck.Load()))
 	if cfg.LogVerificationInterval > 0 {
 		go s.runCheckpoints(cfg.LogVerificationInterval, cfg.LogVerificationAllowed)
 	}

@@ -67,7 +67,10 @@ func TestRetiredNodesLeaveEveryList(t *testing.T) {
 	// node5 dies, and is forced to leave with --prune once every member
 	// sees it failed.
 	pc.c.Kill(4)
-	agenttest.Eventually(t, waitFor, "node5 failed in node1's view", func() error {
+	// node1 tells every member it sees alive: wait for its view to have
+	// node4 left too (a leave's broadcast may reach it only through a
+	// later push-pull sync when the machine is loaded).
+	agenttest.Eventually(t, waitFor, "node5 failed and node4 left in node1's view", func() error {
 		members, err := pc.c.Node(0).API.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
 		if err != nil {
 			return err
@@ -75,6 +78,9 @@ func TestRetiredNodesLeaveEveryList(t *testing.T) {
 		for _, m := range members.Msg.GetMembers() {
 			if m.GetName() == "node5" && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_FAILED {
 				return fmt.Errorf("node1 sees node5 %v", m.GetStatus())
+			}
+			if m.GetName() == "node4" && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_LEFT {
+				return fmt.Errorf("node1 sees node4 %v", m.GetStatus())
 			}
 		}
 		return nil
