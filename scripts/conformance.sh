@@ -4,7 +4,8 @@
 # built with the race detector, whose routing rule sends the suite's service to
 # the suite's reference server as a plain gRPC backend; then again through a
 # second agent of a 2-agent cluster, which finds the backend in the replicated
-# services registry where the first agent registered it (conformance/README.md).
+# services registry where the first agent registered it; each without the
+# service's schema and with it (a descriptor set), conformance/README.md.
 #
 # The features declared are conformance/config.yaml. The cases of TLS without a
 # client certificate are skipped: the API port serves no caller without a
@@ -29,17 +30,20 @@ fi
 # CONFORMANCE_ARGS holds more flags of connectconformance, quoted as in a
 # shell: CONFORMANCE_ARGS="--run 'TLS Client Certs/**'".
 eval "extra=(${CONFORMANCE_ARGS:-})"
-if [[ -n "${CONFORMANCE_SCHEMA:-}" ]]; then
-	# The agent given the service's schema (a descriptor set compiled from
-	# the suite's .proto files) and Connect GET declared: not part of CI
-	# yet, see conformance/README.md.
-	"$bin/descset" -proto "$(cd conformance && $GO list -m -f '{{.Dir}}' connectrpc.com/conformance)/proto" -o "$bin/conformance.binpb"
-	echo "== the suite through 1 agent with the service's descriptor set"
-	GORACE=halt_on_error=1 exec "$bin/connectconformance" --mode server --conf conformance/config-schema.yaml \
-		--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents 1 --descriptor-set "$bin/conformance.binpb" "${args[@]}"
-fi
-for agents in 1 2; do
-	echo "== the suite through $agents agent(s)"
-	GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf conformance/config.yaml \
-		--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${args[@]}"
+# Without a schema (the agent translates the framing only; Connect GET is
+# refused), then with the service's descriptor set (compiled from the suite's
+# .proto files) named in the routing rule, Connect GET declared.
+"$bin/descset" -proto "$(cd conformance && $GO list -m -f '{{.Dir}}' connectrpc.com/conformance)/proto" -o "$bin/conformance.binpb"
+for schema in none descriptor-set; do
+	conf=conformance/config.yaml
+	more=()
+	if [[ $schema == descriptor-set ]]; then
+		conf=conformance/config-schema.yaml
+		more=(--descriptor-set "$bin/conformance.binpb")
+	fi
+	for agents in 1 2; do
+		echo "== the suite through $agents agent(s), schema: $schema"
+		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" \
+			--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${more[@]}" "${args[@]}"
+	done
 done

@@ -21,6 +21,7 @@ import (
 	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/descriptorpb"
 )
 
 // The bridge serves Connect (unary POST and GET, streaming) and gRPC-Web
@@ -77,9 +78,10 @@ type Bridge struct {
 
 // NewBridge returns the bridge to grpcHandler, for the routes of proxy: a
 // Connect unary call of a method no route serves is answered 404, as
-// Connect servers answer an unknown procedure; a method whose route names
-// a schema (a descriptor set) is transcoded by vanguard from that schema
-// instead (JSON to proto, Connect GET for idempotent methods only).
+// Connect servers answer an unknown procedure. A Connect GET is served for
+// the methods whose route's schema (a descriptor set) marks them free of
+// side effects; with a schema, JSON callers are transcoded to proto by the
+// gRPC server's first interceptor (Proxy.TranscodeJSON).
 func NewBridge(grpcHandler http.Handler, maxMessageBytes int64, proxy *Proxy) *Bridge {
 	return &Bridge{grpc: grpcHandler, maxMessageBytes: maxMessageBytes, proxy: proxy}
 }
@@ -218,15 +220,6 @@ func bridgePlainError(w http.ResponseWriter, code int, msg string) {
 
 // ServeHTTP bridges one call.
 func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if s := b.proxy.Schema(r.URL.Path); s != nil {
-		t, err := s.transcoderFor(b.grpc, uint32(min(b.maxMessageBytes, 1<<30)))
-		if err == nil {
-			t.ServeHTTP(w, r)
-			return
-		}
-		// A schema vanguard refuses: the bridge serves it as if there
-		// were none.
-	}
 	call, err := parseBridgeCall(r)
 	switch {
 	case errors.Is(err, errBadMethod):
@@ -242,12 +235,12 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeBridgeError(w, call, codes.InvalidArgument, err.Error())
 		return
 	}
-	if call.get {
+	if call.get && !b.getAllowed(r.URL.Path) {
 		// Without the method's schema the gateway cannot tell a method
 		// that is safe to call by GET (a cross-site link makes one) from
 		// one that changes something: Connect's answer for the latter.
 		w.Header().Set("Allow", "POST")
-		bridgePlainError(w, http.StatusMethodNotAllowed, fmt.Sprintf("GET %s: Connect GET is served for the methods a descriptor set marks idempotent (routing.rules[].route.descriptor_set, idempotency_level NO_SIDE_EFFECTS); call it with POST", r.URL.Path))
+		bridgePlainError(w, http.StatusMethodNotAllowed, fmt.Sprintf("GET %s: Connect GET is served for the methods a descriptor set marks free of side effects (routing.rules[].route.descriptor_set, idempotency_level NO_SIDE_EFFECTS); call it with POST", r.URL.Path))
 		return
 	}
 	if b.proxy.Route(r.URL.Path) == nil && call.protocol == connectUnary {
@@ -302,6 +295,21 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	bw := &bridgeWriter{w: w, call: call, cancel: cancel, maxUnary: int(b.maxMessageBytes) + 5}
 	b.grpc.ServeHTTP(bw, req)
 	bw.finish()
+}
+
+// getAllowed reports whether a Connect GET of method is served: its
+// route's schema marks it free of side effects, as connect-go requires.
+func (b *Bridge) getAllowed(method string) bool {
+	s := b.proxy.Schema(method)
+	if s == nil {
+		return false
+	}
+	md := s.method(method)
+	if md == nil || md.IsStreamingClient() || md.IsStreamingServer() {
+		return false
+	}
+	opts, ok := md.Options().(*descriptorpb.MethodOptions)
+	return ok && opts.GetIdempotencyLevel() == descriptorpb.MethodOptions_NO_SIDE_EFFECTS
 }
 
 // errTooLarge is a Connect unary body over the limit.

@@ -24,10 +24,13 @@ import (
 	"google.golang.org/grpc/encoding"
 	_ "google.golang.org/grpc/encoding/gzip"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/reflection"
+	reflectionv1 "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -40,7 +43,7 @@ import (
 const echoService = "test.echo.v1.Echo"
 
 type echoSeen struct {
-	contentType, encoding, userAgent string
+	contentType, encoding, userAgent, forwardedUserAgent string
 }
 
 // jsonCodec is the backend's JSON codec (gRPC's content subtype "json").
@@ -59,11 +62,18 @@ func echoValue(s grpc.ServerStream) (string, error) {
 
 func startEcho(t *testing.T) (string, chan echoSeen) {
 	t.Helper()
+	return startEchoWith(t, nil)
+}
+
+// startEchoWith starts the echo backend with more services (register).
+func startEchoWith(t *testing.T, register func(*grpc.Server)) (string, chan echoSeen) {
+	t.Helper()
 	seen := make(chan echoSeen, 100)
 	record := func(ctx context.Context) {
 		md, _ := metadata.FromIncomingContext(ctx)
 		st := grpc.ServerTransportStreamFromContext(ctx).(interface{ RecvCompress() string })
-		seen <- echoSeen{contentType: strings.Join(md.Get("content-type"), ","), encoding: st.RecvCompress(), userAgent: strings.Join(md.Get("user-agent"), ",")}
+		seen <- echoSeen{contentType: strings.Join(md.Get("content-type"), ","), encoding: st.RecvCompress(), userAgent: strings.Join(md.Get("user-agent"), ","),
+			forwardedUserAgent: strings.Join(md.Get(ForwardedUserAgentHeader), ",")}
 		// As connect-go servers do (grpc-go's do not): the gateway
 		// compresses calls to a backend that says it takes them.
 		_ = grpc.SetHeader(ctx, metadata.Pairs("grpc-accept-encoding", "gzip"))
@@ -150,6 +160,9 @@ func startEcho(t *testing.T) (string, chan echoSeen) {
 	}
 	gs := grpc.NewServer()
 	gs.RegisterService(&sd, nil)
+	if register != nil {
+		register(gs)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -169,13 +182,22 @@ func startBridge(t *testing.T, backendAddr string) string {
 
 func startBridgeWith(t *testing.T, backendAddr string, schema *Schema) string {
 	t.Helper()
+	return startBridgeRoute(t, backendAddr, func(b *Backend) Route {
+		return Route{Prefix: "/" + echoService, Backend: b, Schema: schema}
+	})
+}
+
+// startBridgeRoute is startBridge with the echo service's route as route
+// makes it.
+func startBridgeRoute(t *testing.T, backendAddr string, route func(*Backend) Route) string {
+	t.Helper()
 	b, err := NewBackend(BackendConfig{Name: "echo", Endpoint: backendAddr, MaxMessageBytes: 4 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.Close() })
 	p := NewProxy(nil, nil)
-	p.SetRoutes([]Route{{Prefix: "/" + echoService, Backend: b, Schema: schema}})
+	p.SetRoutes([]Route{route(b)})
 	gs := grpc.NewServer(grpc.UnknownServiceHandler(p.Handle), grpc.ForceServerCodecV2(Codec()), grpc.ChainStreamInterceptor(p.TranscodeJSON))
 	t.Cleanup(gs.Stop)
 	bridge := NewBridge(gs, 1<<20, p)
@@ -503,14 +525,67 @@ func echoSchema(t *testing.T) *Schema {
 // backend in proto, and Connect GET is served for its idempotent methods
 // only.
 func TestBridgeWithSchema(t *testing.T) {
-	backend, seen := startEcho(t)
-	base := startBridgeWith(t, backend, echoSchema(t))
+	schema := echoSchema(t)
+	t.Run("descriptor set", func(t *testing.T) {
+		backend, seen := startEcho(t)
+		testBridgeWithSchema(t, startBridgeWith(t, backend, schema), seen)
+	})
+	t.Run("server reflection", func(t *testing.T) {
+		backend, seen := startEchoWith(t, func(gs *grpc.Server) {
+			reflectionv1.RegisterServerReflectionServer(gs, reflection.NewServerV1(reflection.ServerOptions{
+				Services: gs, DescriptorResolver: chainResolver{schema.Files(), protoregistry.GlobalFiles}, ExtensionResolver: protoregistry.GlobalTypes,
+			}))
+		})
+		var r *Reflector
+		base := startBridgeRoute(t, backend, func(b *Backend) Route {
+			r = NewReflector(b, "/"+echoService, nil)
+			return Route{Prefix: "/" + echoService, Backend: b, Reflector: r}
+		})
+		testBridgeWithSchema(t, base, seen)
+		if s := r.Cached(); s == nil || s.Path() != "reflection of backends.echo" || strings.Join(s.Services(), ",") != echoService {
+			t.Errorf("learned schema: %v", s)
+		}
+	})
+	t.Run("a backend without reflection", func(t *testing.T) {
+		backend, seen := startEcho(t)
+		var r *Reflector
+		base := startBridgeRoute(t, backend, func(b *Backend) Route {
+			r = NewReflector(b, "/"+echoService, nil)
+			return Route{Prefix: "/" + echoService, Backend: b, Reflector: r}
+		})
+		// No schema: JSON reaches the backend as JSON, and Connect GET
+		// is refused.
+		c := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](h2cClient(), base+"/"+echoService+"/Unary", connect.WithProtoJSON())
+		if resp, err := c.CallUnary(context.Background(), connect.NewRequest(wrapperspb.String("x"))); err != nil || resp.Msg.GetValue() != "x" {
+			t.Errorf("a JSON call without a schema: %v %v", resp, err)
+		}
+		if s := <-seen; s.contentType != "application/grpc+json" {
+			t.Errorf("the backend saw %q, want JSON", s.contentType)
+		}
+		r.wait()
+		if r.Cached() != nil {
+			t.Error("a schema from a backend without reflection")
+		}
+		get := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](http.DefaultClient, base+"/"+echoService+"/Unary",
+			connect.WithHTTPGet(), connect.WithIdempotency(connect.IdempotencyNoSideEffects), connect.WithProtoJSON())
+		if _, err := get.CallUnary(context.Background(), connect.NewRequest(wrapperspb.String("x"))); err == nil || !strings.Contains(err.Error(), "405") {
+			t.Errorf("Connect GET without a schema: %v, want HTTP 405", err)
+		}
+	})
+}
+
+func testBridgeWithSchema(t *testing.T, base string, seen chan echoSeen) {
 	ctx := context.Background()
 	for name, opts := range map[string][]connect.ClientOption{
 		"connect":  {connect.WithProtoJSON()},
 		"grpc-web": {connect.WithGRPCWeb(), connect.WithProtoJSON()},
 		"grpc":     {connect.WithGRPC(), connect.WithProtoJSON()},
 		"proto":    nil,
+		// Compressed JSON is decompressed, transcoded and sent on
+		// compressed.
+		"connect gzip":  {connect.WithProtoJSON(), connect.WithSendGzip()},
+		"grpc-web gzip": {connect.WithGRPCWeb(), connect.WithProtoJSON(), connect.WithSendGzip()},
+		"grpc gzip":     {connect.WithGRPC(), connect.WithProtoJSON(), connect.WithSendGzip()},
 	} {
 		drain(seen)
 		c := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](h2cClient(), base+"/"+echoService+"/Unary", opts...)
@@ -518,8 +593,12 @@ func TestBridgeWithSchema(t *testing.T) {
 		if err != nil || resp.Msg.GetValue() != "json in" {
 			t.Fatalf("%s: %v %v", name, resp, err)
 		}
-		if s := <-seen; s.contentType != "application/grpc+proto" {
+		s := <-seen
+		if s.contentType != "application/grpc+proto" {
 			t.Errorf("%s: the backend saw %q, want proto", name, s.contentType)
+		}
+		if !strings.Contains(s.forwardedUserAgent, "connect/1.") && !strings.HasPrefix(s.forwardedUserAgent, "connect-go/") {
+			t.Errorf("%s: the backend saw the caller's user agent %q, want connect-go's", name, s.forwardedUserAgent)
 		}
 		count := connect.NewClient[wrapperspb.StringValue, wrapperspb.StringValue](h2cClient(), base+"/"+echoService+"/Count", opts...)
 		st, err := count.CallServerStream(ctx, connect.NewRequest(wrapperspb.String("j")))

@@ -33,14 +33,20 @@ func (p *Proxy) TranscodeJSON(srv any, ss grpc.ServerStream, info *grpc.StreamSe
 		return handler(srv, ss)
 	}
 	ctx := context.WithValue(ss.Context(), forwardProtoKey{}, true)
-	return handler(srv, &jsonStream{ServerStream: ss, ctx: ctx, in: mi.input, out: mi.output})
+	js := &jsonStream{ServerStream: ss, ctx: ctx, in: mi.input, out: mi.output}
+	if mi.types != nil {
+		js.unmarshal.Resolver, js.marshal.Resolver = mi.types, mi.types
+	}
+	return handler(srv, js)
 }
 
 // jsonStream is a JSON caller's stream seen in proto.
 type jsonStream struct {
 	grpc.ServerStream
-	ctx     context.Context
-	in, out protoreflect.MessageDescriptor
+	ctx       context.Context
+	in, out   protoreflect.MessageDescriptor
+	unmarshal protojson.UnmarshalOptions
+	marshal   protojson.MarshalOptions
 }
 
 func (s *jsonStream) Context() context.Context { return s.ctx }
@@ -62,7 +68,7 @@ func (s *jsonStream) RecvMsg(m any) error {
 	} else {
 		return status.Errorf(codes.Internal, "transcoding JSON: cannot decode into %T", m)
 	}
-	if err := protojson.Unmarshal(raw.Bytes(), msg); err != nil {
+	if err := s.unmarshal.Unmarshal(raw.Bytes(), msg); err != nil {
 		return status.Errorf(codes.InvalidArgument, "the request is not JSON of %s: %v", s.in.FullName(), err)
 	}
 	if isFrame {
@@ -90,7 +96,7 @@ func (s *jsonStream) SendMsg(m any) error {
 	default:
 		return status.Errorf(codes.Internal, "transcoding JSON: cannot encode %T", m)
 	}
-	b, err := protojson.Marshal(msg)
+	b, err := s.marshal.Marshal(msg)
 	if err != nil {
 		return status.Errorf(codes.Internal, "transcoding the answer to JSON: %v", err)
 	}

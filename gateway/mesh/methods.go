@@ -31,6 +31,15 @@ type methodInfo struct {
 	// request and response types.
 	getter              string
 	getterIn, getterOut protoreflect.MessageDescriptor
+	// types resolves the messages of a JSON google.protobuf.Any (nil: the
+	// program's, protoregistry.GlobalTypes).
+	types typeResolver
+}
+
+// typeResolver finds message and extension types by name and URL.
+type typeResolver interface {
+	protoregistry.MessageTypeResolver
+	protoregistry.ExtensionTypeResolver
 }
 
 var methodCache sync.Map // full method name → methodInfo

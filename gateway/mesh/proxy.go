@@ -31,6 +31,9 @@ type Route struct {
 	// Schema, when set, is the schema of the services the route serves
 	// that the program does not link (routing.rules[].route.descriptor_set).
 	Schema *Schema
+	// Reflector, when set (and Schema is not), learns that schema from
+	// the backend's gRPC server reflection.
+	Reflector *Reflector
 }
 
 // Proxy forwards gRPC calls to backend clusters by route, without decoding
@@ -113,15 +116,25 @@ func (p *Proxy) Schemas() []*Schema {
 // Schema returns the schema the route of a method names, nil when the
 // route names none (or no route matches).
 func (p *Proxy) Schema(method string) *Schema {
+	var route *Route
 	p.mu.RLock()
-	defer p.mu.RUnlock()
-	for _, r := range p.routes {
-		if matchPrefix(method, r.Prefix) {
-			if r.Schema != nil && r.Schema.method(method) != nil {
-				return r.Schema
-			}
-			return nil
+	for i := range p.routes {
+		if matchPrefix(method, p.routes[i].Prefix) {
+			route = &p.routes[i]
+			break
 		}
+	}
+	p.mu.RUnlock()
+	switch {
+	case route == nil:
+		return nil
+	case route.Schema != nil:
+		if route.Schema.method(method) != nil {
+			return route.Schema
+		}
+	case route.Reflector != nil:
+		// Outside the lock: the first call may wait for the backend.
+		return route.Reflector.Schema(method)
 	}
 	return nil
 }
@@ -322,13 +335,27 @@ func (r attemptResult) finish(ss grpc.ServerStream) error {
 	return r.err
 }
 
-// recvFirst reads a call's first request message.
+// recvFirst reads the one request message of a call of a method that is
+// not client-streaming, and the end of the caller's stream after it (as
+// grpc-go's server does). No message or more than one is Unimplemented,
+// a gRPC server's answer to a call of the wrong cardinality (what
+// connect-go answers and the Connect conformance suite expects).
 func recvFirst(ss grpc.ServerStream) (*Frame, error) {
 	req := new(Frame)
 	if err := ss.RecvMsg(req); err != nil {
 		if errors.Is(err, io.EOF) {
-			return nil, status.Error(codes.InvalidArgument, "no request message")
+			return nil, status.Error(codes.Unimplemented, "the method takes one request message: the call sent none")
 		}
+		return nil, err
+	}
+	extra := new(Frame)
+	switch err := ss.RecvMsg(extra); {
+	case err == nil:
+		extra.Free()
+		req.Free()
+		return nil, status.Error(codes.Unimplemented, "the method takes one request message: the call sent more")
+	case !errors.Is(err, io.EOF):
+		req.Free()
 		return nil, err
 	}
 	return req, nil
@@ -503,6 +530,14 @@ const (
 	RolesHeader    = "x-pivirt-roles"
 )
 
+// ForwardedUserAgentHeader carries the user agents of a forwarded call's
+// callers, the first caller's first (one value each, as x-forwarded-for
+// lists addresses): grpc-go writes the connection's user agent (the
+// agent's, "pivirt-agent/VERSION grpc-go/…") on every call and cannot
+// send a call's own, as gRPC proxies built on it cannot (grpc-gateway
+// sends grpcgateway-user-agent for the same reason).
+const ForwardedUserAgentHeader = "x-forwarded-user-agent"
+
 // outgoingContext carries the caller's metadata (without hop headers) to
 // the backend, adding the caller's address to x-forwarded-for. The
 // deadline travels with the context.
@@ -523,6 +558,12 @@ func outgoingContext(ctx context.Context) context.Context {
 			host = strings.Join(prev, ", ") + ", " + host
 		}
 		out.Set("x-forwarded-for", host)
+	}
+	if ua := in.Get("user-agent"); len(ua) > 0 {
+		// grpc-go sends one user agent per connection (the agent's) and
+		// drops a call's own: the caller's travels on beside it, after
+		// those of the gateways before this one.
+		out.Set(ForwardedUserAgentHeader, append(out.Get(ForwardedUserAgentHeader), ua...)...)
 	}
 	if p, ok := authz.PrincipalFrom(ctx); ok {
 		out.Set(IdentityHeader, url.PathEscape(p.Identity))

@@ -2,7 +2,6 @@ package mesh
 
 import (
 	"fmt"
-	"net/http"
 	"os"
 	"slices"
 	"strings"
@@ -14,24 +13,22 @@ import (
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
-
-	"connectrpc.com/vanguard"
 )
 
 // Schema is the schema of a routed service that is not linked into the
 // program, from a descriptor set a routing rule names
 // (routing.rules[].route.descriptor_set): with it the gateway transcodes
-// JSON callers to proto and serves Connect GET for idempotent methods
-// only, through vanguard as for the built-in APIs.
+// JSON callers to proto (Proxy.TranscodeJSON) and serves Connect GET for
+// the methods free of side effects (Bridge).
 type Schema struct {
 	path     string
 	files    *protoregistry.Files
 	services []protoreflect.ServiceDescriptor
 
-	once       sync.Once
-	transcoder http.Handler
-	err        error
-	infos      sync.Map // full method name → methodInfo
+	// types resolves the schema's messages (dynamic) and the program's,
+	// for JSON's google.protobuf.Any.
+	types typeChain
+	infos sync.Map // full method name → methodInfo
 }
 
 // LoadSchema reads a FileDescriptorSet (binary; every import included,
@@ -86,22 +83,38 @@ func LoadSchema(path, prefix string) (*Schema, error) {
 		}
 		pending = next
 	}
-	s := &Schema{path: path, files: files}
+	s, err := newSchema(path, files, prefix)
+	if err != nil {
+		return nil, fmt.Errorf("descriptor set %s: %w", path, err)
+	}
+	return s, nil
+}
+
+// newSchema is the schema of the services in files that a route of prefix
+// serves; source says where files came from (Path).
+func newSchema(source string, files *protoregistry.Files, prefix string) (*Schema, error) {
+	s := &Schema{path: source, files: files, types: typeChain{dynamicpb.NewTypes(files), protoregistry.GlobalTypes}}
 	var all []string
 	files.RangeFiles(func(f protoreflect.FileDescriptor) bool {
 		for i := range f.Services().Len() {
 			sd := f.Services().Get(i)
 			all = append(all, string(sd.FullName()))
-			if matchPrefix("/"+string(sd.FullName())+"/", prefix) || matchPrefix("/"+string(sd.FullName()), prefix) {
+			if routesService(prefix, string(sd.FullName())) {
 				s.services = append(s.services, sd)
 			}
 		}
 		return true
 	})
 	if len(s.services) == 0 {
-		return nil, fmt.Errorf("descriptor set %s: no service the prefix %s routes (services in the set: %s)", path, prefix, strings.Join(all, ", "))
+		return nil, fmt.Errorf("no service the prefix %s routes (services: %s)", prefix, strings.Join(all, ", "))
 	}
 	return s, nil
+}
+
+// routesService reports whether a route of prefix serves methods of the
+// service (a full name).
+func routesService(prefix, service string) bool {
+	return matchPrefix("/"+service+"/", prefix) || matchPrefix("/"+service, prefix)
 }
 
 // Files are the schema's files (those the program links excepted).
@@ -110,7 +123,8 @@ func (s *Schema) Files() *protoregistry.Files { return s.files }
 // ServiceDescriptors are the services of the schema the route serves.
 func (s *Schema) ServiceDescriptors() []protoreflect.ServiceDescriptor { return s.services }
 
-// Path is the file the schema was read from.
+// Path is the file the schema was read from ("reflection of
+// backends.NAME" for a schema learned from the backend).
 func (s *Schema) Path() string { return s.path }
 
 // Services are the full names of the services of the schema the route
@@ -148,18 +162,9 @@ func (s *Schema) info(full string) methodInfo {
 		return methodInfo{}
 	}
 	info := infoOf(md)
+	info.types = s.types
 	s.infos.Store(full, info)
 	return info
-}
-
-// transcoderFor is the vanguard transcoder of the schema's services to
-// grpcHandler, made once.
-func (s *Schema) transcoderFor(grpcHandler http.Handler, maxMessageBytes uint32) (http.Handler, error) {
-	s.once.Do(func() {
-		types := typeChain{dynamicpb.NewTypes(s.files), protoregistry.GlobalTypes}
-		s.transcoder, s.err = NewTranscoder(s.services, grpcHandler, maxMessageBytes, vanguard.WithTypeResolver(types))
-	})
-	return s.transcoder, s.err
 }
 
 // typeChain finds message and extension types in each resolver in turn:

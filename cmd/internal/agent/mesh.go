@@ -27,6 +27,7 @@ import (
 	"pilab.hu/pivirt-agent/cluster"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/cmd/internal/sim"
+	"pilab.hu/pivirt-agent/cmd/internal/version"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/identity"
@@ -155,6 +156,10 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 			if route.Schema, err = mesh.LoadSchema(ds, r.Match.Prefix); err != nil {
 				return backends, nil, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err)
 			}
+		} else {
+			// Services not linked into the agent: their schema is asked
+			// of the backend's server reflection when a call needs it.
+			route.Reflector = mesh.NewReflector(b, r.Match.Prefix, a.logger)
 		}
 		routes = append(routes, route)
 	}
@@ -521,10 +526,14 @@ func (a *Agent) devBackends() error {
 // backendDialOptions are added to the backend connections: with tracing
 // on, a span per attempt, whose context goes to the backend.
 func (a *Agent) backendDialOptions() []grpc.DialOption {
-	if !a.cfg.Tracing.Enabled {
-		return nil
+	// Backends see the agent as the client of the call (grpc-go appends
+	// its own "grpc-go/…"), and the caller's user agent in
+	// x-forwarded-user-agent (mesh.ForwardedUserAgentHeader).
+	opts := []grpc.DialOption{grpc.WithUserAgent("pivirt-agent/" + version.Version)}
+	if a.cfg.Tracing.Enabled {
+		opts = append(opts, a.tracing.ClientOption())
 	}
-	return []grpc.DialOption{a.tracing.ClientOption()}
+	return opts
 }
 
 // tracingServerOptions instrument a gRPC server of the agent: a span per
