@@ -733,7 +733,11 @@ func decodePageToken(tok string) (string, error) {
 // recvRequest reads and decodes a call's first request message. The frame
 // is the caller's to forward or free.
 func recvRequest(ss grpc.ServerStream, info methodInfo) (*Frame, protoreflect.Message, error) {
-	first, err := recvFirst(ss)
+	recv := recvFirst
+	if info.clientStreams {
+		recv = recvOne // the first of a stream (it names the object)
+	}
+	first, err := recv(ss)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -335,17 +335,27 @@ func (r attemptResult) finish(ss grpc.ServerStream) error {
 	return r.err
 }
 
+// recvOne reads a call's first request message (of any method: the rest
+// of a client stream is relayed after it).
+func recvOne(ss grpc.ServerStream) (*Frame, error) {
+	req := new(Frame)
+	if err := ss.RecvMsg(req); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, status.Error(codes.Unimplemented, "the call sent no request message: the method needs one")
+		}
+		return nil, err
+	}
+	return req, nil
+}
+
 // recvFirst reads the one request message of a call of a method that is
 // not client-streaming, and the end of the caller's stream after it (as
 // grpc-go's server does). No message or more than one is Unimplemented,
 // a gRPC server's answer to a call of the wrong cardinality (what
 // connect-go answers and the Connect conformance suite expects).
 func recvFirst(ss grpc.ServerStream) (*Frame, error) {
-	req := new(Frame)
-	if err := ss.RecvMsg(req); err != nil {
-		if errors.Is(err, io.EOF) {
-			return nil, status.Error(codes.Unimplemented, "the method takes one request message: the call sent none")
-		}
+	req, err := recvOne(ss)
+	if err != nil {
 		return nil, err
 	}
 	extra := new(Frame)
