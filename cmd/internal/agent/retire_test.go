@@ -68,9 +68,10 @@ func TestRetiredNodesLeaveEveryList(t *testing.T) {
 	// sees it failed.
 	pc.c.Kill(4)
 	// node1 tells every member it sees alive: wait for its view to have
-	// node4 left too (a leave's broadcast may reach it only through a
-	// later push-pull sync when the machine is loaded).
-	agenttest.Eventually(t, waitFor, "node5 failed and node4 left in node1's view", func() error {
+	// node4 gone too — left, or failed when node1's failure detector
+	// caught node4 stopping before the leave's broadcast reached it (on a
+	// loaded machine; memberlist then keeps it failed).
+	agenttest.Eventually(t, waitFor, "node5 failed and node4 gone in node1's view", func() error {
 		members, err := pc.c.Node(0).API.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
 		if err != nil {
 			return err
@@ -79,7 +80,7 @@ func TestRetiredNodesLeaveEveryList(t *testing.T) {
 			if m.GetName() == "node5" && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_FAILED {
 				return fmt.Errorf("node1 sees node5 %v", m.GetStatus())
 			}
-			if m.GetName() == "node4" && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_LEFT {
+			if m.GetName() == "node4" && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_LEFT && m.GetStatus() != clusterv1.MemberStatus_MEMBER_STATUS_FAILED {
 				return fmt.Errorf("node1 sees node4 %v", m.GetStatus())
 			}
 		}
