@@ -15,6 +15,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
+	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 
 	"pilab.hu/pivirt-agent/store"
 	"pilab.hu/pivirt-agent/store/storetest"
@@ -224,5 +225,95 @@ func TestSnapshotIndexRepaired(t *testing.T) {
 			t.Fatalf("raft's last snapshot is still recorded at %d (was %d), below the stored %d", store.RecordedSnapshotIndex(s), recorded, applied)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestFollowerWithAnEntryAboveItsSnapshotCatchesUp: a follower that holds
+// the leader's snapshot at S and, above it, an entry of an older term that
+// was never committed (S itself not in its log) — as a lagging follower is
+// left by a snapshot install, an entry from a leader that then died, and a
+// SIGKILL — catches up: it takes S as the leader's previous entry (the
+// snapshot's term) and truncates the conflicting entry, instead of
+// refusing every AppendEntries and being sent the snapshot forever.
+func TestFollowerWithAnEntryAboveItsSnapshotCatchesUp(t *testing.T) {
+	c := storetest.NewCluster(t, 3, storetest.NewKVFSM, storetest.WithConfig(func(_ int, cfg *store.Config) {
+		cfg.LogStore = store.LogStoreBoltDB
+		cfg.TrailingLogs = 2
+	}))
+	leader := c.WaitLeader(t, 10*time.Second)
+	for i := range 5 {
+		c.Apply(t, storetest.Set(fmt.Sprint("a", i), "v"))
+	}
+	v := c.Index(c.Followers()[0])
+	c.Stop(v)
+	for i := range 10 {
+		c.Apply(t, storetest.Set(fmt.Sprint("b", i), "v"))
+	}
+	meta, rc, err := leader.Snapshot(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	servers, err := leader.Servers(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conf raft.Configuration
+	for _, s := range servers {
+		conf.Servers = append(conf.Servers, raft.Server{Suffrage: raft.Voter, ID: raft.ServerID(s.ID), Address: raft.ServerAddress(s.Address)})
+	}
+	for i := range 3 {
+		c.Apply(t, storetest.Set(fmt.Sprint("c", i), "v"))
+	}
+
+	// The stopped follower's data dir: the snapshot at S, and in its log
+	// one entry at S+1 of term 1, which the leader (a later term) does not
+	// hold.
+	dir := filepath.Join(c.DataDir(v), "raft")
+	snaps, err := raft.NewFileSnapshotStore(dir, 3, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, trans := raft.NewInmemTransport("")
+	sink, err := snaps.Create(raft.SnapshotVersionMax, meta.Index, meta.Term, conf, 1, trans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sink.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := sink.Close(); err != nil {
+		t.Fatal(err)
+	}
+	bolt, err := raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, "raft.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := bolt.FirstIndex()
+	last, _ := bolt.LastIndex()
+	if last > 0 {
+		if err := bolt.DeleteRange(first, last); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := bolt.StoreLog(&raft.Log{Index: meta.Index + 1, Term: 1, Type: raft.LogNoop}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bolt.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	follower := c.Restart(v)
+	_, want := c.Apply(t, storetest.Set("d", "v"))
+	deadline := time.Now().Add(15 * time.Second)
+	for follower.Status().AppliedIndex < want {
+		if time.Now().After(deadline) {
+			t.Fatalf("the follower applied %d after 15s, want %d (it is sent the snapshot again and again)", follower.Status().AppliedIndex, want)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

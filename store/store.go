@@ -166,6 +166,7 @@ func New(cfg Config) (s *Store, err error) {
 		return nil, fmt.Errorf("start raft: %w", err)
 	}
 	s.raft = r
+	stores.raft.Store(r)
 	s.leadership.start(notify, s.closing)
 	s.reach.start(r, raft.ServerID(cfg.NodeID), s.closing)
 	go s.watchSnapshotIndex(time.Duration(snapshotIndexCheck.Load()))
@@ -185,7 +186,8 @@ type raftStores struct {
 	// and the log too when kind is LogStoreBoltDB.
 	stable *guardedBolt
 	// logs is the log store as Raft sees it: the log cache, in front of
-	// the verifier (when log verification is on), in front of the log.
+	// snapshotEntryLog, in front of the verifier (when log verification is
+	// on), in front of the log.
 	logs  raft.LogStore
 	snaps *raft.FileSnapshotStore
 	// choice is the log store in use and why.
@@ -195,6 +197,8 @@ type raftStores struct {
 	closeLog func() error
 	// verify receives the verifier's reports; nil when verification is off.
 	verify *verification
+	// raft is set once Raft runs on these stores (snapshotEntryLog).
+	raft atomic.Pointer[raft.Raft]
 }
 
 // Close closes the log store, then the stable store.
@@ -284,6 +288,7 @@ func openStores(cfg Config, dir string, logger *hclogAdapter, slogger *slog.Logg
 		v := verifier.NewLogStore(base, isCheckpoint, st.verify.report, &walmetrics.NoOpCollector{})
 		st.logs, st.closeLog = v, v.Close // closes base too
 	}
+	st.logs = &snapshotEntryLog{LogStore: st.logs, raft: &st.raft}
 	if cfg.LogCacheSize > 0 {
 		cache, err := raft.NewLogCache(cfg.LogCacheSize, st.logs)
 		if err != nil {
