@@ -90,13 +90,17 @@ type Reconciler struct {
 	// reconciler did not remove was removed by an operator (remove-peer,
 	// force-leave --prune).
 	lastServers map[string]bool
-	// removed records, for each server removed by an operator, the gossip
-	// member's Changed when the removal was seen (zero if gossip did not
-	// know it). The server is not added back while its member is unchanged
-	// since: a member killed moments before its removal still looks alive
-	// until the failure detector catches up, and adding it back would leave
-	// a dead non-voter until dead_server_cleanup. A restart, a rejoin or a
-	// new address (a new Changed) lifts it.
+	// lastChanged is each of those servers' gossip member's Changed then.
+	lastChanged map[string]time.Time
+	// removed records, for each server removed by an operator, its gossip
+	// member's Changed at the last pass before the removal (zero if gossip
+	// did not know it). The server is not added back while its member is
+	// unchanged since: a member killed moments before its removal still
+	// looks alive until the failure detector catches up, and adding it
+	// back would leave a dead non-voter until dead_server_cleanup. A
+	// restart (a new start time), a new address, or the member seen failed
+	// or left (a new Changed) lifts it. It is kept for the leadership term:
+	// a new leader adds the server back.
 	removed map[string]removal
 
 	// report is what the last pass found of each server (Report).
@@ -303,8 +307,12 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	r.noteRemovals(inRaft, byID, now)
 	defer func() {
 		r.lastServers = make(map[string]bool, len(inRaft))
+		r.lastChanged = make(map[string]time.Time, len(inRaft))
 		for id := range inRaft {
 			r.lastServers[id] = true
+			if m, ok := byID[id]; ok {
+				r.lastChanged[id] = m.Changed
+			}
 		}
 	}()
 
@@ -373,7 +381,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			continue
 		case !ok && r.removedAndUnchanged(m):
 			rm := r.removed[m.Meta.ID]
-			report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: removed from raft by an operator %s ago; added back when the agent restarts or rejoins", now.Sub(rm.seen).Round(time.Second))}
+			report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: removed from raft by an operator %s ago; added back when the agent restarts", now.Sub(rm.seen).Round(time.Second))}
 			continue
 		case !ok && r.tooOldFor(m) != "":
 			report[m.Meta.ID] = ServerReport{Status: "not added: " + r.tooOldFor(m)}
@@ -461,8 +469,6 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// tooOldFor says why m cannot apply the log at the cluster version ("" when
-// it can, or when the version is not known here).
 // noteRemovals records the servers removed since the last pass by someone
 // else than this reconciler (whose removals leave lastServers at once),
 // and forgets removals whose member has changed since or is gone.
@@ -471,12 +477,12 @@ func (r *Reconciler) noteRemovals(inRaft map[string]RaftServer, byID map[string]
 		if _, ok := inRaft[id]; ok {
 			continue
 		}
-		rm := removal{seen: now}
-		if m, ok := byID[id]; ok {
-			rm.changed = m.Changed
-		}
+		// The member as the last pass saw it, while the server was still
+		// in the configuration: a restart since the removal (before this
+		// pass) is a change, and lifts the block.
+		rm := removal{seen: now, changed: r.lastChanged[id]}
 		r.removed[id] = rm
-		r.logger.Info("server removed from raft by an operator: not added back until its agent restarts or rejoins", "node_id", id)
+		r.logger.Info("server removed from raft by an operator: not added back until its agent restarts", "node_id", id)
 	}
 	for id := range r.removed {
 		_, back := inRaft[id]
@@ -493,6 +499,8 @@ func (r *Reconciler) removedAndUnchanged(m Member) bool {
 	return ok && !m.Changed.After(rm.changed)
 }
 
+// tooOldFor says why m cannot apply the log at the cluster version ("" when
+// it can, or when the version is not known here).
 func (r *Reconciler) tooOldFor(m Member) string {
 	if r.cfg.ClusterVersion == nil {
 		return ""

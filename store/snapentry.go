@@ -21,8 +21,10 @@ import (
 // install on a lagging follower" and a SIGKILL; the family of
 // hashicorp/raft#704). With the snapshot's term at S the follower accepts
 // S as the previous entry, finds the conflict above it and truncates, as
-// Raft says. A leader never gets the answer: its replication reads entries
-// to send, and S must go as the snapshot, not as a no-op.
+// Raft says. A leader never gets the answer (its replication reads entries
+// to send, and S must go as the snapshot, not as a no-op); nor does a
+// server whose log holds S-1 (a leader stepping down still replicates for
+// a moment, and it reads S only after S-1).
 type snapshotEntryLog struct {
 	raft.LogStore
 	raft *atomic.Pointer[raft.Raft]
@@ -43,6 +45,16 @@ func (s *snapshotEntryLog) GetLog(index uint64, l *raft.Log) error {
 	applied, err3 := strconv.ParseUint(stats["applied_index"], 10, 64)
 	if err1 != nil || err2 != nil || err3 != nil || snapIndex == 0 || index != snapIndex || applied < snapIndex {
 		return err
+	}
+	// The entry below must be missing too. Then no reader walking the
+	// log up to S gets past S-1 — a leader that has just stepped down
+	// and whose replication still runs must send S as the snapshot — and
+	// the answer is only ever the previous entry of an AppendEntries.
+	if index > 1 {
+		var below raft.Log
+		if err := s.LogStore.GetLog(index-1, &below); !errors.Is(err, raft.ErrLogNotFound) {
+			return raft.ErrLogNotFound
+		}
 	}
 	*l = raft.Log{Index: index, Term: snapTerm, Type: raft.LogNoop}
 	return nil

@@ -152,8 +152,28 @@ func (p *Proxy) lookup(method string) methodInfo {
 }
 
 // HasSchema reports whether the proxy has the schema of a method: linked
-// into the program, or from its route's descriptor set.
+// into the program, from its route's descriptor set, or learned from its
+// backend's server reflection (the first call of a route may wait for it).
 func (p *Proxy) HasSchema(method string) bool { return p.lookup(method).known }
+
+// HasFixedSchema reports whether a method's schema is linked into the
+// program or in its route's descriptor set: what is known before any call,
+// without asking a backend.
+func (p *Proxy) HasFixedSchema(method string) bool {
+	if lookupMethod(method).known {
+		return true
+	}
+	var route *Route
+	p.mu.RLock()
+	for i := range p.routes {
+		if matchPrefix(method, p.routes[i].Prefix) {
+			route = &p.routes[i]
+			break
+		}
+	}
+	p.mu.RUnlock()
+	return route != nil && route.Schema != nil && route.Schema.method(method) != nil
+}
 
 // matchPrefix matches a route prefix on name boundaries: the prefix
 // "/pivirt.vm.v1.VMService" covers "/pivirt.vm.v1.VMService/GetVM", not
@@ -573,7 +593,7 @@ func outgoingContext(ctx context.Context) context.Context {
 		// grpc-go sends one user agent per connection (the agent's) and
 		// drops a call's own: the caller's travels on beside it, after
 		// those of the gateways before this one.
-		out.Set(ForwardedUserAgentHeader, append(out.Get(ForwardedUserAgentHeader), ua...)...)
+		out[ForwardedUserAgentHeader] = append(slices.Clone(out.Get(ForwardedUserAgentHeader)), ua...)
 	}
 	if p, ok := authz.PrincipalFrom(ctx); ok {
 		out.Set(IdentityHeader, url.PathEscape(p.Identity))

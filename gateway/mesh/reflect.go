@@ -21,8 +21,9 @@ import (
 // cached; it is asked again when a call names a method it does not have
 // (at most every ReflectMinInterval: a new release of the backend), and
 // every ReflectInterval (a backend replaced behind the same address). A
-// backend without reflection is asked again every ReflectInterval; its
-// calls go without a schema meanwhile.
+// backend without reflection is asked again every ReflectInterval, one
+// that could not be asked (no endpoint yet, unreachable) every
+// ReflectMinInterval; its calls go without a schema meanwhile.
 type Reflector struct {
 	backend *Backend
 	prefix  string
@@ -35,6 +36,10 @@ type Reflector struct {
 	running chan struct{} // closed when the fetch under way ends; nil when none
 	first   chan struct{} // closed when the first fetch has ended
 	lastErr string        // the last failure logged, logged again only when it changes
+	// noReflection: the last fetch found no reflection service (asked
+	// again every ReflectInterval; other failures, such as no endpoint
+	// yet, every ReflectMinInterval).
+	noReflection bool
 }
 
 // How often a route's schema is asked of its backend.
@@ -46,6 +51,9 @@ const (
 	reflectFirstWait = 2 * time.Second
 	reflectTimeout   = 5 * time.Second
 )
+
+// errNoReflection: the backend answers Unimplemented to reflection.
+var errNoReflection = errors.New("the backend does not serve gRPC server reflection (grpc.reflection.v1 or v1alpha)")
 
 // NewReflector returns the reflector of the route of prefix to backend.
 // Nothing is asked before the first call that needs a schema.
@@ -65,7 +73,8 @@ func (r *Reflector) Schema(method string) *Schema {
 	has := s != nil && s.method(method) != nil
 	age := r.now().Sub(r.asked)
 	firstDone := r.firstDone()
-	if r.running == nil && (r.asked.IsZero() || age >= ReflectInterval || (s != nil && !has && age >= ReflectMinInterval)) {
+	retry := (s != nil && !has) || (s == nil && !r.noReflection)
+	if r.running == nil && (r.asked.IsZero() || age >= ReflectInterval || (retry && age >= ReflectMinInterval)) {
 		r.startLocked()
 	}
 	r.mu.Unlock()
@@ -118,6 +127,7 @@ func (r *Reflector) startLocked() {
 			close(r.first)
 		}
 		src := "reflection of backends." + r.backend.Name()
+		r.noReflection = errors.Is(err, errNoReflection)
 		switch {
 		case err != nil:
 			// The last schema stays: a backend restarting, or
@@ -159,7 +169,7 @@ func (r *Reflector) fetch() (*Schema, error) {
 	names, err := client.ListServices()
 	if err != nil {
 		if status.Code(err) == codes.Unimplemented {
-			return nil, errors.New("the backend does not serve gRPC server reflection (grpc.reflection.v1 or v1alpha)")
+			return nil, errNoReflection
 		}
 		return nil, fmt.Errorf("server reflection: %w", err)
 	}

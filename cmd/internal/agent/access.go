@@ -256,7 +256,10 @@ func (a *Agent) codecTap(ctx context.Context, info *tap.Info) (context.Context, 
 	}
 	routed := a.proxy != nil && a.proxy.Route(info.FullMethodName) != nil
 	switch {
-	case routed && !a.proxy.HasSchema(info.FullMethodName):
+	case routed && !a.proxy.HasFixedSchema(info.FullMethodName):
+		// No schema known before the call (a schema learned from the
+		// backend's reflection is not waited for here, on the
+		// connection's reader): any codec goes to the backend as it is.
 		return ctx, nil
 	case routed && sub == "json":
 		return ctx, nil
