@@ -205,15 +205,7 @@ func TestSnapshotIndexRepaired(t *testing.T) {
 	c := storetest.NewCluster(t, 1, storetest.NewKVFSM)
 	s := c.WaitLeader(t, 10*time.Second)
 	c.Apply(t, storetest.Set("a", "1"))
-	_, rc, err := s.Snapshot(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := io.ReadAll(rc)
-	rc.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, data := snapshotBytes(t, s)
 	recorded := store.RecordedSnapshotIndex(s)
 	_, applied := c.Apply(t, storetest.Set("b", "2"))
 	if err := store.StoreSnapshotAt(s, applied, data); err != nil {
@@ -249,15 +241,7 @@ func TestFollowerWithAnEntryAboveItsSnapshotCatchesUp(t *testing.T) {
 	for i := range 10 {
 		c.Apply(t, storetest.Set(fmt.Sprint("b", i), "v"))
 	}
-	meta, rc, err := leader.Snapshot(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := io.ReadAll(rc)
-	rc.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	meta, data := snapshotBytes(t, leader)
 	servers, err := leader.Servers(t.Context())
 	if err != nil {
 		t.Fatal(err)
@@ -316,4 +300,19 @@ func TestFollowerWithAnEntryAboveItsSnapshotCatchesUp(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// snapshotBytes takes a snapshot of s and reads it whole.
+func snapshotBytes(t *testing.T, s *store.Store) (store.SnapshotMeta, []byte) {
+	t.Helper()
+	meta, rc, err := s.Snapshot(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	data, err := io.ReadAll(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return meta, data
 }

@@ -113,18 +113,23 @@ func (p *Proxy) Schemas() []*Schema {
 	return out
 }
 
+// routeOf is the route of a method, nil when none matches. The Route
+// stays valid after a SetRoutes (which replaces the slice).
+func (p *Proxy) routeOf(method string) *Route {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	for i := range p.routes {
+		if matchPrefix(method, p.routes[i].Prefix) {
+			return &p.routes[i]
+		}
+	}
+	return nil
+}
+
 // Schema returns the schema the route of a method names, nil when the
 // route names none (or no route matches).
 func (p *Proxy) Schema(method string) *Schema {
-	var route *Route
-	p.mu.RLock()
-	for i := range p.routes {
-		if matchPrefix(method, p.routes[i].Prefix) {
-			route = &p.routes[i]
-			break
-		}
-	}
-	p.mu.RUnlock()
+	route := p.routeOf(method)
 	switch {
 	case route == nil:
 		return nil
@@ -163,15 +168,7 @@ func (p *Proxy) HasFixedSchema(method string) bool {
 	if lookupMethod(method).known {
 		return true
 	}
-	var route *Route
-	p.mu.RLock()
-	for i := range p.routes {
-		if matchPrefix(method, p.routes[i].Prefix) {
-			route = &p.routes[i]
-			break
-		}
-	}
-	p.mu.RUnlock()
+	route := p.routeOf(method)
 	return route != nil && route.Schema != nil && route.Schema.method(method) != nil
 }
 
