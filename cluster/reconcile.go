@@ -97,9 +97,10 @@ type Reconciler struct {
 	// did not know it). The server is not added back while its member is
 	// unchanged since: a member killed moments before its removal still
 	// looks alive until the failure detector catches up, and adding it
-	// back would leave a dead non-voter until dead_server_cleanup. A
-	// restart (a new start time), a new address, or the member seen failed
-	// or left (a new Changed) lifts it. It is kept for the leadership term:
+	// back would leave a dead non-voter until dead_server_cleanup. An
+	// answer on its internal port (answers: the agent runs), a restart (a
+	// new start time), a new address, or the member seen failed or left (a
+	// new Changed) lifts it. It is kept for the leadership term:
 	// a new leader adds the server back.
 	removed map[string]removal
 
@@ -379,9 +380,9 @@ func (r *Reconciler) Reconcile(ctx context.Context) error {
 			// would come back as a dead non-voter.
 			report[m.Meta.ID] = ServerReport{Status: "not added: leaving"}
 			continue
-		case !ok && r.removedAndUnchanged(m):
+		case !ok && r.removedAndUnchanged(m) && !r.answers(ctx, m):
 			rm := r.removed[m.Meta.ID]
-			report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: removed from raft by an operator %s ago; added back when the agent restarts", now.Sub(rm.seen).Round(time.Second))}
+			report[m.Meta.ID] = ServerReport{Status: fmt.Sprintf("not added: removed from raft by an operator %s ago and not answering on its internal port %s; added back when the agent answers again or restarts", now.Sub(rm.seen).Round(time.Second), m.Meta.InternalAddr)}
 			continue
 		case !ok && r.tooOldFor(m) != "":
 			report[m.Meta.ID] = ServerReport{Status: "not added: " + r.tooOldFor(m)}
@@ -482,7 +483,7 @@ func (r *Reconciler) noteRemovals(inRaft map[string]RaftServer, byID map[string]
 		// pass) is a change, and lifts the block.
 		rm := removal{seen: now, changed: r.lastChanged[id]}
 		r.removed[id] = rm
-		r.logger.Info("server removed from raft by an operator: not added back until its agent restarts", "node_id", id)
+		r.logger.Info("server removed from raft by an operator: added back only once its agent answers on its internal port or restarts", "node_id", id)
 	}
 	for id := range r.removed {
 		_, back := inRaft[id]
@@ -490,6 +491,18 @@ func (r *Reconciler) noteRemovals(inRaft map[string]RaftServer, byID map[string]
 			delete(r.removed, id)
 		}
 	}
+}
+
+// answers reports whether m's agent answers a status query on its
+// internal port as m's node: alive, whatever gossip still believes. A
+// server removed by an operator that answers is added back (it runs, and
+// would otherwise be stranded without a leader until it restarts).
+func (r *Reconciler) answers(ctx context.Context, m Member) bool {
+	if r.peers == nil {
+		return true
+	}
+	st, err := r.peers.Status(ctx, m.Meta.InternalAddr)
+	return err == nil && st.GetNodeId() == m.Meta.ID
 }
 
 // removedAndUnchanged reports whether m's server was removed by an

@@ -323,7 +323,8 @@ func TestOperatorRemovalIsNotUndone(t *testing.T) {
 	for i := range members {
 		members[i].Changed = now
 	}
-	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, Now: func() time.Time { return now }}, raft, members, healthyPeers("a", "b", "c"))
+	peers := healthyPeers("a", "b", "c")
+	r := NewReconciler(ReconcileConfig{SelfID: "a", Voters: 3, Now: func() time.Time { return now }}, raft, members, peers)
 	pass := func() {
 		t.Helper()
 		if err := r.Reconcile(context.Background()); err != nil {
@@ -331,13 +332,16 @@ func TestOperatorRemovalIsNotUndone(t *testing.T) {
 		}
 	}
 	pass()
+	// c was killed and removed before gossip noticed: it still looks alive
+	// but does not answer.
+	delete(peers, "int-c")
 	if err := raft.RemoveServer(context.Background(), "c"); err != nil { // the operator's remove-peer
 		t.Fatal(err)
 	}
 	pass()
 	pass()
 	if _, ok := raft.servers["c"]; ok {
-		t.Fatalf("a server removed by an operator was added back while its member is unchanged: %s", raft.summary())
+		t.Fatalf("a server removed by an operator was added back while its member is unchanged and it does not answer: %s", raft.summary())
 	}
 	if st := r.Report().Servers["c"].Status; !strings.Contains(st, "removed from raft by an operator") {
 		t.Fatalf("report for c: %q", st)
@@ -350,5 +354,17 @@ func TestOperatorRemovalIsNotUndone(t *testing.T) {
 	// A server the reconciler itself adds is no operator removal.
 	if len(r.removed) != 0 {
 		t.Fatalf("removals still recorded: %v", r.removed)
+	}
+
+	// A live server removed by an operator answers on its internal port:
+	// added back at once, not stranded without a leader until it restarts.
+	peers["int-c"] = &nodev1.StatusResponse{NodeId: "c"}
+	raft.calls = nil
+	if err := raft.RemoveServer(context.Background(), "c"); err != nil {
+		t.Fatal(err)
+	}
+	pass()
+	if _, ok := raft.servers["c"]; !ok {
+		t.Fatalf("a live server removed by an operator was not added back: %s (report %q)", raft.summary(), r.Report().Servers["c"].Status)
 	}
 }
