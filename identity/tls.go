@@ -136,13 +136,14 @@ func NewSource(cfg SourceConfig) (*Source, error) {
 // load reads and checks every file.
 func (s *Source) load() (*material, error) {
 	m := &material{roots: x509.NewCertPool(), inter: x509.NewCertPool()}
-	for _, p := range []string{s.cfg.CertFile, s.cfg.KeyFile, s.cfg.CAFile} {
+	for _, f := range []struct{ what, path string }{{"cert file", s.cfg.CertFile}, {"key file", s.cfg.KeyFile}, {"ca file", s.cfg.CAFile}} {
+		p := f.path
 		if p == "" {
 			continue
 		}
 		st, err := os.Stat(p)
 		if err != nil {
-			return nil, fmt.Errorf("tls: %w", err)
+			return nil, fmt.Errorf("tls: %s: %w", f.what, err)
 		}
 		m.stamps = append(m.stamps, fileStamp{path: p, size: st.Size(), mtime: st.ModTime()})
 	}

@@ -3,6 +3,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -12,8 +13,15 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT)
 	defer stop()
-	if err := Run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+	err := Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "Error:", err)
+		var ue *UsageError
+		if errors.As(err, &ue) {
+			fmt.Fprintf(os.Stderr, "Run '%s --help' for usage.\n", ue.Command)
+			os.Exit(2)
+		}
 		os.Exit(1)
 	}
 }

@@ -27,11 +27,30 @@ import (
 
 // Run runs pivirt-agent with args until ctx ends, SIGTERM arrives or the
 // agent leaves the cluster through the API.
+// An error of the command line itself (an unknown flag or command, a
+// missing or extra argument: found before any command runs) is a
+// *UsageError; main exits 2 for it, as for bad usage by convention, and 1
+// for every other error.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	root := newRootCmd(stdout, stderr)
 	root.SetArgs(args)
-	return root.ExecuteContext(ctx)
+	started := false
+	root.PersistentPreRun = func(*cobra.Command, []string) { started = true }
+	cmd, err := root.ExecuteContextC(ctx)
+	if err != nil && !started {
+		return &UsageError{Err: err, Command: cmd.CommandPath()}
+	}
+	return err
 }
+
+// UsageError is a command line cobra refused before any command ran.
+type UsageError struct {
+	Err     error
+	Command string // the command path whose --help tells the usage
+}
+
+func (e *UsageError) Error() string { return e.Err.Error() }
+func (e *UsageError) Unwrap() error { return e.Err }
 
 // newRootCmd is the command tree (also what the CLI reference in docs/ is
 // generated from).
@@ -77,7 +96,7 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(_ *cobra.Command, _ []string) error {
 			if file == "" {
-				return errors.New("validate: --config is required")
+				return &UsageError{Err: errors.New("validate: --config is required: the configuration file to check"), Command: "pivirt-agent validate"}
 			}
 			cfg, err := config.Load(file)
 			if err != nil {

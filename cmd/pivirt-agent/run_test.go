@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -54,6 +55,29 @@ func TestRecoverCommandRefuses(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(empty); len(entries) != 0 {
 		t.Errorf("a refused recover wrote into the data dir: %v", entries)
+	}
+}
+
+// TestUsageErrors: a command line cobra refuses, or a subcommand without
+// its required flag, is a *UsageError (exit status 2); an error of a
+// command that ran is not.
+func TestUsageErrors(t *testing.T) {
+	for _, tt := range []struct {
+		args  []string
+		usage bool
+	}{
+		{[]string{"--nonsense"}, true},
+		{[]string{"nonsense"}, true},
+		{[]string{"validate", "extra"}, true},
+		{[]string{"validate"}, true},
+		{[]string{"recover", "--data-dir", t.TempDir(), "--peers", "x", "extra"}, true},
+		{[]string{"validate", "--config", filepath.Join(t.TempDir(), "missing.yaml")}, false},
+	} {
+		err := Run(t.Context(), tt.args, io.Discard, io.Discard)
+		var ue *UsageError
+		if err == nil || errors.As(err, &ue) != tt.usage {
+			t.Errorf("pivirt-agent %s = %v (%T), want a usage error: %v", strings.Join(tt.args, " "), err, err, tt.usage)
+		}
 	}
 }
 

@@ -289,6 +289,10 @@ func (s fakeSchedules) ListSchedules(_ context.Context, r *connect.Request[sched
 	return handle[schedulev1.ListSchedulesRequest, schedulev1.ListSchedulesResponse](s.f, r)
 }
 
+func (s fakeSchedules) DeleteSchedule(_ context.Context, r *connect.Request[schedulev1.DeleteScheduleRequest]) (*connect.Response[schedulev1.DeleteScheduleResponse], error) {
+	return handle[schedulev1.DeleteScheduleRequest, schedulev1.DeleteScheduleResponse](s.f, r)
+}
+
 func (s fakeSchedules) ListRuns(_ context.Context, r *connect.Request[schedulev1.ListRunsRequest]) (*connect.Response[schedulev1.ListRunsResponse], error) {
 	return handle[schedulev1.ListRunsRequest, schedulev1.ListRunsResponse](s.f, r)
 }

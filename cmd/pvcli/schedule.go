@@ -1,7 +1,9 @@
 package main
 
 import (
+	"cmp"
 	"context"
+	"fmt"
 	"io"
 	"strconv"
 	"time"
@@ -10,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
@@ -200,6 +203,10 @@ not wake it.`,
 				if err != nil {
 					return err
 				}
+				names := map[string]string{}
+				if a.opts.output.value == "table" {
+					names = memberNames(ctx, c)
+				}
 				return a.render(resp.Msg, func(w io.Writer) {
 					row(w, "SLOT", "OUTCOME", "LEADER", "HOST", "ATTEMPTS", "LATENCY", "ERROR")
 					for _, r := range resp.Msg.GetRuns() {
@@ -207,7 +214,7 @@ not wake it.`,
 						if r.GetLatency() != nil {
 							lat = r.GetLatency().AsDuration().Round(time.Millisecond).String()
 						}
-						row(w, r.GetSlot().AsTime().UTC().Format(time.RFC3339), enumName(r.GetOutcome()), r.GetNode(), r.GetHost(), strconv.Itoa(int(r.GetAttempts())), lat, r.GetError())
+						row(w, r.GetSlot().AsTime().UTC().Format(time.RFC3339), enumName(r.GetOutcome()), cmp.Or(names[r.GetNode()], r.GetNode()), r.GetHost(), strconv.Itoa(int(r.GetAttempts())), lat, r.GetError())
 					}
 				})
 			})
@@ -231,8 +238,11 @@ not wake it.`,
 			Args:  positional("ID"),
 			RunE: a.command(func(cmd *cobra.Command, args []string) error {
 				return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-					_, err := c.schedule.DeleteSchedule(ctx, connect.NewRequest(&schedulev1.DeleteScheduleRequest{Id: args[0], Write: a.writeOptions()}))
-					return err
+					resp, err := c.schedule.DeleteSchedule(ctx, connect.NewRequest(&schedulev1.DeleteScheduleRequest{Id: args[0], Write: a.writeOptions()}))
+					if err != nil {
+						return err
+					}
+					return a.render(resp.Msg, func(w io.Writer) { fmt.Fprintf(w, "Deleted schedule %s and its runs\n", args[0]) })
 				})
 			}),
 		},
@@ -253,6 +263,23 @@ not wake it.`,
 		runs,
 		next,
 	)
+}
+
+// memberNames maps the node IDs of the cluster's members to their names,
+// for tables that would show a node ID; empty when the members cannot be
+// read (the caller may not be allowed to), and the IDs are shown.
+func memberNames(ctx context.Context, c *clientConn) map[string]string {
+	names := map[string]string{}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	resp, err := c.api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
+	if err != nil {
+		return names
+	}
+	for _, m := range resp.Msg.GetMembers() {
+		names[m.GetNodeId()] = m.GetName()
+	}
+	return names
 }
 
 func scheduleTable(list ...*schedulev1.Schedule) func(io.Writer) {

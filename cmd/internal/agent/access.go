@@ -700,7 +700,7 @@ func CheckFiles(cfg *config.Config) error {
 			pinned := c.key == "server.connectrpc.tls" && srv.ClientCAFile != ""
 			src, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca, PinnedClients: pinned})
 			if err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", c.key, err))
+				errs = append(errs, fmt.Errorf("%s: %w", c.key, unprefixed{err, "tls: "}))
 				continue
 			}
 			if c.key == "tls" {
@@ -717,6 +717,16 @@ func CheckFiles(cfg *config.Config) error {
 	}
 	return errors.Join(errs...)
 }
+
+// unprefixed is err without the prefix its message starts with: the
+// configuration key already says it ("tls: tls: stat …" otherwise).
+type unprefixed struct {
+	err    error
+	prefix string
+}
+
+func (u unprefixed) Error() string { return strings.TrimPrefix(u.err.Error(), u.prefix) }
+func (u unprefixed) Unwrap() error { return u.err }
 
 // checkOtherTLSFiles loads the TLS files of the backends and of etcd as
 // the agent does at start.

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	goccy "github.com/goccy/go-yaml"
+	goccyparser "github.com/goccy/go-yaml/parser"
 	"io"
 	"os"
 	"reflect"
@@ -105,7 +107,7 @@ func decodeYAML(data []byte, file string, out any) error {
 		if errors.Is(err, io.EOF) {
 			return nil // empty file: defaults
 		}
-		return &FieldError{File: file, Err: err}
+		return syntaxError(data, file, err)
 	}
 	var extra yaml.Node
 	switch err := dec.Decode(&extra); {
@@ -113,7 +115,7 @@ func decodeYAML(data []byte, file string, out any) error {
 		return &FieldError{File: file, Line: extra.Line, Column: extra.Column,
 			Err: fmt.Errorf("multiple YAML documents (line %d): only one is allowed", extra.Line)}
 	case !errors.Is(err, io.EOF):
-		return &FieldError{File: file, Err: err}
+		return syntaxError(data, file, err)
 	}
 	if doc.Kind != yaml.DocumentNode || len(doc.Content) != 1 {
 		return nil
@@ -125,6 +127,22 @@ func decodeYAML(data []byte, file string, out any) error {
 	}
 	d.value(root, reflect.ValueOf(out).Elem(), "")
 	return errors.Join(d.errs...)
+}
+
+// syntaxError is a file yaml.v3 cannot parse. yaml.v3 reports the line
+// where the enclosing mapping or sequence began (often the line above the
+// mistake) and no column; goccy/go-yaml's parser points at the token
+// itself and quotes the lines around it, so its position and excerpt are
+// given when it finds a syntax error too.
+func syntaxError(data []byte, file string, err error) error {
+	_, perr := goccyparser.ParseBytes(data, 0)
+	var se *goccy.SyntaxError
+	if !errors.As(perr, &se) || se.Token == nil || se.Token.Position == nil {
+		return &FieldError{File: file, Err: err}
+	}
+	pos := se.Token.Position
+	return &FieldError{File: file, Line: pos.Line, Column: pos.Column,
+		Err: fmt.Errorf("YAML syntax error %s", strings.TrimRight(goccy.FormatError(perr, false, true), "\n"))}
 }
 
 // walker decodes a yaml.Node tree into Go values by reflection, using the `yaml` struct tags,

@@ -252,13 +252,30 @@ func TestParseErrors(t *testing.T) {
 	}
 }
 
+// TestParseSyntaxError: a syntax error names the line and column of the
+// mistake itself (yaml.v3 names the line where the enclosing mapping
+// began) and quotes it.
 func TestParseSyntaxError(t *testing.T) {
-	_, err := Parse([]byte("server:\n  addr: [\n"), "config.yaml")
-	if err == nil {
-		t.Fatal("Parse of broken YAML = nil error")
-	}
-	if got := err.Error(); !strings.HasPrefix(got, "config.yaml: yaml: line ") {
-		t.Errorf("error = %q, want it to start with %q", got, "config.yaml: yaml: line ")
+	for _, tt := range []struct {
+		doc        string
+		line, col  int
+		wantQuoted string
+	}{
+		{"server:\n  addr: [\n", 2, 9, ">  2 |   addr: ["},
+		{"node_name: n1\ntls:\n  enabled: true\n - x\n", 4, 2, ">  4 |  - x"},
+		{"node_name: n1\ntls:\n\tenabled: true\n", 3, 1, ">  3 | \tenabled: true"},
+	} {
+		_, err := Parse([]byte(tt.doc), "config.yaml")
+		var fe *FieldError
+		if !errors.As(err, &fe) {
+			t.Fatalf("Parse(%q) = %v, want a *FieldError", tt.doc, err)
+		}
+		if fe.Line != tt.line || fe.Column != tt.col {
+			t.Errorf("Parse(%q): at %d:%d, want %d:%d (%v)", tt.doc, fe.Line, fe.Column, tt.line, tt.col, err)
+		}
+		if got := err.Error(); !strings.HasPrefix(got, "config.yaml: YAML syntax error [") || !strings.Contains(got, tt.wantQuoted) {
+			t.Errorf("Parse(%q) error = %q, want the position and the line quoted (%q)", tt.doc, got, tt.wantQuoted)
+		}
 	}
 }
 
