@@ -52,6 +52,11 @@ type UsageError struct {
 func (e *UsageError) Error() string { return e.Err.Error() }
 func (e *UsageError) Unwrap() error { return e.Err }
 
+// globalLogs, when set (by main, not by tests running agents side by
+// side), receives the agent's logger before the agent starts, for the
+// libraries' global loggers (routeLibraryLogs).
+var globalLogs func(*slog.Logger)
+
 // newRootCmd is the command tree (also what the CLI reference in docs/ is
 // generated from).
 func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
@@ -79,6 +84,9 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		logger, err := newLogger(cfg, out, levels)
 		if err != nil {
 			return err
+		}
+		if globalLogs != nil {
+			globalLogs(logger)
 		}
 		return runAgent(cmd.Context(), cfg, agent.Options{
 			Logger: logger, AccessLogger: newAccessLogger(cfg, out), Levels: levels, LoadConfig: flags.Resolve,
