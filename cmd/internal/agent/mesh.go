@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hashicorp/go-memdb"
@@ -110,7 +111,7 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 	stats := a.meshStats
 	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
 		bc := cfg.Backends[name]
-		tlsFor, track, err := a.backendTLS(name, bc.TLS)
+		tlsFor, track, err := a.backendTLS(name, bc.Endpoint, bc.TLS)
 		if err != nil {
 			return backends, nil, err
 		}
@@ -241,7 +242,17 @@ func backendFiles(cfg *config.Config, name string, bt config.BackendTLSConfig) (
 	return cert, key, ca, nil
 }
 
-func (a *Agent) backendTLS(name string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, cluster.Tracker, error) {
+func (a *Agent) backendTLS(name, endpoint string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, cluster.Tracker, error) {
+	if !bt.Enabled && strings.HasPrefix(endpoint, "https://") {
+		// An https:// backend without its tls block (a public service such
+		// as an OS info database): TLS verified against the system's trust
+		// store, as curl and grpcurl do, without a client certificate. Its
+		// connections carry no mesh identity: network policy does not
+		// apply, as to a plaintext backend.
+		return func(serverName, _ string) *tls.Config {
+			return &tls.Config{ServerName: serverName, MinVersion: tls.VersionTLS12}
+		}, nil, nil
+	}
 	if !bt.Enabled {
 		return nil, nil, nil
 	}

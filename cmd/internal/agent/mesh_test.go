@@ -5,8 +5,10 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -623,6 +625,70 @@ func TestGatewayBackendMTLS(t *testing.T) {
 				return nil
 			})
 		})
+	}
+}
+
+// TestGatewayHTTPSBackendSystemRoots: an https:// backend without a tls
+// block (the specification's osinfodb) is reached over TLS verified
+// against the system's trust store, without a client certificate: trusted
+// when the store holds its CA, refused when it does not. The store is
+// SSL_CERT_FILE's, read once per process: each case runs in a child
+// process of this test binary.
+func TestGatewayHTTPSBackendSystemRoots(t *testing.T) {
+	if dir := os.Getenv("PIVIRT_SYSTEM_ROOTS_PKI"); dir != "" {
+		httpsBackendChild(t, dir, os.Getenv("PIVIRT_SYSTEM_ROOTS_WANT") == "ok")
+		return
+	}
+	dir := testPKI(t, 1)
+	other := testPKI(t, 1) // a CA the backend's certificate does not chain to
+	for name, tc := range map[string]struct{ roots, want string }{
+		"its CA in the system's store":     {filepath.Join(dir, identity.ChainFile), "ok"},
+		"its CA not in the system's store": {filepath.Join(other, identity.ChainFile), "refused"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestGatewayHTTPSBackendSystemRoots$", "-test.v")
+			cmd.Env = append(os.Environ(), "SSL_CERT_FILE="+tc.roots, "SSL_CERT_DIR="+t.TempDir(),
+				"PIVIRT_SYSTEM_ROOTS_PKI="+dir, "PIVIRT_SYSTEM_ROOTS_WANT="+tc.want)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("child: %v\n%s", err, out)
+			}
+		})
+	}
+}
+
+// httpsBackendChild is a case of TestGatewayHTTPSBackendSystemRoots.
+func httpsBackendChild(t *testing.T, dir string, wantOK bool) {
+	backendCert, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "osinfodb", IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Force: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: backendCert.Cert, KeyFile: backendCert.Key, CAFile: filepath.Join(dir, identity.ChainFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := startSimAt(t, "127.0.0.1:0", grpc.Creds(credentials.NewTLS(src.ServerConfig(tls.NoClientCert, nil))))
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withBackends(s.addr)(i, cfg)
+		b := cfg.Backends["pivirtd"]
+		b.Endpoint = "https://" + s.addr
+		cfg.Backends["pivirtd"] = b
+	})
+	n := c.WaitLeader(20 * time.Second)
+	conn, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err = vmv1.NewVMServiceClient(conn).ListVMs(ctx, &vmv1.ListVMsRequest{})
+	switch {
+	case wantOK && err != nil:
+		t.Fatalf("ListVMs to an https:// backend whose CA the system trusts: %v", err)
+	case !wantOK && status.Code(err) != codes.Unavailable:
+		t.Fatalf("ListVMs to an https:// backend whose CA the system does not trust: %v, want Unavailable", err)
 	}
 }
 

@@ -35,7 +35,7 @@ func (a *Agent) loadNetworkPolicy() error {
 	a.wg.Go(func() { f.Watch(a.ctx, policyWatchInterval) })
 	for name, b := range a.cfg.Backends {
 		if !b.TLS.Enabled {
-			a.logger.Warn("auth.network_policy does not apply to a plaintext backend: its connections carry no identity", "backend", name, "endpoint", b.Endpoint)
+			a.logger.Warn("auth.network_policy does not apply to a backend without a tls block (plaintext, or https:// verified by the system's trust store): its connections carry no identity", "backend", name, "endpoint", b.Endpoint)
 		}
 	}
 	return nil
