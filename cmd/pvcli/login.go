@@ -70,6 +70,11 @@ pvcli context set NAME --token T.`,
 			}
 			if cur == nil || printOnly {
 				fmt.Fprintln(a.stdout, tok)
+				if cur == nil && !printOnly {
+					// Said on stderr: $(pvcli login ...) still gets the token alone.
+					fmt.Fprintf(a.stderr, "No pvcli context is in force, so the token was printed, not saved: later commands do not send it. "+
+						"Send it with export %s=$(pvcli login ...), or save it in a context first: pvcli context set NAME --endpoint URL (then pvcli login again).\n", envToken)
+				}
 				return nil
 			}
 			cfg, path, err := a.loadConfig()

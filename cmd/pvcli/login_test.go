@@ -69,6 +69,9 @@ func TestLogin(t *testing.T) {
 		t.Fatalf("login: %v\n%s", r.err, r.stderr)
 	}
 	verify(strings.TrimSuffix(r.stdout, "\n"), "alice", "vm-owner")
+	if !strings.Contains(r.stderr, "not saved") || !strings.Contains(r.stderr, envToken) {
+		t.Errorf("login without a context says on stderr:\n%s\nwant that the token is not saved and how to send it", r.stderr)
+	}
 
 	// A context in force: saved there, not printed.
 	cliRun{env: env}.run(t, "--endpoint", "https://127.0.0.1:8443", "context", "set", "dev").mustSucceed(t)
