@@ -85,7 +85,7 @@ func (a *Agent) logRoutes(cfg *config.Config) {
 			"scope", cfg.Backends[r.Route.Cluster].EffectiveScope(), "default", len(cfg.Routing.Rules) == 0)
 	}
 	for _, u := range unrouted {
-		a.logger.Warn("API not served: no backend for it", "service", u)
+		a.logger.Warn("API not served: its calls answer Unimplemented", "service", u)
 	}
 }
 

@@ -389,11 +389,19 @@ var DefaultRoutes = []struct{ Service, Backend string }{
 
 // EffectiveRoutes are the routing rules in force: routing.rules when the
 // file has any, else DefaultRoutes for the backends that are configured.
-// unrouted lists the default services left without a route because their
-// backend is not configured.
+// unrouted lists the default services left without a route: because
+// their backend is not configured, or because routing.rules has no rule
+// for them (a call to them answers Unimplemented).
 func (c *Config) EffectiveRoutes() (rules []RouteRule, unrouted []string) {
 	if len(c.Routing.Rules) > 0 {
-		return c.Routing.Rules, nil
+		for _, d := range DefaultRoutes {
+			method := "/" + d.Service + "/"
+			if !slices.ContainsFunc(c.Routing.Rules, func(r RouteRule) bool { return coversMethod(r.Match.Prefix, method) }) {
+				unrouted = append(unrouted, fmt.Sprintf("%s (no routing.rules prefix covers it: its calls answer Unimplemented; add {match: {prefix: \"/%s\"}, route: {cluster: %s}} to serve it)",
+					d.Service, d.Service, d.Backend))
+			}
+		}
+		return c.Routing.Rules, unrouted
 	}
 	for _, d := range DefaultRoutes {
 		if _, ok := c.Backends[d.Backend]; !ok {
@@ -403,6 +411,18 @@ func (c *Config) EffectiveRoutes() (rules []RouteRule, unrouted []string) {
 		rules = append(rules, RouteRule{Match: RouteMatch{Prefix: "/" + d.Service + "/"}, Route: RouteTarget{Cluster: d.Backend}})
 	}
 	return rules, unrouted
+}
+
+// coversMethod reports whether a routing prefix covers the methods
+// beginning with method ("/pkg.Service/"), on name boundaries as the
+// gateway's proxy matches them: "/pivirt.vm.v1.VMService" and "/pivirt."
+// cover "/pivirt.vm.v1.VMService/", "/pivirt.vm.v1.VMServiceAdmin" does not.
+func coversMethod(prefix, method string) bool {
+	if strings.HasPrefix(method, prefix) {
+		rest := method[len(prefix):]
+		return rest == "" || strings.HasSuffix(prefix, "/") || strings.HasSuffix(prefix, ".") || strings.HasPrefix(rest, "/")
+	}
+	return false
 }
 
 // RetryConfig is a backend's retry policy.

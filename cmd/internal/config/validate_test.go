@@ -403,8 +403,20 @@ func TestEffectiveScopesAndRoutes(t *testing.T) {
 	if len(unrouted) != 1 || !strings.Contains(unrouted[0], "pivirt.storage.v1.StorageService (backends.iscsiman is not configured)") {
 		t.Errorf("unrouted %v, want the storage API naming backends.iscsiman", unrouted)
 	}
-	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: RouteTarget{Cluster: "pivirtd"}}}
+	// The specification's rules: VM and storage; the network API is left
+	// unserved, and said so.
+	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/pivirt.vm.v1.VMService"}, Route: RouteTarget{Cluster: "pivirtd"}},
+		{Match: RouteMatch{Prefix: "/pivirt.storage.v1.StorageService/"}, Route: RouteTarget{Cluster: "iscsiman"}}}
+	rules, unrouted = c.EffectiveRoutes()
+	if len(rules) != 2 || len(unrouted) != 1 || !strings.HasPrefix(unrouted[0], "pivirt.network.v1.NetworkService (no routing.rules prefix covers it") {
+		t.Errorf("with routing.rules: %v %v, want the file's rules and the network API unserved", rules, unrouted)
+	}
+	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/pivirt."}, Route: RouteTarget{Cluster: "pivirtd"}}}
 	if rules, unrouted := c.EffectiveRoutes(); len(rules) != 1 || unrouted != nil {
-		t.Errorf("with routing.rules: %v %v, want the file's rules alone", rules, unrouted)
+		t.Errorf("with one rule for every API: %v %v, want it alone and nothing unserved", rules, unrouted)
+	}
+	c.Routing.Rules = []RouteRule{{Match: RouteMatch{Prefix: "/pivirt.vm.v1.VMServiceAdmin"}, Route: RouteTarget{Cluster: "pivirtd"}}}
+	if _, unrouted := c.EffectiveRoutes(); len(unrouted) != 3 {
+		t.Errorf("a prefix on another name boundary: unrouted %v, want all three APIs", unrouted)
 	}
 }
