@@ -104,6 +104,19 @@ func (a *Agent) breakGlass(procedure string, req protoreflect.Message, who authz
 	return ok && key == RBACPolicyKey
 }
 
+// AccessWarnings are what a configuration's access control leaves out
+// without an error: said at start and by pivirt-agent validate.
+func AccessWarnings(cfg *config.Config) []string {
+	var out []string
+	ac := cfg.Auth
+	if ac.RBACPolicy != "" && cfg.TLS.Enabled && len(ac.CertificateRoles) == 0 {
+		out = append(out, "auth.certificate_roles is empty: a caller with a client certificate (pvcli with its certificate) has no role, "+
+			"so auth.rbac_policy's rules allow it nothing, unless the cluster setting auth.certificate_roles gives it roles; "+
+			"map certificate names to roles, e.g. certificate_roles: {operator: [admin]}")
+	}
+	return out
+}
+
 // startAccess builds the API port's access control. It is off (every call
 // allowed, with a warning) only when nothing could authenticate a caller:
 // tls.enabled false and neither auth.oidc nor auth.rbac_policy set.
@@ -134,6 +147,9 @@ func (a *Agent) startAccess() error {
 		a.wg.Go(func() { f.Watch(a.ctx, policyWatchInterval) })
 	} else {
 		a.logger.Warn("no auth.rbac_policy: every authenticated caller may call every method; set a policy to restrict them")
+	}
+	for _, w := range AccessWarnings(a.cfg) {
+		a.logger.Warn(w)
 	}
 	a.clusterPolicy = leader.NewClusterPolicy(leader.PolicyConfig{
 		Key:       RBACPolicyKey,

@@ -908,3 +908,19 @@ func TestAccessSchedulesActAsTheirCreator(t *testing.T) {
 		t.Errorf("alice moves her schedule to bob's VM: %v, want PermissionDenied", err)
 	}
 }
+
+// TestAccessWarnings: an RBAC policy with TLS on and no
+// auth.certificate_roles leaves certificate callers without a role (the
+// specification's example configuration): said at start and by validate.
+func TestAccessWarnings(t *testing.T) {
+	cfg := config.Default()
+	cfg.TLS.Enabled = true
+	cfg.Auth.RBACPolicy = "/etc/pivirt-agent/rbac.yaml"
+	if w := agent.AccessWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "auth.certificate_roles is empty") || !strings.Contains(w[0], "certificate_roles: {operator: [admin]}") {
+		t.Errorf("warnings %q, want the certificate callers without a role and the fix", w)
+	}
+	cfg.Auth.CertificateRoles = map[string][]string{"operator": {"admin"}}
+	if w := agent.AccessWarnings(cfg); len(w) != 0 {
+		t.Errorf("with certificate_roles: warnings %q, want none", w)
+	}
+}
