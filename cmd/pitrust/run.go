@@ -189,6 +189,9 @@ keeping nothing.`,
 			if sans := append(append(append([]string(nil), info.DNSNames...), info.IPAddresses...), info.URIs...); len(sans) > 0 {
 				fmt.Fprintf(stdout, "  names: %s\n", strings.Join(sans, ", "))
 			}
+			if stem, ok := agentFileStems[kind]; ok && req.File == "" {
+				fmt.Fprintf(stdout, "  note: the agent's default configuration reads /etc/pivirt/certs/%s.crt and .key (%s); --out %s names the files so\n", stem, agentFileKeys[kind], stem)
+			}
 			if strings.HasPrefix(req.Name, identity.AgentPrefix) && req.Cluster == "" && kind == identity.KindClient {
 				fmt.Fprintf(stdout, "  note: it names no cluster: agents of other clusters on this CA are accepted as peers; pass --cluster <cluster.name> to bind it\n")
 			}
@@ -356,3 +359,13 @@ func versionCmd(stdout io.Writer) *cobra.Command {
 		},
 	}
 }
+
+// agentFileStems are the file name stems of the agent's certificates in
+// its default configuration (/etc/pivirt/certs/agent-server.crt, …), by
+// kind, and agentFileKeys the configuration keys that name them: what
+// issue-mtls-server and issue-mtls-client point to when --out is not
+// given, as the file names differ from --name.
+var (
+	agentFileStems = map[identity.Kind]string{identity.KindServer: "agent-server", identity.KindClient: "agent-client"}
+	agentFileKeys  = map[identity.Kind]string{identity.KindServer: "server.connectrpc.tls.cert_file", identity.KindClient: "tls.cert_file"}
+)

@@ -42,6 +42,14 @@ func TestPitrustCommands(t *testing.T) {
 	if err != nil || !strings.Contains(out, "node-01.pivirt.internal, 127.0.0.1") {
 		t.Fatalf("issue-mtls-server: %q, %v", out, err)
 	}
+	// The spec's troubleshooting reads agent-server.crt: the output says
+	// which flag writes that name.
+	if !strings.Contains(out, "/etc/pivirt/certs/agent-server.crt") || !strings.Contains(out, "--out agent-server") {
+		t.Errorf("issue-mtls-server without --out: %q, want the agent's default file and --out agent-server", out)
+	}
+	if out, err := run(t, "issue-mtls-server", "--dir", dir, "--name", "node-01.pivirt.internal", "--out", "agent-server"); err != nil || strings.Contains(out, "note: the agent's default") {
+		t.Errorf("issue-mtls-server --out agent-server: %q, %v, want no note", out, err)
+	}
 	if _, err := run(t, "issue-mtls-client", "--dir", dir, "--name", "pivirt-agent-node-01", "--days", "365"); err != nil {
 		t.Fatalf("issue-mtls-client: %v", err)
 	}
