@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -63,6 +64,17 @@ type AuthConfig struct {
 	// CertificateRoles gives a client certificate roles by its CN: an
 	// exact name or a prefix ending in "*".
 	CertificateRoles map[string][]string `yaml:"certificate_roles"`
+}
+
+// HasAdmin reports whether auth.certificate_roles gives some certificate
+// the AdminRole: without it the server issues nothing but renewals.
+func (c *Config) HasAdmin() bool {
+	for _, roles := range c.Auth.CertificateRoles {
+		if slices.Contains(roles, AdminRole) {
+			return true
+		}
+	}
+	return false
 }
 
 // PolicyConfig is the issuance policy.

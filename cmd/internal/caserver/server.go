@@ -306,6 +306,10 @@ func (s *Server) Serve(ctx context.Context) error {
 	go func() { defer wg.Done(); s.src.Watch(ctx, watchInterval) }()
 	go func() { defer wg.Done(); s.renewOwnLoop(ctx) }()
 
+	if !s.cfg.HasAdmin() { // before "pitrust serving": tests wait for that line
+		s.logger.Warn("no certificate has the " + AdminRole + " role (auth.certificate_roles): nobody may issue, revoke, list or create bootstrap tokens, " +
+			"only renewals are served; give your operator certificate the role, e.g. auth: {certificate_roles: {operator: [" + AdminRole + "]}}")
+	}
 	s.logger.Info("pitrust serving", "addr", s.ln.Addr().String(), "external_url", s.extURL,
 		"api", "https://"+s.ln.Addr().String()+apiPath)
 	daemon.SdNotify(false, daemon.SdNotifyReady+"\nSTATUS=serving on "+s.ln.Addr().String())

@@ -389,6 +389,32 @@ func TestAdminRoleRequired(t *testing.T) {
 	}
 }
 
+// TestNoAdminWarned: the specification's configuration (no auth block)
+// gives nobody the admin role: the server says so at start, with the fix;
+// with the role given, it does not.
+func TestNoAdminWarned(t *testing.T) {
+	e := newEnv(t)
+	e.cfg.Auth.CertificateRoles = nil
+	r := e.start(t)
+	// The start's lines follow the listener's: wait for "pitrust serving".
+	logged := func(r *running) string {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !strings.Contains(r.log.String(), "pitrust serving"); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("no \"pitrust serving\" line:\n%s", r.log.String())
+			}
+		}
+		return r.log.String()
+	}
+	if l := logged(r); !strings.Contains(l, "no certificate has the pitrust-admin role") || !strings.Contains(l, "operator: [pitrust-admin]") {
+		t.Errorf("no warning that nobody may issue:\n%s", l)
+	}
+	e = newEnv(t)
+	if l := logged(e.start(t)); strings.Contains(l, "no certificate has the pitrust-admin role") {
+		t.Errorf("warned with the role given:\n%s", l)
+	}
+}
+
 // TestRevokedAdminRefused: an admin certificate revoked through the server
 // loses its rights at once, before any CRL reaches anyone.
 func TestRevokedAdminRefused(t *testing.T) {
