@@ -41,12 +41,31 @@ func explainCertRefusal(w io.Writer, opts tlsOptions, now time.Time) {
 			envCertFile, envKeyFile, defaultCertFile, defaultKeyFile)
 		return
 	}
-	var found []string
-	cert, err := readCertificate(opts.certFile)
+	cert, found, err := certProblems(opts, now)
 	if err != nil {
 		fmt.Fprintf(w, "The agent refused the client certificate %s, which pvcli cannot read back: %v.\n", opts.certFile, err)
 		return
 	}
+	fmt.Fprintf(w, "The agent refused the client certificate %s (subject %q, issuer %q).", opts.certFile, cert.Subject.String(), cert.Issuer.String())
+	if len(found) == 0 {
+		fmt.Fprintln(w, " pvcli finds nothing wrong with it here (valid now, for client authentication, issued by the CA file's chain): the agent may trust another chain, or have it revoked; its log says why (the TLS handshake error with your address).")
+		return
+	}
+	fmt.Fprintln(w, " Checked here:")
+	for _, f := range found {
+		fmt.Fprintf(w, "  - %s\n", f)
+	}
+}
+
+// certProblems is what pvcli finds wrong with its client certificate
+// (opts.certFile, which must be set) by itself: its validity period, its
+// key usage, whether the CA file's chain issued it.
+func certProblems(opts tlsOptions, now time.Time) (*x509.Certificate, []string, error) {
+	cert, err := readCertificate(opts.certFile)
+	if err != nil {
+		return nil, nil, err
+	}
+	var found []string
 	switch {
 	case now.After(cert.NotAfter):
 		found = append(found, fmt.Sprintf("it expired on %s; issue a new one (pitrust issue-mtls-client)", cert.NotAfter.UTC().Format(time.RFC3339)))
@@ -72,12 +91,25 @@ func explainCertRefusal(w io.Writer, opts tlsOptions, now time.Time) {
 			}
 		}
 	}
-	fmt.Fprintf(w, "The agent refused the client certificate %s (subject %q, issuer %q).", opts.certFile, cert.Subject.String(), cert.Issuer.String())
-	if len(found) == 0 {
-		fmt.Fprintln(w, " pvcli finds nothing wrong with it here (valid now, for client authentication, issued by the CA file's chain): the agent may trust another chain, or have it revoked; its log says why (the TLS handshake error with your address).")
+	return cert, found, nil
+}
+
+// explainUnclearFailure follows a call that failed without an answer of
+// the agent and without a TLS alert pvcli could read — with TLS 1.3 the
+// agent checks the client certificate after pvcli's handshake is done,
+// and its refusal can arrive as a broken pipe or a closed connection
+// instead: when pvcli's own certificate has a problem the agent would
+// refuse, it is said.
+func explainUnclearFailure(w io.Writer, opts tlsOptions, now time.Time) {
+	if opts.certFile == "" {
 		return
 	}
-	fmt.Fprintln(w, " Checked here:")
+	cert, found, err := certProblems(opts, now)
+	if err != nil || len(found) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "The connection failed before the agent answered; the agent may have refused pvcli's client certificate %s (subject %q, issuer %q). Checked here:\n",
+		opts.certFile, cert.Subject.String(), cert.Issuer.String())
 	for _, f := range found {
 		fmt.Fprintf(w, "  - %s\n", f)
 	}

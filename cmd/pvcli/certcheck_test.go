@@ -88,3 +88,34 @@ func TestRefusedClientCertificate(t *testing.T) {
 		})
 	}
 }
+
+// TestUnclearFailureExplained: a call that failed without a TLS alert
+// (with TLS 1.3 the agent's refusal of a client certificate can arrive as
+// a broken pipe) still says what is wrong with pvcli's certificate, and
+// nothing when it is fine.
+func TestUnclearFailureExplained(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	if _, err := identity.InitCA(dir, identity.CAOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	serverOnly, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindServer, Name: "server-only", IPs: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok, err := identity.Issue(dir, identity.LeafRequest{Kind: identity.KindClient, Name: "operator"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chain := filepath.Join(dir, identity.ChainFile)
+	var b strings.Builder
+	explainUnclearFailure(&b, tlsOptions{certFile: serverOnly.Cert, keyFile: serverOnly.Key, caFile: chain}, time.Now())
+	if !strings.Contains(b.String(), "may have refused pvcli's client certificate") || !strings.Contains(b.String(), "does not include client authentication") {
+		t.Errorf("a server certificate as the client's: %q", b.String())
+	}
+	b.Reset()
+	explainUnclearFailure(&b, tlsOptions{certFile: ok.Cert, keyFile: ok.Key, caFile: chain}, time.Now())
+	if b.String() != "" {
+		t.Errorf("a fine client certificate: %q, want nothing", b.String())
+	}
+}

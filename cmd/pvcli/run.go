@@ -99,8 +99,11 @@ func (a *app) run(ctx context.Context, args []string) error {
 			fmt.Fprintf(stderr, "The agent's rate limit for your identity was reached; retry in %s.\n", wait)
 		}
 	case connect.CodeUnavailable:
-		if (tlsRefusal(err) || a.tlsRefused.Load()) && a.target != nil {
+		switch {
+		case (tlsRefusal(err) || a.tlsRefused.Load()) && a.target != nil:
 			explainCertRefusal(stderr, a.target.tls, time.Now())
+		case a.target != nil && !noLeader(err):
+			explainUnclearFailure(stderr, a.target.tls, time.Now())
 		}
 		if noLeader(err) {
 			fmt.Fprintln(stderr, hintNoLeader)
