@@ -231,6 +231,9 @@ MSG
 }
 
 stop() {
+  # Every process at once (SIGTERM), then whatever still runs after 10s
+  # (SIGKILL): one after the other took a few seconds each.
+  local pids=() procs=()
   for spec in "${nodes[@]}" dev-issuer; do
     read -r name _ <<<"$spec"
     for proc in "$name" "$name-sim"; do
@@ -238,12 +241,21 @@ stop() {
       if running "$pidf"; then
         pid=$(cat "$pidf")
         kill "$pid" 2>/dev/null || true
-        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$pid" 2>/dev/null || true
-        echo "stopped $proc"
+        pids+=("$pid")
+        procs+=("$proc")
       fi
       rm -f "$pidf"
     done
+  done
+  for _ in $(seq 1 100); do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.1
+  done
+  for i in "${!pids[@]}"; do
+    kill -9 "${pids[$i]}" 2>/dev/null || true
+    echo "stopped ${procs[$i]}"
   done
 }
 
