@@ -27,6 +27,9 @@ const leaderWaitMargin = 500 * time.Millisecond
 const (
 	ErrorDomain    = "pivirt.pilab.hu"
 	ReasonNoLeader = "NO_LEADER"
+	// ReasonStoreUnavailable: in etcd mode, etcd did not answer for the
+	// whole hold timeout.
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
 
 	metaVoters            = "voters"
 	metaVotersReachable   = "voters_reachable"
@@ -44,7 +47,14 @@ func (h *ClusterService) gaveUp(waited time.Duration, cut bool, lastErr error) e
 		after = fmt.Sprintf("after waiting %s (the call's deadline is near)", waited.Round(100*time.Millisecond))
 	}
 	if h.cfg.Direct {
-		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s: %v", after, lastErr))
+		// The store (etcd) did not answer for the whole wait: said in an
+		// ErrorInfo, so that a client asks again only while another whole
+		// wait fits (as after NO_LEADER).
+		ce := connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s: %v", after, lastErr))
+		if d, err := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: ReasonStoreUnavailable, Domain: ErrorDomain}); err == nil {
+			ce.AddDetail(d)
+		}
+		return ce
 	}
 	if id, _ := h.raft.Leader(); id == "" && errors.Is(lastErr, ErrNoLeader) {
 		return h.leaderless(after)

@@ -388,9 +388,10 @@ func newHTTPClient(endpoint *url.URL, opts tlsOptions) (*http.Client, error) {
 // leader, leader change, agent restarting, connection refused) with jittered
 // exponential backoff until the deadline. The request is resent unchanged,
 // so a write keeps its client ID and sequence number and the cluster applies
-// it at most once. The agent's answer that there is no leader comes after it
-// waited for one: it is retried only while another wait as long fits before
-// the deadline, so that the answer printed is one of a whole wait.
+// it at most once. The agent's answer that there is no leader (or, in etcd
+// mode, that etcd did not answer) comes after it waited: it is retried
+// only while another wait as long fits before the deadline, so that the
+// answer printed is one of a whole wait.
 func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 	return func(next connect.UnaryFunc) connect.UnaryFunc {
 		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
@@ -408,7 +409,7 @@ func (a *app) retryInterceptor() connect.UnaryInterceptorFunc {
 					if permanentTransportError(err) {
 						return nil, err
 					}
-					if deadline, ok := ctx.Deadline(); ok && noLeader(err) && time.Until(deadline) < time.Since(start) {
+					if deadline, ok := ctx.Deadline(); ok && waitedInVain(err) && time.Until(deadline) < time.Since(start) {
 						return nil, err
 					}
 					unavailable = err

@@ -1,13 +1,18 @@
 package main
 
 import (
+	"context"
 	"errors"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
 
@@ -50,5 +55,56 @@ func TestRetryKeepsReasonWhenAgentAnswersDeadline(t *testing.T) {
 	r := runCLI(t, url, "service", "list")
 	if want := "Error: unavailable: no cluster leader\n"; r.stderr != want {
 		t.Errorf("stderr = %q, want %q", r.stderr, want)
+	}
+}
+
+// waitingAgent answers ListServices with its error after waiting wait, as
+// an agent answers after its hold timeout, and counts the calls.
+type waitingAgent struct {
+	clusterv1connect.UnimplementedClusterServiceHandler
+	wait  time.Duration
+	err   error
+	calls atomic.Int32
+}
+
+func (w *waitingAgent) ListServices(ctx context.Context, _ *connect.Request[clusterv1.ListServicesRequest]) (*connect.Response[clusterv1.ListServicesResponse], error) {
+	w.calls.Add(1)
+	t := time.NewTimer(w.wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil, w.err
+	case <-ctx.Done():
+		return nil, connect.NewError(connect.CodeDeadlineExceeded, ctx.Err())
+	}
+}
+
+// TestWaitedAnswerNotRetriedPastTheDeadline: an agent's answer after its
+// whole wait — no leader, or in etcd mode etcd unavailable — is asked again
+// only while another wait as long fits in --timeout: the answer printed
+// is a whole wait's, not a cut one ("after waiting 0s").
+func TestWaitedAnswerNotRetriedPastTheDeadline(t *testing.T) {
+	t.Parallel()
+	for _, reason := range []string{reasonNoLeader, reasonStoreUnavailable} {
+		t.Run(reason, func(t *testing.T) {
+			t.Parallel()
+			ce := connect.NewError(connect.CodeUnavailable, errors.New("after waiting 600ms: store: etcd unavailable"))
+			d, err := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: reason, Domain: "pivirt.pilab.hu"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ce.AddDetail(d)
+			agent := &waitingAgent{wait: 600 * time.Millisecond, err: ce}
+			mux := http.NewServeMux()
+			mux.Handle(clusterv1connect.NewClusterServiceHandler(agent))
+			url := serveH2C(t, mux)
+			r := runCLI(t, url, "--timeout", "1s", "service", "list")
+			if n := agent.calls.Load(); n != 1 {
+				t.Errorf("%d calls, want 1: a second wait of 600ms does not fit in the 400ms left", n)
+			}
+			if !strings.Contains(r.stderr, "after waiting 600ms: store: etcd unavailable") {
+				t.Errorf("stderr:\n%s\nwant the whole wait's answer", r.stderr)
+			}
+		})
 	}
 }

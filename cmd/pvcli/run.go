@@ -123,16 +123,29 @@ const (
 // for a request that found no leader (gateway.ReasonNoLeader).
 const reasonNoLeader = "NO_LEADER"
 
+// reasonStoreUnavailable is the ErrorInfo reason of an agent in etcd mode
+// whose etcd did not answer for its whole wait
+// (gateway.ReasonStoreUnavailable).
+const reasonStoreUnavailable = "STORE_UNAVAILABLE"
+
 // noLeader reports whether err is an agent's answer that the cluster has
 // no leader, after the agent waited for one.
-func noLeader(err error) bool {
+func noLeader(err error) bool { return hasReason(err, reasonNoLeader) }
+
+// waitedInVain reports whether err is an agent's answer after it waited
+// the whole hold timeout: for a leader, or (etcd mode) for etcd.
+func waitedInVain(err error) bool { return hasReason(err, reasonNoLeader, reasonStoreUnavailable) }
+
+// hasReason reports whether err carries a google.rpc.ErrorInfo with one
+// of reasons.
+func hasReason(err error, reasons ...string) bool {
 	var ce *connect.Error
 	if !errors.As(err, &ce) {
 		return false
 	}
 	for _, d := range ce.Details() {
 		if v, err := d.Value(); err == nil {
-			if ei, ok := v.(*errdetails.ErrorInfo); ok && ei.GetReason() == reasonNoLeader {
+			if ei, ok := v.(*errdetails.ErrorInfo); ok && slices.Contains(reasons, ei.GetReason()) {
 				return true
 			}
 		}

@@ -15,9 +15,11 @@ import (
 	"connectrpc.com/connect"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
+	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/store/etcdstore"
@@ -161,6 +163,11 @@ func TestEtcdOutage(t *testing.T) {
 	}
 	if d := time.Since(start); d > 20*time.Second {
 		t.Fatalf("the refused read took %s", d)
+	}
+	// Said in an ErrorInfo, so that pvcli asks again only while another
+	// whole wait fits in its timeout.
+	if !hasErrorReason(err, gateway.ReasonStoreUnavailable) {
+		t.Errorf("default read during the outage: %v, want the ErrorInfo reason %s", err, gateway.ReasonStoreUnavailable)
 	}
 	_, err = agenttest.Register(ctx, a, "web", "y", "127.0.0.1", 81)
 	var ce *connect.Error
@@ -325,4 +332,21 @@ func TestEtcdScheduleLeaderKills(t *testing.T) {
 	ec := etcdtest.Start(t, 3)
 	s := startSim(t)
 	leaderKills(t, newScheduleEnvOn(t, s, agenttest.NewEtcd(t, 3, ec.Endpoints, withBackends(s.addr))))
+}
+
+// hasErrorReason reports whether err carries a google.rpc.ErrorInfo with
+// reason.
+func hasErrorReason(err error, reason string) bool {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return false
+	}
+	for _, d := range ce.Details() {
+		if v, err := d.Value(); err == nil {
+			if ei, ok := v.(*errdetails.ErrorInfo); ok && ei.GetReason() == reason {
+				return true
+			}
+		}
+	}
+	return false
 }
