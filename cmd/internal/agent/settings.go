@@ -243,10 +243,23 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	if err == nil {
 		np, err = a.settingsNetPolicy(file, values)
 	}
+	var restart, notLive []string
 	if err == nil {
-		_, _, err = a.applyConfig(next)
+		_, restart, err = a.applyConfig(next)
 	}
 	if err == nil {
+		// A setting applyConfig could not put in force on this node
+		// (among the keys needing a restart: rate_limiting or
+		// auth.certificate_roles with access control off, logging.*
+		// without settable levels) changed nothing: it is not reported
+		// applied.
+		keys = slices.DeleteFunc(keys, func(k string) bool {
+			if slices.ContainsFunc(restart, func(r string) bool { return config.Under(r, k) || config.Under(k, r) }) {
+				notLive = append(notLive, k)
+				return true
+			}
+			return false
+		})
 		a.setClusterNetPolicy(values[NetworkPolicyKey], np)
 		if np != nil {
 			keys = append(keys, NetworkPolicyKey)
@@ -262,6 +275,9 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 			a.logger.Error("cluster settings not applied on this node; serving with the last good ones until a change applies", "revision", index, "error", err)
 		}
 		return
+	}
+	if len(notLive) > 0 {
+		a.logger.Warn("cluster settings not in force on this node: they do not change live here", "revision", index, "settings", notLive)
 	}
 	s.ok(index, values, keys)
 	s.applyTotal.WithLabelValues("ok").Inc()

@@ -580,3 +580,124 @@ func TestKeptSettingsOfAnotherCluster(t *testing.T) {
 		t.Error("no log line of the other cluster's settings")
 	}
 }
+
+// TestEverySettingAppliesLive: every cluster setting has a live-apply path
+// on a running agent (access control on, backends configured). Put on top
+// of the node's file, each setting reloads with its keys applied and none
+// needing a restart, and so does going back to the file. A setting that
+// applyConfig has no case for lands among the keys that need a restart,
+// which the settings' loop never puts in force (syncSettings reports it
+// as not applied, TestSettingNotLiveHereIsNotReported): a setting must
+// never be such a key. A document setting is skipped by ApplySettings and
+// must be one the agent applies by code of its own.
+func TestEverySettingAppliesLive(t *testing.T) {
+	// A value of each setting that differs from the node's file below.
+	samples := map[string]string{
+		"logging.level":           "warn",
+		"logging.components":      "{raft: warn}",
+		"routing.rules":           "[{match: {prefix: /pivirt.vm.v1.VMService}, route: {cluster: pivirtd}}]",
+		"load_balancing":          "{policy: least_connections}",
+		"circuit_breaking":        "{thresholds: {consecutive_5xx: 7}}",
+		"rate_limiting":           "{enabled: true, requests_per_second: 5, burst: 2}",
+		"backends.<name>.timeout": "3s",
+		"backends.<name>.retry":   "{max_attempts: 2, backoff: 50ms}",
+		"auth.certificate_roles":  "{operator: [admin]}",
+	}
+	// The document settings the agent applies itself: the cluster RBAC
+	// policy (leader.ClusterPolicy, startAccess) and the network policy
+	// (settingsNetPolicy, setClusterNetPolicy).
+	documents := []string{agent.RBACPolicyKey, agent.NetworkPolicyKey}
+
+	spec, err := os.ReadFile(filepath.Join("..", "..", "..", "gateway", "authz", "testdata", "spec-rbac.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy := filepath.Join(t.TempDir(), "rbac.yaml")
+	if err := os.WriteFile(policy, spec, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sim := startSim(t)
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withBackends(sim.addr)(i, cfg)
+		cfg.Auth.RBACPolicy = policy // access control on: the guard and authenticator exist
+	})
+	n := c.WaitLeader(20 * time.Second)
+	file := n.Cfg
+
+	for _, s := range config.Settings {
+		t.Run(s.Key, func(t *testing.T) {
+			if s.Document {
+				if !slices.Contains(documents, s.Key) {
+					t.Fatalf("document setting %s: ApplySettings skips documents and the agent applies only %v; give it an apply path of its own", s.Key, documents)
+				}
+				return
+			}
+			value, ok := samples[s.Key]
+			if !ok {
+				t.Fatalf("no sample value of setting %s in this test: add one, and a case in applyConfig (reload.go) that puts it in force live", s.Key)
+			}
+			key := strings.ReplaceAll(s.Key, "<name>", "pivirtd")
+			next, keys, err := config.ApplySettings(file, map[string]string{key: value})
+			if err != nil || !slices.Equal(keys, []string{key}) {
+				t.Fatalf("ApplySettings(%s: %s) = %v, %v", key, value, keys, err)
+			}
+			if len(config.Diff(file, next)) == 0 {
+				t.Fatalf("the sample value of %s is the file's", key)
+			}
+			for _, step := range []struct {
+				what string
+				cfg  *config.Config
+			}{{"set", next}, {"back to the file", file}} {
+				applied, restart, err := n.ReloadConfig(step.cfg)
+				if err != nil {
+					t.Fatalf("%s: %v", step.what, err)
+				}
+				if len(restart) > 0 {
+					t.Errorf("%s: %v need a restart: no live-apply path in applyConfig (reload.go), so the cluster setting would change nothing", step.what, restart)
+				}
+				if len(applied) == 0 {
+					t.Errorf("%s: nothing applied", step.what)
+				}
+				for _, k := range applied {
+					if !config.Under(k, key) && !config.Under(key, k) {
+						t.Errorf("%s: applied %s, not a key of %s", step.what, k, key)
+					}
+				}
+			}
+		})
+	}
+	for k := range samples {
+		if !slices.ContainsFunc(config.Settings, func(s config.Setting) bool { return s.Key == k && !s.Document }) {
+			t.Errorf("sample value of %s, which is no cluster setting", k)
+		}
+	}
+}
+
+// TestSettingNotLiveHereIsNotReported: a setting this node cannot put in
+// force while it runs (rate_limiting with access control off: there is no
+// guard to limit rates) is not reported as applied, in SettingsStatus
+// (pvcli config status, /ready) or the log; the others of the set are.
+func TestSettingNotLiveHereIsNotReported(t *testing.T) {
+	c := agenttest.NewExpect(t, 1, nil) // TLS off, no OIDC, no RBAC policy: access control off
+	n := c.WaitLeader(20 * time.Second)
+	var rev uint64
+	for _, kv := range [][2]string{{"rate_limiting", "{enabled: true, requests_per_second: 5, burst: 2}"}, {"logging.level", "warn"}} {
+		set, err := n.API.SetConfig(t.Context(), connect.NewRequest(&clusterv1.SetConfigRequest{Key: kv[0], Value: kv[1]}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rev = set.Msg.GetEntry().GetRevision()
+	}
+	agenttest.Eventually(t, 5*time.Second, "the settings synced", func() error {
+		if st := n.SettingsStatus(); st.Revision < rev && st.FailedRevision < rev {
+			return fmt.Errorf("%+v", st)
+		}
+		return nil
+	})
+	if st := n.SettingsStatus(); st.FailedRevision != 0 || !slices.Equal(st.Keys, []string{"logging.level"}) {
+		t.Errorf("status %+v, want logging.level alone applied", st)
+	}
+	if !c.Logs().Contains("cluster settings not in force on this node") {
+		t.Error("no log line naming the setting not in force")
+	}
+}

@@ -2,6 +2,7 @@ package config
 
 import (
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -95,5 +96,44 @@ func TestPinnedSettingsValidate(t *testing.T) {
 	err := c.Validate()
 	if err == nil || !strings.Contains(err.Error(), `pinned_settings[3]: invalid value "logging.format": not a cluster setting`) || strings.Contains(err.Error(), "pinned_settings[0]") || strings.Contains(err.Error(), "pinned_settings[1]") || strings.Contains(err.Error(), "pinned_settings[2]") {
 		t.Errorf("err = %v", err)
+	}
+}
+
+// TestEverySettingIsLive: a cluster setting is applied by every agent while
+// it runs (there is no restart to wait for), so each is either a document
+// (its text is applied by code of its own in the agent) or a key under one
+// of LiveKeys, which the agent's applyConfig puts in force (the agent's
+// TestEverySettingAppliesLive checks that side). A setting under none
+// would be stored, reported applied and change nothing. Each LiveKeys
+// entry names keys of the configuration, and the reference marks every
+// setting's keys live.
+func TestEverySettingIsLive(t *testing.T) {
+	live := func(key string) bool {
+		for _, k := range LiveKeys {
+			if Under(key, k) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, s := range Settings {
+		key := strings.ReplaceAll(s.Key, "<name>", "x")
+		switch {
+		case s.Document && live(key):
+			t.Errorf("setting %s: a document, and also under LiveKeys: one way to apply it, not two", s.Key)
+		case !s.Document && !live(key):
+			t.Errorf("setting %s: not under any of LiveKeys (%s): no running agent would put it in force; add it there and to the agent's applyConfig", s.Key, strings.Join(LiveKeys, ", "))
+		}
+	}
+	rows := Reference()
+	for _, k := range LiveKeys {
+		if !slices.ContainsFunc(rows, func(r RefRow) bool { return Under(strings.ReplaceAll(r.Key, "[]", ""), k) }) {
+			t.Errorf("LiveKeys names %q, no key of the configuration", k)
+		}
+	}
+	for _, r := range rows {
+		if r.Setting && !r.Document && !r.Live {
+			t.Errorf("reference: %s is a cluster setting marked restart", r.Key)
+		}
 	}
 }
