@@ -147,7 +147,7 @@ func routeToLeader[T any](ctx context.Context, h *ClusterService, direct bool, l
 		default:
 		}
 		if time.Now().After(giveUp) {
-			return zero, h.gaveUp(time.Since(start), cut, lastErr)
+			return zero, h.gaveUp(time.Since(start), cut, direct, lastErr)
 		}
 		wait := time.Duration(25+rand.IntN(50)) * time.Millisecond
 		if attempt > 10 {

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/store"
 )
 
 // leaderWaitMargin is how long before the call's deadline a request
@@ -41,7 +42,7 @@ const (
 // waited (cut: the call's deadline ended the wait before the hold timeout).
 // Without a leader known here it says what this node knows of the cluster
 // (leaderless); otherwise it names the last failure.
-func (h *ClusterService) gaveUp(waited time.Duration, cut bool, lastErr error) error {
+func (h *ClusterService) gaveUp(waited time.Duration, cut, direct bool, lastErr error) error {
 	after := "after waiting " + h.cfg.HoldTimeout.String()
 	if cut {
 		after = fmt.Sprintf("after waiting %s (the call's deadline is near)", waited.Round(100*time.Millisecond))
@@ -51,6 +52,9 @@ func (h *ClusterService) gaveUp(waited time.Duration, cut bool, lastErr error) e
 		// ErrorInfo, so that a client asks again only while another whole
 		// wait fits (as after NO_LEADER).
 		ce := connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s: %v", after, lastErr))
+		if !direct || !errors.Is(lastErr, store.ErrUnavailable) {
+			return ce // waited for the schedules' leader (viaElected), not for etcd
+		}
 		if d, err := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: ReasonStoreUnavailable, Domain: ErrorDomain}); err == nil {
 			ce.AddDetail(d)
 		}

@@ -247,6 +247,7 @@ stop() {
       rm -f "$pidf"
     done
   done
+  ((${#pids[@]})) || return 0
   for _ in $(seq 1 100); do
     local alive=0
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done

@@ -118,7 +118,7 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 				return fileProblems(file, err)
 			}
 			fmt.Fprintf(stdout, "%s: ok\n", file)
-			for _, w := range agent.AccessWarnings(cfg) {
+			for _, w := range agent.ConfigWarnings(cfg) {
 				fmt.Fprintf(stdout, "warning: %s\n", w)
 			}
 			describeMesh(stdout, cfg)

@@ -88,21 +88,21 @@ func TestWaitedAnswerNotRetriedPastTheDeadline(t *testing.T) {
 	for _, reason := range []string{reasonNoLeader, reasonStoreUnavailable} {
 		t.Run(reason, func(t *testing.T) {
 			t.Parallel()
-			ce := connect.NewError(connect.CodeUnavailable, errors.New("after waiting 600ms: store: etcd unavailable"))
+			ce := connect.NewError(connect.CodeUnavailable, errors.New("after waiting 2s: store: etcd unavailable"))
 			d, err := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: reason, Domain: "pivirt.pilab.hu"})
 			if err != nil {
 				t.Fatal(err)
 			}
 			ce.AddDetail(d)
-			agent := &waitingAgent{wait: 600 * time.Millisecond, err: ce}
+			agent := &waitingAgent{wait: 2 * time.Second, err: ce}
 			mux := http.NewServeMux()
 			mux.Handle(clusterv1connect.NewClusterServiceHandler(agent))
 			url := serveH2C(t, mux)
-			r := runCLI(t, url, "--timeout", "1s", "service", "list")
+			r := runCLI(t, url, "--timeout", "3s", "service", "list")
 			if n := agent.calls.Load(); n != 1 {
-				t.Errorf("%d calls, want 1: a second wait of 600ms does not fit in the 400ms left", n)
+				t.Errorf("%d calls, want 1: a second wait of 2s does not fit in the 1s left", n)
 			}
-			if !strings.Contains(r.stderr, "after waiting 600ms: store: etcd unavailable") {
+			if !strings.Contains(r.stderr, "after waiting 2s: store: etcd unavailable") {
 				t.Errorf("stderr:\n%s\nwant the whole wait's answer", r.stderr)
 			}
 		})

@@ -102,7 +102,9 @@ func (a *app) run(ctx context.Context, args []string) error {
 		switch {
 		case (tlsRefusal(err) || a.tlsRefused.Load()) && a.target != nil:
 			explainCertRefusal(stderr, a.target.tls, time.Now())
-		case a.target != nil && !noLeader(err):
+		case a.target != nil && !connect.IsWireError(err) && !permanentTransportError(err):
+			// Not the agent's answer (those say why themselves), nor
+			// pvcli refusing the agent's certificate.
 			explainUnclearFailure(stderr, a.target.tls, time.Now())
 		}
 		if noLeader(err) {

@@ -270,7 +270,7 @@ not wake it.`,
 // read (the caller may not be allowed to), and the IDs are shown.
 func memberNames(ctx context.Context, c *clientConn) map[string]string {
 	names := map[string]string{}
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	resp, err := c.api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
 	if err != nil {

@@ -104,10 +104,18 @@ func (a *Agent) breakGlass(procedure string, req protoreflect.Message, who authz
 	return ok && key == RBACPolicyKey
 }
 
-// AccessWarnings are what a configuration's access control leaves out
-// without an error: said at start and by pivirt-agent validate.
-func AccessWarnings(cfg *config.Config) []string {
+// ConfigWarnings are what a configuration leaves out without an error
+// (access control, backends' TLS): said at start and by pivirt-agent
+// validate.
+func ConfigWarnings(cfg *config.Config) []string {
 	var out []string
+	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
+		bt := cfg.Backends[name].TLS
+		if !bt.Enabled && (bt.CertFile != "" || bt.KeyFile != "" || bt.CAFile != "" || bt.ServerName != "") {
+			out = append(out, fmt.Sprintf("backends.%s.tls names files or a server name but its enabled is false: they are not used "+
+				"(an https:// endpoint is verified by the system's trust store, without a client certificate; any other is plaintext); set enabled: true to use them", name))
+		}
+	}
 	ac := cfg.Auth
 	if ac.RBACPolicy != "" && cfg.TLS.Enabled && len(ac.CertificateRoles) == 0 {
 		out = append(out, "auth.certificate_roles is empty: a caller with a client certificate (pvcli with its certificate) has no role, "+
@@ -121,6 +129,9 @@ func AccessWarnings(cfg *config.Config) []string {
 // allowed, with a warning) only when nothing could authenticate a caller:
 // tls.enabled false and neither auth.oidc nor auth.rbac_policy set.
 func (a *Agent) startAccess() error {
+	for _, w := range ConfigWarnings(a.cfg) {
+		a.logger.Warn(w)
+	}
 	ac := a.cfg.Auth
 	if !a.cfg.TLS.Enabled && ac.OIDC.IssuerURL == "" && ac.RBACPolicy == "" {
 		a.logger.Warn("ACCESS CONTROL IS OFF: the API port accepts every call without credentials (tls.enabled is false and neither auth.oidc nor auth.rbac_policy is set)")
@@ -147,9 +158,6 @@ func (a *Agent) startAccess() error {
 		a.wg.Go(func() { f.Watch(a.ctx, policyWatchInterval) })
 	} else {
 		a.logger.Warn("no auth.rbac_policy: every authenticated caller may call every method; set a policy to restrict them")
-	}
-	for _, w := range AccessWarnings(a.cfg) {
-		a.logger.Warn(w)
 	}
 	a.clusterPolicy = leader.NewClusterPolicy(leader.PolicyConfig{
 		Key:       RBACPolicyKey,

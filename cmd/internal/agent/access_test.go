@@ -909,18 +909,25 @@ func TestAccessSchedulesActAsTheirCreator(t *testing.T) {
 	}
 }
 
-// TestAccessWarnings: an RBAC policy with TLS on and no
+// TestConfigWarnings: an RBAC policy with TLS on and no
 // auth.certificate_roles leaves certificate callers without a role (the
 // specification's example configuration): said at start and by validate.
-func TestAccessWarnings(t *testing.T) {
+func TestConfigWarnings(t *testing.T) {
 	cfg := config.Default()
 	cfg.TLS.Enabled = true
 	cfg.Auth.RBACPolicy = "/etc/pivirt-agent/rbac.yaml"
-	if w := agent.AccessWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "auth.certificate_roles is empty") || !strings.Contains(w[0], "certificate_roles: {operator: [admin]}") {
+	if w := agent.ConfigWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "auth.certificate_roles is empty") || !strings.Contains(w[0], "certificate_roles: {operator: [admin]}") {
 		t.Errorf("warnings %q, want the certificate callers without a role and the fix", w)
 	}
 	cfg.Auth.CertificateRoles = map[string][]string{"operator": {"admin"}}
-	if w := agent.AccessWarnings(cfg); len(w) != 0 {
+	if w := agent.ConfigWarnings(cfg); len(w) != 0 {
 		t.Errorf("with certificate_roles: warnings %q, want none", w)
+	}
+	// A backend's tls block with files but not enabled: not used.
+	b := config.BackendConfig{Endpoint: "https://osinfodb.pilab.hu"}
+	b.TLS.CAFile = "/etc/pivirt/certs/ca-chain.pem"
+	cfg.Backends = map[string]config.BackendConfig{"osinfodb": b}
+	if w := agent.ConfigWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "backends.osinfodb.tls names files") {
+		t.Errorf("a backend's tls files without enabled: warnings %q", w)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"reflect"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -133,17 +134,35 @@ func decodeYAML(data []byte, file string, out any) error {
 // where the enclosing mapping or sequence began (often the line above the
 // mistake) and no column; goccy/go-yaml's parser points at the token
 // itself and quotes the lines around it, so its position and excerpt are
-// given when it finds a syntax error too.
-func syntaxError(data []byte, file string, err error) error {
+// added when it finds a syntax error too, at or after yaml.v3's line (an
+// earlier one would be goccy's own disagreement with yaml.v3). yaml.v3's
+// message is kept. goccy is asked only here, about input yaml.v3 refused:
+// a panic of its parser leaves yaml.v3's error alone (a reload must not
+// take the agent down).
+func syntaxError(data []byte, file string, err error) (out error) {
+	out = &FieldError{File: file, Err: err}
+	defer func() {
+		if recover() != nil {
+			out = &FieldError{File: file, Err: err}
+		}
+	}()
 	_, perr := goccyparser.ParseBytes(data, 0)
 	var se *goccy.SyntaxError
 	if !errors.As(perr, &se) || se.Token == nil || se.Token.Position == nil {
-		return &FieldError{File: file, Err: err}
+		return out
 	}
 	pos := se.Token.Position
+	if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
+		if line, _ := strconv.Atoi(m[1]); pos.Line < line {
+			return out
+		}
+	}
 	return &FieldError{File: file, Line: pos.Line, Column: pos.Column,
-		Err: fmt.Errorf("YAML syntax error %s", strings.TrimRight(goccy.FormatError(perr, false, true), "\n"))}
+		Err: fmt.Errorf("%w\nat %s", err, strings.TrimRight(goccy.FormatError(perr, false, true), "\n"))}
 }
+
+// yamlLine is the line number of a yaml.v3 syntax error ("yaml: line 3: …").
+var yamlLine = regexp.MustCompile(`^yaml: line (\d+):`)
 
 // walker decodes a yaml.Node tree into Go values by reflection, using the `yaml` struct tags,
 // and records every problem with its key path. See DESIGN.md for why it exists.

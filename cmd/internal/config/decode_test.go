@@ -2,6 +2,7 @@ package config
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -252,9 +253,10 @@ func TestParseErrors(t *testing.T) {
 	}
 }
 
-// TestParseSyntaxError: a syntax error names the line and column of the
-// mistake itself (yaml.v3 names the line where the enclosing mapping
-// began) and quotes it.
+// TestParseSyntaxError: a syntax error keeps yaml.v3's message and adds
+// the line and column of the mistake itself (yaml.v3 names the line where
+// the enclosing mapping began) and quotes it; where goccy's parser places
+// it before yaml.v3's line, yaml.v3's error is given alone.
 func TestParseSyntaxError(t *testing.T) {
 	for _, tt := range []struct {
 		doc        string
@@ -273,9 +275,15 @@ func TestParseSyntaxError(t *testing.T) {
 		if fe.Line != tt.line || fe.Column != tt.col {
 			t.Errorf("Parse(%q): at %d:%d, want %d:%d (%v)", tt.doc, fe.Line, fe.Column, tt.line, tt.col, err)
 		}
-		if got := err.Error(); !strings.HasPrefix(got, "config.yaml: YAML syntax error [") || !strings.Contains(got, tt.wantQuoted) {
-			t.Errorf("Parse(%q) error = %q, want the position and the line quoted (%q)", tt.doc, got, tt.wantQuoted)
+		if got := err.Error(); !strings.HasPrefix(got, "config.yaml: yaml: line ") || !strings.Contains(got, fmt.Sprintf("\nat [%d:%d]", tt.line, tt.col)) || !strings.Contains(got, tt.wantQuoted) {
+			t.Errorf("Parse(%q) error = %q, want yaml.v3's message, the position and the line quoted (%q)", tt.doc, got, tt.wantQuoted)
 		}
+	}
+	// goccy places this one on line 4, yaml.v3 (rightly) on line 5.
+	_, err := Parse([]byte("node_name: n1\ntls:\n  enabled: true\n  cert_file: /a.crt\n   key_file: /a.key\n"), "config.yaml")
+	var fe *FieldError
+	if !errors.As(err, &fe) || fe.Line != 0 || !strings.HasPrefix(err.Error(), "config.yaml: yaml: line 5: ") || strings.Contains(err.Error(), "\nat ") {
+		t.Errorf("a position before yaml.v3's line: %v, want yaml.v3's error alone", err)
 	}
 }
 
