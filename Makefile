@@ -33,12 +33,13 @@ test: $(NODE_DEPS) ## run every test with the race detector (real Raft, TCP, bbo
 	$(GO) test -race -timeout $(TEST_TIMEOUT) $(PKGS)
 
 .PHONY: lint
-lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test files too) and the documents' citations
+lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test files too), the documents' citations and that every path and identifier they cite exists
 	@out="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
 	scripts/check-imports.sh
 	scripts/check-docs.sh
+	$(GO) test -count=1 -run '^TestDocsCiteWhatExists$$' ./cmd/internal/docgen
 
 $(NODE_DEPS): package.json package-lock.json
 	scripts/node-deps.sh
