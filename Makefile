@@ -110,6 +110,12 @@ bench: ## benchmarks: replicated writes and reads vs a 3-member etcd, snapshots,
 	scripts/bench-deps.sh
 	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -timeout 60m ./cmd/internal/bench/
 
+.PHONY: package package-check
+package: ## Debian packages of pivirt-agent, pvcli and pitrust in dist/ (nfpm, pinned in packaging/go.mod)
+	scripts/package.sh
+package-check: ## build the packages, lintian and systemd-analyze them, install them here (dpkg -i, root), start the installed agent, purge them
+	scripts/package-check.sh
+
 .PHONY: cluster demo
 cluster: build ## build and start a 3-agent cluster on loopback, print pvcli commands to try
 	scripts/cluster.sh start

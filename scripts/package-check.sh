@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# make package-check: builds the Debian packages (scripts/package.sh), checks
+# them with lintian and the units with systemd-analyze verify, installs them
+# with dpkg -i on this machine, starts the installed agent as its system
+# user with the installed configuration (not under systemd, which need not
+# be PID 1 here; on 127.0.0.1, with certificates issued by the installed
+# pitrust), checks that it serves, then purges the packages and checks that
+# nothing of theirs is left. Needs root (dpkg); installs lintian when
+# missing. Refuses to run where the packages or their files already are.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+sudo=""
+[ "$(id -u)" = 0 ] || sudo=sudo
+pkgs=(pivirt-agent pvcli pitrust)
+owned=(/usr/bin/pivirt-agent /usr/bin/pvcli /usr/bin/pitrust /etc/pivirt-agent /etc/pitrust /etc/pivirt
+  /var/lib/pivirt-agent /var/log/pivirt-agent /var/lib/pitrust /usr/lib/systemd/system/pivirt-agent.service
+  /usr/lib/systemd/system/pitrust.service /usr/share/doc/pivirt-agent /usr/share/doc/pvcli /usr/share/doc/pitrust)
+for p in "${pkgs[@]}"; do
+  if dpkg -s "$p" >/dev/null 2>&1; then
+    echo "package-check: $p is installed on this machine; remove it first (dpkg --purge $p)" >&2
+    exit 1
+  fi
+done
+for f in "${owned[@]}"; do
+  if [ -e "$f" ]; then
+    echo "package-check: $f exists on this machine; the check installs and purges the packages and would take it" >&2
+    exit 1
+  fi
+done
+if getent passwd pivirt-agent >/dev/null; then
+  echo "package-check: the user pivirt-agent exists on this machine" >&2
+  exit 1
+fi
+command -v lintian >/dev/null || { $sudo apt-get update -q && $sudo apt-get install -y -q --no-install-recommends lintian; }
+
+scripts/package.sh
+debs=()
+for p in "${pkgs[@]}"; do debs+=(dist/"$p"_*.deb); done
+
+echo "== lintian"
+# Errors fail; the packages' own overrides say why a tag does not apply.
+lintian --fail-on error,warning "${debs[@]}"
+
+agent_pid=""
+cleanup() {
+  if [ -n "$agent_pid" ]; then kill "$agent_pid" 2>/dev/null || true; wait "$agent_pid" 2>/dev/null || true; fi
+  for p in "${pkgs[@]}"; do $sudo dpkg --purge "$p" >/dev/null 2>&1 || true; done
+  $sudo rm -rf /etc/pivirt/certs/* 2>/dev/null || true
+  $sudo rmdir /etc/pivirt/certs /etc/pivirt 2>/dev/null || true
+}
+trap cleanup EXIT
+
+echo "== dpkg -i"
+$sudo dpkg -i "${debs[@]}"
+getent passwd pivirt-agent >/dev/null || { echo "package-check: no system user pivirt-agent after the install" >&2; exit 1; }
+want_mode() { # path mode owner:group
+  local got
+  got=$(stat -c '%a %U:%G' "$1")
+  [ "$got" = "$2 $3" ] || { echo "package-check: $1 is $got, want $2 $3" >&2; exit 1; }
+}
+want_mode /var/lib/pivirt-agent 700 pivirt-agent:pivirt-agent
+want_mode /var/log/pivirt-agent 750 pivirt-agent:adm
+want_mode /etc/pivirt/certs 750 root:pivirt-agent
+want_mode /var/lib/pitrust 700 root:root
+[ -f /usr/share/man/man1/pvcli.1.gz ] && [ -f /usr/share/bash-completion/completions/pvcli ] ||
+  { echo "package-check: man page or completion of pvcli missing" >&2; exit 1; }
+
+echo "== systemd-analyze verify"
+systemd-analyze verify /usr/lib/systemd/system/pivirt-agent.service /usr/lib/systemd/system/pitrust.service
+
+echo "== the installed agent, with the installed configuration"
+certs=/etc/pivirt/certs
+node=$(hostname) # the installed configuration names no node: the host name
+$sudo pitrust init --dir "$certs" >/dev/null
+$sudo pitrust issue-mtls-server --dir "$certs" --name "$node" --dns localhost --ip 127.0.0.1 --out agent-server >/dev/null
+$sudo pitrust issue-mtls-client --dir "$certs" --name "pivirt-agent-$node" --cluster pivirt --out agent-client >/dev/null
+$sudo chgrp pivirt-agent "$certs"/agent-*.key
+$sudo chmod 640 "$certs"/agent-*.key
+pivirt-agent validate --config /etc/pivirt-agent/config.yaml
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+api=$(free_port) metrics=$(free_port) internal=$(free_port) raft=$(free_port) gossip=$(free_port)
+log=$(mktemp)
+$sudo runuser -u pivirt-agent -- /usr/bin/pivirt-agent --config /etc/pivirt-agent/config.yaml \
+  --node-name "$node" --bootstrap --voters 1 --api-addr "127.0.0.1:$api" --metrics-addr "127.0.0.1:$metrics" \
+  --internal-addr "127.0.0.1:$internal" --raft-addr "127.0.0.1:$raft" --gossip-addr "127.0.0.1:$gossip" >"$log" 2>&1 &
+agent_pid=$!
+ready=""
+for _ in $(seq 1 120); do
+  if curl -fsS "http://127.0.0.1:$metrics/ready" >/dev/null 2>&1; then ready=1; break; fi
+  kill -0 "$agent_pid" 2>/dev/null || break
+  sleep 0.5
+done
+if [ -z "$ready" ]; then
+  echo "package-check: the installed agent is not ready within 60s; its log:" >&2
+  tail -40 "$log" >&2
+  exit 1
+fi
+$sudo pvcli --endpoint "https://127.0.0.1:$api" --ca-file "$certs/ca-chain.pem" \
+  --cert-file "$certs/agent-client.crt" --key-file "$certs/agent-client.key" cluster leader
+kill "$agent_pid"
+wait "$agent_pid" || true
+agent_pid=""
+rm -f "$log"
+
+echo "== dpkg --purge"
+$sudo rm -f "$certs"/* # the operator's certificates, not the packages'
+for p in "${pkgs[@]}"; do $sudo dpkg --purge "$p"; done
+left=()
+for f in "${owned[@]}"; do [ -e "$f" ] && left+=("$f"); done
+getent passwd pivirt-agent >/dev/null && left+=("user pivirt-agent")
+getent group pivirt-agent >/dev/null && left+=("group pivirt-agent")
+if ((${#left[@]})); then
+  echo "package-check: left after the purge: ${left[*]}" >&2
+  exit 1
+fi
+echo "package-check: ok (${debs[*]})"
