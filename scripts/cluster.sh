@@ -46,8 +46,10 @@ pki() {
   "$bin/pitrust" init --dir "$certs" >/dev/null
   for spec in "${nodes[@]}"; do
     read -r name _ <<<"$spec"
-    "$bin/pitrust" issue-mtls-server --dir "$certs" --name "$name-server" --dns localhost --ip 127.0.0.1 --days 90 >/dev/null
-    "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --cluster pivirt --days 90 >/dev/null
+    # agent.pivirt.internal: the service name network policies give agents
+    # (the specification's NetworkPolicy example).
+    "$bin/pitrust" issue-mtls-server --dir "$certs" --name "$name-server" --dns localhost --dns agent.pivirt.internal --ip 127.0.0.1 --days 90 >/dev/null
+    "$bin/pitrust" issue-mtls-client --dir "$certs" --name "pivirt-agent-$name" --dns agent.pivirt.internal --cluster pivirt --days 90 >/dev/null
   done
   "$bin/pitrust" issue-mtls-client --dir "$certs" --name operator --days 90 >/dev/null
   echo "made a development PKI in $certs and a gossip key in $dir/gossip.key"
