@@ -512,17 +512,37 @@ func (a *Agent) checkAgentsReach(p *netpolicy.Set) error {
 		}
 	}
 	var cut []string
+	var cutPorts []string
 	for _, port := range slices.Sorted(maps.Keys(ports)) {
 		if ok, _ := p.Allows(from, to, port); !ok {
 			cut = append(cut, fmt.Sprintf("%s port %d", ports[port], port))
+			cutPorts = append(cutPorts, fmt.Sprintf("{port: %d}", port))
 		}
 	}
 	if len(cut) == 0 {
 		return nil
 	}
+	allow := "allow them"
+	if f, t := serviceName(from), serviceName(to); f != "" && t != "" {
+		allow = fmt.Sprintf("allow them (e.g. add to spec.ingress: {from: [{service: %s}], to: [{service: %s}], ports: [%s]})", f, t, strings.Join(cutPorts, ", "))
+	}
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
-		"this network policy would cut the agents off from each other: no NetworkPolicy allows %s to connect to %s on the %s, and every node closes the connections it no longer allows; allow them, or pass --force (force: true) to store it anyway",
-		names(from, a.tls.client.Leaf()), names(to, a.tls.internal.Leaf()), strings.Join(cut, ", ")))
+		"this network policy would cut the agents off from each other: no NetworkPolicy allows %s to connect to %s on the %s, and every node closes the connections it no longer allows; %s, or pass --force (force: true) to store it anyway",
+		names(from, a.tls.client.Leaf()), names(to, a.tls.internal.Leaf()), strings.Join(cut, ", "), allow))
+}
+
+// serviceName is the first of a certificate's identities that is a DNS
+// name (what a NetworkPolicy's service usually names), else the first.
+func serviceName(ids []string) string {
+	for _, id := range ids {
+		if !strings.Contains(id, ":") && id != "localhost" {
+			return id
+		}
+	}
+	if len(ids) > 0 {
+		return ids[0]
+	}
+	return ""
 }
 
 // checkAccess answers ClusterService.CheckAccess with the guard and the
