@@ -5,12 +5,16 @@
 # user with the installed configuration (not under systemd, which need not
 # be PID 1 here; on 127.0.0.1, with certificates issued by the installed
 # pitrust), checks that it serves, then purges the packages and checks that
-# nothing of theirs is left. Needs root (dpkg); installs lintian when
-# missing. Refuses to run where the packages or their files already are.
+# nothing of theirs is left (but the system user, which a purge keeps, as
+# Debian does; the check removes it when it made it). Runs as root (dpkg);
+# installs lintian when missing. Refuses to run where the packages or their
+# files already are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sudo=""
-[ "$(id -u)" = 0 ] || sudo=sudo
+if [ "$(id -u)" != 0 ]; then
+  echo "package-check: run as root (it installs and purges packages): sudo make package-check" >&2
+  exit 1
+fi
 pkgs=(pivirt-agent pvcli pitrust)
 owned=(/usr/bin/pivirt-agent /usr/bin/pvcli /usr/bin/pitrust /etc/pivirt-agent /etc/pitrust /etc/pivirt
   /var/lib/pivirt-agent /var/log/pivirt-agent /var/lib/pitrust /usr/lib/systemd/system/pivirt-agent.service
@@ -27,11 +31,9 @@ for f in "${owned[@]}"; do
     exit 1
   fi
 done
-if getent passwd pivirt-agent >/dev/null; then
-  echo "package-check: the user pivirt-agent exists on this machine" >&2
-  exit 1
-fi
-command -v lintian >/dev/null || { $sudo apt-get update -q && $sudo apt-get install -y -q --no-install-recommends lintian; }
+user_before=""
+getent passwd pivirt-agent >/dev/null && user_before=1
+command -v lintian >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends lintian; }
 
 scripts/package.sh
 debs=()
@@ -42,16 +44,22 @@ echo "== lintian"
 lintian --fail-on error,warning "${debs[@]}"
 
 agent_pid=""
+log=""
 cleanup() {
   if [ -n "$agent_pid" ]; then kill "$agent_pid" 2>/dev/null || true; wait "$agent_pid" 2>/dev/null || true; fi
-  for p in "${pkgs[@]}"; do $sudo dpkg --purge "$p" >/dev/null 2>&1 || true; done
-  $sudo rm -rf /etc/pivirt/certs/* 2>/dev/null || true
-  $sudo rmdir /etc/pivirt/certs /etc/pivirt 2>/dev/null || true
+  for p in "${pkgs[@]}"; do dpkg --purge "$p" >/dev/null 2>&1 || true; done
+  rm -rf /etc/pivirt/certs/* 2>/dev/null || true
+  rmdir /etc/pivirt/certs /etc/pivirt 2>/dev/null || true
+  if [ -z "$user_before" ]; then
+    userdel pivirt-agent >/dev/null 2>&1 || true
+    groupdel pivirt-agent >/dev/null 2>&1 || true
+  fi
+  [ -z "$log" ] || rm -f "$log"
 }
 trap cleanup EXIT
 
 echo "== dpkg -i"
-$sudo dpkg -i "${debs[@]}"
+dpkg -i "${debs[@]}"
 getent passwd pivirt-agent >/dev/null || { echo "package-check: no system user pivirt-agent after the install" >&2; exit 1; }
 want_mode() { # path mode owner:group
   local got
@@ -59,7 +67,8 @@ want_mode() { # path mode owner:group
   [ "$got" = "$2 $3" ] || { echo "package-check: $1 is $got, want $2 $3" >&2; exit 1; }
 }
 want_mode /var/lib/pivirt-agent 700 pivirt-agent:pivirt-agent
-want_mode /var/log/pivirt-agent 750 pivirt-agent:adm
+want_mode /var/log/pivirt-agent 750 pivirt-agent:pivirt-agent
+want_mode /etc/pivirt 755 root:root
 want_mode /etc/pivirt/certs 750 root:pivirt-agent
 want_mode /var/lib/pitrust 700 root:root
 [ -f /usr/share/man/man1/pvcli.1.gz ] && [ -f /usr/share/bash-completion/completions/pvcli ] ||
@@ -71,22 +80,23 @@ systemd-analyze verify /usr/lib/systemd/system/pivirt-agent.service /usr/lib/sys
 echo "== the installed agent, with the installed configuration"
 certs=/etc/pivirt/certs
 node=$(hostname) # the installed configuration names no node: the host name
-$sudo pitrust init --dir "$certs" >/dev/null
-$sudo pitrust issue-mtls-server --dir "$certs" --name "$node" --dns localhost --ip 127.0.0.1 --out agent-server >/dev/null
-$sudo pitrust issue-mtls-client --dir "$certs" --name "pivirt-agent-$node" --cluster pivirt --out agent-client >/dev/null
-$sudo chgrp pivirt-agent "$certs"/agent-*.key
-$sudo chmod 640 "$certs"/agent-*.key
+pitrust init --dir "$certs" >/dev/null
+pitrust issue-mtls-server --dir "$certs" --name "$node" --dns localhost --ip 127.0.0.1 --out agent-server >/dev/null
+pitrust issue-mtls-client --dir "$certs" --name "pivirt-agent-$node" --cluster pivirt --out agent-client >/dev/null
+chgrp pivirt-agent "$certs"/agent-*.key
+chmod 640 "$certs"/agent-*.key
 pivirt-agent validate --config /etc/pivirt-agent/config.yaml
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 api=$(free_port) metrics=$(free_port) internal=$(free_port) raft=$(free_port) gossip=$(free_port)
 log=$(mktemp)
-$sudo runuser -u pivirt-agent -- /usr/bin/pivirt-agent --config /etc/pivirt-agent/config.yaml \
+# setpriv replaces itself with the agent: $! is the agent's PID.
+setpriv --reuid=pivirt-agent --regid=pivirt-agent --init-groups /usr/bin/pivirt-agent --config /etc/pivirt-agent/config.yaml \
   --node-name "$node" --bootstrap --voters 1 --api-addr "127.0.0.1:$api" --metrics-addr "127.0.0.1:$metrics" \
   --internal-addr "127.0.0.1:$internal" --raft-addr "127.0.0.1:$raft" --gossip-addr "127.0.0.1:$gossip" >"$log" 2>&1 &
 agent_pid=$!
 ready=""
 for _ in $(seq 1 120); do
-  if curl -fsS "http://127.0.0.1:$metrics/ready" >/dev/null 2>&1; then ready=1; break; fi
+  if curl -fsS -m 2 "http://127.0.0.1:$metrics/ready" >/dev/null 2>&1; then ready=1; break; fi
   kill -0 "$agent_pid" 2>/dev/null || break
   sleep 0.5
 done
@@ -95,20 +105,17 @@ if [ -z "$ready" ]; then
   tail -40 "$log" >&2
   exit 1
 fi
-$sudo pvcli --endpoint "https://127.0.0.1:$api" --ca-file "$certs/ca-chain.pem" \
+pvcli --endpoint "https://127.0.0.1:$api" --ca-file "$certs/ca-chain.pem" \
   --cert-file "$certs/agent-client.crt" --key-file "$certs/agent-client.key" cluster leader
 kill "$agent_pid"
 wait "$agent_pid" || true
 agent_pid=""
-rm -f "$log"
 
 echo "== dpkg --purge"
-$sudo rm -f "$certs"/* # the operator's certificates, not the packages'
-for p in "${pkgs[@]}"; do $sudo dpkg --purge "$p"; done
+rm -f "$certs"/* # the operator's certificates, not the packages'
+for p in "${pkgs[@]}"; do dpkg --purge "$p"; done
 left=()
 for f in "${owned[@]}"; do [ -e "$f" ] && left+=("$f"); done
-getent passwd pivirt-agent >/dev/null && left+=("user pivirt-agent")
-getent group pivirt-agent >/dev/null && left+=("group pivirt-agent")
 if ((${#left[@]})); then
   echo "package-check: left after the purge: ${left[*]}" >&2
   exit 1

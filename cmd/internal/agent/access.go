@@ -523,8 +523,10 @@ func (a *Agent) checkAgentsReach(p *netpolicy.Set) error {
 		return nil
 	}
 	allow := "allow them"
-	if f, t := serviceName(from), serviceName(to); f != "" && t != "" {
-		allow = fmt.Sprintf("allow them (e.g. add to spec.ingress: {from: [{service: %s}], to: [{service: %s}], ports: [%s]})", f, t, strings.Join(cutPorts, ", "))
+	if f := serviceName(from); f != "" {
+		// No "to": every agent's ports, whatever names their server
+		// certificates carry (this node's may be its own).
+		allow = fmt.Sprintf("allow them (e.g. add to spec.ingress: {from: [{service: %q}], ports: [%s]})", f, strings.Join(cutPorts, ", "))
 	}
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
 		"this network policy would cut the agents off from each other: no NetworkPolicy allows %s to connect to %s on the %s, and every node closes the connections it no longer allows; %s, or pass --force (force: true) to store it anyway",

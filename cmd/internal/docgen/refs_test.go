@@ -34,7 +34,7 @@ func TestDocsCiteWhatExists(t *testing.T) {
 		}
 		rel, _ := filepath.Rel(root, p)
 		if d.IsDir() {
-			if p != root && strings.HasPrefix(d.Name(), ".") || slices.Contains([]string{"node_modules", "bin", "dist"}, d.Name()) {
+			if p != root && strings.HasPrefix(d.Name(), ".") || slices.Contains(skipDirs, d.Name()) {
 				return filepath.SkipDir
 			}
 			return nil
@@ -44,7 +44,7 @@ func TestDocsCiteWhatExists(t *testing.T) {
 			if rel != "CHANGELOG.md" && !strings.HasPrefix(rel, filepath.Join("docs", "cli")+string(filepath.Separator)) {
 				docs = append(docs, rel)
 			}
-		case slices.Contains([]string{".go", ".proto", ".ts", ".mjs", ".sh", ".yaml", ".yml", ".service"}, ext) || filepath.Base(p) == "Makefile":
+		case slices.Contains([]string{".go", ".proto", ".ts", ".tsx", ".mjs", ".sh", ".yaml", ".yml", ".service"}, ext) || filepath.Base(p) == "Makefile":
 			if ext == ".go" {
 				pkgDirs[filepath.Base(filepath.Dir(p))] = true
 			}
@@ -67,7 +67,9 @@ func TestDocsCiteWhatExists(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, e := range entries {
-		if e.IsDir() {
+		// As the walk: not hidden, build or run-time directories, whose
+		// paths exist only after a build or a make cluster.
+		if e.IsDir() && !strings.HasPrefix(e.Name(), ".") && !slices.Contains(skipDirs, e.Name()) {
 			topDirs[e.Name()] = true
 		}
 	}
@@ -105,7 +107,10 @@ func TestDocsCiteWhatExists(t *testing.T) {
 }
 
 var (
-	wordRE = regexp.MustCompile(`[A-Za-z_][A-Za-z0-9_]*`)
+	// skipDirs are not the repository's sources: dependencies and build
+	// output.
+	skipDirs = []string{"node_modules", "bin", "dist"}
+	wordRE   = regexp.MustCompile(`[A-Za-z_][A-Za-z0-9_]*`)
 	// A path of the repository: a/b, a/b.go, a/b/ (no spaces, globs or
 	// placeholders).
 	pathRE = regexp.MustCompile(`^(\./)?[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)+/?$`)
