@@ -86,8 +86,27 @@ pitrust issue-mtls-client --dir "$certs" --name "pivirt-agent-$node" --cluster p
 chgrp pivirt-agent "$certs"/agent-*.key
 chmod 640 "$certs"/agent-*.key
 pivirt-agent validate --config /etc/pivirt-agent/config.yaml
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-api=$(free_port) metrics=$(free_port) internal=$(free_port) raft=$(free_port) gossip=$(free_port)
+# Five distinct ports, free for TCP and UDP (gossip is both), below the
+# kernel's ephemeral range: no outgoing connection takes one before the
+# agent binds it.
+read -r api metrics internal raft gossip < <(python3 - <<'PY'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+held, ports = [], []
+for _ in range(500):
+    if len(ports) == 5:
+        break
+    p = random.randrange(max(lo // 2, 10000), lo)
+    try:
+        t = socket.socket(); t.bind(("127.0.0.1", p))
+        u = socket.socket(type=socket.SOCK_DGRAM); u.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    held += [t, u]; ports.append(p)
+print(*ports)
+PY
+)
+[ -n "$gossip" ] || { echo "package-check: no five free ports on 127.0.0.1" >&2; exit 1; }
 log=$(mktemp)
 # setpriv replaces itself with the agent: $! is the agent's PID.
 setpriv --reuid=pivirt-agent --regid=pivirt-agent --init-groups /usr/bin/pivirt-agent --config /etc/pivirt-agent/config.yaml \

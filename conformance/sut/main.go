@@ -22,6 +22,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -436,9 +437,22 @@ func terminate(cmds ...*exec.Cmd) {
 	}
 }
 
-// freePorts picks n free TCP ports of 127.0.0.1 (UDP too: the gossip port
-// is both), holding each until all are picked.
+// freePorts picks n ports of 127.0.0.1 free for TCP and UDP (the gossip
+// port is both), each held until all are picked, below the kernel's
+// ephemeral range: a port from that range may be taken by any outgoing
+// connection before the agent binds it. (The main module's
+// internal/freeport does the same; this module does not depend on it, so
+// that the suite's pinned dependencies stay its own.)
 func freePorts(n int) ([]int, error) {
+	lo := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil {
+				lo = v
+			}
+		}
+	}
+	first, span := max(lo/2, 10000), lo-max(lo/2, 10000)
 	var closers []io.Closer
 	defer func() {
 		for _, c := range closers {
@@ -447,15 +461,19 @@ func freePorts(n int) ([]int, error) {
 	}()
 	var ports []int
 	for attempt := 0; len(ports) < n; attempt++ {
-		if attempt > 10*n {
+		if attempt > 50*n+100 {
 			return nil, fmt.Errorf("found only %d of %d free ports on 127.0.0.1", len(ports), n)
 		}
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+		port := 0 // the kernel's choice when no range is left below its own
+		if span >= 1000 {
+			port = first + rand.IntN(span)
+		}
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
 		if err != nil {
-			return nil, err
+			continue
 		}
 		closers = append(closers, l)
-		port := l.Addr().(*net.TCPAddr).Port
+		port = l.Addr().(*net.TCPAddr).Port
 		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
 		if err != nil {
 			continue

@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -24,6 +23,7 @@ import (
 	"time"
 
 	"pilab.hu/pivirt-agent/identity"
+	"pilab.hu/pivirt-agent/internal/freeport"
 )
 
 const (
@@ -918,35 +918,9 @@ func tailMatching(path string, lines int, words ...string) string {
 	return strings.Join(keep[max(0, len(keep)-lines):], "\n")
 }
 
-// freePorts returns n distinct loopback ports that were free for TCP and UDP
-// (gossip uses both on one port) when they were picked.
-func freePorts(n int) ([]int, error) {
-	var closers []io.Closer
-	defer func() {
-		for _, c := range closers {
-			_ = c.Close()
-		}
-	}()
-	var ports []int
-	for attempt := 0; len(ports) < n; attempt++ {
-		if attempt > 10*n {
-			return nil, fmt.Errorf("found only %d of %d free TCP+UDP ports on 127.0.0.1", len(ports), n)
-		}
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, err
-		}
-		closers = append(closers, l) // held until all are picked: no duplicates
-		port := l.Addr().(*net.TCPAddr).Port
-		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
-			continue
-		}
-		closers = append(closers, u)
-		ports = append(ports, port)
-	}
-	return ports, nil
-}
+// freePorts returns n distinct loopback ports, free for TCP and UDP when
+// picked, outside the range the kernel gives outgoing connections.
+func freePorts(n int) ([]int, error) { return freeport.Pick(n) }
 
 // --- PKI ------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -21,6 +20,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
+
+	"pilab.hu/pivirt-agent/internal/freeport"
 )
 
 // Cluster is an n-member etcd cluster with etcd's default durability (fsync
@@ -273,20 +274,13 @@ func WaitWritable(tb testing.TB, cli *clientv3.Client) {
 	}
 }
 
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-// freePorts returns n distinct loopback ports that were free when picked:
-// every listener is held until all are picked, so that the kernel cannot
-// hand one port out twice (it did, for two members, under load).
+// freePorts returns n distinct loopback ports that were free when picked,
+// outside the range the kernel gives outgoing connections.
 func freePorts(tb testing.TB, n int) []int {
 	tb.Helper()
-	ports := make([]int, 0, n)
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			tb.Fatalf("free port: %v", err)
-		}
-		defer ln.Close()
-		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	ports, err := freeport.Pick(n)
+	if err != nil {
+		tb.Fatalf("free ports: %v", err)
 	}
 	return ports
 }

@@ -24,6 +24,7 @@ import (
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/gateway/observe"
+	"pilab.hu/pivirt-agent/internal/freeport"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 )
@@ -523,15 +524,16 @@ func Register(ctx context.Context, n *Node, service, id, addr string, port uint3
 	return resp.Msg, nil
 }
 
-// FreePort returns a currently free TCP port on 127.0.0.1.
+// FreePort returns a port of 127.0.0.1 that was free for TCP and UDP when
+// picked, outside the range the kernel gives outgoing connections (so that
+// no connection takes it before the process it is meant for binds it).
 func FreePort(tb testing.TB) int {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ports, err := freeport.Pick(1)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return ports[0]
 }
 
 // Contains reports whether any log line holds s.
