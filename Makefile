@@ -32,6 +32,10 @@ build: ui ## build the web UI's assets and pivirt-agent, pvcli, pitrust and pivi
 test: $(NODE_DEPS) ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries; the web UI in headless Chromium)
 	$(GO) test -race -timeout $(TEST_TIMEOUT) $(PKGS)
 
+.PHONY: docs-run
+docs-run: build ## run every sh block of README.md and docs/ against a cluster of make cluster (its fixed ports: nothing else may hold them), checking the outputs the documents show; PIVIRT_DOCS_RUN_PAGES=regexp picks pages
+	PIVIRT_DOCS_RUN=1 $(GO) test -count=1 -timeout 40m -run '^TestDocsRun$$' -v ./cmd/internal/docrun/ 2>&1 | grep -v '^=== RUN'
+
 .PHONY: lint
 lint: ## gofmt, go vet, staticcheck, the import direction of DESIGN.md (test files too), the documents' citations and that every path and identifier they cite exists
 	@out="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

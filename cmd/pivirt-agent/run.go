@@ -72,8 +72,16 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root.SetErr(stderr)
 	flags := config.Register(root.Flags())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
+		// What validate refuses, refused here in validate's words before
+		// anything starts (the agent's Start runs the same check).
 		cfg, err := flags.Resolve()
+		if err == nil {
+			err = agent.Check(cfg)
+		}
 		if err != nil {
+			if file := flags.ConfigFile(); file != "" {
+				return fileProblems(file, err)
+			}
 			return err
 		}
 		out, err := logOutput(cfg, stdout)
@@ -110,11 +118,8 @@ func validateCmd(stdout io.Writer) *cobra.Command {
 			if err != nil {
 				return fileProblems(file, err)
 			}
-			err = cfg.Validate()
-			if err == nil {
-				err = agent.CheckFiles(cfg)
-			}
-			if err != nil {
+			// The start's own check (agent.Check), without the start.
+			if err := agent.Check(cfg); err != nil {
 				return fileProblems(file, err)
 			}
 			fmt.Fprintf(stdout, "%s: ok\n", file)

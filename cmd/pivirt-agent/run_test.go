@@ -111,6 +111,10 @@ func TestValidateCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	cli3, err := identity.Issue(pki, identity.LeafRequest{Kind: identity.KindClient, Name: "pivirt-agent-node-03", Cluster: "lab"})
+	if err != nil {
+		t.Fatal(err)
+	}
 	withCerts := func(nodeName string, tlsLines ...string) string {
 		return "data_dir: " + dir + "\nnode_name: " + nodeName + "\ntls:\n  enabled: true\n  ca_file: " + filepath.Join(pki, identity.ChainFile) +
 			"\n  cert_file: " + cli.Cert + "\n  key_file: " + cli.Key + "\n" + strings.Join(tlsLines, "") + "server:\n  connectrpc:\n    tls:\n      cert_file: " + srv.Cert + "\n      key_file: " + srv.Key + "\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n      client_ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n"
@@ -144,11 +148,20 @@ func TestValidateCommand(t *testing.T) {
 		"bad policy":                       {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + badPolicy + "\n", `rules[0].resources[0]: unknown "vms"`},
 		"missing certificates":             {"data_dir: " + dir + "\ntls:\n  enabled: true\n  cert_file: " + dir + "/none.crt\n  key_file: " + dir + "/none.key\n  ca_file: " + dir + "/ca.pem\n", "none.crt"},
 		// What the agent refuses at start, validate refuses too.
-		"3-byte gossip key":             {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + shortKey + "\n", "key is 3 bytes"},
-		"gossip key not base64":         {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + notBase64 + "\n", "is not base64"},
-		"missing gossip key":            {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + dir + "/none.key\n", "cluster.gossip.encrypt_key_file"},
-		"gossip key readable by others": {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + readableKey + "\n", "readable by group or others"},
-		"verify_peer false":             {"data_dir: " + dir + "\ntls:\n  enabled: true\n  verify_peer: false\n", "tls.verify_peer"},
+		"3-byte gossip key":                    {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + shortKey + "\n", "key is 3 bytes"},
+		"gossip key not base64":                {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + notBase64 + "\n", "is not base64"},
+		"missing gossip key":                   {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + dir + "/none.key\n", "cluster.gossip.encrypt_key_file"},
+		"gossip key readable by others":        {"data_dir: " + dir + "\ntls:\n  enabled: false\ncluster:\n  gossip:\n    encrypt_key_file: " + readableKey + "\n", "readable by group or others"},
+		"verify_peer false":                    {"data_dir: " + dir + "\ntls:\n  enabled: true\n  verify_peer: false\n", "tls.verify_peer"},
+		"server certificate as the agent's":    {strings.Replace(withCerts("node-02"), "cert_file: "+cli.Cert+"\n  key_file: "+cli.Key, "cert_file: "+srv.Cert+"\n  key_file: "+srv.Key, 1), "tls.cert_file " + srv.Cert},
+		"agent certificate of another cluster": {strings.Replace(withCerts("node-03"), cli.Cert+"\n  key_file: "+cli.Key, cli3.Cert+"\n  key_file: "+cli3.Key, 1) + "cluster:\n  name: other\n", "set cluster.name to the certificate's cluster"},
+		"missing descriptor set": {"data_dir: " + dir + "\ntls:\n  enabled: false\nbackends:\n  echo:\n    endpoint: 127.0.0.1:1\nrouting:\n  rules:\n    - match: {prefix: /echo.v1.Echo/}\n      route: {cluster: echo, descriptor_set: " + dir + "/none.binpb}\n",
+			"routing.rules[0].route.descriptor_set"},
+		"bad network policy":  {withCerts("node-02") + "auth:\n  network_policy: " + badPolicy + "\n", "auth.network_policy"},
+		"missing rbac policy": {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + dir + "/none.yaml\n", "none.yaml"},
+		"backend certificate missing": {"data_dir: " + dir + "\ntls:\n  enabled: false\nbackends:\n  osinfodb:\n    endpoint: https://127.0.0.1:1\n    tls:\n      enabled: true\n      cert_file: " + dir + "/none.crt\n      key_file: " + dir + "/none.key\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n",
+			"backends.osinfodb.tls: cert file: stat " + dir + "/none.crt"},
+		"route to no backend": {"data_dir: " + dir + "\ntls:\n  enabled: false\nrouting:\n  rules:\n    - match: {prefix: /echo.v1.Echo/}\n      route: {cluster: echo}\n", "routing.rules[0].route.cluster"},
 	} {
 		path := write(strings.ReplaceAll(name, " ", "-")+".yaml", tc.body)
 		var out, errOut bytes.Buffer
@@ -161,12 +174,46 @@ func TestValidateCommand(t *testing.T) {
 		}
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Count(err.Error(), path) != 1 {
 			t.Errorf("%s: %v, want an error naming the file once and %q", name, err, tc.want)
+			continue
+		}
+		// The start refuses it, by the same check and in the same words.
+		if serr := startRefusal(t, path); serr == nil || !strings.Contains(serr.Error(), tc.want) {
+			t.Errorf("%s: validate refuses it (%v), the start: %v", name, err, serr)
 		}
 	}
 	missing := filepath.Join(dir, "missing.yaml")
 	err = Run(t.Context(), []string{"validate", "--config", missing}, io.Discard, io.Discard)
 	if want := missing + ": no such file or directory"; err == nil || err.Error() != want {
 		t.Errorf("a missing file: %v, want %q", err, want)
+	}
+}
+
+// startRefusal starts an agent with the configuration file (on free ports
+// of 127.0.0.1, in a data dir of its own) and returns its refusal; one that
+// starts is stopped and reported as nil.
+func startRefusal(t *testing.T, file string) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	var out syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- Run(ctx, []string{"--config", file, "--data-dir", t.TempDir(), "--api-addr", "127.0.0.1:0", "--internal-addr", "127.0.0.1:0",
+			"--metrics-addr", "127.0.0.1:0", "--gossip-addr", "127.0.0.1:0", "--raft-addr", "127.0.0.1:0"}, &out, &out)
+	}()
+	for {
+		select {
+		case err := <-done:
+			return err
+		case <-ctx.Done():
+			t.Fatalf("%s: the agent neither refused nor started within 60 s; its log:\n%s", file, out.String())
+		case <-time.After(50 * time.Millisecond): // poll the log, bounded by ctx
+			if strings.Contains(out.String(), "agent started") {
+				cancel()
+				<-done
+				return nil
+			}
+		}
 	}
 }
 

@@ -2,11 +2,9 @@ package agent
 
 import (
 	"context"
-	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"log/slog"
 	"maps"
 	"net"
 	"net/http"
@@ -32,9 +30,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
-	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
-	"pilab.hu/pivirt-agent/gateway/watchfile"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
@@ -702,68 +698,6 @@ func (a *Agent) invokeBackend(ctx context.Context, method string, req, resp prot
 // backends see it (x-pivirt-identity).
 const SchedulerIdentity = "pivirt-scheduler"
 
-// CheckFiles loads what cfg's files hold, as the agent would at start,
-// without starting anything (pivirt-agent validate): the gossip key, the
-// RBAC and network policy files, and the TLS certificates and keys (etcd's
-// ca_file, cert_file and key_file each read first, so that every missing
-// or unreadable one is named). Every problem is returned, each naming its key.
-func CheckFiles(cfg *config.Config) error {
-	var errs []error
-	if err := checkKeyPermissions(cfg, slog.New(slog.DiscardHandler)); err != nil {
-		errs = append(errs, err)
-	}
-	if f := cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
-		if _, err := readGossipKey(f); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if p := cfg.Auth.RBACPolicy; p != "" {
-		if _, err := authz.LoadFile(p, policyResources(), nil); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if p := cfg.Auth.NetworkPolicy; p != "" {
-		if _, err := watchfile.Load("auth.network_policy", p, netpolicy.Parse, nil); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	errs = append(errs, checkOtherTLSFiles(cfg)...)
-	rules, _ := cfg.EffectiveRoutes()
-	for i, r := range rules {
-		if ds := r.Route.DescriptorSet; ds != "" {
-			if _, err := mesh.LoadSchema(ds, r.Match.Prefix); err != nil {
-				errs = append(errs, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err))
-			}
-		}
-	}
-	if cfg.TLS.Enabled && !cfg.Dev {
-		srv := cfg.Server.ConnectRPC.TLS
-		for _, c := range []struct{ key, cert, keyFile, ca string }{
-			{"server.connectrpc.tls", srv.CertFile, srv.KeyFile, cmpOr(srv.ClientCAFile, srv.CAFile, cfg.TLS.CAFile)},
-			{"tls", cfg.TLS.CertFile, cfg.TLS.KeyFile, cfg.TLS.CAFile},
-		} {
-			// As loadTLS: the API port's client_ca_file may pin clients.
-			pinned := c.key == "server.connectrpc.tls" && srv.ClientCAFile != ""
-			src, err := identity.NewSource(identity.SourceConfig{CertFile: c.cert, KeyFile: c.keyFile, CAFile: c.ca, PinnedClients: pinned})
-			if err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", c.key, unprefixed{err, "tls: "}))
-				continue
-			}
-			if c.key == "tls" {
-				if err := agentIdentity(src.Leaf()); err != nil {
-					errs = append(errs, fmt.Errorf("tls.cert_file %s: %w", c.cert, err))
-				} else if err := checkAgentName(cfg, &agentTLS{client: src}); err != nil {
-					errs = append(errs, err)
-				}
-				if err := checkClusterCAFiles(cfg, src); err != nil {
-					errs = append(errs, err)
-				}
-			}
-		}
-	}
-	return errors.Join(errs...)
-}
-
 // unprefixed is err without the prefix its message starts with: the
 // configuration key already says it ("tls: tls: stat …" otherwise).
 type unprefixed struct {
@@ -773,56 +707,6 @@ type unprefixed struct {
 
 func (u unprefixed) Error() string { return strings.TrimPrefix(u.err.Error(), u.prefix) }
 func (u unprefixed) Unwrap() error { return u.err }
-
-// checkOtherTLSFiles loads the TLS files of the backends and of etcd as
-// the agent does at start.
-func checkOtherTLSFiles(cfg *config.Config) []error {
-	var errs []error
-	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
-		bt := cfg.Backends[name].TLS
-		if !bt.Enabled {
-			continue
-		}
-		cert, key, ca, err := backendFiles(cfg, name, bt)
-		if err == nil {
-			_, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca})
-			if err != nil {
-				err = fmt.Errorf("backends.%s.tls: %w", name, err)
-			}
-		}
-		if err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if ec := cfg.ServiceDiscovery.Etcd; cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
-		readable := true
-		for _, f := range [][2]string{
-			{"service_discovery.etcd.ca_file", ec.CAFile},
-			{"service_discovery.etcd.cert_file", ec.CertFile},
-			{"service_discovery.etcd.key_file", ec.KeyFile},
-		} {
-			if f[1] == "" {
-				continue
-			}
-			if _, err := os.ReadFile(f[1]); err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", f[0], err))
-				readable = false
-			}
-		}
-		switch {
-		case !readable:
-		case ec.CAFile != "":
-			if _, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile}); err != nil {
-				errs = append(errs, fmt.Errorf("service_discovery.etcd: %w", err))
-			}
-		case ec.CertFile != "":
-			if _, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile); err != nil {
-				errs = append(errs, fmt.Errorf("service_discovery.etcd.cert_file: %w", err))
-			}
-		}
-	}
-	return errs
-}
 
 // checkClusterCAFiles checks tls.cluster_ca's intermediate as a leader
 // installing it would: it parses with its key and chains to tls.ca_file

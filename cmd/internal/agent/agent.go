@@ -332,11 +332,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			_ = a.shutdownLocked()
 		}
 	}()
+	// What validate refuses, the start refuses first, by the same code.
+	check := func() error { return Check(a.cfg) }
 	keyFiles := func() error { return checkKeyPermissions(a.cfg, a.logger) }
 	// ctx bounds the steps that wait for something outside the agent.
 	openState := func() error { return a.openState(ctx) }
 	formCluster := func() error { return a.formCluster(ctx) }
 	for _, step := range []func() error{
+		check,               // the configuration and the files it names, as pivirt-agent validate
 		a.openDataDir,       // the data dir and the node ID
 		a.loadSettings,      // the cluster settings this node last applied, on top of the file
 		a.startTracing,      // tracing.*
@@ -407,7 +410,7 @@ func (a *Agent) startTLS() error {
 	}
 	if a.cfg.TLS.Enabled {
 		var err error
-		if a.tls, err = a.loadTLS(); err != nil {
+		if a.tls, err = loadTLS(a.cfg, a.logger); err != nil {
 			return err
 		}
 		for _, s := range a.tls.sources() {

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -20,6 +21,7 @@ import (
 	"connectrpc.com/connect"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/agent"
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
@@ -329,24 +331,37 @@ func TestClusterCASigning(t *testing.T) {
 }
 
 // TestClusterCARefusesForeignCA: an intermediate that does not chain to
-// tls.ca_file is not installed (certificates it signed would not be
-// trusted); renewals then fail with FailedPrecondition, and nodes without
-// the cluster CA refuse them too.
+// tls.ca_file (certificates it signed would not be trusted) is refused at
+// start, as pivirt-agent validate refuses it, and nothing is started; a
+// node with the cluster CA on but no intermediate of its own refuses
+// renewals with FailedPrecondition while none is installed, and so does a
+// node without the cluster CA.
 func TestClusterCARefusesForeignCA(t *testing.T) {
 	dir := testPKI(t, 2)
 	other := testPKI(t, 0)
-	c := agenttest.NewExpect(t, 1, withClusterCA(dir, other, time.Hour, 10, 10))
-	n := c.WaitLeader(20 * time.Second)
-	agenttest.Eventually(t, 10*time.Second, "the refusal logged", func() error {
-		if !c.Logs().Contains("does not chain to tls.ca_file") {
-			return errors.New("no log line says the CA does not chain to tls.ca_file")
-		}
-		return nil
-	})
-	pool, msg, _ := renewalClient(t, dir, "pivirt-agent-node2")
+	cfg := agenttest.Config("node1", t.TempDir())
+	withClusterCA(dir, other, time.Hour, 10, 10)(0, cfg)
+	a, err := agent.New(cfg, agenttest.Options(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	_, err := pool.Node(n.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(msg))
+	if err := a.Start(ctx); err == nil || !strings.Contains(err.Error(), "does not chain to tls.ca_file") {
+		_ = a.Shutdown()
+		t.Fatalf("start with a foreign cluster CA: %v, want the refusal validate gives", err)
+	}
+	if entries, _ := os.ReadDir(cfg.DataDir); len(entries) != 0 {
+		t.Errorf("the refused start wrote into its data dir: %v", entries)
+	}
+
+	c := agenttest.NewExpect(t, 1, func(i int, cfg *config.Config) {
+		withClusterCA(dir, other, time.Hour, 10, 10)(i, cfg)
+		cfg.TLS.ClusterCA.CertFile, cfg.TLS.ClusterCA.KeyFile = "", ""
+	})
+	n := c.WaitLeader(20 * time.Second)
+	pool, msg, _ := renewalClient(t, dir, "pivirt-agent-node2")
+	_, err = pool.Node(n.InternalAddr()).RenewCertificate(ctx, connect.NewRequest(msg))
 	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "no cluster CA installed") {
 		t.Errorf("renewal without an installed CA: %v, want FailedPrecondition", err)
 	}

@@ -3,7 +3,11 @@ package agent
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
+	"log/slog"
+	"os"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -40,29 +44,13 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 	}
 	// Each TLS handshake gets the configuration for the endpoint's host
 	// (see etcdstore.Conns.DialOptions).
-	var tlsFor func(serverName string) *tls.Config
-	switch {
-	case ec.CAFile != "":
-		src, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile, Logger: a.logger})
-		if err != nil {
-			return fmt.Errorf("service_discovery.etcd: %w", err)
-		}
+	tlsFor, src, err := etcdTLS(a.cfg, a.logger)
+	if err != nil {
+		return err
+	}
+	if src != nil {
 		src.SetRevocation(a.revocation)
 		a.wg.Go(func() { src.Watch(a.ctx, tlsWatchInterval) })
-		tlsFor = src.ClientConfig
-	case ec.CertFile != "":
-		// etcd's certificate verified against the system's roots.
-		cert, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile)
-		if err != nil {
-			return fmt.Errorf("service_discovery.etcd.cert_file: %w", err)
-		}
-		tlsFor = func(serverName string) *tls.Config {
-			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName, Certificates: []tls.Certificate{cert}}
-		}
-	case ec.TLS():
-		tlsFor = func(serverName string) *tls.Config {
-			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName}
-		}
 	}
 	conns := new(etcdstore.Conns)
 	// The dial options' credentials are the ones used, over those etcd's
@@ -88,6 +76,52 @@ func (a *Agent) openEtcd(ctx context.Context) error {
 	}
 	a.logger.Info("the cluster state is kept in etcd", "endpoints", ec.Endpoints, "prefix", ec.Prefix)
 	return nil
+}
+
+// etcdTLS is the TLS configuration towards etcd of cfg
+// (service_discovery.etcd), per server name; nil: plaintext. With a
+// ca_file, src is the certificate source to watch. Each file is read first,
+// so that every missing or unreadable one is named (at start and by
+// pivirt-agent validate, through Check).
+func etcdTLS(cfg *config.Config, logger *slog.Logger) (tlsFor func(serverName string) *tls.Config, src *identity.Source, err error) {
+	ec := cfg.ServiceDiscovery.Etcd
+	var unreadable []error
+	for _, f := range [][2]string{
+		{"service_discovery.etcd.ca_file", ec.CAFile},
+		{"service_discovery.etcd.cert_file", ec.CertFile},
+		{"service_discovery.etcd.key_file", ec.KeyFile},
+	} {
+		if f[1] != "" {
+			if _, err := os.ReadFile(f[1]); err != nil {
+				unreadable = append(unreadable, fmt.Errorf("%s: %w", f[0], err))
+			}
+		}
+	}
+	if len(unreadable) > 0 {
+		return nil, nil, errors.Join(unreadable...)
+	}
+	switch {
+	case ec.CAFile != "":
+		src, err := identity.NewSource(identity.SourceConfig{CertFile: ec.CertFile, KeyFile: ec.KeyFile, CAFile: ec.CAFile, Logger: logger})
+		if err != nil {
+			return nil, nil, fmt.Errorf("service_discovery.etcd: %w", err)
+		}
+		return src.ClientConfig, src, nil
+	case ec.CertFile != "":
+		// etcd's certificate verified against the system's roots.
+		cert, err := tls.LoadX509KeyPair(ec.CertFile, ec.KeyFile)
+		if err != nil {
+			return nil, nil, fmt.Errorf("service_discovery.etcd.cert_file: %w", err)
+		}
+		return func(serverName string) *tls.Config {
+			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName, Certificates: []tls.Certificate{cert}}
+		}, nil, nil
+	case ec.TLS():
+		return func(serverName string) *tls.Config {
+			return &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName}
+		}, nil, nil
+	}
+	return nil, nil, nil
 }
 
 // etcdAdapter presents the etcd-backed store through the interfaces gateway

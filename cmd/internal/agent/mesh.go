@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"net"
 	"net/http"
@@ -153,9 +154,9 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 			return backends, nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
 		}
 		route := mesh.Route{Prefix: r.Match.Prefix, Backend: b}
-		if ds := r.Route.DescriptorSet; ds != "" {
-			if route.Schema, err = mesh.LoadSchema(ds, r.Match.Prefix); err != nil {
-				return backends, nil, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err)
+		if r.Route.DescriptorSet != "" {
+			if route.Schema, err = routeSchema(i, r); err != nil {
+				return backends, nil, err
 			}
 		} else {
 			// Services not linked into the agent: their schema is asked
@@ -242,6 +243,33 @@ func backendFiles(cfg *config.Config, name string, bt config.BackendTLSConfig) (
 	return cert, key, ca, nil
 }
 
+// backendSource loads the certificate source of a backend's TLS (at start,
+// and for pivirt-agent validate through Check).
+func backendSource(cfg *config.Config, name string, bt config.BackendTLSConfig, logger *slog.Logger) (*identity.Source, error) {
+	cert, key, ca, err := backendFiles(cfg, name, bt)
+	if err != nil {
+		return nil, err
+	}
+	src, err := identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: logger})
+	if err != nil {
+		return nil, fmt.Errorf("backends.%s.tls: %w", name, unprefixed{err, "tls: "})
+	}
+	return src, nil
+}
+
+// routeSchema loads the descriptor set of routing rule i, when it names
+// one (at start, on a reload, and for pivirt-agent validate through Check).
+func routeSchema(i int, r config.RouteRule) (*mesh.Schema, error) {
+	if r.Route.DescriptorSet == "" {
+		return nil, nil
+	}
+	s, err := mesh.LoadSchema(r.Route.DescriptorSet, r.Match.Prefix)
+	if err != nil {
+		return nil, fmt.Errorf("routing.rules[%d].route.descriptor_set: %w", i, err)
+	}
+	return s, nil
+}
+
 func (a *Agent) backendTLS(name, endpoint string, bt config.BackendTLSConfig) (func(serverName, addr string) *tls.Config, cluster.Tracker, error) {
 	if !bt.Enabled && strings.HasPrefix(endpoint, "https://") {
 		// An https:// backend without its tls block (a public service such
@@ -260,7 +288,7 @@ func (a *Agent) backendTLS(name, endpoint string, bt config.BackendTLSConfig) (f
 	if err != nil {
 		return nil, nil, err
 	}
-	src := (*identity.Source)(nil)
+	var src *identity.Source
 	if a.tls != nil && cert == a.cfg.TLS.CertFile && key == a.cfg.TLS.KeyFile && ca == a.cfg.TLS.CAFile {
 		src = a.tls.client
 	} else {
@@ -270,9 +298,9 @@ func (a *Agent) backendTLS(name, endpoint string, bt config.BackendTLSConfig) (f
 		a.backendsMu.Lock()
 		src = a.backendSourceByFiles[files]
 		if src == nil {
-			if src, err = identity.NewSource(identity.SourceConfig{CertFile: cert, KeyFile: key, CAFile: ca, Logger: a.logger}); err != nil {
+			if src, err = backendSource(a.cfg, name, bt, a.logger); err != nil {
 				a.backendsMu.Unlock()
-				return nil, nil, fmt.Errorf("backends.%s.tls: %w", name, err)
+				return nil, nil, err
 			}
 			if a.backendSourceByFiles == nil {
 				a.backendSourceByFiles = map[[3]string]*identity.Source{}

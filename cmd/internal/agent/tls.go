@@ -49,9 +49,11 @@ func agentIdentity(c *x509.Certificate) error {
 	return err
 }
 
-// loadTLS loads the TLS material of the configuration.
-func (a *Agent) loadTLS() (*agentTLS, error) {
-	t, srv := a.cfg.TLS, a.cfg.Server.ConnectRPC.TLS
+// loadTLS loads the TLS material of cfg: at start, and for
+// pivirt-agent validate through Check (logger discarding), so that both
+// refuse a file alike.
+func loadTLS(cfg *config.Config, logger *slog.Logger) (*agentTLS, error) {
+	t, srv := cfg.TLS, cfg.Server.ConnectRPC.TLS
 	first := func(v ...string) string {
 		for _, s := range v {
 			if s != "" {
@@ -60,34 +62,40 @@ func (a *Agent) loadTLS() (*agentTLS, error) {
 		}
 		return ""
 	}
+	// Every problem is reported: the server certificate's and the client
+	// certificate's (the internal port's use of the server certificate is
+	// checked once the API port's loads).
 	var out agentTLS
+	var errs []error
 	var err error
 	if out.api, err = identity.NewSource(identity.SourceConfig{
-		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: first(srv.ClientCAFile, srv.CAFile, t.CAFile), Logger: a.logger,
+		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: first(srv.ClientCAFile, srv.CAFile, t.CAFile), Logger: logger,
 		// API callers only: client_ca_file may name a client's own
 		// self-signed certificate.
 		PinnedClients: srv.ClientCAFile != "",
 	}); err != nil {
-		return nil, fmt.Errorf("server.connectrpc.tls: %w", err)
-	}
-	for _, p := range out.api.Pinned() {
-		a.logger.Warn("server.connectrpc.tls.client_ca_file trusts a self-signed client certificate as itself", "subject", p)
-	}
-	if out.internal, err = identity.NewSource(identity.SourceConfig{
-		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: t.CAFile, Logger: a.logger,
-	}); err != nil {
-		return nil, fmt.Errorf("server.connectrpc.tls with tls.ca_file: %w", err)
+		errs = append(errs, fmt.Errorf("server.connectrpc.tls: %w", unprefixed{err, "tls: "}))
+	} else {
+		for _, p := range out.api.Pinned() {
+			logger.Warn("server.connectrpc.tls.client_ca_file trusts a self-signed client certificate as itself", "subject", p)
+		}
+		if out.internal, err = identity.NewSource(identity.SourceConfig{
+			CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: t.CAFile, Logger: logger,
+		}); err != nil {
+			errs = append(errs, fmt.Errorf("server.connectrpc.tls with tls.ca_file: %w", unprefixed{err, "tls: "}))
+		}
 	}
 	if out.client, err = identity.NewSource(identity.SourceConfig{
-		CertFile: t.CertFile, KeyFile: t.KeyFile, CAFile: t.CAFile, Logger: a.logger,
+		CertFile: t.CertFile, KeyFile: t.KeyFile, CAFile: t.CAFile, Logger: logger,
 	}); err != nil {
-		return nil, fmt.Errorf("tls: %w", err)
+		errs = append(errs, fmt.Errorf("tls: %w", unprefixed{err, "tls: "}))
+	} else if err := agentIdentity(out.client.Leaf()); err != nil {
+		errs = append(errs, fmt.Errorf("tls.cert_file %s: %w", t.CertFile, err))
+	} else if err := checkAgentName(cfg, &out); err != nil {
+		errs = append(errs, err)
 	}
-	if err := agentIdentity(out.client.Leaf()); err != nil {
-		return nil, fmt.Errorf("tls.cert_file %s: %w", t.CertFile, err)
-	}
-	if err := checkAgentName(a.cfg, &out); err != nil {
-		return nil, err
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
 	}
 	out.apiClientAuth = tls.NoClientCert
 	if srv.ClientCAFile != "" {
