@@ -87,7 +87,7 @@ fuzz: ## run every fuzz target for FUZZTIME each (default 30s); found inputs go 
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
 .PHONY: security
-security: ## the security suite: every attack of the README's threat model against real agents (make test runs these too)
+security: ## the security suite: every attack of the threat model (docs/security.md) against real agents (make test runs these too)
 	scripts/security.sh
 
 .PHONY: conformance

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the security suite: each attack of the README's threat model as a
+# Runs the security suite: each attack of the threat model (docs/security.md) as a
 # test against real agents (or the real part it targets), with the race
 # detector. Fails when a listed test no longer exists, so the list cannot
 # drift from the code.
@@ -27,10 +27,10 @@ tests=(
   # one cluster's key on a shared CA is refused by the others
   TestAgentCertificateActsOnlyAsItsNode TestAnotherClusterOnTheSameCAIsRefused TestPlacementKeepsAccessControl
   TestIssueWithToken TestRenewalRetiresTheRenewed TestRevokedCertificates
-  # plans and inspections refused on declared sizes; proxied bodies to the README's limit;
+  # plans and inspections refused on declared sizes; proxied bodies to the documented limit;
   # the audit trail is not a log level; OIDC keys replaced under their ID; OCSP signing budget;
   # gossip members that never proved their name are forgotten
-  TestPlanRestoreRefusesABomb TestProxiedBodiesKeepTheREADMELimit TestAuditIsNotALogLevel
+  TestPlanRestoreRefusesABomb TestProxiedBodiesKeepTheDocumentedLimit TestAuditIsNotALogLevel
   TestOIDCKeyReplacedUnderItsID TestOCSPSigningBudget TestReapForgetsUnprovenMembersSooner
 )
 pattern="^($(IFS='|'; echo "${tests[*]}"))\$"

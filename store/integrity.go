@@ -14,8 +14,8 @@ import (
 )
 
 // ErrCorruptLog: the Raft log on disk is damaged. The node's state cannot
-// be trusted: it does not start (see README, "Snapshots and disaster
-// recovery", for what to do).
+// be trusted: it does not start (see docs/backup.md, "A damaged data
+// dir", for what to do).
 var ErrCorruptLog = errors.New("store: the raft log is damaged")
 
 // logsBucket is the bucket raft-boltdb keeps the log in: 8-byte big-endian

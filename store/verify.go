@@ -116,7 +116,7 @@ func (v *verification) report(r verifier.VerificationReport) {
 		v.log.Info("log verification skipped: this node does not hold every entry of the range (it started, or compacted its log, since the range began)", attrs...)
 	default:
 		v.failed.Add(1)
-		v.log.Error("log verification FAILED: an entry on this node's disk differs from what the leader wrote; the disk or the log store is damaging data. Replace this node's data dir (see README, \"Snapshots and disaster recovery\")",
+		v.log.Error("log verification FAILED: an entry on this node's disk differs from what the leader wrote; the disk or the log store is damaging data. Replace this node's data dir (see docs/backup.md, \"Log verification\")",
 			append(attrs, "error", r.Err.Error())...)
 	}
 }

@@ -1,6 +1,6 @@
 // Command pitrust manages a PiTrust PKI on disk: the PiTrust Root CA, the X1
 // Intermediate CA and the mTLS server and client certificates they issue
-// (README "PiTrust certificates"), and runs the PiTrust CA server (pitrust
+// (docs/pitrust.md), and runs the PiTrust CA server (pitrust
 // serve) and its clients. The work is done by packages identity,
 // identity/castore and cmd/internal/caserver; this is their command line.
 package main

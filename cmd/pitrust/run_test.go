@@ -103,7 +103,7 @@ func TestPitrustCommands(t *testing.T) {
 }
 
 // checkCamelKeys fails unless out is JSON whose object keys are all
-// lowerCamelCase (pvcli's -o json contract, README "Scripting with pvcli").
+// lowerCamelCase (pvcli's -o json contract, docs/getting-started.md, "Scripting with pvcli").
 func checkCamelKeys(t *testing.T, what, out string) {
 	t.Helper()
 	var v any

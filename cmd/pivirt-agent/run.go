@@ -217,7 +217,7 @@ agent first. The peers file is a JSON array:
    {"id": "<node-id>", "address": "10.0.0.2:8300", "non_voter": true}]
 
 with this node's own ID (the data dir's node-id file) among them. Every entry in
-this node's log counts as committed afterwards. See the README, "Disaster
+this node's log counts as committed afterwards. See docs/backup.md, "Disaster
 recovery", for the whole procedure.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

@@ -240,8 +240,8 @@ func parseEndpoint(raw, scheme string) (*url.URL, error) {
 }
 
 // defaultCertFile and defaultKeyFile are the client certificate pvcli
-// presents to https:// endpoints when none is given (the troubleshooting
-// commands of the README use them), below the user's configuration directory.
+// presents to https:// endpoints when none is given, below the user's
+// configuration directory.
 const (
 	defaultCertFile = "~/.config/pvcli/client.crt"
 	defaultKeyFile  = "~/.config/pvcli/client.key"

@@ -19,7 +19,7 @@ func TestCLIReference(t *testing.T) {
 	}
 }
 
-// TestDocumentedCommandsParse: every pvcli command line of the README and
+// TestDocumentedCommandsParse: every pvcli command line of README.md and
 // docs/ (in sh blocks, continuation lines joined, comments cut) names a
 // command that exists, with flags it takes and the arguments it wants.
 func TestDocumentedCommandsParse(t *testing.T) {

@@ -240,7 +240,7 @@ func (e *accessEnv) ops(target string) map[string]func(ctx context.Context) erro
 			_, err := e.cl.ListConfig(ctx, &clusterv1.ListConfigRequest{})
 			return err
 		},
-		// The README: keyring changes (and the listing, one RPC) need
+		// docs/security.md: keyring changes (and the listing, one RPC) need
 		// update on keyring.
 		"keyring update": func(ctx context.Context) error {
 			_, err := e.cl.Keyring(ctx, &clusterv1.KeyringRequest{Op: clusterv1.KeyringOp_KEYRING_OP_LIST})

@@ -329,11 +329,11 @@ func (b *countingBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// TestProxiedBodiesKeepTheREADMELimit: an authenticated caller's Connect
-// JSON body to a proxied API is held to the README's 4 MiB: one just over
+// TestProxiedBodiesKeepTheDocumentedLimit: an authenticated caller's Connect
+// JSON body to a proxied API is held to docs/security.md's 4 MiB: one just over
 // it is refused (ResourceExhausted), and one of 30 MiB is cut without the
 // agent reading all of it (it buffered 32 MiB before).
-func TestProxiedBodiesKeepTheREADMELimit(t *testing.T) {
+func TestProxiedBodiesKeepTheDocumentedLimit(t *testing.T) {
 	e := newAccessEnv(t, 1, nil)
 	e.c.WaitLeader(30 * time.Second)
 	viewer := e.token("vera", "viewer")

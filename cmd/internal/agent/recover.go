@@ -90,8 +90,8 @@ func parsePeers(path string, b []byte) ([]store.Server, error) {
 
 // Recover rewrites the Raft state in dataDir so that the agent, on its
 // next start, uses servers as the cluster's configuration: the offline
-// disaster-recovery step for a cluster that lost quorum (see README,
-// "Disaster recovery"). The agent must not be running on dataDir, and its
+// disaster-recovery step for a cluster that lost quorum (see
+// docs/backup.md, "Disaster recovery"). The agent must not be running on dataDir, and its
 // own node ID must be one of servers. Every entry in its log counts as
 // committed afterwards.
 func Recover(dataDir string, servers []store.Server, logger *slog.Logger) error {

@@ -46,7 +46,7 @@ const (
 // every write RPC of the cluster and schedule APIs on a few shared objects
 // while the leader is killed twice. A write whose attempt fails without an
 // answer (the agent asked is down, no leader) is sent again with the same
-// identity through another agent, as the README documents and pvcli does.
+// identity through another agent, as docs/cluster.md documents and pvcli does.
 // Once a write has an answer, another client changes the same object and
 // the write is sent once more through another agent: the repeat must give
 // exactly the first answer, and every answer must be the write's own

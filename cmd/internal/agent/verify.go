@@ -202,7 +202,7 @@ func (a *Agent) recordReplicaCheck(resp *clusterv1.VerifyReplicasResponse) {
 		if len(n.GetDiffer()) > 0 {
 			pairs += len(n.GetDiffer())
 			differ = append(differ, n.GetName()+": "+strings.Join(n.GetDiffer(), ", "))
-			a.logger.Error("replica check: a server's replicated state differs from the leader's: it diverged; replace its data dir (README, \"Snapshots and disaster recovery\")",
+			a.logger.Error("replica check: a server's replicated state differs from the leader's: it diverged; replace its data dir (docs/backup.md, \"A damaged data dir\")",
 				"node", n.GetName(), "node_id", n.GetNodeId(), "tables", strings.Join(n.GetDiffer(), ","), "index", resp.GetIndex())
 		}
 		if n.GetError() != "" {

@@ -25,7 +25,7 @@ type RefRow struct {
 
 // Reference lists every key of the file, from the Config type and
 // Default(): its type, default, whether it changes live and whether it is
-// a cluster setting. The README's reference is generated from it.
+// a cluster setting. docs/configuration.md is generated from it.
 func Reference() []RefRow {
 	var rows []RefRow
 	def := reflect.ValueOf(Default()).Elem()
@@ -119,7 +119,7 @@ func typeName(t reflect.Type, enum []string) string {
 	return t.Kind().String()
 }
 
-// ReferenceMarkdown is Reference as the README's table.
+// ReferenceMarkdown is Reference as the table of docs/configuration.md.
 func ReferenceMarkdown() string {
 	var b strings.Builder
 	b.WriteString("| key | type | default | live | cluster setting |\n|---|---|---|---|---|\n")
@@ -144,7 +144,8 @@ func ReferenceMarkdown() string {
 	return b.String()
 }
 
-// SettingsMarkdown is the README's table of the cluster settings.
+// SettingsMarkdown is the table of the cluster settings in
+// docs/configuration.md.
 func SettingsMarkdown() string {
 	var b strings.Builder
 	b.WriteString("| key | value | changes |\n|---|---|---|\n")
@@ -165,8 +166,8 @@ func ConfigurationDoc() string {
 	b.WriteString(`# Configuration reference
 
 pivirt-agent reads one YAML file (` + "`--config`" + `); flags override its keys. This page is generated
-from the configuration's types and defaults (` + "`make docs`" + `); the operations guide
-(operations.md) and the project README explain what the keys do.
+from the configuration's types and defaults (` + "`make docs`" + `); the other pages of the
+guide ([README.md](README.md)) explain what the keys do.
 
 - **live**: the key changes with ` + "`POST /reload`" + ` on the operations port or SIGHUP; the others need
   a restart.

@@ -13,7 +13,7 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 )
 
-// docsExamples runs the README's curl and openssl commands against node n:
+// docsExamples runs docs/security.md's curl and openssl commands against node n:
 // the JSON call of the API with a client certificate, and s_client on the
 // internal port with an agent certificate (verified) and without one
 // (refused). CI installs curl and openssl; elsewhere the step is skipped

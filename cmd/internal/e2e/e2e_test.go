@@ -124,7 +124,7 @@ func TestClusterLifecycle(t *testing.T) {
 		})
 	})
 
-	step("curl and openssl as in the README", func(t *testing.T) { c.docsExamples(t, n1) })
+	step("curl and openssl as in docs/security.md", func(t *testing.T) { c.docsExamples(t, n1) })
 	step("endpoint lists, contexts and version", func(t *testing.T) { c.toolkitExamples(t) })
 	step("service watch and config watch", func(t *testing.T) { c.watchExamples(t) })
 

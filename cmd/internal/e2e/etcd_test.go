@@ -17,7 +17,7 @@ import (
 
 // TestMigrateBetweenModes moves a cluster's state from the embedded Raft
 // mode into etcd mode and back with `pvcli snapshot save` and `pvcli
-// snapshot restore`, as README "etcd mode" tells an operator to: three
+// snapshot restore`, as docs/etcd.md tells an operator to: three
 // agent processes per cluster, a real three-member etcd, every service
 // instance, config key (with its history) and schedule (with its runs)
 // arriving at each step. On the way the spec's troubleshooting command

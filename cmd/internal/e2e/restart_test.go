@@ -498,7 +498,7 @@ func (m *matrix) raftOps() []matrixOp {
 }
 
 // migrateLogStores converts every agent's Raft log to the other store, one
-// agent at a time, as the README's upgrade steps say: stop it, run
+// agent at a time, as docs/backup.md's steps say: stop it, run
 // `pivirt-agent raft migrate-log-store`, start it, wait for it to catch
 // up. An agent whose data dir keeps boltdb while its configuration asks
 // for the default WAL says so when it starts.
@@ -660,8 +660,8 @@ func (m *matrix) recoverRefusesDamage(t *testing.T, n *node, peers string) {
 	}
 }
 
-// keyring rotates the gossip key through a random agent, as the README
-// documents.
+// keyring rotates the gossip key through a random agent, as
+// docs/operations.md documents.
 func (m *matrix) keyring(t *testing.T) {
 	t.Helper()
 	n := m.c.nodes[mrand.IntN(len(m.c.nodes))]

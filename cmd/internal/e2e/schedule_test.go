@@ -7,7 +7,7 @@ import (
 	"time"
 )
 
-// scheduleExamples runs the README's pvcli schedule commands through node
+// scheduleExamples runs docs/schedules.md's pvcli schedule commands through node
 // n: a reboot every second is run by the leader on the VM's node (each
 // agent here has a pivirtd-sim of its own) and its runs recorded, ok, with
 // that node; bad input is refused naming the field; next, pause and

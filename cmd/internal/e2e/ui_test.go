@@ -20,8 +20,8 @@ import (
 // development OIDC issuer of pitrust and the reference RBAC policy of
 // make cluster. Screenshots of every view go to PIVIRT_UI_SCREENSHOTS
 // (default bin/ui-screenshots in the repository), and with
-// UPDATE_SCREENSHOTS=1 the README's pictures in docs/ui (readmeShots) are
-// replaced.
+// UPDATE_SCREENSHOTS=1 the pictures docs/getting-started.md shows (docsShots,
+// in docs/ui) are replaced.
 
 // repoRoot is the repository, relative to this package's directory.
 const repoRoot = "../../.."
@@ -123,8 +123,8 @@ func startUIEnv(t *testing.T) *uiEnv {
 	return &uiEnv{c: c, secret: strings.TrimSpace(string(secret)), issuer: issuer, alloc: alloc, shotsDir: shots, axe: string(axe)}
 }
 
-// readmeShots are the screenshots the README shows (docs/ui).
-var readmeShots = map[string]bool{"overview": true, "vm": true, "schedule": true}
+// docsShots are the screenshots docs/getting-started.md shows (docs/ui).
+var docsShots = map[string]bool{"overview": true, "vm": true, "schedule": true}
 
 // tab is one browser tab: its own page and memory, so its own login.
 type tab struct {
@@ -247,7 +247,7 @@ func (b *tab) shot(name string) {
 	if err := os.WriteFile(path, png, 0o644); err != nil {
 		b.t.Fatal(err)
 	}
-	if os.Getenv("UPDATE_SCREENSHOTS") != "" && readmeShots[name] {
+	if os.Getenv("UPDATE_SCREENSHOTS") != "" && docsShots[name] {
 		docs := filepath.Join(repoRoot, "docs", "ui")
 		if err := os.MkdirAll(docs, 0o755); err != nil {
 			b.t.Fatal(err)

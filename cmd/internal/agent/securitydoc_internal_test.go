@@ -14,7 +14,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/authz"
 )
 
-// accessTable is the README's table of what each method needs, as rows
+// accessTable is docs/security.md's table of what each method needs, as rows
 // "resource | verb | methods", methods sorted.
 func accessTable(t *testing.T) []string {
 	t.Helper()
@@ -27,7 +27,7 @@ func accessTable(t *testing.T) []string {
 				t.Fatal(err)
 			}
 			if rule == nil || rule.GetSelf() {
-				continue // any authenticated caller may call it: in the README's text, not the table
+				continue // any authenticated caller may call it: in the page's text, not the table
 			}
 			k := [2]string{rule.GetResource(), rule.GetVerb()}
 			byGrant[k] = append(byGrant[k], fmt.Sprintf("`%s/%s`", sd.Name(), md.Name()))
@@ -52,15 +52,15 @@ func accessTable(t *testing.T) []string {
 	return rows
 }
 
-// TestReadmeAccessTable: the README's table of the resource and verb each
-// method needs is the one the protos' annotations give (run with
+// TestSecurityDocAccessTable: docs/security.md's table of the resource and
+// verb each method needs is the one the protos' annotations give (run with
 // PIVIRT_PRINT_ACCESS_TABLE=1 to print the table to paste).
-func TestReadmeAccessTable(t *testing.T) {
+func TestSecurityDocAccessTable(t *testing.T) {
 	want := accessTable(t)
 	if os.Getenv("PIVIRT_PRINT_ACCESS_TABLE") != "" {
 		fmt.Println(strings.Join(want, "\n"))
 	}
-	f, err := os.Open("../../../README.md")
+	f, err := os.Open("../../../docs/security.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -79,12 +79,12 @@ func TestReadmeAccessTable(t *testing.T) {
 	slices.Sort(got)
 	for _, r := range want {
 		if !slices.Contains(got, r) {
-			t.Errorf("README lacks the row\n%s", r)
+			t.Errorf("docs/security.md lacks the row\n%s", r)
 		}
 	}
 	for _, r := range got {
 		if !slices.Contains(want, r) {
-			t.Errorf("README has the row\n%s\nwhich the protos do not give", r)
+			t.Errorf("docs/security.md has the row\n%s\nwhich the protos do not give", r)
 		}
 	}
 }
