@@ -73,8 +73,8 @@ generate: $(NODE_DEPS) ## regenerate Go and the UI's TypeScript client from prot
 	npx buf lint
 
 .PHONY: docs
-docs: ## regenerate docs/: the CLI reference (markdown and man pages) and the configuration reference; the tests fail when they are stale
-	UPDATE_DOCS=1 $(GO) test -count=1 -run '^(TestCLIReference|TestDocsConfigurationReference)$$' ./cmd/pvcli ./cmd/pitrust ./cmd/pivirt-agent ./cmd/pivirtd-sim ./cmd/internal/config
+docs: ## regenerate docs/: the CLI reference (markdown and man pages), the configuration, metrics and API references; the tests fail when they are stale
+	UPDATE_DOCS=1 $(GO) test -count=1 -run '^(TestCLIReference|TestDocsConfigurationReference|TestDocsMetricsReference|TestDocsAPIReference)$$' ./cmd/pvcli ./cmd/pitrust ./cmd/pivirt-agent ./cmd/pivirtd-sim ./cmd/internal/config ./cmd/internal/agent
 
 .PHONY: check-generate
 check-generate: generate ## fail if the committed generated code is stale

@@ -172,7 +172,7 @@ type Agent struct {
 	revocation        *identity.RevocationChecker
 	revocationMetrics *revocationMetrics
 	// metrics is the registry /metrics serves.
-	metrics     *prometheus.Registry
+	metrics     *registry
 	snapMetrics *scheduler.SnapshotMetrics
 	// replicaMetrics count the leader's replica checks; replicas keeps the
 	// last one's result.
@@ -298,7 +298,7 @@ func New(cfg *config.Config, opts Options) (*Agent, error) {
 	tee := observe.NewTee()
 	logger := slog.New(tee.Handler(observe.WithRequestIDs(opts.Logger.Handler())))
 	a := &Agent{cfg: cfg, opts: opts, logger: logger, tee: tee, done: make(chan struct{})}
-	a.metrics = prometheus.NewRegistry()
+	a.metrics = newRegistry()
 	a.metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	a.snapMetrics = scheduler.NewSnapshotMetrics(a.metrics)
 	a.metrics.MustRegister(newStateCollector(a))

@@ -1,12 +1,58 @@
 package agent
 
 import (
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pilab.hu/pivirt-agent/cluster"
 )
+
+// registry is the registry /metrics serves. It remembers the collectors
+// registered with it, so that the metrics reference (docs/metrics.md) is
+// made from the collectors a running agent really holds: a metric added
+// anywhere the agent registers one is in the reference without a list to
+// keep by hand.
+type registry struct {
+	*prometheus.Registry
+	mu         sync.Mutex
+	collectors []prometheus.Collector
+}
+
+func newRegistry() *registry {
+	return &registry{Registry: prometheus.NewRegistry()}
+}
+
+// Register registers c and remembers it.
+func (r *registry) Register(c prometheus.Collector) error {
+	if err := r.Registry.Register(c); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.collectors = append(r.collectors, c)
+	return nil
+}
+
+// MustRegister is Register of each of cs, panicking on an error as
+// prometheus.Registry.MustRegister does. Registry's own would register
+// past Register and forget them.
+func (r *registry) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := r.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+// Collectors are the collectors registered so far, in their order.
+func (r *registry) Collectors() []prometheus.Collector {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.collectors)
+}
 
 // stateCollector exposes, at each scrape, the replicated service registry,
 // the gossip view and the Raft state of this node:

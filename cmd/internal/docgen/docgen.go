@@ -1,8 +1,11 @@
-// Package docgen writes the CLI reference of docs/ from the cobra command
-// trees of the binaries — markdown pages (docs/cli) and man pages
-// (docs/man) — and checks that the committed pages are current: each
-// binary's tests call Check, so a command whose flags or help changed
-// without `make docs` fails the tests (and CI).
+// Package docgen writes the generated references of docs/ and checks that
+// the committed pages are current: the CLI reference from the cobra
+// command trees of the binaries — markdown pages (docs/cli) and man pages
+// (docs/man) —, the metrics reference from the registries of running
+// agents (docs/metrics.md) and the API reference from the .proto files
+// (docs/api.md). The tests of the packages that own what a page describes
+// call Check or CheckFile, so a change that makes a page stale without
+// `make docs` fails the tests (and CI). DESIGN.md says how each is made.
 package docgen
 
 import (
