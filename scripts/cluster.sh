@@ -180,6 +180,16 @@ YAML
   for _ in $(seq 1 60); do
     if pvcli --endpoint https://127.0.0.1:8443 --timeout 2s cluster leader >/dev/null 2>&1; then
       echo " ok"
+      # A node that was removed (force-leave, remove-peer) comes back as a
+      # non-voter, promoted after 10s of health: wait for three voters.
+      for _ in $(seq 1 60); do
+        voters=$(pvcli --endpoint https://127.0.0.1:8443 --timeout 2s -o json cluster peers 2>/dev/null | grep -c '"voter": true' || true)
+        [[ "$voters" == "${#nodes[@]}" ]] && break
+        [[ -n "${waiting:-}" ]] || { echo -n "waiting for ${#nodes[@]} voters (a returning node is promoted after 10s)"; waiting=1; }
+        echo -n "."
+        sleep 1
+      done
+      [[ -z "${waiting:-}" ]] || echo " ok"
       pvcli --endpoint https://127.0.0.1:8443 cluster peers
       cat <<MSG
 

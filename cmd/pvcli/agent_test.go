@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/cmd/internal/config"
@@ -231,5 +232,43 @@ func mapKeys(m map[string]string) func(func(string) bool) {
 				return
 			}
 		}
+	}
+}
+
+// TestConfigSetWaitsUntilInForce: pvcli config set of a cluster setting
+// answers once every node has applied it, so that the next command through
+// any node finds it in force; a kv/ key does not wait; delete waits too.
+func TestConfigSetWaitsUntilInForce(t *testing.T) {
+	c := agenttest.NewExpect(t, 3, nil)
+	c.WaitPeers(60*time.Second, 3, 0)
+	n1, n3 := c.Node(0), c.Node(2)
+	cli := func(endpoint string, args ...string) string {
+		t.Helper()
+		var stdout, stderr bytes.Buffer
+		if err := run(t.Context(), append([]string{"--endpoint", "http://" + endpoint}, args...),
+			func(string) string { return "" }, strings.NewReader(""), &stdout, &stderr); err != nil {
+			t.Fatalf("pvcli %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+		}
+		return stdout.String()
+	}
+	out := cli(n1.APIAddr(), "config", "set", "logging.level", "debug")
+	if !strings.Contains(out, "In force on every node (3)") {
+		t.Fatalf("config set printed %q, want it in force on every node", out)
+	}
+	// At once, through another node: every node reports the revision.
+	var status clusterv1.ConfigStatusResponse
+	if err := protojson.Unmarshal([]byte(cli(n3.APIAddr(), "-o", "json", "config", "status")), &status); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range status.GetNodes() {
+		if !slices.Contains(n.GetKeys(), "logging.level") {
+			t.Errorf("node %s right after config set: settings in force %v, want logging.level", n.GetNode(), n.GetKeys())
+		}
+	}
+	if out := cli(n1.APIAddr(), "config", "set", "kv/x", "1"); strings.Contains(out, "In force") {
+		t.Errorf("a kv/ key: %q, want no word of settings in force", out)
+	}
+	if out := cli(n1.APIAddr(), "config", "delete", "logging.level"); !strings.Contains(out, "In force on every node (3)") {
+		t.Errorf("config delete printed %q, want it in force on every node", out)
 	}
 }

@@ -335,7 +335,11 @@ func (a *app) clusterTransferLeader(cmd *cobra.Command, args []string) error {
 			return err
 		}
 		return a.render(resp.Msg, func(w io.Writer) {
-			fmt.Fprintf(w, "Leadership transferred to %s\n", resp.Msg.GetNodeId())
+			id := resp.Msg.GetNodeId()
+			if name := memberNames(ctx, api)[id]; name != "" {
+				id = name + " (" + id + ")"
+			}
+			fmt.Fprintf(w, "Leadership transferred to %s\n", id)
 		})
 	})
 }

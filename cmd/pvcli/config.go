@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/pmezard/go-difflib/difflib"
@@ -177,10 +179,68 @@ func (a *app) configSet(cmd *cobra.Command, req *clusterv1.SetConfigRequest) err
 				fmt.Fprintf(w, "Valid: %s would be set (dry run: nothing stored)\n", req.Key)
 			})
 		}
+		applied := a.waitApplied(ctx, api, req.Key, resp.Msg.GetEntry().GetRevision())
 		return a.render(resp.Msg, func(w io.Writer) {
 			fmt.Fprintf(w, "Set %s (revision %d)\n", req.Key, resp.Msg.GetEntry().GetRevision())
+			fmt.Fprint(w, applied)
 		})
 	})
+}
+
+// applyWait bounds how long a change of a cluster setting waits for the
+// nodes to apply it (they do within a second of reaching them).
+const applyWait = 5 * time.Second
+
+// waitApplied waits, for a cluster setting changed at revision rev (not a
+// kv/ key), until every node the agent asked can reach has applied it or
+// failed to (ConfigStatus), at most applyWait: the next command, through
+// any node, then finds it in force. It returns the lines that say so ("" for
+// a kv/ key).
+func (a *app) waitApplied(ctx context.Context, api clusterv1connect.ClusterServiceClient, key string, rev uint64) string {
+	if strings.HasPrefix(key, "kv/") || rev == 0 {
+		return ""
+	}
+	ctx, cancel := context.WithTimeout(ctx, applyWait)
+	defer cancel()
+	var nodes []*clusterv1.NodeConfigStatus
+	for {
+		resp, err := api.ConfigStatus(ctx, connect.NewRequest(&clusterv1.ConfigStatusRequest{}))
+		if err == nil {
+			nodes = resp.Msg.GetNodes()
+			if !slices.ContainsFunc(nodes, func(n *clusterv1.NodeConfigStatus) bool {
+				return n.GetError() == "" && n.GetRevision() < rev && n.GetFailedRevision() < rev
+			}) {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(100 * time.Millisecond): // poll, bounded by applyWait
+			continue
+		}
+		break
+	}
+	if len(nodes) == 0 {
+		return "The nodes apply it within a second (pvcli config status shows where it is in force).\n"
+	}
+	var applied int
+	var notes []string
+	for _, n := range nodes {
+		switch {
+		case n.GetError() != "":
+			notes = append(notes, fmt.Sprintf("  %s: not asked (%s); it applies the setting when it is back", n.GetNode(), n.GetError()))
+		case n.GetRevision() >= rev:
+			applied++
+		case n.GetFailedRevision() >= rev:
+			notes = append(notes, fmt.Sprintf("  %s: not applied: %s", n.GetNode(), n.GetApplyError()))
+		default:
+			notes = append(notes, fmt.Sprintf("  %s: not yet applied (pvcli config status)", n.GetNode()))
+		}
+	}
+	if applied == len(nodes) {
+		return fmt.Sprintf("In force on every node (%d)\n", applied)
+	}
+	return fmt.Sprintf("In force on %d of %d nodes:\n%s\n", applied, len(nodes), strings.Join(notes, "\n"))
 }
 
 // unifiedDiff is the change from a to b as a unified diff ("" when equal).
@@ -280,8 +340,10 @@ func (a *app) newConfigDeleteCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
+				applied := a.waitApplied(ctx, api, req.Key, resp.Msg.GetIndex())
 				return a.render(resp.Msg, func(w io.Writer) {
 					fmt.Fprintf(w, "Deleted %s (index %d)\n", req.Key, resp.Msg.GetIndex())
+					fmt.Fprint(w, applied)
 				})
 			})
 		}),

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
@@ -205,7 +206,7 @@ not wake it.`,
 				}
 				names := map[string]string{}
 				if a.opts.output.value == "table" {
-					names = memberNames(ctx, c)
+					names = memberNames(ctx, c.api)
 				}
 				return a.render(resp.Msg, func(w io.Writer) {
 					row(w, "SLOT", "OUTCOME", "LEADER", "HOST", "ATTEMPTS", "LATENCY", "ERROR")
@@ -268,11 +269,11 @@ not wake it.`,
 // memberNames maps the node IDs of the cluster's members to their names,
 // for tables that would show a node ID; empty when the members cannot be
 // read (the caller may not be allowed to), and the IDs are shown.
-func memberNames(ctx context.Context, c *clientConn) map[string]string {
+func memberNames(ctx context.Context, api clusterv1connect.ClusterServiceClient) map[string]string {
 	names := map[string]string{}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	resp, err := c.api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
+	resp, err := api.Members(ctx, connect.NewRequest(&clusterv1.MembersRequest{}))
 	if err != nil {
 		return names
 	}

@@ -6,6 +6,10 @@
 //
 //	<!-- not run: the reason -->   the block is not run; the reason is required
 //	<!-- exit: 1 -->               the block is run and must exit with that status
+//	<!-- stops after: 3s -->       the block runs until interrupted (a watch): it
+//	                               gets SIGINT after that long and must still be running
+//	<!-- file: NAME -->            before any block: its text is written to NAME in the
+//	                               directory the blocks run in (a file the reader saves)
 //
 // The runner itself is TestDocsRun (run_test.go, `make docs-run`); the
 // rules a page must follow are checked by TestDocsBlocksAreWellFormed on
@@ -21,6 +25,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Block is one fenced code block of a document.
@@ -36,6 +41,13 @@ type Block struct {
 	// Exit is the exit status a <!-- exit: N --> marker asks for (0
 	// without one).
 	Exit int
+	// StopsAfter is how long a block that streams until interrupted runs
+	// before it gets SIGINT (<!-- stops after: D -->; 0: it must end by
+	// itself).
+	StopsAfter time.Duration
+	// SaveAs is the file name of a <!-- file: NAME --> marker: the
+	// block's text is that file.
+	SaveAs string
 	// Output is the ```text block that follows a sh block, when one does
 	// (HasOutput).
 	Output    string
@@ -47,7 +59,7 @@ func (b Block) Where() string { return fmt.Sprintf("%s:%d", b.File, b.Line) }
 
 var (
 	fenceRE  = regexp.MustCompile("^([ \t]*)(```+|~~~+)[ \t]*([^ \t`]*)")
-	markerRE = regexp.MustCompile(`^[ \t]*<!--[ \t]*(not run|exit)[ \t]*:?(.*?)-->[ \t]*$`)
+	markerRE = regexp.MustCompile(`^[ \t]*<!--[ \t]*(not run|exit|stops after|file)[ \t]*:?(.*?)-->[ \t]*$`)
 )
 
 // Parse returns the fenced blocks of a markdown document in order, with
@@ -59,9 +71,9 @@ func Parse(file, md string) ([]Block, error) {
 	lines := strings.Split(md, "\n")
 	var blocks []Block
 	type pending struct {
-		line         int
-		notRun, exit string
-		isExit       bool
+		line int
+		kind string // not run, exit, stops after, file
+		arg  string
 	}
 	var marker *pending
 	for i := 0; i < len(lines); i++ {
@@ -70,15 +82,9 @@ func Parse(file, md string) ([]Block, error) {
 			if marker != nil {
 				return nil, fmt.Errorf("%s:%d: a second marker before the block of the one on line %d", file, i+1, marker.line)
 			}
-			marker = &pending{line: i + 1}
-			arg := strings.TrimSpace(m[2])
-			if m[1] == "not run" {
-				if arg == "" {
-					return nil, fmt.Errorf("%s:%d: <!-- not run: --> needs its reason (<!-- not run: needs systemd -->)", file, i+1)
-				}
-				marker.notRun = arg
-			} else {
-				marker.exit, marker.isExit = arg, true
+			marker = &pending{line: i + 1, kind: m[1], arg: strings.TrimSpace(m[2])}
+			if marker.kind == "not run" && marker.arg == "" {
+				return nil, fmt.Errorf("%s:%d: <!-- not run: --> needs its reason (<!-- not run: needs systemd -->)", file, i+1)
 			}
 			continue
 		}
@@ -109,16 +115,8 @@ func Parse(file, md string) ([]Block, error) {
 			b.Code += "\n"
 		}
 		if marker != nil {
-			if marker.isExit {
-				n, err := strconv.Atoi(marker.exit)
-				if err != nil || n < 0 || n > 255 {
-					return nil, fmt.Errorf("%s:%d: <!-- exit: %s -->: want an exit status, 0 to 255", file, marker.line, marker.exit)
-				}
-				b.Exit = n
-			}
-			b.NotRun = marker.notRun
-			if b.Lang != "sh" {
-				return nil, fmt.Errorf("%s:%d: a marker before a %q block: only sh blocks are run", file, marker.line, b.Lang)
+			if err := b.apply(marker.kind, marker.arg); err != nil {
+				return nil, fmt.Errorf("%s:%d: %w", file, marker.line, err)
 			}
 			marker = nil
 		}
@@ -140,6 +138,35 @@ func Parse(file, md string) ([]Block, error) {
 		}
 	}
 	return blocks, nil
+}
+
+// apply sets what a marker says of the block.
+func (b *Block) apply(kind, arg string) error {
+	if kind != "file" && b.Lang != "sh" {
+		return fmt.Errorf("a marker before a %q block: only sh blocks are run", b.Lang)
+	}
+	switch kind {
+	case "not run":
+		b.NotRun = arg
+	case "exit":
+		n, err := strconv.Atoi(arg)
+		if err != nil || n < 0 || n > 255 {
+			return fmt.Errorf("<!-- exit: %s -->: want an exit status, 0 to 255", arg)
+		}
+		b.Exit = n
+	case "stops after":
+		d, err := time.ParseDuration(arg)
+		if err != nil || d <= 0 || d > time.Minute {
+			return fmt.Errorf("<!-- stops after: %s -->: want a duration up to 1m, such as 3s", arg)
+		}
+		b.StopsAfter = d
+	case "file":
+		if arg == "" || strings.Contains(arg, "/") || strings.HasPrefix(arg, ".") {
+			return fmt.Errorf("<!-- file: %s -->: want a plain file name, such as web.yaml", arg)
+		}
+		b.SaveAs = arg
+	}
+	return nil
 }
 
 // placeholderRE is what stands for a value that differs from run to run

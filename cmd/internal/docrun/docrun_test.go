@@ -26,6 +26,7 @@ func TestParse(t *testing.T) {
 		"  ```sh",
 		"  pvcli vm get nonexistent",
 		"  ```",
+		"<!-- file: web.yaml -->",
 		"```yaml",
 		"key: value",
 		"```",
@@ -51,8 +52,8 @@ func TestParse(t *testing.T) {
 	if b := blocks[3]; b.Exit != 1 || b.Code != "pvcli vm get nonexistent\n" || b.Where() != "page.md:15" {
 		t.Errorf("indented exit block %+v", b)
 	}
-	if blocks[4].HasOutput {
-		t.Errorf("a yaml block got an output: %+v", blocks[4])
+	if b := blocks[4]; b.HasOutput || b.SaveAs != "web.yaml" || b.Code != "key: value\n" {
+		t.Errorf("a yaml block got an output, or lost its file name: %+v", b)
 	}
 }
 
@@ -62,6 +63,8 @@ func TestParseRefuses(t *testing.T) {
 		"marker not before": {"<!-- not run: x -->\n\n```sh\nx\n```\n", "page.md:1: the marker is not on the line right before"},
 		"marker at the end": {"```sh\nx\n```\n<!-- exit: 1 -->", "page.md:4: the marker is not followed by a code block"},
 		"exit not a number": {"<!-- exit: one -->\n```sh\nx\n```\n", "page.md:1: <!-- exit: one -->: want an exit status"},
+		"stops after what":  {"<!-- stops after: soon -->\n```sh\nx\n```\n", "page.md:1: <!-- stops after: soon -->: want a duration"},
+		"file with a path":  {"<!-- file: /etc/x.yaml -->\n```yaml\nx: 1\n```\n", "page.md:1: <!-- file: /etc/x.yaml -->: want a plain file name"},
 		"marker on yaml":    {"<!-- exit: 1 -->\n```yaml\nx: 1\n```\n", `page.md:1: a marker before a "yaml" block`},
 		"unclosed":          {"text\n```sh\nx\n", "page.md:2: the code block does not close"},
 	} {

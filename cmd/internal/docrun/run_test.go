@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -57,6 +58,7 @@ func TestDocsRun(t *testing.T) {
 		t.Fatalf("make cluster: %v\n%s", err, out)
 	}
 	env := clusterEnv(t, root, out)
+	work := workDir(t, root)
 
 	pages, err := Pages(root)
 	if err != nil {
@@ -80,9 +82,11 @@ func TestDocsRun(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var run []Block
+		var run []Block // sh blocks to run and files to write, in order
 		for _, bl := range blocks {
 			switch {
+			case bl.SaveAs != "":
+				run = append(run, bl)
 			case bl.Lang != "sh":
 			case bl.NotRun != "":
 				skipped++
@@ -90,7 +94,7 @@ func TestDocsRun(t *testing.T) {
 				run = append(run, bl)
 			}
 		}
-		if len(run) == 0 {
+		if !slices.ContainsFunc(run, func(b Block) bool { return b.SaveAs == "" }) {
 			continue
 		}
 		t.Run(rel, func(t *testing.T) {
@@ -101,9 +105,15 @@ func TestDocsRun(t *testing.T) {
 			}
 			state := filepath.Join(t.TempDir(), "state.sh")
 			for _, bl := range run {
+				if bl.SaveAs != "" {
+					if err := os.WriteFile(filepath.Join(work, bl.SaveAs), []byte(bl.Code), 0o600); err != nil {
+						t.Fatalf("%s: %v", bl.Where(), err)
+					}
+					continue
+				}
 				ran++
 				before := systemDirs()
-				err := runBlock(t, root, env, state, bl)
+				err := runBlock(t, work, env, state, bl)
 				if changed := systemDirs().changedFrom(before); changed != "" {
 					t.Fatalf("%s: the block changed %s: a block that installs or writes system files must be marked <!-- not run: ... -->", bl.Where(), changed)
 				}
@@ -119,10 +129,17 @@ func TestDocsRun(t *testing.T) {
 // runBlock runs one block in bash and checks its exit status and output.
 // state carries the page's variables and working directory from block to
 // block.
-func runBlock(t *testing.T, root string, env []string, state string, bl Block) error {
+func runBlock(t *testing.T, dir string, env []string, state string, bl Block) error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), blockTimeout)
 	defer cancel()
+	// A block that runs until interrupted gets SIGINT after its time, as
+	// Ctrl-C would.
+	var interrupted atomic.Bool
+	if bl.StopsAfter > 0 {
+		ctx, cancel = context.WithTimeout(ctx, bl.StopsAfter)
+		defer cancel()
+	}
 	script := fmt.Sprintf(`__docrun_state=%q
 [ -f "$__docrun_state" ] && source "$__docrun_state"
 __docrun_save() {
@@ -140,12 +157,17 @@ trap __docrun_save EXIT
 set -eo pipefail
 %s`, state, bl.Code)
 	cmd := exec.CommandContext(ctx, "bash", "-c", script)
-	cmd.Dir = root
+	cmd.Dir = dir
 	cmd.Env = append(slices.Clone(env), "__docrun_base="+baseVars(t, env)+" __v __docrun_state __docrun_base")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	cmd.Cancel = func() error {
+		if bl.StopsAfter > 0 && !interrupted.Swap(true) {
+			return syscall.Kill(-cmd.Process.Pid, syscall.SIGINT)
+		}
+		return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	}
 	// What a block leaves running in the background (a watch, a server)
 	// may hold the output open: stop waiting for it shortly after the
 	// block's shell exits.
@@ -159,14 +181,21 @@ set -eo pipefail
 	case errors.As(err, &ee):
 		code = ee.ExitCode()
 	case errors.Is(err, exec.ErrWaitDelay):
+	case interrupted.Load(), errors.Is(err, context.DeadlineExceeded):
+		// Stopped by its SIGINT, or killed at blockTimeout: below.
 	case err != nil:
 		return fmt.Errorf("run: %w", err)
 	}
 	report := fmt.Sprintf("\n--- block ---\n%s--- output (exit status %d after %s) ---\n%s", bl.Code, code, time.Since(began).Round(time.Millisecond), out.String())
-	if ctx.Err() != nil {
+	switch {
+	case bl.StopsAfter > 0 && !interrupted.Load():
+		return fmt.Errorf("ended before its %s were up: a block marked stops after runs until interrupted%s", bl.StopsAfter, report)
+	case bl.StopsAfter > 0:
+		// Interrupted as the reader would: what it printed until then is
+		// its output.
+	case ctx.Err() != nil:
 		return fmt.Errorf("did not end within %s%s", blockTimeout, report)
-	}
-	if code != bl.Exit {
+	case code != bl.Exit:
 		return fmt.Errorf("exit status %d, want %d%s", code, bl.Exit, report)
 	}
 	if bl.HasOutput {
@@ -307,4 +336,26 @@ func (d dirTimes) changedFrom(before dirTimes) string {
 		}
 	}
 	return strings.Join(changed, ", ")
+}
+
+// workDir is the directory the blocks run in: a reader's checkout, as
+// links to the repository's top-level entries (bin/, .cluster/, docs/),
+// where the files blocks write (a snapshot, a policy file) stay out of the
+// repository.
+func workDir(t *testing.T, root string) string {
+	t.Helper()
+	dir := t.TempDir()
+	entries, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if e.Name() == ".git" {
+			continue
+		}
+		if err := os.Symlink(filepath.Join(root, e.Name()), filepath.Join(dir, e.Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
 }
