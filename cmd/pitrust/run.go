@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"text/tabwriter"
@@ -28,6 +29,10 @@ type usageError struct{ err error }
 
 func (e *usageError) Error() string { return e.err.Error() }
 func (e *usageError) Unwrap() error { return e.err }
+
+// envDir names the directory of the CA when --dir is not given (the
+// default is DefaultDir).
+const envDir = "PITRUST_DIR"
 
 // Run runs pitrust with args, writing results to stdout.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -82,9 +87,14 @@ database (--db PATH) while it is stopped.`,
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
-	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued")
+	root.PersistentFlags().StringVar(&dir, "dir", DefaultDir, "directory of the CA and of the certificates issued (env "+envDir+")")
+	root.PersistentPreRun = func(cmd *cobra.Command, _ []string) {
+		if v := os.Getenv(envDir); v != "" && !cmd.Flags().Changed("dir") {
+			dir = v
+		}
+	}
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
-		verifyCmd(&dir, stdout), inspectCmd(stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout),
+		verifyCmd(&dir, stdout), inspectCmd(&dir, stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout),
 		serveCmd(stderr), tokenCmd(&dir, stdout), requestCmd(&dir, stdout), revokeCmd(&dir, stdout), listCmd(&dir, stdout))
 	return root
 }
@@ -223,6 +233,22 @@ keeping nothing.`,
 	return c
 }
 
+// inDir is file, or the file of that name in dir when file names no
+// directory and is not in the current one (pitrust verify agent-server.crt
+// on a node, from any directory).
+func inDir(dir, file string) string {
+	if filepath.Base(file) != file {
+		return file
+	}
+	if _, err := os.Stat(file); err == nil {
+		return file
+	}
+	if _, err := os.Stat(filepath.Join(dir, file)); err == nil {
+		return filepath.Join(dir, file)
+	}
+	return file
+}
+
 func verifyCmd(dir *string, stdout io.Writer) *cobra.Command {
 	var (
 		ca, name, output string
@@ -230,8 +256,12 @@ func verifyCmd(dir *string, stdout io.Writer) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "verify CERT",
 		Short: "Check a certificate against the CA chain, for its own purpose (and --name), and explain the chain",
-		Args:  cobra.ExactArgs(1),
+		Long: `Check a certificate against the CA chain, for its own purpose (and --name), and
+explain the chain. A file name without a directory that is not in the
+current directory is looked for in --dir.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			args[0] = inDir(*dir, args[0])
 			if err := checkOutput(output); err != nil {
 				return err
 			}
@@ -259,13 +289,17 @@ func verifyCmd(dir *string, stdout io.Writer) *cobra.Command {
 	return c
 }
 
-func inspectCmd(stdout io.Writer) *cobra.Command {
+func inspectCmd(dir *string, stdout io.Writer) *cobra.Command {
 	var output string
 	c := &cobra.Command{
 		Use:   "inspect CERT",
 		Short: "Explain every certificate of a PEM file: subject, issuer, names, usages, validity",
-		Args:  cobra.ExactArgs(1),
+		Long: `Explain every certificate of a PEM file: subject, issuer, names, usages,
+validity. A file name without a directory that is not in the current
+directory is looked for in --dir.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			args[0] = inDir(*dir, args[0])
 			if err := checkOutput(output); err != nil {
 				return err
 			}

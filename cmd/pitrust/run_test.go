@@ -462,3 +462,45 @@ func TestDevIssuerAndToken(t *testing.T) {
 		t.Errorf("the token endpoint's token has subject %q, want bob", tok.Subject)
 	}
 }
+
+// TestDirFromEnvironment: PITRUST_DIR is the directory when --dir is not
+// given; --dir wins over it.
+func TestDirFromEnvironment(t *testing.T) {
+	env, flag := filepath.Join(t.TempDir(), "env"), filepath.Join(t.TempDir(), "flag")
+	t.Setenv(envDir, env)
+	if err := Run(t.Context(), []string{"init"}, io.Discard, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(env, "ca-chain.pem")); err != nil {
+		t.Errorf("pitrust init with %s=%s: %v", envDir, env, err)
+	}
+	if err := Run(t.Context(), []string{"init", "--dir", flag}, io.Discard, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(flag, "ca-chain.pem")); err != nil {
+		t.Errorf("pitrust init --dir %s beside %s: %v", flag, envDir, err)
+	}
+}
+
+// TestVerifyAndInspectLookInDir: a bare file name not in the current
+// directory is found in --dir (PITRUST_DIR).
+func TestVerifyAndInspectLookInDir(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv(envDir, dir)
+	t.Chdir(t.TempDir())
+	for _, args := range [][]string{
+		{"init"},
+		{"issue-mtls-server", "--name", "node-01", "--dns", "node-01"},
+		{"verify", "node-01.crt", "--name", "node-01"},
+		{"inspect", "node-01.crt"},
+	} {
+		var out bytes.Buffer
+		if err := Run(t.Context(), args, &out, io.Discard); err != nil {
+			t.Fatalf("pitrust %s: %v", strings.Join(args, " "), err)
+		}
+	}
+	err := Run(t.Context(), []string{"verify", "missing.crt"}, io.Discard, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "missing.crt") {
+		t.Errorf("verify of a file in neither directory: %v, want its name in the error", err)
+	}
+}
