@@ -30,6 +30,9 @@ certs="$dir/certs"
 issuer_addr=127.0.0.1:8440
 
 running() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# The processes run in sessions of their own (setsid; not a fork: $! is
+# the process): a Ctrl-C or the end of the shell that ran make cluster does
+# not stop them, make cluster-stop does.
 
 # mark LOG WHAT... appends the line that begins a start to a log.
 mark() { local log=$1; shift; echo "=== $(date '+%Y-%m-%d %H:%M:%S %z'): starting $*" >>"$log"; }
@@ -69,7 +72,7 @@ issuer() {
   fi
   rm -f "$certs/dev-oidc.issuer"
   mark "$dir/dev-issuer.log" "dev-issuer on $issuer_addr"
-  "$bin/pitrust" dev-issuer --dir "$certs" --addr "$issuer_addr" >>"$dir/dev-issuer.log" 2>&1 &
+  setsid "$bin/pitrust" dev-issuer --dir "$certs" --addr "$issuer_addr" >>"$dir/dev-issuer.log" 2>&1 &
   echo $! >"$dir/dev-issuer.pid"
   for _ in $(seq 1 50); do
     [[ -s "$certs/dev-oidc.issuer" ]] && { echo "started dev-issuer (pid $(cat "$dir/dev-issuer.pid")): http://$issuer_addr"; return 0; }
@@ -121,7 +124,7 @@ start() {
     sock="$dir/$name-sim.sock"
     if ! running "$dir/$name-sim.pid"; then
       mark "$dir/$name-sim.log" "pivirtd-sim for $name on unix://$sock"
-      "$bin/pivirtd-sim" --listen "unix://$sock" --data-dir "$dir/$name-sim" --host "$name" --log-format text \
+      setsid "$bin/pivirtd-sim" --listen "unix://$sock" --data-dir "$dir/$name-sim" --host "$name" --log-format text \
         >>"$dir/$name-sim.log" 2>&1 &
       echo $! >"$dir/$name-sim.pid"
     fi
@@ -166,7 +169,7 @@ backends:
     timeout: 10s
 YAML
     mark "$dir/$name.log" "pivirt-agent $name: api 127.0.0.1:$api"
-    "$bin/pivirt-agent" --config "$dir/$name.yaml" \
+    setsid "$bin/pivirt-agent" --config "$dir/$name.yaml" \
       --node-name "$name" --data-dir "$dir/$name" \
       --api-addr "127.0.0.1:$api" --internal-addr "127.0.0.1:$internal" \
       --metrics-addr "127.0.0.1:$metrics" --gossip-addr "127.0.0.1:$gossip" \

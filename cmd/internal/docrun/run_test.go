@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -43,22 +44,28 @@ func TestDocsRun(t *testing.T) {
 			t.Fatalf("bin/%s: %v: build first (make build; make docs-run does)", b, err)
 		}
 	}
-	if out, err := clusterScript(t, root, "status"); err == nil && strings.Contains(out, " running (pid") {
-		t.Fatalf("make cluster's agents are running already: stop them first (make cluster-stop); the documents start from a cluster of their own\n%s", out)
+	// make cluster's fixed ports must be free: the documents start from a
+	// cluster of their own.
+	for _, port := range []string{"8440", "8443", "8453", "8463"} {
+		ln, err := net.Listen("tcp", "127.0.0.1:"+port)
+		if err != nil {
+			t.Fatalf("127.0.0.1:%s is taken (%v): stop make cluster's agents (make cluster-stop) or whatever holds it", port, err)
+		}
+		ln.Close()
 	}
 	untracked := untrackedFiles(t, root)
 	t.Cleanup(func() { removeNewFiles(t, root, untracked) })
-	out, err := clusterScript(t, root, "start")
+	work := workDir(t, root)
+	out, err := clusterScript(t, work, "start")
 	t.Cleanup(func() {
-		if out, err := clusterScript(t, root, "stop"); err != nil {
+		if out, err := clusterScript(t, work, "stop"); err != nil {
 			t.Errorf("make cluster-stop: %v\n%s", err, out)
 		}
 	})
 	if err != nil {
 		t.Fatalf("make cluster: %v\n%s", err, out)
 	}
-	env := clusterEnv(t, root, out)
-	work := workDir(t, root)
+	env := clusterEnv(t, work, out)
 
 	pages, err := Pages(root)
 	if err != nil {
@@ -100,7 +107,7 @@ func TestDocsRun(t *testing.T) {
 		t.Run(rel, func(t *testing.T) {
 			// Every page starts with the three agents up (a page may stop
 			// one).
-			if out, err := clusterScript(t, root, "start"); err != nil {
+			if out, err := clusterScript(t, work, "start"); err != nil {
 				t.Fatalf("make cluster before the page: %v\n%s", err, out)
 			}
 			state := filepath.Join(t.TempDir(), "state.sh")
@@ -339,9 +346,11 @@ func (d dirTimes) changedFrom(before dirTimes) string {
 }
 
 // workDir is the directory the blocks run in: a reader's checkout, as
-// links to the repository's top-level entries (bin/, .cluster/, docs/),
+// links to the repository's top-level entries (bin/, scripts/, docs/),
 // where the files blocks write (a snapshot, a policy file) stay out of the
-// repository.
+// repository, with a .cluster/ of its own: make cluster run here keeps
+// its PKI, data and logs in it, and the documents start from a new
+// cluster whatever the repository's .cluster/ holds.
 func workDir(t *testing.T, root string) string {
 	t.Helper()
 	dir := t.TempDir()
@@ -350,7 +359,7 @@ func workDir(t *testing.T, root string) string {
 		t.Fatal(err)
 	}
 	for _, e := range entries {
-		if e.Name() == ".git" {
+		if e.Name() == ".git" || e.Name() == ".cluster" {
 			continue
 		}
 		if err := os.Symlink(filepath.Join(root, e.Name()), filepath.Join(dir, e.Name())); err != nil {
