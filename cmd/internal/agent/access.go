@@ -733,12 +733,3 @@ func checkClusterCAFiles(cfg *config.Config, trust *identity.Source) error {
 	}
 	return nil
 }
-
-func cmpOr(vals ...string) string {
-	for _, v := range vals {
-		if v != "" {
-			return v
-		}
-	}
-	return ""
-}
