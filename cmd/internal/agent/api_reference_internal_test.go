@@ -19,7 +19,7 @@ import (
 // rewrites it).
 func TestDocsAPIReference(t *testing.T) {
 	page, err := docgen.APIReference("../../../proto",
-		docgen.APISection{Title: "Agent API port", Intro: apiPortIntro(), Services: apiDescriptors(), RBAC: true},
+		docgen.APISection{Title: "Agent API port", Intro: apiPortIntro(), Services: apiDescriptors(), RBAC: true, ByResource: accessTable(t)},
 		docgen.APISection{Title: "PiTrust CA server", Intro: caServerIntro,
 			Services: []protoreflect.ServiceDescriptor{pitrustv1.File_pivirt_pitrust_v1_pitrust_proto.Services().ByName("CertificateService")}},
 	)

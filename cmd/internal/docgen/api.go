@@ -27,6 +27,10 @@ type APISection struct {
 	// method without one): the reference shows each method's resource and
 	// verb, and a method without the annotation is an error.
 	RBAC bool
+	// ByResource are the rows "| `resource` | `verb` | methods |" of the
+	// section's index by RBAC grant, the view a policy's author reads
+	// (none: no index).
+	ByResource []string
 }
 
 // APIReference renders docs/api.md: the sections' services, and the
@@ -319,6 +323,17 @@ func (r *apiRef) writeSection(b *bytes.Buffer, s APISection) error {
 		if err := r.writeService(b, s, gen); err != nil {
 			return err
 		}
+	}
+	if len(s.ByResource) > 0 {
+		if err := r.heading(b, 3, "By resource"); err != nil {
+			return err
+		}
+		b.WriteString("What each grant of an RBAC policy lets its roles call: the resource and verb of a rule, and the methods they open.\n\n")
+		b.WriteString("| resource | verb | methods |\n|---|---|---|\n")
+		for _, row := range s.ByResource {
+			b.WriteString(row + "\n")
+		}
+		b.WriteString("\n")
 	}
 	return nil
 }

@@ -1,10 +1,7 @@
 package agent
 
 import (
-	"bufio"
 	"fmt"
-	"os"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -14,8 +11,9 @@ import (
 	"pilab.hu/pivirt-agent/gateway/authz"
 )
 
-// accessTable is docs/security.md's table of what each method needs, as rows
-// "resource | verb | methods", methods sorted.
+// accessTable is the index of docs/api.md by RBAC grant (what each method
+// needs, from the protos' annotations), as rows "resource | verb |
+// methods", methods sorted.
 func accessTable(t *testing.T) []string {
 	t.Helper()
 	byGrant := map[[2]string][]string{}
@@ -27,7 +25,7 @@ func accessTable(t *testing.T) []string {
 				t.Fatal(err)
 			}
 			if rule == nil || rule.GetSelf() {
-				continue // any authenticated caller may call it: in the page's text, not the table
+				continue // any authenticated caller may call it: "self" in the method tables
 			}
 			k := [2]string{rule.GetResource(), rule.GetVerb()}
 			byGrant[k] = append(byGrant[k], fmt.Sprintf("`%s/%s`", sd.Name(), md.Name()))
@@ -50,41 +48,4 @@ func accessTable(t *testing.T) []string {
 	}
 	slices.Sort(rows)
 	return rows
-}
-
-// TestSecurityDocAccessTable: docs/security.md's table of the resource and
-// verb each method needs is the one the protos' annotations give (run with
-// PIVIRT_PRINT_ACCESS_TABLE=1 to print the table to paste).
-func TestSecurityDocAccessTable(t *testing.T) {
-	want := accessTable(t)
-	if os.Getenv("PIVIRT_PRINT_ACCESS_TABLE") != "" {
-		fmt.Println(strings.Join(want, "\n"))
-	}
-	f, err := os.Open("../../../docs/security.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	row := regexp.MustCompile("^\\| `[a-z]+` \\| `[a-z]+` \\| ")
-	var got []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if row.MatchString(sc.Text()) {
-			got = append(got, sc.Text())
-		}
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	slices.Sort(got)
-	for _, r := range want {
-		if !slices.Contains(got, r) {
-			t.Errorf("docs/security.md lacks the row\n%s", r)
-		}
-	}
-	for _, r := range got {
-		if !slices.Contains(want, r) {
-			t.Errorf("docs/security.md has the row\n%s\nwhich the protos do not give", r)
-		}
-	}
 }
