@@ -75,10 +75,17 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		// What validate refuses, refused here in validate's words before
 		// anything starts (the agent's Start runs the same check).
 		cfg, err := flags.Resolve()
-		if err == nil {
-			err = agent.Check(cfg)
-		}
 		if err != nil {
+			// The file's own problems as validate words them; a flag's
+			// or --dev's as they are.
+			var fe *config.FieldError
+			var pe *fs.PathError
+			if file := flags.ConfigFile(); file != "" && (errors.As(err, &fe) || errors.As(err, &pe)) {
+				return fileProblems(file, err)
+			}
+			return err
+		}
+		if err := agent.Check(cfg); err != nil {
 			if file := flags.ConfigFile(); file != "" {
 				return fileProblems(file, err)
 			}

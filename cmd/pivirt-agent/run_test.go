@@ -161,7 +161,8 @@ func TestValidateCommand(t *testing.T) {
 		"missing rbac policy": {"data_dir: " + dir + "\ntls:\n  enabled: false\nauth:\n  rbac_policy: " + dir + "/none.yaml\n", "none.yaml"},
 		"backend certificate missing": {"data_dir: " + dir + "\ntls:\n  enabled: false\nbackends:\n  osinfodb:\n    endpoint: https://127.0.0.1:1\n    tls:\n      enabled: true\n      cert_file: " + dir + "/none.crt\n      key_file: " + dir + "/none.key\n      ca_file: " + filepath.Join(pki, identity.ChainFile) + "\n",
 			"backends.osinfodb.tls: cert file: stat " + dir + "/none.crt"},
-		"route to no backend": {"data_dir: " + dir + "\ntls:\n  enabled: false\nrouting:\n  rules:\n    - match: {prefix: /echo.v1.Echo/}\n      route: {cluster: echo}\n", "routing.rules[0].route.cluster"},
+		"log file in a missing directory": {"data_dir: " + dir + "\ntls:\n  enabled: false\nlogging:\n  output: " + dir + "/none/agent.log\n", "logging.output: the directory of " + dir + "/none/agent.log"},
+		"route to no backend":             {"data_dir: " + dir + "\ntls:\n  enabled: false\nrouting:\n  rules:\n    - match: {prefix: /echo.v1.Echo/}\n      route: {cluster: echo}\n", "routing.rules[0].route.cluster"},
 	} {
 		path := write(strings.ReplaceAll(name, " ", "-")+".yaml", tc.body)
 		var out, errOut bytes.Buffer

@@ -212,6 +212,8 @@ func (a *app) waitApplied(ctx context.Context, api clusterv1connect.ClusterServi
 			}) {
 				break
 			}
+		} else if c := connect.CodeOf(err); c != connect.CodeUnavailable && c != connect.CodeDeadlineExceeded {
+			break // not allowed to ask (config list), or an agent without it: no wait
 		}
 		select {
 		case <-ctx.Done():

@@ -2,9 +2,14 @@ package agent
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"maps"
+	"os"
+	"path/filepath"
 	"slices"
+
+	"golang.org/x/sys/unix"
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/gateway/authz"
@@ -33,6 +38,7 @@ func Check(cfg *config.Config) error {
 		}
 	}
 	add(checkKeyPermissions(cfg, quiet))
+	add(checkLogOutput(cfg.Logging.Output))
 	if f := cfg.Cluster.Gossip.EncryptKeyFile; f != "" {
 		_, err := readGossipKey(f)
 		add(err)
@@ -46,10 +52,14 @@ func Check(cfg *config.Config) error {
 		add(err)
 	}
 	for _, name := range slices.Sorted(maps.Keys(cfg.Backends)) {
-		if bt := cfg.Backends[name].TLS; bt.Enabled {
-			_, err := backendSource(cfg, name, bt, quiet)
-			add(err)
+		bt := cfg.Backends[name].TLS
+		if !bt.Enabled || usesAgentFiles(cfg, bt) {
+			// The agent's own files are loadTLS's (below), or, in dev
+			// mode, the PKI the start makes.
+			continue
 		}
+		_, err := backendSource(cfg, name, bt, quiet)
+		add(err)
 	}
 	if cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
 		_, _, err := etcdTLS(cfg, quiet)
@@ -68,4 +78,46 @@ func Check(cfg *config.Config) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// usesAgentFiles reports whether a backend's TLS takes the agent's own
+// certificate and CA files (those the tls block gives, or --dev makes):
+// the start then uses the agent's source for it.
+func usesAgentFiles(cfg *config.Config, bt config.BackendTLSConfig) bool {
+	if cfg.Dev {
+		return bt.CertFile == "" || bt.CAFile == ""
+	}
+	return cfg.TLS.Enabled && (bt.CertFile == "" || bt.CertFile == cfg.TLS.CertFile) &&
+		(bt.KeyFile == "" || bt.KeyFile == cfg.TLS.KeyFile) && (bt.CAFile == "" || bt.CAFile == cfg.TLS.CAFile)
+}
+
+// checkLogOutput refuses a logging.output file the agent could not open
+// for writing: its directory missing or not writable, or the file itself
+// not writable. Nothing is created.
+func checkLogOutput(path string) error {
+	switch path {
+	case "", "stdout", "stderr":
+		return nil
+	}
+	if st, err := os.Stat(path); err == nil {
+		if st.IsDir() {
+			return fmt.Errorf("logging.output: %s is a directory; name a file in it", path)
+		}
+		if err := unix.Access(path, unix.W_OK); err != nil {
+			return fmt.Errorf("logging.output: %s is not writable: %w", path, err)
+		}
+		return nil
+	}
+	dir := filepath.Dir(path)
+	st, err := os.Stat(dir)
+	if err != nil {
+		return fmt.Errorf("logging.output: the directory of %s: %w", path, err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("logging.output: %s is not a directory", dir)
+	}
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("logging.output: the file %s cannot be made in %s: %w", filepath.Base(path), dir, err)
+	}
+	return nil
 }

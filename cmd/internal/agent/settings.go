@@ -233,6 +233,13 @@ func (a *Agent) syncSettings(index uint64, values map[string]string) {
 	// applies the log past the last snapshot once it hears from a leader):
 	// it never goes back to them.
 	behind := index < s.revision || index < s.floor
+	if same && !behind && index > s.revision {
+		// The settings in force are those of this revision too (a write
+		// that left them as they were, a document key, a kv/ key): say
+		// so, for whoever waits for a revision to be in force.
+		s.revision = index
+		s.revisionGauge.Set(float64(index))
+	}
 	s.mu.Unlock()
 	if same || behind {
 		return
