@@ -579,7 +579,7 @@ func (g *Guard) decide(ctx context.Context, c call, who authz.Principal, m *meth
 	object := objectName(m, req)
 	switch {
 	case gr.d.Denied():
-		return nil, g.denyGrant(c, gr, object, "no rule of the RBAC policy allows it")
+		return nil, g.denyGrant(c, gr, object, "no rule of the RBAC policy allows it%s", noRolesHint(who))
 	case gr.uncheckable() != "":
 		return nil, g.denyGrant(c, gr, object, "%s", gr.uncheckable())
 	}
@@ -666,7 +666,7 @@ func (g *Guard) AuthorizeResource(ctx context.Context, resource, verb string) er
 	case d.Conditional:
 		reason = "the rules that allow it have conditions, and a snapshot restore replaces every object"
 	case !d.Allowed:
-		reason = "no rule of the RBAC policy allows it"
+		reason = "no rule of the RBAC policy allows it" + noRolesHint(who)
 	}
 	if reason == "" {
 		return nil
@@ -749,6 +749,16 @@ func (g *Guard) allowed(c call, gr *grant, object string) {
 		attrs = append(attrs, "via", c.via)
 	}
 	observe.Audit(g.cfg.Logger, level, "audit: call allowed", attrs...)
+}
+
+// noRolesHint says, for a caller authenticated by a client certificate
+// that has no role, where a certificate's roles come from: a policy's
+// rules never allow it anything otherwise.
+func noRolesHint(who authz.Principal) string {
+	if !who.Certificate || len(who.Roles) > 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (a client certificate's roles come from auth.certificate_roles, which gives %q none: map the name to roles there, e.g. certificate_roles: {%s: [viewer]})", who.Identity, who.Identity)
 }
 
 func rolesString(roles []string) string {

@@ -130,6 +130,15 @@ func TestAdmit(t *testing.T) {
 	if !strings.Contains(err.Error(), "may not get cluster") || !strings.Contains(err.Error(), "names no object") {
 		t.Errorf("denial message %q", err)
 	}
+	// A certificate without a role is told where its roles come from; one
+	// with roles is not.
+	_, _, err = g.admit(ctx, certCall("/pivirt.cluster.v1.ClusterService/Leader", "operator"), nil)
+	if want := `operator (roles none) may not get cluster: no rule of the RBAC policy allows it (a client certificate's roles come from auth.certificate_roles, which gives "operator" none`; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("a certificate without a role: %v, want %q", err, want)
+	}
+	if _, _, err = g.admit(ctx, certCall("/pivirt.cluster.v1.ClusterService/Leader", "alice"), nil); err == nil || strings.Contains(err.Error(), "auth.certificate_roles") {
+		t.Errorf("a certificate with a role: %v, want a denial without the hint", err)
+	}
 }
 
 // TestAdmitUnschemedMethods: a method of a service no schema of which is

@@ -113,6 +113,11 @@ func ConfigWarnings(cfg *config.Config) []string {
 		}
 	}
 	ac := cfg.Auth
+	if ac.OIDC.IssuerURL != "" && cfg.TLS.Enabled && cfg.TLS.RequireClientCert {
+		out = append(out, "auth.oidc is set, but tls.require_client_cert is true: the API port's TLS handshake refuses a caller without a client certificate "+
+			"of the PiTrust chain before any token is read, so a bearer token alone (the web console in a browser, grpcurl -H \"authorization: Bearer …\" without -cert) cannot call; "+
+			"set tls.require_client_cert: false to take tokens without a certificate (every call still needs a token or a certificate)")
+	}
 	if ac.RBACPolicy != "" && cfg.TLS.Enabled && len(ac.CertificateRoles) == 0 {
 		out = append(out, "auth.certificate_roles is empty: a caller with a client certificate (pvcli with its certificate) has no role, "+
 			"so auth.rbac_policy's rules allow it nothing, unless the cluster setting auth.certificate_roles gives it roles; "+

@@ -930,4 +930,16 @@ func TestConfigWarnings(t *testing.T) {
 	if w := agent.ConfigWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "backends.osinfodb.tls names files") {
 		t.Errorf("a backend's tls files without enabled: warnings %q", w)
 	}
+	// OIDC with client certificates required (the specification's
+	// example): a token alone never gets past the handshake.
+	cfg.Backends = nil
+	cfg.Auth.OIDC.IssuerURL = "https://auth.pilab.hu/realms/pivirt"
+	if w := agent.ConfigWarnings(cfg); len(w) != 1 || !strings.Contains(w[0], "auth.oidc is set, but tls.require_client_cert is true") ||
+		!strings.Contains(w[0], "set tls.require_client_cert: false") {
+		t.Errorf("auth.oidc with client certificates required: warnings %q, want the tokens refused and the fix", w)
+	}
+	cfg.TLS.RequireClientCert = false
+	if w := agent.ConfigWarnings(cfg); len(w) != 0 {
+		t.Errorf("auth.oidc with client certificates optional: warnings %q, want none", w)
+	}
 }

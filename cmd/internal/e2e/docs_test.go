@@ -3,7 +3,6 @@ package e2e_test
 import (
 	"context"
 	"encoding/json"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -19,14 +18,7 @@ import (
 // (refused). CI installs curl and openssl; elsewhere the step is skipped
 // when they are missing.
 func (c *cluster) docsExamples(t *testing.T, n *node) {
-	for _, tool := range []string{"curl", "openssl"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			if os.Getenv("CI") != "" {
-				t.Fatalf("%s is not installed (.ci/run installs it)", tool)
-			}
-			t.Skipf("%s is not installed", tool)
-		}
-	}
+	needTools(t, "curl", "openssl")
 	chain := filepath.Join(c.certs, identity.ChainFile)
 	run := func(stdin string, name string, args ...string) (string, error) {
 		ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)

@@ -918,6 +918,20 @@ func tailMatching(path string, lines int, words ...string) string {
 	return strings.Join(keep[max(0, len(keep)-lines):], "\n")
 }
 
+// needTools skips the test when one of the tools is not installed, and
+// fails it in CI, where .ci/run installs them.
+func needTools(t *testing.T, tools ...string) {
+	t.Helper()
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			if os.Getenv("CI") != "" {
+				t.Fatalf("%s is not installed (.ci/run installs it)", tool)
+			}
+			t.Skipf("%s is not installed", tool)
+		}
+	}
+}
+
 // freePorts returns n distinct loopback ports, free for TCP and UDP when
 // picked, outside the range the kernel gives outgoing connections.
 func freePorts(n int) ([]int, error) { return freeport.Pick(n) }
@@ -946,6 +960,27 @@ func makePKI(t testing.TB, dir string, ips ...net.IP) string {
 		t.Fatal(err)
 	}
 	return dir
+}
+
+// startDevIssuer starts the development OIDC issuer (pitrust dev-issuer,
+// as make cluster runs it) on a free port of 127.0.0.1, its key in dir,
+// and returns its URL once it has recorded it there (dev-oidc.issuer).
+func (c *cluster) startDevIssuer(t *testing.T, dir string) string {
+	t.Helper()
+	log := filepath.Join(c.dir, "dev-issuer.log")
+	if _, err := c.spawn(log, c.bins.pitrust, []string{"dev-issuer", "--dir", dir, "--addr", "127.0.0.1:0"}); err != nil {
+		t.Fatal(err)
+	}
+	var issuer string
+	c.eventually(t, 20*time.Second, "the dev issuer records its URL", func() error {
+		b, err := os.ReadFile(filepath.Join(dir, "dev-oidc.issuer"))
+		if err != nil || len(strings.TrimSpace(string(b))) == 0 {
+			return fmt.Errorf("no dev-oidc.issuer yet (%v); log:\n%s", err, tail(log, 10))
+		}
+		issuer = strings.TrimSpace(string(b))
+		return nil
+	})
+	return issuer
 }
 
 // clientTLS is a TLS client configuration with the cluster's CA and the

@@ -78,20 +78,7 @@ func startUIEnv(t *testing.T) *uiEnv {
 	c := &cluster{bins: bins, dir: dir, tokens: true}
 	c.certs = makePKI(t, filepath.Join(dir, "certs"))
 
-	// The development issuer, as make cluster starts it.
-	issuerLog := filepath.Join(dir, "dev-issuer.log")
-	if _, err := c.spawn(issuerLog, bins.pitrust, []string{"dev-issuer", "--dir", c.certs, "--addr", "127.0.0.1:0"}); err != nil {
-		t.Fatal(err)
-	}
-	var issuer string
-	c.eventually(t, 20*time.Second, "the dev issuer records its URL", func() error {
-		b, err := os.ReadFile(filepath.Join(c.certs, "dev-oidc.issuer"))
-		if err != nil || len(strings.TrimSpace(string(b))) == 0 {
-			return fmt.Errorf("no dev-oidc.issuer yet (%v); log:\n%s", err, tail(issuerLog, 10))
-		}
-		issuer = strings.TrimSpace(string(b))
-		return nil
-	})
+	issuer := c.startDevIssuer(t, c.certs)
 	secret, err := os.ReadFile(filepath.Join(c.certs, "dev-oidc.secret"))
 	if err != nil {
 		t.Fatal(err)
