@@ -187,12 +187,16 @@ YAML
       # non-voter, promoted after 10s of health: wait for three voters.
       for _ in $(seq 1 60); do
         voters=$(pvcli --endpoint https://127.0.0.1:8443 --timeout 2s -o json cluster peers 2>/dev/null | grep -c '"voter": true' || true)
-        [[ "$voters" == "${#nodes[@]}" ]] && break
+        ((voters >= ${#nodes[@]})) && break
         [[ -n "${waiting:-}" ]] || { echo -n "waiting for ${#nodes[@]} voters (a returning node is promoted after 10s)"; waiting=1; }
         echo -n "."
         sleep 1
       done
-      [[ -z "${waiting:-}" ]] || echo " ok"
+      if ((voters < ${#nodes[@]})); then
+        echo " only $voters voters after 60s; see pvcli operator autopilot state and the logs in $dir"
+      elif [[ -n "${waiting:-}" ]]; then
+        echo " ok"
+      fi
       pvcli --endpoint https://127.0.0.1:8443 cluster peers
       cat <<MSG
 

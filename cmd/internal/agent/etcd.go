@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -17,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"pilab.hu/pivirt-agent/cluster"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/fsm"
 	"pilab.hu/pivirt-agent/gateway"
 	"pilab.hu/pivirt-agent/identity"
