@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -22,6 +23,8 @@ func TestCLIReference(t *testing.T) {
 // TestDocumentedCommandsParse: every pvcli command line of README.md and
 // docs/ (in sh blocks, continuation lines joined, comments cut) names a
 // command that exists, with flags it takes and the arguments it wants.
+var shellVar = regexp.MustCompile(`^\$\{?[A-Za-z_][A-Za-z0-9_]*\}?$`)
+
 func TestDocumentedCommandsParse(t *testing.T) {
 	files, _ := filepath.Glob(filepath.Join("..", "..", "docs", "*.md"))
 	files = append(files, filepath.Join("..", "..", "README.md"))
@@ -36,6 +39,13 @@ func TestDocumentedCommandsParse(t *testing.T) {
 				args := splitShell(strings.TrimSpace(part))
 				if len(args) < 2 || args[0] != "pvcli" {
 					continue
+				}
+				// A shell variable the page set (an ID, an index) stands
+				// for a value: any word, and a number where one is wanted.
+				for i, a := range args {
+					if shellVar.MatchString(a) {
+						args[i] = "1"
+					}
 				}
 				checked++
 				root := (&app{getenv: func(string) string { return "" }, stdout: io.Discard, stderr: io.Discard}).newRootCmd()
