@@ -118,7 +118,7 @@ func run(agentBin, pitrustBin, backendBin, logRoot string, agents int) error {
 		return err
 	}
 	addr := func(i, k int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[5*i+k])) }
-	exited := make(chan error, agents)
+	exited := make(chan *exitError, agents)
 	for i := range agents {
 		name := fmt.Sprintf("conformance%d", i+1)
 		cfg := agentConfig(req, certs, name)
@@ -174,10 +174,17 @@ func run(agentBin, pitrustBin, backendBin, logRoot string, agents int) error {
 			return fmt.Errorf("start %s: %w", agentBin, err)
 		}
 		children = append(children, ag)
-		go func() { exited <- fmt.Errorf("%s: %v", name, ag.Wait()) }()
+		go func() {
+			err := ag.Wait()
+			b, _ := os.ReadFile(logf.Name())
+			exited <- &exitError{fmt.Sprintf("agent %s exited: %v; its log:\n%s", name, err, tailLines(string(b), 30))}
+		}()
 	}
 	for i := range agents {
 		if err := waitReady(ctx, addr(i, 2), exited); err != nil {
+			if e := (*exitError)(nil); errors.As(err, &e) {
+				return err // with the log of the agent that exited
+			}
 			b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprintf("conformance%d.log", i+1)))
 			return fmt.Errorf("agent conformance%d: %w; its log:\n%s", i+1, err, tailLines(string(b), 30))
 		}
@@ -192,10 +199,15 @@ func run(agentBin, pitrustBin, backendBin, logRoot string, agents int) error {
 	select {
 	case <-ctx.Done():
 	case err := <-exited:
-		return fmt.Errorf("an agent exited: %v", err)
+		return err
 	}
 	return nil
 }
+
+// exitError is an agent's exit before the suite ended, with its log's tail.
+type exitError struct{ msg string }
+
+func (e *exitError) Error() string { return e.msg }
 
 // startBackend runs the reference server as a plaintext gRPC (h2c)
 // backend on a free port of 127.0.0.1 and returns its address.
@@ -344,7 +356,7 @@ func routeTo(endpoint string) string {
 // waitRouted calls the suite's service through the entry agent (Connect,
 // an empty Unary request) until the call reaches the backend: through a
 // second agent, the backend's registration must reach it first.
-func waitRouted(ctx context.Context, api, certs string, req request, exited <-chan error) error {
+func waitRouted(ctx context.Context, api, certs string, req request, exited <-chan *exitError) error {
 	client := &http.Client{Timeout: 5 * time.Second}
 	scheme := "http"
 	if req.useTLS {
@@ -379,7 +391,7 @@ func waitRouted(ctx context.Context, api, certs string, req request, exited <-ch
 		}
 		select {
 		case err := <-exited:
-			return fmt.Errorf("an agent exited: %v", err)
+			return err
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(100 * time.Millisecond):
@@ -390,7 +402,7 @@ func waitRouted(ctx context.Context, api, certs string, req request, exited <-ch
 
 // waitReady polls the agent's /ready on its metrics port until it answers
 // 200, for at most a minute.
-func waitReady(ctx context.Context, metricsAddr string, exited <-chan error) error {
+func waitReady(ctx context.Context, metricsAddr string, exited <-chan *exitError) error {
 	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	deadline := time.Now().Add(time.Minute)
 	var last string
@@ -409,7 +421,7 @@ func waitReady(ctx context.Context, metricsAddr string, exited <-chan error) err
 		}
 		select {
 		case err := <-exited:
-			return fmt.Errorf("exited during start: %v", err)
+			return err
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(100 * time.Millisecond):
@@ -479,6 +491,9 @@ func freePorts(n int) ([]int, error) {
 			continue
 		}
 		closers = append(closers, u)
+		if !reserve(port) {
+			continue // another process picked it and may not have bound it yet
+		}
 		ports = append(ports, port)
 	}
 	return ports, nil

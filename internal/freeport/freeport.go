@@ -8,6 +8,13 @@
 // may take it ("bind: address already in use" under load). Ports picked
 // here lie below that range, where the kernel never puts an outgoing
 // connection, and are free for TCP and UDP (the gossip port is both).
+//
+// Several processes pick at once (go test runs packages in parallel; the
+// conformance suite runs up to four servers under test): a port one of
+// them let go may look free to another before the first one's child binds
+// it. Each port picked is therefore also reserved across processes, by an
+// exclusive lock on a file named after it in a directory of the user's
+// temporary directory, held until the picking process exits.
 package freeport
 
 import (
@@ -61,7 +68,10 @@ func Pick(n int) ([]int, error) {
 			continue
 		}
 		closers = append(closers, u)
-		used[port] = true
+		used[port] = true // not tried again here, whether reserved or not
+		if !reserve(port) {
+			continue // another process picked it and may not have bound it yet
+		}
 		ports = append(ports, port)
 	}
 	return ports, nil
