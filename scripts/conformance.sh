@@ -43,7 +43,10 @@ for schema in none descriptor-set; do
 	fi
 	for agents in 1 2; do
 		echo "== the suite through $agents agent(s), schema: $schema"
-		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" \
+		# Two servers under test at a time: the suite gives each 10 s to answer with
+		# its address, which four 2-agent clusters starting at once on two busy cores
+		# did not always manage.
+		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" --max-servers 2 \
 			--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${more[@]}" "${args[@]}"
 	done
 done

@@ -78,6 +78,9 @@ func (a *app) run(ctx context.Context, args []string) error {
 	if err == nil {
 		return nil
 	}
+	if es := exitStatus(0); errors.As(err, &es) {
+		return err // a console's shell ended so: its status, nothing to add
+	}
 	// Errors raised by cobra itself (unknown command, flag parsing) happen
 	// before any command body runs: they are usage errors too.
 	var ue *usageError
@@ -175,9 +178,12 @@ func retryDelay(err error) (time.Duration, bool) {
 // 0 on success, 2 for bad input (usage), 1 for anything else.
 func exitCode(err error) int {
 	var ue *usageError
+	es := exitStatus(0)
 	switch {
 	case err == nil:
 		return 0
+	case errors.As(err, &es):
+		return int(es)
 	case errors.As(err, &ue):
 		return 2
 	default:

@@ -114,6 +114,7 @@ func (a *app) newVMCmd() *cobra.Command {
 		},
 		a.newVMCreateCmd(),
 		a.newVMUpdateCmd(),
+		a.newVMConsoleCmd(),
 		&cobra.Command{
 			Use:   "delete ID",
 			Short: "Delete a stopped VM",

@@ -1,7 +1,10 @@
 package mesh
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"io"
 	"mime"
 	"net/http"
 	"net/url"
@@ -9,6 +12,7 @@ import (
 	"strings"
 
 	"connectrpc.com/vanguard"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
@@ -91,6 +95,51 @@ func connectDefaults(next http.Handler, maxBody int64) http.Handler {
 		if (ct == "application/proto" || ct == "application/json") && r.Header.Get("Connect-Protocol-Version") == "" {
 			r.Header.Set("Connect-Protocol-Version", "1")
 		}
+		if ct != "application/proto" && ct != "application/json" {
+			body, release := newStreamBody(r.Body)
+			defer release()
+			r = r.WithContext(context.WithValue(r.Context(), releaseBodyKey{}, release))
+			r.Body = body
+		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// A stream's request body, as the transcoder reads it, is released when
+// the call's handler returns. vanguard (v0.4.0) reads the body under a
+// lock that its Close takes too, and gRPC closes the body when a call
+// ends: a call that ends while its caller still sends and waits for an
+// answer (a console whose VM is off, refused at once) waited for the
+// caller's next message before its answer went out, forever for a
+// terminal. The body is read by a goroutine into a pipe, whose reading
+// side is closed when the handler returns (ReleaseStreamBody), which ends
+// vanguard's read; the goroutine ends with the caller's next message or
+// the request.
+
+// releaseBodyKey is the context key of a transcoded stream's release.
+type releaseBodyKey struct{}
+
+// errStreamEnded ends the read of a stream's body whose call ended.
+var errStreamEnded = errors.New("the call ended")
+
+// newStreamBody returns a body that reads body through a pipe, and the
+// function that ends it.
+func newStreamBody(body io.ReadCloser) (io.ReadCloser, func()) {
+	pr, pw := io.Pipe()
+	go func() {
+		_, err := io.Copy(pw, body)
+		_ = pw.CloseWithError(err) // nil: EOF
+	}()
+	return pr, func() { _ = pr.CloseWithError(errStreamEnded) }
+}
+
+// ReleaseStreamBody is a stream interceptor (the first of the API port's
+// gRPC server) that releases the request body of a call that came through
+// the transcoder when the call's handler returns.
+func ReleaseStreamBody(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	err := handler(srv, ss)
+	if release, ok := ss.Context().Value(releaseBodyKey{}).(func()); ok {
+		release()
+	}
+	return err
 }

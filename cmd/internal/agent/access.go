@@ -30,6 +30,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/identity"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
@@ -237,7 +238,7 @@ func (a *Agent) policy() *authz.Policy {
 func (a *Agent) accessServerOptions() []grpc.ServerOption {
 	unary := []grpc.UnaryServerInterceptor{a.apiMetrics.UnaryServerInterceptor()}
 	// A JSON caller of a schema the agent has is seen in proto from here.
-	stream := []grpc.StreamServerInterceptor{a.proxy.TranscodeJSON, a.apiMetrics.StreamServerInterceptor()}
+	stream := []grpc.StreamServerInterceptor{mesh.ReleaseStreamBody, a.proxy.TranscodeJSON, a.apiMetrics.StreamServerInterceptor()}
 	if a.guard != nil {
 		unary = append(unary, a.guard.UnaryServerInterceptor())
 		stream = append(stream, a.guard.StreamServerInterceptor())

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -117,6 +118,30 @@ type vmAPI interface {
 	get(ctx context.Context, id, echo string) (vm *vmv1.VM, header, trailer http.Header, err error)
 	watch(ctx context.Context) (recv func() (*vmv1.WatchVMsResponse, error), err error)
 	console(ctx context.Context, id string, inputs []string) ([]string, error)
+	// consoleOpen opens a console, sends its first request and returns
+	// the first answer, the sending side still open (as a terminal's).
+	consoleOpen(ctx context.Context, id string) error
+}
+
+func (g grpcVM) consoleOpen(ctx context.Context, id string) error {
+	s, err := g.c.Console(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.Send(&vmv1.ConsoleRequest{Id: id}); err != nil {
+		return err
+	}
+	_, err = s.Recv()
+	return err
+}
+
+func (c connectVM) consoleOpen(ctx context.Context, id string) error {
+	s := c.c.Console(ctx)
+	if err := s.Send(&vmv1.ConsoleRequest{Id: id}); err != nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	_, err := s.Receive()
+	return err
 }
 
 type grpcVM struct{ c vmv1.VMServiceClient }
@@ -361,6 +386,14 @@ func TestGatewayProtocols(t *testing.T) {
 			if strings.HasSuffix(name, "http1.1") {
 				return
 			}
+			// A console the backend refuses at once (the VM is off) is
+			// answered while the caller still sends, as a terminal does.
+			octx, ocancel := context.WithTimeout(ctx, 10*time.Second)
+			err = api.consoleOpen(octx, vm.GetId())
+			ocancel()
+			if st := toStatus(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "needs it running") {
+				t.Errorf("console of a stopped VM, the sending side open: %v, want FailedPrecondition at once", err)
+			}
 			if _, err := vmv1.NewVMServiceClient(conn).PowerOn(ctx, &vmv1.PowerOnRequest{Id: vm.GetId()}); err != nil {
 				t.Fatal(err)
 			}
@@ -368,7 +401,7 @@ func TestGatewayProtocols(t *testing.T) {
 			if err != nil {
 				t.Fatalf("console: %v", err)
 			}
-			if len(out) != 3 || !strings.Contains(out[0], "serial console of vm-"+name) || out[1] != "ls\n" || out[2] != "exit\n" {
+			if len(out) != 3 || !strings.Contains(out[0], "serial console of vm-"+name) || out[1] != "ls\r\nroot@vm-"+name+":~# " || out[2] != "exit\r\nlogout\r\n" {
 				t.Errorf("console output %q", out)
 			}
 		})

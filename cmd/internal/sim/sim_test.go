@@ -251,35 +251,63 @@ func TestWatchAndConsole(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := con.Send(&vmv1.ConsoleRequest{Id: a.GetVm().GetId(), Input: []byte("ls\n")}); err != nil {
+	if err := con.Send(&vmv1.ConsoleRequest{Id: a.GetVm().GetId(), Input: []byte("ls\n"), Size: &vmv1.ConsoleSize{Cols: 100, Rows: 30}}); err != nil {
 		t.Fatal(err)
 	}
 	banner, err := con.Recv()
-	if err != nil || !strings.Contains(string(banner.GetOutput()), "serial console of a") {
+	if err != nil || !strings.Contains(string(banner.GetOutput()), "serial console of a") || !strings.HasSuffix(string(banner.GetOutput()), "root@a:~# ") {
 		t.Fatalf("console banner %q, %v", banner.GetOutput(), err)
 	}
-	for _, in := range []string{"ls\n", "exit\n"} {
-		if in == "exit\n" {
-			if err := con.Send(&vmv1.ConsoleRequest{Input: []byte(in)}); err != nil {
-				t.Fatal(err)
-			}
-		}
+	// One response per input: the echo, the output and the prompt.
+	answer := func(in, want string) *vmv1.ConsoleResponse {
+		t.Helper()
 		out, err := con.Recv()
-		if err != nil || string(out.GetOutput()) != in {
-			t.Fatalf("console echo %q, %v; want %q", out.GetOutput(), err, in)
+		if err != nil || string(out.GetOutput()) != want {
+			t.Fatalf("console answer to %q: %q, %v; want %q", in, out.GetOutput(), err, want)
 		}
+		return out
 	}
-	if err := con.CloseSend(); err != nil {
-		t.Fatal(err)
+	answer("ls\n", "ls\r\nroot@a:~# ")
+	for _, x := range []struct{ in, out string }{
+		{"stty size\r", "stty size\r\n30 100\r\nroot@a:~# "},
+		{"cat x\r\n", "cat x\r\n-sh: cat: command not found\r\nroot@a:~# "},
+		{"echo $?\n", "echo $?\r\n127\r\nroot@a:~# "},
+		{"exit 3\n", "exit 3\r\nlogout\r\n"},
+	} {
+		if err := con.Send(&vmv1.ConsoleRequest{Input: []byte(x.in)}); err != nil {
+			t.Fatal(err)
+		}
+		if out := answer(x.in, x.out); (out.GetClosed() != nil) != (x.in == "exit 3\n") {
+			t.Fatalf("console answer to %q: closed %v", x.in, out.GetClosed())
+		} else if c := out.GetClosed(); c != nil && (c.GetExitStatus() != 3 || c.GetReason() != "the shell exited") {
+			t.Fatalf("console closed %v, want exit status 3", c)
+		}
 	}
 	if _, err := con.Recv(); err != io.EOF {
-		t.Errorf("console after CloseSend: %v, want EOF", err)
+		t.Errorf("console after exit: %v, want EOF", err)
 	}
 
+	// A session open when the VM is powered off ends, saying so.
+	con, err = e.vm.Console(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := con.Send(&vmv1.ConsoleRequest{Id: a.GetVm().GetId()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := con.Recv(); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := e.vm.PowerOff(c, &vmv1.PowerOffRequest{Id: a.GetVm().GetId()}); err != nil {
 		t.Fatal(err)
 	}
 	recv(vmv1.EventType_EVENT_TYPE_UPDATED, "a")
+	if out, err := con.Recv(); err != nil || out.GetClosed().GetReason() != "the VM is POWER_STATE_STOPPED" {
+		t.Fatalf("console of a VM powered off: %v, %v", out, err)
+	}
+	if _, err := con.Recv(); err != io.EOF {
+		t.Errorf("console after power-off: %v, want EOF", err)
+	}
 	con2, err := e.vm.Console(c)
 	if err != nil {
 		t.Fatal(err)
@@ -291,6 +319,28 @@ func TestWatchAndConsole(t *testing.T) {
 		t.Fatal(err)
 	}
 	recv(vmv1.EventType_EVENT_TYPE_DELETED, "a")
+}
+
+func TestConsoleLineDiscipline(t *testing.T) {
+	for _, x := range []struct{ in, out string }{
+		{"ab\x7fc\r", "ab\b \bc\r\n-sh: ac: command not found\r\nroot@v:~# "},
+		{"é\x7f\r", "é\b \b\r\nroot@v:~# "},
+		{"xyz\x15\r", "xyz\b \b\b \b\b \b\r\nroot@v:~# "},
+		{"ec\x1b[Aho hi\r", "echo hi\r\nhi\r\nroot@v:~# "},
+		{"sleep\x03", "sleep^C\r\nroot@v:~# "},
+		{"uname -a\r", "uname -a\r\nLinux v 6.1.0-pivirt-sim #1 SMP x86_64 GNU/Linux\r\nroot@v:~# "},
+		{"exit x\r", "exit x\r\n-sh: exit: Illegal number: x\r\nroot@v:~# "},
+		{"\x04", "logout\r\n"},
+	} {
+		sh := &shell{name: "v", cols: 80, rows: 24}
+		out, closed := sh.feed([]byte(x.in))
+		if string(out) != x.out {
+			t.Errorf("feed(%q) = %q, want %q", x.in, out, x.out)
+		}
+		if (closed != nil) != (x.in == "\x04") {
+			t.Errorf("feed(%q): closed %v", x.in, closed)
+		}
+	}
 }
 
 func TestVolumesAndNetworks(t *testing.T) {

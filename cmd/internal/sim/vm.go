@@ -2,8 +2,6 @@ package sim
 
 import (
 	"context"
-	"fmt"
-	"io"
 	"time"
 
 	"google.golang.org/grpc"
@@ -174,41 +172,6 @@ func (s *vmService) WatchVMs(r *vmv1.WatchVMsRequest, stream grpc.ServerStreamin
 	return watch(stream.Context(), s.vms, s.watch, r.GetOwner(), func(kind int32, vm *vmv1.VM) error {
 		return stream.Send(&vmv1.WatchVMsResponse{Type: vmv1.EventType(kind), Vm: vm})
 	})
-}
-
-// Console echoes the input of a running VM's serial console after a
-// banner.
-func (s *vmService) Console(stream grpc.BidiStreamingServer[vmv1.ConsoleRequest, vmv1.ConsoleResponse]) error {
-	first, err := stream.Recv()
-	if err != nil {
-		return err
-	}
-	vm, err := s.vms.get(first.GetId())
-	if err != nil {
-		return err
-	}
-	if vm.GetPowerState() != running {
-		return status.Errorf(codes.FailedPrecondition, "vm %q is %s: its console needs it running", vm.GetId(), vm.GetPowerState())
-	}
-	banner := fmt.Sprintf("pivirtd-sim serial console of %s (%s)\r\n", vm.GetName(), vm.GetId())
-	if err := stream.Send(&vmv1.ConsoleResponse{Output: []byte(banner)}); err != nil {
-		return err
-	}
-	for msg := first; ; {
-		if n := len(msg.GetInput()); n > maxConsoleInput {
-			return invalid("input: %d bytes, at most %d per message", n, maxConsoleInput)
-		}
-		if len(msg.GetInput()) > 0 {
-			if err := stream.Send(&vmv1.ConsoleResponse{Output: msg.GetInput()}); err != nil {
-				return err
-			}
-		}
-		if msg, err = stream.Recv(); err == io.EOF {
-			return nil
-		} else if err != nil {
-			return err
-		}
-	}
 }
 
 // now is the simulator's clock.

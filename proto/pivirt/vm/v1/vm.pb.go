@@ -1211,8 +1211,12 @@ func (x *WatchVMsResponse) GetVm() *VM {
 type ConsoleRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// id names the VM in the first request; later ones may leave it empty.
-	Id            string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	Input         []byte `protobuf:"bytes,2,opt,name=input,proto3" json:"input,omitempty"`
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// input is what the user typed, as the terminal sends it (raw bytes).
+	Input []byte `protobuf:"bytes,2,opt,name=input,proto3" json:"input,omitempty"`
+	// size is the terminal's window: sent in the first request when known
+	// and again whenever it changes; a request may carry it alone.
+	Size          *ConsoleSize `protobuf:"bytes,3,opt,name=size,proto3" json:"size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1261,16 +1265,81 @@ func (x *ConsoleRequest) GetInput() []byte {
 	return nil
 }
 
-type ConsoleResponse struct {
+func (x *ConsoleRequest) GetSize() *ConsoleSize {
+	if x != nil {
+		return x.Size
+	}
+	return nil
+}
+
+// ConsoleSize is a terminal window in character cells.
+type ConsoleSize struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Output        []byte                 `protobuf:"bytes,1,opt,name=output,proto3" json:"output,omitempty"`
+	Cols          uint32                 `protobuf:"varint,1,opt,name=cols,proto3" json:"cols,omitempty"`
+	Rows          uint32                 `protobuf:"varint,2,opt,name=rows,proto3" json:"rows,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleSize) Reset() {
+	*x = ConsoleSize{}
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleSize) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleSize) ProtoMessage() {}
+
+func (x *ConsoleSize) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleSize.ProtoReflect.Descriptor instead.
+func (*ConsoleSize) Descriptor() ([]byte, []int) {
+	return file_pivirt_vm_v1_vm_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ConsoleSize) GetCols() uint32 {
+	if x != nil {
+		return x.Cols
+	}
+	return 0
+}
+
+func (x *ConsoleSize) GetRows() uint32 {
+	if x != nil {
+		return x.Rows
+	}
+	return 0
+}
+
+type ConsoleResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// output is what the VM's serial console wrote (raw bytes for a
+	// terminal).
+	Output []byte `protobuf:"bytes,1,opt,name=output,proto3" json:"output,omitempty"`
+	// closed, in the last response before the stream ends, says why the
+	// console ended on the VM's side.
+	Closed        *ConsoleClosed `protobuf:"bytes,2,opt,name=closed,proto3" json:"closed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ConsoleResponse) Reset() {
 	*x = ConsoleResponse{}
-	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[22]
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1282,7 +1351,7 @@ func (x *ConsoleResponse) String() string {
 func (*ConsoleResponse) ProtoMessage() {}
 
 func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[22]
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1295,7 +1364,7 @@ func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
 func (*ConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_pivirt_vm_v1_vm_proto_rawDescGZIP(), []int{22}
+	return file_pivirt_vm_v1_vm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ConsoleResponse) GetOutput() []byte {
@@ -1303,6 +1372,70 @@ func (x *ConsoleResponse) GetOutput() []byte {
 		return x.Output
 	}
 	return nil
+}
+
+func (x *ConsoleResponse) GetClosed() *ConsoleClosed {
+	if x != nil {
+		return x.Closed
+	}
+	return nil
+}
+
+// ConsoleClosed ends a console session from the VM's side.
+type ConsoleClosed struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// reason is a sentence for the user ("the shell exited", "the VM was
+	// powered off").
+	Reason string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	// exit_status is the status of the program that ended the session,
+	// where there is one (0 otherwise).
+	ExitStatus    int32 `protobuf:"varint,2,opt,name=exit_status,json=exitStatus,proto3" json:"exit_status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleClosed) Reset() {
+	*x = ConsoleClosed{}
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleClosed) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleClosed) ProtoMessage() {}
+
+func (x *ConsoleClosed) ProtoReflect() protoreflect.Message {
+	mi := &file_pivirt_vm_v1_vm_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleClosed.ProtoReflect.Descriptor instead.
+func (*ConsoleClosed) Descriptor() ([]byte, []int) {
+	return file_pivirt_vm_v1_vm_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ConsoleClosed) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *ConsoleClosed) GetExitStatus() int32 {
+	if x != nil {
+		return x.ExitStatus
+	}
+	return 0
 }
 
 var File_pivirt_vm_v1_vm_proto protoreflect.FileDescriptor
@@ -1373,12 +1506,21 @@ const file_pivirt_vm_v1_vm_proto_rawDesc = "" +
 	"\x04host\x18\x02 \x01(\tR\x04host\"a\n" +
 	"\x10WatchVMsResponse\x12+\n" +
 	"\x04type\x18\x01 \x01(\x0e2\x17.pivirt.vm.v1.EventTypeR\x04type\x12 \n" +
-	"\x02vm\x18\x02 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"6\n" +
+	"\x02vm\x18\x02 \x01(\v2\x10.pivirt.vm.v1.VMR\x02vm\"e\n" +
 	"\x0eConsoleRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
-	"\x05input\x18\x02 \x01(\fR\x05input\")\n" +
+	"\x05input\x18\x02 \x01(\fR\x05input\x12-\n" +
+	"\x04size\x18\x03 \x01(\v2\x19.pivirt.vm.v1.ConsoleSizeR\x04size\"5\n" +
+	"\vConsoleSize\x12\x12\n" +
+	"\x04cols\x18\x01 \x01(\rR\x04cols\x12\x12\n" +
+	"\x04rows\x18\x02 \x01(\rR\x04rows\"^\n" +
 	"\x0fConsoleResponse\x12\x16\n" +
-	"\x06output\x18\x01 \x01(\fR\x06output*z\n" +
+	"\x06output\x18\x01 \x01(\fR\x06output\x123\n" +
+	"\x06closed\x18\x02 \x01(\v2\x1b.pivirt.vm.v1.ConsoleClosedR\x06closed\"H\n" +
+	"\rConsoleClosed\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x1f\n" +
+	"\vexit_status\x18\x02 \x01(\x05R\n" +
+	"exitStatus*z\n" +
 	"\n" +
 	"PowerState\x12\x1b\n" +
 	"\x17POWER_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
@@ -1428,7 +1570,7 @@ func file_pivirt_vm_v1_vm_proto_rawDescGZIP() []byte {
 }
 
 var file_pivirt_vm_v1_vm_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pivirt_vm_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_pivirt_vm_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_pivirt_vm_v1_vm_proto_goTypes = []any{
 	(PowerState)(0),                 // 0: pivirt.vm.v1.PowerState
 	(EventType)(0),                  // 1: pivirt.vm.v1.EventType
@@ -1454,55 +1596,59 @@ var file_pivirt_vm_v1_vm_proto_goTypes = []any{
 	(*WatchVMsRequest)(nil),         // 21: pivirt.vm.v1.WatchVMsRequest
 	(*WatchVMsResponse)(nil),        // 22: pivirt.vm.v1.WatchVMsResponse
 	(*ConsoleRequest)(nil),          // 23: pivirt.vm.v1.ConsoleRequest
-	(*ConsoleResponse)(nil),         // 24: pivirt.vm.v1.ConsoleResponse
-	(*v1.ObjectMeta)(nil),           // 25: pivirt.api.v1.ObjectMeta
-	(*fieldmaskpb.FieldMask)(nil),   // 26: google.protobuf.FieldMask
-	(*durationpb.Duration)(nil),     // 27: google.protobuf.Duration
+	(*ConsoleSize)(nil),             // 24: pivirt.vm.v1.ConsoleSize
+	(*ConsoleResponse)(nil),         // 25: pivirt.vm.v1.ConsoleResponse
+	(*ConsoleClosed)(nil),           // 26: pivirt.vm.v1.ConsoleClosed
+	(*v1.ObjectMeta)(nil),           // 27: pivirt.api.v1.ObjectMeta
+	(*fieldmaskpb.FieldMask)(nil),   // 28: google.protobuf.FieldMask
+	(*durationpb.Duration)(nil),     // 29: google.protobuf.Duration
 }
 var file_pivirt_vm_v1_vm_proto_depIdxs = []int32{
-	25, // 0: pivirt.vm.v1.VM.metadata:type_name -> pivirt.api.v1.ObjectMeta
+	27, // 0: pivirt.vm.v1.VM.metadata:type_name -> pivirt.api.v1.ObjectMeta
 	0,  // 1: pivirt.vm.v1.VM.power_state:type_name -> pivirt.vm.v1.PowerState
 	2,  // 2: pivirt.vm.v1.ListVMsResponse.vms:type_name -> pivirt.vm.v1.VM
 	2,  // 3: pivirt.vm.v1.GetVMResponse.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 4: pivirt.vm.v1.CreateVMRequest.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 5: pivirt.vm.v1.CreateVMResponse.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 6: pivirt.vm.v1.UpdateVMRequest.vm:type_name -> pivirt.vm.v1.VM
-	26, // 7: pivirt.vm.v1.UpdateVMRequest.update_mask:type_name -> google.protobuf.FieldMask
+	28, // 7: pivirt.vm.v1.UpdateVMRequest.update_mask:type_name -> google.protobuf.FieldMask
 	2,  // 8: pivirt.vm.v1.UpdateVMResponse.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 9: pivirt.vm.v1.PowerOnResponse.vm:type_name -> pivirt.vm.v1.VM
-	27, // 10: pivirt.vm.v1.ShutdownDefaultRequest.timeout:type_name -> google.protobuf.Duration
+	29, // 10: pivirt.vm.v1.ShutdownDefaultRequest.timeout:type_name -> google.protobuf.Duration
 	2,  // 11: pivirt.vm.v1.ShutdownDefaultResponse.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 12: pivirt.vm.v1.PowerOffResponse.vm:type_name -> pivirt.vm.v1.VM
 	2,  // 13: pivirt.vm.v1.RebootResponse.vm:type_name -> pivirt.vm.v1.VM
 	1,  // 14: pivirt.vm.v1.WatchVMsResponse.type:type_name -> pivirt.vm.v1.EventType
 	2,  // 15: pivirt.vm.v1.WatchVMsResponse.vm:type_name -> pivirt.vm.v1.VM
-	3,  // 16: pivirt.vm.v1.VMService.ListVMs:input_type -> pivirt.vm.v1.ListVMsRequest
-	5,  // 17: pivirt.vm.v1.VMService.GetVM:input_type -> pivirt.vm.v1.GetVMRequest
-	7,  // 18: pivirt.vm.v1.VMService.CreateVM:input_type -> pivirt.vm.v1.CreateVMRequest
-	9,  // 19: pivirt.vm.v1.VMService.UpdateVM:input_type -> pivirt.vm.v1.UpdateVMRequest
-	11, // 20: pivirt.vm.v1.VMService.DeleteVM:input_type -> pivirt.vm.v1.DeleteVMRequest
-	13, // 21: pivirt.vm.v1.VMService.PowerOn:input_type -> pivirt.vm.v1.PowerOnRequest
-	15, // 22: pivirt.vm.v1.VMService.ShutdownDefault:input_type -> pivirt.vm.v1.ShutdownDefaultRequest
-	17, // 23: pivirt.vm.v1.VMService.PowerOff:input_type -> pivirt.vm.v1.PowerOffRequest
-	19, // 24: pivirt.vm.v1.VMService.Reboot:input_type -> pivirt.vm.v1.RebootRequest
-	21, // 25: pivirt.vm.v1.VMService.WatchVMs:input_type -> pivirt.vm.v1.WatchVMsRequest
-	23, // 26: pivirt.vm.v1.VMService.Console:input_type -> pivirt.vm.v1.ConsoleRequest
-	4,  // 27: pivirt.vm.v1.VMService.ListVMs:output_type -> pivirt.vm.v1.ListVMsResponse
-	6,  // 28: pivirt.vm.v1.VMService.GetVM:output_type -> pivirt.vm.v1.GetVMResponse
-	8,  // 29: pivirt.vm.v1.VMService.CreateVM:output_type -> pivirt.vm.v1.CreateVMResponse
-	10, // 30: pivirt.vm.v1.VMService.UpdateVM:output_type -> pivirt.vm.v1.UpdateVMResponse
-	12, // 31: pivirt.vm.v1.VMService.DeleteVM:output_type -> pivirt.vm.v1.DeleteVMResponse
-	14, // 32: pivirt.vm.v1.VMService.PowerOn:output_type -> pivirt.vm.v1.PowerOnResponse
-	16, // 33: pivirt.vm.v1.VMService.ShutdownDefault:output_type -> pivirt.vm.v1.ShutdownDefaultResponse
-	18, // 34: pivirt.vm.v1.VMService.PowerOff:output_type -> pivirt.vm.v1.PowerOffResponse
-	20, // 35: pivirt.vm.v1.VMService.Reboot:output_type -> pivirt.vm.v1.RebootResponse
-	22, // 36: pivirt.vm.v1.VMService.WatchVMs:output_type -> pivirt.vm.v1.WatchVMsResponse
-	24, // 37: pivirt.vm.v1.VMService.Console:output_type -> pivirt.vm.v1.ConsoleResponse
-	27, // [27:38] is the sub-list for method output_type
-	16, // [16:27] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	24, // 16: pivirt.vm.v1.ConsoleRequest.size:type_name -> pivirt.vm.v1.ConsoleSize
+	26, // 17: pivirt.vm.v1.ConsoleResponse.closed:type_name -> pivirt.vm.v1.ConsoleClosed
+	3,  // 18: pivirt.vm.v1.VMService.ListVMs:input_type -> pivirt.vm.v1.ListVMsRequest
+	5,  // 19: pivirt.vm.v1.VMService.GetVM:input_type -> pivirt.vm.v1.GetVMRequest
+	7,  // 20: pivirt.vm.v1.VMService.CreateVM:input_type -> pivirt.vm.v1.CreateVMRequest
+	9,  // 21: pivirt.vm.v1.VMService.UpdateVM:input_type -> pivirt.vm.v1.UpdateVMRequest
+	11, // 22: pivirt.vm.v1.VMService.DeleteVM:input_type -> pivirt.vm.v1.DeleteVMRequest
+	13, // 23: pivirt.vm.v1.VMService.PowerOn:input_type -> pivirt.vm.v1.PowerOnRequest
+	15, // 24: pivirt.vm.v1.VMService.ShutdownDefault:input_type -> pivirt.vm.v1.ShutdownDefaultRequest
+	17, // 25: pivirt.vm.v1.VMService.PowerOff:input_type -> pivirt.vm.v1.PowerOffRequest
+	19, // 26: pivirt.vm.v1.VMService.Reboot:input_type -> pivirt.vm.v1.RebootRequest
+	21, // 27: pivirt.vm.v1.VMService.WatchVMs:input_type -> pivirt.vm.v1.WatchVMsRequest
+	23, // 28: pivirt.vm.v1.VMService.Console:input_type -> pivirt.vm.v1.ConsoleRequest
+	4,  // 29: pivirt.vm.v1.VMService.ListVMs:output_type -> pivirt.vm.v1.ListVMsResponse
+	6,  // 30: pivirt.vm.v1.VMService.GetVM:output_type -> pivirt.vm.v1.GetVMResponse
+	8,  // 31: pivirt.vm.v1.VMService.CreateVM:output_type -> pivirt.vm.v1.CreateVMResponse
+	10, // 32: pivirt.vm.v1.VMService.UpdateVM:output_type -> pivirt.vm.v1.UpdateVMResponse
+	12, // 33: pivirt.vm.v1.VMService.DeleteVM:output_type -> pivirt.vm.v1.DeleteVMResponse
+	14, // 34: pivirt.vm.v1.VMService.PowerOn:output_type -> pivirt.vm.v1.PowerOnResponse
+	16, // 35: pivirt.vm.v1.VMService.ShutdownDefault:output_type -> pivirt.vm.v1.ShutdownDefaultResponse
+	18, // 36: pivirt.vm.v1.VMService.PowerOff:output_type -> pivirt.vm.v1.PowerOffResponse
+	20, // 37: pivirt.vm.v1.VMService.Reboot:output_type -> pivirt.vm.v1.RebootResponse
+	22, // 38: pivirt.vm.v1.VMService.WatchVMs:output_type -> pivirt.vm.v1.WatchVMsResponse
+	25, // 39: pivirt.vm.v1.VMService.Console:output_type -> pivirt.vm.v1.ConsoleResponse
+	29, // [29:40] is the sub-list for method output_type
+	18, // [18:29] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_vm_v1_vm_proto_init() }
@@ -1517,7 +1663,7 @@ func file_pivirt_vm_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pivirt_vm_v1_vm_proto_rawDesc), len(file_pivirt_vm_v1_vm_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   23,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

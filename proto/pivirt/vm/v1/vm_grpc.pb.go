@@ -57,8 +57,11 @@ type VMServiceClient interface {
 	Reboot(ctx context.Context, in *RebootRequest, opts ...grpc.CallOption) (*RebootResponse, error)
 	// WatchVMs streams the current VMs, then every change.
 	WatchVMs(ctx context.Context, in *WatchVMsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchVMsResponse], error)
-	// Console is the VM's serial console: the first request names the VM,
-	// every request carries input, every response output.
+	// Console is the VM's serial console: the first request names the VM
+	// (and the terminal's size), later requests carry input and size
+	// changes, responses carry output; the last response may say why the
+	// console closed. Browsers reach it over a WebSocket of the agent
+	// (/ws/pivirt.vm.v1.VMService/Console).
 	Console(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[ConsoleRequest, ConsoleResponse], error)
 }
 
@@ -214,8 +217,11 @@ type VMServiceServer interface {
 	Reboot(context.Context, *RebootRequest) (*RebootResponse, error)
 	// WatchVMs streams the current VMs, then every change.
 	WatchVMs(*WatchVMsRequest, grpc.ServerStreamingServer[WatchVMsResponse]) error
-	// Console is the VM's serial console: the first request names the VM,
-	// every request carries input, every response output.
+	// Console is the VM's serial console: the first request names the VM
+	// (and the terminal's size), later requests carry input and size
+	// changes, responses carry output; the last response may say why the
+	// console closed. Browsers reach it over a WebSocket of the agent
+	// (/ws/pivirt.vm.v1.VMService/Console).
 	Console(grpc.BidiStreamingServer[ConsoleRequest, ConsoleResponse]) error
 }
 

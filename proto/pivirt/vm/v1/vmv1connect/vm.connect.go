@@ -80,8 +80,11 @@ type VMServiceClient interface {
 	Reboot(context.Context, *connect.Request[v1.RebootRequest]) (*connect.Response[v1.RebootResponse], error)
 	// WatchVMs streams the current VMs, then every change.
 	WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest]) (*connect.ServerStreamForClient[v1.WatchVMsResponse], error)
-	// Console is the VM's serial console: the first request names the VM,
-	// every request carries input, every response output.
+	// Console is the VM's serial console: the first request names the VM
+	// (and the terminal's size), later requests carry input and size
+	// changes, responses carry output; the last response may say why the
+	// console closed. Browsers reach it over a WebSocket of the agent
+	// (/ws/pivirt.vm.v1.VMService/Console).
 	Console(context.Context) *connect.BidiStreamForClient[v1.ConsoleRequest, v1.ConsoleResponse]
 }
 
@@ -255,8 +258,11 @@ type VMServiceHandler interface {
 	Reboot(context.Context, *connect.Request[v1.RebootRequest]) (*connect.Response[v1.RebootResponse], error)
 	// WatchVMs streams the current VMs, then every change.
 	WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest], *connect.ServerStream[v1.WatchVMsResponse]) error
-	// Console is the VM's serial console: the first request names the VM,
-	// every request carries input, every response output.
+	// Console is the VM's serial console: the first request names the VM
+	// (and the terminal's size), later requests carry input and size
+	// changes, responses carry output; the last response may say why the
+	// console closed. Browsers reach it over a WebSocket of the agent
+	// (/ws/pivirt.vm.v1.VMService/Console).
 	Console(context.Context, *connect.BidiStream[v1.ConsoleRequest, v1.ConsoleResponse]) error
 }
 

@@ -17,7 +17,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pivirt/vm/v1/vm.proto.
  */
 export const file_pivirt_vm_v1_vm: GenFile = /*@__PURE__*/
-  fileDesc("ChVwaXZpcnQvdm0vdjEvdm0ucHJvdG8SDHBpdmlydC52bS52MSLMAQoCVk0SCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIrCghtZXRhZGF0YRgDIAEoCzIZLnBpdmlydC5hcGkudjEuT2JqZWN0TWV0YRINCgV2Y3B1cxgEIAEoDRISCgptZW1vcnlfbWliGAUgASgEEg0KBWRpc2tzGAYgAygJEhAKCG5ldHdvcmtzGAcgAygJEi0KC3Bvd2VyX3N0YXRlGAggASgOMhgucGl2aXJ0LnZtLnYxLlBvd2VyU3RhdGUSDAoEaG9zdBgJIAEoCSJUCg5MaXN0Vk1zUmVxdWVzdBIRCglwYWdlX3NpemUYASABKAUSEgoKcGFnZV90b2tlbhgCIAEoCRINCgVvd25lchgDIAEoCRIMCgRob3N0GAQgASgJIkkKD0xpc3RWTXNSZXNwb25zZRIdCgN2bXMYASADKAsyEC5waXZpcnQudm0udjEuVk0SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSItCg1HZXRWTVJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIj0KD0NyZWF0ZVZNUmVxdWVzdBIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTRIMCgRob3N0GAIgASgJIjAKEENyZWF0ZVZNUmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0ilgEKD1VwZGF0ZVZNUmVxdWVzdBIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTRIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2sSHgoRZXhwZWN0ZWRfcmV2aXNpb24YAyABKARIAIgBAUIUChJfZXhwZWN0ZWRfcmV2aXNpb24iMAoQVXBkYXRlVk1SZXNwb25zZRIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiEgoQRGVsZXRlVk1SZXNwb25zZSIcCg5Qb3dlck9uUmVxdWVzdBIKCgJpZBgBIAEoCSIvCg9Qb3dlck9uUmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0iUAoWU2h1dGRvd25EZWZhdWx0UmVxdWVzdBIKCgJpZBgBIAEoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjcKF1NodXRkb3duRGVmYXVsdFJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIh0KD1Bvd2VyT2ZmUmVxdWVzdBIKCgJpZBgBIAEoCSIwChBQb3dlck9mZlJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIhsKDVJlYm9vdFJlcXVlc3QSCgoCaWQYASABKAkiLgoOUmVib290UmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0iLgoPV2F0Y2hWTXNSZXF1ZXN0Eg0KBW93bmVyGAEgASgJEgwKBGhvc3QYAiABKAkiVwoQV2F0Y2hWTXNSZXNwb25zZRIlCgR0eXBlGAEgASgOMhcucGl2aXJ0LnZtLnYxLkV2ZW50VHlwZRIcCgJ2bRgCIAEoCzIQLnBpdmlydC52bS52MS5WTSIrCg5Db25zb2xlUmVxdWVzdBIKCgJpZBgBIAEoCRINCgVpbnB1dBgCIAEoDCIhCg9Db25zb2xlUmVzcG9uc2USDgoGb3V0cHV0GAEgASgMKnoKClBvd2VyU3RhdGUSGwoXUE9XRVJfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNQT1dFUl9TVEFURV9TVE9QUEVEEAESFwoTUE9XRVJfU1RBVEVfUlVOTklORxACEh0KGVBPV0VSX1NUQVRFX1NIVVRUSU5HX0RPV04QAyqIAQoJRXZlbnRUeXBlEhoKFkVWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIXChNFVkVOVF9UWVBFX0VYSVNUSU5HEAESFgoSRVZFTlRfVFlQRV9DUkVBVEVEEAISFgoSRVZFTlRfVFlQRV9VUERBVEVEEAMSFgoSRVZFTlRfVFlQRV9ERUxFVEVEEAQyvwkKCVZNU2VydmljZRJoCgdMaXN0Vk1zEhwucGl2aXJ0LnZtLnYxLkxpc3RWTXNSZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLkxpc3RWTXNSZXNwb25zZSIgyvMYHAoPdmlydHVhbG1hY2hpbmVzEgRsaXN0KgN2bXMSYAoFR2V0Vk0SGi5waXZpcnQudm0udjEuR2V0Vk1SZXF1ZXN0GhsucGl2aXJ0LnZtLnYxLkdldFZNUmVzcG9uc2UiHsrzGBoKD3ZpcnR1YWxtYWNoaW5lcxIDZ2V0GgJpZBJsCghDcmVhdGVWTRIdLnBpdmlydC52bS52MS5DcmVhdGVWTVJlcXVlc3QaHi5waXZpcnQudm0udjEuQ3JlYXRlVk1SZXNwb25zZSIhyvMYHQoPdmlydHVhbG1hY2hpbmVzEgZjcmVhdGUiAnZtEm8KCFVwZGF0ZVZNEh0ucGl2aXJ0LnZtLnYxLlVwZGF0ZVZNUmVxdWVzdBoeLnBpdmlydC52bS52MS5VcGRhdGVWTVJlc3BvbnNlIiTK8xggCg92aXJ0dWFsbWFjaGluZXMSBnVwZGF0ZRoFdm0uaWQSbAoIRGVsZXRlVk0SHS5waXZpcnQudm0udjEuRGVsZXRlVk1SZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLkRlbGV0ZVZNUmVzcG9uc2UiIcrzGB0KD3ZpcnR1YWxtYWNoaW5lcxIGZGVsZXRlGgJpZBJoCgdQb3dlck9uEhwucGl2aXJ0LnZtLnYxLlBvd2VyT25SZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLlBvd2VyT25SZXNwb25zZSIgyvMYHAoPdmlydHVhbG1hY2hpbmVzEgVzdGFydBoCaWQSfwoPU2h1dGRvd25EZWZhdWx0EiQucGl2aXJ0LnZtLnYxLlNodXRkb3duRGVmYXVsdFJlcXVlc3QaJS5waXZpcnQudm0udjEuU2h1dGRvd25EZWZhdWx0UmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSagoIUG93ZXJPZmYSHS5waXZpcnQudm0udjEuUG93ZXJPZmZSZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLlBvd2VyT2ZmUmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSZAoGUmVib290EhsucGl2aXJ0LnZtLnYxLlJlYm9vdFJlcXVlc3QaHC5waXZpcnQudm0udjEuUmVib290UmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSbAoIV2F0Y2hWTXMSHS5waXZpcnQudm0udjEuV2F0Y2hWTXNSZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLldhdGNoVk1zUmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEbGlzdCoCdm0wARJuCgdDb25zb2xlEhwucGl2aXJ0LnZtLnYxLkNvbnNvbGVSZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLkNvbnNvbGVSZXNwb25zZSIiyvMYHgoPdmlydHVhbG1hY2hpbmVzEgdjb25zb2xlGgJpZCgBMAFCL1otcGlsYWIuaHUvcGl2aXJ0LWFnZW50L3Byb3RvL3BpdmlydC92bS92MTt2bXYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_pivirt_api_v1_api]);
+  fileDesc("ChVwaXZpcnQvdm0vdjEvdm0ucHJvdG8SDHBpdmlydC52bS52MSLMAQoCVk0SCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIrCghtZXRhZGF0YRgDIAEoCzIZLnBpdmlydC5hcGkudjEuT2JqZWN0TWV0YRINCgV2Y3B1cxgEIAEoDRISCgptZW1vcnlfbWliGAUgASgEEg0KBWRpc2tzGAYgAygJEhAKCG5ldHdvcmtzGAcgAygJEi0KC3Bvd2VyX3N0YXRlGAggASgOMhgucGl2aXJ0LnZtLnYxLlBvd2VyU3RhdGUSDAoEaG9zdBgJIAEoCSJUCg5MaXN0Vk1zUmVxdWVzdBIRCglwYWdlX3NpemUYASABKAUSEgoKcGFnZV90b2tlbhgCIAEoCRINCgVvd25lchgDIAEoCRIMCgRob3N0GAQgASgJIkkKD0xpc3RWTXNSZXNwb25zZRIdCgN2bXMYASADKAsyEC5waXZpcnQudm0udjEuVk0SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSItCg1HZXRWTVJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIj0KD0NyZWF0ZVZNUmVxdWVzdBIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTRIMCgRob3N0GAIgASgJIjAKEENyZWF0ZVZNUmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0ilgEKD1VwZGF0ZVZNUmVxdWVzdBIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTRIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2sSHgoRZXhwZWN0ZWRfcmV2aXNpb24YAyABKARIAIgBAUIUChJfZXhwZWN0ZWRfcmV2aXNpb24iMAoQVXBkYXRlVk1SZXNwb25zZRIcCgJ2bRgBIAEoCzIQLnBpdmlydC52bS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiEgoQRGVsZXRlVk1SZXNwb25zZSIcCg5Qb3dlck9uUmVxdWVzdBIKCgJpZBgBIAEoCSIvCg9Qb3dlck9uUmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0iUAoWU2h1dGRvd25EZWZhdWx0UmVxdWVzdBIKCgJpZBgBIAEoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjcKF1NodXRkb3duRGVmYXVsdFJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIh0KD1Bvd2VyT2ZmUmVxdWVzdBIKCgJpZBgBIAEoCSIwChBQb3dlck9mZlJlc3BvbnNlEhwKAnZtGAEgASgLMhAucGl2aXJ0LnZtLnYxLlZNIhsKDVJlYm9vdFJlcXVlc3QSCgoCaWQYASABKAkiLgoOUmVib290UmVzcG9uc2USHAoCdm0YASABKAsyEC5waXZpcnQudm0udjEuVk0iLgoPV2F0Y2hWTXNSZXF1ZXN0Eg0KBW93bmVyGAEgASgJEgwKBGhvc3QYAiABKAkiVwoQV2F0Y2hWTXNSZXNwb25zZRIlCgR0eXBlGAEgASgOMhcucGl2aXJ0LnZtLnYxLkV2ZW50VHlwZRIcCgJ2bRgCIAEoCzIQLnBpdmlydC52bS52MS5WTSJUCg5Db25zb2xlUmVxdWVzdBIKCgJpZBgBIAEoCRINCgVpbnB1dBgCIAEoDBInCgRzaXplGAMgASgLMhkucGl2aXJ0LnZtLnYxLkNvbnNvbGVTaXplIikKC0NvbnNvbGVTaXplEgwKBGNvbHMYASABKA0SDAoEcm93cxgCIAEoDSJOCg9Db25zb2xlUmVzcG9uc2USDgoGb3V0cHV0GAEgASgMEisKBmNsb3NlZBgCIAEoCzIbLnBpdmlydC52bS52MS5Db25zb2xlQ2xvc2VkIjQKDUNvbnNvbGVDbG9zZWQSDgoGcmVhc29uGAEgASgJEhMKC2V4aXRfc3RhdHVzGAIgASgFKnoKClBvd2VyU3RhdGUSGwoXUE9XRVJfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNQT1dFUl9TVEFURV9TVE9QUEVEEAESFwoTUE9XRVJfU1RBVEVfUlVOTklORxACEh0KGVBPV0VSX1NUQVRFX1NIVVRUSU5HX0RPV04QAyqIAQoJRXZlbnRUeXBlEhoKFkVWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIXChNFVkVOVF9UWVBFX0VYSVNUSU5HEAESFgoSRVZFTlRfVFlQRV9DUkVBVEVEEAISFgoSRVZFTlRfVFlQRV9VUERBVEVEEAMSFgoSRVZFTlRfVFlQRV9ERUxFVEVEEAQyvwkKCVZNU2VydmljZRJoCgdMaXN0Vk1zEhwucGl2aXJ0LnZtLnYxLkxpc3RWTXNSZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLkxpc3RWTXNSZXNwb25zZSIgyvMYHAoPdmlydHVhbG1hY2hpbmVzEgRsaXN0KgN2bXMSYAoFR2V0Vk0SGi5waXZpcnQudm0udjEuR2V0Vk1SZXF1ZXN0GhsucGl2aXJ0LnZtLnYxLkdldFZNUmVzcG9uc2UiHsrzGBoKD3ZpcnR1YWxtYWNoaW5lcxIDZ2V0GgJpZBJsCghDcmVhdGVWTRIdLnBpdmlydC52bS52MS5DcmVhdGVWTVJlcXVlc3QaHi5waXZpcnQudm0udjEuQ3JlYXRlVk1SZXNwb25zZSIhyvMYHQoPdmlydHVhbG1hY2hpbmVzEgZjcmVhdGUiAnZtEm8KCFVwZGF0ZVZNEh0ucGl2aXJ0LnZtLnYxLlVwZGF0ZVZNUmVxdWVzdBoeLnBpdmlydC52bS52MS5VcGRhdGVWTVJlc3BvbnNlIiTK8xggCg92aXJ0dWFsbWFjaGluZXMSBnVwZGF0ZRoFdm0uaWQSbAoIRGVsZXRlVk0SHS5waXZpcnQudm0udjEuRGVsZXRlVk1SZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLkRlbGV0ZVZNUmVzcG9uc2UiIcrzGB0KD3ZpcnR1YWxtYWNoaW5lcxIGZGVsZXRlGgJpZBJoCgdQb3dlck9uEhwucGl2aXJ0LnZtLnYxLlBvd2VyT25SZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLlBvd2VyT25SZXNwb25zZSIgyvMYHAoPdmlydHVhbG1hY2hpbmVzEgVzdGFydBoCaWQSfwoPU2h1dGRvd25EZWZhdWx0EiQucGl2aXJ0LnZtLnYxLlNodXRkb3duRGVmYXVsdFJlcXVlc3QaJS5waXZpcnQudm0udjEuU2h1dGRvd25EZWZhdWx0UmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSagoIUG93ZXJPZmYSHS5waXZpcnQudm0udjEuUG93ZXJPZmZSZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLlBvd2VyT2ZmUmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSZAoGUmVib290EhsucGl2aXJ0LnZtLnYxLlJlYm9vdFJlcXVlc3QaHC5waXZpcnQudm0udjEuUmVib290UmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEc3RvcBoCaWQSbAoIV2F0Y2hWTXMSHS5waXZpcnQudm0udjEuV2F0Y2hWTXNSZXF1ZXN0Gh4ucGl2aXJ0LnZtLnYxLldhdGNoVk1zUmVzcG9uc2UiH8rzGBsKD3ZpcnR1YWxtYWNoaW5lcxIEbGlzdCoCdm0wARJuCgdDb25zb2xlEhwucGl2aXJ0LnZtLnYxLkNvbnNvbGVSZXF1ZXN0Gh0ucGl2aXJ0LnZtLnYxLkNvbnNvbGVSZXNwb25zZSIiyvMYHgoPdmlydHVhbG1hY2hpbmVzEgdjb25zb2xlGgJpZCgBMAFCL1otcGlsYWIuaHUvcGl2aXJ0LWFnZW50L3Byb3RvL3BpdmlydC92bS92MTt2bXYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_pivirt_api_v1_api]);
 
 /**
  * @generated from message pivirt.vm.v1.VM
@@ -498,9 +498,19 @@ export type ConsoleRequest = Message<"pivirt.vm.v1.ConsoleRequest"> & {
   id: string;
 
   /**
+   * input is what the user typed, as the terminal sends it (raw bytes).
+   *
    * @generated from field: bytes input = 2;
    */
   input: Uint8Array;
+
+  /**
+   * size is the terminal's window: sent in the first request when known
+   * and again whenever it changes; a request may carry it alone.
+   *
+   * @generated from field: pivirt.vm.v1.ConsoleSize size = 3;
+   */
+  size?: ConsoleSize | undefined;
 };
 
 /**
@@ -511,13 +521,48 @@ export const ConsoleRequestSchema: GenMessage<ConsoleRequest> = /*@__PURE__*/
   messageDesc(file_pivirt_vm_v1_vm, 21);
 
 /**
+ * ConsoleSize is a terminal window in character cells.
+ *
+ * @generated from message pivirt.vm.v1.ConsoleSize
+ */
+export type ConsoleSize = Message<"pivirt.vm.v1.ConsoleSize"> & {
+  /**
+   * @generated from field: uint32 cols = 1;
+   */
+  cols: number;
+
+  /**
+   * @generated from field: uint32 rows = 2;
+   */
+  rows: number;
+};
+
+/**
+ * Describes the message pivirt.vm.v1.ConsoleSize.
+ * Use `create(ConsoleSizeSchema)` to create a new message.
+ */
+export const ConsoleSizeSchema: GenMessage<ConsoleSize> = /*@__PURE__*/
+  messageDesc(file_pivirt_vm_v1_vm, 22);
+
+/**
  * @generated from message pivirt.vm.v1.ConsoleResponse
  */
 export type ConsoleResponse = Message<"pivirt.vm.v1.ConsoleResponse"> & {
   /**
+   * output is what the VM's serial console wrote (raw bytes for a
+   * terminal).
+   *
    * @generated from field: bytes output = 1;
    */
   output: Uint8Array;
+
+  /**
+   * closed, in the last response before the stream ends, says why the
+   * console ended on the VM's side.
+   *
+   * @generated from field: pivirt.vm.v1.ConsoleClosed closed = 2;
+   */
+  closed?: ConsoleClosed | undefined;
 };
 
 /**
@@ -525,7 +570,37 @@ export type ConsoleResponse = Message<"pivirt.vm.v1.ConsoleResponse"> & {
  * Use `create(ConsoleResponseSchema)` to create a new message.
  */
 export const ConsoleResponseSchema: GenMessage<ConsoleResponse> = /*@__PURE__*/
-  messageDesc(file_pivirt_vm_v1_vm, 22);
+  messageDesc(file_pivirt_vm_v1_vm, 23);
+
+/**
+ * ConsoleClosed ends a console session from the VM's side.
+ *
+ * @generated from message pivirt.vm.v1.ConsoleClosed
+ */
+export type ConsoleClosed = Message<"pivirt.vm.v1.ConsoleClosed"> & {
+  /**
+   * reason is a sentence for the user ("the shell exited", "the VM was
+   * powered off").
+   *
+   * @generated from field: string reason = 1;
+   */
+  reason: string;
+
+  /**
+   * exit_status is the status of the program that ended the session,
+   * where there is one (0 otherwise).
+   *
+   * @generated from field: int32 exit_status = 2;
+   */
+  exitStatus: number;
+};
+
+/**
+ * Describes the message pivirt.vm.v1.ConsoleClosed.
+ * Use `create(ConsoleClosedSchema)` to create a new message.
+ */
+export const ConsoleClosedSchema: GenMessage<ConsoleClosed> = /*@__PURE__*/
+  messageDesc(file_pivirt_vm_v1_vm, 24);
 
 /**
  * @generated from enum pivirt.vm.v1.PowerState
@@ -694,8 +769,11 @@ export const VMService: GenService<{
     output: typeof WatchVMsResponseSchema;
   },
   /**
-   * Console is the VM's serial console: the first request names the VM,
-   * every request carries input, every response output.
+   * Console is the VM's serial console: the first request names the VM
+   * (and the terminal's size), later requests carry input and size
+   * changes, responses carry output; the last response may say why the
+   * console closed. Browsers reach it over a WebSocket of the agent
+   * (/ws/pivirt.vm.v1.VMService/Console).
    *
    * @generated from rpc pivirt.vm.v1.VMService.Console
    */
