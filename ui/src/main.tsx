@@ -1,6 +1,7 @@
 // The PiVirt console: the application shell (login, navigation, the view
 // of the URL). Every view is in views/.
 import "uplot/dist/uPlot.min.css";
+import "@xterm/xterm/css/xterm.css"; // the console's (views/console.tsx, loaded when used)
 import "./app.css";
 import { render } from "preact";
 import { useEffect, useRef, useState } from "preact/hooks";
@@ -104,7 +105,7 @@ function View(props: { session: Session; route: string[] }) {
     case "services":
       return <Services name={rest[0]} />;
     case "vms":
-      return <Resources kind="vms" id={rest[0]} />;
+      return <Resources kind="vms" id={rest[0]} sub={rest[1]} />;
     case "volumes":
       return <Resources kind="volumes" id={rest[0]} />;
     case "networks":

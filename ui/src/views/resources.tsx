@@ -1,7 +1,7 @@
 // VMs, volumes and networks across every node, with their host and owner,
 // followed with the Watch streams (the agent merges every node's). A VM's
 // page offers the power actions the caller's role allows, each confirmed.
-import { useRef, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import type { ComponentChildren } from "preact";
 import { client, problem, type Problem } from "../api";
 import { Badge, Confirm, Empty, ErrorBox, Link, Live, Loading, PageHeader, Table, fmtBytes, fmtTime, type Column, type Tone } from "../components";
@@ -101,9 +101,14 @@ function columns(kind: Kind): Column<Obj>[] {
   }
 }
 
-export function Resources(props: { kind: Kind; id?: string }) {
+export function Resources(props: { kind: Kind; id?: string; sub?: string }) {
   const w = useWatch(props.kind);
   const [plural, singular] = titles[props.kind];
+  if (props.kind === "vms" && props.id && props.sub === "console") {
+    // Opened also when the watch does not show the VM: the agent says why
+    // its console does not open (another owner's VM, a VM that is gone).
+    return <LazyConsole id={props.id} vm={w.objs?.get(props.id) as VM | undefined} loaded={!!w.objs} />;
+  }
   if (props.id) {
     const o = w.objs?.get(props.id);
     return (
@@ -189,12 +194,40 @@ function Detail(props: { kind: Kind; obj: Obj }) {
         )}
       </dl>
       {props.kind === "vms" && <Actions vm={o as VM} />}
+      {props.kind === "vms" && <ConsoleLink vm={o as VM} />}
       {props.kind === "vms" && (
         <p>
           <Link href={`${href("schedules")}?vm=${encodeURIComponent(o.id)}`}>Power schedules of this VM</Link>
         </p>
       )}
     </>
+  );
+}
+
+type ConsoleModule = typeof import("./console");
+
+/** LazyConsole loads the console's code (xterm.js) when a console opens. */
+function LazyConsole(props: { id: string; vm?: VM; loaded: boolean }) {
+  const [mod, setMod] = useState<ConsoleModule | undefined>();
+  const [err, setErr] = useState<Problem | undefined>();
+  useEffect(() => {
+    import("./console").then(setMod, (e) => setErr(problem(e)));
+  }, []);
+  if (err) return <ErrorBox problem={err} what="the console's code did not load" />;
+  if (!mod) return <Loading what="the console" />;
+  return <mod.ConsoleView {...props} />;
+}
+
+/** ConsoleLink opens the VM's console: offered when the caller may use it and the VM runs. */
+function ConsoleLink(props: { vm: VM }) {
+  const s = useSession();
+  if (decision(s, "VMService/Console") === "denied" || props.vm.powerState !== PowerState.RUNNING) return null;
+  return (
+    <p>
+      <Link href={href("vms", props.vm.id, "console")} class="button">
+        Console
+      </Link>
+    </p>
   );
 }
 
