@@ -15,25 +15,32 @@ const out = join(root, "dist");
 rmSync(out, { recursive: true, force: true });
 mkdirSync(join(out, "assets"), { recursive: true });
 
-// xterm.js creates <style> elements for part of its CSS, which the page's
-// Content-Security-Policy (style-src 'self') refuses: its calls go to
-// ui/src/inertstyle.ts instead, which applies the same CSS through
-// constructed stylesheets. A release of xterm with other calls fails the
-// build here, to be looked at.
-const inertStyle = {
-  name: "xterm-inert-style",
+// xterm.js applies part of its CSS in ways the page's
+// Content-Security-Policy (style-src 'self') refuses: <style> elements it
+// creates (its calls go to ui/src/inertstyle.ts instead, which applies the
+// same CSS through constructed stylesheets) and a style attribute it
+// appends to (the colours of some characters: set through the CSSOM here,
+// element.style, which the policy allows). A release of xterm written
+// otherwise fails the build here, to be looked at.
+const xtermCSP = {
+  name: "xterm-csp",
   setup(build) {
     build.onLoad({ filter: /[\\/]@xterm[\\/]xterm[\\/]lib[\\/]xterm\.mjs$/ }, (args) => {
-      const src = readFileSync(args.path, "utf8");
-      let n = 0;
-      const patched = src.replace(/([\w$]+(?:\.[\w$]+)*)\.createElement\("style"\)/g, (_, doc) => {
-        n++;
+      let src = readFileSync(args.path, "utf8");
+      let styles = 0;
+      src = src.replace(/([\w$]+(?:\.[\w$]+)*)\.createElement\("style"\)/g, (_, doc) => {
+        styles++;
         return `__inertStyle(${doc})`;
       });
-      if (n !== 3 || /createElement\(['"`]style/.test(patched)) {
-        throw new Error(`build: xterm creates <style> elements in ${n} places, not the 3 ui/src/inertstyle.ts was written for`);
+      let attrs = 0;
+      src = src.replace(/([\w$]+)\.setAttribute\("style",`\$\{\1\.getAttribute\("style"\)\|\|""\}\$\{([\w$]+)\};`\)/g, (_, el, css) => {
+        attrs++;
+        return `${el}.style.cssText+=${css}+";"`;
+      });
+      if (styles !== 3 || attrs !== 1 || /createElement\(['"`]style|setAttribute\(['"`]style|\.innerHTML\b/.test(src)) {
+        throw new Error(`build: xterm sets styles in other places (${styles} <style> elements, ${attrs} style attributes) than ui/build.mjs and ui/src/inertstyle.ts were written for`);
       }
-      return { contents: `import { inertStyle as __inertStyle } from "./inertstyle.ts";\n${patched}`, loader: "js", resolveDir: join(root, "src") };
+      return { contents: `import { inertStyle as __inertStyle } from "./inertstyle.ts";\n${src}`, loader: "js", resolveDir: join(root, "src") };
     });
   },
 };
@@ -57,7 +64,7 @@ const result = await esbuild.build({
   metafile: true,
   logLevel: "warning",
   charset: "utf8",
-  plugins: [inertStyle],
+  plugins: [xtermCSP],
 });
 
 let js = "";

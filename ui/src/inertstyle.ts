@@ -1,18 +1,18 @@
 // xterm.js writes part of its CSS at run time into <style> elements it
 // creates (the DOM renderer's colours, font and row layout, the
 // scrollbar's colours). The page's Content-Security-Policy (style-src
-// 'self') refuses inline style elements, so ui/build.mjs points those
-// createElement("style") calls of xterm's bundle at inertStyle: the
-// element is created with a type other than text/css, which a browser
-// never parses (nor checks against the policy), and its text is applied
-// through a constructed stylesheet (document.adoptedStyleSheets) — the
+// 'self') refuses inline style elements — Chromium even for one whose
+// type is not CSS — so ui/build.mjs points those createElement("style")
+// calls of xterm's bundle at inertStyle: the element is a <template>,
+// whose text is never rendered nor parsed as CSS, and its text is applied
+// through a constructed stylesheet (document.adoptedStyleSheets): the
 // CSSOM, which the policy does not govern, like the element.style
 // properties xterm sets.
-const sheets = new Map<HTMLStyleElement, CSSStyleSheet>();
+const sheets = new Map<Element, CSSStyleSheet>();
 
-export function inertStyle(doc: Document): HTMLStyleElement {
-  const el = doc.createElement("style");
-  el.setAttribute("type", "text/x-inert-css");
+export function inertStyle(doc: Document): HTMLTemplateElement {
+  const el = doc.createElement("template");
+  el.className = "xterm-style";
   const sheet = new CSSStyleSheet();
   sheets.set(el, sheet);
   new MutationObserver(() => {

@@ -339,6 +339,14 @@ func TestWebUI(t *testing.T) {
 		admin.shot("vm")
 	})
 
+	t.Run("a VM's console", func(t *testing.T) {
+		testConsole(t, e, n1, "alice-node3")
+	})
+
+	t.Run("no console without the console verb", func(t *testing.T) {
+		testNoConsoleButton(t, e, n1, "alice-node3")
+	})
+
 	t.Run("a schedule's runs appear", func(t *testing.T) {
 		admin.t = t
 		id := vmOn["bob-node2"]
@@ -468,6 +476,7 @@ func TestWebUI(t *testing.T) {
 		owner.open("alice-node1")
 		owner.waitJS("alice's VM page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
 		owner.waitText("Start", 10*time.Second)
+		testConsoleOwner(t, owner, "alice-node3", vmOn["bob-node2"])
 	})
 
 	t.Run("a node goes down", func(t *testing.T) {
