@@ -9,7 +9,7 @@
 import { useEffect, useRef, useState } from "preact/hooks";
 import { Terminal } from "@xterm/xterm";
 import { FitAddon } from "@xterm/addon-fit";
-import { ErrorBox, Link } from "../components";
+import { ErrorBox, Link, Loading } from "../components";
 import { ConsoleSession, type ConsoleState } from "../console";
 import { adopt } from "../inertstyle";
 import { href } from "../router";
@@ -28,7 +28,7 @@ function notice(text: string): string {
   return `\r\n\x1b[1;33m[${text}]\x1b[0m\r\n`;
 }
 
-function describe(s: ConsoleState): string {
+function describe(s: ConsoleState, opened: boolean): string {
   switch (s.kind) {
     case "connecting":
       return "Connecting…";
@@ -41,7 +41,7 @@ function describe(s: ConsoleState): string {
     case "ended":
       return `The session ended: ${s.why}.`;
     case "failed":
-      return "The console failed.";
+      return opened ? "The console failed." : "The console did not open.";
   }
 }
 
@@ -59,12 +59,19 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
   const [state, setState] = useState<ConsoleState>({ kind: "connecting" });
   const [generation, setGeneration] = useState(0);
   const stopped = props.vm !== undefined && props.vm.powerState !== PowerState.RUNNING;
-  const ready = props.loaded && !stopped;
+  // The VM's power decides whether a console starts, not when it ends: a
+  // VM that stops ends its session from its side, which says so.
+  const [started, setStarted] = useState(false);
+  useEffect(() => {
+    if (props.loaded && !stopped) setStarted(true);
+  }, [props.loaded, stopped]);
+  const opened = useRef(false);
   const name = props.vm?.name || props.id;
 
   useEffect(() => {
     const el = box.current;
-    if (!ready || !el) return;
+    if (!started || !el) return;
+    opened.current = false;
     const term = new Terminal({
       theme,
       fontFamily: 'ui-monospace, "SFMono-Regular", Menlo, Consolas, "DejaVu Sans Mono", monospace',
@@ -95,14 +102,15 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
         setState(s);
         switch (s.kind) {
           case "open":
+            opened.current = true;
             term.focus();
             break;
           case "reconnecting":
-            term.write(notice(describe(s)));
+            term.write(notice(describe(s, true)));
             break;
           case "closed":
           case "ended":
-            term.write(notice(describe(s)));
+            term.write(notice(describe(s, true)));
             break;
           case "failed":
             term.write(notice(`${s.problem.message}`));
@@ -144,21 +152,23 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
       term.dispose();
       adopt();
     };
-  }, [props.id, ready, generation]);
+  }, [props.id, started, generation]);
 
   const over = state.kind === "closed" || state.kind === "ended" || state.kind === "failed";
   return (
     <section class="console-view">
       <h1>Console of {name}</h1>
       <Link href={href("vms", props.id)}>← VM {name}</Link>
-      {stopped ? (
+      {!started && !props.loaded ? (
+        <Loading what="the VM" />
+      ) : !started && stopped ? (
         <p class="state empty">The VM is {PowerState[props.vm!.powerState].toLowerCase().replace(/_/g, " ")}: its console opens when it runs.</p>
       ) : (
         <>
           <p class={`console-state ${state.kind}`} role="status" data-testid="console-state">
-            {describe(state)}
+            {describe(state, opened.current)}
           </p>
-          {state.kind === "failed" && <ErrorBox problem={state.problem} what="the console did not open" />}
+          {state.kind === "failed" && <ErrorBox problem={state.problem} what={opened.current ? "the console failed" : "the console did not open"} />}
           <div class="console" ref={box} data-testid="console" />
           <div class="actions">
             {over && (
