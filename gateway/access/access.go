@@ -489,6 +489,14 @@ func untilExpiry(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithDeadlineCause(ctx, who.Expiry, ErrTokenExpired)
 }
 
+// tokenExpired reports whether ctx (of untilExpiry) ended because its
+// token expired: the stream's caller is told Unauthenticated, as a new
+// call with that token would be, whatever the handler answered to the
+// cancellation (a proxied call's backend sees a cancelled stream).
+func tokenExpired(ctx context.Context) bool {
+	return ctx.Err() != nil && errors.Is(context.Cause(ctx), ErrTokenExpired)
+}
+
 // authenticate names the caller of c from its credentials alone (the
 // authorization header, the connection's client certificate), after taking
 // a token of the source's failed-authentication budget.

@@ -329,6 +329,9 @@ func (g *Guard) StreamServerInterceptor() grpc.StreamServerInterceptor {
 		if f := w.first.Swap(nil); f != nil {
 			f.Free()
 		}
+		if tokenExpired(ctx) {
+			return status.Error(codes.Unauthenticated, ErrTokenExpired.Error())
+		}
 		return withheld(gr, err)
 	}
 }
@@ -487,7 +490,11 @@ func (i connectGuard) WrapStreamingHandler(next connect.StreamingHandlerFunc) co
 		if gr.checksRequest() || gr.filters() {
 			conn = &guardedConn{StreamingHandlerConn: conn, ctx: ctx, g: i.g, c: c, gr: gr}
 		}
-		return next(ctx, conn)
+		err = next(ctx, conn)
+		if tokenExpired(ctx) {
+			return connect.NewError(connect.CodeUnauthenticated, ErrTokenExpired)
+		}
+		return err
 	}
 }
 

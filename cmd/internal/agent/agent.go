@@ -43,6 +43,7 @@ import (
 	"pilab.hu/pivirt-agent/gateway/access"
 	"pilab.hu/pivirt-agent/gateway/authn"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/console"
 	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/gateway/observe"
@@ -1272,6 +1273,18 @@ func (a *Agent) apiMux(gs *grpc.Server) (http.Handler, error) {
 	mux.Handle("GET "+ui.Prefix, ui.Handler(a.uiConfig))
 	mux.Handle("GET /ui", http.RedirectHandler(ui.Prefix, http.StatusMovedPermanently))
 	mux.Handle("GET /{$}", ui.Root())
+	// A VM's console for browsers: a WebSocket bridged to the Console
+	// call, made in process through the gRPC server's access control.
+	con := &console.Handler{
+		GRPC:     gs,
+		Origins:  func() []string { return a.current.Load().Server.UI.ConnectOrigins },
+		Stopping: a.ctx.Done(),
+		Logger:   a.logger,
+	}
+	if a.guard != nil {
+		con.Authenticate = a.guard.Authenticated
+	}
+	mux.Handle("GET "+console.Path, con)
 	if err := a.addTranscoder(mux, gs, authenticated); err != nil {
 		return nil, err
 	}
