@@ -95,11 +95,12 @@ func (p *cutProxy) cut() int {
 // xterm's DOM renderer, one line each.
 const termJS = `[...document.querySelectorAll('.console .xterm-rows > div')].map((d) => d.textContent.replace(/\u00a0/g, ' ').trimEnd()).join('\n')`
 
-// waitTerm waits until the terminal shows s.
+// waitTerm waits until the terminal shows s, wherever its lines wrap
+// (white space is left out of the comparison).
 func (b *tab) waitTerm(s string, timeout time.Duration) time.Duration {
 	b.t.Helper()
-	q, _ := json.Marshal(s)
-	return b.waitJS(fmt.Sprintf("the terminal shows %q", s), timeout, fmt.Sprintf(`(%s).includes(%s)`, termJS, q))
+	q, _ := json.Marshal(strings.Join(strings.Fields(s), ""))
+	return b.waitJS(fmt.Sprintf("the terminal shows %q", s), timeout, fmt.Sprintf(`(%s).replace(/\s+/g, '').includes(%s)`, termJS, q))
 }
 
 func (b *tab) term() string {
@@ -265,7 +266,11 @@ func testConsole(t *testing.T, e *uiEnv, n *node, vmName string) {
 		t.Fatal("no connection to cut")
 	}
 	b.waitTerm("The connection to the agent was lost (1006); connecting again in 1 s (attempt 1).", 20*time.Second)
-	took := b.waitJS("connected again", 30*time.Second, `document.querySelector('[data-testid=console-state]')?.textContent === 'Connected.' && (`+termJS+`).split('pivirtd-sim serial console of').length > 2`)
+	took := b.waitJS("connected again", 30*time.Second, `(() => {
+		const flat = (`+termJS+`).replace(/\s+/g, '');
+		return document.querySelector('[data-testid=console-state]')?.textContent === 'Connected.' &&
+			flat.lastIndexOf('Theconnectiontotheagentwaslost(1006)') < flat.lastIndexOf('pivirtd-simserialconsoleof');
+	})()`)
 	t.Logf("the console was open again %s after the cut was shown", took.Round(100*time.Millisecond))
 	b.typeTerm("hostname\r")
 	b.waitJS("the new session answers", 20*time.Second, fmt.Sprintf(`(%s).split('\n').filter((l) => l === %q).length >= 1`, termJS, vmName))
