@@ -76,6 +76,7 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
       theme,
       fontFamily: 'ui-monospace, "SFMono-Regular", Menlo, Consolas, "DejaVu Sans Mono", monospace',
       fontSize: 14,
+      lineHeight: 1.2, // room below the baseline: an underscore is not cut off
       cursorBlink: true,
       scrollback: 5000,
       screenReaderMode: false,
@@ -113,7 +114,8 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
             term.write(notice(describe(s, true)));
             break;
           case "failed":
-            term.write(notice(`${s.problem.message}`));
+            // A console that never opened has only the error above it.
+            if (opened.current) term.write(notice(s.problem.message));
             break;
         }
       },
@@ -155,6 +157,8 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
   }, [props.id, started, generation]);
 
   const over = state.kind === "closed" || state.kind === "ended" || state.kind === "failed";
+  // A console that never opened shows the agent's refusal, not an empty terminal.
+  const refused = state.kind === "failed" && !opened.current;
   return (
     <section class="console-view">
       <h1>Console of {name}</h1>
@@ -169,10 +173,17 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
             {describe(state, opened.current)}
           </p>
           {state.kind === "failed" && <ErrorBox problem={state.problem} what={opened.current ? "the console failed" : "the console did not open"} />}
-          <div class="console" ref={box} data-testid="console" />
+          <div class={refused ? "console refused" : "console"} ref={box} data-testid="console" />
           <div class="actions">
             {over && (
-              <button type="button" class="primary" onClick={() => setGeneration((g) => g + 1)}>
+              <button
+                type="button"
+                class="primary"
+                onClick={() => {
+                  setState({ kind: "connecting" });
+                  setGeneration((g) => g + 1);
+                }}
+              >
                 Connect again
               </button>
             )}
