@@ -288,6 +288,7 @@ func testConsole(t *testing.T, e *uiEnv, n *node, vmName string) {
 // testConsoleOwner: a vm-owner opens its own VM's console and is refused
 // another owner's, in pvcli's words.
 func testConsoleOwner(t *testing.T, b *tab, ownVM, othersID string) {
+	start := time.Now()
 	b.openConsole(ownVM)
 	b.typeTerm("hostname\r")
 	b.waitJS("alice's console answers", 20*time.Second, fmt.Sprintf(`(%s).split('\n').includes(%q)`, termJS, ownVM))
@@ -299,6 +300,7 @@ func testConsoleOwner(t *testing.T, b *tab, ownVM, othersID string) {
 	}
 	b.shot("console-denied")
 	b.accessible("console-denied")
+	t.Logf("vm-owner's consoles took %s", time.Since(start).Round(100*time.Millisecond))
 }
 
 // testNoConsoleButton: a role without the console verb gets no Console
