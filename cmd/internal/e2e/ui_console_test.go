@@ -243,6 +243,17 @@ func testConsole(t *testing.T, e *uiEnv, n *node, vmName string) {
 		return dt.getData('text/plain').includes('pivirtd-sim serial console of');
 	})()`)
 
+	// A paste larger than a frame (64 KiB) goes in several; the session
+	// stays open (the shell's line takes 4096 and rings for the rest).
+	b.waitJS("a big paste", 5*time.Second, `(() => {
+		const dt = new DataTransfer();
+		dt.setData('text/plain', 'x'.repeat(150 * 1024));
+		document.querySelector('.console textarea').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true}));
+		return true;
+	})()`)
+	b.typeTerm("\recho after-big-paste\r")
+	b.waitJS("the session goes on after a big paste", 20*time.Second, fmt.Sprintf(`(%s).split('\n').includes('after-big-paste') && document.querySelector('[data-testid=console-state]')?.textContent === 'Connected.'`, termJS))
+
 	// The size follows the window.
 	before := b.sttySize(1)
 	b.run("a smaller window", 10*time.Second, chromedp.EmulateViewport(800, 520))
