@@ -61,8 +61,9 @@ ui/dist/index.html: $(NODE_DEPS) $(UI_SOURCES)
 ui: ui/dist/index.html ## build the web UI (ui/src → ui/dist, embedded in pivirt-agent); make build does this
 
 .PHONY: check-ui
-check-ui: $(NODE_DEPS) ## type-check the UI's TypeScript and fail if the committed ui/dist is stale
+check-ui: $(NODE_DEPS) ## type-check the UI's TypeScript, run its unit tests, and fail if the committed ui/dist is stale
 	npx tsc -p ui
+	node ui/test.mjs
 	node ui/build.mjs
 	@git diff --exit-code -- ui/dist || { echo "ui/dist is stale: run make ui and commit"; exit 1; }
 	@test -z "$$(git status --porcelain -- ui/dist)" || { git status --porcelain -- ui/dist; echo "untracked UI assets: run make ui and commit"; exit 1; }
