@@ -111,7 +111,7 @@ func startUIEnv(t *testing.T) *uiEnv {
 }
 
 // docsShots are the screenshots docs/getting-started.md shows (docs/ui).
-var docsShots = map[string]bool{"overview": true, "vm": true, "schedule": true}
+var docsShots = map[string]bool{"overview": true, "vm": true, "schedule": true, "console": true}
 
 // tab is one browser tab: its own page and memory, so its own login.
 type tab struct {
