@@ -74,10 +74,7 @@ monitor on the resource agent.`,
 				}
 				// Ctrl-C, or the end of --timeout, ends a monitor: not an
 				// error.
-				if err := stream.Err(); err != nil && ctx.Err() == nil {
-					return err
-				}
-				return nil
+				return watchErr(ctx, stream.Err())
 			})
 		}),
 	}

@@ -242,10 +242,7 @@ func (a *app) watchMembers(cmd *cobra.Command) error {
 			}
 		}
 		// Ctrl-C, or the end of --timeout, ends a watch: not an error.
-		if err := stream.Err(); err != nil && ctx.Err() == nil {
-			return err
-		}
-		return nil
+		return watchErr(ctx, stream.Err())
 	})
 }
 

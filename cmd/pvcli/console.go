@@ -11,7 +11,6 @@ import (
 	"sync"
 	"syscall"
 
-	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
@@ -179,8 +178,8 @@ func (a *app) console(ctx context.Context, c *clientConn, id string, noTTY bool)
 	default:
 	}
 	if !errors.Is(err, io.EOF) {
-		if ctx.Err() != nil && connect.CodeOf(err) == connect.CodeCanceled {
-			return nil // interrupted (without a terminal, Ctrl-C is a signal)
+		if watchErr(ctx, err) == nil {
+			return nil // interrupted (without a terminal, Ctrl-C is a signal), or --timeout
 		}
 		if tty {
 			fmt.Fprint(a.stderr, "\r\n")

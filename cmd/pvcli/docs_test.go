@@ -36,7 +36,7 @@ func TestDocumentedCommandsParse(t *testing.T) {
 		}
 		for _, line := range shellLines(string(b)) {
 			for _, part := range splitCommands(line) {
-				args := splitShell(strings.TrimSpace(part))
+				args := dropRedirects(splitShell(strings.TrimSpace(part)))
 				if len(args) < 2 || args[0] != "pvcli" {
 					continue
 				}
@@ -129,6 +129,23 @@ func splitShell(s string) []string {
 		words = append(words, cur.String())
 	}
 	return words
+}
+
+// dropRedirects removes the shell's redirections (> file, 2>&1, <file)
+// from a command's words; a <placeholder> stays.
+func dropRedirects(words []string) []string {
+	var out []string
+	for i := 0; i < len(words); i++ {
+		w := strings.TrimLeft(words[i], "0123456789")
+		switch {
+		case w == ">" || w == ">>" || w == "<":
+			i++ // and its file
+		case strings.HasPrefix(w, ">") || strings.HasPrefix(w, "<") && !strings.HasSuffix(w, ">"): // not a <placeholder>
+		default:
+			out = append(out, words[i])
+		}
+	}
+	return out
 }
 
 // splitCommands cuts a shell line at the unquoted ;, | and & that separate

@@ -270,10 +270,21 @@ func printWatch[M any, PM interface {
 		}
 	}
 	// Ctrl-C, or the end of --timeout, ends a watch: not an error.
-	if err := stream.Err(); err != nil && ctx.Err() == nil {
-		return err
+	return watchErr(ctx, stream.Err())
+}
+
+// watchErr is the error a stream (a watch, monitor) ends with: none when
+// Ctrl-C or --timeout ended it. The agent ends a stream at the deadline it
+// was told, so its answer (deadline_exceeded) may come a moment before
+// this process's own clock reaches the deadline.
+func watchErr(ctx context.Context, err error) error {
+	if err == nil || ctx.Err() != nil {
+		return nil
 	}
-	return nil
+	if d, ok := ctx.Deadline(); ok && connect.CodeOf(err) == connect.CodeDeadlineExceeded && time.Until(d) < time.Second {
+		return nil
+	}
+	return err
 }
 
 // allPages collects every page of a list: page returns one page's items

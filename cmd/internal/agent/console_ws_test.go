@@ -18,6 +18,7 @@ import (
 	"github.com/coder/websocket"
 
 	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
+	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/gateway/console"
 	"pilab.hu/pivirt-agent/identity"
 	vmv1 "pilab.hu/pivirt-agent/proto/pivirt/vm/v1"
@@ -86,7 +87,7 @@ func readUntil(ctx context.Context, t *testing.T, conn *websocket.Conn, want str
 // says why or 426; keystrokes, resizes, the shell's end; a token's
 // session ends at its expiry.
 func TestConsoleWebSocket(t *testing.T) {
-	e := newAccessEnv(t, 2, nil)
+	e := newAccessEnv(t, 2, func(cfg *config.Config) { cfg.Server.ConnectRPC.MaxStreamsPerCaller = 2 })
 	e.c.WaitPeers(60*time.Second, 2, 0)
 	mine, theirs := e.createVM("alice"), e.createVM("bob")
 	admin := e.token("root", "admin")
@@ -155,6 +156,34 @@ func TestConsoleWebSocket(t *testing.T) {
 			t.Errorf("%s: %v: HTTP %d %s %q, want %d %s saying %q", x.name, err, status, code, msg, x.status, x.code, x.says)
 		}
 	}
+
+	// Consoles count among a caller's streams: past the bound
+	// (server.connectrpc.max_streams_per_caller, 2 here), refused.
+	var held []*websocket.Conn
+	for range 2 {
+		conn, resp, err := c.dial(ctx, mine, alice, "", "")
+		if err != nil {
+			status, code, msg := refusal(resp)
+			t.Fatalf("alice's console: %v (HTTP %d %s %s)", err, status, code, msg)
+		}
+		held = append(held, conn)
+	}
+	if _, resp, err := c.dial(ctx, mine, alice, "", ""); err == nil {
+		t.Error("a third console of alice's: opened, want refused")
+	} else if status, code, msg := refusal(resp); status != http.StatusTooManyRequests || code != "resource_exhausted" || !strings.Contains(msg, "max_streams_per_caller") {
+		t.Errorf("a third console of alice's: HTTP %d %s %q, want resource_exhausted", status, code, msg)
+	}
+	for _, conn := range held {
+		_ = conn.Close(websocket.StatusNormalClosure, "")
+	}
+	agenttest.Eventually(t, 10*time.Second, "a console again once alice closed hers", func() error {
+		conn, resp, err := c.dial(ctx, mine, alice, "", "")
+		if err != nil {
+			status, code, msg := refusal(resp)
+			return fmt.Errorf("HTTP %d %s %s", status, code, msg)
+		}
+		return conn.Close(websocket.StatusNormalClosure, "")
+	})
 
 	// A plain GET runs the checks: 426 where the console would open, the
 	// reason where not (a browser cannot read a refused handshake).

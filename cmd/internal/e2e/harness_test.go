@@ -683,6 +683,19 @@ func (c *cluster) operatorEnv() []string {
 // environment, a pvcli configuration file of the user's own excepted.
 func (c *cluster) pvcliEnv(t testing.TB, env []string, args ...string) result {
 	t.Helper()
+	return c.runPVCLI(t, env, "", args...)
+}
+
+// pvcliInput runs pvcli through n as the operator with input on its stdin.
+func (c *cluster) pvcliInput(t testing.TB, n *node, input string, args ...string) result {
+	t.Helper()
+	return c.runPVCLI(t, c.operatorEnv(), input, append([]string{"--endpoint", "https://" + n.api}, args...)...)
+}
+
+// runPVCLI runs the pvcli binary: pvcliEnv with input on stdin (none when
+// empty).
+func (c *cluster) runPVCLI(t testing.TB, env []string, input string, args ...string) result {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), pvcliBackstop)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, c.bins.pvcli, args...)
@@ -691,6 +704,9 @@ func (c *cluster) pvcliEnv(t testing.TB, env []string, args ...string) result {
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout = &stdout
 	cmd.Stderr = &stderr
+	if input != "" {
+		cmd.Stdin = strings.NewReader(input)
+	}
 	cmd.WaitDelay = time.Second
 	dieWithTest(cmd)
 	err := cmd.Run()

@@ -76,6 +76,16 @@ func (c *cluster) placementExamples(t *testing.T) {
 			}
 		}
 	}
+	// Every VM's console through every node: its own simulator's shell
+	// answers, and the shell's exit status is pvcli's.
+	for _, n := range nodes {
+		for id, host := range ids {
+			r := c.pvcliInput(t, n, "hostname\nexit 7\n", "vm", "console", id)
+			if r.code != 7 || !strings.Contains(r.stdout, "root@placed-"+host+":~# hostname\r\nplaced-"+host+"\r\n") {
+				t.Errorf("vm console %s (on %s) through %s: %s\nwant the shell's answer and exit status 7", id, host, n.name, r)
+			}
+		}
+	}
 	var vols struct {
 		Volumes []struct {
 			Name string `json:"name"`

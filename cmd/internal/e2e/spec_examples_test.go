@@ -736,7 +736,18 @@ func (e *specEnv) agentRBAC(t *testing.T) {
 		t.Errorf("vm list as alice (vm-owner): %+v, want alice's VMs only", mine.VMs)
 	}
 	e.pvcliOK(t, a, alice, "vm", "start", alices)
+	// Her VM's console (stdin empty: it opens, then ends); bob's is refused
+	// before anything reaches the backend.
+	if r := e.pvcliOK(t, a, alice, "vm", "console", alices); !strings.Contains(r.stdout, "serial console of") {
+		t.Errorf("%s\nwant alice's console", r)
+	}
+	if r := e.pvcli(t, a, alice, "vm", "console", bobs.VM.ID); r.code != 1 || !strings.Contains(r.stderr, "alice (roles vm-owner) may not console virtualmachines") || r.stdout != "" {
+		t.Errorf("%s\nwant bob's VM's console refused to alice", r)
+	}
 	e.pvcliOK(t, a, alice, "vm", "stop", alices, "--shutdown-timeout", "5s")
+	if r := e.pvcli(t, a, alice, "vm", "console", alices); r.code != 1 || !strings.Contains(r.stderr, "its console needs it running") {
+		t.Errorf("%s\nwant the console of a stopped VM refused with the reason", r)
+	}
 	if r := e.pvcli(t, a, alice, "vm", "get", bobs.VM.ID); r.code != 1 || !strings.Contains(r.stderr, "alice (roles vm-owner) may not get virtualmachines") {
 		t.Errorf("%s\nwant bob's VM refused to alice", r)
 	}
