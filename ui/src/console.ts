@@ -92,6 +92,16 @@ export function classifyClose(code: number, opened: boolean): "retry" | "ended" 
   return code >= 4000 && code < 5000 ? "refused" : opened ? "retry" : "probe";
 }
 
+/**
+ * transient: a refusal that may pass by itself — the caller's bound on
+ * open streams (a session cut off by a network blip counts until the
+ * agent notices it gone), a backend or a leader unavailable. The console
+ * is tried again, saying why.
+ */
+export function transient(p: Problem): boolean {
+  return p.code === Code.ResourceExhausted || p.code === Code.Unavailable;
+}
+
 /** The delay before reconnection attempt n (1-based), or undefined past the last. */
 export function retryDelay(attempt: number): number | undefined {
   if (attempt > backoff.attempts) return undefined;
@@ -253,20 +263,22 @@ export class ConsoleSession {
         case "probe":
           probe(this.o.id, size, this.ac.signal).then((p) => {
             if (this.done) return;
-            if (p) this.finish({ kind: "failed", problem: p });
-            else this.retry("the agent could not be reached");
+            if (!p) this.retry("the agent could not be reached");
+            else if (transient(p)) this.retry(p.message, p);
+            else this.finish({ kind: "failed", problem: p });
           });
       }
     };
   }
 
-  private retry(why: string): void {
+  /** retry connects again after the backoff; past the last try the session fails with last (or why). */
+  private retry(why: string, last?: Problem): void {
     this.attempt++;
     const delay = retryDelay(this.attempt);
     if (delay === undefined) {
       this.finish({
         kind: "failed",
-        problem: { code: Code.Unavailable, message: `${why}, and ${backoff.attempts} attempts to connect again failed`, noLeader: false },
+        problem: last ?? { code: Code.Unavailable, message: `${why}, and ${backoff.attempts} attempts to connect again failed`, noLeader: false },
       });
       return;
     }

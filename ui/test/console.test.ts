@@ -160,6 +160,22 @@ test("a refused upgrade is explained by the GET probe, in the UI's words", async
   assert.equal(timers.pending(), 0);
 });
 
+test("a refusal that may pass (too many streams) is tried again, saying why", async () => {
+  FakeWebSocket.reset();
+  fakeFetch.answer = { status: 429, body: '{"code":"resource_exhausted","message":"alice has 64 streams open (server.connectrpc.max_streams_per_caller)"}' };
+  const { states } = session();
+  for (let n = 1; n <= backoff.attempts; n++) {
+    FakeWebSocket.last().serverClose(1006);
+    await flush();
+    assert.deepEqual(states.at(-1), { kind: "reconnecting", attempt: n, delay: retryDelay(n), why: "alice has 64 streams open (server.connectrpc.max_streams_per_caller)" });
+    timers.runNext();
+  }
+  FakeWebSocket.last().serverClose(1006);
+  await flush();
+  const last = states.at(-1);
+  assert.equal(last?.kind === "failed" && last.problem.code, Code.ResourceExhausted);
+});
+
 test("a probe answering 426 (the console would open) tries again; past the last try the session fails", async () => {
   FakeWebSocket.reset();
   fakeFetch.answer = { status: 426, body: "" };

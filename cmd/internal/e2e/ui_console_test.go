@@ -276,11 +276,11 @@ func testConsole(t *testing.T, e *uiEnv, n *node, vmName string) {
 	if n := proxy.cut(); n == 0 {
 		t.Fatal("no connection to cut")
 	}
-	b.waitTerm("The connection to the agent was lost (1006); connecting again in 1 s (attempt 1).", 20*time.Second)
+	b.waitTerm("Connecting again in 1 s (attempt 1 of 8): the connection to the agent was lost (1006).", 20*time.Second)
 	took := b.waitJS("connected again", 30*time.Second, `(() => {
 		const flat = (`+termJS+`).replace(/\s+/g, '');
 		return document.querySelector('[data-testid=console-state]')?.textContent === 'Connected.' &&
-			flat.lastIndexOf('Theconnectiontotheagentwaslost(1006)') < flat.lastIndexOf('pivirtd-simserialconsoleof');
+			flat.lastIndexOf('theconnectiontotheagentwaslost(1006)') < flat.lastIndexOf('pivirtd-simserialconsoleof');
 	})()`)
 	t.Logf("the console was open again %s after the cut was shown", took.Round(100*time.Millisecond))
 	b.typeTerm("hostname\r")

@@ -10,7 +10,7 @@ import { useEffect, useRef, useState } from "preact/hooks";
 import { Terminal } from "@xterm/xterm";
 import { FitAddon } from "@xterm/addon-fit";
 import { ErrorBox, Link, Loading } from "../components";
-import { ConsoleSession, type ConsoleState } from "../console";
+import { backoff, ConsoleSession, type ConsoleState } from "../console";
 import { adopt } from "../inertstyle";
 import { href } from "../router";
 import { PowerState, type VM } from "../gen/pivirt/vm/v1/vm_pb";
@@ -35,7 +35,7 @@ function describe(s: ConsoleState, opened: boolean): string {
     case "open":
       return "Connected.";
     case "reconnecting":
-      return `${cap(s.why)}; connecting again in ${Math.round(s.delay / 1000)} s (attempt ${s.attempt}).`;
+      return `Connecting again in ${Math.round(s.delay / 1000)} s (attempt ${s.attempt} of ${backoff.attempts}): ${s.why}.`;
     case "closed":
       return `The session ended: ${s.reason}${s.exitStatus ? ` (exit status ${s.exitStatus})` : ""}.`;
     case "ended":
@@ -43,10 +43,6 @@ function describe(s: ConsoleState, opened: boolean): string {
     case "failed":
       return opened ? "The console failed." : "The console did not open.";
   }
-}
-
-function cap(s: string): string {
-  return s.charAt(0).toUpperCase() + s.slice(1);
 }
 
 /**
