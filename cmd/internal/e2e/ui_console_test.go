@@ -222,6 +222,12 @@ func testConsole(t *testing.T, e *uiEnv, n *node, vmName string) {
 	b.waitTerm("Linux "+vmName+" 6.1.0-pivirt-sim #1 SMP x86_64 GNU/Linux", 20*time.Second)
 	b.shot("console")
 	b.accessible("console")
+	// Screen reader mode: the rows as an accessible tree.
+	b.run("screen reader mode", 10*time.Second, chromedp.Click(`//label[normalize-space()='Screen reader mode']/input`))
+	b.waitJS("the accessible rows", 10*time.Second, `(document.querySelector('.console .xterm-accessibility-tree')?.textContent ?? '').includes('6.1.0-pivirt-sim')`)
+	b.accessible("console-screen-reader")
+	b.run("screen reader mode off", 10*time.Second, chromedp.Click(`//label[normalize-space()='Screen reader mode']/input`))
+	b.waitJS("the accessible rows gone", 10*time.Second, `!document.querySelector('.console .xterm-accessibility-tree')`)
 
 	// Paste: the browser's paste event on the terminal types the text.
 	b.waitJS("paste", 5*time.Second, `(() => {

@@ -63,6 +63,15 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
   }, [props.loaded, stopped]);
   const opened = useRef(false);
   const name = props.vm?.name || props.id;
+  // xterm's screen reader mode: the rows as an accessible tree, new
+  // output announced (off by default: it costs a second copy of the rows).
+  const [reader, setReader] = useState(false);
+  const readerRef = useRef(reader);
+  readerRef.current = reader;
+  const termRef = useRef<Terminal | undefined>(undefined);
+  useEffect(() => {
+    if (termRef.current) termRef.current.options.screenReaderMode = reader;
+  }, [reader]);
 
   useEffect(() => {
     const el = box.current;
@@ -75,8 +84,9 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
       lineHeight: 1.2, // room below the baseline: an underscore is not cut off
       cursorBlink: true,
       scrollback: 5000,
-      screenReaderMode: false,
+      screenReaderMode: readerRef.current,
     });
+    termRef.current = term;
     const fit = new FitAddon();
     term.loadAddon(fit);
     term.open(el);
@@ -147,6 +157,7 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
       cancelAnimationFrame(frame);
       session.close();
       subs.forEach((s) => s.dispose());
+      termRef.current = undefined;
       term.dispose();
       adopt();
     };
@@ -183,6 +194,9 @@ export function ConsoleView(props: { id: string; vm?: VM; loaded: boolean }) {
                 Connect again
               </button>
             )}
+            <label>
+              <input type="checkbox" checked={reader} onChange={(e) => setReader((e.target as HTMLInputElement).checked)} /> Screen reader mode
+            </label>
             <p class="hint">Ctrl+Shift+C copies the selection; Ctrl+V pastes. Ctrl+C is sent to the VM.</p>
           </div>
         </>
