@@ -339,6 +339,16 @@ func TestWebUI(t *testing.T) {
 		admin.shot("vm")
 	})
 
+	t.Run("VM actions", func(t *testing.T) {
+		admin.t = t
+		vmActionsAsAdmin(t, admin, c)
+	})
+
+	t.Run("volumes and networks", func(t *testing.T) {
+		admin.t = t
+		volumesAndNetworks(t, admin, c)
+	})
+
 	t.Run("a schedule's runs appear", func(t *testing.T) {
 		admin.t = t
 		id := vmOn["bob-node2"]
@@ -468,6 +478,18 @@ func TestWebUI(t *testing.T) {
 		owner.open("alice-node1")
 		owner.waitJS("alice's VM page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
 		owner.waitText("Start", 10*time.Second)
+		// Its own VM's power and edit, no delete and no create.
+		if got := strings.Join(owner.buttons(), ","); got != "Start,Stop,Reboot,Power off,Edit" {
+			t.Errorf("vm-owner is offered %q on its VM's page, want the power actions and Edit", got)
+		}
+	})
+
+	t.Run("roles without the actions", func(t *testing.T) {
+		rolesWithoutActions(t, e, c, vmOn["bob-node1"])
+	})
+
+	t.Run("access control off", func(t *testing.T) {
+		plainConsole(t, e)
 	})
 
 	t.Run("a node goes down", func(t *testing.T) {

@@ -28,6 +28,9 @@ interface Obj {
 const titles: Record<Kind, [string, string]> = { vms: ["VMs", "VM"], volumes: ["Volumes", "Volume"], networks: ["Networks", "Network"] };
 /** lower: the plural inside a sentence */
 const lower: Record<Kind, string> = { vms: "VMs", volumes: "volumes", networks: "networks" };
+/** noun: the singular inside a sentence; article: with its article */
+const noun: Record<Kind, string> = { vms: "VM", volumes: "volume", networks: "network" };
+const article: Record<Kind, string> = { vms: "a VM", volumes: "a volume", networks: "a network" };
 
 function powerTone(s: PowerState): Tone {
   return s === PowerState.RUNNING ? "ok" : s === PowerState.SHUTTING_DOWN ? "warn" : "muted";
@@ -236,7 +239,7 @@ function Actions(props: { kind: Kind; obj: Obj; act: ActionState }) {
   const [editing, setEditing] = useState(false);
   const o = props.obj;
   const name = o.name || o.id;
-  const singular = titles[props.kind][1];
+  const singular = noun[props.kind];
   const allowed = actions[props.kind].filter((a) => decision(s, a.method) !== "denied");
   const edit = props.kind === "vms" && can(s, "VMService/UpdateVM");
   if (allowed.length === 0 && !edit) {
@@ -344,7 +347,7 @@ function Create(props: { kind: Kind }) {
   const [f, setF] = useState<Record<string, string>>({});
   const hosts = useHosts(open);
   if (!can(s, createMethod[props.kind])) return null;
-  const singular = titles[props.kind][1];
+  const singular = noun[props.kind];
   const set = (k: string) => (v: string) => setF((x) => ({ ...x, [k]: v }));
   const v = (k: string, d = "") => f[k] ?? d;
   const host = v("host");
@@ -381,10 +384,10 @@ function Create(props: { kind: Kind }) {
   return (
     <div class="actions">
       <button type="button" class="primary" onClick={begin}>
-        Create {singular === "VM" ? "a VM" : `a ${singular.toLowerCase()}`}
+        Create {article[props.kind]}
       </button>
       <Outcome state={act} />
-      <FormDialog open={open} title={`Create ${singular === "VM" ? "a VM" : `a ${singular.toLowerCase()}`}`} action="Create" submit={submit} onClose={() => setOpen(false)}>
+      <FormDialog open={open} title={`Create ${article[props.kind]}`} action="Create" submit={submit} onClose={() => setOpen(false)}>
         <Input label="Name" name="name" value={v("name")} onInput={set("name")} required />
         {hosts.length > 0 ? (
           <Select label="Host" name="host" value={host} onChange={set("host")} options={[["", "the node serving this page"], ...hosts.map((h): [string, string] => [h, h])]} />
