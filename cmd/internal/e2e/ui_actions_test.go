@@ -66,7 +66,7 @@ func (b *tab) buttons() []string {
 // js runs a JavaScript statement in the page.
 func js(expr string) chromedp.Action[chromedp.Void] {
 	return chromedp.Func(func(ctx context.Context, t *chromedp.Target) error {
-		_, err := chromedp.Evaluate[bool]("(" + expr + ", true)")(ctx, t)
+		_, err := chromedp.Evaluate[bool]("("+expr+", true)")(ctx, t)
 		return err
 	})
 }
@@ -160,8 +160,8 @@ func volumesAndNetworks(t *testing.T, admin *tab, c *cluster) {
 	n1 := c.nodes[0]
 	for _, k := range []struct {
 		link, button, singular, title, name string
-		fields                       map[string]string
-		list                         []string
+		fields                              map[string]string
+		list                                []string
 	}{
 		{"Volumes", "Create a volume", "volume", "Volume", "ui-disk", map[string]string{"size": "8"}, []string{"volume", "list"}},
 		{"Networks", "Create a network", "network", "Network", "ui-net", map[string]string{"cidr": "10.77.0.0/24", "vlan": "77"}, []string{"network", "list"}},
