@@ -233,6 +233,42 @@ export function Select(props: { label: string; value: string; onChange: (v: stri
   );
 }
 
+/** One button of an ActionBar. */
+export interface ActionDef {
+  label: string;
+  danger?: boolean;
+  disabled?: boolean;
+  /** what the confirmation says; none: the action runs at once */
+  confirm?: ComponentChildren;
+  run: () => Promise<unknown>;
+}
+
+/**
+ * ActionBar is the buttons of an object's actions (only those the caller
+ * may call are given), each destructive one confirmed; act shows the
+ * outcome. children are more controls (an edit button).
+ */
+export function ActionBar(props: { target: string; act: ActionState; actions: ActionDef[]; children?: ComponentChildren }) {
+  const [pending, setPending] = useState<ActionDef | undefined>();
+  const go = (a: ActionDef) => {
+    setPending(undefined);
+    props.act.run(`${a.label} ${props.target}: done.`, a.run);
+  };
+  return (
+    <div class="actions" role="group" aria-label={`Actions on ${props.target}`}>
+      {props.actions.map((a) => (
+        <button type="button" class={a.danger ? "danger" : "primary"} disabled={props.act.busy || a.disabled} onClick={() => (a.confirm ? setPending(a) : go(a))}>
+          {a.label}
+        </button>
+      ))}
+      {props.children}
+      <Confirm open={!!pending} title={pending ? `${pending.label} ${props.target}?` : ""} action={pending?.label ?? ""} danger={pending?.danger} onCancel={() => setPending(undefined)} onConfirm={() => pending && go(pending)}>
+        {pending?.confirm}
+      </Confirm>
+    </div>
+  );
+}
+
 /** An action's state: running, its outcome or its failure. */
 export interface ActionState {
   busy: boolean;

@@ -340,3 +340,78 @@ func plainConsole(t *testing.T, e *uiEnv) {
 		t.Fatalf("after the create in the console, %s", r)
 	}
 }
+
+// scheduleOut is what the action tests read of a schedule through pvcli.
+type scheduleOut struct {
+	ID       string `json:"id"`
+	VMID     string `json:"vmId"`
+	Action   string `json:"action"`
+	Cron     string `json:"cron"`
+	TimeZone string `json:"timeZone"`
+	Enabled  bool   `json:"enabled"`
+}
+
+// scheduleByID is the schedule as pvcli lists it through n, nil if none.
+func (c *cluster) scheduleByID(t *testing.T, n *node, id string) *scheduleOut {
+	t.Helper()
+	var list struct {
+		Schedules []scheduleOut `json:"schedules"`
+	}
+	c.okJSON(t, n, &list, "schedule", "list")
+	for _, s := range list.Schedules {
+		if s.ID == id {
+			return &s
+		}
+	}
+	return nil
+}
+
+// scheduleActions creates a schedule with the preview of its next runs,
+// pauses, resumes, edits and deletes it, each checked through pvcli.
+func scheduleActions(t *testing.T, admin *tab, c *cluster, vmID string) {
+	n3 := c.nodes[2]
+	admin.open("Schedules")
+	admin.run("open the form", 10*time.Second, chromedp.Click(`//main//button[normalize-space()='Create a schedule']`), chromedp.WaitVisible(`dialog[open] input[name=vm]`))
+	admin.run("fill the form", 10*time.Second,
+		chromedp.SendKeys(`dialog[open] input[name=vm]`, vmID),
+		chromedp.SendKeys(`dialog[open] input[name=id]`, "ui-sched"),
+		chromedp.SendKeys(`dialog[open] input[name=cron]`, "0 7 * * 1-5"),
+		chromedp.SendKeys(`dialog[open] input[name=zone]`, "Europe/Budapest"),
+	)
+	admin.waitJS("the preview of the next runs", 10*time.Second, `document.querySelectorAll('dialog[open] [data-testid=preview] li').length === 5 && [...document.querySelectorAll('dialog[open] [data-testid=preview] li')].every((li) => /7:00/.test(li.textContent))`)
+	admin.shot("schedule-create")
+	admin.accessible("schedule-create")
+	admin.run("send", 10*time.Second, chromedp.Click(`//dialog[@open]//button[normalize-space()='Create']`))
+	admin.waitOutcome("Created schedule ui-sched.")
+	if s := c.scheduleByID(t, n3, "ui-sched"); s == nil || s.VMID != vmID || s.Cron != "0 7 * * 1-5" || s.TimeZone != "Europe/Budapest" || !s.Enabled || s.Action != "ACTION_POWER_ON" {
+		t.Fatalf("after the create form, pvcli sees %+v", s)
+	}
+
+	admin.open("ui-sched")
+	admin.waitText("Next slots", 20*time.Second)
+	for _, step := range []struct {
+		action  string
+		enabled bool
+	}{{"Pause", false}, {"Resume", true}} {
+		admin.run(step.action, 10*time.Second, chromedp.Click(fmt.Sprintf(`//div[@role='group']//button[normalize-space()=%q]`, step.action)))
+		admin.waitOutcome(step.action + " schedule ui-sched: done.")
+		if s := c.scheduleByID(t, n3, "ui-sched"); s == nil || s.Enabled != step.enabled {
+			t.Fatalf("after %s in the UI, pvcli sees %+v", step.action, s)
+		}
+	}
+	admin.run("edit", 10*time.Second, chromedp.Click(`//div[@role='group']//button[normalize-space()='Edit']`), chromedp.WaitVisible(`dialog[open] input[name=cron]`))
+	admin.run("change the expression", 10*time.Second,
+		js(`document.querySelector('dialog[open] input[name=cron]').select()`),
+		chromedp.SendKeys(`dialog[open] input[name=cron]`, "@daily"),
+	)
+	admin.waitJS("the preview follows", 10*time.Second, `[...document.querySelectorAll('dialog[open] [data-testid=preview] li')].every((li) => /12:00|0:00/.test(li.textContent))`)
+	admin.run("save", 10*time.Second, chromedp.Click(`//dialog[@open]//button[normalize-space()='Save']`))
+	admin.waitOutcome("Edit schedule ui-sched: saved (cron)")
+	if s := c.scheduleByID(t, n3, "ui-sched"); s == nil || s.Cron != "@daily" {
+		t.Fatalf("after Edit in the UI, pvcli sees %+v", s)
+	}
+	admin.act("Delete")
+	if s := c.scheduleByID(t, n3, "ui-sched"); s != nil {
+		t.Fatalf("after Delete in the UI, pvcli still lists %+v", s)
+	}
+}

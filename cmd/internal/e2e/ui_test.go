@@ -363,6 +363,11 @@ func TestWebUI(t *testing.T) {
 		c.ok(t, n1, "schedule", "pause", "reboot-bob")
 	})
 
+	t.Run("schedule actions", func(t *testing.T) {
+		admin.t = t
+		scheduleActions(t, admin, c, vmOn["alice-node2"])
+	})
+
 	t.Run("other views", func(t *testing.T) {
 		admin.t = t
 		for _, v := range []struct{ link, text, shot string }{

@@ -7,7 +7,7 @@ import { useEffect, useRef, useState } from "preact/hooks";
 import type { ComponentChildren } from "preact";
 import { client } from "../api";
 import { ClusterService } from "../gen/pivirt/cluster/v1/cluster_pb";
-import { Badge, Confirm, Empty, ErrorBox, FormDialog, Input, Link, Live, Loading, Outcome, PageHeader, Select, Table, fmtBytes, fmtTime, useAction, type ActionState, type Column, type Tone } from "../components";
+import { ActionBar, Badge, Empty, ErrorBox, FormDialog, Input, Link, Live, Loading, Outcome, PageHeader, Select, Table, fmtBytes, fmtTime, useAction, type ActionState, type Column, type Tone } from "../components";
 import { useStream } from "../live";
 import { PowerState, VMService, EventType as VMEvent, type VM } from "../gen/pivirt/vm/v1/vm_pb";
 import { StorageService, EventType as VolumeEvent, type Volume } from "../gen/pivirt/storage/v1/storage_pb";
@@ -235,7 +235,6 @@ const actions: Record<Kind, Action[]> = {
 /** Actions are the buttons of an object's page, each confirmed. */
 function Actions(props: { kind: Kind; obj: Obj; act: ActionState }) {
   const s = useSession();
-  const [pending, setPending] = useState<Action | undefined>();
   const [editing, setEditing] = useState(false);
   const o = props.obj;
   const name = o.name || o.id;
@@ -245,36 +244,31 @@ function Actions(props: { kind: Kind; obj: Obj; act: ActionState }) {
   if (allowed.length === 0 && !edit) {
     return <p class="sub">Your roles may not change this {singular}.</p>;
   }
-  const go = (a: Action) => {
-    setPending(undefined);
-    props.act.run(`${a.label} ${singular} ${name}: done.`, () => a.run(o.id));
-  };
   return (
-    <div class="actions" role="group" aria-label={`Actions on ${singular} ${name}`}>
-      {allowed.map((a) => (
-        <button type="button" class={a.danger ? "danger" : "primary"} disabled={props.act.busy || !a.when(o)} onClick={() => setPending(a)}>
-          {a.label}
-        </button>
-      ))}
+    <ActionBar
+      target={`${singular} ${name}`}
+      act={props.act}
+      actions={allowed.map((a) => ({
+        label: a.label,
+        danger: a.danger,
+        disabled: !a.when(o),
+        run: () => a.run(o.id),
+        confirm: (
+          <p>
+            This will {a.verb} the {singular} <strong>{name}</strong> on {o.host || "its node"}.
+          </p>
+        ),
+      }))}
+    >
       {edit && (
-        <button type="button" onClick={() => setEditing(true)}>
-          Edit
-        </button>
+        <>
+          <button type="button" onClick={() => setEditing(true)}>
+            Edit
+          </button>
+          <EditVM open={editing} vm={o as VM} onClose={() => setEditing(false)} onDone={(m) => props.act.say(m)} />
+        </>
       )}
-      <Confirm
-        open={!!pending}
-        title={pending ? `${pending.label} ${name}?` : ""}
-        action={pending?.label ?? ""}
-        danger={pending?.danger}
-        onCancel={() => setPending(undefined)}
-        onConfirm={() => pending && go(pending)}
-      >
-        <p>
-          This will {pending?.verb} the {singular} <strong>{name}</strong> on {o.host || "its node"}.
-        </p>
-      </Confirm>
-      {edit && <EditVM open={editing} vm={o as VM} onClose={() => setEditing(false)} onDone={(m) => props.act.say(m)} />}
-    </div>
+    </ActionBar>
   );
 }
 
