@@ -141,7 +141,7 @@ export function Confirm(props: { open: boolean; title: string; children: Compone
  * Enter submits, Escape cancels. submit runs the call; its failure is shown
  * in the dialog (pvcli's words), its success closes it.
  */
-export function FormDialog(props: { open: boolean; title: string; action: string; danger?: boolean; children: ComponentChildren; submit: () => Promise<void>; onClose: () => void }) {
+export function FormDialog(props: { open: boolean; title: string; action: string; danger?: boolean; children: ComponentChildren; submit: () => Promise<void | "stay">; onClose: () => void }) {
   const [busy, setBusy] = useState(false);
   const [err, setErr] = useState<Problem | undefined>();
   useEffect(() => {
@@ -152,8 +152,7 @@ export function FormDialog(props: { open: boolean; title: string; action: string
     setBusy(true);
     setErr(undefined);
     try {
-      await props.submit();
-      props.onClose();
+      if ((await props.submit()) !== "stay") props.onClose();
     } catch (x) {
       setErr(problem(x));
     } finally {
@@ -204,6 +203,22 @@ export function Input(props: { label: string; value: string; onInput: (v: string
           ))}
         </datalist>
       )}
+      {props.hint && (
+        <small id={id + "-hint"} class="hint">
+          {props.hint}
+        </small>
+      )}
+    </div>
+  );
+}
+
+/** TextArea is a labelled multi-line field (a YAML value). */
+export function TextArea(props: { label: string; value: string; onInput: (v: string) => void; name?: string; rows?: number; hint?: string }) {
+  const id = useId();
+  return (
+    <div class="field">
+      <label for={id}>{props.label}</label>
+      <textarea id={id} name={props.name} rows={props.rows ?? 6} value={props.value} spellcheck={false} aria-describedby={props.hint ? id + "-hint" : undefined} onInput={(e) => props.onInput((e.target as HTMLTextAreaElement).value)} />
       {props.hint && (
         <small id={id + "-hint"} class="hint">
           {props.hint}

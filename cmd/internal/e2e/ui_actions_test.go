@@ -415,3 +415,71 @@ func scheduleActions(t *testing.T, admin *tab, c *cluster, vmID string) {
 		t.Fatalf("after Delete in the UI, pvcli still lists %+v", s)
 	}
 }
+
+// deregisterService deregisters the only instance of service web from its
+// page, checked through pvcli.
+func deregisterService(t *testing.T, admin *tab, c *cluster) {
+	n1 := c.nodes[0]
+	admin.open("Services")
+	admin.open("web")
+	admin.waitText("10.0.0.5:8080", 20*time.Second)
+	admin.accessible("service")
+	admin.act("Deregister")
+	var list struct {
+		Instances []struct {
+			Service string `json:"service"`
+		} `json:"instances"`
+	}
+	c.okJSON(t, n1, &list, "service", "list", "web")
+	if len(list.Instances) != 0 {
+		t.Fatalf("after Deregister in the UI, pvcli lists %+v", list.Instances)
+	}
+}
+
+// settingValue is the value of a cluster setting as pvcli reads it.
+func (c *cluster) settingValue(t *testing.T, n *node, key string) string {
+	t.Helper()
+	return strings.TrimSpace(c.ok(t, n, "config", "get", key).stdout)
+}
+
+// settingActions rolls logging.level back to its previous revision, then
+// sets it again through the dry run's diff, each checked through pvcli.
+func settingActions(t *testing.T, admin *tab, c *cluster) {
+	n2 := c.nodes[1]
+	admin.open("Settings")
+	admin.open("logging.level")
+	admin.waitText("Diff", 20*time.Second)
+	if got := c.settingValue(t, n2, "logging.level"); got != "info" {
+		t.Fatalf("logging.level is %q before the rollback, want info", got)
+	}
+	admin.run("roll back", 10*time.Second,
+		chromedp.Click(`//div[@role='group']//button[starts-with(normalize-space(), 'Roll back to revision')]`),
+		chromedp.WaitVisible(`dialog[open] pre.diff`),
+	)
+	admin.waitJS("the rollback's diff", 5*time.Second, `document.querySelector('dialog[open] pre.diff').textContent.includes('- info') && document.querySelector('dialog[open] pre.diff').textContent.includes('+ debug')`)
+	admin.accessible("setting-rollback")
+	admin.run("confirm", 10*time.Second, chromedp.Click(`//dialog[@open]//button[starts-with(normalize-space(), 'Roll back to revision')]`))
+	admin.waitOutcome("Roll back to revision")
+	if got := c.settingValue(t, n2, "logging.level"); got != "debug" {
+		t.Fatalf("after the rollback in the UI, pvcli reads logging.level %q, want debug", got)
+	}
+
+	admin.run("set", 10*time.Second, chromedp.Click(`//div[@role='group']//button[normalize-space()='Set a new value']`), chromedp.WaitVisible(`dialog[open] textarea[name=value]`))
+	admin.waitJS("the form has the value", 5*time.Second, `document.querySelector('dialog[open] textarea[name=value]').value.trim() === 'debug'`)
+	admin.run("type and check", 10*time.Second,
+		js(`document.querySelector('dialog[open] textarea[name=value]').select()`),
+		chromedp.SendKeys(`dialog[open] textarea[name=value]`, "info"),
+		chromedp.Click(`//dialog[@open]//button[normalize-space()='Check']`),
+	)
+	admin.waitJS("the dry run's diff", 20*time.Second, `(document.querySelector('dialog[open] [data-testid=dry-run]')?.textContent ?? '').includes('+ info')`)
+	admin.shot("setting-set")
+	admin.accessible("setting-set")
+	if got := c.settingValue(t, n2, "logging.level"); got != "debug" {
+		t.Fatalf("after the dry run, pvcli reads logging.level %q, want debug still", got)
+	}
+	admin.run("set", 10*time.Second, chromedp.Click(`//dialog[@open]//button[normalize-space()='Set']`))
+	admin.waitOutcome("Set logging.level: revision")
+	if got := c.settingValue(t, n2, "logging.level"); got != "info" {
+		t.Fatalf("after Set in the UI, pvcli reads logging.level %q, want info", got)
+	}
+}

@@ -390,6 +390,16 @@ func TestWebUI(t *testing.T) {
 		admin.accessible("setting-history")
 	})
 
+	t.Run("deregister a service", func(t *testing.T) {
+		admin.t = t
+		deregisterService(t, admin, c)
+	})
+
+	t.Run("set and roll back a setting", func(t *testing.T) {
+		admin.t = t
+		settingActions(t, admin, c)
+	})
+
 	t.Run("dark theme", func(t *testing.T) {
 		admin.t = t
 		admin.run("dark", 10*time.Second, chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
@@ -480,6 +490,9 @@ func TestWebUI(t *testing.T) {
 		owner.waitText("The agent's RBAC policy does not allow this call for your identity", 20*time.Second)
 		owner.open("VMs")
 		owner.waitText("alice-node1", 20*time.Second)
+		if got := owner.buttons(); len(got) != 0 {
+			t.Errorf("vm-owner is offered %q on the VMs' list, want no create", got)
+		}
 		owner.open("alice-node1")
 		owner.waitJS("alice's VM page", 20*time.Second, `(document.querySelector('[data-testid=power]')?.textContent ?? '') === 'stopped'`)
 		owner.waitText("Start", 10*time.Second)

@@ -226,7 +226,7 @@ const actions: Record<Kind, Action[]> = {
     { method: "VMService/ShutdownDefault", label: "Stop", verb: "shut down (the guest is asked, then the power is cut after 60 s)", danger: true, when: power((s) => s === PowerState.RUNNING), run: (id) => client(VMService).shutdownDefault({ id }) },
     { method: "VMService/Reboot", label: "Reboot", verb: "reboot", danger: true, when: power((s) => s === PowerState.RUNNING), run: (id) => client(VMService).reboot({ id }) },
     { method: "VMService/PowerOff", label: "Power off", verb: "power off (the power is cut at once)", danger: true, when: power((s) => s !== PowerState.STOPPED), run: (id) => client(VMService).powerOff({ id }) },
-    { method: "VMService/DeleteVM", label: "Delete", verb: "delete (its disks and networks stay)", danger: true, when: always, run: (id) => client(VMService).deleteVM({ id }) },
+    { method: "VMService/DeleteVM", label: "Delete", verb: "delete (its disks and networks stay)", danger: true, when: power((s) => s === PowerState.STOPPED), run: (id) => client(VMService).deleteVM({ id }) },
   ],
   volumes: [{ method: "StorageService/DeleteVolume", label: "Delete", verb: "delete, with its data,", danger: true, when: always, run: (id) => client(StorageService).deleteVolume({ id }) }],
   networks: [{ method: "NetworkService/DeleteNetwork", label: "Delete", verb: "delete", danger: true, when: always, run: (id) => client(NetworkService).deleteNetwork({ id }) }],
