@@ -217,8 +217,10 @@ func volumesAndNetworks(t *testing.T, admin *tab, c *cluster) {
 // allowing after the login is refused in pvcli's words.
 func rolesWithoutActions(t *testing.T, e *uiEnv, c *cluster, vmID string) {
 	n1, n2 := c.nodes[0], c.nodes[1]
+	start := time.Now()
 	viewer := e.newTab(t)
 	viewer.login(n1, "vera", "viewer")
+	t.Logf("a new tab logged in in %s", time.Since(start).Round(100*time.Millisecond))
 	viewer.open("VMs")
 	viewer.waitText("alice-node1", 20*time.Second)
 	if got := viewer.buttons(); len(got) != 0 {
@@ -248,12 +250,14 @@ func rolesWithoutActions(t *testing.T, e *uiEnv, c *cluster, vmID string) {
 		t.Fatal(err)
 	}
 	c.ok(t, n1, "config", "set", "auth.rbac_policy", "-f", policy)
+	start = time.Now()
 	c.eventually(t, 20*time.Second, "operators may not create VMs on "+n2.name, func() error {
 		if r := c.pvcli(t, n2, "rbac", "check", "--identity", "oscar", "--roles", "operator", "--method", "VMService/CreateVM"); r.code != 1 {
 			return fmt.Errorf("%s", r)
 		}
 		return nil
 	})
+	t.Logf("the changed policy was in force on %s %s after it was set", n2.name, time.Since(start).Round(100*time.Millisecond))
 	operator.run("open the form", 10*time.Second, chromedp.Click(`//main//button[normalize-space()='Create a VM']`), chromedp.WaitVisible(`dialog[open] input[name=name]`))
 	operator.run("fill and send", 10*time.Second, chromedp.SendKeys(`dialog[open] input[name=name]`, "refused"), chromedp.Click(`//dialog[@open]//button[normalize-space()='Create']`))
 	operator.waitText("The agent's RBAC policy does not allow this call for your identity", 20*time.Second)
@@ -262,13 +266,8 @@ func rolesWithoutActions(t *testing.T, e *uiEnv, c *cluster, vmID string) {
 	if vm := c.vmByName(t, n1, "refused"); vm != nil {
 		t.Fatalf("a refused create made %+v", vm)
 	}
+	// The file's policy again (no later step needs to wait for it).
 	c.ok(t, n1, "config", "delete", "auth.rbac_policy")
-	c.eventually(t, 20*time.Second, "operators may create VMs again on "+n2.name, func() error {
-		if r := c.pvcli(t, n2, "rbac", "check", "--identity", "oscar", "--roles", "operator", "--method", "VMService/CreateVM"); r.code != 0 {
-			return fmt.Errorf("%s", r)
-		}
-		return nil
-	})
 }
 
 // plainAgent starts one agent with its pivirtd-sim, TLS off and no auth
@@ -482,4 +481,25 @@ func settingActions(t *testing.T, admin *tab, c *cluster) {
 	if got := c.settingValue(t, n2, "logging.level"); got != "info" {
 		t.Fatalf("after Set in the UI, pvcli reads logging.level %q, want info", got)
 	}
+}
+
+// saveAndRestore takes a snapshot to a download, then restores the archive
+// whose plan is on the page (saved before kv/ui-after-save was set),
+// checked through pvcli.
+func saveAndRestore(t *testing.T, admin *tab, c *cluster) {
+	n2 := c.nodes[1]
+	admin.run("take a snapshot", 10*time.Second, chromedp.Click(`//button[normalize-space()='Take a snapshot']`))
+	admin.waitJS("the download link", 30*time.Second, `(document.querySelector('a[download]')?.href ?? '').startsWith('blob:') && document.querySelector('a[download]').download.endsWith('.snap')`)
+	admin.run("restore", 10*time.Second,
+		chromedp.Click(`//button[normalize-space()='Restore this archive']`),
+		chromedp.WaitVisible(`dialog[open]`),
+		chromedp.Click(`//dialog[@open]//button[normalize-space()='Restore']`),
+	)
+	admin.waitText("Restored backup.tar.gz", 60*time.Second)
+	c.eventually(t, 20*time.Second, "the restore takes back kv/ui-after-save", func() error {
+		if r := c.pvcli(t, n2, "config", "get", "kv/ui-after-save"); r.code == 0 && strings.TrimSpace(r.stdout) != "" {
+			return fmt.Errorf("pvcli still reads %q", strings.TrimSpace(r.stdout))
+		}
+		return nil
+	})
 }

@@ -454,6 +454,8 @@ func TestWebUI(t *testing.T) {
 		admin.t = t
 		archive := filepath.Join(t.TempDir(), "backup.tar.gz")
 		c.ok(t, n1, "snapshot", "save", archive)
+		// A change after the archive: the restore takes it back.
+		c.ok(t, n1, "config", "set", "kv/ui-after-save", "x")
 		admin.open("Snapshots")
 		admin.waitText("Take a snapshot", 20*time.Second)
 		admin.run("upload", 20*time.Second, chromedp.SetUploadFiles(`input[type=file]`, []string{archive}))
@@ -461,6 +463,7 @@ func TestWebUI(t *testing.T) {
 		admin.waitText("Restore this archive", 5*time.Second)
 		admin.shot("snapshot-plan")
 		admin.accessible("snapshot-plan")
+		saveAndRestore(t, admin, c)
 	})
 
 	t.Run("phone width", func(t *testing.T) {
