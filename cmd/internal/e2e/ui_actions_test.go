@@ -96,6 +96,11 @@ func vmActionsAsAdmin(t *testing.T, admin *tab, c *cluster) {
 	// focus on its first field; Tab goes through the fields; Enter sends.
 	admin.run("open the form", 10*time.Second, chromedp.Focus(`//main//button[normalize-space()='Create a VM']`), chromedp.KeyEvent("\r"))
 	admin.waitJS("the name field has the focus", 10*time.Second, `document.activeElement?.name === 'name' && !!document.activeElement.closest('dialog[open]')`)
+	// Escape cancels, and the focus is back on the button.
+	admin.run("escape", 10*time.Second, chromedp.KeyEvent(kb.Escape))
+	admin.waitJS("the form closed", 10*time.Second, `!document.querySelector('dialog[open]') && document.activeElement?.textContent === 'Create a VM'`)
+	admin.run("open the form again", 10*time.Second, chromedp.KeyEvent("\r"))
+	admin.waitJS("the name field has the focus", 10*time.Second, `document.activeElement?.name === 'name' && !!document.activeElement.closest('dialog[open]')`)
 	admin.waitJS("the hosts are offered", 10*time.Second, `!!document.querySelector('dialog[open] select[name=host]')`)
 	admin.run("fill the form", 10*time.Second,
 		chromedp.KeyEvent("ui-made"), chromedp.KeyEvent("\t"),
