@@ -607,6 +607,16 @@ func (s *ScheduleService) NextSlots(ctx context.Context, req *connect.Request[sc
 	if n == 0 {
 		n = 5
 	}
+	now := time.Now()
+	if req.Msg.GetId() == "" && req.Msg.GetCron() != "" {
+		// A preview: the schedule as CreateSchedule would make it now.
+		spec, err := scheduler.ParseSpec(req.Msg.GetCron(), req.Msg.GetTimeZone())
+		if err != nil {
+			return nil, toConnect(invalid("cron", "%v", err))
+		}
+		sc := &schedulev1.Schedule{Cron: req.Msg.GetCron(), TimeZone: req.Msg.GetTimeZone(), UpdatedAt: timestamppb.New(now)}
+		return connect.NewResponse(nextSlots(spec, sc, now, n)), nil
+	}
 	sc, err := s.read(ctx, req.Msg.GetId(), "id")
 	if err != nil {
 		return nil, err
@@ -615,9 +625,14 @@ func (s *ScheduleService) NextSlots(ctx context.Context, req *connect.Request[sc
 	if err != nil {
 		return nil, toConnect(fmt.Errorf("schedule %q: %w", sc.GetId(), err))
 	}
+	return connect.NewResponse(nextSlots(spec, sc, now, n)), nil
+}
+
+// nextSlots is the answer of NextSlots: the first n slots of sc after now.
+func nextSlots(spec *scheduler.Spec, sc *schedulev1.Schedule, now time.Time, n int) *schedulev1.NextSlotsResponse {
 	out := &schedulev1.NextSlotsResponse{TimeZone: spec.Location().String()}
-	for _, t := range scheduler.Upcoming(spec, sc, time.Now(), n) {
+	for _, t := range scheduler.Upcoming(spec, sc, now, n) {
 		out.Slots = append(out.Slots, timestamppb.New(t))
 	}
-	return connect.NewResponse(out), nil
+	return out
 }

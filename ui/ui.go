@@ -37,6 +37,10 @@ type Config struct {
 	ClientID string `json:"client_id,omitempty"`
 	// Scopes are asked for at login ("openid" at least).
 	Scopes []string `json:"scopes,omitempty"`
+	// AccessControlOff says the API port admits every caller without
+	// credentials (no TLS and no auth configured): the console needs no
+	// login and says so. Nothing secret: any caller learns it by calling.
+	AccessControlOff bool `json:"access_control_off,omitempty"`
 	// ConnectOrigins are origins the page may connect to besides the
 	// agent and the issuer (an identity provider whose token endpoint is
 	// on another origin). Not sent to the browser: they go into the

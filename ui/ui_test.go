@@ -156,3 +156,25 @@ func TestRootSendsBrowsersToTheUI(t *testing.T) {
 		t.Fatalf("API client at /: %d, want 404", r.StatusCode)
 	}
 }
+
+// TestAccessControlOff: an agent without access control says so in
+// config.json, and nothing else besides how to log in.
+func TestAccessControlOff(t *testing.T) {
+	h := Handler(func() *Config { return &Config{Scopes: []string{"openid"}, AccessControlOff: true} })
+	var got map[string]any
+	if err := json.NewDecoder(get(t, h, "/ui/config.json").Body).Decode(&got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got["access_control_off"] != true {
+		t.Errorf("config.json = %v, want scopes and access_control_off: true", got)
+	}
+	// Any other setup keeps the login: the key is not sent.
+	h = Handler(func() *Config { return &Config{Scopes: []string{"openid"}} })
+	got = nil
+	if err := json.NewDecoder(get(t, h, "/ui/config.json").Body).Decode(&got); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := got["access_control_off"]; ok {
+		t.Errorf("config.json = %v, want no access_control_off", got)
+	}
+}

@@ -285,6 +285,10 @@ func (s fakeSchedules) GetSchedule(_ context.Context, r *connect.Request[schedul
 	return handle[schedulev1.GetScheduleRequest, schedulev1.GetScheduleResponse](s.f, r)
 }
 
+func (s fakeSchedules) NextSlots(_ context.Context, r *connect.Request[schedulev1.NextSlotsRequest]) (*connect.Response[schedulev1.NextSlotsResponse], error) {
+	return handle[schedulev1.NextSlotsRequest, schedulev1.NextSlotsResponse](s.f, r)
+}
+
 func (s fakeSchedules) ListSchedules(_ context.Context, r *connect.Request[schedulev1.ListSchedulesRequest]) (*connect.Response[schedulev1.ListSchedulesResponse], error) {
 	return handle[schedulev1.ListSchedulesRequest, schedulev1.ListSchedulesResponse](s.f, r)
 }

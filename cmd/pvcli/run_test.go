@@ -285,6 +285,18 @@ func TestRequestMapping(t *testing.T) {
 			}},
 		},
 		{
+			name:      "schedule next of a schedule",
+			args:      []string{"schedule", "next", "s1", "--count", "3"},
+			procedure: schedulev1connect.ScheduleServiceNextSlotsProcedure,
+			want:      &schedulev1.NextSlotsRequest{Id: "s1", Count: 3},
+		},
+		{
+			name:      "schedule next of an expression, before a create",
+			args:      []string{"schedule", "next", "--cron", "0 7 * * 1-5", "--time-zone", "Europe/Budapest"},
+			procedure: schedulev1connect.ScheduleServiceNextSlotsProcedure,
+			want:      &schedulev1.NextSlotsRequest{Cron: "0 7 * * 1-5", TimeZone: "Europe/Budapest", Count: 5},
+		},
+		{
 			name:      "schedule runs stale blocking query",
 			args:      []string{"--consistency", "stale", "--max-stale", "5s", "schedule", "runs", "s1", "--wait-index", "7"},
 			procedure: schedulev1connect.ScheduleServiceListRunsProcedure,

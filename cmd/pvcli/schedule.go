@@ -157,17 +157,35 @@ it; any change to a schedule moves that index, a run starting included.`,
 	}
 	list.Flags().StringVar(&vm, "vm", "", "only the schedules of this VM")
 
-	var count int32
+	var (
+		count            int32
+		nextCron, nextTZ string
+	)
 	next := &cobra.Command{
-		Use:   "next ID [--count N]",
-		Short: "Show the coming slots of a schedule, in its time zone",
-		Args:  positional("ID"),
+		Use:   "next ID [--count N] | next --cron EXPR [--time-zone ZONE] [--count N]",
+		Short: "Show the coming slots of a schedule, or of an expression before a create, in its time zone",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if cmd.Flags().Changed("cron") {
+				if len(args) > 0 {
+					return usagef("give either ID or --cron, not both")
+				}
+				return nil
+			}
+			return positional("ID")(cmd, args)
+		},
 		RunE: a.command(func(cmd *cobra.Command, args []string) error {
 			if count < 1 || count > 100 {
 				return usagef("--count %d: 1 to 100", count)
 			}
+			req := &schedulev1.NextSlotsRequest{Count: count, Cron: nextCron, TimeZone: nextTZ}
+			if len(args) > 0 {
+				if cmd.Flags().Changed("time-zone") {
+					return usagef("--time-zone goes with --cron; a schedule's slots are in its own zone")
+				}
+				req = &schedulev1.NextSlotsRequest{Id: args[0], Count: count}
+			}
 			return a.backendCall(cmd, false, func(ctx context.Context, c *clientConn) error {
-				resp, err := c.schedule.NextSlots(ctx, connect.NewRequest(&schedulev1.NextSlotsRequest{Id: args[0], Count: count}))
+				resp, err := c.schedule.NextSlots(ctx, connect.NewRequest(req))
 				if err != nil {
 					return err
 				}
@@ -185,6 +203,8 @@ it; any change to a schedule moves that index, a run starting included.`,
 		}),
 	}
 	next.Flags().Int32Var(&count, "count", 5, "how many slots")
+	next.Flags().StringVar(&nextCron, "cron", "", "preview this expression instead of a schedule's (as create would take it, from now)")
+	next.Flags().StringVar(&nextTZ, "time-zone", "", "IANA time zone of --cron (default UTC)")
 
 	runs := &cobra.Command{
 		Use:   "runs ID",

@@ -1,8 +1,9 @@
 // Shared pieces of every view: states (loading, empty, error), tables,
-// badges, the confirmation dialog and links.
+// badges, the confirmation and form dialogs, the outcome of an action and
+// links.
 import type { ComponentChildren } from "preact";
-import { useEffect, useRef } from "preact/hooks";
-import type { Problem } from "./api";
+import { useEffect, useId, useRef, useState } from "preact/hooks";
+import { problem, type Problem } from "./api";
 import { follow } from "./router";
 import { timestampDate, type Timestamp, type Duration } from "@bufbuild/protobuf/wkt";
 
@@ -97,12 +98,10 @@ export function Table<T>(props: { caption: string; columns: Column<T>[]; rows: T
   );
 }
 
-/**
- * Confirm asks before an action: a modal <dialog> (focus is kept inside,
- * Escape cancels), the action named on its button.
- */
-export function Confirm(props: { open: boolean; title: string; children: ComponentChildren; action: string; danger?: boolean; onConfirm: () => void; onCancel: () => void }) {
+/** Modal is a native modal <dialog>: focus is kept inside, Escape cancels. */
+function Modal(props: { open: boolean; title: string; onCancel: () => void; children: ComponentChildren }) {
   const ref = useRef<HTMLDialogElement>(null);
+  const id = useId();
   useEffect(() => {
     const d = ref.current;
     if (!d) return;
@@ -110,8 +109,20 @@ export function Confirm(props: { open: boolean; title: string; children: Compone
     if (!props.open && d.open) d.close();
   }, [props.open]);
   return (
-    <dialog ref={ref} aria-labelledby="confirm-title" onCancel={(e: Event) => (e.preventDefault(), props.onCancel())}>
-      <h2 id="confirm-title">{props.title}</h2>
+    <dialog ref={ref} aria-labelledby={id} onCancel={(e: Event) => (e.preventDefault(), props.onCancel())}>
+      <h2 id={id}>{props.title}</h2>
+      {props.open && props.children}
+    </dialog>
+  );
+}
+
+/**
+ * Confirm asks before an action: a modal <dialog> (focus is kept inside,
+ * Escape cancels), the action named on its button.
+ */
+export function Confirm(props: { open: boolean; title: string; children: ComponentChildren; action: string; danger?: boolean; onConfirm: () => void; onCancel: () => void }) {
+  return (
+    <Modal open={props.open} title={props.title} onCancel={props.onCancel}>
       <div class="dialog-body">{props.children}</div>
       <div class="dialog-actions">
         <button type="button" onClick={props.onCancel}>
@@ -121,7 +132,209 @@ export function Confirm(props: { open: boolean; title: string; children: Compone
           {props.action}
         </button>
       </div>
-    </dialog>
+    </Modal>
+  );
+}
+
+/**
+ * FormDialog is a form in a modal <dialog>: the first field has the focus,
+ * Enter submits, Escape cancels. submit runs the call; its failure is shown
+ * in the dialog (pvcli's words), its success closes it.
+ */
+export function FormDialog(props: { open: boolean; title: string; action: string; danger?: boolean; children: ComponentChildren; submit: () => Promise<void | "stay">; onClose: () => void }) {
+  const [busy, setBusy] = useState(false);
+  const [err, setErr] = useState<Problem | undefined>();
+  useEffect(() => {
+    if (props.open) setErr(undefined);
+  }, [props.open]);
+  const onSubmit = async (e: Event) => {
+    e.preventDefault();
+    setBusy(true);
+    setErr(undefined);
+    try {
+      if ((await props.submit()) !== "stay") props.onClose();
+    } catch (x) {
+      setErr(problem(x));
+    } finally {
+      setBusy(false);
+    }
+  };
+  return (
+    <Modal open={props.open} title={props.title} onCancel={props.onClose}>
+      <form class="form" onSubmit={onSubmit} noValidate>
+        {props.children}
+        {err && <ErrorBox problem={err} what={`${props.action} failed`} />}
+        <div class="dialog-actions">
+          <button type="button" onClick={props.onClose}>
+            Cancel
+          </button>
+          <button type="submit" class={props.danger ? "danger" : "primary"} disabled={busy}>
+            {busy ? `${props.action}…` : props.action}
+          </button>
+        </div>
+      </form>
+    </Modal>
+  );
+}
+
+/** Input is a labelled form field; hint is read with it (aria-describedby). */
+export function Input(props: { label: string; value: string; onInput: (v: string) => void; name?: string; type?: "text" | "number"; required?: boolean; min?: number; max?: number; placeholder?: string; hint?: string; list?: string[] }) {
+  const id = useId();
+  return (
+    <div class="field">
+      <label for={id}>{props.label}</label>
+      <input
+        id={id}
+        name={props.name}
+        type={props.type ?? "text"}
+        value={props.value}
+        required={props.required}
+        min={props.min}
+        max={props.max}
+        placeholder={props.placeholder}
+        list={props.list?.length ? id + "-list" : undefined}
+        aria-describedby={props.hint ? id + "-hint" : undefined}
+        onInput={(e) => props.onInput((e.target as HTMLInputElement).value)}
+      />
+      {props.list && props.list.length > 0 && (
+        <datalist id={id + "-list"}>
+          {props.list.map((v) => (
+            <option value={v} />
+          ))}
+        </datalist>
+      )}
+      {props.hint && (
+        <small id={id + "-hint"} class="hint">
+          {props.hint}
+        </small>
+      )}
+    </div>
+  );
+}
+
+/** TextArea is a labelled multi-line field (a YAML value). */
+export function TextArea(props: { label: string; value: string; onInput: (v: string) => void; name?: string; rows?: number; hint?: string }) {
+  const id = useId();
+  return (
+    <div class="field">
+      <label for={id}>{props.label}</label>
+      <textarea id={id} name={props.name} rows={props.rows ?? 6} value={props.value} spellcheck={false} aria-describedby={props.hint ? id + "-hint" : undefined} onInput={(e) => props.onInput((e.target as HTMLTextAreaElement).value)} />
+      {props.hint && (
+        <small id={id + "-hint"} class="hint">
+          {props.hint}
+        </small>
+      )}
+    </div>
+  );
+}
+
+/** Select is a labelled choice among options (value, label). */
+export function Select(props: { label: string; value: string; onChange: (v: string) => void; name?: string; options: [string, string][]; hint?: string }) {
+  const id = useId();
+  return (
+    <div class="field">
+      <label for={id}>{props.label}</label>
+      <select id={id} name={props.name} value={props.value} aria-describedby={props.hint ? id + "-hint" : undefined} onChange={(e) => props.onChange((e.target as HTMLSelectElement).value)}>
+        {props.options.map(([v, l]) => (
+          <option value={v}>{l}</option>
+        ))}
+      </select>
+      {props.hint && (
+        <small id={id + "-hint"} class="hint">
+          {props.hint}
+        </small>
+      )}
+    </div>
+  );
+}
+
+/** One button of an ActionBar. */
+export interface ActionDef {
+  label: string;
+  danger?: boolean;
+  disabled?: boolean;
+  /** what the confirmation says; none: the action runs at once */
+  confirm?: ComponentChildren;
+  run: () => Promise<unknown>;
+}
+
+/**
+ * ActionBar is the buttons of an object's actions (only those the caller
+ * may call are given), each destructive one confirmed; act shows the
+ * outcome. children are more controls (an edit button).
+ */
+export function ActionBar(props: { target: string; act: ActionState; actions: ActionDef[]; children?: ComponentChildren }) {
+  const [pending, setPending] = useState<ActionDef | undefined>();
+  const go = (a: ActionDef) => {
+    setPending(undefined);
+    props.act.run(`${a.label} ${props.target}: done.`, a.run);
+  };
+  return (
+    <div class="actions" role="group" aria-label={`Actions on ${props.target}`}>
+      {props.actions.map((a) => (
+        <button type="button" class={a.danger ? "danger" : "primary"} disabled={props.act.busy || a.disabled} onClick={() => (a.confirm ? setPending(a) : go(a))}>
+          {a.label}
+        </button>
+      ))}
+      {props.children}
+      <Confirm open={!!pending} title={pending ? `${pending.label} ${props.target}?` : ""} action={pending?.label ?? ""} danger={pending?.danger} onCancel={() => setPending(undefined)} onConfirm={() => pending && go(pending)}>
+        {pending?.confirm}
+      </Confirm>
+    </div>
+  );
+}
+
+/** An action's state: running, its outcome or its failure. */
+export interface ActionState {
+  busy: boolean;
+  done?: string;
+  error?: Problem;
+  /** run calls fn; done is what is said when it succeeds. */
+  run: (done: string, fn: () => Promise<unknown>) => Promise<boolean>;
+  /** say reports an outcome reached elsewhere (a form dialog). */
+  say: (done: string) => void;
+}
+
+export function useAction(): ActionState {
+  const [busy, setBusy] = useState(false);
+  const [done, setDone] = useState<string | undefined>();
+  const [error, setError] = useState<Problem | undefined>();
+  return {
+    busy,
+    done,
+    error,
+    say: (d) => {
+      setError(undefined);
+      setDone(d);
+    },
+    run: async (d, fn) => {
+      setBusy(true);
+      setError(undefined);
+      setDone(undefined);
+      try {
+        await fn();
+        setDone(d);
+        return true;
+      } catch (e) {
+        setError(problem(e));
+        return false;
+      } finally {
+        setBusy(false);
+      }
+    },
+  };
+}
+
+/** Outcome shows what the last action did, or why it failed (pvcli's words). */
+export function Outcome(props: { state: ActionState }) {
+  const a = props.state;
+  return (
+    <div class="outcome">
+      <p role="status" class="ok-text" data-testid="outcome">
+        {a.done ?? ""}
+      </p>
+      {a.error && <ErrorBox problem={a.error} what="the action failed" />}
+    </div>
   );
 }
 

@@ -3,6 +3,8 @@ export interface UIConfig {
   issuer_url?: string;
   client_id?: string;
   scopes?: string[];
+  /** the API port admits every caller without credentials: no login */
+  access_control_off?: boolean;
 }
 
 export async function loadConfig(): Promise<UIConfig> {

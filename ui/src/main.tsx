@@ -8,7 +8,8 @@ import { useEffect, useRef, useState } from "preact/hooks";
 import { bearer, callbackPath, completeLogin, devIssuer, expiry, forget, login, onChange, usesOIDC } from "./auth";
 import { client, problem, type Problem } from "./api";
 import { loadConfig, type UIConfig } from "./config";
-import { ClusterService } from "./gen/pivirt/cluster/v1/cluster_pb";
+import { create } from "@bufbuild/protobuf";
+import { ClusterService, WhoAmIResponseSchema } from "./gen/pivirt/cluster/v1/cluster_pb";
 import { href, navigate, useRoute } from "./router";
 import { can, SessionContext, type Session } from "./session";
 import { ErrorBox, Link } from "./components";
@@ -160,6 +161,11 @@ function Shell(props: { session: Session; onLogout: () => void }) {
         <span class="node" title="the agent serving this page">
           via {s.who.node}
         </span>
+        {s.open && (
+          <span class="open-access" role="note" data-testid="access-off">
+            Access control is off: anyone who reaches this port may act
+          </span>
+        )}
         <span class="who">
           <span class="sr-only">Signed in as </span>
           <strong data-testid="identity">{s.who.identity}</strong>
@@ -248,6 +254,14 @@ function App(props: { cfg: UIConfig }) {
           setPhase("login");
           return;
         }
+      }
+      if (cfg.access_control_off) {
+        // No credentials are checked (no TLS, no auth configured): there
+        // is no one to log in as, and every call is allowed. WhoAmI would
+        // answer that the call has no authenticated caller.
+        setSession({ cfg, who: create(WhoAmIResponseSchema, { identity: "anonymous", node: location.host, authenticatedBy: "none", source: "none" }), open: true });
+        setPhase("ready");
+        return;
       }
       if (usesOIDC(cfg) && !bearer()) {
         setPhase("login");

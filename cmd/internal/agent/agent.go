@@ -1205,8 +1205,8 @@ func (a *Agent) serveSplit(ln net.Listener, handler func(*grpc.Server) (http.Han
 
 // uiConfig is what the web UI needs to log in: the issuer the agent
 // checks tokens against (a.cfg: auth.oidc changes on a restart; --dev's
-// issuer is only there) and server.ui in force; nil when
-// server.ui.enabled is false.
+// issuer is only there), whether access control is off (no login then)
+// and server.ui in force; nil when server.ui.enabled is false.
 func (a *Agent) uiConfig() *ui.Config {
 	cfg := a.current.Load()
 	if !cfg.Server.UI.Enabled {
@@ -1218,6 +1218,8 @@ func (a *Agent) uiConfig() *ui.Config {
 		ClientID:       cmp.Or(cfg.Server.UI.ClientID, oidc.ClientID),
 		Scopes:         cfg.Server.UI.Scopes,
 		ConnectOrigins: cfg.Server.UI.ConnectOrigins,
+		// startAccess left the guard unset: every call is allowed.
+		AccessControlOff: a.guard == nil,
 	}
 	if len(c.Scopes) == 0 {
 		c.Scopes = []string{"openid"}

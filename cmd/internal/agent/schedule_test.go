@@ -235,6 +235,14 @@ func TestSchedules(t *testing.T) {
 			t.Errorf("slot %s is not a weekday 07:00 in Budapest", lt)
 		}
 	}
+	// A preview, before a create: the slots of an expression, no schedule.
+	prev, err := sc.NextSlots(e.ctx(), &schedulev1.NextSlotsRequest{Cron: "0 7 * * 1-5", TimeZone: "Europe/Budapest", Count: 3})
+	if err != nil || len(prev.GetSlots()) != 3 || prev.GetTimeZone() != "Europe/Budapest" || !prev.GetSlots()[0].AsTime().Equal(next.GetSlots()[0].AsTime()) {
+		t.Fatalf("NextSlots preview: %v %v, want the schedule's %v", prev, err, next.GetSlots())
+	}
+	if _, err := sc.NextSlots(e.ctx(), &schedulev1.NextSlotsRequest{Cron: "0 25 * * *"}); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "cron") {
+		t.Errorf("NextSlots preview of a bad expression: %v, want InvalidArgument naming cron", err)
+	}
 
 	// Deleted: gone with its runs.
 	if _, err := sc.DeleteSchedule(e.ctx(), &schedulev1.DeleteScheduleRequest{Id: id}); err != nil {

@@ -1,17 +1,22 @@
 // VMs, volumes and networks across every node, with their host and owner,
-// followed with the Watch streams (the agent merges every node's). A VM's
-// page offers the power actions the caller's role allows, each confirmed.
+// followed with the Watch streams (the agent merges every node's). Each
+// list offers a create form and each object's page the actions the
+// caller's role allows (a VM's power, edit, delete), the destructive ones
+// confirmed; the outcome, or the agent's refusal in pvcli's words, is shown.
+// A running VM's page links to its serial console (views/console.tsx,
+// loaded when it opens).
 import { useEffect, useRef, useState } from "preact/hooks";
 import type { ComponentChildren } from "preact";
 import { client, problem, type Problem } from "../api";
-import { Badge, Confirm, Empty, ErrorBox, Link, Live, Loading, PageHeader, Table, fmtBytes, fmtTime, type Column, type Tone } from "../components";
+import { ClusterService } from "../gen/pivirt/cluster/v1/cluster_pb";
+import { ActionBar, Badge, Empty, ErrorBox, FormDialog, Input, Link, Live, Loading, Outcome, PageHeader, Select, Table, fmtBytes, fmtTime, useAction, type ActionState, type Column, type Tone } from "../components";
 import { useStream } from "../live";
 import { PowerState, VMService, EventType as VMEvent, type VM } from "../gen/pivirt/vm/v1/vm_pb";
 import { StorageService, EventType as VolumeEvent, type Volume } from "../gen/pivirt/storage/v1/storage_pb";
 import { NetworkService, EventType as NetworkEvent, type Network } from "../gen/pivirt/network/v1/network_pb";
 import type { ObjectMeta } from "../gen/pivirt/api/v1/api_pb";
 import { href } from "../router";
-import { decision, useSession } from "../session";
+import { can, decision, useSession } from "../session";
 
 type Kind = "vms" | "volumes" | "networks";
 
@@ -25,6 +30,9 @@ interface Obj {
 const titles: Record<Kind, [string, string]> = { vms: ["VMs", "VM"], volumes: ["Volumes", "Volume"], networks: ["Networks", "Network"] };
 /** lower: the plural inside a sentence */
 const lower: Record<Kind, string> = { vms: "VMs", volumes: "volumes", networks: "networks" };
+/** noun: the singular inside a sentence; article: with its article */
+const noun: Record<Kind, string> = { vms: "VM", volumes: "volume", networks: "network" };
+const article: Record<Kind, string> = { vms: "a VM", volumes: "a volume", networks: "a network" };
 
 function powerTone(s: PowerState): Tone {
   return s === PowerState.RUNNING ? "ok" : s === PowerState.SHUTTING_DOWN ? "warn" : "muted";
@@ -104,6 +112,7 @@ function columns(kind: Kind): Column<Obj>[] {
 export function Resources(props: { kind: Kind; id?: string; sub?: string }) {
   const w = useWatch(props.kind);
   const [plural, singular] = titles[props.kind];
+  const act = useAction();
   if (props.kind === "vms" && props.id && props.sub === "console") {
     // Opened also when the watch does not show the VM: the agent says why
     // its console does not open (another owner's VM, a VM that is gone).
@@ -118,7 +127,8 @@ export function Resources(props: { kind: Kind; id?: string; sub?: string }) {
         </PageHeader>
         <Link href={href(props.kind)}>← All {lower[props.kind]}</Link>
         {w.error && <ErrorBox problem={w.error} what={lower[props.kind]} stale={!!w.objs} />}
-        {!w.objs ? <Loading what={singular} /> : !o ? <Empty>No {singular} {props.id} (it may have been deleted, or your role may not see it).</Empty> : <Detail kind={props.kind} obj={o} />}
+        <Outcome state={act} />
+        {!w.objs ? <Loading what={singular} /> : !o ? <Empty>No {singular} {props.id} (it may have been deleted, or your role may not see it).</Empty> : <Detail kind={props.kind} obj={o} act={act} />}
       </section>
     );
   }
@@ -128,6 +138,7 @@ export function Resources(props: { kind: Kind; id?: string; sub?: string }) {
       <PageHeader title={plural}>
         <Live connected={w.connected} />
       </PageHeader>
+      <Create kind={props.kind} />
       {w.error && <ErrorBox problem={w.error} what={lower[props.kind]} stale={!!w.objs} />}
       {!w.objs ? (
         w.error ? null : <Loading what={lower[props.kind]} />
@@ -149,7 +160,7 @@ function Field(props: { name: string; children: ComponentChildren }) {
   );
 }
 
-function Detail(props: { kind: Kind; obj: Obj }) {
+function Detail(props: { kind: Kind; obj: Obj; act: ActionState }) {
   const o = props.obj;
   return (
     <>
@@ -193,7 +204,7 @@ function Detail(props: { kind: Kind; obj: Obj }) {
           </>
         )}
       </dl>
-      {props.kind === "vms" && <Actions vm={o as VM} />}
+      <Actions kind={props.kind} obj={o} act={props.act} />
       {props.kind === "vms" && <ConsoleLink vm={o as VM} />}
       {props.kind === "vms" && (
         <p>
@@ -234,68 +245,199 @@ function ConsoleLink(props: { vm: VM }) {
 interface Action {
   method: string;
   label: string;
+  /** what the confirmation says the action does */
   verb: string;
   danger: boolean;
-  when: (s: PowerState) => boolean;
+  when: (o: Obj) => boolean;
   run: (id: string) => Promise<unknown>;
 }
 
-const actions: Action[] = [
-  { method: "VMService/PowerOn", label: "Start", verb: "start", danger: false, when: (s) => s !== PowerState.RUNNING, run: (id) => client(VMService).powerOn({ id }) },
-  { method: "VMService/ShutdownDefault", label: "Stop", verb: "shut down (the guest is asked, then the power is cut after 60 s)", danger: true, when: (s) => s === PowerState.RUNNING, run: (id) => client(VMService).shutdownDefault({ id }) },
-  { method: "VMService/Reboot", label: "Reboot", verb: "reboot", danger: true, when: (s) => s === PowerState.RUNNING, run: (id) => client(VMService).reboot({ id }) },
-  { method: "VMService/PowerOff", label: "Power off", verb: "power off (the power is cut at once)", danger: true, when: (s) => s !== PowerState.STOPPED, run: (id) => client(VMService).powerOff({ id }) },
-];
+const always = () => true;
+const power = (f: (s: PowerState) => boolean) => (o: Obj) => f((o as VM).powerState);
 
-function Actions(props: { vm: VM }) {
+const actions: Record<Kind, Action[]> = {
+  vms: [
+    { method: "VMService/PowerOn", label: "Start", verb: "start", danger: false, when: power((s) => s !== PowerState.RUNNING), run: (id) => client(VMService).powerOn({ id }) },
+    { method: "VMService/ShutdownDefault", label: "Stop", verb: "shut down (the guest is asked, then the power is cut after 60 s)", danger: true, when: power((s) => s === PowerState.RUNNING), run: (id) => client(VMService).shutdownDefault({ id }) },
+    { method: "VMService/Reboot", label: "Reboot", verb: "reboot", danger: true, when: power((s) => s === PowerState.RUNNING), run: (id) => client(VMService).reboot({ id }) },
+    { method: "VMService/PowerOff", label: "Power off", verb: "power off (the power is cut at once)", danger: true, when: power((s) => s !== PowerState.STOPPED), run: (id) => client(VMService).powerOff({ id }) },
+    { method: "VMService/DeleteVM", label: "Delete", verb: "delete (its disks and networks stay)", danger: true, when: power((s) => s === PowerState.STOPPED), run: (id) => client(VMService).deleteVM({ id }) },
+  ],
+  volumes: [{ method: "StorageService/DeleteVolume", label: "Delete", verb: "delete, with its data,", danger: true, when: always, run: (id) => client(StorageService).deleteVolume({ id }) }],
+  networks: [{ method: "NetworkService/DeleteNetwork", label: "Delete", verb: "delete", danger: true, when: always, run: (id) => client(NetworkService).deleteNetwork({ id }) }],
+};
+
+/** Actions are the buttons of an object's page, each confirmed. */
+function Actions(props: { kind: Kind; obj: Obj; act: ActionState }) {
   const s = useSession();
-  const [pending, setPending] = useState<Action | undefined>();
-  const [busy, setBusy] = useState(false);
-  const [err, setErr] = useState<Problem | undefined>();
-  const [done, setDone] = useState<string | undefined>();
-  const allowed = actions.filter((a) => decision(s, a.method) !== "denied");
-  if (allowed.length === 0) {
-    return <p class="sub">Your roles may not change this VM's power.</p>;
+  const [editing, setEditing] = useState(false);
+  const o = props.obj;
+  const name = o.name || o.id;
+  const singular = noun[props.kind];
+  const allowed = actions[props.kind].filter((a) => decision(s, a.method) !== "denied");
+  const edit = props.kind === "vms" && can(s, "VMService/UpdateVM");
+  if (allowed.length === 0 && !edit) {
+    return <p class="sub">Your roles may not change this {singular}.</p>;
   }
-  const go = async (a: Action) => {
-    setPending(undefined);
-    setBusy(true);
-    setErr(undefined);
-    setDone(undefined);
-    try {
-      await a.run(props.vm.id);
-      setDone(`${a.label}: done.`);
-    } catch (e) {
-      setErr(problem(e));
-    } finally {
-      setBusy(false);
+  return (
+    <ActionBar
+      target={`${singular} ${name}`}
+      act={props.act}
+      actions={allowed.map((a) => ({
+        label: a.label,
+        danger: a.danger,
+        disabled: !a.when(o),
+        run: () => a.run(o.id),
+        confirm: (
+          <p>
+            This will {a.verb} the {singular} <strong>{name}</strong> on {o.host || "its node"}.
+          </p>
+        ),
+      }))}
+    >
+      {edit && (
+        <>
+          <button type="button" onClick={() => setEditing(true)}>
+            Edit
+          </button>
+          <EditVM open={editing} vm={o as VM} onClose={() => setEditing(false)} onDone={(m) => props.act.say(m)} />
+        </>
+      )}
+    </ActionBar>
+  );
+}
+
+/** EditVM changes a VM's name, vCPUs and memory (pvcli vm update). */
+function EditVM(props: { open: boolean; vm: VM; onClose: () => void; onDone: (m: string) => void }) {
+  const [name, setName] = useState("");
+  const [vcpus, setVcpus] = useState("");
+  const [mem, setMem] = useState("");
+  useEffect(() => {
+    if (!props.open) return;
+    setName(props.vm.name);
+    setVcpus(String(props.vm.vcpus));
+    setMem(String(props.vm.memoryMib));
+  }, [props.open]);
+  const submit = async () => {
+    const paths: string[] = [];
+    if (name !== props.vm.name) paths.push("name");
+    if (vcpus !== String(props.vm.vcpus)) paths.push("vcpus");
+    if (mem !== String(props.vm.memoryMib)) paths.push("memory_mib");
+    if (paths.length === 0) {
+      props.onDone(`Edit VM ${props.vm.name || props.vm.id}: nothing changed.`);
+      return;
     }
+    await client(VMService).updateVM({
+      vm: { id: props.vm.id, name, vcpus: number("vCPUs", vcpus), memoryMib: BigInt(number("Memory (MiB)", mem)) },
+      updateMask: { paths },
+      expectedRevision: props.vm.metadata?.revision,
+    });
+    props.onDone(`Edit VM ${name || props.vm.id}: saved (${paths.join(", ")}).`);
   };
   return (
-    <div class="actions" role="group" aria-label="Power actions">
-      {allowed.map((a) => (
-        <button type="button" class={a.danger ? "danger" : "primary"} disabled={busy || !a.when(props.vm.powerState)} onClick={() => setPending(a)}>
-          {a.label}
-        </button>
-      ))}
-      {done && (
-        <p role="status" class="ok-text">
-          {done}
-        </p>
-      )}
-      {err && <ErrorBox problem={err} what="the action failed" />}
-      <Confirm
-        open={!!pending}
-        title={pending ? `${pending.label} ${props.vm.name || props.vm.id}?` : ""}
-        action={pending?.label ?? ""}
-        danger={pending?.danger}
-        onCancel={() => setPending(undefined)}
-        onConfirm={() => pending && go(pending)}
-      >
-        <p>
-          This will {pending?.verb} the VM <strong>{props.vm.name || props.vm.id}</strong> on {props.vm.host || "its node"}.
-        </p>
-      </Confirm>
+    <FormDialog open={props.open} title={`Edit VM ${props.vm.name || props.vm.id}`} action="Save" submit={submit} onClose={props.onClose}>
+      <Input label="Name" name="name" value={name} onInput={setName} required />
+      <Input label="vCPUs" name="vcpus" type="number" min={1} max={256} value={vcpus} onInput={setVcpus} hint="1 to 256" />
+      <Input label="Memory (MiB)" name="memory" type="number" min={64} value={mem} onInput={setMem} hint="64 or more" />
+    </FormDialog>
+  );
+}
+
+/** number parses a whole number field, or throws naming it. */
+function number(field: string, v: string): number {
+  const n = Number(v.trim());
+  if (v.trim() === "" || !Number.isInteger(n) || n < 0) {
+    throw new Error(`${field}: ${JSON.stringify(v)} is not a whole number`);
+  }
+  return n;
+}
+
+const createMethod: Record<Kind, string> = { vms: "VMService/CreateVM", volumes: "StorageService/CreateVolume", networks: "NetworkService/CreateNetwork" };
+
+/** useHosts lists the cluster's nodes for a host field, when the caller may read them. */
+function useHosts(open: boolean): string[] {
+  const s = useSession();
+  const [hosts, setHosts] = useState<string[]>([]);
+  useEffect(() => {
+    if (!open || !can(s, "ClusterService/Members")) return;
+    client(ClusterService)
+      .members({})
+      .then((r) => setHosts(r.members.map((m) => m.name).sort()))
+      .catch(() => setHosts([]));
+  }, [open]);
+  return hosts;
+}
+
+/** Create is a list's create button and form (pvcli vm|volume|network create). */
+function Create(props: { kind: Kind }) {
+  const s = useSession();
+  const act = useAction();
+  const [open, setOpen] = useState(false);
+  const [f, setF] = useState<Record<string, string>>({});
+  const hosts = useHosts(open);
+  if (!can(s, createMethod[props.kind])) return null;
+  const singular = noun[props.kind];
+  const set = (k: string) => (v: string) => setF((x) => ({ ...x, [k]: v }));
+  const v = (k: string, d = "") => f[k] ?? d;
+  const host = v("host");
+  const begin = () => {
+    setF({});
+    setOpen(true);
+  };
+  const submit = async () => {
+    const name = v("name").trim();
+    if (!name) throw new Error("Name: give the new object a name");
+    let id = "";
+    switch (props.kind) {
+      case "vms": {
+        const r = await client(VMService).createVM({
+          vm: { name, vcpus: number("vCPUs", v("vcpus", "1")), memoryMib: BigInt(number("Memory (MiB)", v("memory", "1024"))), metadata: { owner: v("owner").trim() } },
+          host,
+        });
+        id = r.vm?.id ?? "";
+        break;
+      }
+      case "volumes": {
+        const r = await client(StorageService).createVolume({ volume: { name, sizeBytes: BigInt(number("Size (MiB)", v("size", "1024"))) * 1048576n }, host });
+        id = r.volume?.id ?? "";
+        break;
+      }
+      case "networks": {
+        const r = await client(NetworkService).createNetwork({ network: { name, cidr: v("cidr").trim(), vlan: number("VLAN", v("vlan", "0")) }, host });
+        id = r.network?.id ?? "";
+        break;
+      }
+    }
+    act.say(`Created ${singular} ${name} (${id})${host ? ` on ${host}` : ""}.`);
+  };
+  return (
+    <div class="actions">
+      <button type="button" class="primary" onClick={begin}>
+        Create {article[props.kind]}
+      </button>
+      <Outcome state={act} />
+      <FormDialog open={open} title={`Create ${article[props.kind]}`} action="Create" submit={submit} onClose={() => setOpen(false)}>
+        <Input label="Name" name="name" value={v("name")} onInput={set("name")} required />
+        {hosts.length > 0 ? (
+          <Select label="Host" name="host" value={host} onChange={set("host")} options={[["", "the node serving this page"], ...hosts.map((h): [string, string] => [h, h])]} />
+        ) : (
+          <Input label="Host" name="host" value={host} onInput={set("host")} hint="A node's name; empty: the node serving this page." />
+        )}
+        {props.kind === "vms" && (
+          <>
+            <Input label="vCPUs" name="vcpus" type="number" min={1} max={256} value={v("vcpus", "1")} onInput={set("vcpus")} hint="1 to 256" />
+            <Input label="Memory (MiB)" name="memory" type="number" min={64} value={v("memory", "1024")} onInput={set("memory")} hint="64 or more" />
+            <Input label="Owner" name="owner" value={v("owner")} onInput={set("owner")} hint="The identity the VM belongs to (metadata.owner); may be empty." />
+          </>
+        )}
+        {props.kind === "volumes" && <Input label="Size (MiB)" name="size" type="number" min={1} value={v("size", "1024")} onInput={set("size")} />}
+        {props.kind === "networks" && (
+          <>
+            <Input label="CIDR" name="cidr" value={v("cidr")} onInput={set("cidr")} placeholder="10.10.0.0/24" required />
+            <Input label="VLAN" name="vlan" type="number" min={0} max={4094} value={v("vlan", "0")} onInput={set("vlan")} hint="1 to 4094, or 0 for untagged" />
+          </>
+        )}
+      </FormDialog>
     </div>
   );
 }

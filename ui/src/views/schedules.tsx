@@ -1,16 +1,19 @@
 // Power schedules with their next slots, and a schedule's runs as a table
 // and a timeline (ok, error, skipped with its reason, outcome unknown),
-// followed with blocking queries on ListSchedules and ListRuns.
+// followed with blocking queries on ListSchedules and ListRuns. A create
+// form previews the next runs of its expression (NextSlots with no id);
+// a schedule's page edits, pauses, resumes and deletes it.
 import { useEffect, useMemo, useState } from "preact/hooks";
 import type uPlot from "uplot";
 import { client } from "../api";
 import { Chart } from "../chart";
-import { Badge, Empty, ErrorBox, Link, Loading, PageHeader, Table, fmtTime, durationMs, fmtDuration, type Tone } from "../components";
+import { ActionBar, Badge, Empty, ErrorBox, FormDialog, Input, Link, Loading, Outcome, PageHeader, Select, Table, fmtTime, durationMs, fmtDuration, useAction, type ActionDef, type Tone } from "../components";
 import { useBlocking, useOnce } from "../live";
 import { Consistency } from "../gen/pivirt/cluster/v1/cluster_pb";
 import { Action, RunOutcome, type Run, type Schedule } from "../gen/pivirt/schedule/v1/schedule_pb";
 import { ScheduleService } from "../gen/pivirt/schedule/v1/service_pb";
 import { href } from "../router";
+import { can, useSession } from "../session";
 import { durationFromMs, timestampDate } from "@bufbuild/protobuf/wkt";
 
 const blocking = (waitIndex: bigint) => ({ consistency: Consistency.STALE, waitIndex, waitTime: durationFromMs(60_000) });
@@ -57,6 +60,7 @@ function ScheduleList() {
     <section>
       <PageHeader title={vm ? `Schedules of VM ${vm}` : "Schedules"} />
       {vm && <Link href={href("schedules")}>← All schedules</Link>}
+      <CreateSchedule vm={vm} />
       {q.error && <ErrorBox problem={q.error} what="schedules" stale={!!q.data} />}
       {q.loading && !q.data ? (
         <Loading what="schedules" />
@@ -98,10 +102,12 @@ function ScheduleDetail(props: { id: string }) {
     [props.id],
   );
   const s = sched.data;
+  const act = useAction();
   return (
     <section>
       <PageHeader title={`Schedule ${props.id}`} />
       <Link href={href("schedules")}>← All schedules</Link>
+      <Outcome state={act} />
       {sched.error && <ErrorBox problem={sched.error} what="the schedule" stale={!!s} />}
       {!s ? (
         sched.error ? null : <Loading what="the schedule" />
@@ -123,6 +129,7 @@ function ScheduleDetail(props: { id: string }) {
             <dt>Runs kept</dt>
             <dd>{s.historyLimit || 50}</dd>
           </dl>
+          <ScheduleActions schedule={s} act={act} />
           <NextSlots schedule={s} />
         </>
       )}
@@ -204,4 +211,147 @@ function timeline(runs: Run[]) {
     summary: `${sorted.length} runs: ${counts}`,
     xRange: [from - 5, Math.max(now, xs[xs.length - 1] ?? now) + 5] as [number, number],
   };
+}
+
+const actionOptions: [string, string][] = [
+  [String(Action.POWER_ON), "power-on"],
+  [String(Action.POWER_OFF), "power-off"],
+  [String(Action.REBOOT), "reboot"],
+];
+
+/** Preview shows the next runs of an expression before it is saved (NextSlots with no id). */
+function Preview(props: { cron: string; timeZone: string }) {
+  const q = useOnce(
+    async (signal) => {
+      if (!props.cron.trim()) return undefined;
+      // Typing settles first: one call per pause, not per key.
+      await new Promise<void>((resolve, reject) => {
+        const t = setTimeout(resolve, 300);
+        signal.addEventListener("abort", () => (clearTimeout(t), reject(new Error("aborted"))));
+      });
+      return client(ScheduleService).nextSlots({ cron: props.cron.trim(), timeZone: props.timeZone.trim(), count: 5 }, { signal });
+    },
+    [props.cron, props.timeZone],
+  );
+  return (
+    <div class="preview" aria-live="polite" data-testid="preview">
+      <strong>Next runs</strong>
+      {!props.cron.trim() ? (
+        <p class="sub">Give an expression to see its next runs.</p>
+      ) : q.error ? (
+        <p class="error-text">{q.error.message}</p>
+      ) : !q.data ? (
+        <p class="sub">…</p>
+      ) : (
+        <ol class="slots">
+          {q.data.slots.map((t) => (
+            <li>{timestampDate(t).toLocaleString(undefined, { timeZone: q.data!.timeZone || "UTC", timeZoneName: "short" })}</li>
+          ))}
+        </ol>
+      )}
+    </div>
+  );
+}
+
+/** ScheduleFields are the fields a create and an edit share. */
+function ScheduleFields(props: { f: Record<string, string>; set: (k: string) => (v: string) => void }) {
+  const v = (k: string) => props.f[k] ?? "";
+  return (
+    <>
+      <Select label="Action" name="action" value={v("action")} onChange={props.set("action")} options={actionOptions} />
+      <Input label="When" name="cron" value={v("cron")} onInput={props.set("cron")} required placeholder="0 7 * * 1-5" hint="Five cron fields, @daily and the like, or @every 10m." />
+      <Input label="Time zone" name="zone" value={v("zone")} onInput={props.set("zone")} placeholder="UTC" hint="An IANA zone name (Europe/Budapest); empty: UTC." />
+      <Preview cron={v("cron")} timeZone={v("zone")} />
+    </>
+  );
+}
+
+/** CreateSchedule is the list's create button and form (pvcli schedule create). */
+function CreateSchedule(props: { vm: string }) {
+  const s = useSession();
+  const act = useAction();
+  const [open, setOpen] = useState(false);
+  const [f, setF] = useState<Record<string, string>>({});
+  if (!can(s, "ScheduleService/CreateSchedule")) return null;
+  const set = (k: string) => (v: string) => setF((x) => ({ ...x, [k]: v }));
+  const submit = async () => {
+    const r = await client(ScheduleService).createSchedule({
+      schedule: { id: (f.id ?? "").trim(), vmId: (f.vm ?? "").trim(), action: Number(f.action) as Action, cron: (f.cron ?? "").trim(), timeZone: (f.zone ?? "").trim(), enabled: true },
+    });
+    act.say(`Created schedule ${r.schedule?.id}.`);
+  };
+  return (
+    <div class="actions">
+      <button
+        type="button"
+        class="primary"
+        onClick={() => {
+          setF({ vm: props.vm, action: String(Action.POWER_ON) });
+          setOpen(true);
+        }}
+      >
+        Create a schedule
+      </button>
+      <Outcome state={act} />
+      <FormDialog open={open} title="Create a schedule" action="Create" submit={submit} onClose={() => setOpen(false)}>
+        <Input label="VM" name="vm" value={f.vm ?? ""} onInput={set("vm")} required hint="The VM's ID." />
+        <Input label="ID" name="id" value={f.id ?? ""} onInput={set("id")} hint="Empty: one is made up." />
+        <ScheduleFields f={f} set={set} />
+      </FormDialog>
+    </div>
+  );
+}
+
+/** ScheduleActions: edit, pause or resume, delete (pvcli schedule update|pause|resume|delete). */
+function ScheduleActions(props: { schedule: Schedule; act: ReturnType<typeof useAction> }) {
+  const s = useSession();
+  const sc = props.schedule;
+  const [editing, setEditing] = useState(false);
+  const [f, setF] = useState<Record<string, string>>({});
+  const set = (k: string) => (v: string) => setF((x) => ({ ...x, [k]: v }));
+  const list: ActionDef[] = [];
+  if (sc.enabled && can(s, "ScheduleService/PauseSchedule")) list.push({ label: "Pause", run: () => client(ScheduleService).pauseSchedule({ id: sc.id }) });
+  if (!sc.enabled && can(s, "ScheduleService/ResumeSchedule")) list.push({ label: "Resume", run: () => client(ScheduleService).resumeSchedule({ id: sc.id }) });
+  if (can(s, "ScheduleService/DeleteSchedule"))
+    list.push({
+      label: "Delete",
+      danger: true,
+      confirm: <p>This deletes the schedule {sc.id} and the record of its runs; the VM stays as it is.</p>,
+      run: () => client(ScheduleService).deleteSchedule({ id: sc.id }),
+    });
+  const edit = can(s, "ScheduleService/UpdateSchedule");
+  if (list.length === 0 && !edit) return <p class="sub">Your roles may not change this schedule.</p>;
+  const submit = async () => {
+    const paths: string[] = [];
+    const next = { id: sc.id, action: Number(f.action) as Action, cron: (f.cron ?? "").trim(), timeZone: (f.zone ?? "").trim() };
+    if (next.action !== sc.action) paths.push("action");
+    if (next.cron !== sc.cron) paths.push("cron");
+    if (next.timeZone !== sc.timeZone) paths.push("time_zone");
+    if (paths.length === 0) {
+      props.act.say(`Edit schedule ${sc.id}: nothing changed.`);
+      return;
+    }
+    await client(ScheduleService).updateSchedule({ schedule: next, updateMask: { paths }, expectedRevision: sc.modifyIndex });
+    props.act.say(`Edit schedule ${sc.id}: saved (${paths.join(", ")}).`);
+  };
+  return (
+    <ActionBar target={`schedule ${sc.id}`} act={props.act} actions={list}>
+      {edit && (
+        <>
+          <button
+            type="button"
+            onClick={() => {
+              setF({ action: String(sc.action), cron: sc.cron, zone: sc.timeZone });
+              setEditing(true);
+            }}
+          >
+            Edit
+          </button>
+          <FormDialog open={editing} title={`Edit schedule ${sc.id}`} action="Save" submit={submit} onClose={() => setEditing(false)}>
+            <ScheduleFields f={f} set={set} />
+          </FormDialog>
+        </>
+      )}
+    </ActionBar>
+  );
 }

@@ -1,8 +1,10 @@
 // Services and their instances with health and TTLs, followed with
 // blocking queries on ClusterService.ListServices (stale reads: any agent
-// answers from its own copy, so the view works without a leader).
+// answers from its own copy, so the view works without a leader). An
+// instance may be deregistered from its service's page (confirmed).
 import { client } from "../api";
-import { Badge, Empty, ErrorBox, Link, Loading, PageHeader, Table, ago, durationMs, fmtDuration } from "../components";
+import { ActionBar, Badge, Empty, ErrorBox, Link, Loading, Outcome, PageHeader, Table, ago, durationMs, fmtDuration, useAction, type ActionState, type Column } from "../components";
+import { can, useSession } from "../session";
 import { useBlocking } from "../live";
 import { ClusterService, Consistency, Health, type ServiceInstance } from "../gen/pivirt/cluster/v1/cluster_pb";
 import { href } from "../router";
@@ -25,17 +27,19 @@ export function Services(props: { name?: string }) {
   );
   const title = props.name ? `Service ${props.name}` : "Services";
   const instances = q.data ?? [];
+  const act = useAction();
   return (
     <section>
       <PageHeader title={title} />
       {props.name && <Link href={href("services")}>← All services</Link>}
+      <Outcome state={act} />
       {q.error && <ErrorBox problem={q.error} what="services" stale={!!q.data} />}
       {q.loading && !q.data ? (
         <Loading what="services" />
       ) : instances.length === 0 ? (
         <Empty>{props.name ? `No instances of ${props.name} are registered.` : "No services are registered. pvcli service register adds one."}</Empty>
       ) : props.name ? (
-        <InstanceTable rows={instances} />
+        <InstanceTable rows={instances} act={act} />
       ) : (
         <ServiceTable rows={instances} />
       )}
@@ -68,7 +72,33 @@ function ServiceTable(props: { rows: ServiceInstance[] }) {
   );
 }
 
-function InstanceTable(props: { rows: ServiceInstance[] }) {
+function InstanceTable(props: { rows: ServiceInstance[]; act: ActionState }) {
+  const deregister = can(useSession(), "ClusterService/DeregisterService");
+  const actions: Column<ServiceInstance>[] = deregister
+    ? [
+        {
+          title: "Actions",
+          cell: (i) => (
+            <ActionBar
+              target={`instance ${i.instanceId}`}
+              act={props.act}
+              actions={[
+                {
+                  label: "Deregister",
+                  danger: true,
+                  confirm: (
+                    <p>
+                      This removes the instance {i.instanceId} of {i.service} at {i.address}:{i.port} from the catalog; the service itself keeps running, and registers again if it is set to.
+                    </p>
+                  ),
+                  run: () => client(ClusterService).deregisterService({ service: i.service, instanceId: i.instanceId }),
+                },
+              ]}
+            />
+          ),
+        },
+      ]
+    : [];
   return (
     <Table<ServiceInstance>
       caption="Instances"
@@ -83,6 +113,7 @@ function InstanceTable(props: { rows: ServiceInstance[] }) {
         { title: "Tags", cell: (i) => i.tags.join(", ") },
         { title: "TTL", cell: (i) => (i.ttl ? fmtDuration(durationMs(i.ttl)) : i.check ? "check" : "—") },
         { title: "Last heartbeat", cell: (i) => ago(i.lastHeartbeat) },
+        ...actions,
       ]}
     />
   );

@@ -854,9 +854,15 @@ func (x *ListRunsResponse) GetMeta() *v1.QueryMeta {
 
 type NextSlotsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// id is the schedule; empty: the preview of cron and time_zone.
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	// count is at most 100; 0 means 5.
-	Count         int32 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Count int32 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	// cron and time_zone, with no id, preview the slots of a schedule not
+	// yet created (as CreateSchedule would take them, starting now): the
+	// form that creates one shows them first. Ignored with an id.
+	Cron          string `protobuf:"bytes,3,opt,name=cron,proto3" json:"cron,omitempty"`
+	TimeZone      string `protobuf:"bytes,4,opt,name=time_zone,json=timeZone,proto3" json:"time_zone,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -903,6 +909,20 @@ func (x *NextSlotsRequest) GetCount() int32 {
 		return x.Count
 	}
 	return 0
+}
+
+func (x *NextSlotsRequest) GetCron() string {
+	if x != nil {
+		return x.Cron
+	}
+	return ""
+}
+
+func (x *NextSlotsRequest) GetTimeZone() string {
+	if x != nil {
+		return x.TimeZone
+	}
+	return ""
 }
 
 type NextSlotsResponse struct {
@@ -1009,10 +1029,12 @@ const file_pivirt_schedule_v1_service_proto_rawDesc = "" +
 	"\x04read\x18\x02 \x01(\v2\x1e.pivirt.cluster.v1.ReadOptionsR\x04read\"q\n" +
 	"\x10ListRunsResponse\x12+\n" +
 	"\x04runs\x18\x01 \x03(\v2\x17.pivirt.schedule.v1.RunR\x04runs\x120\n" +
-	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"8\n" +
+	"\x04meta\x18\x02 \x01(\v2\x1c.pivirt.cluster.v1.QueryMetaR\x04meta\"i\n" +
 	"\x10NextSlotsRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
-	"\x05count\x18\x02 \x01(\x05R\x05count\"b\n" +
+	"\x05count\x18\x02 \x01(\x05R\x05count\x12\x12\n" +
+	"\x04cron\x18\x03 \x01(\tR\x04cron\x12\x1b\n" +
+	"\ttime_zone\x18\x04 \x01(\tR\btimeZone\"b\n" +
 	"\x11NextSlotsResponse\x120\n" +
 	"\x05slots\x18\x01 \x03(\v2\x1a.google.protobuf.TimestampR\x05slots\x12\x1b\n" +
 	"\ttime_zone\x18\x02 \x01(\tR\btimeZone2\xb1\t\n" +
