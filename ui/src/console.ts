@@ -93,6 +93,19 @@ export function classifyClose(code: number, opened: boolean): "retry" | "ended" 
 }
 
 /**
+ * closeProblem words a close that ended the call with no error frame
+ * before it: 4000 + a gRPC code as that code (its numbers are Connect's),
+ * 1008 and 1009 (a frame the agent refused) as what they are.
+ */
+export function closeProblem(code: number, reason: string): Problem {
+  if (code > 4000 && code <= 4016) {
+    return problem(new ConnectError(reason || "the console's call failed", (code - 4000) as Code));
+  }
+  const what = code === 1009 ? "a frame too big" : code === 1008 ? "a frame it does not take" : "no reason";
+  return { code: Code.Internal, message: `the agent closed the console (${code}: ${reason || what})`, noLeader: false };
+}
+
+/**
  * transient: a refusal that may pass by itself — the caller's bound on
  * open streams (a session cut off by a network blip counts until the
  * agent notices it gone), a backend or a leader unavailable. The console
@@ -255,7 +268,7 @@ export class ConsoleSession {
           this.finish({ kind: "ended", why: ev.reason || "the agent ended the console" });
           return;
         case "refused":
-          this.finish({ kind: "failed", problem: { code: Code.Internal, message: `the agent closed the console (${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`, noLeader: false } });
+          this.finish({ kind: "failed", problem: closeProblem(ev.code, ev.reason) });
           return;
         case "retry":
           this.retry(`the connection to the agent was lost (${ev.code})`);

@@ -10,6 +10,7 @@ import {
   backoff,
   base64url,
   classifyClose,
+  closeProblem,
   ConsoleSession,
   consoleURL,
   frames,
@@ -60,6 +61,15 @@ test("classifyClose", () => {
   for (const [code, opened, want] of cases) {
     assert.equal(classifyClose(code, opened), want, `${code} opened=${opened}`);
   }
+});
+
+test("closeProblem", () => {
+  const p = closeProblem(4016, "");
+  assert.equal(p.code, Code.Unauthenticated);
+  assert.match(p.hint ?? "", /log in again/);
+  assert.equal(closeProblem(4014, "the backend went away").message, "the backend went away");
+  assert.equal(closeProblem(1009, "").message, "the agent closed the console (1009: a frame too big)");
+  assert.equal(closeProblem(4999, "x").code, Code.Internal);
 });
 
 test("retryDelay doubles to its bound and stops", () => {
