@@ -21,6 +21,7 @@ import (
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
+	"pilab.hu/pivirt-agent/store"
 )
 
 // ClusterIDKey is the cluster config key holding the cluster's ID. The
@@ -509,9 +510,7 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 	// restore unmarked.
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), restoreMarkTimeout)
 	defer cancel()
-	res, err := s.cs.propose(mctx, nil, &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
-		SnapshotId: plan.meta.ID, SnapshotIndex: plan.meta.Index,
-	}}})
+	index, err := s.markRestored(mctx, &plan.meta, rerr == nil)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot restored, but committing its marker failed (indexes move on with the next write): %w", err)
 	}
@@ -520,10 +519,52 @@ func (s *SnapshotService) restoreLocal(ctx context.Context, f *os.File, size int
 		records = append(records, slog.Uint64(t.GetTable(), t.GetRecords()))
 	}
 	s.logger.InfoContext(ctx, "snapshot restored", "id", plan.meta.ID, "archive_index", plan.meta.Index,
-		"cluster_id", plan.meta.ClusterID, "index", res.Index, slog.Group("records", records...),
+		"cluster_id", plan.meta.ClusterID, "index", index, slog.Group("records", records...),
 		"config_keys_changed", plan.plan.GetConfigKeys(), "rbac_policy_changed", plan.plan.GetRbacPolicyChanged(),
 		"archive_cluster_id", plan.plan.GetArchiveClusterId(), "ca_ignored", plan.plan.GetCaIgnored())
-	return &clusterv1.RestoreSnapshotResponse{Meta: meta, Index: res.Index, Plan: plan.plan}, nil
+	return &clusterv1.RestoreSnapshotResponse{Meta: meta, Index: index, Plan: plan.plan}, nil
+}
+
+// markRestored commits the Restored command after a restore and returns
+// its index. Leadership may move in the moments after a restore (the
+// followers install the restored state while the leader waits): the
+// command is proposed again whenever this node leads again before ctx
+// ends. When another node leads, a restore raft reported committed
+// (committed) is in force on a majority, and only the marker is missing:
+// the answer is the restore's, at the index this node applied, and the
+// tables' indexes move on with the next write.
+func (s *SnapshotService) markRestored(ctx context.Context, meta *archive.Meta, committed bool) (uint64, error) {
+	cmd := func() *fsmv1.Command {
+		return &fsmv1.Command{Op: &fsmv1.Command_Restored{Restored: &fsmv1.Restored{
+			SnapshotId: meta.ID, SnapshotIndex: meta.Index,
+		}}}
+	}
+	res, err := s.cs.propose(ctx, nil, cmd())
+	for err != nil && leadershipMoved(err) {
+		select {
+		case <-ctx.Done():
+			return 0, err
+		case <-time.After(50 * time.Millisecond):
+		}
+		switch id, _ := s.cs.raft.Leader(); {
+		case id == s.cs.cfg.NodeID:
+			res, err = s.cs.propose(ctx, nil, cmd())
+		case id != "" && committed:
+			s.logger.WarnContext(ctx, "snapshot restored; leadership moved before its marker was committed: table indexes move on with the next write",
+				"id", meta.ID, "leader_id", id, "error", err)
+			return s.cs.state.AppliedIndex(), nil
+		}
+	}
+	if err != nil {
+		return 0, err
+	}
+	return res.Index, nil
+}
+
+// leadershipMoved reports whether err is a write refused or cut short
+// because this node is not, or no longer, the leader.
+func leadershipMoved(err error) bool {
+	return errors.Is(err, store.ErrNotLeader) || errors.Is(err, store.ErrLeadershipLost)
 }
 
 // plan verifies the spooled archive f and plans its restore against this

@@ -2,7 +2,6 @@ package mesh
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"mime"
@@ -112,15 +111,12 @@ func connectDefaults(next http.Handler, maxBody int64) http.Handler {
 // answer (a console whose VM is off, refused at once) waited for the
 // caller's next message before its answer went out, forever for a
 // terminal. The body is read by a goroutine into a pipe, whose reading
-// side is closed when the handler returns (ReleaseStreamBody), which ends
-// vanguard's read; the goroutine ends with the caller's next message or
-// the request.
+// writing side is closed when the handler returns (ReleaseStreamBody),
+// which ends vanguard's read as an end of stream; the goroutine ends with
+// the caller's next message or the request.
 
 // releaseBodyKey is the context key of a transcoded stream's release.
 type releaseBodyKey struct{}
-
-// errStreamEnded ends the read of a stream's body whose call ended.
-var errStreamEnded = errors.New("the call ended")
 
 // newStreamBody returns a body that reads body through a pipe, and the
 // function that ends it.
@@ -130,7 +126,10 @@ func newStreamBody(body io.ReadCloser) (io.ReadCloser, func()) {
 		_, err := io.Copy(pw, body)
 		_ = pw.CloseWithError(err) // nil: EOF
 	}()
-	return pr, func() { _ = pr.CloseWithError(errStreamEnded) }
+	// The release ends the body as the caller's end of stream would:
+	// vanguard answers a read error of the body as the call's failure
+	// (unavailable), in place of the status the call ended with.
+	return pr, func() { _ = pw.CloseWithError(io.EOF) }
 }
 
 // ReleaseStreamBody is a stream interceptor (the first of the API port's
