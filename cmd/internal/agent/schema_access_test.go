@@ -89,7 +89,9 @@ func TestRoutedDescriptorSetAccess(t *testing.T) {
 		return resp, err
 	}
 	setID := func(id string) func(m protoreflect.Message) {
-		return func(m protoreflect.Message) { m.Set(m.Descriptor().Fields().ByName("id"), protoreflect.ValueOfString(id)) }
+		return func(m protoreflect.Message) {
+			m.Set(m.Descriptor().Fields().ByName("id"), protoreflect.ValueOfString(id))
+		}
 	}
 	newWidget := func(id, owner string) func(m protoreflect.Message) {
 		return func(m protoreflect.Message) {
