@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/tls"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -183,5 +184,86 @@ func TestRoutedDescriptorSetAccess(t *testing.T) {
 	}
 	if err := json.Unmarshal(body, &list); err != nil || hresp.StatusCode != http.StatusOK || len(list.Widgets) != 2 || list.Widgets[0].ID != "a1" || list.Widgets[1].ID != "a2" {
 		t.Errorf("alice's list over Connect JSON: %d %s (%v)", hresp.StatusCode, body, err)
+	}
+}
+
+// TestRoutedDescriptorSetPlacement: a node-scoped backend of a routed
+// service whose descriptor set carries the annotations is routed by
+// object as the built-in APIs are, with the same access control: a
+// widget-owner reaches her widget on the other node through either node
+// (its object read and checked where it lives), not bob's, and her list
+// through either node holds her widgets of both nodes only.
+func TestRoutedDescriptorSetPlacement(t *testing.T) {
+	file := schematest.File(t)
+	owners := []map[string]string{{"a1": "alice", "b1": "bob"}, {"c1": "alice", "d1": "bob"}}
+	addrs := make([]string, len(owners))
+	for i, o := range owners {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		gs := grpc.NewServer()
+		schematest.Register(gs, file, o)
+		served := make(chan struct{})
+		go func() { _ = gs.Serve(ln); close(served) }()
+		t.Cleanup(func() { gs.Stop(); <-served })
+		addrs[i] = ln.Addr().String()
+	}
+	set := schematest.WriteSet(t)
+	policy := filepath.Join(t.TempDir(), "widgets-rbac.yaml")
+	if err := os.WriteFile(policy, []byte(widgetPolicy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newAccessEnvWith(t, 2, func(i int, cfg *config.Config) {
+		cfg.Backends = map[string]config.BackendConfig{"widgets": {Endpoint: addrs[i], Scope: config.ScopeNode, Timeout: config.Duration(10 * time.Second)}}
+		cfg.Routing.Rules = []config.RouteRule{
+			{Match: config.RouteMatch{Prefix: "/" + schematest.Service}, Route: config.RouteTarget{Cluster: "widgets", DescriptorSet: set}},
+		}
+	}, func(cfg *config.Config) { cfg.Auth.RBACPolicy = policy })
+	e.c.WaitPeers(30*time.Second, 2, 0)
+
+	sd := file.Services().ByName("WidgetService")
+	alice := e.token("alice", "widget-owner")
+	for _, n := range e.c.Nodes() {
+		conn := e.dialAt(n.APIAddr(), nil)
+		call := func(method, id string) (protoreflect.Message, error) {
+			md := sd.Methods().ByName(protoreflect.Name(method))
+			req, resp := dynamicpb.NewMessage(md.Input()), dynamicpb.NewMessage(md.Output())
+			if id != "" {
+				req.Set(md.Input().Fields().ByName("id"), protoreflect.ValueOfString(id))
+			}
+			return resp, conn.Invoke(as(e.ctx(), alice), "/"+schematest.Service+"/"+method, req, resp)
+		}
+		agenttest.Eventually(t, 20*time.Second, "alice's widgets through "+n.Name, func() error {
+			for _, id := range []string{"a1", "c1"} {
+				resp, err := call("GetWidget", id)
+				if err != nil {
+					return fmt.Errorf("GetWidget %s: %w", id, err)
+				}
+				w := resp.Get(resp.Descriptor().Fields().ByName("widget")).Message()
+				if got := w.Get(w.Descriptor().Fields().ByName("id")).String(); got != id {
+					return fmt.Errorf("GetWidget %s answered %s", id, got)
+				}
+			}
+			return nil
+		})
+		for _, id := range []string{"b1", "d1"} {
+			if _, err := call("GetWidget", id); status.Code(err) != codes.PermissionDenied {
+				t.Errorf("alice reads bob's widget %s through %s: %v, want PermissionDenied", id, n.Name, err)
+			}
+		}
+		resp, err := call("ListWidgets", "")
+		if err != nil {
+			t.Fatalf("alice's list through %s: %v", n.Name, err)
+		}
+		var got []string
+		l := resp.Get(resp.Descriptor().Fields().ByName("widgets")).List()
+		for i := range l.Len() {
+			w := l.Get(i).Message()
+			got = append(got, w.Get(w.Descriptor().Fields().ByName("id")).String())
+		}
+		if !slices.Equal(got, []string{"a1", "c1"}) {
+			t.Errorf("alice's list through %s: %v, want [a1 c1] (both nodes', hers only)", n.Name, got)
+		}
 	}
 }
