@@ -185,6 +185,34 @@ func TestRoutedDescriptorSetAccess(t *testing.T) {
 	if err := json.Unmarshal(body, &list); err != nil || hresp.StatusCode != http.StatusOK || len(list.Widgets) != 2 || list.Widgets[0].ID != "a1" || list.Widgets[1].ID != "a2" {
 		t.Errorf("alice's list over Connect JSON: %d %s (%v)", hresp.StatusCode, body, err)
 	}
+
+	// A reload whose rule names no descriptor set: the service is a
+	// resource of its name again (verb call); one naming it again: the
+	// annotations again.
+	reload := func(descriptorSet string) {
+		t.Helper()
+		next := *e.n.Cfg
+		next.Routing.Rules = []config.RouteRule{
+			{Match: config.RouteMatch{Prefix: "/" + schematest.Service}, Route: config.RouteTarget{Cluster: "widgets", DescriptorSet: descriptorSet}},
+		}
+		if _, _, err := e.n.ReloadConfig(&next); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reload("")
+	if _, err := call(alice, "GetWidget", setID("a1")); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "may not call acme.widget.v1.WidgetService") {
+		t.Errorf("alice's GetWidget without the descriptor set: %v, want PermissionDenied (call on the service)", err)
+	}
+	if _, err := call(pinger, "GetWidget", setID("b1")); err != nil {
+		t.Errorf("the service's caller's GetWidget without the descriptor set: %v", err)
+	}
+	reload(schematest.WriteSet(t))
+	if _, err := call(alice, "GetWidget", setID("a1")); err != nil {
+		t.Errorf("alice's GetWidget with the descriptor set again: %v", err)
+	}
+	if _, err := call(pinger, "GetWidget", setID("b1")); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("the service's caller's GetWidget with the descriptor set again: %v, want PermissionDenied", err)
+	}
 }
 
 // TestRoutedDescriptorSetPlacement: a node-scoped backend of a routed
