@@ -233,6 +233,15 @@ func TestDescriptorSetAccess(t *testing.T) {
 		t.Errorf("filtered list: %v", resp)
 	}
 
+	// Explain (CheckAccess, WhoAmI) answers as the guard decides.
+	e, err := g.Explain(authz.Principal{Identity: "alice", Roles: []string{"widget-owner"}}, svc+"GetWidget", `{"id": "b1", "metadata": {"owner": "bob"}}`)
+	if err != nil || e.Resource != schematest.Resource || e.Verb != "get" || e.Decision != "conditional" || e.Allowed {
+		t.Errorf("Explain of GetWidget on bob's widget for alice: %+v %v", e, err)
+	}
+	if e, err := g.Explain(authz.Principal{Identity: "pete", Roles: []string{"pinger"}}, svc+"Ping", ""); err != nil || e.Resource != schematest.Service || e.Verb != authz.VerbCall || !e.Allowed {
+		t.Errorf("Explain of Ping for a pinger: %+v %v", e, err)
+	}
+
 	// Without the descriptor set (a reload that removed it) the service
 	// is unschemed again; a new one is read again.
 	schema.Store(nil)
