@@ -55,6 +55,17 @@ type Config struct {
 	// resource named by the service with the verb authz.VerbCall; any
 	// other method without a schema is denied. Nil: none is routed.
 	Routed func(fullMethod string) bool
+	// Schema, when set, returns the descriptor of a routed method that is
+	// not linked in from the schema the operator gave its route (a
+	// routing rule's descriptor set), nil when there is none. A method
+	// annotated there (pivirt.api.v1.authz) is decided by its annotation,
+	// as a linked-in one, conditions included; one without the annotation
+	// is an unschemed method (see Routed). A schema learned from the
+	// backend (server reflection) must never be given here: what
+	// protects a backend must not come from that backend. The descriptor
+	// may change (a reload): the guard keeps what it derived from one
+	// only while Schema returns that same descriptor.
+	Schema func(fullMethod string) protoreflect.MethodDescriptor
 	// Fetch reads the object a request names by ID, by calling get (the
 	// service's method with verb "get") with req; conditional rules on
 	// methods with an id_field need it.
@@ -122,6 +133,9 @@ type Guard struct {
 	tokens  cipher.AEAD
 	limits  atomic.Pointer[limiters]
 	methods sync.Map // full method → *method
+	// schemed are the methods of Config.Schema, by full method name; an
+	// entry holds while Config.Schema returns its descriptor.
+	schemed sync.Map // full method → *method
 
 	rateLimited *prometheus.CounterVec
 	denied      *prometheus.CounterVec
@@ -270,6 +284,13 @@ func (g *Guard) lookup(full string) *method {
 		m.open = true
 	default:
 		m.md = findMethod(full)
+		if m.md == nil && g.cfg.Schema != nil {
+			if md := g.cfg.Schema(full); md != nil {
+				if sm := g.lookupSchema(full, md); sm != nil {
+					return sm
+				}
+			}
+		}
 		if svc, ok := unschemedService(full); m.md == nil && ok && g.cfg.Routed != nil && g.cfg.Routed(full) {
 			// Not cached: callers choose the names.
 			return &method{full: full, unschemed: true, rule: &apiv1.Authorization{Resource: svc, Verb: authz.VerbCall}}
@@ -279,15 +300,47 @@ func (g *Guard) lookup(full string) *method {
 			return &method{full: full, err: fmt.Errorf("%s: %w", full, authz.ErrNoAnnotation)}
 		}
 		m.rule, m.err = authz.MethodRule(m.md)
-		if m.err == nil && !m.rule.GetSelf() {
-			m.object = objectType(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource())
-			if m.rule.GetIdField() != "" {
-				m.get = getter(m.md.Parent().(protoreflect.ServiceDescriptor), m.rule.GetResource(), m.object)
-			}
-		}
+		m.resolve()
 	}
 	v, _ := g.methods.LoadOrStore(full, m)
 	return v.(*method)
+}
+
+// resolve finds the object type and the get method of an annotated
+// method.
+func (m *method) resolve() {
+	if m.err == nil && !m.rule.GetSelf() {
+		sd := m.md.Parent().(protoreflect.ServiceDescriptor)
+		m.object = objectType(sd, m.rule.GetResource())
+		if m.rule.GetIdField() != "" {
+			m.get = getter(sd, m.rule.GetResource(), m.object)
+		}
+	}
+}
+
+// lookupSchema is the method md of a routing rule's descriptor set
+// (Config.Schema) when md carries the annotation, decided as a linked-in
+// method; nil when it has none (an unschemed method, as before the
+// descriptor set). Cached while Config.Schema returns md: a reload that
+// replaces the descriptor set replaces md.
+func (g *Guard) lookupSchema(full string, md protoreflect.MethodDescriptor) *method {
+	if v, ok := g.schemed.Load(full); ok && v.(*method).md == md {
+		return v.(*method)
+	}
+	m := &method{full: full, md: md}
+	m.rule, m.err = authz.MethodRule(md)
+	switch {
+	case errors.Is(m.err, authz.ErrNoAnnotation):
+		return nil
+	case m.err == nil && m.rule.GetSelf():
+		// A self method skips the RBAC decision on the program's word
+		// that it answers only about its caller; a backend's method
+		// cannot be vouched for.
+		m.rule, m.err = nil, fmt.Errorf("%s: self is for the agent's own methods, not a descriptor set's", md.FullName())
+	}
+	m.resolve()
+	g.schemed.Store(full, m)
+	return m
 }
 
 // unschemedService is the service of a method ("/pkg.Service/Method")
@@ -869,8 +922,13 @@ func applyUpdate(stored, req protoreflect.Message, path string) protoreflect.Mes
 	}
 	var paths []string
 	if fd := req.Descriptor().Fields().ByName("update_mask"); fd != nil && fd.Message() != nil && req.Has(fd) {
-		if mask, ok := req.Get(fd).Message().Interface().(*fieldmaskpb.FieldMask); ok {
-			paths = mask.GetPaths()
+		mask := req.Get(fd).Message()
+		if pf := mask.Descriptor().Fields().ByName("paths"); mask.Descriptor().FullName() == updateMaskType && pf != nil && pf.IsList() {
+			// By reflection: a descriptor set's request holds a dynamic
+			// FieldMask.
+			for i, l := 0, mask.Get(pf).List(); i < l.Len(); i++ {
+				paths = append(paths, l.Get(i).String())
+			}
 		}
 	}
 	if len(paths) == 0 {
@@ -882,6 +940,9 @@ func applyUpdate(stored, req protoreflect.Message, path string) protoreflect.Mes
 	}
 	return after
 }
+
+// updateMaskType is the type of an update's update_mask.
+var updateMaskType = (&fieldmaskpb.FieldMask{}).ProtoReflect().Descriptor().FullName()
 
 // copyPath sets the field at a dotted path of dst to src's.
 func copyPath(dst, src protoreflect.Message, path string) {

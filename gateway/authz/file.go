@@ -17,7 +17,13 @@ type File struct {
 // LoadFile reads and validates the policy at path; an invalid file is an
 // error here (nothing to fall back to).
 func LoadFile(path string, resources []string, logger *slog.Logger) (*File, error) {
-	f, err := watchfile.Load("auth.rbac_policy", path, func(r io.Reader) (*Policy, error) { return Parse(r, resources) }, logger)
+	return LoadFileFunc(path, func() []string { return resources }, logger)
+}
+
+// LoadFileFunc is LoadFile with the resources a policy may name asked at
+// each read of the file (they may change while it is watched).
+func LoadFileFunc(path string, resources func() []string, logger *slog.Logger) (*File, error) {
+	f, err := watchfile.Load("auth.rbac_policy", path, func(r io.Reader) (*Policy, error) { return Parse(r, resources()) }, logger)
 	if err != nil {
 		return nil, err
 	}

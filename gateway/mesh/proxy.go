@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"pilab.hu/pivirt-agent/gateway/authz"
 )
@@ -170,6 +171,23 @@ func (p *Proxy) HasFixedSchema(method string) bool {
 	}
 	route := p.routeOf(method)
 	return route != nil && route.Schema != nil && route.Schema.method(method) != nil
+}
+
+// DescriptorSetMethod is the descriptor of a method from its route's
+// descriptor set (routing.rules[].route.descriptor_set), nil when the
+// route names none or the set lacks the method, and for a method linked
+// into the program (which wins over a descriptor set). A schema learned
+// from the backend's server reflection is never one: what the operator
+// supplied is known before any call, and is not the backend's word.
+func (p *Proxy) DescriptorSetMethod(method string) protoreflect.MethodDescriptor {
+	if lookupMethod(method).known {
+		return nil
+	}
+	route := p.routeOf(method)
+	if route == nil || route.Schema == nil {
+		return nil
+	}
+	return route.Schema.method(method)
 }
 
 // matchPrefix matches a route prefix on name boundaries: the prefix

@@ -137,6 +137,10 @@ func (s *Schema) Services() []string {
 	return out
 }
 
+// Method is the descriptor of a method ("/pkg.Service/Method") of the
+// schema's services the route serves, nil when it has none.
+func (s *Schema) Method(full string) protoreflect.MethodDescriptor { return s.method(full) }
+
 // method is the descriptor of a method ("/pkg.Service/Method") of the
 // schema, nil when it has none.
 func (s *Schema) method(full string) protoreflect.MethodDescriptor {

@@ -66,8 +66,23 @@ func apiDescriptors() []protoreflect.ServiceDescriptor {
 const RBACResource = gateway.RBACResource
 
 // policyResources are the resources a policy may name.
-func policyResources() []string {
-	return slices.Compact(slices.Sorted(slices.Values(append(authz.Resources(apiDescriptors()...), RBACResource))))
+func policyResources(schemas []*mesh.Schema) []string {
+	sds := apiDescriptors()
+	for _, s := range schemas {
+		sds = append(sds, s.ServiceDescriptors()...)
+	}
+	return slices.Compact(slices.Sorted(slices.Values(append(authz.Resources(sds...), RBACResource))))
+}
+
+// policyResources are the resources a policy may name with the routes in
+// use: those of the APIs linked in, RBACResource, and those the
+// annotations of the routes' descriptor sets name.
+func (a *Agent) policyResources() []string {
+	var schemas []*mesh.Schema
+	if a.proxy != nil {
+		schemas = a.proxy.Schemas()
+	}
+	return policyResources(schemas)
 }
 
 // configResource guards the keys that decide who may do what
@@ -152,7 +167,7 @@ func (a *Agent) startAccess() error {
 		}, a.wg.Done)
 	}
 	if ac.RBACPolicy != "" {
-		f, err := authz.LoadFile(ac.RBACPolicy, policyResources(), a.logger)
+		f, err := authz.LoadFileFunc(ac.RBACPolicy, a.policyResources, a.logger)
 		if err != nil {
 			return err
 		}
@@ -163,7 +178,7 @@ func (a *Agent) startAccess() error {
 	}
 	a.clusterPolicy = leader.NewClusterPolicy(leader.PolicyConfig{
 		Key:       RBACPolicyKey,
-		Resources: policyResources(),
+		Resources: a.policyResources,
 		DataDir:   a.dataDir,
 		FSM:       a.fsm,
 		ReadConsistent: func(ctx context.Context) error {
@@ -184,11 +199,20 @@ func (a *Agent) startAccess() error {
 		Authenticator: auth,
 		Policy:        a.policy,
 		Routed:        func(m string) bool { return a.proxy != nil && a.proxy.Route(m) != nil },
-		Limits:        rateLimits(a.cfg.RateLimiting),
-		Fetch:         a.fetchObject,
-		Ready:         a.clusterPolicy.Ready,
-		Resource:      configResource,
-		BreakGlass:    a.breakGlass,
+		// The descriptor sets of the routing rules, never a schema
+		// learned from a backend's reflection: the authorization of a
+		// backend does not come from the backend it protects.
+		Schema: func(m string) protoreflect.MethodDescriptor {
+			if a.proxy == nil {
+				return nil
+			}
+			return a.proxy.DescriptorSetMethod(m)
+		},
+		Limits:     rateLimits(a.cfg.RateLimiting),
+		Fetch:      a.fetchObject,
+		Ready:      a.clusterPolicy.Ready,
+		Resource:   configResource,
+		BreakGlass: a.breakGlass,
 		VerifyClientChain: func(chain []*x509.Certificate) error {
 			if a.tls == nil {
 				return errors.New("TLS is off on this agent")
@@ -345,7 +369,7 @@ func (a *Agent) validateClusterConfig(ctx context.Context, c gateway.ConfigChang
 	case RBACPolicyKey:
 		var next *authz.Policy // after the change; nil: none, every call allowed
 		if !c.Delete {
-			p, err := authz.Parse(strings.NewReader(c.Value), policyResources())
+			p, err := authz.Parse(strings.NewReader(c.Value), a.policyResources())
 			if err != nil {
 				return err
 			}
@@ -450,7 +474,7 @@ func (a *Agent) checkLockOut(ctx context.Context, what string, next *authz.Polic
 	}
 	var lost []string
 	everything := true
-	for _, r := range policyResources() {
+	for _, r := range a.policyResources() {
 		var verbs []string
 		for _, v := range authz.Verbs {
 			if allowed(cur, who, r, v) && !allowed(next, after, r, v) {

@@ -13,6 +13,7 @@ import (
 
 	"pilab.hu/pivirt-agent/cmd/internal/config"
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/mesh"
 	"pilab.hu/pivirt-agent/gateway/netpolicy"
 	"pilab.hu/pivirt-agent/gateway/watchfile"
 )
@@ -43,8 +44,19 @@ func Check(cfg *config.Config) error {
 		_, err := readGossipKey(f)
 		add(err)
 	}
+	// The routes' descriptor sets, whose annotations name resources a
+	// policy may name.
+	var schemas []*mesh.Schema
+	rules, _ := cfg.EffectiveRoutes()
+	for i, r := range rules {
+		s, err := routeSchema(i, r)
+		add(err)
+		if s != nil {
+			schemas = append(schemas, s)
+		}
+	}
 	if p := cfg.Auth.RBACPolicy; p != "" {
-		_, err := authz.LoadFile(p, policyResources(), nil)
+		_, err := authz.LoadFile(p, policyResources(schemas), nil)
 		add(err)
 	}
 	if p := cfg.Auth.NetworkPolicy; p != "" {
@@ -63,11 +75,6 @@ func Check(cfg *config.Config) error {
 	}
 	if cfg.ServiceDiscovery.Type == config.DiscoveryEtcd {
 		_, _, err := etcdTLS(cfg, quiet)
-		add(err)
-	}
-	rules, _ := cfg.EffectiveRoutes()
-	for i, r := range rules {
-		_, err := routeSchema(i, r)
 		add(err)
 	}
 	if cfg.TLS.Enabled && !cfg.Dev {

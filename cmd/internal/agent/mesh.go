@@ -153,19 +153,31 @@ func (a *Agent) buildBackends(cfg *config.Config) (backends []*mesh.Backend, rou
 		if !ok {
 			return backends, nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a backend", i, r.Route.Cluster)
 		}
-		route := mesh.Route{Prefix: r.Match.Prefix, Backend: b}
-		if r.Route.DescriptorSet != "" {
-			if route.Schema, err = routeSchema(i, r); err != nil {
-				return backends, nil, err
-			}
-		} else {
-			// Services not linked into the agent: their schema is asked
-			// of the backend's server reflection when a call needs it.
-			route.Reflector = mesh.NewReflector(b, r.Match.Prefix, a.logger)
+		route, err := a.newRoute(i, r, b)
+		if err != nil {
+			return backends, nil, err
 		}
 		routes = append(routes, route)
 	}
 	return backends, routes, nil
+}
+
+// newRoute is the proxy's route of routing rule i to b: with the schema
+// of the rule's descriptor set, else one asked of the backend's server
+// reflection when a call needs it.
+func (a *Agent) newRoute(i int, r config.RouteRule, b *mesh.Backend) (mesh.Route, error) {
+	route := mesh.Route{Prefix: r.Match.Prefix, Backend: b}
+	if r.Route.DescriptorSet != "" {
+		var err error
+		if route.Schema, err = routeSchema(i, r); err != nil {
+			return mesh.Route{}, err
+		}
+	} else {
+		// Services not linked into the agent: their schema is asked
+		// of the backend's server reflection when a call needs it.
+		route.Reflector = mesh.NewReflector(b, r.Match.Prefix, a.logger)
+	}
+	return route, nil
 }
 
 // replaceBackends puts new backend clusters in use (a reload): new calls

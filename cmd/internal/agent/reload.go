@@ -178,7 +178,11 @@ func (a *Agent) buildRoutes(rules []config.RouteRule) ([]mesh.Route, error) {
 		if !ok {
 			return nil, fmt.Errorf("routing.rules[%d].route.cluster: %q is not a running backend (a new backend needs a restart)", i, r.Route.Cluster)
 		}
-		routes = append(routes, mesh.Route{Prefix: r.Match.Prefix, Backend: b})
+		route, err := a.newRoute(i, r, b)
+		if err != nil {
+			return nil, err
+		}
+		routes = append(routes, route)
 	}
 	return routes, nil
 }

@@ -549,8 +549,9 @@ type RouteTarget struct {
 	// DescriptorSet names a FileDescriptorSet file (binary: buf build
 	// -o FILE.binpb, or protoc --include_imports --descriptor_set_out)
 	// holding the schema of the services the rule routes: with it, JSON
-	// callers are transcoded to proto and Connect GET is served for
-	// idempotent methods only.
+	// callers are transcoded to proto, Connect GET is served for
+	// idempotent methods only, and methods annotated with
+	// (pivirt.api.v1.authz) get the access control of the built-in APIs.
 	DescriptorSet string `yaml:"descriptor_set"`
 }
 

@@ -29,8 +29,9 @@ const PolicyFile = "rbac-cluster-policy.yaml"
 type PolicyConfig struct {
 	// Key is the config key of the cluster-wide policy.
 	Key string
-	// Resources are the resources a policy may name.
-	Resources []string
+	// Resources are the resources a policy may name, asked at each parse
+	// (the routes' descriptor sets may name more after a reload).
+	Resources func() []string
 	// DataDir keeps the copy of the policy (PolicyFile).
 	DataDir string
 	// FSM is the local state.
@@ -84,7 +85,7 @@ func (p *ClusterPolicy) LoadPersisted() bool {
 		}
 		return false
 	}
-	pol, err := authz.Parse(bytes.NewReader(b), p.cfg.Resources)
+	pol, err := authz.Parse(bytes.NewReader(b), p.cfg.Resources())
 	if err != nil {
 		p.cfg.Logger.Error("the kept cluster RBAC policy does not parse; calls wait until the agent has caught up with the cluster", "path", path, "error", err)
 		return false
@@ -186,7 +187,7 @@ func (p *ClusterPolicy) sync() {
 		p.cfg.Logger.Error("reading the cluster RBAC policy failed", "error", err)
 	case e.GetRevision() != p.revision:
 		p.revision = e.GetRevision()
-		pol, err := authz.Parse(strings.NewReader(e.GetValue()), p.cfg.Resources)
+		pol, err := authz.Parse(strings.NewReader(e.GetValue()), p.cfg.Resources())
 		if err != nil {
 			if p.current.Load() == nil {
 				p.current.Store(&authz.Policy{}) // no rules: every call denied
