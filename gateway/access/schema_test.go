@@ -17,27 +17,6 @@ import (
 	"pilab.hu/pivirt-agent/gateway/mesh/schematest"
 )
 
-const widgetPolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
-kind: Policy
-rules:
-  - roles: ["admin"]
-    resources: ["*"]
-    verbs: ["*"]
-  - roles: ["widget-owner"]
-    resources: ["widgets"]
-    verbs: ["get", "list", "create", "update"]
-    conditions:
-      - field: "metadata.owner"
-        operator: "Equals"
-        value: "{{.user.identity}}"
-  - roles: ["pinger"]
-    resources: ["acme.widget.v1.WidgetService"]
-    verbs: ["call"]
-  - roles: ["widget-reader"]
-    resources: ["widgets"]
-    verbs: ["get"]
-`
-
 // loadWidgets is the widget service's schema as a routing rule's
 // descriptor set gives it (mesh.LoadSchema).
 func loadWidgets(t *testing.T) *mesh.Schema {
@@ -53,7 +32,7 @@ func loadWidgets(t *testing.T) *mesh.Schema {
 // (nil: none, as without a descriptor set).
 func widgetGuard(t *testing.T, schema *atomic.Pointer[mesh.Schema]) *Guard {
 	t.Helper()
-	p, err := authz.Parse(strings.NewReader(widgetPolicy), []string{"widgets"})
+	p, err := authz.Parse(strings.NewReader(schematest.Policy), []string{"widgets"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,26 +27,6 @@ import (
 	"pilab.hu/pivirt-agent/identity"
 )
 
-// widgetPolicy limits widget owners to their widgets, and lets pingers
-// call the service's methods that have no annotation.
-const widgetPolicy = `apiVersion: rbac.pivirt.pilab.hu/v1
-kind: Policy
-rules:
-  - roles: ["admin"]
-    resources: ["*"]
-    verbs: ["*"]
-  - roles: ["widget-owner"]
-    resources: ["widgets"]
-    verbs: ["get", "list", "create", "update"]
-    conditions:
-      - field: "metadata.owner"
-        operator: "Equals"
-        value: "{{.user.identity}}"
-  - roles: ["pinger"]
-    resources: ["acme.widget.v1.WidgetService"]
-    verbs: ["call"]
-`
-
 // TestRoutedDescriptorSetAccess: a routed service the agent does not
 // link, whose routing rule's descriptor set carries (pivirt.api.v1.authz)
 // annotations, is guarded by them as the built-in APIs are: the policy
@@ -69,7 +49,7 @@ func TestRoutedDescriptorSetAccess(t *testing.T) {
 
 	set := schematest.WriteSet(t)
 	policy := filepath.Join(t.TempDir(), "widgets-rbac.yaml")
-	if err := os.WriteFile(policy, []byte(widgetPolicy), 0o600); err != nil {
+	if err := os.WriteFile(policy, []byte(schematest.Policy), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	e := newAccessEnvWith(t, 1, func(_ int, cfg *config.Config) {
@@ -239,7 +219,7 @@ func TestRoutedDescriptorSetPlacement(t *testing.T) {
 	}
 	set := schematest.WriteSet(t)
 	policy := filepath.Join(t.TempDir(), "widgets-rbac.yaml")
-	if err := os.WriteFile(policy, []byte(widgetPolicy), 0o600); err != nil {
+	if err := os.WriteFile(policy, []byte(schematest.Policy), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	e := newAccessEnvWith(t, 2, func(i int, cfg *config.Config) {

@@ -255,3 +255,28 @@ func authzOwner(w protoreflect.Message) (string, bool) {
 	m := w.Get(fd).Message()
 	return m.Get(m.Descriptor().Fields().ByName("owner")).String(), true
 }
+
+// Policy is an RBAC policy for the widget service: admins may do
+// everything, widget owners get, list, create and update their own
+// widgets, widget readers get any, and pingers call the methods that
+// have no annotation.
+const Policy = `apiVersion: rbac.pivirt.pilab.hu/v1
+kind: Policy
+rules:
+  - roles: ["admin"]
+    resources: ["*"]
+    verbs: ["*"]
+  - roles: ["widget-owner"]
+    resources: ["widgets"]
+    verbs: ["get", "list", "create", "update"]
+    conditions:
+      - field: "metadata.owner"
+        operator: "Equals"
+        value: "{{.user.identity}}"
+  - roles: ["pinger"]
+    resources: ["acme.widget.v1.WidgetService"]
+    verbs: ["call"]
+  - roles: ["widget-reader"]
+    resources: ["widgets"]
+    verbs: ["get"]
+`
