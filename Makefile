@@ -30,8 +30,12 @@ help: ## show this help
 build: ui ## build the web UI's assets and pivirt-agent, pvcli, pitrust and pivirtd-sim into bin/
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/pivirt-agent ./cmd/pvcli ./cmd/pitrust ./cmd/pivirtd-sim
 
+.PHONY: kube-apiserver
+kube-apiserver: ## build kube-apiserver from source (kubetest/apiserver) for the operator's tests, once per machine: scripts/kube-apiserver.sh caches it
+	@scripts/kube-apiserver.sh >/dev/null
+
 .PHONY: test
-test: $(NODE_DEPS) ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries; the web UI in headless Chromium)
+test: $(NODE_DEPS) kube-apiserver ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries; the web UI in headless Chromium)
 	$(GO) test -race -timeout $(TEST_TIMEOUT) $(PKGS)
 
 .PHONY: docs-run
@@ -69,11 +73,13 @@ check-ui: $(NODE_DEPS) ## type-check the UI's TypeScript, run its unit tests, an
 	@test -z "$$(git status --porcelain -- ui/dist)" || { git status --porcelain -- ui/dist; echo "untracked UI assets: run make ui and commit"; exit 1; }
 
 .PHONY: generate
-generate: $(NODE_DEPS) ## regenerate Go and the UI's TypeScript client from proto/ with buf (local plugins only)
+generate: $(NODE_DEPS) ## regenerate Go and the UI's TypeScript client from proto/ with buf (local plugins only), and the operator's CRD with controller-gen
 	find proto -name '*.pb.go' -o -name '*.connect.go' | xargs -r rm -f
 	rm -rf ui/src/gen
 	npx buf generate
 	npx buf lint
+	# The ManagedCertificate CRD and its deepcopy functions, from the Go types.
+	$(GO) tool controller-gen object paths=./cmd/internal/operator/certz/... crd:crdVersions=v1 output:crd:dir=./deploy/operator/crd
 
 .PHONY: docs
 docs: ## regenerate docs/: the CLI reference (markdown and man pages), the configuration, metrics and API references; the tests fail when they are stale
@@ -81,8 +87,8 @@ docs: ## regenerate docs/: the CLI reference (markdown and man pages), the confi
 
 .PHONY: check-generate
 check-generate: generate ## fail if the committed generated code is stale
-	@git diff --exit-code -- proto ui/src/gen || { echo "generated code is stale: run make generate and commit"; exit 1; }
-	@test -z "$$(git status --porcelain -- proto ui/src/gen)" || { git status --porcelain -- proto ui/src/gen; echo "untracked generated files: run make generate and commit"; exit 1; }
+	@git diff --exit-code -- proto ui/src/gen deploy/operator/crd cmd/internal/operator/certz || { echo "generated code is stale: run make generate and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- proto ui/src/gen deploy/operator/crd cmd/internal/operator/certz)" || { git status --porcelain -- proto ui/src/gen deploy/operator/crd cmd/internal/operator/certz; echo "untracked generated files: run make generate and commit"; exit 1; }
 
 .PHONY: fuzz
 FUZZTIME ?= 30s

@@ -267,3 +267,6 @@ func KeyPEM(key crypto.Signer) ([]byte, error) {
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), nil
 }
+
+// Signer is the CA's private key.
+func (ca *CertAuthority) Signer() crypto.Signer { return ca.key }

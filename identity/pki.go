@@ -874,3 +874,7 @@ func extKeyUsages(us []x509.ExtKeyUsage) []string {
 	}
 	return out
 }
+
+// ParsePrivateKeyPEM parses the first PEM block of b as a private key
+// (PKCS#8, EC or PKCS#1).
+func ParsePrivateKeyPEM(b []byte) (crypto.Signer, error) { return parsePrivateKeyPEM(b) }

@@ -95,7 +95,7 @@ database (--db PATH) while it is stopped.`,
 	}
 	root.AddCommand(initCmd(&dir, stdout), issueCmd(&dir, identity.KindServer, stdout), issueCmd(&dir, identity.KindClient, stdout),
 		verifyCmd(&dir, stdout), inspectCmd(&dir, stdout), devIssuerCmd(&dir, stdout, stderr), devTokenCmd(&dir, stdout), versionCmd(stdout),
-		serveCmd(stderr), tokenCmd(&dir, stdout), requestCmd(&dir, stdout), revokeCmd(&dir, stdout), listCmd(&dir, stdout))
+		serveCmd(stderr), tokenCmd(&dir, stdout), requestCmd(&dir, stdout), revokeCmd(&dir, stdout), listCmd(&dir, stdout), operatorCmd(stderr))
 	return root
 }
 

@@ -119,6 +119,9 @@ type Grant struct {
 	IPs    []net.IP
 	// Days is the lifetime; 0 means Config.DefaultDays.
 	Days int
+	// Validity, when set, is the lifetime instead of Days (at least a
+	// minute, at most Config.MaxDays).
+	Validity time.Duration `json:",omitempty"`
 	// Cluster binds an agent's client certificate to its cluster
 	// (identity.LeafRequest.Cluster).
 	Cluster string `json:",omitempty"`

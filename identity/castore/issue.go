@@ -93,15 +93,22 @@ func (c *CA) leafRequest(g Grant) (identity.LeafRequest, error) {
 	if days > c.cfg.MaxDays {
 		return identity.LeafRequest{}, fmt.Errorf("%w: days %d: this CA grants %d days at most", ErrRefused, days, c.cfg.MaxDays)
 	}
+	life := time.Duration(days) * 24 * time.Hour
+	if g.Validity != 0 {
+		if g.Validity < time.Minute || g.Validity > time.Duration(c.cfg.MaxDays)*24*time.Hour {
+			return identity.LeafRequest{}, fmt.Errorf("%w: lifetime %s: this CA grants between 1m and %d days", ErrRefused, g.Validity, c.cfg.MaxDays)
+		}
+		life = g.Validity
+	}
 	req := identity.LeafRequest{
 		Kind: g.Kind, Name: g.Name, Usages: slices.Clone(g.Usages), DNS: slices.Clone(g.DNS), IPs: slices.Clone(g.IPs),
-		Days: days, Cluster: g.Cluster, OCSPServer: c.ocspURL, CRLDistributionPoints: c.crlURL, Now: c.cfg.Now,
+		Days: days, Validity: g.Validity, Cluster: g.Cluster, OCSPServer: c.ocspURL, CRLDistributionPoints: c.crlURL, Now: c.cfg.Now,
 	}
 	checked, err := identity.CheckLeafRequest(req)
 	if err != nil {
 		return identity.LeafRequest{}, err
 	}
-	if end := c.cfg.Now().Add(time.Duration(days) * 24 * time.Hour); end.After(c.x1.NotAfter) {
+	if end := c.cfg.Now().Add(life); end.After(c.x1.NotAfter) {
 		return identity.LeafRequest{}, fmt.Errorf("%w: days %d: the certificate would outlive the intermediate CA (valid until %s)",
 			identity.ErrInvalidRequest, days, c.x1.NotAfter.UTC().Format(time.RFC3339))
 	}

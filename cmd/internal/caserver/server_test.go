@@ -795,3 +795,45 @@ func TestRenewOwnCertificate(t *testing.T) {
 		t.Errorf("served serial %s, want %s", got, cur.SerialNumber)
 	}
 }
+
+// TestIssueLifetime: a lifetime shorter than a day (the operator's short
+// durations) is granted as asked; below a minute, negative or above the
+// policy is refused naming the lifetime; a token's holder gets no more
+// than the token grants.
+func TestIssueLifetime(t *testing.T) {
+	e := newEnv(t)
+	r := e.start(t)
+	op := e.client(t, r, "operator")
+	anon := e.client(t, r, "")
+	ctx := context.Background()
+	csr, _ := newCSR(t, "x")
+	resp, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{
+		Csr: csr, Kind: "mtls-server", Name: "short", DnsNames: []string{"short.pivirt.internal"}, Lifetime: durationpb.New(90 * time.Second),
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := leafOf(t, resp.Msg.GetCertPem())
+	if life := time.Until(leaf.NotAfter); life < 80*time.Second || life > 91*time.Second {
+		t.Errorf("a 90s lifetime: the certificate ends in %s", life)
+	}
+	for _, bad := range []*durationpb.Duration{durationpb.New(30 * time.Second), durationpb.New(-time.Hour), durationpb.New(24 * 400 * time.Hour)} {
+		_, err := op.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{
+			Csr: csr, Kind: "mtls-server", Name: "short", DnsNames: []string{"short.pivirt.internal"}, Lifetime: bad,
+		}))
+		wantCode(t, err, connect.CodeInvalidArgument)
+		if err != nil && !strings.Contains(err.Error(), "lifetime") {
+			t.Errorf("lifetime %s refused with %v, want it named", bad.AsDuration(), err)
+		}
+	}
+	tok := e.createToken(t, op, &pitrustv1.CreateBootstrapTokenRequest{Name: "node9", DnsNames: []string{"node9.pivirt.internal"}, Days: 1})
+	_, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: tok, Lifetime: durationpb.New(48 * time.Hour)}))
+	wantCode(t, err, connect.CodePermissionDenied)
+	resp, err = anon.IssueCertificate(ctx, connect.NewRequest(&pitrustv1.IssueCertificateRequest{Csr: csr, BootstrapToken: tok, Lifetime: durationpb.New(time.Hour)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if life := time.Until(leafOf(t, resp.Msg.GetCertPem()).NotAfter); life > time.Hour {
+		t.Errorf("token narrowed to 1h: the certificate ends in %s", life)
+	}
+}

@@ -16,6 +16,7 @@ import (
 
 	"connectrpc.com/connect"
 	"golang.org/x/time/rate"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"pilab.hu/pivirt-agent/gateway/authn"
@@ -183,6 +184,9 @@ func (s *service) IssueCertificate(ctx context.Context, req *connect.Request[pit
 	m := req.Msg
 	c := callerOf(ctx)
 	want, err := grantOf(m.GetKind(), m.GetUsages(), m.GetName(), m.GetDnsNames(), m.GetIpAddresses(), m.GetDays(), m.GetCluster())
+	if err == nil && m.GetLifetime() != nil {
+		want.Validity, err = lifetimeOf(m.GetLifetime())
+	}
 	if err != nil {
 		return nil, s.refuse(ctx, method, connect.NewError(connect.CodeInvalidArgument, err))
 	}
@@ -310,7 +314,33 @@ func narrow(g, want castore.Grant, defaultDays int) (castore.Grant, error) {
 		}
 		out.Days = want.Days
 	}
+	if want.Validity > 0 {
+		limit := g.Days
+		if limit == 0 {
+			limit = defaultDays
+		}
+		if g.Validity > 0 {
+			if want.Validity > g.Validity {
+				return out, fmt.Errorf("%w: lifetime %s (the token grants %s)", errWider, want.Validity, g.Validity)
+			}
+		} else if want.Validity > time.Duration(limit)*24*time.Hour {
+			return out, fmt.Errorf("%w: lifetime %s (the token grants %d days)", errWider, want.Validity, limit)
+		}
+		out.Validity = want.Validity
+	}
 	return out, nil
+}
+
+// lifetimeOf checks a request's lifetime.
+func lifetimeOf(d *durationpb.Duration) (time.Duration, error) {
+	if err := d.CheckValid(); err != nil {
+		return 0, fmt.Errorf("lifetime: %w", err)
+	}
+	v := d.AsDuration()
+	if v < time.Minute {
+		return 0, fmt.Errorf("lifetime %s: at least 1m (or leave it out and give days)", v)
+	}
+	return v, nil
 }
 
 func kindUsage(k identity.Kind) identity.Usage {

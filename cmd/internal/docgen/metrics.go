@@ -100,8 +100,9 @@ func describe(c prometheus.Collector) []*prometheus.Desc {
 
 // descRE reads Desc.String(), the only way to a Desc's fields from outside
 // client_golang: the name and help are Go-quoted; the variable labels
-// are names, c(name) when constrained.
-var descRE = regexp.MustCompile(`^Desc\{fqName: ("(?:[^"\\]|\\.)*"), help: ("(?:[^"\\]|\\.)*"), constLabels: \{(.*)\}, variableLabels: \{([^{}]*)\}\}$`)
+// are names, c(name) when constrained. client_golang 1.24 added the unit
+// (empty for every metric here).
+var descRE = regexp.MustCompile(`^Desc\{fqName: ("(?:[^"\\]|\\.)*"), help: ("(?:[^"\\]|\\.)*"), (?:unit: "[^"]*", )?constLabels: \{(.*)\}, variableLabels: \{([^{}]*)\}\}$`)
 
 // parseDesc is the name, help and labels of d.
 func parseDesc(d *prometheus.Desc) (*metricDoc, error) {

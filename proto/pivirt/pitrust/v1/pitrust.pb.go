@@ -218,7 +218,11 @@ type IssueCertificateRequest struct {
 	// the cluster.name of the agents it belongs to: a URI name
 	// urn:pivirt:cluster:<cluster>, by which agents refuse another
 	// cluster's. With a token it must be the token's, or empty.
-	Cluster       string `protobuf:"bytes,9,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	Cluster string `protobuf:"bytes,9,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// lifetime, when set, is the lifetime instead of days, for certificates
+	// shorter than a day (at least one minute, at most the server's policy;
+	// with a token, at most what the token grants).
+	Lifetime      *durationpb.Duration `protobuf:"bytes,10,opt,name=lifetime,proto3" json:"lifetime,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -314,6 +318,13 @@ func (x *IssueCertificateRequest) GetCluster() string {
 		return x.Cluster
 	}
 	return ""
+}
+
+func (x *IssueCertificateRequest) GetLifetime() *durationpb.Duration {
+	if x != nil {
+		return x.Lifetime
+	}
+	return nil
 }
 
 type IssueCertificateResponse struct {
@@ -893,7 +904,7 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\x11revocation_reason\x18\f \x01(\tR\x10revocationReason\x12\x1b\n" +
 	"\tissued_by\x18\r \x01(\tR\bissuedBy\x12\x19\n" +
 	"\bcert_pem\x18\x0e \x01(\fR\acertPem\x12\x18\n" +
-	"\acluster\x18\x0f \x01(\tR\acluster\"\x82\x02\n" +
+	"\acluster\x18\x0f \x01(\tR\acluster\"\xb9\x02\n" +
 	"\x17IssueCertificateRequest\x12\x10\n" +
 	"\x03csr\x18\x01 \x01(\fR\x03csr\x12'\n" +
 	"\x0fbootstrap_token\x18\x02 \x01(\tR\x0ebootstrapToken\x12\x12\n" +
@@ -903,7 +914,9 @@ const file_pivirt_pitrust_v1_pitrust_proto_rawDesc = "" +
 	"\tdns_names\x18\x06 \x03(\tR\bdnsNames\x12!\n" +
 	"\fip_addresses\x18\a \x03(\tR\vipAddresses\x12\x12\n" +
 	"\x04days\x18\b \x01(\x05R\x04days\x12\x18\n" +
-	"\acluster\x18\t \x01(\tR\acluster\"\x99\x01\n" +
+	"\acluster\x18\t \x01(\tR\acluster\x125\n" +
+	"\blifetime\x18\n" +
+	" \x01(\v2\x19.google.protobuf.DurationR\blifetime\"\x99\x01\n" +
 	"\x18IssueCertificateResponse\x12\x19\n" +
 	"\bcert_pem\x18\x01 \x01(\fR\acertPem\x12 \n" +
 	"\fca_chain_pem\x18\x02 \x01(\fR\n" +
@@ -980,27 +993,28 @@ var file_pivirt_pitrust_v1_pitrust_proto_depIdxs = []int32{
 	11, // 0: pivirt.pitrust.v1.Certificate.not_before:type_name -> google.protobuf.Timestamp
 	11, // 1: pivirt.pitrust.v1.Certificate.not_after:type_name -> google.protobuf.Timestamp
 	11, // 2: pivirt.pitrust.v1.Certificate.revoked_at:type_name -> google.protobuf.Timestamp
-	0,  // 3: pivirt.pitrust.v1.IssueCertificateResponse.certificate:type_name -> pivirt.pitrust.v1.Certificate
-	0,  // 4: pivirt.pitrust.v1.RenewCertificateResponse.certificate:type_name -> pivirt.pitrust.v1.Certificate
-	0,  // 5: pivirt.pitrust.v1.RevokeCertificateResponse.revoked:type_name -> pivirt.pitrust.v1.Certificate
-	0,  // 6: pivirt.pitrust.v1.ListCertificatesResponse.certificates:type_name -> pivirt.pitrust.v1.Certificate
-	12, // 7: pivirt.pitrust.v1.CreateBootstrapTokenRequest.ttl:type_name -> google.protobuf.Duration
-	11, // 8: pivirt.pitrust.v1.CreateBootstrapTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
-	1,  // 9: pivirt.pitrust.v1.CertificateService.IssueCertificate:input_type -> pivirt.pitrust.v1.IssueCertificateRequest
-	3,  // 10: pivirt.pitrust.v1.CertificateService.RenewCertificate:input_type -> pivirt.pitrust.v1.RenewCertificateRequest
-	5,  // 11: pivirt.pitrust.v1.CertificateService.RevokeCertificate:input_type -> pivirt.pitrust.v1.RevokeCertificateRequest
-	7,  // 12: pivirt.pitrust.v1.CertificateService.ListCertificates:input_type -> pivirt.pitrust.v1.ListCertificatesRequest
-	9,  // 13: pivirt.pitrust.v1.CertificateService.CreateBootstrapToken:input_type -> pivirt.pitrust.v1.CreateBootstrapTokenRequest
-	2,  // 14: pivirt.pitrust.v1.CertificateService.IssueCertificate:output_type -> pivirt.pitrust.v1.IssueCertificateResponse
-	4,  // 15: pivirt.pitrust.v1.CertificateService.RenewCertificate:output_type -> pivirt.pitrust.v1.RenewCertificateResponse
-	6,  // 16: pivirt.pitrust.v1.CertificateService.RevokeCertificate:output_type -> pivirt.pitrust.v1.RevokeCertificateResponse
-	8,  // 17: pivirt.pitrust.v1.CertificateService.ListCertificates:output_type -> pivirt.pitrust.v1.ListCertificatesResponse
-	10, // 18: pivirt.pitrust.v1.CertificateService.CreateBootstrapToken:output_type -> pivirt.pitrust.v1.CreateBootstrapTokenResponse
-	14, // [14:19] is the sub-list for method output_type
-	9,  // [9:14] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	12, // 3: pivirt.pitrust.v1.IssueCertificateRequest.lifetime:type_name -> google.protobuf.Duration
+	0,  // 4: pivirt.pitrust.v1.IssueCertificateResponse.certificate:type_name -> pivirt.pitrust.v1.Certificate
+	0,  // 5: pivirt.pitrust.v1.RenewCertificateResponse.certificate:type_name -> pivirt.pitrust.v1.Certificate
+	0,  // 6: pivirt.pitrust.v1.RevokeCertificateResponse.revoked:type_name -> pivirt.pitrust.v1.Certificate
+	0,  // 7: pivirt.pitrust.v1.ListCertificatesResponse.certificates:type_name -> pivirt.pitrust.v1.Certificate
+	12, // 8: pivirt.pitrust.v1.CreateBootstrapTokenRequest.ttl:type_name -> google.protobuf.Duration
+	11, // 9: pivirt.pitrust.v1.CreateBootstrapTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
+	1,  // 10: pivirt.pitrust.v1.CertificateService.IssueCertificate:input_type -> pivirt.pitrust.v1.IssueCertificateRequest
+	3,  // 11: pivirt.pitrust.v1.CertificateService.RenewCertificate:input_type -> pivirt.pitrust.v1.RenewCertificateRequest
+	5,  // 12: pivirt.pitrust.v1.CertificateService.RevokeCertificate:input_type -> pivirt.pitrust.v1.RevokeCertificateRequest
+	7,  // 13: pivirt.pitrust.v1.CertificateService.ListCertificates:input_type -> pivirt.pitrust.v1.ListCertificatesRequest
+	9,  // 14: pivirt.pitrust.v1.CertificateService.CreateBootstrapToken:input_type -> pivirt.pitrust.v1.CreateBootstrapTokenRequest
+	2,  // 15: pivirt.pitrust.v1.CertificateService.IssueCertificate:output_type -> pivirt.pitrust.v1.IssueCertificateResponse
+	4,  // 16: pivirt.pitrust.v1.CertificateService.RenewCertificate:output_type -> pivirt.pitrust.v1.RenewCertificateResponse
+	6,  // 17: pivirt.pitrust.v1.CertificateService.RevokeCertificate:output_type -> pivirt.pitrust.v1.RevokeCertificateResponse
+	8,  // 18: pivirt.pitrust.v1.CertificateService.ListCertificates:output_type -> pivirt.pitrust.v1.ListCertificatesResponse
+	10, // 19: pivirt.pitrust.v1.CertificateService.CreateBootstrapToken:output_type -> pivirt.pitrust.v1.CreateBootstrapTokenResponse
+	15, // [15:20] is the sub-list for method output_type
+	10, // [10:15] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_pivirt_pitrust_v1_pitrust_proto_init() }
