@@ -32,7 +32,7 @@ build: ui ## build the web UI's assets and pivirt-agent, pvcli, pitrust and pivi
 
 .PHONY: kube-apiserver
 kube-apiserver: ## build kube-apiserver from source (kubetest/apiserver) for the operator's tests, once per machine: scripts/kube-apiserver.sh caches it
-	@scripts/kube-apiserver.sh >/dev/null
+	scripts/kube-apiserver.sh >/dev/null
 
 .PHONY: test
 test: $(NODE_DEPS) kube-apiserver ## run every test with the race detector (real Raft, TCP, bbolt; multi-process tests use the built binaries; the web UI in headless Chromium)

@@ -51,7 +51,9 @@ if [ ! -x "$bin" ]; then
 	minor=${minor%%.*}
 	pkg=k8s.io/component-base/version
 	ldflags="-X $pkg.gitVersion=$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+	start=$SECONDS
 	(cd "$mod" && go build -o "$tmp/kube-apiserver" -ldflags "$ldflags" k8s.io/kubernetes/cmd/kube-apiserver) >&2
 	mv -f "$tmp/kube-apiserver" "$bin"
+	echo "kube-apiserver.sh: built $bin in $((SECONDS - start))s" >&2
 fi
 echo "$bin"

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -580,6 +581,24 @@ func TestOperator(t *testing.T) {
 		if r4.Status.ObservedGeneration != r4.Generation {
 			t.Errorf("observedGeneration %d, generation %d", r4.Status.ObservedGeneration, r4.Generation)
 		}
+		// A renewal asked for by hand (the key rotated now): a new key, and
+		// the certificate it replaces revoked.
+		oldKey := e.secret(t, operatorNS, "web-tls").Data["tls.key"]
+		m = e.mc(t, operatorNS, "web")
+		m.Annotations = map[string]string{"certz.pilab.hu/renew": "1"}
+		if err := e.kc.Update(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+		e.waitReady(t, operatorNS, "web", 5, 60*time.Second)
+		if string(e.secret(t, operatorNS, "web-tls").Data["tls.key"]) == string(oldKey) {
+			t.Error("a requested renewal kept the key")
+		}
+		waitFor(t, 30*time.Second, "the certificate replaced on request revoked", func() error {
+			if st := statusOf(e.inventory(t, "web.pivirt.internal"), r4.Status.SerialNumber); st != "revoked" {
+				return fmt.Errorf("serial %s is %s", r4.Status.SerialNumber, st)
+			}
+			return nil
+		})
 		// A Secret of another resource is not taken.
 		clash := &v1alpha1.ManagedCertificate{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "clash"},
 			Spec: v1alpha1.ManagedCertificateSpec{CommonName: "clash.pivirt.internal", SecretName: "web-tls"}}
@@ -667,6 +686,8 @@ func TestOperator(t *testing.T) {
 		})
 	})
 
+	t.Run("bootstrap-token", func(t *testing.T) { testOperatorBootstrap(t, e) })
+
 	t.Run("offline", func(t *testing.T) {
 		data := map[string][]byte{}
 		for _, f := range []string{identity.IntermediateCertFile, identity.IntermediateKeyFile, identity.ChainFile} {
@@ -697,6 +718,56 @@ func TestOperator(t *testing.T) {
 			t.Errorf("an offline issuance reached the CA server's inventory: %v", inv)
 		}
 	})
+}
+
+// testOperatorBootstrap replaces the replicas with two that start from a
+// one-time bootstrap token: the leader redeems it for the operator's
+// certificate and keeps it in the credentials Secret, from which the other
+// replica works once it leads (the token being spent).
+func testOperatorBootstrap(t *testing.T, e *kubeEnv) {
+	ctx := context.Background()
+	for _, o := range e.ops {
+		if o.proc != nil && !o.proc.exited() {
+			o.proc.cancel()
+			<-o.proc.done
+		}
+	}
+	tok, err := e.cas.CreateBootstrapToken(ctx, connect.NewRequest(&pitrustv1.CreateBootstrapTokenRequest{
+		Name: "pitrust-admin", Kind: "mtls-client", Ttl: durationpb.New(time.Hour),
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(tokenFile, []byte(tok.Msg.GetToken()+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e.startOperator(t, "--bootstrap-token-file", tokenFile)
+	e.startOperator(t, "--bootstrap-token-file", tokenFile)
+	m := &v1alpha1.ManagedCertificate{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "boot"},
+		Spec: v1alpha1.ManagedCertificateSpec{CommonName: "boot.pivirt.internal", SecretName: "boot-tls"}}
+	if err := e.kc.Create(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	e.waitReady(t, operatorNS, "boot", 1, 60*time.Second)
+	cred := e.secret(t, operatorNS, "pitrust-operator-credentials")
+	pair, err := tls.X509KeyPair(cred.Data["tls.crt"], cred.Data["tls.key"])
+	if err != nil || pair.Leaf.Subject.CommonName != "pitrust-admin" {
+		t.Fatalf("the credentials Secret: %v %v", err, pair.Leaf)
+	}
+	leader := e.leader(t)
+	leader.proc.cmd.Process.Kill()
+	<-leader.proc.done
+	m = &v1alpha1.ManagedCertificate{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "boot2"},
+		Spec: v1alpha1.ManagedCertificateSpec{CommonName: "boot2.pivirt.internal", SecretName: "boot2-tls"}}
+	if err := e.kc.Create(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	e.waitReady(t, operatorNS, "boot2", 1, 60*time.Second)
+	if inv := e.inventory(t, "pitrust-admin"); len(inv) != 2 {
+		// The harness's own admin certificate and the operator's one.
+		t.Errorf("%d certificates of pitrust-admin, want 2 (the token redeemed once)", len(inv))
+	}
 }
 
 // TestOperatorAgentCluster starts three pivirt-agents whose every

@@ -72,6 +72,20 @@ func (c *credentials) certificate() *tls.Certificate {
 	return c.cur
 }
 
+// ready says why there is no certificate to present yet (nil: there is
+// one, or the operator has none configured and the CA server will say).
+func (c *credentials) ready() error {
+	if c == nil || c.tokenFile == "" {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cur == nil {
+		return fmt.Errorf("the operator has no certificate yet: it redeems its bootstrap token (--bootstrap-token-file) and keeps the certificate in Secret %s", c.secret)
+	}
+	return nil
+}
+
 // Keys of the credentials Secret.
 const (
 	credCertKey = corev1.TLSCertKey

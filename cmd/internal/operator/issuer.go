@@ -201,6 +201,9 @@ func (is *issuers) forRef(ctx context.Context, namespace, url string, bundle []b
 	if len(bundle) == 0 {
 		return nil, &issuerError{ReasonIssuerNotReady, fmt.Errorf("no CA bundle for %s: set spec.issuerRef.caBundle, or start the operator with --ca-bundle", url)}
 	}
+	if err := is.creds.ready(); err != nil {
+		return nil, &issuerError{ReasonIssuerNotReady, err}
+	}
 	sum := sha256.Sum256(append([]byte(url+"\x00"), bundle...))
 	key := hex.EncodeToString(sum[:])
 	is.mu.Lock()

@@ -41,6 +41,10 @@ const (
 	annotationRevision = "certz.pilab.hu/revision"
 	annotationSerial   = "certz.pilab.hu/serial"
 	annotationIssuer   = "certz.pilab.hu/issuer"
+	// annotationRenew on a resource asks for a new certificate (and key)
+	// now: any value not yet handled, as the Secret's copy of it says
+	// (kubectl annotate … certz.pilab.hu/renew=$(date +%s) --overwrite).
+	annotationRenew = "certz.pilab.hu/renew"
 
 	// finalizer holds a deleted resource until its certificate is revoked.
 	finalizer = "certz.pilab.hu/revoke"
@@ -107,6 +111,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	}
 	specHash := w.hash(mc.Spec.IssuerRef)
 	cur, reason, message := inspect(secret, w, specHash, now)
+	if want := mc.Annotations[annotationRenew]; reason == "" && want != "" && want != secret.Annotations[annotationRenew] {
+		reason, message = "RenewalRequested", fmt.Sprintf("a renewal was requested (annotation %s=%s)", annotationRenew, want)
+	}
 	if reason == "" {
 		if err := r.keepSecretMeta(ctx, mc, secret); err != nil {
 			return reconcile.Result{}, err
@@ -127,7 +134,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		}
 	}
 	var key crypto.Signer
-	if w.rotation == v1alpha1.RotationNever && cur.key != nil && w.fitsKey(cur.key.Public()) {
+	if w.rotation == v1alpha1.RotationNever && cur.key != nil && w.fitsKey(cur.key.Public()) && reason != "RenewalRequested" {
 		key = cur.key
 	} else if key, err = w.newKey(); err != nil {
 		return reconcile.Result{}, err
@@ -158,6 +165,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	desired.Annotations[annotationRevision] = strconv.FormatInt(revision, 10)
 	desired.Annotations[annotationSerial] = identity.SerialHex(out.Leaf.SerialNumber)
 	desired.Annotations[annotationIssuer] = iss.String()
+	if want := mc.Annotations[annotationRenew]; want != "" {
+		desired.Annotations[annotationRenew] = want
+	}
 	if err := r.writeSecret(ctx, secret, desired); err != nil {
 		// The certificate is not handed out: revoke it, so that nothing
 		// unaccounted for stays valid.
