@@ -79,16 +79,23 @@ type RenewalRequest struct {
 // whose key is key, with a new ECDSA P-256 key, returned for the new
 // certificate.
 func NewRenewalRequest(current [][]byte, key crypto.Signer) (RenewalRequest, crypto.Signer, error) {
+	newKey, err := newKey()
+	if err != nil {
+		return RenewalRequest{}, nil, err
+	}
+	return NewRenewalRequestFor(current, key, newKey)
+}
+
+// NewRenewalRequestFor is NewRenewalRequest for a new key the caller
+// made (and kept, so that a renewal whose answer was lost is asked again
+// with the same key: the CA then answers the same certificate).
+func NewRenewalRequestFor(current [][]byte, key, newKey crypto.Signer) (RenewalRequest, crypto.Signer, error) {
 	if len(current) == 0 {
 		return RenewalRequest{}, nil, errors.New("renewal: no current certificate")
 	}
 	leaf, err := x509.ParseCertificate(current[0])
 	if err != nil {
 		return RenewalRequest{}, nil, fmt.Errorf("renewal: current certificate: %w", err)
-	}
-	newKey, err := newKey()
-	if err != nil {
-		return RenewalRequest{}, nil, err
 	}
 	csr, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{Subject: leaf.Subject}, newKey)
 	if err != nil {

@@ -31,7 +31,9 @@ The operator authenticates to the CA server with a certificate of the
 pitrust-admin role (--cert, --key), or gets one with a one-time bootstrap
 token (--bootstrap-token-file; pitrust token create --name NAME --kind
 mtls-client) and keeps it in the Secret --credentials-secret of its namespace,
-renewed at two thirds of its life. Replicas elect a leader through a Lease
+renewed at two thirds of its life. That credential may issue any name, so
+the operator serves only the resources of its own namespace unless an
+issuance policy (--policy) grants other namespaces their names. Replicas elect a leader through a Lease
 (--leader-elect): only the leader issues. Metrics on --metrics-addr
 (/metrics), probes on --health-addr (/healthz, /readyz); both loopback unless
 set. Logs are JSON lines on stderr. The CRD, RBAC, a Deployment and an
@@ -63,6 +65,8 @@ example are in deploy/operator/ of the source tree.`,
 	f.BoolVar(&cfg.LeaderElect, "leader-elect", true, "elect one leader among replicas through a Lease; only the leader issues")
 	f.StringVar(&cfg.LeaderElectionID, "leader-election-id", "pitrust-operator.certz.pilab.hu", "name of the Lease")
 	f.DurationVar(&cfg.LeaseDuration, "lease-duration", 15*time.Second, "how long a leader's Lease holds without renewal (a stopped leader releases it at once)")
+	f.StringVar(&cfg.PolicyFile, "policy", "", "issuance policy (YAML): which namespaces may ask for which names (default: only --namespace's resources are served)")
+	f.DurationVar(&cfg.RevocationDelay, "revocation-delay", 2*time.Minute, "how long a replaced certificate stays valid before it is revoked, so that pods take up the new Secret first")
 	f.DurationVar(&cfg.RetryMin, "retry-min", time.Second, "first retry delay after a failed issuance (doubling, jittered)")
 	f.DurationVar(&cfg.RetryMax, "retry-max", 5*time.Minute, "longest retry delay after failed issuances")
 	f.IntVar(&cfg.Workers, "workers", 4, "resources reconciled in parallel")

@@ -205,7 +205,11 @@ func projectSecret(ctx context.Context, t testing.TB, kc client.Client, key type
 		return nil
 	}
 	waitFor(t, 60*time.Second, "Secret "+key.String()+" to project", sync)
+	ctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	t.Cleanup(func() { stop(); <-done })
 	go func() {
+		defer close(done)
 		tick := time.NewTicker(200 * time.Millisecond)
 		defer tick.Stop()
 		for {

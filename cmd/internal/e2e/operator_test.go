@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -124,7 +125,7 @@ func (e *kubeEnv) startOperator(t *testing.T, extra ...string) *operatorProc {
 		"--ca-server", e.ca.url,
 		"--ca-bundle", filepath.Join(e.ca.dir, identity.ChainFile),
 		"--metrics-addr", o.metrics, "--health-addr", o.health,
-		"--lease-duration", "4s", "--retry-min", "500ms", "--retry-max", "4s",
+		"--lease-duration", "4s", "--retry-min", "500ms", "--retry-max", "4s", "--revocation-delay", "2s",
 	}, extra...)
 	e.ops = append(e.ops, o)
 	e.startOp(t, o)
@@ -349,6 +350,19 @@ func TestOperator(t *testing.T) {
 		if len(s.OwnerReferences) != 1 || s.OwnerReferences[0].UID != m.UID || s.OwnerReferences[0].Controller == nil || !*s.OwnerReferences[0].Controller {
 			t.Errorf("Secret owner references %+v, want the ManagedCertificate %s as controller", s.OwnerReferences, m.UID)
 		}
+		// The issuance is an event of the resource (kubectl describe).
+		waitFor(t, 30*time.Second, "an Issued event of agent-tls", func() error {
+			var evs eventsv1.EventList
+			if err := e.kc.List(ctx, &evs, client.InNamespace(operatorNS)); err != nil {
+				return err
+			}
+			for _, ev := range evs.Items {
+				if ev.Regarding.Name == "agent-tls" && ev.Reason == "Issued" && strings.Contains(ev.Note, m.Status.SerialNumber) {
+					return nil
+				}
+			}
+			return fmt.Errorf("no Issued event naming serial %s among %d events", m.Status.SerialNumber, len(evs.Items))
+		})
 		// Two replicas, one issuance.
 		if inv := e.inventory(t, "agent.pivirt.svc.cluster.local"); len(inv) != 1 {
 			t.Errorf("the CA server issued %d certificates for the example, want 1 (two replicas): %v", len(inv), inv)
@@ -387,10 +401,14 @@ func TestOperator(t *testing.T) {
 			{"short", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", Duration: &metav1.Duration{Duration: 30 * time.Second}}, "spec.duration"},
 			{"bad-type", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", Type: "tls-server"}, "spec.type"},
 			{"no-secret", v1alpha1.ManagedCertificateSpec{CommonName: "x.example"}, "spec.secretName"},
-			{"two-issuers", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", IssuerRef: v1alpha1.IssuerRef{URL: "https://a:1", SecretName: "b"}}, "spec.issuerRef"},
-			{"http-issuer", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", IssuerRef: v1alpha1.IssuerRef{URL: "http://a:1"}}, "spec.issuerRef.url"},
-			{"rsa-size", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", PrivateKey: v1alpha1.PrivateKey{Algorithm: "RSA", Size: 1024}}, "spec.privateKey"},
-			{"server-without-names", v1alpha1.ManagedCertificateSpec{CommonName: "x", SecretName: "x"}, "spec"},
+			{"two-issuers", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", IssuerRef: &v1alpha1.IssuerRef{URL: "https://a:1", SecretName: "b"}}, "spec.issuerRef"},
+			{"http-issuer", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", IssuerRef: &v1alpha1.IssuerRef{URL: "http://a:1"}}, "spec.issuerRef.url"},
+			{"rsa-size", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", PrivateKey: &v1alpha1.PrivateKey{Algorithm: "RSA", Size: 1024}}, "spec.privateKey"},
+			{"server-without-names", v1alpha1.ManagedCertificateSpec{CommonName: "x_y", SecretName: "x"}, "the server usage needs dnsNames"},
+			{"usages-without-own", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x", Usages: []v1alpha1.Usage{"client"}}, "usages must hold the type's own usage"},
+			{"secret-is-issuer", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x1", IssuerRef: &v1alpha1.IssuerRef{SecretName: "x1"}}, "must not be the issuer's Secret"},
+			{"template-operator-key", v1alpha1.ManagedCertificateSpec{CommonName: "x.example", SecretName: "x",
+				SecretTemplate: &v1alpha1.SecretTemplate{Annotations: map[string]string{"certz.pilab.hu/serial": "DEADBEEF"}}}, "spec.secretTemplate"},
 		} {
 			m := &v1alpha1.ManagedCertificate{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: tc.name}, Spec: tc.spec}
 			err := e.kc.Create(ctx, m)
@@ -410,14 +428,14 @@ func TestOperator(t *testing.T) {
 			ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "short"},
 			Spec: v1alpha1.ManagedCertificateSpec{
 				CommonName: "short.pivirt.internal", SecretName: "short-tls", DNSNames: []string{"localhost"}, IPAddresses: []string{"127.0.0.1"},
-				Duration: &metav1.Duration{Duration: time.Minute}, RevocationPolicy: v1alpha1.RevokeOnRenewal,
+				Duration: &metav1.Duration{Duration: 90 * time.Second}, RevocationPolicy: v1alpha1.RevokeOnRenewal,
 			},
 		}
 		if err := e.kc.Create(ctx, m); err != nil {
 			t.Fatal(err)
 		}
 		first := e.waitReady(t, operatorNS, "short", 1, 60*time.Second)
-		if want := first.Status.NotAfter.Add(-20 * time.Second); first.Status.RenewalTime.Sub(want).Abs() > time.Second {
+		if want := first.Status.NotAfter.Add(-30 * time.Second); first.Status.RenewalTime.Sub(want).Abs() > time.Second {
 			t.Errorf("renewalTime %s, want notAfter - duration/3 = %s (renewBefore ≥ duration)", first.Status.RenewalTime, want)
 		}
 		// A server reading the projected Secret, and a client that keeps
@@ -479,7 +497,7 @@ func TestOperator(t *testing.T) {
 				}
 			}
 		}()
-		second := e.waitReady(t, operatorNS, "short", 2, 90*time.Second)
+		second := e.waitReady(t, operatorNS, "short", 2, 120*time.Second)
 		if second.Status.SerialNumber == first.Status.SerialNumber {
 			t.Fatalf("revision 2 kept serial %s", first.Status.SerialNumber)
 		}
@@ -520,7 +538,7 @@ func TestOperator(t *testing.T) {
 			Spec: v1alpha1.ManagedCertificateSpec{
 				CommonName: "web.pivirt.internal", SecretName: "web-tls", DNSNames: []string{"web.pivirt.internal"},
 				SecretTemplate: &v1alpha1.SecretTemplate{Labels: map[string]string{"app": "web"}, Annotations: map[string]string{"team": "infra"}},
-				PrivateKey:     v1alpha1.PrivateKey{Algorithm: "RSA", Size: 3072},
+				PrivateKey:     &v1alpha1.PrivateKey{Algorithm: "RSA", Size: 3072},
 			},
 		}
 		if err := e.kc.Create(ctx, m); err != nil {
@@ -573,11 +591,12 @@ func TestOperator(t *testing.T) {
 		if len(pair.Leaf.DNSNames) != 2 {
 			t.Errorf("DNS names %v after the spec change, want both", pair.Leaf.DNSNames)
 		}
-		for _, st := range []*v1alpha1.ManagedCertificate{r3} {
-			if got := statusOf(e.inventory(t, "web.pivirt.internal"), st.Status.SerialNumber); got != "revoked" {
-				t.Errorf("serial %s replaced by a spec change is %s, want revoked", st.Status.SerialNumber, got)
+		waitFor(t, 30*time.Second, "the certificate replaced by a spec change revoked (after --revocation-delay)", func() error {
+			if got := statusOf(e.inventory(t, "web.pivirt.internal"), r3.Status.SerialNumber); got != "revoked" {
+				return fmt.Errorf("serial %s is %s", r3.Status.SerialNumber, got)
 			}
-		}
+			return nil
+		})
 		if r4.Status.ObservedGeneration != r4.Generation {
 			t.Errorf("observedGeneration %d, generation %d", r4.Status.ObservedGeneration, r4.Generation)
 		}
@@ -617,6 +636,48 @@ func TestOperator(t *testing.T) {
 		}
 	})
 
+	t.Run("not-taken", func(t *testing.T) {
+		// A Secret the operator did not make is not taken over, and
+		// another namespace is refused by the default policy.
+		if err := e.kc.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "db-password"}, StringData: map[string]string{"password": "hunter2"}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.kc.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "apps"}}); err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range []*v1alpha1.ManagedCertificate{
+			{ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "db"}, Spec: v1alpha1.ManagedCertificateSpec{CommonName: "db.pivirt.internal", SecretName: "db-password"}},
+			{ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: "admin"}, Spec: v1alpha1.ManagedCertificateSpec{CommonName: "pitrust-admin", Type: v1alpha1.TypeMTLSClient, SecretName: "admin-tls"}},
+		} {
+			if err := e.kc.Create(ctx, m); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, c := range []struct{ ns, name, reason, words string }{
+			{operatorNS, "db", "SecretInUse", "was not made by the operator"},
+			{"apps", "admin", "PolicyDenied", "--policy"},
+		} {
+			waitFor(t, 30*time.Second, c.ns+"/"+c.name+" refused", func() error {
+				got := meta.FindStatusCondition(e.mc(t, c.ns, c.name).Status.Conditions, v1alpha1.ConditionReady)
+				if got == nil || got.Status != metav1.ConditionFalse || got.Reason != c.reason || !strings.Contains(got.Message, c.words) {
+					return fmt.Errorf("Ready %+v", got)
+				}
+				return nil
+			})
+		}
+		if s := e.secret(t, operatorNS, "db-password"); string(s.Data["password"]) != "hunter2" || len(s.Labels) != 0 {
+			t.Errorf("the foreign Secret was changed: %v %v", s.Labels, s.Data)
+		}
+		if inv := e.inventory(t, "pitrust-admin"); len(inv) != 1 {
+			t.Errorf("%d certificates of pitrust-admin, want the harness's one", len(inv))
+		}
+		for _, m := range []struct{ ns, name string }{{operatorNS, "db"}, {"apps", "admin"}} {
+			if err := e.kc.Delete(ctx, e.mc(t, m.ns, m.name)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+
 	t.Run("failover", func(t *testing.T) {
 		leader := e.leader(t)
 		before := e.mc(t, operatorNS, "agent-tls").Status.Revision
@@ -633,8 +694,16 @@ func TestOperator(t *testing.T) {
 		if inv := e.inventory(t, "after-failover.pivirt.internal"); len(inv) != 1 {
 			t.Errorf("%d certificates issued after the failover, want 1", len(inv))
 		}
-		// The killed replica comes back: nothing is issued again.
+		// The killed replica comes back: nothing is issued again. The new
+		// leader has looked at the example (its gauge says so) first.
 		e.startOp(t, leader)
+		now := e.leader(t)
+		waitFor(t, 30*time.Second, "the new leader reconciled the example", func() error {
+			if v := e.metricValue(now, "pitrust_operator_certificate_ready", `name="agent-tls"`); v != 1 {
+				return fmt.Errorf("pitrust_operator_certificate_ready{name=agent-tls} = %v on %s", v, now.name)
+			}
+			return nil
+		})
 		if got := e.mc(t, operatorNS, "agent-tls").Status.Revision; got != before {
 			t.Errorf("agent-tls revision %d after the failover and restart, want %d", got, before)
 		}
@@ -703,7 +772,7 @@ func TestOperator(t *testing.T) {
 		m := &v1alpha1.ManagedCertificate{
 			ObjectMeta: metav1.ObjectMeta{Namespace: operatorNS, Name: "offline"},
 			Spec: v1alpha1.ManagedCertificateSpec{CommonName: "offline.pivirt.internal", Type: "mtls-client", SecretName: "offline-tls",
-				IssuerRef: v1alpha1.IssuerRef{SecretName: "pitrust-x1"}, PrivateKey: v1alpha1.PrivateKey{Algorithm: "Ed25519"}},
+				IssuerRef: &v1alpha1.IssuerRef{SecretName: "pitrust-x1"}, PrivateKey: &v1alpha1.PrivateKey{Algorithm: "Ed25519"}},
 		}
 		if err := e.kc.Create(ctx, m); err != nil {
 			t.Fatal(err)
@@ -789,7 +858,7 @@ func TestOperatorAgentCluster(t *testing.T) {
 		spec v1alpha1.ManagedCertificateSpec
 	}
 	var wants []want
-	minute := &metav1.Duration{Duration: time.Minute}
+	minute := &metav1.Duration{Duration: 90 * time.Second}
 	for i := 1; i <= 3; i++ {
 		n := fmt.Sprintf("node%d", i)
 		wants = append(wants,
@@ -827,7 +896,7 @@ func TestOperatorAgentCluster(t *testing.T) {
 	// Two renewals of every one-minute certificate; each agent presents its
 	// renewed server certificate.
 	for _, w := range wants[:6] {
-		e.waitReady(t, operatorNS, w.name, 3, 3*time.Minute)
+		e.waitReady(t, operatorNS, w.name, 3, 4*time.Minute)
 	}
 	roots := x509.NewCertPool()
 	chain, err := os.ReadFile(filepath.Join(e.ca.dir, identity.ChainFile))

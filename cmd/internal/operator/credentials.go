@@ -90,6 +90,7 @@ func (c *credentials) ready() error {
 const (
 	credCertKey = corev1.TLSCertKey
 	credKeyKey  = corev1.TLSPrivateKeyKey
+	credNextKey = "next.key"
 )
 
 // Start runs while this replica leads (a manager.Runnable that needs
@@ -129,9 +130,13 @@ func (c *credentials) ensure(ctx context.Context) (time.Time, error) {
 	err := c.reader.Get(ctx, c.secret, &s)
 	switch {
 	case apierrors.IsNotFound(err):
-		return c.bootstrap(ctx)
+		return c.bootstrap(ctx, nil)
 	case err != nil:
 		return time.Time{}, fmt.Errorf("read Secret %s: %w", c.secret, err)
+	case len(s.Data[credCertKey]) == 0 && len(s.Data[credNextKey]) > 0:
+		// A bootstrap that kept its key and got no answer: again, with
+		// that key.
+		return c.bootstrap(ctx, &s)
 	}
 	cert, err := tls.X509KeyPair(s.Data[credCertKey], s.Data[credKeyKey])
 	if err != nil {
@@ -152,16 +157,36 @@ func (c *credentials) ensure(ctx context.Context) (time.Time, error) {
 }
 
 // bootstrap redeems the token for the operator's certificate and keeps it
-// in the Secret.
-func (c *credentials) bootstrap(ctx context.Context) (time.Time, error) {
+// in the Secret; pending is a Secret holding the key of an earlier attempt.
+func (c *credentials) bootstrap(ctx context.Context, pending *corev1.Secret) (time.Time, error) {
 	b, err := os.ReadFile(c.tokenFile)
 	if err != nil {
 		return time.Time{}, fmt.Errorf("--bootstrap-token-file: %w", err)
 	}
 	token := strings.TrimSpace(string(b))
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return time.Time{}, err
+	var key crypto.Signer
+	if pending != nil {
+		if key, err = identity.ParsePrivateKeyPEM(pending.Data[credNextKey]); err != nil {
+			return time.Time{}, fmt.Errorf("the Secret %s holds a key that does not parse (delete it to bootstrap again): %w", c.secret, err)
+		}
+	} else {
+		if key, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader); err != nil {
+			return time.Time{}, err
+		}
+		// The key is kept before the token is spent, so that a Secret
+		// that cannot be written costs no token, and an answer lost is
+		// asked again with the same key.
+		keyPEM, err := identity.KeyPEM(key)
+		if err != nil {
+			return time.Time{}, err
+		}
+		pending = &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Namespace: c.secret.Namespace, Name: c.secret.Name, Labels: map[string]string{"app.kubernetes.io/name": "pitrust-operator"}},
+			Type:       corev1.SecretTypeOpaque, Data: map[string][]byte{credNextKey: keyPEM},
+		}
+		if err := c.kube.Create(ctx, pending); err != nil {
+			return time.Time{}, fmt.Errorf("keep the operator's key in Secret %s before redeeming the token: %w", c.secret, err)
+		}
 	}
 	csr, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{}, key)
 	if err != nil {
@@ -178,16 +203,33 @@ func (c *credentials) bootstrap(ctx context.Context) (time.Time, error) {
 		}
 		return time.Time{}, caclient.Explain(c.caURL, err)
 	}
-	return c.store(ctx, nil, resp.Msg.GetCertPem(), key)
+	return c.store(ctx, pending, resp.Msg.GetCertPem(), key)
 }
 
-// renew renews the credential with a proof of its key.
+// renew renews the credential with a proof of its key. The new key is
+// kept in the Secret (next.key) before the CA is asked: a certificate
+// renews once, so an answer lost with its key would strand the operator;
+// asked again with the same key, the CA answers the same certificate.
 func (c *credentials) renew(ctx context.Context, s *corev1.Secret, cert *tls.Certificate) (time.Time, error) {
 	key, ok := cert.PrivateKey.(crypto.Signer)
 	if !ok {
 		return time.Time{}, fmt.Errorf("key of type %T", cert.PrivateKey)
 	}
-	req, newKey, err := identity.NewRenewalRequest(cert.Certificate, key)
+	newKey, err := identity.ParsePrivateKeyPEM(s.Data[credNextKey])
+	if err != nil {
+		if newKey, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader); err != nil {
+			return time.Time{}, err
+		}
+		keyPEM, err := identity.KeyPEM(newKey)
+		if err != nil {
+			return time.Time{}, err
+		}
+		s.Data[credNextKey] = keyPEM
+		if err := c.kube.Update(ctx, s); err != nil {
+			return time.Time{}, fmt.Errorf("keep the next key in Secret %s before renewing: %w", c.secret, err)
+		}
+	}
+	req, _, err := identity.NewRenewalRequestFor(cert.Certificate, key, newKey)
 	if err != nil {
 		return time.Time{}, err
 	}
@@ -213,18 +255,8 @@ func (c *credentials) store(ctx context.Context, s *corev1.Secret, certPEM []byt
 	if err != nil {
 		return time.Time{}, fmt.Errorf("the CA server answered a certificate that does not fit the key: %w", err)
 	}
-	data := map[string][]byte{credCertKey: certPEM, credKeyKey: keyPEM}
-	if s == nil {
-		s = &corev1.Secret{
-			ObjectMeta: metav1.ObjectMeta{Namespace: c.secret.Namespace, Name: c.secret.Name, Labels: map[string]string{"app.kubernetes.io/name": "pitrust-operator"}},
-			Type:       corev1.SecretTypeTLS, Data: data,
-		}
-		err = c.kube.Create(ctx, s)
-	} else {
-		s.Data = data
-		err = c.kube.Update(ctx, s)
-	}
-	if err != nil {
+	s.Data = map[string][]byte{credCertKey: certPEM, credKeyKey: keyPEM}
+	if err := c.kube.Update(ctx, s); err != nil {
 		return time.Time{}, fmt.Errorf("keep the operator's certificate in Secret %s (it is not used until it is kept): %w", c.secret, err)
 	}
 	c.mu.Lock()

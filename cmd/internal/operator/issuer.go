@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pilab.hu/pivirt-agent/cmd/internal/caclient"
+	"pilab.hu/pivirt-agent/cmd/internal/operator/certz/v1alpha1"
 	"pilab.hu/pivirt-agent/identity"
 	pitrustv1 "pilab.hu/pivirt-agent/proto/pivirt/pitrust/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/pitrust/v1/pitrustv1connect"
@@ -82,6 +83,7 @@ const (
 	ReasonIssuerNotReady    = "IssuerNotReady"
 	ReasonSecretInUse       = "SecretInUse"
 	ReasonInvalidSpec       = "InvalidSpec"
+	ReasonPolicyDenied      = "PolicyDenied"
 )
 
 func reasonOf(err error) string {
@@ -109,6 +111,9 @@ func (c *caServer) issue(ctx context.Context, req request) (issued, error) {
 	m := &pitrustv1.IssueCertificateRequest{
 		Csr: csr, Kind: string(req.Kind), Name: req.Name, DnsNames: req.DNS, Cluster: req.Cluster,
 		Lifetime: durationpb.New(req.Lifetime),
+		// Days too, for a CA server that predates lifetime: it grants
+		// whole days, which the reconciler then refuses to hand out.
+		Days: int32(min((req.Lifetime+24*time.Hour-1)/(24*time.Hour), 36500)),
 	}
 	for _, u := range req.Usages {
 		m.Usages = append(m.Usages, string(u))
@@ -185,10 +190,36 @@ type issuers struct {
 	clients map[string]*caServer
 }
 
-func (is *issuers) forRef(ctx context.Context, namespace, url string, bundle []byte, secretName string) (issuer, error) {
-	if secretName != "" {
-		return is.offline(ctx, types.NamespacedName{Namespace: namespace, Name: secretName})
+// trust is the pool a certificate of the issuer must chain to: the CA
+// server's bundle (PiTrust's chain, which the server's own certificate
+// comes from), or the offline issuer's chain; nil when it cannot be known
+// now (the Secret's own ca.crt is then all that is checked).
+func (is *issuers) trust(ctx context.Context, namespace string, ref v1alpha1.IssuerRef) *x509.CertPool {
+	var pemBytes []byte
+	switch {
+	case ref.SecretName != "":
+		iss, err := is.offline(ctx, types.NamespacedName{Namespace: namespace, Name: ref.SecretName})
+		if err != nil {
+			return nil
+		}
+		pemBytes = iss.(*offline).chain
+	case len(ref.CABundle) > 0:
+		pemBytes = ref.CABundle
+	default:
+		pemBytes = is.defaultBundle
 	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pemBytes) {
+		return nil
+	}
+	return pool
+}
+
+func (is *issuers) forRef(ctx context.Context, namespace string, ref v1alpha1.IssuerRef) (issuer, error) {
+	if ref.SecretName != "" {
+		return is.offline(ctx, types.NamespacedName{Namespace: namespace, Name: ref.SecretName})
+	}
+	url, bundle := ref.URL, ref.CABundle
 	if url == "" {
 		url = is.defaultURL
 	}

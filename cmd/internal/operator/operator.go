@@ -70,6 +70,12 @@ type Config struct {
 	// LeaseDuration is how long a leader's Lease holds (RenewDeadline and
 	// RetryPeriod follow it).
 	LeaseDuration time.Duration
+	// PolicyFile is the issuance policy (LoadPolicy); empty: only
+	// Namespace's resources are served.
+	PolicyFile string
+	// RevocationDelay is how long a replaced certificate stays valid
+	// before it is revoked (pods take up the new Secret meanwhile).
+	RevocationDelay time.Duration
 	// RetryMin and RetryMax bound the backoff of failed issuances.
 	RetryMin, RetryMax time.Duration
 	// Workers reconcile in parallel.
@@ -94,6 +100,8 @@ func (c *Config) Check() error {
 		return fmt.Errorf("--retry-min %s and --retry-max %s: want 0 < min <= max", c.RetryMin, c.RetryMax)
 	case c.LeaseDuration < 2*time.Second:
 		return fmt.Errorf("--lease-duration %s: at least 2s", c.LeaseDuration)
+	case c.RevocationDelay < 0:
+		return fmt.Errorf("--revocation-delay %s: must not be negative", c.RevocationDelay)
 	}
 	return nil
 }
@@ -145,6 +153,10 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	bundle, err := readBundle(cfg.CABundleFile)
+	if err != nil {
+		return err
+	}
+	policy, err := LoadPolicy(cfg.PolicyFile, cfg.Namespace)
 	if err != nil {
 		return err
 	}
@@ -202,9 +214,10 @@ func Run(ctx context.Context, cfg Config) error {
 	r := &Reconciler{
 		Client: mgr.GetClient(), Reader: mgr.GetAPIReader(),
 		Issuers: &issuers{reader: mgr.GetAPIReader(), defaultURL: cfg.CAServer, defaultBundle: bundle, creds: creds},
+		Policy:  policy,
 		Events:  mgr.GetEventRecorder("pitrust-operator"),
 		Metrics: newMetrics(ctrlmetrics.Registry),
-		Logger:  logger, RetryMin: cfg.RetryMin, RetryMax: cfg.RetryMax, Now: time.Now,
+		Logger:  logger, RevocationDelay: cfg.RevocationDelay, RetryMin: cfg.RetryMin, RetryMax: cfg.RetryMax, Now: time.Now,
 	}
 	err = ctrl.NewControllerManagedBy(mgr).
 		Named("managedcertificate").

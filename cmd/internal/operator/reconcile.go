@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -51,6 +52,11 @@ const (
 
 	// recheck is the longest a valid certificate goes without a look.
 	recheck = time.Hour
+
+	// Reasons of the Issuing condition that leave the Secret's
+	// certificate in service while a new one is made.
+	reasonRenewing         = "Renewing"
+	reasonRenewalRequested = "RenewalRequested"
 )
 
 // eventRecorder is what the reconciler needs of an events recorder
@@ -65,15 +71,19 @@ type Reconciler struct {
 	// Client writes; Reader reads uncached (the resource and its Secret
 	// are read fresh at each reconcile, so that a stale cache can never
 	// make a second issuance).
-	Client   client.Client
-	Reader   client.Reader
-	Issuers  *issuers
-	Events   eventRecorder
-	Metrics  *metrics
-	Logger   *slog.Logger
-	RetryMin time.Duration
-	RetryMax time.Duration
-	Now      func() time.Time
+	Client  client.Client
+	Reader  client.Reader
+	Issuers *issuers
+	Policy  *Policy
+	Events  eventRecorder
+	Metrics *metrics
+	Logger  *slog.Logger
+	// RevocationDelay is how long a replaced certificate stays valid, so
+	// that pods take up the new Secret first.
+	RevocationDelay time.Duration
+	RetryMin        time.Duration
+	RetryMax        time.Duration
+	Now             func() time.Time
 }
 
 // Reconcile brings one ManagedCertificate's Secret in line.
@@ -89,37 +99,43 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	if !mc.DeletionTimestamp.IsZero() {
 		return r.finalize(ctx, mc)
 	}
-	orig := mc.Status.DeepCopy()
 	if !controllerutil.ContainsFinalizer(mc, finalizer) {
+		patch := client.MergeFrom(mc.DeepCopy())
 		controllerutil.AddFinalizer(mc, finalizer)
-		if err := r.Client.Update(ctx, mc); err != nil {
+		if err := r.Client.Patch(ctx, mc, patch); err != nil {
 			return reconcile.Result{}, err
 		}
 	}
+	orig := mc.Status.DeepCopy()
 	now := r.Now()
 	w, err := wantedOf(mc)
 	if err != nil {
-		return r.fail(ctx, mc, nil, &issuerError{ReasonInvalidSpec, err})
+		return r.fail(ctx, mc, false, &issuerError{ReasonInvalidSpec, err})
 	}
-	iss, err := r.Issuers.forRef(ctx, mc.Namespace, mc.Spec.IssuerRef.URL, mc.Spec.IssuerRef.CABundle, mc.Spec.IssuerRef.SecretName)
-	if err != nil {
-		return r.fail(ctx, mc, nil, err)
+	ref := mc.Spec.Issuer()
+	if err := r.Policy.Allows(mc.Namespace, w, ref, r.Issuers.defaultURL); err != nil {
+		return r.fail(ctx, mc, false, &issuerError{ReasonPolicyDenied, err})
 	}
 	secret, err := r.secret(ctx, mc)
 	if err != nil {
-		return r.fail(ctx, mc, nil, err)
+		return r.fail(ctx, mc, false, err)
 	}
-	specHash := w.hash(mc.Spec.IssuerRef)
-	cur, reason, message := inspect(secret, w, specHash, now)
+	specHash := w.hash(ref)
+	cur, reason, message := inspect(secret, w, specHash, now, r.Issuers.trust(ctx, mc.Namespace, ref), mc.UID)
 	if want := mc.Annotations[annotationRenew]; reason == "" && want != "" && want != secret.Annotations[annotationRenew] {
-		reason, message = "RenewalRequested", fmt.Sprintf("a renewal was requested (annotation %s=%s)", annotationRenew, want)
+		reason, message = reasonRenewalRequested, fmt.Sprintf("a renewal was requested (annotation %s=%s)", annotationRenew, want)
 	}
+	valid := reason == "" || reason == reasonRenewing || reason == reasonRenewalRequested
 	if reason == "" {
 		if err := r.keepSecretMeta(ctx, mc, secret); err != nil {
 			return reconcile.Result{}, err
 		}
-		r.retryRevocations(ctx, mc, iss)
+		r.revokeDue(ctx, mc, now)
 		return r.ready(ctx, mc, orig, w, secret, cur, now)
+	}
+	iss, err := r.Issuers.forRef(ctx, mc.Namespace, ref)
+	if err != nil {
+		return r.fail(ctx, mc, valid, err)
 	}
 	log := r.Logger.With("namespace", mc.Namespace, "name", mc.Name)
 	log.Info("issuing", "reason", reason, "detail", message)
@@ -134,7 +150,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		}
 	}
 	var key crypto.Signer
-	if w.rotation == v1alpha1.RotationNever && cur.key != nil && w.fitsKey(cur.key.Public()) && reason != "RenewalRequested" {
+	if w.rotation == v1alpha1.RotationNever && cur.key != nil && w.fitsKey(cur.key.Public()) && reason != reasonRenewalRequested {
 		key = cur.key
 	} else if key, err = w.newKey(); err != nil {
 		return reconcile.Result{}, err
@@ -145,8 +161,15 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	})
 	cancel()
 	if err != nil {
-		r.Metrics.issuanceError(mc.Namespace, mc.Name, reasonOf(err))
-		return r.fail(ctx, mc, secret, err)
+		return r.fail(ctx, mc, valid, err)
+	}
+	serial := identity.SerialHex(out.Leaf.SerialNumber)
+	// A CA server that does not know the lifetime field grants days: a
+	// certificate that is not the spec's duration is not handed out.
+	if granted := out.Leaf.NotAfter.Sub(now); granted > w.duration+2*time.Minute || granted < w.duration-2*time.Minute {
+		r.revoke(ctx, mc, iss, serial, "superseded", "the lifetime granted is not the spec's")
+		return r.fail(ctx, mc, valid, &issuerError{ReasonIssuerRefused, fmt.Errorf("%s granted a certificate valid until %s, not for the spec's duration %s (a CA server older than the operator grants whole days: upgrade it)",
+			iss, out.Leaf.NotAfter.UTC().Format(time.RFC3339), w.duration)})
 	}
 	revision := mc.Status.Revision
 	if secret != nil {
@@ -159,45 +182,56 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	if err != nil {
 		return reconcile.Result{}, err
 	}
-	desired := r.desiredSecret(mc, secret)
+	desired, err := r.desiredSecret(mc, secret)
+	if err != nil {
+		return r.fail(ctx, mc, valid, err)
+	}
 	desired.Data = map[string][]byte{corev1.TLSCertKey: out.ChainPEM, corev1.TLSPrivateKeyKey: keyPEM, caKey: out.CAPEM}
 	desired.Annotations[annotationSpecHash] = specHash
 	desired.Annotations[annotationRevision] = strconv.FormatInt(revision, 10)
-	desired.Annotations[annotationSerial] = identity.SerialHex(out.Leaf.SerialNumber)
+	desired.Annotations[annotationSerial] = serial
 	desired.Annotations[annotationIssuer] = iss.String()
 	if want := mc.Annotations[annotationRenew]; want != "" {
 		desired.Annotations[annotationRenew] = want
 	}
 	if err := r.writeSecret(ctx, secret, desired); err != nil {
-		// The certificate is not handed out: revoke it, so that nothing
-		// unaccounted for stays valid.
-		r.revoke(ctx, mc, iss, identity.SerialHex(out.Leaf.SerialNumber), "superseded", "the Secret could not be written")
+		if definitelyNotWritten(err) {
+			// Not handed out: revoked, so that nothing unaccounted for
+			// stays valid. An error that may hide a write (a timeout)
+			// leaves it to the next reconcile, which reads the Secret.
+			r.revoke(ctx, mc, iss, serial, "superseded", "the Secret could not be written")
+		}
 		return reconcile.Result{}, fmt.Errorf("write Secret %s/%s: %w", mc.Namespace, mc.Spec.SecretName, err)
 	}
-	serial := identity.SerialHex(out.Leaf.SerialNumber)
 	r.Metrics.issued(mc.Namespace, mc.Name)
 	r.Events.Eventf(mc, nil, corev1.EventTypeNormal, "Issued", "Issue",
 		"Issued certificate serial %s by %s, valid until %s, in Secret %s (revision %d; %s)", serial, iss, out.Leaf.NotAfter.UTC().Format(time.RFC3339), mc.Spec.SecretName, revision, message)
 	log.Info("issued", "serial", serial, "not_after", out.Leaf.NotAfter.UTC().Format(time.RFC3339), "revision", revision, "secret", mc.Spec.SecretName)
-	// The certificate replaced — the one this resource last issued, never
-	// whatever a tampered Secret holds — is revoked when the policy says.
-	if prev := issuedSerial(mc, secret); prev != "" && prev != serial {
-		scheduled := reason == "Renewing"
+	// The certificate replaced — the one this resource's status says it
+	// issued, never whatever a tampered Secret holds — is revoked when the
+	// policy says, after the delay that lets pods take up the new one.
+	if prev := mc.Status.SerialNumber; prev != "" && prev != serial {
+		scheduled := reason == reasonRenewing
 		if w.revocation == v1alpha1.RevokeOnRenewal || (w.revocation == v1alpha1.RevokeOnDelete && !scheduled) {
-			if !r.revoke(ctx, mc, iss, prev, "superseded", message) {
-				mc.Status.PendingRevocations = appendSet(mc.Status.PendingRevocations, prev)
-			}
+			mc.Status.PendingRevocations = appendPending(mc.Status.PendingRevocations, v1alpha1.PendingRevocation{
+				SerialNumber: prev, Reason: "superseded", RevokeAfter: metav1.Time{Time: now.Add(r.RevocationDelay)},
+			})
 		}
 	}
 	mc.Status.Revision = revision
-	mc.Status.FailedIssuanceAttempts = 0
-	mc.Status.LastFailureTime = nil
-	secret = desired
-	return r.ready(ctx, mc, orig, w, secret, current{leaf: out.Leaf, key: key, serial: serial}, now)
+	r.revokeDue(ctx, mc, now)
+	return r.ready(ctx, mc, orig, w, desired, current{leaf: out.Leaf, key: key, serial: serial}, now)
+}
+
+// definitelyNotWritten reports whether a failed write surely changed
+// nothing.
+func definitelyNotWritten(err error) bool {
+	return apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err) || apierrors.IsInvalid(err) ||
+		apierrors.IsForbidden(err) || apierrors.IsNotFound(err) || apierrors.IsBadRequest(err)
 }
 
 // ready records a valid certificate in the status and metrics, and asks
-// to be called again at its renewal time.
+// to be called again at its renewal time (or a pending revocation's).
 func (r *Reconciler) ready(ctx context.Context, mc *v1alpha1.ManagedCertificate, before *v1alpha1.ManagedCertificateStatus, w wanted, secret *corev1.Secret, cur current, now time.Time) (reconcile.Result, error) {
 	renewal := w.renewalTime(cur.leaf)
 	st := &mc.Status
@@ -225,89 +259,117 @@ func (r *Reconciler) ready(ctx context.Context, mc *v1alpha1.ManagedCertificate,
 		}
 	}
 	r.Metrics.ready(mc.Namespace, mc.Name, true, cur.leaf.NotAfter, renewal)
-	return reconcile.Result{RequeueAfter: min(max(renewal.Sub(now), time.Second), recheck)}, nil
+	next := renewal
+	for _, p := range st.PendingRevocations {
+		if p.RevokeAfter.Time.Before(next) {
+			next = p.RevokeAfter.Time
+		}
+	}
+	return reconcile.Result{RequeueAfter: min(max(next.Sub(now), time.Second), recheck)}, nil
 }
 
 // fail records a failed attempt (Ready=False unless the Secret still holds
-// a valid certificate of the spec) and retries with backoff.
-func (r *Reconciler) fail(ctx context.Context, mc *v1alpha1.ManagedCertificate, secret *corev1.Secret, cause error) (reconcile.Result, error) {
+// a valid certificate of the spec: valid) and retries with backoff.
+func (r *Reconciler) fail(ctx context.Context, mc *v1alpha1.ManagedCertificate, valid bool, cause error) (reconcile.Result, error) {
 	reason := reasonOf(cause)
+	r.Metrics.issuanceError(mc.Namespace, mc.Name, reason)
 	now := r.Now()
 	st := &mc.Status
 	st.FailedIssuanceAttempts++
 	st.LastFailureTime = &metav1.Time{Time: now}
 	st.ObservedGeneration = mc.Generation
-	stillValid := false
-	if secret != nil && st.NotAfter != nil && now.Before(st.NotAfter.Time) {
-		if w, err := wantedOf(mc); err == nil {
-			if _, why, _ := inspect(secret, w, w.hash(mc.Spec.IssuerRef), now); why == "Renewing" {
-				stillValid = true
-			}
-		}
-	}
-	if !stillValid {
+	if !valid {
 		meta.SetStatusCondition(&st.Conditions, metav1.Condition{
 			Type: v1alpha1.ConditionReady, Status: metav1.ConditionFalse, Reason: reason, Message: cause.Error(), ObservedGeneration: mc.Generation,
 		})
 		r.Metrics.ready(mc.Namespace, mc.Name, false, notAfterOf(st), renewalOf(st))
 	}
-	delay := min(r.RetryMin<<min(st.FailedIssuanceAttempts-1, 20), r.RetryMax)
+	delay := r.RetryMin
+	for i := 1; i < st.FailedIssuanceAttempts && delay < r.RetryMax; i++ {
+		delay *= 2
+	}
+	delay = min(delay, r.RetryMax)
 	delay = delay/2 + rand.N(delay/2+1) // jitter: failures together do not retry together
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{
 		Type: v1alpha1.ConditionIssuing, Status: metav1.ConditionTrue, Reason: reason, ObservedGeneration: mc.Generation,
 		Message: fmt.Sprintf("attempt %d failed: %v; retrying in %s", st.FailedIssuanceAttempts, cause, delay.Round(time.Second/10)),
 	})
-	r.Events.Eventf(mc, nil, corev1.EventTypeWarning, reason, "Issue", "Issuance failed (attempt %d; retrying in %s): %v", st.FailedIssuanceAttempts, delay.Round(time.Second/10), cause)
-	r.Logger.Warn("issuance failed", "namespace", mc.Namespace, "name", mc.Name, "reason", reason, "attempt", st.FailedIssuanceAttempts, "retry_in", delay, "error", cause)
+	r.Events.Eventf(mc, nil, corev1.EventTypeWarning, reason, "Issue", "Attempt %d failed (retrying in %s): %v", st.FailedIssuanceAttempts, delay.Round(time.Second/10), cause)
+	r.Logger.Warn("reconcile failed", "namespace", mc.Namespace, "name", mc.Name, "reason", reason, "attempt", st.FailedIssuanceAttempts, "retry_in", delay, "error", cause)
 	if err := r.Client.Status().Update(ctx, mc); err != nil && !apierrors.IsConflict(err) {
 		return reconcile.Result{}, err
 	}
 	return reconcile.Result{RequeueAfter: delay}, nil
 }
 
-// finalize revokes a deleted resource's certificate (its policy
-// permitting) and lets it go.
+// finalize revokes a deleted resource's certificates (its policy and
+// issuer permitting: an offline issuer has nothing to revoke in) and lets
+// it go.
 func (r *Reconciler) finalize(ctx context.Context, mc *v1alpha1.ManagedCertificate) (reconcile.Result, error) {
 	if !controllerutil.ContainsFinalizer(mc, finalizer) {
 		return reconcile.Result{}, nil
 	}
-	w, _ := wantedOf(mc)
-	if w.revocation != v1alpha1.RevokeNever {
-		iss, err := r.Issuers.forRef(ctx, mc.Namespace, mc.Spec.IssuerRef.URL, mc.Spec.IssuerRef.CABundle, mc.Spec.IssuerRef.SecretName)
-		serials := slices.Clone(mc.Status.PendingRevocations)
+	ref := mc.Spec.Issuer()
+	if mc.Spec.RevocationPolicy != v1alpha1.RevokeNever && ref.SecretName == "" {
+		var pending []v1alpha1.PendingRevocation
+		for _, p := range mc.Status.PendingRevocations {
+			pending = appendPending(pending, v1alpha1.PendingRevocation{SerialNumber: p.SerialNumber, Reason: p.Reason})
+		}
 		if mc.Status.SerialNumber != "" {
-			serials = appendSet(serials, mc.Status.SerialNumber)
+			pending = appendPending(pending, v1alpha1.PendingRevocation{SerialNumber: mc.Status.SerialNumber, Reason: "cessationOfOperation"})
 		}
-		if s, _ := r.secret(ctx, mc); s != nil && s.Annotations[annotationSerial] != "" {
-			serials = appendSet(serials, s.Annotations[annotationSerial])
-		}
-		if len(serials) > 0 {
+		if len(pending) > 0 {
+			iss, err := r.Issuers.forRef(ctx, mc.Namespace, ref)
 			if err != nil {
-				if _, offline := iss.(*offline); !offline {
-					return r.fail(ctx, mc, nil, err)
-				}
+				return r.fail(ctx, mc, false, fmt.Errorf("the certificate of a deleted resource cannot be revoked (set revocationPolicy: Never to delete it without revoking): %w", err))
 			}
-			if _, offline := iss.(*offline); !offline {
-				for _, serial := range serials {
-					if !r.revoke(ctx, mc, iss, serial, "cessationOfOperation", "the ManagedCertificate was deleted") {
-						r.Metrics.issuanceError(mc.Namespace, mc.Name, "RevocationFailed")
-						return reconcile.Result{RequeueAfter: r.RetryMin}, nil
-					}
+			for _, p := range pending {
+				if !r.revoke(ctx, mc, iss, p.SerialNumber, p.Reason, "the ManagedCertificate was deleted") {
+					return r.fail(ctx, mc, false, &issuerError{ReasonIssuerUnavailable, fmt.Errorf("revoking serial %s of a deleted resource failed; retrying (set revocationPolicy: Never to delete it without revoking)", p.SerialNumber)})
 				}
 			}
 		}
 	}
+	// The Secret, if the garbage collector has not taken it yet, no longer
+	// passes for a certificate of this name: a new resource of the same
+	// name issues afresh instead of adopting a revoked one.
+	if s, err := r.secret(ctx, mc); err == nil && s != nil {
+		patch := client.MergeFrom(s.DeepCopy())
+		delete(s.Annotations, annotationSpecHash)
+		delete(s.Annotations, annotationSerial)
+		if err := r.Client.Patch(ctx, s, patch); err != nil && !apierrors.IsNotFound(err) {
+			return reconcile.Result{}, err
+		}
+	}
 	r.Metrics.forget(mc.Namespace, mc.Name)
+	patch := client.MergeFrom(mc.DeepCopy())
 	controllerutil.RemoveFinalizer(mc, finalizer)
-	return reconcile.Result{}, client.IgnoreNotFound(r.Client.Update(ctx, mc))
+	return reconcile.Result{}, client.IgnoreNotFound(r.Client.Patch(ctx, mc, patch))
 }
 
-// retryRevocations revokes what earlier attempts could not.
-func (r *Reconciler) retryRevocations(ctx context.Context, mc *v1alpha1.ManagedCertificate, iss issuer) {
-	var left []string
-	for _, serial := range mc.Status.PendingRevocations {
-		if !r.revoke(ctx, mc, iss, serial, "superseded", "retried") {
-			left = append(left, serial)
+// revokeDue revokes the pending revocations that are due; failures stay
+// pending.
+func (r *Reconciler) revokeDue(ctx context.Context, mc *v1alpha1.ManagedCertificate, now time.Time) {
+	if len(mc.Status.PendingRevocations) == 0 {
+		return
+	}
+	var iss issuer
+	var left []v1alpha1.PendingRevocation
+	for _, p := range mc.Status.PendingRevocations {
+		if now.Before(p.RevokeAfter.Time) {
+			left = append(left, p)
+			continue
+		}
+		if iss == nil {
+			var err error
+			if iss, err = r.Issuers.forRef(ctx, mc.Namespace, mc.Spec.Issuer()); err != nil {
+				left = append(left, p)
+				continue
+			}
+		}
+		if !r.revoke(ctx, mc, iss, p.SerialNumber, p.Reason, "replaced") {
+			p.RevokeAfter = metav1.Time{Time: now.Add(r.RetryMin)}
+			left = append(left, p)
 		}
 	}
 	mc.Status.PendingRevocations = left
@@ -323,6 +385,7 @@ func (r *Reconciler) revoke(ctx context.Context, mc *v1alpha1.ManagedCertificate
 	case errors.Is(err, errNoRevocation):
 		return true
 	case err != nil:
+		r.Metrics.issuanceError(mc.Namespace, mc.Name, "RevocationFailed")
 		r.Events.Eventf(mc, nil, corev1.EventTypeWarning, "RevocationFailed", "Revoke", "Revoking serial %s (%s) failed, retrying: %v", serial, why, err)
 		r.Logger.Warn("revocation failed", "namespace", mc.Namespace, "name", mc.Name, "serial", serial, "error", err)
 		return false
@@ -333,8 +396,10 @@ func (r *Reconciler) revoke(ctx context.Context, mc *v1alpha1.ManagedCertificate
 	return true
 }
 
-// secret reads the resource's Secret (nil when there is none); a Secret
-// of that name that belongs to another ManagedCertificate is an error.
+// secret reads the resource's Secret (nil when there is none). A Secret
+// of that name the operator did not make for this resource's name — no
+// label, another resource's, another type, another controller's — is not
+// taken over: SecretInUse says what to do.
 func (r *Reconciler) secret(ctx context.Context, mc *v1alpha1.ManagedCertificate) (*corev1.Secret, error) {
 	s := &corev1.Secret{}
 	err := r.Reader.Get(ctx, types.NamespacedName{Namespace: mc.Namespace, Name: mc.Spec.SecretName}, s)
@@ -344,15 +409,26 @@ func (r *Reconciler) secret(ctx context.Context, mc *v1alpha1.ManagedCertificate
 	if err != nil {
 		return nil, err
 	}
-	if owner, ok := s.Labels[labelCertificate]; ok && owner != mc.Name {
+	owner, ok := s.Labels[labelCertificate]
+	switch {
+	case !ok:
+		return nil, &issuerError{ReasonSecretInUse, fmt.Errorf("the Secret %s exists and was not made by the operator: delete it, or label it %s=%s to hand it to this resource", s.Name, labelCertificate, mc.Name)}
+	case owner != mc.Name:
 		return nil, &issuerError{ReasonSecretInUse, fmt.Errorf("the Secret %s belongs to ManagedCertificate %s: give this one another secretName", s.Name, owner)}
+	case s.Type != corev1.SecretTypeTLS:
+		return nil, &issuerError{ReasonSecretInUse, fmt.Errorf("the Secret %s is of type %s, not %s (a type cannot change): delete it", s.Name, s.Type, corev1.SecretTypeTLS)}
+	}
+	if ref := metav1.GetControllerOf(s); ref != nil && (ref.Kind != "ManagedCertificate" || ref.APIVersion != v1alpha1.GroupVersion.String()) {
+		return nil, &issuerError{ReasonSecretInUse, fmt.Errorf("the Secret %s is controlled by %s %s: give this resource another secretName", s.Name, ref.Kind, ref.Name)}
 	}
 	return s, nil
 }
 
 // desiredSecret is the Secret's metadata as it should be: the template's
-// labels and annotations, the operator's, and the owner reference.
-func (r *Reconciler) desiredSecret(mc *v1alpha1.ManagedCertificate, existing *corev1.Secret) *corev1.Secret {
+// labels and annotations (never the operator's keys), the operator's, and
+// this resource as its controller (replacing a deleted resource of the
+// same name).
+func (r *Reconciler) desiredSecret(mc *v1alpha1.ManagedCertificate, existing *corev1.Secret) (*corev1.Secret, error) {
 	s := &corev1.Secret{}
 	if existing != nil {
 		s = existing.DeepCopy()
@@ -365,18 +441,38 @@ func (r *Reconciler) desiredSecret(mc *v1alpha1.ManagedCertificate, existing *co
 		s.Annotations = map[string]string{}
 	}
 	if t := mc.Spec.SecretTemplate; t != nil {
-		maps.Copy(s.Labels, t.Labels)
-		maps.Copy(s.Annotations, t.Annotations)
+		for k, v := range t.Labels {
+			if !strings.HasPrefix(k, operatorPrefix) {
+				s.Labels[k] = v
+			}
+		}
+		for k, v := range t.Annotations {
+			if !strings.HasPrefix(k, operatorPrefix) {
+				s.Annotations[k] = v
+			}
+		}
 	}
 	s.Labels[labelCertificate] = mc.Name
-	_ = controllerutil.SetControllerReference(mc, s, r.Client.Scheme())
-	return s
+	s.OwnerReferences = slices.DeleteFunc(s.OwnerReferences, func(o metav1.OwnerReference) bool {
+		return o.Controller != nil && *o.Controller && o.Kind == "ManagedCertificate" && o.UID != mc.UID
+	})
+	if err := controllerutil.SetControllerReference(mc, s, r.Client.Scheme()); err != nil {
+		return nil, &issuerError{ReasonSecretInUse, fmt.Errorf("the Secret %s: %w", s.Name, err)}
+	}
+	return s, nil
 }
+
+// operatorPrefix starts the labels and annotations that are the
+// operator's.
+const operatorPrefix = "certz.pilab.hu/"
 
 // keepSecretMeta puts back the template's metadata and the owner
 // reference on a Secret whose certificate is fine.
 func (r *Reconciler) keepSecretMeta(ctx context.Context, mc *v1alpha1.ManagedCertificate, s *corev1.Secret) error {
-	want := r.desiredSecret(mc, s)
+	want, err := r.desiredSecret(mc, s)
+	if err != nil {
+		return err
+	}
 	if maps.Equal(want.Labels, s.Labels) && maps.Equal(want.Annotations, s.Annotations) && slices.EqualFunc(want.OwnerReferences, s.OwnerReferences, func(a, b metav1.OwnerReference) bool { return a.UID == b.UID }) {
 		return nil
 	}
@@ -384,16 +480,8 @@ func (r *Reconciler) keepSecretMeta(ctx context.Context, mc *v1alpha1.ManagedCer
 }
 
 // writeSecret creates or updates the Secret in one write (so that a pod
-// mounting it sees the new files together); a Secret of another type is
-// replaced, the type being immutable.
+// mounting it sees the new files together).
 func (r *Reconciler) writeSecret(ctx context.Context, existing, desired *corev1.Secret) error {
-	if existing != nil && existing.Type != corev1.SecretTypeTLS {
-		if err := r.Client.Delete(ctx, existing, client.Preconditions{ResourceVersion: &existing.ResourceVersion}); err != nil {
-			return err
-		}
-		existing = nil
-		desired.ResourceVersion = ""
-	}
 	if existing == nil {
 		desired.ResourceVersion = ""
 		return r.Client.Create(ctx, desired)
@@ -401,23 +489,11 @@ func (r *Reconciler) writeSecret(ctx context.Context, existing, desired *corev1.
 	return r.Client.Update(ctx, desired)
 }
 
-// issuedSerial is the serial this resource last issued: its status's, or
-// the one the operator wrote on the Secret (a status lost to a conflict).
-func issuedSerial(mc *v1alpha1.ManagedCertificate, s *corev1.Secret) string {
-	if mc.Status.SerialNumber != "" {
-		return mc.Status.SerialNumber
-	}
-	if s != nil {
-		return s.Annotations[annotationSerial]
-	}
-	return ""
-}
-
-func appendSet(s []string, v string) []string {
-	if slices.Contains(s, v) {
+func appendPending(s []v1alpha1.PendingRevocation, p v1alpha1.PendingRevocation) []v1alpha1.PendingRevocation {
+	if slices.ContainsFunc(s, func(q v1alpha1.PendingRevocation) bool { return q.SerialNumber == p.SerialNumber }) {
 		return s
 	}
-	return append(s, v)
+	return append(s, p)
 }
 
 func notAfterOf(st *v1alpha1.ManagedCertificateStatus) time.Time {

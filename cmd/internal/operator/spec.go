@@ -19,6 +19,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"pilab.hu/pivirt-agent/cmd/internal/operator/certz/v1alpha1"
 	"pilab.hu/pivirt-agent/identity"
@@ -52,7 +54,7 @@ func wantedOf(mc *v1alpha1.ManagedCertificate) (wanted, error) {
 	w := wanted{
 		name: s.CommonName, kind: identity.Kind(s.Type), cluster: s.Cluster,
 		duration: defaultDuration, renew: defaultRenewBefore,
-		algorithm: s.PrivateKey.Algorithm, size: s.PrivateKey.Size, rotation: s.PrivateKey.RotationPolicy,
+		algorithm: s.Key().Algorithm, size: s.Key().Size, rotation: s.Key().RotationPolicy,
 		revocation: s.RevocationPolicy,
 	}
 	if w.kind == "" {
@@ -72,6 +74,14 @@ func wantedOf(mc *v1alpha1.ManagedCertificate) (wanted, error) {
 	}
 	if w.algorithm == "" {
 		w.algorithm = v1alpha1.AlgorithmECDSA
+	}
+	if w.size == 0 {
+		switch w.algorithm {
+		case v1alpha1.AlgorithmECDSA:
+			w.size = 256
+		case v1alpha1.AlgorithmRSA:
+			w.size = 2048
+		}
 	}
 	if w.rotation == "" {
 		w.rotation = v1alpha1.RotationAlways
@@ -98,8 +108,11 @@ func wantedOf(mc *v1alpha1.ManagedCertificate) (wanted, error) {
 		if ip == nil {
 			return w, fmt.Errorf("spec.ipAddresses: %q is not an IP address", a)
 		}
-		w.ips = append(w.ips, ip)
+		if !slices.ContainsFunc(w.ips, ip.Equal) {
+			w.ips = append(w.ips, ip)
+		}
 	}
+	slices.SortFunc(w.ips, func(a, b net.IP) int { return bytes.Compare(a.To16(), b.To16()) })
 	// A server certificate without names gets its CN as its DNS name, as
 	// the CA does.
 	if len(w.dns) == 0 && len(w.ips) == 0 && slices.Contains(w.usages, identity.UsageServer) {
@@ -130,6 +143,9 @@ func (w wanted) renewalTime(leaf *x509.Certificate) time.Time {
 	if before >= w.duration {
 		before = w.duration / 3
 	}
+	// Never in the first third of the life: a renewBefore just under the
+	// duration would otherwise renew right after each issuance.
+	before = min(before, w.duration*2/3)
 	return leaf.NotAfter.Add(-before)
 }
 
@@ -137,11 +153,7 @@ func (w wanted) renewalTime(leaf *x509.Certificate) time.Time {
 func (w wanted) newKey() (crypto.Signer, error) {
 	switch w.algorithm {
 	case v1alpha1.AlgorithmRSA:
-		bits := w.size
-		if bits == 0 {
-			bits = 2048
-		}
-		return rsa.GenerateKey(rand.Reader, bits)
+		return rsa.GenerateKey(rand.Reader, w.size)
 	case v1alpha1.AlgorithmEd25519:
 		_, k, err := ed25519.GenerateKey(rand.Reader)
 		return k, err
@@ -161,15 +173,11 @@ func (w wanted) newKey() (crypto.Signer, error) {
 func (w wanted) fitsKey(key crypto.PublicKey) bool {
 	switch k := key.(type) {
 	case *rsa.PublicKey:
-		return w.algorithm == v1alpha1.AlgorithmRSA && k.N.BitLen() == max(w.size, 2048)
+		return w.algorithm == v1alpha1.AlgorithmRSA && k.N.BitLen() == w.size
 	case ed25519.PublicKey:
 		return w.algorithm == v1alpha1.AlgorithmEd25519
 	case *ecdsa.PublicKey:
-		size := w.size
-		if size == 0 {
-			size = 256
-		}
-		return w.algorithm == v1alpha1.AlgorithmECDSA && k.Curve.Params().BitSize == size
+		return w.algorithm == v1alpha1.AlgorithmECDSA && k.Curve.Params().BitSize == w.size
 	}
 	return false
 }
@@ -184,7 +192,11 @@ type current struct {
 // inspect checks the Secret against the spec: nil reason means it holds
 // a valid certificate of the spec; otherwise reason and message say why
 // a new one is needed. cur is filled as far as the Secret allowed.
-func inspect(s *corev1.Secret, w wanted, specHash string, now time.Time) (cur current, reason, message string) {
+//
+// trust, when known, is what the certificate must chain to (the issuer's),
+// besides the Secret's own ca.crt; uid is the resource's, which must
+// control the Secret.
+func inspect(s *corev1.Secret, w wanted, specHash string, now time.Time, trust *x509.CertPool, uid types.UID) (cur current, reason, message string) {
 	if s == nil {
 		return cur, "DoesNotExist", "the Secret does not exist"
 	}
@@ -201,8 +213,11 @@ func inspect(s *corev1.Secret, w wanted, specHash string, now time.Time) (cur cu
 	if s.Type != corev1.SecretTypeTLS {
 		return cur, "InvalidSecret", fmt.Sprintf("the Secret is of type %s, not %s", s.Type, corev1.SecretTypeTLS)
 	}
-	if err := checkChain(certPEM, caPEM, w.usages, now); err != nil {
+	if err := checkChain(certPEM, caPEM, w.usages, now, trust); err != nil {
 		return cur, "InvalidChain", err.Error()
+	}
+	if ref := metav1.GetControllerOf(s); uid != "" && (ref == nil || ref.UID != uid) {
+		return cur, "NotOwned", "the Secret is not controlled by this resource (one of the same name, deleted, made it)"
 	}
 	if s.Annotations[annotationSpecHash] != specHash {
 		return cur, "SpecChanged", "the spec changed since the certificate was issued"
@@ -214,14 +229,14 @@ func inspect(s *corev1.Secret, w wanted, specHash string, now time.Time) (cur cu
 		return cur, "SpecMismatch", "the key is not of the algorithm and size of spec.privateKey"
 	}
 	if !now.Before(w.renewalTime(pair.Leaf)) {
-		return cur, "Renewing", fmt.Sprintf("renewal due at %s (expires %s)", w.renewalTime(pair.Leaf).UTC().Format(time.RFC3339), pair.Leaf.NotAfter.UTC().Format(time.RFC3339))
+		return cur, reasonRenewing, fmt.Sprintf("renewal due at %s (expires %s)", w.renewalTime(pair.Leaf).UTC().Format(time.RFC3339), pair.Leaf.NotAfter.UTC().Format(time.RFC3339))
 	}
 	return cur, "", ""
 }
 
 // checkChain verifies tls.crt (the leaf and intermediates) against ca.crt
 // for each usage.
-func checkChain(certPEM, caPEM []byte, usages []identity.Usage, now time.Time) error {
+func checkChain(certPEM, caPEM []byte, usages []identity.Usage, now time.Time, trust *x509.CertPool) error {
 	chain, err := identity.ParseCertificates(certPEM)
 	if err != nil {
 		return fmt.Errorf("tls.crt: %v", err)
@@ -248,6 +263,11 @@ func checkChain(certPEM, caPEM []byte, usages []identity.Usage, now time.Time) e
 		}
 		if _, err := chain[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{eku}}); err != nil {
 			return fmt.Errorf("tls.crt does not verify against ca.crt for %s authentication: %v", u, err)
+		}
+		if trust != nil {
+			if _, err := chain[0].Verify(x509.VerifyOptions{Roots: trust, Intermediates: inter, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{eku}}); err != nil {
+				return fmt.Errorf("tls.crt is not a certificate of the issuer: %v", err)
+			}
 		}
 	}
 	return nil

@@ -70,7 +70,7 @@ func issueSecret(t *testing.T, ca *offline, m *v1alpha1.ManagedCertificate) (*co
 	}
 	return &corev1.Secret{
 		Type:       corev1.SecretTypeTLS,
-		ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{annotationSpecHash: w.hash(m.Spec.IssuerRef)}},
+		ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{annotationSpecHash: w.hash(m.Spec.Issuer())}},
 		Data:       map[string][]byte{corev1.TLSCertKey: out.ChainPEM, corev1.TLSPrivateKeyKey: keyPEM, caKey: out.CAPEM},
 	}, w
 }
@@ -82,8 +82,8 @@ func TestInspect(t *testing.T) {
 	now := time.Now()
 	m := testMC(nil)
 	s, w := issueSecret(t, ca, m)
-	hash := w.hash(m.Spec.IssuerRef)
-	if cur, reason, msg := inspect(s, w, hash, now); reason != "" || cur.serial == "" {
+	hash := w.hash(m.Spec.Issuer())
+	if cur, reason, msg := inspect(s, w, hash, now, nil, ""); reason != "" || cur.serial == "" {
 		t.Fatalf("fresh certificate: %s %s", reason, msg)
 	}
 	other, _ := issueSecret(t, ca, testMC(func(s *v1alpha1.ManagedCertificateSpec) { s.CommonName = "other.pivirt.internal" }))
@@ -107,7 +107,7 @@ func TestInspect(t *testing.T) {
 		{"renewal due", func() *corev1.Secret { return s }, w, now.Add(9*time.Hour + time.Minute), "Renewing"},
 		{"expired", func() *corev1.Secret { return s }, w, now.Add(11 * time.Hour), "InvalidChain"},
 	} {
-		_, reason, msg := inspect(tc.secret(), tc.w, hash, tc.now)
+		_, reason, msg := inspect(tc.secret(), tc.w, hash, tc.now, nil, "")
 		if reason != tc.reason {
 			t.Errorf("%s: reason %q (%s), want %q", tc.name, reason, msg, tc.reason)
 		}
@@ -115,7 +115,7 @@ func TestInspect(t *testing.T) {
 	// The certificate does not match the spec although the hash does (a
 	// tampered annotation): named.
 	w2, _ := wantedOf(testMC(func(s *v1alpha1.ManagedCertificateSpec) { s.DNSNames = []string{"x.pivirt.internal"} }))
-	if _, reason, msg := inspect(s, w2, hash, now); reason != "SpecMismatch" || !strings.Contains(msg, "DNS names") {
+	if _, reason, msg := inspect(s, w2, hash, now, nil, ""); reason != "SpecMismatch" || !strings.Contains(msg, "DNS names") {
 		t.Errorf("other names: %s %s", reason, msg)
 	}
 }
@@ -130,6 +130,7 @@ func TestRenewalTime(t *testing.T) {
 	}{
 		{8760 * time.Hour, 720 * time.Hour, 8280 * time.Hour},
 		{time.Hour, 720 * time.Hour, 8999*time.Hour + 40*time.Minute},
+		{2 * time.Hour, 119 * time.Minute, 8998*time.Hour + 40*time.Minute},
 		{3 * time.Hour, 3 * time.Hour, 8999 * time.Hour},
 	} {
 		w := wanted{duration: tc.duration, renew: tc.before}
@@ -144,11 +145,17 @@ func TestRenewalTime(t *testing.T) {
 func TestSpecHash(t *testing.T) {
 	base := testMC(nil)
 	wb, _ := wantedOf(base)
-	h := wb.hash(base.Spec.IssuerRef)
+	h := wb.hash(base.Spec.Issuer())
 	same := []func(*v1alpha1.ManagedCertificateSpec){
 		func(s *v1alpha1.ManagedCertificateSpec) { s.RenewBefore = &metav1.Duration{Duration: 2 * time.Hour} },
 		func(s *v1alpha1.ManagedCertificateSpec) { s.RevocationPolicy = v1alpha1.RevokeNever },
-		func(s *v1alpha1.ManagedCertificateSpec) { s.PrivateKey.RotationPolicy = v1alpha1.RotationNever },
+		func(s *v1alpha1.ManagedCertificateSpec) {
+			s.PrivateKey = &v1alpha1.PrivateKey{RotationPolicy: v1alpha1.RotationNever}
+		},
+		func(s *v1alpha1.ManagedCertificateSpec) {
+			s.PrivateKey = &v1alpha1.PrivateKey{Algorithm: "ECDSA", Size: 256}
+		},
+		func(s *v1alpha1.ManagedCertificateSpec) { s.IPAddresses = []string{"127.0.0.1", "127.0.0.1"} },
 		func(s *v1alpha1.ManagedCertificateSpec) {
 			s.SecretTemplate = &v1alpha1.SecretTemplate{Labels: map[string]string{"a": "b"}}
 		},
@@ -162,22 +169,48 @@ func TestSpecHash(t *testing.T) {
 		func(s *v1alpha1.ManagedCertificateSpec) { s.Type = v1alpha1.TypeMTLSClient },
 		func(s *v1alpha1.ManagedCertificateSpec) { s.Usages = []v1alpha1.Usage{"server", "client"} },
 		func(s *v1alpha1.ManagedCertificateSpec) { s.Cluster = "prod" },
-		func(s *v1alpha1.ManagedCertificateSpec) { s.PrivateKey.Algorithm = v1alpha1.AlgorithmRSA },
-		func(s *v1alpha1.ManagedCertificateSpec) { s.IssuerRef.URL = "https://other:8080" },
-		func(s *v1alpha1.ManagedCertificateSpec) { s.IssuerRef.SecretName = "x1" },
+		func(s *v1alpha1.ManagedCertificateSpec) {
+			s.PrivateKey = &v1alpha1.PrivateKey{Algorithm: v1alpha1.AlgorithmRSA}
+		},
+		func(s *v1alpha1.ManagedCertificateSpec) { s.IssuerRef = &v1alpha1.IssuerRef{URL: "https://other:8080"} },
+		func(s *v1alpha1.ManagedCertificateSpec) { s.IssuerRef = &v1alpha1.IssuerRef{SecretName: "x1"} },
 	}
 	for i, f := range same {
 		m := testMC(f)
 		w, _ := wantedOf(m)
-		if w.hash(m.Spec.IssuerRef) != h {
+		if w.hash(m.Spec.Issuer()) != h {
 			t.Errorf("same[%d] changed the hash", i)
 		}
 	}
 	for i, f := range changed {
 		m := testMC(f)
 		w, _ := wantedOf(m)
-		if w.hash(m.Spec.IssuerRef) == h {
+		if w.hash(m.Spec.Issuer()) == h {
 			t.Errorf("changed[%d] kept the hash", i)
 		}
+	}
+}
+
+// TestInspectTrustAndOwner: a certificate of another CA is refused even
+// with its own chain in ca.crt, and a Secret controlled by another
+// resource (a deleted one of the same name) is not taken as is.
+func TestInspectTrustAndOwner(t *testing.T) {
+	ca, other := testCA(t), testCA(t)
+	m := testMC(nil)
+	s, w := issueSecret(t, other, m)
+	hash := w.hash(m.Spec.Issuer())
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(ca.chain)
+	if _, reason, msg := inspect(s, w, hash, time.Now(), pool, ""); reason != "InvalidChain" || !strings.Contains(msg, "not a certificate of the issuer") {
+		t.Errorf("another CA's certificate: %s %s", reason, msg)
+	}
+	s, w = issueSecret(t, ca, m)
+	ctrl := true
+	s.OwnerReferences = []metav1.OwnerReference{{APIVersion: "certz.pilab.hu/v1alpha1", Kind: "ManagedCertificate", Name: "c", UID: "old", Controller: &ctrl}}
+	if _, reason, _ := inspect(s, w, hash, time.Now(), pool, "new"); reason != "NotOwned" {
+		t.Errorf("another resource's Secret: %s", reason)
+	}
+	if _, reason, msg := inspect(s, w, hash, time.Now(), pool, "old"); reason != "" {
+		t.Errorf("its own Secret: %s %s", reason, msg)
 	}
 }

@@ -42,7 +42,9 @@ const (
 // issuer, key and the Secret it is written to.
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.renewBefore) || duration(self.renewBefore) >= duration('1m')",message="renewBefore must be at least 1m"
-// +kubebuilder:validation:XValidation:rule="self.type != 'mtls-server' || (has(self.dnsNames) && size(self.dnsNames) > 0) || (has(self.ipAddresses) && size(self.ipAddresses) > 0) || self.commonName.contains('.')",message="an mtls-server certificate needs dnsNames or ipAddresses (or a commonName that is a host name)"
+// +kubebuilder:validation:XValidation:rule="!(has(self.usages) ? 'server' in self.usages : self.type == 'mtls-server') || (has(self.dnsNames) && size(self.dnsNames) > 0) || (has(self.ipAddresses) && size(self.ipAddresses) > 0) || self.commonName.matches('^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?([.][A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$')",message="a certificate with the server usage needs dnsNames or ipAddresses (or a commonName that is a host name)"
+// +kubebuilder:validation:XValidation:rule="!has(self.usages) || (self.type == 'mtls-client' ? 'client' : 'server') in self.usages",message="usages must hold the type's own usage (server for mtls-server, client for mtls-client)"
+// +kubebuilder:validation:XValidation:rule="!has(self.issuerRef) || !has(self.issuerRef.secretName) || self.issuerRef.secretName != self.secretName",message="secretName must not be the issuer's Secret (issuerRef.secretName)"
 type ManagedCertificateSpec struct {
 	// CommonName is the certificate's subject CN; for an mtls-server
 	// certificate without dnsNames it is also its DNS name.
@@ -82,8 +84,7 @@ type ManagedCertificateSpec struct {
 
 	// Cluster binds an agent's client certificate (pivirt-agent-<node>) to
 	// the agents' cluster.name: the URI name urn:pivirt:cluster:<cluster>.
-	// +kubebuilder:validation:MaxLength=63
-	// +kubebuilder:validation:Pattern=`^[a-z0-9]([a-z0-9-]*[a-z0-9])?$`
+	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$`
 	// +optional
 	Cluster string `json:"cluster,omitempty"`
 
@@ -113,11 +114,11 @@ type ManagedCertificateSpec struct {
 	// (url, caBundle) or a Secret holding the X1 intermediate (secretName).
 	// Empty: the operator's default CA server (pitrust operator --ca-server).
 	// +optional
-	IssuerRef IssuerRef `json:"issuerRef,omitempty"`
+	IssuerRef *IssuerRef `json:"issuerRef,omitempty"`
 
 	// PrivateKey is the key's algorithm and rotation policy.
 	// +optional
-	PrivateKey PrivateKey `json:"privateKey,omitempty"`
+	PrivateKey *PrivateKey `json:"privateKey,omitempty"`
 
 	// RevocationPolicy: OnDelete (default) revokes the certificate when the
 	// resource is deleted and when a certificate is replaced before its
@@ -144,7 +145,7 @@ type Usage string
 type IssuerRef struct {
 	// URL is the PiTrust CA server's API (https://host:port).
 	// +kubebuilder:validation:MaxLength=2048
-	// +kubebuilder:validation:XValidation:rule="isURL(self) && url(self).getScheme() == 'https'",message="issuerRef.url must be an https:// URL"
+	// +kubebuilder:validation:XValidation:rule="isURL(self) && url(self).getScheme() == 'https' && url(self).getHostname() != ''",message="issuerRef.url must be an https://host:port URL"
 	// +optional
 	URL string `json:"url,omitempty"`
 	// CABundle is the PEM CA chain the CA server's certificate is checked
@@ -155,6 +156,7 @@ type IssuerRef struct {
 	// X1 intermediate (PiCA.pem, PiCA.key) and ca-chain.pem, for offline
 	// issuance without a CA server (no revocation then).
 	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	// +optional
 	SecretName string `json:"secretName,omitempty"`
 }
@@ -181,7 +183,11 @@ type PrivateKey struct {
 	RotationPolicy string `json:"rotationPolicy,omitempty"`
 }
 
-// SecretTemplate is metadata for the Secret.
+// SecretTemplate is metadata for the Secret. The operator's own keys
+// (certz.pilab.hu/…) are not a template's to set.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.labels) || self.labels.all(k, !k.startsWith('certz.pilab.hu/'))",message="secretTemplate.labels: keys under certz.pilab.hu/ are the operator's"
+// +kubebuilder:validation:XValidation:rule="!has(self.annotations) || self.annotations.all(k, !k.startsWith('certz.pilab.hu/'))",message="secretTemplate.annotations: keys under certz.pilab.hu/ are the operator's"
 type SecretTemplate struct {
 	// +optional
 	Labels map[string]string `json:"labels,omitempty"`
@@ -217,14 +223,26 @@ type ManagedCertificateStatus struct {
 	LastFailureTime *metav1.Time `json:"lastFailureTime,omitempty"`
 	// +optional
 	FailedIssuanceAttempts int `json:"failedIssuanceAttempts,omitempty"`
-	// PendingRevocations are serials of certificates this resource replaced
-	// that the CA server has not yet revoked (retried at each reconcile).
-	// +listType=set
+	// PendingRevocations are certificates this resource replaced that are
+	// to be revoked: after revokeAfter (the operator's --revocation-delay,
+	// time for pods to take up the new Secret), or again after a failure.
+	// +listType=map
+	// +listMapKey=serialNumber
 	// +optional
-	PendingRevocations []string `json:"pendingRevocations,omitempty"`
+	PendingRevocations []PendingRevocation `json:"pendingRevocations,omitempty"`
 	// ObservedGeneration is the generation of the spec the status is of.
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+}
+
+// PendingRevocation is a certificate to revoke.
+type PendingRevocation struct {
+	// SerialNumber is the certificate's serial (hexadecimal).
+	SerialNumber string `json:"serialNumber"`
+	// Reason is an RFC 5280 reason name (superseded).
+	Reason string `json:"reason"`
+	// RevokeAfter is when it is revoked.
+	RevokeAfter metav1.Time `json:"revokeAfter"`
 }
 
 // ManagedCertificate is a certificate the PiTrust operator keeps in a
@@ -255,4 +273,20 @@ type ManagedCertificateList struct {
 	metav1.TypeMeta `json:",inline"`
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []ManagedCertificate `json:"items"`
+}
+
+// Issuer is the spec's issuerRef (the zero IssuerRef when it has none).
+func (s *ManagedCertificateSpec) Issuer() IssuerRef {
+	if s.IssuerRef == nil {
+		return IssuerRef{}
+	}
+	return *s.IssuerRef
+}
+
+// Key is the spec's privateKey (the zero PrivateKey when it has none).
+func (s *ManagedCertificateSpec) Key() PrivateKey {
+	if s.PrivateKey == nil {
+		return PrivateKey{}
+	}
+	return *s.PrivateKey
 }
