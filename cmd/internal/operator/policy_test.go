@@ -25,7 +25,10 @@ func TestPolicyDefault(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w, _ := wantedOf(testMC(func(s *v1alpha1.ManagedCertificateSpec) { s.CommonName = "pitrust-admin"; s.Type = v1alpha1.TypeMTLSClient }))
+	w, _ := wantedOf(testMC(func(s *v1alpha1.ManagedCertificateSpec) {
+		s.CommonName = "pitrust-admin"
+		s.Type = v1alpha1.TypeMTLSClient
+	}))
 	if err := p.Allows("pivirt-system", w, v1alpha1.IssuerRef{}, ""); err != nil {
 		t.Errorf("own namespace: %v", err)
 	}
@@ -101,12 +104,12 @@ rules:
 // TestPolicyFileErrors: a bad file names the key and what to write.
 func TestPolicyFileErrors(t *testing.T) {
 	for text, want := range map[string]string{
-		"rules: []\n": "no rules",
+		"rules: []\n":                    "no rules",
 		"rules:\n  - commonNames: [x]\n": "namespaces is required",
 		"rules:\n  - namespaces: [a]\n    ipAddresses: [10.0.0.1]\n": "CIDR",
-		"rules:\n  - namespaces: [a]\n    types: [server]\n": "types",
-		"rules:\n  - namespaces: [a]\n    commonName: [x]\n": "commonName",
-		"rules:\n  - namespaces: [\"[\"]\n": "pattern",
+		"rules:\n  - namespaces: [a]\n    types: [server]\n":         "types",
+		"rules:\n  - namespaces: [a]\n    commonName: [x]\n":         "commonName",
+		"rules:\n  - namespaces: [\"[\"]\n":                          "pattern",
 	} {
 		_, err := LoadPolicy(writePolicy(t, text), "own")
 		if err == nil || !strings.Contains(err.Error(), want) {
