@@ -10,7 +10,7 @@ import { client, problem, type Problem } from "./api";
 import { loadConfig, type UIConfig } from "./config";
 import { create } from "@bufbuild/protobuf";
 import { ClusterService, WhoAmIResponseSchema } from "./gen/pivirt/cluster/v1/cluster_pb";
-import { href, navigate, useRoute } from "./router";
+import { currentRoute, href, navigate, useRoute } from "./router";
 import { can, SessionContext, type Session } from "./session";
 import { ErrorBox, Link } from "./components";
 import { Overview } from "./views/overview";
@@ -69,7 +69,10 @@ function View(props: { session: Session; route: string[] }) {
   // is its VMs).
   const first = views.find((d) => can(props.session, d.needs));
   useEffect(() => {
-    if (top === undefined && first && first.path !== "") navigate(href(first.path), true);
+    // The route as it is now, not as it was at the render: a navigation
+    // made meanwhile (a link followed while the session loaded) wins over
+    // the landing page.
+    if (top === undefined && currentRoute().length === 0 && first && first.path !== "") navigate(href(first.path), true);
   }, [top, first]);
   if (top === undefined && !first) {
     return (
