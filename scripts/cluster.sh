@@ -197,6 +197,17 @@ YAML
       elif [[ -n "${waiting:-}" ]]; then
         echo " ok"
       fi
+      # Every agent sees every other alive (a restarted agent's gossip view
+      # fills in a few seconds after the leader is back): a command naming
+      # another node (pvcli monitor --node) works through any of them.
+      for spec in "${nodes[@]}"; do
+        read -r _ api _ <<<"$spec"
+        for _ in $(seq 1 30); do
+          alive=$(pvcli --endpoint "https://127.0.0.1:$api" --timeout 2s -o json cluster members 2>/dev/null | grep -c '"status": "MEMBER_STATUS_ALIVE"' || true)
+          ((alive >= ${#nodes[@]})) && break
+          sleep 1
+        done
+      done
       pvcli --endpoint https://127.0.0.1:8443 cluster peers
       cat <<MSG
 
