@@ -803,6 +803,9 @@ func (g *Guard) allowed(c call, gr *grant, object string) {
 	if v := gr.m.rule.GetVerb(); v == "get" || v == "list" || gr.m.rule.GetSelf() {
 		level = slog.LevelDebug
 	}
+	if !observe.AuditEnabled(g.cfg.Logger, level) {
+		return
+	}
 	attrs := []any{"decision", "allow",
 		"identity", gr.who.Identity, "roles", gr.who.Roles, "method", procedure, "resource", gr.resource,
 		"verb", gr.m.rule.GetVerb(), "object", object, "remote", remote, "request_id", c.requestID}

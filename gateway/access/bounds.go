@@ -100,11 +100,12 @@ func (g *Guard) armBodyTimer(ctx context.Context, c call, m *method) context.Con
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	t := time.AfterFunc(g.cfg.BodyTimeout, func() {
+		if ctx.Err() != nil {
+			return // the call ended first (refused, failed)
+		}
 		g.slowBody(c)
 		cancel()
 	})
-	// A call that ends first (refused, failed) stops it too.
-	context.AfterFunc(ctx, func() { t.Stop() })
 	return context.WithValue(ctx, bodyDoneKey{}, &bodyWatch{stop: func() { t.Stop() }})
 }
 

@@ -208,10 +208,8 @@ func (g *Guard) grpcCall(ctx context.Context, fullMethod string) call {
 	if r, ok := observe.RequestFrom(ctx); ok {
 		c.requestID = r.ID
 	}
-	if md, ok := metadata.FromIncomingContext(ctx); ok {
-		if v := md.Get("authorization"); len(v) > 0 {
-			c.authorization = v[0]
-		}
+	if v := metadata.ValueFromIncomingContext(ctx, "authorization"); len(v) > 0 {
+		c.authorization = v[0]
 	}
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 		c.remote = p.Addr.String()

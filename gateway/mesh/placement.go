@@ -208,7 +208,7 @@ func (p *Proxy) toNode(ss grpc.ServerStream, method string, b *Backend, pl Place
 	if err != nil {
 		return unreachable(what, node, err)
 	}
-	res := relay(cancel, ss, cs, req, first, nil)
+	res := relay(cancel, ss, cs, req, first, info.known && !info.clientStreams && !info.serverStreams, nil)
 	if !res.sent && !res.clientGone && status.Code(res.err) == codes.Unavailable {
 		// No header came: the node's agent did not answer (its
 		// answers always carry NodeHeader).

@@ -447,7 +447,9 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 	if err != nil {
 		return attemptResult{err: err, perTryTimeout: perTry(err)}
 	}
-	res = relay(cancel, ss, cs, req, first, func(hdr metadata.MD) {
+	info := p.lookup(method)
+	unary := info.known && !info.clientStreams && !info.serverStreams
+	res = relay(cancel, ss, cs, req, first, unary, func(hdr metadata.MD) {
 		if v := hdr.Get("grpc-accept-encoding"); len(v) > 0 {
 			a := strings.Join(v, ",")
 			ep.accepts.Store(&a)
@@ -463,8 +465,9 @@ func (p *Proxy) attempt(ctx context.Context, ss grpc.ServerStream, method string
 // relay runs a call on cs for the client's stream ss: req (one message,
 // then the request side closes), or the client's messages as they come
 // (first before them when set); the answer's header, messages and trailer
-// back. cancel ends cs's call.
-func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream, req, first *Frame, onHeader func(metadata.MD)) (res attemptResult) {
+// back. cancel ends cs's call. unary says the method answers one
+// message.
+func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream, req, first *Frame, unary bool, onHeader func(metadata.MD)) (res attemptResult) {
 	// refused is the status that ended the client's side of a stream
 	// other than by going away: the guard refused a later message (it
 	// names another object), or it was too large. The call ends with it,
@@ -512,8 +515,19 @@ func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream
 	if hdr != nil && onHeader != nil {
 		onHeader(hdr)
 	}
+	// A unary answer's header waits for its message, so both leave in
+	// one write instead of a frame (and a flush) each; an answer without
+	// a message sends it on its own before the trailer, as a stream's
+	// header is sent at once.
+	pending := false
 	if hdr != nil {
-		if err := ss.SendHeader(responseMetadata(hdr)); err != nil {
+		var err error
+		if unary {
+			err, pending = ss.SetHeader(responseMetadata(hdr)), true
+		} else {
+			err = ss.SendHeader(responseMetadata(hdr))
+		}
+		if err != nil {
 			res.err, res.clientGone = err, true
 			return res
 		}
@@ -529,6 +543,12 @@ func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream
 				res.err, res.clientGone = *r, true
 				return res
 			}
+			if pending {
+				if err := ss.SendHeader(nil); err != nil {
+					res.err, res.clientGone = err, true
+					return res
+				}
+			}
 			res.trailer = responseMetadata(cs.Trailer())
 			if !errors.Is(err, io.EOF) {
 				res.err = err
@@ -541,7 +561,7 @@ func relay(cancel context.CancelFunc, ss grpc.ServerStream, cs grpc.ClientStream
 			res.err, res.clientGone = err, true
 			return res
 		}
-		res.sent = true
+		res.sent, pending = true, false
 	}
 }
 
@@ -587,24 +607,34 @@ const ForwardedUserAgentHeader = "x-forwarded-user-agent"
 // the backend, adding the caller's address to x-forwarded-for. The
 // deadline travels with the context.
 func outgoingContext(ctx context.Context) context.Context {
-	in, _ := metadata.FromIncomingContext(ctx)
-	out := make(metadata.MD, len(in)+1)
-	for k, v := range in {
-		if !hopHeaders[k] {
-			out[k] = v
+	// FromIncomingContext returns a copy of its own: the hop headers are
+	// dropped from it rather than copying it once more.
+	out, _ := metadata.FromIncomingContext(ctx)
+	if out == nil {
+		out = metadata.MD{}
+	}
+	ua := out["user-agent"]
+	for k := range out {
+		if hopHeaders[k] {
+			delete(out, k)
 		}
 	}
 	if pr, ok := peer.FromContext(ctx); ok && pr.Addr != nil {
-		host := pr.Addr.String()
-		if h, _, err := net.SplitHostPort(host); err == nil {
-			host = h
+		var host string
+		if ta, ok := pr.Addr.(*net.TCPAddr); ok {
+			host = ta.IP.String()
+		} else {
+			host = pr.Addr.String()
+			if h, _, err := net.SplitHostPort(host); err == nil {
+				host = h
+			}
 		}
 		if prev := out.Get("x-forwarded-for"); len(prev) > 0 {
 			host = strings.Join(prev, ", ") + ", " + host
 		}
 		out.Set("x-forwarded-for", host)
 	}
-	if ua := in.Get("user-agent"); len(ua) > 0 {
+	if len(ua) > 0 {
 		// grpc-go sends one user agent per connection (the agent's) and
 		// drops a call's own: the caller's travels on beside it, after
 		// those of the gateways before this one.

@@ -21,6 +21,12 @@ func Audit(logger *slog.Logger, level slog.Level, msg string, args ...any) {
 	logger.Log(ctx, level, msg, append([]any{"audit", true}, args...)...)
 }
 
+// AuditEnabled reports whether Audit at level writes a record, so that a
+// caller builds a record's attributes only when it does.
+func AuditEnabled(logger *slog.Logger, level slog.Level) bool {
+	return level >= slog.LevelInfo || logger.Enabled(context.Background(), level)
+}
+
 // audited reports whether ctx is an audit record's that levels do not
 // filter.
 func audited(ctx context.Context) bool {

@@ -99,14 +99,18 @@ func (m *Metrics) observe(ctx context.Context, procedure, remote, protocol strin
 // context (and its incoming metadata, which the proxy and the forwarding
 // pass on), and in the response headers.
 func grpcBegin(ctx context.Context) (context.Context, string) {
-	md, _ := metadata.FromIncomingContext(ctx)
 	var given string
-	if v := md.Get(HeaderRequestID); len(v) > 0 {
+	if v := metadata.ValueFromIncomingContext(ctx, "x-request-id"); len(v) > 0 {
 		given = v[0]
 	}
 	r := &Request{ID: requestID(given)}
 	if r.ID != given {
-		md = md.Copy()
+		// FromIncomingContext returns a copy of its own, so the
+		// metadata is read whole (and copied) only when the ID changes.
+		md, _ := metadata.FromIncomingContext(ctx)
+		if md == nil {
+			md = metadata.MD{}
+		}
 		md.Set(HeaderRequestID, r.ID)
 		ctx = metadata.NewIncomingContext(ctx, md)
 	}

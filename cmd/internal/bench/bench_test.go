@@ -92,7 +92,7 @@ type group struct {
 	name   string
 	ref    workload
 	rows   []workload
-	target func(r *result) []targetCheck
+	target func(r *result) []target
 }
 
 type result struct {
@@ -102,11 +102,22 @@ type result struct {
 	pv, ref merged
 }
 
-type targetCheck struct {
-	what string
-	got  float64
-	want float64
-	le   bool // pass when got <= want (latency), else got >= want
+// roundRatios is pivirt's ops/s ÷ etcd's, round by round.
+func (r *result) roundRatios() []float64 {
+	var out []float64
+	for i := range min(len(r.pv.rounds), len(r.ref.rounds)) {
+		out = append(out, ratio(r.pv.rounds[i], r.ref.rounds[i]))
+	}
+	return out
+}
+
+// roundP50Ratios is pivirt's p50 ÷ etcd's, round by round.
+func (r *result) roundP50Ratios() []float64 {
+	var out []float64
+	for i := range min(len(r.pv.roundP50), len(r.ref.roundP50)) {
+		out = append(out, ratio(float64(r.pv.roundP50[i]), float64(r.ref.roundP50[i])))
+	}
+	return out
 }
 
 // BenchmarkReplicatedVsEtcd compares replicated writes and linearizable
@@ -123,6 +134,7 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 	// one gRPC ClientConn, one HTTP/2 connection per member, round_robin
 	// per RPC. Followers forward proposals to the leader inside etcd's raft
 	// and answer linearizable reads after a ReadIndex round with the leader.
+	sink := installStageSink(b)
 	ec := etcdtest.Start(b, 3)
 	etcd := ec.Client(b)
 	etcdtest.WaitWritable(b, etcd)
@@ -241,6 +253,9 @@ func BenchmarkReplicatedVsEtcd(b *testing.B) {
 		}
 	}
 	report(b, out, results, idle, leaderMoves)
+	if set.keep("breakdown") {
+		breakdown(b, out, sink, pc, leader, groups, set.dur)
+	}
 }
 
 // knobs reads the settings from -benchtime and the environment.
@@ -331,23 +346,23 @@ func workloads(etcd *clientv3.Client, api []clusterv1.ClusterServiceClient, lead
 
 	// The targets are judged on the leader route; the @any and @follower
 	// rows are reported beside them.
-	writeTarget := func(r *result) []targetCheck {
+	writeTarget := func(r *result) []target {
 		if r.row.tag != "write" {
 			return nil
 		}
 		switch r.clients {
 		case 64:
-			return []targetCheck{{what: "write ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetWrite64}}
+			return []target{{what: "write c=64 ops/s ÷ etcd (leader)", got: ratio(r.pv.rate(), r.ref.rate()), want: targetWrite64, round: r.roundRatios()}}
 		case 1:
-			return []targetCheck{{what: "write p50 ratio", got: ratio(float64(r.pv.pct(0.5)), float64(r.ref.pct(0.5))), want: targetP50W1, le: true}}
+			return []target{{what: "write c=1 p50 ÷ etcd (leader)", got: ratio(float64(r.pv.pct(0.5)), float64(r.ref.pct(0.5))), want: targetP50W1, le: true, round: r.roundP50Ratios()}}
 		}
 		return nil
 	}
-	readTarget := func(r *result) []targetCheck {
+	readTarget := func(r *result) []target {
 		if r.row.tag != "read" || r.clients != 64 {
 			return nil // another route, or not linearizable: shown for reference
 		}
-		return []targetCheck{{what: "linearizable read ops/s ratio", got: ratio(r.pv.rate(), r.ref.rate()), want: targetRead}}
+		return []target{{what: "consistent read c=64 ops/s ÷ etcd (leader)", got: ratio(r.pv.rate(), r.ref.rate()), want: targetRead, round: r.roundRatios()}}
 	}
 	return []group{
 		{
@@ -443,16 +458,8 @@ func report(b *testing.B, out *os.File, results []*result, idle float64, leaderM
 			continue
 		}
 		for _, t := range r.g.target(r) {
-			pass := t.got >= t.want
-			cmp := ">="
-			if t.le {
-				pass, cmp = t.got <= t.want, "<="
-			}
-			verdict := "PASS"
-			if !pass {
-				verdict = "BELOW TARGET"
-			}
-			fmt.Fprintf(out, "  %-13s %-22s clients=%-2d %-30s %5.2f (want %s %.2f)\n", verdict, r.row.name, r.clients, t.what, t.got, cmp, t.want)
+			t.bench = "BenchmarkReplicatedVsEtcd"
+			reportTarget(out, t)
 		}
 	}
 	if leaderMoves > 0 {

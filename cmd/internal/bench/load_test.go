@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"runtime/metrics"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -19,6 +20,7 @@ type sample struct {
 	errs     int             // failed requests (not in lat)
 	elapsed  time.Duration   // start to the last worker's return
 	cpu      time.Duration   // CPU time of the whole process meanwhile
+	allocs   uint64          // heap allocations of the whole process meanwhile
 	lat      []time.Duration // latency of each successful request
 	firstErr error
 }
@@ -49,7 +51,7 @@ func runLoad(ctx context.Context, clients int, dur time.Duration, maxOps int, f 
 		wg       sync.WaitGroup
 	)
 	budget.Store(int64(maxOps))
-	cpu0 := processCPU()
+	cpu0, allocs0 := processCPU(), heapAllocs()
 	start := time.Now()
 	deadline := start.Add(dur)
 	for w := range clients {
@@ -77,7 +79,7 @@ func runLoad(ctx context.Context, clients int, dur time.Duration, maxOps int, f 
 		})
 	}
 	wg.Wait()
-	s := sample{elapsed: time.Since(start), cpu: processCPU() - cpu0, firstErr: firstErr}
+	s := sample{elapsed: time.Since(start), cpu: processCPU() - cpu0, allocs: heapAllocs() - allocs0, firstErr: firstErr}
 	for w := range clients {
 		s.ops += len(lats[w])
 		s.errs += errs[w]
@@ -90,8 +92,10 @@ func runLoad(ctx context.Context, clients int, dur time.Duration, maxOps int, f 
 type merged struct {
 	ops, errs    int
 	elapsed, cpu time.Duration
+	allocs       uint64
 	sorted       []time.Duration
-	rounds       []float64 // ops/s of each round
+	rounds       []float64       // ops/s of each round
+	roundP50     []time.Duration // p50 latency of each round
 	firstErr     error
 }
 
@@ -102,8 +106,10 @@ func merge(samples []sample) merged {
 		m.errs += s.errs
 		m.elapsed += s.elapsed
 		m.cpu += s.cpu
+		m.allocs += s.allocs
 		m.sorted = append(m.sorted, s.lat...)
 		m.rounds = append(m.rounds, s.rate())
+		m.roundP50 = append(m.roundP50, merged{sorted: slices.Sorted(slices.Values(s.lat))}.pct(0.5))
 		if m.firstErr == nil {
 			m.firstErr = s.firstErr
 		}
@@ -128,6 +134,26 @@ func (m merged) cpuPerOp(idle float64) time.Duration {
 	}
 	net := m.cpu - time.Duration(idle*float64(m.elapsed))
 	return max(net, 0) / time.Duration(m.ops)
+}
+
+// allocsPerOp is the process's heap allocations per successful request
+// (servers and load generator; the idle cluster's few are not taken off).
+func (m merged) allocsPerOp() float64 {
+	if m.ops == 0 {
+		return 0
+	}
+	return float64(m.allocs) / float64(m.ops)
+}
+
+// heapAllocs is the number of heap objects the process has allocated
+// (runtime/metrics: no stop-the-world, unlike runtime.ReadMemStats).
+func heapAllocs() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/allocs:objects"}}
+	metrics.Read(s)
+	if s[0].Value.Kind() != metrics.KindUint64 {
+		return 0
+	}
+	return s[0].Value.Uint64()
 }
 
 // pct returns the p-quantile (0 < p <= 1) of the latencies, nearest rank.

@@ -91,6 +91,10 @@ func Open(cfg Config) (*Simulator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w (is another pivirtd-sim using this data dir?)", filepath.Join(cfg.DataDir, "sim.db"), err)
 	}
+	// Updates go through db.Batch (table.update): concurrent ones share a
+	// commit, as a hypervisor runs many power changes at once rather than
+	// one fsync after another; a lone update waits this long for others.
+	db.MaxBatchDelay = 500 * time.Microsecond
 	s := &Simulator{db: db, logger: logger, health: health.NewServer()}
 	s.faults.stats = stats{calls: map[string]uint64{}, failed: map[string]uint64{}, active: map[string]uint64{}}
 	for _, r := range roles {

@@ -191,7 +191,10 @@ func (t *table[T]) update(id string, expected *uint64, mutate func(T) error) (T,
 	if id == "" {
 		return out, status.Errorf(codes.InvalidArgument, "%s.id: required", t.kind)
 	}
-	err := t.db.Update(func(tx *bolt.Tx) error {
+	// db.Batch commits concurrent updates together. It runs the function
+	// again (alone) when another of the batch fails, so the function only
+	// reads the transaction and what it was given: it may run twice.
+	err := t.db.Batch(func(tx *bolt.Tx) error {
 		b := tx.Bucket(t.bucket).Get([]byte(id))
 		if b == nil {
 			return t.notFound(id)
