@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -29,7 +30,9 @@ import (
 
 // BenchmarkEtcdModeBreakdown says where one registration's time and etcd
 // requests go in etcd mode, at 1 client, one layer at a time on the same
-// 3-member etcd: a plain Put of the instance; etcdstore.Store.Apply of the
+// 3-member etcd: a plain Put of the instance; bare transactions of one and
+// two keys outside the agents' root, and of one instance under it (which
+// every mirror receives and decodes); etcdstore.Store.Apply of the
 // registration (evaluation, one transaction, the wait for the store's own
 // watch), its transaction timed alone at the client; and RegisterService
 // through an agent's API (the gRPC hop and the gateway on top). For each it
@@ -81,6 +84,14 @@ func BenchmarkEtcdModeBreakdown(b *testing.B) {
 		b.Fatal(err)
 	}
 	var seq, seq2 uint64
+	watched := make([]string, 1000)
+	for i := range watched {
+		v, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(instance("bench", fmt.Sprintf("t-%d", i)))
+		if err != nil {
+			b.Fatal(err)
+		}
+		watched[i] = string(v)
+	}
 	lease, err := etcd.Grant(ctx, 600)
 	if err != nil {
 		b.Fatal(err)
@@ -102,6 +113,12 @@ func BenchmarkEtcdModeBreakdown(b *testing.B) {
 			k, d := fmt.Sprintf("/bench/txn2/%d", i%1000), fmt.Sprintf("/bench/txn2d/%d", seq2)
 			_, err := etcd.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(k), "<", 1<<62), clientv3.Compare(clientv3.ModRevision(d), "=", 0)).
 				Then(clientv3.OpPut(k, string(val)), clientv3.OpPut(d, string(val), clientv3.WithLease(lease.ID))).Commit()
+			return err
+		}},
+		{"Txn 1 put watched", func(ctx context.Context, _, i int) error {
+			// An instance put from outside: every mirror decodes it.
+			id := fmt.Sprintf("t-%d", i%1000)
+			_, err := etcd.Txn(ctx).Then(clientv3.OpPut("/pivirt/services/bench/"+id, watched[i%1000])).Commit()
 			return err
 		}},
 		{"Store.Apply", func(ctx context.Context, _, i int) error {
