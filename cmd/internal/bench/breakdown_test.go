@@ -27,19 +27,16 @@ import (
 )
 
 // stageSink keeps hashicorp/raft's own timers (it reports them through
-// go-metrics) as sums and counts per key while on, for the breakdown of one
-// write by stage. Every agent of the process reports into it: the leader's
+// go-metrics) per key while on, for the breakdown of one write by stage. Every agent of the process reports into it: the leader's
 // stages and the followers' have keys of their own.
 type stageSink struct {
 	mu   sync.Mutex
 	on   bool
-	sums map[string]*stageStat
+	sums map[string][]float32 // milliseconds, go-metrics' timer unit
 }
 
-type stageStat struct {
-	n   int
-	sum float64 // milliseconds, go-metrics' timer unit
-}
+// maxStageSamples bounds what a key keeps.
+const maxStageSamples = 1 << 20
 
 func (s *stageSink) add(key []string, v float32) {
 	s.mu.Lock()
@@ -48,13 +45,9 @@ func (s *stageSink) add(key []string, v float32) {
 		return
 	}
 	k := strings.Join(key, ".")
-	st := s.sums[k]
-	if st == nil {
-		st = &stageStat{}
-		s.sums[k] = st
+	if len(s.sums[k]) < maxStageSamples {
+		s.sums[k] = append(s.sums[k], v)
 	}
-	st.n++
-	st.sum += float64(v)
 }
 
 func (s *stageSink) SetGauge([]string, float32)                               {}
@@ -70,18 +63,19 @@ func (s *stageSink) AddSampleWithLabels(key []string, v float32, _ []metrics.Lab
 // start clears the sums and starts keeping samples.
 func (s *stageSink) start() {
 	s.mu.Lock()
-	s.on, s.sums = true, map[string]*stageStat{}
+	s.on, s.sums = true, map[string][]float32{}
 	s.mu.Unlock()
 }
 
-// stop stops keeping samples and returns the mean of each key.
+// stop stops keeping samples and returns the p50 of each key.
 func (s *stageSink) stop() map[string]time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.on = false
 	out := map[string]time.Duration{}
-	for k, st := range s.sums {
-		out[k] = time.Duration(st.sum / float64(st.n) * float64(time.Millisecond))
+	for k, v := range s.sums {
+		slices.Sort(v)
+		out[k] = time.Duration(float64(v[(len(v)-1)/2]) * float64(time.Millisecond))
 	}
 	return out
 }
@@ -89,7 +83,7 @@ func (s *stageSink) stop() map[string]time.Duration {
 // installStageSink makes a stageSink go-metrics' global sink, which
 // hashicorp/raft reports to; the agents set none of their own.
 func installStageSink(b *testing.B) *stageSink {
-	s := &stageSink{sums: map[string]*stageStat{}}
+	s := &stageSink{sums: map[string][]float32{}}
 	cfg := metrics.DefaultConfig("")
 	cfg.EnableHostname, cfg.EnableRuntimeMetrics = false, false
 	if _, err := metrics.NewGlobal(cfg, s); err != nil {
@@ -262,7 +256,7 @@ func breakdown(b *testing.B, out io.Writer, sink *stageSink, pc *agenttest.Clust
 		}
 		return "     - ms"
 	}
-	fmt.Fprintf(out, "\nlatency by stage, 1 client (%s each; p50 of the calls, raft stages the means of hashicorp/raft's own timers):\n", d)
+	fmt.Fprintf(out, "\nlatency by stage, 1 client (%s each; p50s: of the calls, and of hashicorp/raft's own timers for its stages; etcd's stages are means):\n", d)
 	fmt.Fprintf(out, "  floor of this machine: 4 KiB write + fdatasync %s; loopback gRPC unary round trip %s\n", msf(fsyncP50), msf(rttP50))
 	fmt.Fprintf(out, "  write  register@leader (API)                                %s   etcd put %s\n", msf(apiWrite), msf(etcdPut))
 	fmt.Fprintf(out, "         Store.Apply on the leader, in process                  %s   (API, gRPC and handler: %s)\n", msf(storeWrite), msf(apiWrite-storeWrite))
