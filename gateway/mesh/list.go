@@ -2,7 +2,6 @@ package mesh
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -100,6 +99,7 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 	if err != nil {
 		return err
 	}
+	l.size = size
 	who := principalKey(ctx)
 	keep := itemFilter(ctx)
 	srcs := l.sources(nodes, tok, fp, who)
@@ -138,7 +138,7 @@ func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Plac
 	}
 	var next string
 	if more {
-		last := page[len(page)-1].id
+		last := string(page[len(page)-1].id)
 		if sorted {
 			next = encodePageToken(last)
 		} else {
@@ -159,8 +159,7 @@ var errUnordered = errors.New("the list is not ordered by ID")
 // listItem is one object of a node's list, as its backend encoded it (with
 // the node's name filled in as its host).
 type listItem struct {
-	id  string
-	raw []byte
+	id, raw []byte // id: a slice of raw
 }
 
 // nodeList is one node's part of a cluster-wide list: the objects read
@@ -178,7 +177,7 @@ type nodeList struct {
 	resumed bool
 	// last is the last ID read, for the order check; bytes the size of
 	// the buffer items are in.
-	last  string
+	last  []byte
 	bytes int
 	// err: the node did not answer (it is named in the answer's header).
 	err error
@@ -206,6 +205,8 @@ type lister struct {
 	tokenNum protowire.Number
 	// after: objects up to this ID were returned already.
 	after string
+	// size is the page size asked of each node.
+	size int
 	// Field numbers: the response's list and next_page_token, an item's
 	// id and host (0: none of that name and type).
 	listNum, nextNum, idNum, hostNum protowire.Number
@@ -285,7 +286,7 @@ func (l *lister) merge(srcs []*nodeList, size int, keep func(protoreflect.Messag
 		}
 		var best *nodeList
 		for _, n := range srcs {
-			if n.err == nil && len(n.items) > 0 && (best == nil || n.items[0].id < best.items[0].id) {
+			if n.err == nil && len(n.items) > 0 && (best == nil || bytes.Compare(n.items[0].id, best.items[0].id) < 0) {
 				best = n
 			}
 		}
@@ -392,7 +393,7 @@ func (l *lister) request(token string) []byte {
 // objects are in.
 func (l *lister) parse(n *nodeList, data []byte, ordered bool) ([]listItem, string, int, error) {
 	var (
-		items []listItem
+		items = make([]listItem, 0, l.size)
 		fill  []int // items whose host is empty
 		next  string
 	)
@@ -420,15 +421,15 @@ func (l *lister) parse(n *nodeList, data []byte, ordered bool) ([]listItem, stri
 				return bad()
 			}
 			if ordered {
-				if id < n.last {
+				if bytes.Compare(id, n.last) < 0 {
 					return nil, "", 0, errUnordered
 				}
 				n.last = id
-				if l.after != "" && id <= l.after {
+				if l.after != "" && string(id) <= l.after {
 					continue
 				}
 			}
-			if host == "" && l.hostNum != 0 {
+			if len(host) == 0 && l.hostNum != 0 {
 				fill = append(fill, len(items))
 			}
 			items = append(items, listItem{id: id, raw: v})
@@ -458,29 +459,29 @@ func (l *lister) parse(n *nodeList, data []byte, ordered bool) ([]listItem, stri
 
 // fields reads an object's id and host (the last of each, as a decoder
 // would).
-func (l *lister) fields(b []byte) (id, host string, ok bool) {
+func (l *lister) fields(b []byte) (id, host []byte, ok bool) {
 	for len(b) > 0 {
 		num, typ, k := protowire.ConsumeTag(b)
 		if k < 0 {
-			return "", "", false
+			return nil, nil, false
 		}
 		b = b[k:]
 		if typ == protowire.BytesType && (num == l.idNum || num == l.hostNum) {
 			v, k := protowire.ConsumeBytes(b)
 			if k < 0 {
-				return "", "", false
+				return nil, nil, false
 			}
 			b = b[k:]
 			if num == l.idNum {
-				id = string(v)
+				id = v
 			} else {
-				host = string(v)
+				host = v
 			}
 			continue
 		}
 		k = protowire.ConsumeFieldValue(num, typ, b)
 		if k < 0 {
-			return "", "", false
+			return nil, nil, false
 		}
 		b = b[k:]
 	}
@@ -520,10 +521,10 @@ func (l *lister) sorted(srcs []*nodeList, size int, keep func(protoreflect.Messa
 		}
 		items = append(items, all[i]...)
 	}
-	slices.SortStableFunc(items, func(x, y listItem) int { return cmp.Compare(x.id, y.id) })
+	slices.SortStableFunc(items, func(x, y listItem) int { return bytes.Compare(x.id, y.id) })
 	if l.after != "" {
 		start, _ := slices.BinarySearchFunc(items, l.after, func(it listItem, id string) int {
-			if it.id <= id {
+			if string(it.id) <= id {
 				return -1
 			}
 			return 1

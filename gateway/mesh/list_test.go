@@ -486,7 +486,7 @@ func TestClusterListNodeDown(t *testing.T) {
 func TestListCursorsBounds(t *testing.T) {
 	p := NewProxy(nil, nil)
 	keep := func(bytes int) tokenState {
-		n := &nodeList{node: "node1", items: []listItem{{id: "b"}}, page: "p1", next: "p2", bytes: bytes}
+		n := &nodeList{node: "node1", items: []listItem{{id: []byte("b")}}, page: "p1", next: "p2", bytes: bytes}
 		return p.keepCursor("/m", "req", "alice", "a", []*nodeList{n, {node: "node2", done: true}})
 	}
 	st := keep(100)
