@@ -1,9 +1,7 @@
 package mesh
 
 import (
-	"cmp"
 	"context"
-	"encoding/base64"
 	"errors"
 	"net/url"
 	"slices"
@@ -60,12 +58,9 @@ const (
 	// lookupTimeout bounds asking the nodes for an object the catalog
 	// does not know.
 	lookupTimeout = 5 * time.Second
-	// listTimeout bounds one node's part of a cluster-wide list, within
-	// the caller's deadline.
+	// listTimeout bounds each call a cluster-wide list makes to a node,
+	// within the caller's deadline.
 	listTimeout = 10 * time.Second
-	// listPage is the page size of the calls a cluster-wide list makes
-	// to each node.
-	listPage = 1000
 	// Page sizes of a cluster-wide list: as the APIs document.
 	defaultPageSize, maxPageSize = 100, 1000
 )
@@ -354,123 +349,6 @@ func unreachable(what, node string, err error) error {
 	return status.Errorf(codes.Unavailable, "%s is on %s, which is unreachable: %s", what, node, msg)
 }
 
-// listAll answers a list with the objects of every node (or of the node
-// the request's host names), merged and ordered by ID, a page at a time.
-// Page tokens are the last ID returned, so they work through any node.
-// Nodes that did not answer are named in UnavailableNodesHeader.
-func (p *Proxy) listAll(ss grpc.ServerStream, method string, b *Backend, pl Placement, info methodInfo) error {
-	first, req, err := recvRequest(ss, info)
-	if err != nil {
-		return err
-	}
-	first.Free()
-	size := int(intAt(req, "page_size"))
-	switch {
-	case size < 0:
-		return status.Errorf(codes.InvalidArgument, "page_size %d: must not be negative", size)
-	case size == 0:
-		size = defaultPageSize
-	case size > maxPageSize:
-		size = maxPageSize
-	}
-	after, err := decodePageToken(stringAt(req, "page_token"))
-	if err != nil {
-		return err
-	}
-	nodes, err := hostFilter(pl, stringAt(req, "host"))
-	if err != nil {
-		return err
-	}
-	sub := proto.Clone(req.Interface()).ProtoReflect()
-	clearField(sub, "page_token")
-	clearField(sub, "host")
-	setInt(sub, "page_size", listPage)
-
-	ctx := ss.Context()
-	type part struct {
-		node  string
-		items []protoreflect.Message
-		err   error
-	}
-	parts := make([]part, len(nodes))
-	var wg sync.WaitGroup
-	for i, node := range nodes {
-		wg.Go(func() {
-			nctx, cancel := context.WithTimeout(ctx, listTimeout)
-			defer cancel()
-			items, err := p.listNode(nctx, pl, b, node, method, sub, info)
-			parts[i] = part{node, items, err}
-		})
-	}
-	wg.Wait()
-	var (
-		items   []protoreflect.Message
-		missing []string
-		lastErr error
-	)
-	for _, pt := range parts {
-		if pt.err != nil {
-			if status.Code(pt.err) == codes.InvalidArgument || status.Code(pt.err) == codes.PermissionDenied {
-				return pt.err // the request's own fault: every node would say so
-			}
-			missing = append(missing, unavailableNode(pt.node, pt.err))
-			lastErr = pt.err
-			continue
-		}
-		items = append(items, pt.items...)
-	}
-	if len(missing) == len(parts) && lastErr != nil {
-		return status.Errorf(status.Code(lastErr), "no node answered the list: %s", strings.Join(missing, "; "))
-	}
-	if keep := itemFilter(ctx); keep != nil {
-		items = slices.DeleteFunc(items, func(m protoreflect.Message) bool { return !keep(m) })
-	}
-	slices.SortStableFunc(items, func(x, y protoreflect.Message) int { return cmp.Compare(stringAt(x, "id"), stringAt(y, "id")) })
-	start, _ := slices.BinarySearchFunc(items, after, func(m protoreflect.Message, id string) int {
-		if stringAt(m, "id") <= id {
-			return -1
-		}
-		return 1
-	})
-	if after == "" {
-		start = 0
-	}
-	end := min(start+size, len(items))
-	resp := newMessage(info.output)
-	list := resp.Mutable(info.listField).List()
-	for _, it := range items[start:end] {
-		list.Append(protoreflect.ValueOfMessage(it))
-	}
-	if end < len(items) {
-		setString(resp, "next_page_token", encodePageToken(stringAt(items[end-1], "id")))
-	}
-	if len(missing) > 0 {
-		if err := ss.SetHeader(metadata.MD{UnavailableNodesHeader: missing}); err != nil {
-			return err
-		}
-	}
-	out, err := proto.Marshal(resp.Interface())
-	if err != nil {
-		return status.Errorf(codes.Internal, "encode the merged list: %v", err)
-	}
-	return ss.SendMsg(NewFrame(out))
-}
-
-type itemFilterKey struct{}
-
-// WithItemFilter makes the lists the proxy merges from every node keep
-// only the objects keep accepts, before they are cut into pages: a caller
-// whose rights cover some objects gets pages, page tokens and counts of
-// those alone (access control sets it for a conditional list).
-func WithItemFilter(ctx context.Context, keep func(protoreflect.Message) bool) context.Context {
-	return context.WithValue(ctx, itemFilterKey{}, keep)
-}
-
-func itemFilter(ctx context.Context) func(protoreflect.Message) bool {
-	keep, _ := ctx.Value(itemFilterKey{}).(func(protoreflect.Message) bool)
-	return keep
-}
-
 // localOnly serves a call on this node's backend while routing by object
 // is off: a call that names another node (a create's host, a list's or
 // watch's host filter) is refused with off, since this node cannot take
@@ -522,34 +400,6 @@ func unavailableNode(node string, err error) string {
 		out = append(out[:maxUnavailableReason-3], "..."...)
 	}
 	return string(out)
-}
-
-// listNode reads every object of one node's list, page by page, with the
-// node's name in each object's host field when it has one and the
-// backend left it empty.
-func (p *Proxy) listNode(ctx context.Context, pl Placement, b *Backend, node, method string, req protoreflect.Message, info methodInfo) ([]protoreflect.Message, error) {
-	req = proto.Clone(req.Interface()).ProtoReflect()
-	var items []protoreflect.Message
-	for range 10_000 { // bound: 10 million objects
-		resp := newMessage(info.output)
-		if err := p.invokeOn(ctx, pl, b, node, method, req.Interface(), resp.Interface()); err != nil {
-			return nil, err
-		}
-		l := resp.Get(info.listField).List()
-		for i := range l.Len() {
-			it := l.Get(i).Message()
-			if f := it.Descriptor().Fields().ByName("host"); f != nil && it.Get(f).String() == "" {
-				it.Set(f, protoreflect.ValueOfString(node))
-			}
-			items = append(items, it)
-		}
-		next := stringAt(resp, "next_page_token")
-		if next == "" {
-			return items, nil
-		}
-		setString(req, "page_token", next)
-	}
-	return nil, status.Errorf(codes.ResourceExhausted, "node %s: the list did not end after 10000 pages", node)
 }
 
 // watchAll streams the changes of every node (or of the node the
@@ -709,25 +559,6 @@ func hostFilter(pl Placement, host string) ([]string, error) {
 		return nil, status.Errorf(codes.InvalidArgument, "host %q: no such node (nodes: %s)", host, strings.Join(nodes, ", "))
 	}
 	return []string{host}, nil
-}
-
-// pageTokenPrefix marks the page tokens of cluster-wide lists.
-const pageTokenPrefix = "after:"
-
-func encodePageToken(lastID string) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(pageTokenPrefix + lastID))
-}
-
-func decodePageToken(tok string) (string, error) {
-	if tok == "" {
-		return "", nil
-	}
-	b, err := base64.RawURLEncoding.DecodeString(tok)
-	after, ok := strings.CutPrefix(string(b), pageTokenPrefix)
-	if err != nil || !ok || after == "" {
-		return "", status.Errorf(codes.InvalidArgument, "page_token %q: not a token of this API (use the next_page_token of the previous page)", tok)
-	}
-	return after, nil
 }
 
 // recvRequest reads and decodes a call's first request message. The frame

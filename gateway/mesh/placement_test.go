@@ -14,12 +14,12 @@ import (
 func TestPageTokens(t *testing.T) {
 	for _, id := range []string{"vm-1", "a/b c", "ünïcode"} {
 		got, err := decodePageToken(encodePageToken(id))
-		if err != nil || got != id {
-			t.Errorf("round trip of %q: %q, %v", id, got, err)
+		if err != nil || got.after != id {
+			t.Errorf("round trip of %q: %q, %v", id, got.after, err)
 		}
 	}
-	if got, err := decodePageToken(""); err != nil || got != "" {
-		t.Errorf("empty token: %q, %v", got, err)
+	if got, err := decodePageToken(""); err != nil || got.after != "" {
+		t.Errorf("empty token: %q, %v", got.after, err)
 	}
 	for _, tok := range []string{"garbage!", "dm0tMQ", encodePageToken("")} {
 		_, err := decodePageToken(tok)

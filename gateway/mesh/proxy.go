@@ -52,6 +52,8 @@ type Proxy struct {
 	// local is set on the internal port's proxy (SetLocal): this node's
 	// name.
 	local string
+	// cursors keep what cluster-wide lists read for their next pages.
+	cursors listCursors
 }
 
 // NewProxy returns a proxy with no routes. stats may be nil.
