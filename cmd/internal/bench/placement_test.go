@@ -123,6 +123,7 @@ func BenchmarkPlacement(b *testing.B) {
 		{"GetVM", "VM on node1", "get", get(local), get(remote), set.clients},
 		{"ListVMs (all pages)", "node1's own 1,000", "list", list("node1", placementVMs), list("", 3*placementVMs), []int{1, 4}},
 	}
+	var targetsHere []target
 	idle := measureIdle(ctx, time.Second)
 	fmt.Fprintf(out, "\n%-20s %-18s %7s %10s %10s %6s %17s %17s %17s %14s\n", "call", "reference", "clients", "ref ops/s", "ops/s", "ratio", "ref p50/p99", "p50/p99", "added p50/p99", "CPU µs/op r/c")
 	us := func(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d)/float64(time.Microsecond)) }
@@ -155,14 +156,35 @@ func BenchmarkPlacement(b *testing.B) {
 			b.ReportMetric(float64(addP50)/float64(time.Microsecond), "added_p50_us_"+tag)
 			b.ReportMetric(float64(addP99)/float64(time.Microsecond), "added_p99_us_"+tag)
 			b.ReportMetric(ratio(pv.rate(), ref.rate()), "ratio_"+tag)
+			if r.tag == "list" {
+				var rounds []float64
+				for i := range min(len(refs), len(pvs)) {
+					rounds = append(rounds, ratio(pvs[i].rate(), refs[i].rate()))
+				}
+				targetsHere = append(targetsHere, target{bench: "BenchmarkPlacement", what: fmt.Sprintf("ListVMs 3 nodes ÷ one node's own, c=%d", clients),
+					got: ratio(pv.rate(), ref.rate()), want: targetClusterList, round: rounds})
+			}
 		}
 	}
 	perObject := catalogBytesPerObject(b)
 	b.ReportMetric(perObject, "catalog_bytes_per_object")
+	targetsHere = append(targetsHere, target{bench: "BenchmarkPlacement", what: "placement catalog heap per object",
+		got: perObject, want: targetCatalogBytes, le: true, unit: " B"})
 	fmt.Fprintf(out, "\nGetVM: through node1, of a VM on node2 (node1 → node2's agent over the internal port → node2's pivirtd) against one on node1.\n")
 	fmt.Fprintf(out, "ListVMs: every page of a list through node1 over 3 nodes × %d VMs against node1's own %d (host node1); ratio = ops/s ÷ reference ops/s.\n", placementVMs, placementVMs)
-	fmt.Fprintf(out, "Placement catalog: %.0f bytes of heap per object (100,000 placements in the replicated state). %d cores, interleaved rounds of %s.\n\n", perObject, runtime.NumCPU(), set.dur)
+	fmt.Fprintf(out, "Placement catalog: %.0f bytes of heap per object (100,000 placements in the replicated state). %d cores, interleaved rounds of %s.\n", perObject, runtime.NumCPU(), set.dur)
+	fmt.Fprintf(out, "Targets — a report, never a test failure:\n")
+	for _, t := range targetsHere {
+		reportTarget(out, t)
+	}
+	fmt.Fprintln(out)
 }
+
+// Targets of BenchmarkPlacement.
+const (
+	targetClusterList  = 0.5 // a 3-node list's ops/s ÷ one node's own list's, at least
+	targetCatalogBytes = 400 // placement catalog heap per object, at most
+)
 
 // catalogBytesPerObject is the heap the replicated state holds per
 // placement, measured over 100,000 of them.
