@@ -217,7 +217,7 @@ func recordSize(obj any) (int, error) {
 	case proto.Message:
 		return marshalOpts.Size(v), nil
 	case *session:
-		return marshalOpts.Size(sessionToProto(v)), nil
+		return new(sessionEncoder).size(v), nil
 	}
 	return 0, fmt.Errorf("record of type %T", obj)
 }
@@ -236,6 +236,7 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 	if err != nil {
 		return cw.n, err
 	}
+	var senc sessionEncoder
 	for i, t := range s.tables {
 		it, err := s.txn.Get(t.name, indexID)
 		if err != nil {
@@ -243,6 +244,15 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 		}
 		var n uint64
 		for obj := it.Next(); obj != nil; obj = it.Next() {
+			if sess, ok := obj.(*session); ok {
+				// Written a piece at a time: a session can be tens of
+				// megabytes.
+				if err := senc.writeRecord(bw, sess, senc.size(sess)); err != nil {
+					return cw.n, fmt.Errorf("snapshot: write %s: %w", t.name, err)
+				}
+				n++
+				continue
+			}
 			if m, ok := obj.(proto.Message); ok && s.size > 0 {
 				// Sized: the size pass left every message's size in its
 				// cache (records are never changed in place).
@@ -503,7 +513,7 @@ func inspect(r io.Reader, build bool) (*SnapshotInfo, error) {
 // snapshotReader reads the length-prefixed records of a snapshot stream.
 type snapshotReader struct {
 	br  *bufio.Reader
-	buf bytes.Buffer
+	buf []byte
 }
 
 func newSnapshotReader(r io.Reader) *snapshotReader {
@@ -524,18 +534,47 @@ func noEOF(err error) error {
 
 // record returns the next record; the slice is valid until the next call.
 func (sr *snapshotReader) record(limit uint64) ([]byte, error) {
+	n, err := sr.length(limit)
+	if err != nil {
+		return nil, err
+	}
+	return sr.body(n)
+}
+
+// length reads the length prefix of the next record.
+func (sr *snapshotReader) length(limit uint64) (uint64, error) {
 	n, err := binary.ReadUvarint(sr.br)
 	if err != nil {
-		return nil, fmt.Errorf("%w: read record length: %w", ErrCorruptSnapshot, noEOF(err))
+		return 0, fmt.Errorf("%w: read record length: %w", ErrCorruptSnapshot, noEOF(err))
 	}
 	if n > limit {
-		return nil, corruptf("record of %d bytes, at most %d allowed", n, limit)
+		return 0, corruptf("record of %d bytes, at most %d allowed", n, limit)
 	}
-	sr.buf.Reset()
-	if _, err := io.CopyN(&sr.buf, sr.br, int64(n)); err != nil {
-		return nil, fmt.Errorf("%w: read record: %w", ErrCorruptSnapshot, noEOF(err))
+	return n, nil
+}
+
+// recordChunk is how much of a record body is read before the buffer grows
+// further: a length prefix alone cannot make a reader allocate more than
+// the data that follows it, and more than this.
+const recordChunk = 1 << 20
+
+// body reads a record body of n bytes into the reused buffer.
+func (sr *snapshotReader) body(n uint64) ([]byte, error) {
+	buf := sr.buf[:0]
+	for uint64(len(buf)) < n {
+		from := len(buf)
+		next := min(n, uint64(from)+max(recordChunk, uint64(from)))
+		if uint64(cap(buf)) < next {
+			buf = append(buf[:cap(buf)], make([]byte, int(next)-cap(buf))...)
+		}
+		buf = buf[:next]
+		if _, err := io.ReadFull(sr.br, buf[from:]); err != nil {
+			sr.buf = buf[:0]
+			return nil, fmt.Errorf("%w: read record: %w", ErrCorruptSnapshot, noEOF(err))
+		}
 	}
-	return sr.buf.Bytes(), nil
+	sr.buf = buf[:0]
+	return buf, nil
 }
 
 // header reads and checks the preamble and the header.
@@ -610,7 +649,10 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 		}()
 	}
 	listed := make(map[string]bool, len(hdr.GetTables()))
-	var enc []byte
+	var (
+		enc  []byte
+		senc sessionEncoder
+	)
 	for ti, th := range hdr.GetTables() {
 		t, _ := tableDefByName(th.GetName())
 		listed[t.name] = true
@@ -624,12 +666,35 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 			}
 		}
 		for i := uint64(0); i < th.GetRecords(); i++ {
-			b, err := sr.record(maxRecordSize)
-			if err != nil {
-				return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+			var b []byte
+			cur, isSession := m.cur.(*session)
+			if isSession {
+				// A session is compared with the one held as it is
+				// read, never held whole when it is the same.
+				n, err := sr.length(maxRecordSize)
+				if err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				sizes[ti] += n
+				same, rec, err := senc.readSame(sr.br, n, cur)
+				if err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				if same {
+					m.prev, m.prevObj = m.curKey, m.cur
+					if err := m.advance(); err != nil {
+						return nil, nil, nil, err
+					}
+					continue
+				}
+				b = rec
+			} else {
+				if b, err = sr.record(maxRecordSize); err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				sizes[ti] += uint64(len(b))
 			}
-			sizes[ti] += uint64(len(b))
-			if m.cur != nil {
+			if m.cur != nil && !isSession {
 				// The same record as the current one: it stays. (Its key
 				// is above the previous record's: every key up to that
 				// one was passed already.)
