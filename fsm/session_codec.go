@@ -107,7 +107,7 @@ func (e *sessionEncoder) appendOutcome(b []byte, o *outcome) ([]byte, error) {
 	p := e.outcome(o)
 	b = append(b, sessionOutcomesTag...)
 	b = protowire.AppendVarint(b, uint64(marshalOpts.Size(p)))
-	return sizedOpts.MarshalAppend(b, p)
+	return recordOpts(p, true).MarshalAppend(b, p)
 }
 
 // pieces calls fn with the record of s in pieces (the fields, then one

@@ -6,11 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
 
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
+	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	schedulev1 "pilab.hu/pivirt-agent/proto/pivirt/schedule/v1"
 )
 
@@ -182,5 +185,153 @@ func TestRecordBody(t *testing.T) {
 	}
 	if cap(sr.buf) > recordChunk {
 		t.Fatalf("a 10-byte stream claiming %d bytes grew the buffer to %d", maxRecordSize, cap(sr.buf))
+	}
+}
+
+// TestMapsInOrderKnowsEveryMap: mapsInOrder checks the maps of the record
+// types that have any by their fields; a map added to one of them (or to
+// a message they hold) must be checked there too, or their encoding would
+// depend on the order of its entries.
+func TestMapsInOrderKnowsEveryMap(t *testing.T) {
+	checked := map[string][]string{
+		"pivirt.cluster.v1.ServiceInstance": {"meta"},
+		"pivirt.fsm.v1.DedupeRecord":        {"instance.meta"},
+		"pivirt.fsm.v1.Outcome":             {"instance.meta"},
+	}
+	var types []proto.Message
+	for _, td := range tableDefs {
+		if obj, err := td.codec.decode(nil); err == nil {
+			if m, ok := obj.(proto.Message); ok {
+				types = append(types, m)
+			}
+		}
+	}
+	for _, m := range append(types, &fsmv1.Outcome{}) {
+		md := m.ProtoReflect().Descriptor()
+		got := mapFields(md, "", nil)
+		want, isChecked := checked[string(md.FullName())]
+		switch {
+		case isChecked && !slices.Equal(got, want):
+			t.Errorf("%s holds the maps %q, mapsInOrder checks %q: extend it", md.FullName(), got, want)
+		case !isChecked && len(got) > 0 && mapsInOrder(m):
+			t.Errorf("%s holds the maps %q, mapsInOrder says they are in order", md.FullName(), got)
+		}
+	}
+}
+
+// TestRecordOptsEncodeDeterministically: a record encodes to the bytes of
+// marshalOpts whatever its maps hold.
+func TestRecordOptsEncodeDeterministically(t *testing.T) {
+	inst := func(meta map[string]string) *clusterv1.ServiceInstance {
+		return &clusterv1.ServiceInstance{Service: "web", InstanceId: "i", Port: 80, Meta: meta, Tags: []string{"a", "b"}}
+	}
+	metas := []map[string]string{nil, {"a": "1"}, {"z": "1", "a": "2", "m": "3", "b": "4", "y": "5", "c": "6"}}
+	for _, meta := range metas {
+		for _, m := range []proto.Message{
+			inst(meta),
+			&fsmv1.DedupeRecord{ClientId: "c", Value: &fsmv1.DedupeRecord_Instance{Instance: inst(meta)}},
+			&fsmv1.Outcome{Sequence: 1, Value: &fsmv1.Outcome_Instance{Instance: inst(meta)}},
+			&clusterv1.ConfigEntry{Key: "k", Value: "v"},
+		} {
+			want, err := marshalOpts.Marshal(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for range 20 { // map order is random per iteration
+				for _, sized := range []bool{false, true} {
+					proto.Size(m)
+					got, err := recordOpts(m, sized).Marshal(m)
+					if err != nil || !bytes.Equal(got, want) {
+						t.Fatalf("%T with meta %v (sized %v): %x, %v; want %x", m, meta, sized, got, err, want)
+					}
+				}
+			}
+		}
+	}
+}
+
+// sessionPointers returns the sessions f holds.
+func sessionPointers(t *testing.T, f *FSM) []*session {
+	t.Helper()
+	it, err := f.State().txn.Get(TableSessions, indexID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []*session
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		out = append(out, obj.(*session))
+	}
+	return out
+}
+
+// TestRestoreKeepsTheSessionHeld: restoring a snapshot whose sessions are
+// the ones held keeps them (compared as they are read, not decoded); one
+// whose session differs gets the snapshot's.
+func TestRestoreKeepsTheSessionHeld(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	snap := h.snapshot()
+	before := sessionPointers(t, h.f)
+	if len(before) == 0 {
+		t.Fatal("populate made no session")
+	}
+	if err := h.f.Restore(readCloser(snap)); err != nil {
+		t.Fatal(err)
+	}
+	if after := sessionPointers(t, h.f); !slices.Equal(after, before) {
+		t.Fatalf("restoring the state's own snapshot replaced its sessions")
+	}
+
+	other := newHarness(t)
+	populate(other)
+	other.mustApply(withClient(register(instance("web", "late")), before[0].clientID, before[0].highest+1))
+	want := dumpTables(t, other.f)[TableSessions]
+	if err := h.f.Restore(readCloser(other.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	if got := dumpTables(t, h.f)[TableSessions]; !slices.Equal(got, want) {
+		t.Fatalf("sessions after restoring a changed one:\n got %v\nwant %v", got, want)
+	}
+	if after := sessionPointers(t, h.f); after[0] == before[0] {
+		t.Fatal("a changed session was kept as held")
+	}
+}
+
+// TestReplaceKeeping: ReplaceKeeping leaves the kept tables holding the
+// very records of the state they are kept from, and refuses records
+// listed for them.
+func TestReplaceKeeping(t *testing.T) {
+	h := newHarness(t)
+	populate(h)
+	cur := h.f.State()
+	want := dumpTables(t, h.f)
+	fork, err := h.f.Fork(DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := newHarness(t)
+	populate(other)
+	other.mustApply(withClient(register(instance("web", "late")), "another", 1))
+	if err := fork.Restore(readCloser(other.snapshot())); err != nil {
+		t.Fatal(err)
+	}
+	if err := fork.ReplaceKeeping(h.f.AppliedIndex()+1, nil, cur, TableSessions, TableCA); err != nil {
+		t.Fatal(err)
+	}
+	got := dumpTables(t, fork)
+	for _, table := range []string{TableSessions, TableCA} {
+		if !slices.Equal(got[table], want[table]) {
+			t.Errorf("kept table %s:\n got %v\nwant %v", table, got[table], want[table])
+		}
+	}
+	if len(got[TableServices]) != 0 {
+		t.Errorf("services not listed nor kept hold %v", got[TableServices])
+	}
+	if !slices.Equal(sessionPointers(t, fork), sessionPointers(t, h.f)) {
+		t.Error("kept sessions are copies, not the records held")
+	}
+	err = fork.ReplaceKeeping(1, []TableRecord{{Table: TableCA, Record: &fsmv1.ClusterCA{}}}, cur, TableCA)
+	if err == nil || !strings.Contains(err.Error(), "kept") {
+		t.Errorf("ReplaceKeeping with a record of a kept table = %v, want a refusal", err)
 	}
 }

@@ -109,7 +109,12 @@ type StateSnapshot struct {
 	txn    *memdb.Txn
 	hdr    *fsmv1.SnapshotHeader
 	tables []tableDef
-	size   int64
+	// records holds the records of each of tables when sized, as the
+	// sizing pass found them: WriteTo walks this list instead of the
+	// radix trees again (16 bytes per record, where a walk of the tree
+	// loads a node, its edges and its leaf for each).
+	records [][]any
+	size    int64
 }
 
 // CaptureSnapshot captures the current state, as Snapshot does, without
@@ -144,6 +149,7 @@ func (s *StateSnapshot) Size() int64 { return s.size }
 func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) (*StateSnapshot, error) {
 	counts := make(map[string]uint64, len(tableDefs))
 	sizes := make(map[string]int64, len(tableDefs))
+	kept := make(map[string][]any, len(tableDefs))
 	var nonEmpty []string
 	for _, t := range tableDefs {
 		it, err := txn.Get(t.name, indexID)
@@ -153,6 +159,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 		size := sized && !slices.Contains(drop, t.name)
 		var n uint64
 		var bytes int64
+		var recs []any
 		for obj := it.Next(); obj != nil; obj = it.Next() {
 			n++
 			if size {
@@ -161,9 +168,10 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 					return nil, fmt.Errorf("snapshot: size %s record: %w", t.name, err)
 				}
 				bytes += int64(uvarintLen(uint64(rn)) + rn)
+				recs = append(recs, obj)
 			}
 		}
-		counts[t.name], sizes[t.name] = n, bytes
+		counts[t.name], sizes[t.name], kept[t.name] = n, bytes, recs
 		if n > 0 {
 			nonEmpty = append(nonEmpty, t.name)
 		}
@@ -192,6 +200,9 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 			s.tables = append(s.tables, t)
 			s.hdr.Tables = append(s.hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: counts[t.name]})
 			s.size += sizes[t.name]
+			if sized {
+				s.records = append(s.records, kept[t.name])
+			}
 		}
 	}
 	if sized {
@@ -204,10 +215,6 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 // anyOrderOpts marshals without sorting map keys: for comparisons only,
 // never for what is written.
 var anyOrderOpts = proto.MarshalOptions{}
-
-// sizedOpts marshals a record whose size was just computed (recordSize)
-// without computing it again: the same bytes as marshalOpts.
-var sizedOpts = proto.MarshalOptions{Deterministic: true, UseCachedSize: true}
 
 // recordSize is the length of the encoding of obj by its table's codec.
 func recordSize(obj any) (int, error) {
@@ -238,8 +245,10 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 	}
 	var senc sessionEncoder
 	for i, t := range s.tables {
-		it, err := s.txn.Get(t.name, indexID)
-		if err != nil {
+		var it memdb.ResultIterator
+		if s.records != nil {
+			it = &sliceIterator{recs: s.records[i]}
+		} else if it, err = s.txn.Get(t.name, indexID); err != nil {
 			return cw.n, fmt.Errorf("snapshot: read %s: %w", t.name, err)
 		}
 		var n uint64
@@ -256,7 +265,7 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 			if m, ok := obj.(proto.Message); ok && s.size > 0 {
 				// Sized: the size pass left every message's size in its
 				// cache (records are never changed in place).
-				buf, err = sizedOpts.MarshalAppend(buf[:0], m)
+				buf, err = recordOpts(m, true).MarshalAppend(buf[:0], m)
 			} else {
 				buf, err = t.codec.encode(buf[:0], obj)
 			}
@@ -282,6 +291,22 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 		return cw.n, fmt.Errorf("snapshot: wrote %d bytes, sized %d", cw.n, s.size)
 	}
 	return cw.n, nil
+}
+
+// sliceIterator iterates over records kept in a list.
+type sliceIterator struct {
+	recs []any
+	next int
+}
+
+func (it *sliceIterator) WatchCh() <-chan struct{} { return nil }
+
+func (it *sliceIterator) Next() any {
+	if it.next == len(it.recs) {
+		return nil
+	}
+	it.next++
+	return it.recs[it.next-1]
 }
 
 // writeHeader writes the preamble and the header; it returns the header's
@@ -871,23 +896,48 @@ func (m *tableMerge) rest() error {
 // transaction, as Restore merges, after which each table holds exactly
 // them. A record that is the
 // one the table holds, or equal to it, is left in place.
-func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
+func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) error {
 	type keyed struct {
 		key []byte
 		rec any // as the state stores it (storedRecord)
 	}
 	byTable := make([][]keyed, len(tableDefs))
+	add := func(table string, n int, obj any) error {
+		ok, key, err := idIndexers[n].FromObject(obj)
+		if err != nil || !ok {
+			return fmt.Errorf("replace: insert into %s: a record without its key (%v)", table, err)
+		}
+		byTable[n] = append(byTable[n], keyed{key, obj})
+		return nil
+	}
 	for _, r := range records {
 		n := tableNum(r.Table)
 		if n < 0 || r.Table == TableIndex {
 			return fmt.Errorf("replace: unknown table %q", r.Table)
 		}
-		obj := storedRecord(r.Record)
-		ok, key, err := idIndexers[n].FromObject(obj)
-		if err != nil || !ok {
-			return fmt.Errorf("replace: insert into %s: a record without its key (%v)", r.Table, err)
+		if keep != nil && slices.Contains(keep.tables, r.Table) {
+			return fmt.Errorf("replace: a record of %s, a table kept as it is", r.Table)
 		}
-		byTable[n] = append(byTable[n], keyed{key, obj})
+		if err := add(r.Table, n, storedRecord(r.Record)); err != nil {
+			return err
+		}
+	}
+	if keep != nil {
+		for _, table := range keep.tables {
+			n := tableNum(table)
+			if n < 0 || table == TableIndex {
+				return fmt.Errorf("replace: unknown table %q", table)
+			}
+			it, err := keep.from.txn.Get(table, indexID)
+			if err != nil {
+				return fmt.Errorf("replace: read %s: %w", table, err)
+			}
+			for obj := it.Next(); obj != nil; obj = it.Next() {
+				if err := add(table, n, obj); err != nil {
+					return err
+				}
+			}
+		}
 	}
 	db := f.database()
 	old, txn := db.Txn(false), db.Txn(true)

@@ -77,11 +77,16 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	out := &clusterv1.RestorePlan{}
 
 	// The archive's records, checked as writes are; this cluster's CA and
-	// cluster.id instead of the archive's.
+	// cluster.id instead of the archive's, and its own tables as they are.
 	var records []fsm.TableRecord
 	var errs []error
+	caRecords, err := next.Len(fsm.TableCA)
+	if err != nil {
+		return nil, err
+	}
+	out.CaIgnored = caRecords > 0
 	for _, table := range fsm.Tables() {
-		if table == fsm.TableIndex {
+		if table == fsm.TableIndex || slices.Contains(ownTables, table) {
 			continue
 		}
 		recs, err := next.Records(table)
@@ -91,21 +96,6 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		cur, err := current.Records(table)
 		if err != nil {
 			return nil, err
-		}
-		switch table {
-		case fsm.TableCA:
-			out.CaIgnored = len(recs) > 0
-			fallthrough
-		case fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements, fsm.TableClusterVersion:
-			// This cluster's own: a CA is never taken from an upload, a
-			// made-up dedupe record or session would answer a later write as done
-			// without applying it, the placement catalog says what
-			// the nodes' backends hold now, which a restore does not
-			// change (the nodes' next listings correct any entry that
-			// moves meanwhile), and the cluster version is what the
-			// cluster's agents run (an archive of another version's
-			// cluster restores into this one's).
-			recs = cur
 		}
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
 			// This cluster's cluster.id and downgrade, and their
@@ -147,7 +137,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		return nil, fmt.Errorf("%w: the archive's state does not pass the checks of the write path: %w", ErrRestoreRefused, errors.Join(errs...))
 	}
 	index := next.AppliedIndex()
-	if err := scratch.Replace(index, records); err != nil {
+	if err := scratch.ReplaceKeeping(index, records, current, ownTables...); err != nil {
 		return nil, err
 	}
 	final := scratch.State()
@@ -175,6 +165,17 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	}
 	return p, nil
 }
+
+// ownTables are the tables a restore keeps as this cluster has them: a CA
+// is never taken from an upload, a made-up dedupe record or session would
+// answer a later write as done without applying it, the placement catalog
+// says what the nodes' backends hold now, which a restore does not change
+// (the nodes' next listings correct any entry that moves meanwhile), and
+// the cluster version is what the cluster's agents run (an archive of
+// another version's cluster restores into this one's). They are neither
+// listed nor compared: the final state holds the very records the current
+// one does.
+var ownTables = []string{fsm.TableCA, fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements, fsm.TableClusterVersion}
 
 // joinByKey calls fn for every primary key of table in a or b (records in
 // key order, as State.Records returns them) with the record of each list
@@ -280,6 +281,15 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 	resources := map[string]bool{}
 	for _, table := range fsm.Tables() {
 		if table == fsm.TableIndex {
+			continue
+		}
+		if slices.Contains(ownTables, table) {
+			// Kept as they are (ReplaceKeeping): only their size.
+			n, err := final.Len(table)
+			if err != nil {
+				return err
+			}
+			out.Tables = append(out.Tables, &clusterv1.TableChange{Table: table, Records: uint64(n)})
 			continue
 		}
 		before, err := current.Records(table)
