@@ -901,13 +901,9 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 		key []byte
 		rec any // as the state stores it (storedRecord)
 	}
-	byTable := make([][]keyed, len(tableDefs))
+	byTable := make([][]any, len(tableDefs)) // as the state stores them (storedRecord)
 	add := func(table string, n int, obj any) error {
-		ok, key, err := idIndexers[n].FromObject(obj)
-		if err != nil || !ok {
-			return fmt.Errorf("replace: insert into %s: a record without its key (%v)", table, err)
-		}
-		byTable[n] = append(byTable[n], keyed{key, obj})
+		byTable[n] = append(byTable[n], obj)
 		return nil
 	}
 	for _, r := range records {
@@ -949,7 +945,23 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 		if t.name == TableIndex {
 			continue
 		}
-		recs := byTable[n]
+		// The very records the table holds, in its order (a restore's
+		// plan of an unchanged table): nothing to do, no key to compute.
+		held, herr := holdsExactly(old, t.name, byTable[n])
+		if herr != nil {
+			return fail(herr)
+		}
+		if held {
+			continue
+		}
+		recs := make([]keyed, len(byTable[n]))
+		for i, obj := range byTable[n] {
+			ok, key, err := idIndexers[n].FromObject(obj)
+			if err != nil || !ok {
+				return fail(fmt.Errorf("insert into %s: a record without its key (%v)", t.name, err))
+			}
+			recs[i] = keyed{key, obj}
+		}
 		slices.SortStableFunc(recs, func(a, b keyed) int { return bytes.Compare(a.key, b.key) })
 		m := tableMerge{table: t, ix: idIndexers[n], txn: txn}
 		var err error
@@ -1017,7 +1029,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 	// format the agents of the state's version cannot read.
 	v := Version0_0
 	for _, r := range byTable[tableNum(TableClusterVersion)] {
-		if rec, ok := r.rec.(*fsmv1.ClusterVersion); ok {
+		if rec, ok := r.(*fsmv1.ClusterVersion); ok {
 			v = Version{rec.GetMajor(), rec.GetMinor()}
 		}
 	}
@@ -1033,6 +1045,23 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 		return fail(err)
 	}
 	return f.replaceDB(txn, db, index)
+}
+
+// holdsExactly reports whether table holds exactly recs, the same
+// objects in the same order, as txn reads it.
+func holdsExactly(txn *memdb.Txn, table string, recs []any) (bool, error) {
+	it, err := txn.Get(table, indexID)
+	if err != nil {
+		return false, err
+	}
+	i := 0
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if i == len(recs) || recs[i] != obj {
+			return false, nil
+		}
+		i++
+	}
+	return i == len(recs), nil
 }
 
 // replaceDB commits txn, the whole new state db as of index (a new
