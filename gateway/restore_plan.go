@@ -80,6 +80,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	// cluster.id instead of the archive's, and its own tables as they are.
 	var records []fsm.TableRecord
 	var errs []error
+	held := make(map[string][]proto.Message) // current's records, listed once
 	caRecords, err := next.Len(fsm.TableCA)
 	if err != nil {
 		return nil, err
@@ -97,6 +98,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		if err != nil {
 			return nil, err
 		}
+		held[table] = cur
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
 			// This cluster's cluster.id and downgrade, and their
 			// history, stay.
@@ -141,7 +143,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		return nil, err
 	}
 	final := scratch.State()
-	if err := diffStates(current, final, out); err != nil {
+	if err := diffStates(held, final, out); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
@@ -276,8 +278,9 @@ func resourceOf(table string) string {
 }
 
 // diffStates counts, per table, the records final adds, removes and
-// changes against current, and names the config keys and resources.
-func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
+// changes against current (the current state's records of every table
+// but ownTables, listed), and names the config keys and resources.
+func diffStates(current map[string][]proto.Message, final *fsm.State, out *clusterv1.RestorePlan) error {
 	resources := map[string]bool{}
 	for _, table := range fsm.Tables() {
 		if table == fsm.TableIndex {
@@ -292,10 +295,7 @@ func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
 			out.Tables = append(out.Tables, &clusterv1.TableChange{Table: table, Records: uint64(n)})
 			continue
 		}
-		before, err := current.Records(table)
-		if err != nil {
-			return err
-		}
+		before := current[table]
 		after, err := final.Records(table)
 		if err != nil {
 			return err
