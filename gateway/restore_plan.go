@@ -108,6 +108,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 				}
 			}
 		}
+		records = slices.Grow(records, len(recs)) // one allocation per table, not a doubling per 2^k records
 		err = joinByKey(table, recs, cur, func(r, held proto.Message) error {
 			if r == nil {
 				return nil
