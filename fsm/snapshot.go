@@ -114,7 +114,11 @@ type StateSnapshot struct {
 	// radix trees again (16 bytes per record, where a walk of the tree
 	// loads a node, its edges and its leaf for each).
 	records [][]any
-	size    int64
+	// sessionSizes holds the record size of each session, when sized:
+	// sizing a session walks all its outcomes, and WriteTo needs the size
+	// again for its length prefix.
+	sessionSizes map[*session]int
+	size         int64
 }
 
 // CaptureSnapshot captures the current state, as Snapshot does, without
@@ -150,6 +154,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	counts := make(map[string]uint64, len(tableDefs))
 	sizes := make(map[string]int64, len(tableDefs))
 	kept := make(map[string][]any, len(tableDefs))
+	var sessionSizes map[*session]int
 	var nonEmpty []string
 	for _, t := range tableDefs {
 		it, err := txn.Get(t.name, indexID)
@@ -166,6 +171,12 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 				rn, err := recordSize(obj)
 				if err != nil {
 					return nil, fmt.Errorf("snapshot: size %s record: %w", t.name, err)
+				}
+				if sess, ok := obj.(*session); ok {
+					if sessionSizes == nil {
+						sessionSizes = make(map[*session]int)
+					}
+					sessionSizes[sess] = rn
 				}
 				bytes += int64(uvarintLen(uint64(rn)) + rn)
 				recs = append(recs, obj)
@@ -189,7 +200,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	// The oldest format that holds the state: tables newer than it are
 	// empty and left out.
 	version := formatFor(nonEmpty)
-	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}}
+	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}, sessionSizes: sessionSizes}
 	if version >= 5 {
 		if rec, err := first[*fsmv1.ClusterVersion](txn, TableClusterVersion, indexID, clusterVersionKey); err == nil && rec != nil {
 			s.hdr.ClusterVersion = &fsmv1.ClusterVersion{Major: rec.GetMajor(), Minor: rec.GetMinor()}
@@ -256,7 +267,11 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 			if sess, ok := obj.(*session); ok {
 				// Written a piece at a time: a session can be tens of
 				// megabytes.
-				if err := senc.writeRecord(bw, sess, senc.size(sess)); err != nil {
+				size, ok := s.sessionSizes[sess]
+				if !ok {
+					size = senc.size(sess)
+				}
+				if err := senc.writeRecord(bw, sess, size); err != nil {
 					return cw.n, fmt.Errorf("snapshot: write %s: %w", t.name, err)
 				}
 				n++
