@@ -180,7 +180,41 @@ type TableRecord struct {
 func (f *FSM) Replace(index uint64, records []TableRecord) error {
 	f.applyMu.Lock()
 	defer f.applyMu.Unlock()
-	return f.replaceRecords(index, records)
+	return f.replaceRecords(index, records, nil)
+}
+
+// ReplaceKeeping is Replace, except that each table named in keep ends up
+// holding exactly the records it holds in from, and records lists none of
+// them: a caller that keeps tables as another state has them (a restore's
+// plan keeps this cluster's sessions, dedupe records, placements, cluster
+// version and CA) does not list them — Records encodes every session anew
+// — and a record from holds that the state holds too stays in place.
+func (f *FSM) ReplaceKeeping(index uint64, records []TableRecord, from *State, keep ...string) error {
+	f.applyMu.Lock()
+	defer f.applyMu.Unlock()
+	return f.replaceRecords(index, records, &kept{from: from, tables: keep})
+}
+
+// kept names the tables of a replace taken as a state has them.
+type kept struct {
+	from   *State
+	tables []string
+}
+
+// Len returns the number of records of table (not TableIndex).
+func (s *State) Len(table string) (int, error) {
+	if n := tableNum(table); n < 0 || table == TableIndex {
+		return 0, fmt.Errorf("unknown table %q", table)
+	}
+	it, err := s.txn.Get(table, indexID)
+	if err != nil {
+		return 0, fmt.Errorf("read %s: %w", table, err)
+	}
+	n := 0
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		n++
+	}
+	return n, nil
 }
 
 // Records returns every record of table (not TableIndex), in key order.

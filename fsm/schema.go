@@ -565,7 +565,7 @@ func protoCodec[T proto.Message]() recordCodec {
 			if !ok {
 				return nil, fmt.Errorf("encode record: object of type %T", obj)
 			}
-			return marshalOpts.MarshalAppend(b, m)
+			return recordOpts(m, false).MarshalAppend(b, m)
 		},
 		decode: func(b []byte) (any, error) {
 			var zero T

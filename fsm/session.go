@@ -216,7 +216,12 @@ var sessionCodec = recordCodec{
 		if !ok {
 			return nil, fmt.Errorf("encode record: object of type %T", obj)
 		}
-		return marshalOpts.MarshalAppend(b, sessionToProto(s))
+		var e sessionEncoder
+		b, err := e.appendHeader(b, s)
+		for i := 0; err == nil && i < len(s.outcomes); i++ {
+			b, err = e.appendOutcome(b, &s.outcomes[i])
+		}
+		return b, err
 	},
 	decode: func(b []byte) (any, error) {
 		m := new(fsmv1.Session)

@@ -109,7 +109,16 @@ type StateSnapshot struct {
 	txn    *memdb.Txn
 	hdr    *fsmv1.SnapshotHeader
 	tables []tableDef
-	size   int64
+	// records holds the records of each of tables when sized, as the
+	// sizing pass found them: WriteTo walks this list instead of the
+	// radix trees again (16 bytes per record, where a walk of the tree
+	// loads a node, its edges and its leaf for each).
+	records [][]any
+	// sessionSizes holds the record size of each session, when sized:
+	// sizing a session walks all its outcomes, and WriteTo needs the size
+	// again for its length prefix.
+	sessionSizes map[*session]int
+	size         int64
 }
 
 // CaptureSnapshot captures the current state, as Snapshot does, without
@@ -144,6 +153,8 @@ func (s *StateSnapshot) Size() int64 { return s.size }
 func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) (*StateSnapshot, error) {
 	counts := make(map[string]uint64, len(tableDefs))
 	sizes := make(map[string]int64, len(tableDefs))
+	kept := make(map[string][]any, len(tableDefs))
+	var sessionSizes map[*session]int
 	var nonEmpty []string
 	for _, t := range tableDefs {
 		it, err := txn.Get(t.name, indexID)
@@ -153,6 +164,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 		size := sized && !slices.Contains(drop, t.name)
 		var n uint64
 		var bytes int64
+		var recs []any
 		for obj := it.Next(); obj != nil; obj = it.Next() {
 			n++
 			if size {
@@ -160,10 +172,17 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 				if err != nil {
 					return nil, fmt.Errorf("snapshot: size %s record: %w", t.name, err)
 				}
+				if sess, ok := obj.(*session); ok {
+					if sessionSizes == nil {
+						sessionSizes = make(map[*session]int)
+					}
+					sessionSizes[sess] = rn
+				}
 				bytes += int64(uvarintLen(uint64(rn)) + rn)
+				recs = append(recs, obj)
 			}
 		}
-		counts[t.name], sizes[t.name] = n, bytes
+		counts[t.name], sizes[t.name], kept[t.name] = n, bytes, recs
 		if n > 0 {
 			nonEmpty = append(nonEmpty, t.name)
 		}
@@ -181,7 +200,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	// The oldest format that holds the state: tables newer than it are
 	// empty and left out.
 	version := formatFor(nonEmpty)
-	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}}
+	s := &StateSnapshot{txn: txn, hdr: &fsmv1.SnapshotHeader{FormatVersion: version, LastIndex: lastIndex}, sessionSizes: sessionSizes}
 	if version >= 5 {
 		if rec, err := first[*fsmv1.ClusterVersion](txn, TableClusterVersion, indexID, clusterVersionKey); err == nil && rec != nil {
 			s.hdr.ClusterVersion = &fsmv1.ClusterVersion{Major: rec.GetMajor(), Minor: rec.GetMinor()}
@@ -192,6 +211,9 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 			s.tables = append(s.tables, t)
 			s.hdr.Tables = append(s.hdr.Tables, &fsmv1.TableHeader{Name: t.name, Records: counts[t.name]})
 			s.size += sizes[t.name]
+			if sized {
+				s.records = append(s.records, kept[t.name])
+			}
 		}
 	}
 	if sized {
@@ -205,10 +227,6 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 // never for what is written.
 var anyOrderOpts = proto.MarshalOptions{}
 
-// sizedOpts marshals a record whose size was just computed (recordSize)
-// without computing it again: the same bytes as marshalOpts.
-var sizedOpts = proto.MarshalOptions{Deterministic: true, UseCachedSize: true}
-
 // recordSize is the length of the encoding of obj by its table's codec.
 func recordSize(obj any) (int, error) {
 	switch v := obj.(type) {
@@ -217,7 +235,7 @@ func recordSize(obj any) (int, error) {
 	case proto.Message:
 		return marshalOpts.Size(v), nil
 	case *session:
-		return marshalOpts.Size(sessionToProto(v)), nil
+		return new(sessionEncoder).size(v), nil
 	}
 	return 0, fmt.Errorf("record of type %T", obj)
 }
@@ -236,17 +254,33 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 	if err != nil {
 		return cw.n, err
 	}
+	var senc sessionEncoder
 	for i, t := range s.tables {
-		it, err := s.txn.Get(t.name, indexID)
-		if err != nil {
+		var it memdb.ResultIterator
+		if s.records != nil {
+			it = &sliceIterator{recs: s.records[i]}
+		} else if it, err = s.txn.Get(t.name, indexID); err != nil {
 			return cw.n, fmt.Errorf("snapshot: read %s: %w", t.name, err)
 		}
 		var n uint64
 		for obj := it.Next(); obj != nil; obj = it.Next() {
+			if sess, ok := obj.(*session); ok {
+				// Written a piece at a time: a session can be tens of
+				// megabytes.
+				size, ok := s.sessionSizes[sess]
+				if !ok {
+					size = senc.size(sess)
+				}
+				if err := senc.writeRecord(bw, sess, size); err != nil {
+					return cw.n, fmt.Errorf("snapshot: write %s: %w", t.name, err)
+				}
+				n++
+				continue
+			}
 			if m, ok := obj.(proto.Message); ok && s.size > 0 {
 				// Sized: the size pass left every message's size in its
 				// cache (records are never changed in place).
-				buf, err = sizedOpts.MarshalAppend(buf[:0], m)
+				buf, err = recordOpts(m, true).MarshalAppend(buf[:0], m)
 			} else {
 				buf, err = t.codec.encode(buf[:0], obj)
 			}
@@ -272,6 +306,22 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 		return cw.n, fmt.Errorf("snapshot: wrote %d bytes, sized %d", cw.n, s.size)
 	}
 	return cw.n, nil
+}
+
+// sliceIterator iterates over records kept in a list.
+type sliceIterator struct {
+	recs []any
+	next int
+}
+
+func (it *sliceIterator) WatchCh() <-chan struct{} { return nil }
+
+func (it *sliceIterator) Next() any {
+	if it.next == len(it.recs) {
+		return nil
+	}
+	it.next++
+	return it.recs[it.next-1]
 }
 
 // writeHeader writes the preamble and the header; it returns the header's
@@ -503,7 +553,7 @@ func inspect(r io.Reader, build bool) (*SnapshotInfo, error) {
 // snapshotReader reads the length-prefixed records of a snapshot stream.
 type snapshotReader struct {
 	br  *bufio.Reader
-	buf bytes.Buffer
+	buf []byte
 }
 
 func newSnapshotReader(r io.Reader) *snapshotReader {
@@ -524,18 +574,47 @@ func noEOF(err error) error {
 
 // record returns the next record; the slice is valid until the next call.
 func (sr *snapshotReader) record(limit uint64) ([]byte, error) {
+	n, err := sr.length(limit)
+	if err != nil {
+		return nil, err
+	}
+	return sr.body(n)
+}
+
+// length reads the length prefix of the next record.
+func (sr *snapshotReader) length(limit uint64) (uint64, error) {
 	n, err := binary.ReadUvarint(sr.br)
 	if err != nil {
-		return nil, fmt.Errorf("%w: read record length: %w", ErrCorruptSnapshot, noEOF(err))
+		return 0, fmt.Errorf("%w: read record length: %w", ErrCorruptSnapshot, noEOF(err))
 	}
 	if n > limit {
-		return nil, corruptf("record of %d bytes, at most %d allowed", n, limit)
+		return 0, corruptf("record of %d bytes, at most %d allowed", n, limit)
 	}
-	sr.buf.Reset()
-	if _, err := io.CopyN(&sr.buf, sr.br, int64(n)); err != nil {
-		return nil, fmt.Errorf("%w: read record: %w", ErrCorruptSnapshot, noEOF(err))
+	return n, nil
+}
+
+// recordChunk is how much of a record body is read before the buffer grows
+// further: a length prefix alone cannot make a reader allocate more than
+// the data that follows it, and more than this.
+const recordChunk = 1 << 20
+
+// body reads a record body of n bytes into the reused buffer.
+func (sr *snapshotReader) body(n uint64) ([]byte, error) {
+	buf := sr.buf[:0]
+	for uint64(len(buf)) < n {
+		from := len(buf)
+		next := min(n, uint64(from)+max(recordChunk, uint64(from)))
+		if uint64(cap(buf)) < next {
+			buf = append(buf[:cap(buf)], make([]byte, int(next)-cap(buf))...)
+		}
+		buf = buf[:next]
+		if _, err := io.ReadFull(sr.br, buf[from:]); err != nil {
+			sr.buf = buf[:0]
+			return nil, fmt.Errorf("%w: read record: %w", ErrCorruptSnapshot, noEOF(err))
+		}
 	}
-	return sr.buf.Bytes(), nil
+	sr.buf = buf[:0]
+	return buf, nil
 }
 
 // header reads and checks the preamble and the header.
@@ -610,7 +689,10 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 		}()
 	}
 	listed := make(map[string]bool, len(hdr.GetTables()))
-	var enc []byte
+	var (
+		enc  []byte
+		senc sessionEncoder
+	)
 	for ti, th := range hdr.GetTables() {
 		t, _ := tableDefByName(th.GetName())
 		listed[t.name] = true
@@ -624,12 +706,35 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 			}
 		}
 		for i := uint64(0); i < th.GetRecords(); i++ {
-			b, err := sr.record(maxRecordSize)
-			if err != nil {
-				return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+			var b []byte
+			cur, isSession := m.cur.(*session)
+			if isSession {
+				// A session is compared with the one held as it is
+				// read, never held whole when it is the same.
+				n, err := sr.length(maxRecordSize)
+				if err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				sizes[ti] += n
+				same, rec, err := senc.readSame(sr.br, n, cur)
+				if err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				if same {
+					m.prev, m.prevObj = m.curKey, m.cur
+					if err := m.advance(); err != nil {
+						return nil, nil, nil, err
+					}
+					continue
+				}
+				b = rec
+			} else {
+				if b, err = sr.record(maxRecordSize); err != nil {
+					return nil, nil, nil, fmt.Errorf("%s record %d: %w", t.name, i, err)
+				}
+				sizes[ti] += uint64(len(b))
 			}
-			sizes[ti] += uint64(len(b))
-			if m.cur != nil {
+			if m.cur != nil && !isSession {
 				// The same record as the current one: it stays. (Its key
 				// is above the previous record's: every key up to that
 				// one was passed already.)
@@ -806,23 +911,44 @@ func (m *tableMerge) rest() error {
 // transaction, as Restore merges, after which each table holds exactly
 // them. A record that is the
 // one the table holds, or equal to it, is left in place.
-func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
+func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) error {
 	type keyed struct {
 		key []byte
 		rec any // as the state stores it (storedRecord)
 	}
-	byTable := make([][]keyed, len(tableDefs))
+	byTable := make([][]any, len(tableDefs)) // as the state stores them (storedRecord)
+	add := func(table string, n int, obj any) error {
+		byTable[n] = append(byTable[n], obj)
+		return nil
+	}
 	for _, r := range records {
 		n := tableNum(r.Table)
 		if n < 0 || r.Table == TableIndex {
 			return fmt.Errorf("replace: unknown table %q", r.Table)
 		}
-		obj := storedRecord(r.Record)
-		ok, key, err := idIndexers[n].FromObject(obj)
-		if err != nil || !ok {
-			return fmt.Errorf("replace: insert into %s: a record without its key (%v)", r.Table, err)
+		if keep != nil && slices.Contains(keep.tables, r.Table) {
+			return fmt.Errorf("replace: a record of %s, a table kept as it is", r.Table)
 		}
-		byTable[n] = append(byTable[n], keyed{key, obj})
+		if err := add(r.Table, n, storedRecord(r.Record)); err != nil {
+			return err
+		}
+	}
+	if keep != nil {
+		for _, table := range keep.tables {
+			n := tableNum(table)
+			if n < 0 || table == TableIndex {
+				return fmt.Errorf("replace: unknown table %q", table)
+			}
+			it, err := keep.from.txn.Get(table, indexID)
+			if err != nil {
+				return fmt.Errorf("replace: read %s: %w", table, err)
+			}
+			for obj := it.Next(); obj != nil; obj = it.Next() {
+				if err := add(table, n, obj); err != nil {
+					return err
+				}
+			}
+		}
 	}
 	db := f.database()
 	old, txn := db.Txn(false), db.Txn(true)
@@ -834,7 +960,23 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 		if t.name == TableIndex {
 			continue
 		}
-		recs := byTable[n]
+		// The very records the table holds, in its order (a restore's
+		// plan of an unchanged table): nothing to do, no key to compute.
+		held, herr := holdsExactly(old, t.name, byTable[n])
+		if herr != nil {
+			return fail(herr)
+		}
+		if held {
+			continue
+		}
+		recs := make([]keyed, len(byTable[n]))
+		for i, obj := range byTable[n] {
+			ok, key, err := idIndexers[n].FromObject(obj)
+			if err != nil || !ok {
+				return fail(fmt.Errorf("insert into %s: a record without its key (%v)", t.name, err))
+			}
+			recs[i] = keyed{key, obj}
+		}
 		slices.SortStableFunc(recs, func(a, b keyed) int { return bytes.Compare(a.key, b.key) })
 		m := tableMerge{table: t, ix: idIndexers[n], txn: txn}
 		var err error
@@ -902,7 +1044,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 	// format the agents of the state's version cannot read.
 	v := Version0_0
 	for _, r := range byTable[tableNum(TableClusterVersion)] {
-		if rec, ok := r.rec.(*fsmv1.ClusterVersion); ok {
+		if rec, ok := r.(*fsmv1.ClusterVersion); ok {
 			v = Version{rec.GetMajor(), rec.GetMinor()}
 		}
 	}
@@ -918,6 +1060,23 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord) error {
 		return fail(err)
 	}
 	return f.replaceDB(txn, db, index)
+}
+
+// holdsExactly reports whether table holds exactly recs, the same
+// objects in the same order, as txn reads it.
+func holdsExactly(txn *memdb.Txn, table string, recs []any) (bool, error) {
+	it, err := txn.Get(table, indexID)
+	if err != nil {
+		return false, err
+	}
+	i := 0
+	for obj := it.Next(); obj != nil; obj = it.Next() {
+		if i == len(recs) || recs[i] != obj {
+			return false, nil
+		}
+		i++
+	}
+	return i == len(recs), nil
 }
 
 // replaceDB commits txn, the whole new state db as of index (a new

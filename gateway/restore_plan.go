@@ -77,11 +77,17 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	out := &clusterv1.RestorePlan{}
 
 	// The archive's records, checked as writes are; this cluster's CA and
-	// cluster.id instead of the archive's.
+	// cluster.id instead of the archive's, and its own tables as they are.
 	var records []fsm.TableRecord
 	var errs []error
+	held := make(map[string][]proto.Message) // current's records, listed once
+	caRecords, err := next.Len(fsm.TableCA)
+	if err != nil {
+		return nil, err
+	}
+	out.CaIgnored = caRecords > 0
 	for _, table := range fsm.Tables() {
-		if table == fsm.TableIndex {
+		if table == fsm.TableIndex || slices.Contains(ownTables, table) {
 			continue
 		}
 		recs, err := next.Records(table)
@@ -92,21 +98,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		if err != nil {
 			return nil, err
 		}
-		switch table {
-		case fsm.TableCA:
-			out.CaIgnored = len(recs) > 0
-			fallthrough
-		case fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements, fsm.TableClusterVersion:
-			// This cluster's own: a CA is never taken from an upload, a
-			// made-up dedupe record or session would answer a later write as done
-			// without applying it, the placement catalog says what
-			// the nodes' backends hold now, which a restore does not
-			// change (the nodes' next listings correct any entry that
-			// moves meanwhile), and the cluster version is what the
-			// cluster's agents run (an archive of another version's
-			// cluster restores into this one's).
-			recs = cur
-		}
+		held[table] = cur
 		if table == fsm.TableConfig || table == fsm.TableConfigHistory {
 			// This cluster's cluster.id and downgrade, and their
 			// history, stay.
@@ -116,6 +108,7 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 				}
 			}
 		}
+		records = slices.Grow(records, len(recs)) // one allocation per table, not a doubling per 2^k records
 		err = joinByKey(table, recs, cur, func(r, held proto.Message) error {
 			if r == nil {
 				return nil
@@ -147,11 +140,11 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 		return nil, fmt.Errorf("%w: the archive's state does not pass the checks of the write path: %w", ErrRestoreRefused, errors.Join(errs...))
 	}
 	index := next.AppliedIndex()
-	if err := scratch.Replace(index, records); err != nil {
+	if err := scratch.ReplaceKeeping(index, records, current, ownTables...); err != nil {
 		return nil, err
 	}
 	final := scratch.State()
-	if err := diffStates(current, final, out); err != nil {
+	if err := diffStates(held, final, out); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
@@ -175,6 +168,17 @@ func (s *SnapshotService) planRestore(ctx context.Context, archived io.Reader, c
 	}
 	return p, nil
 }
+
+// ownTables are the tables a restore keeps as this cluster has them: a CA
+// is never taken from an upload, a made-up dedupe record or session would
+// answer a later write as done without applying it, the placement catalog
+// says what the nodes' backends hold now, which a restore does not change
+// (the nodes' next listings correct any entry that moves meanwhile), and
+// the cluster version is what the cluster's agents run (an archive of
+// another version's cluster restores into this one's). They are neither
+// listed nor compared: the final state holds the very records the current
+// one does.
+var ownTables = []string{fsm.TableCA, fsm.TableDedupe, fsm.TableSessions, fsm.TablePlacements, fsm.TableClusterVersion}
 
 // joinByKey calls fn for every primary key of table in a or b (records in
 // key order, as State.Records returns them) with the record of each list
@@ -275,17 +279,24 @@ func resourceOf(table string) string {
 }
 
 // diffStates counts, per table, the records final adds, removes and
-// changes against current, and names the config keys and resources.
-func diffStates(current, final *fsm.State, out *clusterv1.RestorePlan) error {
+// changes against current (the current state's records of every table
+// but ownTables, listed), and names the config keys and resources.
+func diffStates(current map[string][]proto.Message, final *fsm.State, out *clusterv1.RestorePlan) error {
 	resources := map[string]bool{}
 	for _, table := range fsm.Tables() {
 		if table == fsm.TableIndex {
 			continue
 		}
-		before, err := current.Records(table)
-		if err != nil {
-			return err
+		if slices.Contains(ownTables, table) {
+			// Kept as they are (ReplaceKeeping): only their size.
+			n, err := final.Len(table)
+			if err != nil {
+				return err
+			}
+			out.Tables = append(out.Tables, &clusterv1.TableChange{Table: table, Records: uint64(n)})
+			continue
 		}
+		before := current[table]
 		after, err := final.Records(table)
 		if err != nil {
 			return err

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/metrics"
+	"runtime/pprof"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -27,6 +28,31 @@ import (
 // envSnapshotRecords sets the records of BenchmarkSnapshot (default
 // 100,000).
 const envSnapshotRecords = "PIVIRT_BENCH_SNAPSHOT_RECORDS"
+
+// envSnapshotProfiles names a directory where BenchmarkSnapshot writes the
+// process's allocation profile before and after each step (save.before,
+// save.after, restore.before, ...): `go tool pprof -base X.before
+// X.after` shows what the step allocated, with -memprofilerate setting
+// the sampling.
+const envSnapshotProfiles = "PIVIRT_BENCH_SNAPSHOT_PROFILES"
+
+// profileStep writes the allocation profile to <dir>/<step>.<when> when
+// envSnapshotProfiles names a directory.
+func profileStep(b *testing.B, step, when string) {
+	dir := os.Getenv(envSnapshotProfiles)
+	if dir == "" {
+		return
+	}
+	runtime.GC() // the profile is as of the last collection
+	f, err := os.Create(filepath.Join(dir, step+"."+when))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		b.Fatal(err)
+	}
+}
 
 // BenchmarkSnapshot loads the same records into a 3-node pivirt-agent
 // cluster and a 3-member etcd, then times a snapshot save through each
@@ -99,6 +125,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	// Save, each side through its API into a file.
 	archivePath := filepath.Join(dir, "pivirt.tar.gz")
 	var meta *clusterv1.SnapshotMeta
+	profileStep(b, "save", "before")
 	pivirtSave, pivirtSaveHeap, err := measured(func() error {
 		stream, err := clusterv1.NewSnapshotServiceClient(leaderConn).SaveSnapshot(ctx, &clusterv1.SaveSnapshotRequest{})
 		if err != nil {
@@ -122,6 +149,7 @@ func BenchmarkSnapshot(b *testing.B) {
 			}
 		})
 	})
+	profileStep(b, "save", "after")
 	if err != nil {
 		b.Fatalf("pivirt-agent snapshot save: %v", err)
 	}
@@ -145,9 +173,11 @@ func BenchmarkSnapshot(b *testing.B) {
 	// then until every node holds it: into the cluster it was saved from
 	// (its records are the ones each node holds), and into a new, empty
 	// cluster, where every record is new to every node.
-	restore := func(c *agenttest.Cluster) (toAnswer, allNodes time.Duration, heap uint64, err error) {
+	restore := func(c *agenttest.Cluster, step string) (toAnswer, allNodes time.Duration, heap uint64, err error) {
 		cc := conn(c.Follower())
 		var restoreIndex uint64
+		profileStep(b, step, "before")
+		defer profileStep(b, step, "after")
 		toAnswer, heap, err = measured(func() error {
 			f, err := os.Open(archivePath)
 			if err != nil {
@@ -191,13 +221,13 @@ func BenchmarkSnapshot(b *testing.B) {
 		})
 		return toAnswer, toAnswer + time.Since(start), heap, nil
 	}
-	pivirtRestore, allNodes, pivirtRestoreHeap, err := restore(pc)
+	pivirtRestore, allNodes, pivirtRestoreHeap, err := restore(pc, "restore")
 	if err != nil {
 		b.Fatalf("pivirt-agent snapshot restore: %v", err)
 	}
 	fresh := agenttest.NewExpect(b, 3, nil)
 	fresh.WaitLeader(60 * time.Second)
-	freshRestore, freshAllNodes, freshHeap, err := restore(fresh)
+	freshRestore, freshAllNodes, freshHeap, err := restore(fresh, "restore-new")
 	if err != nil {
 		b.Fatalf("pivirt-agent snapshot restore into a new cluster: %v", err)
 	}
