@@ -20,12 +20,10 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"pilab.hu/pivirt-agent/cmd/internal/agent/agenttest"
 	"pilab.hu/pivirt-agent/fsm"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 	"pilab.hu/pivirt-agent/store/etcdstore"
-	"pilab.hu/pivirt-agent/store/etcdstore/etcdtest"
 )
 
 // BenchmarkEtcdModeBreakdown says where one registration's time and etcd
@@ -45,11 +43,7 @@ func BenchmarkEtcdModeBreakdown(b *testing.B) {
 	set := knobs(b)
 	out := os.Stdout
 	ctx := b.Context()
-	ec := etcdtest.Start(b, 3)
-	etcd := ec.Client(b)
-	etcdtest.WaitWritable(b, etcd)
-	pc := agenttest.NewEtcd(b, 3, ec.Endpoints, nil)
-	pc.WaitLeader(60 * time.Second)
+	ec, etcd, pc := startEtcdMode(b)
 	cc, err := grpc.NewClient(pc.Nodes()[0].APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		b.Fatal(err)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
@@ -34,11 +35,7 @@ func BenchmarkEtcdMode(b *testing.B) {
 	set := knobs(b)
 	out := os.Stdout
 	ctx := b.Context()
-	ec := etcdtest.Start(b, 3)
-	etcd := ec.Client(b)
-	etcdtest.WaitWritable(b, etcd)
-	pc := agenttest.NewEtcd(b, 3, ec.Endpoints, nil)
-	pc.WaitLeader(60 * time.Second)
+	_, etcd, pc := startEtcdMode(b)
 	var api []clusterv1.ClusterServiceClient
 	for _, n := range pc.Nodes() {
 		cc, err := grpc.NewClient(n.APIAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -116,4 +113,15 @@ func p99ms(s []sample) float64 {
 	}
 	slices.Sort(all)
 	return float64(all[len(all)*99/100].Microseconds()) / 1000
+}
+
+// startEtcdMode starts a 3-member etcd and 3 agents in etcd mode on it,
+// with a leader elected.
+func startEtcdMode(b *testing.B) (*etcdtest.Cluster, *clientv3.Client, *agenttest.Cluster) {
+	ec := etcdtest.Start(b, 3)
+	etcd := ec.Client(b)
+	etcdtest.WaitWritable(b, etcd)
+	pc := agenttest.NewEtcd(b, 3, ec.Endpoints, nil)
+	pc.WaitLeader(60 * time.Second)
+	return ec, etcd, pc
 }
