@@ -21,6 +21,15 @@ var placementKinds = []string{"virtualmachines", "volumes", "networks"}
 // PlacementKinds returns the kinds a placement may have.
 func PlacementKinds() []string { return slices.Clone(placementKinds) }
 
+// internKind returns placementKinds' own copy of kind, so that the catalog's
+// records share three strings instead of holding one each.
+func internKind(kind string) string {
+	if i := slices.Index(placementKinds, kind); i >= 0 {
+		return placementKinds[i]
+	}
+	return kind
+}
+
 // placementKey is the map key of a (kind, id) pair.
 func placementKey(kind, id string) string { return kind + "\x00" + id }
 
@@ -116,7 +125,7 @@ func (f *FSM) applySetPlacements(t *writeTxn, cmd *fsmv1.Command) (proto.Message
 		if old != nil && old.GetNode() == node {
 			continue
 		}
-		puts = append(puts, &fsmv1.Placement{Kind: e.GetKind(), Id: e.GetId(), Node: node})
+		puts = append(puts, &fsmv1.Placement{Kind: internKind(e.GetKind()), Id: e.GetId(), Node: node})
 	}
 	for _, e := range deletes {
 		old, err := lookup[*fsmv1.Placement](t, TablePlacements, e.GetKind(), e.GetId())

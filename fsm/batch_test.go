@@ -386,7 +386,7 @@ func diffResult(got, want *Result) string {
 func checkDedupeHead(t testing.TB, f *FSM) {
 	t.Helper()
 	if hq := f.head; hq.valid {
-		it, err := f.State().txn.Get(TableDedupe, indexID)
+		it, err := tget(f.State().txn, TableDedupe, indexID)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -400,7 +400,7 @@ func checkDedupeHead(t testing.TB, f *FSM) {
 	if !q.valid {
 		return
 	}
-	it, err := f.State().txn.Get(TableSessions, indexID)
+	it, err := tget(f.State().txn, TableSessions, indexID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -479,7 +479,7 @@ func TestApplyBatchMatchesApply(t *testing.T) {
 					rejected++
 				}
 				if i%50 == 0 {
-					it, _ := states[i].txn.Get(TableSessions, indexID)
+					it, _ := tget(states[i].txn, TableSessions, indexID)
 					n := 0
 					for _, s := range collect[*session](it) {
 						n += len(s.outcomes)

@@ -98,7 +98,7 @@ func hashState(txn *memdb.Txn, index uint64, v Version) (*StateHash, error) {
 	)
 	for _, t := range tableDefs {
 		th := TableHash{Name: t.name}
-		it, err := txn.Get(t.name, indexID)
+		it, err := tget(txn, t.name, indexID)
 		if err != nil {
 			return nil, fmt.Errorf("hash %s: %w", t.name, err)
 		}

@@ -207,7 +207,7 @@ func (t *writeTxn) dropTablesAbove(v Version) error {
 		}
 		n := tableNum(name)
 		t.changed[n] = 0
-		row, err := t.txn.First(TableIndex, indexID, name)
+		row, err := tfirst(t.txn, TableIndex, indexID, name)
 		if err != nil {
 			return fmt.Errorf("read %s: %w", TableIndex, err)
 		}
@@ -215,7 +215,7 @@ func (t *writeTxn) dropTablesAbove(v Version) error {
 			continue
 		}
 		t.writes++
-		if err := t.txn.Delete(TableIndex, row); err != nil {
+		if err := tdelete(t.txn, TableIndex, row); err != nil {
 			return fmt.Errorf("delete from %s: %w", TableIndex, err)
 		}
 	}

@@ -20,7 +20,7 @@ import (
 // dedupeCount is the number of outcomes the sessions keep.
 func dedupeCount(t *testing.T, h *harness) int {
 	t.Helper()
-	it, err := h.f.State().txn.Get(TableSessions, indexID)
+	it, err := tget(h.f.State().txn, TableSessions, indexID)
 	if err != nil {
 		t.Fatal(err)
 	}

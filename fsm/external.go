@@ -206,13 +206,9 @@ func (s *State) Len(table string) (int, error) {
 	if n := tableNum(table); n < 0 || table == TableIndex {
 		return 0, fmt.Errorf("unknown table %q", table)
 	}
-	it, err := s.txn.Get(table, indexID)
+	n, err := tlen(s.txn, table)
 	if err != nil {
 		return 0, fmt.Errorf("read %s: %w", table, err)
-	}
-	n := 0
-	for obj := it.Next(); obj != nil; obj = it.Next() {
-		n++
 	}
 	return n, nil
 }
@@ -222,7 +218,7 @@ func (s *State) Records(table string) ([]proto.Message, error) {
 	if n := tableNum(table); n < 0 || table == TableIndex {
 		return nil, fmt.Errorf("unknown table %q", table)
 	}
-	it, err := s.txn.Get(table, indexID)
+	it, err := tget(s.txn, table, indexID)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", table, err)
 	}

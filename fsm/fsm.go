@@ -116,7 +116,7 @@ func New(cfg Config) (*FSM, error) {
 	}
 	if cfg.InitialVersion != Version0_0 {
 		txn := f.db.Txn(true)
-		if err := txn.Insert(TableClusterVersion, &fsmv1.ClusterVersion{Major: cfg.InitialVersion.Major, Minor: cfg.InitialVersion.Minor}); err != nil {
+		if err := tinsert(txn, TableClusterVersion, &fsmv1.ClusterVersion{Major: cfg.InitialVersion.Major, Minor: cfg.InitialVersion.Minor}); err != nil {
 			txn.Abort()
 			return nil, fmt.Errorf("initial version: %w", err)
 		}
@@ -983,7 +983,7 @@ func (f *FSM) dedupeExpired(rec *fsmv1.DedupeRecord, now time.Time) bool {
 
 // first returns the first record of an index lookup, or the zero T.
 func first[T any](txn *memdb.Txn, table, index string, args ...any) (T, error) {
-	obj, err := txn.First(table, index, args...)
+	obj, err := tfirst(txn, table, index, args...)
 	return asRecord[T](table, obj, err)
 }
 

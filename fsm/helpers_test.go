@@ -122,7 +122,7 @@ func dumpTablesWith(t testing.TB, f *FSM, noDigests bool) map[string][]string {
 	txn := f.State().txn
 	out := make(map[string][]string)
 	for _, td := range tableDefs {
-		it, err := txn.Get(td.name, indexID)
+		it, err := tget(txn, td.name, indexID)
 		if err != nil {
 			t.Fatalf("read %s: %v", td.name, err)
 		}

@@ -87,7 +87,7 @@ type dedupeQueue struct {
 
 // load rebuilds the queue from the dedupe table of t.
 func (q *dedupeQueue) load(t *writeTxn) error {
-	it, err := t.txn.Get(TableDedupe, indexID)
+	it, err := tget(t.txn, TableDedupe, indexID)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", TableDedupe, err)
 	}

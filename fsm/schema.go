@@ -345,12 +345,18 @@ func tableDefByName(name string) (tableDef, bool) {
 	return tableDefs[i], true
 }
 
-// schema is the memdb schema built from tableDefs.
+// schema is the memdb schema built from tableDefs (the compact tables
+// have a row of tableCompact instead of tables of their own).
 var schema = func() *memdb.DBSchema {
 	s := &memdb.DBSchema{Tables: make(map[string]*memdb.TableSchema, len(tableDefs))}
 	for _, t := range tableDefs {
-		s.Tables[t.name] = &memdb.TableSchema{Name: t.name, Indexes: t.indexes}
+		if !isCompact(t.name) {
+			s.Tables[t.name] = &memdb.TableSchema{Name: t.name, Indexes: t.indexes}
+		}
 	}
+	s.Tables[tableCompact] = &memdb.TableSchema{Name: tableCompact, Indexes: indexes(
+		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(r *compactRow) string { return r.Table }))},
+	)}
 	s.Tables[tableServiceIndex] = &memdb.TableSchema{Name: tableServiceIndex, Indexes: indexes(
 		&memdb.IndexSchema{Name: indexID, Unique: true, Indexer: keyIndex(strField(func(e *serviceIndexEntry) string { return e.Service }))},
 	)}

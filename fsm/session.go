@@ -358,7 +358,7 @@ func compareUse(a, b sessionUse) int {
 
 // load rebuilds the queue from the sessions table of t.
 func (q *sessionQueue) load(t *writeTxn) error {
-	it, err := t.txn.Get(TableSessions, indexID)
+	it, err := tget(t.txn, TableSessions, indexID)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", TableSessions, err)
 	}

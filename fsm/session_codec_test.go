@@ -253,7 +253,7 @@ func TestRecordOptsEncodeDeterministically(t *testing.T) {
 // sessionPointers returns the sessions f holds.
 func sessionPointers(t *testing.T, f *FSM) []*session {
 	t.Helper()
-	it, err := f.State().txn.Get(TableSessions, indexID)
+	it, err := tget(f.State().txn, TableSessions, indexID)
 	if err != nil {
 		t.Fatal(err)
 	}

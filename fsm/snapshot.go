@@ -157,7 +157,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	var sessionSizes map[*session]int
 	var nonEmpty []string
 	for _, t := range tableDefs {
-		it, err := txn.Get(t.name, indexID)
+		it, err := tget(txn, t.name, indexID)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot: count %s: %w", t.name, err)
 		}
@@ -190,7 +190,7 @@ func planSnapshot(txn *memdb.Txn, lastIndex uint64, sized bool, drop ...string) 
 	// A table named by an index row is in use too, even when empty (a
 	// Restored command touches every table): an older reader would
 	// refuse the row.
-	it, err := txn.Get(TableIndex, indexID)
+	it, err := tget(txn, TableIndex, indexID)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot: read %s: %w", TableIndex, err)
 	}
@@ -259,7 +259,7 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 		var it memdb.ResultIterator
 		if s.records != nil {
 			it = &sliceIterator{recs: s.records[i]}
-		} else if it, err = s.txn.Get(t.name, indexID); err != nil {
+		} else if it, err = tget(s.txn, t.name, indexID); err != nil {
 			return cw.n, fmt.Errorf("snapshot: read %s: %w", t.name, err)
 		}
 		var n uint64
@@ -312,9 +312,10 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 type sliceIterator struct {
 	recs []any
 	next int
+	ch   <-chan struct{} // fires when the records' table changes, if set
 }
 
-func (it *sliceIterator) WatchCh() <-chan struct{} { return nil }
+func (it *sliceIterator) WatchCh() <-chan struct{} { return it.ch }
 
 func (it *sliceIterator) Next() any {
 	if it.next == len(it.recs) {
@@ -698,7 +699,7 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 		listed[t.name] = true
 		m := tableMerge{table: t, ix: idIndexers[tableNum(t.name)], txn: wtxn}
 		if base != nil {
-			if m.it, err = old.Get(t.name, indexID); err != nil {
+			if m.it, err = tget(old, t.name, indexID); err != nil {
 				return nil, nil, nil, fmt.Errorf("read %s: %w", t.name, err)
 			}
 			if err = m.advance(); err != nil {
@@ -776,7 +777,7 @@ func readSnapshot(r io.Reader, base *memdb.MemDB) (txn *memdb.Txn, hdr *fsmv1.Sn
 	// is derived, and replaceDB sets its base row.
 	for _, t := range append(Tables(), tableServiceIndex) {
 		if !listed[t] {
-			if _, err := wtxn.DeleteAll(t, indexID); err != nil {
+			if _, err := tdeleteAll(wtxn, t, indexID); err != nil {
 				return nil, nil, nil, fmt.Errorf("clear %s: %w", t, err)
 			}
 		}
@@ -878,7 +879,7 @@ func (m *tableMerge) put(obj any, i uint64) error {
 			break
 		}
 		if c < 0 {
-			if err := m.txn.Delete(m.table.name, m.cur); err != nil {
+			if err := tdelete(m.txn, m.table.name, m.cur); err != nil {
 				return fmt.Errorf("delete from %s: %w", m.table.name, err)
 			}
 		}
@@ -886,7 +887,7 @@ func (m *tableMerge) put(obj any, i uint64) error {
 			return err
 		}
 	}
-	if err := m.txn.Insert(m.table.name, obj); err != nil {
+	if err := tinsert(m.txn, m.table.name, obj); err != nil {
 		return fmt.Errorf("%w: %s record %d: %w", ErrCorruptSnapshot, m.table.name, i, err)
 	}
 	return nil
@@ -895,7 +896,7 @@ func (m *tableMerge) put(obj any, i uint64) error {
 // rest deletes the records held before that the snapshot does not have.
 func (m *tableMerge) rest() error {
 	for m.cur != nil {
-		if err := m.txn.Delete(m.table.name, m.cur); err != nil {
+		if err := tdelete(m.txn, m.table.name, m.cur); err != nil {
 			return fmt.Errorf("delete from %s: %w", m.table.name, err)
 		}
 		if err := m.advance(); err != nil {
@@ -939,7 +940,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 			if n < 0 || table == TableIndex {
 				return fmt.Errorf("replace: unknown table %q", table)
 			}
-			it, err := keep.from.txn.Get(table, indexID)
+			it, err := tget(keep.from.txn, table, indexID)
 			if err != nil {
 				return fmt.Errorf("replace: read %s: %w", table, err)
 			}
@@ -980,7 +981,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 		slices.SortStableFunc(recs, func(a, b keyed) int { return bytes.Compare(a.key, b.key) })
 		m := tableMerge{table: t, ix: idIndexers[n], txn: txn}
 		var err error
-		if m.it, err = old.Get(t.name, indexID); err != nil {
+		if m.it, err = tget(old, t.name, indexID); err != nil {
 			return fail(err)
 		}
 		if err := m.advance(); err != nil {
@@ -1005,7 +1006,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 				if bytes.Compare(ck, r.key) >= 0 {
 					break
 				}
-				if err := txn.Delete(t.name, m.cur); err != nil {
+				if err := tdelete(txn, t.name, m.cur); err != nil {
 					return fail(err)
 				}
 				if err := m.advance(); err != nil {
@@ -1028,7 +1029,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 					continue
 				}
 			}
-			if err := txn.Insert(t.name, r.rec); err != nil {
+			if err := tinsert(txn, t.name, r.rec); err != nil {
 				return fail(fmt.Errorf("insert into %s: %w", t.name, err))
 			}
 		}
@@ -1036,7 +1037,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 			return fail(err)
 		}
 	}
-	if _, err := txn.DeleteAll(TableIndex, indexID); err != nil {
+	if _, err := tdeleteAll(txn, TableIndex, indexID); err != nil {
 		return fail(err)
 	}
 	// Index rows only for the tables the state's version has (or that got
@@ -1052,11 +1053,11 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 		if t.name == TableIndex || (!tableAt(t.name, v) && len(byTable[n]) == 0) {
 			continue
 		}
-		if err := txn.Insert(TableIndex, &indexEntry{Table: t.name, Value: index}); err != nil {
+		if err := tinsert(txn, TableIndex, &indexEntry{Table: t.name, Value: index}); err != nil {
 			return fail(err)
 		}
 	}
-	if _, err := txn.DeleteAll(tableServiceIndex, indexID); err != nil {
+	if _, err := tdeleteAll(txn, tableServiceIndex, indexID); err != nil {
 		return fail(err)
 	}
 	return f.replaceDB(txn, db, index)
@@ -1065,7 +1066,7 @@ func (f *FSM) replaceRecords(index uint64, records []TableRecord, keep *kept) er
 // holdsExactly reports whether table holds exactly recs, the same
 // objects in the same order, as txn reads it.
 func holdsExactly(txn *memdb.Txn, table string, recs []any) (bool, error) {
-	it, err := txn.Get(table, indexID)
+	it, err := tget(txn, table, indexID)
 	if err != nil {
 		return false, err
 	}
@@ -1110,7 +1111,7 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 	// A restore merged in place leaves the derived rows of the state it
 	// replaced: they are rebuilt from the services table.
 	for _, t := range []string{tableServiceCounts, tableServiceDeadlines, tableServiceChecks} {
-		if _, err := txn.DeleteAll(t, indexID); err != nil {
+		if _, err := tdeleteAll(txn, t, indexID); err != nil {
 			txn.Abort()
 			return fmt.Errorf("clear %s: %w", t, err)
 		}

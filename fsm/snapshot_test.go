@@ -577,7 +577,7 @@ func TestInspectSnapshot(t *testing.T) {
 	st := h.f.State()
 	var total uint64
 	for _, ti := range info.Tables {
-		it, err := st.txn.Get(ti.Name, indexID)
+		it, err := tget(st.txn, ti.Name, indexID)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -619,8 +619,8 @@ func TestRestoredCommand(t *testing.T) {
 		if got := st.Index(table); got != res.Index {
 			t.Errorf("index of %s = %d, want %d", table, got, res.Index)
 		}
-		a, _ := before.txn.Get(table, indexID)
-		b, _ := st.txn.Get(table, indexID)
+		a, _ := tget(before.txn, table, indexID)
+		b, _ := tget(st.txn, table, indexID)
 		for x, y := a.Next(), b.Next(); x != nil || y != nil; x, y = a.Next(), b.Next() {
 			if x != y {
 				t.Fatalf("table %s changed", table)

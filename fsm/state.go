@@ -105,7 +105,7 @@ func (s *State) WatchService(ws memdb.WatchSet, service string) (uint64, error) 
 // reads counts kept by every write, one row per (service, health), not the
 // instances.
 func (s *State) ServiceCounts() []ServiceCount {
-	it, err := s.txn.Get(tableServiceCounts, indexID)
+	it, err := tget(s.txn, tableServiceCounts, indexID)
 	if err != nil {
 		return nil
 	}
@@ -131,7 +131,7 @@ func (s *State) watch(ws memdb.WatchSet, ch <-chan struct{}) {
 
 // list runs a Get and collects the records.
 func list[T any](s *State, ws memdb.WatchSet, table, index string, args ...any) ([]T, error) {
-	it, err := s.txn.Get(table, index, args...)
+	it, err := tget(s.txn, table, index, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", table, err)
 	}
@@ -194,7 +194,7 @@ func (s *State) ChecksByNode(node string, ws memdb.WatchSet) ([]CheckEntry, erro
 		s.watch(ws, nil)
 		return nil, nil
 	}
-	it, err := s.txn.Get(tableServiceChecks, indexIDPrefix, node)
+	it, err := tget(s.txn, tableServiceChecks, indexIDPrefix, node)
 	if err != nil {
 		return nil, fmt.Errorf("read the checks of node %q: %w", node, err)
 	}
@@ -240,7 +240,7 @@ func (s *State) CriticalExpired(now time.Time) []*clusterv1.ServiceInstance {
 // and stops at the first deadline not due, so its cost is the instances
 // due, not every instance.
 func (s *State) due(kind string, now time.Time) []*clusterv1.ServiceInstance {
-	it, err := s.txn.Get(tableServiceDeadlines, indexIDPrefix, kind)
+	it, err := tget(s.txn, tableServiceDeadlines, indexIDPrefix, kind)
 	if err != nil {
 		return nil
 	}
@@ -376,7 +376,7 @@ func (s *State) WatchRuns(ws memdb.WatchSet, scheduleID string) (uint64, error) 
 	if !ok {
 		return s.Index(TableSchedules), nil
 	}
-	it, err := s.txn.Get(TableScheduleRuns, indexIDPrefix, scheduleID)
+	it, err := tget(s.txn, TableScheduleRuns, indexIDPrefix, scheduleID)
 	if err != nil {
 		return 0, fmt.Errorf("watch runs of schedule %q: %w", scheduleID, err)
 	}

@@ -209,7 +209,7 @@ func (t *writeTxn) insert(table string, obj any) error {
 			return err
 		}
 	}
-	if err := t.txn.Insert(table, obj); err != nil {
+	if err := tinsert(t.txn, table, obj); err != nil {
 		return fmt.Errorf("insert into %s: %w", table, err)
 	}
 	t.changed[n] = t.index
@@ -228,7 +228,7 @@ func (t *writeTxn) delete(table string, obj any) error {
 			return err
 		}
 	}
-	if err := t.txn.Delete(table, obj); err != nil {
+	if err := tdelete(t.txn, table, obj); err != nil {
 		return fmt.Errorf("delete from %s: %w", table, err)
 	}
 	t.changed[n] = t.index
@@ -258,10 +258,10 @@ func (t *writeTxn) currentService(obj any) *clusterv1.ServiceInstance {
 		if w, found := t.overlay[servicesNum][string(key)]; found {
 			v = w
 		} else {
-			v, _ = t.base.First(TableServices, indexID, inst.GetService(), inst.GetInstanceId())
+			v, _ = tfirst(t.base, TableServices, indexID, inst.GetService(), inst.GetInstanceId())
 		}
 	} else {
-		v, _ = t.txn.First(TableServices, indexID, inst.GetService(), inst.GetInstanceId())
+		v, _ = tfirst(t.txn, TableServices, indexID, inst.GetService(), inst.GetInstanceId())
 	}
 	cur, _ := v.(*clusterv1.ServiceInstance)
 	return cur
@@ -285,12 +285,12 @@ func (t *writeTxn) serviceReplaced(o *clusterv1.ServiceInstance, new any) error 
 	if oc, wc := o.GetCheck(), w.GetCheck(); oc != nil || wc != nil {
 		if oc == nil || wc == nil || o.GetNode() != w.GetNode() || !proto.Equal(oc, wc) {
 			if old := checkEntry(o); old != nil {
-				if _, err := t.txn.DeleteAll(tableServiceChecks, indexID, old.Node, old.Service, old.Instance); err != nil {
+				if _, err := tdeleteAll(t.txn, tableServiceChecks, indexID, old.Node, old.Service, old.Instance); err != nil {
 					return fmt.Errorf("update the check of %s/%s: %w", o.GetService(), o.GetInstanceId(), err)
 				}
 			}
 			if row := checkEntry(w); row != nil {
-				if err := t.txn.Insert(tableServiceChecks, row); err != nil {
+				if err := tinsert(t.txn, tableServiceChecks, row); err != nil {
 					return fmt.Errorf("update the check of %s/%s: %w", w.GetService(), w.GetInstanceId(), err)
 				}
 			}
@@ -311,12 +311,12 @@ func (t *writeTxn) serviceReplaced(o *clusterv1.ServiceInstance, new any) error 
 			continue
 		}
 		if hadOne {
-			if _, err := t.txn.DeleteAll(tableServiceDeadlines, indexID, d.kind, was, o.GetService(), o.GetInstanceId()); err != nil {
+			if _, err := tdeleteAll(t.txn, tableServiceDeadlines, indexID, d.kind, was, o.GetService(), o.GetInstanceId()); err != nil {
 				return fmt.Errorf("update the %s deadline of %s/%s: %w", d.kind, o.GetService(), o.GetInstanceId(), err)
 			}
 		}
 		if hasOne {
-			if err := t.txn.Insert(tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(is), Service: w.GetService(), Instance: w.GetInstanceId()}); err != nil {
+			if err := tinsert(t.txn, tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(is), Service: w.GetService(), Instance: w.GetInstanceId()}); err != nil {
 				return fmt.Errorf("update the %s deadline of %s/%s: %w", d.kind, w.GetService(), w.GetInstanceId(), err)
 			}
 		}
@@ -339,9 +339,9 @@ func (t *writeTxn) serviceChanged(obj any) error {
 func putServiceCount(txn *memdb.Txn, c *ServiceCount) error {
 	var err error
 	if c.Instances > 0 {
-		err = txn.Insert(tableServiceCounts, c)
+		err = tinsert(txn, tableServiceCounts, c)
 	} else {
-		_, err = txn.DeleteAll(tableServiceCounts, indexID, c.Service, uint64(c.Health))
+		_, err = tdeleteAll(txn, tableServiceCounts, indexID, c.Service, uint64(c.Health))
 	}
 	if err != nil {
 		return fmt.Errorf("update the instance count of service %q: %w", c.Service, err)
@@ -354,7 +354,7 @@ func putServiceCount(txn *memdb.Txn, c *ServiceCount) error {
 // the services table of txn, whose derived rows are empty (a restored or
 // replaced state).
 func deriveServices(txn *memdb.Txn) error {
-	it, err := txn.Get(TableServices, indexID)
+	it, err := tget(txn, TableServices, indexID)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", TableServices, err)
 	}
@@ -366,13 +366,13 @@ func deriveServices(txn *memdb.Txn) error {
 		}
 		counts[serviceHealth{inst.GetService(), inst.GetHealth()}]++
 		if row := checkEntry(inst); row != nil {
-			if err := txn.Insert(tableServiceChecks, row); err != nil {
+			if err := tinsert(txn, tableServiceChecks, row); err != nil {
 				return fmt.Errorf("add the check of %s/%s: %w", inst.GetService(), inst.GetInstanceId(), err)
 			}
 		}
 		for _, d := range deadlines {
 			if at, ok := d.of(inst); ok {
-				if err := txn.Insert(tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(at), Service: inst.GetService(), Instance: inst.GetInstanceId()}); err != nil {
+				if err := tinsert(txn, tableServiceDeadlines, &deadlineEntry{Kind: d.kind, At: timestamppb.New(at), Service: inst.GetService(), Instance: inst.GetInstanceId()}); err != nil {
 					return fmt.Errorf("add the %s deadline of %s/%s: %w", d.kind, inst.GetService(), inst.GetInstanceId(), err)
 				}
 			}
@@ -388,7 +388,7 @@ func deriveServices(txn *memdb.Txn) error {
 
 // setServiceIndex writes a row of tableServiceIndex.
 func setServiceIndex(txn *memdb.Txn, service string, index uint64) error {
-	if err := txn.Insert(tableServiceIndex, &serviceIndexEntry{Service: service, Value: index}); err != nil {
+	if err := tinsert(txn, tableServiceIndex, &serviceIndexEntry{Service: service, Value: index}); err != nil {
 		return fmt.Errorf("update index of service %q: %w", service, err)
 	}
 	return nil
@@ -429,7 +429,7 @@ func (t *writeTxn) get(table string, args ...any) (any, error) {
 		t.reads = append(t.reads, Read{Table: table, Args: slices.Clone(args)})
 	}
 	if t.noOverlay[n] {
-		return t.txn.First(table, indexID, args...)
+		return tfirst(t.txn, table, indexID, args...)
 	}
 	if m := t.overlay[n]; len(m) > 0 {
 		key, err := idIndexers[n].FromArgs(args...)
@@ -440,7 +440,7 @@ func (t *writeTxn) get(table string, args ...any) (any, error) {
 			return obj, nil
 		}
 	}
-	return t.base.First(table, indexID, args...)
+	return tfirst(t.base, table, indexID, args...)
 }
 
 // lookup returns the record of table whose primary key is args, or the zero
@@ -453,7 +453,7 @@ func lookup[T any](t *writeTxn, table string, args ...any) (T, error) {
 // scan returns the records of an index range, read through the write
 // transaction.
 func scan[T any](t *writeTxn, table, index string, args ...any) ([]T, error) {
-	it, err := t.txn.Get(table, index, args...)
+	it, err := tget(t.txn, table, index, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", table, err)
 	}
@@ -478,7 +478,7 @@ func (t *writeTxn) updateIndexes() error {
 		// Count rows are written here only, once per key: the state the
 		// transaction started from holds the count before it.
 		n := d
-		if obj, err := t.base.First(tableServiceCounts, indexID, k.service, uint64(k.health)); err == nil && obj != nil {
+		if obj, err := tfirst(t.base, tableServiceCounts, indexID, k.service, uint64(k.health)); err == nil && obj != nil {
 			n += obj.(*ServiceCount).Instances
 		}
 		if err := putServiceCount(t.txn, &ServiceCount{Service: k.service, Health: k.health, Instances: n}); err != nil {
@@ -490,7 +490,7 @@ func (t *writeTxn) updateIndexes() error {
 			continue
 		}
 		name := tableDefs[n].name
-		if err := t.txn.Insert(TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
+		if err := tinsert(t.txn, TableIndex, &indexEntry{Table: name, Value: index}); err != nil {
 			return fmt.Errorf("update index of %s: %w", name, err)
 		}
 	}
