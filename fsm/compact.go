@@ -8,6 +8,7 @@ import (
 	"github.com/google/btree"
 	"github.com/hashicorp/go-memdb"
 
+	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	fsmv1 "pilab.hu/pivirt-agent/proto/pivirt/fsm/v1"
 )
 
@@ -40,14 +41,107 @@ import (
 // table, one compactRow per table. It is not part of snapshots.
 const tableCompact = "compact"
 
+// compactTable describes a compact table: its primary key, string fields
+// only, and at most one secondary index, a string field followed by the
+// primary key.
+type compactTable struct {
+	name string
+	// fields is the number of fields of the primary key.
+	fields int
+	// key returns the primary key of a record, false for a record of
+	// another type.
+	key func(obj any) (compactKey, bool)
+	// second names the secondary index ("": none) and secondKey returns
+	// its field ("": the record is not in it, as memdb leaves a record
+	// with a missing field out of an index).
+	second    string
+	secondKey func(obj any) string
+}
+
+// compactKey holds the fields of a primary key.
+type compactKey [2]string
+
+// compactProbe is the key a lookup searches by: its leading fields set.
+type compactProbe struct {
+	key    compactKey
+	second string
+}
+
+// compactTables are the compact tables by name: the two big ones.
+var compactTables = map[string]*compactTable{
+	TablePlacements: {
+		name:   TablePlacements,
+		fields: 2,
+		key: func(obj any) (compactKey, bool) {
+			p, ok := obj.(*fsmv1.Placement)
+			if !ok {
+				return compactKey{}, false
+			}
+			return compactKey{p.Kind, p.Id}, true
+		},
+		second: indexNode,
+		secondKey: func(obj any) string {
+			if p, ok := obj.(*fsmv1.Placement); ok {
+				return p.Node
+			}
+			return ""
+		},
+	},
+	TableServices: {
+		name:   TableServices,
+		fields: 2,
+		key: func(obj any) (compactKey, bool) {
+			inst, ok := obj.(*clusterv1.ServiceInstance)
+			if !ok {
+				return compactKey{}, false
+			}
+			return compactKey{inst.Service, inst.InstanceId}, true
+		},
+	},
+}
+
 // isCompact reports whether table is kept in a compact table.
-func isCompact(table string) bool { return table == TablePlacements }
+func isCompact(table string) bool { return compactTables[table] != nil }
+
+// keyOf returns the primary key of a record or probe.
+func (c *compactTable) keyOf(obj any) compactKey {
+	if p, ok := obj.(*compactProbe); ok {
+		return p.key
+	}
+	k, _ := c.key(obj)
+	return k
+}
+
+func (c *compactTable) secondOf(obj any) string {
+	if p, ok := obj.(*compactProbe); ok {
+		return p.second
+	}
+	return c.secondKey(obj)
+}
+
+func (c *compactTable) less(a, b any) bool {
+	ka, kb := c.keyOf(a), c.keyOf(b)
+	for i := range c.fields {
+		if ka[i] != kb[i] {
+			return ka[i] < kb[i]
+		}
+	}
+	return false
+}
+
+func (c *compactTable) lessSecond(a, b any) bool {
+	if sa, sb := c.secondOf(a), c.secondOf(b); sa != sb {
+		return sa < sb
+	}
+	return c.less(a, b)
+}
 
 // compactRow holds a compact table's trees as of one transaction: the
-// placement catalog by (kind, ID), and by (node, kind, ID) for the
-// records that have a node.
+// records by primary key, and by the secondary index's field then the
+// primary key for the records that have it.
 type compactRow struct {
 	Table string
+	def   *compactTable
 	// owner is the write transaction that made this row and may change
 	// its trees; nil (or any other transaction) means read-only.
 	owner *memdb.Txn
@@ -55,49 +149,44 @@ type compactRow struct {
 	// copy-on-write context, and writers of two databases sharing these
 	// trees (a database and its memdb snapshot) may clone at once. Reads
 	// never touch that context.
-	mu           *sync.Mutex
-	byID, byNode *btree.BTreeG[*fsmv1.Placement]
+	mu             *sync.Mutex
+	byID, bySecond *btree.BTreeG[any]
 }
 
 // compactDegree is the B-trees' degree: nodes of 15–31 records; a write
 // copies one node per level.
 const compactDegree = 16
 
-func placementLessID(a, b *fsmv1.Placement) bool {
-	if a.Kind != b.Kind {
-		return a.Kind < b.Kind
+func newCompactRow(def *compactTable) *compactRow {
+	r := &compactRow{Table: def.name, def: def, mu: new(sync.Mutex), byID: btree.NewG(compactDegree, def.less)}
+	if def.second != "" {
+		r.bySecond = btree.NewG(compactDegree, def.lessSecond)
 	}
-	return a.Id < b.Id
+	return r
 }
 
-func placementLessNode(a, b *fsmv1.Placement) bool {
-	if a.Node != b.Node {
-		return a.Node < b.Node
+// emptyCompact holds the row of each compact table that has none yet.
+// They are only read: a writer starts from a new row.
+var emptyCompact = func() map[string]*compactRow {
+	m := make(map[string]*compactRow, len(compactTables))
+	for name, def := range compactTables {
+		m[name] = newCompactRow(def)
 	}
-	return placementLessID(a, b)
-}
-
-func newCompactRow(table string) *compactRow {
-	return &compactRow{
-		Table:  table,
-		mu:     new(sync.Mutex),
-		byID:   btree.NewG(compactDegree, placementLessID),
-		byNode: btree.NewG(compactDegree, placementLessNode),
-	}
-}
-
-// emptyCompact is the row of a compact table that has none yet. It is only
-// read: a writer starts from a new row.
-var emptyCompact = newCompactRow(TablePlacements)
+	return m
+}()
 
 // clone returns a copy of r's trees that shares their nodes.
 func (r *compactRow) clone() *compactRow {
-	if r == emptyCompact {
-		return newCompactRow(r.Table)
+	if r == emptyCompact[r.Table] {
+		return newCompactRow(r.def)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return &compactRow{Table: r.Table, mu: new(sync.Mutex), byID: r.byID.Clone(), byNode: r.byNode.Clone()}
+	c := &compactRow{Table: r.Table, def: r.def, mu: new(sync.Mutex), byID: r.byID.Clone()}
+	if r.bySecond != nil {
+		c.bySecond = r.bySecond.Clone()
+	}
+	return c
 }
 
 // compactRead returns the row of a compact table as txn sees it, and the
@@ -108,7 +197,7 @@ func compactRead(txn *memdb.Txn, table string) (*compactRow, <-chan struct{}, er
 		return nil, nil, fmt.Errorf("read %s: %w", table, err)
 	}
 	if obj == nil {
-		return emptyCompact, ch, nil
+		return emptyCompact[table], ch, nil
 	}
 	return obj.(*compactRow), ch, nil
 }
@@ -132,72 +221,73 @@ func compactWrite(txn *memdb.Txn, table string) (*compactRow, error) {
 	return w, nil
 }
 
-// placementArg returns the record to look up by the key fields args (kind,
-// then ID, then nothing) and how many were given.
-func placementArgs(index string, args []any) (*fsmv1.Placement, int, error) {
-	var fields []*string
-	p := &fsmv1.Placement{}
-	switch index {
-	case indexID, indexIDPrefix:
-		fields = []*string{&p.Kind, &p.Id}
-	case indexNode:
-		fields = []*string{&p.Node}
+// probe returns the probe of a lookup by index with the leading key
+// fields args, and how many were given.
+func (c *compactTable) probe(index string, args []any) (*compactProbe, int, error) {
+	limit, second := c.fields, false
+	switch {
+	case index == indexID || index == indexIDPrefix:
+	case index == c.second && c.second != "":
+		limit, second = 1, true
 	default:
-		return nil, 0, fmt.Errorf("read %s: no index %q", TablePlacements, index)
+		return nil, 0, fmt.Errorf("read %s: no index %q", c.name, index)
 	}
-	if len(args) > len(fields) {
-		return nil, 0, fmt.Errorf("read %s: index %s: %d arguments, at most %d", TablePlacements, index, len(args), len(fields))
+	if len(args) > limit {
+		return nil, 0, fmt.Errorf("read %s: index %s: %d arguments, at most %d", c.name, index, len(args), limit)
 	}
+	p := &compactProbe{}
 	for i, a := range args {
 		s, ok := a.(string)
 		if !ok {
-			return nil, 0, fmt.Errorf("read %s: index %s: argument %d of type %T, want string", TablePlacements, index, i, a)
+			return nil, 0, fmt.Errorf("read %s: index %s: argument %d of type %T, want string", c.name, index, i, a)
 		}
-		*fields[i] = s
+		if second {
+			p.second = s
+		} else {
+			p.key[i] = s
+		}
 	}
 	return p, len(args), nil
 }
 
-// query returns the records of an index lookup: by ID (every record, one
-// kind's, or one record), by ID prefix (the same) or by node.
+// query returns the records of an index lookup: by primary key or its
+// prefix (every record, those of the leading fields, one record), or by
+// the secondary index.
 func (r *compactRow) query(index string, args []any) ([]any, error) {
-	p, n, err := placementArgs(index, args)
+	c := r.def
+	p, n, err := c.probe(index, args)
 	if err != nil {
 		return nil, err
 	}
 	var out []any
+	add := func(e any) bool {
+		out = append(out, e)
+		return true
+	}
 	switch {
-	case index == indexNode && n == 1:
-		r.byNode.AscendGreaterOrEqual(&fsmv1.Placement{Node: p.Node}, func(e *fsmv1.Placement) bool {
-			if e.Node != p.Node {
-				return false
-			}
-			out = append(out, e)
-			return true
+	case index == c.second && n == 1:
+		r.bySecond.AscendGreaterOrEqual(p, func(e any) bool {
+			return c.secondOf(e) == p.second && add(e)
 		})
-	case index == indexNode:
-		r.byNode.Ascend(func(e *fsmv1.Placement) bool {
-			out = append(out, e)
-			return true
-		})
-	case n == 2:
+	case index == c.second:
+		r.bySecond.Ascend(add)
+	case n == c.fields:
 		if e, ok := r.byID.Get(p); ok {
 			out = append(out, e)
 		}
-	case n == 1:
-		r.byID.AscendGreaterOrEqual(&fsmv1.Placement{Kind: p.Kind}, func(e *fsmv1.Placement) bool {
-			if e.Kind != p.Kind {
-				return false
+	case n > 0:
+		r.byID.AscendGreaterOrEqual(p, func(e any) bool {
+			k := c.keyOf(e)
+			for i := range n {
+				if k[i] != p.key[i] {
+					return false
+				}
 			}
-			out = append(out, e)
-			return true
+			return add(e)
 		})
 	default:
 		out = make([]any, 0, r.byID.Len())
-		r.byID.Ascend(func(e *fsmv1.Placement) bool {
-			out = append(out, e)
-			return true
-		})
+		r.byID.Ascend(add)
 	}
 	return out, nil
 }
@@ -227,9 +317,9 @@ func tfirst(txn *memdb.Txn, table, index string, args ...any) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	if p, n, err := placementArgs(index, args); err != nil {
+	if p, n, err := r.def.probe(index, args); err != nil {
 		return nil, err
-	} else if index != indexNode && n == 2 {
+	} else if index != r.def.second && n == r.def.fields {
 		if e, ok := r.byID.Get(p); ok {
 			return e, nil
 		}
@@ -267,24 +357,37 @@ func tinsert(txn *memdb.Txn, table string, obj any) error {
 	if !isCompact(table) {
 		return txn.Insert(table, obj)
 	}
-	p, ok := obj.(*fsmv1.Placement)
-	switch {
-	case !ok:
+	c := compactTables[table]
+	k, ok := c.key(obj)
+	if !ok {
 		return fmt.Errorf("object of type %T", obj)
-	case p.Kind == "" || p.Id == "":
-		return fmt.Errorf("missing unique index: the record has no kind or ID")
-	case strings.IndexByte(p.Kind, 0) >= 0 || strings.IndexByte(p.Id, 0) >= 0 || strings.IndexByte(p.Node, 0) >= 0:
-		return fmt.Errorf("a key field holds a NUL byte")
+	}
+	for i := range c.fields {
+		switch {
+		case k[i] == "":
+			return fmt.Errorf("missing unique index: key field %d is empty", i+1)
+		case strings.IndexByte(k[i], 0) >= 0:
+			return fmt.Errorf("key field %d holds a NUL byte", i+1)
+		}
+	}
+	second := ""
+	if c.second != "" {
+		if second = c.secondKey(obj); strings.IndexByte(second, 0) >= 0 {
+			return fmt.Errorf("the %s field holds a NUL byte", c.second)
+		}
 	}
 	w, err := compactWrite(txn, table)
 	if err != nil {
 		return err
 	}
-	if old, had := w.byID.ReplaceOrInsert(p); had && old.Node != "" {
-		w.byNode.Delete(old)
-	}
-	if p.Node != "" {
-		w.byNode.ReplaceOrInsert(p)
+	old, had := w.byID.ReplaceOrInsert(obj)
+	if w.bySecond != nil {
+		if had && c.secondKey(old) != "" {
+			w.bySecond.Delete(old)
+		}
+		if second != "" {
+			w.bySecond.ReplaceOrInsert(obj)
+		}
 	}
 	return nil
 }
@@ -295,23 +398,23 @@ func tdelete(txn *memdb.Txn, table string, obj any) error {
 	if !isCompact(table) {
 		return txn.Delete(table, obj)
 	}
-	p, ok := obj.(*fsmv1.Placement)
-	if !ok {
+	c := compactTables[table]
+	if _, ok := c.key(obj); !ok {
 		return fmt.Errorf("object of type %T", obj)
 	}
 	r, _, err := compactRead(txn, table)
 	if err != nil {
 		return err
 	}
-	if _, had := r.byID.Get(p); !had {
+	if _, had := r.byID.Get(obj); !had {
 		return memdb.ErrNotFound
 	}
 	w, err := compactWrite(txn, table)
 	if err != nil {
 		return err
 	}
-	if old, had := w.byID.Delete(p); had && old.Node != "" {
-		w.byNode.Delete(old)
+	if old, had := w.byID.Delete(obj); had && w.bySecond != nil && c.secondKey(old) != "" {
+		w.bySecond.Delete(old)
 	}
 	return nil
 }
@@ -333,7 +436,7 @@ func tdeleteAll(txn *memdb.Txn, table, index string, args ...any) (int, error) {
 	if n == 0 {
 		return 0, nil
 	}
-	w := newCompactRow(table)
+	w := newCompactRow(r.def)
 	w.owner = txn
 	if err := txn.Insert(tableCompact, w); err != nil {
 		return 0, fmt.Errorf("delete from %s: %w", table, err)

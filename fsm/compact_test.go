@@ -230,3 +230,38 @@ func TestCompactIsolation(t *testing.T) {
 		t.Fatal("snapshot of the state: wrong records")
 	}
 }
+
+// TestCompactServices: the services table looks up one service by its
+// name's key prefix without its longer namesakes, in instance order, and
+// a watch of one service ignores the others.
+func TestCompactServices(t *testing.T) {
+	h := newHarness(t)
+	for _, k := range [][2]string{{"webapp", "1"}, {"web", "b"}, {"we", "z"}, {"web", "a"}, {"web-1", "a"}, {"web", "a-1"}} {
+		h.mustApply(register(instance(k[0], k[1])))
+	}
+	ws := memdb.NewWatchSet()
+	_, list, err := h.f.State().Services("web", ws)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := instanceKeys(list); !slices.Equal(got, []string{"web/a", "web/a-1", "web/b"}) {
+		t.Fatalf("Services(web) = %v", got)
+	}
+	_, all, _ := h.f.State().Services("", nil)
+	if got := instanceKeys(all); !slices.Equal(got, []string{"we/z", "web/a", "web/a-1", "web/b", "web-1/a", "webapp/1"}) {
+		t.Fatalf("Services() = %v, want key order", got)
+	}
+	h.mustApply(register(instance("webapp", "2")))
+	h.mustApply(register(instance("db", "1")))
+	if fired(ws) {
+		t.Fatal("the watch of web fired on changes to webapp and db")
+	}
+	h.mustApply(deregister("web", "a-1"))
+	waitFired(t, ws)
+	if inst, err := h.f.State().Service("web", "a-1"); err == nil {
+		t.Fatalf("deregistered instance still there: %v", inst)
+	}
+	if inst, err := h.f.State().Service("web", "a"); err != nil || inst.GetInstanceId() != "a" {
+		t.Fatalf("Service(web, a) = %v, %v", inst, err)
+	}
+}

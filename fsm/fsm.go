@@ -114,15 +114,22 @@ func New(cfg Config) (*FSM, error) {
 		sessions:  sessionQueue{valid: true},
 		head:      dedupeQueue{valid: true},
 	}
+	txn := f.db.Txn(true)
+	// The base row of the service index exists from the start, so that
+	// a watch of one service holds its leaf's channel, which the first
+	// registration of another service does not close.
+	if err := setServiceIndex(txn, serviceIndexBase, 0); err != nil {
+		txn.Abort()
+		return nil, err
+	}
 	if cfg.InitialVersion != Version0_0 {
-		txn := f.db.Txn(true)
 		if err := tinsert(txn, TableClusterVersion, &fsmv1.ClusterVersion{Major: cfg.InitialVersion.Major, Minor: cfg.InitialVersion.Minor}); err != nil {
 			txn.Abort()
 			return nil, fmt.Errorf("initial version: %w", err)
 		}
-		txn.Commit()
 		f.version = cfg.InitialVersion
 	}
+	txn.Commit()
 	return f, nil
 }
 

@@ -149,7 +149,8 @@ func listReverse[T any](s *State, table, index string, args ...any) ([]T, error)
 }
 
 // Services lists the instances of one service, or of all services when
-// service is "", sorted by service then instance ID.
+// service is "", sorted by service then instance ID. The watch of one
+// service fires on changes to it (WatchService's), not to the others.
 func (s *State) Services(service string, ws memdb.WatchSet) (uint64, []*clusterv1.ServiceInstance, error) {
 	var (
 		out []*clusterv1.ServiceInstance
@@ -158,7 +159,11 @@ func (s *State) Services(service string, ws memdb.WatchSet) (uint64, []*clusterv
 	if service == "" {
 		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexID)
 	} else {
-		out, err = list[*clusterv1.ServiceInstance](s, ws, TableServices, indexIDPrefix, service)
+		// The table is compact: its own channel fires on every change.
+		out, err = list[*clusterv1.ServiceInstance](s, nil, TableServices, indexIDPrefix, service)
+		if err == nil && ws != nil {
+			_, err = s.WatchService(ws, service)
+		}
 	}
 	if err != nil {
 		return 0, nil, err

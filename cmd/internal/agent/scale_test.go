@@ -37,7 +37,7 @@ const (
 
 // The memory budget TestScale holds the agents to: live Go heap per agent
 // after the registrations, a base plus a cost per instance held. An
-// instance costs about 800 bytes in the state and each write of the last
+// instance costs about 440 bytes in the state and each write of the last
 // dedupe window (2 minutes) 64 more for its outcome in its client's
 // session (fsm.BenchmarkStateMemory; a dedupe record per write cost about
 // 570); when every write is that recent, both count.
