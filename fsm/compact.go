@@ -250,46 +250,122 @@ func (c *compactTable) probe(index string, args []any) (*compactProbe, int, erro
 	return p, len(args), nil
 }
 
-// query returns the records of an index lookup: by primary key or its
-// prefix (every record, those of the leading fields, one record), or by
-// the secondary index.
-func (r *compactRow) query(index string, args []any) ([]any, error) {
+// scan returns the tree an index lookup walks, the record or probe it
+// starts at (nil: the first) and the test of the records that belong to
+// it: the walk stops at the first that does not. A lookup is by primary
+// key or its leading fields (every record, those of the leading fields,
+// one record), or by the secondary index.
+func (r *compactRow) scan(index string, args []any) (*btree.BTreeG[any], any, func(any) bool, error) {
 	c := r.def
 	p, n, err := c.probe(index, args)
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
-	var out []any
-	add := func(e any) bool {
-		out = append(out, e)
-		return true
-	}
+	all := func(any) bool { return true }
 	switch {
 	case index == c.second && n == 1:
-		r.bySecond.AscendGreaterOrEqual(p, func(e any) bool {
-			return c.secondOf(e) == p.second && add(e)
-		})
+		return r.bySecond, p, func(e any) bool { return c.secondOf(e) == p.second }, nil
 	case index == c.second:
-		r.bySecond.Ascend(add)
-	case n == c.fields:
-		if e, ok := r.byID.Get(p); ok {
-			out = append(out, e)
-		}
+		return r.bySecond, nil, all, nil
 	case n > 0:
-		r.byID.AscendGreaterOrEqual(p, func(e any) bool {
+		return r.byID, p, func(e any) bool {
 			k := c.keyOf(e)
 			for i := range n {
 				if k[i] != p.key[i] {
 					return false
 				}
 			}
-			return add(e)
-		})
-	default:
-		out = make([]any, 0, r.byID.Len())
-		r.byID.Ascend(add)
+			return true
+		}, nil
 	}
-	return out, nil
+	return r.byID, nil, all, nil
+}
+
+// compactChunk is how many records an iterator takes from its tree at a
+// time: a walk of a whole table holds this many, not the table.
+const compactChunk = 256
+
+// compactIterator walks the records of a lookup in a tree no one changes,
+// a chunk at a time: each chunk resumes after the last record of the one
+// before.
+type compactIterator struct {
+	tree *btree.BTreeG[any]
+	less func(a, b any) bool
+	from any // the first record or probe, then the last record taken
+	in   func(any) bool
+	ch   <-chan struct{}
+
+	buf    []any
+	next   int
+	resume bool // from is a record already returned
+	done   bool
+}
+
+func (it *compactIterator) WatchCh() <-chan struct{} { return it.ch }
+
+func (it *compactIterator) Next() any {
+	if it.next == len(it.buf) {
+		if it.done {
+			return nil
+		}
+		it.fill()
+		if len(it.buf) == 0 {
+			return nil
+		}
+	}
+	it.next++
+	return it.buf[it.next-1]
+}
+
+func (it *compactIterator) fill() {
+	it.buf, it.next = it.buf[:0], 0
+	if it.buf == nil {
+		it.buf = make([]any, 0, compactChunk)
+	}
+	full := false
+	visit := func(e any) bool {
+		if it.resume && !it.less(it.from, e) {
+			return true // the last record of the chunk before
+		}
+		if !it.in(e) {
+			it.done = true
+			return false
+		}
+		it.buf = append(it.buf, e)
+		full = len(it.buf) == compactChunk
+		return !full
+	}
+	if it.from == nil {
+		it.tree.Ascend(visit)
+	} else {
+		it.tree.AscendGreaterOrEqual(it.from, visit)
+	}
+	if !full {
+		it.done = true
+	}
+	if n := len(it.buf); n > 0 {
+		it.from, it.resume = it.buf[n-1], true
+	}
+}
+
+// iterator returns the iterator of a lookup. A row txn may change (its
+// own) is walked in a clone of its tree, so that the walk sees the
+// records as of the lookup, as memdb's iterators do.
+func (r *compactRow) iterator(txn *memdb.Txn, index string, args []any, ch <-chan struct{}) (*compactIterator, error) {
+	tree, from, in, err := r.scan(index, args)
+	if err != nil {
+		return nil, err
+	}
+	less := r.def.less
+	if tree == r.bySecond {
+		less = r.def.lessSecond
+	}
+	if r.owner == txn {
+		r.mu.Lock()
+		tree = tree.Clone()
+		r.mu.Unlock()
+	}
+	return &compactIterator{tree: tree, less: less, from: from, in: in, ch: ch}, nil
 }
 
 // tget is txn.Get for every table.
@@ -301,11 +377,7 @@ func tget(txn *memdb.Txn, table, index string, args ...any) (memdb.ResultIterato
 	if err != nil {
 		return nil, err
 	}
-	recs, err := r.query(index, args)
-	if err != nil {
-		return nil, err
-	}
-	return &sliceIterator{recs: recs, ch: ch}, nil
+	return r.iterator(txn, index, args, ch)
 }
 
 // tfirst is txn.First for every table.
@@ -325,11 +397,11 @@ func tfirst(txn *memdb.Txn, table, index string, args ...any) (any, error) {
 		}
 		return nil, nil
 	}
-	recs, err := r.query(index, args)
-	if err != nil || len(recs) == 0 {
+	it, err := r.iterator(txn, index, args, nil)
+	if err != nil {
 		return nil, err
 	}
-	return recs[0], nil
+	return it.Next(), nil
 }
 
 // tlen returns the number of records of table.
