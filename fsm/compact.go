@@ -318,10 +318,9 @@ func (it *compactIterator) Next() any {
 }
 
 func (it *compactIterator) fill() {
+	// The buffer grows as append grows it: a lookup of a few records
+	// allocates for a few.
 	it.buf, it.next = it.buf[:0], 0
-	if it.buf == nil {
-		it.buf = make([]any, 0, compactChunk)
-	}
 	full := false
 	visit := func(e any) bool {
 		if it.resume && !it.less(it.from, e) {
