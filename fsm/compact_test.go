@@ -317,3 +317,29 @@ func TestCompactIterator(t *testing.T) {
 	}
 	txn.Commit()
 }
+
+// TestServiceWatchAfterRestore: after a restore, the watch of one service
+// still ignores the writes of the others (each restored service has its
+// row of the service index again).
+func TestServiceWatchAfterRestore(t *testing.T) {
+	h := newHarness(t)
+	h.mustApply(register(instance("web", "a")))
+	h.mustApply(register(instance("api", "a")))
+	snap := h.snapshot()
+	g := newHarness(t)
+	if err := g.f.Restore(readCloser(snap)); err != nil {
+		t.Fatal(err)
+	}
+	g.index = g.f.AppliedIndex()
+	ws := memdb.NewWatchSet()
+	if _, list, err := g.f.State().Services("web", ws); err != nil || len(list) != 1 {
+		t.Fatalf("Services(web) after the restore: %d, %v", len(list), err)
+	}
+	g.mustApply(register(instance("api", "b")))
+	g.mustApply(register(instance("zzz", "b")))
+	if fired(ws) {
+		t.Fatal("web's watch fired on writes to api and zzz after a restore")
+	}
+	g.mustApply(heartbeat("web", "a"))
+	waitFired(t, ws)
+}

@@ -312,10 +312,9 @@ func (s *StateSnapshot) WriteTo(w io.Writer) (int64, error) {
 type sliceIterator struct {
 	recs []any
 	next int
-	ch   <-chan struct{} // fires when the records' table changes, if set
 }
 
-func (it *sliceIterator) WatchCh() <-chan struct{} { return it.ch }
+func (it *sliceIterator) WatchCh() <-chan struct{} { return nil }
 
 func (it *sliceIterator) Next() any {
 	if it.next == len(it.recs) {
@@ -1116,7 +1115,7 @@ func (f *FSM) replaceDB(txn *memdb.Txn, db *memdb.MemDB, index uint64) error {
 			return fmt.Errorf("clear %s: %w", t, err)
 		}
 	}
-	if err := deriveServices(txn); err != nil {
+	if err := deriveServices(txn, applied); err != nil {
 		txn.Abort()
 		return err
 	}

@@ -83,7 +83,8 @@ func (s *State) WatchTables(ws memdb.WatchSet, tables ...string) (uint64, error)
 // every blocking query, callers re-check the index after a wake-up.
 //
 // A row is kept for every service name seen since the last restore (or
-// the agent's start), a few dozen bytes each.
+// the agent's start) and every service the restored state held, a few
+// dozen bytes each.
 func (s *State) WatchService(ws memdb.WatchSet, service string) (uint64, error) {
 	s.watch(ws, nil)
 	var index uint64

@@ -350,19 +350,31 @@ func putServiceCount(txn *memdb.Txn, c *ServiceCount) error {
 }
 
 // deriveServices builds tableServiceCounts, tableServiceChecks and
-// tableServiceDeadlines from
-// the services table of txn, whose derived rows are empty (a restored or
-// replaced state).
-func deriveServices(txn *memdb.Txn) error {
+// tableServiceDeadlines from the services table of txn, whose derived rows
+// are empty (a restored or replaced state), and gives every service it
+// holds its row of tableServiceIndex at index.
+func deriveServices(txn *memdb.Txn, index uint64) error {
 	it, err := tget(txn, TableServices, indexID)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", TableServices, err)
 	}
 	counts := map[serviceHealth]int{}
+	last := ""
 	for obj := it.Next(); obj != nil; obj = it.Next() {
 		inst, ok := obj.(*clusterv1.ServiceInstance)
 		if !ok {
 			continue
+		}
+		if svc := inst.GetService(); svc != last {
+			// Every service held gets its row of the service index (as
+			// the base row says, index): a watch of one service then
+			// holds its own row's channel, which no other service's
+			// write closes, not the channel of the radix node a missing
+			// key is watched by.
+			if err := setServiceIndex(txn, svc, index); err != nil {
+				return err
+			}
+			last = svc
 		}
 		counts[serviceHealth{inst.GetService(), inst.GetHealth()}]++
 		if row := checkEntry(inst); row != nil {
