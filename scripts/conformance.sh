@@ -43,10 +43,15 @@ for schema in none descriptor-set; do
 	fi
 	for agents in 1 2; do
 		echo "== the suite through $agents agent(s), schema: $schema"
-		# Two servers under test at a time: the suite gives each 10 s to answer with
-		# its address, which four 2-agent clusters starting at once on two busy cores
-		# did not always manage.
-		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" --max-servers 2 \
+		# At most two servers under test at a time (one of 2 agents): the suite gives
+		# each 10 s to answer with its address, which four 2-agent clusters starting
+		# at once on two busy cores did not always manage; and its client's own
+		# deadline races the answer of a Timeouts case (an answer whose header
+		# arrives before the client's timer fires and whose body after it is read
+		# as a torn error; gateway/mesh/DESIGN.md, "Timeouts"), which the delays of
+		# an overloaded machine make likelier.
+		servers=$((agents == 1 ? 2 : 1))
+		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" --max-servers "$servers" \
 			--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${more[@]}" "${args[@]}"
 	done
 done
