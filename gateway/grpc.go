@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
 
+	"pilab.hu/pivirt-agent/gateway/observe"
 	clusterv1 "pilab.hu/pivirt-agent/proto/pivirt/cluster/v1"
 	"pilab.hu/pivirt-agent/proto/pivirt/cluster/v1/clusterv1connect"
 	nodev1 "pilab.hu/pivirt-agent/proto/pivirt/node/v1"
@@ -179,10 +180,7 @@ func incomingHeader(ctx context.Context) http.Header {
 // copyIncoming adds the gRPC request metadata to hdr, binary values
 // encoded as Connect encodes them.
 func copyIncoming(ctx context.Context, hdr http.Header) {
-	md, ok := metadata.FromIncomingContext(ctx)
-	if !ok {
-		return
-	}
+	md, _ := metadata.FromIncomingContext(ctx)
 	for k, vs := range md {
 		if skipMetadata(k) {
 			continue
@@ -194,6 +192,11 @@ func copyIncoming(ctx context.Context, hdr http.Header) {
 			}
 			hdr.Add(k, v)
 		}
+	}
+	if r, ok := observe.RequestFrom(ctx); ok {
+		// The call's ID, the caller's or the one the API port made (the
+		// incoming metadata holds the caller's only).
+		hdr.Set(observe.HeaderRequestID, r.ID)
 	}
 }
 

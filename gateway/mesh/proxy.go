@@ -22,6 +22,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"pilab.hu/pivirt-agent/gateway/authz"
+	"pilab.hu/pivirt-agent/gateway/observe"
 )
 
 // Route sends the methods whose full name ("/pkg.Service/Method") starts
@@ -631,9 +632,14 @@ const (
 // sends grpcgateway-user-agent for the same reason).
 const ForwardedUserAgentHeader = "x-forwarded-user-agent"
 
+// requestIDHeader is observe.HeaderRequestID as gRPC metadata keys are
+// written (lower case).
+var requestIDHeader = strings.ToLower(observe.HeaderRequestID)
+
 // outgoingContext carries the caller's metadata (without hop headers) to
-// the backend, adding the caller's address to x-forwarded-for. The
-// deadline travels with the context.
+// the backend, adding the caller's address to x-forwarded-for and the
+// call's request ID (observe.RequestFrom) as x-request-id. The deadline
+// travels with the context.
 func outgoingContext(ctx context.Context) context.Context {
 	// FromIncomingContext returns a copy of its own: the hop headers are
 	// dropped from it rather than copying it once more.
@@ -667,6 +673,10 @@ func outgoingContext(ctx context.Context) context.Context {
 		// drops a call's own: the caller's travels on beside it, after
 		// those of the gateways before this one.
 		out[ForwardedUserAgentHeader] = append(slices.Clone(out.Get(ForwardedUserAgentHeader)), ua...)
+	}
+	if r, ok := observe.RequestFrom(ctx); ok {
+		// The call's ID, the caller's or the one the gateway made.
+		out.Set(requestIDHeader, r.ID)
 	}
 	if p, ok := authz.PrincipalFrom(ctx); ok {
 		out.Set(IdentityHeader, url.PathEscape(p.Identity))

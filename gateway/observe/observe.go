@@ -95,30 +95,22 @@ func (m *Metrics) observe(ctx context.Context, procedure, remote, protocol strin
 	}
 }
 
-// grpcBegin takes or makes the request ID of a grpc-go call: in the
-// context (and its incoming metadata, which the proxy and the forwarding
-// pass on), and in the response headers.
+// grpcBegin takes or makes the request ID of a grpc-go call, in the
+// context (RequestFrom); the response headers get it from the
+// interceptors. The incoming metadata is left as it came: what the call
+// passes on (the proxy's backend call, a forwarded cluster call) sets
+// x-request-id from the context, so a call without an ID does not copy
+// its metadata to add one.
 func grpcBegin(ctx context.Context) (context.Context, string) {
 	var given string
 	if v := metadata.ValueFromIncomingContext(ctx, "x-request-id"); len(v) > 0 {
 		given = v[0]
 	}
-	r := &Request{ID: requestID(given)}
-	if r.ID != given {
-		// FromIncomingContext returns a copy of its own, so the
-		// metadata is read whole (and copied) only when the ID changes.
-		md, _ := metadata.FromIncomingContext(ctx)
-		if md == nil {
-			md = metadata.MD{}
-		}
-		md.Set(HeaderRequestID, r.ID)
-		ctx = metadata.NewIncomingContext(ctx, md)
-	}
 	remote := ""
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 		remote = p.Addr.String()
 	}
-	return WithRequest(ctx, r), remote
+	return WithRequest(ctx, &Request{ID: requestID(given)}), remote
 }
 
 // grpcCode is the code of a grpc-go handler's error (a status, or a

@@ -238,8 +238,17 @@ func TestRequestIDs(t *testing.T) {
 	if got := hdr.Get("x-request-id"); len(got) == 0 || got[0] != "req-given-1" {
 		t.Errorf("response x-request-id %v, want req-given-1", got)
 	}
-	if keys := strings.Join(hdr.Get(sim.KeysHeader), ","); !strings.Contains(keys, "x-request-id") {
-		t.Errorf("the backend received the metadata keys %q, want x-request-id among them", keys)
+	if got := hdr.Get(sim.RequestIDHeader); len(got) != 1 || got[0] != "req-given-1" {
+		t.Errorf("the backend received x-request-id %v, want req-given-1", got)
+	}
+	// Not given, on a call to the backend: made, returned, and the same
+	// one sent on to the backend.
+	hdr = nil
+	if _, err := vms.ListVMs(metadata.AppendToOutgoingContext(ctx, sim.EchoHeader, "1"), &vmv1.ListVMsRequest{}, grpc.Header(&hdr)); err != nil {
+		t.Fatal(err)
+	}
+	if made, sent := hdr.Get("x-request-id"), hdr.Get(sim.RequestIDHeader); len(made) != 1 || len(made[0]) != 24 || len(sent) != 1 || sent[0] != made[0] {
+		t.Errorf("a call without an ID: answered with x-request-id %v, the backend got %v; want one new 24-hex-digit ID, the same", made, sent)
 	}
 	// Not given: made, and returned.
 	hdr = nil

@@ -195,6 +195,9 @@ func echo(ctx context.Context, header, trailer func(metadata.MD)) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	if v := md.Get(EchoHeader); len(v) > 0 {
 		h := metadata.MD{EchoHeader: v, KeysHeader: []string{strings.Join(slices.Sorted(maps.Keys(md)), ",")}}
+		if id := md.Get("x-request-id"); len(id) > 0 {
+			h.Set(RequestIDHeader, id...)
+		}
 		if dl, ok := ctx.Deadline(); ok {
 			// The deadline the call arrived with, for tests of its
 			// propagation.
@@ -208,6 +211,11 @@ func echo(ctx context.Context, header, trailer func(metadata.MD)) {
 // KeysHeader lists, with EchoHeader, the request's metadata keys (what a
 // proxy forwarded).
 const KeysHeader = "x-sim-keys"
+
+// RequestIDHeader carries, with EchoHeader, the x-request-id the call
+// arrived with (a gateway relays the backend's own x-request-id to no
+// caller).
+const RequestIDHeader = "x-sim-request-id"
 
 // DeadlineHeader carries, with EchoHeader, the milliseconds left of the
 // call's deadline when it arrived.
