@@ -48,7 +48,8 @@ for schema in none descriptor-set; do
 		# at once on two busy cores did not always manage; and its client's own
 		# deadline races the answer of a Timeouts case (an answer whose header
 		# arrives before the client's timer fires and whose body after it is read
-		# as a torn error; gateway/mesh/DESIGN.md, "Timeouts"), which the delays of
+		# as a torn error; gateway/mesh/DESIGN.md, "Picking, health, ejection,
+		# retries": Timeouts), which the delays of
 		# an overloaded machine make likelier.
 		servers=$((agents == 1 ? 2 : 1))
 		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" --max-servers "$servers" \
