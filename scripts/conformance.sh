@@ -46,11 +46,8 @@ for schema in none descriptor-set; do
 		# At most two servers under test at a time (one of 2 agents): the suite gives
 		# each 10 s to answer with its address, which four 2-agent clusters starting
 		# at once on two busy cores did not always manage; and its client's own
-		# deadline races the answer of a Timeouts case (an answer whose header
-		# arrives before the client's timer fires and whose body after it is read
-		# as a torn error; gateway/mesh/DESIGN.md, "Picking, health, ejection,
-		# retries": Timeouts), which the delays of
-		# an overloaded machine make likelier.
+		# deadline races the answer of a Timeouts case, which the delays of an
+		# overloaded machine make likelier (conformance/README.md).
 		servers=$((agents == 1 ? 2 : 1))
 		GORACE=halt_on_error=1 "$bin/connectconformance" --mode server --conf "$conf" --max-servers "$servers" \
 			--skip '**/TLS:true/**' "${extra[@]}" -- "$bin/sut" --agents "$agents" "${more[@]}" "${args[@]}"

@@ -545,9 +545,16 @@ func untilExpiry(ctx context.Context) (context.Context, context.CancelFunc) {
 // tokenExpired reports whether ctx (of untilExpiry) ended because its
 // token expired: the stream's caller is told Unauthenticated, as a new
 // call with that token would be, whatever the handler answered to the
-// cancellation (a proxied call's backend sees a cancelled stream).
+// cancellation (a proxied call's backend sees a cancelled stream). The
+// expiry counts once it has passed, whether or not ctx's timer has fired
+// yet: the backend of a proxied stream has the same deadline, and its
+// end can reach the handler first.
 func tokenExpired(ctx context.Context) bool {
-	return ctx.Err() != nil && errors.Is(context.Cause(ctx), ErrTokenExpired)
+	if ctx.Err() != nil {
+		return errors.Is(context.Cause(ctx), ErrTokenExpired)
+	}
+	who, ok := authz.PrincipalFrom(ctx)
+	return ok && !who.Expiry.IsZero() && !time.Now().Before(who.Expiry)
 }
 
 // authenticate names the caller of c from its credentials alone (the

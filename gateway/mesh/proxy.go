@@ -222,11 +222,6 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 		return status.Errorf(codes.Unimplemented, "unknown method %s: no routing rule matches it", method)
 	}
 	start := time.Now()
-	if dl, ok := ss.Context().Deadline(); ok {
-		ctx, cancel := context.WithDeadline(ss.Context(), dl.Add(-deadlineMargin(time.Until(dl))))
-		defer cancel()
-		ss = marginStream{ServerStream: ss, ctx: ctx}
-	}
 	var err error
 	switch pl := p.placement.Load(); {
 	case p.local != "":
@@ -241,27 +236,6 @@ func (p *Proxy) Handle(_ any, ss grpc.ServerStream) error {
 	}
 	return err
 }
-
-// deadlineMargin is how long before a caller's deadline the gateway
-// answers DEADLINE_EXCEEDED, given the time left when the call arrives: a
-// tenth of it, at most 50 ms. A caller's own timer fires at its deadline;
-// an answer that reaches it then may be cut between the HTTP/2 frames of
-// its header and its body (a Connect unary error is both), and the caller
-// sees a broken answer instead of the gateway's error. Answering a little
-// early makes the whole answer arrive first (as Envoy's
-// grpc_timeout_header_offset does); the backend's deadline moves with it.
-func deadlineMargin(left time.Duration) time.Duration {
-	return min(max(left, 0)/10, 50*time.Millisecond)
-}
-
-// marginStream is a call's stream with the deadline the gateway keeps
-// (deadlineMargin).
-type marginStream struct {
-	grpc.ServerStream
-	ctx context.Context
-}
-
-func (s marginStream) Context() context.Context { return s.ctx }
 
 // forward sends the call to b. A call with one request message (unary or
 // server streaming, known from the schema) is read first and, when
